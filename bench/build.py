@@ -1,0 +1,360 @@
+"""Benchmark `diskkit build` against umoci on a real-content qcow2 disk.
+
+What it measures, on one qcow2 made from real files (an ext4 image filled from /usr with
+`mke2fs -d`, then `qemu-img convert -O qcow2`, no compression):
+
+  diskkit gzip   `diskkit build disk.qcow2 -t oci:DIR:bench` (default gzip)
+  umoci gzip     `umoci init` + `umoci new` + `umoci insert disk.qcow2 /disk/disk.qcow2` (gzip too)
+  diskkit zstd   `diskkit build --compression zstd` (for information)
+  diskkit 4x     `diskkit build` on a disk with 4x the content (flat-memory check; --no-large skips it)
+
+Each variant runs as whole processes, --runs times, interleaved (A B C A B C ...). Reported:
+median wall time, median CPU time (user+sys), median peak RSS (ru_maxrss from os.wait4, which
+covers the process and the children it reaped, e.g. qemu-img) and the compressed output size.
+Targets: umoci/diskkit wall time >= 2x, diskkit peak RSS < 150 MiB, 4x-disk RSS about the same as
+the normal one. PASS/MISS is printed for each, but the exit status is 0 whatever the figures.
+
+Generated disks are cached in the workdir (default build/bench) so reruns skip the slow part;
+output layouts are deleted after every run.
+
+Run from the project root:
+    .venv/bin/python bench/build.py                      # 700 MB of content, 3 runs, with the 4x disk
+    .venv/bin/python bench/build.py --size-mb 200 --runs 5 --no-large --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import stat
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+MIB = 1 << 20
+USR = Path("/usr")
+USR_PARTS = ("share", "lib", "bin", "sbin", "libexec", "include")  # distro content; /usr/local varies too much
+DEFAULT_SIZE_MB = 700
+DEFAULT_RUNS = 3
+LARGE_FACTOR = 4
+FILL_SLACK = 0.01  # stop filling when within 1% of the target
+COPY_BATCH = 500
+IMAGE_TAG = "bench"
+DEFAULT_WORKDIR = Path(__file__).resolve().parent.parent / "build" / "bench"
+
+TARGET_SPEEDUP = 2.0
+TARGET_RSS_MIB = 150
+RSS_FLAT_TOLERANCE = 1.2  # 4x-disk RSS within 20% of the normal one counts as "about the same"
+
+
+# --------------------------------------------------------------------------- test data
+
+
+@dataclass
+class Node:
+    """A file or directory under /usr with what it takes on disk (hard links counted once)."""
+
+    path: Path
+    size: int
+    inodes: int
+    children: list["Node"] = field(default_factory=list)
+
+
+def measure(path: Path, seen: set[tuple[int, int]]) -> Node:
+    st = path.lstat()
+    own = 0 if (st.st_dev, st.st_ino) in seen else st.st_blocks * 512
+    seen.add((st.st_dev, st.st_ino))
+    node = Node(path, own, 1)
+    if stat.S_ISDIR(st.st_mode):
+        try:
+            names = sorted(os.listdir(path))
+        except OSError:
+            names = []
+        for name in names:
+            child = measure(path / name, seen)
+            node.children.append(child)
+            node.size += child.size
+            node.inodes += child.inodes
+    return node
+
+
+def fill(node: Node, budget: int, picks: list[Node]) -> int:
+    """Greedy: take whole subtrees that fit, split those that do not. Returns the bytes taken."""
+    if node.size <= budget:
+        picks.append(node)
+        return node.size
+    taken = 0
+    for child in sorted(node.children, key=lambda c: (-c.size, str(c.path))):
+        if budget - taken <= 0:
+            break
+        taken += fill(child, budget - taken, picks)
+    return taken
+
+
+def pick_usr_content(target: int) -> list[list[Node]]:
+    """Rounds of /usr paths adding up to `target` bytes; more than one round when /usr is too small."""
+    roots = [measure(USR / part, set()) for part in USR_PARTS if (USR / part).is_dir()]
+    usr = Node(USR, 0, 0, roots)
+    usr.size = sum(r.size for r in roots)
+    usr.inodes = sum(r.inodes for r in roots)
+    if usr.size == 0:
+        raise SystemExit(f"nothing to copy under {USR}")
+    rounds, remaining = [], target
+    while remaining > target * FILL_SLACK:
+        picks: list[Node] = []
+        remaining -= fill(usr, remaining, picks)
+        if not picks:
+            break
+        rounds.append(picks)
+    return rounds
+
+
+def run_quiet(cmd: list[str], cwd: Path | None = None) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd[:3])} ... failed ({proc.returncode}):\n{proc.stderr.strip()}")
+
+
+def stage_content(rounds: list[list[Node]], stage: Path) -> None:
+    """Copy each round under stage/rN/usr-relative-path (real copies: repeated rounds take real space)."""
+    for index, picks in enumerate(rounds):
+        dest = stage / f"r{index}"
+        dest.mkdir(parents=True)
+        paths = [str(p.path.relative_to(USR)) for p in picks]
+        for start in range(0, len(paths), COPY_BATCH):
+            run_quiet(["cp", "-a", "--reflink=auto", "--parents", "-t", str(dest), *paths[start : start + COPY_BATCH]], cwd=USR)
+
+
+def make_disk(workdir: Path, content_mb: int, log) -> dict:
+    """A cached qcow2 holding `content_mb` MiB of /usr files in ext4; returns its description."""
+    name = f"usr-{content_mb}mb"
+    disk, meta_path = workdir / f"{name}.qcow2", workdir / f"{name}.json"
+    if disk.is_file() and meta_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        if meta.get("qcow2_bytes") == disk.stat().st_size:
+            return meta
+    log(f"making {disk.name}: picking {content_mb} MiB of files from {USR} ...")
+    rounds = pick_usr_content(content_mb * MIB)
+    content = sum(p.size for picks in rounds for p in picks)
+    inodes = sum(p.inodes for picks in rounds for p in picks)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=workdir))
+    try:
+        stage = scratch / "root"
+        stage_content(rounds, stage)
+        image_mb = math.ceil(content * 1.15 / MIB) + 64
+        raw = scratch / "disk.ext4"
+        log(f"  mke2fs -d ({content / MIB:.0f} MiB in {inodes} inodes, {len(rounds)} round(s)) into {image_mb} MiB ext4 ...")
+        run_quiet(["mke2fs", "-q", "-t", "ext4", "-F", "-m", "0", "-N", str(int(inodes * 1.1) + 1024),
+                   "-d", str(stage), str(raw), f"{image_mb}M"])
+        shutil.rmtree(stage)
+        log("  qemu-img convert -O qcow2 ...")
+        tmp = scratch / "disk.qcow2"
+        run_quiet(["qemu-img", "convert", "-f", "raw", "-O", "qcow2", str(raw), str(tmp)])
+        os.replace(tmp, disk)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    meta = {
+        "path": str(disk),
+        "content_mb": content_mb,
+        "content_bytes": content,
+        "files": inodes,
+        "rounds": len(rounds),
+        "sources": sorted({str(p.path) for picks in rounds for p in picks})[:20],
+        "ext4_mb": image_mb,
+        "qcow2_bytes": disk.stat().st_size,
+    }
+    meta_path.write_text(json.dumps(meta, indent=1) + "\n")
+    return meta
+
+
+def warm_cache(path: Path) -> None:
+    """Read the disk once so no timed run pays for the first read from storage."""
+    with open(path, "rb") as f:
+        while f.read(8 * MIB):
+            pass
+
+
+# --------------------------------------------------------------------------- timing
+
+
+@dataclass
+class Sample:
+    wall_s: float
+    cpu_s: float
+    rss_kib: int
+    output_bytes: int
+
+
+def diskkit_command() -> list[str]:
+    script = Path(sys.executable).parent / "diskkit"
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "diskkit"]
+
+
+def commands(variant: str, disk: Path, layout: Path) -> list[list[str]]:
+    dest = f"oci:{layout}:{IMAGE_TAG}"
+    if variant == "umoci gzip":
+        image = f"{layout}:{IMAGE_TAG}"
+        return [
+            ["umoci", "init", "--layout", str(layout)],
+            ["umoci", "new", "--image", image],
+            ["umoci", "insert", "--image", image, str(disk), "/disk/disk.qcow2"],
+        ]
+    extra = ["--compression", "zstd"] if variant == "diskkit zstd" else []
+    return [[*diskkit_command(), "build", str(disk), "-t", dest, *extra]]
+
+
+def tree_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def run_once(variant: str, disk: Path, workdir: Path) -> Sample:
+    """Runs the variant's processes in turn into a fresh layout; wall and CPU summed, RSS the max."""
+    run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=workdir))
+    layout = run_dir / "layout"
+    wall = cpu = 0.0
+    rss = 0
+    try:
+        for cmd in commands(variant, disk, layout):
+            with open(run_dir / "out.log", "w+b") as log:
+                start = time.perf_counter()
+                proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+                _, status, usage = os.wait4(proc.pid, 0)
+                wall += time.perf_counter() - start
+                proc.returncode = os.waitstatus_to_exitcode(status)
+                if proc.returncode != 0:
+                    log.seek(0)
+                    raise SystemExit(f"{variant}: {' '.join(cmd)} failed ({proc.returncode}):\n{log.read().decode(errors='replace')}")
+            cpu += usage.ru_utime + usage.ru_stime
+            rss = max(rss, usage.ru_maxrss)
+        return Sample(wall, cpu, rss, tree_bytes(layout))
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@dataclass
+class Result:
+    variant: str
+    disk: str
+    samples: list[Sample]
+
+    @property
+    def wall_s(self) -> float:
+        return statistics.median(s.wall_s for s in self.samples)
+
+    @property
+    def cpu_s(self) -> float:
+        return statistics.median(s.cpu_s for s in self.samples)
+
+    @property
+    def rss_mib(self) -> float:
+        return statistics.median(s.rss_kib for s in self.samples) / 1024
+
+    @property
+    def output_mib(self) -> float:
+        return statistics.median(s.output_bytes for s in self.samples) / MIB
+
+    def to_json(self) -> dict:
+        return {
+            "variant": self.variant,
+            "disk": self.disk,
+            "median": {"wall_s": round(self.wall_s, 3), "cpu_s": round(self.cpu_s, 3),
+                       "rss_mib": round(self.rss_mib, 1), "output_mib": round(self.output_mib, 1)},
+            "samples": [asdict(s) for s in self.samples],
+        }
+
+
+def bench(variants: list[str], disk: Path, runs: int, workdir: Path, log) -> dict[str, Result]:
+    results = {v: Result(v, disk.name, []) for v in variants}
+    for i in range(runs):
+        for variant in variants:
+            sample = run_once(variant, disk, workdir)
+            log(f"  run {i + 1}/{runs} {variant:13} {sample.wall_s:7.2f} s  {sample.rss_kib / 1024:7.1f} MiB")
+            results[variant].samples.append(sample)
+    return results
+
+
+# --------------------------------------------------------------------------- report
+
+
+def checks(results: dict[str, Result]) -> list[dict]:
+    dk, um = results["diskkit gzip"], results["umoci gzip"]
+    out = [
+        {"name": "umoci/diskkit time", "value": round(um.wall_s / dk.wall_s, 2), "unit": "x",
+         "target": f">= {TARGET_SPEEDUP:g}x", "pass": um.wall_s / dk.wall_s >= TARGET_SPEEDUP},
+        {"name": "diskkit peak RSS", "value": round(dk.rss_mib, 1), "unit": "MiB",
+         "target": f"< {TARGET_RSS_MIB} MiB", "pass": dk.rss_mib < TARGET_RSS_MIB},
+    ]
+    large = results.get("diskkit gzip 4x")
+    if large:
+        ratio = large.rss_mib / dk.rss_mib
+        out.append({"name": "RSS 4x disk / normal", "value": round(ratio, 2), "unit": "x",
+                    "target": f"~1x (<= {RSS_FLAT_TOLERANCE:g}x)", "pass": ratio <= RSS_FLAT_TOLERANCE})
+    return out
+
+
+def print_table(disks: list[dict], results: dict[str, Result], found: list[dict], runs: int) -> None:
+    for d in disks:
+        print(f"{Path(d['path']).name}: {d['qcow2_bytes'] / MIB:.0f} MiB qcow2, "
+              f"{d['content_bytes'] / MIB:.0f} MiB in {d['files']} files from {USR}")
+    print(f"\nmedian of {runs} run(s); RSS = ru_maxrss of the process tree\n")
+    print(f"{'variant':16} {'disk':18} {'wall s':>8} {'cpu s':>8} {'RSS MiB':>8} {'out MiB':>8}  runs")
+    for r in results.values():
+        print(f"{r.variant:16} {r.disk:18} {r.wall_s:8.2f} {r.cpu_s:8.2f} {r.rss_mib:8.1f} {r.output_mib:8.1f}  {len(r.samples)}")
+    print()
+    for c in found:
+        print(f"{c['name']:22} {c['value']:>8} {c['unit']:4} target {c['target']:18} {'PASS' if c['pass'] else 'MISS'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-mb", type=int, default=DEFAULT_SIZE_MB, help="MiB of /usr content in the test disk (default %(default)s)")
+    parser.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR, help="cache for the test disks and scratch for outputs (default build/bench)")
+    parser.add_argument("--runs", type=int, default=DEFAULT_RUNS, help="runs per variant, interleaved (default %(default)s)")
+    parser.add_argument("--no-large", action="store_true", help=f"skip the {LARGE_FACTOR}x disk (flat-memory check)")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON instead of a table")
+    args = parser.parse_args(argv)
+    if args.size_mb < 1 or args.runs < 1:
+        parser.error("--size-mb and --runs must be positive")
+    for tool in ("umoci", "mke2fs", "qemu-img"):
+        if not shutil.which(tool):
+            parser.error(f"{tool} not found on PATH")
+
+    def log(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    workdir = args.workdir.resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    disks = [make_disk(workdir, args.size_mb, log)]
+    if not args.no_large:
+        disks.append(make_disk(workdir, args.size_mb * LARGE_FACTOR, log))
+
+    disk = Path(disks[0]["path"])
+    warm_cache(disk)
+    log(f"timing on {disk.name} ...")
+    results = bench(["diskkit gzip", "umoci gzip", "diskkit zstd"], disk, args.runs, workdir, log)
+    if not args.no_large:
+        large = Path(disks[1]["path"])
+        warm_cache(large)
+        log(f"timing on {large.name} ...")
+        big = bench(["diskkit gzip"], large, args.runs, workdir, log)["diskkit gzip"]
+        big.variant = "diskkit gzip 4x"
+        results[big.variant] = big
+
+    found = checks(results)
+    if args.json:
+        print(json.dumps({"runs": args.runs, "disks": disks, "results": [r.to_json() for r in results.values()],
+                          "checks": found}, indent=2))
+    else:
+        print_table(disks, results, found, args.runs)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

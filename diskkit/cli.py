@@ -1,0 +1,234 @@
+"""The `diskkit` command line: convert, build, inspect and verify containerDisk images."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from pathlib import Path
+
+import click
+
+from . import __version__
+from .build import BuildOptions, build, examine_disk, source_epoch, split_artifact
+from .compression import KINDS
+from .errors import DiskkitError
+from .image import Platform
+from .progress import reporter_for
+from .verify import describe, inspect, verify
+
+
+def _pairs(values: tuple[str, ...], flag: str) -> dict[str, str]:
+    out = {}
+    for value in values:
+        key, sep, val = value.partition("=")
+        if not sep or not key:
+            raise DiskkitError(f"{flag} {value}", "must be KEY=VALUE")
+        out[key] = val
+    return out
+
+
+def _platform(value: str | None) -> Platform | None:
+    return Platform.parse(value) if value else None
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="diskkit")
+def cli() -> None:
+    """Package VM disks as OCI images that KubeVirt boots as containerDisks. No container engine needed.
+
+    Image references use the containers-transports syntax: oci:DIR[:TAG], oci-archive:FILE[:TAG],
+    docker-archive:FILE[:NAME:TAG].
+    """
+
+
+@cli.command(
+    epilog="""\b
+Examples:
+  diskkit convert fedora.vmdk fedora.qcow2
+  diskkit convert -O qcow2 -c disk.raw disk.qcow2
+  diskkit convert -O raw disk.qcow2 disk.img
+"""
+)
+@click.argument("src", type=click.Path(path_type=Path, readable=False))
+@click.argument("dest", type=click.Path(path_type=Path, readable=False))
+@click.option("-O", "out_format", type=click.Choice(["qcow2", "raw"]), default="qcow2", show_default=True, help="Output format.")
+@click.option("-c", "compress", is_flag=True, help="Compress qcow2 clusters (smaller, slower to read).")
+def convert(src: Path, dest: Path, out_format: str, compress: bool) -> None:
+    """Convert a raw, qcow2, vmdk, vdi, vpc or vhdx disk to qcow2 or raw with qemu-img.
+
+    The input is checked first (qemu-img info and check, under CPU and memory limits); the output
+    is written under a temporary name and renamed only when complete.
+    """
+    from . import fsutil, qemuimg
+
+    info = examine_disk(src)
+    if dest.resolve() == src.resolve():
+        raise DiskkitError(dest, "destination is the source; choose another file")
+    tmp = fsutil.staging_file(dest)
+    reporter = reporter_for()
+    try:
+        with reporter.task(f"converting {src.name}", 100) as task:
+            done = [0.0]
+
+            def advance(percent: float) -> None:
+                task.advance(percent - done[0])
+                done[0] = percent
+
+            qemuimg.convert(src, tmp, info.format, out_format, compress, advance)
+        tmp.replace(dest)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    click.echo(str(dest))
+
+
+@cli.command(
+    epilog="""\b
+Examples:
+  diskkit build fedora.qcow2 -t oci:./layout:fedora-40
+  diskkit build disk.img --format qcow2 -t oci-archive:fedora.tar
+  diskkit build disk.qcow2 -t docker-archive:fedora.tar:quay.io/me/fedora:40   # then: podman load -i fedora.tar
+  diskkit build disk.qcow2 --path /images/root.qcow2 -t oci:./layout
+  diskkit build disk.qcow2 --kernel ./vmlinuz --initrd /boot/initrd.img=./initrd -t oci:./layout:kb
+  SOURCE_DATE_EPOCH=1700000000 diskkit build disk.qcow2 -t oci:./layout --json
+"""
+)
+@click.argument("src", type=click.Path(path_type=Path, readable=False))
+@click.option("-t", "--tag", "dest", required=True, metavar="DEST", help="Where to write: oci:DIR[:TAG], oci-archive:FILE[:TAG], docker-archive:FILE[:REF].")
+@click.option("--path", "image_path", metavar="/DIR/NAME", help="Put the disk here instead of /disk/<name> (containerDisk.path).")
+@click.option("--format", "disk_format", type=click.Choice(["keep", "qcow2", "raw"]), default="keep", show_default=True, help="Disk format inside the image.")
+@click.option("--compression", type=click.Choice(list(KINDS)), default="gzip", show_default=True, help="Layer compression.")
+@click.option("--level", type=int, help="Compression level (gzip 0-3, default 1; zstd 1-19, default 3).")
+@click.option("--kernel", metavar="[/PATH=]FILE", help="Add a kernel for kernelBoot (default path /boot/vmlinuz).")
+@click.option("--initrd", metavar="[/PATH=]FILE", help="Add an initrd for kernelBoot (default path /boot/initrd.img).")
+@click.option("--platform", "platform", default="linux/amd64", show_default=True, help="OS/ARCH[/VARIANT] of the guest.")
+@click.option("--label", multiple=True, metavar="KEY=VALUE", help="Config label (repeatable).")
+@click.option("--annotation", multiple=True, metavar="KEY=VALUE", help="Manifest annotation, e.g. org.opencontainers.image.source=URL.")
+@click.option("--env", multiple=True, metavar="KEY=VALUE", help="Config environment variable (repeatable).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the digest.")
+def build_cmd(src, dest, image_path, disk_format, compression, level, kernel, initrd, platform, label, annotation, env, as_json) -> None:
+    """Package disk SRC as a scratch-based containerDisk image.
+
+    One layer holds /disk/ (0555) and /disk/<name> (0440), both owned by qemu (107:107), as KubeVirt
+    expects. The disk is read once: tar framing, compression and both digests in one pass. The same
+    input and flags always give the same digest (timestamps from SOURCE_DATE_EPOCH, else 1970).
+    Prints the manifest digest last.
+    """
+    for value in env:
+        if "=" not in value:
+            raise DiskkitError(f"--env {value}", "must be KEY=VALUE")
+    opts = BuildOptions(
+        source=src,
+        dest=dest,
+        path=image_path,
+        kernel=split_artifact(kernel, "/boot/vmlinuz", "--kernel") if kernel else None,
+        initrd=split_artifact(initrd, "/boot/initrd.img", "--initrd") if initrd else None,
+        compression=compression,
+        level=level,
+        disk_format=disk_format,
+        platform=Platform.parse(platform),
+        labels=_pairs(label, "--label"),
+        annotations=_pairs(annotation, "--annotation"),
+        env=list(env),
+        created=source_epoch(),
+    )
+    result = build(opts, reporter_for(quiet=as_json))
+    if as_json:
+        click.echo(json.dumps(result.to_json(), indent=2))
+    else:
+        click.echo(result.digest)
+
+
+cli.add_command(build_cmd, "build")
+
+
+@cli.command("inspect", epilog="""\b
+Examples:
+  diskkit inspect oci:./layout:fedora-40
+  diskkit inspect --json docker-archive:fedora.tar
+""")
+@click.argument("ref")
+@click.option("--platform", help="OS/ARCH to pick from a multi-platform index (default: this host's).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def inspect_cmd(ref: str, platform: str | None, as_json: bool) -> None:
+    """Show an image's manifest, config, layers and disk (path, format, virtual size, owner, mode)."""
+    report = inspect(ref, _platform(platform))
+    data = describe(report)
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return
+    disk = data["disk"]
+    lines = [
+        f"Reference:    {data['reference']}",
+        f"Digest:       {data['digest']}",
+        f"MediaType:    {data['mediaType']}",
+        f"Platform:     {data['os']}/{data['architecture']}",
+        f"Created:      {data['created']}",
+    ]
+    for key, value in sorted(data["labels"].items()):
+        lines.append(f"Label:        {key}={value}")
+    for key, value in sorted(data["annotations"].items()):
+        lines.append(f"Annotation:   {key}={value}")
+    for layer in data["layers"]:
+        lines.append(f"Layer:        {layer['digest']} {layer['size']} bytes {layer['mediaType']}")
+    lines.append(f"Disk:         {disk['path']}")
+    if disk["format"]:
+        size = disk["virtualSize"]
+        lines.append(f"  format:     {disk['format']}, virtual size {size} bytes ({size / (1 << 30):.2f} GiB)" if size else f"  format:     {disk['format']}")
+    if disk["uid"] is not None:
+        lines.append(f"  owner:      {disk['uid']}:{disk['gid']}, mode {disk['mode']}, {disk['size']} bytes in the layer")
+    for problem in data["problems"]:
+        lines.append(f"Problem:      {problem}")
+    click.echo("\n".join(lines))
+
+
+@cli.command("verify", epilog="""\b
+Examples:
+  diskkit verify oci:./layout:fedora-40
+  diskkit verify --path /images/root.qcow2 oci-archive:custom.tar
+""")
+@click.argument("ref")
+@click.option("--path", "image_path", metavar="/DIR/NAME", help="The containerDisk.path the VMI will use (default: the one file in /disk).")
+@click.option("--platform", help="OS/ARCH to pick from a multi-platform index (default: this host's).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def verify_cmd(ref: str, image_path: str | None, platform: str | None, as_json: bool) -> None:
+    """Check an image (ours or anyone's) the way KubeVirt consumes it; exit 1 listing every violation.
+
+    Checks every blob digest and diffID, finds the disk as KubeVirt does (exactly one entry in
+    /disk, or --path resolved inside the image), that UID 107 can read it, and that it is raw or
+    qcow2 with no backing file, no external data file and no corruption.
+    """
+    report = verify(ref, image_path, _platform(platform))
+    if as_json:
+        click.echo(json.dumps({**describe(report), "ok": report.ok}, indent=2))
+    elif report.ok:
+        disk = report.disk
+        click.echo(f"OK {ref}: {disk.path} is {disk.format}, virtual size {disk.virtual_size} bytes, readable by UID 107")
+    else:
+        for problem in report.problems:
+            click.echo(f"{ref}: {problem}", err=True)
+    sys.exit(0 if report.ok else 1)
+
+
+def _terminate(signum, frame):
+    # SIGTERM unwinds like Ctrl-C, so destinations abort and remove their staging files.
+    raise KeyboardInterrupt
+
+
+def main() -> None:
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        cli.main(standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("diskkit: interrupted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except DiskkitError as exc:
+        click.echo(f"diskkit: {exc.line()}", err=True)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        click.echo("diskkit: interrupted", err=True)
+        sys.exit(130)

@@ -1,0 +1,129 @@
+"""What every transport provides: a Source to read images from, a Destination to write them to."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import BinaryIO, Iterator, Protocol
+
+from .. import mediatypes as mt
+from ..digestio import VerifyingReader, read_verified
+from ..errors import DiskkitError
+from ..image import Descriptor, Image, Platform, check_digest, manifest_media_type, parse_json, select_platform
+
+
+class BlobWriter(Protocol):
+    def write(self, data: bytes | memoryview) -> object: ...
+
+
+class Destination:
+    """Receives blobs, then manifests, then commit(); abort() leaves nothing behind.
+
+    `layer_compression` is set where the format dictates it (Docker archives hold plain tars);
+    `docker_manifest` where it only carries Docker schema2 images.
+    """
+
+    layer_compression: str | None = None
+    docker_manifest = False
+
+    def blob_writer(self, media_type: str) -> contextlib.AbstractContextManager["PendingBlob"]:
+        raise NotImplementedError
+
+    def put_blob(self, data: bytes, media_type: str) -> Descriptor:
+        from ..image import sha256_digest
+
+        with self.blob_writer(media_type) as pending:
+            pending.write(data)
+            pending.commit(sha256_digest(data), len(data))
+        return Descriptor(media_type, sha256_digest(data), len(data))
+
+    def put_manifest(self, data: bytes, media_type: str, platform: dict | None = None) -> Descriptor:
+        raise NotImplementedError
+
+    def commit(self) -> None:
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> "Destination":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+
+class PendingBlob(Protocol):
+    def write(self, data: bytes | memoryview) -> object: ...
+    def commit(self, digest: str, size: int) -> None: ...
+
+
+class Source:
+    """Reads one image reference. Subclasses provide the top manifest, manifests by digest and blobs."""
+
+    where: str
+
+    def top_manifest(self) -> tuple[bytes, str | None, Descriptor | None]:
+        """The manifest or index the reference names, its media type if known, and its descriptor if known."""
+        raise NotImplementedError
+
+    def open_blob(self, desc: Descriptor) -> BinaryIO:
+        """The raw, unverified stream of a blob; callers wrap it (see blob())."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "Source":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @contextlib.contextmanager
+    def blob(self, desc: Descriptor) -> Iterator[VerifyingReader]:
+        raw = self.open_blob(desc)
+        try:
+            yield VerifyingReader(raw, desc.digest, desc.size, f"{self.where}: blob {desc.digest[:19]}")
+        finally:
+            raw.close()
+
+    def read_small(self, desc: Descriptor) -> bytes:
+        raw = self.open_blob(desc)
+        try:
+            return read_verified(raw, desc.digest, desc.size, self.where)
+        finally:
+            raw.close()
+
+    def manifest_descriptors(self) -> tuple[bytes, str, Descriptor | None]:
+        data, media, desc = self.top_manifest()
+        return data, manifest_media_type(parse_json(data, self.where), media), desc
+
+    def image(self, platform: Platform | None = None) -> Image:
+        data, media, desc = self.manifest_descriptors()
+        obj = parse_json(data, self.where)
+        if media in mt.INDEXES:
+            desc = select_platform(obj, platform or Platform.host(), self.where)
+            data = self.read_small(desc)
+            obj = parse_json(data, self.where)
+            media = manifest_media_type(obj, desc.media_type)
+        if media not in mt.MANIFESTS:
+            raise DiskkitError(self.where, f"unsupported manifest media type {media!r}")
+        from ..image import sha256_digest
+
+        digest = sha256_digest(data)
+        if desc is not None and desc.digest != digest:
+            raise DiskkitError(self.where, f"manifest does not match its digest {desc.digest}")
+        try:
+            config_desc = Descriptor.from_json(obj["config"], f"{self.where}: config")
+            layers = [Descriptor.from_json(layer, f"{self.where}: layer {i}") for i, layer in enumerate(obj.get("layers") or [])]
+        except (KeyError, TypeError):
+            raise DiskkitError(self.where, "manifest has no config descriptor") from None
+        config = self.read_small(config_desc)
+        return Image(self.where, data, media, digest, config, config_desc, layers)
+
+
+def blob_path_hex(digest: str, where: str) -> str:
+    return check_digest(digest, where)

@@ -1,0 +1,98 @@
+"""`oci-archive:FILE[:TAG]`: an OCI layout packed in one tar file, as skopeo and podman write it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Iterator
+
+from .. import fsutil
+from ..errors import DiskkitError
+from ..image import Descriptor, canonical_json, check_digest, sha256_digest
+from ..reference import ImageRef
+from .base import Destination
+from .layout import OCI_LAYOUT, REF_NAME, LayoutReader, updated_index
+from .tarstore import TarStore
+from .tarwriter import TarStreamWriter
+
+
+class OciArchiveSource(LayoutReader):
+    def __init__(self, ref: ImageRef):
+        super().__init__(TarStore(Path(ref.path)), ref.tag, str(ref))
+
+
+class _Pending:
+    def __init__(self, tar: TarStreamWriter, names: set[str]):
+        self.tar = tar
+        self.names = names
+        self.done = False
+
+    def write(self, data) -> None:
+        self.tar.write(data)
+
+    def commit(self, digest: str, size: int) -> None:
+        name = f"blobs/sha256/{check_digest(digest, 'blob')}"
+        if name in self.names:
+            self.tar.cancel()  # already in the archive: keep one copy
+        elif self.tar.end(name) != size:
+            raise DiskkitError(name, "blob size changed while writing")
+        self.names.add(name)
+        self.done = True
+
+
+class ArchiveWriter(Destination):
+    """Shared by both archive formats: a staging file beside the target, renamed into place at commit."""
+
+    def __init__(self, ref: ImageRef, created: int):
+        self.ref = ref
+        self.final = Path(ref.path)
+        self.tmp = fsutil.staging_file(self.final)
+        try:
+            self.file = open(self.tmp, "w+b")
+        except OSError as exc:
+            raise DiskkitError(self.final, f"cannot be written ({exc.strerror})") from None
+        self.tar = TarStreamWriter(self.file, created)
+        self.names: set[str] = set()
+
+    @contextlib.contextmanager
+    def blob_writer(self, media_type: str) -> Iterator[_Pending]:
+        self.tar.begin()
+        pending = _Pending(self.tar, self.names)
+        try:
+            yield pending
+        finally:
+            if not pending.done:
+                self.tar.cancel()
+
+    def finish(self) -> None:
+        self.tar.close()
+        self.file.close()
+        os.replace(self.tmp, self.final)
+        fsutil.fsync_dir(self.final.parent)
+
+    def abort(self) -> None:
+        self.file.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+class OciArchiveDestination(ArchiveWriter):
+    def __init__(self, ref: ImageRef, created: int = 0):
+        super().__init__(ref, created)
+        self.entries: list[Descriptor] = []
+        self.tar.add_bytes("oci-layout", OCI_LAYOUT)
+        self.tar.add_dir("blobs")
+        self.tar.add_dir("blobs/sha256")
+
+    def put_manifest(self, data: bytes, media_type: str, platform: dict | None = None) -> Descriptor:
+        desc = self.put_blob(data, media_type)
+        annotations = {REF_NAME: self.ref.tag} if self.ref.tag else {}
+        self.entries.append(Descriptor(media_type, sha256_digest(data), len(data), annotations, platform))
+        return desc
+
+    def commit(self) -> None:
+        index = None
+        for entry in self.entries:
+            index = updated_index(index, entry, self.ref.tag)
+        self.tar.add_bytes("index.json", canonical_json(index))
+        self.finish()

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Install everything diskkit and its test suite need on a fresh Debian 12 machine:
+# the real peers (qemu, skopeo, umoci, ...), a .venv with the project, and the test guest disk.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+APT_PACKAGES=(
+    python3-venv python3-dev gcc
+    qemu-utils qemu-system-x86 qemu-block-extra
+    skopeo umoci buildah docker-registry
+    xorriso genisoimage mtools syslinux syslinux-common fdisk dosfstools busybox-static cpio kmod e2fsprogs
+    util-linux zstd
+)
+
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+
+missing=()
+for pkg in "${APT_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+# The test guest's kernel comes from the archive, so the package lists must be current either way.
+$SUDO apt-get update -qq
+if [ ${#missing[@]} -gt 0 ]; then
+    echo "setup: installing ${missing[*]}" >&2
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$PYTHON" -m venv .venv
+fi
+.venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
+
+bash images/testguest/build.sh build/testguest >&2
+echo "setup: ready (.venv, build/testguest)" >&2

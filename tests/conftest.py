@@ -1,0 +1,69 @@
+"""Shared fixtures: the real tools the suite depends on, and the diskkit CLI run as a process."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REQUIRED_TOOLS = ("qemu-img", "qemu-io", "skopeo", "umoci", "qemu-system-x86_64", "xorriso")
+
+
+def pytest_sessionstart(session):
+    # A missing peer must fail the run loudly, never turn into a silent skip.
+    missing = [tool for tool in REQUIRED_TOOLS if shutil.which(tool) is None]
+    if missing:
+        raise pytest.UsageError(f"tools missing for the test suite: {', '.join(missing)} (run .ci/run or scripts/setup.sh)")
+
+
+@dataclass
+class Result:
+    code: int
+    out: str
+    err: str
+
+    @property
+    def last_line(self) -> str:
+        return self.out.strip().splitlines()[-1] if self.out.strip() else ""
+
+
+def run_diskkit(*args: str | os.PathLike, cwd: Path | None = None, env: dict | None = None, user: str | None = None) -> Result:
+    cmd = [sys.executable, "-m", "diskkit", *map(str, args)]
+    if user is not None:
+        cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *cmd]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env={**os.environ, "CI": "true", **(env or {})})
+    return Result(proc.returncode, proc.stdout, proc.stderr)
+
+
+@pytest.fixture
+def diskkit():
+    return run_diskkit
+
+
+def make_qcow2(path: Path, size: str = "64M", pattern: int = 0xAB, extra: list[str] | None = None) -> Path:
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", *(extra or []), str(path), size], check=True)
+    subprocess.run(["qemu-io", "-c", f"write -P {pattern} 0 1M", str(path)], check=True, capture_output=True)
+    return path
+
+
+@pytest.fixture
+def qcow2(tmp_path: Path) -> Path:
+    return make_qcow2(tmp_path / "disk.qcow2")
+
+
+@pytest.fixture
+def raw_disk(tmp_path: Path) -> Path:
+    path = tmp_path / "disk.img"
+    with open(path, "wb") as f:
+        f.write(b"\xcd" * (1 << 20))
+        f.truncate(32 << 20)
+    return path
+
+
+def run(*cmd: str | os.PathLike, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([str(c) for c in cmd], check=True, capture_output=True, text=True, **kw)

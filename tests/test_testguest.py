@@ -1,0 +1,117 @@
+"""The test guest itself: build output shape, disk reporting, stamp persistence."""
+
+import hashlib
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+try:
+    from . import testguest as tg
+except ImportError:
+    import testguest as tg
+
+MIB = 1024 * 1024
+DATA_HEAD = b"DISKKIT-DATA-01\n"  # 16 bytes
+ISO_FILES = {
+    "meta-data": "instance-id: iid-testguest\nlocal-hostname: testguest\n",
+    "user-data": "#cloud-config\nhostname: testguest\n",
+}
+
+
+@pytest.fixture(scope="module")
+def guest_dir() -> Path:
+    return tg.ensure_testguest()
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_qemu_system_available():
+    assert shutil.which("qemu-system-x86_64"), "qemu-system-x86_64 missing (apt-get install qemu-system-x86)"
+
+
+def test_qcow2_shape(guest_dir):
+    info = json.loads(subprocess.check_output(
+        ["qemu-img", "info", "--output=json", str(guest_dir / "testguest.qcow2")]))
+    assert info["format"] == "qcow2"
+    assert info["virtual-size"] == 64 * MIB
+    assert "backing-filename" not in info
+    assert "full-backing-filename" not in info
+    for name in ("vmlinuz", "initrd.img"):
+        assert (guest_dir / name).stat().st_size > 0
+
+
+@pytest.fixture
+def disks(guest_dir, tmp_path):
+    overlay = tmp_path / "boot.qcow2"
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b",
+                    str(guest_dir / "testguest.qcow2"), "-F", "qcow2", str(overlay)], check=True)
+    data = tmp_path / "data.raw"
+    with open(data, "wb") as f:
+        f.write(DATA_HEAD)
+        f.truncate(4 * MIB)
+    src = tmp_path / "iso"
+    src.mkdir()
+    for name, content in ISO_FILES.items():
+        (src / name).write_text(content)
+    iso = tmp_path / "seed.iso"
+    subprocess.run(["xorriso", "-as", "mkisofs", "-quiet", "-V", "cidata", "-J", "-r",
+                    "-o", str(iso), str(src)], check=True, capture_output=True)
+    return [
+        (overlay, {"format": "qcow2"}),
+        (data, {"format": "raw", "serial": "DKDATA1"}),
+        (iso, {"format": "raw", "if": "ide-cd"}),
+    ]
+
+
+def test_boot_reports_disks_and_persists_stamps(guest_dir, disks):
+    base_sum = sha256(guest_dir / "testguest.qcow2")
+
+    first = tg.parse_console(tg.boot_qemu(disks))
+    assert first["ready"] and first["done"], first
+    assert first["warnings"] == []
+
+    assert set(first["disks"]) == {"vda", "vdb", "sr0"}
+    boot = first["disks"]["vda"]
+    assert boot["size"] == 64 * MIB and not boot["ro"]
+    assert boot["head"][:4] == "33c0"  # syslinux mbr.bin: xor ax,ax
+    data = first["disks"]["vdb"]
+    assert data == {"size": 4 * MIB, "ro": False, "serial": "DKDATA1", "head": DATA_HEAD.hex()}
+    assert first["disks"]["sr0"]["ro"]
+
+    assert set(first["isos"]) == {"sr0"}
+    iso = first["isos"]["sr0"]
+    assert iso["label"] == "cidata"
+    assert iso["files"] == {"/" + k: v for k, v in ISO_FILES.items()}
+    assert iso["sizes"] == {"/" + k: len(v) for k, v in ISO_FILES.items()}
+
+    assert first["stamps"] == {"vda": (0, 1), "vdb": (0, 1)}
+
+    second = tg.parse_console(tg.boot_qemu(disks))
+    assert second["ready"] and second["done"], second
+    assert second["stamps"] == {"vda": (1, 2), "vdb": (1, 2)}
+    assert second["isos"] == first["isos"]
+
+    # the stamp is really in the data disk's last sector, the first bytes untouched
+    raw = disks[1][0].read_bytes()
+    assert raw[-512:].startswith(b"DKSTAMP 2\n") and raw[:16] == DATA_HEAD
+    # the built image is never modified
+    assert sha256(guest_dir / "testguest.qcow2") == base_sum
+
+
+def test_kernel_boot(guest_dir, tmp_path):
+    data = tmp_path / "scsi.raw"
+    with open(data, "wb") as f:
+        f.write(DATA_HEAD)
+        f.truncate(1 * MIB)
+    out = tg.parse_console(tg.boot_qemu(
+        [(data, {"format": "raw", "if": "scsi-hd", "serial": "SCSI0"})],
+        kernel=guest_dir / "vmlinuz", initrd=guest_dir / "initrd.img"))
+    assert out["ready"] and out["done"], out
+    assert out["disks"] == {"sda": {"size": MIB, "ro": False, "serial": "SCSI0",
+                                    "head": DATA_HEAD.hex()}}
+    assert out["stamps"] == {"sda": (0, 1)}

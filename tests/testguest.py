@@ -1,0 +1,273 @@
+"""Helpers for the diskkit test guest (images/testguest).
+
+The test guest is a 64 MiB BIOS-bootable disk whose /init reports every disk it
+sees on the serial console (size, first bytes, serial, ISO 9660 contents), bumps a
+stamp in the last sector of every writable non-ISO disk and powers off.
+
+    ensure_testguest()   build (or reuse) the guest, return its output directory
+    parse_console(text)  console text -> dict
+    boot_qemu(disks)     boot under TCG, return the console text
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+REPO = Path(__file__).resolve().parent.parent
+SRC_DIR = REPO / "images" / "testguest"
+BUILD_SH = SRC_DIR / "build.sh"
+INIT = SRC_DIR / "init"
+OUTPUTS = ("testguest.qcow2", "vmlinuz", "initrd.img")
+# Same as the syslinux.cfg APPEND line in build.sh (for -kernel/-initrd boots).
+KERNEL_CMDLINE = "console=ttyS0 quiet panic=-1 scsi_mod.scan=sync"
+QEMU = "qemu-system-x86_64"
+
+
+def testguest_dir() -> Path:
+    env = os.environ.get("DISKKIT_TESTGUEST_DIR")
+    return Path(env).resolve() if env else REPO / "build" / "testguest"
+
+
+def _is_current(out: Path) -> bool:
+    """Outputs present and built from the current build.sh + init.
+
+    Mirrors build.sh's cache key (sha256 of build.sh, init, deb filename) using
+    the .deb kept in OUTDIR/cache, so no apt call is needed to detect staleness
+    after an edit of build.sh or init.
+    """
+    if not all((out / name).is_file() for name in OUTPUTS):
+        return False
+    try:
+        recipe = (out / "recipe.sha256").read_text().strip()
+    except FileNotFoundError:
+        return False
+    body = BUILD_SH.read_bytes() + INIT.read_bytes()
+    for deb in (out / "cache").glob("linux-image-*.deb"):
+        if hashlib.sha256(body + deb.name.encode() + b"\n").hexdigest() == recipe:
+            return True
+    return False
+
+
+def ensure_testguest() -> Path:
+    """Return the directory holding testguest.qcow2, vmlinuz and initrd.img.
+
+    Uses $DISKKIT_TESTGUEST_DIR if set, else <repo>/build/testguest; runs
+    images/testguest/build.sh there when the outputs are missing or stale.
+    """
+    out = testguest_dir()
+    if _is_current(out):
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # parallel test workers build once
+        if not _is_current(out):
+            proc = subprocess.run(
+                ["bash", str(BUILD_SH), str(out)],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            )
+            if proc.returncode != 0:
+                raise RuntimeError(f"{BUILD_SH} {out} failed ({proc.returncode}):\n{proc.stdout}")
+    missing = [name for name in OUTPUTS if not (out / name).is_file()]
+    if missing:
+        raise RuntimeError(f"build.sh did not produce {missing} in {out}")
+    return out
+
+
+# ---------------------------------------------------------------------------
+# console parsing
+
+_DISK = re.compile(r"DISK name=(\S+) size=(\d+) ro=([01]) serial=(.*) head=([0-9a-f]*)$")
+_ISO = re.compile(r"ISO name=(\S+) label=(.*)$")
+_ISO_FILE = re.compile(r"ISO-FILE name=(\S+) path=(.*) size=(\d+)$")
+_ISO_DATA = re.compile(r"ISO-DATA name=(\S+) path=(.*?) \|(?: (.*))?$")
+_STAMP = re.compile(r"STAMP name=(\S+) before=(\d+) after=(\d+)$")
+
+
+def parse_console(text: str) -> dict[str, Any]:
+    """Turn the guest's console output into a dict.
+
+    {"ready": bool, "done": bool,
+     "disks": {name: {"size": int, "ro": bool, "serial": str | None, "head": str}},
+     "isos": {name: {"label": str, "files": {path: content}, "sizes": {path: int}}},
+     "stamps": {name: (before, after)},
+     "warnings": [str]}
+
+    File content is rebuilt from the ISO-DATA lines, each terminated by "\\n"
+    (the guest reports at most 50 lines per file; "\\r" and NUL are dropped).
+    Unknown lines (kernel messages) are ignored.
+    """
+    res: dict[str, Any] = {"ready": False, "done": False, "disks": {}, "isos": {},
+                           "stamps": {}, "warnings": []}
+    for raw in text.splitlines():
+        line = raw.rstrip("\r")
+        if "DISKKIT-TESTGUEST v1 READY" in line:
+            res["ready"] = True
+        elif "DISKKIT-TESTGUEST DONE" in line:
+            res["done"] = True
+        elif m := _DISK.match(line):
+            name, size, ro, serial, head = m.groups()
+            res["disks"][name] = {"size": int(size), "ro": ro == "1",
+                                  "serial": None if serial == "-" else serial, "head": head}
+        elif m := _ISO_FILE.match(line):
+            iso = res["isos"].setdefault(m[1], {"label": "", "files": {}, "sizes": {}})
+            iso["files"][m[2]] = ""
+            iso["sizes"][m[2]] = int(m[3])
+        elif m := _ISO_DATA.match(line):
+            iso = res["isos"].setdefault(m[1], {"label": "", "files": {}, "sizes": {}})
+            iso["files"][m[2]] = iso["files"].get(m[2], "") + (m[3] or "") + "\n"
+        elif m := _ISO.match(line):
+            iso = res["isos"].setdefault(m[1], {"label": "", "files": {}, "sizes": {}})
+            iso["label"] = m[2]
+        elif m := _STAMP.match(line):
+            res["stamps"][m[1]] = (int(m[2]), int(m[3]))
+        elif line.startswith("WARN "):
+            res["warnings"].append(line[5:])
+    return res
+
+
+# ---------------------------------------------------------------------------
+# booting
+
+_DEVICES = {
+    # "if" value -> (qemu device, needs virtio-scsi controller, read-only by default)
+    "virtio": ("virtio-blk-pci", False, False),
+    "ide-hd": ("ide-hd", False, False),
+    "ide-cd": ("ide-cd", False, True),
+    "scsi-hd": ("scsi-hd", True, False),
+    "scsi-cd": ("scsi-cd", True, True),
+}
+
+
+def _qemu_path(path: os.PathLike | str) -> str:
+    return str(path).replace(",", ",,")
+
+
+def _detect_format(path: Path) -> str:
+    with open(path, "rb") as f:
+        return "qcow2" if f.read(4) == b"QFI\xfb" else "raw"
+
+
+def qemu_args(
+    disks: Sequence[tuple[os.PathLike | str, dict]],
+    *,
+    memory: int = 256,
+    machine: str = "pc",
+    kernel: os.PathLike | str | None = None,
+    initrd: os.PathLike | str | None = None,
+    append: str | None = None,
+    extra_args: Iterable[str] = (),
+) -> list[str]:
+    """Command line for boot_qemu (see there)."""
+    qemu = shutil.which(QEMU)
+    if qemu is None:
+        raise FileNotFoundError(f"{QEMU} not found on PATH (install qemu-system-x86)")
+    args = [qemu, "-accel", "tcg", "-machine", machine, "-m", str(memory),
+            "-nodefaults", "-display", "none", "-monitor", "none",
+            "-serial", "stdio", "-no-reboot"]
+    if kernel is not None:
+        args += ["-kernel", str(kernel), "-append", append or KERNEL_CMDLINE]
+        if initrd is not None:
+            args += ["-initrd", str(initrd)]
+    scsi = False
+    for i, (path, opts) in enumerate(disks):
+        path = Path(path)
+        opts = dict(opts)
+        iface = opts.pop("if", "virtio")
+        device, needs_scsi, ro_default = _DEVICES.get(iface, (iface, False, False))
+        fmt = opts.pop("format", None) or _detect_format(path)
+        readonly = opts.pop("readonly", ro_default)
+        serial = opts.pop("serial", None)
+        cache = opts.pop("cache", None)
+        if opts:
+            raise ValueError(f"unknown disk options for {path}: {sorted(opts)}")
+        drive = f"file={_qemu_path(path)},format={fmt},if=none,id=disk{i}"
+        if readonly:
+            drive += ",readonly=on"
+        if cache:
+            drive += f",cache={cache}"
+        dev = f"{device},drive=disk{i}"
+        if needs_scsi:
+            if not scsi:
+                args += ["-device", "virtio-scsi-pci,id=scsi0"]
+                scsi = True
+            dev += ",bus=scsi0.0"
+        if serial:
+            dev += f",serial={serial}"
+        if i == 0 and kernel is None:
+            dev += ",bootindex=0"
+        args += ["-drive", drive, "-device", dev]
+    args += list(extra_args)
+    return args
+
+
+def boot_qemu(
+    disks: Sequence[tuple[os.PathLike | str, dict]],
+    timeout: float = 90,
+    **kwargs: Any,
+) -> str:
+    """Boot the test guest under TCG and return the serial console text.
+
+    disks: [(path, options)], the first one is the boot disk (bootindex 0, unless
+    kernel= is given). Options: "format" ("qcow2"/"raw", default: sniffed),
+    "if" ("virtio" (default), "ide-hd", "ide-cd", "scsi-hd", "scsi-cd" (on a
+    virtio-scsi controller), or any other qemu device name), "serial",
+    "readonly" (default on for *-cd), "cache".
+    Keyword arguments: memory, machine ("pc"; note: the cloud kernel has no
+    AHCI, so q35's SATA disks are invisible to the guest), kernel/initrd/append
+    for a direct kernel boot, extra_args.
+
+    Returns once the guest printed DONE and powered off (so its writes are on
+    disk), or when qemu exits. Raises TimeoutError after `timeout` seconds and
+    RuntimeError if qemu exits with an error.
+    """
+    args = qemu_args(disks, **kwargs)
+    proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    chunks: list[bytes] = []
+    errs: list[bytes] = []
+
+    def pump(stream, sink):
+        for chunk in iter(lambda: stream.read1(65536), b""):
+            sink.append(chunk)
+
+    readers = [threading.Thread(target=pump, args=(proc.stdout, chunks), daemon=True),
+               threading.Thread(target=pump, args=(proc.stderr, errs), daemon=True)]
+    for t in readers:
+        t.start()
+
+    def text() -> str:
+        return b"".join(chunks).decode("utf-8", "replace")
+
+    deadline = time.monotonic() + timeout
+    done_at = None
+    try:
+        while proc.poll() is None:
+            now = time.monotonic()
+            if done_at is None and b"DISKKIT-TESTGUEST DONE" in b"".join(chunks):
+                done_at = now
+            # after DONE the guest syncs and powers off; give it a moment to do so
+            if now > deadline or (done_at is not None and now - done_at > 15):
+                raise TimeoutError(
+                    f"test guest did not finish within {timeout}s "
+                    f"(done={'yes' if done_at else 'no'}); console so far:\n{text()}")
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for t in readers:
+            t.join(timeout=5)
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"qemu exited with {proc.returncode}: {' '.join(args)}\n"
+            f"stderr:\n{b''.join(errs).decode('utf-8', 'replace')}\nconsole:\n{text()}")
+    return text()
