@@ -12,11 +12,12 @@ from pathlib import Path
 from . import diskheader, diskrules, qemuimg
 from .containerdisk import ANNOTATION_FORMAT, ANNOTATION_PATH, ANNOTATION_VIRTUAL_SIZE, path_problem
 from .errors import DiskkitError
-from .image import Descriptor, Platform, canonical_json, make_config, make_manifest, rfc3339
+from .image import Descriptor, Platform, canonical_json, make_config, make_index, make_manifest, rfc3339
 from .layer import LayerResult, entries_for, write_layer
-from .mediatypes import DOCKER_CONFIG, OCI_CONFIG, docker_layer, oci_layer
+from .mediatypes import DOCKER_CONFIG, OCI_CONFIG, OCI_INDEX, docker_layer, oci_layer
 from .progress import Reporter
 from .reference import parse_ref
+from .registry import RegistryOptions
 from .transports import open_destination
 
 DISK_FORMATS = ("keep", "qcow2", "raw")
@@ -24,7 +25,7 @@ DISK_FORMATS = ("keep", "qcow2", "raw")
 
 @dataclass
 class BuildOptions:
-    source: Path
+    source: Path | None
     dest: str
     path: str | None = None
     kernel: tuple[str, Path] | None = None
@@ -37,6 +38,7 @@ class BuildOptions:
     annotations: dict[str, str] = field(default_factory=dict)
     env: list[str] = field(default_factory=list)
     created: int = 0
+    platforms: list[tuple[Platform, Path]] = field(default_factory=list)  # one source per platform, for an index
 
 
 @dataclass
@@ -50,9 +52,11 @@ class BuildResult:
     disk_format: str
     virtual_size: int
     notes: list[str]
+    images: list["BuildResult"] = field(default_factory=list)
+    descriptor: Descriptor | None = None
 
     def to_json(self) -> dict:
-        return {
+        out = {
             "reference": self.reference,
             "digest": self.digest,
             "mediaType": self.media_type,
@@ -63,6 +67,9 @@ class BuildResult:
             ],
             "disk": {"path": self.disk_path, "format": self.disk_format, "virtualSize": self.virtual_size},
         }
+        if self.images:
+            out["manifests"] = [{"platform": i.descriptor.platform, **i.to_json()} for i in self.images]
+        return out
 
 
 def source_epoch() -> int:
@@ -127,7 +134,8 @@ def split_artifact(value: str, default_path: str, flag: str) -> tuple[str, Path]
     return image_path, Path(local)
 
 
-def build(opts: BuildOptions, reporter: Reporter) -> BuildResult:
+def build(opts: BuildOptions, reporter: Reporter, registry: RegistryOptions | None = None) -> BuildResult:
+    """Build one image, or with `opts.platforms` one image per platform under an OCI index."""
     dest_ref = parse_ref(opts.dest)
     if opts.disk_format not in DISK_FORMATS:
         raise DiskkitError("--format", f"must be one of {', '.join(DISK_FORMATS)}")
@@ -136,57 +144,79 @@ def build(opts: BuildOptions, reporter: Reporter) -> BuildResult:
     for artifact in (opts.kernel, opts.initrd):
         if artifact:
             check_input_file(artifact[1], "kernel-boot file")
-    info = examine_disk(opts.source)
+    sources = opts.platforms or [(opts.platform, opts.source)]
+    infos = [examine_disk(source) for _, source in sources]  # refuse any bad input before writing anything
     notes: list[str] = []
     workdir = Path(tempfile.mkdtemp(prefix="diskkit-build-"))
     try:
-        disk_file, disk_format = _prepare_format(opts, info, workdir, reporter, notes)
-        image_disk_path = opts.path or f"/disk/{_disk_name(opts.source, disk_file, disk_format)}"
-        files = [(image_disk_path, disk_file)]
-        files += [a for a in (opts.kernel, opts.initrd) if a]
-        entries = entries_for(files)
-        with open_destination(dest_ref, opts.created) as dest:
-            compression = dest.layer_compression or opts.compression
-            docker = dest.docker_manifest
-            layer_media = docker_layer(compression) if docker else oci_layer(compression)
-            total = sum(e.size for e in entries)
-            with dest.blob_writer(layer_media) as pending, reporter.task("packaging " + image_disk_path, total) as task:
-                layer = write_layer(entries, pending, compression, opts.level, opts.created, task.advance)
-                pending.commit(layer.digest, layer.size)
-            layer_desc = Descriptor(layer_media, layer.digest, layer.size)
-            config = make_config(opts.platform, [layer.diff_id], opts.created, opts.labels, opts.env, "diskkit build")
-            config_desc = dest.put_blob(canonical_json(config), DOCKER_CONFIG if docker else OCI_CONFIG)
-            annotations = {
-                "org.opencontainers.image.created": rfc3339(opts.created),
-                ANNOTATION_PATH: image_disk_path,
-                ANNOTATION_FORMAT: disk_format,
-                ANNOTATION_VIRTUAL_SIZE: str(info.virtual_size),
-                **opts.annotations,
-            }
-            manifest = make_manifest(config_desc, [layer_desc], annotations, docker)
-            manifest_bytes = canonical_json(manifest)
-            desc = dest.put_manifest(manifest_bytes, manifest["mediaType"], opts.platform.to_json())
+        with open_destination(dest_ref, opts.created, registry) as dest:
+            if opts.platforms and dest.docker_manifest:
+                raise DiskkitError(str(dest_ref), "docker-archive holds a single image; build one platform at a time")
+            built = [
+                _build_one(opts, dest, plat, source, info, workdir / str(i), reporter, notes, child=bool(opts.platforms))
+                for i, ((plat, source), info) in enumerate(zip(sources, infos))
+            ]
+            if not opts.platforms:
+                return built[0]
+            index = make_index([b.descriptor for b in built], {"org.opencontainers.image.created": rfc3339(opts.created)})
+            desc = dest.put_manifest(canonical_json(index), OCI_INDEX)
+        first = built[0]
         return BuildResult(
-            str(dest_ref), desc.digest, manifest["mediaType"], desc.size, [layer], image_disk_path, disk_format, info.virtual_size, notes
+            str(dest_ref), desc.digest, OCI_INDEX, desc.size, [l for b in built for l in b.layers],
+            first.disk_path, first.disk_format, first.virtual_size, notes, [b for b in built],
         )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _prepare_format(opts: BuildOptions, info: qemuimg.DiskInfo, workdir: Path, reporter: Reporter, notes: list[str]):
+def _build_one(opts, dest, plat: Platform, source: Path, info, workdir: Path, reporter: Reporter, notes, child: bool) -> BuildResult:
+    workdir.mkdir(parents=True)
+    disk_file, disk_format = _prepare_format(opts, source, info, workdir, reporter, notes)
+    image_disk_path = opts.path or f"/disk/{_disk_name(source, disk_file, disk_format)}"
+    files = [(image_disk_path, disk_file)]
+    files += [a for a in (opts.kernel, opts.initrd) if a]
+    entries = entries_for(files)
+    compression = dest.layer_compression or opts.compression
+    docker = dest.docker_manifest
+    layer_media = docker_layer(compression) if docker else oci_layer(compression)
+    total = sum(e.size for e in entries)
+    label = f"{plat} {image_disk_path}" if child else image_disk_path
+    with dest.blob_writer(layer_media) as pending, reporter.task(label, total) as task:
+        layer = write_layer(entries, pending, compression, opts.level, opts.created, task.advance)
+        pending.commit(layer.digest, layer.size)
+    reporter.event({"event": "blob", "digest": layer.digest, "size": layer.size, "status": "uploaded"})
+    layer_desc = Descriptor(layer_media, layer.digest, layer.size)
+    config = make_config(plat, [layer.diff_id], opts.created, opts.labels, opts.env, "diskkit build")
+    config_desc = dest.put_blob(canonical_json(config), DOCKER_CONFIG if docker else OCI_CONFIG)
+    annotations = {
+        "org.opencontainers.image.created": rfc3339(opts.created),
+        ANNOTATION_PATH: image_disk_path,
+        ANNOTATION_FORMAT: disk_format,
+        ANNOTATION_VIRTUAL_SIZE: str(info.virtual_size),
+        **opts.annotations,
+    }
+    manifest = make_manifest(config_desc, [layer_desc], annotations, docker)
+    desc = dest.put_manifest(canonical_json(manifest), manifest["mediaType"], plat.to_json(), child=child)
+    return BuildResult(
+        opts.dest, desc.digest, manifest["mediaType"], desc.size, [layer], image_disk_path, disk_format, info.virtual_size, notes,
+        descriptor=Descriptor(manifest["mediaType"], desc.digest, desc.size, platform=plat.to_json()),
+    )
+
+
+def _prepare_format(opts: BuildOptions, source: Path, info: qemuimg.DiskInfo, workdir: Path, reporter: Reporter, notes: list[str]):
     wanted = opts.disk_format
     if wanted == "keep":
         if info.format in diskrules.ACCEPTED_FORMATS:
             if info.format == "raw":
                 reporter.note(
-                    f"{opts.source}: raw disk packaged as is; --format qcow2 usually makes a much smaller image "
+                    f"{source}: raw disk packaged as is; --format qcow2 usually makes a much smaller image "
                     "(container layers cannot hold sparse files)"
                 )
-            return opts.source, info.format
+            return source, info.format
         wanted = "qcow2"
-        reporter.note(f"{opts.source}: converting {info.format} to qcow2 (KubeVirt boots only raw and qcow2)")
+        reporter.note(f"{source}: converting {info.format} to qcow2 (KubeVirt boots only raw and qcow2)")
     if wanted == info.format:
-        return opts.source, info.format
+        return source, info.format
     out = workdir / f"disk.{'qcow2' if wanted == 'qcow2' else 'img'}"
     with reporter.task(f"converting to {wanted}", 100) as task:
         last = [0.0]
@@ -195,7 +225,7 @@ def _prepare_format(opts: BuildOptions, info: qemuimg.DiskInfo, workdir: Path, r
             task.advance(percent - last[0])
             last[0] = percent
 
-        qemuimg.convert(opts.source, out, info.format, wanted, progress=advance)
+        qemuimg.convert(source, out, info.format, wanted, progress=advance)
     return out, wanted
 
 

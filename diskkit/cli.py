@@ -15,6 +15,7 @@ from .compression import KINDS
 from .errors import DiskkitError
 from .image import Platform
 from .progress import reporter_for
+from .registry import RegistryOptions
 from .verify import describe, inspect, verify
 
 
@@ -30,6 +31,23 @@ def _pairs(values: tuple[str, ...], flag: str) -> dict[str, str]:
 
 def _platform(value: str | None) -> Platform | None:
     return Platform.parse(value) if value else None
+
+
+def registry_options(command):
+    """--tls-verify, --cert-dir, --authfile and --creds after the command name, as skopeo takes them."""
+    options = [
+        click.option("--creds", metavar="USER:PASS", help="Registry credentials (else the auth file is used)."),
+        click.option("--authfile", type=click.Path(dir_okay=False), help="Auth file (default: $REGISTRY_AUTH_FILE, then ${XDG_RUNTIME_DIR}/containers/auth.json, then ~/.docker/config.json)."),
+        click.option("--cert-dir", type=click.Path(file_okay=False), help="Directory of *.crt CAs and *.cert/*.key client certificates for the registry."),
+        click.option("--tls-verify", type=click.BOOL, default=True, is_flag=False, flag_value=True, show_default=True, metavar="BOOL", help="Require HTTPS and verify certificates (--tls-verify=false also allows plain HTTP)."),
+    ]
+    for option in options:
+        command = option(command)
+    return command
+
+
+def _registry(tls_verify: bool, cert_dir: str | None, authfile: str | None, creds: str | None) -> RegistryOptions:
+    return RegistryOptions(tls_verify=tls_verify, cert_dir=cert_dir, authfile=authfile, creds=creds)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -87,37 +105,47 @@ def convert(src: Path, dest: Path, out_format: str, compress: bool) -> None:
     epilog="""\b
 Examples:
   diskkit build fedora.qcow2 -t oci:./layout:fedora-40
+  diskkit build fedora.qcow2 -t quay.io/me/fedora:40                 # streams straight to the registry
   diskkit build disk.img --format qcow2 -t oci-archive:fedora.tar
   diskkit build disk.qcow2 -t docker-archive:fedora.tar:quay.io/me/fedora:40   # then: podman load -i fedora.tar
   diskkit build disk.qcow2 --path /images/root.qcow2 -t oci:./layout
   diskkit build disk.qcow2 --kernel ./vmlinuz --initrd /boot/initrd.img=./initrd -t oci:./layout:kb
+  diskkit build --platform linux/amd64=x86.qcow2 --platform linux/arm64=arm.qcow2 -t quay.io/me/fedora:40
   SOURCE_DATE_EPOCH=1700000000 diskkit build disk.qcow2 -t oci:./layout --json
 """
 )
-@click.argument("src", type=click.Path(path_type=Path, readable=False))
-@click.option("-t", "--tag", "dest", required=True, metavar="DEST", help="Where to write: oci:DIR[:TAG], oci-archive:FILE[:TAG], docker-archive:FILE[:REF].")
+@click.argument("src", type=click.Path(path_type=Path, readable=False), required=False)
+@click.option("-t", "--tag", "dest", required=True, metavar="DEST", help="Where to write: docker://HOST/REPO:TAG (or bare HOST/REPO:TAG), oci:DIR[:TAG], oci-archive:FILE[:TAG], docker-archive:FILE[:REF].")
 @click.option("--path", "image_path", metavar="/DIR/NAME", help="Put the disk here instead of /disk/<name> (containerDisk.path).")
 @click.option("--format", "disk_format", type=click.Choice(["keep", "qcow2", "raw"]), default="keep", show_default=True, help="Disk format inside the image.")
 @click.option("--compression", type=click.Choice(list(KINDS)), default="gzip", show_default=True, help="Layer compression.")
 @click.option("--level", type=int, help="Compression level (gzip 0-3, default 1; zstd 1-19, default 3).")
 @click.option("--kernel", metavar="[/PATH=]FILE", help="Add a kernel for kernelBoot (default path /boot/vmlinuz).")
 @click.option("--initrd", metavar="[/PATH=]FILE", help="Add an initrd for kernelBoot (default path /boot/initrd.img).")
-@click.option("--platform", "platform", default="linux/amd64", show_default=True, help="OS/ARCH[/VARIANT] of the guest.")
+@click.option("--platform", "platforms", multiple=True, metavar="OS/ARCH[=FILE]", help="Guest platform (default linux/amd64); repeat as OS/ARCH=FILE for a multi-platform index.")
 @click.option("--label", multiple=True, metavar="KEY=VALUE", help="Config label (repeatable).")
 @click.option("--annotation", multiple=True, metavar="KEY=VALUE", help="Manifest annotation, e.g. org.opencontainers.image.source=URL.")
 @click.option("--env", multiple=True, metavar="KEY=VALUE", help="Config environment variable (repeatable).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the digest.")
-def build_cmd(src, dest, image_path, disk_format, compression, level, kernel, initrd, platform, label, annotation, env, as_json) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the digest; progress as JSON lines on stderr.")
+@registry_options
+def build_cmd(src, dest, image_path, disk_format, compression, level, kernel, initrd, platforms, label, annotation, env, as_json, tls_verify, cert_dir, authfile, creds) -> None:
     """Package disk SRC as a scratch-based containerDisk image.
 
     One layer holds /disk/ (0555) and /disk/<name> (0440), both owned by qemu (107:107), as KubeVirt
-    expects. The disk is read once: tar framing, compression and both digests in one pass. The same
-    input and flags always give the same digest (timestamps from SOURCE_DATE_EPOCH, else 1970).
-    Prints the manifest digest last.
+    expects. The disk is read once: tar framing, compression, both digests and the upload happen in
+    one pass. The same input and flags always give the same digest (timestamps from
+    SOURCE_DATE_EPOCH, else 1970). Prints the manifest digest last.
     """
     for value in env:
         if "=" not in value:
             raise DiskkitError(f"--env {value}", "must be KEY=VALUE")
+    per_platform = [p for p in platforms if "=" in p]
+    if per_platform and (len(per_platform) != len(platforms) or src is not None):
+        raise DiskkitError("--platform", "give either SRC with one --platform OS/ARCH, or only --platform OS/ARCH=FILE options")
+    if not per_platform and src is None:
+        raise DiskkitError("SRC", "missing: give a disk file (or --platform OS/ARCH=FILE for each platform)")
+    if len(platforms) > 1 and not per_platform:
+        raise DiskkitError("--platform", "several platforms need a file each: --platform OS/ARCH=FILE")
     opts = BuildOptions(
         source=src,
         dest=dest,
@@ -127,13 +155,14 @@ def build_cmd(src, dest, image_path, disk_format, compression, level, kernel, in
         compression=compression,
         level=level,
         disk_format=disk_format,
-        platform=Platform.parse(platform),
+        platform=Platform.parse(platforms[0]) if platforms and not per_platform else Platform("linux", "amd64"),
         labels=_pairs(label, "--label"),
         annotations=_pairs(annotation, "--annotation"),
         env=list(env),
         created=source_epoch(),
+        platforms=[(Platform.parse(p.split("=", 1)[0]), Path(p.split("=", 1)[1])) for p in per_platform],
     )
-    result = build(opts, reporter_for(quiet=as_json))
+    result = build(opts, reporter_for(as_json), _registry(tls_verify, cert_dir, authfile, creds))
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=2))
     else:
@@ -147,13 +176,18 @@ cli.add_command(build_cmd, "build")
 Examples:
   diskkit inspect oci:./layout:fedora-40
   diskkit inspect --json docker-archive:fedora.tar
+  diskkit inspect docker://quay.io/containerdisks/fedora:40
 """)
 @click.argument("ref")
 @click.option("--platform", help="OS/ARCH to pick from a multi-platform index (default: this host's).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def inspect_cmd(ref: str, platform: str | None, as_json: bool) -> None:
-    """Show an image's manifest, config, layers and disk (path, format, virtual size, owner, mode)."""
-    report = inspect(ref, _platform(platform))
+@registry_options
+def inspect_cmd(ref: str, platform: str | None, as_json: bool, tls_verify, cert_dir, authfile, creds) -> None:
+    """Show an image's manifest, config, layers and disk (path, format, virtual size, owner, mode).
+
+    Registry images are described without pulling their layers.
+    """
+    report = inspect(ref, _platform(platform), _registry(tls_verify, cert_dir, authfile, creds))
     data = describe(report)
     if as_json:
         click.echo(json.dumps(data, indent=2))
@@ -187,19 +221,21 @@ def inspect_cmd(ref: str, platform: str | None, as_json: bool) -> None:
 Examples:
   diskkit verify oci:./layout:fedora-40
   diskkit verify --path /images/root.qcow2 oci-archive:custom.tar
+  diskkit verify --tls-verify=false localhost:5000/disks/fedora:40
 """)
 @click.argument("ref")
 @click.option("--path", "image_path", metavar="/DIR/NAME", help="The containerDisk.path the VMI will use (default: the one file in /disk).")
 @click.option("--platform", help="OS/ARCH to pick from a multi-platform index (default: this host's).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def verify_cmd(ref: str, image_path: str | None, platform: str | None, as_json: bool) -> None:
+@registry_options
+def verify_cmd(ref: str, image_path: str | None, platform: str | None, as_json: bool, tls_verify, cert_dir, authfile, creds) -> None:
     """Check an image (ours or anyone's) the way KubeVirt consumes it; exit 1 listing every violation.
 
     Checks every blob digest and diffID, finds the disk as KubeVirt does (exactly one entry in
     /disk, or --path resolved inside the image), that UID 107 can read it, and that it is raw or
     qcow2 with no backing file, no external data file and no corruption.
     """
-    report = verify(ref, image_path, _platform(platform))
+    report = verify(ref, image_path, _platform(platform), _registry(tls_verify, cert_dir, authfile, creds))
     if as_json:
         click.echo(json.dumps({**describe(report), "ok": report.ok}, indent=2))
     elif report.ok:
@@ -209,6 +245,49 @@ def verify_cmd(ref: str, image_path: str | None, platform: str | None, as_json: 
         for problem in report.problems:
             click.echo(f"{ref}: {problem}", err=True)
     sys.exit(0 if report.ok else 1)
+
+
+@cli.command("push", epilog="""\b
+Examples:
+  diskkit push oci:./layout:fedora-40 quay.io/me/fedora:40
+  diskkit push docker://quay.io/me/fedora:40 oci-archive:fedora.tar
+  diskkit push --all docker://quay.io/me/fedora:40 docker://registry.local/me/fedora:40
+  diskkit push --tls-verify=false docker-archive:fedora.tar localhost:5000/fedora:40
+""")
+@click.argument("src")
+@click.argument("dest")
+@click.option("--platform", help="OS/ARCH to pick from a multi-platform index (default: this host's).")
+@click.option("--all", "all_platforms", is_flag=True, help="Copy every platform of an index, and the index itself.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object; events as JSON lines on stderr.")
+@registry_options
+def push_cmd(src, dest, platform, all_platforms, as_json, tls_verify, cert_dir, authfile, creds) -> None:
+    """Copy an image from any transport to any transport, as `skopeo copy` does.
+
+    Blobs the destination already has are skipped, blobs in another repository of the same
+    registry are mounted, the rest stream through with their digests verified. Manifests keep
+    their bytes and media type, so the digest printed is the source's.
+    """
+    from .copy import copy_image
+
+    result = copy_image(src, dest, _registry(tls_verify, cert_dir, authfile, creds), reporter_for(as_json), _platform(platform), all_platforms)
+    click.echo(json.dumps(result.to_json(), indent=2) if as_json else result.digest)
+
+
+@cli.command("delete", epilog="""\b
+Example:
+  diskkit delete --tls-verify=false docker://localhost:5000/disks/test:old
+""")
+@click.argument("ref")
+@registry_options
+def delete_cmd(ref, tls_verify, cert_dir, authfile, creds) -> None:
+    """Delete an image's manifest from a registry (the registry must allow deletes)."""
+    from .reference import parse_ref
+    from .transports.remote import delete
+
+    parsed = parse_ref(ref)
+    if parsed.transport != "docker":
+        raise DiskkitError(ref, "delete works on registry references (docker://)")
+    click.echo(delete(parsed, _registry(tls_verify, cert_dir, authfile, creds)))
 
 
 def _terminate(signum, frame):

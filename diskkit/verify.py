@@ -8,10 +8,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import diskheader, diskrules, qemuimg
-from .containerdisk import ANNOTATION_PATH, locate, wanted
+from .containerdisk import ANNOTATION_FORMAT, ANNOTATION_PATH, ANNOTATION_VIRTUAL_SIZE, locate, wanted
 from .errors import DiskkitError
 from .image import Image, Platform
-from .imagefs import Tree, extract_one, walk
+from .imagefs import extract_one, walk
+from .reference import parse_ref
+from .registry import RegistryOptions
 from .transports import open_source
 
 
@@ -50,8 +52,8 @@ class Report:
         return not self.problems
 
 
-def _scan(ref: str, platform: Platform | None, path: str | None, spool: Path, head_limit: int | None):
-    with open_source(ref) as source:
+def _scan(ref: str, platform: Platform | None, path: str | None, spool: Path, head_limit: int | None, registry: RegistryOptions | None):
+    with open_source(ref, registry) as source:
         image = source.image(platform)
         if path is None:
             path = (image.manifest.get("annotations") or {}).get(ANNOTATION_PATH) if head_limit else None
@@ -68,13 +70,13 @@ def _scan(ref: str, platform: Platform | None, path: str | None, spool: Path, he
         return image, tree, found, disk_file
 
 
-def verify(ref: str, path: str | None = None, platform: Platform | None = None) -> Report:
+def verify(ref: str, path: str | None = None, platform: Platform | None = None, registry: RegistryOptions | None = None) -> Report:
     """Every rule KubeVirt applies before booting, plus blob digests; problems are listed, not raised."""
     report = Report(ref)
     spool = Path(tempfile.mkdtemp(prefix="diskkit-verify-"))
     try:
         try:
-            image, tree, found, disk_file = _scan(ref, platform, path, spool, None)
+            image, tree, found, disk_file = _scan(ref, platform, path, spool, None, registry)
         except DiskkitError as exc:
             report.problems.append(exc.line())
             return report
@@ -118,12 +120,26 @@ def _disk_problems(disk_file: Path, shown: str, disk: DiskFacts) -> list[str]:
     return problems
 
 
-def inspect(ref: str, platform: Platform | None = None) -> Report:
-    """Manifest, config, layers and the disk's facts, reading only the disk's first bytes from the layers."""
+def inspect(ref: str, platform: Platform | None = None, registry: RegistryOptions | None = None) -> Report:
+    """Manifest, config, layers and the disk's facts.
+
+    Local images are read through (only the disk's first bytes are kept); registry images are
+    described from the manifest and config alone, without pulling layers, using the disk
+    annotations diskkit writes.
+    """
     report = Report(ref)
+    if parse_ref(ref).transport == "docker":
+        with open_source(ref, registry) as source:
+            report.image = source.image(platform)
+        notes = report.image.manifest.get("annotations") or {}
+        report.disk.path = notes.get(ANNOTATION_PATH)
+        report.disk.format = notes.get(ANNOTATION_FORMAT)
+        size = notes.get(ANNOTATION_VIRTUAL_SIZE)
+        report.disk.virtual_size = int(size) if size and size.isdigit() else None
+        return report
     spool = Path(tempfile.mkdtemp(prefix="diskkit-inspect-"))
     try:
-        image, tree, found, head_file = _scan(ref, platform, None, spool, diskheader.HEADER_BYTES)
+        image, tree, found, head_file = _scan(ref, platform, None, spool, diskheader.HEADER_BYTES, registry)
         report.image = image
         report.problems += tree.findings + found.problems
         _fill(report.disk, found)

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 from ..errors import DiskkitError
 from ..reference import ImageRef, parse_ref
+from ..registry import RegistryOptions
 from .base import Destination, Source
 
 
-def open_source(ref: ImageRef | str) -> Source:
+def open_source(ref: ImageRef | str, opts: RegistryOptions | None = None) -> Source:
     ref = parse_ref(ref) if isinstance(ref, str) else ref
+    if ref.transport == "docker":
+        from .remote import RemoteSource
+
+        return RemoteSource(ref, opts or RegistryOptions())
     if ref.transport == "oci":
         from .layout import LayoutSource
 
@@ -21,11 +26,15 @@ def open_source(ref: ImageRef | str) -> Source:
         from .dockerarchive import DockerArchiveSource
 
         return DockerArchiveSource(ref)
-    raise DiskkitError(str(ref), "registries (docker://) are not supported by this version of diskkit yet")
+    raise DiskkitError(str(ref), f"unknown transport {ref.transport}")
 
 
-def open_destination(ref: ImageRef | str, created: int = 0) -> Destination:
+def open_destination(ref: ImageRef | str, created: int = 0, opts: RegistryOptions | None = None) -> Destination:
     ref = parse_ref(ref) if isinstance(ref, str) else ref
+    if ref.transport == "docker":
+        from .remote import RemoteDestination
+
+        return RemoteDestination(ref, opts or RegistryOptions())
     if ref.transport == "oci":
         from .layout import LayoutDestination
 
@@ -38,4 +47,4 @@ def open_destination(ref: ImageRef | str, created: int = 0) -> Destination:
         from .dockerarchive import DockerArchiveDestination
 
         return DockerArchiveDestination(ref, created)
-    raise DiskkitError(str(ref), "registries (docker://) are not supported by this version of diskkit yet")
+    raise DiskkitError(str(ref), f"unknown transport {ref.transport}")

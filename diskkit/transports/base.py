@@ -24,6 +24,10 @@ class Destination:
 
     layer_compression: str | None = None
     docker_manifest = False
+    concurrent_blobs = False  # tar-stream destinations take one blob at a time
+
+    def has_blob(self, desc: Descriptor) -> bool:
+        return False
 
     def blob_writer(self, media_type: str) -> contextlib.AbstractContextManager["PendingBlob"]:
         raise NotImplementedError
@@ -36,7 +40,8 @@ class Destination:
             pending.commit(sha256_digest(data), len(data))
         return Descriptor(media_type, sha256_digest(data), len(data))
 
-    def put_manifest(self, data: bytes, media_type: str, platform: dict | None = None) -> Descriptor:
+    def put_manifest(self, data: bytes, media_type: str, platform: dict | None = None, child: bool = False) -> Descriptor:
+        """Store a manifest; `child` ones belong to an index and get no tag of their own."""
         raise NotImplementedError
 
     def commit(self) -> None:
@@ -97,6 +102,10 @@ class Source:
         finally:
             raw.close()
 
+    def read_manifest(self, desc: Descriptor) -> bytes:
+        """A manifest named by an index; in layouts and archives manifests are blobs."""
+        return self.read_small(desc)
+
     def manifest_descriptors(self) -> tuple[bytes, str, Descriptor | None]:
         data, media, desc = self.top_manifest()
         return data, manifest_media_type(parse_json(data, self.where), media), desc
@@ -106,7 +115,7 @@ class Source:
         obj = parse_json(data, self.where)
         if media in mt.INDEXES:
             desc = select_platform(obj, platform or Platform.host(), self.where)
-            data = self.read_small(desc)
+            data = self.read_manifest(desc)
             obj = parse_json(data, self.where)
             media = manifest_media_type(obj, desc.media_type)
         if media not in mt.MANIFESTS:

@@ -136,8 +136,8 @@ class DockerArchiveDestination(ArchiveWriter):
             if not pending.done:
                 self.tar.cancel()
 
-    def put_manifest(self, data: bytes, media_type: str, platform: dict | None = None) -> Descriptor:
-        if self.manifest is not None:
+    def put_manifest(self, data: bytes, media_type: str, platform: dict | None = None, child: bool = False) -> Descriptor:
+        if self.manifest is not None or child:
             raise DiskkitError(self.ref.path, "docker-archive destinations take one image")
         self.manifest = parse_json(data, "manifest")
         return Descriptor(media_type, sha256_digest(data), len(data))

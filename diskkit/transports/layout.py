@@ -154,8 +154,13 @@ class LayoutDestination(Destination):
                 pending.file.close()
                 pending.tmp.unlink(missing_ok=True)
 
-    def put_manifest(self, data: bytes, media_type: str, platform: dict | None = None) -> Descriptor:
+    def has_blob(self, desc: Descriptor) -> bool:
+        return (self.blobs / check_digest(desc.digest, str(self.root))).is_file()
+
+    def put_manifest(self, data: bytes, media_type: str, platform: dict | None = None, child: bool = False) -> Descriptor:
         desc = self.put_blob(data, media_type)
+        if child:
+            return desc
         annotations = {REF_NAME: self.tag} if self.tag else {}
         self.entries.append(Descriptor(media_type, desc.digest, desc.size, annotations, platform))
         return desc

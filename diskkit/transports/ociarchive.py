@@ -84,8 +84,10 @@ class OciArchiveDestination(ArchiveWriter):
         self.tar.add_dir("blobs")
         self.tar.add_dir("blobs/sha256")
 
-    def put_manifest(self, data: bytes, media_type: str, platform: dict | None = None) -> Descriptor:
+    def put_manifest(self, data: bytes, media_type: str, platform: dict | None = None, child: bool = False) -> Descriptor:
         desc = self.put_blob(data, media_type)
+        if child:
+            return desc
         annotations = {REF_NAME: self.ref.tag} if self.ref.tag else {}
         self.entries.append(Descriptor(media_type, sha256_digest(data), len(data), annotations, platform))
         return desc

@@ -1,0 +1,246 @@
+"""`docker://HOST/REPO[:TAG|@DIGEST]`: images in an OCI distribution registry."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import BinaryIO, Iterator
+
+from .. import mediatypes as mt
+from ..errors import DiskkitError
+from ..image import Descriptor, sha256_digest
+from ..reference import ImageRef
+from ..registry import Registry, RegistryError, RegistryOptions, ResumableBlob, check_status, scope
+from .base import Destination, Source
+
+ACCEPT = ", ".join([mt.OCI_MANIFEST, mt.OCI_INDEX, mt.DOCKER_MANIFEST, mt.DOCKER_LIST])
+UPLOAD_CHUNK = 16 << 20  # bytes held for resending after a dropped connection; bounds memory
+
+
+_registries: dict[tuple[str, RegistryOptions], Registry] = {}
+
+
+def registry_for(host: str, opts: RegistryOptions) -> Registry:
+    """One client per host and options, so tokens and connections are reused within a process."""
+    key = (host, opts)
+    if key not in _registries:
+        _registries[key] = Registry(host, opts)
+    return _registries[key]
+
+
+class RemoteSource(Source):
+    def __init__(self, ref: ImageRef, opts: RegistryOptions):
+        assert ref.name is not None
+        self.ref = ref
+        self.name = ref.name
+        self.where = str(ref)
+        self.registry = registry_for(self.name.registry, opts)
+        self.pull_scope = scope(self.name.repository, "pull")
+
+    def _get_manifest(self, reference: str) -> tuple[bytes, str | None]:
+        path = f"/v2/{self.name.repository}/manifests/{reference}"
+        response = self.registry.request("GET", path, self.pull_scope, headers={"Accept": ACCEPT}, what="GET manifest")
+        if response.status_code == 404:
+            raise RegistryError(self.where, f"manifest {reference} not found (HTTP 404)")
+        check_status(response, (200,), self.registry.host, f"GET manifest {reference}")
+        data = response.content
+        if len(data) > 4 << 20:
+            raise RegistryError(self.where, "manifest larger than 4 MiB refused")
+        if reference.startswith("sha256:") and sha256_digest(data) != reference:
+            raise RegistryError(self.where, f"manifest does not match the digest it was fetched by ({reference})")
+        header = response.headers.get("Docker-Content-Digest")
+        if header and header.startswith("sha256:") and header != sha256_digest(data):
+            raise RegistryError(self.where, f"manifest does not match the registry's Docker-Content-Digest {header}")
+        return data, (response.headers.get("Content-Type") or "").split(";")[0] or None
+
+    def top_manifest(self):
+        data, media = self._get_manifest(self.name.reference)
+        desc = None
+        if self.name.digest:
+            desc = Descriptor(media or mt.OCI_MANIFEST, self.name.digest, len(data))
+        return data, media, desc
+
+    def read_manifest(self, desc: Descriptor) -> bytes:
+        data, _ = self._get_manifest(desc.digest)
+        return data
+
+    def open_blob(self, desc: Descriptor) -> BinaryIO:
+        return ResumableBlob(self.registry, self.name.repository, desc.digest, desc.size)
+
+
+class _Upload:
+    """A chunked upload session (POST, PATCH..., PUT ?digest=) that resumes after a dropped connection.
+
+    Writes accumulate into one chunk; each full chunk is PATCHed with its Content-Range. If the
+    connection drops, the upload status (GET on the session) says how much arrived, and the
+    rest of the chunk is sent again. Only the current chunk is ever held in memory.
+    """
+
+    def __init__(self, dest: "RemoteDestination"):
+        self.dest = dest
+        self.registry = dest.registry
+        self.offset = 0  # bytes the registry has acknowledged
+        self.buffer = bytearray()
+        self.location = self._start()
+        self.done = False
+
+    def _start(self) -> str:
+        response = self.registry.request("POST", f"/v2/{self.dest.repository}/blobs/uploads/", self.dest.push_scope, headers={"Content-Length": "0"}, expect=(202,), what="start upload")
+        check_status(response, (202,), self.registry.host, f"start blob upload to {self.dest.repository}")
+        return self.registry.resolve(response.headers["Location"])
+
+    def write(self, data) -> None:
+        self.buffer += data
+        if len(self.buffer) >= UPLOAD_CHUNK:
+            self._flush()
+
+    def _flush(self) -> None:
+        sent = 0
+        failures = 0
+        while sent < len(self.buffer):
+            chunk = bytes(self.buffer[sent:])
+            start = self.offset
+            headers = {
+                "Content-Type": "application/octet-stream",
+                "Content-Range": f"{start}-{start + len(chunk) - 1}",
+                "Content-Length": str(len(chunk)),
+            }
+            try:
+                response = self.registry.request("PATCH", self.location, self.dest.push_scope, headers=headers, body=chunk, expect=(202,), what="upload chunk", retry=False)
+            except RegistryError:
+                failures += 1
+                if failures > self.registry.opts.retries:
+                    raise
+                acknowledged = self._status()
+                sent += acknowledged - self.offset
+                self.offset = acknowledged
+                continue
+            if response.status_code == 416:
+                failures += 1
+                if failures > self.registry.opts.retries:
+                    check_status(response, (202,), self.registry.host, f"upload chunk at {start}")
+                acknowledged = self._status()
+                sent += acknowledged - self.offset
+                self.offset = acknowledged
+                continue
+            check_status(response, (202,), self.registry.host, f"upload chunk at {start}")
+            self.location = self.registry.resolve(response.headers.get("Location", self.location))
+            self.offset = start + len(chunk)
+            sent = len(self.buffer)
+        self.buffer.clear()
+
+    def _status(self) -> int:
+        """Bytes the registry holds for this session, from the Range header of GET on the session."""
+        response = self.registry.request("GET", self.location, self.dest.push_scope, expect=(204,), what="upload status")
+        check_status(response, (204,), self.registry.host, "upload status")
+        self.location = self.registry.resolve(response.headers.get("Location", self.location))
+        end = int(response.headers.get("Range", "0-0").rsplit("-", 1)[1])
+        # "0-0" means nothing received yet as well as one byte; nothing is the reading that can recover.
+        return end + 1 if end or self.offset else 0
+
+    def commit(self, digest: str, size: int) -> None:
+        self._flush()
+        if self.offset != size:
+            raise RegistryError(self.registry.host, f"uploaded {self.offset} bytes of blob {digest[:19]}, expected {size}")
+        sep = "&" if "?" in self.location else "?"
+        response = self.registry.request("PUT", f"{self.location}{sep}digest={digest}", self.dest.push_scope, headers={"Content-Length": "0"}, body=b"", expect=(201,), what="finish upload")
+        check_status(response, (201, 204), self.registry.host, f"finish upload of {digest[:19]}")
+        self.done = True
+
+    def cancel(self) -> None:
+        with contextlib.suppress(DiskkitError, OSError):
+            self.registry.request("DELETE", self.location, self.dest.push_scope, expect=(204,), what="cancel upload", retry=False)
+
+
+class RemoteDestination(Destination):
+    concurrent_blobs = True
+
+    def __init__(self, ref: ImageRef, opts: RegistryOptions):
+        assert ref.name is not None
+        self.ref = ref
+        self.repository = ref.name.repository
+        self.registry = registry_for(ref.name.registry, opts)
+        self.push_scope = scope(self.repository, "pull,push")
+
+    def has_blob(self, desc: Descriptor) -> bool:
+        response = self.registry.request("HEAD", f"/v2/{self.repository}/blobs/{desc.digest}", self.push_scope, expect=(200,), what="HEAD blob")
+        return response.status_code == 200
+
+    def mount(self, desc: Descriptor, from_repository: str) -> bool:
+        """Cross-repository mount: the registry links a blob it already holds, nothing is sent."""
+        both = f"{self.push_scope} {scope(from_repository, 'pull')}"
+        response = self.registry.request(
+            "POST", f"/v2/{self.repository}/blobs/uploads/?mount={desc.digest}&from={from_repository}", both,
+            headers={"Content-Length": "0"}, expect=(201, 202), what="mount blob",
+        )
+        if response.status_code == 201:
+            return True
+        if response.status_code == 202 and "Location" in response.headers:
+            with contextlib.suppress(DiskkitError):
+                self.registry.request("DELETE", self.registry.resolve(response.headers["Location"]), self.push_scope, expect=(204,), retry=False)
+        return False
+
+    @contextlib.contextmanager
+    def blob_writer(self, media_type: str) -> Iterator[_Upload]:
+        upload = _Upload(self)
+        try:
+            yield upload
+        finally:
+            if not upload.done:
+                upload.cancel()
+
+    def put_blob(self, data: bytes, media_type: str) -> Descriptor:
+        desc = Descriptor(media_type, sha256_digest(data), len(data))
+        if self.has_blob(desc):
+            return desc
+        # Small blobs go up monolithically: POST, then one PUT carrying the bytes.
+        start = self.registry.request("POST", f"/v2/{self.repository}/blobs/uploads/", self.push_scope, headers={"Content-Length": "0"}, expect=(202,), what="start upload")
+        check_status(start, (202,), self.registry.host, f"start blob upload to {self.repository}")
+        location = self.registry.resolve(start.headers["Location"])
+        sep = "&" if "?" in location else "?"
+        response = self.registry.request(
+            "PUT", f"{location}{sep}digest={desc.digest}", self.push_scope,
+            headers={"Content-Type": "application/octet-stream", "Content-Length": str(len(data))}, body=data, expect=(201,), what="upload blob",
+        )
+        check_status(response, (201, 204), self.registry.host, f"upload blob {desc.digest[:19]}")
+        return desc
+
+    def put_manifest(self, data: bytes, media_type: str, platform: dict | None = None, child: bool = False) -> Descriptor:
+        digest = sha256_digest(data)
+        name = self.ref.name
+        if child or not (name.tag or name.digest):
+            reference = digest
+        elif name.digest:
+            if name.digest != digest:
+                raise DiskkitError(str(self.ref), f"the manifest hashes to {digest}, not the digest in the reference")
+            reference = digest
+        else:
+            reference = name.tag
+        response = self.registry.request(
+            "PUT", f"/v2/{self.repository}/manifests/{reference}", self.push_scope,
+            headers={"Content-Type": media_type}, body=data, expect=(201,), what="PUT manifest",
+        )
+        check_status(response, (201, 200, 202), self.registry.host, f"PUT manifest {reference}")
+        return Descriptor(media_type, digest, len(data), platform=platform)
+
+    def commit(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+
+def delete(ref: ImageRef, opts: RegistryOptions) -> str:
+    """Delete a manifest by digest (resolving a tag first), as `skopeo delete` does."""
+    assert ref.name is not None
+    registry = registry_for(ref.name.registry, opts)
+    repo_scope = scope(ref.name.repository, "pull,push,delete")
+    digest = ref.name.digest
+    if not digest:
+        response = registry.request("HEAD", f"/v2/{ref.name.repository}/manifests/{ref.name.tag}", repo_scope, headers={"Accept": ACCEPT}, what="HEAD manifest")
+        check_status(response, (200,), registry.host, f"find {ref.name.tag}")
+        digest = response.headers.get("Docker-Content-Digest")
+        if not digest:
+            raise RegistryError(registry.host, "registry did not say which digest the tag points to")
+    response = registry.request("DELETE", f"/v2/{ref.name.repository}/manifests/{digest}", repo_scope, expect=(202,), what="DELETE manifest")
+    check_status(response, (202, 200), registry.host, f"delete {digest}")
+    return digest
