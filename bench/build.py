@@ -10,7 +10,8 @@ What it measures, on one qcow2 made from real files (an ext4 image filled from /
 
 Each variant runs as whole processes, --runs times, interleaved (A B C A B C ...). Reported:
 median wall time, median CPU time (user+sys), median peak RSS (ru_maxrss from os.wait4, which
-covers the process and the children it reaped, e.g. qemu-img) and the compressed output size.
+covers the process and the children it reaped, e.g. qemu-img; taken through a tiny helper
+so this script's own memory does not leak into the figure) and the compressed output size.
 Targets: umoci/diskkit wall time >= 2x, diskkit peak RSS < 150 MiB, 4x-disk RSS about the same as
 the normal one. PASS/MISS is printed for each, but the exit status is 0 whatever the figures.
 
@@ -40,7 +41,10 @@ from pathlib import Path
 
 MIB = 1 << 20
 USR = Path("/usr")
-USR_PARTS = ("share", "lib", "bin", "sbin", "libexec", "include")  # distro content; /usr/local varies too much
+# Filled in this order, so a disk holds a mix like a root filesystem's: binaries, then data, then
+# libraries. /usr/local is left out: it varies too much between machines.
+USR_PARTS = ("bin", "sbin", "libexec", "share", "lib", "include")
+CACHE_VERSION = 2  # bump when the way disks are made changes, so cached ones are remade
 DEFAULT_SIZE_MB = 700
 DEFAULT_RUNS = 3
 LARGE_FACTOR = 4
@@ -52,6 +56,23 @@ DEFAULT_WORKDIR = Path(__file__).resolve().parent.parent / "build" / "bench"
 TARGET_SPEEDUP = 2.0
 TARGET_RSS_MIB = 150
 RSS_FLAT_TOLERANCE = 1.2  # 4x-disk RSS within 20% of the normal one counts as "about the same"
+
+# Runs argv[2:] and writes its wall time, CPU time and ru_maxrss (KiB) as JSON to argv[1].
+MEASURE_HELPER = """
+import json, os, sys, time
+start = time.perf_counter()
+pid = os.fork()
+if pid == 0:
+    try:
+        os.execvp(sys.argv[2], sys.argv[2:])
+    finally:
+        os._exit(127)
+_, status, ru = os.wait4(pid, 0)
+wall = time.perf_counter() - start
+with open(sys.argv[1], "w") as f:
+    json.dump({"status": os.waitstatus_to_exitcode(status), "wall": wall,
+               "cpu": ru.ru_utime + ru.ru_stime, "maxrss": ru.ru_maxrss}, f)
+"""
 
 
 # --------------------------------------------------------------------------- test data
@@ -86,12 +107,15 @@ def measure(path: Path, seen: set[tuple[int, int]]) -> Node:
 
 
 def fill(node: Node, budget: int, picks: list[Node]) -> int:
-    """Greedy: take whole subtrees that fit, split those that do not. Returns the bytes taken."""
+    """In name order, take whole subtrees that fit and descend into those that do not.
+
+    Name order (not biggest first) keeps the natural mix of small and large files. Returns the bytes taken.
+    """
     if node.size <= budget:
         picks.append(node)
         return node.size
     taken = 0
-    for child in sorted(node.children, key=lambda c: (-c.size, str(c.path))):
+    for child in node.children:
         if budget - taken <= 0:
             break
         taken += fill(child, budget - taken, picks)
@@ -100,16 +124,15 @@ def fill(node: Node, budget: int, picks: list[Node]) -> int:
 
 def pick_usr_content(target: int) -> list[list[Node]]:
     """Rounds of /usr paths adding up to `target` bytes; more than one round when /usr is too small."""
-    roots = [measure(USR / part, set()) for part in USR_PARTS if (USR / part).is_dir()]
-    usr = Node(USR, 0, 0, roots)
-    usr.size = sum(r.size for r in roots)
-    usr.inodes = sum(r.inodes for r in roots)
-    if usr.size == 0:
+    seen: set[tuple[int, int]] = set()
+    roots = [measure(USR / part, seen) for part in USR_PARTS if (USR / part).is_dir()]
+    if sum(r.size for r in roots) == 0:
         raise SystemExit(f"nothing to copy under {USR}")
     rounds, remaining = [], target
     while remaining > target * FILL_SLACK:
         picks: list[Node] = []
-        remaining -= fill(usr, remaining, picks)
+        for root in roots:
+            remaining -= fill(root, remaining, picks)
         if not picks:
             break
         rounds.append(picks)
@@ -138,7 +161,7 @@ def make_disk(workdir: Path, content_mb: int, log) -> dict:
     disk, meta_path = workdir / f"{name}.qcow2", workdir / f"{name}.json"
     if disk.is_file() and meta_path.is_file():
         meta = json.loads(meta_path.read_text())
-        if meta.get("qcow2_bytes") == disk.stat().st_size:
+        if meta.get("version") == CACHE_VERSION and meta.get("qcow2_bytes") == disk.stat().st_size:
             return meta
     log(f"making {disk.name}: picking {content_mb} MiB of files from {USR} ...")
     rounds = pick_usr_content(content_mb * MIB)
@@ -161,12 +184,14 @@ def make_disk(workdir: Path, content_mb: int, log) -> dict:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     meta = {
+        "version": CACHE_VERSION,
         "path": str(disk),
         "content_mb": content_mb,
         "content_bytes": content,
         "files": inodes,
         "rounds": len(rounds),
-        "sources": sorted({str(p.path) for picks in rounds for p in picks})[:20],
+        "picks": sum(len(picks) for picks in rounds),
+        "first_picks": [str(p.path) for p in rounds[0][:20]],
         "ext4_mb": image_mb,
         "qcow2_bytes": disk.stat().st_size,
     }
@@ -175,7 +200,9 @@ def make_disk(workdir: Path, content_mb: int, log) -> dict:
 
 
 def warm_cache(path: Path) -> None:
-    """Read the disk once so no timed run pays for the first read from storage."""
+    """Flush pending writeback (e.g. a disk just made), then read the disk once so no timed run
+    pays for the first read from storage."""
+    os.sync()
     with open(path, "rb") as f:
         while f.read(8 * MIB):
             pass
@@ -214,6 +241,24 @@ def tree_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
 
+def run_measured(cmd: list[str], log_path: Path) -> tuple[float, float, int]:
+    """Wall s, CPU s and peak RSS KiB of `cmd`, measured by a small helper process.
+
+    ru_maxrss is inherited through exec (Linux keeps the highest RSS the process ever had, and a
+    vfork()ed child shares its parent's memory), so a child spawned straight from this process would
+    report at least this process's own peak. The helper is a fresh `python -I -S` (about 7 MiB).
+    """
+    result = log_path.with_suffix(".json")
+    with open(log_path, "w+b") as log:
+        proc = subprocess.run([sys.executable, "-I", "-S", "-c", MEASURE_HELPER, str(result), *cmd],
+                              stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        figures = json.loads(result.read_text()) if result.is_file() else {"status": proc.returncode}
+        if proc.returncode != 0 or figures["status"] != 0:
+            log.seek(0)
+            raise SystemExit(f"{' '.join(cmd)} failed ({figures['status']}):\n{log.read().decode(errors='replace')}")
+    return figures["wall"], figures["cpu"], figures["maxrss"]
+
+
 def run_once(variant: str, disk: Path, workdir: Path) -> Sample:
     """Runs the variant's processes in turn into a fresh layout; wall and CPU summed, RSS the max."""
     run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=workdir))
@@ -222,17 +267,8 @@ def run_once(variant: str, disk: Path, workdir: Path) -> Sample:
     rss = 0
     try:
         for cmd in commands(variant, disk, layout):
-            with open(run_dir / "out.log", "w+b") as log:
-                start = time.perf_counter()
-                proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-                _, status, usage = os.wait4(proc.pid, 0)
-                wall += time.perf_counter() - start
-                proc.returncode = os.waitstatus_to_exitcode(status)
-                if proc.returncode != 0:
-                    log.seek(0)
-                    raise SystemExit(f"{variant}: {' '.join(cmd)} failed ({proc.returncode}):\n{log.read().decode(errors='replace')}")
-            cpu += usage.ru_utime + usage.ru_stime
-            rss = max(rss, usage.ru_maxrss)
+            w, c, r = run_measured(cmd, run_dir / "out.log")
+            wall, cpu, rss = wall + w, cpu + c, max(rss, r)
         return Sample(wall, cpu, rss, tree_bytes(layout))
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -302,8 +338,8 @@ def checks(results: dict[str, Result]) -> list[dict]:
 def print_table(disks: list[dict], results: dict[str, Result], found: list[dict], runs: int) -> None:
     for d in disks:
         print(f"{Path(d['path']).name}: {d['qcow2_bytes'] / MIB:.0f} MiB qcow2, "
-              f"{d['content_bytes'] / MIB:.0f} MiB in {d['files']} files from {USR}")
-    print(f"\nmedian of {runs} run(s); RSS = ru_maxrss of the process tree\n")
+              f"{d['content_bytes'] / MIB:.0f} MiB in {d['files']} files+dirs from {USR}")
+    print(f"\nmedian of {runs} run(s); RSS = ru_maxrss, the largest single process (diskkit or a qemu-img it ran; umoci: any of its 3 steps)\n")
     print(f"{'variant':16} {'disk':18} {'wall s':>8} {'cpu s':>8} {'RSS MiB':>8} {'out MiB':>8}  runs")
     for r in results.values():
         print(f"{r.variant:16} {r.disk:18} {r.wall_s:8.2f} {r.cpu_s:8.2f} {r.rss_mib:8.1f} {r.output_mib:8.1f}  {len(r.samples)}")

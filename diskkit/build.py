@@ -17,8 +17,9 @@ from .layer import LayerResult, entries_for, write_layer
 from .mediatypes import DOCKER_CONFIG, OCI_CONFIG, OCI_INDEX, docker_layer, oci_layer
 from .progress import Reporter
 from .reference import parse_ref
-from .registry import RegistryOptions
+from .registryoptions import RegistryOptions
 from .transports import open_destination
+from .transports.base import with_restarts
 
 DISK_FORMATS = ("keep", "qcow2", "raw")
 
@@ -181,9 +182,14 @@ def _build_one(opts, dest, plat: Platform, source: Path, info, workdir: Path, re
     layer_media = docker_layer(compression) if docker else oci_layer(compression)
     total = sum(e.size for e in entries)
     label = f"{plat} {image_disk_path}" if child else image_disk_path
-    with dest.blob_writer(layer_media) as pending, reporter.task(label, total) as task:
-        layer = write_layer(entries, pending, compression, opts.level, opts.created, task.advance)
-        pending.commit(layer.digest, layer.size)
+
+    def send() -> LayerResult:
+        with dest.blob_writer(layer_media) as pending, reporter.task(label, total) as task:
+            result = write_layer(entries, pending, compression, opts.level, opts.created, task.advance)
+            pending.commit(result.digest, result.size)
+        return result
+
+    layer = with_restarts(send, reporter, f"layer {image_disk_path}")
     reporter.event({"event": "blob", "digest": layer.digest, "size": layer.size, "status": "uploaded"})
     layer_desc = Descriptor(layer_media, layer.digest, layer.size)
     config = make_config(plat, [layer.diff_id], opts.created, opts.labels, opts.env, "diskkit build")

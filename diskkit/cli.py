@@ -15,7 +15,7 @@ from .compression import KINDS
 from .errors import DiskkitError
 from .image import Platform
 from .progress import reporter_for
-from .registry import RegistryOptions
+from .registryoptions import RegistryOptions
 from .verify import describe, inspect, verify
 
 
@@ -39,6 +39,8 @@ def registry_options(command):
         click.option("--creds", metavar="USER:PASS", help="Registry credentials (else the auth file is used)."),
         click.option("--authfile", type=click.Path(dir_okay=False), help="Auth file (default: $REGISTRY_AUTH_FILE, then ${XDG_RUNTIME_DIR}/containers/auth.json, then ~/.docker/config.json)."),
         click.option("--cert-dir", type=click.Path(file_okay=False), help="Directory of *.crt CAs and *.cert/*.key client certificates for the registry."),
+        click.option("--retry-times", type=click.IntRange(0, 20), default=5, show_default=True, help="Retries on connection errors, 408, 429 and 5xx."),
+        click.option("--retry-delay", type=click.FloatRange(0, 60), default=0.5, show_default=True, metavar="SECONDS", help="First backoff delay; doubles per retry, with jitter (Retry-After wins)."),
         click.option("--tls-verify", type=click.BOOL, default=True, is_flag=False, flag_value=True, show_default=True, metavar="BOOL", help="Require HTTPS and verify certificates (--tls-verify=false also allows plain HTTP)."),
     ]
     for option in options:
@@ -46,8 +48,8 @@ def registry_options(command):
     return command
 
 
-def _registry(tls_verify: bool, cert_dir: str | None, authfile: str | None, creds: str | None) -> RegistryOptions:
-    return RegistryOptions(tls_verify=tls_verify, cert_dir=cert_dir, authfile=authfile, creds=creds)
+def _registry(tls_verify: bool, cert_dir: str | None, authfile: str | None, creds: str | None, retry_times: int = 5, retry_delay: float = 0.5) -> RegistryOptions:
+    return RegistryOptions(tls_verify=tls_verify, cert_dir=cert_dir, authfile=authfile, creds=creds, retries=retry_times, backoff=retry_delay)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -128,7 +130,7 @@ Examples:
 @click.option("--env", multiple=True, metavar="KEY=VALUE", help="Config environment variable (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the digest; progress as JSON lines on stderr.")
 @registry_options
-def build_cmd(src, dest, image_path, disk_format, compression, level, kernel, initrd, platforms, label, annotation, env, as_json, tls_verify, cert_dir, authfile, creds) -> None:
+def build_cmd(src, dest, image_path, disk_format, compression, level, kernel, initrd, platforms, label, annotation, env, as_json, tls_verify, cert_dir, authfile, creds, retry_times, retry_delay) -> None:
     """Package disk SRC as a scratch-based containerDisk image.
 
     One layer holds /disk/ (0555) and /disk/<name> (0440), both owned by qemu (107:107), as KubeVirt
@@ -162,7 +164,7 @@ def build_cmd(src, dest, image_path, disk_format, compression, level, kernel, in
         created=source_epoch(),
         platforms=[(Platform.parse(p.split("=", 1)[0]), Path(p.split("=", 1)[1])) for p in per_platform],
     )
-    result = build(opts, reporter_for(as_json), _registry(tls_verify, cert_dir, authfile, creds))
+    result = build(opts, reporter_for(as_json), _registry(tls_verify, cert_dir, authfile, creds, retry_times, retry_delay))
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=2))
     else:
@@ -182,12 +184,12 @@ Examples:
 @click.option("--platform", help="OS/ARCH to pick from a multi-platform index (default: this host's).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @registry_options
-def inspect_cmd(ref: str, platform: str | None, as_json: bool, tls_verify, cert_dir, authfile, creds) -> None:
+def inspect_cmd(ref: str, platform: str | None, as_json: bool, tls_verify, cert_dir, authfile, creds, retry_times, retry_delay) -> None:
     """Show an image's manifest, config, layers and disk (path, format, virtual size, owner, mode).
 
     Registry images are described without pulling their layers.
     """
-    report = inspect(ref, _platform(platform), _registry(tls_verify, cert_dir, authfile, creds))
+    report = inspect(ref, _platform(platform), _registry(tls_verify, cert_dir, authfile, creds, retry_times, retry_delay))
     data = describe(report)
     if as_json:
         click.echo(json.dumps(data, indent=2))
@@ -228,14 +230,14 @@ Examples:
 @click.option("--platform", help="OS/ARCH to pick from a multi-platform index (default: this host's).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @registry_options
-def verify_cmd(ref: str, image_path: str | None, platform: str | None, as_json: bool, tls_verify, cert_dir, authfile, creds) -> None:
+def verify_cmd(ref: str, image_path: str | None, platform: str | None, as_json: bool, tls_verify, cert_dir, authfile, creds, retry_times, retry_delay) -> None:
     """Check an image (ours or anyone's) the way KubeVirt consumes it; exit 1 listing every violation.
 
     Checks every blob digest and diffID, finds the disk as KubeVirt does (exactly one entry in
     /disk, or --path resolved inside the image), that UID 107 can read it, and that it is raw or
     qcow2 with no backing file, no external data file and no corruption.
     """
-    report = verify(ref, image_path, _platform(platform), _registry(tls_verify, cert_dir, authfile, creds))
+    report = verify(ref, image_path, _platform(platform), _registry(tls_verify, cert_dir, authfile, creds, retry_times, retry_delay))
     if as_json:
         click.echo(json.dumps({**describe(report), "ok": report.ok}, indent=2))
     elif report.ok:
@@ -260,7 +262,7 @@ Examples:
 @click.option("--all", "all_platforms", is_flag=True, help="Copy every platform of an index, and the index itself.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object; events as JSON lines on stderr.")
 @registry_options
-def push_cmd(src, dest, platform, all_platforms, as_json, tls_verify, cert_dir, authfile, creds) -> None:
+def push_cmd(src, dest, platform, all_platforms, as_json, tls_verify, cert_dir, authfile, creds, retry_times, retry_delay) -> None:
     """Copy an image from any transport to any transport, as `skopeo copy` does.
 
     Blobs the destination already has are skipped, blobs in another repository of the same
@@ -269,7 +271,7 @@ def push_cmd(src, dest, platform, all_platforms, as_json, tls_verify, cert_dir, 
     """
     from .copy import copy_image
 
-    result = copy_image(src, dest, _registry(tls_verify, cert_dir, authfile, creds), reporter_for(as_json), _platform(platform), all_platforms)
+    result = copy_image(src, dest, _registry(tls_verify, cert_dir, authfile, creds, retry_times, retry_delay), reporter_for(as_json), _platform(platform), all_platforms)
     click.echo(json.dumps(result.to_json(), indent=2) if as_json else result.digest)
 
 
@@ -279,7 +281,7 @@ Example:
 """)
 @click.argument("ref")
 @registry_options
-def delete_cmd(ref, tls_verify, cert_dir, authfile, creds) -> None:
+def delete_cmd(ref, tls_verify, cert_dir, authfile, creds, retry_times, retry_delay) -> None:
     """Delete an image's manifest from a registry (the registry must allow deletes)."""
     from .reference import parse_ref
     from .transports.remote import delete
@@ -287,7 +289,7 @@ def delete_cmd(ref, tls_verify, cert_dir, authfile, creds) -> None:
     parsed = parse_ref(ref)
     if parsed.transport != "docker":
         raise DiskkitError(ref, "delete works on registry references (docker://)")
-    click.echo(delete(parsed, _registry(tls_verify, cert_dir, authfile, creds)))
+    click.echo(delete(parsed, _registry(tls_verify, cert_dir, authfile, creds, retry_times, retry_delay)))
 
 
 def _terminate(signum, frame):

@@ -40,7 +40,9 @@ def compressor(kind: str, level: int | None = None) -> Compressor:
     if kind == "zstd":
         if not 1 <= level <= 19:
             raise DiskkitError("--level", "zstd levels are 1-19")
-        return zstandard.ZstdCompressor(level=level, threads=2, write_checksum=False).compressobj()
+        # 4 MiB jobs keep the two workers' buffers near 60 MiB instead of about 100 MiB.
+        params = zstandard.ZstdCompressionParameters.from_level(level, threads=2, job_size=4 << 20)
+        return zstandard.ZstdCompressor(compression_params=params).compressobj()
     if kind == "none":
         return _Identity()
     raise DiskkitError(kind, f"unknown compression; use one of {', '.join(KINDS)}")

@@ -14,12 +14,12 @@ from . import mediatypes as mt
 from .compression import decompressing_reader
 from .digestio import HashingReader
 from .errors import DiskkitError
-from .image import Descriptor, Platform, canonical_json, manifest_media_type, parse_json, select_platform, sha256_digest
+from .image import Descriptor, Platform, canonical_json, docker_to_oci, manifest_media_type, parse_json, select_platform, sha256_digest
 from .progress import Reporter
 from .reference import ImageRef, parse_ref
-from .registry import RegistryOptions
+from .registryoptions import RegistryOptions
 from .transports import open_destination, open_source
-from .transports.base import Destination, Source
+from .transports.base import Destination, Source, with_restarts
 
 COPY_CHUNK = 1 << 20
 PARALLEL_BLOBS = 3
@@ -54,9 +54,14 @@ def copy_image(
             if media in mt.INDEXES and all_platforms:
                 if destination.docker_manifest:
                     raise DiskkitError(str(dest_ref), "docker-archive holds a single image; choose one with --platform instead of --all")
-                for child in parse_json(data, source.where).get("manifests") or []:
+                index = parse_json(data, source.where)
+                children = []
+                for child in index.get("manifests") or []:
                     desc = Descriptor.from_json(child, source.where)
-                    copier.image(_child_manifest(source, desc), desc.media_type, desc.platform, child=True)
+                    copied = copier.image(_child_manifest(source, desc), desc.media_type, desc.platform, child=True)
+                    children.append({**child, "mediaType": copied.media_type, "digest": copied.digest, "size": copied.size})
+                if destination.oci_only and media == mt.DOCKER_LIST:
+                    data, media = canonical_json(docker_to_oci({**index, "manifests": children})), mt.OCI_INDEX
                 top = destination.put_manifest(data, media)
             elif media in mt.INDEXES:
                 desc = select_platform(parse_json(data, source.where), platform or Platform.host(), source.where)
@@ -86,6 +91,9 @@ class _Copier:
 
     def image(self, data: bytes, media: str, platform: dict | None, child: bool = False) -> Descriptor:
         manifest = parse_json(data, self.source.where)
+        if self.dest.oci_only and media == mt.DOCKER_MANIFEST:
+            manifest = docker_to_oci(manifest)
+            data, media = canonical_json(manifest), mt.OCI_MANIFEST
         config = Descriptor.from_json(manifest["config"], self.source.where)
         layers = [Descriptor.from_json(layer, self.source.where) for layer in manifest.get("layers") or []]
         if self.dest.layer_compression == "none" and any(mt.layer_compression(l.media_type) != "none" for l in layers):
@@ -106,13 +114,17 @@ class _Copier:
         if self.mount_from and self.dest.mount(desc, self.mount_from):
             self._status(desc, "mounted")
             return
-        with self.source.blob(desc) as reader, self.dest.blob_writer(desc.media_type) as writer:
-            with self.reporter.task(f"blob {desc.digest[7:19]}", desc.size) as task:
-                while chunk := reader.read(COPY_CHUNK):
-                    writer.write(chunk)
-                    task.advance(len(chunk))
-                reader.drain()  # raises unless size and digest match
-            writer.commit(desc.digest, desc.size)
+
+        def send() -> None:
+            with self.source.blob(desc) as reader, self.dest.blob_writer(desc.media_type) as writer:
+                with self.reporter.task(f"blob {desc.digest[7:19]}", desc.size) as task:
+                    while chunk := reader.read(COPY_CHUNK):
+                        writer.write(chunk)
+                        task.advance(len(chunk))
+                    reader.drain()  # raises unless size and digest match
+                writer.commit(desc.digest, desc.size)
+
+        with_restarts(send, self.reporter, f"blob {desc.digest[:19]}")
         self._status(desc, "uploaded")
 
     def _status(self, desc: Descriptor, status: str) -> None:

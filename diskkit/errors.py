@@ -15,3 +15,15 @@ class DiskkitError(Exception):
         text = f"{self.subject}: {self.rule}" if self.subject else self.rule
         # One line, always: multi-line tool output would hide the rule.
         return " ".join(text.split())
+
+
+class RegistryError(DiskkitError):
+    """A registry answered or failed in a way the operation cannot get past."""
+
+
+class AuthError(RegistryError):
+    pass
+
+
+class UploadLost(RegistryError):
+    """The upload session cannot be resumed; the blob must be sent again from its first byte."""

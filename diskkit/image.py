@@ -192,3 +192,35 @@ def select_platform(index: dict, plat: Platform, where: str) -> Descriptor:
         if d.platform
     )
     raise DiskkitError(where, f"no image for platform {plat} (the index offers: {offered or 'none'})")
+
+
+_TO_OCI = {
+    mt.DOCKER_MANIFEST: mt.OCI_MANIFEST,
+    mt.DOCKER_LIST: mt.OCI_INDEX,
+    mt.DOCKER_CONFIG: mt.OCI_CONFIG,
+    mt.DOCKER_LAYER: mt.OCI_LAYER,
+    mt.DOCKER_LAYER_GZIP: mt.OCI_LAYER_GZIP,
+    mt.DOCKER_LAYER_ZSTD: mt.OCI_LAYER_ZSTD,
+    "application/vnd.docker.image.rootfs.foreign.diff.tar.gzip": mt.OCI_LAYER_NONDIST_GZIP,
+}
+
+
+def to_oci_media(media_type: str) -> str:
+    return _TO_OCI.get(media_type, media_type)
+
+
+def docker_to_oci(manifest: dict) -> dict:
+    """A schema2 manifest or manifest list restated with OCI media types, blobs unchanged.
+
+    OCI layouts may only index OCI types (skopeo and umoci ignore the rest), so images copied
+    into them are converted as containers/image does; the digest changes, the content does not.
+    """
+    out = dict(manifest)
+    out["mediaType"] = to_oci_media(manifest.get("mediaType", ""))
+    for key in ("config",):
+        if key in out:
+            out[key] = {**out[key], "mediaType": to_oci_media(out[key]["mediaType"])}
+    for key in ("layers", "manifests"):
+        if key in out:
+            out[key] = [{**item, "mediaType": to_oci_media(item["mediaType"])} for item in out[key]]
+    return out

@@ -134,6 +134,39 @@ class _Stopped(Exception):
     pass
 
 
+class _Writer(threading.Thread):
+    """Hashes and writes the compressed stream, so the sink (a file or an upload) overlaps compression."""
+
+    def __init__(self, sink: BlobSink, hashed: bool):
+        super().__init__(daemon=True)
+        self.sink = sink
+        self.hash = hashlib.sha256() if hashed else None
+        self.size = 0
+        self.error: BaseException | None = None
+        self.queue: queue.Queue = queue.Queue(QUEUE_DEPTH)
+
+    def run(self) -> None:
+        while True:
+            data = self.queue.get()
+            if data is None:
+                return
+            if self.error is not None:
+                continue  # keep draining so the producer never blocks
+            try:
+                if self.hash is not None:
+                    self.hash.update(data)
+                self.sink.write(data)
+                self.size += len(data)
+            except BaseException as exc:
+                self.error = exc
+
+    def put(self, data) -> None:
+        if self.error is not None:
+            raise self.error
+        if data:
+            self.queue.put(data)
+
+
 def write_layer(
     entries: list[Entry],
     sink: BlobSink,
@@ -142,23 +175,15 @@ def write_layer(
     mtime: int = 0,
     advance: Callable[[int], None] | None = None,
 ) -> LayerResult:
+    """Three stages on two cores: read+tar+diffID | compress | blob digest+write, joined by bounded queues."""
     comp = compressor(compression, level)
     diff = hashlib.sha256()
-    blob = hashlib.sha256() if compression != "none" else diff
-    size = 0
     chunks: queue.Queue = queue.Queue(QUEUE_DEPTH)
     stop = threading.Event()
     reader = threading.Thread(target=_produce, args=(entries, mtime, chunks, diff, stop), daemon=True)
+    writer = _Writer(sink, hashed=compression != "none")
     reader.start()
-
-    def emit(data: bytes | memoryview) -> None:
-        nonlocal size
-        if data:
-            if blob is not diff:
-                blob.update(data)
-            sink.write(data)
-            size += len(data)
-
+    writer.start()
     try:
         while True:
             item = chunks.get()
@@ -166,11 +191,16 @@ def write_layer(
                 break
             if isinstance(item, BaseException):
                 raise item
-            emit(comp.compress(item))
+            writer.put(comp.compress(item))
             if advance:
                 advance(len(item))
-        emit(comp.flush())
+        writer.put(comp.flush())
     finally:
         stop.set()
         reader.join()
-    return LayerResult("sha256:" + blob.hexdigest(), size, "sha256:" + diff.hexdigest(), compression)
+        writer.queue.put(None)
+        writer.join()
+    if writer.error is not None:
+        raise writer.error
+    blob = writer.hash or diff
+    return LayerResult("sha256:" + blob.hexdigest(), writer.size, "sha256:" + diff.hexdigest(), compression)

@@ -26,33 +26,12 @@ import requests
 import urllib3
 
 from . import authfile
-from .errors import DiskkitError
+from .errors import AuthError, DiskkitError, RegistryError
+from .registryoptions import RegistryOptions
 
 RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 USER_AGENT = "diskkit/0.1"
 _CHALLENGE_PARAM = re.compile(r'(\w+)="([^"]*)"|(\w+)=([^\s,]+)')
-
-
-@dataclass(frozen=True)
-class RegistryOptions:
-    """The flags every registry-facing command takes, as skopeo's subcommands do."""
-
-    tls_verify: bool = True
-    cert_dir: str | None = None
-    authfile: str | None = None
-    creds: str | None = None
-    retries: int = 5
-    backoff: float = 0.5  # first delay in seconds; doubles per attempt, with jitter
-    max_delay: float = 30.0
-    timeout: float = 60.0
-
-
-class RegistryError(DiskkitError):
-    pass
-
-
-class AuthError(RegistryError):
-    pass
 
 
 def parse_challenge(header: str) -> tuple[str, dict[str, str]]:
@@ -208,10 +187,11 @@ class Registry:
                         realm,
                         data={**query, "grant_type": "refresh_token", "refresh_token": creds.identity_token, "client_id": "diskkit"},
                         timeout=self.opts.timeout,
+                        verify=self.session.verify,
                     )
                 else:
                     auth = (creds.username, creds.password) if creds else None
-                    response = self.session.get(realm, params=query, auth=auth, timeout=self.opts.timeout)
+                    response = self.session.get(realm, params=query, auth=auth, timeout=self.opts.timeout, verify=self.session.verify)
             except requests.exceptions.RequestException as exc:
                 if attempt == self.opts.retries:
                     raise RegistryError(self.host, f"token service {realm} unreachable ({_reason(exc)})") from None
@@ -238,8 +218,10 @@ class Registry:
 
     def _send(self, method: str, url: str, headers: dict, body: Body, stream: bool) -> requests.Response:
         data = body() if callable(body) else body
+        # verify= is passed on every call: requests lets REQUESTS_CA_BUNDLE override a session's setting.
         return self.session.request(
-            method, url, headers=headers, data=data, stream=stream, timeout=self.opts.timeout, allow_redirects=True
+            method, url, headers=headers, data=data, stream=stream, timeout=self.opts.timeout, allow_redirects=True,
+            verify=self.session.verify,
         )
 
     def request(
@@ -363,7 +345,8 @@ class ResumableBlob(io.RawIOBase):
         while True:
             try:
                 assert self._response is not None
-                data = self._response.raw.read(len(buf))
+                # Small reads: on a reset, only what is inside the failing read is lost and re-fetched.
+                data = self._response.raw.read(min(len(buf), 1 << 16))
             except (urllib3.exceptions.HTTPError, requests.exceptions.RequestException, OSError) as exc:
                 data = None
                 failure: BaseException | None = exc

@@ -13,7 +13,7 @@ from .errors import DiskkitError
 from .image import Image, Platform
 from .imagefs import extract_one, walk
 from .reference import parse_ref
-from .registry import RegistryOptions
+from .registryoptions import RegistryOptions
 from .transports import open_source
 
 

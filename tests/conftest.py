@@ -11,7 +11,10 @@ from pathlib import Path
 
 import pytest
 
-REQUIRED_TOOLS = ("qemu-img", "qemu-io", "skopeo", "umoci", "qemu-system-x86_64", "xorriso")
+from tests.distribution import auth_registry, registry, tls_registry, token_registry  # noqa: F401  (fixtures)
+from tests.faultproxy import FaultProxy
+
+REQUIRED_TOOLS = ("qemu-img", "qemu-io", "skopeo", "umoci", "buildah", "docker-registry", "qemu-system-x86_64", "xorriso")
 
 
 def pytest_sessionstart(session):
@@ -67,3 +70,18 @@ def raw_disk(tmp_path: Path) -> Path:
 
 def run(*cmd: str | os.PathLike, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([str(c) for c in cmd], check=True, capture_output=True, text=True, **kw)
+
+
+@pytest.fixture
+def fault_proxy():
+    """A factory: fault_proxy(registry) puts a fault-injecting proxy in front of that registry."""
+    proxies = []
+
+    def make(target):
+        proxy = FaultProxy(target.host)
+        proxies.append(proxy)
+        return proxy
+
+    yield make
+    for proxy in proxies:
+        proxy.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..errors import DiskkitError
 from ..reference import ImageRef, parse_ref
-from ..registry import RegistryOptions
+from ..registryoptions import RegistryOptions
 from .base import Destination, Source
 
 

@@ -7,7 +7,7 @@ from typing import BinaryIO, Iterator, Protocol
 
 from .. import mediatypes as mt
 from ..digestio import VerifyingReader, read_verified
-from ..errors import DiskkitError
+from ..errors import DiskkitError, UploadLost
 from ..image import Descriptor, Image, Platform, check_digest, manifest_media_type, parse_json, select_platform
 
 
@@ -25,6 +25,7 @@ class Destination:
     layer_compression: str | None = None
     docker_manifest = False
     concurrent_blobs = False  # tar-stream destinations take one blob at a time
+    oci_only = False  # OCI layouts index OCI media types only
 
     def has_blob(self, desc: Descriptor) -> bool:
         return False
@@ -136,3 +137,14 @@ class Source:
 
 def blob_path_hex(digest: str, where: str) -> str:
     return check_digest(digest, where)
+
+
+def with_restarts(send, reporter, what: str, attempts: int = 3):
+    """Run `send` (which streams one blob from its start) again when the registry lost the session."""
+    for attempt in range(attempts):
+        try:
+            return send()
+        except UploadLost as lost:
+            if attempt == attempts - 1:
+                raise
+            reporter.note(f"{what}: {lost.rule}; sending it again from the start")

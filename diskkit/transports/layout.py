@@ -120,6 +120,8 @@ class _PendingFile:
 
 
 class LayoutDestination(Destination):
+    oci_only = True
+
     """Writes into a new directory (staged under a temporary name, renamed at commit) or adds to an existing layout."""
 
     def __init__(self, ref: ImageRef, created: int = 0):

@@ -77,6 +77,8 @@ class ArchiveWriter(Destination):
 
 
 class OciArchiveDestination(ArchiveWriter):
+    oci_only = True
+
     def __init__(self, ref: ImageRef, created: int = 0):
         super().__init__(ref, created)
         self.entries: list[Descriptor] = []

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import BinaryIO, Iterator
 
 from .. import mediatypes as mt
 from ..errors import DiskkitError
 from ..image import Descriptor, sha256_digest
 from ..reference import ImageRef
-from ..registry import Registry, RegistryError, RegistryOptions, ResumableBlob, check_status, scope
+from ..errors import AuthError, RegistryError, UploadLost
+from ..registry import RETRY_STATUS, Registry, ResumableBlob, check_status, retry_after, scope
+from ..registryoptions import RegistryOptions
 from .base import Destination, Source
 
 ACCEPT = ", ".join([mt.OCI_MANIFEST, mt.OCI_INDEX, mt.DOCKER_MANIFEST, mt.DOCKER_LIST])
@@ -72,7 +75,8 @@ class _Upload:
 
     Writes accumulate into one chunk; each full chunk is PATCHed with its Content-Range. If the
     connection drops, the upload status (GET on the session) says how much arrived, and the
-    rest of the chunk is sent again. Only the current chunk is ever held in memory.
+    rest of the chunk is sent again. Only the current chunk is ever held in memory, so a
+    registry that drops the session instead (UploadLost) needs the blob produced again.
     """
 
     def __init__(self, dest: "RemoteDestination"):
@@ -104,20 +108,21 @@ class _Upload:
                 "Content-Range": f"{start}-{start + len(chunk) - 1}",
                 "Content-Length": str(len(chunk)),
             }
+            error: RegistryError | None = None
             try:
                 response = self.registry.request("PATCH", self.location, self.dest.push_scope, headers=headers, body=chunk, expect=(202,), what="upload chunk", retry=False)
-            except RegistryError:
-                failures += 1
-                if failures > self.registry.opts.retries:
-                    raise
-                acknowledged = self._status()
-                sent += acknowledged - self.offset
-                self.offset = acknowledged
-                continue
-            if response.status_code == 416:
-                failures += 1
-                if failures > self.registry.opts.retries:
+            except AuthError:
+                raise
+            except RegistryError as exc:
+                response, error = None, exc
+            if response is None or response.status_code in RETRY_STATUS or response.status_code == 416:
+                # Dropped, refused for now, or out of step: ask the session how much arrived, go on from there.
+                if failures >= self.registry.opts.retries:
+                    if error is not None:
+                        raise error
                     check_status(response, (202,), self.registry.host, f"upload chunk at {start}")
+                time.sleep(retry_after(response, failures, self.registry.opts))
+                failures += 1
                 acknowledged = self._status()
                 sent += acknowledged - self.offset
                 self.offset = acknowledged
@@ -131,6 +136,9 @@ class _Upload:
     def _status(self) -> int:
         """Bytes the registry holds for this session, from the Range header of GET on the session."""
         response = self.registry.request("GET", self.location, self.dest.push_scope, expect=(204,), what="upload status")
+        if response.status_code in (400, 404):
+            # distribution 2.8 and others drop a session whose chunk arrived in part: start over.
+            raise UploadLost(self.registry.host, f"the registry dropped the upload session after an interrupted chunk (HTTP {response.status_code})")
         check_status(response, (204,), self.registry.host, "upload status")
         self.location = self.registry.resolve(response.headers.get("Location", self.location))
         end = int(response.headers.get("Range", "0-0").rsplit("-", 1)[1])

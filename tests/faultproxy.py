@@ -1,0 +1,453 @@
+"""A fault-injecting HTTP/1.1 reverse proxy to put in front of a real (plain-HTTP) registry.
+
+Client -> proxy and proxy -> upstream are both plain HTTP.  Every request is forwarded unchanged
+(Host header included, so distribution builds Location URLs that point back at the proxy) unless a
+registered ``Fault`` matches it.  Bodies are streamed in 64 KiB pieces in both directions.
+
+Actions (``Fault.action``):
+
+``drop``
+    Requests without a body (GET, HEAD, DELETE, body-less PUT...): forward, send the status line,
+    headers and the first ``arg`` bytes of the response body, then reset the connection.
+    Requests with a body (PATCH, PUT with data, POST with data): the whole body is read from the
+    client; if the path is an upload URL (``/blobs/uploads/``) and ``arg`` > 0, the first ``arg``
+    bytes are sent upstream as a ``PATCH`` to the same URL (so the registry holds a partial upload
+    the client must discover with a GET on the upload URL); then the client connection is reset
+    without any answer.  Logged with status 0.
+``status``      answer ``int(arg)`` with ``{"errors": []}``, not forwarded.
+``retry_after`` answer 429 with ``Retry-After: int(arg)``, not forwarded.
+``flip``        forward; flip the lowest bit of response-body byte ``int(arg)``.
+``truncate``    forward; send only ``int(arg)`` body bytes (Content-Length unchanged), then close.
+``stall``       wait ``arg`` seconds, then forward normally.
+
+Faults are tried in the order added; the first live one whose method (or ``"*"``) equals the
+request method and whose ``path`` regex is found (``re.search``) in the request target — path plus
+query string — applies and uses up one of its ``times``.
+"""
+
+from __future__ import annotations
+
+import http.client
+import http.server
+import json
+import re
+import socket
+import socketserver
+import struct
+import threading
+from dataclasses import dataclass
+
+CHUNK = 64 * 1024
+UPSTREAM_TIMEOUT = 60.0
+CLIENT_TIMEOUT = 60.0
+MAX_CONNECTIONS = 64
+MAX_STALL = 120.0
+
+ACTIONS = ("drop", "status", "retry_after", "flip", "truncate", "stall")
+# Hop-by-hop headers, never forwarded in either direction (RFC 9110 section 7.6.1), plus Expect (answered here).
+HOP_BY_HOP = {
+    "connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+    "transfer-encoding", "upgrade", "expect",
+}
+
+
+@dataclass
+class Fault:
+    method: str
+    path: str
+    action: str
+    times: int = 1
+    arg: float = 0
+
+    def __post_init__(self):
+        if self.action not in ACTIONS:
+            raise ValueError(f"unknown fault action {self.action!r} (one of {', '.join(ACTIONS)})")
+        self._regex = re.compile(self.path)
+
+    def matches(self, method: str, target: str) -> bool:
+        return self.times > 0 and self.method in ("*", method) and self._regex.search(target) is not None
+
+
+class _Abort(Exception):
+    """Stop handling this connection (it has been, or must be, closed)."""
+
+
+class _Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    block_on_close = False
+    request_queue_size = MAX_CONNECTIONS
+
+    def __init__(self, proxy: "FaultProxy"):
+        self.proxy = proxy
+        super().__init__(("127.0.0.1", 0), _Handler)
+
+    def process_request(self, request, client_address):
+        if not self.proxy._track(request):
+            self.shutdown_request(request)  # over the connection limit, or closing
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.proxy._untrack(request)
+
+    def handle_error(self, request, client_address):
+        pass  # broken client connections are part of the job
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    timeout = CLIENT_TIMEOUT
+    server: _Server
+
+    def log_message(self, *args):
+        pass
+
+    def handle(self):
+        try:
+            super().handle()
+        except (_Abort, OSError, http.client.HTTPException):
+            self.close_connection = True
+
+    # every method goes through the same path
+    def __getattr__(self, name: str):
+        if name.startswith("do_"):
+            return self._proxy_request
+        raise AttributeError(name)
+
+    # --- request body -------------------------------------------------------------------------
+
+    def _body_kind(self) -> tuple[str, int]:
+        te = self.headers.get("Transfer-Encoding", "")
+        if te:
+            if te.strip().lower() != "chunked":
+                self._reply(501, {"errors": [{"code": "UNSUPPORTED", "message": f"transfer-encoding {te}"}]}, close=True)
+                raise _Abort()
+            return "chunked", -1
+        length = self.headers.get("Content-Length")
+        if length is None:
+            return "none", 0
+        try:
+            n = int(length)
+            if n < 0:
+                raise ValueError
+        except ValueError:
+            self._reply(400, {"errors": [{"code": "BAD_REQUEST", "message": "bad Content-Length"}]}, close=True)
+            raise _Abort()
+        return ("length", n) if n else ("none", 0)
+
+    def _body_pieces(self, kind: str, length: int):
+        """Yield the request body from the client in pieces of at most CHUNK bytes."""
+        rfile = self.rfile
+        if kind == "length":
+            left = length
+            while left:
+                piece = rfile.read(min(CHUNK, left))
+                if not piece:
+                    raise _Abort()
+                left -= len(piece)
+                yield piece
+        elif kind == "chunked":
+            while True:
+                line = rfile.readline(1024)
+                if not line.endswith(b"\n"):
+                    raise _Abort()
+                try:
+                    size = int(line.split(b";", 1)[0].strip(), 16)
+                except ValueError:
+                    raise _Abort() from None
+                if size == 0:
+                    for _ in range(100):  # trailers, up to the empty line
+                        trailer = rfile.readline(8192)
+                        if trailer in (b"\r\n", b"\n", b""):
+                            return
+                    raise _Abort()
+                while size:
+                    piece = rfile.read(min(CHUNK, size))
+                    if not piece:
+                        raise _Abort()
+                    size -= len(piece)
+                    yield piece
+                if rfile.readline(3) not in (b"\r\n", b"\n"):
+                    raise _Abort()
+
+    def _drain(self, kind: str, length: int) -> int:
+        return sum(len(p) for p in self._body_pieces(kind, length))
+
+    # --- responses ----------------------------------------------------------------------------
+
+    def _reply(self, status: int, body: dict, headers: dict | None = None, close: bool = False) -> None:
+        data = json.dumps(body).encode()
+        self.send_response_only(status)
+        self.send_header("Content-Type", "application/json; charset=utf-8")
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Docker-Distribution-Api-Version", "registry/2.0")
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        if close:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+        self.wfile.flush()
+        self.server.proxy._log(self.command, self.path, status)
+
+    def _reset(self) -> None:
+        """Close the client connection abruptly (RST)."""
+        self.close_connection = True
+        try:
+            self.wfile.flush()
+        except OSError:
+            pass
+        try:
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        except OSError:
+            pass
+        try:
+            self.connection.close()
+        except OSError:
+            pass
+        raise _Abort()
+
+    # --- forwarding ---------------------------------------------------------------------------
+
+    def _upstream_headers(self) -> list[tuple[str, str]]:
+        hop = HOP_BY_HOP | {h.strip().lower() for h in self.headers.get("Connection", "").split(",") if h.strip()}
+        headers = [(k, v) for k, v in self.headers.items() if k.lower() not in hop and k.lower() != "content-length"]
+        if self.headers.get("Host") is None:
+            headers.append(("Host", self.server.proxy.host))
+        return headers
+
+    def _send_upstream(self, method: str, headers: list[tuple[str, str]], body, length: int | None, chunked: bool):
+        proxy = self.server.proxy
+        conn = http.client.HTTPConnection(proxy.upstream_host, proxy.upstream_port, timeout=UPSTREAM_TIMEOUT)
+        try:
+            conn.putrequest(method, self.path, skip_host=True, skip_accept_encoding=True)
+            for k, v in headers:
+                conn.putheader(k, v)
+            if chunked:
+                conn.putheader("Transfer-Encoding", "chunked")
+            elif length is not None:
+                conn.putheader("Content-Length", str(length))
+            conn.putheader("Connection", "close")
+            conn.endheaders()
+            try:
+                for piece in body or ():
+                    if chunked:
+                        conn.send(b"%x\r\n%s\r\n" % (len(piece), piece))
+                    else:
+                        conn.send(piece)
+                if chunked:
+                    conn.send(b"0\r\n\r\n")
+            except OSError:
+                # The upstream stopped reading (it answered early, e.g. 401/404): relay its answer if there
+                # is one; the rest of the client's body is unread, so that connection must close afterwards.
+                self.close_connection = True
+            return conn, conn.getresponse()
+        except BaseException:
+            conn.close()
+            raise
+
+    def _proxy_request(self) -> None:
+        proxy = self.server.proxy
+        kind, length = self._body_kind()
+        fault = proxy._take(self.command, self.path)
+        action = fault.action if fault else None
+
+        if action == "status" or action == "retry_after":
+            self._drain(kind, length)
+            if action == "status":
+                self._reply(int(fault.arg), {"errors": []})
+            else:
+                self._reply(429, {"errors": [{"code": "TOOMANYREQUESTS", "message": "injected", "detail": None}]},
+                            {"Retry-After": str(int(fault.arg))})
+            return
+        if action == "stall":
+            if proxy._closing.wait(min(max(float(fault.arg), 0.0), MAX_STALL)):
+                self._reset()
+        if action == "drop" and kind != "none":
+            keep = int(fault.arg)
+            prefix = bytearray()
+            for piece in self._body_pieces(kind, length):
+                if len(prefix) < keep:
+                    prefix += piece[: keep - len(prefix)]
+            if prefix and "/blobs/uploads/" in self.path:
+                headers = [(k, v) for k, v in self._upstream_headers() if k.lower() not in ("content-range", "content-type")]
+                headers.append(("Content-Type", "application/octet-stream"))
+                try:
+                    conn, resp = self._send_upstream("PATCH", headers, [bytes(prefix)], len(prefix), False)
+                    resp.read()
+                    conn.close()
+                except (OSError, http.client.HTTPException):
+                    pass
+            proxy._log(self.command, self.path, 0)
+            self._reset()
+
+        body = self._body_pieces(kind, length) if kind != "none" else None
+        try:
+            conn, resp = self._send_upstream(
+                self.command, self._upstream_headers(), body,
+                length if kind == "length" else (0 if self.command in ("POST", "PUT", "PATCH") else None),
+                kind == "chunked",
+            )
+        except _Abort:
+            raise
+        except (OSError, http.client.HTTPException) as e:
+            # The client body may be half read: answer, then close.
+            self._reply(502, {"errors": [{"code": "BAD_GATEWAY", "message": f"upstream: {e}"}]}, close=True)
+            self.close_connection = True
+            return
+        try:
+            self._relay(resp, fault)
+        finally:
+            conn.close()
+
+    def _relay(self, resp: http.client.HTTPResponse, fault: Fault | None) -> None:
+        action = fault.action if fault else None
+        upstream_chunked = (resp.getheader("Transfer-Encoding") or "").lower() == "chunked"
+        no_body = self.command == "HEAD" or resp.status in (204, 304) or 100 <= resp.status < 200
+        hop = HOP_BY_HOP | {h.strip().lower() for h in (resp.getheader("Connection") or "").split(",") if h.strip()}
+        self.send_response_only(resp.status, resp.reason)
+        for k, v in resp.getheaders():
+            if k.lower() not in hop:
+                self.send_header(k, v)
+        rechunk = upstream_chunked and not no_body
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        if rechunk:
+            self.send_header("Transfer-Encoding", "chunked")
+        elif not no_body and resp.getheader("Content-Length") is None:
+            # Body delimited by upstream EOF: pass it on the same way.
+            self.send_header("Connection", "close")
+        self.end_headers()
+        self.server.proxy._log(self.command, self.path, resp.status)
+
+        limit = None
+        if action in ("drop", "truncate"):
+            limit = int(fault.arg)
+        flip_at = int(fault.arg) if action == "flip" else -1
+        sent = 0
+        if not no_body:
+            while True:
+                piece = resp.read(CHUNK)
+                if not piece:
+                    break
+                if 0 <= flip_at - sent < len(piece):
+                    i = flip_at - sent
+                    piece = piece[:i] + bytes([piece[i] ^ 0x01]) + piece[i + 1:]
+                if limit is not None and sent + len(piece) >= limit:
+                    piece = piece[: limit - sent]
+                    self._write(piece, rechunk)
+                    sent += len(piece)
+                    break
+                self._write(piece, rechunk)
+                sent += len(piece)
+            if limit is None and rechunk:
+                self.wfile.write(b"0\r\n\r\n")
+        if limit is not None:
+            if action == "drop":
+                self._reset()
+            self.close_connection = True
+            self.wfile.flush()
+            try:
+                self.connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            raise _Abort()
+        if resp.getheader("Connection", "").lower() == "close" and not no_body and not rechunk \
+                and resp.getheader("Content-Length") is None:
+            self.close_connection = True
+        self.wfile.flush()
+
+    def _write(self, piece: bytes, chunked: bool) -> None:
+        if not piece:
+            return
+        if chunked:
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+        else:
+            self.wfile.write(piece)
+
+
+class FaultProxy:
+    """``FaultProxy(upstream)`` listens on ``host`` (127.0.0.1, free port) and forwards to ``upstream``."""
+
+    def __init__(self, upstream: str):
+        up_host, _, up_port = upstream.rpartition(":")
+        if up_host not in ("127.0.0.1", "localhost") or not up_port.isdigit():
+            raise ValueError(f"upstream must be a loopback host:port, got {upstream!r}")
+        self.upstream = upstream
+        self.upstream_host, self.upstream_port = up_host, int(up_port)
+        self.log: list[tuple[str, str, int]] = []
+        self._faults: list[Fault] = []
+        self._lock = threading.Lock()
+        self._closing = threading.Event()
+        self._connections: set[socket.socket] = set()
+        self._server = _Server(self)
+        self.host = f"127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
+                                        name=f"faultproxy-{self.host}", daemon=True)
+        self._thread.start()
+
+    def url(self, path: str = "/v2/") -> str:
+        return f"http://{self.host}{path}"
+
+    def add(self, fault: Fault) -> None:
+        with self._lock:
+            self._faults.append(fault)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._faults.clear()
+
+    @property
+    def pending(self) -> list[Fault]:
+        """Faults not used up yet."""
+        with self._lock:
+            return [f for f in self._faults if f.times > 0]
+
+    def _take(self, method: str, target: str) -> Fault | None:
+        with self._lock:
+            for fault in self._faults:
+                if fault.matches(method, target):
+                    fault.times -= 1
+                    return fault
+        return None
+
+    def _log(self, method: str, path: str, status: int) -> None:
+        with self._lock:
+            self.log.append((method, path, status))
+
+    def _track(self, sock: socket.socket) -> bool:
+        with self._lock:
+            if self._closing.is_set() or len(self._connections) >= MAX_CONNECTIONS:
+                return False
+            self._connections.add(sock)
+            return True
+
+    def _untrack(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._connections.discard(sock)
+
+    def close(self) -> None:
+        if self._closing.is_set():
+            return
+        self._closing.set()
+        self._server.shutdown()
+        self._server.server_close()
+        with self._lock:
+            connections = list(self._connections)
+        for sock in connections:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> "FaultProxy":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
