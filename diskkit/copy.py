@@ -116,6 +116,11 @@ class _Copier:
             return
 
         def send() -> None:
+            if hasattr(self.dest, "put_blob_stream"):
+                with self.source.blob(desc) as reader, self.reporter.task(f"blob {desc.digest[7:19]}", desc.size) as task:
+                    self.dest.put_blob_stream(desc, reader, task.advance)
+                    reader.drain()
+                return
             with self.source.blob(desc) as reader, self.dest.blob_writer(desc.media_type) as writer:
                 with self.reporter.task(f"blob {desc.digest[7:19]}", desc.size) as task:
                     while chunk := reader.read(COPY_CHUNK):

@@ -1,16 +1,40 @@
 #!/usr/bin/env bash
-# The main job end to end: build the test guest disk, package it as a containerDisk image,
-# inspect and verify it the way KubeVirt will consume it.
+# The main job end to end: build the test guest disk, package it as a containerDisk image and
+# push it to a registry started here, read it back, and verify it the way KubeVirt will.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export PATH="$PWD/.venv/bin:$PATH"
-work=build/demo
-rm -rf "$work" && mkdir -p "$work"
+work=$PWD/build/demo
+rm -rf "$work" && mkdir -p "$work/registry"
 
+port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+cat > "$work/registry/config.yml" <<YAML
+version: 0.1
+log: {level: error}
+storage:
+  filesystem: {rootdirectory: $work/registry/data}
+  delete: {enabled: true}
+http: {addr: 127.0.0.1:$port, secret: demo}
+YAML
+docker-registry serve "$work/registry/config.yml" >"$work/registry/log" 2>&1 &
+registry_pid=$!
+trap 'kill $registry_pid 2>/dev/null || true' EXIT
+python3 - "$port" <<'PY'
+import socket, sys, time
+for _ in range(100):
+    try:
+        socket.create_connection(("127.0.0.1", int(sys.argv[1])), 0.2).close()
+        break
+    except OSError:
+        time.sleep(0.1)
+PY
+
+image=127.0.0.1:$port/disks/testguest:v1
 step() { printf '\n\033[1m$ %s\033[0m\n' "$*"; "$@"; }
 
-step diskkit build build/testguest/testguest.qcow2 -t "oci:$work/layout:testguest"
-step diskkit inspect "oci:$work/layout:testguest"
-step diskkit verify "oci:$work/layout:testguest"
-step skopeo inspect --format '{{.Digest}} {{.Os}}/{{.Architecture}} layers={{len .Layers}}' "oci:$work/layout:testguest"
+step diskkit build build/testguest/testguest.qcow2 -t "$image" --tls-verify=false
+step diskkit inspect --tls-verify=false "docker://$image"
+step diskkit push --tls-verify=false "docker://$image" "oci:$work/pulled:testguest"
+step diskkit verify "oci:$work/pulled:testguest"
+step skopeo inspect --tls-verify=false --format '{{.Digest}} {{.Os}}/{{.Architecture}} layers={{len .Layers}}' "docker://$image"

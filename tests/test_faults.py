@@ -164,3 +164,15 @@ def test_failed_pushes_lose_nothing_already_in_the_registry(diskkit, registry, f
     info = json.loads(run("skopeo", "inspect", "--tls-verify=false", f"docker://{target}").stdout)
     assert info["Digest"] == out["digest"]
     assert diskkit("verify", *FAST, target).code == 0
+
+
+def test_copy_upload_dropped_mid_stream_is_sent_again(diskkit, registry, fault_proxy, noisy_disk, tmp_path):
+    layout = f"oci:{tmp_path / 'layout'}:v1"
+    assert diskkit("build", noisy_disk, "-t", layout).code == 0
+    proxy = fault_proxy(registry)
+    proxy.add(Fault("PUT", "/blobs/uploads/", "drop", arg=1 << 20))
+    name = f"faults-{uuid.uuid4().hex[:8]}"
+    result = diskkit("push", *FAST, layout, f"{proxy.host}/{name}:v1")
+    assert result.code == 0, result.err
+    assert "sending it again from the start" in result.err
+    assert diskkit("verify", *FAST, f"{registry.host}/{name}:v1").code == 0

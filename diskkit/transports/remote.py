@@ -159,6 +159,21 @@ class _Upload:
             self.registry.request("DELETE", self.location, self.dest.push_scope, expect=(204,), what="cancel upload", retry=False)
 
 
+class _SizedBody:
+    """A request body that streams from a reader; its length lets requests send Content-Length."""
+
+    def __init__(self, reader: BinaryIO, size: int, advance):
+        self.reader, self.size, self.advance = reader, size, advance
+
+    def __len__(self) -> int:
+        return self.size
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.reader.read(n if n and n > 0 else 1 << 20)
+        self.advance(len(data))
+        return data
+
+
 class RemoteDestination(Destination):
     concurrent_blobs = True
 
@@ -211,6 +226,30 @@ class RemoteDestination(Destination):
         )
         check_status(response, (201, 204), self.registry.host, f"upload blob {desc.digest[:19]}")
         return desc
+
+    def put_blob_stream(self, desc: Descriptor, reader: BinaryIO, advance) -> None:
+        """Monolithic streaming upload of a blob whose source can be read again: POST, then one PUT.
+
+        The body streams from the (verifying) reader; a drop or a 5xx makes the whole blob go
+        again (UploadLost), which a copy can do since its source re-opens.
+        """
+        start = self.registry.request("POST", f"/v2/{self.repository}/blobs/uploads/", self.push_scope, headers={"Content-Length": "0"}, expect=(202,), what="start upload")
+        check_status(start, (202,), self.registry.host, f"start blob upload to {self.repository}")
+        location = self.registry.resolve(start.headers["Location"])
+        sep = "&" if "?" in location else "?"
+        headers = {"Content-Type": "application/octet-stream", "Content-Length": str(desc.size)}
+        try:
+            response = self.registry.request(
+                "PUT", f"{location}{sep}digest={desc.digest}", self.push_scope,
+                headers=headers, body=_SizedBody(reader, desc.size, advance), expect=(201,), what="upload blob", retry=False,
+            )
+        except AuthError:
+            raise
+        except RegistryError as exc:
+            raise UploadLost(self.registry.host, f"upload of {desc.digest[:19]} interrupted ({exc.rule})") from None
+        if response.status_code in RETRY_STATUS:
+            raise UploadLost(self.registry.host, f"upload of {desc.digest[:19]} refused for now (HTTP {response.status_code})")
+        check_status(response, (201, 204), self.registry.host, f"upload blob {desc.digest[:19]}")
 
     def put_manifest(self, data: bytes, media_type: str, platform: dict | None = None, child: bool = False) -> Descriptor:
         digest = sha256_digest(data)

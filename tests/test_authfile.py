@@ -1,0 +1,70 @@
+"""Where credentials come from, in skopeo's and podman's order."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+
+from diskkit import authfile
+from diskkit.errors import DiskkitError
+
+
+def _auth(user: str, password: str) -> dict:
+    return {"auth": base64.b64encode(f"{user}:{password}".encode()).decode()}
+
+
+@pytest.fixture
+def homes(tmp_path, monkeypatch):
+    home, runtime = tmp_path / "home", tmp_path / "run"
+    (home / ".docker").mkdir(parents=True)
+    (runtime / "containers").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    monkeypatch.delenv("REGISTRY_AUTH_FILE", raising=False)
+    monkeypatch.delenv("DOCKER_CONFIG", raising=False)
+    return home, runtime
+
+
+def test_order_creds_then_authfile_then_xdg_then_docker(homes, tmp_path, monkeypatch):
+    home, runtime = homes
+    (home / ".docker" / "config.json").write_text(json.dumps({"auths": {"r.example": _auth("docker", "d")}}))
+    assert authfile.lookup("r.example") == authfile.Credentials("docker", "d")
+    (runtime / "containers" / "auth.json").write_text(json.dumps({"auths": {"r.example": _auth("podman", "p")}}))
+    assert authfile.lookup("r.example").username == "podman"
+    env_file = tmp_path / "env.json"
+    env_file.write_text(json.dumps({"auths": {"https://r.example/v2/": _auth("env", "e")}}))
+    monkeypatch.setenv("REGISTRY_AUTH_FILE", str(env_file))
+    assert authfile.lookup("r.example").username == "env"
+    explicit = tmp_path / "explicit.json"
+    explicit.write_text(json.dumps({"auths": {"r.example": _auth("flag", "f")}}))
+    assert authfile.lookup("r.example", authfile=str(explicit)).username == "flag"
+    assert authfile.lookup("r.example", creds="cli:secret:with:colons") == authfile.Credentials("cli", "secret:with:colons")
+    assert authfile.lookup("other.example") is None
+
+
+def test_docker_hub_index_url_and_identity_token(homes):
+    home, _ = homes
+    config = {"auths": {"https://index.docker.io/v1/": _auth("hubuser", "x"), "t.example": {"identitytoken": "refresh-me"}}}
+    (home / ".docker" / "config.json").write_text(json.dumps(config))
+    assert authfile.lookup("docker.io").username == "hubuser"
+    token = authfile.lookup("t.example")
+    assert token.identity_token == "refresh-me"
+    assert "refresh-me" not in repr(token)
+    assert "sekrit" not in repr(authfile.Credentials("u", "sekrit")) and "sekrit" not in str(authfile.Credentials("u", "sekrit"))
+
+
+def test_bad_inputs(homes, tmp_path):
+    with pytest.raises(DiskkitError, match="must be USERNAME:PASSWORD"):
+        authfile.lookup("r.example", creds="nocolon")
+    with pytest.raises(DiskkitError, match="auth file does not exist"):
+        authfile.lookup("r.example", authfile=str(tmp_path / "missing.json"))
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    with pytest.raises(DiskkitError, match="cannot be parsed"):
+        authfile.lookup("r.example", authfile=str(broken))
+    helper = tmp_path / "helper.json"
+    helper.write_text(json.dumps({"credHelpers": {"r.example": "nonexistent-helper-xyz"}}))
+    with pytest.raises(DiskkitError, match="credential helper for r.example is not installed"):
+        authfile.lookup("r.example", authfile=str(helper))
