@@ -52,7 +52,6 @@ class BuildResult:
     disk_path: str
     disk_format: str
     virtual_size: int
-    notes: list[str]
     images: list["BuildResult"] = field(default_factory=list)
     descriptor: Descriptor | None = None
 
@@ -147,14 +146,13 @@ def build(opts: BuildOptions, reporter: Reporter, registry: RegistryOptions | No
             check_input_file(artifact[1], "kernel-boot file")
     sources = opts.platforms or [(opts.platform, opts.source)]
     infos = [examine_disk(source) for _, source in sources]  # refuse any bad input before writing anything
-    notes: list[str] = []
     workdir = Path(tempfile.mkdtemp(prefix="diskkit-build-"))
     try:
         with open_destination(dest_ref, opts.created, registry) as dest:
             if opts.platforms and dest.docker_manifest:
                 raise DiskkitError(str(dest_ref), "docker-archive holds a single image; build one platform at a time")
             built = [
-                _build_one(opts, dest, plat, source, info, workdir / str(i), reporter, notes, child=bool(opts.platforms))
+                _build_one(opts, dest, plat, source, info, workdir / str(i), reporter, child=bool(opts.platforms))
                 for i, ((plat, source), info) in enumerate(zip(sources, infos))
             ]
             if not opts.platforms:
@@ -164,15 +162,15 @@ def build(opts: BuildOptions, reporter: Reporter, registry: RegistryOptions | No
         first = built[0]
         return BuildResult(
             str(dest_ref), desc.digest, OCI_INDEX, desc.size, [l for b in built for l in b.layers],
-            first.disk_path, first.disk_format, first.virtual_size, notes, [b for b in built],
+            first.disk_path, first.disk_format, first.virtual_size, built,
         )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _build_one(opts, dest, plat: Platform, source: Path, info, workdir: Path, reporter: Reporter, notes, child: bool) -> BuildResult:
+def _build_one(opts, dest, plat: Platform, source: Path, info, workdir: Path, reporter: Reporter, child: bool) -> BuildResult:
     workdir.mkdir(parents=True)
-    disk_file, disk_format = _prepare_format(opts, source, info, workdir, reporter, notes)
+    disk_file, disk_format = _prepare_format(opts, source, info, workdir, reporter)
     image_disk_path = opts.path or f"/disk/{_disk_name(source, disk_file, disk_format)}"
     files = [(image_disk_path, disk_file)]
     files += [a for a in (opts.kernel, opts.initrd) if a]
@@ -204,12 +202,12 @@ def _build_one(opts, dest, plat: Platform, source: Path, info, workdir: Path, re
     manifest = make_manifest(config_desc, [layer_desc], annotations, docker)
     desc = dest.put_manifest(canonical_json(manifest), manifest["mediaType"], plat.to_json(), child=child)
     return BuildResult(
-        opts.dest, desc.digest, manifest["mediaType"], desc.size, [layer], image_disk_path, disk_format, info.virtual_size, notes,
+        opts.dest, desc.digest, manifest["mediaType"], desc.size, [layer], image_disk_path, disk_format, info.virtual_size,
         descriptor=Descriptor(manifest["mediaType"], desc.digest, desc.size, platform=plat.to_json()),
     )
 
 
-def _prepare_format(opts: BuildOptions, source: Path, info: qemuimg.DiskInfo, workdir: Path, reporter: Reporter, notes: list[str]):
+def _prepare_format(opts: BuildOptions, source: Path, info: qemuimg.DiskInfo, workdir: Path, reporter: Reporter):
     wanted = opts.disk_format
     if wanted == "keep":
         if info.format in diskrules.ACCEPTED_FORMATS:

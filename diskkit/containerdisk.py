@@ -109,4 +109,4 @@ def wanted(path: str | None):
     if path is not None:
         target = path.lstrip("/")
         return lambda p: p == target
-    return lambda p: posixpath.dirname(p) == DISK_DIR or "/" not in p
+    return lambda p: posixpath.dirname(p) == DISK_DIR

@@ -26,7 +26,7 @@ import requests
 import urllib3
 
 from . import authfile
-from .errors import AuthError, DiskkitError, RegistryError
+from .errors import AuthError, RegistryError
 from .registryoptions import RegistryOptions
 
 RETRY_STATUS = {408, 429, 500, 502, 503, 504}
@@ -232,7 +232,6 @@ class Registry:
         headers: dict[str, str] | None = None,
         body: Body = None,
         stream: bool = False,
-        expect: tuple[int, ...] = (200,),
         what: str = "",
         retry: bool = True,
     ) -> requests.Response:
@@ -328,7 +327,7 @@ class ResumableBlob(io.RawIOBase):
 
     def _open(self) -> None:
         headers = {"Range": f"bytes={self.offset}-"} if self.offset else {}
-        response = self.registry.request("GET", self.path, self.scope, headers=headers, stream=True, expect=(200, 206), what=f"GET blob {self.digest[:19]}")
+        response = self.registry.request("GET", self.path, self.scope, headers=headers, stream=True, what=f"GET blob {self.digest[:19]}")
         if response.status_code == 404:
             raise RegistryError(self.registry.host, f"blob {self.digest} not found (HTTP 404)")
         check_status(response, (200, 206), self.registry.host, f"GET blob {self.digest[:19]}")

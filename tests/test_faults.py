@@ -34,6 +34,14 @@ def pushed(diskkit, registry, noisy_disk):
     return target, json.loads(result.out)
 
 
+@pytest.fixture
+def out_dir(tmp_path):
+    """An empty directory for pull destinations, to show that failures leave nothing in it."""
+    path = tmp_path / "out"
+    path.mkdir()
+    return path
+
+
 def via(proxy, registry, target: str) -> str:
     return target.replace(registry.host, proxy.host)
 
@@ -77,12 +85,10 @@ def test_503_and_429_with_retry_after_are_retried(diskkit, registry, fault_proxy
     assert sent.count(503) == 2 and sent.count(429) == 1
 
 
-def test_flipped_byte_is_refused_and_nothing_is_kept(diskkit, registry, fault_proxy, pushed, tmp_path):
+def test_flipped_byte_is_refused_and_nothing_is_kept(diskkit, registry, fault_proxy, pushed, tmp_path, out_dir):
     target, out = pushed
     proxy = fault_proxy(registry)
     proxy.add(Fault("GET", layer_path(out), "flip", arg=100000, times=50))
-    out_dir = tmp_path / "out"
-    out_dir.mkdir()
     for dest in (f"oci:{out_dir / 'l'}:x", f"oci-archive:{out_dir / 'a.tar'}:x"):
         result = pull(diskkit, via(proxy, registry, target), dest)
         assert result.code == 1
@@ -99,12 +105,10 @@ def test_flipped_byte_is_refused_and_nothing_is_kept(diskkit, registry, fault_pr
     assert [m["annotations"]["org.opencontainers.image.ref.name"] for m in index["manifests"]] == ["good"]
 
 
-def test_persistent_failure_gives_a_clear_error(diskkit, registry, fault_proxy, pushed, tmp_path):
+def test_persistent_failure_gives_a_clear_error(diskkit, registry, fault_proxy, pushed, out_dir):
     target, out = pushed
     proxy = fault_proxy(registry)
     proxy.add(Fault("GET", layer_path(out), "truncate", arg=1000, times=100))
-    out_dir = tmp_path / "out"
-    out_dir.mkdir()
     result = diskkit("push", "--tls-verify=false", "--retry-delay", "0.01", "--retry-times", "3", via(proxy, registry, target), f"oci:{out_dir / 'l'}:x")
     assert result.code == 1
     assert len(result.err.strip().splitlines()) == 1

@@ -19,14 +19,8 @@ from pathlib import Path
 import pytest
 import requests
 
-import tests.conftest
 from tests.distribution import decode_jwt_claims, start_registry
 from tests.faultproxy import Fault, FaultProxy
-
-# The session fixtures live in tests/distribution.py; conftest re-exports them.  Until it does, take them
-# from there directly (importing them here as well once conftest has them would start a second set).
-if not hasattr(tests.conftest, "token_registry"):
-    from tests.distribution import auth_registry, registry, tls_registry, token_registry  # noqa: F401
 
 MODES = ["registry", "auth_registry", "tls_registry", "token_registry"]
 

@@ -8,8 +8,6 @@ import stat
 import subprocess
 import uuid
 
-import pytest
-
 from tests.conftest import make_qcow2, run
 
 INSECURE = "--tls-verify=false"

@@ -8,11 +8,7 @@ from typing import BinaryIO, Iterator, Protocol
 from .. import mediatypes as mt
 from ..digestio import VerifyingReader, read_verified
 from ..errors import DiskkitError, UploadLost
-from ..image import Descriptor, Image, Platform, check_digest, manifest_media_type, parse_json, select_platform
-
-
-class BlobWriter(Protocol):
-    def write(self, data: bytes | memoryview) -> object: ...
+from ..image import Descriptor, Image, Platform, manifest_media_type, parse_json, select_platform
 
 
 class Destination:
@@ -134,9 +130,6 @@ class Source:
         config = self.read_small(config_desc)
         return Image(self.where, data, media, digest, config, config_desc, layers)
 
-
-def blob_path_hex(digest: str, where: str) -> str:
-    return check_digest(digest, where)
 
 
 def with_restarts(send, reporter, what: str, attempts: int = 3):

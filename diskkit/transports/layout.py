@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import secrets
 import shutil
@@ -172,7 +171,8 @@ class LayoutDestination(Destination):
         index = parse_json(index_path.read_bytes(), str(index_path)) if index_path.exists() else None
         for entry in self.entries:
             index = updated_index(index, entry, self.tag)
-        fsutil.write_atomic(self.root / "oci-layout", OCI_LAYOUT if not (self.root / "oci-layout").exists() else (self.root / "oci-layout").read_bytes())
+        if not (self.root / "oci-layout").exists():
+            fsutil.write_atomic(self.root / "oci-layout", OCI_LAYOUT)
         fsutil.write_atomic(index_path, canonical_json(index))
         if self.staging is not None:
             fsutil.fsync_tree(self.staging)
@@ -190,6 +190,3 @@ class LayoutDestination(Destination):
             for path in self.added:
                 path.unlink(missing_ok=True)
 
-
-def layout_index(root: Path) -> dict:
-    return json.loads((root / "index.json").read_bytes())

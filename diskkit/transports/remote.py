@@ -88,7 +88,7 @@ class _Upload:
         self.done = False
 
     def _start(self) -> str:
-        response = self.registry.request("POST", f"/v2/{self.dest.repository}/blobs/uploads/", self.dest.push_scope, headers={"Content-Length": "0"}, expect=(202,), what="start upload")
+        response = self.registry.request("POST", f"/v2/{self.dest.repository}/blobs/uploads/", self.dest.push_scope, headers={"Content-Length": "0"}, what="start upload")
         check_status(response, (202,), self.registry.host, f"start blob upload to {self.dest.repository}")
         return self.registry.resolve(response.headers["Location"])
 
@@ -110,7 +110,7 @@ class _Upload:
             }
             error: RegistryError | None = None
             try:
-                response = self.registry.request("PATCH", self.location, self.dest.push_scope, headers=headers, body=chunk, expect=(202,), what="upload chunk", retry=False)
+                response = self.registry.request("PATCH", self.location, self.dest.push_scope, headers=headers, body=chunk, what="upload chunk", retry=False)
             except AuthError:
                 raise
             except RegistryError as exc:
@@ -135,7 +135,7 @@ class _Upload:
 
     def _status(self) -> int:
         """Bytes the registry holds for this session, from the Range header of GET on the session."""
-        response = self.registry.request("GET", self.location, self.dest.push_scope, expect=(204,), what="upload status")
+        response = self.registry.request("GET", self.location, self.dest.push_scope, what="upload status")
         if response.status_code in (400, 404):
             # distribution 2.8 and others drop a session whose chunk arrived in part: start over.
             raise UploadLost(self.registry.host, f"the registry dropped the upload session after an interrupted chunk (HTTP {response.status_code})")
@@ -150,13 +150,13 @@ class _Upload:
         if self.offset != size:
             raise RegistryError(self.registry.host, f"uploaded {self.offset} bytes of blob {digest[:19]}, expected {size}")
         sep = "&" if "?" in self.location else "?"
-        response = self.registry.request("PUT", f"{self.location}{sep}digest={digest}", self.dest.push_scope, headers={"Content-Length": "0"}, body=b"", expect=(201,), what="finish upload")
+        response = self.registry.request("PUT", f"{self.location}{sep}digest={digest}", self.dest.push_scope, headers={"Content-Length": "0"}, body=b"", what="finish upload")
         check_status(response, (201, 204), self.registry.host, f"finish upload of {digest[:19]}")
         self.done = True
 
     def cancel(self) -> None:
         with contextlib.suppress(DiskkitError, OSError):
-            self.registry.request("DELETE", self.location, self.dest.push_scope, expect=(204,), what="cancel upload", retry=False)
+            self.registry.request("DELETE", self.location, self.dest.push_scope, what="cancel upload", retry=False)
 
 
 class _SizedBody:
@@ -185,7 +185,7 @@ class RemoteDestination(Destination):
         self.push_scope = scope(self.repository, "pull,push")
 
     def has_blob(self, desc: Descriptor) -> bool:
-        response = self.registry.request("HEAD", f"/v2/{self.repository}/blobs/{desc.digest}", self.push_scope, expect=(200,), what="HEAD blob")
+        response = self.registry.request("HEAD", f"/v2/{self.repository}/blobs/{desc.digest}", self.push_scope, what="HEAD blob")
         return response.status_code == 200
 
     def mount(self, desc: Descriptor, from_repository: str) -> bool:
@@ -193,13 +193,13 @@ class RemoteDestination(Destination):
         both = f"{self.push_scope} {scope(from_repository, 'pull')}"
         response = self.registry.request(
             "POST", f"/v2/{self.repository}/blobs/uploads/?mount={desc.digest}&from={from_repository}", both,
-            headers={"Content-Length": "0"}, expect=(201, 202), what="mount blob",
+            headers={"Content-Length": "0"}, what="mount blob",
         )
         if response.status_code == 201:
             return True
         if response.status_code == 202 and "Location" in response.headers:
             with contextlib.suppress(DiskkitError):
-                self.registry.request("DELETE", self.registry.resolve(response.headers["Location"]), self.push_scope, expect=(204,), retry=False)
+                self.registry.request("DELETE", self.registry.resolve(response.headers["Location"]), self.push_scope, retry=False)
         return False
 
     @contextlib.contextmanager
@@ -216,13 +216,13 @@ class RemoteDestination(Destination):
         if self.has_blob(desc):
             return desc
         # Small blobs go up monolithically: POST, then one PUT carrying the bytes.
-        start = self.registry.request("POST", f"/v2/{self.repository}/blobs/uploads/", self.push_scope, headers={"Content-Length": "0"}, expect=(202,), what="start upload")
+        start = self.registry.request("POST", f"/v2/{self.repository}/blobs/uploads/", self.push_scope, headers={"Content-Length": "0"}, what="start upload")
         check_status(start, (202,), self.registry.host, f"start blob upload to {self.repository}")
         location = self.registry.resolve(start.headers["Location"])
         sep = "&" if "?" in location else "?"
         response = self.registry.request(
             "PUT", f"{location}{sep}digest={desc.digest}", self.push_scope,
-            headers={"Content-Type": "application/octet-stream", "Content-Length": str(len(data))}, body=data, expect=(201,), what="upload blob",
+            headers={"Content-Type": "application/octet-stream", "Content-Length": str(len(data))}, body=data, what="upload blob",
         )
         check_status(response, (201, 204), self.registry.host, f"upload blob {desc.digest[:19]}")
         return desc
@@ -233,7 +233,7 @@ class RemoteDestination(Destination):
         The body streams from the (verifying) reader; a drop or a 5xx makes the whole blob go
         again (UploadLost), which a copy can do since its source re-opens.
         """
-        start = self.registry.request("POST", f"/v2/{self.repository}/blobs/uploads/", self.push_scope, headers={"Content-Length": "0"}, expect=(202,), what="start upload")
+        start = self.registry.request("POST", f"/v2/{self.repository}/blobs/uploads/", self.push_scope, headers={"Content-Length": "0"}, what="start upload")
         check_status(start, (202,), self.registry.host, f"start blob upload to {self.repository}")
         location = self.registry.resolve(start.headers["Location"])
         sep = "&" if "?" in location else "?"
@@ -241,7 +241,7 @@ class RemoteDestination(Destination):
         try:
             response = self.registry.request(
                 "PUT", f"{location}{sep}digest={desc.digest}", self.push_scope,
-                headers=headers, body=_SizedBody(reader, desc.size, advance), expect=(201,), what="upload blob", retry=False,
+                headers=headers, body=_SizedBody(reader, desc.size, advance), what="upload blob", retry=False,
             )
         except AuthError:
             raise
@@ -264,7 +264,7 @@ class RemoteDestination(Destination):
             reference = name.tag
         response = self.registry.request(
             "PUT", f"/v2/{self.repository}/manifests/{reference}", self.push_scope,
-            headers={"Content-Type": media_type}, body=data, expect=(201,), what="PUT manifest",
+            headers={"Content-Type": media_type}, body=data, what="PUT manifest",
         )
         check_status(response, (201, 200, 202), self.registry.host, f"PUT manifest {reference}")
         return Descriptor(media_type, digest, len(data), platform=platform)
@@ -288,6 +288,6 @@ def delete(ref: ImageRef, opts: RegistryOptions) -> str:
         digest = response.headers.get("Docker-Content-Digest")
         if not digest:
             raise RegistryError(registry.host, "registry did not say which digest the tag points to")
-    response = registry.request("DELETE", f"/v2/{ref.name.repository}/manifests/{digest}", repo_scope, expect=(202,), what="DELETE manifest")
+    response = registry.request("DELETE", f"/v2/{ref.name.repository}/manifests/{digest}", repo_scope, what="DELETE manifest")
     check_status(response, (202, 200), registry.host, f"delete {digest}")
     return digest
