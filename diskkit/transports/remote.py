@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import queue
+import threading
 import time
 from typing import BinaryIO, Iterator
 
@@ -16,7 +18,7 @@ from ..registryoptions import RegistryOptions
 from .base import Destination, Source
 
 ACCEPT = ", ".join([mt.OCI_MANIFEST, mt.OCI_INDEX, mt.DOCKER_MANIFEST, mt.DOCKER_LIST])
-UPLOAD_CHUNK = 16 << 20  # bytes held for resending after a dropped connection; bounds memory
+UPLOAD_CHUNK = 8 << 20  # bytes held for resending after a dropped connection; two chunks bound memory
 
 
 _registries: dict[tuple[str, RegistryOptions], Registry] = {}
@@ -73,19 +75,25 @@ class RemoteSource(Source):
 class _Upload:
     """A chunked upload session (POST, PATCH..., PUT ?digest=) that resumes after a dropped connection.
 
-    Writes accumulate into one chunk; each full chunk is PATCHed with its Content-Range. If the
-    connection drops, the upload status (GET on the session) says how much arrived, and the
-    rest of the chunk is sent again. Only the current chunk is ever held in memory, so a
-    registry that drops the session instead (UploadLost) needs the blob produced again.
+    Writes gather into chunks; a sender thread PATCHes each full chunk with its Content-Range
+    while the next one fills, so compression never waits for the registry's reply. If the
+    connection drops, the upload status (GET on the session) says how much arrived and the rest
+    of that chunk goes again. At most two chunks are held, so a registry that drops the session
+    instead (UploadLost) needs the blob produced again.
     """
 
     def __init__(self, dest: "RemoteDestination"):
         self.dest = dest
         self.registry = dest.registry
         self.offset = 0  # bytes the registry has acknowledged
-        self.buffer = bytearray()
+        self.pieces: list[bytes] = []
+        self.gathered = 0
         self.location = self._start()
         self.done = False
+        self.error: BaseException | None = None
+        self.chunks: queue.Queue = queue.Queue(1)
+        self.sender = threading.Thread(target=self._send_all, daemon=True)
+        self.sender.start()
 
     def _start(self) -> str:
         response = self.registry.request("POST", f"/v2/{self.dest.repository}/blobs/uploads/", self.dest.push_scope, headers={"Content-Length": "0"}, what="start upload")
@@ -93,15 +101,38 @@ class _Upload:
         return self.registry.resolve(response.headers["Location"])
 
     def write(self, data) -> None:
-        self.buffer += data
-        if len(self.buffer) >= UPLOAD_CHUNK:
-            self._flush()
+        if self.error is not None:
+            raise self.error
+        self.pieces.append(bytes(data))
+        self.gathered += len(data)
+        if self.gathered >= UPLOAD_CHUNK:
+            self._hand_over()
 
-    def _flush(self) -> None:
+    def _hand_over(self) -> None:
+        if self.pieces:
+            self.chunks.put(b"".join(self.pieces))
+            self.pieces, self.gathered = [], 0
+
+    def _send_all(self) -> None:
+        while (chunk := self.chunks.get()) is not None:
+            if self.error is None:
+                try:
+                    self._send(chunk)
+                except BaseException as exc:
+                    self.error = exc
+
+    def _finish_sending(self) -> None:
+        if self.sender.is_alive():
+            self.chunks.put(None)
+            self.sender.join()
+        if self.error is not None:
+            raise self.error
+
+    def _send(self, data: bytes) -> None:
         sent = 0
         failures = 0
-        while sent < len(self.buffer):
-            chunk = bytes(self.buffer[sent:])
+        while sent < len(data):
+            chunk = memoryview(data)[sent:]
             start = self.offset
             headers = {
                 "Content-Type": "application/octet-stream",
@@ -130,8 +161,7 @@ class _Upload:
             check_status(response, (202,), self.registry.host, f"upload chunk at {start}")
             self.location = self.registry.resolve(response.headers.get("Location", self.location))
             self.offset = start + len(chunk)
-            sent = len(self.buffer)
-        self.buffer.clear()
+            sent = len(data)
 
     def _status(self) -> int:
         """Bytes the registry holds for this session, from the Range header of GET on the session."""
@@ -146,7 +176,8 @@ class _Upload:
         return end + 1 if end or self.offset else 0
 
     def commit(self, digest: str, size: int) -> None:
-        self._flush()
+        self._hand_over()
+        self._finish_sending()
         if self.offset != size:
             raise RegistryError(self.registry.host, f"uploaded {self.offset} bytes of blob {digest[:19]}, expected {size}")
         sep = "&" if "?" in self.location else "?"
@@ -155,6 +186,8 @@ class _Upload:
         self.done = True
 
     def cancel(self) -> None:
+        with contextlib.suppress(BaseException):
+            self._finish_sending()
         with contextlib.suppress(DiskkitError, OSError):
             self.registry.request("DELETE", self.location, self.dest.push_scope, what="cancel upload", retry=False)
 
