@@ -99,13 +99,13 @@ def _die_with_parent() -> None:
 class Registry:
     """A `docker-registry serve` on 127.0.0.1:free port, storage in a temp dir under `workdir`."""
 
-    def __init__(self, workdir: Path):
+    def __init__(self, workdir: Path, access_log: bool = False):
         self.dir = Path(tempfile.mkdtemp(prefix="registry-", dir=workdir))
         self.host = f"127.0.0.1:{free_port()}"
         self.log_path = self.dir / "registry.log"
         config = {
             "version": "0.1",
-            "log": {"level": "error", "accesslog": {"disabled": True}},
+            "log": {"level": "error", "accesslog": {"disabled": not access_log}},
             "storage": {
                 "filesystem": {"rootdirectory": str(self.dir / "storage")},
                 "delete": {"enabled": True},

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import signal
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from .build import BuildOptions, build, examine_disk, source_epoch, split_artifa
 from .compression import KINDS
 from .errors import DiskkitError
 from .image import Platform
+from .clishell import platform as platform_of, registry_options, run_main
 from .progress import reporter_for
 from .registryoptions import RegistryOptions
 from .verify import describe, inspect, verify
@@ -27,29 +27,6 @@ def _pairs(values: tuple[str, ...], flag: str) -> dict[str, str]:
             raise DiskkitError(f"{flag} {value}", "must be KEY=VALUE")
         out[key] = val
     return out
-
-
-def _platform(value: str | None) -> Platform | None:
-    return Platform.parse(value) if value else None
-
-
-def registry_options(command):
-    """--tls-verify, --cert-dir, --authfile and --creds after the command name, as skopeo takes them."""
-    options = [
-        click.option("--creds", metavar="USER:PASS", help="Registry credentials (else the auth file is used)."),
-        click.option("--authfile", type=click.Path(dir_okay=False), help="Auth file (default: $REGISTRY_AUTH_FILE, then ${XDG_RUNTIME_DIR}/containers/auth.json, then ~/.docker/config.json)."),
-        click.option("--cert-dir", type=click.Path(file_okay=False), help="Directory of *.crt CAs and *.cert/*.key client certificates for the registry."),
-        click.option("--retry-times", type=click.IntRange(0, 20), default=5, show_default=True, help="Retries on connection errors, 408, 429 and 5xx."),
-        click.option("--retry-delay", type=click.FloatRange(0, 60), default=0.5, show_default=True, metavar="SECONDS", help="First backoff delay; doubles per retry, with jitter (Retry-After wins)."),
-        click.option("--tls-verify", type=click.BOOL, default=True, is_flag=False, flag_value=True, show_default=True, metavar="BOOL", help="Require HTTPS and verify certificates (--tls-verify=false also allows plain HTTP)."),
-    ]
-    for option in options:
-        command = option(command)
-    return command
-
-
-def _registry(tls_verify: bool, cert_dir: str | None, authfile: str | None, creds: str | None, retry_times: int = 5, retry_delay: float = 0.5) -> RegistryOptions:
-    return RegistryOptions(tls_verify=tls_verify, cert_dir=cert_dir, authfile=authfile, creds=creds, retries=retry_times, backoff=retry_delay)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -130,7 +107,7 @@ Examples:
 @click.option("--env", multiple=True, metavar="KEY=VALUE", help="Config environment variable (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the digest; progress as JSON lines on stderr.")
 @registry_options
-def build_cmd(src, dest, image_path, disk_format, compression, level, kernel, initrd, platforms, label, annotation, env, as_json, tls_verify, cert_dir, authfile, creds, retry_times, retry_delay) -> None:
+def build_cmd(src, dest, image_path, disk_format, compression, level, kernel, initrd, platforms, label, annotation, env, as_json, registry: RegistryOptions) -> None:
     """Package disk SRC as a scratch-based containerDisk image.
 
     One layer holds /disk/ (0555) and /disk/<name> (0440), both owned by qemu (107:107), as KubeVirt
@@ -164,7 +141,7 @@ def build_cmd(src, dest, image_path, disk_format, compression, level, kernel, in
         created=source_epoch(),
         platforms=[(Platform.parse(p.split("=", 1)[0]), Path(p.split("=", 1)[1])) for p in per_platform],
     )
-    result = build(opts, reporter_for(as_json), _registry(tls_verify, cert_dir, authfile, creds, retry_times, retry_delay))
+    result = build(opts, reporter_for(as_json), registry)
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=2))
     else:
@@ -184,12 +161,12 @@ Examples:
 @click.option("--platform", help="OS/ARCH to pick from a multi-platform index (default: this host's).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @registry_options
-def inspect_cmd(ref: str, platform: str | None, as_json: bool, tls_verify, cert_dir, authfile, creds, retry_times, retry_delay) -> None:
+def inspect_cmd(ref: str, platform: str | None, as_json: bool, registry: RegistryOptions) -> None:
     """Show an image's manifest, config, layers and disk (path, format, virtual size, owner, mode).
 
     Registry images are described without pulling their layers.
     """
-    report = inspect(ref, _platform(platform), _registry(tls_verify, cert_dir, authfile, creds, retry_times, retry_delay))
+    report = inspect(ref, platform_of(platform), registry)
     data = describe(report)
     if as_json:
         click.echo(json.dumps(data, indent=2))
@@ -230,14 +207,14 @@ Examples:
 @click.option("--platform", help="OS/ARCH to pick from a multi-platform index (default: this host's).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @registry_options
-def verify_cmd(ref: str, image_path: str | None, platform: str | None, as_json: bool, tls_verify, cert_dir, authfile, creds, retry_times, retry_delay) -> None:
+def verify_cmd(ref: str, image_path: str | None, platform: str | None, as_json: bool, registry: RegistryOptions) -> None:
     """Check an image (ours or anyone's) the way KubeVirt consumes it; exit 1 listing every violation.
 
     Checks every blob digest and diffID, finds the disk as KubeVirt does (exactly one entry in
     /disk, or --path resolved inside the image), that UID 107 can read it, and that it is raw or
     qcow2 with no backing file, no external data file and no corruption.
     """
-    report = verify(ref, image_path, _platform(platform), _registry(tls_verify, cert_dir, authfile, creds, retry_times, retry_delay))
+    report = verify(ref, image_path, platform_of(platform), registry)
     if as_json:
         click.echo(json.dumps({**describe(report), "ok": report.ok}, indent=2))
     elif report.ok:
@@ -262,7 +239,7 @@ Examples:
 @click.option("--all", "all_platforms", is_flag=True, help="Copy every platform of an index, and the index itself.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object; events as JSON lines on stderr.")
 @registry_options
-def push_cmd(src, dest, platform, all_platforms, as_json, tls_verify, cert_dir, authfile, creds, retry_times, retry_delay) -> None:
+def push_cmd(src, dest, platform, all_platforms, as_json, registry: RegistryOptions) -> None:
     """Copy an image from any transport to any transport, as `skopeo copy` does.
 
     Blobs the destination already has are skipped, blobs in another repository of the same
@@ -271,7 +248,7 @@ def push_cmd(src, dest, platform, all_platforms, as_json, tls_verify, cert_dir, 
     """
     from .copy import copy_image
 
-    result = copy_image(src, dest, _registry(tls_verify, cert_dir, authfile, creds, retry_times, retry_delay), reporter_for(as_json), _platform(platform), all_platforms)
+    result = copy_image(src, dest, registry, reporter_for(as_json), platform_of(platform), all_platforms)
     click.echo(json.dumps(result.to_json(), indent=2) if as_json else result.digest)
 
 
@@ -281,7 +258,7 @@ Example:
 """)
 @click.argument("ref")
 @registry_options
-def delete_cmd(ref, tls_verify, cert_dir, authfile, creds, retry_times, retry_delay) -> None:
+def delete_cmd(ref, registry: RegistryOptions) -> None:
     """Delete an image's manifest from a registry (the registry must allow deletes)."""
     from .reference import parse_ref
     from .transports.remote import delete
@@ -289,27 +266,8 @@ def delete_cmd(ref, tls_verify, cert_dir, authfile, creds, retry_times, retry_de
     parsed = parse_ref(ref)
     if parsed.transport != "docker":
         raise DiskkitError(ref, "delete works on registry references (docker://)")
-    click.echo(delete(parsed, _registry(tls_verify, cert_dir, authfile, creds, retry_times, retry_delay)))
-
-
-def _terminate(signum, frame):
-    # SIGTERM unwinds like Ctrl-C, so destinations abort and remove their staging files.
-    raise KeyboardInterrupt
+    click.echo(delete(parsed, registry))
 
 
 def main() -> None:
-    signal.signal(signal.SIGTERM, _terminate)
-    try:
-        cli.main(standalone_mode=False)
-    except click.exceptions.Abort:
-        click.echo("diskkit: interrupted", err=True)
-        sys.exit(130)
-    except click.ClickException as exc:
-        exc.show()
-        sys.exit(exc.exit_code)
-    except DiskkitError as exc:
-        click.echo(f"diskkit: {exc.line()}", err=True)
-        sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
-        click.echo("diskkit: interrupted", err=True)
-        sys.exit(130)
+    run_main(cli, "diskkit")

@@ -6,7 +6,7 @@ Messages are KubeVirt's own where it has one (pkg/container-disk, the VMI valida
 from __future__ import annotations
 
 import posixpath
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .imagefs import Node, Tree
 
@@ -28,6 +28,7 @@ class Located:
     node: Node | None
     shown: str  # the path users asked for or KubeVirt would pick, with a leading slash
     problems: list[str]
+    access: list[str] = field(default_factory=list)  # the subset of problems about UID 107's permissions
 
 
 def locate(tree: Tree, path: str | None, allow_root_file: bool = False) -> Located:
@@ -67,8 +68,8 @@ def _resolved(tree: Tree, rel: str, shown: str) -> Located:
     if node.kind != "file":
         problems.append(f"{shown} is a {node.kind}, not a regular file")
         return Located(None, shown, problems)
-    problems += access_problems(tree, node, shown)
-    return Located(node, shown, problems)
+    access = access_problems(tree, node, shown)
+    return Located(node, shown, problems + access, access)
 
 
 def _allows(node: Node, bit_owner: int, bit_group: int, bit_other: int) -> bool:
@@ -104,9 +105,11 @@ ANNOTATION_FORMAT = "io.diskkit.disk.format"
 ANNOTATION_VIRTUAL_SIZE = "io.diskkit.disk.virtual-size"
 
 
-def wanted(path: str | None):
+def wanted(path: str | None, allow_root_file: bool = False):
     """Which tar members may turn out to be the disk, so they are spooled as their layer streams past."""
     if path is not None:
         target = path.lstrip("/")
         return lambda p: p == target
+    if allow_root_file:
+        return lambda p: posixpath.dirname(p) in (DISK_DIR, "")
     return lambda p: posixpath.dirname(p) == DISK_DIR

@@ -17,6 +17,7 @@ from typing import Callable
 
 from .compression import decompressing_reader
 from .digestio import HashingReader
+from .readahead import ReadAhead
 from .errors import DiskkitError
 from .image import Image
 from .mediatypes import layer_compression
@@ -131,6 +132,20 @@ class Spooled:
     complete: bool
 
 
+HOLE = 64 << 10  # zero runs this long and aligned become holes (a filesystem block multiple)
+_ZEROS = bytes(HOLE)
+
+
+def _write_sparse(out, chunk: bytes) -> None:
+    view = memoryview(chunk)
+    for offset in range(0, len(view), HOLE):
+        piece = view[offset : offset + HOLE]
+        if piece == _ZEROS[: len(piece)]:
+            out.seek(len(piece), 1)
+        else:
+            out.write(piece)
+
+
 def _spool(src, dest: Path, limit: int | None) -> bool:
     """Copy a member to dest, leaving zero runs as holes. Returns True when the whole member was kept."""
     written = 0
@@ -142,10 +157,7 @@ def _spool(src, dest: Path, limit: int | None) -> bool:
             chunk = src.read(want)
             if not chunk:
                 break
-            if chunk.count(0) == len(chunk):
-                out.seek(len(chunk), 1)
-            else:
-                out.write(chunk)
+            _write_sparse(out, chunk)
             written += len(chunk)
         out.truncate(written)
     return True
@@ -178,22 +190,28 @@ def walk(
         if kind is None:
             raise DiskkitError(image.where, f"layer {index} has media type {desc.media_type}, which is not an image layer")
         with source.blob(desc) as verified:
-            unpacked = HashingReader(decompressing_reader(verified, kind))
+            # Four stages, each on its own thread: fetch+blob digest | decompress | diffID | tar+write.
+            fetched = ReadAhead(verified)
+            decompressed = ReadAhead(decompressing_reader(fetched, kind))
+            hashed = HashingReader(decompressed)
+            unpacked = ReadAhead(hashed)
             try:
-                with tarfile.open(fileobj=unpacked, mode="r|", errorlevel=2) as tar:
+                with tarfile.open(fileobj=unpacked, mode="r|", errorlevel=2, bufsize=COPY_CHUNK) as tar:
                     for member in tar:
                         _apply(tree, index, member, tar, want, spool_dir, head_limit, spooled, forget)
+                unpacked.drain()
+                fetched.drain()  # trailing bytes after the compressed stream still count for the digest
             except tarfile.TarError as exc:
                 raise DiskkitError(image.where, f"layer {index} ({desc.digest[:19]}) is not a valid tar: {exc}") from None
             except (OSError, EOFError, ValueError) as exc:
                 if isinstance(exc, DiskkitError):
                     raise
                 raise DiskkitError(image.where, f"layer {index} ({desc.digest[:19]}) cannot be decompressed: {exc}") from None
-            while unpacked.read(COPY_CHUNK):
-                pass
-            verified.drain()
-        if index < len(diff_ids) and unpacked.digest != diff_ids[index]:
-            raise DiskkitError(image.where, f"layer {index} does not match its diffID {diff_ids[index]} (content hashes to {unpacked.digest})")
+            finally:
+                for stage in (unpacked, decompressed, fetched):
+                    stage.close()
+        if index < len(diff_ids) and hashed.digest != diff_ids[index]:
+            raise DiskkitError(image.where, f"layer {index} does not match its diffID {diff_ids[index]} (content hashes to {hashed.digest})")
     return tree, spooled
 
 

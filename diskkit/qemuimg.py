@@ -151,3 +151,17 @@ def convert(
     if proc.wait() != 0:
         dst.unlink(missing_ok=True)
         raise _failure(src, "qemu-img convert", subprocess.CompletedProcess(args, proc.returncode, b"", stderr))
+
+
+def create_overlay(base: Path, base_format: str, overlay: Path, mode: int = 0o640) -> None:
+    """`qemu-img create -f qcow2 -b BASE -F FMT OVERLAY`: a copy-on-write layer over a read-only base.
+
+    Written under a temporary name and renamed, so a half-made overlay never looks usable.
+    """
+    tmp = overlay.with_name(f".{overlay.name}.tmp")
+    proc = run(["create", "-q", "-f", "qcow2", "-b", str(base), "-F", base_format, "--", str(tmp)], INFO_CPU_SECONDS)
+    if proc.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise _failure(overlay, "qemu-img create", proc)
+    os.chmod(tmp, mode)
+    tmp.replace(overlay)

@@ -15,6 +15,7 @@ from .imagefs import extract_one, walk
 from .reference import parse_ref
 from .registryoptions import RegistryOptions
 from .transports import open_source
+from .transports.base import Source
 
 
 @dataclass
@@ -52,22 +53,31 @@ class Report:
         return not self.problems
 
 
-def _scan(ref: str, platform: Platform | None, path: str | None, spool: Path, head_limit: int | None, registry: RegistryOptions | None):
+def scan(ref: str, platform: Platform | None, path: str | None, spool: Path, head_limit: int | None, registry: RegistryOptions | None):
+    """Stream the image once: the tree, where the disk is, and the disk spooled (sparse) into `spool`.
+
+    With `head_limit` only that many bytes of each candidate are kept (enough to read a header).
+    """
     with open_source(ref, registry) as source:
         image = source.image(platform)
-        if path is None:
-            path = (image.manifest.get("annotations") or {}).get(ANNOTATION_PATH) if head_limit else None
-        tree, spooled = walk(source, image, wanted(path), spool, head_limit)
-        found = locate(tree, path, allow_root_file=False)
-        disk_file = None
-        if found.node is not None:
-            hit = spooled.get(found.node.path)
-            if hit is not None and hit.node is found.node:
-                disk_file = hit.path
-            elif head_limit is None:
-                disk_file = spool / "disk"
-                extract_one(source, image, found.node, disk_file)
-        return image, tree, found, disk_file
+        if path is None and head_limit:
+            path = (image.manifest.get("annotations") or {}).get(ANNOTATION_PATH)
+        return (image, *scan_image(source, image, path, spool, head_limit))
+
+
+def scan_image(source: Source, image: Image, path: str | None, spool: Path, head_limit: int | None = None, allow_root_file: bool = False):
+    """The tree, the located disk and its spooled file (None when it is missing or only partly kept)."""
+    tree, spooled = walk(source, image, wanted(path, allow_root_file), spool, head_limit)
+    found = locate(tree, path, allow_root_file=allow_root_file)
+    disk_file = None
+    if found.node is not None:
+        hit = spooled.get(found.node.path)
+        if hit is not None and hit.node is found.node:
+            disk_file = hit.path
+        elif head_limit is None:
+            disk_file = spool / "disk"
+            extract_one(source, image, found.node, disk_file)
+    return tree, found, disk_file
 
 
 def verify(ref: str, path: str | None = None, platform: Platform | None = None, registry: RegistryOptions | None = None) -> Report:
@@ -76,28 +86,29 @@ def verify(ref: str, path: str | None = None, platform: Platform | None = None, 
     spool = Path(tempfile.mkdtemp(prefix="diskkit-verify-"))
     try:
         try:
-            image, tree, found, disk_file = _scan(ref, platform, path, spool, None, registry)
+            image, tree, found, disk_file = scan(ref, platform, path, spool, None, registry)
         except DiskkitError as exc:
             report.problems.append(exc.line())
             return report
         report.image = image
         report.problems += tree.findings + found.problems
-        _fill(report.disk, found)
+        fill(report.disk, found)
         if disk_file is not None:
-            report.problems += _disk_problems(disk_file, found.shown, report.disk)
+            report.problems += disk_problems(disk_file, found.shown, report.disk)
         return report
     finally:
         shutil.rmtree(spool, ignore_errors=True)
 
 
-def _fill(disk: DiskFacts, found) -> None:
+def fill(disk: DiskFacts, found) -> None:
     disk.path = found.shown
     if found.node is not None:
         node = found.node
         disk.size, disk.uid, disk.gid, disk.mode = node.size, node.uid, node.gid, node.mode & 0o7777
 
 
-def _disk_problems(disk_file: Path, shown: str, disk: DiskFacts) -> list[str]:
+def disk_problems(disk_file: Path, shown: str, disk: DiskFacts) -> list[str]:
+    """KubeVirt's checks of the disk file itself (format, backing file, data file, consistency); fills `disk`."""
     with open(disk_file, "rb") as f:
         head = f.read(diskheader.HEADER_BYTES)
     header = diskheader.parse(head)
@@ -139,10 +150,10 @@ def inspect(ref: str, platform: Platform | None = None, registry: RegistryOption
         return report
     spool = Path(tempfile.mkdtemp(prefix="diskkit-inspect-"))
     try:
-        image, tree, found, head_file = _scan(ref, platform, None, spool, diskheader.HEADER_BYTES, registry)
+        image, tree, found, head_file = scan(ref, platform, None, spool, diskheader.HEADER_BYTES, registry)
         report.image = image
         report.problems += tree.findings + found.problems
-        _fill(report.disk, found)
+        fill(report.disk, found)
         if head_file is not None:
             head = head_file.read_bytes()
             report.disk.format = diskheader.probe_format(head)

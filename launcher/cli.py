@@ -1,17 +1,182 @@
-"""The `launcher` command line (its commands arrive with the runtime side)."""
+"""The `launcher` command line: pull containerDisks into the node cache and boot KubeVirt VMIs."""
 
 from __future__ import annotations
+
+import json
+import sys
 
 import click
 
 from diskkit import __version__
+from diskkit.clishell import platform as platform_of, registry_options, run_main
+from diskkit.registryoptions import RegistryOptions
+
+from .cache import Cache, tree_size
+
+CACHE_HELP = "Node cache (default: $DISKKIT_CACHE, else /var/lib/diskkit as root, else ~/.cache/diskkit)."
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def cache_option(command):
+    return click.option("--cache-dir", type=click.Path(file_okay=False), help=CACHE_HELP)(command)
+
+
+def _say(text: str) -> None:
+    click.echo(f"launcher: {text}", err=True)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="launcher")
 def cli() -> None:
-    """Boot KubeVirt-style VMs from containerDisk images."""
+    """Boot KubeVirt-style VMs from containerDisk images, locally or as a pod's sidecar.
+
+    Images are referenced in the containers-transports syntax (docker://, bare HOST/REPO:TAG, oci:,
+    oci-archive:, docker-archive:), so a local layout boots with no registry at all.
+    """
+
+
+@cli.command(epilog="""\b
+Examples:
+  launcher pull quay.io/containerdisks/fedora:40
+  launcher pull --path /images/root.qcow2 oci:./layout:custom
+  launcher pull --tls-verify=false --json localhost:5000/disks/test:v1
+""")
+@click.argument("ref")
+@click.option("--path", "image_path", metavar="/DIR/NAME", help="containerDisk.path: the disk's path in the image (default: the one file in /disk).")
+@click.option("--platform", help="OS/ARCH to pick from a multi-platform index (default: this host's).")
+@click.option("--pull-policy", type=click.Choice(["Always", "IfNotPresent", "Never"]), help="As imagePullPolicy (default: Always for :latest, else IfNotPresent).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@cache_option
+@registry_options
+def pull(ref, image_path, platform, pull_policy, as_json, cache_dir, registry: RegistryOptions) -> None:
+    """Pull REF into the node cache and print the path of its extracted disk.
+
+    Layers stream through once, digests and diffIDs verified; only the disk is written (sparse),
+    after KubeVirt's checks (qemu-img info under limits, raw or qcow2, no backing or data file).
+    Concurrent pulls of one image on a node download it once.
+    """
+    from .pull import pull as do_pull
+
+    notes: list[str] = []
+    pulled = do_pull(Cache(cache_dir), ref, image_path, platform_of(platform), registry, pull_policy, notes=notes)
+    for note in notes:
+        _say(f"note: {note}")
+    click.echo(json.dumps(pulled.to_json(), indent=2) if as_json else str(pulled.path))
+
+
+@cli.command(epilog="""\b
+Examples:
+  launcher domain examples/vmi-containerdisk.yaml
+  launcher domain --accel kvm vmi.yaml > domain.xml
+""")
+@click.argument("vmi_file", type=click.Path(dir_okay=False, exists=True))
+@click.option("--platform", help="OS/ARCH of the images (default: this host's).")
+@click.option("--accel", type=click.Choice(["auto", "kvm", "qemu"]), default="auto", show_default=True, help="Domain type; auto probes whether KVM makes progress here.")
+@cache_option
+@registry_options
+def domain(vmi_file, platform, accel, cache_dir, registry: RegistryOptions) -> None:
+    """Print the libvirt domain XML `launcher run` would start (a dry run: images are pulled, nothing started)."""
+    from .vmi import load_vmi
+    from .vms import RunOptions, plan
+
+    vmi = load_vmi(vmi_file)
+    _, xml = plan(vmi, Cache(cache_dir), RunOptions(platform=platform_of(platform), registry=registry), create=False, domain_type=None if accel == "auto" else accel)
+    click.echo(xml, nl=not xml.endswith("\n"))
+
+
+@cli.command(epilog="""\b
+Examples:
+  launcher run vmi.yaml --console
+  launcher run vmi.yaml --console --wait-for 'login:' --timeout 300
+  launcher run --connect qemu:///system --tls-verify=false vmi.yaml
+""")
+@click.argument("vmi_file", type=click.Path(dir_okay=False, exists=True))
+@click.option("--connect", "uri", metavar="URI", help="libvirt URI (default: qemu:///system as root, else qemu:///session).")
+@click.option("--console", is_flag=True, help="Stream the guest's serial console to stdout.")
+@click.option("--wait-for", metavar="TEXT", help="Exit 0 as soon as TEXT appears on the console (the VM keeps running).")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS", help="Give up (and destroy the VM) after this long.")
+@click.option("--platform", help="OS/ARCH of the images (default: this host's).")
+@cache_option
+@registry_options
+def run(vmi_file, uri, console, wait_for, timeout, platform, cache_dir, registry: RegistryOptions) -> None:
+    """Prepare every volume of a VirtualMachineInstance, define and start its domain, stay with it.
+
+    Each containerDisk is pulled once per node and gets a qcow2 overlay of its own, so the VM
+    starts clean every time. The command returns when the guest stops, when --wait-for text
+    appears, or at --timeout; Ctrl-C or SIGTERM destroys the domain and removes its overlays.
+    """
+    from .vmi import load_vmi
+    from .vms import RunOptions, run as do_run
+
+    vmi = load_vmi(vmi_file)
+    opts = RunOptions(uri=uri, platform=platform_of(platform), registry=registry, console=console, wait_for=wait_for, timeout=timeout)
+    sys.exit(do_run(vmi, Cache(cache_dir), opts, _say))
+
+
+@cli.command(epilog="""\b
+Examples:
+  launcher stop testvm
+  launcher stop default/testvm
+""")
+@click.argument("name")
+@cache_option
+def stop(name, cache_dir) -> None:
+    """Destroy a VM started by `launcher run` and remove its overlays (NAME, NAMESPACE/NAME or domain name)."""
+    from .vms import stop as do_stop
+
+    click.echo(do_stop(Cache(cache_dir), name))
+
+
+@cli.command("ls", epilog="""\b
+Examples:
+  launcher ls
+  launcher ls --json | jq '.disks[].size'
+""")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@cache_option
+def ls(as_json, cache_dir) -> None:
+    """List the VMs started from this cache and the disks it holds."""
+    from .vms import state
+
+    cache = Cache(cache_dir)
+    vms = [{**record, "state": state(record)} for record in cache.vm_records()]
+    used = {entry: [vm["domain"] for vm in vms if entry in vm.get("entries", [])] for entry in map(str, cache.disks())}
+    disks = []
+    for entry in cache.disks():
+        meta = cache.read_json(entry / "meta.json") or {}
+        disks.append({"path": str(entry / "disk.img"), "size": tree_size(entry), "format": meta.get("format"), "layer": meta.get("layer"), "usedBy": used[str(entry)]})
+    if as_json:
+        click.echo(json.dumps({"vms": vms, "disks": disks}, indent=2))
+        return
+    click.echo(f"{'VM':32} {'STATE':8} IMAGES")
+    for vm in vms:
+        click.echo(f"{vm['domain']:32} {vm['state']:8} {' '.join(vm['images'])}")
+    click.echo(f"\n{'DISK':72} {'SIZE':>10}  USED BY")
+    for disk in disks:
+        click.echo(f"{disk['path'][-72:]:72} {disk['size'] / (1 << 20):>8.1f}Mi  {','.join(disk['usedBy']) or '-'}")
+
+
+@cli.command(epilog="""\b
+Examples:
+  launcher gc
+  launcher gc --max-size 20G
+""")
+@click.option("--max-size", metavar="SIZE", help="Keep the cache under SIZE (e.g. 20G), removing least recently used disks first.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@cache_option
+def gc(max_size, as_json, cache_dir) -> None:
+    """Remove cached disks no running VM uses (all of them, or the oldest until under --max-size)."""
+    from .gc import collect, parse_size
+
+    result = collect(Cache(cache_dir), parse_size(max_size) if max_size else None)
+    if as_json:
+        click.echo(json.dumps(result.__dict__, indent=2))
+        return
+    for domain_name in result.vms_cleaned:
+        click.echo(f"cleaned up stopped VM {domain_name}")
+    for entry in result.removed:
+        click.echo(f"removed {entry}")
+    click.echo(f"freed {result.freed / (1 << 20):.1f} MiB; cache holds {result.kept / (1 << 20):.1f} MiB of disks")
 
 
 def main() -> None:
-    cli()
+    run_main(cli, "launcher")

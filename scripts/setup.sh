@@ -10,6 +10,7 @@ APT_PACKAGES=(
     skopeo umoci buildah docker-registry
     xorriso genisoimage mtools syslinux syslinux-common fdisk dosfstools busybox-static cpio kmod e2fsprogs
     util-linux zstd
+    libvirt-daemon-system libvirt-clients libvirt-dev pkg-config libxml2-utils ovmf
 )
 
 SUDO=""
@@ -26,7 +27,14 @@ if [ ${#missing[@]} -gt 0 ]; then
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
-PYTHON=${PYTHON:-python3}
+# The launcher runs VMs as KubeVirt's qemu user (UID 107) through libvirt's session daemon;
+# the end-to-end tests need that user to exist.
+if ! getent passwd 107 >/dev/null; then
+    $SUDO useradd --system --uid 107 --user-group --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin qemu
+fi
+
+# Debian's own python, so unprivileged users (the qemu user of the tests) can run the venv too.
+PYTHON=${PYTHON:-/usr/bin/python3}
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi

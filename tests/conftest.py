@@ -35,11 +35,24 @@ class Result:
         return self.out.strip().splitlines()[-1] if self.out.strip() else ""
 
 
-def run_diskkit(*args: str | os.PathLike, cwd: Path | None = None, env: dict | None = None, user: str | None = None) -> Result:
-    cmd = [sys.executable, "-m", "diskkit", *map(str, args)]
+def _command(module: str, args, user: str | None) -> list[str]:
+    cmd = [sys.executable, "-m", module, *map(str, args)]
     if user is not None:
         cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *cmd]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env={**os.environ, "CI": "true", **(env or {})})
+    return cmd
+
+
+def run_diskkit(*args: str | os.PathLike, cwd: Path | None = None, env: dict | None = None, user: str | None = None) -> Result:
+    proc = subprocess.run(_command("diskkit", args, user), capture_output=True, text=True, cwd=cwd, env={**os.environ, "CI": "true", **(env or {})})
+    return Result(proc.returncode, proc.stdout, proc.stderr)
+
+
+def launcher_command(*args: str | os.PathLike, user: str | None = None) -> list[str]:
+    return _command("launcher", args, user)
+
+
+def run_launcher(*args: str | os.PathLike, env: dict | None = None, user: str | None = None, timeout: float = 300) -> Result:
+    proc = subprocess.run(launcher_command(*args, user=user), capture_output=True, text=True, env={**os.environ, "CI": "true", **(env or {})}, timeout=timeout)
     return Result(proc.returncode, proc.stdout, proc.stderr)
 
 

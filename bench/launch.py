@@ -1,0 +1,231 @@
+"""Benchmark the launcher's node side: pull+extract against skopeo+umoci, and 20 VMs from one image.
+
+Uses bench/build.py's real-content qcow2 (an ext4 image filled from /usr, made once and cached in
+the workdir) and a CNCF distribution registry started by bench/registry.py's helper on a free
+127.0.0.1 port.
+
+  pull+extract  launcher  `launcher pull --cache-dir FRESH --tls-verify=false HOST/bench/pull:v1`
+                          (download, verify, decompress, write the disk sparse, qemu-img checks)
+                skopeo    `skopeo copy docker://HOST/bench/pull:v1 oci:DIR:x` + `umoci unpack`
+                          (timed as the sum of both processes; what a node without us would run)
+  20 VMs        the test guest image is pushed, then 20 VMIs referencing it are started one after
+                another with `launcher run --wait-for 'DISKKIT-TESTGUEST DONE'` as the unprivileged
+                qemu user (libvirt session, TCG); a disk serial `hold-N` keeps every guest up until
+                all 20 run. Reported: how often the registry served the layer (its access log), the
+                bytes the cache's bases and the 20 overlays occupy, against 20 private copies.
+
+Runs are whole processes, interleaved (ours, theirs, ...), writeback flushed before each; medians
+are printed with the ratio. Targets: skopeo+umoci / launcher >= 4x; one download for 20 VMs.
+
+Run from the project root, as root (it creates the qemu user's scratch directories):
+    .venv/bin/python bench/launch.py                       # 700 MB of content, 3 runs, 20 VMs
+    .venv/bin/python bench/launch.py --vms 5 --runs 1 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import pwd
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def _load(name: str):
+    """A sibling bench script as a module (bench/ is not a package)."""
+    path = Path(__file__).resolve().with_name(f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"diskkit_bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+breg = _load("registry")
+bb = breg.bb
+MIB = bb.MIB
+TARGET_PULL_SPEEDUP = 4.0
+ROOT = Path(__file__).resolve().parent.parent
+GUEST = ROOT / "build" / "testguest" / "testguest.qcow2"
+
+
+def launcher_command() -> list[str]:
+    script = Path(sys.executable).parent / "launcher"
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "launcher"]
+
+
+def pull_commands(variant: str, host: str, run_dir: Path) -> list[list[str]]:
+    ref = f"{host}/{breg.PULL_REPO}:{breg.TAG}"
+    if variant == "launcher":
+        return [[*launcher_command(), "pull", "--cache-dir", str(run_dir / "cache"), "--tls-verify=false", ref]]
+    layout = run_dir / "layout"
+    return [
+        ["skopeo", "copy", "--src-tls-verify=false", f"docker://{ref}", f"oci:{layout}:x"],
+        ["umoci", "unpack", "--rootless", "--image", f"{layout}:x", str(run_dir / "bundle")],
+    ]
+
+
+def bench_pull(host: str, runs: int, workdir: Path, log) -> dict:
+    samples: dict[str, list[tuple[float, float, int]]] = {"launcher": [], "skopeo+umoci": []}
+    for i in range(1, runs + 1):
+        for variant in samples:
+            run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=workdir))
+            try:
+                os.sync()
+                wall = cpu = 0.0
+                rss = 0
+                for cmd in pull_commands(variant, host, run_dir):
+                    w, c, r = bb.run_measured(cmd, run_dir / "out.log")
+                    wall, cpu, rss = wall + w, cpu + c, max(rss, r)
+                samples[variant].append((wall, cpu, rss))
+                log(f"  run {i}/{runs} {variant:14} {wall:7.2f} s  {rss / 1024:7.1f} MiB")
+            finally:
+                shutil.rmtree(run_dir, ignore_errors=True)
+    out = {}
+    for variant, values in samples.items():
+        out[variant] = {
+            "wall_s": round(statistics.median(v[0] for v in values), 3),
+            "cpu_s": round(statistics.median(v[1] for v in values), 3),
+            "rss_mib": round(statistics.median(v[2] for v in values) / 1024, 1),
+        }
+    return out
+
+
+VMI = """apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstance
+metadata:
+  name: {name}
+spec:
+  domain:
+    resources:
+      requests:
+        memory: 128Mi
+    devices:
+      disks:
+        - name: root
+          serial: hold-{hold}
+          disk:
+            bus: virtio
+  volumes:
+    - name: root
+      containerDisk:
+        image: {image}
+"""
+
+
+def allocated(path: Path) -> int:
+    return sum(p.lstat().st_blocks * 512 for p in path.rglob("*") if p.is_file())
+
+
+def bench_vms(registry, count: int, workdir: Path, log) -> dict:
+    qemu = pwd.getpwuid(107)
+    scratch = Path(tempfile.mkdtemp(prefix="vms-", dir=workdir))
+    os.chmod(scratch, 0o755)
+    cache, home = scratch / "cache", scratch / "home"
+    for d in (cache, home):
+        d.mkdir()
+        os.chown(d, qemu.pw_uid, qemu.pw_gid)
+    image = f"{registry.host}/bench/guest:v1"
+    bb.run_quiet([*bb.diskkit_command(), "build", str(GUEST), "-t", image, "--tls-verify=false"])
+    _, manifest = registry.manifest("bench/guest", "v1")
+    layer = manifest["layers"][0]["digest"]
+    as_qemu = ["setpriv", "--reuid=107", "--regid=107", "--clear-groups", "env", f"HOME={home}", "XDG_RUNTIME_DIR=", "CI=true"]
+    names = [f"bench-{i:02d}" for i in range(count)]
+    started: list[str] = []
+    t0 = time.monotonic()
+    try:
+        for name in names:
+            vmi = scratch / f"{name}.yaml"
+            vmi.write_text(VMI.format(name=name, hold=900, image=image))
+            cmd = [*as_qemu, *launcher_command(), "run", "--cache-dir", str(cache), "--tls-verify=false",
+                   "--wait-for", "DISKKIT-TESTGUEST DONE", "--timeout", "300", str(vmi)]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise SystemExit(f"launcher run {name} failed:\n{proc.stderr}")
+            started.append(name)
+            log(f"  {name} up ({time.monotonic() - t0:.1f} s)")
+        listing = json.loads(subprocess.run([*as_qemu, *launcher_command(), "ls", "--json", "--cache-dir", str(cache)],
+                                            capture_output=True, text=True, check=True).stdout)
+        running = sum(vm["state"] == "running" for vm in listing["vms"])
+        bases = allocated(cache / "disks")
+        overlays = allocated(cache / "run")
+    finally:
+        for name in started:
+            subprocess.run([*as_qemu, *launcher_command(), "stop", "--cache-dir", str(cache), name], capture_output=True)
+        shutil.rmtree(scratch, ignore_errors=True)
+    access = registry.log_path.read_text(errors="replace")
+    downloads = sum(1 for line in access.splitlines() if f"GET /v2/bench/guest/blobs/{layer}" in line and '" 200 ' in line)
+    base_size = GUEST.stat().st_size
+    return {
+        "vms": count, "running_together": running, "layer_downloads": downloads,
+        "bases_mib": round(bases / MIB, 1), "overlays_mib": round(overlays / MIB, 2),
+        "private_copies_mib": round(count * base_size / MIB, 1),
+        "seconds_to_start_all": round(time.monotonic() - t0, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-mb", type=int, default=bb.DEFAULT_SIZE_MB, help="MiB of /usr content in the pull disk (default %(default)s)")
+    parser.add_argument("--runs", type=int, default=bb.DEFAULT_RUNS, help="pull runs per variant, interleaved (default %(default)s)")
+    parser.add_argument("--vms", type=int, default=20, help="VMs started from one image (default %(default)s; 0 skips)")
+    parser.add_argument("--workdir", type=Path, default=bb.DEFAULT_WORKDIR, help="cache for the test disk and scratch (default build/bench)")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON instead of a table")
+    args = parser.parse_args(argv)
+    for tool in ("umoci", "skopeo", "docker-registry", "mke2fs", "qemu-img", "setpriv"):
+        if not shutil.which(tool):
+            parser.error(f"{tool} not found on PATH")
+    if args.vms and (os.geteuid() != 0 or not GUEST.is_file()):
+        parser.error("the VM part runs as root (it starts VMs as the qemu user) and needs build/testguest (scripts/setup.sh)")
+
+    def log(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    workdir = args.workdir.resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    disk_meta = bb.make_disk(workdir, args.size_mb, log)
+    disk = Path(disk_meta["path"])
+    bb.warm_cache(disk)
+    registry = breg.Registry(workdir, access_log=True)
+    try:
+        log(f"registry on {registry.host}; pushing {disk.name} ...")
+        bb.run_quiet([*bb.diskkit_command(), "build", str(disk), "-t", f"{registry.host}/{breg.PULL_REPO}:{breg.TAG}", "--tls-verify=false"])
+        log("pull+extract ...")
+        pulls = bench_pull(registry.host, args.runs, workdir, log)
+        vms = None
+        if args.vms:
+            log(f"{args.vms} VMs from one image ...")
+            vms = bench_vms(registry, args.vms, workdir, log)
+    finally:
+        registry.stop()
+
+    ratio = pulls["skopeo+umoci"]["wall_s"] / pulls["launcher"]["wall_s"]
+    checks = [{"name": "pull+extract skopeo+umoci/launcher", "value": round(ratio, 2), "target": f">= {TARGET_PULL_SPEEDUP:g}x", "pass": ratio >= TARGET_PULL_SPEEDUP}]
+    if vms:
+        checks.append({"name": f"layer downloads for {vms['vms']} VMs", "value": vms["layer_downloads"], "target": "1", "pass": vms["layer_downloads"] == 1})
+    if args.json:
+        print(json.dumps({"disk": disk_meta, "runs": args.runs, "pull": pulls, "vms": vms, "checks": checks}, indent=2))
+        return 0
+    print(f"{disk.name}: {disk_meta['qcow2_bytes'] / MIB:.0f} MiB qcow2; median of {args.runs} run(s)\n")
+    print(f"{'pull+extract':16} {'wall s':>8} {'cpu s':>8} {'RSS MiB':>8}")
+    for variant, figures in pulls.items():
+        print(f"{variant:16} {figures['wall_s']:8.2f} {figures['cpu_s']:8.2f} {figures['rss_mib']:8.1f}")
+    if vms:
+        print(f"\n{vms['vms']} VMs from one image ({vms['running_together']} running together, started in {vms['seconds_to_start_all']} s):")
+        print(f"  layer downloads {vms['layer_downloads']}; on disk: bases {vms['bases_mib']} MiB + overlays {vms['overlays_mib']} MiB"
+              f" (20 private copies would be {vms['private_copies_mib']} MiB)")
+    print()
+    for c in checks:
+        print(f"{c['name']:38} {c['value']:>8}  target {c['target']:6} {'PASS' if c['pass'] else 'MISS'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""Pull a containerDisk into the node cache: one streaming pass, verified, sparse, checked before use.
+
+Layers are read in order with whiteouts applied and only the candidate files spooled (no root
+filesystem is unpacked); the disk is located with KubeVirt's rules, checked with qemu-img under
+limits, then renamed into the cache. A second pull of the same image finds it there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from diskkit.containerdisk import path_problem
+from diskkit.errors import DiskkitError
+from diskkit.image import Platform
+from diskkit.reference import parse_ref
+from diskkit.registryoptions import RegistryOptions
+from diskkit.transports import open_source
+from diskkit.verify import DiskFacts, disk_problems, scan_image
+
+from .cache import Cache, key
+
+POLICIES = ("Always", "IfNotPresent", "Never")
+
+
+@dataclass(frozen=True)
+class Pulled:
+    path: Path  # the file in the cache: shared, read-only, never written by a VM
+    format: str | None  # "raw" or "qcow2" for disks; None for plain files (kernels, initrds)
+    virtual_size: int | None
+    image: str
+    digest: str  # manifest digest
+    layer: str
+    member: str
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["path"] = str(self.path)
+        return out
+
+
+def default_policy(ref: str) -> str:
+    """Kubernetes' rule, which KubeVirt follows: `Always` for :latest or no tag, else `IfNotPresent`."""
+    parsed = parse_ref(ref)
+    if parsed.transport != "docker" or parsed.name is None or parsed.name.digest:
+        return "IfNotPresent"
+    return "Always" if parsed.name.tag in (None, "latest") else "IfNotPresent"
+
+
+def pull(
+    cache: Cache,
+    ref: str,
+    path: str | None = None,
+    platform: Platform | None = None,
+    registry: RegistryOptions | None = None,
+    policy: str | None = None,
+    disk: bool = True,
+    notes: list[str] | None = None,
+) -> Pulled:
+    """The cached disk (or, with disk=False, plain file) that `ref` holds at `path` (default: /disk)."""
+    if path is not None and (problem := path_problem(path)):
+        raise DiskkitError(f"{ref}: path {path}", problem)
+    policy = policy or default_policy(ref)
+    if policy not in POLICIES:
+        raise DiskkitError(ref, f"imagePullPolicy {policy!r} is not one of {', '.join(POLICIES)}")
+    shown = str(parse_ref(ref))
+    platform_text = str(platform or Platform.host())
+    tag_key = key(shown, platform_text)
+    mode = "disk" if disk else "file"
+
+    # Local layouts and archives are re-read every time: resolving them costs nothing.
+    if policy != "Always" and parse_ref(ref).transport == "docker":
+        known = cache.read_json(cache.tag_path(tag_key))
+        hit = _cached(cache, key(known["digest"], path or "", mode, platform_text)) if known else None
+        if hit:
+            return hit
+        if policy == "Never":
+            raise DiskkitError(shown, "container image is not present with pull policy of Never")
+
+    with open_source(shown, registry) as source:
+        image = source.image(platform)
+        ref_key = key(image.digest, path or "", mode, platform_text)
+        with cache.lock(ref_key):
+            hit = _cached(cache, ref_key)
+            if hit is None:
+                hit = _extract(cache, source, image, shown, path, disk, ref_key, notes)
+        cache.put_blob(image.digest, image.manifest_bytes)
+        cache.put_blob(image.config_descriptor.digest, image.config_bytes)
+    cache.write_json(cache.tag_path(tag_key), {"image": shown, "platform": platform_text, "digest": image.digest, "time": int(time.time())})
+    return hit
+
+
+def _cached(cache: Cache, ref_key: str) -> Pulled | None:
+    record = cache.read_json(cache.ref_path(ref_key))
+    if not record or not Path(record["path"]).is_file():
+        return None
+    with contextlib.suppress(OSError):
+        os.utime(Path(record["path"]).parent / "meta.json")  # last use, for gc --max-size
+    return Pulled(**{**record, "path": Path(record["path"])})
+
+
+def _extract(cache: Cache, source, image, shown: str, path: str | None, disk: bool, ref_key: str, notes: list[str] | None) -> Pulled:
+    with cache.staging() as spool:
+        # The ImageVolume rule (a lone file at the root) only applies when no path was given.
+        tree, found, staged = scan_image(source, image, path, spool, allow_root_file=path is None)
+        # UID 107 permissions matter to KubeVirt, which never chowns the file; the cache owns its copy.
+        blocking = tree.findings + [p for p in found.problems if p not in found.access]
+        if notes is not None:
+            notes += found.access
+        if found.node is None or staged is None or blocking:
+            raise DiskkitError(shown, "; ".join(blocking) or f"{found.shown}: not found in the image")
+        facts = DiskFacts()
+        if disk:
+            problems = disk_problems(staged, found.shown, facts)
+            if problems:
+                raise DiskkitError(shown, "; ".join(problems))
+        layer = image.layers[found.node.layer].digest
+        meta = {"layer": layer, "member": found.node.path, "format": facts.format, "virtual_size": facts.virtual_size}
+        final = cache.install_disk(staged, layer, found.node.path, meta)
+    pulled = Pulled(final, facts.format, facts.virtual_size, shown, image.digest, layer, found.node.path)
+    cache.write_json(cache.ref_path(ref_key), pulled.to_json())
+    return pulled

@@ -1,0 +1,94 @@
+"""libvirt at the edge: connect, define and start a domain, ask its state, destroy and undefine it."""
+
+from __future__ import annotations
+
+import os
+
+from diskkit.errors import DiskkitError
+
+
+def default_uri() -> str:
+    """qemu:///system as root, else the user's own session daemon (what non-root virt-launcher mirrors)."""
+    return "qemu:///system" if os.geteuid() == 0 else "qemu:///session"
+
+
+def _libvirt():
+    try:
+        import libvirt
+    except ImportError:
+        raise DiskkitError("libvirt-python", "not installed; install diskkit[launcher] (needs libvirt-dev and pkg-config)") from None
+    # libvirt prints every error to stderr by default; ours are reported once, as one line.
+    libvirt.registerErrorHandler(lambda _ctx, _err: None, None)
+    return libvirt
+
+
+def _message(exc) -> str:
+    return " ".join(str(exc.get_error_message() or exc).split())
+
+
+class Libvirt:
+    def __init__(self, uri: str | None = None):
+        self.lv = _libvirt()
+        self.uri = uri or default_uri()
+        try:
+            self.conn = self.lv.open(self.uri)
+        except self.lv.libvirtError as exc:
+            raise DiskkitError(self.uri, f"cannot connect to libvirt: {_message(exc)}") from None
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def _lookup(self, name: str):
+        try:
+            return self.conn.lookupByName(name)
+        except self.lv.libvirtError as exc:
+            if exc.get_error_code() == self.lv.VIR_ERR_NO_DOMAIN:
+                return None
+            raise DiskkitError(name, f"libvirt: {_message(exc)}") from None
+
+    def start(self, name: str, xml: str) -> None:
+        """Define, then start: the domain shows up in `virsh list --all` like any other."""
+        if self._lookup(name) is not None:
+            raise DiskkitError(name, f"a domain of this name already exists on {self.uri}; stop it first (launcher stop)")
+        try:
+            domain = self.conn.defineXML(xml)
+        except self.lv.libvirtError as exc:
+            raise DiskkitError(name, f"libvirt refused the domain: {_message(exc)}") from None
+        try:
+            domain.create()
+        except self.lv.libvirtError as exc:
+            self._undefine(domain)
+            raise DiskkitError(name, f"the domain did not start: {_message(exc)}") from None
+
+    def active(self, name: str) -> bool:
+        domain = self._lookup(name)
+        try:
+            return bool(domain is not None and domain.isActive())
+        except self.lv.libvirtError:
+            return False  # vanished between the lookup and the question
+
+    def exists(self, name: str) -> bool:
+        return self._lookup(name) is not None
+
+    def destroy(self, name: str) -> bool:
+        """Stop the domain at once and forget its definition; True if there was one."""
+        domain = self._lookup(name)
+        if domain is None:
+            return False
+        try:
+            if domain.isActive():
+                domain.destroy()
+        except self.lv.libvirtError as exc:
+            if self.active(name):
+                raise DiskkitError(name, f"cannot destroy the domain: {_message(exc)}") from None
+        self._undefine(domain)
+        return True
+
+    def _undefine(self, domain) -> None:
+        try:
+            domain.undefineFlags(self.lv.VIR_DOMAIN_UNDEFINE_NVRAM)
+        except self.lv.libvirtError:
+            try:
+                domain.undefine()
+            except self.lv.libvirtError:
+                pass  # already gone

@@ -1,0 +1,157 @@
+"""Run, stop and list VMs: the imperative shell around the pure VMI -> domain converter.
+
+Each VM started from a cache leaves a record (`vms/<domain>.json`) naming the libvirt URI, its run
+directory (overlays, console log, domain XML) and the cache entries it uses, so `stop`, `ls` and
+`gc` work from any later process.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from diskkit.errors import DiskkitError
+from diskkit.image import Platform
+from diskkit.registryoptions import RegistryOptions
+
+from . import accel
+from .cache import Cache
+from .console import follow
+from .domain import Host, render
+from .runner import Libvirt
+from .vmi import VMI
+from .volumes import prepare
+
+
+@dataclass
+class RunOptions:
+    uri: str | None = None
+    platform: Platform | None = None
+    registry: RegistryOptions | None = None
+    console: bool = False
+    wait_for: str | None = None
+    timeout: float | None = None
+
+
+def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, domain_type: str | None = None):
+    """Pull what the VMI needs and render its domain; with `create`, the overlays are made too."""
+    run_dir = cache.run_dir(vmi.domain_name)
+    prepared = prepare(vmi, cache, run_dir, opts.registry, opts.platform, create=create)
+    host = Host(
+        domain_type=domain_type or accel.domain_type(cache.root),
+        serial_log=str(run_dir / "console.log"),
+        kernel=prepared.kernel,
+        initrd=prepared.initrd,
+    )
+    return prepared, render(vmi, prepared.disks, host)
+
+
+def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) -> int:
+    """Start the VM and stay with it: until --wait-for text, the guest's own stop, a timeout or a signal."""
+    name = vmi.domain_name
+    lv = Libvirt(opts.uri)
+    with cache.lock(f"vm-{name}"):
+        if lv.exists(name):
+            raise DiskkitError(name, f"a domain of this name already exists on {lv.uri}; stop it first (launcher stop {vmi.name})")
+        _remove_run_dir(cache, name)  # leftovers of a launcher that was killed
+        try:
+            with cache.lock("gc", shared=True):  # gc must not take the bases between pull and record
+                prepared, xml = plan(vmi, cache, opts, create=True)
+                run_dir = cache.run_dir(name)
+                (run_dir / "domain.xml").write_text(xml)
+                cache.write_json(cache.vm_record_path(name), {
+                    "domain": name,
+                    "vmi": vmi.name,
+                    "namespace": vmi.namespace,
+                    "uri": lv.uri,
+                    "run_dir": str(run_dir),
+                    "images": sorted({p.image for p in prepared.pulled}),
+                    "entries": sorted({str(p.path.parent) for p in prepared.pulled}),
+                    "started": int(time.time()),
+                    "pid": os.getpid(),
+                })
+            for note in prepared.notes:
+                say(f"note: {note}")
+            lv.start(name, xml)
+        except BaseException:
+            cleanup(cache, lv, name)
+            raise
+    echo = _echo if opts.console else None
+    try:
+        outcome = follow(run_dir / "console.log", lambda: lv.active(name), opts.wait_for, opts.timeout, echo)
+    except BaseException:
+        cleanup(cache, lv, name)
+        raise
+    if outcome == "found":
+        say(f"{name} is running (saw {opts.wait_for!r}); stop it with: launcher stop {vmi.name}")
+        return 0
+    cleanup(cache, lv, name)
+    if outcome == "timeout":
+        what = f"{opts.wait_for!r} did not appear on the console" if opts.wait_for else "the VM was still running"
+        raise DiskkitError(name, f"{what} after {opts.timeout:g} s; the domain was destroyed")
+    if opts.wait_for:
+        raise DiskkitError(name, f"the guest stopped before {opts.wait_for!r} appeared on the console")
+    say(f"{name} stopped")
+    return 0
+
+
+def _echo(data: bytes) -> None:
+    sys.stdout.buffer.write(data)
+    sys.stdout.buffer.flush()
+
+
+def _remove_run_dir(cache: Cache, name: str) -> None:
+    run_dir = cache.run_dir(name)
+    if run_dir.exists():
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def cleanup(cache: Cache, lv: Libvirt | None, name: str) -> bool:
+    """Destroy and undefine the domain, remove its overlays and record; True if a domain was there."""
+    had = lv.destroy(name) if lv is not None else False
+    _remove_run_dir(cache, name)
+    cache.vm_record_path(name).unlink(missing_ok=True)
+    return had
+
+
+def find_record(cache: Cache, name: str) -> dict | None:
+    """A VM by domain name (NAMESPACE_NAME), NAMESPACE/NAME, or VMI name in any namespace if unique."""
+    records = cache.vm_records()
+    wanted = name.replace("/", "_", 1)
+    exact = [r for r in records if r["domain"] in (wanted, f"default_{name}")]
+    if exact:
+        return exact[0]
+    by_name = [r for r in records if r["vmi"] == name]
+    if len(by_name) > 1:
+        raise DiskkitError(name, f"several VMs have this name ({', '.join(r['domain'] for r in by_name)}); give NAMESPACE/NAME")
+    return by_name[0] if by_name else None
+
+
+def stop(cache: Cache, name: str) -> str:
+    record = find_record(cache, name)
+    if record is None:
+        raise DiskkitError(name, f"no VM of this name was started from the cache {cache.root}")
+    try:
+        lv = Libvirt(record["uri"])
+    except DiskkitError:
+        lv = None  # the daemon is gone, and the domain with it; still remove the files
+    cleanup(cache, lv, record["domain"])
+    return record["domain"]
+
+
+def state(record: dict) -> str:
+    try:
+        lv = Libvirt(record["uri"])
+    except DiskkitError:
+        return "unknown"
+    try:
+        if lv.active(record["domain"]):
+            return "running"
+        return "stopped" if lv.exists(record["domain"]) else "gone"
+    finally:
+        lv.close()

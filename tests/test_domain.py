@@ -1,0 +1,184 @@
+"""VMI -> libvirt domain XML: golden files checked byte for byte and against libvirt's schema, plus edge rules.
+
+Each tests/golden/domain/NAME.yaml is a VMI with `x-resolved` (volume -> ResolvedDisk fields) and an
+optional `x-host` (Host fields); NAME.xml is the expected render. UPDATE_GOLDEN=1 rewrites the .xml files.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from launcher.domain import Host, ResolvedDisk, io_threads, render
+from launcher.vmi import SpecError, parse_vmi
+
+GOLDEN = Path(__file__).parent / "golden" / "domain"
+CASES = sorted(p.stem for p in GOLDEN.glob("*.yaml"))
+
+
+def load_case(name: str):
+    doc = yaml.safe_load((GOLDEN / f"{name}.yaml").read_text())
+    resolved = {
+        volume: ResolvedDisk(**{**fields, "backing": tuple(fields["backing"]) if fields.get("backing") else None})
+        for volume, fields in doc.pop("x-resolved").items()
+    }
+    host = Host(**doc.pop("x-host", {}))
+    return parse_vmi(doc), resolved, host
+
+
+def validate(path: Path) -> None:
+    tool = shutil.which("virt-xml-validate")
+    if tool is None:
+        pytest.fail("virt-xml-validate is missing (Debian package libvirt-clients); golden XML cannot be checked")
+    proc = subprocess.run([tool, str(path), "domain"], capture_output=True, text=True)
+    assert proc.returncode == 0, f"{path.name} is not a valid libvirt domain:\n{proc.stdout}{proc.stderr}"
+
+
+def test_every_golden_has_both_halves():
+    assert CASES, "no golden cases found"
+    assert sorted(p.stem for p in GOLDEN.glob("*.xml")) == CASES
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_golden(name):
+    vmi, resolved, host = load_case(name)
+    xml = render(vmi, resolved, host)
+    expected = GOLDEN / f"{name}.xml"
+    if os.environ.get("UPDATE_GOLDEN") == "1":
+        expected.write_text(xml)
+    assert xml == expected.read_text()
+    validate(expected)
+
+
+# ---------------------------------------------------------------- edge rules, without goldens
+
+def vmi_doc(disks=None, volumes=None, **domain):
+    return {
+        "apiVersion": "kubevirt.io/v1",
+        "kind": "VirtualMachineInstance",
+        "metadata": {"name": "edge", "namespace": "ns"},
+        "spec": {
+            "domain": {"resources": {"requests": {"memory": "64Mi"}}, "devices": {"disks": disks or []}, **domain},
+            "volumes": volumes or [{"name": "root", "containerDisk": {"image": "quay.io/x/y:1"}}],
+        },
+    }
+
+
+ROOT = {"root": ResolvedDisk("/run/root.qcow2", "qcow2", backing=("/cache/root.img", "raw"))}
+
+
+def render_error(doc, disks, host=Host()) -> str:
+    with pytest.raises(SpecError) as err:
+        render(parse_vmi(doc), disks, host)
+    return str(err.value)
+
+
+def test_explicit_cache_none_without_direct_io_is_refused():
+    doc = vmi_doc([{"name": "root", "cache": "none", "disk": {"bus": "virtio"}}])
+    disks = {"root": ResolvedDisk("/dev/shm/root.qcow2", "qcow2", direct_io=False)}
+    assert render_error(doc, disks) == (
+        "spec.domain.devices.disks[0].cache: Unable to use 'none' cache mode, file system where /dev/shm/root.qcow2"
+        " is stored does not support direct I/O"
+    )
+
+
+def test_shareable_forces_cache_none_and_so_needs_direct_io():
+    doc = vmi_doc([{"name": "root", "shareable": True, "disk": {"bus": "virtio"}}])
+    assert "<shareable />" in render(parse_vmi(doc), ROOT, Host())
+    disks = {"root": ResolvedDisk("/dev/shm/root.img", "raw", direct_io=False)}
+    assert render_error(doc, disks).startswith("spec.domain.devices.disks[0].cache: Unable to use 'none' cache mode")
+
+
+def test_lun_on_a_file_based_pvc_uses_kubevirts_message():
+    doc = vmi_doc([{"name": "san", "lun": {"bus": "scsi"}}], [{"name": "san", "persistentVolumeClaim": {"claimName": "san"}}])
+    disks = {"san": ResolvedDisk("/pvc/san/disk.img", "raw")}
+    assert render_error(doc, disks) == "spec.domain.devices.disks[0]: device san is of type lun. Not compatible with a file based disk"
+
+
+def test_native_io_needs_cache_none():
+    doc = vmi_doc([{"name": "root", "io": "native", "cache": "writethrough", "disk": {"bus": "virtio"}}])
+    assert render_error(doc, ROOT) == "spec.domain.devices.disks[0].io: io native needs cache none, but the cache mode is writethrough"
+
+
+def test_read_only_file_cannot_be_a_sata_hard_disk():
+    disks = {"root": ResolvedDisk("/run/root.img", "raw", read_only=True)}
+    # the volume has no disk, so KubeVirt's defaulting gave it a sata one: blame the volume
+    assert render_error(vmi_doc(), disks) == "spec.volumes[0]: sata hard-disks do not support read-only."
+    doc = vmi_doc([{"name": "root", "disk": {}}])
+    assert render_error(doc, disks) == "spec.domain.devices.disks[0].disk.bus: sata hard-disks do not support read-only."
+
+
+def test_every_volume_needs_a_resolved_disk():
+    assert render_error(vmi_doc(), {}) == "spec.volumes[0]: no resolved disk for volume root"
+
+
+def test_unresolved_kernel_is_an_error():
+    doc = vmi_doc(firmware={"kernelBoot": {"container": {"image": "k:1", "kernelPath": "/vmlinuz"}}})
+    assert render_error(doc, ROOT) == (
+        "spec.domain.firmware.kernelBoot.container.kernelPath: /vmlinuz was not resolved to a file on the host"
+    )
+
+
+def test_unknown_resolved_type_is_refused():
+    disks = {"root": ResolvedDisk("iscsi://x", "raw", type="network")}
+    assert render_error(vmi_doc(), disks) == "spec.volumes[0]: volume root resolved to an unsupported disk type network"
+
+
+def test_device_names_continue_past_z_like_the_kernel():
+    volumes = [{"name": f"d{i}", "emptyDisk": {"capacity": "1Mi"}} for i in range(28)]
+    disks = [{"name": f"d{i}", "disk": {"bus": "virtio"}} for i in range(28)]
+    resolved = {f"d{i}": ResolvedDisk(f"/run/d{i}.qcow2", "qcow2") for i in range(28)}
+    xml = render(parse_vmi(vmi_doc(disks, volumes)), resolved, Host())
+    assert 'dev="vdz"' in xml and 'dev="vdaa"' in xml and 'dev="vdab"' in xml
+
+
+def test_auto_pool_keeps_one_shared_thread_when_dedicated_disks_fill_it():
+    volumes = [{"name": n, "emptyDisk": {"capacity": "1Mi"}} for n in "abcd"]
+    disks = [{"name": n, "dedicatedIOThread": n != "d", "disk": {"bus": "virtio"}} for n in "abcd"]
+    vmi = parse_vmi(vmi_doc(disks, volumes, ioThreadsPolicy="auto"))  # no CPU request: limit 2
+    assert io_threads(vmi) == (4, 1)
+    xml = render(vmi, {n: ResolvedDisk(f"/run/{n}.qcow2", "qcow2") for n in "abcd"}, Host())
+    assert [line.split('iothread="')[1][0] for line in xml.splitlines() if "iothread=" in line] == ["2", "3", "4", "1"]
+
+
+def test_no_iothreads_without_policy_or_dedicated_disk():
+    vmi = parse_vmi(vmi_doc([{"name": "root", "disk": {"bus": "virtio"}}]))
+    assert io_threads(vmi) == (0, 0)
+    assert "iothread" not in render(vmi, ROOT, Host())
+
+
+def test_render_is_deterministic_and_uuid_stable_per_namespace_and_name():
+    doc = vmi_doc()
+    first = render(parse_vmi(doc), ROOT, Host())
+    assert render(parse_vmi(copy.deepcopy(doc)), ROOT, Host()) == first
+    other = copy.deepcopy(doc)
+    other["metadata"]["namespace"] = "elsewhere"
+    assert parse_vmi(other).uuid != parse_vmi(doc).uuid
+    assert "<name>ns_edge</name>" in first
+
+
+def test_firmware_uuid_wins():
+    doc = vmi_doc(firmware={"uuid": "5D307CA9-B3EF-428C-8861-06E72D69F223"})
+    xml = render(parse_vmi(doc), ROOT, Host())
+    assert "<uuid>5d307ca9-b3ef-428c-8861-06e72d69f223</uuid>" in xml
+    assert '<entry name="uuid">5d307ca9-b3ef-428c-8861-06e72d69f223</entry>' in xml
+
+
+def test_host_model_is_kept_on_kvm_and_dropped_on_tcg():
+    assert '<cpu mode="host-model">' in render(parse_vmi(vmi_doc()), ROOT, Host(domain_type="kvm"))
+    tcg = render(parse_vmi(vmi_doc()), ROOT, Host(domain_type="qemu"))
+    assert "<cpu>" in tcg and "mode=" not in tcg.split("<cpu>")[1].split("</cpu>")[0]
+
+
+def test_pci_address_is_rendered_for_virtio_disks(tmp_path):
+    doc = vmi_doc([{"name": "root", "disk": {"bus": "virtio", "pciAddress": "0000:0a:01.2"}}])
+    xml = render(parse_vmi(doc), ROOT, Host())
+    assert '<address type="pci" domain="0x0000" bus="0x0a" slot="0x01" function="0x2" />' in xml
+    (tmp_path / "pci.xml").write_text(xml)
+    validate(tmp_path / "pci.xml")

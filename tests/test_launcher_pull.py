@@ -1,0 +1,266 @@
+"""launcher pull: the node cache against a real registry, local transports and hostile images."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import launcher_command, make_qcow2, run, run_diskkit, run_launcher
+from tests.faultproxy import Fault
+from tests.imagecraft import Member, dir_, layer_blob_paths, write_layout
+
+NOREG = "--tls-verify=false"
+
+
+@pytest.fixture
+def cache(tmp_path) -> Path:
+    return tmp_path / "cache"
+
+
+def pull(cache: Path, ref: str, *extra: str):
+    return run_launcher("pull", "--cache-dir", cache, *extra, ref)
+
+
+def cache_entries(cache: Path) -> dict[str, list[str]]:
+    """What the cache holds, by area; `tmp` and `disks` must be empty after any refusal."""
+    out = {}
+    for area in ("disks", "refs", "tmp"):
+        root = cache / area
+        out[area] = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()) if root.exists() else []
+    return out
+
+
+def assert_refused(result, *expected: str, cache: Path) -> None:
+    assert result.code != 0, result.out
+    lines = result.err.strip().splitlines()
+    assert len(lines) == 1, result.err  # one line, naming the image and the rule
+    for text in expected:
+        assert text in lines[0], lines[0]
+    held = cache_entries(cache)
+    assert held["disks"] == [] and held["refs"] == [] and held["tmp"] == [], held
+
+
+@pytest.fixture(scope="module")
+def source_disk(tmp_path_factory) -> Path:
+    return make_qcow2(tmp_path_factory.mktemp("src") / "guest.qcow2", size="32M", pattern=0x5A)
+
+
+@pytest.fixture(scope="module")
+def pushed(registry, source_disk) -> str:
+    ref = f"{registry.host}/launcher/pull:v1"
+    result = run_diskkit("build", NOREG, source_disk, "-t", ref)
+    assert result.code == 0, result.err
+    return ref
+
+
+def test_pull_from_registry_gives_the_disk_bit_for_bit(cache, pushed, source_disk):
+    result = pull(cache, pushed, NOREG, "--json")
+    assert result.code == 0, result.err
+    info = json.loads(result.out)
+    disk = Path(info["path"])
+    assert disk.is_relative_to(cache / "disks")
+    assert info["format"] == "qcow2" and info["virtual_size"] == 32 << 20
+    run("qemu-img", "compare", "-f", "qcow2", "-F", "qcow2", source_disk, disk)
+    assert disk.read_bytes() == source_disk.read_bytes()
+    assert disk.stat().st_mode & 0o777 == 0o444  # shared base: VMs get overlays
+    # Plain output is the path alone, for scripts.
+    again = pull(cache, pushed, NOREG)
+    assert again.out.strip() == str(disk)
+
+
+def test_every_local_transport_lands_on_the_same_cache_entry(cache, tmp_path, source_disk):
+    layout = tmp_path / "layout"
+    assert run_diskkit("build", source_disk, "-t", f"oci:{layout}:v1").code == 0
+    refs = [f"oci:{layout}:v1"]
+    for dest in (f"oci-archive:{tmp_path / 'a.tar'}:v1", f"docker-archive:{tmp_path / 'd.tar'}:local/disk:v1"):
+        assert run_diskkit("push", f"oci:{layout}:v1", dest).code == 0
+        refs.append(dest)
+    paths = set()
+    for ref in refs:
+        result = pull(cache, ref)
+        assert result.code == 0, result.err
+        paths.add(result.out.strip())
+    # The docker archive holds the uncompressed layer: another blob, the same disk bytes.
+    assert len(paths) <= 2
+    for path in paths:
+        assert Path(path).read_bytes() == source_disk.read_bytes()
+
+
+def test_if_not_present_uses_the_cache_without_the_registry(cache, registry, pushed, fault_proxy):
+    proxy = fault_proxy(registry)
+    ref = pushed.replace(registry.host, proxy.host)
+    assert pull(cache, ref, NOREG).code == 0
+    blob_gets = [entry for entry in proxy.log if entry[0] == "GET" and "/blobs/" in entry[1]]
+    assert len(blob_gets) == 2  # config and the one layer
+    before = len(proxy.log)
+    assert pull(cache, ref, NOREG).code == 0
+    assert len(proxy.log) == before  # IfNotPresent: nothing asked
+    always = pull(cache, ref, NOREG, "--pull-policy", "Always")
+    assert always.code == 0
+    asked = proxy.log[before:]
+    assert any("/manifests/" in entry[1] for entry in asked)
+    layer_gets = [e for e in proxy.log if e[0] == "GET" and "/blobs/" in e[1]]
+    assert len(layer_gets) == 3  # Always re-reads manifest and config, never the layer again
+    other = cache.parent / "other-cache"
+    never = pull(other, ref, NOREG, "--pull-policy", "Never")
+    assert_refused(never, "container image is not present with pull policy of Never", cache=other)
+
+
+def test_concurrent_pulls_download_once(cache, registry, pushed, fault_proxy):
+    proxy = fault_proxy(registry)
+    ref = pushed.replace(registry.host, proxy.host)
+    # Slow the layer down so both pulls are surely in flight together.
+    proxy.add(Fault("GET", r"/blobs/sha256:", "stall", times=4, arg=1.0))
+    procs = [subprocess.Popen(launcher_command("pull", "--cache-dir", cache, NOREG, ref), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    outs = [proc.communicate(timeout=120) for proc in procs]
+    assert all(proc.returncode == 0 for proc in procs), outs
+    assert len({out.strip() for out, _ in outs}) == 1
+    manifest = json.loads(subprocess.run(["skopeo", "inspect", "--raw", "--tls-verify=false", f"docker://{pushed}"], capture_output=True, text=True, check=True).stdout)
+    layer = manifest["layers"][0]["digest"]
+    layer_gets = [e for e in proxy.log if e[0] == "GET" and e[1].endswith(layer)]
+    assert len(layer_gets) == 1, proxy.log
+
+
+def test_custom_path_symlink_root_file_and_base_layers(cache, tmp_path, source_disk):
+    data = source_disk.read_bytes()
+    custom = tmp_path / "custom"
+    assert run_diskkit("build", source_disk, "--path", "/images/vm/root.qcow2", "-t", f"oci:{custom}:v1").code == 0
+    result = pull(cache, f"oci:{custom}:v1", "--path", "/images/vm/root.qcow2")
+    assert result.code == 0, result.err
+    assert Path(result.out.strip()).read_bytes() == data
+    # Without --path the image has no /disk: KubeVirt's own message.
+    assert_refused(pull(cache.parent / "c2", f"oci:{custom}:v1"), "failed to check /disk for disks", cache=cache.parent / "c2")
+
+    linked = write_layout(tmp_path / "sym", [[dir_("images"), Member("images/real.qcow2", data), dir_("disk"), Member("disk/root.qcow2", kind=tarfile.SYMTYPE, link="/images/real.qcow2")]])
+    result = pull(cache, f"oci:{linked}:t")
+    assert result.code == 0, result.err
+    assert Path(result.out.strip()).read_bytes() == data
+
+    # ORAS / ImageVolume style: one file at the image root.
+    lone = write_layout(tmp_path / "lone", [[Member("fedora.qcow2", data, mode=0o644, uid=0, gid=0)]])
+    result = pull(cache, f"oci:{lone}:t")
+    assert result.code == 0, result.err
+    assert Path(result.out.strip()).read_bytes() == data
+
+    # Built FROM a base (old kubevirt/container-disk-v1alpha style): files below, the disk above.
+    base = [dir_("etc"), Member("etc/os-release", b"ID=base\n", mode=0o644), dir_("disk")]
+    upper = [Member("disk/disk.qcow2", data)]
+    based = write_layout(tmp_path / "based", [base, upper], docker_types=True)
+    result = pull(cache, f"oci:{based}:t", "--json")
+    assert result.code == 0, result.err
+    info = json.loads(result.out)
+    assert info["member"] == "disk/disk.qcow2"
+    index = json.loads((based / "index.json").read_text())
+    manifest = json.loads((based / "blobs/sha256" / index["manifests"][0]["digest"][7:]).read_text())
+    assert info["layer"] == manifest["layers"][1]["digest"]
+
+
+def test_raw_disk_is_written_sparse(cache, tmp_path):
+    raw = tmp_path / "disk.img"
+    with open(raw, "wb") as f:
+        f.write(b"\xee" * (1 << 20))
+        f.seek(63 << 20)
+        f.write(b"\xdd" * 4096)
+        f.truncate(64 << 20)
+    layout = tmp_path / "raw"
+    assert run_diskkit("build", raw, "-t", f"oci:{layout}:v1").code == 0
+    result = pull(cache, f"oci:{layout}:v1", "--json")
+    assert result.code == 0, result.err
+    info = json.loads(result.out)
+    disk = Path(info["path"])
+    assert info["format"] == "raw" and disk.stat().st_size == 64 << 20
+    assert disk.stat().st_blocks * 512 < 4 << 20  # zero runs became holes
+    assert disk.read_bytes() == raw.read_bytes()
+
+
+def _backed_qcow2(tmp_path: Path) -> bytes:
+    backed = tmp_path / "backed.qcow2"
+    run("qemu-img", "create", "-q", "-f", "qcow2", "-b", "/etc/passwd", "-F", "raw", backed)
+    return backed.read_bytes()
+
+
+HOSTILE = {
+    "two-files": (lambda d, t: [[dir_("disk"), Member("disk/a.qcow2", d), Member("disk/b.qcow2", d)]], "more than one file found in folder /disk, only one disk is allowed"),
+    "dotdot": (lambda d, t: [[Member("../escape.txt", b"x"), dir_("disk"), Member("disk/a.qcow2", d)]], "'../escape.txt' in layer 0 escapes the image root"),
+    "absolute": (lambda d, t: [[Member("/abs/evil.txt", b"x"), dir_("disk"), Member("disk/a.qcow2", d)]], "'/abs/evil.txt' in layer 0 escapes the image root"),
+    "symlink-out": (lambda d, t: [[dir_("disk"), Member("disk/a.qcow2", kind=tarfile.SYMTYPE, link="../../../../etc/passwd")]], "a symlink points outside the image root"),
+    "hardlink-out": (lambda d, t: [[dir_("disk"), Member("disk/a.qcow2", kind=tarfile.LNKTYPE, link="/etc/shadow")]], "hardlink 'disk/a.qcow2' in layer 0 points outside the image"),
+    "device": (lambda d, t: [[dir_("disk"), Member("disk/sda", kind=tarfile.BLKTYPE)]], "/disk/sda is a device, not a regular file"),
+    "backing-file": (lambda d, t: [[dir_("disk"), Member("disk/d.qcow2", _backed_qcow2(t))]], "/disk/d.qcow2: expected no backing file, but found /etc/passwd"),
+    "empty-disk-dir": (lambda d, t: [[dir_("disk")]], "no file found in folder /disk, no disk present"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_images_are_refused_and_leave_nothing(cache, tmp_path, source_disk, case):
+    make, expected = HOSTILE[case]
+    layout = write_layout(tmp_path / case, make(source_disk.read_bytes(), tmp_path))
+    before = set(os.listdir(tmp_path))
+    result = pull(cache, f"oci:{layout}:t")
+    assert_refused(result, f"oci:{layout}:t", expected, cache=cache)
+    assert set(os.listdir(tmp_path)) == before | {"cache"}  # nothing written beside the cache
+    assert not Path("/abs").exists() and not (cache.parent.parent / "escape.txt").exists()
+
+
+def test_wrong_path_and_bad_path(cache, tmp_path, source_disk):
+    layout = tmp_path / "l"
+    assert run_diskkit("build", source_disk, "-t", f"oci:{layout}:v1").code == 0
+    assert_refused(pull(cache, f"oci:{layout}:v1", "--path", "/disk/missing.qcow2"), "no image on path /disk/missing.qcow2", cache=cache)
+    assert_refused(pull(cache, f"oci:{layout}:v1", "--path", "/disk/../etc/passwd"), "must be an absolute path to a file without relative components", cache=cache)
+    assert_refused(pull(cache, f"oci:{layout}:v1", "--path", "/"), "must not point to root", cache=cache)
+
+
+def test_layer_that_does_not_match_its_digest(cache, tmp_path, source_disk):
+    layout = write_layout(tmp_path / "c", [[dir_("disk"), Member("disk/d.qcow2", source_disk.read_bytes())]])
+    blob = layer_blob_paths(layout)[0]
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    blob.write_bytes(bytes(data))
+    assert_refused(pull(cache, f"oci:{layout}:t"), "does not match its digest", cache=cache)
+
+
+def test_missing_image_in_registry(cache, registry):
+    result = pull(cache, f"{registry.host}/launcher/nothing:v1", NOREG, "--retry-times", "0")
+    assert_refused(result, "manifest v1 not found", cache=cache)
+
+
+def test_corrupt_byte_from_the_registry_is_never_kept(cache, registry, pushed, fault_proxy):
+    proxy = fault_proxy(registry)
+    manifest = json.loads(subprocess.run(["skopeo", "inspect", "--raw", "--tls-verify=false", f"docker://{pushed}"], capture_output=True, text=True, check=True).stdout)
+    layer = manifest["layers"][0]["digest"]
+    proxy.add(Fault("GET", layer, "flip", times=10, arg=1000))
+    result = pull(cache, pushed.replace(registry.host, proxy.host), NOREG, "--retry-times", "1")
+    assert_refused(result, "does not match its digest", cache=cache)
+
+
+def test_kill_mid_pull_leaves_nothing_that_looks_complete(cache, registry, pushed, fault_proxy):
+    proxy = fault_proxy(registry)
+    ref = pushed.replace(registry.host, proxy.host)
+    manifest = json.loads(subprocess.run(["skopeo", "inspect", "--raw", "--tls-verify=false", f"docker://{pushed}"], capture_output=True, text=True, check=True).stdout)
+    layer = manifest["layers"][0]["digest"]
+    proxy.add(Fault("GET", layer, "stall", times=1, arg=30))
+    proc = subprocess.Popen(launcher_command("pull", "--cache-dir", cache, NOREG, ref), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 30
+    while not (cache / "tmp").is_dir() or not list((cache / "tmp").iterdir()):
+        assert time.monotonic() < deadline and proc.poll() is None, proxy.log
+        time.sleep(0.05)
+    time.sleep(0.5)  # inside the stalled layer download
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    held = cache_entries(cache)
+    assert held["disks"] == [] and held["refs"] == []
+    # The next pull does the work; gc removes the dead pull's staging area.
+    proxy.clear()
+    assert pull(cache, ref, NOREG).code == 0
+    assert list((cache / "tmp").iterdir())  # the killed pull's staging directory is still there
+    gc = run_launcher("gc", "--cache-dir", cache, "--max-size", "1T")
+    assert gc.code == 0, gc.err
+    assert list((cache / "tmp").iterdir()) == []
+    assert cache_entries(cache)["disks"]  # under --max-size: the disk itself is kept
