@@ -344,8 +344,8 @@ class ResumableBlob(io.RawIOBase):
         while True:
             try:
                 assert self._response is not None
-                # Small reads: on a reset, only what is inside the failing read is lost and re-fetched.
-                data = self._response.raw.read(min(len(buf), 1 << 16))
+                # On a reset only what is inside the failing read (at most 1 MiB) is fetched again.
+                data = self._response.raw.read(min(len(buf), 1 << 20))
             except (urllib3.exceptions.HTTPError, requests.exceptions.RequestException, OSError) as exc:
                 data = None
                 failure: BaseException | None = exc

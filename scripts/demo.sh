@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The main job end to end: build the test guest disk, package it as a containerDisk image and
-# push it to a registry started here, read it back, and verify it the way KubeVirt will.
+# push it to a registry started here, read it back, verify it the way KubeVirt will, then boot
+# it with the launcher (libvirt session, as the unprivileged qemu user) and show its console.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -38,3 +39,13 @@ step diskkit inspect --tls-verify=false "docker://$image"
 step diskkit push --tls-verify=false "docker://$image" "oci:$work/pulled:testguest"
 step diskkit verify "oci:$work/pulled:testguest"
 step skopeo inspect --tls-verify=false --format '{{.Digest}} {{.Os}}/{{.Architecture}} layers={{len .Layers}}' "docker://$image"
+
+# Boot it: the VMI from examples/, pointed at this registry. As root the VM runs as the qemu
+# user (UID 107) through its own libvirt session daemon, as KubeVirt's non-root launcher does.
+sed "s|registry.example.com/disks/testguest:v1|$image|" examples/vmi-containerdisk.yaml >"$work/vmi.yaml"
+as_user=()
+if [ "$(id -u)" -eq 0 ]; then
+    mkdir -p "$work/qemu-home" && chown 107 "$work/qemu-home" && chmod 755 "$work"
+    as_user=(setpriv --reuid=107 --regid=107 --clear-groups env "HOME=$work/qemu-home" XDG_RUNTIME_DIR= "DISKKIT_CACHE=$work/qemu-home/cache")
+fi
+step "${as_user[@]}" launcher run --tls-verify=false --console --timeout 300 "$work/vmi.yaml"

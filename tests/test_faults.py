@@ -22,7 +22,7 @@ FAST = ["--tls-verify=false", "--retry-delay", "0.05"]
 def noisy_disk(tmp_path):
     # Incompressible, so the layer blob is big enough to cut in the middle.
     path = tmp_path / "noisy.img"
-    path.write_bytes(os.urandom(3 << 20))
+    path.write_bytes(os.urandom(8 << 20))
     return path
 
 
@@ -57,7 +57,7 @@ def pull(diskkit, ref, dest):
 def test_dropped_download_resumes_with_range(diskkit, registry, fault_proxy, pushed, tmp_path):
     target, out = pushed
     proxy = fault_proxy(registry)
-    proxy.add(Fault("GET", layer_path(out), "drop", arg=1 << 20))
+    proxy.add(Fault("GET", layer_path(out), "drop", arg=(4 << 20) + 12345))
     result = pull(diskkit, via(proxy, registry, target), f"oci:{tmp_path / 'l'}:x")
     assert result.code == 0, result.err
     statuses = [status for method, path, status in proxy.log if method == "GET" and path.endswith(out["layers"][0]["digest"])]

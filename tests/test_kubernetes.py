@@ -1,0 +1,160 @@
+"""examples/kubernetes: every document valid against Kubernetes' own schemas (strict: unknown fields
+are errors), the pod non-root as KubeVirt's qemu user, and the VMI, pod and PVC wired together."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "kubernetes"
+K8S_VERSION = "1.37"  # the newest schema set kubernetes-validate 1.37 bundles
+VMI_DISKS = "/var/run/kubevirt-private/vmi-disks"
+
+DOCS = [(f"{path.name}#{i}", doc) for path in sorted(EXAMPLES.glob("*.yaml"))
+        for i, doc in enumerate(yaml.safe_load_all(path.read_text())) if doc is not None]
+
+
+def the(kind: str) -> dict:
+    (doc,) = [doc for _, doc in DOCS if doc["kind"] == kind]
+    return doc
+
+
+def test_examples_exist():
+    assert {doc["kind"] for _, doc in DOCS} == {"Pod", "ConfigMap", "PersistentVolumeClaim"}
+
+
+@pytest.mark.parametrize("doc", [doc for _, doc in DOCS], ids=[name for name, _ in DOCS])
+def test_document_is_valid_kubernetes(doc):
+    assert kubernetes_validate.validate(doc, K8S_VERSION, strict=True) == K8S_VERSION
+
+
+@pytest.mark.parametrize("breakage", ["unknown field", "wrong type", "missing required"])
+def test_validator_rejects_broken_pod(breakage):
+    pod = copy.deepcopy(the("Pod"))
+    container = pod["spec"]["containers"][0]
+    if breakage == "unknown field":
+        container["securityContex"] = container.pop("securityContext")
+    elif breakage == "wrong type":
+        pod["spec"]["securityContext"]["runAsUser"] = "107"
+    else:
+        del container["name"]
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+
+
+def pod_problems(pod: dict) -> list[str]:
+    """What keeps the pod from running the launcher non-root as 107 with the agreed layout."""
+    problems = []
+    spec = pod["spec"]
+    sc = spec.get("securityContext", {})
+    for key, want in (("runAsNonRoot", True), ("runAsUser", 107), ("runAsGroup", 107), ("fsGroup", 107)):
+        if sc.get(key) != want:
+            problems.append(f"pod securityContext.{key} is {sc.get(key)!r}, not {want!r}")
+    mounts_by_volume = {}
+    for c in spec["containers"]:
+        csc = c.get("securityContext", {})
+        # A container may not override the pod's identity with a different one.
+        for key in ("runAsUser", "runAsGroup"):
+            if key in csc and csc[key] != 107:
+                problems.append(f"{c['name']}: {key} {csc[key]}")
+        if csc.get("runAsNonRoot") is False or csc.get("privileged"):
+            problems.append(f"{c['name']}: may run as root or privileged")
+        if csc.get("allowPrivilegeEscalation") is not False:
+            problems.append(f"{c['name']}: allowPrivilegeEscalation not false")
+        if csc.get("capabilities", {}).get("drop") != ["ALL"] or csc.get("capabilities", {}).get("add"):
+            problems.append(f"{c['name']}: capabilities not exactly drop ALL")
+        mounts_by_volume.update({m["name"]: m["mountPath"] for m in c.get("volumeMounts", [])})
+
+    (launcher,) = [c for c in spec["containers"] if c["name"] == "launcher"]
+    if launcher.get("command") != ["launcher", "run", "/etc/vmi/vmi.yaml", "--console"]:
+        problems.append(f"launcher command {launcher.get('command')}")
+    limits = launcher.get("resources", {}).get("limits", {})
+    if mebibytes(limits.get("memory", "0")) < 512:  # KubeVirt's 40M sidecar limit OOMs (#2603)
+        problems.append(f"memory limit {limits.get('memory')} too small")
+    if limits.get("devices.kubevirt.io/kvm") != "1":
+        problems.append("no devices.kubevirt.io/kvm limit")
+    env = {e["name"]: e.get("value") for e in launcher.get("env", [])}
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    cache = [name for name, path in mounts_by_volume.items() if path == "/var/lib/diskkit"]
+    if env.get("DISKKIT_CACHE") != "/var/lib/diskkit" or not cache or "emptyDir" not in volumes[cache[0]]:
+        problems.append("cache is not an emptyDir at $DISKKIT_CACHE=/var/lib/diskkit")
+    if not spec.get("imagePullSecrets"):
+        problems.append("no imagePullSecrets")
+    return problems
+
+
+def mebibytes(quantity: str) -> float:
+    units = {"Ki": 1 / 1024, "Mi": 1, "Gi": 1024, "Ti": 1024 ** 2, "k": 1e3 / 2 ** 20, "M": 1e6 / 2 ** 20, "G": 1e9 / 2 ** 20}
+    for suffix, factor in units.items():
+        if quantity.endswith(suffix):
+            return float(quantity[: -len(suffix)]) * factor
+    return float(quantity) / 2 ** 20
+
+
+def test_pod_runs_non_root_as_107():
+    assert pod_problems(the("Pod")) == []
+
+
+@pytest.mark.parametrize("path, value", [
+    (("spec", "securityContext", "runAsUser"), 0),
+    (("spec", "securityContext", "runAsNonRoot"), False),
+    (("spec", "containers", 0, "securityContext", "capabilities", "drop"), ["NET_RAW"]),
+    (("spec", "containers", 0, "securityContext", "allowPrivilegeEscalation"), True),
+    (("spec", "containers", 0, "securityContext", "runAsUser"), 0),
+    (("spec", "containers", 0, "resources", "limits", "memory"), "40M"),
+])
+def test_pod_check_catches_regressions(path, value):
+    pod = copy.deepcopy(the("Pod"))
+    node = pod
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    assert pod_problems(pod)
+
+
+def vmi_problems(configmap: dict, pod: dict) -> list[str]:
+    """The ConfigMap holds a VMI the pod mounts at /etc/vmi/vmi.yaml, and every PVC volume of the
+    VMI is the pod's claim of the same name, mounted at KubeVirt's vmi-disks/<volume> path."""
+    problems = []
+    vmi = yaml.safe_load(configmap["data"]["vmi.yaml"])
+    if (vmi.get("apiVersion"), vmi.get("kind")) != ("kubevirt.io/v1", "VirtualMachineInstance"):
+        problems.append(f"ConfigMap holds {vmi.get('apiVersion')} {vmi.get('kind')}")
+    spec = pod["spec"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for c in spec["containers"] for m in c.get("volumeMounts", [])}
+    if volumes.get(mounts.get("/etc/vmi"), {}).get("configMap", {}).get("name") != configmap["metadata"]["name"]:
+        problems.append("the ConfigMap is not mounted at /etc/vmi")
+    disks = {d["name"] for d in vmi["spec"]["domain"]["devices"]["disks"]}
+    claims = [(v["name"], v["persistentVolumeClaim"]["claimName"]) for v in vmi["spec"]["volumes"] if "persistentVolumeClaim" in v]
+    if not claims:
+        problems.append("the VMI has no persistentVolumeClaim volume")
+    for name, claim in claims:
+        mounted = volumes.get(mounts.get(f"{VMI_DISKS}/{name}"), {})
+        if mounted.get("persistentVolumeClaim", {}).get("claimName") != claim:
+            problems.append(f"claim {claim} is not mounted at {VMI_DISKS}/{name}")
+        if name not in disks:
+            problems.append(f"volume {name} has no disk")
+    return problems
+
+
+def test_configmap_holds_the_vmi_and_the_pod_mounts_its_claim():
+    assert vmi_problems(the("ConfigMap"), the("Pod")) == []
+    pvc = the("PersistentVolumeClaim")
+    assert pvc["metadata"]["name"] in the("ConfigMap")["data"]["vmi.yaml"]
+
+
+@pytest.mark.parametrize("breakage", ["kind", "claim", "mount"])
+def test_vmi_check_catches_regressions(breakage):
+    configmap, pod = copy.deepcopy(the("ConfigMap")), copy.deepcopy(the("Pod"))
+    if breakage == "kind":
+        configmap["data"]["vmi.yaml"] = configmap["data"]["vmi.yaml"].replace("kind: VirtualMachineInstance", "kind: VirtualMachine")
+    elif breakage == "claim":
+        configmap["data"]["vmi.yaml"] = configmap["data"]["vmi.yaml"].replace("claimName: testguest-data", "claimName: other")
+    else:
+        for mount in pod["spec"]["containers"][0]["volumeMounts"]:
+            mount["mountPath"] = mount["mountPath"].replace("vmi-disks/data", "vmi-disks/root")
+    assert vmi_problems(configmap, pod)

@@ -1,0 +1,215 @@
+"""launcher run end to end: the test guest pushed to a real registry, booted through libvirt's
+session daemon as the unprivileged qemu user (UID 107), its serial console read back."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pwd
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import launcher_command, run, run_diskkit, run_launcher
+from tests.imagecraft import Member, dir_, write_layout
+from tests.testguest import ensure_testguest, parse_console
+
+QEMU_UID = 107
+NOREG = "--tls-verify=false"
+DONE = "DISKKIT-TESTGUEST DONE"
+
+
+class QemuUser:
+    """Where the qemu user works: a HOME (one libvirt session daemon for the whole run) and a cache."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.home = root / "home"
+        self.cache = root / "cache"
+        for d in (self.home, self.cache):
+            d.mkdir()
+            os.chown(d, QEMU_UID, pwd.getpwuid(QEMU_UID).pw_gid)
+        self.env = {"HOME": str(self.home), "XDG_RUNTIME_DIR": "", "XDG_CACHE_HOME": "", "DISKKIT_CACHE": str(self.cache)}
+
+    def launcher(self, *args, timeout: float = 300):
+        return run_launcher(*args, env=self.env, user=str(QEMU_UID), timeout=timeout)
+
+    def popen(self, *args) -> subprocess.Popen:
+        return subprocess.Popen(launcher_command(*args, user=str(QEMU_UID)), env={**os.environ, "CI": "true", **self.env},
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def virsh(self, *args) -> str:
+        cmd = ["setpriv", f"--reuid={QEMU_UID}", f"--regid={QEMU_UID}", "--clear-groups", "virsh", "-c", "qemu:///session", *args]
+        return subprocess.run(cmd, env={**os.environ, **self.env}, capture_output=True, text=True, check=True).stdout
+
+    def write_vmi(self, name: str, image: str, path: str | None = None, serial: str | None = None) -> Path:
+        disk = {"name": "root", "disk": {"bus": "virtio"}}
+        if serial:
+            disk["serial"] = serial
+        source = {"image": image}
+        if path:
+            source["path"] = path
+        vmi = {
+            "apiVersion": "kubevirt.io/v1",
+            "kind": "VirtualMachineInstance",
+            "metadata": {"name": name},
+            "spec": {
+                "domain": {"resources": {"requests": {"memory": "128Mi"}}, "devices": {"disks": [disk]}},
+                "volumes": [{"name": "root", "containerDisk": source}],
+            },
+        }
+        out = self.root / f"{name}.yaml"
+        out.write_text(json.dumps(vmi, indent=2))  # JSON is YAML
+        return out
+
+
+@pytest.fixture(scope="module")
+def qemu_user():
+    try:
+        pwd.getpwuid(QEMU_UID)
+    except KeyError:
+        pytest.fail("no user with UID 107 (scripts/setup.sh creates `qemu`)")
+    # Under /tmp and world-traversable: pytest's own tmp dirs are private to root.
+    root = Path(tempfile.mkdtemp(prefix="diskkit-e2e-"))
+    root.chmod(0o755)
+    try:
+        yield QemuUser(root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def guest_image(registry) -> str:
+    ref = f"{registry.host}/launcher/guest:v1"
+    result = run_diskkit("build", NOREG, ensure_testguest() / "testguest.qcow2", "-t", ref)
+    assert result.code == 0, result.err
+    return ref
+
+
+def assert_clean(user: QemuUser, domain: str) -> None:
+    assert not (user.cache / "run" / domain).exists()
+    assert not (user.cache / "vms" / f"{domain}.json").exists()
+    assert domain not in user.virsh("list", "--all", "--name").split()
+
+
+def test_boot_from_the_registry_and_start_clean_every_time(qemu_user, guest_image):
+    vmi = qemu_user.write_vmi("guest", guest_image)
+    first = qemu_user.launcher("run", NOREG, "--console", "--timeout", "180", vmi)
+    assert first.code == 0, first.err
+    console = parse_console(first.out)
+    assert console["ready"] and console["done"], first.out
+    assert console["disks"]["vda"]["size"] == 64 << 20
+    assert console["disks"]["vda"]["head"].startswith("33c0")  # the guest's own MBR
+    assert console["stamps"]["vda"] == (0, 1)
+    assert "default_guest stopped" in first.err
+    assert_clean(qemu_user, "default_guest")
+    base = Path(json.loads(qemu_user.launcher("pull", NOREG, "--json", guest_image).out)["path"])
+    digest = hashlib.sha256(base.read_bytes()).hexdigest()
+    # Re-created: the stamp the guest wrote went with the overlay; the shared base never changed.
+    second = qemu_user.launcher("run", NOREG, "--console", "--timeout", "180", vmi)
+    assert second.code == 0, second.err
+    assert parse_console(second.out)["stamps"]["vda"] == (0, 1)
+    assert hashlib.sha256(base.read_bytes()).hexdigest() == digest
+
+
+def test_custom_path_from_a_local_layout(qemu_user):
+    layout = qemu_user.root / "custom"
+    assert run_diskkit("build", ensure_testguest() / "testguest.qcow2", "--path", "/images/vm/root.qcow2", "-t", f"oci:{layout}:v1").code == 0
+    run("chmod", "-R", "a+rX", layout)
+    vmi = qemu_user.write_vmi("custom", f"oci:{layout}:v1", path="/images/vm/root.qcow2")
+    result = qemu_user.launcher("run", "--console", "--timeout", "180", vmi)
+    assert result.code == 0, result.err
+    assert parse_console(result.out)["disks"]["vda"]["size"] == 64 << 20
+
+
+def test_two_vms_at_once_share_one_base(qemu_user, guest_image):
+    names = ["twin-a", "twin-b"]
+    try:
+        for name in names:
+            vmi = qemu_user.write_vmi(name, guest_image, serial="hold-120")
+            result = qemu_user.launcher("run", NOREG, "--wait-for", DONE, "--timeout", "180", vmi)
+            assert result.code == 0, result.err
+            assert f"default_{name} is running" in result.err
+        listing = json.loads(qemu_user.launcher("ls", "--json").out)
+        states = {vm["domain"]: vm["state"] for vm in listing["vms"]}
+        assert states["default_twin-a"] == states["default_twin-b"] == "running"
+        shared = [disk for disk in listing["disks"] if {"default_twin-a", "default_twin-b"} <= set(disk["usedBy"])]
+        assert len(shared) == 1
+        for name in names:
+            overlay = qemu_user.cache / "run" / f"default_{name}" / "root" / "disk.qcow2"
+            info = json.loads(run("qemu-img", "info", "-U", "--output=json", overlay).stdout)
+            assert info["backing-filename"] == shared[0]["path"]
+            assert overlay.stat().st_mode & 0o777 == 0o640
+            assert overlay.stat().st_blocks * 512 < 4 << 20  # an overlay, not a copy
+        # gc keeps what running VMs use.
+        assert qemu_user.launcher("gc").code == 0
+        assert Path(shared[0]["path"]).is_file()
+    finally:
+        for name in names:
+            qemu_user.launcher("stop", name)
+    for name in names:
+        assert_clean(qemu_user, f"default_{name}")
+
+
+def test_sigterm_destroys_the_domain_and_its_overlays(qemu_user, guest_image):
+    vmi = qemu_user.write_vmi("term", guest_image, serial="hold-120")
+    proc = qemu_user.popen("run", NOREG, "--console", vmi)
+    seen = ""
+    deadline = time.monotonic() + 180
+    while DONE not in seen:
+        line = proc.stdout.readline()
+        assert line or proc.poll() is None, proc.stderr.read()
+        seen += line
+        assert time.monotonic() < deadline, seen
+    assert (qemu_user.cache / "run" / "default_term" / "root" / "disk.qcow2").is_file()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 130
+    assert_clean(qemu_user, "default_term")
+
+
+def test_wait_for_text_that_never_comes_times_out_and_cleans_up(qemu_user, guest_image):
+    vmi = qemu_user.write_vmi("never", guest_image, serial="hold-120")
+    result = qemu_user.launcher("run", NOREG, "--wait-for", "login:", "--timeout", "25", vmi)
+    assert result.code == 1
+    assert "'login:' did not appear on the console after 25 s; the domain was destroyed" in result.err
+    assert_clean(qemu_user, "default_never")
+
+
+def test_bad_images_are_refused_before_any_domain_is_defined(qemu_user, tmp_path):
+    data = (ensure_testguest() / "testguest.qcow2").read_bytes()
+    cases = {
+        "escape": ([[Member("../escape.txt", b"x"), dir_("disk"), Member("disk/a.qcow2", data)]], "escapes the image root"),
+        "twofiles": ([[dir_("disk"), Member("disk/a.qcow2", data), Member("disk/b.qcow2", data)]], "more than one file found in folder /disk"),
+    }
+    backed = qemu_user.root / "backed.qcow2"
+    run("qemu-img", "create", "-q", "-f", "qcow2", "-b", "/etc/passwd", "-F", "raw", backed)
+    cases["backing"] = ([[dir_("disk"), Member("disk/d.qcow2", backed.read_bytes())]], "expected no backing file, but found /etc/passwd")
+    for name, (layers, expected) in cases.items():
+        layout = write_layout(qemu_user.root / f"bad-{name}", layers)
+        run("chmod", "-R", "a+rX", layout)
+        vmi = qemu_user.write_vmi(f"bad-{name}", f"oci:{layout}:t")
+        result = qemu_user.launcher("run", "--timeout", "60", vmi)
+        assert result.code == 1
+        assert expected in result.err and len(result.err.strip().splitlines()) == 1, result.err
+        assert_clean(qemu_user, f"default_bad-{name}")
+    missing = qemu_user.write_vmi("missing", "oci:/nonexistent/layout:v1")
+    result = qemu_user.launcher("run", missing)
+    assert result.code == 1 and "/nonexistent/layout" in result.err
+
+
+def test_vmi_errors_name_the_field(qemu_user):
+    vmi = qemu_user.root / "broken.yaml"
+    vmi.write_text(json.dumps({
+        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance", "metadata": {"name": "broken"},
+        "spec": {"domain": {"resources": {"requests": {"memory": "64Mi"}}, "devices": {"disks": [{"name": "root"}]}},
+                 "volumes": [{"name": "root", "containerDisk": {}}]},
+    }))
+    result = qemu_user.launcher("run", vmi)
+    assert result.code == 1
+    assert "spec.volumes[0].containerDisk.image" in result.err, result.err
