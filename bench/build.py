@@ -348,6 +348,22 @@ def print_table(disks: list[dict], results: dict[str, Result], found: list[dict]
         print(f"{c['name']:22} {c['value']:>8} {c['unit']:4} target {c['target']:18} {'PASS' if c['pass'] else 'MISS'}")
 
 
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def checked_workdir(parser: argparse.ArgumentParser, args, tools: tuple[str, ...]) -> Path:
+    """What every bench script checks first: positive counts, the tools on PATH; the workdir made."""
+    if args.size_mb < 1 or args.runs < 1:
+        parser.error("--size-mb and --runs must be positive")
+    for tool in tools:
+        if not shutil.which(tool):
+            parser.error(f"{tool} not found on PATH")
+    workdir = args.workdir.resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    return workdir
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mb", type=int, default=DEFAULT_SIZE_MB, help="MiB of /usr content in the test disk (default %(default)s)")
@@ -356,17 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-large", action="store_true", help=f"skip the {LARGE_FACTOR}x disk (flat-memory check)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON instead of a table")
     args = parser.parse_args(argv)
-    if args.size_mb < 1 or args.runs < 1:
-        parser.error("--size-mb and --runs must be positive")
-    for tool in ("umoci", "mke2fs", "qemu-img"):
-        if not shutil.which(tool):
-            parser.error(f"{tool} not found on PATH")
-
-    def log(message: str) -> None:
-        print(message, file=sys.stderr, flush=True)
-
-    workdir = args.workdir.resolve()
-    workdir.mkdir(parents=True, exist_ok=True)
+    workdir = checked_workdir(parser, args, ("umoci", "mke2fs", "qemu-img"))
     disks = [make_disk(workdir, args.size_mb, log)]
     if not args.no_large:
         disks.append(make_disk(workdir, args.size_mb * LARGE_FACTOR, log))

@@ -179,24 +179,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=bb.DEFAULT_WORKDIR, help="cache for the test disk and scratch (default build/bench)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON instead of a table")
     args = parser.parse_args(argv)
-    for tool in ("umoci", "skopeo", "docker-registry", "mke2fs", "qemu-img", "setpriv"):
-        if not shutil.which(tool):
-            parser.error(f"{tool} not found on PATH")
+    workdir = bb.checked_workdir(parser, args, ("umoci", "skopeo", "docker-registry", "mke2fs", "qemu-img", "setpriv"))
     if args.vms and (os.geteuid() != 0 or not GUEST.is_file()):
         parser.error("the VM part runs as root (it starts VMs as the qemu user) and needs build/testguest (scripts/setup.sh)")
-
-    def log(message: str) -> None:
-        print(message, file=sys.stderr, flush=True)
-
-    workdir = args.workdir.resolve()
-    workdir.mkdir(parents=True, exist_ok=True)
+    log = bb.log
     disk_meta = bb.make_disk(workdir, args.size_mb, log)
     disk = Path(disk_meta["path"])
     bb.warm_cache(disk)
     registry = breg.Registry(workdir, access_log=True)
     try:
-        log(f"registry on {registry.host}; pushing {disk.name} ...")
-        bb.run_quiet([*bb.diskkit_command(), "build", str(disk), "-t", f"{registry.host}/{breg.PULL_REPO}:{breg.TAG}", "--tls-verify=false"])
+        breg.push_pull_image(registry, disk)
         log("pull+extract ...")
         pulls = bench_pull(registry.host, args.runs, workdir, log)
         vms = None
@@ -220,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     if vms:
         print(f"\n{vms['vms']} VMs from one image ({vms['running_together']} running together, started in {vms['seconds_to_start_all']} s):")
         print(f"  layer downloads {vms['layer_downloads']}; on disk: bases {vms['bases_mib']} MiB + overlays {vms['overlays_mib']} MiB"
-              f" (20 private copies would be {vms['private_copies_mib']} MiB)")
+              f" ({vms['vms']} private copies would be {vms['private_copies_mib']} MiB)")
     print()
     for c in checks:
         print(f"{c['name']:38} {c['value']:>8}  target {c['target']:6} {'PASS' if c['pass'] else 'MISS'}")

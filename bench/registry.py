@@ -297,6 +297,12 @@ def print_table(disk: dict, host: str, results: dict[str, Result], found: list[d
         print(f"{c['name']:26} {c['value']:>8} {c['unit']:4} target {c['target']:10} {'PASS' if c['pass'] else 'MISS'}")
 
 
+def push_pull_image(registry: Registry, disk: Path) -> None:
+    """The image every pull variant reads, pushed once by diskkit."""
+    bb.log(f"registry on {registry.host}; pushing the pull image {PULL_REPO}:{TAG} with diskkit ...")
+    bb.run_quiet([*bb.diskkit_command(), "build", str(disk), "-t", f"{registry.host}/{PULL_REPO}:{TAG}", "--tls-verify=false"])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mb", type=int, default=bb.DEFAULT_SIZE_MB, help="MiB of /usr content in the test disk (default %(default)s)")
@@ -304,25 +310,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=bb.DEFAULT_WORKDIR, help="cache for the test disk, scratch for outputs and registry storage (default build/bench)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON instead of a table")
     args = parser.parse_args(argv)
-    if args.size_mb < 1 or args.runs < 1:
-        parser.error("--size-mb and --runs must be positive")
-    for tool in ("umoci", "skopeo", "docker-registry", "mke2fs", "qemu-img"):
-        if not shutil.which(tool):
-            parser.error(f"{tool} not found on PATH")
-
-    def log(message: str) -> None:
-        print(message, file=sys.stderr, flush=True)
-
-    workdir = args.workdir.resolve()
-    workdir.mkdir(parents=True, exist_ok=True)
+    workdir = bb.checked_workdir(parser, args, ("umoci", "skopeo", "docker-registry", "mke2fs", "qemu-img"))
+    log = bb.log
     disk_meta = bb.make_disk(workdir, args.size_mb, log)
     disk = Path(disk_meta["path"])
     bb.warm_cache(disk)
 
     registry = Registry(workdir)
     try:
-        log(f"registry on {registry.host}; pushing the pull image {PULL_REPO}:{TAG} with diskkit ...")
-        bb.run_quiet([*bb.diskkit_command(), "build", str(disk), "-t", f"{registry.host}/{PULL_REPO}:{TAG}", "--tls-verify=false"])
+        push_pull_image(registry, disk)
         log(f"timing on {disk.name} ...")
         results = bench(disk, registry, args.runs, workdir, log)
     finally:
