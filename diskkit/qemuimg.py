@@ -153,15 +153,22 @@ def convert(
         raise _failure(src, "qemu-img convert", subprocess.CompletedProcess(args, proc.returncode, b"", stderr))
 
 
-def create_overlay(base: Path, base_format: str, overlay: Path, mode: int = 0o640) -> None:
-    """`qemu-img create -f qcow2 -b BASE -F FMT OVERLAY`: a copy-on-write layer over a read-only base.
-
-    Written under a temporary name and renamed, so a half-made overlay never looks usable.
-    """
-    tmp = overlay.with_name(f".{overlay.name}.tmp")
-    proc = run(["create", "-q", "-f", "qcow2", "-b", str(base), "-F", base_format, "--", str(tmp)], INFO_CPU_SECONDS)
+def _create(final: Path, options: list[str], size: int | None = None, mode: int = 0o640) -> None:
+    """`qemu-img create` under a temporary name, renamed when complete: never a half-made image."""
+    tmp = final.with_name(f".{final.name}.tmp")
+    proc = run(["create", "-q", *options, "--", str(tmp), *([str(size)] if size is not None else [])], INFO_CPU_SECONDS)
     if proc.returncode != 0:
         tmp.unlink(missing_ok=True)
-        raise _failure(overlay, "qemu-img create", proc)
+        raise _failure(final, "qemu-img create", proc)
     os.chmod(tmp, mode)
-    tmp.replace(overlay)
+    tmp.replace(final)
+
+
+def create_overlay(base: Path, base_format: str, overlay: Path) -> None:
+    """A copy-on-write qcow2 layer over a read-only base (`qemu-img create -f qcow2 -b BASE -F FMT`)."""
+    _create(overlay, ["-f", "qcow2", "-b", str(base), "-F", base_format])
+
+
+def create_image(path: Path, fmt: str, size: int) -> None:
+    """An empty disk of `size` bytes (`qemu-img create -f FMT PATH SIZE`)."""
+    _create(path, ["-f", fmt], size)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import click
 
@@ -18,6 +19,38 @@ CACHE_HELP = "Node cache (default: $DISKKIT_CACHE, else /var/lib/diskkit as root
 
 def cache_option(command):
     return click.option("--cache-dir", type=click.Path(file_okay=False), help=CACHE_HELP)(command)
+
+
+def storage_options(command):
+    """--pvc, --manifests and --pvc-tolerance: where claims live outside a pod. Folded into `store`."""
+    import functools
+
+    @functools.wraps(command)
+    def wrapper(*args, pvc, manifests, pvc_tolerance, **kwargs):
+        from diskkit.errors import DiskkitError
+
+        from .gc import parse_size
+        from .k8s import Objects
+        from .volumes import LocalClaim, Storage
+
+        claims = {}
+        for value in pvc:
+            name, sep, where = value.partition("=")
+            if not sep or not name or not where:
+                raise DiskkitError(f"--pvc {value}", "must be CLAIM=PATH or CLAIM=DIR:SIZE")
+            path, _, size = where.partition(":")
+            claims[name] = LocalClaim(Path(path), parse_size(size) if size else None)
+        objects = Objects.load(Path(manifests)) if manifests else None
+        return command(*args, store=Storage(claims, objects, pvc_tolerance), **kwargs)
+
+    options = [
+        click.option("--pvc", multiple=True, metavar="CLAIM=PATH[:SIZE]", help="Where a claim lives here: a directory (its disk.img, created sparse with SIZE when missing) or a block device. Repeatable."),
+        click.option("--manifests", type=click.Path(file_okay=False, exists=True), help="Directory of PVC, PV and Secret manifests: claims resolve to their bound PV (iSCSI and RBD PVs become network disks)."),
+        click.option("--pvc-tolerance", type=click.IntRange(0, 100), default=10, show_default=True, metavar="PERCENT", help="How much smaller than requested a new disk.img may be (KubeVirt's pvcTolerateLessSpaceUpToPercent)."),
+    ]
+    for option in options:
+        wrapper = option(wrapper)
+    return wrapper
 
 
 def _say(text: str) -> None:
@@ -72,14 +105,15 @@ Examples:
 @click.option("--platform", help="OS/ARCH of the images (default: this host's).")
 @click.option("--accel", type=click.Choice(["auto", "kvm", "qemu"]), default="auto", show_default=True, help="Domain type; auto probes whether KVM makes progress here.")
 @cache_option
+@storage_options
 @registry_options
-def domain(vmi_file, platform, accel, cache_dir, registry: RegistryOptions) -> None:
+def domain(vmi_file, platform, accel, cache_dir, store, registry: RegistryOptions) -> None:
     """Print the libvirt domain XML `launcher run` would start (a dry run: images are pulled, nothing started)."""
     from .vmi import load_vmi
     from .vms import RunOptions, plan
 
     vmi = load_vmi(vmi_file)
-    _, xml = plan(vmi, Cache(cache_dir), RunOptions(platform=platform_of(platform), registry=registry), create=False, domain_type=None if accel == "auto" else accel)
+    _, xml = plan(vmi, Cache(cache_dir), RunOptions(platform=platform_of(platform), registry=registry, storage=store), create=False, domain_type=None if accel == "auto" else accel)
     click.echo(xml, nl=not xml.endswith("\n"))
 
 
@@ -88,6 +122,8 @@ Examples:
   launcher run vmi.yaml --console
   launcher run vmi.yaml --console --wait-for 'login:' --timeout 300
   launcher run --connect qemu:///system --tls-verify=false vmi.yaml
+  launcher run vmi.yaml --pvc data=/srv/vm-data:10Gi --console      # filesystem claim: /srv/vm-data/disk.img
+  launcher run vmi.yaml --manifests ./k8s --console                  # claims bound to iSCSI/RBD PVs
 """)
 @click.argument("vmi_file", type=click.Path(dir_okay=False, exists=True))
 @click.option("--connect", "uri", metavar="URI", help="libvirt URI (default: qemu:///system as root, else qemu:///session).")
@@ -96,8 +132,9 @@ Examples:
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS", help="Give up (and destroy the VM) after this long.")
 @click.option("--platform", help="OS/ARCH of the images (default: this host's).")
 @cache_option
+@storage_options
 @registry_options
-def run(vmi_file, uri, console, wait_for, timeout, platform, cache_dir, registry: RegistryOptions) -> None:
+def run(vmi_file, uri, console, wait_for, timeout, platform, cache_dir, store, registry: RegistryOptions) -> None:
     """Prepare every volume of a VirtualMachineInstance, define and start its domain, stay with it.
 
     Each containerDisk is pulled once per node and gets a qcow2 overlay of its own, so the VM
@@ -108,7 +145,7 @@ def run(vmi_file, uri, console, wait_for, timeout, platform, cache_dir, registry
     from .vms import RunOptions, run as do_run
 
     vmi = load_vmi(vmi_file)
-    opts = RunOptions(uri=uri, platform=platform_of(platform), registry=registry, console=console, wait_for=wait_for, timeout=timeout)
+    opts = RunOptions(uri=uri, platform=platform_of(platform), registry=registry, console=console, wait_for=wait_for, timeout=timeout, storage=store)
     sys.exit(do_run(vmi, Cache(cache_dir), opts, _say))
 
 

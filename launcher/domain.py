@@ -4,13 +4,17 @@ Follows pkg/virt-launcher/virtwrap/converter (storage/, compute/, iothreads/, co
 cache and io modes, iothreads, queues and CPU topology. Deliberate differences, all for a launcher
 that runs outside a pod: the serial console is a pty logged to a file, there is no graphics, network,
 balloon or guest-agent channel, and the caller probes KVM and O_DIRECT and passes the results in.
+iSCSI and RBD PersistentVolumes become network disks qemu connects to itself (launcher.k8s resolves
+them), as KubeVirt's 2017 proposal for PV-backed disks had it.
 """
 
 from __future__ import annotations
 
+import uuid
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 
+from .k8s import NetworkSource
 from .vmi import VMI, Disk, SpecError, Volume
 
 # Volume kinds whose libvirt driver gets discard='unmap' even on a cdrom (storage/volume.go setDiskDriver).
@@ -20,14 +24,15 @@ _SCSI_CONTROLLER = 0
 
 @dataclass(frozen=True)
 class ResolvedDisk:
-    path: str  # file path or block device
+    path: str  # file path or block device; for a network disk only a name for messages
     format: str  # "qcow2" | "raw"
-    type: str = "file"  # "file" | "block"; see _SOURCES to add more
+    type: str = "file"  # "file" | "block" | "network"
     backing: tuple[str, str] | None = None  # (path, format) of the read-only base under a qcow2 overlay
     direct_io: bool = True  # the caller's O_DIRECT probe of path (and backing); drives the cache mode
     read_only: bool = False
     preallocated: bool = False  # fully allocated file: io='native' is worth it, as for block devices
     backing_type: str = "file"  # "file" | "block", for an overlay over a block device (ephemeral PVCs)
+    network: NetworkSource | None = None  # what qemu connects to when type is "network" (iSCSI, RBD PVs)
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,51 @@ def _block_source(parent: ET.Element, path: str) -> None:
 
 
 _SOURCES = {"file": _file_source, "block": _block_source}
+_PROTOCOLS = ("iscsi", "rbd")
+_SECRET_TYPES = {"iscsi": "iscsi", "rbd": "ceph"}
+
+
+def _network_source(parent: ET.Element, network: NetworkSource) -> None:
+    source = ET.SubElement(parent, "source", protocol=network.protocol, name=network.name)
+    # libvirt and qemu's libiscsi driver take one portal per iSCSI disk: the target portal, first.
+    # The other portals reach the same LUN (multipath), which qemu cannot use.
+    for name, port in network.hosts[:1] if network.protocol == "iscsi" else network.hosts:
+        ET.SubElement(source, "host", {"name": name, **({"port": str(port)} if port is not None else {})})
+    if network.auth_username is not None:
+        # Inside <source>, libvirt's current form; the password stays in a libvirt secret (secret_xml).
+        auth = ET.SubElement(source, "auth", username=network.auth_username)
+        ET.SubElement(auth, "secret", type=network.secret_type, usage=network.secret_usage)
+    if network.initiator:
+        ET.SubElement(ET.SubElement(source, "initiator"), "iqn", name=network.initiator)
+
+
+def _network_problem(network: NetworkSource | None) -> str | None:
+    if network is None:
+        return "is a network disk without a network source"
+    if network.protocol not in _PROTOCOLS:
+        return f"uses the unsupported network protocol {network.protocol}"
+    if not network.hosts:
+        return f"has no host for its {network.protocol} source"
+    if network.auth_username is not None and (network.secret_type != _SECRET_TYPES[network.protocol] or not network.secret_usage):
+        return f"has {network.protocol} credentials but no {_SECRET_TYPES[network.protocol]} secret usage"
+    return None
+
+
+def secret_xml(source: NetworkSource) -> str:
+    """The libvirt secret that `source`'s <auth> names by usage; the caller then sets its value.
+
+    The UUID derives from the usage, so defining it again updates the secret instead of colliding with
+    the one already defined for that usage."""
+    if source.secret_type not in ("iscsi", "ceph") or not source.secret_usage:
+        raise ValueError(f"{source.protocol} source {source.name} has no libvirt secret")
+    secret = ET.Element("secret", ephemeral="no", private="yes")
+    _text(secret, "uuid", str(uuid.uuid5(uuid.NAMESPACE_URL, f"libvirt-secret:{source.secret_type}/{source.secret_usage}")))
+    _text(secret, "description", f"diskkit: {source.protocol} {source.name}")
+    usage = ET.SubElement(secret, "usage", type=source.secret_type)
+    # iSCSI secrets are looked up by <target>, ceph ones by <name>.
+    _text(usage, "target" if source.secret_type == "iscsi" else "name", source.secret_usage)
+    ET.indent(secret, "  ")
+    return ET.tostring(secret, encoding="unicode") + "\n"
 
 
 def _text(parent: ET.Element, tag: str, text: str, **attrs: str) -> ET.Element:
@@ -120,7 +170,14 @@ def _disk(vmi: VMI, disk: Disk, volume: Volume, resolved: ResolvedDisk, target: 
     at = _disk_at(vmi, disk)
     if disk.device == "lun" and resolved.type == "file":
         raise SpecError(at, f"device {disk.name} is of type lun. Not compatible with a file based disk")
-    if resolved.type not in _SOURCES:
+    if resolved.type == "network":
+        problem = _network_problem(resolved.network)
+        if problem:
+            raise SpecError(at, f"volume {volume.name} {problem}")
+        if disk.device == "lun" and resolved.network.protocol != "iscsi":
+            # SCSI passthrough needs a SCSI target at the other end; libvirt allows it for iSCSI only.
+            raise SpecError(at, f"device {disk.name} is of type lun. Not compatible with protocol {resolved.network.protocol}")
+    elif resolved.type not in _SOURCES:
         raise SpecError(at, f"volume {volume.name} resolved to an unsupported disk type {resolved.type}")
     read_only = disk.read_only or resolved.read_only or volume.kind == "downwardMetrics"
     if disk.device == "disk" and disk.bus == "sata" and read_only:
@@ -144,7 +201,10 @@ def _disk(vmi: VMI, disk: Disk, volume: Volume, resolved: ResolvedDisk, target: 
         driver["queues"] = str(max(1, vmi.domain.vcpus))
     ET.SubElement(element, "driver", driver)
 
-    _SOURCES[resolved.type](element, resolved.path)
+    if resolved.type == "network":
+        _network_source(element, resolved.network)
+    else:
+        _SOURCES[resolved.type](element, resolved.path)
     if resolved.backing is not None:
         base, base_format = resolved.backing
         if resolved.backing_type not in _SOURCES:
@@ -240,7 +300,8 @@ def _cpu(vmi: VMI, host: Host) -> ET.Element:
 
 
 def render(vmi: VMI, disks: dict[str, ResolvedDisk], host: Host) -> str:
-    """The libvirt domain XML for `vmi`; `disks` maps each volume name to its resolved file or device."""
+    """The libvirt domain XML for `vmi`; `disks` maps each volume name to its resolved file, device or
+    network source (whose credentials the caller defines first, see secret_xml)."""
     domain = ET.Element("domain", type=host.domain_type)
     _text(domain, "name", vmi.domain_name)
     _text(domain, "uuid", vmi.uuid)

@@ -92,3 +92,28 @@ class Libvirt:
                 domain.undefine()
             except self.lv.libvirtError:
                 pass  # already gone
+
+    def define_secret(self, xml: str, value: bytes, usage: str) -> None:
+        """A libvirt secret (iSCSI CHAP password, Ceph key) the domain's <auth> names by usage."""
+        try:
+            secret = self._secret(usage) or self.conn.secretDefineXML(xml)
+            secret.setValue(value)
+        except self.lv.libvirtError as exc:
+            raise DiskkitError(f"libvirt secret {usage}", f"cannot be defined: {_message(exc)}") from None
+
+    def _secret(self, usage: str):
+        # Another VM on the same PV may have defined it: reuse it rather than clash on the usage.
+        for kind in (self.lv.VIR_SECRET_USAGE_TYPE_ISCSI, self.lv.VIR_SECRET_USAGE_TYPE_CEPH):
+            try:
+                return self.conn.secretLookupByUsage(kind, usage)
+            except self.lv.libvirtError:
+                continue
+        return None
+
+    def undefine_secret(self, usage: str) -> None:
+        secret = self._secret(usage)
+        if secret is not None:
+            try:
+                secret.undefine()
+            except self.lv.libvirtError:
+                pass  # already gone

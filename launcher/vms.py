@@ -12,7 +12,6 @@ import shutil
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 from diskkit.errors import DiskkitError
@@ -22,10 +21,10 @@ from diskkit.registryoptions import RegistryOptions
 from . import accel
 from .cache import Cache
 from .console import follow
-from .domain import Host, render
+from .domain import Host, render, secret_xml
 from .runner import Libvirt
 from .vmi import VMI
-from .volumes import prepare
+from .volumes import Storage, prepare
 
 
 @dataclass
@@ -36,12 +35,13 @@ class RunOptions:
     console: bool = False
     wait_for: str | None = None
     timeout: float | None = None
+    storage: Storage | None = None
 
 
 def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, domain_type: str | None = None):
     """Pull what the VMI needs and render its domain; with `create`, the overlays are made too."""
     run_dir = cache.run_dir(vmi.domain_name)
-    prepared = prepare(vmi, cache, run_dir, opts.registry, opts.platform, create=create)
+    prepared = prepare(vmi, cache, run_dir, opts.registry, opts.platform, create=create, store=opts.storage)
     host = Host(
         domain_type=domain_type or accel.domain_type(cache.root),
         serial_log=str(run_dir / "console.log"),
@@ -59,6 +59,7 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
         if lv.exists(name):
             raise DiskkitError(name, f"a domain of this name already exists on {lv.uri}; stop it first (launcher stop {vmi.name})")
         _remove_run_dir(cache, name)  # leftovers of a launcher that was killed
+        cache.run_dir(name).mkdir(parents=True)  # the console log lives here even with no overlay
         try:
             with cache.lock("gc", shared=True):  # gc must not take the bases between pull and record
                 prepared, xml = plan(vmi, cache, opts, create=True)
@@ -74,9 +75,12 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
                     "entries": sorted({str(p.path.parent) for p in prepared.pulled}),
                     "started": int(time.time()),
                     "pid": os.getpid(),
+                    "secrets": [source.secret_usage for source, _ in prepared.secrets],
                 })
             for note in prepared.notes:
                 say(f"note: {note}")
+            for source, value in prepared.secrets:
+                lv.define_secret(secret_xml(source), value, source.secret_usage)
             lv.start(name, xml)
         except BaseException:
             cleanup(cache, lv, name)
@@ -112,8 +116,12 @@ def _remove_run_dir(cache: Cache, name: str) -> None:
 
 
 def cleanup(cache: Cache, lv: Libvirt | None, name: str) -> bool:
-    """Destroy and undefine the domain, remove its overlays and record; True if a domain was there."""
+    """Destroy and undefine the domain and its secrets, remove its overlays and record; True if a domain was there."""
     had = lv.destroy(name) if lv is not None else False
+    record = cache.read_json(cache.vm_record_path(name)) or {}
+    if lv is not None:
+        for usage in record.get("secrets", []):
+            lv.undefine_secret(usage)
     _remove_run_dir(cache, name)
     cache.vm_record_path(name).unlink(missing_ok=True)
     return had

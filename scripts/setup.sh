@@ -10,7 +10,7 @@ APT_PACKAGES=(
     skopeo umoci buildah docker-registry
     xorriso genisoimage mtools syslinux syslinux-common fdisk dosfstools busybox-static cpio kmod e2fsprogs
     util-linux zstd
-    libvirt-daemon-system libvirt-clients libvirt-dev pkg-config libxml2-utils ovmf
+    libvirt-daemon-system libvirt-clients libvirt-dev pkg-config libxml2-utils ovmf tgt
 )
 
 SUDO=""

@@ -14,7 +14,10 @@ import pytest
 from tests.distribution import auth_registry, registry, tls_registry, token_registry  # noqa: F401  (fixtures)
 from tests.faultproxy import FaultProxy
 
-REQUIRED_TOOLS = ("qemu-img", "qemu-io", "skopeo", "umoci", "buildah", "docker-registry", "qemu-system-x86_64", "xorriso")
+REQUIRED_TOOLS = (
+    "qemu-img", "qemu-io", "skopeo", "umoci", "buildah", "docker-registry", "qemu-system-x86_64", "xorriso",
+    "virsh", "virt-xml-validate", "xmllint", "tgtd", "tgtadm", "setpriv",
+)
 
 
 def pytest_sessionstart(session):
@@ -98,3 +101,8 @@ def fault_proxy():
     yield make
     for proxy in proxies:
         proxy.close()
+
+
+# Fixtures defined beside the helpers they use; imported last, as those modules import this one.
+from tests.tgt import iscsi_target  # noqa: E402,F401
+from tests.vmhost import guest_image, qemu_user  # noqa: E402,F401

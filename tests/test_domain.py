@@ -1,7 +1,8 @@
 """VMI -> libvirt domain XML: golden files checked byte for byte and against libvirt's schema, plus edge rules.
 
-Each tests/golden/domain/NAME.yaml is a VMI with `x-resolved` (volume -> ResolvedDisk fields) and an
-optional `x-host` (Host fields); NAME.xml is the expected render. UPDATE_GOLDEN=1 rewrites the .xml files.
+Each tests/golden/domain/NAME.yaml is a VMI with `x-resolved` (volume -> ResolvedDisk fields, `network`
+as NetworkSource fields) and an optional `x-host` (Host fields); NAME.xml is the expected render.
+UPDATE_GOLDEN=1 rewrites the .xml files.
 """
 
 from __future__ import annotations
@@ -15,29 +16,36 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launcher.domain import Host, ResolvedDisk, io_threads, render
+from launcher.domain import Host, ResolvedDisk, io_threads, render, secret_xml
+from launcher.k8s import NetworkSource
 from launcher.vmi import SpecError, parse_vmi
 
 GOLDEN = Path(__file__).parent / "golden" / "domain"
 CASES = sorted(p.stem for p in GOLDEN.glob("*.yaml"))
 
 
+def network_source(fields: dict) -> NetworkSource:
+    return NetworkSource(**{**fields, "hosts": tuple(tuple(h) for h in fields["hosts"])})
+
+
+def resolved_disk(fields: dict) -> ResolvedDisk:
+    return ResolvedDisk(**{**fields, "backing": tuple(fields["backing"]) if fields.get("backing") else None,
+                           "network": network_source(fields["network"]) if fields.get("network") else None})
+
+
 def load_case(name: str):
     doc = yaml.safe_load((GOLDEN / f"{name}.yaml").read_text())
-    resolved = {
-        volume: ResolvedDisk(**{**fields, "backing": tuple(fields["backing"]) if fields.get("backing") else None})
-        for volume, fields in doc.pop("x-resolved").items()
-    }
+    resolved = {volume: resolved_disk(fields) for volume, fields in doc.pop("x-resolved").items()}
     host = Host(**doc.pop("x-host", {}))
     return parse_vmi(doc), resolved, host
 
 
-def validate(path: Path) -> None:
+def validate(path: Path, schema: str = "domain") -> None:
     tool = shutil.which("virt-xml-validate")
     if tool is None:
         pytest.fail("virt-xml-validate is missing (Debian package libvirt-clients); golden XML cannot be checked")
-    proc = subprocess.run([tool, str(path), "domain"], capture_output=True, text=True)
-    assert proc.returncode == 0, f"{path.name} is not a valid libvirt domain:\n{proc.stdout}{proc.stderr}"
+    proc = subprocess.run([tool, str(path), schema], capture_output=True, text=True)
+    assert proc.returncode == 0, f"{path.name} is not a valid libvirt {schema}:\n{proc.stdout}{proc.stderr}"
 
 
 def test_every_golden_has_both_halves():
@@ -126,8 +134,8 @@ def test_unresolved_kernel_is_an_error():
 
 
 def test_unknown_resolved_type_is_refused():
-    disks = {"root": ResolvedDisk("iscsi://x", "raw", type="network")}
-    assert render_error(vmi_doc(), disks) == "spec.volumes[0]: volume root resolved to an unsupported disk type network"
+    disks = {"root": ResolvedDisk("nvme://x", "raw", type="nvme")}
+    assert render_error(vmi_doc(), disks) == "spec.volumes[0]: volume root resolved to an unsupported disk type nvme"
 
 
 def test_device_names_continue_past_z_like_the_kernel():
@@ -182,3 +190,45 @@ def test_pci_address_is_rendered_for_virtio_disks(tmp_path):
     assert '<address type="pci" domain="0x0000" bus="0x0a" slot="0x01" function="0x2" />' in xml
     (tmp_path / "pci.xml").write_text(xml)
     validate(tmp_path / "pci.xml")
+
+
+# ---------------------------------------------------------------- network disks
+
+CHAP = NetworkSource("iscsi", "iqn.2013-07.com.example:secure/2", (("san.example.com", 3260),), "vmuser", "iscsi", "diskkit-ns-pv-chap")
+RBD = NetworkSource("rbd", "kube/vm-data", (("10.0.0.1", 6789),), "kube", "ceph", "diskkit-ns-pv-rbd")
+SAN_LUN = vmi_doc([{"name": "san", "lun": {"bus": "scsi"}}], [{"name": "san", "persistentVolumeClaim": {"claimName": "san"}}])
+
+
+def network(source: NetworkSource | None) -> dict[str, ResolvedDisk]:
+    return {"san": ResolvedDisk("net", "raw", type="network", network=source)}
+
+
+@pytest.mark.parametrize("source", [CHAP, RBD])
+def test_secret_xml_is_a_valid_libvirt_secret_with_a_stable_uuid(tmp_path, source):
+    xml = secret_xml(source)
+    tag = "target" if source.protocol == "iscsi" else "name"
+    assert f'<usage type="{source.secret_type}">\n    <{tag}>{source.secret_usage}</{tag}>' in xml
+    assert '<secret ephemeral="no" private="yes">' in xml and secret_xml(source) == xml
+    (tmp_path / "secret.xml").write_text(xml)
+    validate(tmp_path / "secret.xml", "secret")
+
+
+def test_secret_xml_needs_credentials():
+    with pytest.raises(ValueError):
+        secret_xml(NetworkSource("iscsi", "iqn.x:y/0", (("h", 3260),)))
+
+
+def test_lun_passthrough_is_for_iscsi_network_disks_only():
+    assert 'device="lun"' in render(parse_vmi(SAN_LUN), network(CHAP), Host())
+    assert render_error(SAN_LUN, network(RBD)) == "spec.domain.devices.disks[0]: device san is of type lun. Not compatible with protocol rbd"
+
+
+@pytest.mark.parametrize("source, problem", [
+    (None, "is a network disk without a network source"),
+    (NetworkSource("nbd", "x", (("h", 10809),)), "uses the unsupported network protocol nbd"),
+    (NetworkSource("rbd", "p/i", ()), "has no host for its rbd source"),
+    (NetworkSource("rbd", "p/i", (("h", 6789),), "kube"), "has rbd credentials but no ceph secret usage"),
+    (NetworkSource("iscsi", "q/0", (("h", 3260),), "u", "ceph", "x"), "has iscsi credentials but no iscsi secret usage"),
+])
+def test_incomplete_network_sources_are_refused(source, problem):
+    assert render_error(SAN_LUN, network(source)) == f"spec.domain.devices.disks[0]: volume san {problem}"

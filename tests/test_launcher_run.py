@@ -5,98 +5,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import pwd
-import shutil
 import signal
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 
-import pytest
-
-from tests.conftest import launcher_command, run, run_diskkit, run_launcher
+from tests.conftest import run, run_diskkit
 from tests.imagecraft import Member, dir_, write_layout
 from tests.testguest import ensure_testguest, parse_console
-
-QEMU_UID = 107
-NOREG = "--tls-verify=false"
-DONE = "DISKKIT-TESTGUEST DONE"
-
-
-class QemuUser:
-    """Where the qemu user works: a HOME (one libvirt session daemon for the whole run) and a cache."""
-
-    def __init__(self, root: Path):
-        self.root = root
-        self.home = root / "home"
-        self.cache = root / "cache"
-        for d in (self.home, self.cache):
-            d.mkdir()
-            os.chown(d, QEMU_UID, pwd.getpwuid(QEMU_UID).pw_gid)
-        self.env = {"HOME": str(self.home), "XDG_RUNTIME_DIR": "", "XDG_CACHE_HOME": "", "DISKKIT_CACHE": str(self.cache)}
-
-    def launcher(self, *args, timeout: float = 300):
-        return run_launcher(*args, env=self.env, user=str(QEMU_UID), timeout=timeout)
-
-    def popen(self, *args) -> subprocess.Popen:
-        return subprocess.Popen(launcher_command(*args, user=str(QEMU_UID)), env={**os.environ, "CI": "true", **self.env},
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-    def virsh(self, *args) -> str:
-        cmd = ["setpriv", f"--reuid={QEMU_UID}", f"--regid={QEMU_UID}", "--clear-groups", "virsh", "-c", "qemu:///session", *args]
-        return subprocess.run(cmd, env={**os.environ, **self.env}, capture_output=True, text=True, check=True).stdout
-
-    def write_vmi(self, name: str, image: str, path: str | None = None, serial: str | None = None) -> Path:
-        disk = {"name": "root", "disk": {"bus": "virtio"}}
-        if serial:
-            disk["serial"] = serial
-        source = {"image": image}
-        if path:
-            source["path"] = path
-        vmi = {
-            "apiVersion": "kubevirt.io/v1",
-            "kind": "VirtualMachineInstance",
-            "metadata": {"name": name},
-            "spec": {
-                "domain": {"resources": {"requests": {"memory": "128Mi"}}, "devices": {"disks": [disk]}},
-                "volumes": [{"name": "root", "containerDisk": source}],
-            },
-        }
-        out = self.root / f"{name}.yaml"
-        out.write_text(json.dumps(vmi, indent=2))  # JSON is YAML
-        return out
-
-
-@pytest.fixture(scope="module")
-def qemu_user():
-    try:
-        pwd.getpwuid(QEMU_UID)
-    except KeyError:
-        pytest.fail("no user with UID 107 (scripts/setup.sh creates `qemu`)")
-    # Under /tmp and world-traversable: pytest's own tmp dirs are private to root.
-    root = Path(tempfile.mkdtemp(prefix="diskkit-e2e-"))
-    root.chmod(0o755)
-    try:
-        yield QemuUser(root)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def guest_image(registry) -> str:
-    ref = f"{registry.host}/launcher/guest:v1"
-    result = run_diskkit("build", NOREG, ensure_testguest() / "testguest.qcow2", "-t", ref)
-    assert result.code == 0, result.err
-    return ref
-
-
-def assert_clean(user: QemuUser, domain: str) -> None:
-    assert not (user.cache / "run" / domain).exists()
-    assert not (user.cache / "vms" / f"{domain}.json").exists()
-    assert domain not in user.virsh("list", "--all", "--name").split()
-
+from tests.vmhost import DONE, NOREG, assert_clean
 
 def test_boot_from_the_registry_and_start_clean_every_time(qemu_user, guest_image):
     vmi = qemu_user.write_vmi("guest", guest_image)

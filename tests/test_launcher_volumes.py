@@ -1,0 +1,69 @@
+"""Storage volumes beside the containerDisk, end to end with the real guest as the qemu user:
+a filesystem PVC keeps what the guest wrote across VM re-creation, emptyDisk and containerDisk
+start clean, hostDisk is created with its capacity."""
+
+from __future__ import annotations
+
+import os
+
+from tests.testguest import parse_console
+from tests.vmhost import NOREG, QEMU_UID, assert_clean
+
+MIB = 1 << 20
+
+
+def _virtio(name: str, serial: str) -> dict:
+    return {"name": name, "serial": serial, "disk": {"bus": "virtio"}}
+
+
+def test_pvc_emptydisk_and_hostdisk_beside_the_containerdisk(qemu_user, guest_image):
+    claim_dir = qemu_user.root / "claim-data"
+    claim_dir.mkdir()
+    os.chown(claim_dir, QEMU_UID, QEMU_UID)
+    host_disk = qemu_user.root / "hostdisks" / "extra.img"
+    host_disk.parent.mkdir()
+    os.chown(host_disk.parent, QEMU_UID, QEMU_UID)
+    extra = [
+        (_virtio("data", "pvc-data"), {"name": "data", "persistentVolumeClaim": {"claimName": "data-claim"}}),
+        (_virtio("scratch", "empty"), {"name": "scratch", "emptyDisk": {"capacity": "32Mi"}}),
+        (_virtio("host", "host"), {"name": "host", "hostDisk": {"path": str(host_disk), "type": "DiskOrCreate", "capacity": "48Mi"}}),
+    ]
+    vmi = qemu_user.write_vmi("storage", guest_image, extra=extra)
+    args = ["run", NOREG, "--console", "--timeout", "180", "--pvc", f"data-claim={claim_dir}:40Mi", vmi]
+
+    first = qemu_user.launcher(*args)
+    assert first.code == 0, first.err
+    console = parse_console(first.out)
+    by_serial = {disk["serial"]: (name, disk) for name, disk in console["disks"].items()}
+    assert by_serial["pvc-data"][1]["size"] == 40 * MIB
+    assert by_serial["empty"][1]["size"] == 32 * MIB
+    assert by_serial["host"][1]["size"] == 48 * MIB
+    assert console["disks"]["vda"]["size"] == 64 * MIB  # the containerDisk, first in the spec
+    assert all(stamp == (0, 1) for stamp in console["stamps"].values()), console["stamps"]
+    image = claim_dir / "disk.img"
+    assert image.stat().st_size == 40 * MIB and image.stat().st_blocks * 512 < 4 * MIB  # created sparse
+    assert host_disk.stat().st_size == 48 * MIB
+    assert_clean(qemu_user, "default_storage")
+
+    second = qemu_user.launcher(*args)
+    assert second.code == 0, second.err
+    stamps = parse_console(second.out)["stamps"]
+    names = {serial: name for serial, (name, _) in by_serial.items()}
+    assert stamps[names["pvc-data"]] == (1, 2)  # the claim kept what the guest wrote
+    assert stamps[names["host"]] == (1, 2)  # so does the host disk
+    assert stamps[names["empty"]] == (0, 1)  # emptyDisk: new for every VM
+    assert stamps["vda"] == (0, 1)  # containerDisk: the overlay went with the VM
+
+
+def test_missing_claim_and_disk_fail_before_any_domain(qemu_user, guest_image):
+    extra = [(_virtio("data", "d"), {"name": "data", "persistentVolumeClaim": {"claimName": "nowhere"}})]
+    vmi = qemu_user.write_vmi("noclaim", guest_image, extra=extra)
+    result = qemu_user.launcher("run", NOREG, vmi)
+    assert result.code == 1
+    assert "spec.volumes[1].persistentVolumeClaim: claim nowhere: give --pvc nowhere=DIR|DEVICE" in result.err, result.err
+    assert_clean(qemu_user, "default_noclaim")
+    extra = [(_virtio("host", "h"), {"name": "host", "hostDisk": {"path": str(qemu_user.root / "absent.img"), "type": "Disk"}})]
+    vmi = qemu_user.write_vmi("nohost", guest_image, extra=extra)
+    result = qemu_user.launcher("run", NOREG, vmi)
+    assert result.code == 1 and "does not exist (type Disk)" in result.err, result.err
+    assert_clean(qemu_user, "default_nohost")

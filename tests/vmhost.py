@@ -1,0 +1,110 @@
+"""The unprivileged side of the launcher tests: the qemu user (UID 107), its libvirt session
+daemon (one per test module, through a HOME of its own) and a cache, and VMIs written for it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pwd
+import shutil
+import signal
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from tests.conftest import launcher_command, run_diskkit, run_launcher
+from tests.testguest import ensure_testguest
+
+QEMU_UID = 107
+NOREG = "--tls-verify=false"
+DONE = "DISKKIT-TESTGUEST DONE"
+
+
+class QemuUser:
+    """Where the qemu user works: a HOME (one libvirt session daemon for the whole run) and a cache."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.home = root / "home"
+        self.cache = root / "cache"
+        for d in (self.home, self.cache):
+            d.mkdir()
+            os.chown(d, QEMU_UID, pwd.getpwuid(QEMU_UID).pw_gid)
+        self.env = {"HOME": str(self.home), "XDG_RUNTIME_DIR": "", "XDG_CACHE_HOME": "", "DISKKIT_CACHE": str(self.cache)}
+
+    def launcher(self, *args, timeout: float = 300):
+        return run_launcher(*args, env=self.env, user=str(QEMU_UID), timeout=timeout)
+
+    def popen(self, *args) -> subprocess.Popen:
+        return subprocess.Popen(launcher_command(*args, user=str(QEMU_UID)), env={**os.environ, "CI": "true", **self.env},
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def virsh(self, *args) -> str:
+        cmd = ["setpriv", f"--reuid={QEMU_UID}", f"--regid={QEMU_UID}", "--clear-groups", "virsh", "-c", "qemu:///session", *args]
+        return subprocess.run(cmd, env={**os.environ, **self.env}, capture_output=True, text=True, check=True).stdout
+
+    def write_vmi(self, name: str, image: str, path: str | None = None, serial: str | None = None,
+                  extra: list[tuple[dict, dict]] = ()) -> Path:
+        """A VMI booting `image` from a virtio containerDisk, plus `extra` (disk, volume) pairs."""
+        disk = {"name": "root", "disk": {"bus": "virtio"}}
+        if serial:
+            disk["serial"] = serial
+        source = {"image": image}
+        if path:
+            source["path"] = path
+        vmi = {
+            "apiVersion": "kubevirt.io/v1",
+            "kind": "VirtualMachineInstance",
+            "metadata": {"name": name},
+            "spec": {
+                "domain": {"resources": {"requests": {"memory": "128Mi"}}, "devices": {"disks": [disk, *(d for d, _ in extra)]}},
+                "volumes": [{"name": "root", "containerDisk": source}, *(v for _, v in extra)],
+            },
+        }
+        out = self.root / f"{name}.yaml"
+        out.write_text(json.dumps(vmi, indent=2))  # JSON is YAML
+        return out
+
+
+@contextlib.contextmanager
+def qemu_scratch(prefix: str) -> Iterator[Path]:
+    """A directory for the qemu user under /tmp, world-traversable (pytest's own tmp dirs are
+    private to root); the libvirt session daemons started with a HOME inside it are stopped after."""
+    try:
+        pwd.getpwuid(QEMU_UID)
+    except KeyError:
+        pytest.fail("no user with UID 107 (scripts/setup.sh creates `qemu`)")
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    root.chmod(0o755)
+    try:
+        yield root
+    finally:
+        for pidfile in root.glob("**/.cache/libvirt/*.pid"):
+            with contextlib.suppress(OSError, ValueError):
+                os.kill(int(pidfile.read_text().strip()), signal.SIGTERM)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def qemu_user():
+    with qemu_scratch("diskkit-e2e-") as root:
+        yield QemuUser(root)
+
+
+@pytest.fixture(scope="module")
+def guest_image(registry) -> str:
+    ref = f"{registry.host}/launcher/guest:v1"
+    result = run_diskkit("build", NOREG, ensure_testguest() / "testguest.qcow2", "-t", ref)
+    assert result.code == 0, result.err
+    return ref
+
+
+def assert_clean(user: QemuUser, domain: str) -> None:
+    """Nothing of the VM is left: no run directory, no record, no libvirt domain."""
+    assert not (user.cache / "run" / domain).exists()
+    assert not (user.cache / "vms" / f"{domain}.json").exists()
+    assert domain not in user.virsh("list", "--all", "--name").split()
