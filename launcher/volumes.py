@@ -190,6 +190,7 @@ class _Preparer:
                     self.out.secrets.append((remote.source, remote.secret_value))
                 return ResolvedDisk(remote.source.name, "raw", type="network", network=remote.source, read_only=read_only or remote.read_only)
             local = _pv_path(claim)
+            read_only = read_only or claim.read_only  # a ReadOnlyMany claim is never written
         if local is None:
             mounted = self.store.pod_disks / volume.name
             device = Path("/dev") / volume.name
