@@ -218,9 +218,14 @@ class Sample:
     output_bytes: int
 
 
+def tool_command(name: str) -> list[str]:
+    """The venv's console script for `name` (diskkit or launcher), else `python -m name`."""
+    script = Path(sys.executable).parent / name
+    return [str(script)] if script.is_file() else [sys.executable, "-m", name]
+
+
 def diskkit_command() -> list[str]:
-    script = Path(sys.executable).parent / "diskkit"
-    return [str(script)] if script.is_file() else [sys.executable, "-m", "diskkit"]
+    return tool_command("diskkit")
 
 
 def commands(variant: str, disk: Path, layout: Path) -> list[list[str]]:

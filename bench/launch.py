@@ -57,8 +57,7 @@ GUEST = ROOT / "build" / "testguest" / "testguest.qcow2"
 
 
 def launcher_command() -> list[str]:
-    script = Path(sys.executable).parent / "launcher"
-    return [str(script)] if script.is_file() else [sys.executable, "-m", "launcher"]
+    return bb.tool_command("launcher")
 
 
 def pull_commands(variant: str, host: str, run_dir: Path) -> list[list[str]]:

@@ -176,11 +176,11 @@ def ls(as_json, cache_dir) -> None:
 
     cache = Cache(cache_dir)
     vms = [{**record, "state": state(record)} for record in cache.vm_records()]
-    used = {entry: [vm["domain"] for vm in vms if entry in vm.get("entries", [])] for entry in map(str, cache.disks())}
     disks = []
     for entry in cache.disks():
         meta = cache.read_json(entry / "meta.json") or {}
-        disks.append({"path": str(entry / "disk.img"), "size": tree_size(entry), "format": meta.get("format"), "layer": meta.get("layer"), "usedBy": used[str(entry)]})
+        users = [vm["domain"] for vm in vms if str(entry) in vm.get("entries", [])]
+        disks.append({"path": str(entry / "disk.img"), "size": tree_size(entry), "format": meta.get("format"), "layer": meta.get("layer"), "usedBy": users})
     if as_json:
         click.echo(json.dumps({"vms": vms, "disks": disks}, indent=2))
         return

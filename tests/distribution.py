@@ -232,12 +232,16 @@ def decode_jwt_claims(token: str) -> dict:
 
 # --- the registry -------------------------------------------------------------------------------
 
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM when the test process dies, so a crashed run leaves no registry behind."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+def die_with_parent(sig: int = signal.SIGTERM):
+    """A preexec_fn: the child gets `sig` when the test process dies, so a crashed run leaves no server behind."""
+
+    def arm() -> None:
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+
+    return arm
 
 
 @dataclass
@@ -294,7 +298,7 @@ class RunningRegistry:
         self._log_file = open(self.log_path, "ab")
         self._proc = subprocess.Popen(
             [REGISTRY_BINARY, "serve", str(self.config)],
-            stdin=subprocess.DEVNULL, stdout=self._log_file, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
+            stdin=subprocess.DEVNULL, stdout=self._log_file, stderr=subprocess.STDOUT, preexec_fn=die_with_parent(),
         )
         deadline = time.monotonic() + READY_TIMEOUT
         last = None

@@ -22,7 +22,6 @@ The ``iscsi_target`` fixture is a factory: ``iscsi_target(backing, chap=None, iq
 
 from __future__ import annotations
 
-import ctypes
 import os
 import secrets
 import shutil
@@ -36,6 +35,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.distribution import die_with_parent, free_port
+
 TGTD = "tgtd"
 TGTADM = "tgtadm"
 HOST = "127.0.0.1"
@@ -45,19 +46,8 @@ READY_TIMEOUT = 10.0
 BIND_FAILED = "failed to create/bind to portal"
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
 def default_iqn() -> str:
     return f"iqn.2026-11.io.diskkit:test-{secrets.token_hex(4)}"
-
-
-def _die_with_parent() -> None:
-    """In the child: SIGKILL (tgtd ignores SIGTERM) when the test process dies."""
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _listening_inodes(port: int) -> set[str]:
@@ -186,7 +176,7 @@ class RunningTarget:
         self._proc = subprocess.Popen(
             [TGTD, "-f", "--iscsi", f"portal={self.portal}"],
             stdin=subprocess.DEVNULL, stdout=self._log_file, stderr=subprocess.STDOUT,
-            env={**os.environ, "TGT_IPC_SOCKET": str(self._ipc_dir / "ctl")}, preexec_fn=_die_with_parent,
+            env={**os.environ, "TGT_IPC_SOCKET": str(self._ipc_dir / "ctl")}, preexec_fn=die_with_parent(signal.SIGKILL),  # tgtd ignores SIGTERM
         )
         self._wait("control socket", self._control_ready)
         self._wait(f"listening portal {self.portal}", self._portal_ready)
