@@ -6,6 +6,7 @@ and the same file stays behind for `launcher ls`/debugging after the guest is go
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -19,13 +20,16 @@ def follow(
     wait_for: str | None = None,
     timeout: float | None = None,
     echo: Callable[[bytes], None] | None = None,
+    interrupted: threading.Event | None = None,
 ) -> str:
-    """Stream the log until `wait_for` appears ("found"), the guest stops ("stopped") or time runs out ("timeout")."""
+    """Stream the log until `wait_for` appears ("found"), the guest stops ("stopped"), time runs
+    out ("timeout") or `interrupted` is set ("interrupted")."""
+    interrupted = interrupted or threading.Event()
     deadline = None if timeout is None else time.monotonic() + timeout
     needle = wait_for.encode() if wait_for else None
     seen = b""  # the tail kept for matching text split across reads
     offset = 0
-    while True:
+    while not interrupted.is_set():
         alive = running()
         data = _read_from(log, offset)
         if data:
@@ -41,7 +45,8 @@ def follow(
         if deadline is not None and time.monotonic() > deadline:
             return "timeout"
         if not data:
-            time.sleep(POLL)
+            interrupted.wait(POLL)
+    return "interrupted"
 
 
 def _read_from(log: Path, offset: int) -> bytes:

@@ -7,12 +7,15 @@ directory (overlays, console log, domain XML) and the cache entries it uses, so 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
+import threading
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 from diskkit.errors import DiskkitError
 from diskkit.image import Platform
@@ -87,10 +90,14 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
             raise
     echo = _echo if opts.console else None
     try:
-        outcome = follow(run_dir / "console.log", lambda: lv.active(name), opts.wait_for, opts.timeout, echo)
+        with _signals_set(interrupted := threading.Event()):
+            outcome = follow(run_dir / "console.log", lambda: lv.active(name), opts.wait_for, opts.timeout, echo, interrupted)
     except BaseException:
         cleanup(cache, lv, name)
         raise
+    if outcome == "interrupted":
+        cleanup(cache, lv, name)
+        raise KeyboardInterrupt
     if outcome == "found":
         say(f"{name} is running (saw {opts.wait_for!r}); stop it with: launcher stop {vmi.name}")
         return 0
@@ -102,6 +109,19 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
         raise DiskkitError(name, f"the guest stopped before {opts.wait_for!r} appeared on the console")
     say(f"{name} stopped")
     return 0
+
+
+@contextlib.contextmanager
+def _signals_set(event: threading.Event) -> Iterator[None]:
+    """While following the guest, SIGTERM and Ctrl-C only set `event`: raised at an arbitrary
+    point (inside a libvirt callback, say) an exception can be swallowed and the VM kept."""
+    handler = lambda signum, frame: event.set()  # noqa: E731
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def _echo(data: bytes) -> None:
