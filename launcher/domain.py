@@ -14,6 +14,8 @@ import uuid
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 
+from . import cpupin
+from .cpupin import Topology
 from .k8s import NetworkSource
 from .vmi import VMI, Disk, SpecError, Volume
 
@@ -43,6 +45,9 @@ class Host:
     kernel: str | None = None  # resolved kernelBoot files
     initrd: str | None = None
     emulator: str | None = None
+    # dedicatedCpuPlacement only: the host's cells/cores/threads and the threads the pod owns
+    topology: Topology = ()
+    cpuset: tuple[int, ...] = ()
 
 
 def _file_source(parent: ET.Element, path: str) -> None:
@@ -299,6 +304,18 @@ def _cpu(vmi: VMI, host: Host) -> ET.Element:
     return cpu
 
 
+def _cputune(domain: ET.Element, vmi: VMI, host: Host, iothreads: int) -> None:
+    sockets, cores, threads = vmi.domain.topology
+    tune = cpupin.fit(host.topology, host.cpuset, sockets, cores, threads, vmi.domain.cpu.isolate_emulator_thread, iothreads)
+    cputune = ET.SubElement(domain, "cputune")
+    for vcpu, thread in enumerate(tune.vcpupin):
+        ET.SubElement(cputune, "vcpupin", vcpu=str(vcpu), cpuset=str(thread))
+    if tune.emulatorpin is not None:
+        ET.SubElement(cputune, "emulatorpin", cpuset=str(tune.emulatorpin))
+    for iothread, cpuset in tune.iothreadpin:
+        ET.SubElement(cputune, "iothreadpin", iothread=str(iothread), cpuset=cpuset)
+
+
 def render(vmi: VMI, disks: dict[str, ResolvedDisk], host: Host) -> str:
     """The libvirt domain XML for `vmi`; `disks` maps each volume name to its resolved file, device or
     network source (whose credentials the caller defines first, see secret_xml)."""
@@ -310,6 +327,8 @@ def render(vmi: VMI, disks: dict[str, ResolvedDisk], host: Host) -> str:
     total_threads, _ = io_threads(vmi)
     if total_threads:
         _text(domain, "iothreads", str(total_threads))
+    if vmi.domain.cpu.dedicated_cpu_placement:
+        _cputune(domain, vmi, host, total_threads)
 
     sysinfo = ET.SubElement(ET.SubElement(domain, "sysinfo", type="smbios"), "system")
     _text(sysinfo, "entry", vmi.uuid, name="uuid")
@@ -321,6 +340,9 @@ def render(vmi: VMI, disks: dict[str, ResolvedDisk], host: Host) -> str:
     for name, enabled in (("acpi", vmi.domain.features.acpi), ("apic", vmi.domain.features.apic), ("smm", vmi.domain.features.smm)):
         if enabled:
             ET.SubElement(features, name)
+    if vmi.domain.cpu.dedicated_cpu_placement and host.domain_type == "kvm":
+        # KubeVirt always adds the hint; it is a KVM paravirt feature that TCG would refuse to start with.
+        ET.SubElement(ET.SubElement(features, "kvm"), "hint-dedicated", state="on")
     domain.append(_cpu(vmi, host))
     ET.SubElement(domain, "clock", offset="utc")
     _text(domain, "on_poweroff", "destroy")

@@ -225,6 +225,7 @@ class CPU:
     threads: int | None = None
     model: str | None = None
     dedicated_cpu_placement: bool = False
+    isolate_emulator_thread: bool = False
 
 
 @dataclass(frozen=True)
@@ -647,6 +648,34 @@ def _resources(doc: dict, at: str) -> Resources:
     )
 
 
+def _check_dedicated(cpu: CPU, resources: Resources, doc: dict, at: str) -> None:
+    """KubeVirt's webhook rules for dedicatedCpuPlacement (validateCpuPinning), in its order and words."""
+    if cpu.isolate_emulator_thread and not cpu.dedicated_cpu_placement:
+        raise SpecError(f"{at}.cpu.isolateEmulatorThread", "IsolateEmulatorThread should be only set in combination with DedicatedCPUPlacement")
+    if not cpu.dedicated_cpu_placement:
+        return
+    r = f"{at}.resources"
+    dedicated = f"{at}.cpu.dedicatedCpuPlacement"
+    if not resources.requests_memory and not resources.limits_memory:
+        raise SpecError(f"{r}.limits.memory", f"{r}.requests.memory or {r}.limits.memory should be provided")
+    requested = _map(doc.get("requests"), f"{r}.requests").get("cpu")
+    for side, millis in (("requests", requested is not None and resources.requests_cpu), ("limits", resources.limits_cpu)):
+        if millis and millis % 1000:
+            raise SpecError(f"{r}.{side}.cpu", f"provided resources CPU {side} must be an interger")  # sic, KubeVirt's spelling
+    if resources.requests_memory and resources.limits_memory and resources.requests_memory != resources.limits_memory:
+        raise SpecError(f"{r}.requests.memory", f"{r}.requests.memory must be equal to {r}.limits.memory")
+    vcpus = (cpu.sockets or 1) * (cpu.cores or 1) * (cpu.threads or 1) if (cpu.sockets or cpu.cores or cpu.threads) else 0
+    request = resources.requests_cpu if requested is not None else None
+    if not request and not resources.limits_cpu and not vcpus:
+        raise SpecError(dedicated, f"either {r}.requests.cpu or {r}.limits.cpu or {at}.cpu.cores must be provided when DedicatedCPUPlacement is true")
+    if request and resources.limits_cpu and request != resources.limits_cpu:
+        raise SpecError(dedicated, f"{r}.requests.cpu or {r}.limits.cpu must be equal when DedicatedCPUPlacement is true")
+    if (request or resources.limits_cpu) and vcpus and request != vcpus * 1000 and resources.limits_cpu != vcpus * 1000:
+        raise SpecError(dedicated, f"{r}.requests.cpu or {r}.limits.cpu must not be provided at the same time with {at}.cpu.cores when DedicatedCPUPlacement is true")
+    if (cpu.threads or 0) > 2:
+        raise SpecError(dedicated, f"Not more than two threads must be provided at {at}.cpu.threads (got {cpu.threads}) when DedicatedCPUPlacement is true")
+
+
 def _kernel_boot(doc: dict, at: str) -> KernelBoot:
     args = _str(doc, "kernelArgs", at)
     if doc.get("container") is None:
@@ -705,8 +734,10 @@ def _domain(doc: dict, root: str, volumes: tuple[Volume, ...]) -> DomainSpec:
     at = f"{root}.domain"
     cpu_doc = _map(doc.get("cpu"), f"{at}.cpu")
     cpu = CPU(_int(cpu_doc, "cores", f"{at}.cpu"), _int(cpu_doc, "sockets", f"{at}.cpu"), _int(cpu_doc, "threads", f"{at}.cpu"),
-              _str(cpu_doc, "model", f"{at}.cpu"), _bool(cpu_doc, "dedicatedCpuPlacement", f"{at}.cpu"))
+              _str(cpu_doc, "model", f"{at}.cpu"), _bool(cpu_doc, "dedicatedCpuPlacement", f"{at}.cpu"),
+              _bool(cpu_doc, "isolateEmulatorThread", f"{at}.cpu"))
     resources = _resources(_map(doc.get("resources"), f"{at}.resources"), f"{at}.resources")
+    _check_dedicated(cpu, resources, _map(doc.get("resources"), f"{at}.resources"), at)
 
     memory_doc = _map(doc.get("memory"), f"{at}.memory")
     if memory_doc.get("hugepages") is not None:

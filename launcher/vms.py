@@ -14,14 +14,14 @@ import signal
 import threading
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
 from diskkit.errors import DiskkitError
 from diskkit.image import Platform
 from diskkit.registryoptions import RegistryOptions
 
-from . import accel
+from . import accel, cpupin
 from .cache import Cache
 from .console import follow
 from .domain import Host, render, secret_xml
@@ -51,6 +51,8 @@ def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, domain_type: st
         kernel=prepared.kernel,
         initrd=prepared.initrd,
     )
+    if vmi.domain.cpu.dedicated_cpu_placement:
+        host = replace(host, topology=cpupin.read_topology(), cpuset=cpupin.pod_cpuset())
     return prepared, render(vmi, prepared.disks, host)
 
 

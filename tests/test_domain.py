@@ -36,7 +36,11 @@ def resolved_disk(fields: dict) -> ResolvedDisk:
 def load_case(name: str):
     doc = yaml.safe_load((GOLDEN / f"{name}.yaml").read_text())
     resolved = {volume: resolved_disk(fields) for volume, fields in doc.pop("x-resolved").items()}
-    host = Host(**doc.pop("x-host", {}))
+    host_fields = doc.pop("x-host", {})
+    if "topology" in host_fields:
+        host_fields["topology"] = tuple(tuple(tuple(core) for core in cell) for cell in host_fields["topology"])
+        host_fields["cpuset"] = tuple(host_fields["cpuset"])
+    host = Host(**host_fields)
     return parse_vmi(doc), resolved, host
 
 

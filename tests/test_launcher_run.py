@@ -129,3 +129,24 @@ def test_vmi_errors_name_the_field(qemu_user):
     result = qemu_user.launcher("run", vmi)
     assert result.code == 1
     assert "spec.volumes[0].containerDisk.image" in result.err, result.err
+
+
+def test_dedicated_cpus_are_pinned_as_planned(qemu_user, guest_image):
+    """dedicatedCpuPlacement + isolateEmulatorThread: libvirt applies the vCPU and emulator pins we render."""
+    from launcher import cpupin
+
+    domain = {"cpu": {"cores": 1, "dedicatedCpuPlacement": True, "isolateEmulatorThread": True},
+              "resources": {"requests": {"memory": "128Mi"}, "limits": {"memory": "128Mi"}}}
+    vmi = qemu_user.write_vmi("pinned", guest_image, serial="hold-60", domain=domain)
+    plan = cpupin.fit(cpupin.read_topology(), cpupin.pod_cpuset(), 1, 1, 1, True)
+    try:
+        result = qemu_user.launcher("run", NOREG, "--wait-for", DONE, "--timeout", "180", vmi)
+        assert result.code == 0, result.err
+        vcpupin = qemu_user.virsh("vcpupin", "default_pinned")
+        rows = dict(line.split()[:2] for line in vcpupin.splitlines() if line.strip()[:1].isdigit())
+        assert rows == {"0": str(plan.vcpupin[0])}, vcpupin
+        emulatorpin = qemu_user.virsh("emulatorpin", "default_pinned")
+        assert emulatorpin.split()[-1] == str(plan.emulatorpin), emulatorpin
+    finally:
+        qemu_user.launcher("stop", "pinned")
+    assert_clean(qemu_user, "default_pinned")

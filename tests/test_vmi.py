@@ -363,3 +363,38 @@ def test_document_rules(change, message):
     doc = copy.deepcopy(vmi_doc())
     change(doc)
     assert error(doc) == message
+
+
+# ---------------------------------------------------------------- dedicated CPUs (validateCpuPinning)
+
+GUARANTEED = {"requests": {"memory": "64Mi"}, "limits": {"memory": "64Mi"}}
+
+
+@pytest.mark.parametrize(
+    "cpu, resources, message",
+    [
+        ({"isolateEmulatorThread": True}, GUARANTEED,
+         "spec.domain.cpu.isolateEmulatorThread: IsolateEmulatorThread should be only set in combination with DedicatedCPUPlacement"),
+        ({"dedicatedCpuPlacement": True, "cores": 2}, {"requests": {"memory": "64Mi"}, "limits": {"memory": "128Mi"}},
+         "spec.domain.resources.requests.memory must be equal to spec.domain.resources.limits.memory"),
+        ({"dedicatedCpuPlacement": True}, {**GUARANTEED, "requests": {"memory": "64Mi", "cpu": "1500m"}},
+         "provided resources CPU requests must be an interger"),
+        ({"dedicatedCpuPlacement": True}, GUARANTEED,
+         "either spec.domain.resources.requests.cpu or spec.domain.resources.limits.cpu or spec.domain.cpu.cores must be provided"),
+        ({"dedicatedCpuPlacement": True}, {"requests": {"memory": "64Mi", "cpu": "1"}, "limits": {"memory": "64Mi", "cpu": "2"}},
+         "spec.domain.resources.requests.cpu or spec.domain.resources.limits.cpu must be equal when DedicatedCPUPlacement is true"),
+        ({"dedicatedCpuPlacement": True, "cores": 2}, {"requests": {"memory": "64Mi", "cpu": "3"}, "limits": {"memory": "64Mi", "cpu": "3"}},
+         "must not be provided at the same time with spec.domain.cpu.cores"),
+        ({"dedicatedCpuPlacement": True, "threads": 4}, GUARANTEED,
+         "Not more than two threads must be provided at spec.domain.cpu.threads (got 4)"),
+    ],
+)
+def test_dedicated_cpu_rules(cpu, resources, message):
+    assert message in error(vmi_doc(cpu=cpu, resources=resources))
+
+
+def test_dedicated_cpus_from_cores_or_an_integer_request():
+    by_cores = parse_vmi(vmi_doc(cpu={"dedicatedCpuPlacement": True, "cores": 2, "isolateEmulatorThread": True}, resources=GUARANTEED))
+    assert by_cores.domain.cpu.isolate_emulator_thread and by_cores.domain.vcpus == 2
+    by_request = parse_vmi(vmi_doc(cpu={"dedicatedCpuPlacement": True}, resources={"requests": {"memory": "64Mi", "cpu": "2"}}))
+    assert by_request.domain.vcpus == 2

@@ -48,7 +48,7 @@ class QemuUser:
         return subprocess.run(cmd, env={**os.environ, **self.env}, capture_output=True, text=True, check=True).stdout
 
     def write_vmi(self, name: str, image: str, path: str | None = None, serial: str | None = None,
-                  extra: list[tuple[dict, dict]] = ()) -> Path:
+                  extra: list[tuple[dict, dict]] = (), domain: dict | None = None) -> Path:
         """A VMI booting `image` from a virtio containerDisk, plus `extra` (disk, volume) pairs."""
         disk = {"name": "root", "disk": {"bus": "virtio"}}
         if serial:
@@ -61,7 +61,8 @@ class QemuUser:
             "kind": "VirtualMachineInstance",
             "metadata": {"name": name},
             "spec": {
-                "domain": {"resources": {"requests": {"memory": "128Mi"}}, "devices": {"disks": [disk, *(d for d, _ in extra)]}},
+                "domain": {"resources": {"requests": {"memory": "128Mi"}}, "devices": {"disks": [disk, *(d for d, _ in extra)]},
+                           **(domain or {})},
                 "volumes": [{"name": "root", "containerDisk": source}, *(v for _, v in extra)],
             },
         }
