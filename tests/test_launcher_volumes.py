@@ -5,7 +5,12 @@ start clean, hostDisk is created with its capacity."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
+import pytest
+
+from launcher import storage
+from tests.conftest import run
 from tests.testguest import parse_console
 from tests.vmhost import NOREG, QEMU_UID, assert_clean
 
@@ -67,3 +72,58 @@ def test_missing_claim_and_disk_fail_before_any_domain(qemu_user, guest_image):
     result = qemu_user.launcher("run", NOREG, vmi)
     assert result.code == 1 and "does not exist (type Disk)" in result.err, result.err
     assert_clean(qemu_user, "default_nohost")
+
+
+@pytest.fixture
+def loop_device(qemu_user):
+    """A 24 MiB block device the qemu user owns, as a block-mode PVC is handed to virt-launcher."""
+    backing = qemu_user.root / "block-claim.img"
+    with open(backing, "wb") as f:
+        f.truncate(24 * MIB)
+    device = run("losetup", "--find", "--show", backing).stdout.strip()
+    try:
+        os.chown(device, QEMU_UID, QEMU_UID)
+        yield Path(device)
+    finally:
+        run("losetup", "--detach", device)
+
+
+def test_block_mode_claim_keeps_what_the_guest_wrote(qemu_user, guest_image, loop_device):
+    extra = [(_virtio("data", "block-data"), {"name": "data", "persistentVolumeClaim": {"claimName": "raw-claim"}})]
+    vmi = qemu_user.write_vmi("blockpvc", guest_image, extra=extra)
+    args = ["run", NOREG, "--console", "--timeout", "180", "--pvc", f"raw-claim={loop_device}", vmi]
+    first = qemu_user.launcher(*args)
+    assert first.code == 0, first.err
+    console = parse_console(first.out)
+    (name, disk), = [(n, d) for n, d in console["disks"].items() if d["serial"] == "block-data"]
+    assert disk["size"] == 24 * MIB
+    assert console["stamps"][name] == (0, 1)
+    second = qemu_user.launcher(*args)
+    assert second.code == 0, second.err
+    assert parse_console(second.out)["stamps"][name] == (1, 2)  # written to the device itself
+    assert_clean(qemu_user, "default_blockpvc")
+
+
+def test_claim_on_a_small_filesystem_is_tolerated_or_refused(qemu_user, guest_image):
+    mount = qemu_user.root / "small-claim"
+    mount.mkdir()
+    run("mount", "-t", "tmpfs", "-o", "size=16m,mode=0755,uid=107,gid=107", "tmpfs", mount)
+    try:
+        extra = [(_virtio("data", "small"), {"name": "data", "persistentVolumeClaim": {"claimName": "small"}})]
+        vmi = qemu_user.write_vmi("smallpvc", guest_image, extra=extra)
+        refused = qemu_user.launcher("run", NOREG, "--pvc", f"small={mount}:64Mi", vmi)
+        assert refused.code == 1
+        assert "unable to create image on volume data, not enough space, demanded size 67108864 B" in refused.err, refused.err
+        assert list(mount.iterdir()) == []  # no image, not even a temporary one
+        assert_clean(qemu_user, "default_smallpvc")
+        # 17 MiB asked of 16 MiB: within the 10 % KubeVirt tolerates, so the disk is what fits.
+        tolerated = qemu_user.launcher("run", NOREG, "--console", "--timeout", "180", "--pvc", f"small={mount}:17Mi", vmi)
+        assert tolerated.code == 0, tolerated.err
+        assert "PV size too small: expected 17Mi" in tolerated.err, tolerated.err
+        size = (mount / "disk.img").stat().st_size
+        assert size == 16 * MIB - storage.RESERVE  # all the free space but KubeVirt's reserve
+        (name, disk), = [(n, d) for n, d in parse_console(tolerated.out)["disks"].items() if d["serial"] == "small"]
+        assert disk["size"] == size
+    finally:
+        run("umount", mount)
+    assert_clean(qemu_user, "default_smallpvc")
