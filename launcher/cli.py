@@ -26,7 +26,7 @@ def storage_options(command):
     import functools
 
     @functools.wraps(command)
-    def wrapper(*args, pvc, manifests, pvc_tolerance, **kwargs):
+    def wrapper(*args, pvc, manifests, kube_api, pvc_tolerance, **kwargs):
         from diskkit.errors import DiskkitError
 
         from .gc import parse_size
@@ -40,12 +40,19 @@ def storage_options(command):
                 raise DiskkitError(f"--pvc {value}", "must be CLAIM=PATH or CLAIM=DIR:SIZE")
             path, _, size = where.partition(":")
             claims[name] = LocalClaim(Path(path), parse_size(size) if size else None)
+        if manifests and kube_api:
+            raise DiskkitError("--kube-api", "give either --manifests or --kube-api, not both")
         objects = Objects.load(Path(manifests)) if manifests else None
+        if kube_api:
+            from .kubeapi import ClusterObjects
+
+            objects = ClusterObjects()
         return command(*args, store=Storage(claims, objects, pvc_tolerance), **kwargs)
 
     options = [
         click.option("--pvc", multiple=True, metavar="CLAIM=PATH[:SIZE]", help="Where a claim lives here: a directory (its disk.img, created sparse with SIZE when missing) or a block device. Repeatable."),
         click.option("--manifests", type=click.Path(file_okay=False, exists=True), help="Directory of PVC, PV and Secret manifests: claims resolve to their bound PV (iSCSI and RBD PVs become network disks)."),
+        click.option("--kube-api", is_flag=True, help="Read claims, PVs and secrets from the Kubernetes API: in a pod through its service account, elsewhere through KUBECONFIG."),
         click.option("--pvc-tolerance", type=click.IntRange(0, 100), default=10, show_default=True, metavar="PERCENT", help="How much smaller than requested a new disk.img may be (KubeVirt's pvcTolerateLessSpaceUpToPercent)."),
     ]
     for option in options:

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import base64
 import json
+import socket
+from pathlib import Path
 
 import pytest
 import yaml
 
 from diskkit.errors import DiskkitError
 from launcher.k8s import Claim, NetworkDisk, NetworkSource, Objects, network_disk, pv_type, resolve_claim
+from tests.conftest import run_launcher
 from tests.test_domain import GOLDEN, network_source
 
 WHERE = "spec.volumes[1].persistentVolumeClaim"
@@ -312,3 +315,40 @@ def test_the_iscsi_and_rbd_goldens_are_what_their_manifests_resolve_to(tmp_path)
                     secret("ceph", "storage", {"key": CEPH_KEY}))
     assert disk_of(objects, "chap-lun", "storage").source == golden_network("iscsi", "chap")
     assert disk_of(objects, "ceph-data", "storage").source == golden_network("rbd", "data")
+
+
+# ---------------------------------------------------------------- --kube-api (no API server can run here)
+
+def _claim_vmi(tmp_path: Path) -> Path:
+    vmi = tmp_path / "vmi.yaml"
+    vmi.write_text(yaml.safe_dump({
+        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance", "metadata": {"name": "api"},
+        "spec": {"domain": {"resources": {"requests": {"memory": "64Mi"}}},
+                 "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "c"}}]},
+    }))
+    return vmi
+
+
+def test_kube_api_unreachable_names_the_server_and_the_object(tmp_path):
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "here",
+        "clusters": [{"name": "here", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
+        "contexts": [{"name": "here", "context": {"cluster": "here", "user": "me"}}],
+        "users": [{"name": "me", "user": {"token": "s3cret-token"}}],
+    }))
+    result = run_launcher("domain", "--kube-api", _claim_vmi(tmp_path), env={"KUBECONFIG": str(kubeconfig), "KUBERNETES_SERVICE_HOST": ""})
+    assert result.code == 1
+    assert f"PersistentVolumeClaim default/c: cannot reach the Kubernetes API at http://127.0.0.1:{port}" in result.err, result.err
+    assert "s3cret-token" not in result.err + result.out
+
+
+def test_kube_api_without_any_config_and_with_manifests(tmp_path):
+    env = {"KUBECONFIG": str(tmp_path / "absent"), "HOME": str(tmp_path), "KUBERNETES_SERVICE_HOST": ""}
+    result = run_launcher("domain", "--kube-api", _claim_vmi(tmp_path), env=env)
+    assert result.code == 1 and "--kube-api: no Kubernetes API to talk to" in result.err, result.err
+    both = run_launcher("domain", "--kube-api", "--manifests", tmp_path, _claim_vmi(tmp_path), env=env)
+    assert both.code == 1 and "give either --manifests or --kube-api, not both" in both.err, both.err
