@@ -1,6 +1,6 @@
 """ISO 9660 images with Joliet and Rock Ridge, as KubeVirt's `xorrisofs -joliet -rock` makes them, in-process.
 
-The same volume id and files always give the same bytes: every timestamp is SOURCE_DATE_EPOCH (else
+Images are padded to whole MiB. The same volume id and files always give the same bytes: every timestamp is SOURCE_DATE_EPOCH (else
 the Unix epoch), entries are sorted, owners are 0:0. Images appear complete under their final name or
 not at all (written under `<name>.staging`, fsynced, renamed).
 """
@@ -28,6 +28,9 @@ DIR_MODE = 0o040755
 _VOLUME_ID_MAX = 32  # bytes of the primary volume descriptor's volume identifier
 _JOLIET_MAX = 64  # UCS-2 characters of a Joliet name
 _ISO_NAME_MAX = 30  # interchange level 3: name and extension together
+# qemu opens images with O_DIRECT (cache none) and then refuses sizes that are not a multiple of the
+# host's request alignment; KubeVirt pads for the same reason (xorrisofs -partition_cyl_align on).
+ALIGNMENT = 1 << 20
 _D_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
 
 
@@ -156,6 +159,7 @@ def write_iso(path: Path, volume_id: str, files: Mapping[str, bytes], modes: Map
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(staging, "wb") as out:
             write_to(out, volume_id, files, modes)
+            out.truncate(-(-out.tell() // ALIGNMENT) * ALIGNMENT)  # zeros, as a hole
             out.flush()
             os.fsync(out.fileno())
         if finish is not None:
