@@ -350,3 +350,11 @@ def test_vhostmd_refresher_rewrites_until_the_vm_is_gone(tmp_path):
     assert refresher.writes == 2 and refresher.error is None
     assert b"<name>TotalCPUTime</name>\n    <value><![CDATA[0.000000]]>" in path.read_bytes()
     refresher.stop()
+
+
+def test_objects_of_kind_lists_one_namespace_in_name_order():
+    objects = Objects([{"kind": "Secret", "metadata": {"name": n, "namespace": ns}} for n, ns in
+                       (("b", "ns"), ("a", "ns"), ("c", "other"), ("d", None))])
+    assert [d["metadata"]["name"] for d in objects.of_kind("Secret", "ns")] == ["a", "b"]
+    assert [d["metadata"]["name"] for d in objects.of_kind("Secret", None)] == ["d"]  # no namespace: default
+    assert objects.of_kind("ConfigMap", "ns") == []
