@@ -99,6 +99,8 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
         finally:
             if metrics is not None:
                 metrics.stop()  # with --wait-for the VM outlives us; its metrics then stop changing
+                if metrics.error is not None:
+                    say(f"note: the downwardMetrics disk was not always refreshed: {metrics.error}")
     except BaseException:
         cleanup(cache, lv, name)
         raise

@@ -3,6 +3,7 @@
 containerDisks are pulled once per node and each VM gets its own qcow2 overlay (N VMs cost one
 read-only base plus N small overlays). Claims are found from `--pvc CLAIM=PATH`, from PV/PVC
 manifests (iSCSI and RBD PVs become network disks), or at virt-launcher's mount paths in a pod.
+Cloud-init, config and metrics disks are generated (launcher.gendisks).
 """
 
 from __future__ import annotations
