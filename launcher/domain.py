@@ -195,14 +195,19 @@ def _disk(vmi: VMI, disk: Disk, volume: Volume, resolved: ResolvedDisk, target: 
         attrs["model"] = "virtio-transitional" if vmi.domain.devices.use_virtio_transitional else "virtio-non-transitional"
     element = ET.Element("disk", attrs)
 
-    driver = {"name": "qemu", "type": resolved.format, "cache": cache, "error_policy": disk.error_policy}
+    # storage/volume.go gives the downwardMetrics disk a fresh driver (name and type only): the
+    # error policy, discard and queues set before it are gone; cache, io and iothread come after.
+    fresh = volume.kind == "downwardMetrics"
+    driver = {"name": "qemu", "type": resolved.format, "cache": cache}
+    if not fresh:
+        driver["error_policy"] = disk.error_policy
     if io:
         driver["io"] = io
-    if disk.device in ("disk", "lun") or volume.kind in _DISCARD_KINDS:
+    if (disk.device in ("disk", "lun") or volume.kind in _DISCARD_KINDS) and not fresh:
         driver["discard"] = "unmap"
     if iothread is not None:
         driver["iothread"] = str(iothread)
-    if vmi.domain.devices.block_multi_queue and disk.bus == "virtio":
+    if vmi.domain.devices.block_multi_queue and disk.bus == "virtio" and not fresh:
         driver["queues"] = str(max(1, vmi.domain.vcpus))
     ET.SubElement(element, "driver", driver)
 

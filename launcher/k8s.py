@@ -112,6 +112,11 @@ class Objects:
     def get(self, kind: str, namespace: str | None, name: str) -> dict | None:
         return self._items.get((kind, None if kind in CLUSTER_SCOPED else namespace or DEFAULT_NAMESPACE, name))
 
+    def of_kind(self, kind: str, namespace: str | None) -> list[dict]:
+        """Every object of `kind` in `namespace` (cluster-scoped kinds: every one), in name order."""
+        ns = None if kind in CLUSTER_SCOPED else namespace or DEFAULT_NAMESPACE
+        return [doc for (k, n, _), doc in sorted(self._items.items(), key=lambda kv: kv[0][2]) if k == kind and n == ns]
+
     def __len__(self) -> int:
         return len(self._items)
 

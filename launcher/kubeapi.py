@@ -75,3 +75,8 @@ class ClusterObjects:
         if key not in self._seen:
             self._seen[key] = self._read(*key)
         return self._seen[key]
+
+    def of_kind(self, kind: str, namespace: str | None) -> list[dict]:
+        # Listing (e.g. every Secret of a namespace to find a token) needs rights a launcher should not
+        # hold; in a pod the service account's token is the mounted one.
+        return []

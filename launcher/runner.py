@@ -93,6 +93,25 @@ class Libvirt:
             except self.lv.libvirtError:
                 pass  # already gone
 
+    def usage(self, name: str) -> tuple[int, int, int] | None:
+        """(CPU time in ns, vCPUs, memory in KiB) of a running domain; None once it is gone."""
+        domain = self._lookup(name)
+        try:
+            if domain is None or not domain.isActive():
+                return None
+            _state, _max_kib, memory_kib, vcpus, cpu_ns = domain.info()
+        except self.lv.libvirtError:
+            return None  # vanished between the lookup and the question
+        return cpu_ns, vcpus, memory_kib
+
+    def hypervisor_version(self) -> str:
+        """The hypervisor's version as major.minor.micro (qemu's, for the qemu driver)."""
+        try:
+            number = self.conn.getVersion()
+        except self.lv.libvirtError:
+            return "qemu-unknown"  # KubeVirt's word when it cannot tell
+        return f"{number // 1000000}.{number // 1000 % 1000}.{number % 1000}"
+
     def define_secret(self, xml: str, value: bytes, usage: str) -> None:
         """A libvirt secret (iSCSI CHAP password, Ceph key) the domain's <auth> names by usage."""
         try:

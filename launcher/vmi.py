@@ -11,6 +11,8 @@ becomes the subject and the rest of the message the rule; otherwise the rule is 
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
 import re
 import uuid as uuidlib
@@ -180,15 +182,37 @@ class ServiceAccountSource:
 
 
 @dataclass(frozen=True)
-class GenericSource:
-    """Volume kinds whose fields later issues type (cloud-init, downwardAPI, downwardMetrics)."""
+class CloudInitSource:
+    """cloudInitNoCloud / cloudInitConfigDrive: inline data already decoded (base64 checked here, as
+    KubeVirt's admitter does), or the name of a Secret holding `userdata` / `networkdata`."""
 
-    raw: dict = field(default_factory=dict, hash=False, compare=True)
+    user_data: bytes | None = None
+    user_data_secret: str | None = None
+    network_data: bytes | None = None
+    network_data_secret: str | None = None
+
+
+@dataclass(frozen=True)
+class DownwardAPIFile:
+    path: str
+    field_path: str  # metadata.name, metadata.labels, metadata.labels['key'], ...
+    mode: int | None = None
+
+
+@dataclass(frozen=True)
+class DownwardAPISource:
+    fields: tuple[DownwardAPIFile, ...] = ()
+    volume_label: str | None = None
+
+
+@dataclass(frozen=True)
+class DownwardMetricsSource:
+    pass
 
 
 VolumeSource = (ContainerDiskSource | PersistentVolumeClaimSource | DataVolumeSource | EphemeralSource
                 | EmptyDiskSource | HostDiskSource | ConfigMapSource | SecretSource | ServiceAccountSource
-                | GenericSource)
+                | CloudInitSource | DownwardAPISource | DownwardMetricsSource)
 
 
 @dataclass(frozen=True)
@@ -319,6 +343,7 @@ class VMI:
     annotations: dict = field(hash=False)
     domain: DomainSpec
     volumes: tuple[Volume, ...]
+    hostname: str | None = None  # spec.hostname
 
     @property
     def domain_name(self) -> str:
@@ -470,10 +495,93 @@ def _volume_source(kind: str, doc: dict, at: str) -> VolumeSource:
     if kind == "serviceAccount":
         return ServiceAccountSource(_str(doc, "serviceAccountName", at, required=True))
     if kind in ("cloudInitNoCloud", "cloudInitConfigDrive"):
-        sources = ("userData", "userDataBase64", "userDataSecretRef", "networkData", "networkDataBase64", "networkDataSecretRef")
-        if not any(doc.get(key) for key in sources):
-            raise _fail(at, f"{at} must have at least one userdatasource or one networkdatasource set.")
-    return GenericSource(dict(doc))
+        return _cloud_init(doc, at)
+    if kind == "downwardAPI":
+        items = _list(doc.get("fields"), f"{at}.fields")
+        files = tuple(_downward_api_file(_map(item, f"{at}.fields[{i}]"), f"{at}.fields[{i}]") for i, item in enumerate(items))
+        seen: dict[str, int] = {}
+        for i, item in enumerate(files):
+            if item.path in seen:
+                raise SpecError(f"{at}.fields[{i}].path", f'Duplicate value: "{item.path}"')
+            seen[item.path] = i
+        return DownwardAPISource(files, _str(doc, "volumeLabel", at))
+    if kind == "downwardMetrics":
+        return DownwardMetricsSource()
+    raise SpecError(at, "this volume type is not supported by the launcher")
+
+
+# pkg/virt-api/webhooks/validating-webhook/admitters: cloudInitUserMaxLen, cloudInitNetworkMaxLen
+CLOUD_INIT_USER_MAX = 2048
+CLOUD_INIT_NETWORK_MAX = 2048
+
+
+def _base64(text: str, at: str) -> bytes:
+    # Go's base64.StdEncoding: padding required, line breaks skipped.
+    try:
+        return base64.b64decode(text.replace("\r", "").replace("\n", ""), validate=True)
+    except (binascii.Error, ValueError):
+        # KubeVirt's message repeats the child path after the field path (a slip); the field once is enough.
+        raise SpecError(at, "is not a valid base64 value.") from None
+
+
+def _cloud_init(doc: dict, at: str) -> CloudInitSource:
+    """The admitter's checks on cloud-init data: one source each for user and network data, valid
+    base64, the 2 KiB limits for inline data, at least one of the two."""
+    found = {}
+    for what, limit, name in (("userData", CLOUD_INIT_USER_MAX, "UserDataSecretRef"),
+                              ("networkData", CLOUD_INIT_NETWORK_MAX, "NetworkDataSecretRef")):
+        ref = _map(doc.get(f"{what}SecretRef"), f"{at}.{what}SecretRef")
+        secret = _str(ref, "name", f"{at}.{what}SecretRef")
+        encoded = _str(doc, f"{what}Base64", at)
+        plain = doc.get(what)
+        if plain is not None and not isinstance(plain, str):
+            raise SpecError(f"{at}.{what}", "must be a string")
+        count = sum(1 for v in (secret, encoded, plain or None) if v)
+        data = _base64(encoded, f"{at}.{what}Base64") if encoded else None
+        if plain:
+            data = plain.encode()
+        if count > 1:
+            noun = "userdatasource" if what == "userData" else "networkdata source"
+            raise _fail(at, f"{at} must have only one {noun} set.")
+        if data is not None and len(data) > limit:
+            raise _fail(at, f"{at} {what.lower()} exceeds {limit} byte limit. Should use {name} for larger data.")
+        found[what] = (data, secret)
+    (user, user_secret), (network, network_secret) = found["userData"], found["networkData"]
+    if not (user_secret or user is not None or network_secret or network is not None):
+        raise _fail(at, f"{at} must have at least one userdatasource or one networkdatasource set.")
+    return CloudInitSource(user, user_secret, network, network_secret)
+
+
+# k8s.io/kubernetes pkg/apis/core/validation: validVolumeDownwardAPIFieldPathExpressions
+DOWNWARD_API_FIELDS = ("metadata.annotations", "metadata.labels", "metadata.name", "metadata.namespace", "metadata.uid")
+_SUBSCRIPTED = re.compile(r"metadata\.(labels|annotations)\['([^']*)'\]")
+
+
+def _downward_api_file(doc: dict, at: str) -> DownwardAPIFile:
+    path = _str(doc, "path", at, required=True)
+    # validateLocalDescendingPath
+    if path.startswith("/"):
+        raise SpecError(f"{at}.path", "must be a relative path")
+    if ".." in path.split("/"):
+        raise SpecError(f"{at}.path", "must not contain '..'")
+    if path.startswith(".."):
+        raise SpecError(f"{at}.path", "must not start with '..'")
+    if doc.get("resourceFieldRef") is not None:
+        raise SpecError(f"{at}.resourceFieldRef", "container resources are not supported by the launcher (a VMI has no containers)")
+    ref = doc.get("fieldRef")
+    if ref is None:
+        raise SpecError(at, "must specify one of: `fieldRef` or `resourceFieldRef`")
+    ref = _map(ref, f"{at}.fieldRef")
+    field_path = _str(ref, "fieldPath", f"{at}.fieldRef", required=True)
+    version = _str(ref, "apiVersion", f"{at}.fieldRef") or "v1"
+    if version != "v1":
+        raise SpecError(f"{at}.fieldRef.apiVersion", f'Unsupported value: "{version}": supported values: "v1"')
+    if field_path not in DOWNWARD_API_FIELDS and not _SUBSCRIPTED.fullmatch(field_path):
+        _one_of(field_path, DOWNWARD_API_FIELDS, f"{at}.fieldRef.fieldPath")
+    mode = doc.get("mode")
+    if mode is not None and (isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o777):
+        raise SpecError(f"{at}.mode", "must be a number between 0 and 0777 (octal), both inclusive")
+    return DownwardAPIFile(path, field_path, mode)
 
 
 def _volumes(items: list, at: str) -> tuple[Volume, ...]:
@@ -812,8 +920,12 @@ def parse_vmi(doc: dict) -> VMI:
         raise SpecError(f"{root}.architecture", f"{architecture} is not supported by the launcher (amd64 only)")
     volumes = _volumes(_list(spec.get("volumes"), f"{root}.volumes"), f"{root}.volumes")
     domain = _domain(_map(spec.get("domain"), f"{root}.domain"), root, volumes)
+    hostname = _str(spec, "hostname", root)
+    if hostname is not None:
+        _dns_label(hostname, f"{root}.hostname")
     return VMI(name, namespace, _str(metadata, "uid", "metadata"),
-               dict(_map(labels, "metadata.labels")), dict(_map(annotations, "metadata.annotations")), domain, volumes)
+               dict(_map(labels, "metadata.labels")), dict(_map(annotations, "metadata.annotations")), domain, volumes,
+               hostname)
 
 
 def load_vmi(path: str | Path) -> VMI:

@@ -15,13 +15,14 @@ import threading
 import sys
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Callable, Iterator
 
 from diskkit.errors import DiskkitError
 from diskkit.image import Platform
 from diskkit.registryoptions import RegistryOptions
 
-from . import accel, cpupin
+from . import accel, cpupin, vhostmd
 from .cache import Cache
 from .console import follow
 from .domain import Host, render, secret_xml
@@ -91,9 +92,17 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
             cleanup(cache, lv, name)
             raise
     echo = _echo if opts.console else None
+    metrics = None
     try:
-        with _signals_set(interrupted := threading.Event()):
-            outcome = follow(run_dir / "console.log", lambda: lv.active(name), opts.wait_for, opts.timeout, echo, interrupted)
+        try:
+            metrics = _metrics_refresher(vmi, prepared, lv)
+            with _signals_set(interrupted := threading.Event()):
+                outcome = follow(run_dir / "console.log", lambda: lv.active(name), opts.wait_for, opts.timeout, echo, interrupted)
+        finally:
+            if metrics is not None:
+                metrics.stop()  # with --wait-for the VM outlives us; its metrics then stop changing
+                if metrics.error is not None:
+                    say(f"note: the downwardMetrics disk was not always refreshed: {metrics.error}")
     except BaseException:
         cleanup(cache, lv, name)
         raise
@@ -111,6 +120,20 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
         raise DiskkitError(name, f"the guest stopped before {opts.wait_for!r} appeared on the console")
     say(f"{name} stopped")
     return 0
+
+
+def _metrics_refresher(vmi: VMI, prepared, lv: Libvirt) -> vhostmd.Refresher | None:
+    """virt-handler's job for a downwardMetrics disk: fresh host and VM metrics every few seconds."""
+    volume = next((v for v in vmi.volumes if v.kind == "downwardMetrics"), None)
+    if volume is None:
+        return None
+    name = vmi.domain_name
+
+    def stats() -> vhostmd.VMStats | None:
+        usage = lv.usage(name)
+        return None if usage is None else vhostmd.VMStats(*usage)
+
+    return vhostmd.Refresher(Path(prepared.disks[volume.name].path), stats, lv.hypervisor_version()).start()
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@
 containerDisks are pulled once per node and each VM gets its own qcow2 overlay (N VMs cost one
 read-only base plus N small overlays). Claims are found from `--pvc CLAIM=PATH`, from PV/PVC
 manifests (iSCSI and RBD PVs become network disks), or at virt-launcher's mount paths in a pod.
+Cloud-init, config and metrics disks are generated (launcher.gendisks).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from diskkit.errors import DiskkitError
 from diskkit.image import Platform
 from diskkit.registryoptions import RegistryOptions
 
-from . import storage
+from . import gendisks, storage
 from .cache import Cache
 from .domain import ResolvedDisk
 from .k8s import Claim, NetworkSource, Objects, network_disk, resolve_claim
@@ -43,6 +44,8 @@ class Storage:
     objects: Objects | None = None
     tolerance: int = storage.TOLERANCE
     pod_disks: Path = POD_DISKS
+    pod_config: Path = gendisks.POD_CONFIG  # config volumes as mounted in virt-launcher's pod
+    service_account_dir: Path = gendisks.Sources.service_account_dir
 
 
 @dataclass
@@ -174,6 +177,37 @@ class _Preparer:
         elif not (path.is_file() or _is_block(path)):
             raise DiskkitError(f"{where}.path", f"hostDisk {source.path} is not a regular file")
         return self._file_disk(path, "raw")
+
+    # --- generated disks: cloud-init, config ISOs, downwardMetrics (launcher.gendisks) --------
+
+    def _generated(self, plan: gendisks.Planned) -> ResolvedDisk:
+        if self.create:
+            gendisks.make(plan, _own)
+        return self._file_disk(plan.path, "raw")
+
+    @property
+    def _generator(self) -> gendisks.Generator:
+        sources = gendisks.Sources(self.store.objects, self.store.pod_config, self.store.service_account_dir)
+        return gendisks.Generator(self.vmi, self.run_dir, sources)
+
+    def _cloudInitNoCloud(self, volume: Volume, where: str) -> ResolvedDisk:
+        return self._generated(self._generator.cloud_init(volume, where))
+
+    _cloudInitConfigDrive = _cloudInitNoCloud
+
+    def _configMap(self, volume: Volume, where: str) -> ResolvedDisk:
+        return self._generated(self._generator.config(volume, where))
+
+    _secret = _configMap
+
+    def _serviceAccount(self, volume: Volume, where: str) -> ResolvedDisk:
+        return self._generated(self._generator.service_account(volume, where))
+
+    def _downwardAPI(self, volume: Volume, where: str) -> ResolvedDisk:
+        return self._generated(self._generator.downward_api(volume, where))
+
+    def _downwardMetrics(self, volume: Volume, where: str) -> ResolvedDisk:
+        return self._generated(self._generator.downward_metrics(volume, where))
 
     # --- claims -------------------------------------------------------------------------------
 

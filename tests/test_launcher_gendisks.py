@@ -1,0 +1,164 @@
+"""Generated disks end to end with the real guest as the qemu user: cloud-init NoCloud and ConfigDrive,
+a ConfigMap, a Secret and a ServiceAccount token from --manifests, a downwardAPI volume and the
+downwardMetrics disk; the guest mounts every ISO and prints its label and files. Bad input fails
+before anything is defined and leaves nothing behind."""
+
+from __future__ import annotations
+
+import base64
+import json
+import struct
+import time
+
+from tests.testguest import parse_console
+from tests.vmhost import NOREG, assert_clean
+
+USER_DATA = "#cloud-config\nhostname: from-cloud-init\n"
+NETWORK_DATA = "version: 2\nethernets: {}\n"
+CONFIG_DRIVE_DATA = "#!/bin/sh\necho config drive\n"
+UUID = "11111111-2222-4333-8444-555555555555"
+
+
+def b64(text: str | bytes) -> str:
+    return base64.b64encode(text.encode() if isinstance(text, str) else text).decode()
+
+
+def _virtio(name: str, serial: str | None = None) -> dict:
+    return {"name": name, "disk": {"bus": "virtio"}, **({"serial": serial} if serial else {})}
+
+
+def write_manifests(root, namespace: str = "default"):
+    manifests = root / "manifests"
+    manifests.mkdir(exist_ok=True)
+    docs = [
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "app-config", "namespace": namespace},
+         "data": {"app.properties": "color=blue\nsize=3\n"}, "binaryData": {"blob.bin": b64(b"BIN\x01")}},
+        {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "app-secret", "namespace": namespace},
+         "data": {"password": b64("s3cret\n")}, "stringData": {"username": "admin\n"}},
+        {"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/service-account-token",
+         "metadata": {"name": "builder-token", "namespace": namespace,
+                      "annotations": {"kubernetes.io/service-account.name": "builder"}},
+         "data": {"token": b64("eyJhbGciOiJSUzI1NiJ9.payload.sig"), "ca.crt": b64("-----BEGIN CERTIFICATE-----\n"),
+                  "namespace": b64(namespace)}},
+    ]
+    (manifests / "objects.json").write_text(json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}))
+    return manifests
+
+
+def test_every_generated_disk_reaches_the_guest(qemu_user, guest_image):
+    manifests = write_manifests(qemu_user.root)
+    extra = [
+        (_virtio("ci", "ci"), {"name": "ci", "cloudInitNoCloud": {"userData": USER_DATA, "networkDataBase64": b64(NETWORK_DATA)}}),
+        (_virtio("cd", "cd"), {"name": "cd", "cloudInitConfigDrive": {"userDataBase64": b64(CONFIG_DRIVE_DATA)}}),
+        (_virtio("cm", "cm"), {"name": "cm", "configMap": {"name": "app-config", "volumeLabel": "APPCFG"}}),
+        (_virtio("sec", "sec"), {"name": "sec", "secret": {"secretName": "app-secret"}}),
+        (_virtio("sa", "sa"), {"name": "sa", "serviceAccount": {"serviceAccountName": "builder"}}),
+        (_virtio("dapi", "dapi"), {"name": "dapi", "downwardAPI": {"volumeLabel": "podinfo", "fields": [
+            {"path": "name", "fieldRef": {"fieldPath": "metadata.name"}},
+            {"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}}]}}),
+        (_virtio("metrics", "metrics"), {"name": "metrics", "downwardMetrics": {}}),
+    ]
+    # The guest stays up a while after its report, so the metrics refresher can be watched at work.
+    vmi_path = qemu_user.write_vmi("gen", guest_image, serial="hold-15", extra=extra)
+    vmi = json.loads(vmi_path.read_text())
+    vmi["metadata"]["labels"] = {"app": "shop"}
+    vmi["spec"]["domain"]["firmware"] = {"uuid": UUID}
+    vmi_path.write_text(json.dumps(vmi))
+
+    proc = qemu_user.popen("run", NOREG, "--console", "--timeout", "240", "--manifests", manifests, vmi_path)
+    metrics_disk = qemu_user.cache / "run" / "default_gen" / "downwardapi-disks" / "vhostmd0"
+    body = b""
+    deadline = time.monotonic() + 180
+    while proc.poll() is None and time.monotonic() < deadline and b"ResourceProcessorLimit" not in body:
+        if metrics_disk.exists():
+            raw = metrics_disk.read_bytes()
+            signature, flag, checksum, length = struct.unpack(">4siii", raw[:16])
+            if flag == 0 and 0 < length < len(raw):
+                candidate = raw[16:16 + length]
+                if sum(candidate) == checksum:
+                    body = candidate
+        time.sleep(0.5)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err
+    # Refreshed from libvirt while the VM ran: the VM's own figures, beside the host's.
+    assert b"<name>ResourceProcessorLimit</name>\n    <value><![CDATA[1]]></value>" in body, body
+    assert b"<name>ResourceMemoryLimit</name>\n    <value><![CDATA[131072]]></value>" in body, body  # 128Mi in KiB
+    assert b"<name>VirtualizationVendor</name>\n    <value><![CDATA[kubevirt.io]]></value>" in body
+
+    console = parse_console(out)
+    assert console["ready"] and console["done"], out
+    by_serial = {disk["serial"]: name for name, disk in console["disks"].items()}
+    isos = {serial: console["isos"].get(name) for serial, name in by_serial.items()}
+
+    nocloud = isos["ci"]
+    assert nocloud["label"] == "cidata"
+    assert nocloud["files"]["/user-data"] == USER_DATA
+    assert nocloud["files"]["/network-config"] == NETWORK_DATA
+    meta = json.loads(nocloud["files"]["/meta-data"])
+    assert meta == {"instance-id": UUID, "local-hostname": "gen"}
+
+    drive = isos["cd"]
+    assert drive["label"] == "config-2"
+    assert drive["files"]["/openstack/latest/user_data"] == CONFIG_DRIVE_DATA
+    assert json.loads(drive["files"]["/openstack/latest/meta_data.json"]) == {
+        "instance_id": "gen.default", "hostname": "gen", "uuid": UUID}
+    assert "/openstack/latest/network_data.json" not in drive["files"]
+
+    config = isos["cm"]
+    assert config["label"] == "APPCFG"
+    assert config["files"]["/app.properties"] == "color=blue\nsize=3\n"
+    assert config["sizes"]["/blob.bin"] == 4
+
+    secret = isos["sec"]
+    assert secret["label"] == ""  # no volumeLabel: KubeVirt's xorrisofs -volid "" leaves it empty
+    assert secret["files"] == {"/password": "s3cret\n", "/username": "admin\n"}
+
+    account = isos["sa"]
+    assert account["files"]["/token"] == "eyJhbGciOiJSUzI1NiJ9.payload.sig\n"  # the guest ends every line it prints
+    assert account["files"]["/namespace"] == "default\n"
+    assert set(account["files"]) == {"/token", "/namespace", "/ca.crt"}
+
+    podinfo = isos["dapi"]
+    assert podinfo["label"] == "podinfo"
+    assert podinfo["files"] == {"/name": "gen\n", "/labels": 'app="shop"\n'}
+
+    metrics = console["disks"][by_serial["metrics"]]
+    assert metrics["ro"] and metrics["size"] == 262144
+    assert metrics["head"].startswith(b"mvbd".hex())  # vhostmd's signature
+    assert isos["metrics"] is None
+    assert_clean(qemu_user, "default_gen")
+
+
+def test_malformed_user_data_fails_before_anything_is_made(qemu_user, guest_image):
+    extra = [(_virtio("ci"), {"name": "ci", "cloudInitNoCloud": {"userDataBase64": "not*base64"}})]
+    vmi = qemu_user.write_vmi("badci", guest_image, extra=extra)
+    result = qemu_user.launcher("run", NOREG, vmi)
+    assert result.code == 1
+    assert result.err.strip().splitlines()[-1].endswith(
+        "spec.volumes[1].cloudInitNoCloud.userDataBase64: is not a valid base64 value."), result.err
+    assert_clean(qemu_user, "default_badci")
+
+
+def test_missing_config_objects_fail_clearly_and_leave_nothing(qemu_user, guest_image):
+    manifests = write_manifests(qemu_user.root)
+    for name, volume, message in [
+        ("nocm", {"configMap": {"name": "absent-config"}}, 'configmaps "absent-config" not found in namespace default'),
+        ("nosecret", {"secret": {"secretName": "absent-secret"}}, 'secrets "absent-secret" not found in namespace default'),
+        ("nosa", {"serviceAccount": {"serviceAccountName": "nobody"}}, "serviceAccount nobody: no token Secret for it"),
+    ]:
+        # The ConfigMap that exists comes first: its ISO is written before the missing one fails.
+        extra = [(_virtio("cm"), {"name": "cm", "configMap": {"name": "app-config"}}), (_virtio("x"), {"name": "x", **volume})]
+        vmi = qemu_user.write_vmi(name, guest_image, extra=extra)
+        result = qemu_user.launcher("run", NOREG, "--manifests", manifests, vmi)
+        assert result.code == 1, result.err
+        lines = result.err.strip().splitlines()
+        assert message in lines[-1] and lines[-1].startswith("launcher: spec.volumes[2]."), result.err
+        assert_clean(qemu_user, f"default_{name}")
+    # optional: an empty ISO instead, and the VM starts
+    extra = [(_virtio("opt", "opt"), {"name": "opt", "configMap": {"name": "absent-config", "optional": True}})]
+    vmi = qemu_user.write_vmi("optional", guest_image, extra=extra)
+    result = qemu_user.launcher("run", NOREG, "--console", "--timeout", "180", "--manifests", manifests, vmi)
+    assert result.code == 0, result.err
+    console = parse_console(result.out)
+    name = next(n for n, d in console["disks"].items() if d["serial"] == "opt")
+    assert console["isos"][name] == {"label": "", "files": {}, "sizes": {}}, console
