@@ -102,7 +102,7 @@ class Generator:
         mount = self.sources.pod_config / configdisks.SOURCE_DIRS[kind] / volume.name
         files = self._object(kind, name, mount, source.optional, where)
         path = self.run_dir / configdisks.DISK_DIRS[kind] / f"{volume.name}.iso"
-        return Planned(path, source.volume_label or "", files)
+        return Planned(path, source.volume_label or configdisks.DEFAULT_LABEL, files)
 
     def service_account(self, volume: Volume, where: str) -> Planned:
         account = volume.source.service_account_name
@@ -118,12 +118,12 @@ class Generator:
             raise DiskkitError(where, f"serviceAccount {account}: no token Secret for it in namespace {self.vmi.namespace}"
                                       f" (type {configdisks.SERVICE_ACCOUNT_TOKEN_TYPE}, annotation"
                                       f" {configdisks.SERVICE_ACCOUNT_NAME_ANNOTATION}: {account}) in --manifests, and no token in {mount}")
-        return Planned(self.run_dir / configdisks.SERVICE_ACCOUNT_DISK, "", files)
+        return Planned(self.run_dir / configdisks.SERVICE_ACCOUNT_DISK, configdisks.DEFAULT_LABEL, files)
 
     def downward_api(self, volume: Volume, where: str) -> Planned:
         files, modes = configdisks.downward_api_files(self.vmi, volume.source.fields)
         path = self.run_dir / configdisks.DISK_DIRS["downwardAPI"] / f"{volume.name}.iso"
-        return Planned(path, volume.source.volume_label or "", files, modes)
+        return Planned(path, volume.source.volume_label or configdisks.DEFAULT_LABEL, files, modes)
 
     def downward_metrics(self, volume: Volume, where: str) -> Planned:
         return Planned(self.run_dir / vhostmd.DISK_PATH)

@@ -110,13 +110,14 @@ def test_every_generated_disk_reaches_the_guest(qemu_user, guest_image):
     assert config["sizes"]["/blob.bin"] == 4
 
     secret = isos["sec"]
-    assert secret["label"] == ""  # no volumeLabel: KubeVirt's xorrisofs -volid "" leaves it empty
+    assert secret["label"] == "cfgdata"  # no volumeLabel
     assert secret["files"] == {"/password": "s3cret\n", "/username": "admin\n"}
 
     account = isos["sa"]
     assert account["files"]["/token"] == "eyJhbGciOiJSUzI1NiJ9.payload.sig\n"  # the guest ends every line it prints
     assert account["files"]["/namespace"] == "default\n"
     assert set(account["files"]) == {"/token", "/namespace", "/ca.crt"}
+    assert account["label"] == "cfgdata"
 
     podinfo = isos["dapi"]
     assert podinfo["label"] == "podinfo"
@@ -161,4 +162,4 @@ def test_missing_config_objects_fail_clearly_and_leave_nothing(qemu_user, guest_
     assert result.code == 0, result.err
     console = parse_console(result.out)
     name = next(n for n, d in console["disks"].items() if d["serial"] == "opt")
-    assert console["isos"][name] == {"label": "", "files": {}, "sizes": {}}, console
+    assert console["isos"][name] == {"label": "cfgdata", "files": {}, "sizes": {}}, console
