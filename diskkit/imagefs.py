@@ -116,6 +116,7 @@ _KINDS = {
     tarfile.REGTYPE: "file",
     tarfile.AREGTYPE: "file",
     tarfile.CONTTYPE: "file",
+    tarfile.GNUTYPE_SPARSE: "file",  # GNU tar --sparse; the map comes with the header
     tarfile.DIRTYPE: "dir",
     tarfile.SYMTYPE: "symlink",
     tarfile.LNKTYPE: "hardlink",

@@ -46,12 +46,13 @@ def _put(blobs: Path, data: bytes) -> str:
     return "sha256:" + digest
 
 
-def write_layout(root: Path, layers: list[list[Member]], tag: str = "t", docker_types: bool = False) -> Path:
+def write_layout(root: Path, layers: list[list[Member] | bytes], tag: str = "t", docker_types: bool = False) -> Path:
+    """An OCI layout; a layer is a list of members, or a whole tar another tool wrote."""
     blobs = root / "blobs" / "sha256"
     blobs.mkdir(parents=True, exist_ok=True)
     descs, diff_ids = [], []
     for members in layers:
-        raw = layer_tar(members)
+        raw = members if isinstance(members, bytes) else layer_tar(members)
         diff_ids.append("sha256:" + hashlib.sha256(raw).hexdigest())
         blob = gzip.compress(raw, mtime=0)
         media = "application/vnd.docker.image.rootfs.diff.tar.gzip" if docker_types else "application/vnd.oci.image.layer.v1.tar+gzip"

@@ -180,6 +180,29 @@ def test_raw_disk_is_written_sparse(cache, tmp_path):
     assert disk.read_bytes() == raw.read_bytes()
 
 
+@pytest.mark.parametrize("tar_format", ["gnu", "posix"])
+def test_gnu_tar_sparse_members_and_long_names(cache, tmp_path, tar_format):
+    """Layers from GNU tar: old GNU sparse maps or pax sparse 1.0, and a path past ustar's 100 bytes."""
+    root = tmp_path / "root"
+    deep = root / "images" / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    disk = deep / "disk.img"
+    with open(disk, "wb") as f:
+        f.write(b"\x11" * 5000)
+        f.seek(40 << 20)
+        f.write(b"\x22" * 70000)
+        f.truncate(48 << 20)
+    raw = subprocess.run(["tar", "-C", root, f"--format={tar_format}", "--sparse", "--owner=107", "--group=107", "-cf", "-", "images"],
+                         check=True, capture_output=True).stdout
+    assert len(raw) < 1 << 20  # stored sparse, so the reader has to rebuild the holes
+    layout = write_layout(tmp_path / "layout", [raw])
+    path = "/" + str(disk.relative_to(root))
+    result = pull(cache, f"oci:{layout}:t", "--path", path, "--json")
+    assert result.code == 0, result.err
+    pulled = Path(json.loads(result.out)["path"])
+    assert pulled.read_bytes() == disk.read_bytes()
+
+
 def _backed_qcow2(tmp_path: Path) -> bytes:
     backed = tmp_path / "backed.qcow2"
     run("qemu-img", "create", "-q", "-f", "qcow2", "-b", "/etc/passwd", "-F", "raw", backed)
