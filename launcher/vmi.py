@@ -318,6 +318,7 @@ class VMI:
     annotations: dict = field(hash=False)
     domain: DomainSpec
     volumes: tuple[Volume, ...]
+    data_volume_templates: tuple = ()  # launcher.datavolume.DataVolume, from spec.dataVolumeTemplates
 
     @property
     def domain_name(self) -> str:
@@ -766,6 +767,8 @@ def parse_vmi(doc: dict) -> VMI:
     spec = _map(doc.get("spec"), "spec")
     root = "spec"
     labels, annotations = metadata.get("labels"), metadata.get("annotations")
+    # A VirtualMachine's field; on a VMI the launcher reads it too, so one file can carry its disks.
+    templates_doc = spec.get("dataVolumeTemplates")
     if kind == "VirtualMachine":
         root = "spec.template.spec"
         template = _map(spec.get("template"), "spec.template")
@@ -781,8 +784,11 @@ def parse_vmi(doc: dict) -> VMI:
         raise SpecError(f"{root}.architecture", f"{architecture} is not supported by the launcher (amd64 only)")
     volumes = _volumes(_list(spec.get("volumes"), f"{root}.volumes"), f"{root}.volumes")
     domain = _domain(_map(spec.get("domain"), f"{root}.domain"), root, volumes)
+    from .datavolume import templates  # it parses quantities with this module's helpers
+
     return VMI(name, namespace, _str(metadata, "uid", "metadata"),
-               dict(_map(labels, "metadata.labels")), dict(_map(annotations, "metadata.annotations")), domain, volumes)
+               dict(_map(labels, "metadata.labels")), dict(_map(annotations, "metadata.annotations")), domain, volumes,
+               templates(templates_doc, "spec.dataVolumeTemplates", namespace))
 
 
 def load_vmi(path: str | Path) -> VMI:
