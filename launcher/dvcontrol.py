@@ -82,7 +82,7 @@ def fill_now(target: Target, store: Storage, registry: RegistryOptions | None, s
         source = target.dv.source
         what = source.url or (f"claim {source.claim_namespace}/{source.claim}" if source.kind == "pvc" else source.kind)
         say(f"DataVolume {target.dv.key}: {source.kind} import from {what} into {target.directory}")
-        for note in importer.fill(target, store, registry, say):
+        for note in importer.fill(target, store, registry):
             say(f"note: {note}")
         say(f"DataVolume {target.dv.key}: Succeeded")
     return True
@@ -91,7 +91,7 @@ def fill_now(target: Target, store: Storage, registry: RegistryOptions | None, s
 def _hint(item: Needed, phase: str) -> str:
     if item.dv.source.kind == "upload" and phase in (dvm.UPLOAD_SCHEDULED, dvm.UPLOAD_READY):
         return f"; upload it with: diskkit upload {item.dv.key} FILE"
-    if not item.own and phase == dvm.PENDING:
+    if not item.own and phase in (dvm.PENDING, dvm.IMPORT_SCHEDULED, dvm.CLONE_SCHEDULED):
         return f"; import it with: launcher dv import {item.dv.name}"
     return ""
 
@@ -102,10 +102,15 @@ def ensure_ready(vmi: VMI, store: Storage, registry: RegistryOptions | None, tim
     targets = [(item, dvstate.resolve(item.dv, store, item.volume)) for item in items]
     for item, target in targets:
         status = dvstate.read_status(target)
+        changes = {}
         if target.wait_for_first_consumer and not status.consumer and status.phase != dvm.SUCCEEDED:
             say(f"DataVolume {item.dv.key}: {vmi.domain_name} is the first consumer of claim {item.dv.name}"
                 f" (storage class {target.storage_class} binds on first use)")
-            dvstate.record(target, consumer=vmi.domain_name)
+            changes["consumer"] = vmi.domain_name
+        if status.phase in (None, dvm.PENDING):
+            changes["phase"] = item.dv.scheduled_phase  # its claim is bound: the import (or upload) can start
+        if changes:
+            dvstate.record(target, **changes)
     deadline = None if timeout is None else time.monotonic() + timeout
     shown: dict[str, str] = {}
     while True:
@@ -120,16 +125,14 @@ def ensure_ready(vmi: VMI, store: Storage, registry: RegistryOptions | None, tim
                     continue  # done now (a failure raised)
             elif phase == dvm.FAILED:
                 raise DiskkitError(f"DataVolume {item.dv.key}", f"Failed: {status.message or 'no message'}; the VM was not started")
-            waiting.append((item, phase, status))
+            waiting.append((item, phase))
         if not waiting:
             return [target for _, target in targets]
-        for item, phase, status in waiting:
-            progress = f" {status.progress}" if status.progress and phase in (dvm.IMPORT_IN_PROGRESS, dvm.CLONE_IN_PROGRESS, dvm.UPLOAD_READY) else ""
-            line = f"waiting for DataVolume {item.dv.key} ({phase}{_hint(item, phase)})"
-            if shown.get(item.dv.key) != phase:
+        for item, phase in waiting:
+            if shown.get(item.dv.key) != phase:  # once per phase, not once per look
                 shown[item.dv.key] = phase
-                say(line if not progress else f"{line}{progress}")
+                say(f"waiting for DataVolume {item.dv.key} ({phase}{_hint(item, phase)})")
         if deadline is not None and time.monotonic() >= deadline:
-            item, phase, _ = waiting[0]
+            item, phase = waiting[0]
             raise DiskkitError(f"DataVolume {item.dv.key}", f"still {phase} after {timeout:g} s; the VM was not started")
         time.sleep(POLL)

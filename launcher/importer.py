@@ -16,7 +16,6 @@ import ssl
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
 from urllib.parse import urlsplit, urlunsplit
 
 from diskkit import diskheader, qemuimg
@@ -37,14 +36,12 @@ HTTP_TIMEOUT = (30, 300)  # connect, and between two reads
 PROGRESS_EVERY = 1.0  # seconds between state file updates
 ACCESS_KEY, SECRET_KEY = "accessKeyId", "secretKey"  # CDI's endpoint secret keys
 
-Say = Callable[[str], None]
-
 
 class Progress:
     """Percent done, recorded in the state file as CDI's status.progress ("45.67%"), at most once a second."""
 
-    def __init__(self, target: Target, say: Say | None = None):
-        self.target, self.say = target, say
+    def __init__(self, target: Target):
+        self.target = target
         self._last = 0.0
 
     def __call__(self, percent: float, force: bool = False) -> None:
@@ -305,7 +302,7 @@ def _clone(target: Target, store: Storage, progress: Progress, tolerance: int) -
 
 # ---------------------------------------------------------------- the whole job
 
-def fill(target: Target, store: Storage, registry: RegistryOptions | None, say: Say) -> list[str]:
+def fill(target: Target, store: Storage, registry: RegistryOptions | None) -> list[str]:
     """Import, clone or create the DataVolume's disk, recording each phase. The caller holds the work lock.
 
     Returns notes (KubeVirt's ToleratedSmallPV text when the claim is short of space).

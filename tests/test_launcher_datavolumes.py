@@ -109,7 +109,7 @@ def test_run_imports_its_templates_waits_for_a_standalone_datavolume_then_boots(
     vmi = _vmi(qemu_user, "dvvm", [("root", "dv-root"), ("rawdata", "dv-raw"), ("regdata", "dv-reg")], [root, regdata])
 
     run = Running(qemu_user, "run", NOREG, "--console", "--timeout", "300", *storage, vmi)
-    run.wait_for("waiting for DataVolume default/rawdata (Pending; import it with: launcher dv import rawdata)")
+    run.wait_for("waiting for DataVolume default/rawdata (ImportScheduled; import it with: launcher dv import rawdata)")
     assert "default_dvvm" not in qemu_user.virsh("list", "--all", "--name").split()  # held back
     for name in ("root", "regdata"):  # the VM's own templates, imported by the run itself
         assert (claims[name] / "disk.img").exists()
