@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from launcher import datavolume as dvm
 from launcher.datavolume import DataVolume, Source, Status, can_upload, parse_data_volume, phase
-from launcher.vmi import SpecError, parse_vmi
+from launcher.dvcontrol import manifests
+from launcher.k8s import Objects
+from launcher.vmi import SpecError, load_vmi, parse_vmi
+from launcher.volumes import Storage
 
 MI = 1 << 20
 
@@ -109,3 +114,11 @@ def test_phases():
     assert can_upload(dvm.WAIT_FOR_FIRST_CONSUMER) == "cannot upload to DataVolume in state WaitForFirstConsumer"
     assert can_upload(dvm.UPLOAD_READY) is None
     assert "not ready" in can_upload(dvm.UPLOAD_SCHEDULED)
+
+
+def test_the_examples_parse():
+    examples = Path(__file__).resolve().parent.parent / "examples" / "datavolumes"
+    vm = load_vmi(examples / "vm.yaml")
+    assert [(dv.name, dv.source.kind) for dv in vm.data_volume_templates] == [("fedora-root", "http")]
+    found = manifests(Storage(objects=Objects.load(examples)))
+    assert {name: dv.source.kind for (_, name), dv in found.items()} == {"fedora-data": "upload", "golden": "registry"}
