@@ -34,6 +34,10 @@ class UploadOptions:
     wait: float = 60.0  # for an UploadScheduled DataVolume to become UploadReady
 
 
+class _Busy(Exception):
+    """The server is still busy with an earlier request for this DataVolume (503): try again shortly."""
+
+
 class _Slice:
     """The file from `start` to its end, read in 1 MiB blocks, reporting what was read."""
 
@@ -162,16 +166,21 @@ def upload(opts: UploadOptions, namespace: str, name: str, path: Path, reporter:
                 reporter.event({"event": "done", **result})
                 return result
             except (requests.exceptions.ConnectionError, requests.exceptions.Timeout,
-                    requests.exceptions.ChunkedEncodingError) as exc:
+                    requests.exceptions.ChunkedEncodingError, _Busy) as exc:
                 failures += 1
                 if failures > opts.retries:
                     raise DiskkitError(s.where, f"upload failed after {opts.retries} retries ({_reason(exc)});"
                                                 " run the same command again to continue") from None
                 time.sleep(min(0.5 * 2 ** (failures - 1), 10))
                 try:
-                    held = s.status()["offset"]
+                    state = s.status()
                 except requests.exceptions.RequestException:
                     continue
+                if state.get("phase") == "Succeeded":  # the answer to `complete` was what got lost
+                    result = {**state, "sha256": hasher.result()}
+                    reporter.event({"event": "done", **result})
+                    return result
+                held = state["offset"]
                 reporter.event({"event": "resume", "offset": held, "reason": _reason(exc)})
                 reporter.note(f"connection lost ({_reason(exc)}); resuming at byte {held} of {size}")
                 advance(held - sent[0])
@@ -206,6 +215,8 @@ def _send(s: _Session, path: Path, offset: int, size: int, advance: Callable[[in
         return int(resp.json()["offset"])
     if resp.status_code == 409 and "offset" in _json(resp):
         return int(_json(resp)["offset"])  # the server holds another offset: continue from there
+    if resp.status_code == 503:
+        raise _Busy(_message(resp))
     raise s.fail(resp)
 
 
@@ -215,6 +226,8 @@ def _complete(s: _Session, size: int, digest: str) -> dict | None:
         return resp.json()
     if resp.status_code == 422:
         return None
+    if resp.status_code == 503:
+        raise _Busy(_message(resp))
     raise s.fail(resp)
 
 

@@ -52,6 +52,7 @@ CHUNK = 1 << 20
 LOCK_WAIT = 10.0  # a dropped connection's handler may still be finishing its write
 CLIENT_TIMEOUT = 120.0  # a client silent this long is gone; its handler lets go of the DataVolume
 DEFAULT_TTL = 3600
+BUSY = "another upload to this DataVolume is in progress"  # 503: the client retries
 _RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
 
 Say = Callable[[str], None]
@@ -212,7 +213,7 @@ class UploadServer:
         self._admit(up)
         with dvstate.work_lock(up.target, wait=True, timeout=LOCK_WAIT) as got:
             if not got:
-                raise _Refused(409, "another upload to this DataVolume is in progress")
+                raise _Refused(503, BUSY)
             part = up.target.upload_part
             offset = part.stat().st_size if part.exists() else 0
             if start == 0 and offset and total is None:
@@ -250,7 +251,7 @@ class UploadServer:
         self._admit(up)
         with dvstate.work_lock(up.target, wait=True, timeout=LOCK_WAIT) as got:
             if not got:
-                raise _Refused(409, "another upload to this DataVolume is in progress")
+                raise _Refused(503, BUSY)
             part = up.target.upload_part
             held = part.stat().st_size if part.exists() else 0
             if held != size:
@@ -280,7 +281,7 @@ class UploadServer:
     def discard(self, up: _Upload) -> dict:
         with dvstate.work_lock(up.target, wait=True, timeout=LOCK_WAIT) as got:
             if not got:
-                raise _Refused(409, "another upload to this DataVolume is in progress")
+                raise _Refused(503, BUSY)
             up.target.upload_part.unlink(missing_ok=True)
         return {"offset": 0}
 
