@@ -9,11 +9,13 @@ streams in 1 MiB pieces (zero runs become holes), so memory stays flat whatever 
 from __future__ import annotations
 
 import contextlib
+import lzma
 import os
 import secrets
 import shutil
 import ssl
 import time
+import zlib
 from dataclasses import replace
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -173,26 +175,69 @@ def _http_error(status: int, reason: str) -> str:
     return f"Unable to connect to http data source: expected status code 200, got {status}. Status: {status} {reason}"
 
 
+class _Unpacker:
+    """gzip and xz sources are decompressed as they arrive, as CDI's importer does; output comes in
+    pieces of at most CHUNK bytes, so a highly compressed stream cannot balloon memory."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._new()
+
+    def _new(self) -> None:
+        self._d = zlib.decompressobj(wbits=31) if self.kind == "gzip" else lzma.LZMADecompressor()
+
+    @classmethod
+    def detect(cls, head: bytes) -> _Unpacker | None:
+        if head[:2] == b"\x1f\x8b":
+            return cls("gzip")
+        if head[:6] == b"\xfd7zXZ\x00":
+            return cls("xz")
+        return None
+
+    def feed(self, data: bytes):
+        try:
+            while data:
+                if self.kind == "gzip":
+                    yield self._d.decompress(data, CHUNK)
+                    data = self._d.unconsumed_tail
+                    if self._d.eof and self._d.unused_data:  # concatenated gzip members (pigz, cat a.gz b.gz)
+                        data = self._d.unused_data
+                        self._new()
+                else:
+                    yield self._d.decompress(data, CHUNK)
+                    data = b""
+                    while not self._d.needs_input and not self._d.eof:
+                        yield self._d.decompress(b"", CHUNK)
+        except (zlib.error, lzma.LZMAError) as exc:
+            raise DiskkitError("source", f"{self.kind} data is corrupt ({exc})") from None
+
+    def check_end(self, shown: str) -> None:
+        if not self._d.eof:
+            raise DiskkitError(shown, f"the {self.kind} stream ends before its end marker (truncated)")
+
+
 def download(url: str, dest: Path, progress: Progress, auth: tuple[str, str] | None, verify: str | bool) -> None:
-    """GET `url` into `dest` (sparse). A body cut short is fetched again: from where it stopped when the
-    server honours Range, else from the start; after HTTP_ATTEMPTS tries the import fails."""
+    """GET `url` into `dest` (sparse; gzip and xz decompressed on the way). A body cut short is fetched
+    again: from where it stopped when the server honours Range (and the body is not compressed),
+    else from the start; after HTTP_ATTEMPTS tries the import fails."""
     import requests
 
     shown = _shown_url(url)
     have, total, problem = 0, None, ""
+    unpacker: _Unpacker | None = None
     session = requests.Session()
     session.headers["User-Agent"] = "diskkit-launcher"
     with session, open(dest, "wb") as out:
         for attempt in range(HTTP_ATTEMPTS):
             if attempt:
                 time.sleep(min(2 ** (attempt - 1), 5))
-            headers = {"Range": f"bytes={have}-"} if have else {}
+            headers = {"Range": f"bytes={have}-"} if have and unpacker is None else {}
             try:
                 with session.get(url, stream=True, timeout=HTTP_TIMEOUT, auth=auth, verify=verify, headers=headers) as resp:
-                    if resp.status_code == 206 and have and (resp.headers.get("Content-Range") or "").startswith(f"bytes {have}-"):
+                    if resp.status_code == 206 and headers and (resp.headers.get("Content-Range") or "").startswith(f"bytes {have}-"):
                         pass  # continues where the last attempt stopped
                     elif resp.status_code == 200:
-                        have = 0
+                        have, unpacker = 0, None
                         out.seek(0)
                         out.truncate(0)
                     elif 500 <= resp.status_code or resp.status_code in (408, 429):
@@ -203,8 +248,11 @@ def download(url: str, dest: Path, progress: Progress, auth: tuple[str, str] | N
                     length = resp.headers.get("Content-Length")
                     total = have + int(length) if length and length.isdigit() else None
                     for chunk in resp.iter_content(CHUNK):
-                        _write_sparse(out, chunk)
+                        if have == 0:
+                            unpacker = _Unpacker.detect(chunk)
                         have += len(chunk)
+                        for piece in unpacker.feed(chunk) if unpacker is not None else (chunk,):
+                            _write_sparse(out, piece)
                         if total:
                             progress(100.0 * have / total)
             except requests.exceptions.SSLError as exc:
@@ -218,7 +266,9 @@ def download(url: str, dest: Path, progress: Progress, auth: tuple[str, str] | N
             if total is not None and have != total:
                 problem = f"the connection closed after {have} of {total} bytes"
                 continue
-            out.truncate(have)
+            if unpacker is not None:
+                unpacker.check_end(shown)
+            out.truncate(out.tell())  # a trailing hole still counts
             out.flush()
             os.fsync(out.fileno())
             return

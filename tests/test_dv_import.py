@@ -4,8 +4,10 @@ for bodies cut short. Every failure leaves the claim as it was: no disk.img, no 
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
+import lzma
 import subprocess
 from pathlib import Path
 
@@ -89,6 +91,11 @@ def files(tmp_path_factory):
         f.write(b"\xef" * MIB)
         f.truncate(24 * MIB)
     subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", "guest.qcow2", "-F", "qcow2", root / "backed.qcow2"], check=True)
+    # compressed as cloud images are published; two gzip members, as pigz and `cat a.gz b.gz` make
+    data = (root / "data.img").read_bytes()
+    (root / "data.img.gz").write_bytes(gzip.compress(data[: 12 * MIB]) + gzip.compress(data[12 * MIB :]))
+    (root / "guest.qcow2.xz").write_bytes(lzma.compress(guest.read_bytes()))
+    (root / "cut.img.gz").write_bytes((root / "data.img.gz").read_bytes()[:4000])
     return root
 
 
@@ -123,6 +130,20 @@ def test_http_imports_of_qcow2_and_raw_fill_their_claims(claims, www, files):
     assert not [p for p in claims.dirs["guest"].iterdir() if p.name.startswith(".diskkit-")]
     again = claims.run("import", "guest")
     assert again.code == 0 and "already Succeeded" in again.err
+
+
+def test_gzip_and_xz_sources_are_decompressed_on_the_way(claims, www, files):
+    claims.add(dv("gz", {"http": {"url": www.url("data.img.gz")}}, "24Mi"),
+               dv("xz", {"http": {"url": www.url("guest.qcow2.xz")}}),
+               dv("cutgz", {"http": {"url": www.url("cut.img.gz")}}, "24Mi"))
+    for name in ("gz", "xz"):
+        result = claims.run("import", name)
+        assert result.code == 0, result.err
+    assert sha(claims.dirs["gz"] / "disk.img") == sha(files / "data.img")
+    assert sha(claims.dirs["xz"] / "disk.img", 64 * MIB) == sha(files / "guest.img")
+    cut = claims.run("import", "cutgz")
+    assert cut.code == 1 and "the gzip stream ends before its end marker (truncated)" in cut.err, cut.err
+    claims.assert_untouched("cutgz")
 
 
 def test_conversion_progress_comes_from_qemu_img(tmp_path, files):
