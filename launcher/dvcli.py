@@ -129,14 +129,13 @@ def import_cmd(name, namespace, vmi_files, as_json, store, registry: RegistryOpt
         raise DiskkitError(where, f"is an upload DataVolume: send the disk with diskkit upload {datavolume.key} FILE")
     if phase == dvm.WAIT_FOR_FIRST_CONSUMER:
         raise DiskkitError(where, f"in state {phase}: storage class {target.storage_class} binds claim {datavolume.name}"
-                                  " when a VM using it starts (launcher run imports it then)")
-    if phase != dvm.SUCCEEDED:
-        with dvstate.work_lock(target, wait=True):
-            pass  # another importer at work: let it finish, then look again
-        if dvstate.current_phase(target) != dvm.SUCCEEDED:
-            fill_now(target, store, registry, _say)
-    else:
+                                  " when a VM using it starts (launcher run); import it after that")
+    if phase == dvm.SUCCEEDED:
         _say(f"{where}: already Succeeded")
+    while dvstate.current_phase(target) != dvm.SUCCEEDED and not fill_now(target, store, registry, _say):
+        _say(f"{where}: another importer is at work; waiting for it")
+        with dvstate.work_lock(target, wait=True):
+            pass  # it finished (or died): look again
     row = dvstate.describe(target)
     click.echo(json.dumps(row, indent=2) if as_json else row["disk"])
 
