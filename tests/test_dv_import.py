@@ -273,3 +273,22 @@ def test_a_claim_waiting_for_its_first_consumer_is_not_imported(claims, www):
     assert result.code == 1, result.err
     assert "in state WaitForFirstConsumer: storage class local-wffc binds claim later when a VM using it starts" in result.err
     assert not (claims.dirs["later"] / "disk.img").exists()
+
+
+def test_registry_over_tls_with_a_ca_from_a_configmap(claims, tls_registry, tmp_path):
+    disk = make_qcow2(tmp_path / "data.qcow2", "16M", pattern=0x5A)
+    ref = f"{tls_registry.host}/dv/tls:v1"
+    built = run_diskkit("build", "--cert-dir", tls_registry.ca_dir, disk, "-t", ref)
+    assert built.code == 0, built.err
+    configmap = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "registry-ca"},
+                 "data": {"ca.crt": (tls_registry.ca_dir / "ca.crt").read_text()}}
+    claims.add(configmap,
+               dv("trusted", {"registry": {"url": f"docker://{ref}", "certConfigMap": "registry-ca"}}, "16Mi"),
+               dv("untrusted", {"registry": {"url": f"docker://{ref}"}}, "16Mi"))
+    trusted = claims.run("import", "trusted")
+    assert trusted.code == 0, trusted.err
+    with open(claims.dirs["trusted"] / "disk.img", "rb") as f:
+        assert f.read(MIB) == b"\x5a" * MIB
+    untrusted = claims.run("import", "untrusted")
+    assert untrusted.code == 1 and "DataVolume default/untrusted" in untrusted.err, untrusted.err
+    claims.assert_untouched("untrusted")
