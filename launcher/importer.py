@@ -261,7 +261,10 @@ def download(url: str, dest: Path, progress: Progress, auth: tuple[str, str] | N
                 problem = f"the connection closed after {have} of {total if total is not None else '?'} bytes"
                 continue
             except (requests.exceptions.ConnectionError, requests.exceptions.Timeout) as exc:
-                problem = f"the connection failed after {have} of {total if total is not None else '?'} bytes ({_reason(exc)})"
+                if have:
+                    problem = f"the connection failed after {have} of {total if total is not None else '?'} bytes ({_reason(exc)})"
+                else:
+                    problem = f"cannot connect ({_reason(exc)})"
                 continue
             if total is not None and have != total:
                 problem = f"the connection closed after {have} of {total} bytes"
