@@ -269,5 +269,42 @@ def delete_cmd(ref, registry: RegistryOptions) -> None:
     click.echo(delete(parsed, registry))
 
 
+@cli.command("upload", epilog="""\b
+Examples:
+  diskkit upload fedora fedora.qcow2 --url https://node:8443 --token "$(launcher dv token fedora)"
+  DISKKIT_UPLOAD_URL=http://127.0.0.1:8443 DISKKIT_UPLOAD_TOKEN=... diskkit upload vms/root root.img --json
+""")
+@click.argument("datavolume", metavar="[NAMESPACE/]DATAVOLUME")
+@click.argument("file", type=click.Path(dir_okay=False, exists=True, path_type=Path))
+@click.option("--url", envvar="DISKKIT_UPLOAD_URL", required=True, help="The upload endpoint (launcher serve --upload-listen); env DISKKIT_UPLOAD_URL.")
+@click.option("--token", envvar="DISKKIT_UPLOAD_TOKEN", help="Upload token (launcher dv token); env DISKKIT_UPLOAD_TOKEN.")
+@click.option("--token-file", type=click.Path(dir_okay=False, exists=True, path_type=Path), help="Read the token from this file.")
+@click.option("-n", "--namespace", default="default", show_default=True, help="Namespace of the DataVolume (or give NAMESPACE/NAME).")
+@click.option("--ca-cert", type=click.Path(dir_okay=False, exists=True), help="CA bundle to verify an HTTPS endpoint with.")
+@click.option("--insecure", is_flag=True, help="Do not verify the endpoint's TLS certificate.")
+@click.option("--retry-times", type=click.IntRange(0, 100), default=5, show_default=True, help="Reconnections after a dropped connection (each resumes where the server stopped).")
+@click.option("--wait", type=click.FloatRange(0), default=60, show_default=True, metavar="SECONDS", help="How long to wait for the DataVolume to become UploadReady.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object; events as JSON lines on stderr.")
+def upload_cmd(datavolume, file, url, token, token_file, namespace, ca_cert, insecure, retry_times, wait, as_json) -> None:
+    """Upload FILE (raw, qcow2, vmdk, vdi, vpc or vhdx) into an upload DataVolume's claim.
+
+    A dropped connection does not start the upload over (virtctl image-upload does): the client
+    asks the server how much it holds and sends the rest. The server checks the file's sha256,
+    validates the image and converts it to raw as an import does. A DataVolume whose storage class
+    waits for its first consumer fails at once: cannot upload to DataVolume in state
+    WaitForFirstConsumer.
+    """
+    from .upload import UploadOptions, upload
+
+    if token_file is not None:
+        token = token_file.read_text().strip()
+    if not token:
+        raise DiskkitError("--token", "required (or --token-file, or $DISKKIT_UPLOAD_TOKEN)")
+    namespace, _, name = datavolume.rpartition("/") if "/" in datavolume else (namespace, "", datavolume)
+    opts = UploadOptions(url, token, False if insecure else (ca_cert or True), retry_times, wait)
+    result = upload(opts, namespace, name, file, reporter_for(as_json))
+    click.echo(json.dumps(result, indent=2) if as_json else f"{namespace}/{name}: {result['phase']}")
+
+
 def main() -> None:
     run_main(cli, "diskkit")

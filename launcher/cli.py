@@ -222,5 +222,35 @@ def gc(max_size, as_json, cache_dir) -> None:
     click.echo(f"freed {result.freed / (1 << 20):.1f} MiB; cache holds {result.kept / (1 << 20):.1f} MiB of disks")
 
 
+@cli.command(epilog="""\b
+Examples:
+  launcher serve --upload-listen 0.0.0.0:8443 --manifests ./k8s --pvc fedora=/srv/claims/fedora
+  launcher serve --upload-listen :8443 --upload-tls-cert tls.crt --upload-tls-key tls.key --manifests ./k8s
+""")
+@click.option("--upload-listen", metavar="HOST:PORT", help="Serve the upload endpoint of upload DataVolumes here (diskkit upload sends to it).")
+@click.option("--upload-tls-cert", type=click.Path(dir_okay=False, exists=True), help="Serve uploads over HTTPS with this certificate (PEM).")
+@click.option("--upload-tls-key", type=click.Path(dir_okay=False, exists=True), help="The private key of --upload-tls-cert.")
+@click.option("--vmi", "vmi_files", multiple=True, type=click.Path(dir_okay=False, exists=True), metavar="FILE", help="Also serve the upload dataVolumeTemplates of this VM/VMI (repeatable).")
+@cache_option
+@storage_options
+def serve(upload_listen, upload_tls_cert, upload_tls_key, vmi_files, cache_dir, store) -> None:
+    """Serve this node's endpoints until SIGTERM or Ctrl-C.
+
+    Uploads: every upload DataVolume of --manifests (and --vmi) accepts a disk from `diskkit
+    upload` with a token from `launcher dv token`; dropped uploads resume where they stopped, and
+    the disk is checked and converted to raw in its claim as an import is.
+    """
+    if not upload_listen:
+        raise click.UsageError("nothing to serve: give --upload-listen")
+    from .dvcli import serve_uploads
+
+    serve_uploads(upload_listen, upload_tls_cert, upload_tls_key, vmi_files, cache_dir, store)
+
+
 def main() -> None:
     run_main(cli, "launcher")
+
+
+from .dvcli import dv  # noqa: E402  (it uses the option decorators above)
+
+cli.add_command(dv)

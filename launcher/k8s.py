@@ -120,6 +120,10 @@ class Objects:
     def __len__(self) -> int:
         return len(self._items)
 
+    def documents(self, kind: str) -> list[tuple[str, dict]]:
+        """(origin, document) of every object of `kind`, in the order they were read."""
+        return [(self._origins[key], doc) for key, doc in self._items.items() if key[0] == kind]
+
 
 def _describe(kind: str, namespace: str | None, name: str) -> str:
     return f"{kind} {name}" if namespace is None else f"{kind} {namespace}/{name}"

@@ -76,7 +76,11 @@ class ClusterObjects:
             self._seen[key] = self._read(*key)
         return self._seen[key]
 
+    # Listing (every Secret of a namespace to find a token, every PV to find one reserved for a claim,
+    # every StorageClass for the default) needs rights a launcher should not hold: in a pod the
+    # token is the mounted one, and claims are found through their own binding.
     def of_kind(self, kind: str, namespace: str | None) -> list[dict]:
-        # Listing (e.g. every Secret of a namespace to find a token) needs rights a launcher should not
-        # hold; in a pod the service account's token is the mounted one.
+        return []
+
+    def documents(self, kind: str) -> list[tuple[str, dict]]:
         return []

@@ -344,6 +344,7 @@ class VMI:
     domain: DomainSpec
     volumes: tuple[Volume, ...]
     hostname: str | None = None  # spec.hostname
+    data_volume_templates: tuple = ()  # launcher.datavolume.DataVolume, from spec.dataVolumeTemplates
 
     @property
     def domain_name(self) -> str:
@@ -905,6 +906,8 @@ def parse_vmi(doc: dict) -> VMI:
     spec = _map(doc.get("spec"), "spec")
     root = "spec"
     labels, annotations = metadata.get("labels"), metadata.get("annotations")
+    # A VirtualMachine's field; on a VMI the launcher reads it too, so one file can carry its disks.
+    templates_doc = spec.get("dataVolumeTemplates")
     if kind == "VirtualMachine":
         root = "spec.template.spec"
         template = _map(spec.get("template"), "spec.template")
@@ -923,9 +926,11 @@ def parse_vmi(doc: dict) -> VMI:
     hostname = _str(spec, "hostname", root)
     if hostname is not None:
         _dns_label(hostname, f"{root}.hostname")
+    from .datavolume import templates  # it parses quantities with this module's helpers
+
     return VMI(name, namespace, _str(metadata, "uid", "metadata"),
                dict(_map(labels, "metadata.labels")), dict(_map(annotations, "metadata.annotations")), domain, volumes,
-               hostname)
+               hostname, templates(templates_doc, "spec.dataVolumeTemplates", namespace))
 
 
 def load_vmi(path: str | Path) -> VMI:

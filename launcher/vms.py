@@ -67,6 +67,9 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
         _remove_run_dir(cache, name)  # leftovers of a launcher that was killed
         cache.run_dir(name).mkdir(parents=True)  # the console log lives here even with no overlay
         try:
+            from .dvcontrol import ensure_ready
+
+            ensure_ready(vmi, opts.storage or Storage(), opts.registry, opts.timeout, say)  # KubeVirt waits for them too
             with cache.lock("gc", shared=True):  # gc must not take the bases between pull and record
                 prepared, xml = plan(vmi, cache, opts, create=True)
                 run_dir = cache.run_dir(name)

@@ -19,6 +19,9 @@ Actions (``Fault.action``):
 ``flip``        forward; flip the lowest bit of response-body byte ``int(arg)``.
 ``truncate``    forward; send only ``int(arg)`` body bytes (Content-Length unchanged), then close.
 ``stall``       wait ``arg`` seconds, then forward normally.
+``cut``         requests with a body: forward the request and the first ``arg`` body bytes, then reset
+                the client connection and close the upstream one (the server sees a body cut short,
+                as when a connection drops mid-upload). Logged with status 0.
 
 Faults are tried in the order added; the first live one whose method (or ``"*"``) equals the
 request method and whose ``path`` regex is found (``re.search``) in the request target — path plus
@@ -43,7 +46,7 @@ CLIENT_TIMEOUT = 60.0
 MAX_CONNECTIONS = 64
 MAX_STALL = 120.0
 
-ACTIONS = ("drop", "status", "retry_after", "flip", "truncate", "stall")
+ACTIONS = ("drop", "status", "retry_after", "flip", "truncate", "stall", "cut")
 # Hop-by-hop headers, never forwarded in either direction (RFC 9110 section 7.6.1), plus Expect (answered here).
 HOP_BY_HOP = {
     "connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization", "te", "trailer",
@@ -287,6 +290,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._reset()
 
         body = self._body_pieces(kind, length) if kind != "none" else None
+        if action == "cut" and body is not None:
+            body = self._cut(body, int(fault.arg))
         try:
             conn, resp = self._send_upstream(
                 self.command, self._upstream_headers(), body,
@@ -304,6 +309,19 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._relay(resp, fault)
         finally:
             conn.close()
+
+    def _cut(self, pieces, keep: int):
+        """The body's first `keep` bytes; then both connections go (raising _Abort closes upstream)."""
+        sent = 0
+        for piece in pieces:
+            piece = piece[: keep - sent]
+            if piece:
+                sent += len(piece)
+                yield piece
+            if sent >= keep:
+                break
+        self.server.proxy._log(self.command, self.path, 0)
+        self._reset()
 
     def _relay(self, resp: http.client.HTTPResponse, fault: Fault | None) -> None:
         action = fault.action if fault else None
