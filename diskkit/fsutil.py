@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 from pathlib import Path
+from typing import Iterator
 
 from .errors import DiskkitError
 
@@ -57,3 +59,20 @@ def staging_file(final: Path) -> Path:
     if final.is_dir():
         raise DiskkitError(final, "is a directory; an archive destination must be a file")
     return final.with_name(f".{final.name}.diskkit-{secrets.token_hex(4)}")
+
+
+@contextlib.contextmanager
+def publishing(path: Path, verb: str = "written") -> Iterator[Path]:
+    """A staging name beside `path` for the block to fill (and fsync); renamed onto `path` when the
+    block ends cleanly, removed when it does not."""
+    staging = path.with_name(path.name + ".staging")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        yield staging
+        os.rename(staging, path)
+    except OSError as exc:
+        staging.unlink(missing_ok=True)
+        raise DiskkitError(path, f"cannot be {verb} ({exc.strerror})") from None
+    except BaseException:
+        staging.unlink(missing_ok=True)
+        raise

@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 from diskkit.errors import DiskkitError
 
-from .vmi import SpecError, parse_quantity
+from .vmi import SpecError, _map, _str, parse_quantity
 
 API_VERSION = "cdi.kubevirt.io/v1beta1"
 KIND = "DataVolume"
@@ -74,25 +74,6 @@ class DataVolume:
     @property
     def running_phase(self) -> str:
         return {"upload": UPLOAD_READY, "pvc": CLONE_IN_PROGRESS}.get(self.source.kind, IMPORT_IN_PROGRESS)
-
-
-def _map(value: Any, at: str) -> dict:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise SpecError(at, "must be a mapping")
-    return value
-
-
-def _str(doc: dict, key: str, at: str, required: bool = False) -> str | None:
-    value = doc.get(key)
-    if value is None or value == "":
-        if required:
-            raise SpecError(f"{at}.{key}", "required")
-        return None
-    if not isinstance(value, str):
-        raise SpecError(f"{at}.{key}", "must be a string")
-    return value
 
 
 def _http(doc: dict, at: str) -> Source:

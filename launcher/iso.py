@@ -21,7 +21,7 @@ import pycdlib.headervd
 import pycdlib.pycdlib
 import pycdlib.utils
 
-from diskkit.errors import DiskkitError
+from diskkit.fsutil import publishing
 
 FILE_MODE = 0o100644
 DIR_MODE = 0o040755
@@ -154,9 +154,7 @@ def write_to(out, volume_id: str, files: Mapping[str, bytes], modes: Mapping[str
 def write_iso(path: Path, volume_id: str, files: Mapping[str, bytes], modes: Mapping[str, int] | None = None,
               finish: Callable[[Path], None] | None = None) -> Path:
     """Write the image to `path` atomically; `finish(staging)` runs before the rename (chown, say)."""
-    staging = path.with_name(path.name + ".staging")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+    with publishing(path) as staging:
         with open(staging, "wb") as out:
             write_to(out, volume_id, files, modes)
             out.truncate(-(-out.tell() // ALIGNMENT) * ALIGNMENT)  # zeros, as a hole
@@ -164,11 +162,4 @@ def write_iso(path: Path, volume_id: str, files: Mapping[str, bytes], modes: Map
             os.fsync(out.fileno())
         if finish is not None:
             finish(staging)
-        os.rename(staging, path)
-    except OSError as exc:
-        staging.unlink(missing_ok=True)
-        raise DiskkitError(path, f"cannot be written ({exc.strerror})") from None
-    except BaseException:
-        staging.unlink(missing_ok=True)
-        raise
     return path

@@ -19,6 +19,7 @@ from typing import Callable, Sequence
 from xml.sax.saxutils import escape, quoteattr
 
 from diskkit.errors import DiskkitError
+from diskkit.fsutil import publishing
 
 SIZE = 262144
 SIGNATURE = b"mvbd"
@@ -86,18 +87,12 @@ def write(path: Path, metrics: Sequence[Metric]) -> None:
 
 def create(path: Path, finish: Callable[[Path], None] | None = None) -> Path:
     """A new metrics disk holding no metrics yet (CreateDisk), appearing whole or not at all."""
-    staging = path.with_name(path.name + ".staging")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+    with publishing(path, "created") as staging:
         with open(staging, "wb") as f:
             f.truncate(SIZE)
         write(staging, [])
         if finish is not None:
             finish(staging)
-        os.rename(staging, path)
-    except OSError as exc:
-        staging.unlink(missing_ok=True)
-        raise DiskkitError(path, f"cannot be created ({exc.strerror})") from None
     return path
 
 
