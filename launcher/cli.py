@@ -124,6 +124,7 @@ Examples:
   launcher run --connect qemu:///system --tls-verify=false vmi.yaml
   launcher run vmi.yaml --pvc data=/srv/vm-data:10Gi --console      # filesystem claim: /srv/vm-data/disk.img
   launcher run vmi.yaml --manifests ./k8s --console                  # claims bound to iSCSI/RBD PVs
+  launcher run --lazy vmi.yaml --console                             # boot while the image streams in
 """)
 @click.argument("vmi_file", type=click.Path(dir_okay=False, exists=True))
 @click.option("--connect", "uri", metavar="URI", help="libvirt URI (default: qemu:///system as root, else qemu:///session).")
@@ -131,10 +132,11 @@ Examples:
 @click.option("--wait-for", metavar="TEXT", help="Exit 0 as soon as TEXT appears on the console (the VM keeps running).")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS", help="Give up (and destroy the VM) after this long.")
 @click.option("--platform", help="OS/ARCH of the images (default: this host's).")
+@click.option("--lazy/--no-lazy", default=None, help="Boot containerDisks before they have arrived, through the node's disk server (default: for images built with --lazy).")
 @cache_option
 @storage_options
 @registry_options
-def run(vmi_file, uri, console, wait_for, timeout, platform, cache_dir, store, registry: RegistryOptions) -> None:
+def run(vmi_file, uri, console, wait_for, timeout, platform, lazy, cache_dir, store, registry: RegistryOptions) -> None:
     """Prepare every volume of a VirtualMachineInstance, define and start its domain, stay with it.
 
     Each containerDisk is pulled once per node and gets a qcow2 overlay of its own, so the VM
@@ -145,8 +147,40 @@ def run(vmi_file, uri, console, wait_for, timeout, platform, cache_dir, store, r
     from .vms import RunOptions, run as do_run
 
     vmi = load_vmi(vmi_file)
-    opts = RunOptions(uri=uri, platform=platform_of(platform), registry=registry, console=console, wait_for=wait_for, timeout=timeout, storage=store)
+    opts = RunOptions(uri=uri, platform=platform_of(platform), registry=registry, console=console, wait_for=wait_for, timeout=timeout, storage=store,
+                      lazy={None: "auto", True: "on", False: "off"}[lazy])
     sys.exit(do_run(vmi, Cache(cache_dir), opts, _say))
+
+
+@cli.command(epilog="""\b
+Examples:
+  launcher serve                                   # the node's disk server, until SIGTERM
+  launcher serve --strict --prefetch-rate 50M      # serve verified bytes only; spare the network
+  launcher serve --status --json                   # ask the running server what it exports
+""")
+@click.option("--socket-dir", type=click.Path(file_okay=False), help="Where nbd.sock and control.sock live (default: <cache>/serve).")
+@click.option("--strict", is_flag=True, help="Serve only verified bytes: images without chunk digests are read once the whole blob is verified.")
+@click.option("--prefetch-rate", metavar="SIZE", help="Prefetch at most SIZE bytes a second (e.g. 50M); reads a VM waits for are never held back.")
+@click.option("--prefetch-threads", type=click.IntRange(1, 16), default=2, show_default=True, help="Parallel range requests prefetching the rest of each disk.")
+@click.option("--fetch-timeout", type=click.FloatRange(min=1), default=300, show_default=True, metavar="SECONDS", help="How long a VM's read waits through registry outages before it gets an I/O error.")
+@click.option("--exit-when-idle", type=click.FloatRange(min=0), metavar="SECONDS", help="Exit once no VM has been connected and nothing was left to fetch for this long.")
+@click.option("--status", "show_status", is_flag=True, help="Print what the running server exports instead of serving.")
+@click.option("--json", "as_json", is_flag=True, help="With --status: one JSON object.")
+@cache_option
+@registry_options
+def serve(cache_dir, registry: RegistryOptions, **options) -> None:
+    """Run the node's disk server: boot VMs from images before they have arrived (lazy pull over NBD).
+
+    Each seekable image's disk (diskkit build --lazy, or any single uncompressed layer) is exported
+    read-only over NBD on <cache>/serve/nbd.sock, one export per disk for every VM on the node.
+    Reads fetch the chunks they need from the registry with range requests; the rest is prefetched,
+    checked chunk by chunk against the image's table of contents, and once the blob digest verifies
+    the disk joins the cache, where `launcher pull` finds it. `launcher run` starts a server itself
+    when none is running.
+    """
+    from .diskserver import serve_main
+
+    serve_main(Cache(cache_dir), registry, **options)
 
 
 @cli.command(epilog="""\b
