@@ -100,7 +100,10 @@ class DiskServer:
         self.control = self._listen(self.control_path)
 
     def _take_lock(self) -> int:
-        fd = os.open(self.dir / "server.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(self.dir / "server.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise DiskkitError(self.dir / "server.lock", f"cannot be opened ({exc.strerror})") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
