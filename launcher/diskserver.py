@@ -404,7 +404,7 @@ def ensure_server(cache: Cache, registry: RegistryOptions | None = None, idle: f
                     return control
             tail = (directory / "server.log").read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
             raise DiskkitError(directory, f"the disk server did not start: {tail[0]}")
-        time.sleep(0.1)
+        time.sleep(0.02)  # a VM is waiting on this: poll often, the server takes a fraction of a second
     child.send_signal(signal.SIGTERM)
     raise DiskkitError(directory, f"the disk server did not answer within {START_TIMEOUT:g} s")
 

@@ -340,8 +340,8 @@ class LazyDisk:
         self.failed: str | None = None
         self.installed: Path | None = None
         self.cursor = 0
+        self.demand_active = 0  # fetches a reader waits for: prefetching stands back meanwhile
         self.dirty = False
-        self.last_save = 0.0
         self.bucket = _Bucket(opts.prefetch_rate)
         self._completing = False
         self._zero = bytes(layout.chunk_size)
@@ -353,6 +353,7 @@ class LazyDisk:
             if hasattr(self.stats, k):
                 setattr(self.stats, k, int(v))
         self.threads = [threading.Thread(target=self._prefetch, name=f"prefetch-{i}", daemon=True) for i in range(max(1, opts.prefetch_threads))]
+        self.saver = threading.Thread(target=self._save_regularly, name="save", daemon=True)
 
     # --- setup ----------------------------------------------------------------------------------
 
@@ -381,6 +382,7 @@ class LazyDisk:
             raise
 
     def start(self) -> "LazyDisk":
+        self.saver.start()
         if all(self.present):
             threading.Thread(target=self._complete, name="verify", daemon=True).start()
         else:
@@ -390,7 +392,7 @@ class LazyDisk:
 
     def close(self) -> None:
         self.closing.set()
-        for thread in self.threads:
+        for thread in [*self.threads, self.saver]:
             if thread.is_alive():
                 thread.join(timeout=10)
         self._save(force=True)
@@ -442,9 +444,15 @@ class LazyDisk:
             if not claimed and not waits:
                 return
             if claimed:
-                self.stats.demand_fetches += 1
-                if not self._fetch_claimed(claimed):
-                    failures += 1
+                with self.lock:
+                    self.stats.demand_fetches += 1
+                    self.demand_active += 1
+                try:
+                    if not self._fetch_claimed(claimed):
+                        failures += 1
+                finally:
+                    with self.lock:
+                        self.demand_active -= 1
             for event in waits:
                 event.wait(max(0.0, deadline - time.monotonic()))
             if self.failed is not None:
@@ -509,7 +517,6 @@ class LazyDisk:
         if bad:
             log.warning("%s: chunk%s %s failed verification against the TOC; fetching again", self.name,
                         "s" if len(bad) > 1 else "", ", ".join(map(str, bad)))
-        self._save()
         if good and self.present.find(0) == -1:
             # Readers fetched the last gaps: verify now rather than when a (throttled) prefetcher wakes.
             threading.Thread(target=self._complete, name="verify", daemon=True).start()
@@ -538,8 +545,14 @@ class LazyDisk:
         _lower_priority()
         failures = 0
         while not self.closing.is_set() and self.failed is None:
+            if self.demand_active:
+                # A guest is waiting for the network: the bandwidth (and the CPU) are its.
+                self.closing.wait(0.01)
+                continue
             # Paid for before claiming: chunks claimed by a throttled prefetcher would keep readers waiting.
             self.bucket.take(PREFETCH_SPAN, self.closing)
+            if self.closing.is_set():
+                return
             run = self._claim_prefetch()
             if run is None:
                 with self.lock:
@@ -628,11 +641,18 @@ class LazyDisk:
 
     # --- state ----------------------------------------------------------------------------------
 
+    def _save_regularly(self) -> None:
+        """Off the readers' path: a guest's read never waits for an fsync."""
+        while not self.closing.wait(SAVE_INTERVAL):
+            if self.dirty:
+                try:
+                    self._save()
+                except (OSError, DiskkitError) as exc:
+                    log.warning("%s: state not saved: %s", self.name, exc)
+
     def _save(self, force: bool = False) -> None:
-        """The bitmap, after the data it vouches for is on disk; at most once a second unless forced."""
-        if not force and (not self.dirty or time.monotonic() - self.last_save < SAVE_INTERVAL):
-            return
-        if self.installed is not None:
+        """The bitmap, after the data it vouches for is on disk."""
+        if (not force and not self.dirty) or self.installed is not None:
             return
         with self.save_lock:
             with self.lock:
@@ -641,7 +661,6 @@ class LazyDisk:
             os.fdatasync(self.fd)
             write_atomic(self.dir / "bitmap", packed)
             write_atomic(self.dir / "state.json", json.dumps(self.status(), indent=2).encode())
-            self.last_save = time.monotonic()
 
     def status(self) -> dict:
         present = sum(self.present)
@@ -703,7 +722,7 @@ class InstalledDisk:
 def _lower_priority() -> None:
     """Prefetching is background work: the guest's own reads (and the VM's CPU) come first."""
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     except OSError:
         pass
 

@@ -199,3 +199,24 @@ def test_strict_serves_only_verified_bytes(tmp_path, registry, fault_proxy, plai
         # The first assembled blob failed its digest, so every chunk was fetched again before any read.
         assert status["verified"] and status["stats"]["verify_attempts"] == 2, status
 
+
+
+def test_a_restarted_server_resumes_from_its_bitmap(tmp_path, lazy_image, guest_raw, registry):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with disk_server(cache, "--prefetch-rate", "1K"):  # nothing but what readers ask for
+        answer = open_export(cache, lazy_image)
+        run("qemu-io", "-r", "-f", "raw", "-c", "read 0 3M", "-c", f"read {20 * MIB} 1M", answer["url"])
+        before = export_status(cache, answer["export"])
+        assert before["present"] == 4, before  # chunks 0-2 and 20
+    # Stopped (SIGTERM): the bitmap on disk holds exactly what was fetched, after the data was synced.
+    bits = (cache / "lazy" / answer["export"] / "bitmap").read_bytes()
+    assert [i for i in range(24) if bits[i // 8] >> (i % 8) & 1] == [0, 1, 2, 20]
+    served = registry.log_text().count(f"/blobs/{answer['layer']}")
+    with disk_server(cache):
+        # A client reconnecting by name alone (a VM after a server restart) finds the export again.
+        assert run("qemu-img", "compare", "-f", "raw", "-F", "raw", answer["url"], guest_raw).stdout.strip() == "Images are identical."
+        status = wait_for(lambda: (s := export_status(cache, answer["export"]))["installed"] and s, 120, "installation")
+        assert status["stats"]["fetched_chunks"] == 24  # 4 before the restart, the 20 missing after: none twice
+    # Only the missing chunks travelled after the restart: at most a request per missing chunk.
+    assert registry.log_text().count(f"/blobs/{answer['layer']}") - served <= 20
