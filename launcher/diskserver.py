@@ -69,6 +69,31 @@ def serve_dir(cache: Cache, socket_dir: Path | str | None = None) -> Path:
     return Path(socket_dir) if socket_dir else cache.root / "serve"
 
 
+def _lock_path(cache: Cache) -> Path:
+    return cache.root / "serve" / "server.lock"
+
+
+def lazy_leftovers(cache: Cache) -> list[Path]:
+    """Partly fetched disks (and records of installed ones) that no server is using: gc may take them."""
+    lazy = cache.root / "lazy"
+    if not lazy.is_dir():
+        return []
+    try:
+        fd = os.open(_lock_path(cache), os.O_RDONLY)
+    except FileNotFoundError:
+        fd = None
+    try:
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return []  # a server runs: its exports' state is in use
+        return sorted(p for p in lazy.iterdir() if p.is_dir())
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
 def _socket_path(directory: Path, name: str) -> Path:
     path = directory / name
     if len(str(path).encode()) > SOCKET_PATH_MAX:
@@ -100,16 +125,19 @@ class DiskServer:
         self.control = self._listen(self.control_path)
 
     def _take_lock(self) -> int:
+        # In the cache, wherever the sockets are: one server per cache, and gc can tell whether it runs.
+        path = _lock_path(self.cache)
+        path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            fd = os.open(self.dir / "server.lock", os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
-            raise DiskkitError(self.dir / "server.lock", f"cannot be opened ({exc.strerror})") from None
+            raise DiskkitError(path, f"cannot be opened ({exc.strerror})") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
             os.close(fd)
-            raise DiskkitError(self.dir, f"a disk server (pid {pid}) already serves this cache") from None
+            raise DiskkitError(self.cache.root, f"a disk server (pid {pid}) already serves this cache") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         return fd

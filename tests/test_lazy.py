@@ -220,3 +220,42 @@ def test_a_restarted_server_resumes_from_its_bitmap(tmp_path, lazy_image, guest_
         assert status["stats"]["fetched_chunks"] == 24  # 4 before the restart, the 20 missing after: none twice
     # Only the missing chunks travelled after the restart: at most a request per missing chunk.
     assert registry.log_text().count(f"/blobs/{answer['layer']}") - served <= 20
+
+
+def test_auth_tls_and_tokens_as_the_registry_client(tmp_path, auth_registry, tls_registry, token_registry, guest_raw):
+    """Each open request carries its own registry options (a VM's pull secret), as `launcher run` sends them."""
+    cases = [
+        (auth_registry, {"tls_verify": False, "creds": f"{auth_registry.username}:{auth_registry.password}"}, {"tls_verify": False}),
+        (token_registry, {"tls_verify": False, "creds": f"{token_registry.username}:{token_registry.password}"}, None),
+        (tls_registry, {"cert_dir": str(tls_registry.ca_dir)}, {"tls_verify": True}),
+    ]
+    for index, (reg, good, bad) in enumerate(cases):
+        ref = f"{reg.host}/lazy/auth:v{index}"
+        flags = ["--cert-dir", str(reg.ca_dir)] if reg.tls else [NOREG]
+        creds = ["--creds", good["creds"]] if "creds" in good else []
+        assert run_diskkit("build", "--lazy", *flags, *creds, guest_raw, "-t", ref).code == 0
+        cache = tmp_path / f"cache{index}"
+        cache.mkdir()
+        with disk_server(cache):
+            if bad is not None:
+                refused = control(cache, {"op": "open", "image": ref, "registry": bad})
+                assert not refused["ok"] and ("denied" in refused["error"] or "TLS verification failed" in refused["error"]), refused
+            answer = control(cache, {"op": "open", "image": ref, "registry": good})
+            assert answer["ok"], answer
+            assert run("qemu-img", "compare", "-f", "raw", "-F", "raw", answer["url"], guest_raw).stdout.strip() == "Images are identical."
+    # The server asked the token service for a pull-only token, with the request's credentials.
+    assert {"user": token_registry.username, "scope": ["repository:lazy/auth:pull"], "service": "diskkit-test"} in token_registry.token_requests
+
+
+def test_gc_takes_partly_fetched_disks_only_when_no_server_uses_them(tmp_path, lazy_image):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with disk_server(cache, "--prefetch-rate", "1K"):
+        answer = open_export(cache, lazy_image)
+        partial = cache / "lazy" / answer["export"]
+        kept = run_launcher("gc", "--cache-dir", cache, "--json")
+        assert kept.code == 0 and str(partial) not in json.loads(kept.out)["removed"]
+        assert (partial / "disk.img").is_file()
+    collected = run_launcher("gc", "--cache-dir", cache, "--json")
+    assert collected.code == 0 and str(partial) in json.loads(collected.out)["removed"]
+    assert not partial.exists()
