@@ -9,7 +9,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import diskheader, diskrules, qemuimg
+from . import diskheader, diskrules, lazytoc, qemuimg
 from .containerdisk import ANNOTATION_FORMAT, ANNOTATION_PATH, ANNOTATION_VIRTUAL_SIZE, path_problem
 from .errors import DiskkitError
 from .image import Descriptor, Platform, canonical_json, make_config, make_index, make_manifest, rfc3339
@@ -33,6 +33,7 @@ class BuildOptions:
     initrd: tuple[str, Path] | None = None
     compression: str = "gzip"
     level: int | None = None
+    lazy: bool = False  # uncompressed layer + chunk TOC: launchers can boot it before it has arrived
     disk_format: str = "keep"
     platform: Platform = field(default_factory=lambda: Platform("linux", "amd64"))
     labels: dict[str, str] = field(default_factory=dict)
@@ -144,6 +145,8 @@ def build(opts: BuildOptions, reporter: Reporter, registry: RegistryOptions | No
     for artifact in (opts.kernel, opts.initrd):
         if artifact:
             check_input_file(artifact[1], "kernel-boot file")
+    if opts.lazy and opts.compression != "none":
+        raise DiskkitError("--lazy", f"writes an uncompressed layer (read at offsets); drop --compression {opts.compression}")
     sources = opts.platforms or [(opts.platform, opts.source)]
     infos = [examine_disk(source) for _, source in sources]  # refuse any bad input before writing anything
     workdir = Path(tempfile.mkdtemp(prefix="diskkit-build-"))
@@ -151,6 +154,8 @@ def build(opts: BuildOptions, reporter: Reporter, registry: RegistryOptions | No
         with open_destination(dest_ref, opts.created, registry) as dest:
             if opts.platforms and dest.docker_manifest:
                 raise DiskkitError(str(dest_ref), "docker-archive holds a single image; build one platform at a time")
+            if opts.lazy and (dest.docker_manifest or (dest.layer_compression or "none") != "none"):
+                raise DiskkitError(str(dest_ref), "--lazy needs OCI manifests with annotations and an uncompressed layer; use oci:, oci-archive: or a registry")
             built = [
                 _build_one(opts, dest, plat, source, info, workdir / str(i), reporter, child=bool(opts.platforms))
                 for i, ((plat, source), info) in enumerate(zip(sources, infos))
@@ -183,13 +188,14 @@ def _build_one(opts, dest, plat: Platform, source: Path, info, workdir: Path, re
 
     def send() -> LayerResult:
         with dest.blob_writer(layer_media) as pending, reporter.task(label, total) as task:
-            result = write_layer(entries, pending, compression, opts.level, opts.created, task.advance)
+            result = write_layer(entries, pending, compression, opts.level, opts.created, task.advance,
+                                 toc_for=image_disk_path.lstrip("/") if opts.lazy else None)
             pending.commit(result.digest, result.size)
         return result
 
     layer = with_restarts(send, reporter, f"layer {image_disk_path}")
     reporter.event({"event": "blob", "digest": layer.digest, "size": layer.size, "status": "uploaded"})
-    layer_desc = Descriptor(layer_media, layer.digest, layer.size)
+    layer_desc = Descriptor(layer_media, layer.digest, layer.size, layer.toc.annotations() if layer.toc else {})
     config = make_config(plat, [layer.diff_id], opts.created, opts.labels, opts.env, "diskkit build")
     config_desc = dest.put_blob(canonical_json(config), DOCKER_CONFIG if docker else OCI_CONFIG)
     annotations = {
@@ -197,6 +203,7 @@ def _build_one(opts, dest, plat: Platform, source: Path, info, workdir: Path, re
         ANNOTATION_PATH: image_disk_path,
         ANNOTATION_FORMAT: disk_format,
         ANNOTATION_VIRTUAL_SIZE: str(info.virtual_size),
+        **({lazytoc.ANNOTATION_LAZY: lazytoc.LAZY_VALUE} if layer.toc else {}),
         **opts.annotations,
     }
     manifest = make_manifest(config_desc, [layer_desc], annotations, docker)

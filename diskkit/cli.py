@@ -19,6 +19,11 @@ from .registryoptions import RegistryOptions
 from .verify import describe, inspect, verify
 
 
+def _given(name: str) -> bool:
+    """Whether the user set option `name` rather than leaving its default."""
+    return click.get_current_context().get_parameter_source(name) is not click.core.ParameterSource.DEFAULT
+
+
 def _pairs(values: tuple[str, ...], flag: str) -> dict[str, str]:
     out = {}
     for value in values:
@@ -88,6 +93,7 @@ Examples:
   diskkit build disk.img --format qcow2 -t oci-archive:fedora.tar
   diskkit build disk.qcow2 -t docker-archive:fedora.tar:quay.io/me/fedora:40   # then: podman load -i fedora.tar
   diskkit build disk.qcow2 --path /images/root.qcow2 -t oci:./layout
+  diskkit build disk.qcow2 --lazy -t quay.io/me/fedora:40-lazy           # boots before it has arrived
   diskkit build disk.qcow2 --kernel ./vmlinuz --initrd /boot/initrd.img=./initrd -t oci:./layout:kb
   diskkit build --platform linux/amd64=x86.qcow2 --platform linux/arm64=arm.qcow2 -t quay.io/me/fedora:40
   SOURCE_DATE_EPOCH=1700000000 diskkit build disk.qcow2 -t oci:./layout --json
@@ -99,6 +105,7 @@ Examples:
 @click.option("--format", "disk_format", type=click.Choice(["keep", "qcow2", "raw"]), default="keep", show_default=True, help="Disk format inside the image.")
 @click.option("--compression", type=click.Choice(list(KINDS)), default="gzip", show_default=True, help="Layer compression.")
 @click.option("--level", type=int, help="Compression level (gzip 0-3, default 1; zstd 1-19, default 3).")
+@click.option("--lazy", is_flag=True, help="Uncompressed layer with a chunk table of contents, so `launcher run` can boot it before the image has arrived (implies --compression none).")
 @click.option("--kernel", metavar="[/PATH=]FILE", help="Add a kernel for kernelBoot (default path /boot/vmlinuz).")
 @click.option("--initrd", metavar="[/PATH=]FILE", help="Add an initrd for kernelBoot (default path /boot/initrd.img).")
 @click.option("--platform", "platforms", multiple=True, metavar="OS/ARCH[=FILE]", help="Guest platform (default linux/amd64); repeat as OS/ARCH=FILE for a multi-platform index.")
@@ -107,7 +114,7 @@ Examples:
 @click.option("--env", multiple=True, metavar="KEY=VALUE", help="Config environment variable (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the digest; progress as JSON lines on stderr.")
 @registry_options
-def build_cmd(src, dest, image_path, disk_format, compression, level, kernel, initrd, platforms, label, annotation, env, as_json, registry: RegistryOptions) -> None:
+def build_cmd(src, dest, image_path, disk_format, compression, level, lazy, kernel, initrd, platforms, label, annotation, env, as_json, registry: RegistryOptions) -> None:
     """Package disk SRC as a scratch-based containerDisk image.
 
     One layer holds /disk/ (0555) and /disk/<name> (0440), both owned by qemu (107:107), as KubeVirt
@@ -131,8 +138,9 @@ def build_cmd(src, dest, image_path, disk_format, compression, level, kernel, in
         path=image_path,
         kernel=split_artifact(kernel, "/boot/vmlinuz", "--kernel") if kernel else None,
         initrd=split_artifact(initrd, "/boot/initrd.img", "--initrd") if initrd else None,
-        compression=compression,
+        compression="none" if lazy and not _given("compression") else compression,
         level=level,
+        lazy=lazy,
         disk_format=disk_format,
         platform=Platform.parse(platforms[0]) if platforms and not per_platform else Platform("linux", "amd64"),
         labels=_pairs(label, "--label"),

@@ -254,6 +254,11 @@ def _apply(tree, index, member, tar, want, spool_dir, head_limit, spooled, forge
         spooled[path] = Spooled(dest, tree.nodes[path], complete)
 
 
+def add_member(tree: Tree, index: int, member: tarfile.TarInfo) -> None:
+    """Apply one tar header to the tree, as walk() does, for readers that fetch headers themselves."""
+    _apply(tree, index, member, None, lambda path: False, None, None, {}, lambda path: None)
+
+
 def extract_one(source: Source, image: Image, node: Node, dest: Path) -> None:
     """Spool one file out of its layer: for a disk reached only through a symlink or hardlink."""
     spool_dir = dest.parent / f".{dest.name}.spool"

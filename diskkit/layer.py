@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
 
+from . import lazytoc
 from .compression import compressor
 from .errors import DiskkitError
 
@@ -52,6 +53,7 @@ class LayerResult:
     size: int
     diff_id: str  # sha256 of the uncompressed tar
     compression: str
+    toc: lazytoc.TocLocation | None = None  # where the lazy TOC is in the blob (uncompressed layers only)
 
 
 def entries_for(files: list[tuple[str, Path]]) -> list[Entry]:
@@ -79,10 +81,14 @@ def entries_for(files: list[tuple[str, Path]]) -> list[Entry]:
 
 
 def tar_header(entry: Entry, mtime: int) -> bytes:
-    info = tarfile.TarInfo(entry.path)
-    info.type = tarfile.DIRTYPE if entry.is_dir else tarfile.REGTYPE
-    info.mode = entry.mode
-    info.size = entry.size
+    return member_header(entry.path, entry.mode, entry.size, mtime, entry.is_dir)
+
+
+def member_header(path: str, mode: int, size: int, mtime: int, directory: bool = False) -> bytes:
+    info = tarfile.TarInfo(path)
+    info.type = tarfile.DIRTYPE if directory else tarfile.REGTYPE
+    info.mode = mode
+    info.size = size
     info.uid, info.gid = QEMU_UID, QEMU_GID
     info.uname, info.gname = QEMU_NAME, QEMU_NAME
     info.mtime = mtime
@@ -90,9 +96,16 @@ def tar_header(entry: Entry, mtime: int) -> bytes:
     return info.tobuf(format=tarfile.PAX_FORMAT, encoding="utf-8", errors="strict")
 
 
-def _produce(entries: list[Entry], mtime: int, out: queue.Queue, diff: "hashlib._Hash", stop: threading.Event) -> None:
+def _produce(entries: list[Entry], mtime: int, out: queue.Queue, diff: "hashlib._Hash", stop: threading.Event,
+             toc_for: str | None = None, toc_out: list | None = None) -> None:
+    """Tar framing and the diffID; with `toc_for` (a member path) also the chunk digests of that
+    member and, after every entry, the lazy TOC member pointing at them (appended to `toc_out`)."""
+    position = 0
+
     def put(block: bytes | memoryview) -> None:
+        nonlocal position
         diff.update(block)
+        position += len(block)
         while not stop.is_set():
             try:
                 out.put(block, timeout=0.2)
@@ -101,11 +114,14 @@ def _produce(entries: list[Entry], mtime: int, out: queue.Queue, diff: "hashlib.
                 continue
         raise _Stopped
 
+    toc: lazytoc.Toc | None = None
     try:
         for entry in entries:
             put(tar_header(entry, mtime))
             if entry.is_dir:
                 continue
+            chunks = lazytoc.ChunkHasher(lazytoc.chunk_size_for(entry.size)) if entry.path == toc_for else None
+            data_offset = position
             copied = 0
             with open(entry.source, "rb") as src:
                 os.posix_fadvise(src.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
@@ -117,11 +133,24 @@ def _produce(entries: list[Entry], mtime: int, out: queue.Queue, diff: "hashlib.
                     copied += n
                     if copied > entry.size:
                         break
+                    if chunks is not None:
+                        chunks.update(memoryview(buf)[:n])
                     put(memoryview(buf)[:n])
             if copied != entry.size:
                 raise DiskkitError(entry.source, f"changed while being read ({entry.size} bytes expected, {copied} read)")
             if entry.size % 512:
                 put(bytes(512 - entry.size % 512))
+            if chunks is not None:
+                toc = lazytoc.Toc(entry.path, data_offset, entry.size, chunks.chunk_size, chunks.finish())
+        if toc is not None and toc_out is not None:
+            # Last, as the digests are known only now; outside /disk, where KubeVirt never looks.
+            data = toc.render()
+            put(member_header(lazytoc.TOC_DIR, DIR_MODE, 0, mtime, directory=True))
+            put(member_header(lazytoc.TOC_MEMBER, 0o444, len(data), mtime))
+            toc_out.append(lazytoc.TocLocation(position, len(data), "sha256:" + hashlib.sha256(data).hexdigest()))
+            put(data)
+            if len(data) % 512:
+                put(bytes(512 - len(data) % 512))
         put(bytes(1024))
         out.put(None)
     except _Stopped:
@@ -174,13 +203,20 @@ def write_layer(
     level: int | None = None,
     mtime: int = 0,
     advance: Callable[[int], None] | None = None,
+    toc_for: str | None = None,
 ) -> LayerResult:
-    """Three stages on two cores: read+tar+diffID | compress | blob digest+write, joined by bounded queues."""
+    """Three stages on two cores: read+tar+diffID | compress | blob digest+write, joined by bounded queues.
+
+    `toc_for` names the member (the disk) a lazy TOC is written for; the layer must be uncompressed,
+    since the TOC's offsets are offsets in the blob."""
+    if toc_for is not None and compression != "none":
+        raise DiskkitError("--lazy", f"a lazy layer is read at offsets, so it cannot be {compression}-compressed")
     comp = compressor(compression, level)
     diff = hashlib.sha256()
     chunks: queue.Queue = queue.Queue(QUEUE_DEPTH)
     stop = threading.Event()
-    reader = threading.Thread(target=_produce, args=(entries, mtime, chunks, diff, stop), daemon=True)
+    toc_out: list[lazytoc.TocLocation] = []
+    reader = threading.Thread(target=_produce, args=(entries, mtime, chunks, diff, stop, toc_for, toc_out), daemon=True)
     writer = _Writer(sink, hashed=compression != "none")
     reader.start()
     writer.start()
@@ -203,4 +239,4 @@ def write_layer(
     if writer.error is not None:
         raise writer.error
     blob = writer.hash or diff
-    return LayerResult("sha256:" + blob.hexdigest(), writer.size, "sha256:" + diff.hexdigest(), compression)
+    return LayerResult("sha256:" + blob.hexdigest(), writer.size, "sha256:" + diff.hexdigest(), compression, toc_out[0] if toc_out else None)

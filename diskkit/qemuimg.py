@@ -164,9 +164,11 @@ def _create(final: Path, options: list[str], size: int | None = None, mode: int 
     tmp.replace(final)
 
 
-def create_overlay(base: Path, base_format: str, overlay: Path) -> None:
-    """A copy-on-write qcow2 layer over a read-only base (`qemu-img create -f qcow2 -b BASE -F FMT`)."""
-    _create(overlay, ["-f", "qcow2", "-b", str(base), "-F", base_format])
+def create_overlay(base: Path | str, base_format: str, overlay: Path, size: int | None = None) -> None:
+    """A copy-on-write qcow2 layer over a read-only base (`qemu-img create -f qcow2 -b BASE -F FMT`).
+
+    With `size` the base is not opened (-u): for a base qemu reaches over the network (an NBD URL)."""
+    _create(overlay, ["-f", "qcow2", "-b", str(base), "-F", base_format, *(["-u"] if size is not None else [])], size)
 
 
 def create_image(path: Path, fmt: str, size: int) -> None:

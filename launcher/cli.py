@@ -131,6 +131,7 @@ Examples:
   launcher run --connect qemu:///system --tls-verify=false vmi.yaml
   launcher run vmi.yaml --pvc data=/srv/vm-data:10Gi --console      # filesystem claim: /srv/vm-data/disk.img
   launcher run vmi.yaml --manifests ./k8s --console                  # claims bound to iSCSI/RBD PVs, ConfigMaps, Secrets
+  launcher run --lazy vmi.yaml --console                             # boot while the image streams in
 """)
 @click.argument("vmi_file", type=click.Path(dir_okay=False, exists=True))
 @click.option("--connect", "uri", metavar="URI", help="libvirt URI (default: qemu:///system as root, else qemu:///session).")
@@ -138,10 +139,11 @@ Examples:
 @click.option("--wait-for", metavar="TEXT", help="Exit 0 as soon as TEXT appears on the console (the VM keeps running).")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS", help="Give up (and destroy the VM) after this long.")
 @click.option("--platform", help="OS/ARCH of the images (default: this host's).")
+@click.option("--lazy/--no-lazy", default=None, help="Boot containerDisks before they have arrived, through the node's disk server (default: for images built with --lazy).")
 @cache_option
 @storage_options
 @registry_options
-def run(vmi_file, uri, console, wait_for, timeout, platform, cache_dir, store, registry: RegistryOptions) -> None:
+def run(vmi_file, uri, console, wait_for, timeout, platform, lazy, cache_dir, store, registry: RegistryOptions) -> None:
     """Prepare every volume of a VirtualMachineInstance, define and start its domain, stay with it.
 
     Each containerDisk is pulled once per node and gets a qcow2 overlay of its own, so the VM
@@ -152,8 +154,69 @@ def run(vmi_file, uri, console, wait_for, timeout, platform, cache_dir, store, r
     from .vms import RunOptions, run as do_run
 
     vmi = load_vmi(vmi_file)
-    opts = RunOptions(uri=uri, platform=platform_of(platform), registry=registry, console=console, wait_for=wait_for, timeout=timeout, storage=store)
+    opts = RunOptions(uri=uri, platform=platform_of(platform), registry=registry, console=console, wait_for=wait_for, timeout=timeout, storage=store,
+                      lazy={None: "auto", True: "on", False: "off"}[lazy])
     sys.exit(do_run(vmi, Cache(cache_dir), opts, _say))
+
+
+@cli.command(epilog="""\b
+Examples:
+  launcher serve                                   # the node's disk server, until SIGTERM
+  launcher serve --strict --prefetch-rate 50M      # serve verified bytes only; spare the network
+  launcher serve --status --json                   # ask the running server what it exports
+  launcher serve --upload-listen 0.0.0.0:8443 --manifests ./k8s --pvc fedora=/srv/claims/fedora
+  launcher serve --no-disks --upload-listen :8443 --upload-tls-cert tls.crt --upload-tls-key tls.key --manifests ./k8s
+""")
+@click.option("--disks/--no-disks", default=True, show_default=True, help="Run the disk server (lazy images over NBD).")
+@click.option("--socket-dir", type=click.Path(file_okay=False), help="Where nbd.sock and control.sock live (default: <cache>/serve).")
+@click.option("--strict", is_flag=True, help="Serve only verified bytes: images without chunk digests are read once the whole blob is verified.")
+@click.option("--prefetch-rate", metavar="SIZE", help="Prefetch at most SIZE bytes a second (e.g. 50M); reads a VM waits for are never held back.")
+@click.option("--prefetch-threads", type=click.IntRange(1, 16), default=2, show_default=True, help="Parallel range requests prefetching the rest of each disk.")
+@click.option("--fetch-timeout", type=click.FloatRange(min=1), default=300, show_default=True, metavar="SECONDS", help="How long a VM's read waits through registry outages before it gets an I/O error.")
+@click.option("--exit-when-idle", type=click.FloatRange(min=0), metavar="SECONDS", help="Exit once no VM has been connected and nothing was left to fetch for this long.")
+@click.option("--status", "show_status", is_flag=True, help="Print what the running disk server exports instead of serving.")
+@click.option("--json", "as_json", is_flag=True, help="With --status: one JSON object.")
+@click.option("--upload-listen", metavar="HOST:PORT", help="Also serve the upload endpoint of upload DataVolumes here (diskkit upload sends to it).")
+@click.option("--upload-tls-cert", type=click.Path(dir_okay=False, exists=True), help="Serve uploads over HTTPS with this certificate (PEM).")
+@click.option("--upload-tls-key", type=click.Path(dir_okay=False, exists=True), help="The private key of --upload-tls-cert.")
+@click.option("--vmi", "vmi_files", multiple=True, type=click.Path(dir_okay=False, exists=True), metavar="FILE", help="Also serve the upload dataVolumeTemplates of this VM/VMI (repeatable).")
+@cache_option
+@storage_options
+@registry_options
+def serve(cache_dir, registry: RegistryOptions, disks, upload_listen, upload_tls_cert, upload_tls_key, vmi_files, store, **options) -> None:
+    """Serve this node's endpoints until SIGTERM or Ctrl-C: the disk server, and uploads.
+
+    Disks: each seekable image's disk (diskkit build --lazy, or any single uncompressed layer) is
+    exported read-only over NBD on <cache>/serve/nbd.sock, one export per disk for every VM on the
+    node. Reads fetch the chunks they need from the registry with range requests; the rest is
+    prefetched, checked chunk by chunk against the image's table of contents, and once the blob
+    digest verifies the disk joins the cache, where `launcher pull` finds it. `launcher run` starts
+    a disk server itself when none is running.
+
+    Uploads (--upload-listen): every upload DataVolume of --manifests (and --vmi) accepts a disk from
+    `diskkit upload` with a token from `launcher dv token`; dropped uploads resume where they
+    stopped, and the disk is checked and converted to raw in its claim as an import is.
+    """
+    from .diskserver import serve_main
+
+    if options["show_status"]:
+        serve_main(Cache(cache_dir), registry, **options)
+        return
+    if not disks and not upload_listen:
+        raise click.UsageError("nothing to serve: --no-disks without --upload-listen")
+    uploads = None
+    if upload_listen:
+        from .dvcli import start_uploads
+
+        uploads = start_uploads(upload_listen, upload_tls_cert, upload_tls_key, vmi_files, cache_dir, store)
+    try:
+        if disks:
+            serve_main(Cache(cache_dir), registry, **options)
+        else:
+            uploads.wait()
+    finally:
+        if uploads is not None:
+            uploads.close()
 
 
 @cli.command(epilog="""\b
@@ -220,31 +283,6 @@ def gc(max_size, as_json, cache_dir) -> None:
     for entry in result.removed:
         click.echo(f"removed {entry}")
     click.echo(f"freed {result.freed / (1 << 20):.1f} MiB; cache holds {result.kept / (1 << 20):.1f} MiB of disks")
-
-
-@cli.command(epilog="""\b
-Examples:
-  launcher serve --upload-listen 0.0.0.0:8443 --manifests ./k8s --pvc fedora=/srv/claims/fedora
-  launcher serve --upload-listen :8443 --upload-tls-cert tls.crt --upload-tls-key tls.key --manifests ./k8s
-""")
-@click.option("--upload-listen", metavar="HOST:PORT", help="Serve the upload endpoint of upload DataVolumes here (diskkit upload sends to it).")
-@click.option("--upload-tls-cert", type=click.Path(dir_okay=False, exists=True), help="Serve uploads over HTTPS with this certificate (PEM).")
-@click.option("--upload-tls-key", type=click.Path(dir_okay=False, exists=True), help="The private key of --upload-tls-cert.")
-@click.option("--vmi", "vmi_files", multiple=True, type=click.Path(dir_okay=False, exists=True), metavar="FILE", help="Also serve the upload dataVolumeTemplates of this VM/VMI (repeatable).")
-@cache_option
-@storage_options
-def serve(upload_listen, upload_tls_cert, upload_tls_key, vmi_files, cache_dir, store) -> None:
-    """Serve this node's endpoints until SIGTERM or Ctrl-C.
-
-    Uploads: every upload DataVolume of --manifests (and --vmi) accepts a disk from `diskkit
-    upload` with a token from `launcher dv token`; dropped uploads resume where they stopped, and
-    the disk is checked and converted to raw in its claim as an import is.
-    """
-    if not upload_listen:
-        raise click.UsageError("nothing to serve: give --upload-listen")
-    from .dvcli import serve_uploads
-
-    serve_uploads(upload_listen, upload_tls_cert, upload_tls_key, vmi_files, cache_dir, store)
 
 
 def main() -> None:

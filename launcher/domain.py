@@ -5,7 +5,8 @@ cache and io modes, iothreads, queues and CPU topology. Deliberate differences, 
 that runs outside a pod: the serial console is a pty logged to a file, there is no graphics, network,
 balloon or guest-agent channel, and the caller probes KVM and O_DIRECT and passes the results in.
 iSCSI and RBD PersistentVolumes become network disks qemu connects to itself (launcher.k8s resolves
-them), as KubeVirt's 2017 proposal for PV-backed disks had it.
+them), as KubeVirt's 2017 proposal for PV-backed disks had it. A lazily pulled containerDisk is an
+overlay whose backing store is an NBD export of the node's disk server, on a unix socket.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ class ResolvedDisk:
     direct_io: bool = True  # the caller's O_DIRECT probe of path (and backing); drives the cache mode
     read_only: bool = False
     preallocated: bool = False  # fully allocated file: io='native' is worth it, as for block devices
-    backing_type: str = "file"  # "file" | "block", for an overlay over a block device (ephemeral PVCs)
+    backing_type: str = "file"  # "file" | "block" | "network" (an overlay over an NBD export, lazy containerDisks)
     network: NetworkSource | None = None  # what qemu connects to when type is "network" (iSCSI, RBD PVs)
+    backing_network: NetworkSource | None = None  # the base qemu connects to when backing_type is "network"
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,7 @@ def _block_source(parent: ET.Element, path: str) -> None:
 
 
 _SOURCES = {"file": _file_source, "block": _block_source}
-_PROTOCOLS = ("iscsi", "rbd")
+_PROTOCOLS = ("iscsi", "rbd", "nbd")
 _SECRET_TYPES = {"iscsi": "iscsi", "rbd": "ceph"}
 
 
@@ -69,6 +71,8 @@ def _network_source(parent: ET.Element, network: NetworkSource) -> None:
     # The other portals reach the same LUN (multipath), which qemu cannot use.
     for name, port in network.hosts[:1] if network.protocol == "iscsi" else network.hosts:
         ET.SubElement(source, "host", {"name": name, **({"port": str(port)} if port is not None else {})})
+    if network.socket is not None:
+        ET.SubElement(source, "host", transport="unix", socket=network.socket)
     if network.auth_username is not None:
         # Inside <source>, libvirt's current form; the password stays in a libvirt secret (secret_xml).
         auth = ET.SubElement(source, "auth", username=network.auth_username)
@@ -82,8 +86,12 @@ def _network_problem(network: NetworkSource | None) -> str | None:
         return "is a network disk without a network source"
     if network.protocol not in _PROTOCOLS:
         return f"uses the unsupported network protocol {network.protocol}"
-    if not network.hosts:
+    if not network.hosts and network.socket is None:
         return f"has no host for its {network.protocol} source"
+    if network.socket is not None and (network.protocol != "nbd" or network.hosts):
+        return f"has a unix socket for its {network.protocol} source; only NBD sources without hosts take one"
+    if network.auth_username is not None and network.protocol not in _SECRET_TYPES:
+        return f"has {network.protocol} credentials, which the disk server does not take"
     if network.auth_username is not None and (network.secret_type != _SECRET_TYPES[network.protocol] or not network.secret_usage):
         return f"has {network.protocol} credentials but no {_SECRET_TYPES[network.protocol]} secret usage"
     return None
@@ -217,11 +225,20 @@ def _disk(vmi: VMI, disk: Disk, volume: Volume, resolved: ResolvedDisk, target: 
         _SOURCES[resolved.type](element, resolved.path)
     if resolved.backing is not None:
         base, base_format = resolved.backing
-        if resolved.backing_type not in _SOURCES:
+        if resolved.backing_type == "network":
+            problem = _network_problem(resolved.backing_network)
+            if problem:
+                raise SpecError(at, f"volume {volume.name}'s backing store {problem}")
+        elif resolved.backing_type not in _SOURCES:
             raise SpecError(at, f"volume {volume.name} has an unsupported backing type {resolved.backing_type}")
         store = ET.SubElement(element, "backingStore", type=resolved.backing_type)
         ET.SubElement(store, "format", type=base_format)
-        _SOURCES[resolved.backing_type](store, base)
+        if resolved.backing_type == "network":
+            _network_source(store, resolved.backing_network)
+            # The chain ends at the export: nothing a header inside it names is ever opened.
+            ET.SubElement(store, "backingStore")
+        else:
+            _SOURCES[resolved.backing_type](store, base)
 
     target_attrs = {"dev": target, "bus": disk.bus}
     if disk.device == "cdrom":

@@ -157,8 +157,8 @@ def token(name, namespace, ttl, cache_dir) -> None:
     click.echo(issue_token(node_key(Cache(cache_dir).root), namespace, plain, ttl))
 
 
-def serve_uploads(listen: str, tls_cert: str | None, tls_key: str | None, vmi_files: tuple[str, ...], cache_dir, store) -> None:
-    """The upload side of `launcher serve`: until SIGTERM or Ctrl-C."""
+def start_uploads(listen: str, tls_cert: str | None, tls_key: str | None, vmi_files: tuple[str, ...], cache_dir, store):
+    """The upload side of `launcher serve`, serving from a thread of its own."""
     from .uploadserver import UploadServer, node_key
 
     if (tls_cert is None) != (tls_key is None):
@@ -169,5 +169,5 @@ def serve_uploads(listen: str, tls_cert: str | None, tls_key: str | None, vmi_fi
         _say("note: no upload DataVolume in --manifests or --vmi; every upload will be refused")
     server.start()
     _say(f"serving uploads on {server.url}")
-    server.wait()
+    return server
 

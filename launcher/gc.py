@@ -10,6 +10,7 @@ from pathlib import Path
 from diskkit.errors import DiskkitError
 
 from .cache import Cache, tree_size
+from .diskserver import lazy_leftovers
 from .vms import cleanup, state
 from .runner import Libvirt
 
@@ -49,6 +50,10 @@ def collect(cache: Cache, max_size: int | None = None) -> Collected:
             out.vms_cleaned.append(record["domain"])
         for stale in cache.stale_staging():
             shutil.rmtree(stale, ignore_errors=True)
+        for partial in lazy_leftovers(cache):
+            out.freed += tree_size(partial)
+            shutil.rmtree(partial, ignore_errors=True)
+            out.removed.append(str(partial))
         entries = [(e, tree_size(e)) for e in cache.disks()]
         total = sum(size for _, size in entries)
         unused = sorted((e for e in entries if str(e[0]) not in in_use), key=lambda e: _last_use(e[0]))

@@ -205,6 +205,7 @@ class NetworkSource:
     secret_type: str | None = None  # libvirt secret usage type: "iscsi" | "ceph"
     secret_usage: str | None = None  # libvirt secret usage id the domain refers to
     initiator: str | None = None  # iSCSI initiatorName, for targets whose ACLs name their initiators
+    socket: str | None = None  # NBD over a unix socket (the node's disk server): no hosts then
 
 
 @dataclass(frozen=True)

@@ -67,30 +67,43 @@ def pull(
     if policy not in POLICIES:
         raise DiskkitError(ref, f"imagePullPolicy {policy!r} is not one of {', '.join(POLICIES)}")
     shown = str(parse_ref(ref))
-    platform_text = str(platform or Platform.host())
-    tag_key = key(shown, platform_text)
-    mode = "disk" if disk else "file"
-
-    # Local layouts and archives are re-read every time: resolving them costs nothing.
-    if policy != "Always" and parse_ref(ref).transport == "docker":
-        known = cache.read_json(cache.tag_path(tag_key))
-        hit = _cached(cache, key(known["digest"], path or "", mode, platform_text)) if known else None
-        if hit:
-            return hit
-        if policy == "Never":
-            raise DiskkitError(shown, "container image is not present with pull policy of Never")
+    hit = cached(cache, ref, path, platform, policy, disk)
+    if hit:
+        return hit
+    if policy == "Never" and parse_ref(ref).transport == "docker":
+        raise DiskkitError(shown, "container image is not present with pull policy of Never")
 
     with open_source(shown, registry) as source:
         image = source.image(platform)
-        ref_key = key(image.digest, path or "", mode, platform_text)
+        ref_key = image_key(image.digest, path, platform, disk)
         with cache.lock(ref_key):
             hit = _cached(cache, ref_key)
             if hit is None:
                 hit = _extract(cache, source, image, shown, path, disk, ref_key, notes)
-        cache.put_blob(image.digest, image.manifest_bytes)
-        cache.put_blob(image.config_descriptor.digest, image.config_bytes)
-    cache.write_json(cache.tag_path(tag_key), {"image": shown, "platform": platform_text, "digest": image.digest, "time": int(time.time())})
+        remember(cache, shown, platform, image)
     return hit
+
+
+def image_key(digest: str, path: str | None, platform: Platform | None, disk: bool = True) -> str:
+    """The key of the ref record for (manifest, path, platform): what a pull resolved to."""
+    return key(digest, path or "", "disk" if disk else "file", str(platform or Platform.host()))
+
+
+def cached(cache: Cache, ref: str, path: str | None, platform: Platform | None, policy: str, disk: bool = True) -> Pulled | None:
+    """The cache's answer under `policy` without asking the registry (IfNotPresent, Never); else None."""
+    # Local layouts and archives are re-read every time: resolving them costs nothing.
+    if policy == "Always" or parse_ref(ref).transport != "docker":
+        return None
+    known = cache.read_json(cache.tag_path(key(str(parse_ref(ref)), str(platform or Platform.host()))))
+    return _cached(cache, image_key(known["digest"], path, platform, disk)) if known else None
+
+
+def remember(cache: Cache, shown: str, platform: Platform | None, image) -> None:
+    """Manifest, config and the tag's digest, for IfNotPresent and `launcher ls`."""
+    cache.put_blob(image.digest, image.manifest_bytes)
+    cache.put_blob(image.config_descriptor.digest, image.config_bytes)
+    platform_text = str(platform or Platform.host())
+    cache.write_json(cache.tag_path(key(shown, platform_text)), {"image": shown, "platform": platform_text, "digest": image.digest, "time": int(time.time())})
 
 
 def _cached(cache: Cache, ref_key: str) -> Pulled | None:

@@ -40,12 +40,13 @@ class RunOptions:
     wait_for: str | None = None
     timeout: float | None = None
     storage: Storage | None = None
+    lazy: str = "auto"  # containerDisks through the node's disk server: "on", "off", or "auto" for images marked lazy
 
 
 def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, domain_type: str | None = None):
     """Pull what the VMI needs and render its domain; with `create`, the overlays are made too."""
     run_dir = cache.run_dir(vmi.domain_name)
-    prepared = prepare(vmi, cache, run_dir, opts.registry, opts.platform, create=create, store=opts.storage)
+    prepared = prepare(vmi, cache, run_dir, opts.registry, opts.platform, create=create, store=opts.storage, lazy=opts.lazy)
     host = Host(
         domain_type=domain_type or accel.domain_type(cache.root),
         serial_log=str(run_dir / "console.log"),

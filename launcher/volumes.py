@@ -23,7 +23,7 @@ from . import gendisks, storage
 from .cache import Cache
 from .domain import ResolvedDisk
 from .k8s import Claim, NetworkSource, Objects, network_disk, resolve_claim
-from .pull import Pulled, pull
+from .pull import Pulled, default_policy, pull
 from .vmi import VMI, Volume
 
 POD_DISKS = Path("/var/run/kubevirt-private/vmi-disks")  # virt-launcher's mounts, by volume name
@@ -103,9 +103,10 @@ def _free_bytes(directory: Path) -> int:
 
 
 class _Preparer:
-    def __init__(self, vmi: VMI, cache: Cache, run_dir: Path, registry, platform, create: bool, store: Storage):
+    def __init__(self, vmi: VMI, cache: Cache, run_dir: Path, registry, platform, create: bool, store: Storage, lazy: str = "off"):
         self.vmi, self.cache, self.run_dir = vmi, cache, run_dir
         self.registry, self.platform, self.create, self.store = registry, platform, create, store
+        self.lazy = lazy if create else "off"  # a dry run starts no disk server
         self.out = Prepared()
 
     def resolve(self, volume: Volume, where: str) -> ResolvedDisk:
@@ -132,8 +133,25 @@ class _Preparer:
 
     # --- one method per volume kind (KubeVirt's key) ----------------------------------------
 
+    def _nbd_overlay(self, volume: Volume, attached) -> ResolvedDisk:
+        """The overlay over a disk the node's disk server exports (a lazy containerDisk)."""
+        overlay = self.run_dir / volume.name / "disk.qcow2"
+        overlay.parent.mkdir(parents=True, exist_ok=True)
+        qemuimg.create_overlay(attached.url, attached.format, overlay, size=attached.virtual_size)
+        export = NetworkSource("nbd", attached.export, (), socket=attached.socket)
+        return ResolvedDisk(str(overlay), "qcow2", backing=(attached.url, attached.format), direct_io=direct_io_supported(overlay),
+                            backing_type="network", backing_network=export)
+
     def _containerDisk(self, volume: Volume, where: str) -> ResolvedDisk:
         source = volume.source
+        if self.lazy != "off":
+            from .diskserver import attach
+
+            policy = source.image_pull_policy or default_policy(source.image)
+            attached = attach(self.cache, source.image, source.path, self.platform, self.registry, self.lazy, policy, self.out.notes)
+            if attached is not None:
+                self.out.pulled.append(attached.pulled)
+                return self._nbd_overlay(volume, attached)
         base = pull(self.cache, source.image, source.path, self.platform, self.registry, source.image_pull_policy, notes=self.out.notes)
         self.out.pulled.append(base)
         return self._overlay(volume, base.path, base.format)
@@ -274,12 +292,13 @@ def prepare(
     platform: Platform | None = None,
     create: bool = True,
     store: Storage | None = None,
+    lazy: str = "off",
 ) -> Prepared:
     """Resolve every volume; with `create`, make the overlays and images under `run_dir` and in claims.
 
     Without `create` (the dry run of `launcher domain`) paths are planned, not made.
     """
-    worker = _Preparer(vmi, cache, run_dir, registry, platform, create, store or Storage())
+    worker = _Preparer(vmi, cache, run_dir, registry, platform, create, store or Storage(), lazy)
     for volume in vmi.volumes:
         worker.out.disks[volume.name] = worker.resolve(volume, f"spec.volumes[{volume.index}]")
     boot = vmi.domain.firmware.kernel_boot if vmi.domain.firmware is not None else None

@@ -9,7 +9,7 @@ APT_PACKAGES=(
     qemu-utils qemu-system-x86 qemu-block-extra
     skopeo umoci buildah docker-registry
     xorriso genisoimage mtools syslinux syslinux-common fdisk dosfstools busybox-static cpio kmod e2fsprogs
-    util-linux zstd
+    util-linux zstd libnbd-bin
     libvirt-daemon-system libvirt-clients libvirt-dev pkg-config libxml2-utils ovmf tgt
 )
 

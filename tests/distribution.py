@@ -340,6 +340,10 @@ class RunningRegistry:
         self._stop_process()
         self._start()
 
+    def start(self) -> None:
+        """Start again after stop(), on the same port with the same storage."""
+        self._start()
+
 
 def start_registry(workdir: Path, auth: str = "none", tls: bool = False, token_ttl: int = 300) -> RunningRegistry:
     if auth not in ("none", "htpasswd", "token"):

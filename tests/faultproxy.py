@@ -25,7 +25,8 @@ Actions (``Fault.action``):
 
 Faults are tried in the order added; the first live one whose method (or ``"*"``) equals the
 request method and whose ``path`` regex is found (``re.search``) in the request target — path plus
-query string — applies and uses up one of its ``times``.
+query string — applies and uses up one of its ``times``. A fault with ``header=(NAME, REGEX)`` also
+needs that request header to match (e.g. ``("Range", r"^bytes=1536-")`` for one range request).
 """
 
 from __future__ import annotations
@@ -61,13 +62,19 @@ class Fault:
     action: str
     times: int = 1
     arg: float = 0
+    header: tuple[str, str] | None = None
 
     def __post_init__(self):
         if self.action not in ACTIONS:
             raise ValueError(f"unknown fault action {self.action!r} (one of {', '.join(ACTIONS)})")
         self._regex = re.compile(self.path)
+        self._header = (self.header[0], re.compile(self.header[1])) if self.header else None
 
-    def matches(self, method: str, target: str) -> bool:
+    def matches(self, method: str, target: str, headers=None) -> bool:
+        if self._header is not None:
+            value = headers.get(self._header[0]) if headers is not None else None
+            if value is None or self._header[1].search(value) is None:
+                return False
         return self.times > 0 and self.method in ("*", method) and self._regex.search(target) is not None
 
 
@@ -257,7 +264,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _proxy_request(self) -> None:
         proxy = self.server.proxy
         kind, length = self._body_kind()
-        fault = proxy._take(self.command, self.path)
+        fault = proxy._take(self.command, self.path, self.headers)
         action = fault.action if fault else None
 
         if action == "status" or action == "retry_after":
@@ -426,10 +433,10 @@ class FaultProxy:
         with self._lock:
             return [f for f in self._faults if f.times > 0]
 
-    def _take(self, method: str, target: str) -> Fault | None:
+    def _take(self, method: str, target: str, headers=None) -> Fault | None:
         with self._lock:
             for fault in self._faults:
-                if fault.matches(method, target):
+                if fault.matches(method, target, headers):
                     fault.times -= 1
                     return fault
         return None

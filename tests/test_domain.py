@@ -30,7 +30,8 @@ def network_source(fields: dict) -> NetworkSource:
 
 def resolved_disk(fields: dict) -> ResolvedDisk:
     return ResolvedDisk(**{**fields, "backing": tuple(fields["backing"]) if fields.get("backing") else None,
-                           "network": network_source(fields["network"]) if fields.get("network") else None})
+                           "network": network_source(fields["network"]) if fields.get("network") else None,
+                           "backing_network": network_source(fields["backing_network"]) if fields.get("backing_network") else None})
 
 
 def load_case(name: str):
@@ -229,7 +230,10 @@ def test_lun_passthrough_is_for_iscsi_network_disks_only():
 
 @pytest.mark.parametrize("source, problem", [
     (None, "is a network disk without a network source"),
-    (NetworkSource("nbd", "x", (("h", 10809),)), "uses the unsupported network protocol nbd"),
+    (NetworkSource("gluster", "x", (("h", 24007),)), "uses the unsupported network protocol gluster"),
+    (NetworkSource("nbd", "x", ()), "has no host for its nbd source"),
+    (NetworkSource("iscsi", "q/0", (), socket="/run/x.sock"), "has a unix socket for its iscsi source; only NBD sources without hosts take one"),
+    (NetworkSource("nbd", "x", (), "u", socket="/run/x.sock"), "has nbd credentials, which the disk server does not take"),
     (NetworkSource("rbd", "p/i", ()), "has no host for its rbd source"),
     (NetworkSource("rbd", "p/i", (("h", 6789),), "kube"), "has rbd credentials but no ceph secret usage"),
     (NetworkSource("iscsi", "q/0", (("h", 3260),), "u", "ceph", "x"), "has iscsi credentials but no iscsi secret usage"),

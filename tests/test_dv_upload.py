@@ -31,7 +31,7 @@ class Serve:
         self.cache = cache
         self.host = f"127.0.0.1:{free_port()}"
         self.url = f"http://{self.host}"
-        cmd = launcher_command("serve", "--upload-listen", self.host, "--cache-dir", cache, *claims.args())
+        cmd = launcher_command("serve", "--no-disks", "--upload-listen", self.host, "--cache-dir", cache, *claims.args())
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
         ready = threading.Event()

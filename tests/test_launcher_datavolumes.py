@@ -142,7 +142,7 @@ def test_an_upload_waits_for_its_first_consumer_then_the_vm_boots_from_it(qemu_u
     storage = ["--manifests", manifests, *(arg for name, path in claims.items() for arg in ("--pvc", f"{name}={path}"))]
     host = f"127.0.0.1:{free_port()}"
     cache = tmp_path / "serve-cache"
-    serve = subprocess.Popen(launcher_command("serve", "--upload-listen", host, "--cache-dir", cache, *map(str, storage)),
+    serve = subprocess.Popen(launcher_command("serve", "--no-disks", "--upload-listen", host, "--cache-dir", cache, *map(str, storage)),
                              stderr=subprocess.DEVNULL)
     try:
         token = run_launcher("dv", "token", "upboot", "--cache-dir", cache).out.strip()

@@ -1,0 +1,251 @@
+"""Benchmark booting before the image has arrived: lazy (NBD from the registry) against a full pull.
+
+The test guest as a raw disk, once at its own 64 MiB and once padded with pseudo-random data to
+4 GiB (same content, extra data at the end that every full pull must move), each built with
+`diskkit build --lazy` and pushed to a CNCF distribution registry on a free 127.0.0.1 port.
+
+  lazy   `launcher run --lazy --console VMI` with a fresh cache: the run starts the node's disk
+         server, which exports the disk over NBD and fetches byte ranges as the guest reads them
+  full   `launcher run --no-lazy --console VMI` with a fresh cache: the whole layer is pulled,
+         verified and extracted before the VM is defined
+
+Timed: from the `launcher run` process starting to the guest's first console line on its stdout,
+run as the unprivileged qemu user through libvirt's session daemon (TCG unless KVM makes progress).
+For lazy runs the share of the 4 GiB blob already fetched at that moment is reported too.
+Variants are interleaved, one fresh cache per run, writeback flushed before each; medians printed.
+Targets: the 4 GiB image boots lazily within 1.5x of the 64 MiB one, and at least 5x faster than
+a full pull of the 4 GiB image.
+
+Run from the project root, as root (it creates the qemu user's scratch directories):
+    .venv/bin/python bench/lazy.py
+    .venv/bin/python bench/lazy.py --runs 1 --large-mb 1024 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def _load(name: str):
+    """A sibling bench script as a module (bench/ is not a package)."""
+    path = Path(__file__).resolve().with_name(f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"diskkit_bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+breg = _load("registry")
+bb = breg.bb
+MIB = bb.MIB
+ROOT = Path(__file__).resolve().parent.parent
+GUEST = ROOT / "build" / "testguest" / "testguest.qcow2"
+QEMU_UID = 107
+TARGET_SIZE_RATIO = 1.5  # lazy large / lazy small
+TARGET_FULL_RATIO = 5.0  # full large / lazy large
+FIRST_LINE_TIMEOUT = 900.0
+
+VMI = """apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstance
+metadata:
+  name: {name}
+spec:
+  domain:
+    resources:
+      requests:
+        memory: 128Mi
+    devices:
+      disks:
+        - name: root
+          disk:
+            bus: virtio
+  volumes:
+    - name: root
+      containerDisk:
+        image: {image}
+"""
+
+
+def padded_guest(workdir: Path, size: int, log) -> Path:
+    """The test guest as raw, padded to `size` with seeded pseudo-random bytes; made once, cached."""
+    out = workdir / f"lazy-guest-{size // MIB}m.img"
+    if out.is_file() and out.stat().st_size == size:
+        return out
+    log(f"making {out.name} ...")
+    tmp = out.with_name(out.name + ".tmp")
+    bb.run_quiet(["qemu-img", "convert", "-f", "qcow2", "-O", "raw", str(GUEST), str(tmp)])
+    if tmp.stat().st_size > size:
+        raise SystemExit(f"the test guest is larger than {size} bytes")
+    rng = random.Random(size)
+    with open(tmp, "ab") as f:
+        while (left := size - f.tell()) > 0:
+            f.write(rng.randbytes(min(left, 8 << 20)))
+    tmp.replace(out)
+    return out
+
+
+class QemuScratch:
+    """The qemu user's HOME (one libvirt session daemon for the bench) and a fresh cache per run."""
+
+    def __init__(self):
+        # Under /tmp: libvirt's and the disk server's unix socket paths must stay under 108 bytes.
+        self.root = Path(tempfile.mkdtemp(prefix="diskkit-lazy-"))
+        os.chmod(self.root, 0o755)
+        self.home = self.root / "home"
+        self._mkdir(self.home)
+
+    def _mkdir(self, path: Path) -> Path:
+        path.mkdir()
+        os.chown(path, QEMU_UID, QEMU_UID)
+        return path
+
+    def fresh_cache(self, name: str) -> Path:
+        return self._mkdir(self.root / name)
+
+    def command(self, *args: str) -> list[str]:
+        return ["setpriv", f"--reuid={QEMU_UID}", f"--regid={QEMU_UID}", "--clear-groups", "env", f"HOME={self.home}",
+                "XDG_RUNTIME_DIR=", "CI=true", *bb.tool_command("launcher"), *args]
+
+    def close(self) -> None:
+        for pidfile in self.root.glob("**/.cache/libvirt/*.pid"):
+            with contextlib.suppress(OSError, ValueError):
+                os.kill(int(pidfile.read_text().strip()), signal.SIGTERM)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def server_status(cache: Path) -> dict | None:
+    with contextlib.suppress(OSError, ValueError), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(10)
+        sock.connect(str(cache / "serve" / "control.sock"))
+        sock.sendall(b'{"op": "status"}\n')
+        data = b""
+        while not data.endswith(b"\n"):
+            piece = sock.recv(65536)
+            if not piece:
+                break
+            data += piece
+        return json.loads(data)
+    return None
+
+
+def boot_once(scratch: QemuScratch, image: str, lazy: bool, run_id: str) -> dict:
+    """Seconds from `launcher run` to the first console line; then the VM and any server are stopped."""
+    cache = scratch.fresh_cache(f"cache-{run_id}")
+    vmi = scratch.root / f"{run_id}.yaml"
+    vmi.write_text(VMI.format(name=run_id, image=image))
+    command = scratch.command("run", "--cache-dir", str(cache), "--tls-verify=false", "--lazy" if lazy else "--no-lazy",
+                              "--console", "--timeout", str(int(FIRST_LINE_TIMEOUT)), str(vmi))
+    os.sync()
+    started = time.monotonic()
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    fetched = None
+    try:
+        while True:
+            line = proc.stdout.readline()
+            if not line:
+                raise SystemExit(f"launcher run ({run_id}) ended before any console line:\n{proc.stderr.read()}")
+            if line.strip():
+                seconds = time.monotonic() - started
+                break
+        status = server_status(cache) if lazy else None
+        if status and status["exports"]:
+            export = status["exports"][0]
+            fetched = export["present"] / export["chunks"]
+    finally:
+        proc.send_signal(signal.SIGTERM)  # destroys the domain and removes its overlay
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.communicate(timeout=60)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        status = server_status(cache)
+        if status:
+            with contextlib.suppress(OSError):
+                os.kill(status["pid"], signal.SIGTERM)
+            deadline = time.monotonic() + 30
+            while (cache / "serve" / "control.sock").exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+        shutil.rmtree(cache, ignore_errors=True)
+    return {"seconds": seconds, "fetched": fetched}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--small-mb", type=int, default=64, help="the small image's disk, MiB (default %(default)s: the guest itself)")
+    parser.add_argument("--large-mb", type=int, default=4096, help="the large image's disk, MiB (default %(default)s)")
+    parser.add_argument("--runs", type=int, default=3, help="runs per variant, interleaved (default %(default)s)")
+    parser.add_argument("--workdir", type=Path, default=bb.DEFAULT_WORKDIR, help="cache for the disks and scratch (default build/bench)")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON instead of a table")
+    args = parser.parse_args(argv)
+    args.size_mb = args.small_mb
+    workdir = bb.checked_workdir(parser, args, ("docker-registry", "qemu-img", "setpriv", "virsh"))
+    if os.geteuid() != 0 or not GUEST.is_file():
+        parser.error("runs as root (it starts VMs as the qemu user) and needs build/testguest (scripts/setup.sh)")
+    if args.large_mb <= args.small_mb:
+        parser.error("--large-mb must be larger than --small-mb")
+    log = bb.log
+    sizes = {"small": args.small_mb * MIB, "large": args.large_mb * MIB}
+    disks = {label: padded_guest(workdir, size, log) for label, size in sizes.items()}
+    registry = breg.Registry(workdir)
+    scratch = QemuScratch()
+    samples: dict[tuple[str, str], list[dict]] = {(mode, label): [] for mode in ("lazy", "full") for label in sizes}
+    try:
+        images = {}
+        for label, disk in disks.items():
+            log(f"pushing {disk.name} (--lazy) ...")
+            images[label] = f"{registry.host}/bench/lazy-{label}:v1"
+            bb.run_quiet([*bb.diskkit_command(), "build", "--lazy", "--tls-verify=false", str(disk), "-t", images[label]])
+        for i in range(1, args.runs + 1):
+            for (mode, label), found in samples.items():
+                sample = boot_once(scratch, images[label], mode == "lazy", f"{mode}-{label}-{i}")
+                found.append(sample)
+                share = f", {sample['fetched']:.1%} of the blob fetched" if sample["fetched"] is not None else ""
+                log(f"  run {i} {mode:4} {label:5} {sample['seconds']:.2f} s{share}")
+    finally:
+        scratch.close()
+        registry.stop()
+
+    med = {key: statistics.median(s["seconds"] for s in found) for key, found in samples.items()}
+    fetched = statistics.median(s["fetched"] for s in samples[("lazy", "large")] if s["fetched"] is not None) if any(
+        s["fetched"] is not None for s in samples[("lazy", "large")]) else None
+    size_ratio = med[("lazy", "large")] / med[("lazy", "small")]
+    full_ratio = med[("full", "large")] / med[("lazy", "large")]
+    checks = [
+        {"name": f"lazy {args.large_mb} MiB / lazy {args.small_mb} MiB", "value": round(size_ratio, 2), "target": f"<= {TARGET_SIZE_RATIO:g}x", "pass": size_ratio <= TARGET_SIZE_RATIO},
+        {"name": f"full / lazy, {args.large_mb} MiB", "value": round(full_ratio, 2), "target": f">= {TARGET_FULL_RATIO:g}x", "pass": full_ratio >= TARGET_FULL_RATIO},
+    ]
+    if args.json:
+        print(json.dumps({"runs": args.runs, "sizes_mib": {k: v // MIB for k, v in sizes.items()},
+                          "first_line_s": {f"{m}-{l}": round(v, 2) for (m, l), v in med.items()},
+                          "lazy_large_fetched_at_first_line": fetched, "checks": checks}, indent=2))
+        return 0
+    print(f"test guest (raw) at {args.small_mb} MiB and {args.large_mb} MiB, built --lazy; seconds from `launcher run` to the"
+          f" first console line, median of {args.runs} run(s)\n")
+    print(f"{'':6} {f'{args.small_mb} MiB':>10} {f'{args.large_mb} MiB':>10}")
+    for mode in ("lazy", "full"):
+        print(f"{mode:6} {med[(mode, 'small')]:10.2f} {med[(mode, 'large')]:10.2f}")
+    if fetched is not None:
+        print(f"\nlazy {args.large_mb} MiB: {fetched:.1%} of the blob had arrived when the first line appeared")
+    print()
+    for c in checks:
+        print(f"{c['name']:38} {c['value']:>8}  target {c['target']:7} {'PASS' if c['pass'] else 'MISS'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""Helpers for the lazy-pull tests: a `launcher serve` process, its control socket, padded guests.
+
+The disk server runs as a real process (as root or as the qemu user), on a cache of the test's
+own; tests ask it what it holds through the same control socket `launcher run` uses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Iterator
+
+from tests.conftest import launcher_command, run
+
+QEMU_UID = 107
+
+
+def control(cache: Path, obj: dict, timeout: float = 120) -> dict:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        sock.connect(str(cache / "serve" / "control.sock"))
+        sock.sendall(json.dumps(obj).encode() + b"\n")
+        data = b""
+        while not data.endswith(b"\n"):
+            piece = sock.recv(65536)
+            if not piece:
+                break
+            data += piece
+    return json.loads(data)
+
+
+def open_export(cache: Path, ref: str, path: str | None = None) -> dict:
+    answer = control(cache, {"op": "open", "image": ref, "path": path, "registry": {"tls_verify": False, "retries": 8, "backoff": 0.2}})
+    assert answer.get("ok"), answer
+    return answer
+
+
+def export_status(cache: Path, name: str) -> dict:
+    for export in control(cache, {"op": "status"})["exports"]:
+        if export["export"] == name:
+            return export
+    raise AssertionError(f"no export {name}")
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(interval)
+
+
+@contextlib.contextmanager
+def disk_server(cache: Path, *args: str, user: int | None = None, env: dict | None = None) -> Iterator[subprocess.Popen]:
+    """`launcher serve --cache-dir CACHE ARGS`, ready when its control socket answers; SIGTERM after."""
+    log = open(cache.parent / f"serve-{cache.name}.log", "ab")
+    command = launcher_command("serve", "--cache-dir", cache, "--tls-verify=false", *args, user=str(user) if user is not None else None)
+    proc = subprocess.Popen(command, stdout=log, stderr=log, env={**os.environ, "CI": "true", **(env or {})})
+    try:
+        def ready():
+            assert proc.poll() is None, (cache.parent / f"serve-{cache.name}.log").read_text()
+            with contextlib.suppress(OSError, ValueError):
+                return control(cache, {"op": "status"}, timeout=5).get("ok")
+        wait_for(ready, 30, "the disk server to answer")
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.close()
+
+
+def stop_spawned_server(cache: Path) -> None:
+    """The server `launcher run` started (detached) for a cache: SIGTERM it by the pid it reports."""
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        pid = control(cache, {"op": "status"}, timeout=5)["pid"]
+        os.kill(pid, signal.SIGTERM)
+        wait_for(lambda: not (cache / "serve" / "control.sock").exists(), 30, "the spawned server to exit")
+
+
+def padded_guest(guest_qcow2: Path, out: Path, size: int, seed: int = 1) -> Path:
+    """The test guest as a raw disk of `size` bytes: its 64 MiB, then pseudo-random data to the end.
+
+    Random, so the padding is real data every byte of which has to travel (zeros would be no test
+    of anything); seeded, so the same size always gives the same image."""
+    if out.exists() and out.stat().st_size == size:
+        return out
+    tmp = out.with_name(out.name + ".tmp")
+    run("qemu-img", "convert", "-f", "qcow2", "-O", "raw", guest_qcow2, tmp)
+    assert size >= tmp.stat().st_size
+    _append_random(tmp, size, seed)
+    tmp.replace(out)
+    return out
+
+
+def random_disk(out: Path, size: int, seed: int = 2) -> Path:
+    """A raw disk of pseudo-random bytes: no chunk is zero, every one has to be fetched and checked."""
+    out.write_bytes(b"")
+    _append_random(out, size, seed)
+    return out
+
+
+def _append_random(path: Path, size: int, seed: int) -> None:
+    rng = random.Random(seed)
+    with open(path, "ab") as f:
+        left = size - f.tell()
+        while left > 0:
+            n = min(left, 4 << 20)
+            f.write(rng.randbytes(n))
+            left -= n

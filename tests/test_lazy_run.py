@@ -1,0 +1,135 @@
+"""Booting before the image has arrived: `launcher run --lazy` as the qemu user (UID 107), through
+libvirt's session daemon, the disk served by `launcher serve` over NBD from a real registry.
+
+The guest is the test guest padded with random data to 256 MiB, and the server prefetches slowly,
+so the console's first line appears while most of the blob is still in the registry; a corrupt
+range response, a registry restart mid-boot and a server started by `run` itself are survived."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run, run_diskkit
+from tests.distribution import start_registry
+from tests.faultproxy import Fault
+from tests.lazyhost import QEMU_UID, control, disk_server, padded_guest, stop_spawned_server, wait_for
+from tests.testguest import ensure_testguest, parse_console
+from tests.vmhost import DONE, NOREG, assert_clean
+
+READY = "DISKKIT-TESTGUEST v1 READY"
+PADDED = 256 << 20
+
+
+@pytest.fixture(scope="module")
+def lazy_registry(tmp_path_factory):
+    """A registry of this module's own: one test stops and restarts it."""
+    registry = start_registry(tmp_path_factory.mktemp("lazy-registry"))
+    yield registry
+    registry.stop()
+
+
+def push_padded(registry, root: Path, tag: str, seed: int) -> tuple[str, Path]:
+    disk = padded_guest(ensure_testguest() / "testguest.qcow2", root / f"padded-{tag}.img", PADDED, seed)
+    ref = f"{registry.host}/lazy/guest:{tag}"
+    result = run_diskkit("build", NOREG, "--lazy", disk, "-t", ref)
+    assert result.code == 0, result.err
+    return ref, disk
+
+
+@pytest.fixture(scope="module")
+def padded_image(lazy_registry, qemu_user) -> tuple[str, Path]:
+    return push_padded(lazy_registry, qemu_user.root, "padded", 1)
+
+
+def only_export(cache: Path) -> dict:
+    exports = control(cache, {"op": "status"})["exports"]
+    assert len(exports) == 1, exports
+    return exports[0]
+
+
+def follow(proc, until: str, timeout: float = 300) -> str:
+    seen = ""
+    deadline = time.monotonic() + timeout
+    while until not in seen:
+        line = proc.stdout.readline()
+        assert line or proc.poll() is None, seen + proc.stderr.read()
+        seen += line
+        assert time.monotonic() < deadline, seen
+    return seen
+
+
+def finish(proc, seen: str) -> dict:
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    console = parse_console(seen + out)
+    assert console["ready"] and console["done"], seen + out
+    assert console["disks"]["vda"]["size"] == PADDED
+    assert console["disks"]["vda"]["head"].startswith("33c0")  # the guest's own MBR, read through NBD
+    assert console["stamps"]["vda"] == (0, 1)  # written to the VM's overlay, not to the shared export
+    return console
+
+
+def test_boots_before_the_blob_has_arrived_and_a_corrupt_chunk_is_fetched_again(qemu_user, lazy_registry, padded_image, fault_proxy):
+    """The node's server runs as root; qemu, as UID 107, reaches its socket through the qemu group."""
+    ref, _ = padded_image
+    proxy = fault_proxy(lazy_registry)
+    # One bit flipped in the first range response that carries disk data (the blob's disk starts at 1024).
+    proxy.add(Fault("GET", r"/blobs/sha256:", "flip", times=1, arg=300, header=("Range", r"^bytes=1024-")))
+    cache = qemu_user.cache
+    assert qemu_user.launcher("ls").code == 0  # the cache's layout made by its owner, before root's server uses it
+    with disk_server(cache, "--prefetch-rate", "4M"):
+        vmi = qemu_user.write_vmi("lazy-early", ref.replace(lazy_registry.host, proxy.host))
+        proc = qemu_user.popen("run", NOREG, "--lazy", "--console", "--timeout", "300", vmi)
+        seen = follow(proc, READY)
+        export = only_export(cache)
+        assert export["present"] < export["chunks"] // 2, export  # booted with most of the blob still away
+        assert (cache / "lazy" / export["export"] / "bitmap").is_file()
+        finish(proc, seen)
+        export = only_export(cache)
+        assert export["stats"]["corrupt_chunks"] == 1 and not proxy.pending, export
+        assert not export["verified"]  # still prefetching: the VM never waited for the whole blob
+    run("chown", "-R", f"{QEMU_UID}:{QEMU_UID}", cache)  # what root's server wrote goes back to the cache's owner
+    assert_clean(qemu_user, "default_lazy-early")
+
+
+def test_registry_restart_during_the_boot(qemu_user, lazy_registry):
+    ref, _ = push_padded(lazy_registry, qemu_user.root, "restart", 3)  # nothing of it fetched yet
+    cache = qemu_user.cache
+    with disk_server(cache, "--prefetch-rate", "4M", user=QEMU_UID, env=qemu_user.env):
+        vmi = qemu_user.write_vmi("lazy-restart", ref)
+        # Few, quick retries per request: the outage must outlast the registry client's own patience.
+        proc = qemu_user.popen("run", NOREG, "--retry-times", "1", "--retry-delay", "0.2", "--lazy", "--console", "--timeout", "300", vmi)
+        wait_for(lambda: control(cache, {"op": "status"})["exports"], 120, "the export to open")
+        lazy_registry.stop()
+        try:
+            time.sleep(10)
+            assert proc.poll() is None
+        finally:
+            lazy_registry.start()
+        finish(proc, follow(proc, DONE))
+        export = only_export(cache)
+        assert export["stats"]["failed_fetches"] >= 1, export  # the outage was felt, and survived
+    assert_clean(qemu_user, "default_lazy-restart")
+
+
+def test_run_starts_a_server_for_an_image_marked_lazy_and_pull_then_finds_the_disk(qemu_user, lazy_registry, padded_image):
+    ref, disk = padded_image
+    cache = qemu_user.cache
+    vmi = qemu_user.write_vmi("lazy-auto", ref)
+    try:
+        result = qemu_user.launcher("run", NOREG, "--console", "--timeout", "300", vmi)  # no --lazy: the image says so
+        assert result.code == 0, result.err
+        console = parse_console(result.out)
+        assert console["done"] and console["disks"]["vda"]["size"] == PADDED
+        export = wait_for(lambda: (e := only_export(cache))["installed"] and e, 180, "the disk to be verified and installed")
+        assert export["verified"]
+        pulled = json.loads(qemu_user.launcher("pull", NOREG, "--json", ref).out)
+        assert pulled["path"] == export["installed"]
+        assert Path(pulled["path"]).read_bytes() == disk.read_bytes()
+    finally:
+        stop_spawned_server(cache)
+    assert_clean(qemu_user, "default_lazy-auto")
