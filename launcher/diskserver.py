@@ -25,11 +25,12 @@ import logging
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from diskkit import diskheader, lazytoc, qemuimg
@@ -165,6 +166,8 @@ class DiskServer:
             export = self._reopen(name)
         if export is not None:
             self.last_activity = time.monotonic()
+            if isinstance(export, LazyDisk):
+                export.touch()
         return export
 
     def listing(self) -> list:
@@ -204,13 +207,13 @@ class DiskServer:
 
     # --- control requests -----------------------------------------------------------------------
 
-    def open(self, request: dict) -> dict:
+    def open(self, request: dict, peer_uid: int | None = None) -> dict:
         ref = request.get("image")
         if not isinstance(ref, str) or not ref:
             raise DiskkitError("open", "needs an image reference")
         path = request.get("path")
         platform = Platform.parse(request["platform"]) if request.get("platform") else None
-        registry = RegistryOptions(**request["registry"]) if request.get("registry") else self.opts.registry
+        registry = self._registry_options(request.get("registry"), peer_uid)
         parsed = parse_ref(ref)
         shown = str(parsed)
         if parsed.transport != "docker":
@@ -236,6 +239,7 @@ class DiskServer:
             remember(self.cache, shown, platform, image)
         ref_record = Ref(image_key(image.digest, path, platform), shown, image.digest)
         if isinstance(export, LazyDisk):
+            export.touch()  # a VM is about to start on it
             export.add_ref(ref_record)
         else:
             record(self.cache, ref_record, export.path)
@@ -252,6 +256,16 @@ class DiskServer:
             "notes": notes,
             "status": export.status(),
         }
+
+    def _registry_options(self, asked: dict | None, peer_uid: int | None) -> RegistryOptions:
+        """The request's options; files it names are read only for a client as privileged as this server,
+        so a client in the qemu group cannot make a root server read (or use) another user's auth file."""
+        if not asked:
+            return self.opts.registry
+        options = RegistryOptions(**asked)
+        if peer_uid not in (0, os.geteuid()):
+            options = replace(options, authfile=self.opts.registry.authfile, cert_dir=self.opts.registry.cert_dir)
+        return options
 
     def status(self) -> dict:
         return {"ok": True, "pid": os.getpid(), "socket": str(self.nbd_path), "connections": self.nbd.connections,
@@ -273,7 +287,7 @@ class DiskServer:
                 self.last_activity = time.monotonic()
                 op = request.get("op")
                 if op == "open":
-                    answer = self.open(request)
+                    answer = self.open(request, _peer_uid(conn))
                 elif op == "status":
                     answer = self.status()
                 else:
@@ -332,6 +346,14 @@ class DiskServer:
             with contextlib.suppress(Exception):
                 export.close()
         os.close(self._lock_fd)
+
+
+def _peer_uid(conn: socket.socket) -> int | None:
+    try:
+        _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        return uid
+    except OSError:
+        return None
 
 
 def _header_problems(export) -> list[str]:

@@ -17,6 +17,7 @@ is the export marked verified and the file moved into the cache's extracted-disk
     <root>/lazy/<export>/disk.img      sparse; chunk i at offset i * chunkSize
     <root>/lazy/<export>/bitmap        one bit per chunk here (and verified, with a TOC)
     <root>/lazy/<export>/state.json    counters, verified flag
+    <root>/lazy/<export>/refs.json     the images that resolved to it, recorded for pulls once installed
     <root>/lazy/<export>/head, tail    the blob's bytes before and after the disk, for its digest
 """
 
@@ -55,6 +56,8 @@ from .nbd import NbdError
 log = logging.getLogger("launcher.lazydisk")
 
 PREFETCH_SPAN = 8 << 20  # bytes per prefetch request
+GUEST_BUSY = 3.0  # a guest that connected or read this recently is booting or working: prefetch gently
+BUSY_SPAN_EVERY = 0.25  # then one span per thread this often (32 MiB/s each), enough to stay ahead of a boot
 MAX_MEMBERS = 10000  # tar headers walked by range requests before giving up on lazy reads
 MAX_HEAD_TAIL = 64 << 20  # the blob's bytes besides the disk, kept for the final digest
 WINDOW = 64 << 10  # header reads fetch this much at once: consecutive headers cost one request
@@ -341,6 +344,8 @@ class LazyDisk:
         self.installed: Path | None = None
         self.cursor = 0
         self.demand_active = 0  # fetches a reader waits for: prefetching stands back meanwhile
+        self.last_read = 0.0
+        self.stale_data = False  # after a failed blob digest the file holds suspect bytes: zeros get written too
         self.dirty = False
         self.bucket = _Bucket(opts.prefetch_rate)
         self._completing = False
@@ -352,6 +357,8 @@ class LazyDisk:
         for k, v in (state.get("stats") or {}).items():
             if hasattr(self.stats, k):
                 setattr(self.stats, k, int(v))
+        for ref in (cache.read_json(self.dir / "refs.json") or {}).get("refs", []):
+            self.refs[ref["ref_key"]] = Ref(**ref)
         self.threads = [threading.Thread(target=self._prefetch, name=f"prefetch-{i}", daemon=True) for i in range(max(1, opts.prefetch_threads))]
         self.saver = threading.Thread(target=self._save_regularly, name="save", daemon=True)
 
@@ -399,13 +406,22 @@ class LazyDisk:
         os.close(self.fd)
 
     def add_ref(self, ref: Ref) -> None:
+        """Kept with the state, so a server restarted before the end still records every image."""
         with self.lock:
+            known = ref.ref_key in self.refs
             self.refs[ref.ref_key] = ref
             installed = self.installed
+            refs = [asdict(r) for r in self.refs.values()]
         if installed is not None:
             record(self.cache, ref, installed)
+        elif not known:
+            write_atomic(self.dir / "refs.json", json.dumps({"refs": refs}, indent=2).encode())
 
     # --- the NBD side ---------------------------------------------------------------------------
+
+    def touch(self) -> None:
+        """A client connected: a VM is starting, and its boot needs the CPU more than the prefetch."""
+        self.last_read = time.monotonic()
 
     def read(self, offset: int, length: int) -> bytes:
         if self.failed is not None:
@@ -420,6 +436,7 @@ class LazyDisk:
             first, last = offset // self.layout.chunk_size, (offset + length - 1) // self.layout.chunk_size
             self._ensure(first, last)
             self.cursor = last + 1  # prefetch where the guest is reading: boots read sequentially
+        self.last_read = time.monotonic()
         data = os.pread(self.fd, length, offset)
         if len(data) != length:
             raise NbdError(errno.EIO, f"short read at {offset}")
@@ -504,7 +521,7 @@ class LazyDisk:
             if lay.chunks is not None and hashlib.sha256(piece).hexdigest() != lay.chunks[index]:
                 bad.append(index)
                 continue
-            if piece != self._zero[: len(piece)]:
+            if self.stale_data or piece != self._zero[: len(piece)]:
                 os.pwrite(self.fd, piece, index * lay.chunk_size)  # zero chunks stay holes
             good.append(index)
         with self.lock:
@@ -544,11 +561,19 @@ class LazyDisk:
     def _prefetch(self) -> None:
         _lower_priority()
         failures = 0
+        span_started = 0.0
         while not self.closing.is_set() and self.failed is None:
             if self.demand_active:
                 # A guest is waiting for the network: the bandwidth (and the CPU) are its.
                 self.closing.wait(0.01)
                 continue
+            gap = span_started + BUSY_SPAN_EVERY - time.monotonic()
+            if gap > 0 and time.monotonic() - self.last_read < GUEST_BUSY:
+                # A busy guest (a boot) needs the CPU more than the rest of its disk, which is full
+                # speed again once it is quiet; reads ahead of it still keep it off the network.
+                self.closing.wait(gap)
+                continue
+            span_started = time.monotonic()
             # Paid for before claiming: chunks claimed by a throttled prefetcher would keep readers waiting.
             self.bucket.take(PREFETCH_SPAN, self.closing)
             if self.closing.is_set():
@@ -612,10 +637,10 @@ class LazyDisk:
             self.verified.set()  # wakes strict readers, who then see `failed`
             return
         with self.lock:
+            # Every chunk is suspect: fetch them all again, overwriting (a reader may be at the file).
             self.present[:] = bytes(len(self.present))
+            self.stale_data = True
             self.dirty = True
-        os.ftruncate(self.fd, 0)  # every chunk is suspect: fetch them all again
-        os.ftruncate(self.fd, self.layout.size)
         self._save(force=True)
         threading.Thread(target=self._prefetch, name="prefetch-again", daemon=True).start()
 
@@ -635,7 +660,7 @@ class LazyDisk:
         for ref in refs:
             record(self.cache, ref, final)
         write_atomic(self.dir / "source.json", json.dumps({"layout": lay.to_json(), "installed": str(final)}, indent=2).encode())
-        for leftover in ("head", "tail", "bitmap", "disk.img"):
+        for leftover in ("head", "tail", "bitmap", "disk.img", "refs.json"):
             (self.dir / leftover).unlink(missing_ok=True)
         log.info("%s: installed as %s", self.name, final)
 

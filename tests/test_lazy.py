@@ -219,7 +219,12 @@ def test_a_restarted_server_resumes_from_its_bitmap(tmp_path, lazy_image, guest_
         status = wait_for(lambda: (s := export_status(cache, answer["export"]))["installed"] and s, 120, "installation")
         assert status["stats"]["fetched_chunks"] == 24  # 4 before the restart, the 20 missing after: none twice
     # Only the missing chunks travelled after the restart: at most a request per missing chunk.
-    assert registry.log_text().count(f"/blobs/{answer['layer']}") - served <= 20
+    fetched = registry.log_text().count(f"/blobs/{answer['layer']}")
+    assert fetched - served <= 20
+    # The image opened before the restart is recorded for `launcher pull` all the same.
+    pulled = run_launcher("pull", "--cache-dir", cache, NOREG, "--json", lazy_image)
+    assert pulled.code == 0 and json.loads(pulled.out)["path"] == status["installed"], pulled.err
+    assert registry.log_text().count(f"/blobs/{answer['layer']}") == fetched
 
 
 def test_auth_tls_and_tokens_as_the_registry_client(tmp_path, auth_registry, tls_registry, token_registry, guest_raw):
