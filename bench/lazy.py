@@ -32,7 +32,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -130,17 +129,11 @@ class QemuScratch:
 
 
 def server_status(cache: Path) -> dict | None:
-    with contextlib.suppress(OSError, ValueError), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(10)
-        sock.connect(str(cache / "serve" / "control.sock"))
-        sock.sendall(b'{"op": "status"}\n')
-        data = b""
-        while not data.endswith(b"\n"):
-            piece = sock.recv(65536)
-            if not piece:
-                break
-            data += piece
-        return json.loads(data)
+    from diskkit.errors import DiskkitError
+    from launcher.diskserver import request
+
+    with contextlib.suppress(OSError, ValueError, DiskkitError):
+        return request(cache / "serve" / "control.sock", {"op": "status"}, timeout=10)
     return None
 
 

@@ -275,15 +275,7 @@ class DiskServer:
         with conn:
             try:
                 conn.settimeout(REQUEST_TIMEOUT)
-                data = b""
-                while not data.endswith(b"\n"):
-                    piece = conn.recv(65536)
-                    if not piece:
-                        break
-                    data += piece
-                    if len(data) > MAX_REQUEST:
-                        raise DiskkitError("control", "request too large")
-                request = json.loads(data or b"{}")
+                request = json.loads(recv_line(conn, MAX_REQUEST) or b"{}")
                 self.last_activity = time.monotonic()
                 op = request.get("op")
                 if op == "open":
@@ -403,17 +395,25 @@ def _status_lines(answer: dict) -> list[str]:
 
 # --- the client: launcher run ------------------------------------------------------------------
 
+def recv_line(sock: socket.socket, limit: int | None = None) -> bytes:
+    """One newline-ended JSON message of the control protocol (or what came before the peer hung up)."""
+    data = b""
+    while not data.endswith(b"\n"):
+        piece = sock.recv(65536)
+        if not piece:
+            break
+        data += piece
+        if limit is not None and len(data) > limit:
+            raise DiskkitError("control", "request too large")
+    return data
+
+
 def request(control: Path, obj: dict, timeout: float = REQUEST_TIMEOUT) -> dict:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
         sock.connect(str(control))
         sock.sendall(json.dumps(obj).encode() + b"\n")
-        data = b""
-        while not data.endswith(b"\n"):
-            piece = sock.recv(65536)
-            if not piece:
-                break
-            data += piece
+        data = recv_line(sock)
     if not data:
         raise DiskkitError(control, "the disk server closed the connection without answering")
     return json.loads(data)

@@ -7,33 +7,22 @@ own; tests ask it what it holds through the same control socket `launcher run` u
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 from typing import Iterator
 
+from launcher.diskserver import request
 from tests.conftest import launcher_command, run
 
 QEMU_UID = 107
 
 
 def control(cache: Path, obj: dict, timeout: float = 120) -> dict:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(timeout)
-        sock.connect(str(cache / "serve" / "control.sock"))
-        sock.sendall(json.dumps(obj).encode() + b"\n")
-        data = b""
-        while not data.endswith(b"\n"):
-            piece = sock.recv(65536)
-            if not piece:
-                break
-            data += piece
-    return json.loads(data)
+    return request(cache / "serve" / "control.sock", obj, timeout)
 
 
 def open_export(cache: Path, ref: str, path: str | None = None) -> dict:
