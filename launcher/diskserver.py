@@ -481,8 +481,8 @@ def attach(cache: Cache, ref: str, path: str | None, platform: Platform | None, 
         if mode == "on":
             notes.append(f"{parsed}: lazy reads need a registry image; pulling it whole")
         return None
-    if cached(cache, ref, path, platform, policy) is not None:
-        return None  # already here: a plain file beats any server
+    if policy == "Never" or cached(cache, ref, path, platform, policy) is not None:
+        return None  # already here (a plain file beats any server), or not to be fetched at all
     if mode == "auto":
         with open_source(str(parsed), registry) as source:
             annotations = source.image(platform).manifest.get("annotations") or {}
