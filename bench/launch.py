@@ -25,7 +25,6 @@ Run from the project root, as root (it creates the qemu user's scratch directori
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import pwd
@@ -37,18 +36,10 @@ import tempfile
 import time
 from pathlib import Path
 
-
-def _load(name: str):
-    """A sibling bench script as a module (bench/ is not a package)."""
-    path = Path(__file__).resolve().with_name(f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"diskkit_bench_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+import sibling
 
 
-breg = _load("registry")
+breg = sibling.load("registry")
 bb = breg.bb
 MIB = bb.MIB
 TARGET_PULL_SPEEDUP = 4.0

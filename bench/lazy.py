@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import os
 import random
@@ -40,18 +39,10 @@ import tempfile
 import time
 from pathlib import Path
 
-
-def _load(name: str):
-    """A sibling bench script as a module (bench/ is not a package)."""
-    path = Path(__file__).resolve().with_name(f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"diskkit_bench_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+import sibling
 
 
-breg = _load("registry")
+breg = sibling.load("registry")
 bb = breg.bb
 MIB = bb.MIB
 ROOT = Path(__file__).resolve().parent.parent

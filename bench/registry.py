@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import importlib.util
 import json
 import os
 import shutil
@@ -49,18 +48,10 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-
-def _load_build_bench():
-    """bench/build.py as a module (bench/ is not a package, and `build` is too common a name to import)."""
-    path = Path(__file__).resolve().with_name("build.py")
-    spec = importlib.util.spec_from_file_location("diskkit_bench_build", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
+import sibling
 
 
-bb = _load_build_bench()
+bb = sibling.load("build")
 MIB = bb.MIB
 
 TARGET_PUSH_SPEEDUP = 3.0

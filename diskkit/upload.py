@@ -71,11 +71,8 @@ class _Hasher(threading.Thread):
 
     def run(self) -> None:
         try:
-            digest = hashlib.sha256()
             with open(self.path, "rb") as f:
-                while chunk := f.read(SEND_BLOCK):
-                    digest.update(chunk)
-            self.digest = digest.hexdigest()
+                self.digest = hashlib.file_digest(f, "sha256").hexdigest()
         except OSError as exc:
             self.error = exc
 

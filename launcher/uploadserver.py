@@ -21,6 +21,7 @@ ends, so the offset survives a dropped connection and a restart of this server.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import hmac
 import http.server
@@ -34,7 +35,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 from urllib.parse import urlsplit
 
 from diskkit.errors import DiskkitError
@@ -211,9 +212,7 @@ class UploadServer:
         """Append `length` body bytes at `start`; returns the new offset. A body cut short keeps what
         arrived (the client resumes from it) and raises ConnectionError."""
         self._admit(up)
-        with dvstate.work_lock(up.target, wait=True, timeout=LOCK_WAIT) as got:
-            if not got:
-                raise _Refused(503, BUSY)
+        with _working(up):
             part = up.target.upload_part
             offset = part.stat().st_size if part.exists() else 0
             if start == 0 and offset and total is None:
@@ -249,9 +248,7 @@ class UploadServer:
         """Check what arrived against the client's size and sha256, then validate and convert it
         (formats, no backing file, `A larger PVC is required`) into disk.img, as an import is."""
         self._admit(up)
-        with dvstate.work_lock(up.target, wait=True, timeout=LOCK_WAIT) as got:
-            if not got:
-                raise _Refused(503, BUSY)
+        with _working(up):
             part = up.target.upload_part
             held = part.stat().st_size if part.exists() else 0
             if held != size:
@@ -279,19 +276,23 @@ class UploadServer:
                     "size": up.target.disk.stat().st_size, "sha256": digest, "notes": notes}
 
     def discard(self, up: _Upload) -> dict:
-        with dvstate.work_lock(up.target, wait=True, timeout=LOCK_WAIT) as got:
-            if not got:
-                raise _Refused(503, BUSY)
+        with _working(up):
             up.target.upload_part.unlink(missing_ok=True)
         return {"offset": 0}
 
 
+@contextlib.contextmanager
+def _working(up: _Upload) -> Iterator[None]:
+    """The claim's work lock for one request; another importer or upload holding it is a 503 to retry."""
+    with dvstate.work_lock(up.target, wait=True, timeout=LOCK_WAIT) as got:
+        if not got:
+            raise _Refused(503, BUSY)
+        yield
+
+
 def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 class _HTTPServer(socketserver.ThreadingMixIn, http.server.HTTPServer):

@@ -91,10 +91,7 @@ class DockerArchiveSource(Source):
 def _hash_stream(f: BinaryIO) -> str:
     import hashlib
 
-    h = hashlib.sha256()
-    while chunk := f.read(1 << 20):
-        h.update(chunk)
-    return "sha256:" + h.hexdigest()
+    return "sha256:" + hashlib.file_digest(f, "sha256").hexdigest()
 
 
 class _Pending:
