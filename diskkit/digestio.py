@@ -87,13 +87,17 @@ class HashingReader(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def readinto(self, buf) -> int:
-        data = self._raw.read(len(buf))
-        n = len(data)
-        buf[:n] = data
+    def read(self, size: int | None = -1) -> bytes:
+        # Passes the source's own chunks on: a 700 MB layer is not copied once more on its way.
+        data = self._raw.read(size)
         self.hash.update(data)
-        self.count += n
-        return n
+        self.count += len(data)
+        return data
+
+    def readinto(self, buf) -> int:
+        data = self.read(len(buf))
+        buf[: len(data)] = data
+        return len(data)
 
     @property
     def digest(self) -> str:

@@ -13,14 +13,16 @@ import shutil
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 from .compression import decompressing_reader
+from .cursor import Cursor
 from .digestio import HashingReader
-from .readahead import ReadAhead
 from .errors import DiskkitError
 from .image import Image
 from .mediatypes import layer_compression
+from .readahead import ReadAhead
+from .sparse import write_sparse
 from .transports.base import Source
 
 WHITEOUT = ".wh."
@@ -133,35 +135,25 @@ class Spooled:
     complete: bool
 
 
-HOLE = 64 << 10  # zero runs this long and aligned become holes (a filesystem block multiple)
-_ZEROS = bytes(HOLE)
-
-
-def _write_sparse(out, chunk: bytes) -> None:
-    view = memoryview(chunk)
-    for offset in range(0, len(view), HOLE):
-        piece = view[offset : offset + HOLE]
-        if piece == _ZEROS[: len(piece)]:
-            out.seek(len(piece), 1)
-        else:
-            out.write(piece)
-
-
-def _spool(src, dest: Path, limit: int | None) -> bool:
-    """Copy a member to dest, leaving zero runs as holes. Returns True when the whole member was kept."""
-    written = 0
+def _spool(pieces: Iterable, dest: Path) -> None:
+    """Write a member's data to dest, leaving zero runs as holes."""
     with open(dest, "wb") as out:
-        while True:
-            want = COPY_CHUNK if limit is None else min(COPY_CHUNK, limit - written)
-            if want <= 0:
-                return False
-            chunk = src.read(want)
-            if not chunk:
-                break
-            _write_sparse(out, chunk)
-            written += len(chunk)
-        out.truncate(written)
-    return True
+        for piece in pieces:
+            write_sparse(out, piece)
+        out.truncate()
+
+
+def _member_data(tar: tarfile.TarFile, cursor: Cursor, member: tarfile.TarInfo, limit: int) -> Iterable:
+    if member.sparse is not None:  # GNU sparse: tarfile expands the map into holes
+        data = tar.extractfile(member)
+        remaining = limit
+        while remaining > 0 and (chunk := data.read(min(COPY_CHUNK, remaining))):
+            remaining -= len(chunk)
+            yield chunk
+        return
+    if cursor.tell() != member.offset_data:
+        raise tarfile.ReadError(f"{member.name}: data expected at {member.offset_data}, stream at {cursor.tell()}")
+    yield from cursor.views(limit)
 
 
 def walk(
@@ -196,10 +188,11 @@ def walk(
             decompressed = ReadAhead(decompressing_reader(fetched, kind))
             hashed = HashingReader(decompressed)
             unpacked = ReadAhead(hashed)
+            cursor = Cursor(unpacked)
             try:
-                with tarfile.open(fileobj=unpacked, mode="r|", errorlevel=2, bufsize=COPY_CHUNK) as tar:
+                with tarfile.open(fileobj=cursor, mode="r:", errorlevel=2) as tar:
                     for member in tar:
-                        _apply(tree, index, member, tar, want, spool_dir, head_limit, spooled, forget)
+                        _apply(tree, index, member, (tar, cursor), want, spool_dir, head_limit, spooled, forget)
                 unpacked.drain()
                 fetched.drain()  # trailing bytes after the compressed stream still count for the digest
             except tarfile.TarError as exc:
@@ -248,10 +241,10 @@ def _apply(tree, index, member, tar, want, spool_dir, head_limit, spooled, forge
         forget(path)
     tree.nodes[path] = Node(path, kind, member.mode, member.uid, member.gid, member.size, link, index)
     if kind == "file" and spool_dir is not None and want(path):
-        data = tar.extractfile(member)
+        limit = member.size if head_limit is None else min(member.size, head_limit)
         dest = spool_dir / f"{index}-{len(spooled)}"
-        complete = _spool(data, dest, head_limit)
-        spooled[path] = Spooled(dest, tree.nodes[path], complete)
+        _spool(_member_data(*tar, member, limit), dest)
+        spooled[path] = Spooled(dest, tree.nodes[path], limit == member.size)
 
 
 def add_member(tree: Tree, index: int, member: tarfile.TarInfo) -> None:

@@ -23,7 +23,7 @@ from urllib.parse import urlsplit, urlunsplit
 from diskkit import diskheader, qemuimg
 from diskkit.errors import DiskkitError
 from diskkit.fsutil import fsync_dir
-from diskkit.imagefs import _write_sparse
+from diskkit.sparse import write_sparse
 from diskkit.registryoptions import RegistryOptions
 
 from . import datavolume as dvm
@@ -252,7 +252,7 @@ def download(url: str, dest: Path, progress: Progress, auth: tuple[str, str] | N
                             unpacker = _Unpacker.detect(chunk)
                         have += len(chunk)
                         for piece in unpacker.feed(chunk) if unpacker is not None else (chunk,):
-                            _write_sparse(out, piece)
+                            write_sparse(out, piece)
                         if total:
                             progress(100.0 * have / total)
             except requests.exceptions.SSLError as exc:

@@ -39,7 +39,7 @@ from typing import Callable, Iterator
 from urllib.parse import urlsplit
 
 from diskkit.errors import DiskkitError
-from diskkit.imagefs import _write_sparse
+from diskkit.sparse import write_sparse
 
 from . import datavolume as dvm
 from . import dvstate, importer
@@ -229,7 +229,7 @@ class UploadServer:
                         chunk = handler.rfile.read(min(CHUNK, length - received))
                         if not chunk:
                             break
-                        _write_sparse(out, chunk)
+                        write_sparse(out, chunk)
                         received += len(chunk)
                 except OSError:
                     pass  # reset or timed out: what arrived is kept below
