@@ -3,12 +3,49 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import secrets
 from pathlib import Path
 from typing import Iterator
 
 from .errors import DiskkitError
+
+
+WRITEBACK_STEP = 32 << 20
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _sync_file_range():
+    try:
+        call = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (AttributeError, OSError):
+        return None  # not Linux: the fsync before publishing does all the work
+    call.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    return call
+
+
+_start_writeback = _sync_file_range()
+
+
+class Writeback:
+    """Starts writing a growing file's pages to disk every WRITEBACK_STEP bytes, without waiting.
+
+    A 700 MB disk written to the page cache and fsynced at the end waits a quarter of a second
+    for the device, with the CPUs idle; written back as it streams, the fsync finds only the tail.
+    """
+
+    def __init__(self, out):
+        self._out = out
+        self._started = 0
+
+    def __call__(self) -> None:
+        position = self._out.tell()
+        if _start_writeback is None or position - self._started < WRITEBACK_STEP:
+            return
+        self._out.flush()
+        _start_writeback(self._out.fileno(), self._started, position - self._started, _SYNC_FILE_RANGE_WRITE)
+        self._started = position
 
 
 def fsync_dir(path: Path) -> None:

@@ -19,6 +19,7 @@ from .compression import decompressing_reader
 from .cursor import Cursor
 from .digestio import HashingReader
 from .errors import DiskkitError
+from .fsutil import Writeback
 from .image import Image
 from .mediatypes import layer_compression
 from .readahead import ReadAhead
@@ -138,8 +139,10 @@ class Spooled:
 def _spool(pieces: Iterable, dest: Path) -> None:
     """Write a member's data to dest, leaving zero runs as holes."""
     with open(dest, "wb") as out:
+        writeback = Writeback(out)
         for piece in pieces:
             write_sparse(out, piece)
+            writeback()
         out.truncate()
 
 

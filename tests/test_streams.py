@@ -9,6 +9,7 @@ import tarfile
 import pytest
 
 from diskkit.cursor import Cursor
+from diskkit.fsutil import WRITEBACK_STEP, Writeback
 from diskkit.sparse import HOLE, write_sparse
 
 
@@ -86,3 +87,28 @@ def test_sparse_writes_leave_aligned_zero_runs_as_holes(tmp_path):
         assert os.lseek(fd, b_piece, os.SEEK_HOLE) <= b_piece + HOLE
         with pytest.raises(OSError):
             os.lseek(fd, b_piece + HOLE, os.SEEK_DATA)  # no data after the b's
+
+
+def _dirty_bytes() -> int:
+    for line in open("/proc/meminfo"):
+        if line.startswith("Dirty:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no Dirty in /proc/meminfo")
+
+
+def test_writeback_starts_before_the_fsync(tmp_path):
+    path = tmp_path / "disk.img"
+    block = os.urandom(1 << 20)
+    os.sync()
+    before = _dirty_bytes()
+    with open(path, "wb") as out:
+        writeback = Writeback(out)
+        for _ in range(4 * WRITEBACK_STEP // len(block)):
+            out.write(block)
+            writeback()
+        # Without it all 4 steps would wait in the page cache for the fsync; at most the last
+        # step and whatever the rest of the machine dirtied meanwhile may be left.
+        dirty = _dirty_bytes() - before
+        assert dirty < 2 * WRITEBACK_STEP, f"{dirty >> 20} MiB dirty after writing {4 * WRITEBACK_STEP >> 20} MiB"
+        out.flush()
+        os.fsync(out.fileno())

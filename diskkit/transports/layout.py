@@ -98,10 +98,12 @@ class _PendingFile:
         self._dest = dest
         self.tmp = tmp
         self.file = open(tmp, "wb")
+        self._writeback = fsutil.Writeback(self.file)
         self.done = False
 
     def write(self, data) -> None:
         self.file.write(data)
+        self._writeback()
 
     def commit(self, digest: str, size: int) -> None:
         self.file.flush()
