@@ -308,13 +308,40 @@ def check_status(response: requests.Response, expect: tuple[int, ...], host: str
     return response
 
 
+def get_blob(registry: Registry, repository: str, digest: str, first: int = 0, last: int | None = None) -> requests.Response:
+    """A streaming GET of a blob from byte `first` (through `last`), positioned at `first` even when
+    the registry ignores Range and answers with the whole blob."""
+    ranged = bool(first) or last is not None
+    headers = {"Range": f"bytes={first}-{'' if last is None else last}"} if ranged else {}
+    what = f"GET blob {digest[:19]}" + (" range" if last is not None else "")
+    response = registry.request("GET", f"/v2/{repository}/blobs/{digest}", scope(repository, "pull"), headers=headers, stream=True, what=what)
+    try:
+        if response.status_code == 404:
+            raise RegistryError(registry.host, f"blob {digest} not found (HTTP 404)")
+        check_status(response, (200, 206), registry.host, what)
+        if response.status_code == 200:
+            skip = first
+            while skip:
+                piece = response.raw.read(min(skip, 1 << 20))
+                if not piece:
+                    raise RegistryError(registry.host, f"blob {digest[:19]} ended before byte {first}")
+                skip -= len(piece)
+        elif ranged:
+            answered = response.headers.get("Content-Range", "")
+            if not answered.startswith(f"bytes {first}-"):
+                raise RegistryError(registry.host, f"asked for bytes {first}-{'' if last is None else last} of {digest[:19]}, got {answered or 'no Content-Range'}")
+    except BaseException:
+        response.close()
+        raise
+    return response
+
+
 class ResumableBlob(io.RawIOBase):
     """A blob download that survives dropped connections by asking again with `Range: bytes=N-`."""
 
     def __init__(self, registry: Registry, repository: str, digest: str, size: int):
         self.registry = registry
-        self.path = f"/v2/{repository}/blobs/{digest}"
-        self.scope = scope(repository, "pull")
+        self.repository = repository
         self.digest = digest
         self.size = size
         self.offset = 0
@@ -326,19 +353,7 @@ class ResumableBlob(io.RawIOBase):
         return True
 
     def _open(self) -> None:
-        headers = {"Range": f"bytes={self.offset}-"} if self.offset else {}
-        response = self.registry.request("GET", self.path, self.scope, headers=headers, stream=True, what=f"GET blob {self.digest[:19]}")
-        if response.status_code == 404:
-            raise RegistryError(self.registry.host, f"blob {self.digest} not found (HTTP 404)")
-        check_status(response, (200, 206), self.registry.host, f"GET blob {self.digest[:19]}")
-        if self.offset and response.status_code == 200:
-            skip = self.offset  # the registry ignored Range: read up to where we were
-            while skip:
-                chunk = response.raw.read(min(skip, 1 << 20))
-                if not chunk:
-                    raise RegistryError(self.registry.host, f"blob {self.digest[:19]} ended early on resume")
-                skip -= len(chunk)
-        self._response = response
+        self._response = get_blob(self.registry, self.repository, self.digest, self.offset)
 
     def readinto(self, buf) -> int:
         while True:

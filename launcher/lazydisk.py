@@ -47,7 +47,7 @@ from diskkit.fsutil import write_atomic
 from diskkit.image import Image
 from diskkit.imagefs import Tree, add_member, clean_member_name
 from diskkit.mediatypes import layer_compression
-from diskkit.registry import Registry, _reason, check_status, retry_after, scope
+from diskkit.registry import Registry, _reason, get_blob, retry_after
 from diskkit.verify import DiskFacts, disk_problems
 
 from .cache import Cache, key
@@ -81,8 +81,7 @@ class BlobRanges:
 
     def __init__(self, registry: Registry, repository: str, digest: str, size: int):
         self.registry = registry
-        self.path = f"/v2/{repository}/blobs/{digest}"
-        self.scope = scope(repository, "pull")
+        self.repository = repository
         self.digest = digest
         self.size = size
         self.requests = 0
@@ -111,23 +110,8 @@ class BlobRanges:
     def _read_into(self, view: memoryview, start: int, got: int, length: int) -> int:
         first, last = start + got, start + length - 1
         self.requests += 1
-        response = self.registry.request("GET", self.path, self.scope, headers={"Range": f"bytes={first}-{last}"},
-                                         stream=True, what=f"GET blob {self.digest[:19]} range")
+        response = get_blob(self.registry, self.repository, self.digest, first, last)
         try:
-            if response.status_code == 404:
-                raise RegistryError(self.registry.host, f"blob {self.digest} not found (HTTP 404)")
-            check_status(response, (200, 206), self.registry.host, f"GET blob {self.digest[:19]} range")
-            if response.status_code == 200:
-                skip = first  # the registry ignored Range: read up to the range
-                while skip:
-                    piece = response.raw.read(min(skip, 1 << 20))
-                    if not piece:
-                        raise RegistryError(self.registry.host, f"blob {self.digest[:19]} ended before byte {first}")
-                    skip -= len(piece)
-            else:
-                answered = response.headers.get("Content-Range", "")
-                if not answered.startswith(f"bytes {first}-"):
-                    raise RegistryError(self.registry.host, f"asked for bytes {first}-{last} of {self.digest[:19]}, got {answered or 'no Content-Range'}")
             while got < length:
                 piece = response.raw.read(min(length - got, 1 << 20))
                 if not piece:
