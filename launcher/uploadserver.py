@@ -39,6 +39,7 @@ from typing import Callable, Iterator
 from urllib.parse import urlsplit
 
 from diskkit.errors import DiskkitError
+from diskkit.fsutil import Writeback
 from diskkit.sparse import write_sparse
 
 from . import datavolume as dvm
@@ -224,12 +225,14 @@ class UploadServer:
             with os.fdopen(fd, "r+b") as out:
                 out.truncate(offset)
                 out.seek(offset)
+                writeback = Writeback(out)
                 try:
                     while received < length:
                         chunk = handler.rfile.read(min(CHUNK, length - received))
                         if not chunk:
                             break
                         write_sparse(out, chunk)
+                        writeback()
                         received += len(chunk)
                 except OSError:
                     pass  # reset or timed out: what arrived is kept below
