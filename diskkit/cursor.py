@@ -9,6 +9,7 @@ skipping serves it. Member data is then taken as memoryviews over the stream's o
 from __future__ import annotations
 
 import io
+import sys
 from typing import BinaryIO, Iterator
 
 CHUNK = 1 << 20
@@ -46,12 +47,7 @@ class Cursor(io.RawIOBase):
 
     def read(self, size: int | None = -1) -> bytes:
         # Exactly `size` bytes unless the stream ends: tarfile takes a short header for a broken one.
-        if size is None or size < 0:
-            parts = []
-            while piece := b"".join(self.views(self._size)):
-                parts.append(piece)
-            return b"".join(parts)
-        return b"".join(self.views(size))
+        return b"".join(self.views(sys.maxsize if size is None or size < 0 else size))
 
     def readinto(self, buf) -> int:
         data = self.read(len(buf))

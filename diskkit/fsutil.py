@@ -41,6 +41,7 @@ class Writeback:
 
     def __call__(self) -> None:
         position = self._out.tell()
+        self._started = min(self._started, position)  # the writer went back (a download restarted)
         if _start_writeback is None or position - self._started < WRITEBACK_STEP:
             return
         self._out.flush()

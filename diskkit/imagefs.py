@@ -19,11 +19,10 @@ from .compression import decompressing_reader
 from .cursor import Cursor
 from .digestio import HashingReader
 from .errors import DiskkitError
-from .fsutil import Writeback
 from .image import Image
 from .mediatypes import layer_compression
 from .readahead import ReadAhead
-from .sparse import write_sparse
+from .sparse import SparseWriter
 from .transports.base import Source
 
 WHITEOUT = ".wh."
@@ -139,10 +138,9 @@ class Spooled:
 def _spool(pieces: Iterable, dest: Path) -> None:
     """Write a member's data to dest, leaving zero runs as holes."""
     with open(dest, "wb") as out:
-        writeback = Writeback(out)
+        writer = SparseWriter(out)
         for piece in pieces:
-            write_sparse(out, piece)
-            writeback()
+            writer.write(piece)
         out.truncate()
 
 
@@ -195,7 +193,7 @@ def walk(
             try:
                 with tarfile.open(fileobj=cursor, mode="r:", errorlevel=2) as tar:
                     for member in tar:
-                        _apply(tree, index, member, (tar, cursor), want, spool_dir, head_limit, spooled, forget)
+                        _apply(tree, index, member, lambda m, n: _member_data(tar, cursor, m, n), want, spool_dir, head_limit, spooled, forget)
                 unpacked.drain()
                 fetched.drain()  # trailing bytes after the compressed stream still count for the digest
             except tarfile.TarError as exc:
@@ -212,7 +210,7 @@ def walk(
     return tree, spooled
 
 
-def _apply(tree, index, member, tar, want, spool_dir, head_limit, spooled, forget) -> None:
+def _apply(tree, index, member, member_data, want, spool_dir, head_limit, spooled, forget) -> None:
     path = clean_member_name(member.name)
     if path is None:
         tree.findings.append(f"tar entry {member.name!r} in layer {index} escapes the image root")
@@ -246,7 +244,7 @@ def _apply(tree, index, member, tar, want, spool_dir, head_limit, spooled, forge
     if kind == "file" and spool_dir is not None and want(path):
         limit = member.size if head_limit is None else min(member.size, head_limit)
         dest = spool_dir / f"{index}-{len(spooled)}"
-        _spool(_member_data(*tar, member, limit), dest)
+        _spool(member_data(member, limit), dest)
         spooled[path] = Spooled(dest, tree.nodes[path], limit == member.size)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import BinaryIO
 
+from .fsutil import Writeback
+
 HOLE = 64 << 10  # a multiple of any filesystem's block size, so a skipped run is a whole hole
 _ZEROS = bytes(HOLE)
 
@@ -26,3 +28,15 @@ def write_sparse(out: BinaryIO, data) -> None:
         else:
             out.write(piece)
         at += len(piece)
+
+
+class SparseWriter:
+    """A disk image written sparse into `out`, its pages sent to the device as it grows."""
+
+    def __init__(self, out: BinaryIO):
+        self._out = out
+        self._writeback = Writeback(out)
+
+    def write(self, data) -> None:
+        write_sparse(self._out, data)
+        self._writeback()

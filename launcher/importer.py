@@ -22,8 +22,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 from diskkit import diskheader, qemuimg
 from diskkit.errors import DiskkitError
-from diskkit.fsutil import Writeback, fsync_dir
-from diskkit.sparse import write_sparse
+from diskkit.fsutil import fsync_dir
+from diskkit.sparse import SparseWriter
 from diskkit.registryoptions import RegistryOptions
 
 from . import datavolume as dvm
@@ -228,7 +228,7 @@ def download(url: str, dest: Path, progress: Progress, auth: tuple[str, str] | N
     session = requests.Session()
     session.headers["User-Agent"] = "diskkit-launcher"
     with session, open(dest, "wb") as out:
-        writeback = Writeback(out)
+        writer = SparseWriter(out)
         for attempt in range(HTTP_ATTEMPTS):
             if attempt:
                 time.sleep(min(2 ** (attempt - 1), 5))
@@ -253,8 +253,7 @@ def download(url: str, dest: Path, progress: Progress, auth: tuple[str, str] | N
                             unpacker = _Unpacker.detect(chunk)
                         have += len(chunk)
                         for piece in unpacker.feed(chunk) if unpacker is not None else (chunk,):
-                            write_sparse(out, piece)
-                        writeback()
+                            writer.write(piece)
                         if total:
                             progress(100.0 * have / total)
             except requests.exceptions.SSLError as exc:

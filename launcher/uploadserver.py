@@ -39,8 +39,7 @@ from typing import Callable, Iterator
 from urllib.parse import urlsplit
 
 from diskkit.errors import DiskkitError
-from diskkit.fsutil import Writeback
-from diskkit.sparse import write_sparse
+from diskkit.sparse import SparseWriter
 
 from . import datavolume as dvm
 from . import dvstate, importer
@@ -225,14 +224,13 @@ class UploadServer:
             with os.fdopen(fd, "r+b") as out:
                 out.truncate(offset)
                 out.seek(offset)
-                writeback = Writeback(out)
+                writer = SparseWriter(out)
                 try:
                     while received < length:
                         chunk = handler.rfile.read(min(CHUNK, length - received))
                         if not chunk:
                             break
-                        write_sparse(out, chunk)
-                        writeback()
+                        writer.write(chunk)
                         received += len(chunk)
                 except OSError:
                     pass  # reset or timed out: what arrived is kept below
