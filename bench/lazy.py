@@ -122,7 +122,7 @@ class QemuScratch:
 
 def server_status(cache: Path) -> dict | None:
     from diskkit.errors import DiskkitError
-    from launcher.diskserver import request
+    from launcher.diskserver.server import request
 
     with contextlib.suppress(OSError, ValueError, DiskkitError):
         return request(cache / "serve" / "control.sock", {"op": "status"}, timeout=10)

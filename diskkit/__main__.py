@@ -1,3 +1,3 @@
-from .cli import main
+from diskkit.cli.commands import main
 
 main()

@@ -1,3 +1,3 @@
-from .cli import main
+from launcher.cli.commands import main
 
 main()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher import accel
+from launcher.runtime import accel
 
 ROOT = Path(__file__).resolve().parent.parent
 

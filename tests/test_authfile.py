@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from diskkit import authfile
+from diskkit.registry import authfile
 from diskkit.errors import DiskkitError
 
 

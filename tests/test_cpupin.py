@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from diskkit.errors import DiskkitError
-from launcher import cpupin
+from launcher.render import cpupin
 
 # one NUMA cell, six cores with two sibling threads each, reported in this (shuffled) order
 SIX_BY_TWO = (((1, 7), (0, 6), (2, 8), (3, 9), (4, 10), (5, 11)),)

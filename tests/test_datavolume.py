@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from launcher import datavolume as dvm
-from launcher.datavolume import DataVolume, Source, Status, can_upload, parse_data_volume, phase
-from launcher.dvcontrol import manifests
-from launcher.k8s import Objects
-from launcher.vmi import SpecError, load_vmi, parse_vmi
-from launcher.volumes import Storage
+from launcher.spec import datavolume as dvm
+from launcher.spec.datavolume import DataVolume, Source, Status, can_upload, parse_data_volume, phase
+from launcher.datavolumes.control import manifests
+from launcher.spec.k8s import Objects
+from launcher.spec.vmi import SpecError, load_vmi, parse_vmi
+from launcher.volumes.prepare import Storage
 
 MI = 1 << 20
 

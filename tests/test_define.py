@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.domain import render, secret_xml
+from launcher.render.domain import render, secret_xml
 from tests.test_domain import CASES, load_case
 
 QEMU_UID = 107

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launcher.domain import Host, ResolvedDisk, io_threads, render, secret_xml
-from launcher.k8s import NetworkSource
-from launcher.vmi import SpecError, parse_vmi
+from launcher.render.domain import Host, ResolvedDisk, io_threads, render, secret_xml
+from launcher.spec.k8s import NetworkSource
+from launcher.spec.vmi import SpecError, parse_vmi
 
 GOLDEN = Path(__file__).parent / "golden" / "domain"
 CASES = sorted(p.stem for p in GOLDEN.glob("*.yaml"))

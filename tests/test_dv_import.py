@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from diskkit import qemuimg
-from launcher import dvstate
-from launcher.datavolume import parse_data_volume
-from launcher.importer import install
-from launcher.volumes import LocalClaim, Storage
+from diskkit.disk import qemuimg
+from launcher.datavolumes import dvstate
+from launcher.spec.datavolume import parse_data_volume
+from launcher.datavolumes.importer import install
+from launcher.volumes.prepare import LocalClaim, Storage
 from tests.conftest import make_qcow2, run_diskkit, run_launcher
 from tests.distribution import make_tls_files
 from tests.faultproxy import Fault, FaultProxy

@@ -13,9 +13,9 @@ import time
 import pytest
 
 from diskkit.errors import DiskkitError
-from launcher import cloudinit, configdisks, gendisks, iso, vhostmd
-from launcher.k8s import Objects
-from launcher.vmi import SpecError, parse_vmi
+from launcher.volumes import cloudinit, configdisks, gendisks, iso, vhostmd
+from launcher.spec.k8s import Objects
+from launcher.spec.vmi import SpecError, parse_vmi
 
 UUID = "5d307ca9-b3ef-428c-8861-06e72d69f223"
 

@@ -133,7 +133,7 @@ def test_vmi_errors_name_the_field(qemu_user):
 
 def test_dedicated_cpus_are_pinned_as_planned(qemu_user, guest_image):
     """dedicatedCpuPlacement + isolateEmulatorThread: libvirt applies the vCPU and emulator pins we render."""
-    from launcher import cpupin
+    from launcher.render import cpupin
 
     domain = {"cpu": {"cores": 1, "dedicatedCpuPlacement": True, "isolateEmulatorThread": True},
               "resources": {"requests": {"memory": "128Mi"}, "limits": {"memory": "128Mi"}}}

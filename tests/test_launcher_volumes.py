@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher import storage
+from launcher.volumes import storage
 from tests.conftest import run
 from tests.testguest import parse_console
 from tests.vmhost import NOREG, QEMU_UID, assert_clean

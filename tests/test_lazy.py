@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from diskkit import lazytoc
+from diskkit.layers import lazytoc
 from tests.conftest import make_qcow2, run, run_diskkit, run_launcher
 from tests.faultproxy import Fault
 from tests.lazyhost import control, disk_server, export_status, open_export, random_disk, wait_for

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher import nbd
+from launcher.diskserver import nbd
 from tests.conftest import run
 from tests.lazyhost import random_disk, wait_for
 

@@ -6,11 +6,11 @@ import subprocess
 
 import pytest
 
-from diskkit import diskheader
-from diskkit.containerdisk import path_problem
+from diskkit.disk import diskheader
+from diskkit.disk.containerdisk import path_problem
 from diskkit.errors import DiskkitError
-from diskkit.imagefs import Node, Tree, clean_member_name
-from diskkit.reference import parse_ref
+from diskkit.layers.imagefs import Node, Tree, clean_member_name
+from diskkit.oci.reference import parse_ref
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from diskkit.errors import DiskkitError
-from launcher import storage
+from launcher.volumes import storage
 
 MIB = 1 << 20
 

@@ -8,9 +8,9 @@ import tarfile
 
 import pytest
 
-from diskkit.cursor import Cursor
-from diskkit.fsutil import WRITEBACK_STEP, Writeback
-from diskkit.sparse import HOLE, write_sparse
+from diskkit.streams.cursor import Cursor
+from diskkit.streams.fsutil import WRITEBACK_STEP, Writeback
+from diskkit.streams.sparse import HOLE, write_sparse
 
 
 class Chunked:

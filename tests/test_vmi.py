@@ -7,7 +7,7 @@ from fractions import Fraction
 
 import pytest
 
-from launcher.vmi import ContainerDiskSource, EmptyDiskSource, SpecError, load_vmi, parse_quantity, parse_vmi
+from launcher.spec.vmi import ContainerDiskSource, EmptyDiskSource, SpecError, load_vmi, parse_quantity, parse_vmi
 
 
 def vmi_doc(disks=None, volumes=None, **domain):

@@ -2,28 +2,28 @@
 
 from __future__ import annotations
 
-from ..errors import DiskkitError
-from ..reference import ImageRef, parse_ref
-from ..registryoptions import RegistryOptions
-from .base import Destination, Source
+from diskkit.errors import DiskkitError
+from diskkit.oci.reference import ImageRef, parse_ref
+from diskkit.registry.options import RegistryOptions
+from diskkit.transports.base import Destination, Source
 
 
 def open_source(ref: ImageRef | str, opts: RegistryOptions | None = None) -> Source:
     ref = parse_ref(ref) if isinstance(ref, str) else ref
     if ref.transport == "docker":
-        from .remote import RemoteSource
+        from diskkit.transports.remote import RemoteSource
 
         return RemoteSource(ref, opts or RegistryOptions())
     if ref.transport == "oci":
-        from .layout import LayoutSource
+        from diskkit.transports.layout import LayoutSource
 
         return LayoutSource(ref)
     if ref.transport == "oci-archive":
-        from .ociarchive import OciArchiveSource
+        from diskkit.transports.ociarchive import OciArchiveSource
 
         return OciArchiveSource(ref)
     if ref.transport == "docker-archive":
-        from .dockerarchive import DockerArchiveSource
+        from diskkit.transports.dockerarchive import DockerArchiveSource
 
         return DockerArchiveSource(ref)
     raise DiskkitError(str(ref), f"unknown transport {ref.transport}")
@@ -32,19 +32,19 @@ def open_source(ref: ImageRef | str, opts: RegistryOptions | None = None) -> Sou
 def open_destination(ref: ImageRef | str, created: int = 0, opts: RegistryOptions | None = None) -> Destination:
     ref = parse_ref(ref) if isinstance(ref, str) else ref
     if ref.transport == "docker":
-        from .remote import RemoteDestination
+        from diskkit.transports.remote import RemoteDestination
 
         return RemoteDestination(ref, opts or RegistryOptions())
     if ref.transport == "oci":
-        from .layout import LayoutDestination
+        from diskkit.transports.layout import LayoutDestination
 
         return LayoutDestination(ref, created)
     if ref.transport == "oci-archive":
-        from .ociarchive import OciArchiveDestination
+        from diskkit.transports.ociarchive import OciArchiveDestination
 
         return OciArchiveDestination(ref, created)
     if ref.transport == "docker-archive":
-        from .dockerarchive import DockerArchiveDestination
+        from diskkit.transports.dockerarchive import DockerArchiveDestination
 
         return DockerArchiveDestination(ref, created)
     raise DiskkitError(str(ref), f"unknown transport {ref.transport}")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import contextlib
 from typing import BinaryIO, Iterator, Protocol
 
-from .. import mediatypes as mt
-from ..digestio import VerifyingReader, read_verified
-from ..errors import DiskkitError, UploadLost
-from ..image import Descriptor, Image, Platform, manifest_media_type, parse_json, select_platform
+from diskkit.oci import mediatypes as mt
+from diskkit.streams.digestio import VerifyingReader, read_verified
+from diskkit.errors import DiskkitError, UploadLost
+from diskkit.oci.image import Descriptor, Image, Platform, manifest_media_type, parse_json, select_platform
 
 
 class Destination:
@@ -30,7 +30,7 @@ class Destination:
         raise NotImplementedError
 
     def put_blob(self, data: bytes, media_type: str) -> Descriptor:
-        from ..image import sha256_digest
+        from diskkit.oci.image import sha256_digest
 
         with self.blob_writer(media_type) as pending:
             pending.write(data)
@@ -117,7 +117,7 @@ class Source:
             media = manifest_media_type(obj, desc.media_type)
         if media not in mt.MANIFESTS:
             raise DiskkitError(self.where, f"unsupported manifest media type {media!r}")
-        from ..image import sha256_digest
+        from diskkit.oci.image import sha256_digest
 
         digest = sha256_digest(data)
         if desc is not None and desc.digest != digest:

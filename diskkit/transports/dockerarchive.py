@@ -12,14 +12,14 @@ import re
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
-from .. import mediatypes as mt
-from ..compression import sniff
-from ..errors import DiskkitError
-from ..image import Descriptor, canonical_json, check_digest, parse_json, sha256_digest
-from ..reference import ImageRef
-from .base import Source
-from .ociarchive import ArchiveWriter
-from .tarstore import TarStore
+from diskkit.oci import mediatypes as mt
+from diskkit.streams.compression import sniff
+from diskkit.errors import DiskkitError
+from diskkit.oci.image import Descriptor, canonical_json, check_digest, parse_json, sha256_digest
+from diskkit.oci.reference import ImageRef
+from diskkit.transports.base import Source
+from diskkit.transports.ociarchive import ArchiveWriter
+from diskkit.transports.tarstore import TarStore
 
 _BLOB_NAME = re.compile(r"^(?:blobs/sha256/|)([0-9a-f]{64})(?:\.tar|\.json|/layer\.tar|)$")
 

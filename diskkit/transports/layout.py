@@ -9,11 +9,11 @@ import shutil
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
-from .. import fsutil
-from ..errors import DiskkitError
-from ..image import Descriptor, canonical_json, check_digest, parse_json
-from ..reference import ImageRef
-from .base import Destination, Source
+from diskkit.streams import fsutil
+from diskkit.errors import DiskkitError
+from diskkit.oci.image import Descriptor, canonical_json, check_digest, parse_json
+from diskkit.oci.reference import ImageRef
+from diskkit.transports.base import Destination, Source
 
 REF_NAME = "org.opencontainers.image.ref.name"
 OCI_LAYOUT = b'{"imageLayoutVersion":"1.0.0"}'

@@ -7,14 +7,14 @@ import os
 from pathlib import Path
 from typing import Iterator
 
-from .. import fsutil
-from ..errors import DiskkitError
-from ..image import Descriptor, canonical_json, check_digest, sha256_digest
-from ..reference import ImageRef
-from .base import Destination
-from .layout import OCI_LAYOUT, REF_NAME, LayoutReader, updated_index
-from .tarstore import TarStore
-from .tarwriter import TarStreamWriter
+from diskkit.streams import fsutil
+from diskkit.errors import DiskkitError
+from diskkit.oci.image import Descriptor, canonical_json, check_digest, sha256_digest
+from diskkit.oci.reference import ImageRef
+from diskkit.transports.base import Destination
+from diskkit.transports.layout import OCI_LAYOUT, REF_NAME, LayoutReader, updated_index
+from diskkit.transports.tarstore import TarStore
+from diskkit.transports.tarwriter import TarStreamWriter
 
 
 class OciArchiveSource(LayoutReader):

@@ -8,14 +8,14 @@ import threading
 import time
 from typing import BinaryIO, Iterator
 
-from .. import mediatypes as mt
-from ..errors import DiskkitError
-from ..image import Descriptor, sha256_digest
-from ..reference import ImageRef
-from ..errors import AuthError, RegistryError, UploadLost
-from ..registry import RETRY_STATUS, Registry, ResumableBlob, check_status, retry_after, scope
-from ..registryoptions import RegistryOptions
-from .base import Destination, Source
+from diskkit.oci import mediatypes as mt
+from diskkit.errors import DiskkitError
+from diskkit.oci.image import Descriptor, sha256_digest
+from diskkit.oci.reference import ImageRef
+from diskkit.errors import AuthError, RegistryError, UploadLost
+from diskkit.registry.client import RETRY_STATUS, Registry, ResumableBlob, check_status, retry_after, scope
+from diskkit.registry.options import RegistryOptions
+from diskkit.transports.base import Destination, Source
 
 ACCEPT = ", ".join([mt.OCI_MANIFEST, mt.OCI_INDEX, mt.DOCKER_MANIFEST, mt.DOCKER_LIST])
 UPLOAD_CHUNK = 8 << 20  # bytes held for resending after a dropped connection; two chunks bound memory

@@ -8,7 +8,7 @@ import tarfile
 from pathlib import Path
 from typing import BinaryIO
 
-from ..errors import DiskkitError
+from diskkit.errors import DiskkitError
 
 
 class _Window(io.RawIOBase):

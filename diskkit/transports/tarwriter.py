@@ -12,7 +12,7 @@ import os
 import tarfile
 from typing import BinaryIO
 
-from ..errors import DiskkitError
+from diskkit.errors import DiskkitError
 
 BLOCK = 512
 

@@ -1,0 +1,319 @@
+"""The `diskkit` command line: convert, build, inspect and verify containerDisk images."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from diskkit import __version__
+from diskkit.ops.build import BuildOptions, build, examine_disk, source_epoch, split_artifact
+from diskkit.streams.compression import KINDS
+from diskkit.errors import DiskkitError
+from diskkit.oci.image import Platform
+from diskkit.cli.shell import platform as platform_of, registry_options, run_main
+from diskkit.progress import reporter_for
+from diskkit.registry.options import RegistryOptions
+from diskkit.ops.verify import describe, inspect, verify
+
+
+def _given(name: str) -> bool:
+    """Whether the user set option `name` rather than leaving its default."""
+    return click.get_current_context().get_parameter_source(name) is not click.core.ParameterSource.DEFAULT
+
+
+def _pairs(values: tuple[str, ...], flag: str) -> dict[str, str]:
+    out = {}
+    for value in values:
+        key, sep, val = value.partition("=")
+        if not sep or not key:
+            raise DiskkitError(f"{flag} {value}", "must be KEY=VALUE")
+        out[key] = val
+    return out
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="diskkit")
+def cli() -> None:
+    """Package VM disks as OCI images that KubeVirt boots as containerDisks. No container engine needed.
+
+    Image references use the containers-transports syntax: oci:DIR[:TAG], oci-archive:FILE[:TAG],
+    docker-archive:FILE[:NAME:TAG].
+    """
+
+
+@cli.command(
+    epilog="""\b
+Examples:
+  diskkit convert fedora.vmdk fedora.qcow2
+  diskkit convert -O qcow2 -c disk.raw disk.qcow2
+  diskkit convert -O raw disk.qcow2 disk.img
+"""
+)
+@click.argument("src", type=click.Path(path_type=Path, readable=False))
+@click.argument("dest", type=click.Path(path_type=Path, readable=False))
+@click.option("-O", "out_format", type=click.Choice(["qcow2", "raw"]), default="qcow2", show_default=True, help="Output format.")
+@click.option("-c", "compress", is_flag=True, help="Compress qcow2 clusters (smaller, slower to read).")
+def convert(src: Path, dest: Path, out_format: str, compress: bool) -> None:
+    """Convert a raw, qcow2, vmdk, vdi, vpc or vhdx disk to qcow2 or raw with qemu-img.
+
+    The input is checked first (qemu-img info and check, under CPU and memory limits); the output
+    is written under a temporary name and renamed only when complete.
+    """
+    from diskkit.streams import fsutil
+    from diskkit.disk import qemuimg
+
+    info = examine_disk(src)
+    if dest.resolve() == src.resolve():
+        raise DiskkitError(dest, "destination is the source; choose another file")
+    tmp = fsutil.staging_file(dest)
+    reporter = reporter_for()
+    try:
+        with reporter.task(f"converting {src.name}", 100) as task:
+            done = [0.0]
+
+            def advance(percent: float) -> None:
+                task.advance(percent - done[0])
+                done[0] = percent
+
+            qemuimg.convert(src, tmp, info.format, out_format, compress, advance)
+        tmp.replace(dest)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    click.echo(str(dest))
+
+
+@cli.command(
+    epilog="""\b
+Examples:
+  diskkit build fedora.qcow2 -t oci:./layout:fedora-40
+  diskkit build fedora.qcow2 -t quay.io/me/fedora:40                 # streams straight to the registry
+  diskkit build disk.img --format qcow2 -t oci-archive:fedora.tar
+  diskkit build disk.qcow2 -t docker-archive:fedora.tar:quay.io/me/fedora:40   # then: podman load -i fedora.tar
+  diskkit build disk.qcow2 --path /images/root.qcow2 -t oci:./layout
+  diskkit build disk.qcow2 --lazy -t quay.io/me/fedora:40-lazy           # boots before it has arrived
+  diskkit build disk.qcow2 --kernel ./vmlinuz --initrd /boot/initrd.img=./initrd -t oci:./layout:kb
+  diskkit build --platform linux/amd64=x86.qcow2 --platform linux/arm64=arm.qcow2 -t quay.io/me/fedora:40
+  SOURCE_DATE_EPOCH=1700000000 diskkit build disk.qcow2 -t oci:./layout --json
+"""
+)
+@click.argument("src", type=click.Path(path_type=Path, readable=False), required=False)
+@click.option("-t", "--tag", "dest", required=True, metavar="DEST", help="Where to write: docker://HOST/REPO:TAG (or bare HOST/REPO:TAG), oci:DIR[:TAG], oci-archive:FILE[:TAG], docker-archive:FILE[:REF].")
+@click.option("--path", "image_path", metavar="/DIR/NAME", help="Put the disk here instead of /disk/<name> (containerDisk.path).")
+@click.option("--format", "disk_format", type=click.Choice(["keep", "qcow2", "raw"]), default="keep", show_default=True, help="Disk format inside the image.")
+@click.option("--compression", type=click.Choice(list(KINDS)), default="gzip", show_default=True, help="Layer compression.")
+@click.option("--level", type=int, help="Compression level (gzip 0-3, default 1; zstd 1-19, default 3).")
+@click.option("--lazy", is_flag=True, help="Uncompressed layer with a chunk table of contents, so `launcher run` can boot it before the image has arrived (implies --compression none).")
+@click.option("--kernel", metavar="[/PATH=]FILE", help="Add a kernel for kernelBoot (default path /boot/vmlinuz).")
+@click.option("--initrd", metavar="[/PATH=]FILE", help="Add an initrd for kernelBoot (default path /boot/initrd.img).")
+@click.option("--platform", "platforms", multiple=True, metavar="OS/ARCH[=FILE]", help="Guest platform (default linux/amd64); repeat as OS/ARCH=FILE for a multi-platform index.")
+@click.option("--label", multiple=True, metavar="KEY=VALUE", help="Config label (repeatable).")
+@click.option("--annotation", multiple=True, metavar="KEY=VALUE", help="Manifest annotation, e.g. org.opencontainers.image.source=URL.")
+@click.option("--env", multiple=True, metavar="KEY=VALUE", help="Config environment variable (repeatable).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the digest; progress as JSON lines on stderr.")
+@registry_options
+def build_cmd(src, dest, image_path, disk_format, compression, level, lazy, kernel, initrd, platforms, label, annotation, env, as_json, registry: RegistryOptions) -> None:
+    """Package disk SRC as a scratch-based containerDisk image.
+
+    One layer holds /disk/ (0555) and /disk/<name> (0440), both owned by qemu (107:107), as KubeVirt
+    expects. The disk is read once: tar framing, compression, both digests and the upload happen in
+    one pass. The same input and flags always give the same digest (timestamps from
+    SOURCE_DATE_EPOCH, else 1970). Prints the manifest digest last.
+    """
+    for value in env:
+        if "=" not in value:
+            raise DiskkitError(f"--env {value}", "must be KEY=VALUE")
+    per_platform = [p for p in platforms if "=" in p]
+    if per_platform and (len(per_platform) != len(platforms) or src is not None):
+        raise DiskkitError("--platform", "give either SRC with one --platform OS/ARCH, or only --platform OS/ARCH=FILE options")
+    if not per_platform and src is None:
+        raise DiskkitError("SRC", "missing: give a disk file (or --platform OS/ARCH=FILE for each platform)")
+    if len(platforms) > 1 and not per_platform:
+        raise DiskkitError("--platform", "several platforms need a file each: --platform OS/ARCH=FILE")
+    opts = BuildOptions(
+        source=src,
+        dest=dest,
+        path=image_path,
+        kernel=split_artifact(kernel, "/boot/vmlinuz", "--kernel") if kernel else None,
+        initrd=split_artifact(initrd, "/boot/initrd.img", "--initrd") if initrd else None,
+        compression="none" if lazy and not _given("compression") else compression,
+        level=level,
+        lazy=lazy,
+        disk_format=disk_format,
+        platform=Platform.parse(platforms[0]) if platforms and not per_platform else Platform("linux", "amd64"),
+        labels=_pairs(label, "--label"),
+        annotations=_pairs(annotation, "--annotation"),
+        env=list(env),
+        created=source_epoch(),
+        platforms=[(Platform.parse(p.split("=", 1)[0]), Path(p.split("=", 1)[1])) for p in per_platform],
+    )
+    result = build(opts, reporter_for(as_json), registry)
+    if as_json:
+        click.echo(json.dumps(result.to_json(), indent=2))
+    else:
+        click.echo(result.digest)
+
+
+cli.add_command(build_cmd, "build")
+
+
+@cli.command("inspect", epilog="""\b
+Examples:
+  diskkit inspect oci:./layout:fedora-40
+  diskkit inspect --json docker-archive:fedora.tar
+  diskkit inspect docker://quay.io/containerdisks/fedora:40
+""")
+@click.argument("ref")
+@click.option("--platform", help="OS/ARCH to pick from a multi-platform index (default: this host's).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@registry_options
+def inspect_cmd(ref: str, platform: str | None, as_json: bool, registry: RegistryOptions) -> None:
+    """Show an image's manifest, config, layers and disk (path, format, virtual size, owner, mode).
+
+    Registry images are described without pulling their layers.
+    """
+    report = inspect(ref, platform_of(platform), registry)
+    data = describe(report)
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return
+    disk = data["disk"]
+    lines = [
+        f"Reference:    {data['reference']}",
+        f"Digest:       {data['digest']}",
+        f"MediaType:    {data['mediaType']}",
+        f"Platform:     {data['os']}/{data['architecture']}",
+        f"Created:      {data['created']}",
+    ]
+    for key, value in sorted(data["labels"].items()):
+        lines.append(f"Label:        {key}={value}")
+    for key, value in sorted(data["annotations"].items()):
+        lines.append(f"Annotation:   {key}={value}")
+    for layer in data["layers"]:
+        lines.append(f"Layer:        {layer['digest']} {layer['size']} bytes {layer['mediaType']}")
+    lines.append(f"Disk:         {disk['path']}")
+    if disk["format"]:
+        size = disk["virtualSize"]
+        lines.append(f"  format:     {disk['format']}, virtual size {size} bytes ({size / (1 << 30):.2f} GiB)" if size else f"  format:     {disk['format']}")
+    if disk["uid"] is not None:
+        lines.append(f"  owner:      {disk['uid']}:{disk['gid']}, mode {disk['mode']}, {disk['size']} bytes in the layer")
+    for problem in data["problems"]:
+        lines.append(f"Problem:      {problem}")
+    click.echo("\n".join(lines))
+
+
+@cli.command("verify", epilog="""\b
+Examples:
+  diskkit verify oci:./layout:fedora-40
+  diskkit verify --path /images/root.qcow2 oci-archive:custom.tar
+  diskkit verify --tls-verify=false localhost:5000/disks/fedora:40
+""")
+@click.argument("ref")
+@click.option("--path", "image_path", metavar="/DIR/NAME", help="The containerDisk.path the VMI will use (default: the one file in /disk).")
+@click.option("--platform", help="OS/ARCH to pick from a multi-platform index (default: this host's).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@registry_options
+def verify_cmd(ref: str, image_path: str | None, platform: str | None, as_json: bool, registry: RegistryOptions) -> None:
+    """Check an image (ours or anyone's) the way KubeVirt consumes it; exit 1 listing every violation.
+
+    Checks every blob digest and diffID, finds the disk as KubeVirt does (exactly one entry in
+    /disk, or --path resolved inside the image), that UID 107 can read it, and that it is raw or
+    qcow2 with no backing file, no external data file and no corruption.
+    """
+    report = verify(ref, image_path, platform_of(platform), registry)
+    if as_json:
+        click.echo(json.dumps({**describe(report), "ok": report.ok}, indent=2))
+    elif report.ok:
+        disk = report.disk
+        click.echo(f"OK {ref}: {disk.path} is {disk.format}, virtual size {disk.virtual_size} bytes, readable by UID 107")
+    else:
+        for problem in report.problems:
+            click.echo(f"{ref}: {problem}", err=True)
+    sys.exit(0 if report.ok else 1)
+
+
+@cli.command("push", epilog="""\b
+Examples:
+  diskkit push oci:./layout:fedora-40 quay.io/me/fedora:40
+  diskkit push docker://quay.io/me/fedora:40 oci-archive:fedora.tar
+  diskkit push --all docker://quay.io/me/fedora:40 docker://registry.local/me/fedora:40
+  diskkit push --tls-verify=false docker-archive:fedora.tar localhost:5000/fedora:40
+""")
+@click.argument("src")
+@click.argument("dest")
+@click.option("--platform", help="OS/ARCH to pick from a multi-platform index (default: this host's).")
+@click.option("--all", "all_platforms", is_flag=True, help="Copy every platform of an index, and the index itself.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object; events as JSON lines on stderr.")
+@registry_options
+def push_cmd(src, dest, platform, all_platforms, as_json, registry: RegistryOptions) -> None:
+    """Copy an image from any transport to any transport, as `skopeo copy` does.
+
+    Blobs the destination already has are skipped, blobs in another repository of the same
+    registry are mounted, the rest stream through with their digests verified. Manifests keep
+    their bytes and media type, so the digest printed is the source's.
+    """
+    from diskkit.ops.copy import copy_image
+
+    result = copy_image(src, dest, registry, reporter_for(as_json), platform_of(platform), all_platforms)
+    click.echo(json.dumps(result.to_json(), indent=2) if as_json else result.digest)
+
+
+@cli.command("delete", epilog="""\b
+Example:
+  diskkit delete --tls-verify=false docker://localhost:5000/disks/test:old
+""")
+@click.argument("ref")
+@registry_options
+def delete_cmd(ref, registry: RegistryOptions) -> None:
+    """Delete an image's manifest from a registry (the registry must allow deletes)."""
+    from diskkit.oci.reference import parse_ref
+    from diskkit.transports.remote import delete
+
+    parsed = parse_ref(ref)
+    if parsed.transport != "docker":
+        raise DiskkitError(ref, "delete works on registry references (docker://)")
+    click.echo(delete(parsed, registry))
+
+
+@cli.command("upload", epilog="""\b
+Examples:
+  diskkit upload fedora fedora.qcow2 --url https://node:8443 --token "$(launcher dv token fedora)"
+  DISKKIT_UPLOAD_URL=http://127.0.0.1:8443 DISKKIT_UPLOAD_TOKEN=... diskkit upload vms/root root.img --json
+""")
+@click.argument("datavolume", metavar="[NAMESPACE/]DATAVOLUME")
+@click.argument("file", type=click.Path(dir_okay=False, exists=True, path_type=Path))
+@click.option("--url", envvar="DISKKIT_UPLOAD_URL", required=True, help="The upload endpoint (launcher serve --upload-listen); env DISKKIT_UPLOAD_URL.")
+@click.option("--token", envvar="DISKKIT_UPLOAD_TOKEN", help="Upload token (launcher dv token); env DISKKIT_UPLOAD_TOKEN.")
+@click.option("--token-file", type=click.Path(dir_okay=False, exists=True, path_type=Path), help="Read the token from this file.")
+@click.option("-n", "--namespace", default="default", show_default=True, help="Namespace of the DataVolume (or give NAMESPACE/NAME).")
+@click.option("--ca-cert", type=click.Path(dir_okay=False, exists=True), help="CA bundle to verify an HTTPS endpoint with.")
+@click.option("--insecure", is_flag=True, help="Do not verify the endpoint's TLS certificate.")
+@click.option("--retry-times", type=click.IntRange(0, 100), default=5, show_default=True, help="Reconnections after a dropped connection (each resumes where the server stopped).")
+@click.option("--wait", type=click.FloatRange(0), default=60, show_default=True, metavar="SECONDS", help="How long to wait for the DataVolume to become UploadReady.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object; events as JSON lines on stderr.")
+def upload_cmd(datavolume, file, url, token, token_file, namespace, ca_cert, insecure, retry_times, wait, as_json) -> None:
+    """Upload FILE (raw, qcow2, vmdk, vdi, vpc or vhdx) into an upload DataVolume's claim.
+
+    A dropped connection does not start the upload over (virtctl image-upload does): the client
+    asks the server how much it holds and sends the rest. The server checks the file's sha256,
+    validates the image and converts it to raw as an import does. A DataVolume whose storage class
+    waits for its first consumer fails at once: cannot upload to DataVolume in state
+    WaitForFirstConsumer.
+    """
+    from diskkit.ops.upload import UploadOptions, upload
+
+    if token_file is not None:
+        token = token_file.read_text().strip()
+    if not token:
+        raise DiskkitError("--token", "required (or --token-file, or $DISKKIT_UPLOAD_TOKEN)")
+    namespace, _, name = datavolume.rpartition("/") if "/" in datavolume else (namespace, "", datavolume)
+    opts = UploadOptions(url, token, False if insecure else (ca_cert or True), retry_times, wait)
+    result = upload(opts, namespace, name, file, reporter_for(as_json))
+    click.echo(json.dumps(result, indent=2) if as_json else f"{namespace}/{name}: {result['phase']}")
+
+
+def main() -> None:
+    run_main(cli, "diskkit")

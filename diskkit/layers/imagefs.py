@@ -1,0 +1,267 @@
+"""An image's root filesystem as metadata, built by streaming its layers in order, never unpacked.
+
+Whiteouts are applied as the OCI spec says; member names that would escape the root are findings,
+not paths to follow; symlinks resolve inside the image root, as they would inside the container.
+Regular files a caller wants are spooled out (sparse) while their layer streams past, so the
+common case reads each layer once.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import shutil
+import tarfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+from diskkit.streams.compression import decompressing_reader
+from diskkit.streams.cursor import Cursor
+from diskkit.streams.digestio import HashingReader
+from diskkit.errors import DiskkitError
+from diskkit.oci.image import Image
+from diskkit.oci.mediatypes import layer_compression
+from diskkit.streams.readahead import ReadAhead
+from diskkit.streams.sparse import SparseWriter
+from diskkit.transports.base import Source
+
+WHITEOUT = ".wh."
+OPAQUE = ".wh..wh..opq"
+MAX_SYMLINKS = 40
+COPY_CHUNK = 1 << 20
+
+
+@dataclass
+class Node:
+    path: str  # normalised, relative to the root; "" is the root itself
+    kind: str  # file, dir, symlink, hardlink, device, fifo
+    mode: int
+    uid: int
+    gid: int
+    size: int
+    link: str
+    layer: int
+
+
+@dataclass
+class Tree:
+    nodes: dict[str, Node] = field(default_factory=dict)
+    findings: list[str] = field(default_factory=list)
+
+    def children(self, directory: str) -> list[Node]:
+        prefix = directory + "/" if directory else ""
+        return sorted(
+            (n for p, n in self.nodes.items() if p.startswith(prefix) and p != directory and "/" not in p[len(prefix) :]),
+            key=lambda n: n.path,
+        )
+
+    def remove(self, path: str) -> None:
+        prefix = path + "/"
+        for p in [p for p in self.nodes if p == path or p.startswith(prefix)]:
+            del self.nodes[p]
+
+    def resolve(self, path: str) -> tuple[Node | None, str, bool]:
+        """Follow symlinks with the root as '/', never above it.
+
+        Returns the node, its real path, and whether a link tried to climb above the root
+        (clamped there, as in the container, but worth reporting).
+        """
+        parts = [p for p in path.split("/") if p]
+        resolved: list[str] = []
+        hops = 0
+        climbed = False
+        while parts:
+            part = parts.pop(0)
+            if part == ".":
+                continue
+            if part == "..":
+                if resolved:
+                    resolved.pop()
+                else:
+                    climbed = climbed or hops > 0
+                continue
+            candidate = "/".join([*resolved, part])
+            node = self.nodes.get(candidate)
+            if node is not None and node.kind == "symlink":
+                hops += 1
+                if hops > MAX_SYMLINKS:
+                    return None, candidate, climbed
+                target = [p for p in node.link.split("/") if p]
+                parts = target + parts
+                if node.link.startswith("/"):
+                    resolved = []
+                continue
+            resolved.append(part)
+        real = "/".join(resolved)
+        node = self.nodes.get(real)
+        if node is not None and node.kind == "hardlink":
+            node = self.nodes.get(node.link)
+            return node, node.path if node else real, climbed
+        return node, real, climbed
+
+
+def clean_member_name(name: str) -> str | None:
+    """The root-relative path of a tar member, or None when it would land outside the root."""
+    while name.startswith("./"):
+        name = name[2:]
+    if name.startswith("/") or not name:
+        return None
+    norm = posixpath.normpath(name)
+    if norm == ".":
+        return ""
+    if norm == ".." or norm.startswith("../"):
+        return None
+    return norm
+
+
+_KINDS = {
+    tarfile.REGTYPE: "file",
+    tarfile.AREGTYPE: "file",
+    tarfile.CONTTYPE: "file",
+    tarfile.GNUTYPE_SPARSE: "file",  # GNU tar --sparse; the map comes with the header
+    tarfile.DIRTYPE: "dir",
+    tarfile.SYMTYPE: "symlink",
+    tarfile.LNKTYPE: "hardlink",
+    tarfile.CHRTYPE: "device",
+    tarfile.BLKTYPE: "device",
+    tarfile.FIFOTYPE: "fifo",
+}
+
+
+@dataclass
+class Spooled:
+    path: Path
+    node: Node
+    complete: bool
+
+
+def _spool(pieces: Iterable, dest: Path) -> None:
+    """Write a member's data to dest, leaving zero runs as holes."""
+    with open(dest, "wb") as out:
+        writer = SparseWriter(out)
+        for piece in pieces:
+            writer.write(piece)
+        out.truncate()
+
+
+def _member_data(tar: tarfile.TarFile, cursor: Cursor, member: tarfile.TarInfo, limit: int) -> Iterable:
+    if member.sparse is not None:  # GNU sparse: tarfile expands the map into holes
+        data = tar.extractfile(member)
+        remaining = limit
+        while remaining > 0 and (chunk := data.read(min(COPY_CHUNK, remaining))):
+            remaining -= len(chunk)
+            yield chunk
+        return
+    if cursor.tell() != member.offset_data:
+        raise tarfile.ReadError(f"{member.name}: data expected at {member.offset_data}, stream at {cursor.tell()}")
+    yield from cursor.views(limit)
+
+
+def walk(
+    source: Source,
+    image: Image,
+    want: Callable[[str], bool] = lambda path: False,
+    spool_dir: Path | None = None,
+    head_limit: int | None = None,
+    only_layer: int | None = None,
+) -> tuple[Tree, dict[str, Spooled]]:
+    """Stream every layer (digest and diffID checked), building the tree and spooling wanted files."""
+    tree = Tree()
+    spooled: dict[str, Spooled] = {}
+    diff_ids = image.diff_ids
+    if len(diff_ids) != len(image.layers):
+        tree.findings.append(f"config lists {len(diff_ids)} diff_ids for {len(image.layers)} layers")
+
+    def forget(path: str) -> None:
+        prefix = path + "/"
+        for key in [k for k in spooled if k == path or k.startswith(prefix)]:
+            spooled.pop(key).path.unlink(missing_ok=True)
+
+    for index, desc in enumerate(image.layers):
+        if only_layer is not None and index != only_layer:
+            continue
+        kind = layer_compression(desc.media_type)
+        if kind is None:
+            raise DiskkitError(image.where, f"layer {index} has media type {desc.media_type}, which is not an image layer")
+        with source.blob(desc) as verified:
+            # Four stages, each on its own thread: fetch+blob digest | decompress | diffID | tar+write.
+            fetched = ReadAhead(verified)
+            decompressed = ReadAhead(decompressing_reader(fetched, kind))
+            hashed = HashingReader(decompressed)
+            unpacked = ReadAhead(hashed)
+            cursor = Cursor(unpacked)
+            try:
+                with tarfile.open(fileobj=cursor, mode="r:", errorlevel=2) as tar:
+                    for member in tar:
+                        _apply(tree, index, member, lambda m, n: _member_data(tar, cursor, m, n), want, spool_dir, head_limit, spooled, forget)
+                unpacked.drain()
+                fetched.drain()  # trailing bytes after the compressed stream still count for the digest
+            except tarfile.TarError as exc:
+                raise DiskkitError(image.where, f"layer {index} ({desc.digest[:19]}) is not a valid tar: {exc}") from None
+            except (OSError, EOFError, ValueError) as exc:
+                if isinstance(exc, DiskkitError):
+                    raise
+                raise DiskkitError(image.where, f"layer {index} ({desc.digest[:19]}) cannot be decompressed: {exc}") from None
+            finally:
+                for stage in (unpacked, decompressed, fetched):
+                    stage.close()
+        if index < len(diff_ids) and hashed.digest != diff_ids[index]:
+            raise DiskkitError(image.where, f"layer {index} does not match its diffID {diff_ids[index]} (content hashes to {hashed.digest})")
+    return tree, spooled
+
+
+def _apply(tree, index, member, member_data, want, spool_dir, head_limit, spooled, forget) -> None:
+    path = clean_member_name(member.name)
+    if path is None:
+        tree.findings.append(f"tar entry {member.name!r} in layer {index} escapes the image root")
+        return
+    base = posixpath.basename(path)
+    parent = posixpath.dirname(path)
+    if base == OPAQUE:
+        for child in tree.children(parent):
+            if child.layer < index:
+                tree.remove(child.path)
+                forget(child.path)
+        return
+    if base.startswith(WHITEOUT):
+        victim = posixpath.join(parent, base[len(WHITEOUT) :])
+        tree.remove(victim)
+        forget(victim)
+        return
+    kind = _KINDS.get(member.type, "other")
+    link = member.linkname
+    if kind == "hardlink":
+        target = clean_member_name(link)
+        if target is None or target not in tree.nodes:
+            tree.findings.append(f"hardlink {path!r} in layer {index} points outside the image or to a missing file ({link!r})")
+            return
+        link = target
+    existing = tree.nodes.get(path)
+    if existing is not None and not (existing.kind == "dir" and kind == "dir"):
+        tree.remove(path)
+        forget(path)
+    tree.nodes[path] = Node(path, kind, member.mode, member.uid, member.gid, member.size, link, index)
+    if kind == "file" and spool_dir is not None and want(path):
+        limit = member.size if head_limit is None else min(member.size, head_limit)
+        dest = spool_dir / f"{index}-{len(spooled)}"
+        _spool(member_data(member, limit), dest)
+        spooled[path] = Spooled(dest, tree.nodes[path], limit == member.size)
+
+
+def add_member(tree: Tree, index: int, member: tarfile.TarInfo) -> None:
+    """Apply one tar header to the tree, as walk() does, for readers that fetch headers themselves."""
+    _apply(tree, index, member, None, lambda path: False, None, None, {}, lambda path: None)
+
+
+def extract_one(source: Source, image: Image, node: Node, dest: Path) -> None:
+    """Spool one file out of its layer: for a disk reached only through a symlink or hardlink."""
+    spool_dir = dest.parent / f".{dest.name}.spool"
+    spool_dir.mkdir(exist_ok=True)
+    try:
+        _, spooled = walk(source, image, lambda p: p == node.path, spool_dir, None, only_layer=node.layer)
+        found = spooled.get(node.path)
+        if found is None:
+            raise DiskkitError(image.where, f"/{node.path} vanished from layer {node.layer} on a second read")
+        found.path.replace(dest)
+    finally:
+        shutil.rmtree(spool_dir, ignore_errors=True)

@@ -1,0 +1,124 @@
+"""Image references in the containers-transports syntax that skopeo and podman users type.
+
+`oci:DIR[:TAG]`, `oci-archive:FILE[:TAG]`, `docker-archive:FILE[:NAME:TAG]`, `docker://HOST/REPO[:TAG|@DIGEST]`,
+and a bare `HOST/REPO:TAG`, which means `docker://` as it does for podman.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from diskkit.errors import DiskkitError
+
+DEFAULT_REGISTRY = "docker.io"
+_TAG = re.compile(r"^[\w][\w.-]{0,127}$")
+_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+_COMPONENT = re.compile(r"^[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*$")
+_HOST = re.compile(r"^(?:[a-zA-Z0-9-]+\.)*[a-zA-Z0-9-]+(?::[0-9]+)?$|^\[[0-9a-fA-F:.]+\](?::[0-9]+)?$")
+
+LOCAL_TRANSPORTS = ("oci", "oci-archive", "docker-archive")
+TRANSPORTS = LOCAL_TRANSPORTS + ("docker",)
+
+
+@dataclass(frozen=True)
+class DockerName:
+    """A registry repository with an optional tag or digest, normalised as docker/distribution does."""
+
+    registry: str
+    repository: str
+    tag: str | None = None
+    digest: str | None = None
+
+    @property
+    def reference(self) -> str:
+        """What goes after /manifests/ in the distribution API."""
+        return self.digest or self.tag or "latest"
+
+    def __str__(self) -> str:
+        text = f"{self.registry}/{self.repository}"
+        if self.tag:
+            text += f":{self.tag}"
+        if self.digest:
+            text += f"@{self.digest}"
+        return text
+
+    def familiar(self) -> str:
+        """The short form `docker save` writes into RepoTags (docker.io/library/ dropped)."""
+        repo = self.repository
+        if self.registry == DEFAULT_REGISTRY:
+            repo = repo.removeprefix("library/")
+        else:
+            repo = f"{self.registry}/{repo}"
+        return f"{repo}:{self.tag or 'latest'}"
+
+
+def parse_docker_name(text: str, what: str = "image reference") -> DockerName:
+    name, digest = text, None
+    if "@" in name:
+        name, digest = name.split("@", 1)
+        if not _DIGEST.match(digest):
+            raise DiskkitError(text, f"invalid {what}: digest must be sha256:<64 hex digits>")
+    tag = None
+    slash = name.rfind("/")
+    colon = name.rfind(":")
+    if colon > slash:
+        name, tag = name[:colon], name[colon + 1 :]
+        if not _TAG.match(tag):
+            raise DiskkitError(text, f"invalid {what}: bad tag {tag!r}")
+    parts = name.split("/")
+    if len(parts) > 1 and ("." in parts[0] or ":" in parts[0] or parts[0] == "localhost" or parts[0].startswith("[")):
+        registry, path = parts[0], parts[1:]
+        if not _HOST.match(registry):
+            raise DiskkitError(text, f"invalid {what}: bad registry host {registry!r}")
+    else:
+        registry, path = DEFAULT_REGISTRY, parts
+    if registry == DEFAULT_REGISTRY and len(path) == 1:
+        path = ["library", *path]
+    if not path or not all(_COMPONENT.match(p) for p in path):
+        raise DiskkitError(text, f"invalid {what}: repository must be lowercase [a-z0-9._-] components")
+    if tag is None and digest is None:
+        tag = "latest"
+    return DockerName(registry, "/".join(path), tag, digest)
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    transport: str
+    path: str | None = None  # local transports: the directory or archive file
+    tag: str | None = None  # oci/oci-archive: the ref.name; docker-archive: a docker reference
+    name: DockerName | None = None  # docker:// and docker-archive's reference
+
+    def __str__(self) -> str:
+        if self.transport == "docker":
+            return f"docker://{self.name}"
+        if self.transport == "docker-archive" and self.name:
+            return f"docker-archive:{self.path}:{self.name.familiar()}"
+        return f"{self.transport}:{self.path}" + (f":{self.tag}" if self.tag else "")
+
+
+def parse_ref(text: str) -> ImageRef:
+    """Parse a transport reference; raise DiskkitError naming the reference on anything malformed."""
+    if text.startswith("docker://"):
+        return ImageRef("docker", name=parse_docker_name(text[len("docker://") :]))
+    transport, sep, rest = text.partition(":")
+    if sep and transport in LOCAL_TRANSPORTS:
+        # Like containers/image: the first ':' after the transport splits path and reference.
+        path, _, tag = rest.partition(":")
+        if not path:
+            raise DiskkitError(text, f"{transport}: needs a path")
+        if transport == "docker-archive":
+            name = parse_docker_name(tag, "docker-archive reference") if tag else None
+            if name and name.digest:
+                raise DiskkitError(text, "docker-archive references take a tag, not a digest")
+            return ImageRef(transport, path=path, name=name)
+        if tag and not re.match(r"^[A-Za-z0-9._:@/+-]+$", tag):
+            raise DiskkitError(text, f"invalid {transport} tag {tag!r}")
+        return ImageRef(transport, path=path, tag=tag or None)
+    if sep and transport in ("docker-daemon", "containers-storage", "dir", "ostree", "sif"):
+        raise DiskkitError(text, f"transport {transport}: is not supported; use oci:, oci-archive:, docker-archive: or docker://")
+    if "/" in text and not text.startswith(("/", ".")):
+        return ImageRef("docker", name=parse_docker_name(text))
+    raise DiskkitError(
+        text, "not an image reference: use oci:DIR[:TAG], oci-archive:FILE[:TAG], docker-archive:FILE[:REF] or docker://HOST/REPO:TAG"
+    )

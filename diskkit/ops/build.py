@@ -1,0 +1,248 @@
+"""`diskkit build`: a disk file in, a scratch-based containerDisk image out, in one streaming pass."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from diskkit.disk import diskheader, diskrules, qemuimg
+from diskkit.layers import lazytoc
+from diskkit.disk.containerdisk import ANNOTATION_FORMAT, ANNOTATION_PATH, ANNOTATION_VIRTUAL_SIZE, path_problem
+from diskkit.errors import DiskkitError
+from diskkit.oci.image import Descriptor, Platform, canonical_json, make_config, make_index, make_manifest, rfc3339
+from diskkit.layers.layer import LayerResult, entries_for, write_layer
+from diskkit.oci.mediatypes import DOCKER_CONFIG, OCI_CONFIG, OCI_INDEX, docker_layer, oci_layer
+from diskkit.progress import Reporter
+from diskkit.oci.reference import parse_ref
+from diskkit.registry.options import RegistryOptions
+from diskkit.transports import open_destination
+from diskkit.transports.base import with_restarts
+
+DISK_FORMATS = ("keep", "qcow2", "raw")
+
+
+@dataclass
+class BuildOptions:
+    source: Path | None
+    dest: str
+    path: str | None = None
+    kernel: tuple[str, Path] | None = None
+    initrd: tuple[str, Path] | None = None
+    compression: str = "gzip"
+    level: int | None = None
+    lazy: bool = False  # uncompressed layer + chunk TOC: launchers can boot it before it has arrived
+    disk_format: str = "keep"
+    platform: Platform = field(default_factory=lambda: Platform("linux", "amd64"))
+    labels: dict[str, str] = field(default_factory=dict)
+    annotations: dict[str, str] = field(default_factory=dict)
+    env: list[str] = field(default_factory=list)
+    created: int = 0
+    platforms: list[tuple[Platform, Path]] = field(default_factory=list)  # one source per platform, for an index
+
+
+@dataclass
+class BuildResult:
+    reference: str
+    digest: str
+    media_type: str
+    size: int
+    layers: list[LayerResult]
+    disk_path: str
+    disk_format: str
+    virtual_size: int
+    images: list["BuildResult"] = field(default_factory=list)
+    descriptor: Descriptor | None = None
+
+    def to_json(self) -> dict:
+        out = {
+            "reference": self.reference,
+            "digest": self.digest,
+            "mediaType": self.media_type,
+            "size": self.size,
+            "layers": [
+                {"digest": layer.digest, "size": layer.size, "diffID": layer.diff_id, "compression": layer.compression}
+                for layer in self.layers
+            ],
+            "disk": {"path": self.disk_path, "format": self.disk_format, "virtualSize": self.virtual_size},
+        }
+        if self.images:
+            out["manifests"] = [{"platform": i.descriptor.platform, **i.to_json()} for i in self.images]
+        return out
+
+
+def source_epoch() -> int:
+    """SOURCE_DATE_EPOCH when set (reproducible-builds.org), else 0: the same input gives the same digest."""
+    value = os.environ.get("SOURCE_DATE_EPOCH")
+    if value is None or value == "":
+        return 0
+    if not value.isdigit():
+        raise DiskkitError("SOURCE_DATE_EPOCH", f"must be a whole number of seconds, not {value!r}")
+    return int(value)
+
+
+def check_input_file(path: Path, what: str = "source disk") -> None:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise DiskkitError(path, f"{what} does not exist") from None
+    except OSError as exc:
+        raise DiskkitError(path, f"{what} cannot be read ({exc.strerror})") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise DiskkitError(path, f"{what} is a directory; give a disk image file")
+    if not stat.S_ISREG(st.st_mode):
+        raise DiskkitError(path, f"{what} is not a regular file")
+    if st.st_size == 0:
+        raise DiskkitError(path, f"{what} is empty (0 bytes)")
+    try:
+        with open(path, "rb") as f:
+            f.read(1)
+    except OSError as exc:
+        raise DiskkitError(path, f"{what} cannot be read ({exc.strerror})") from None
+
+
+def examine_disk(path: Path) -> qemuimg.DiskInfo:
+    """Everything we refuse before packaging: unreadable, empty, unsafe or corrupt disks."""
+    check_input_file(path)
+    with open(path, "rb") as f:
+        head = f.read(diskheader.HEADER_BYTES)
+    header = diskheader.parse(head)
+    if header is not None:
+        unsafe = diskheader.safety_violations(header)
+        if unsafe:
+            raise DiskkitError(path, f"{unsafe[0]}; containerDisk images must be self-contained")
+    info = qemuimg.info(path)
+    if info.format not in qemuimg.INPUT_FORMATS:
+        raise DiskkitError(path, f"input format {info.format} is not supported (use one of {', '.join(qemuimg.INPUT_FORMATS)})")
+    unsafe = [v for v in diskrules.violations(info) if not v.startswith("unsupported image format")]
+    if unsafe:
+        raise DiskkitError(path, f"{unsafe[0]}; containerDisk images must be self-contained")
+    if info.format == "qcow2":
+        qemuimg.check(path, "qcow2")
+    return info
+
+
+def split_artifact(value: str, default_path: str, flag: str) -> tuple[str, Path]:
+    """`--kernel FILE` or `--kernel /path/in/image=FILE`."""
+    image_path, sep, local = value.partition("=")
+    if not sep:
+        image_path, local = default_path, value
+    problem = path_problem(image_path)
+    if problem:
+        raise DiskkitError(f"{flag} {image_path}", problem)
+    return image_path, Path(local)
+
+
+def build(opts: BuildOptions, reporter: Reporter, registry: RegistryOptions | None = None) -> BuildResult:
+    """Build one image, or with `opts.platforms` one image per platform under an OCI index."""
+    dest_ref = parse_ref(opts.dest)
+    if opts.disk_format not in DISK_FORMATS:
+        raise DiskkitError("--format", f"must be one of {', '.join(DISK_FORMATS)}")
+    if opts.path is not None and (problem := path_problem(opts.path)):
+        raise DiskkitError(f"--path {opts.path}", problem)
+    for artifact in (opts.kernel, opts.initrd):
+        if artifact:
+            check_input_file(artifact[1], "kernel-boot file")
+    if opts.lazy and opts.compression != "none":
+        raise DiskkitError("--lazy", f"writes an uncompressed layer (read at offsets); drop --compression {opts.compression}")
+    sources = opts.platforms or [(opts.platform, opts.source)]
+    infos = [examine_disk(source) for _, source in sources]  # refuse any bad input before writing anything
+    workdir = Path(tempfile.mkdtemp(prefix="diskkit-build-"))
+    try:
+        with open_destination(dest_ref, opts.created, registry) as dest:
+            if opts.platforms and dest.docker_manifest:
+                raise DiskkitError(str(dest_ref), "docker-archive holds a single image; build one platform at a time")
+            if opts.lazy and (dest.docker_manifest or (dest.layer_compression or "none") != "none"):
+                raise DiskkitError(str(dest_ref), "--lazy needs OCI manifests with annotations and an uncompressed layer; use oci:, oci-archive: or a registry")
+            built = [
+                _build_one(opts, dest, plat, source, info, workdir / str(i), reporter, child=bool(opts.platforms))
+                for i, ((plat, source), info) in enumerate(zip(sources, infos))
+            ]
+            if not opts.platforms:
+                return built[0]
+            index = make_index([b.descriptor for b in built], {"org.opencontainers.image.created": rfc3339(opts.created)})
+            desc = dest.put_manifest(canonical_json(index), OCI_INDEX)
+        first = built[0]
+        return BuildResult(
+            str(dest_ref), desc.digest, OCI_INDEX, desc.size, [l for b in built for l in b.layers],
+            first.disk_path, first.disk_format, first.virtual_size, built,
+        )
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _build_one(opts, dest, plat: Platform, source: Path, info, workdir: Path, reporter: Reporter, child: bool) -> BuildResult:
+    workdir.mkdir(parents=True)
+    disk_file, disk_format = _prepare_format(opts, source, info, workdir, reporter)
+    image_disk_path = opts.path or f"/disk/{_disk_name(source, disk_file, disk_format)}"
+    files = [(image_disk_path, disk_file)]
+    files += [a for a in (opts.kernel, opts.initrd) if a]
+    entries = entries_for(files)
+    compression = dest.layer_compression or opts.compression
+    docker = dest.docker_manifest
+    layer_media = docker_layer(compression) if docker else oci_layer(compression)
+    total = sum(e.size for e in entries)
+    label = f"{plat} {image_disk_path}" if child else image_disk_path
+
+    def send() -> LayerResult:
+        with dest.blob_writer(layer_media) as pending, reporter.task(label, total) as task:
+            result = write_layer(entries, pending, compression, opts.level, opts.created, task.advance,
+                                 toc_for=image_disk_path.lstrip("/") if opts.lazy else None)
+            pending.commit(result.digest, result.size)
+        return result
+
+    layer = with_restarts(send, reporter, f"layer {image_disk_path}")
+    reporter.event({"event": "blob", "digest": layer.digest, "size": layer.size, "status": "uploaded"})
+    layer_desc = Descriptor(layer_media, layer.digest, layer.size, layer.toc.annotations() if layer.toc else {})
+    config = make_config(plat, [layer.diff_id], opts.created, opts.labels, opts.env, "diskkit build")
+    config_desc = dest.put_blob(canonical_json(config), DOCKER_CONFIG if docker else OCI_CONFIG)
+    annotations = {
+        "org.opencontainers.image.created": rfc3339(opts.created),
+        ANNOTATION_PATH: image_disk_path,
+        ANNOTATION_FORMAT: disk_format,
+        ANNOTATION_VIRTUAL_SIZE: str(info.virtual_size),
+        **({lazytoc.ANNOTATION_LAZY: lazytoc.LAZY_VALUE} if layer.toc else {}),
+        **opts.annotations,
+    }
+    manifest = make_manifest(config_desc, [layer_desc], annotations, docker)
+    desc = dest.put_manifest(canonical_json(manifest), manifest["mediaType"], plat.to_json(), child=child)
+    return BuildResult(
+        opts.dest, desc.digest, manifest["mediaType"], desc.size, [layer], image_disk_path, disk_format, info.virtual_size,
+        descriptor=Descriptor(manifest["mediaType"], desc.digest, desc.size, platform=plat.to_json()),
+    )
+
+
+def _prepare_format(opts: BuildOptions, source: Path, info: qemuimg.DiskInfo, workdir: Path, reporter: Reporter):
+    wanted = opts.disk_format
+    if wanted == "keep":
+        if info.format in diskrules.ACCEPTED_FORMATS:
+            if info.format == "raw":
+                reporter.note(
+                    f"{source}: raw disk packaged as is; --format qcow2 usually makes a much smaller image "
+                    "(container layers cannot hold sparse files)"
+                )
+            return source, info.format
+        wanted = "qcow2"
+        reporter.note(f"{source}: converting {info.format} to qcow2 (KubeVirt boots only raw and qcow2)")
+    if wanted == info.format:
+        return source, info.format
+    out = workdir / f"disk.{'qcow2' if wanted == 'qcow2' else 'img'}"
+    with reporter.task(f"converting to {wanted}", 100) as task:
+        last = [0.0]
+
+        def advance(percent: float) -> None:
+            task.advance(percent - last[0])
+            last[0] = percent
+
+        qemuimg.convert(source, out, info.format, wanted, progress=advance)
+    return out, wanted
+
+
+def _disk_name(source: Path, disk_file: Path, disk_format: str) -> str:
+    if disk_file == source:
+        return source.name
+    stem = source.name.rsplit(".", 1)[0] if "." in source.name else source.name
+    return f"{stem}.{'qcow2' if disk_format == 'qcow2' else 'img'}"

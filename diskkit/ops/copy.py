@@ -1,0 +1,174 @@
+"""Copy an image between any two transports, as `skopeo copy` does: every blob verified in passing.
+
+Manifest bytes travel unchanged (so digests stay the same), except into docker-archive, whose
+format holds uncompressed layers only: there layers are decompressed and the manifest rewritten.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from diskkit.oci import mediatypes as mt
+from diskkit.streams.compression import decompressing_reader
+from diskkit.streams.digestio import HashingReader
+from diskkit.errors import DiskkitError
+from diskkit.oci.image import (
+    Descriptor,
+    Platform,
+    canonical_json,
+    docker_to_oci,
+    manifest_media_type,
+    parse_json,
+    select_platform,
+    sha256_digest,
+)
+from diskkit.progress import Reporter
+from diskkit.oci.reference import ImageRef, parse_ref
+from diskkit.registry.options import RegistryOptions
+from diskkit.transports import open_destination, open_source
+from diskkit.transports.base import Destination, Source, with_restarts
+
+COPY_CHUNK = 1 << 20
+PARALLEL_BLOBS = 3
+
+
+@dataclass
+class CopyResult:
+    reference: str
+    digest: str
+    media_type: str
+    blobs: dict[str, str]  # digest -> uploaded | skipped | mounted
+
+    def to_json(self) -> dict:
+        return {"reference": self.reference, "digest": self.digest, "mediaType": self.media_type, "blobs": self.blobs}
+
+
+def copy_image(
+    src: str | ImageRef,
+    dest: str | ImageRef,
+    opts: RegistryOptions,
+    reporter: Reporter,
+    platform: Platform | None = None,
+    all_platforms: bool = False,
+) -> CopyResult:
+    src_ref = parse_ref(src) if isinstance(src, str) else src
+    dest_ref = parse_ref(dest) if isinstance(dest, str) else dest
+    statuses: dict[str, str] = {}
+    with open_source(src_ref, opts) as source:
+        data, media, _ = source.manifest_descriptors()
+        with open_destination(dest_ref, 0, opts) as destination:
+            copier = _Copier(source, destination, src_ref, dest_ref, reporter, statuses)
+            if media in mt.INDEXES and all_platforms:
+                if destination.docker_manifest:
+                    raise DiskkitError(str(dest_ref), "docker-archive holds a single image; choose one with --platform instead of --all")
+                index = parse_json(data, source.where)
+                children = []
+                for child in index.get("manifests") or []:
+                    desc = Descriptor.from_json(child, source.where)
+                    copied = copier.image(_child_manifest(source, desc), desc.media_type, desc.platform, child=True)
+                    children.append({**child, "mediaType": copied.media_type, "digest": copied.digest, "size": copied.size})
+                if destination.oci_only and media == mt.DOCKER_LIST:
+                    data, media = canonical_json(docker_to_oci({**index, "manifests": children})), mt.OCI_INDEX
+                top = destination.put_manifest(data, media)
+            elif media in mt.INDEXES:
+                desc = select_platform(parse_json(data, source.where), platform or Platform.host(), source.where)
+                child = _child_manifest(source, desc)
+                top = copier.image(child, manifest_media_type(parse_json(child, source.where), desc.media_type), desc.platform)
+            else:
+                top = copier.image(data, media, None)
+    return CopyResult(str(dest_ref), top.digest, top.media_type, statuses)
+
+
+def _child_manifest(source: Source, desc: Descriptor) -> bytes:
+    data = source.read_manifest(desc)
+    if sha256_digest(data) != desc.digest:
+        raise DiskkitError(source.where, f"manifest {desc.digest} does not match its digest")
+    return data
+
+
+class _Copier:
+    def __init__(self, source: Source, dest: Destination, src_ref: ImageRef, dest_ref: ImageRef, reporter: Reporter, statuses: dict):
+        self.source, self.dest, self.reporter, self.statuses = source, dest, reporter, statuses
+        same_registry = (
+            src_ref.transport == dest_ref.transport == "docker"
+            and src_ref.name.registry == dest_ref.name.registry
+            and src_ref.name.repository != dest_ref.name.repository
+        )
+        self.mount_from = src_ref.name.repository if same_registry else None
+
+    def image(self, data: bytes, media: str, platform: dict | None, child: bool = False) -> Descriptor:
+        manifest = parse_json(data, self.source.where)
+        if self.dest.oci_only and media == mt.DOCKER_MANIFEST:
+            manifest = docker_to_oci(manifest)
+            data, media = canonical_json(manifest), mt.OCI_MANIFEST
+        config = Descriptor.from_json(manifest["config"], self.source.where)
+        layers = [Descriptor.from_json(layer, self.source.where) for layer in manifest.get("layers") or []]
+        if self.dest.layer_compression == "none" and any(mt.layer_compression(l.media_type) != "none" for l in layers):
+            return self._into_plain_layers(config, layers, platform)
+        blobs = [config, *layers]
+        if self.dest.concurrent_blobs and len(blobs) > 1:
+            with ThreadPoolExecutor(PARALLEL_BLOBS) as pool:
+                list(pool.map(self.blob, blobs))
+        else:
+            for desc in blobs:
+                self.blob(desc)
+        return self.dest.put_manifest(data, media, platform, child=child)
+
+    def blob(self, desc: Descriptor) -> None:
+        if self.dest.has_blob(desc):
+            self._status(desc, "skipped")
+            return
+        if self.mount_from and self.dest.mount(desc, self.mount_from):
+            self._status(desc, "mounted")
+            return
+
+        def send() -> None:
+            if hasattr(self.dest, "put_blob_stream"):
+                with self.source.blob(desc) as reader, self.reporter.task(f"blob {desc.digest[7:19]}", desc.size) as task:
+                    self.dest.put_blob_stream(desc, reader, task.advance)
+                    reader.drain()
+                return
+            with self.source.blob(desc) as reader, self.dest.blob_writer(desc.media_type) as writer:
+                with self.reporter.task(f"blob {desc.digest[7:19]}", desc.size) as task:
+                    while chunk := reader.read(COPY_CHUNK):
+                        writer.write(chunk)
+                        task.advance(len(chunk))
+                    reader.drain()  # raises unless size and digest match
+                writer.commit(desc.digest, desc.size)
+
+        with_restarts(send, self.reporter, f"blob {desc.digest[:19]}")
+        self._status(desc, "uploaded")
+
+    def _status(self, desc: Descriptor, status: str) -> None:
+        self.statuses[desc.digest] = status
+        self.reporter.event({"event": "blob", "digest": desc.digest, "size": desc.size, "status": status})
+
+    def _into_plain_layers(self, config: Descriptor, layers: list[Descriptor], platform: dict | None) -> Descriptor:
+        config_bytes = self.source.read_small(config)
+        diff_ids = (json.loads(config_bytes).get("rootfs") or {}).get("diff_ids") or []
+        if len(diff_ids) != len(layers):
+            raise DiskkitError(self.source.where, "config diff_ids do not match the layers")
+        new_config = self.dest.put_blob(config_bytes, mt.DOCKER_CONFIG)
+        plain = []
+        for desc, diff_id in zip(layers, diff_ids):
+            with self.source.blob(desc) as reader, self.dest.blob_writer(mt.DOCKER_LAYER) as writer:
+                unpacked = HashingReader(decompressing_reader(reader, mt.layer_compression(desc.media_type) or "none"))
+                with self.reporter.task(f"layer {desc.digest[7:19]}", desc.size) as task:
+                    while chunk := unpacked.read(COPY_CHUNK):
+                        writer.write(chunk)
+                        task.advance(len(chunk))
+                reader.drain()
+                if unpacked.digest != diff_id:
+                    raise DiskkitError(self.source.where, f"layer {desc.digest} does not match its diffID {diff_id}")
+                writer.commit(diff_id, unpacked.count)
+            plain.append(Descriptor(mt.DOCKER_LAYER, diff_id, unpacked.count))
+            self._status(desc, "uploaded")
+        manifest = {
+            "schemaVersion": 2,
+            "mediaType": mt.DOCKER_MANIFEST,
+            "config": new_config.to_json(),
+            "layers": [p.to_json() for p in plain],
+        }
+        return self.dest.put_manifest(canonical_json(manifest), mt.DOCKER_MANIFEST, platform)

@@ -1,0 +1,193 @@
+"""Check an image the way KubeVirt consumes it, and inspect what it holds."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from diskkit.disk import diskheader, diskrules, qemuimg
+from diskkit.disk.containerdisk import ANNOTATION_FORMAT, ANNOTATION_PATH, ANNOTATION_VIRTUAL_SIZE, locate, wanted
+from diskkit.errors import DiskkitError
+from diskkit.oci.image import Image, Platform
+from diskkit.layers.imagefs import extract_one, walk
+from diskkit.oci.reference import parse_ref
+from diskkit.registry.options import RegistryOptions
+from diskkit.transports import open_source
+from diskkit.transports.base import Source
+
+
+@dataclass
+class DiskFacts:
+    path: str | None = None
+    format: str | None = None
+    virtual_size: int | None = None
+    size: int | None = None
+    uid: int | None = None
+    gid: int | None = None
+    mode: int | None = None
+
+    def to_json(self) -> dict:
+        out = {
+            "path": self.path,
+            "format": self.format,
+            "virtualSize": self.virtual_size,
+            "size": self.size,
+            "uid": self.uid,
+            "gid": self.gid,
+            "mode": f"{self.mode:04o}" if self.mode is not None else None,
+        }
+        return out
+
+
+@dataclass
+class Report:
+    reference: str
+    image: Image | None = None
+    disk: DiskFacts = field(default_factory=DiskFacts)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def scan(ref: str, platform: Platform | None, path: str | None, spool: Path, head_limit: int | None, registry: RegistryOptions | None):
+    """Stream the image once: the tree, where the disk is, and the disk spooled (sparse) into `spool`.
+
+    With `head_limit` only that many bytes of each candidate are kept (enough to read a header).
+    """
+    with open_source(ref, registry) as source:
+        image = source.image(platform)
+        if path is None and head_limit:
+            path = (image.manifest.get("annotations") or {}).get(ANNOTATION_PATH)
+        return (image, *scan_image(source, image, path, spool, head_limit))
+
+
+def scan_image(source: Source, image: Image, path: str | None, spool: Path, head_limit: int | None = None, allow_root_file: bool = False):
+    """The tree, the located disk and its spooled file (None when it is missing or only partly kept)."""
+    tree, spooled = walk(source, image, wanted(path, allow_root_file), spool, head_limit)
+    found = locate(tree, path, allow_root_file=allow_root_file)
+    disk_file = None
+    if found.node is not None:
+        hit = spooled.get(found.node.path)
+        if hit is not None and hit.node is found.node:
+            disk_file = hit.path
+        elif head_limit is None:
+            disk_file = spool / "disk"
+            extract_one(source, image, found.node, disk_file)
+    return tree, found, disk_file
+
+
+def verify(ref: str, path: str | None = None, platform: Platform | None = None, registry: RegistryOptions | None = None) -> Report:
+    """Every rule KubeVirt applies before booting, plus blob digests; problems are listed, not raised."""
+    report = Report(ref)
+    spool = Path(tempfile.mkdtemp(prefix="diskkit-verify-"))
+    try:
+        try:
+            image, tree, found, disk_file = scan(ref, platform, path, spool, None, registry)
+        except DiskkitError as exc:
+            report.problems.append(exc.line())
+            return report
+        report.image = image
+        report.problems += tree.findings + found.problems
+        fill(report.disk, found)
+        if disk_file is not None:
+            report.problems += disk_problems(disk_file, found.shown, report.disk)
+        return report
+    finally:
+        shutil.rmtree(spool, ignore_errors=True)
+
+
+def fill(disk: DiskFacts, found) -> None:
+    disk.path = found.shown
+    if found.node is not None:
+        node = found.node
+        disk.size, disk.uid, disk.gid, disk.mode = node.size, node.uid, node.gid, node.mode & 0o7777
+
+
+def disk_problems(disk_file: Path, shown: str, disk: DiskFacts) -> list[str]:
+    """KubeVirt's checks of the disk file itself (format, backing file, data file, consistency); fills `disk`."""
+    with open(disk_file, "rb") as f:
+        head = f.read(diskheader.HEADER_BYTES)
+    header = diskheader.parse(head)
+    if header is not None:
+        disk.format, disk.virtual_size = "qcow2", header.virtual_size
+        unsafe = diskheader.safety_violations(header)
+        if unsafe:  # never hand qemu-img an image that names host files
+            return [f"{shown}: {p}" for p in unsafe]
+    try:
+        info = qemuimg.info(disk_file)
+    except DiskkitError as exc:
+        return [f"{shown}: {exc.rule}"]
+    disk.format, disk.virtual_size = info.format, info.virtual_size
+    problems = [f"{shown}: {p}" for p in diskrules.violations(info)]
+    if not problems and info.format == "qcow2":
+        try:
+            qemuimg.check(disk_file, "qcow2")
+        except DiskkitError as exc:
+            problems.append(f"{shown}: {exc.rule}")
+    return problems
+
+
+def inspect(ref: str, platform: Platform | None = None, registry: RegistryOptions | None = None) -> Report:
+    """Manifest, config, layers and the disk's facts.
+
+    Local images are read through (only the disk's first bytes are kept); registry images are
+    described from the manifest and config alone, without pulling layers, using the disk
+    annotations diskkit writes.
+    """
+    report = Report(ref)
+    if parse_ref(ref).transport == "docker":
+        with open_source(ref, registry) as source:
+            report.image = source.image(platform)
+        notes = report.image.manifest.get("annotations") or {}
+        report.disk.path = notes.get(ANNOTATION_PATH)
+        report.disk.format = notes.get(ANNOTATION_FORMAT)
+        size = notes.get(ANNOTATION_VIRTUAL_SIZE)
+        report.disk.virtual_size = int(size) if size and size.isdigit() else None
+        return report
+    spool = Path(tempfile.mkdtemp(prefix="diskkit-inspect-"))
+    try:
+        image, tree, found, head_file = scan(ref, platform, None, spool, diskheader.HEADER_BYTES, registry)
+        report.image = image
+        report.problems += tree.findings + found.problems
+        fill(report.disk, found)
+        if head_file is not None:
+            head = head_file.read_bytes()
+            report.disk.format = diskheader.probe_format(head)
+            header = diskheader.parse(head)
+            report.disk.virtual_size = header.virtual_size if header else (report.disk.size if report.disk.format == "raw" else None)
+        return report
+    finally:
+        shutil.rmtree(spool, ignore_errors=True)
+
+
+def describe(report: Report) -> dict:
+    image = report.image
+    out: dict = {"reference": report.reference}
+    if image is not None:
+        config = image.config
+        out.update(
+            {
+                "digest": image.digest,
+                "mediaType": image.media_type,
+                "os": config.get("os"),
+                "architecture": config.get("architecture"),
+                "created": config.get("created"),
+                "labels": (config.get("config") or {}).get("Labels") or {},
+                "env": (config.get("config") or {}).get("Env") or [],
+                "annotations": image.manifest.get("annotations") or {},
+                "config": image.config_descriptor.to_json(),
+                "layers": [
+                    {**layer.to_json(), "diffID": diff}
+                    for layer, diff in zip(image.layers, image.diff_ids + [None] * len(image.layers))
+                ],
+            }
+        )
+    out["disk"] = report.disk.to_json()
+    out["problems"] = report.problems
+    return out
+
+

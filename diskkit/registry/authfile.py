@@ -1,0 +1,131 @@
+"""Registry credentials found where skopeo and podman look, in the same order.
+
+`--creds` first, then `--authfile` or `$REGISTRY_AUTH_FILE`, `${XDG_RUNTIME_DIR}/containers/auth.json`,
+`~/.docker/config.json` (and the legacy `~/.dockercfg`). In each file `credHelpers[host]` wins over
+`auths`, and `credsStore` serves hosts without an inline entry, through the
+`docker-credential-<name> get` protocol.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from diskkit.errors import DiskkitError
+
+
+@dataclass(frozen=True)
+class Credentials:
+    username: str
+    password: str
+    identity_token: str | None = None  # an OAuth2 refresh token from `docker login` with some registries
+
+    def __repr__(self) -> str:  # never print secrets, even in tracebacks
+        return f"Credentials(username={self.username!r}, password=***)"
+
+
+def parse_creds(value: str) -> Credentials:
+    user, sep, password = value.partition(":")
+    if not sep or not user:
+        raise DiskkitError("--creds", "must be USERNAME:PASSWORD")
+    return Credentials(user, password)
+
+
+def candidate_files(authfile: str | None) -> list[Path]:
+    if authfile:
+        return [Path(authfile)]
+    env = os.environ.get("REGISTRY_AUTH_FILE")
+    if env:
+        return [Path(env)]
+    files = []
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        files.append(Path(runtime) / "containers" / "auth.json")
+    home = Path(os.path.expanduser("~"))
+    docker_config = os.environ.get("DOCKER_CONFIG")
+    files.append(Path(docker_config) / "config.json" if docker_config else home / ".docker" / "config.json")
+    files.append(home / ".dockercfg")
+    return files
+
+
+def _host_keys(registry: str) -> list[str]:
+    """The spellings auth files use for a registry; Docker Hub has its historic index URL."""
+    keys = [registry, f"https://{registry}", f"http://{registry}", f"https://{registry}/v1/", f"https://{registry}/v2/"]
+    if registry in ("docker.io", "registry-1.docker.io"):
+        keys += ["https://index.docker.io/v1/", "index.docker.io", "registry-1.docker.io", "docker.io"]
+    return keys
+
+
+def _decode(entry: dict, source: Path) -> Credentials | None:
+    if entry.get("identitytoken"):
+        user = entry.get("username") or "<token>"
+        return Credentials(user, "", entry["identitytoken"])
+    auth = entry.get("auth")
+    if auth:
+        try:
+            user, _, password = base64.b64decode(auth).decode().partition(":")
+        except (ValueError, UnicodeDecodeError):
+            raise DiskkitError(source, "an 'auth' entry is not base64 of USER:PASSWORD") from None
+        return Credentials(user, password)
+    if entry.get("username"):
+        return Credentials(entry["username"], entry.get("password", ""))
+    return None
+
+
+def helper_credentials(helper: str, registry: str) -> Credentials | None:
+    """`docker-credential-<helper> get`, given the server URL on stdin, answering JSON."""
+    program = f"docker-credential-{helper}"
+    try:
+        proc = subprocess.run([program, "get"], input=registry.encode(), capture_output=True, timeout=30)
+    except FileNotFoundError:
+        raise DiskkitError(program, f"credential helper for {registry} is not installed") from None
+    except subprocess.TimeoutExpired:
+        raise DiskkitError(program, f"credential helper for {registry} did not answer within 30 s") from None
+    if proc.returncode != 0:
+        text = proc.stdout.decode(errors="replace").strip() + proc.stderr.decode(errors="replace").strip()
+        if "credentials not found" in text.lower():
+            return None
+        raise DiskkitError(program, f"credential helper failed for {registry} (exit {proc.returncode})")
+    try:
+        answer = json.loads(proc.stdout)
+        user, secret = answer["Username"], answer["Secret"]
+    except (ValueError, KeyError, TypeError):
+        raise DiskkitError(program, "credential helper answered something other than {Username, Secret} JSON") from None
+    if user == "<token>":
+        return Credentials(user, "", secret)
+    return Credentials(user, secret)
+
+
+def lookup(registry: str, creds: str | None = None, authfile: str | None = None) -> Credentials | None:
+    if creds:
+        return parse_creds(creds)
+    for path in candidate_files(authfile):
+        if not path.is_file():
+            if authfile:
+                raise DiskkitError(path, "auth file does not exist")
+            continue
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise DiskkitError(path, f"auth file cannot be parsed ({exc.__class__.__name__})") from None
+        if path.name == ".dockercfg":
+            data = {"auths": data}
+        helpers = data.get("credHelpers") or {}
+        for key in _host_keys(registry):
+            if key in helpers:
+                return helper_credentials(helpers[key], registry)
+        auths = data.get("auths") or {}
+        for key in _host_keys(registry):
+            if key in auths:
+                found = _decode(auths[key] or {}, path)
+                if found:
+                    return found
+        if data.get("credsStore"):
+            found = helper_credentials(data["credsStore"], registry)
+            if found:
+                return found
+    return None

@@ -1,0 +1,294 @@
+"""The `launcher` command line: pull containerDisks into the node cache and boot KubeVirt VMIs."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from diskkit import __version__
+from diskkit.cli.shell import platform as platform_of, registry_options, run_main
+from diskkit.registry.options import RegistryOptions
+
+from launcher.node.cache import Cache, tree_size
+
+CACHE_HELP = "Node cache (default: $DISKKIT_CACHE, else /var/lib/diskkit as root, else ~/.cache/diskkit)."
+
+
+def cache_option(command):
+    return click.option("--cache-dir", type=click.Path(file_okay=False), help=CACHE_HELP)(command)
+
+
+def storage_options(command):
+    """--pvc, --manifests and --pvc-tolerance: where claims live outside a pod. Folded into `store`."""
+    import functools
+
+    @functools.wraps(command)
+    def wrapper(*args, pvc, manifests, kube_api, pvc_tolerance, **kwargs):
+        from diskkit.errors import DiskkitError
+
+        from launcher.runtime.gc import parse_size
+        from launcher.spec.k8s import Objects
+        from launcher.volumes.prepare import LocalClaim, Storage
+
+        claims = {}
+        for value in pvc:
+            name, sep, where = value.partition("=")
+            if not sep or not name or not where:
+                raise DiskkitError(f"--pvc {value}", "must be CLAIM=PATH or CLAIM=DIR:SIZE")
+            path, _, size = where.partition(":")
+            claims[name] = LocalClaim(Path(path), parse_size(size) if size else None)
+        if manifests and kube_api:
+            raise DiskkitError("--kube-api", "give either --manifests or --kube-api, not both")
+        objects = Objects.load(Path(manifests)) if manifests else None
+        if kube_api:
+            from launcher.spec.kubeapi import ClusterObjects
+
+            objects = ClusterObjects()
+        return command(*args, store=Storage(claims, objects, pvc_tolerance), **kwargs)
+
+    options = [
+        click.option("--pvc", multiple=True, metavar="CLAIM=PATH[:SIZE]", help="Where a claim lives here: a directory (its disk.img, created sparse with SIZE when missing) or a block device. Repeatable."),
+        click.option("--manifests", type=click.Path(file_okay=False, exists=True), help="Directory of Kubernetes manifests: claims resolve to their bound PV (iSCSI and RBD PVs become network disks); ConfigMaps, Secrets and service account tokens fill configMap, secret, serviceAccount and cloud-init secretRef disks."),
+        click.option("--kube-api", is_flag=True, help="Read claims, PVs, ConfigMaps and Secrets from the Kubernetes API: in a pod through its service account, elsewhere through KUBECONFIG."),
+        click.option("--pvc-tolerance", type=click.IntRange(0, 100), default=10, show_default=True, metavar="PERCENT", help="How much smaller than requested a new disk.img may be (KubeVirt's pvcTolerateLessSpaceUpToPercent)."),
+    ]
+    for option in options:
+        wrapper = option(wrapper)
+    return wrapper
+
+
+def _say(text: str) -> None:
+    click.echo(f"launcher: {text}", err=True)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="launcher")
+def cli() -> None:
+    """Boot KubeVirt-style VMs from containerDisk images, locally or as a pod's sidecar.
+
+    Images are referenced in the containers-transports syntax (docker://, bare HOST/REPO:TAG, oci:,
+    oci-archive:, docker-archive:), so a local layout boots with no registry at all.
+    """
+
+
+@cli.command(epilog="""\b
+Examples:
+  launcher pull quay.io/containerdisks/fedora:40
+  launcher pull --path /images/root.qcow2 oci:./layout:custom
+  launcher pull --tls-verify=false --json localhost:5000/disks/test:v1
+""")
+@click.argument("ref")
+@click.option("--path", "image_path", metavar="/DIR/NAME", help="containerDisk.path: the disk's path in the image (default: the one file in /disk).")
+@click.option("--platform", help="OS/ARCH to pick from a multi-platform index (default: this host's).")
+@click.option("--pull-policy", type=click.Choice(["Always", "IfNotPresent", "Never"]), help="As imagePullPolicy (default: Always for :latest, else IfNotPresent).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@cache_option
+@registry_options
+def pull(ref, image_path, platform, pull_policy, as_json, cache_dir, registry: RegistryOptions) -> None:
+    """Pull REF into the node cache and print the path of its extracted disk.
+
+    Layers stream through once, digests and diffIDs verified; only the disk is written (sparse),
+    after KubeVirt's checks (qemu-img info under limits, raw or qcow2, no backing or data file).
+    Concurrent pulls of one image on a node download it once.
+    """
+    from launcher.node.pull import pull as do_pull
+
+    notes: list[str] = []
+    pulled = do_pull(Cache(cache_dir), ref, image_path, platform_of(platform), registry, pull_policy, notes=notes)
+    for note in notes:
+        _say(f"note: {note}")
+    click.echo(json.dumps(pulled.to_json(), indent=2) if as_json else str(pulled.path))
+
+
+@cli.command(epilog="""\b
+Examples:
+  launcher domain examples/vmi-containerdisk.yaml
+  launcher domain --accel kvm vmi.yaml > domain.xml
+""")
+@click.argument("vmi_file", type=click.Path(dir_okay=False, exists=True))
+@click.option("--platform", help="OS/ARCH of the images (default: this host's).")
+@click.option("--accel", type=click.Choice(["auto", "kvm", "qemu"]), default="auto", show_default=True, help="Domain type; auto probes whether KVM makes progress here.")
+@cache_option
+@storage_options
+@registry_options
+def domain(vmi_file, platform, accel, cache_dir, store, registry: RegistryOptions) -> None:
+    """Print the libvirt domain XML `launcher run` would start (a dry run: images are pulled, nothing started)."""
+    from launcher.spec.vmi import load_vmi
+    from launcher.runtime.vms import RunOptions, plan
+
+    vmi = load_vmi(vmi_file)
+    _, xml = plan(vmi, Cache(cache_dir), RunOptions(platform=platform_of(platform), registry=registry, storage=store), create=False, domain_type=None if accel == "auto" else accel)
+    click.echo(xml, nl=not xml.endswith("\n"))
+
+
+@cli.command(epilog="""\b
+Examples:
+  launcher run vmi.yaml --console
+  launcher run vmi.yaml --console --wait-for 'login:' --timeout 300
+  launcher run --connect qemu:///system --tls-verify=false vmi.yaml
+  launcher run vmi.yaml --pvc data=/srv/vm-data:10Gi --console      # filesystem claim: /srv/vm-data/disk.img
+  launcher run vmi.yaml --manifests ./k8s --console                  # claims bound to iSCSI/RBD PVs, ConfigMaps, Secrets
+  launcher run --lazy vmi.yaml --console                             # boot while the image streams in
+""")
+@click.argument("vmi_file", type=click.Path(dir_okay=False, exists=True))
+@click.option("--connect", "uri", metavar="URI", help="libvirt URI (default: qemu:///system as root, else qemu:///session).")
+@click.option("--console", is_flag=True, help="Stream the guest's serial console to stdout.")
+@click.option("--wait-for", metavar="TEXT", help="Exit 0 as soon as TEXT appears on the console (the VM keeps running).")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS", help="Give up (and destroy the VM) after this long.")
+@click.option("--platform", help="OS/ARCH of the images (default: this host's).")
+@click.option("--lazy/--no-lazy", default=None, help="Boot containerDisks before they have arrived, through the node's disk server (default: for images built with --lazy).")
+@cache_option
+@storage_options
+@registry_options
+def run(vmi_file, uri, console, wait_for, timeout, platform, lazy, cache_dir, store, registry: RegistryOptions) -> None:
+    """Prepare every volume of a VirtualMachineInstance, define and start its domain, stay with it.
+
+    Each containerDisk is pulled once per node and gets a qcow2 overlay of its own, so the VM
+    starts clean every time. The command returns when the guest stops, when --wait-for text
+    appears, or at --timeout; Ctrl-C or SIGTERM destroys the domain and removes its overlays.
+    """
+    from launcher.spec.vmi import load_vmi
+    from launcher.runtime.vms import RunOptions, run as do_run
+
+    vmi = load_vmi(vmi_file)
+    opts = RunOptions(uri=uri, platform=platform_of(platform), registry=registry, console=console, wait_for=wait_for, timeout=timeout, storage=store,
+                      lazy={None: "auto", True: "on", False: "off"}[lazy])
+    sys.exit(do_run(vmi, Cache(cache_dir), opts, _say))
+
+
+@cli.command(epilog="""\b
+Examples:
+  launcher serve                                   # the node's disk server, until SIGTERM
+  launcher serve --strict --prefetch-rate 50M      # serve verified bytes only; spare the network
+  launcher serve --status --json                   # ask the running server what it exports
+  launcher serve --upload-listen 0.0.0.0:8443 --manifests ./k8s --pvc fedora=/srv/claims/fedora
+  launcher serve --no-disks --upload-listen :8443 --upload-tls-cert tls.crt --upload-tls-key tls.key --manifests ./k8s
+""")
+@click.option("--disks/--no-disks", default=True, show_default=True, help="Run the disk server (lazy images over NBD).")
+@click.option("--socket-dir", type=click.Path(file_okay=False), help="Where nbd.sock and control.sock live (default: <cache>/serve).")
+@click.option("--strict", is_flag=True, help="Serve only verified bytes: images without chunk digests are read once the whole blob is verified.")
+@click.option("--prefetch-rate", metavar="SIZE", help="Prefetch at most SIZE bytes a second (e.g. 50M); reads a VM waits for are never held back.")
+@click.option("--prefetch-threads", type=click.IntRange(1, 16), default=2, show_default=True, help="Parallel range requests prefetching the rest of each disk.")
+@click.option("--fetch-timeout", type=click.FloatRange(min=1), default=300, show_default=True, metavar="SECONDS", help="How long a VM's read waits through registry outages before it gets an I/O error.")
+@click.option("--exit-when-idle", type=click.FloatRange(min=0), metavar="SECONDS", help="Exit once no VM has been connected and nothing was left to fetch for this long.")
+@click.option("--status", "show_status", is_flag=True, help="Print what the running disk server exports instead of serving.")
+@click.option("--json", "as_json", is_flag=True, help="With --status: one JSON object.")
+@click.option("--upload-listen", metavar="HOST:PORT", help="Also serve the upload endpoint of upload DataVolumes here (diskkit upload sends to it).")
+@click.option("--upload-tls-cert", type=click.Path(dir_okay=False, exists=True), help="Serve uploads over HTTPS with this certificate (PEM).")
+@click.option("--upload-tls-key", type=click.Path(dir_okay=False, exists=True), help="The private key of --upload-tls-cert.")
+@click.option("--vmi", "vmi_files", multiple=True, type=click.Path(dir_okay=False, exists=True), metavar="FILE", help="Also serve the upload dataVolumeTemplates of this VM/VMI (repeatable).")
+@cache_option
+@storage_options
+@registry_options
+def serve(cache_dir, registry: RegistryOptions, disks, upload_listen, upload_tls_cert, upload_tls_key, vmi_files, store, **options) -> None:
+    """Serve this node's endpoints until SIGTERM or Ctrl-C: the disk server, and uploads.
+
+    Disks: each seekable image's disk (diskkit build --lazy, or any single uncompressed layer) is
+    exported read-only over NBD on <cache>/serve/nbd.sock, one export per disk for every VM on the
+    node. Reads fetch the chunks they need from the registry with range requests; the rest is
+    prefetched, checked chunk by chunk against the image's table of contents, and once the blob
+    digest verifies the disk joins the cache, where `launcher pull` finds it. `launcher run` starts
+    a disk server itself when none is running.
+
+    Uploads (--upload-listen): every upload DataVolume of --manifests (and --vmi) accepts a disk from
+    `diskkit upload` with a token from `launcher dv token`; dropped uploads resume where they
+    stopped, and the disk is checked and converted to raw in its claim as an import is.
+    """
+    from launcher.diskserver.server import serve_main
+
+    if options["show_status"]:
+        serve_main(Cache(cache_dir), registry, **options)
+        return
+    if not disks and not upload_listen:
+        raise click.UsageError("nothing to serve: --no-disks without --upload-listen")
+    uploads = None
+    if upload_listen:
+        from launcher.cli.dv import start_uploads
+
+        uploads = start_uploads(upload_listen, upload_tls_cert, upload_tls_key, vmi_files, cache_dir, store)
+    try:
+        if disks:
+            serve_main(Cache(cache_dir), registry, **options)
+        else:
+            uploads.wait()
+    finally:
+        if uploads is not None:
+            uploads.close()
+
+
+@cli.command(epilog="""\b
+Examples:
+  launcher stop testvm
+  launcher stop default/testvm
+""")
+@click.argument("name")
+@cache_option
+def stop(name, cache_dir) -> None:
+    """Destroy a VM started by `launcher run` and remove its overlays (NAME, NAMESPACE/NAME or domain name)."""
+    from launcher.runtime.vms import stop as do_stop
+
+    click.echo(do_stop(Cache(cache_dir), name))
+
+
+@cli.command("ls", epilog="""\b
+Examples:
+  launcher ls
+  launcher ls --json | jq '.disks[].size'
+""")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@cache_option
+def ls(as_json, cache_dir) -> None:
+    """List the VMs started from this cache and the disks it holds."""
+    from launcher.runtime.vms import state
+
+    cache = Cache(cache_dir)
+    vms = [{**record, "state": state(record)} for record in cache.vm_records()]
+    disks = []
+    for entry in cache.disks():
+        meta = cache.read_json(entry / "meta.json") or {}
+        users = [vm["domain"] for vm in vms if str(entry) in vm.get("entries", [])]
+        disks.append({"path": str(entry / "disk.img"), "size": tree_size(entry), "format": meta.get("format"), "layer": meta.get("layer"), "usedBy": users})
+    if as_json:
+        click.echo(json.dumps({"vms": vms, "disks": disks}, indent=2))
+        return
+    click.echo(f"{'VM':32} {'STATE':8} IMAGES")
+    for vm in vms:
+        click.echo(f"{vm['domain']:32} {vm['state']:8} {' '.join(vm['images'])}")
+    click.echo(f"\n{'DISK':72} {'SIZE':>10}  USED BY")
+    for disk in disks:
+        click.echo(f"{disk['path'][-72:]:72} {disk['size'] / (1 << 20):>8.1f}Mi  {','.join(disk['usedBy']) or '-'}")
+
+
+@cli.command(epilog="""\b
+Examples:
+  launcher gc
+  launcher gc --max-size 20G
+""")
+@click.option("--max-size", metavar="SIZE", help="Keep the cache under SIZE (e.g. 20G), removing least recently used disks first.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@cache_option
+def gc(max_size, as_json, cache_dir) -> None:
+    """Remove cached disks no running VM uses (all of them, or the oldest until under --max-size)."""
+    from launcher.runtime.gc import collect, parse_size
+
+    result = collect(Cache(cache_dir), parse_size(max_size) if max_size else None)
+    if as_json:
+        click.echo(json.dumps(result.__dict__, indent=2))
+        return
+    for domain_name in result.vms_cleaned:
+        click.echo(f"cleaned up stopped VM {domain_name}")
+    for entry in result.removed:
+        click.echo(f"removed {entry}")
+    click.echo(f"freed {result.freed / (1 << 20):.1f} MiB; cache holds {result.kept / (1 << 20):.1f} MiB of disks")
+
+
+def main() -> None:
+    run_main(cli, "launcher")
+
+
+from launcher.cli.dv import dv  # noqa: E402  (it uses the option decorators above)
+
+cli.add_command(dv)

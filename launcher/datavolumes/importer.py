@@ -1,0 +1,401 @@
+"""Fill a DataVolume's claim the way CDI's importer does: fetch the source into scratch space in the
+claim directory, check it, convert it to a sparse raw `disk.img` with qemu-img, size it to the claim.
+
+Nothing is written under the name `disk.img` until the image is complete: it is staged under a
+`.diskkit-` name and renamed, so a failed or killed import leaves the claim as it was. Every copy
+streams in 1 MiB pieces (zero runs become holes), so memory stays flat whatever the disk size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import lzma
+import os
+import secrets
+import shutil
+import ssl
+import time
+import zlib
+from dataclasses import replace
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+from diskkit.disk import diskheader, qemuimg
+from diskkit.errors import DiskkitError
+from diskkit.streams.fsutil import fsync_dir
+from diskkit.streams.sparse import SparseWriter
+from diskkit.registry.options import RegistryOptions
+
+from launcher.spec import datavolume as dvm
+from launcher.datavolumes import dvstate
+from launcher.volumes import storage
+from launcher.datavolumes.dvstate import Target
+from launcher.spec.k8s import Objects, _secret
+from launcher.volumes.prepare import Storage, _own
+
+CHUNK = 1 << 20
+HTTP_ATTEMPTS = 3  # a dropped download is tried again (with Range when the server honours it)
+HTTP_TIMEOUT = (30, 300)  # connect, and between two reads
+PROGRESS_EVERY = 1.0  # seconds between state file updates
+ACCESS_KEY, SECRET_KEY = "accessKeyId", "secretKey"  # CDI's endpoint secret keys
+
+
+class Progress:
+    """Percent done, recorded in the state file as CDI's status.progress ("45.67%"), at most once a second."""
+
+    def __init__(self, target: Target):
+        self.target = target
+        self._last = 0.0
+
+    def __call__(self, percent: float, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._last >= PROGRESS_EVERY:
+            self._last = now
+            dvstate.record(self.target, progress=f"{min(percent, 100.0):.2f}%")
+
+
+def scratch(target: Target, what: str) -> Path:
+    return target.directory / f"{dvstate.TEMP_PREFIX}{what}-{secrets.token_hex(4)}"
+
+
+# ---------------------------------------------------------------- checks
+
+def check_source(path: Path, shown: str) -> qemuimg.DiskInfo:
+    """CDI's validation of a fetched image (formats raw, qcow2, vmdk, vdi, vpc, vhdx; no backing file),
+    plus what qemu must never be handed: images naming host files are refused from their first bytes."""
+    with open(path, "rb") as f:
+        head = f.read(diskheader.HEADER_BYTES)
+    if head.startswith(b"# Disk DescriptorFile"):
+        raise DiskkitError(shown, "a VMDK descriptor names its extents as files on this host; only single-file VMDKs are accepted")
+    header = diskheader.parse(head)
+    if header is not None and (unsafe := diskheader.safety_violations(header)):
+        raise DiskkitError(shown, unsafe[0])
+    info = qemuimg.info(path)
+    if info.format not in qemuimg.INPUT_FORMATS:
+        raise DiskkitError(shown, f"Invalid format {info.format} for image {shown}")
+    if info.backing_file:
+        raise DiskkitError(shown, f"expected no backing file, but found {info.backing_file}")
+    if info.data_file:
+        raise DiskkitError(shown, f"expected no external data file, but found {info.data_file}")
+    extents = ((info.raw.get("format-specific") or {}).get("data") or {}).get("extents") or []
+    if any(e.get("filename") not in (None, str(path)) for e in extents):
+        raise DiskkitError(shown, "the VMDK names extents in other files; only single-file VMDKs are accepted")
+    if info.format == "qcow2":
+        qemuimg.check(path, "qcow2")
+    return info
+
+
+def _free_bytes(directory: Path) -> int:
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
+
+
+def disk_size(target: Target, virtual_size: int, reclaimable: int, tolerance: int) -> tuple[int, str | None]:
+    """The size of disk.img: the claim's request (whole MiB; KubeVirt's tolerance when space is short),
+    and never below the image, which is CDI's `A larger PVC is required`."""
+    if target.size is None:
+        wanted = -(-virtual_size // storage.MIB) * storage.MIB  # no request: exactly what the image needs
+    else:
+        wanted = storage.image_size(target.size, None) or 0
+    fitted = storage.fit(wanted, _free_bytes(target.directory) + reclaimable, f"DataVolume {target.dv.key}", tolerance)
+    if virtual_size > fitted.size:
+        raise DiskkitError(f"DataVolume {target.dv.key}", f"virtual image size {virtual_size} is larger than the reported"
+                                                          f" available storage {fitted.size}. A larger PVC is required")
+    return fitted.size, fitted.note
+
+
+def install(target: Target, staged: Path, shown: str, progress: Progress, tolerance: int, consume: bool = True) -> list[str]:
+    """Check `staged`, write it as raw disk.img sized to the claim, atomically. Returns notes.
+
+    With `consume` a raw source is renamed into place (it already is the sparse raw image);
+    anything else goes through `qemu-img convert -O raw`, whose progress is recorded.
+    """
+    info = check_source(staged, shown)
+    reclaimable = staged.stat().st_blocks * 512 if consume else 0
+    size, note = disk_size(target, info.virtual_size, reclaimable, tolerance)
+    if consume and info.format == "raw":
+        out = staged
+    else:
+        out = scratch(target, "disk")
+        qemuimg.convert(staged, out, info.format, "raw", progress=progress)
+        if consume:
+            staged.unlink()
+    try:
+        with open(out, "r+b") as f:
+            if f.seek(0, os.SEEK_END) < size:
+                f.truncate(size)  # CDI resizes the image to the claim, so the guest sees all of it
+            os.fsync(f.fileno())
+        os.chmod(out, 0o660)
+        _own(out)
+        os.rename(out, target.disk)
+        fsync_dir(target.directory)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            out.unlink()
+        raise DiskkitError(target.disk, f"cannot be written ({exc.strerror})") from None
+    return [note] if note else []
+
+
+# ---------------------------------------------------------------- sources
+
+def _shown_url(url: str) -> str:
+    """The URL without credentials or query (where tokens tend to live)."""
+    parts = urlsplit(url)
+    netloc = parts.hostname or ""
+    if parts.port:
+        netloc += f":{parts.port}"
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+def _ca_bundle(objects: Objects | None, namespace: str, name: str, where: str, into: Path) -> Path:
+    """The system's CAs plus every value of the ConfigMap (CDI mounts them as files and adds them all)."""
+    cm = objects.get("ConfigMap", namespace, name) if objects is not None else None
+    if cm is None:
+        raise DiskkitError(where, f'configmaps "{name}" not found in namespace {namespace} (the certConfigMap)')
+    certs = [str(v) for v in (cm.get("data") or {}).values() if v]
+    if not any("-----BEGIN CERTIFICATE-----" in c for c in certs):
+        raise DiskkitError(where, f"configmap {namespace}/{name} holds no PEM certificate (the certConfigMap)")
+    system = Path(ssl.get_default_verify_paths().cafile or "/etc/ssl/certs/ca-certificates.crt")
+    into.mkdir(exist_ok=True)
+    bundle = into / "ca.crt"
+    bundle.write_text((system.read_text() if system.is_file() else "") + "\n" + "\n".join(certs) + "\n")
+    return bundle
+
+
+def _endpoint_secret(objects: Objects | None, namespace: str, name: str, where: str) -> tuple[str, str]:
+    if objects is None:
+        raise DiskkitError(where, f"secretRef {name} needs --manifests holding the Secret")
+    shown, data = _secret(objects, {"name": name}, namespace, where, "source")
+    try:
+        return data.get(ACCESS_KEY, b"").decode(), data.get(SECRET_KEY, b"").decode()
+    except UnicodeDecodeError:
+        raise DiskkitError(where, f"secret {shown}: {ACCESS_KEY} and {SECRET_KEY} must be text") from None
+
+
+def _http_error(status: int, reason: str) -> str:
+    return f"Unable to connect to http data source: expected status code 200, got {status}. Status: {status} {reason}"
+
+
+class _Unpacker:
+    """gzip and xz sources are decompressed as they arrive, as CDI's importer does; output comes in
+    pieces of at most CHUNK bytes, so a highly compressed stream cannot balloon memory."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._new()
+
+    def _new(self) -> None:
+        self._d = zlib.decompressobj(wbits=31) if self.kind == "gzip" else lzma.LZMADecompressor()
+
+    @classmethod
+    def detect(cls, head: bytes) -> _Unpacker | None:
+        if head[:2] == b"\x1f\x8b":
+            return cls("gzip")
+        if head[:6] == b"\xfd7zXZ\x00":
+            return cls("xz")
+        return None
+
+    def feed(self, data: bytes):
+        try:
+            while data:
+                if self.kind == "gzip":
+                    yield self._d.decompress(data, CHUNK)
+                    data = self._d.unconsumed_tail
+                    if self._d.eof and self._d.unused_data:  # concatenated gzip members (pigz, cat a.gz b.gz)
+                        data = self._d.unused_data
+                        self._new()
+                else:
+                    yield self._d.decompress(data, CHUNK)
+                    data = b""
+                    while not self._d.needs_input and not self._d.eof:
+                        yield self._d.decompress(b"", CHUNK)
+        except (zlib.error, lzma.LZMAError) as exc:
+            raise DiskkitError("source", f"{self.kind} data is corrupt ({exc})") from None
+
+    def check_end(self, shown: str) -> None:
+        if not self._d.eof:
+            raise DiskkitError(shown, f"the {self.kind} stream ends before its end marker (truncated)")
+
+
+def download(url: str, dest: Path, progress: Progress, auth: tuple[str, str] | None, verify: str | bool) -> None:
+    """GET `url` into `dest` (sparse; gzip and xz decompressed on the way). A body cut short is fetched
+    again: from where it stopped when the server honours Range (and the body is not compressed),
+    else from the start; after HTTP_ATTEMPTS tries the import fails."""
+    import requests
+
+    shown = _shown_url(url)
+    have, total, problem = 0, None, ""
+    unpacker: _Unpacker | None = None
+    session = requests.Session()
+    session.headers["User-Agent"] = "diskkit-launcher"
+    with session, open(dest, "wb") as out:
+        writer = SparseWriter(out)
+        for attempt in range(HTTP_ATTEMPTS):
+            if attempt:
+                time.sleep(min(2 ** (attempt - 1), 5))
+            headers = {"Range": f"bytes={have}-"} if have and unpacker is None else {}
+            try:
+                with session.get(url, stream=True, timeout=HTTP_TIMEOUT, auth=auth, verify=verify, headers=headers) as resp:
+                    if resp.status_code == 206 and headers and (resp.headers.get("Content-Range") or "").startswith(f"bytes {have}-"):
+                        pass  # continues where the last attempt stopped
+                    elif resp.status_code == 200:
+                        have, unpacker = 0, None
+                        out.seek(0)
+                        out.truncate(0)
+                    elif 500 <= resp.status_code or resp.status_code in (408, 429):
+                        problem = _http_error(resp.status_code, resp.reason)
+                        continue
+                    else:
+                        raise DiskkitError(shown, _http_error(resp.status_code, resp.reason))
+                    length = resp.headers.get("Content-Length")
+                    total = have + int(length) if length and length.isdigit() else None
+                    for chunk in resp.iter_content(CHUNK):
+                        if have == 0:
+                            unpacker = _Unpacker.detect(chunk)
+                        have += len(chunk)
+                        for piece in unpacker.feed(chunk) if unpacker is not None else (chunk,):
+                            writer.write(piece)
+                        if total:
+                            progress(100.0 * have / total)
+            except requests.exceptions.SSLError as exc:
+                raise DiskkitError(shown, f"TLS verification failed ({_reason(exc)}); a private CA goes in certConfigMap") from None
+            except requests.exceptions.ChunkedEncodingError:
+                problem = f"the connection closed after {have} of {total if total is not None else '?'} bytes"
+                continue
+            except (requests.exceptions.ConnectionError, requests.exceptions.Timeout) as exc:
+                if have:
+                    problem = f"the connection failed after {have} of {total if total is not None else '?'} bytes ({_reason(exc)})"
+                else:
+                    problem = f"cannot connect ({_reason(exc)})"
+                continue
+            if total is not None and have != total:
+                problem = f"the connection closed after {have} of {total} bytes"
+                continue
+            if unpacker is not None:
+                unpacker.check_end(shown)
+            out.truncate(out.tell())  # a trailing hole still counts
+            out.flush()
+            os.fsync(out.fileno())
+            return
+    raise DiskkitError(shown, f"{problem} ({HTTP_ATTEMPTS} attempts)")
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc.args[0] if exc.args else exc)
+    return text.split(": ")[-1].strip("()'\" ")[:160] or type(exc).__name__
+
+
+def _http(target: Target, store: Storage, progress: Progress, work: Path) -> tuple[Path, str]:
+    source, dv = target.dv.source, target.dv
+    where = f"DataVolume {dv.key}"
+    auth = _endpoint_secret(store.objects, dv.namespace, source.secret_ref, where) if source.secret_ref else None
+    verify: str | bool = True
+    if source.cert_config_map:
+        verify = str(_ca_bundle(store.objects, dv.namespace, source.cert_config_map, where, work))
+    staged = scratch(target, "download")
+    download(source.url, staged, progress, auth if auth and all(auth) else None, verify)
+    return staged, _shown_url(source.url)
+
+
+def _registry(target: Target, store: Storage, registry: RegistryOptions, work: Path) -> tuple[Path, str]:
+    from diskkit.transports import open_source
+    from diskkit.ops.verify import scan_image
+
+    source, dv = target.dv.source, target.dv
+    where = f"DataVolume {dv.key}"
+    scheme, _, rest = source.url.partition("://")
+    ref = rest if scheme == "docker" else f"oci-archive:{rest}"
+    opts = registry
+    if source.cert_config_map:
+        certs = work / "certs"
+        _ca_bundle(store.objects, dv.namespace, source.cert_config_map, where, certs)
+        opts = replace(opts, cert_dir=str(certs), tls_verify=True)
+    if source.secret_ref:
+        user, password = _endpoint_secret(store.objects, dv.namespace, source.secret_ref, where)
+        opts = replace(opts, creds=f"{user}:{password}")
+    spool = work / "spool"
+    spool.mkdir()
+    with open_source(ref, opts) as src:
+        image = src.image(None)
+        tree, found, staged = scan_image(src, image, None, spool)
+        blocking = tree.findings + [p for p in found.problems if p not in found.access]
+        if found.node is None or staged is None or blocking:
+            raise DiskkitError(source.url, "; ".join(blocking) or f"{found.shown}: not found in the image")
+    return staged, source.url
+
+
+def _blank(target: Target, tolerance: int) -> list[str]:
+    if target.size is None:
+        raise DiskkitError(f"DataVolume {target.dv.key}", "a blank DataVolume needs a size (spec.storage.resources.requests.storage or --pvc NAME=DIR:SIZE)")
+    size, note = disk_size(target, 0, 0, tolerance)
+    out = scratch(target, "blank")
+    with open(out, "wb") as f:
+        f.truncate(size)
+        os.fsync(f.fileno())
+    os.chmod(out, 0o660)
+    _own(out)
+    os.rename(out, target.disk)
+    fsync_dir(target.directory)
+    return [note] if note else []
+
+
+def _clone(target: Target, store: Storage, progress: Progress, tolerance: int) -> list[str]:
+    source = target.dv.source
+    origin = dvm.DataVolume(source.claim, source.claim_namespace, dvm.Source("blank"), None, None, None, target.dv.origin)
+    try:
+        claim = dvstate.resolve(origin, store)
+    except DiskkitError as exc:
+        raise DiskkitError(f"DataVolume {target.dv.key}", f"source claim {origin.key}: {exc.rule}") from None
+    if claim.directory.resolve() == target.directory.resolve():
+        raise DiskkitError(f"DataVolume {target.dv.key}", "the source claim is the target claim")
+    if not claim.disk.is_file():
+        raise DiskkitError(f"DataVolume {target.dv.key}", f"source claim {origin.key} holds no disk.img yet")
+    if target.size is not None and target.size < claim.disk.stat().st_size:
+        raise DiskkitError(f"DataVolume {target.dv.key}", "target resources requests storage size is smaller than the source")
+    return install(target, claim.disk, f"claim {origin.key}", progress, tolerance, consume=False)
+
+
+# ---------------------------------------------------------------- the whole job
+
+def fill(target: Target, store: Storage, registry: RegistryOptions | None) -> list[str]:
+    """Import, clone or create the DataVolume's disk, recording each phase. The caller holds the work lock.
+
+    Returns notes (KubeVirt's ToleratedSmallPV text when the claim is short of space).
+    """
+    dv = target.dv
+    if target.disk.exists():
+        raise DiskkitError(f"DataVolume {dv.key}", f"claim {dv.name} already holds {target.disk} that this DataVolume did not"
+                                                   " write; remove it to import again")
+    dvstate.remove_scratch(target)
+    dvstate.record(target, phase=dv.running_phase, progress="0.00%", message=None, pid=os.getpid())
+    progress = Progress(target)
+    work = scratch(target, "work")
+    work.mkdir()
+    try:
+        if dv.source.kind == "blank":
+            notes = _blank(target, store.tolerance)
+        elif dv.source.kind == "pvc":
+            notes = _clone(target, store, progress, store.tolerance)
+        else:
+            if dv.source.kind == "http":
+                staged, shown = _http(target, store, progress, work)
+            else:
+                staged, shown = _registry(target, store, registry or RegistryOptions(), work)
+            progress(0.0, force=True)
+            notes = install(target, staged, shown, progress, store.tolerance)
+    except DiskkitError as exc:
+        failure = exc if (exc.subject or "").startswith("DataVolume") else DiskkitError(f"DataVolume {dv.key}", exc.line())
+        dvstate.record(target, phase=dvm.FAILED, message=failure.line(), pid=None)
+        raise failure from None
+    except OSError as exc:  # the claim ran out of space, or went away
+        failure = DiskkitError(f"DataVolume {dv.key}", f"writing to claim {dv.name} failed ({exc.strerror or exc})")
+        dvstate.record(target, phase=dvm.FAILED, message=failure.line(), pid=None)
+        raise failure from None
+    except BaseException:
+        dvstate.record(target, phase=dvm.PENDING, message="interrupted; the next importer starts again", pid=None)
+        raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        dvstate.remove_scratch(target)
+    dvstate.record(target, phase=dvm.SUCCEEDED, progress="100.0%", message="Import Complete" if dv.source.kind != "pvc" else "Clone Complete", pid=None)
+    return notes

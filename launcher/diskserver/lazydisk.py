@@ -1,0 +1,737 @@
+"""A containerDisk read at offsets straight from its registry blob: the chunk store behind a lazy export.
+
+The disk of a seekable image (one uncompressed layer, see diskkit.lazytoc) lies in the blob at a
+fixed offset. Reads fetch the chunks they touch with HTTP range requests, through the registry
+client (auth, TLS, retries); background threads prefetch the rest. Each chunk lands in a sparse
+file in the node cache and is marked in a bitmap that is persisted after the data is synced, so a
+restarted server resumes where it stopped.
+
+Integrity: with a TOC every chunk is checked against its digest before anyone can read it, and a
+chunk that fails is fetched again. Without one (a plain uncompressed layer) chunks are served as
+they arrive, unless `strict`, in which case reads wait for the whole blob. Either way, once every
+chunk is here the blob digest is recomputed from the file and the layer's other bytes; only then
+is the export marked verified and the file moved into the cache's extracted-disk store, where
+`launcher pull` of the same image finds it.
+
+    <root>/lazy/<export>/source.json   what the export is (written last: its presence means complete)
+    <root>/lazy/<export>/disk.img      sparse; chunk i at offset i * chunkSize
+    <root>/lazy/<export>/bitmap        one bit per chunk here (and verified, with a TOC)
+    <root>/lazy/<export>/state.json    counters, verified flag
+    <root>/lazy/<export>/refs.json     the images that resolved to it, recorded for pulls once installed
+    <root>/lazy/<export>/head, tail    the blob's bytes before and after the disk, for its digest
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import io
+import json
+import logging
+import os
+import secrets
+import shutil
+import tarfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import requests
+import urllib3
+
+from diskkit.layers import lazytoc
+from diskkit.disk.containerdisk import locate
+from diskkit.errors import AuthError, DiskkitError, RegistryError
+from diskkit.streams.fsutil import write_atomic
+from diskkit.oci.image import Image
+from diskkit.layers.imagefs import Tree, add_member, clean_member_name
+from diskkit.oci.mediatypes import layer_compression
+from diskkit.registry.client import Registry, _reason, get_blob, retry_after
+from diskkit.ops.verify import DiskFacts, disk_problems
+
+from launcher.node.cache import Cache, key
+from launcher.diskserver.nbd import NbdError
+
+log = logging.getLogger("launcher.lazydisk")
+
+PREFETCH_SPAN = 8 << 20  # bytes per prefetch request
+GUEST_BUSY = 3.0  # a guest that connected or read this recently is booting or working: prefetch gently
+BUSY_SPAN_EVERY = 0.25  # then one span per thread this often (32 MiB/s each), enough to stay ahead of a boot
+MAX_MEMBERS = 10000  # tar headers walked by range requests before giving up on lazy reads
+MAX_HEAD_TAIL = 64 << 20  # the blob's bytes besides the disk, kept for the final digest
+WINDOW = 64 << 10  # header reads fetch this much at once: consecutive headers cost one request
+SAVE_INTERVAL = 1.0
+VERIFY_ATTEMPTS = 3
+
+
+class NotSeekable(DiskkitError):
+    """The image cannot be read at offsets (compressed, several layers, ...): pull it whole instead."""
+
+
+def export_name(layer: str, member: str) -> str:
+    """One export per (layer digest, disk member): every VM on the node booting that disk shares it."""
+    return f"{layer.removeprefix('sha256:')}-{key(member)[:8]}"
+
+
+# --- range reads ---------------------------------------------------------------------------------
+
+class BlobRanges:
+    """Byte ranges of one registry blob, resumed after dropped connections as ResumableBlob does."""
+
+    def __init__(self, registry: Registry, repository: str, digest: str, size: int):
+        self.registry = registry
+        self.repository = repository
+        self.digest = digest
+        self.size = size
+        self.requests = 0
+
+    def read(self, start: int, length: int) -> bytes:
+        if start < 0 or start + length > self.size:
+            raise ValueError(f"range {start}+{length} outside a {self.size}-byte blob")
+        buf = bytearray(length)
+        view = memoryview(buf)
+        got = 0
+        failures = 0
+        while got < length:
+            try:
+                got = self._read_into(view, start, got, length)
+            except AuthError:
+                raise
+            except (RegistryError, requests.exceptions.RequestException, urllib3.exceptions.HTTPError, OSError) as exc:
+                if failures >= self.registry.opts.retries:
+                    if isinstance(exc, RegistryError):
+                        raise
+                    raise RegistryError(self.registry.host, f"blob {self.digest[:19]} range at {start + got} kept failing ({_reason(exc)})") from None
+                time.sleep(retry_after(None, failures, self.registry.opts))
+                failures += 1
+        return bytes(buf)
+
+    def _read_into(self, view: memoryview, start: int, got: int, length: int) -> int:
+        first, last = start + got, start + length - 1
+        self.requests += 1
+        response = get_blob(self.registry, self.repository, self.digest, first, last)
+        try:
+            while got < length:
+                piece = response.raw.read(min(length - got, 1 << 20))
+                if not piece:
+                    raise RegistryError(self.registry.host, f"blob {self.digest[:19]} range ended early at byte {start + got}")
+                view[got : got + len(piece)] = piece
+                got += len(piece)
+            return got
+        finally:
+            response.close()
+
+
+class _RangeFile(io.RawIOBase):
+    """A seekable view of the blob for tarfile: headers are read, file data is seeked past."""
+
+    def __init__(self, ranges: BlobRanges):
+        self.ranges = ranges
+        self.pos = 0
+        self.window_at = -1
+        self.window = b""
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = {0: offset, 1: self.pos + offset, 2: self.ranges.size + offset}[whence]
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, buf) -> int:
+        n = min(len(buf), self.ranges.size - self.pos)
+        if n <= 0:
+            return 0
+        if not (self.window_at <= self.pos and self.pos + n <= self.window_at + len(self.window)):
+            self.window_at = self.pos
+            self.window = self.ranges.read(self.pos, min(max(n, WINDOW), self.ranges.size - self.pos))
+        at = self.pos - self.window_at
+        buf[:n] = self.window[at : at + n]
+        self.pos += n
+        return n
+
+
+# --- where the disk is -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a disk lies in its layer blob, and how its chunks are checked."""
+
+    registry: str
+    repository: str
+    layer: str
+    layer_size: int
+    member: str
+    offset: int
+    size: int
+    chunk_size: int
+    chunks: tuple[str, ...] | None  # sha256 per chunk from the TOC; None: only the blob digest checks
+
+    @property
+    def name(self) -> str:
+        return export_name(self.layer, self.member)
+
+    @property
+    def count(self) -> int:
+        return -(-self.size // self.chunk_size)
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "chunks": list(self.chunks) if self.chunks is not None else None}
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "Layout":
+        chunks = obj.get("chunks")
+        return cls(**{**obj, "chunks": tuple(chunks) if chunks is not None else None})
+
+
+def find_layout(image: Image, ranges: BlobRanges, registry_host: str, repository: str, path: str | None,
+                shown: str, notes: list[str] | None = None) -> Layout:
+    """Locate the disk with KubeVirt's rules by walking the layer's tar headers over range requests.
+
+    Raises NotSeekable for images that must be pulled whole, DiskkitError for images `launcher pull`
+    would refuse too."""
+    if len(image.layers) != 1:
+        raise NotSeekable(shown, f"has {len(image.layers)} layers; lazy reads need a single uncompressed layer")
+    layer = image.layers[0]
+    kind = layer_compression(layer.media_type)
+    if kind != "none":
+        raise NotSeekable(shown, f"its layer is {kind or layer.media_type}-compressed; build it with --lazy or --compression none")
+    if image.diff_ids != [layer.digest]:
+        raise DiskkitError(shown, f"layer {layer.digest[:19]} does not match the config's diffID (an uncompressed layer is its own diffID)")
+    tree = Tree()
+    data_at: dict[str, tuple[int, int]] = {}
+    try:
+        with tarfile.open(fileobj=_RangeFile(ranges), mode="r:", errorlevel=2) as tar:
+            for count, member in enumerate(tar):
+                if count >= MAX_MEMBERS:
+                    raise NotSeekable(shown, f"its layer has more than {MAX_MEMBERS} entries")
+                add_member(tree, 0, member)
+                cleaned = clean_member_name(member.name)
+                if cleaned is not None and member.isreg():
+                    data_at[cleaned] = (member.offset_data, member.size)
+    except tarfile.TarError as exc:
+        raise DiskkitError(shown, f"layer 0 ({layer.digest[:19]}) is not a valid tar: {exc}") from None
+    found = locate(tree, path, allow_root_file=path is None)
+    blocking = tree.findings + [p for p in found.problems if p not in found.access]
+    if notes is not None:
+        notes += found.access
+    if found.node is None or blocking:
+        raise DiskkitError(shown, "; ".join(blocking) or f"{found.shown}: not found in the image")
+    member = found.node.path
+    offset, size = data_at[member]
+    if size == 0:
+        raise DiskkitError(shown, f"{found.shown} is empty")
+    chunk_size, chunks = lazytoc.chunk_size_for(size), None
+    where = f"{shown}: layer {layer.digest[:19]}"
+    loc = lazytoc.location(layer, where)
+    if loc is not None:
+        toc = lazytoc.parse(ranges.read(loc.offset, loc.size), loc, where)
+        if (toc.disk, toc.offset, toc.size) != (member, offset, size):
+            raise DiskkitError(where, f"the lazy TOC describes /{toc.disk} at {toc.offset}+{toc.size}, but the layer holds /{member} at {offset}+{size}")
+        chunk_size, chunks = toc.chunk_size, toc.chunks
+    if layer.size - size > MAX_HEAD_TAIL:
+        raise NotSeekable(shown, f"its layer holds {layer.size - size} bytes besides the disk")
+    return Layout(registry_host, repository, layer.digest, layer.size, member, offset, size, chunk_size, chunks)
+
+
+# --- the chunk store -------------------------------------------------------------------------------
+
+@dataclass
+class Stats:
+    fetched_bytes: int = 0
+    fetched_chunks: int = 0
+    corrupt_chunks: int = 0
+    demand_fetches: int = 0
+    failed_fetches: int = 0
+    verify_attempts: int = 0
+
+
+class _Bucket:
+    """A token bucket: prefetching at most `rate` bytes a second (0: unlimited), demand reads never wait."""
+
+    def __init__(self, rate: int):
+        self.rate = rate
+        self.lock = threading.Lock()
+        self.next_free = time.monotonic()
+
+    def take(self, nbytes: int, closing: threading.Event) -> None:
+        """Waits until `nbytes` more keep the average at `rate`: paid before the request, not after."""
+        if not self.rate:
+            return
+        with self.lock:
+            now = time.monotonic()
+            self.next_free = max(now, self.next_free) + nbytes / self.rate
+            until = self.next_free
+        closing.wait(max(0.0, until - now))
+
+
+def _pack(present: bytearray) -> bytes:
+    out = bytearray((len(present) + 7) // 8)
+    index = -1
+    while (index := present.find(1, index + 1)) != -1:
+        out[index >> 3] |= 1 << (index & 7)
+    return bytes(out)
+
+
+def _unpack(data: bytes, count: int) -> bytearray:
+    present = bytearray(count)
+    for index in range(min(count, len(data) * 8)):
+        if data[index >> 3] >> (index & 7) & 1:
+            present[index] = 1
+    return present
+
+
+@dataclass
+class Ref:
+    """An image that resolved to this export: recorded as a pull would, once the disk is installed."""
+
+    ref_key: str
+    image: str
+    digest: str
+
+
+@dataclass
+class Options:
+    strict: bool = False
+    prefetch_threads: int = 2
+    prefetch_rate: int = 0  # bytes per second, 0 = as fast as the registry goes
+    fetch_timeout: float = 300.0  # how long a read waits through registry outages before EIO
+
+
+class LazyDisk:
+    """One export: reads fetch what they need, prefetchers fetch the rest, completion verifies and installs."""
+
+    def __init__(self, cache: Cache, layout: Layout, ranges: BlobRanges, opts: Options, description: str = ""):
+        self.cache = cache
+        self.layout = layout
+        self.ranges = ranges
+        self.opts = opts
+        self.name = layout.name
+        self.description = description or f"{layout.layer} /{layout.member}"
+        self.size = layout.size
+        self.dir = cache.root / "lazy" / self.name
+        self.stats = Stats()
+        self.refs: dict[str, Ref] = {}
+        self.lock = threading.Lock()
+        self.save_lock = threading.Lock()
+        self.inflight: dict[int, threading.Event] = {}
+        self.closing = threading.Event()
+        self.verified = threading.Event()
+        self.failed: str | None = None
+        self.installed: Path | None = None
+        self.cursor = 0
+        self.demand_active = 0  # fetches a reader waits for: prefetching stands back meanwhile
+        self.last_read = 0.0
+        self.stale_data = False  # after a failed blob digest the file holds suspect bytes: zeros get written too
+        self.dirty = False
+        self.bucket = _Bucket(opts.prefetch_rate)
+        self._completing = False
+        self._zero = bytes(layout.chunk_size)
+        self._prepare()
+        self.fd = os.open(self.dir / "disk.img", os.O_RDWR)
+        self.present = _unpack((self.dir / "bitmap").read_bytes(), layout.count)
+        state = cache.read_json(self.dir / "state.json") or {}
+        for k, v in (state.get("stats") or {}).items():
+            if hasattr(self.stats, k):
+                setattr(self.stats, k, int(v))
+        for ref in (cache.read_json(self.dir / "refs.json") or {}).get("refs", []):
+            self.refs[ref["ref_key"]] = Ref(**ref)
+        self.threads = [threading.Thread(target=self._prefetch, name=f"prefetch-{i}", daemon=True) for i in range(max(1, opts.prefetch_threads))]
+        self.saver = threading.Thread(target=self._save_regularly, name="save", daemon=True)
+
+    # --- setup ----------------------------------------------------------------------------------
+
+    def _prepare(self) -> None:
+        """The state directory: reused when it describes this layout, else made afresh (atomically)."""
+        current = self.cache.read_json(self.dir / "source.json")
+        if current is not None and current.get("layout") == self.layout.to_json() and (self.dir / "disk.img").is_file():
+            return
+        self.dir.parent.mkdir(parents=True, exist_ok=True)
+        staging = self.dir.parent / f".{self.name}.{secrets.token_hex(4)}"
+        staging.mkdir()
+        try:
+            lay = self.layout
+            (staging / "head").write_bytes(self.ranges.read(0, lay.offset))
+            tail_at = lay.offset + lay.size
+            (staging / "tail").write_bytes(self.ranges.read(tail_at, lay.layer_size - tail_at))
+            with open(staging / "disk.img", "wb") as f:
+                f.truncate(lay.size)  # sparse: chunks not fetched yet read as holes nobody is shown
+            (staging / "bitmap").write_bytes(bytes((lay.count + 7) // 8))
+            write_atomic(staging / "source.json", json.dumps({"layout": lay.to_json()}, indent=2).encode())
+            if self.dir.exists():
+                shutil.rmtree(self.dir)  # another layout under the same name: a stale or foreign entry
+            staging.rename(self.dir)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+
+    def start(self) -> "LazyDisk":
+        self.saver.start()
+        if all(self.present):
+            threading.Thread(target=self._complete, name="verify", daemon=True).start()
+        else:
+            for thread in self.threads:
+                thread.start()
+        return self
+
+    def close(self) -> None:
+        self.closing.set()
+        for thread in [*self.threads, self.saver]:
+            if thread.is_alive():
+                thread.join(timeout=10)
+        self._save(force=True)
+        os.close(self.fd)
+
+    def add_ref(self, ref: Ref) -> None:
+        """Kept with the state, so a server restarted before the end still records every image."""
+        with self.lock:
+            known = ref.ref_key in self.refs
+            self.refs[ref.ref_key] = ref
+            installed = self.installed
+            refs = [asdict(r) for r in self.refs.values()]
+        if installed is not None:
+            record(self.cache, ref, installed)
+        elif not known:
+            write_atomic(self.dir / "refs.json", json.dumps({"refs": refs}, indent=2).encode())
+
+    # --- the NBD side ---------------------------------------------------------------------------
+
+    def touch(self) -> None:
+        """A client connected: a VM is starting, and its boot needs the CPU more than the prefetch."""
+        self.last_read = time.monotonic()
+
+    def read(self, offset: int, length: int) -> bytes:
+        if self.failed is not None:
+            raise NbdError(errno.EIO, self.failed)
+        if not length:
+            return b""
+        if self.opts.strict and self.layout.chunks is None and not self.verified.is_set():
+            # Without chunk digests nothing is verified before the whole blob is: wait for it.
+            if not self.verified.wait(self.opts.fetch_timeout) or self.failed is not None:
+                raise NbdError(errno.EIO, self.failed or "the blob was not verified in time")
+        else:
+            first, last = offset // self.layout.chunk_size, (offset + length - 1) // self.layout.chunk_size
+            self._ensure(first, last)
+            self.cursor = last + 1  # prefetch where the guest is reading: boots read sequentially
+        self.last_read = time.monotonic()
+        data = os.pread(self.fd, length, offset)
+        if len(data) != length:
+            raise NbdError(errno.EIO, f"short read at {offset}")
+        return data
+
+    def _ensure(self, first: int, last: int) -> None:
+        deadline = time.monotonic() + self.opts.fetch_timeout
+        failures = 0
+        while True:
+            claimed: list[int] = []
+            waits: list[threading.Event] = []
+            with self.lock:
+                for index in range(first, last + 1):
+                    if self.present[index]:
+                        continue
+                    event = self.inflight.get(index)
+                    if event is None:
+                        self.inflight[index] = threading.Event()
+                        claimed.append(index)
+                    else:
+                        waits.append(event)
+            if not claimed and not waits:
+                return
+            if claimed:
+                with self.lock:
+                    self.stats.demand_fetches += 1
+                    self.demand_active += 1
+                try:
+                    if not self._fetch_claimed(claimed):
+                        failures += 1
+                finally:
+                    with self.lock:
+                        self.demand_active -= 1
+            for event in waits:
+                event.wait(max(0.0, deadline - time.monotonic()))
+            if self.failed is not None:
+                raise NbdError(errno.EIO, self.failed)
+            if time.monotonic() > deadline:
+                raise NbdError(errno.EIO, f"chunks {first}-{last} could not be fetched in {self.opts.fetch_timeout:g} s")
+            if failures:
+                # The registry is down or restarting: wait, then ask again, for as long as the deadline allows.
+                self.closing.wait(min(0.5 * 2 ** min(failures, 4), 5.0, max(0.0, deadline - time.monotonic())))
+
+    # --- fetching -------------------------------------------------------------------------------
+
+    def _fetch_claimed(self, claimed: list[int]) -> bool:
+        """Fetch chunks this thread claimed, in runs of consecutive ones; always releases the claims."""
+        ok = True
+        runs: list[list[int]] = []
+        for index in claimed:
+            if runs and runs[-1][-1] + 1 == index:
+                runs[-1].append(index)
+            else:
+                runs.append([index])
+        try:
+            for run in runs:
+                if not self._fetch_run(run[0], run[-1] + 1):
+                    ok = False
+        finally:
+            with self.lock:
+                for index in claimed:
+                    event = self.inflight.pop(index, None)
+                    if event is not None:
+                        event.set()
+        return ok
+
+    def _fetch_run(self, first: int, end: int) -> bool:
+        lay = self.layout
+        start = first * lay.chunk_size
+        stop = min(end * lay.chunk_size, lay.size)
+        try:
+            data = self.ranges.read(lay.offset + start, stop - start)
+        except DiskkitError as exc:
+            self.stats.failed_fetches += 1
+            log.warning("%s: chunks %d-%d not fetched: %s", self.name, first, end - 1, exc.line())
+            return False
+        view = memoryview(data)
+        good: list[int] = []
+        bad: list[int] = []
+        for index in range(first, end):
+            piece = view[(index - first) * lay.chunk_size : min((index - first + 1) * lay.chunk_size, len(view))]
+            if lay.chunks is not None and hashlib.sha256(piece).hexdigest() != lay.chunks[index]:
+                bad.append(index)
+                continue
+            if self.stale_data or piece != self._zero[: len(piece)]:
+                os.pwrite(self.fd, piece, index * lay.chunk_size)  # zero chunks stay holes
+            good.append(index)
+        with self.lock:
+            for index in good:
+                self.present[index] = 1
+            self.dirty = self.dirty or bool(good)
+            self.stats.fetched_chunks += len(good)
+            self.stats.fetched_bytes += len(data)
+            self.stats.corrupt_chunks += len(bad)
+        if bad:
+            log.warning("%s: chunk%s %s failed verification against the TOC; fetching again", self.name,
+                        "s" if len(bad) > 1 else "", ", ".join(map(str, bad)))
+        if good and self.present.find(0) == -1:
+            # Readers fetched the last gaps: verify now rather than when a (throttled) prefetcher wakes.
+            threading.Thread(target=self._complete, name="verify", daemon=True).start()
+        return not bad
+
+    def _claim_prefetch(self) -> list[int] | None:
+        """The next run of missing, unclaimed chunks from the cursor on (wrapping); None when none is left."""
+        span = max(1, PREFETCH_SPAN // self.layout.chunk_size)
+        with self.lock:
+            count = self.layout.count
+            for start in (min(self.cursor, count), 0):
+                index = self.present.find(0, start)
+                while index != -1 and index in self.inflight:
+                    index = self.present.find(0, index + 1)
+                if index == -1:
+                    continue
+                run = []
+                while index < count and len(run) < span and not self.present[index] and index not in self.inflight:
+                    self.inflight[index] = threading.Event()
+                    run.append(index)
+                    index += 1
+                return run
+        return None
+
+    def _prefetch(self) -> None:
+        _lower_priority()
+        failures = 0
+        span_started = 0.0
+        while not self.closing.is_set() and self.failed is None:
+            if self.demand_active:
+                # A guest is waiting for the network: the bandwidth (and the CPU) are its.
+                self.closing.wait(0.01)
+                continue
+            gap = span_started + BUSY_SPAN_EVERY - time.monotonic()
+            if gap > 0 and time.monotonic() - self.last_read < GUEST_BUSY:
+                # A busy guest (a boot) needs the CPU more than the rest of its disk, which is full
+                # speed again once it is quiet; reads ahead of it still keep it off the network.
+                self.closing.wait(gap)
+                continue
+            span_started = time.monotonic()
+            # Paid for before claiming: chunks claimed by a throttled prefetcher would keep readers waiting.
+            self.bucket.take(PREFETCH_SPAN, self.closing)
+            if self.closing.is_set():
+                return
+            run = self._claim_prefetch()
+            if run is None:
+                with self.lock:
+                    done = all(self.present) and not self.inflight
+                if done:
+                    self._complete()
+                    return
+                self.closing.wait(0.05)  # the rest is being fetched by readers
+                continue
+            if self._fetch_claimed(run):
+                failures = 0
+            else:
+                failures += 1
+                self.closing.wait(min(0.5 * 2 ** min(failures, 5), 10.0))
+
+    # --- completion -----------------------------------------------------------------------------
+
+    def _complete(self) -> None:
+        with self.lock:
+            if self._completing or self.verified.is_set():
+                return
+            self._completing = True
+        try:
+            self._save(force=True)
+            self.stats.verify_attempts += 1
+            digest = self._blob_digest()
+            if digest != self.layout.layer:
+                self._verification_failed(digest)
+                return
+            self.verified.set()
+            self._save(force=True)
+            log.info("%s: complete and verified (%s)", self.name, self.layout.layer)
+            self._install()
+        except Exception as exc:  # the export keeps serving from its file; only installing is lost
+            log.exception("%s: finishing failed: %s", self.name, exc)
+        finally:
+            with self.lock:
+                self._completing = False
+
+    def _blob_digest(self) -> str:
+        blob = hashlib.sha256((self.dir / "head").read_bytes())
+        offset = 0
+        while offset < self.layout.size:
+            piece = os.pread(self.fd, min(4 << 20, self.layout.size - offset), offset)
+            if not piece:
+                break
+            blob.update(piece)
+            offset += len(piece)
+        blob.update((self.dir / "tail").read_bytes())
+        return "sha256:" + blob.hexdigest()
+
+    def _verification_failed(self, digest: str) -> None:
+        log.warning("%s: the assembled blob hashes to %s, not %s", self.name, digest, self.layout.layer)
+        if self.layout.chunks is not None or self.stats.verify_attempts >= VERIFY_ATTEMPTS:
+            # With a TOC every chunk matched, so the layer itself disagrees with its TOC: nothing to refetch.
+            self.failed = f"layer {self.layout.layer[:19]} does not match its content (hashes to {digest[:19]})"
+            self.verified.set()  # wakes strict readers, who then see `failed`
+            return
+        with self.lock:
+            # Every chunk is suspect: fetch them all again, overwriting (a reader may be at the file).
+            self.present[:] = bytes(len(self.present))
+            self.stale_data = True
+            self.dirty = True
+        self._save(force=True)
+        threading.Thread(target=self._prefetch, name="prefetch-again", daemon=True).start()
+
+    def _install(self) -> None:
+        """Into the extracted-disk store, after the checks a pull makes, so `launcher pull` finds it."""
+        lay = self.layout
+        facts = DiskFacts()
+        problems = disk_problems(self.dir / "disk.img", f"/{lay.member}", facts)
+        if problems:
+            log.warning("%s: not installed in the disk store: %s", self.name, "; ".join(problems))
+            return
+        meta = {"layer": lay.layer, "member": lay.member, "format": facts.format, "virtual_size": facts.virtual_size}
+        final = self.cache.install_disk(self.dir / "disk.img", lay.layer, lay.member, meta)
+        with self.lock:
+            self.installed = final
+            refs = list(self.refs.values())
+        for ref in refs:
+            record(self.cache, ref, final)
+        write_atomic(self.dir / "source.json", json.dumps({"layout": lay.to_json(), "installed": str(final)}, indent=2).encode())
+        for leftover in ("head", "tail", "bitmap", "disk.img", "refs.json"):
+            (self.dir / leftover).unlink(missing_ok=True)
+        log.info("%s: installed as %s", self.name, final)
+
+    # --- state ----------------------------------------------------------------------------------
+
+    def _save_regularly(self) -> None:
+        """Off the readers' path: a guest's read never waits for an fsync."""
+        while not self.closing.wait(SAVE_INTERVAL):
+            if self.dirty:
+                try:
+                    self._save()
+                except (OSError, DiskkitError) as exc:
+                    log.warning("%s: state not saved: %s", self.name, exc)
+
+    def _save(self, force: bool = False) -> None:
+        """The bitmap, after the data it vouches for is on disk."""
+        if (not force and not self.dirty) or self.installed is not None:
+            return
+        with self.save_lock:
+            with self.lock:
+                packed = _pack(self.present)
+                self.dirty = False
+            os.fdatasync(self.fd)
+            write_atomic(self.dir / "bitmap", packed)
+            write_atomic(self.dir / "state.json", json.dumps(self.status(), indent=2).encode())
+
+    def status(self) -> dict:
+        present = sum(self.present)
+        return {
+            "export": self.name,
+            "description": self.description,
+            "layer": self.layout.layer,
+            "member": self.layout.member,
+            "size": self.layout.size,
+            "chunkSize": self.layout.chunk_size,
+            "chunks": self.layout.count,
+            "present": present,
+            "toc": self.layout.chunks is not None,
+            "strict": self.opts.strict,
+            "verified": self.verified.is_set() and self.failed is None,
+            "installed": str(self.installed) if self.installed else None,
+            "failed": self.failed,
+            "stats": asdict(self.stats),
+        }
+
+    @property
+    def busy(self) -> bool:
+        """Still fetching or verifying: a server waiting to exit when idle waits for this too."""
+        return self.failed is None and self.installed is None and (not self.verified.is_set() or self._completing)
+
+
+def record(cache: Cache, ref: Ref, final: Path) -> None:
+    """The ref record `launcher pull` looks up first, pointing at the installed disk."""
+    meta = cache.read_json(final.parent / "meta.json") or {}
+    entry = {"path": str(final), "format": meta.get("format"), "virtual_size": meta.get("virtual_size"), "image": ref.image,
+             "digest": ref.digest, "layer": meta.get("layer"), "member": meta.get("member")}
+    cache.write_json(cache.ref_path(ref.ref_key), entry)
+
+
+class InstalledDisk:
+    """An export whose disk is complete and in the store: plain reads from the file."""
+
+    def __init__(self, name: str, path: Path, description: str = ""):
+        self.name = name
+        self.path = path
+        self.description = description or str(path)
+        self.fd = os.open(path, os.O_RDONLY)
+        self.size = os.fstat(self.fd).st_size
+        self.busy = False
+
+    def read(self, offset: int, length: int) -> bytes:
+        return os.pread(self.fd, length, offset)
+
+    def start(self) -> "InstalledDisk":
+        return self
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def status(self) -> dict:
+        return {"export": self.name, "description": self.description, "size": self.size, "verified": True, "installed": str(self.path)}
+
+
+def _lower_priority() -> None:
+    """Prefetching is background work: the guest's own reads (and the VM's CPU) come first."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except OSError:
+        pass
+

@@ -1,0 +1,516 @@
+"""`launcher serve`: the node's disk server, and how `launcher run` finds it or starts one.
+
+One process per node cache. It exports each lazily read disk over NBD on `<cache>/serve/nbd.sock`
+(one export per layer digest and disk, shared by every VM on the node) and takes requests on
+`<cache>/serve/control.sock`: one JSON object per line in, one out.
+
+    {"op": "open", "image": REF, "path": P, "platform": "linux/amd64", "registry": {...}, "marked": true}
+        -> {"ok": true, "export": NAME, "socket": NBD_SOCKET, "url": "nbd+unix:///NAME?socket=...", ...}
+        -> {"ok": false, "seekable": false, "reason": "..."}   (pull it whole instead)
+        -> {"ok": false, "error": "..."}                       (refused, as a pull would be)
+    {"op": "status"} -> {"ok": true, "pid": N, "exports": [...]}
+
+Registry options (TLS, auth file, credentials) come with each request, so every VM's pull secret
+is used for its own image; the server's own flags serve exports it reopens after a restart. Both
+sockets are mode 0660, group qemu (107) when the server runs as root, so qemu run by libvirt as
+UID 107 can connect; 0600 otherwise (the launcher and its qemu share the user then).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from diskkit.disk import diskheader, qemuimg
+from diskkit.layers import lazytoc
+from diskkit.disk.diskrules import violations
+from diskkit.errors import DiskkitError
+from diskkit.oci.image import Platform
+from diskkit.oci.reference import parse_ref
+from diskkit.registry.options import RegistryOptions
+from diskkit.transports import open_source
+from diskkit.transports.remote import RemoteSource, registry_for
+
+from launcher.diskserver import nbd
+from launcher.node.cache import Cache
+from launcher.diskserver.lazydisk import (
+    BlobRanges,
+    InstalledDisk,
+    Layout,
+    LazyDisk,
+    NotSeekable,
+    Options,
+    Ref,
+    find_layout,
+    record,
+)
+from launcher.node.pull import Pulled, cached, image_key, remember
+
+log = logging.getLogger("launcher.serve")
+
+NBD_SOCKET = "nbd.sock"
+CONTROL_SOCKET = "control.sock"
+QEMU_GID = 107
+SOCKET_PATH_MAX = 107  # sun_path holds 108 bytes with the terminating NUL
+START_TIMEOUT = 30.0
+REQUEST_TIMEOUT = 600.0
+MAX_REQUEST = 1 << 20
+
+
+@dataclass
+class ServeOptions:
+    socket_dir: Path | None = None
+    registry: RegistryOptions = field(default_factory=RegistryOptions)
+    lazy: Options = field(default_factory=Options)
+    exit_when_idle: float | None = None  # seconds with no VM connected and nothing left to fetch
+
+
+def serve_dir(cache: Cache, socket_dir: Path | str | None = None) -> Path:
+    return Path(socket_dir) if socket_dir else cache.root / "serve"
+
+
+def _lock_path(cache: Cache) -> Path:
+    return cache.root / "serve" / "server.lock"
+
+
+def lazy_leftovers(cache: Cache) -> list[Path]:
+    """Partly fetched disks (and records of installed ones) that no server is using: gc may take them."""
+    lazy = cache.root / "lazy"
+    if not lazy.is_dir():
+        return []
+    try:
+        fd = os.open(_lock_path(cache), os.O_RDONLY)
+    except FileNotFoundError:
+        fd = None
+    try:
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return []  # a server runs: its exports' state is in use
+        return sorted(p for p in lazy.iterdir() if p.is_dir())
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _socket_path(directory: Path, name: str) -> Path:
+    path = directory / name
+    if len(str(path).encode()) > SOCKET_PATH_MAX:
+        raise DiskkitError(path, f"is longer than the {SOCKET_PATH_MAX} bytes a unix socket path may have; use --socket-dir")
+    return path
+
+
+# --- the server --------------------------------------------------------------------------------
+
+class DiskServer:
+    def __init__(self, cache: Cache, opts: ServeOptions):
+        self.cache = cache
+        self.opts = opts
+        self.dir = serve_dir(cache, opts.socket_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.nbd_path = _socket_path(self.dir, NBD_SOCKET)
+        self.control_path = _socket_path(self.dir, CONTROL_SOCKET)
+        self._lock_fd = self._take_lock()
+        self.exports: dict[str, LazyDisk | InstalledDisk] = {}
+        self.lock = threading.Lock()
+        self.open_lock = threading.Lock()  # opening fetches headers and TOCs: one at a time
+        self.last_activity = time.monotonic()
+        self.stopping = threading.Event()
+        root = os.geteuid() == 0
+        self.mode, self.group = (0o660, QEMU_GID) if root else (0o600, None)
+        if root:
+            os.chmod(self.dir, 0o755)
+        self.nbd = nbd.Server(self.nbd_path, self, self.mode, self.group)
+        self.control = self._listen(self.control_path)
+
+    def _take_lock(self) -> int:
+        # In the cache, wherever the sockets are: one server per cache, and gc can tell whether it runs.
+        path = _lock_path(self.cache)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise DiskkitError(path, f"cannot be opened ({exc.strerror})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise DiskkitError(self.cache.root, f"a disk server (pid {pid}) already serves this cache") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        return fd
+
+    def _listen(self, path: Path) -> socket.socket:
+        path.unlink(missing_ok=True)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            sock.bind(str(path))
+        finally:
+            os.umask(old)
+        if self.group is not None:
+            os.chown(path, -1, self.group)
+        os.chmod(path, self.mode)
+        sock.listen(16)
+        return sock
+
+    # --- exports, as the NBD server sees them ---------------------------------------------------
+
+    def lookup(self, name: str):
+        with self.lock:
+            export = self.exports.get(name)
+        if export is None:
+            export = self._reopen(name)
+        if export is not None:
+            self.last_activity = time.monotonic()
+            if isinstance(export, LazyDisk):
+                export.touch()
+        return export
+
+    def listing(self) -> list:
+        with self.lock:
+            return list(self.exports.values())
+
+    def _reopen(self, name: str):
+        """An export known from an earlier run of the server (a VM reconnecting after a restart)."""
+        if "/" in name or name.startswith("."):
+            return None
+        source = self.cache.read_json(self.cache.root / "lazy" / name / "source.json")
+        if source is None:
+            return None
+        with self.open_lock:
+            layout = Layout.from_json(source["layout"])
+            try:
+                return self._export(layout, registry_for(layout.registry, self.opts.registry))
+            except DiskkitError as exc:
+                log.warning("export %s cannot be reopened: %s", name, exc.line())
+                return None
+
+    def _export(self, layout: Layout, registry) -> LazyDisk | InstalledDisk:
+        """The export for `layout`, made once: later VMs booting the same disk share it."""
+        with self.lock:
+            if layout.name in self.exports:
+                return self.exports[layout.name]
+        installed = self.cache.disk_dir(layout.layer, layout.member) / "disk.img"
+        if installed.is_file():
+            export = InstalledDisk(layout.name, installed, f"{layout.layer} /{layout.member}")
+        else:
+            ranges = BlobRanges(registry, layout.repository, layout.layer, layout.layer_size)
+            export = LazyDisk(self.cache, layout, ranges, self.opts.lazy).start()
+        with self.lock:
+            self.exports[layout.name] = export
+        log.info("exporting %s (%s)", layout.name, "complete" if isinstance(export, InstalledDisk) else "lazy")
+        return export
+
+    # --- control requests -----------------------------------------------------------------------
+
+    def open(self, request: dict, peer_uid: int | None = None) -> dict:
+        ref = request.get("image")
+        if not isinstance(ref, str) or not ref:
+            raise DiskkitError("open", "needs an image reference")
+        path = request.get("path")
+        platform = Platform.parse(request["platform"]) if request.get("platform") else None
+        registry = self._registry_options(request.get("registry"), peer_uid)
+        parsed = parse_ref(ref)
+        shown = str(parsed)
+        if parsed.transport != "docker":
+            return {"ok": False, "seekable": False, "reason": f"{shown}: lazy reads need a registry image (docker://)"}
+        notes: list[str] = []
+        with self.open_lock, open_source(shown, registry) as source:
+            assert isinstance(source, RemoteSource)
+            image = source.image(platform)
+            if request.get("marked") and lazytoc.ANNOTATION_LAZY not in (image.manifest.get("annotations") or {}):
+                return {"ok": False, "seekable": False, "reason": f"{shown} is not marked lazy ({lazytoc.ANNOTATION_LAZY})"}
+            layer = image.layers[0] if image.layers else None
+            try:
+                if layer is None:
+                    raise NotSeekable(shown, "has no layers")
+                ranges = BlobRanges(source.registry, source.name.repository, layer.digest, layer.size)
+                layout = find_layout(image, ranges, source.registry.host, source.name.repository, path, shown, notes)
+            except NotSeekable as exc:
+                return {"ok": False, "seekable": False, "reason": exc.line()}
+            export = self._export(layout, source.registry)
+            unsafe = _header_problems(export)
+            if unsafe:
+                raise DiskkitError(shown, "; ".join(f"/{layout.member}: {p}" for p in unsafe))
+            remember(self.cache, shown, platform, image)
+        ref_record = Ref(image_key(image.digest, path, platform), shown, image.digest)
+        if isinstance(export, LazyDisk):
+            export.touch()  # a VM is about to start on it
+            export.add_ref(ref_record)
+        else:
+            record(self.cache, ref_record, export.path)
+        return {
+            "ok": True,
+            "export": layout.name,
+            "socket": str(self.nbd_path),
+            "url": f"nbd+unix:///{layout.name}?socket={self.nbd_path}",
+            "image": shown,
+            "digest": image.digest,
+            "layer": layout.layer,
+            "member": layout.member,
+            "disk": str(self.cache.disk_dir(layout.layer, layout.member) / "disk.img"),
+            "notes": notes,
+            "status": export.status(),
+        }
+
+    def _registry_options(self, asked: dict | None, peer_uid: int | None) -> RegistryOptions:
+        """The request's options; files it names are read only for a client as privileged as this server,
+        so a client in the qemu group cannot make a root server read (or use) another user's auth file."""
+        if not asked:
+            return self.opts.registry
+        options = RegistryOptions(**asked)
+        if peer_uid not in (0, os.geteuid()):
+            options = replace(options, authfile=self.opts.registry.authfile, cert_dir=self.opts.registry.cert_dir)
+        return options
+
+    def status(self) -> dict:
+        return {"ok": True, "pid": os.getpid(), "socket": str(self.nbd_path), "connections": self.nbd.connections,
+                "exports": [export.status() for export in self.listing()]}
+
+    def _handle(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.settimeout(REQUEST_TIMEOUT)
+                request = json.loads(recv_line(conn, MAX_REQUEST) or b"{}")
+                self.last_activity = time.monotonic()
+                op = request.get("op")
+                if op == "open":
+                    answer = self.open(request, _peer_uid(conn))
+                elif op == "status":
+                    answer = self.status()
+                else:
+                    answer = {"ok": False, "error": f"control: unknown op {op!r} (open, status)"}
+            except DiskkitError as exc:
+                answer = {"ok": False, "error": exc.line()}
+            except (ValueError, TypeError) as exc:
+                answer = {"ok": False, "error": f"control: malformed request ({exc})"}
+            except OSError:
+                return
+            except Exception as exc:  # a bug must cost one request, never the server
+                log.exception("control request failed")
+                answer = {"ok": False, "error": f"internal error: {exc}"}
+            with contextlib.suppress(OSError):
+                conn.sendall(json.dumps(answer).encode() + b"\n")
+            self.last_activity = time.monotonic()
+
+    def _control_loop(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                conn, _ = self.control.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._handle, args=(conn,), name="control", daemon=True).start()
+
+    # --- lifetime -------------------------------------------------------------------------------
+
+    def idle(self) -> bool:
+        if self.nbd.connections:
+            return False
+        if any(getattr(export, "busy", False) for export in self.listing()):
+            return False
+        return time.monotonic() - self.last_activity >= (self.opts.exit_when_idle or 0)
+
+    def run(self) -> None:
+        self.nbd.start()
+        threading.Thread(target=self._control_loop, name="control-accept", daemon=True).start()
+        log.info("serving NBD on %s, requests on %s (pid %d)", self.nbd_path, self.control_path, os.getpid())
+        try:
+            while not self.stopping.wait(0.5):
+                if self.opts.exit_when_idle is not None and self.idle():
+                    log.info("idle for %g s with nothing left to fetch: exiting", self.opts.exit_when_idle)
+                    break
+        except KeyboardInterrupt:
+            pass  # SIGTERM and Ctrl-C end the server cleanly
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self.stopping.set()
+        with contextlib.suppress(OSError):
+            self.control.close()
+        self.control_path.unlink(missing_ok=True)
+        self.nbd.close()
+        for export in self.listing():
+            with contextlib.suppress(Exception):
+                export.close()
+        os.close(self._lock_fd)
+
+
+def _peer_uid(conn: socket.socket) -> int | None:
+    try:
+        _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        return uid
+    except OSError:
+        return None
+
+
+def _header_problems(export) -> list[str]:
+    """A qcow2 header naming host files (backing or data file) is refused before qemu-img sees it, as in pull."""
+    try:
+        head = export.read(0, min(diskheader.HEADER_BYTES, export.size))
+    except nbd.NbdError as exc:
+        raise DiskkitError(export.name, f"the disk's first bytes cannot be read ({exc})") from None
+    header = diskheader.parse(head)
+    return diskheader.safety_violations(header) if header is not None else []
+
+
+def serve(cache: Cache, opts: ServeOptions) -> None:
+    """Run until SIGTERM, Ctrl-C or (with exit_when_idle) idleness."""
+    logging.basicConfig(level=logging.INFO, format="launcher serve: %(message)s", stream=sys.stderr, force=True)
+    DiskServer(cache, opts).run()
+
+
+def serve_main(cache: Cache, registry: RegistryOptions, socket_dir: str | None, strict: bool, prefetch_rate: str | None,
+               prefetch_threads: int, fetch_timeout: float, exit_when_idle: float | None, show_status: bool, as_json: bool) -> None:
+    """`launcher serve`, from its options: serve, or with show_status ask the running server."""
+    import click
+
+    from launcher.runtime.gc import parse_size
+
+    if show_status:
+        control = _socket_path(serve_dir(cache, socket_dir), CONTROL_SOCKET)
+        try:
+            answer = request(control, {"op": "status"}, timeout=30)
+        except OSError as exc:
+            raise DiskkitError(control, f"no disk server answers here ({exc.strerror or exc})") from None
+        click.echo(json.dumps(answer, indent=2) if as_json else "\n".join(_status_lines(answer)))
+        return
+    lazy = Options(strict=strict, prefetch_threads=prefetch_threads, fetch_timeout=fetch_timeout,
+                   prefetch_rate=parse_size(prefetch_rate) if prefetch_rate else 0)
+    serve(cache, ServeOptions(Path(socket_dir) if socket_dir else None, registry, lazy, exit_when_idle))
+
+
+def _status_lines(answer: dict) -> list[str]:
+    lines = [f"disk server pid {answer['pid']} on {answer['socket']}, {answer['connections']} connections"]
+    for export in answer["exports"]:
+        done = f"{export['present']}/{export['chunks']} chunks" if "chunks" in export else "complete"
+        state = f"failed: {export['failed']}" if export.get("failed") else ("verified" if export.get("verified") else "fetching")
+        lines.append(f"  {export['export']}  {done}  {state}  {export['description']}")
+    return lines
+
+
+# --- the client: launcher run ------------------------------------------------------------------
+
+def recv_line(sock: socket.socket, limit: int | None = None) -> bytes:
+    """One newline-ended JSON message of the control protocol (or what came before the peer hung up)."""
+    data = b""
+    while not data.endswith(b"\n"):
+        piece = sock.recv(65536)
+        if not piece:
+            break
+        data += piece
+        if limit is not None and len(data) > limit:
+            raise DiskkitError("control", "request too large")
+    return data
+
+
+def request(control: Path, obj: dict, timeout: float = REQUEST_TIMEOUT) -> dict:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        sock.connect(str(control))
+        sock.sendall(json.dumps(obj).encode() + b"\n")
+        data = recv_line(sock)
+    if not data:
+        raise DiskkitError(control, "the disk server closed the connection without answering")
+    return json.loads(data)
+
+
+def _registry_flags(opts: RegistryOptions) -> list[str]:
+    flags = [f"--tls-verify={'true' if opts.tls_verify else 'false'}", f"--retry-times={opts.retries}", f"--retry-delay={opts.backoff}"]
+    if opts.cert_dir:
+        flags.append(f"--cert-dir={opts.cert_dir}")
+    if opts.authfile:
+        flags.append(f"--authfile={opts.authfile}")
+    return flags  # credentials travel with each request, never on a command line
+
+
+def ensure_server(cache: Cache, registry: RegistryOptions | None = None, idle: float = 30.0) -> Path:
+    """The control socket of the node's server; one is started (detached, exiting when idle) if none answers."""
+    directory = serve_dir(cache)
+    control = _socket_path(directory, CONTROL_SOCKET)
+    with contextlib.suppress(OSError, ValueError):
+        if request(control, {"op": "status"}, timeout=5).get("ok"):
+            return control
+    directory.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "launcher", "serve", "--cache-dir", str(cache.root), "--exit-when-idle", str(idle),
+               *_registry_flags(registry or RegistryOptions())]
+    with open(directory / "server.log", "ab") as logfile:
+        child = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=logfile, stderr=logfile, start_new_session=True,
+                                 env={**os.environ, "CI": "true"})
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError):
+            if request(control, {"op": "status"}, timeout=5).get("ok"):
+                return control
+        if child.poll() is not None and child.returncode != 0:
+            # Lost a race with another launcher's server? Then that one answers shortly.
+            with contextlib.suppress(OSError, ValueError):
+                time.sleep(0.5)
+                if request(control, {"op": "status"}, timeout=5).get("ok"):
+                    return control
+            tail = (directory / "server.log").read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
+            raise DiskkitError(directory, f"the disk server did not start: {tail[0]}")
+        time.sleep(0.02)  # a VM is waiting on this: poll often, the server takes a fraction of a second
+    child.send_signal(signal.SIGTERM)
+    raise DiskkitError(directory, f"the disk server did not answer within {START_TIMEOUT:g} s")
+
+
+@dataclass(frozen=True)
+class Attached:
+    """A containerDisk served by the node's disk server: what the VM's overlay is made over."""
+
+    url: str
+    export: str
+    socket: str
+    format: str
+    virtual_size: int
+    pulled: Pulled
+
+
+def attach(cache: Cache, ref: str, path: str | None, platform: Platform | None, registry: RegistryOptions | None,
+           mode: str, policy: str, notes: list[str]) -> Attached | None:
+    """Serve `ref`'s disk lazily when `mode` ("on", or "auto" for images marked lazy) allows; None: pull it whole.
+
+    The disk is checked as a pull checks it (KubeVirt's qemu-img info rules), read through the export."""
+    parsed = parse_ref(ref)
+    if mode == "off" or parsed.transport != "docker":
+        if mode == "on":
+            notes.append(f"{parsed}: lazy reads need a registry image; pulling it whole")
+        return None
+    if policy == "Never" or cached(cache, ref, path, platform, policy) is not None:
+        return None  # already here (a plain file beats any server), or not to be fetched at all
+    if mode == "auto":
+        with open_source(str(parsed), registry) as source:
+            annotations = source.image(platform).manifest.get("annotations") or {}
+        if lazytoc.ANNOTATION_LAZY not in annotations:
+            return None
+    control = ensure_server(cache, registry)
+    answer = request(control, {"op": "open", "image": ref, "path": path, "platform": str(platform) if platform else None,
+                               "registry": asdict(registry) if registry else None, "marked": mode == "auto"})
+    if not answer.get("ok"):
+        if answer.get("seekable") is False:
+            notes.append(f"{answer['reason']}; pulling it whole")
+            return None
+        raise DiskkitError(answer.get("error") or "the disk server refused the image")
+    notes.extend(answer.get("notes") or [])
+    info = qemuimg.info(answer["url"])  # probes the format through the export, under qemu-img's limits
+    problems = violations(info)
+    if problems:
+        raise DiskkitError(str(parsed), "; ".join(f"/{answer['member']}: {p}" for p in problems))
+    pulled = Pulled(Path(answer["disk"]), info.format, info.virtual_size, answer["image"], answer["digest"], answer["layer"], answer["member"])
+    return Attached(answer["url"], answer["export"], answer["socket"], info.format, info.virtual_size, pulled)

@@ -1,0 +1,177 @@
+"""The node cache: where pulled disks, overlays and VM records live, and how writers take turns.
+
+    <root>/blobs/sha256/<hex>                       manifests and configs, by digest
+    <root>/disks/sha256/<layer hex>/<member key>/   one extracted disk: disk.img (read-only) + meta.json
+    <root>/refs/<key>.json                          image (+platform, path) -> the disk it resolved to
+    <root>/tags/<key>.json                          reference -> manifest digest, for IfNotPresent
+    <root>/vms/<domain>.json, <root>/run/<domain>/  records and overlays of VMs started from here
+    <root>/locks/, <root>/tmp/                      flock files; staging on the same filesystem
+
+Disks are keyed by the layer that holds them and the member's path, so two images sharing a
+layer share one file. Layer blobs themselves are not kept: the disk is what VMs use, and a second
+copy of every image is the disk-space duplication users complain about (CDI #3778). Every entry
+appears by rename after fsync, so a crash never leaves one that looks complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import secrets
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+from diskkit.errors import DiskkitError
+from diskkit.streams.fsutil import fsync_dir, write_atomic
+
+
+def default_root() -> Path:
+    """$DISKKIT_CACHE, else /var/lib/diskkit as root, else ${XDG_CACHE_HOME:-~/.cache}/diskkit."""
+    if os.environ.get("DISKKIT_CACHE"):
+        return Path(os.environ["DISKKIT_CACHE"])
+    if os.geteuid() == 0:
+        return Path("/var/lib/diskkit")
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "diskkit"
+
+
+def key(*parts: str) -> str:
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
+
+
+class Cache:
+    def __init__(self, root: Path | str | None = None):
+        self.root = Path(root) if root else default_root()
+        try:
+            for sub in ("blobs/sha256", "disks/sha256", "refs", "tags", "vms", "run", "locks", "tmp"):
+                (self.root / sub).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise DiskkitError(self.root, f"cache directory cannot be created ({exc.strerror})") from None
+        if not os.access(self.root, os.W_OK | os.X_OK):
+            raise DiskkitError(self.root, "cache directory is not writable")
+
+    @contextlib.contextmanager
+    def lock(self, name: str, shared: bool = False) -> Iterator[None]:
+        """A cross-process lock (flock): concurrent pulls of one image on a node download once."""
+        fd = os.open(self.root / "locks" / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing releases the lock
+
+    @contextlib.contextmanager
+    def staging(self) -> Iterator[Path]:
+        """A private directory under tmp/, removed whatever happens; renames out of it are atomic."""
+        path = self.root / "tmp" / secrets.token_hex(8)
+        path.mkdir()
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # tells gc this staging area is alive
+        try:
+            yield path
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+            os.close(fd)
+
+    def stale_staging(self) -> list[Path]:
+        """Staging directories whose pull died (their lock is free)."""
+        stale = []
+        for path in (self.root / "tmp").iterdir():
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                stale.append(path)
+            except BlockingIOError:
+                pass
+            finally:
+                os.close(fd)
+        return stale
+
+    # --- small JSON records ------------------------------------------------------------------
+
+    def read_json(self, path: Path) -> dict | None:
+        try:
+            return json.loads(path.read_bytes())
+        except (OSError, ValueError):
+            return None  # missing or unreadable: treated as absent, the entry is rebuilt
+
+    def write_json(self, path: Path, obj: dict) -> None:
+        write_atomic(path, json.dumps(obj, indent=2, sort_keys=True).encode() + b"\n")
+
+    def ref_path(self, ref_key: str) -> Path:
+        return self.root / "refs" / f"{ref_key}.json"
+
+    def tag_path(self, tag_key: str) -> Path:
+        return self.root / "tags" / f"{tag_key}.json"
+
+    def blob_path(self, digest: str) -> Path:
+        return self.root / "blobs" / "sha256" / digest.removeprefix("sha256:")
+
+    def put_blob(self, digest: str, data: bytes) -> None:
+        path = self.blob_path(digest)
+        if not path.exists():
+            write_atomic(path, data)
+
+    # --- extracted disks ---------------------------------------------------------------------
+
+    def disk_dir(self, layer_digest: str, member: str) -> Path:
+        return self.root / "disks" / "sha256" / layer_digest.removeprefix("sha256:") / key(member)
+
+    def install_disk(self, staged_file: Path, layer_digest: str, member: str, meta: dict) -> Path:
+        """Move a verified, spooled disk into place; returns the final disk.img path."""
+        final = self.disk_dir(layer_digest, member)
+        if (final / "disk.img").exists():
+            return final / "disk.img"  # another image with this layer got here first
+        entry = staged_file.parent / f"entry-{secrets.token_hex(4)}"
+        entry.mkdir()
+        disk = entry / "disk.img"
+        staged_file.replace(disk)
+        with open(disk, "rb") as f:
+            os.fsync(f.fileno())
+        os.chmod(disk, 0o444)  # the shared base: VMs write to their own overlays only
+        write_atomic(entry / "meta.json", json.dumps(meta, indent=2, sort_keys=True).encode() + b"\n")
+        final.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            entry.replace(final)
+        except OSError:
+            if not (final / "disk.img").exists():
+                raise
+        fsync_dir(final.parent)
+        return final / "disk.img"
+
+    def disks(self) -> list[Path]:
+        """Every complete disk entry directory."""
+        return sorted(p.parent for p in (self.root / "disks" / "sha256").glob("*/*/disk.img"))
+
+    # --- VMs started from this cache ---------------------------------------------------------
+
+    def vm_record_path(self, domain: str) -> Path:
+        return self.root / "vms" / f"{domain}.json"
+
+    def run_dir(self, domain: str) -> Path:
+        return self.root / "run" / domain
+
+    def vm_records(self) -> list[dict]:
+        records = []
+        for path in sorted((self.root / "vms").glob("*.json")):
+            record = self.read_json(path)
+            if record:
+                records.append(record)
+        return records
+
+
+def tree_size(path: Path) -> int:
+    """Bytes actually allocated (sparse files count what they hold, not their length)."""
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+    return total

@@ -1,0 +1,138 @@
+"""Pull a containerDisk into the node cache: one streaming pass, verified, sparse, checked before use.
+
+Layers are read in order with whiteouts applied and only the candidate files spooled (no root
+filesystem is unpacked); the disk is located with KubeVirt's rules, checked with qemu-img under
+limits, then renamed into the cache. A second pull of the same image finds it there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from diskkit.disk.containerdisk import path_problem
+from diskkit.errors import DiskkitError
+from diskkit.oci.image import Platform
+from diskkit.oci.reference import parse_ref
+from diskkit.registry.options import RegistryOptions
+from diskkit.transports import open_source
+from diskkit.ops.verify import DiskFacts, disk_problems, scan_image
+
+from launcher.node.cache import Cache, key
+
+POLICIES = ("Always", "IfNotPresent", "Never")
+
+
+@dataclass(frozen=True)
+class Pulled:
+    path: Path  # the file in the cache: shared, read-only, never written by a VM
+    format: str | None  # "raw" or "qcow2" for disks; None for plain files (kernels, initrds)
+    virtual_size: int | None
+    image: str
+    digest: str  # manifest digest
+    layer: str
+    member: str
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["path"] = str(self.path)
+        return out
+
+
+def default_policy(ref: str) -> str:
+    """Kubernetes' rule, which KubeVirt follows: `Always` for :latest or no tag, else `IfNotPresent`."""
+    parsed = parse_ref(ref)
+    if parsed.transport != "docker" or parsed.name is None or parsed.name.digest:
+        return "IfNotPresent"
+    return "Always" if parsed.name.tag in (None, "latest") else "IfNotPresent"
+
+
+def pull(
+    cache: Cache,
+    ref: str,
+    path: str | None = None,
+    platform: Platform | None = None,
+    registry: RegistryOptions | None = None,
+    policy: str | None = None,
+    disk: bool = True,
+    notes: list[str] | None = None,
+) -> Pulled:
+    """The cached disk (or, with disk=False, plain file) that `ref` holds at `path` (default: /disk)."""
+    if path is not None and (problem := path_problem(path)):
+        raise DiskkitError(f"{ref}: path {path}", problem)
+    policy = policy or default_policy(ref)
+    if policy not in POLICIES:
+        raise DiskkitError(ref, f"imagePullPolicy {policy!r} is not one of {', '.join(POLICIES)}")
+    shown = str(parse_ref(ref))
+    hit = cached(cache, ref, path, platform, policy, disk)
+    if hit:
+        return hit
+    if policy == "Never" and parse_ref(ref).transport == "docker":
+        raise DiskkitError(shown, "container image is not present with pull policy of Never")
+
+    with open_source(shown, registry) as source:
+        image = source.image(platform)
+        ref_key = image_key(image.digest, path, platform, disk)
+        with cache.lock(ref_key):
+            hit = _cached(cache, ref_key)
+            if hit is None:
+                hit = _extract(cache, source, image, shown, path, disk, ref_key, notes)
+        remember(cache, shown, platform, image)
+    return hit
+
+
+def image_key(digest: str, path: str | None, platform: Platform | None, disk: bool = True) -> str:
+    """The key of the ref record for (manifest, path, platform): what a pull resolved to."""
+    return key(digest, path or "", "disk" if disk else "file", str(platform or Platform.host()))
+
+
+def cached(cache: Cache, ref: str, path: str | None, platform: Platform | None, policy: str, disk: bool = True) -> Pulled | None:
+    """The cache's answer under `policy` without asking the registry (IfNotPresent, Never); else None."""
+    # Local layouts and archives are re-read every time: resolving them costs nothing.
+    if policy == "Always" or parse_ref(ref).transport != "docker":
+        return None
+    known = cache.read_json(cache.tag_path(key(str(parse_ref(ref)), str(platform or Platform.host()))))
+    return _cached(cache, image_key(known["digest"], path, platform, disk)) if known else None
+
+
+def remember(cache: Cache, shown: str, platform: Platform | None, image) -> None:
+    """Manifest, config and the tag's digest, for IfNotPresent and `launcher ls`."""
+    cache.put_blob(image.digest, image.manifest_bytes)
+    cache.put_blob(image.config_descriptor.digest, image.config_bytes)
+    platform_text = str(platform or Platform.host())
+    cache.write_json(cache.tag_path(key(shown, platform_text)), {"image": shown, "platform": platform_text, "digest": image.digest, "time": int(time.time())})
+
+
+def _cached(cache: Cache, ref_key: str) -> Pulled | None:
+    record = cache.read_json(cache.ref_path(ref_key))
+    if not record or not Path(record["path"]).is_file():
+        return None
+    with contextlib.suppress(OSError):
+        os.utime(Path(record["path"]).parent / "meta.json")  # last use, for gc --max-size
+    return Pulled(**{**record, "path": Path(record["path"])})
+
+
+def _extract(cache: Cache, source, image, shown: str, path: str | None, disk: bool, ref_key: str, notes: list[str] | None) -> Pulled:
+    with cache.staging() as spool:
+        # The ImageVolume rule (a lone file at the root) only applies when no path was given.
+        tree, found, staged = scan_image(source, image, path, spool, allow_root_file=path is None)
+        # UID 107 permissions matter to KubeVirt, which never chowns the file; the cache owns its copy.
+        blocking = tree.findings + [p for p in found.problems if p not in found.access]
+        if notes is not None:
+            notes += found.access
+        if found.node is None or staged is None or blocking:
+            raise DiskkitError(shown, "; ".join(blocking) or f"{found.shown}: not found in the image")
+        facts = DiskFacts()
+        if disk:
+            problems = disk_problems(staged, found.shown, facts)
+            if problems:
+                raise DiskkitError(shown, "; ".join(problems))
+        layer = image.layers[found.node.layer].digest
+        meta = {"layer": layer, "member": found.node.path, "format": facts.format, "virtual_size": facts.virtual_size}
+        final = cache.install_disk(staged, layer, found.node.path, meta)
+    pulled = Pulled(final, facts.format, facts.virtual_size, shown, image.digest, layer, found.node.path)
+    cache.write_json(cache.ref_path(ref_key), pulled.to_json())
+    return pulled

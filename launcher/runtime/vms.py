@@ -1,0 +1,216 @@
+"""Run, stop and list VMs: the imperative shell around the pure VMI -> domain converter.
+
+Each VM started from a cache leaves a record (`vms/<domain>.json`) naming the libvirt URI, its run
+directory (overlays, console log, domain XML) and the cache entries it uses, so `stop`, `ls` and
+`gc` work from any later process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import threading
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable, Iterator
+
+from diskkit.errors import DiskkitError
+from diskkit.oci.image import Platform
+from diskkit.registry.options import RegistryOptions
+
+from launcher.runtime import accel
+from launcher.render import cpupin
+from launcher.volumes import vhostmd
+from launcher.node.cache import Cache
+from launcher.runtime.console import follow
+from launcher.render.domain import Host, render, secret_xml
+from launcher.runtime.runner import Libvirt
+from launcher.spec.vmi import VMI
+from launcher.volumes.prepare import Storage, prepare
+
+
+@dataclass
+class RunOptions:
+    uri: str | None = None
+    platform: Platform | None = None
+    registry: RegistryOptions | None = None
+    console: bool = False
+    wait_for: str | None = None
+    timeout: float | None = None
+    storage: Storage | None = None
+    lazy: str = "auto"  # containerDisks through the node's disk server: "on", "off", or "auto" for images marked lazy
+
+
+def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, domain_type: str | None = None):
+    """Pull what the VMI needs and render its domain; with `create`, the overlays are made too."""
+    run_dir = cache.run_dir(vmi.domain_name)
+    prepared = prepare(vmi, cache, run_dir, opts.registry, opts.platform, create=create, store=opts.storage, lazy=opts.lazy)
+    host = Host(
+        domain_type=domain_type or accel.domain_type(cache.root),
+        serial_log=str(run_dir / "console.log"),
+        kernel=prepared.kernel,
+        initrd=prepared.initrd,
+    )
+    if vmi.domain.cpu.dedicated_cpu_placement:
+        host = replace(host, topology=cpupin.read_topology(), cpuset=cpupin.pod_cpuset())
+    return prepared, render(vmi, prepared.disks, host)
+
+
+def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) -> int:
+    """Start the VM and stay with it: until --wait-for text, the guest's own stop, a timeout or a signal."""
+    name = vmi.domain_name
+    lv = Libvirt(opts.uri)
+    with cache.lock(f"vm-{name}"):
+        if lv.exists(name):
+            raise DiskkitError(name, f"a domain of this name already exists on {lv.uri}; stop it first (launcher stop {vmi.name})")
+        _remove_run_dir(cache, name)  # leftovers of a launcher that was killed
+        cache.run_dir(name).mkdir(parents=True)  # the console log lives here even with no overlay
+        try:
+            from launcher.datavolumes.control import ensure_ready
+
+            ensure_ready(vmi, opts.storage or Storage(), opts.registry, opts.timeout, say)  # KubeVirt waits for them too
+            with cache.lock("gc", shared=True):  # gc must not take the bases between pull and record
+                prepared, xml = plan(vmi, cache, opts, create=True)
+                run_dir = cache.run_dir(name)
+                (run_dir / "domain.xml").write_text(xml)
+                cache.write_json(cache.vm_record_path(name), {
+                    "domain": name,
+                    "vmi": vmi.name,
+                    "namespace": vmi.namespace,
+                    "uri": lv.uri,
+                    "run_dir": str(run_dir),
+                    "images": sorted({p.image for p in prepared.pulled}),
+                    "entries": sorted({str(p.path.parent) for p in prepared.pulled}),
+                    "started": int(time.time()),
+                    "pid": os.getpid(),
+                    "secrets": [source.secret_usage for source, _ in prepared.secrets],
+                })
+            for note in prepared.notes:
+                say(f"note: {note}")
+            for source, value in prepared.secrets:
+                lv.define_secret(secret_xml(source), value, source.secret_usage)
+            lv.start(name, xml)
+        except BaseException:
+            cleanup(cache, lv, name)
+            raise
+    echo = _echo if opts.console else None
+    metrics = None
+    try:
+        try:
+            metrics = _metrics_refresher(vmi, prepared, lv)
+            with _signals_set(interrupted := threading.Event()):
+                outcome = follow(run_dir / "console.log", lambda: lv.active(name), opts.wait_for, opts.timeout, echo, interrupted)
+        finally:
+            if metrics is not None:
+                metrics.stop()  # with --wait-for the VM outlives us; its metrics then stop changing
+                if metrics.error is not None:
+                    say(f"note: the downwardMetrics disk was not always refreshed: {metrics.error}")
+    except BaseException:
+        cleanup(cache, lv, name)
+        raise
+    if outcome == "interrupted":
+        cleanup(cache, lv, name)
+        raise KeyboardInterrupt
+    if outcome == "found":
+        say(f"{name} is running (saw {opts.wait_for!r}); stop it with: launcher stop {vmi.name}")
+        return 0
+    cleanup(cache, lv, name)
+    if outcome == "timeout":
+        what = f"{opts.wait_for!r} did not appear on the console" if opts.wait_for else "the VM was still running"
+        raise DiskkitError(name, f"{what} after {opts.timeout:g} s; the domain was destroyed")
+    if opts.wait_for:
+        raise DiskkitError(name, f"the guest stopped before {opts.wait_for!r} appeared on the console")
+    say(f"{name} stopped")
+    return 0
+
+
+def _metrics_refresher(vmi: VMI, prepared, lv: Libvirt) -> vhostmd.Refresher | None:
+    """virt-handler's job for a downwardMetrics disk: fresh host and VM metrics every few seconds."""
+    volume = next((v for v in vmi.volumes if v.kind == "downwardMetrics"), None)
+    if volume is None:
+        return None
+    name = vmi.domain_name
+
+    def stats() -> vhostmd.VMStats | None:
+        usage = lv.usage(name)
+        return None if usage is None else vhostmd.VMStats(*usage)
+
+    return vhostmd.Refresher(Path(prepared.disks[volume.name].path), stats, lv.hypervisor_version()).start()
+
+
+@contextlib.contextmanager
+def _signals_set(event: threading.Event) -> Iterator[None]:
+    """While following the guest, SIGTERM and Ctrl-C only set `event`: raised at an arbitrary
+    point (inside a libvirt callback, say) an exception can be swallowed and the VM kept."""
+    handler = lambda signum, frame: event.set()  # noqa: E731
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _echo(data: bytes) -> None:
+    sys.stdout.buffer.write(data)
+    sys.stdout.buffer.flush()
+
+
+def _remove_run_dir(cache: Cache, name: str) -> None:
+    run_dir = cache.run_dir(name)
+    if run_dir.exists():
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def cleanup(cache: Cache, lv: Libvirt | None, name: str) -> bool:
+    """Destroy and undefine the domain and its secrets, remove its overlays and record; True if a domain was there."""
+    had = lv.destroy(name) if lv is not None else False
+    record = cache.read_json(cache.vm_record_path(name)) or {}
+    if lv is not None:
+        for usage in record.get("secrets", []):
+            lv.undefine_secret(usage)
+    _remove_run_dir(cache, name)
+    cache.vm_record_path(name).unlink(missing_ok=True)
+    return had
+
+
+def find_record(cache: Cache, name: str) -> dict | None:
+    """A VM by domain name (NAMESPACE_NAME), NAMESPACE/NAME, or VMI name in any namespace if unique."""
+    records = cache.vm_records()
+    wanted = name.replace("/", "_", 1)
+    exact = [r for r in records if r["domain"] in (wanted, f"default_{name}")]
+    if exact:
+        return exact[0]
+    by_name = [r for r in records if r["vmi"] == name]
+    if len(by_name) > 1:
+        raise DiskkitError(name, f"several VMs have this name ({', '.join(r['domain'] for r in by_name)}); give NAMESPACE/NAME")
+    return by_name[0] if by_name else None
+
+
+def stop(cache: Cache, name: str) -> str:
+    record = find_record(cache, name)
+    if record is None:
+        raise DiskkitError(name, f"no VM of this name was started from the cache {cache.root}")
+    try:
+        lv = Libvirt(record["uri"])
+    except DiskkitError:
+        lv = None  # the daemon is gone, and the domain with it; still remove the files
+    cleanup(cache, lv, record["domain"])
+    return record["domain"]
+
+
+def state(record: dict) -> str:
+    try:
+        lv = Libvirt(record["uri"])
+    except DiskkitError:
+        return "unknown"
+    try:
+        if lv.active(record["domain"]):
+            return "running"
+        return "stopped" if lv.exists(record["domain"]) else "gone"
+    finally:
+        lv.close()

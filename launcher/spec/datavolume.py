@@ -1,0 +1,258 @@
+"""CDI DataVolumes: the spec parsed and validated as CDI's admission webhook does, and the phase
+rules (pure).
+
+A DataVolume comes from a VM's (or, as an extension, a VMI's) `spec.dataVolumeTemplates`, or from a
+`cdi.kubevirt.io/v1beta1` manifest given with `--manifests`. It fills the claim of the same name.
+Messages are CDI's where it has one (pkg/apiserver/webhooks/datavolume-validate.go).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, replace
+from typing import Any
+from urllib.parse import urlsplit
+
+from diskkit.errors import DiskkitError
+
+from launcher.spec.vmi import SpecError, _map, _str, parse_quantity
+
+API_VERSION = "cdi.kubevirt.io/v1beta1"
+KIND = "DataVolume"
+DEFAULT_NAMESPACE = "default"
+
+# status.phase values (CDI's DataVolumePhase), in the order a DataVolume goes through them.
+PENDING = "Pending"
+WAIT_FOR_FIRST_CONSUMER = "WaitForFirstConsumer"
+IMPORT_SCHEDULED = "ImportScheduled"
+IMPORT_IN_PROGRESS = "ImportInProgress"
+CLONE_SCHEDULED = "CloneScheduled"
+CLONE_IN_PROGRESS = "CloneInProgress"
+UPLOAD_SCHEDULED = "UploadScheduled"
+UPLOAD_READY = "UploadReady"
+SUCCEEDED = "Succeeded"
+FAILED = "Failed"
+
+SOURCES = ("http", "registry", "blank", "upload", "pvc")
+# Valid in CDI, not here: named so they are refused rather than ignored.
+UNSUPPORTED_SOURCES = ("s3", "gcs", "imageio", "vddk", "snapshot")
+PULL_METHODS = ("pod", "node")
+ACCESS_MODES = ("ReadWriteOnce", "ReadOnlyMany", "ReadWriteMany", "ReadWriteOncePod")
+_DNS1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+@dataclass(frozen=True)
+class Source:
+    kind: str  # one of SOURCES
+    url: str | None = None  # http, registry
+    secret_ref: str | None = None  # http: basic auth; registry: registry credentials (accessKeyId, secretKey)
+    cert_config_map: str | None = None  # a ConfigMap whose values are PEM CA certificates
+    claim: str | None = None  # pvc: the claim to clone
+    claim_namespace: str | None = None
+
+
+@dataclass(frozen=True)
+class DataVolume:
+    name: str
+    namespace: str
+    source: Source
+    size: int | None  # bytes, resources.requests.storage of spec.storage or spec.pvc
+    storage_class: str | None
+    volume_mode: str | None
+    origin: str  # where it was defined, for error messages
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    @property
+    def scheduled_phase(self) -> str:
+        """The phase once its claim is bound and the work can start."""
+        return {"upload": UPLOAD_SCHEDULED, "pvc": CLONE_SCHEDULED}.get(self.source.kind, IMPORT_SCHEDULED)
+
+    @property
+    def running_phase(self) -> str:
+        return {"upload": UPLOAD_READY, "pvc": CLONE_IN_PROGRESS}.get(self.source.kind, IMPORT_IN_PROGRESS)
+
+
+def _http(doc: dict, at: str) -> Source:
+    url = _str(doc, "url", at, required=True)
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise SpecError(f"{at}.url", f"{url} is not an http:// or https:// URL")
+    for key in ("extraHeaders", "secretExtraHeaders"):
+        if doc.get(key):
+            raise SpecError(f"{at}.{key}", "not supported by the launcher")
+    return Source("http", url, _str(doc, "secretRef", at), _str(doc, "certConfigMap", at))
+
+
+def _registry(doc: dict, at: str) -> Source:
+    url, stream = _str(doc, "url", at), doc.get("imageStream")
+    if (url is None) == (stream is None):
+        raise SpecError(at, "source registry should have either URL or ImageStream")
+    method = _str(doc, "pullMethod", at) or "pod"
+    if method not in PULL_METHODS:
+        raise SpecError(f"{at}.pullMethod", f'importMethod {method} is neither pod, node or ""')
+    if stream is not None:
+        raise SpecError(f"{at}.imageStream", "OpenShift image streams are not supported by the launcher")
+    if method != "pod":
+        # The node method asks the node's container runtime for the image; the launcher has none
+        # and pulls in-process, which is what the pod method does.
+        raise SpecError(f"{at}.pullMethod", "only pullMethod pod is supported by the launcher")
+    scheme = urlsplit(url).scheme
+    if scheme not in ("docker", "oci-archive"):
+        raise SpecError(f"{at}.url", f"illegal registry source URL scheme {url}")
+    return Source("registry", url, _str(doc, "secretRef", at), _str(doc, "certConfigMap", at))
+
+
+def _pvc(doc: dict, at: str, namespace: str) -> Source:
+    return Source("pvc", claim=_str(doc, "name", at, required=True), claim_namespace=_str(doc, "namespace", at) or namespace)
+
+
+def _source(spec: dict, at: str, namespace: str) -> Source:
+    if spec.get("sourceRef") is not None:
+        raise SpecError(f"{at}.sourceRef", "DataSource references are not supported by the launcher")
+    source = _map(spec.get("source"), f"{at}.source")
+    kinds = [k for k in (*SOURCES, *UNSUPPORTED_SOURCES) if source.get(k) is not None]
+    if not kinds:
+        raise SpecError(f"{at}.source", "missing DataVolume source")
+    if len(kinds) > 1:
+        raise SpecError(f"{at}.source", "multiple DataVolume sources")
+    kind = kinds[0]
+    sat = f"{at}.source.{kind}"
+    if kind in UNSUPPORTED_SOURCES:
+        raise SpecError(sat, "this DataVolume source is not supported by the launcher")
+    doc = _map(source[kind], sat)
+    if kind == "http":
+        return _http(doc, sat)
+    if kind == "registry":
+        return _registry(doc, sat)
+    if kind == "pvc":
+        return _pvc(doc, sat, namespace)
+    return Source(kind)
+
+
+def _size(requests: dict, at: str, what: str) -> int | None:
+    if requests.get("storage") is None:
+        return None
+    size = math.floor(parse_quantity(requests["storage"], f"{at}.storage"))
+    if size <= 0:
+        raise SpecError(f"{at}.storage", f"{what} size can't be equal or less than zero")
+    return size
+
+
+def parse_data_volume(doc: Any, at: str, default_namespace: str = DEFAULT_NAMESPACE, template: bool = False) -> DataVolume:
+    """A DataVolume manifest, or (with `template`) one entry of dataVolumeTemplates; `at` is its field path."""
+    doc = _map(doc, at)
+    if not template:
+        if doc.get("kind") != KIND:
+            raise SpecError(f"{at}.kind", f"must be {KIND}, not {doc.get('kind')!r}")
+        if doc.get("apiVersion") != API_VERSION:
+            raise SpecError(f"{at}.apiVersion", f"must be {API_VERSION}, not {doc.get('apiVersion')!r}")
+    metadata = _map(doc.get("metadata"), f"{at}.metadata")
+    name = _str(metadata, "name", f"{at}.metadata", required=True)
+    if len(name) > 253 or not _DNS1123_SUBDOMAIN.fullmatch(name):
+        raise SpecError(f"{at}.metadata.name", "a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.'")
+    namespace = default_namespace if template else (_str(metadata, "namespace", f"{at}.metadata") or default_namespace)
+    sat = f"{at}.spec"
+    spec = _map(doc.get("spec"), sat)
+    source = _source(spec, sat, namespace)
+    if spec.get("contentType") not in (None, "", "kubevirt"):
+        raise SpecError(f"{sat}.contentType", f"{spec['contentType']} is not supported by the launcher (kubevirt only)")
+
+    pvc, storage = spec.get("pvc"), spec.get("storage")
+    if pvc is None and storage is None:
+        raise SpecError(sat, "missing DataVolume PVC or Storage fields")
+    if pvc is not None and storage is not None:
+        raise SpecError(sat, "duplicate storage definition, both target storage and target pvc defined")
+    what, key = ("PVC", "pvc") if pvc is not None else ("Storage", "storage")
+    target_at = f"{sat}.{key}"
+    target = _map(pvc if pvc is not None else storage, target_at)
+    requests = _map(_map(target.get("resources"), f"{target_at}.resources").get("requests"), f"{target_at}.resources.requests")
+    size = _size(requests, f"{target_at}.resources.requests", what)
+    if size is None and pvc is not None:
+        # spec.storage may leave it out (CDI then takes the clone source's size); spec.pvc may not.
+        raise SpecError(f"{target_at}.resources.requests.storage", f"{what} size is missing")
+    modes = target.get("accessModes") or []
+    if not isinstance(modes, list):
+        raise SpecError(f"{target_at}.accessModes", "must be a list")
+    if pvc is not None and len(modes) != 1:
+        raise SpecError(f"{target_at}.accessModes", "required value: exactly 1 access mode is required")
+    for mode in modes:
+        if mode not in ACCESS_MODES:
+            raise SpecError(f"{target_at}.accessModes", f'unsupported value: "{mode}": supported values: '
+                                                         + ", ".join(f'"{m}"' for m in sorted(ACCESS_MODES)))
+    volume_mode = _str(target, "volumeMode", target_at)
+    if volume_mode not in (None, "Filesystem", "Block"):
+        raise SpecError(f"{target_at}.volumeMode", f'Unsupported value: "{volume_mode}": supported values: "Block", "Filesystem"')
+    return DataVolume(name, namespace, source, size, _str(target, "storageClassName", target_at), volume_mode, at)
+
+
+def templates(items: Any, at: str, namespace: str) -> tuple[DataVolume, ...]:
+    """dataVolumeTemplates of a VirtualMachine (or VMI): every entry parsed, names unique."""
+    if items is None:
+        return ()
+    if not isinstance(items, list):
+        raise SpecError(at, "must be a list")
+    out, seen = [], {}
+    for index, item in enumerate(items):
+        dv = parse_data_volume(item, f"{at}[{index}]", namespace, template=True)
+        if dv.name in seen:
+            raise SpecError(f"{at}[{index}].metadata.name", f"{dv.name} is already the name of {at}[{seen[dv.name]}]")
+        seen[dv.name] = index
+        out.append(dv)
+    return tuple(out)
+
+
+def from_manifest(doc: dict, origin: str) -> DataVolume:
+    try:
+        return replace(parse_data_volume(doc, "DataVolume"), origin=origin)
+    except SpecError as err:
+        raise DiskkitError(origin, f"{err.subject}: {err.rule}") from None
+
+
+# ---------------------------------------------------------------- phases
+
+@dataclass(frozen=True)
+class Status:
+    """What the state file next to the claim's disk.img records (all optional until work starts)."""
+
+    phase: str | None = None
+    progress: str | None = None  # "45.67%", as CDI's status.progress
+    message: str | None = None
+    consumer: str | None = None  # the first VM that used the claim: binds it under WaitForFirstConsumer
+
+    @classmethod
+    def from_json(cls, obj: dict | None) -> Status:
+        obj = obj or {}
+        return cls(obj.get("phase"), obj.get("progress"), obj.get("message"), obj.get("consumer"))
+
+
+def phase(dv: DataVolume, status: Status, wait_for_first_consumer: bool, worker_alive: bool = True) -> str:
+    """The phase `launcher dv ls` shows: the recorded one, with what no state file can know laid over it.
+
+    A claim under a WaitForFirstConsumer storage class stays unbound, and the DataVolume waits, until
+    a VM starts with it. A recorded *InProgress or *Scheduled whose worker died is Pending again (CDI
+    restarts the importer pod; here the next importer picks it up).
+    """
+    if status.phase in (SUCCEEDED, FAILED):
+        return status.phase
+    if wait_for_first_consumer and not status.consumer:
+        return WAIT_FOR_FIRST_CONSUMER
+    if status.phase in (IMPORT_IN_PROGRESS, CLONE_IN_PROGRESS) and not worker_alive:
+        return PENDING
+    if dv.source.kind == "upload":
+        return status.phase if status.phase in (UPLOAD_SCHEDULED, UPLOAD_READY) else UPLOAD_SCHEDULED
+    return status.phase or PENDING
+
+
+def can_upload(current: str) -> str | None:
+    """Why an upload is refused in this phase (virtctl's wording), or None when it may go ahead."""
+    if current == WAIT_FOR_FIRST_CONSUMER:
+        return f"cannot upload to DataVolume in state {current}"
+    if current == SUCCEEDED:
+        return "the DataVolume has already Succeeded; its claim holds the uploaded disk"
+    if current != UPLOAD_READY:
+        return f"the DataVolume is not ready for an upload (phase {current})"
+    return None

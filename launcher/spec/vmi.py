@@ -1,0 +1,944 @@
+"""Typed KubeVirt VirtualMachineInstance specs: parsing, KubeVirt's defaulting and its validation (pure).
+
+`parse_vmi` returns the VMI as KubeVirt's mutating webhook would leave it (disk buses, device types,
+cdrom readOnly/tray, a disk for every volume, CPU request from the limit) and rejects what its
+validating webhook would reject, with its wording where it has one
+(pkg/defaults, pkg/virt-api/webhooks/validating-webhook/admitters, pkg/storage/admitters).
+
+Errors are `SpecError(field_path, rule)`. When KubeVirt's message starts with the field path, the path
+becomes the subject and the rest of the message the rule; otherwise the rule is its message whole.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import math
+import re
+import uuid as uuidlib
+from dataclasses import dataclass, field, replace
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from diskkit.disk.containerdisk import path_problem
+from diskkit.errors import DiskkitError
+
+
+class SpecError(DiskkitError):
+    """A VMI field KubeVirt (or this launcher) cannot accept; subject is the field path."""
+
+
+API_VERSION = "kubevirt.io/v1"
+DEFAULT_NAMESPACE = "default"
+DEFAULT_MACHINE = "q35"
+# pkg/virt-config: DefaultAMD64EmulatedMachines
+EMULATED_MACHINES = ("q35*", "pc-q35*")
+# staging/src/kubevirt.io/api/core/v1/schema.go: DefaultCPUModel
+DEFAULT_CPU_MODEL = "host-model"
+# pkg/virt-controller/watch/vm/firmware.go: the namespace of KubeVirt's legacy firmware UUIDs
+FIRMWARE_UUID_NAMESPACE = uuidlib.UUID("6a1a24a1-4061-4607-8bf4-a3963d0c5895")
+
+# pkg/defaults/amd64.go setDefaultAmd64DisksBus: SATA for disk, cdrom AND lun when bus is unset
+# ("typically supported out of the box by guest operating systems"; q35 has no IDE). The older
+# virtio default for disks is gone from KubeVirt; arm64/s390x default to virtio, amd64 does not.
+DEFAULT_BUS = "sata"
+BUSES = ("virtio", "scsi", "sata", "usb")
+DEVICES = ("disk", "cdrom", "lun")
+CACHE_MODES = ("none", "writethrough", "writeback")
+IO_MODES = ("native", "threads")
+ERROR_POLICIES = ("stop", "ignore", "report", "enospace")
+IO_THREADS_POLICIES = ("shared", "auto")
+PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+TRAY_STATES = ("open", "closed")
+
+VOLUME_KINDS = (
+    "containerDisk", "persistentVolumeClaim", "dataVolume", "emptyDisk", "hostDisk", "ephemeral",
+    "cloudInitNoCloud", "cloudInitConfigDrive", "configMap", "secret", "serviceAccount", "downwardAPI",
+    "downwardMetrics",
+)
+# Valid in KubeVirt, not (yet) here: named so they are refused rather than ignored.
+UNSUPPORTED_VOLUME_KINDS = ("sysprep", "memoryDump", "containerPath")
+
+_DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_SERIAL = re.compile(r"[A-Za-z0-9_.+-]+")
+_PCI_ADDRESS = re.compile(r"([0-9a-fA-F]{4}):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])")
+
+
+# ---------------------------------------------------------------- quantities
+
+_QUANTITY = re.compile(r"([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)")
+_BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+_DECIMAL = {"n": Fraction(1, 10**9), "u": Fraction(1, 10**6), "m": Fraction(1, 1000), "": 1,
+            "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
+QUANTITY_FORMAT = "quantities must match the regular expression '^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$'"
+
+
+def parse_quantity(value: Any, at: str) -> Fraction:
+    """A Kubernetes resource.Quantity (`1Gi`, `512M`, `500m`, `1e9`, a bare number), exactly."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise SpecError(at, QUANTITY_FORMAT)
+    text = str(value).strip()
+    match = _QUANTITY.fullmatch(text)
+    if not match or match.group(1) in (".", "+.", "-."):
+        raise SpecError(at, QUANTITY_FORMAT)
+    number, suffix = match.groups()
+    try:
+        amount = Fraction(number)
+    except ValueError:
+        raise SpecError(at, QUANTITY_FORMAT) from None
+    if suffix in _BINARY:
+        amount *= _BINARY[suffix]
+    elif suffix in _DECIMAL:
+        amount *= _DECIMAL[suffix]
+    elif re.fullmatch(r"[eE][-+]?[0-9]+", suffix):
+        amount *= Fraction(10) ** int(suffix[1:])
+    else:
+        raise SpecError(at, QUANTITY_FORMAT)
+    if amount < 0:
+        raise SpecError(at, f"'{text}': must be greater than or equal to 0.")
+    return amount
+
+
+def _bytes(amount: Fraction) -> int:
+    # pkg/.../vcpu QuantityToByte: a fractional byte count ends up rounded down.
+    return math.floor(amount)
+
+
+def _millis(amount: Fraction) -> int:
+    # resource.Quantity.MilliValue rounds up.
+    return math.ceil(amount * 1000)
+
+
+# ---------------------------------------------------------------- models
+
+@dataclass(frozen=True)
+class ContainerDiskSource:
+    image: str
+    path: str | None = None
+    image_pull_policy: str | None = None  # as written; see pull_policy for the effective one
+
+    @property
+    def pull_policy(self) -> str:
+        """pkg/defaults setDefaultPullPoliciesOnContainerDisks."""
+        if self.image_pull_policy:
+            return self.image_pull_policy
+        if self.image.endswith(":latest") or not any(c in self.image for c in ":@"):
+            return "Always"
+        return "IfNotPresent"
+
+
+@dataclass(frozen=True)
+class PersistentVolumeClaimSource:
+    claim_name: str
+    read_only: bool = False
+    hotpluggable: bool = False
+
+
+@dataclass(frozen=True)
+class DataVolumeSource:
+    name: str
+    hotpluggable: bool = False
+
+
+@dataclass(frozen=True)
+class EphemeralSource:
+    claim_name: str
+    read_only: bool = False
+
+
+@dataclass(frozen=True)
+class EmptyDiskSource:
+    capacity: int  # bytes
+
+
+@dataclass(frozen=True)
+class HostDiskSource:
+    path: str
+    type: str  # "Disk" | "DiskOrCreate"
+    capacity: int | None = None  # bytes
+    shared: bool = False
+
+
+@dataclass(frozen=True)
+class ConfigMapSource:
+    name: str
+    optional: bool = False
+    volume_label: str | None = None
+
+
+@dataclass(frozen=True)
+class SecretSource:
+    secret_name: str
+    optional: bool = False
+    volume_label: str | None = None
+
+
+@dataclass(frozen=True)
+class ServiceAccountSource:
+    service_account_name: str
+
+
+@dataclass(frozen=True)
+class CloudInitSource:
+    """cloudInitNoCloud / cloudInitConfigDrive: inline data already decoded (base64 checked here, as
+    KubeVirt's admitter does), or the name of a Secret holding `userdata` / `networkdata`."""
+
+    user_data: bytes | None = None
+    user_data_secret: str | None = None
+    network_data: bytes | None = None
+    network_data_secret: str | None = None
+
+
+@dataclass(frozen=True)
+class DownwardAPIFile:
+    path: str
+    field_path: str  # metadata.name, metadata.labels, metadata.labels['key'], ...
+    mode: int | None = None
+
+
+@dataclass(frozen=True)
+class DownwardAPISource:
+    fields: tuple[DownwardAPIFile, ...] = ()
+    volume_label: str | None = None
+
+
+@dataclass(frozen=True)
+class DownwardMetricsSource:
+    pass
+
+
+VolumeSource = (ContainerDiskSource | PersistentVolumeClaimSource | DataVolumeSource | EphemeralSource
+                | EmptyDiskSource | HostDiskSource | ConfigMapSource | SecretSource | ServiceAccountSource
+                | CloudInitSource | DownwardAPISource | DownwardMetricsSource)
+
+
+@dataclass(frozen=True)
+class Volume:
+    name: str
+    kind: str  # the KubeVirt key, one of VOLUME_KINDS
+    source: VolumeSource
+    index: int = 0  # position in spec.volumes (KubeVirt numbers containerDisk files by it)
+
+
+@dataclass(frozen=True)
+class Disk:
+    name: str
+    device: str = "disk"  # "disk" | "cdrom" | "lun"
+    bus: str | None = DEFAULT_BUS  # always set after parse_vmi (KubeVirt's defaulting)
+    boot_order: int | None = None
+    serial: str | None = None
+    read_only: bool = False  # cdrom: True unless readOnly: false
+    cache: str | None = None  # None = decided by the direct I/O probe
+    io: str | None = None
+    dedicated_io_thread: bool = False
+    shareable: bool = False
+    error_policy: str = "stop"
+    tag: str | None = None
+    tray: str | None = None  # cdrom only: "open" | "closed"
+    pci_address: str | None = None
+    index: int | None = None  # position in spec.domain.devices.disks; None when added for a bare volume
+
+
+@dataclass(frozen=True)
+class CPU:
+    cores: int | None = None
+    sockets: int | None = None
+    threads: int | None = None
+    model: str | None = None
+    dedicated_cpu_placement: bool = False
+    isolate_emulator_thread: bool = False
+
+
+@dataclass(frozen=True)
+class Resources:
+    requests_memory: int | None = None  # bytes
+    limits_memory: int | None = None
+    requests_cpu: int | None = None  # millicores; defaults to the limit, as KubeVirt does
+    limits_cpu: int | None = None
+
+
+@dataclass(frozen=True)
+class KernelBootContainer:
+    image: str
+    kernel_path: str | None = None
+    initrd_path: str | None = None
+    image_pull_policy: str | None = None
+    image_pull_secret: str | None = None
+
+
+@dataclass(frozen=True)
+class KernelBoot:
+    kernel_args: str | None = None
+    container: KernelBootContainer | None = None
+
+
+@dataclass(frozen=True)
+class Firmware:
+    uuid: str | None = None
+    serial: str | None = None
+    bootloader: str | None = None  # "bios" | "efi" | None
+    secure_boot: bool = False  # EFI only; KubeVirt defaults it to true
+    bios_use_serial: bool = False
+    kernel_boot: KernelBoot | None = None
+
+
+@dataclass(frozen=True)
+class Features:
+    acpi: bool = True  # KubeVirt enables ACPI unless features.acpi.enabled is false
+    apic: bool = False
+    smm: bool = False
+
+
+@dataclass(frozen=True)
+class Devices:
+    disks: tuple[Disk, ...] = ()
+    autoattach_serial_console: bool = True
+    block_multi_queue: bool = False
+    use_virtio_transitional: bool = False
+
+
+@dataclass(frozen=True)
+class DomainSpec:
+    cpu: CPU = CPU()
+    memory: int | None = None  # spec.domain.memory.guest, bytes
+    resources: Resources = Resources()
+    machine_type: str = DEFAULT_MACHINE
+    firmware: Firmware = Firmware()
+    features: Features = Features()
+    devices: Devices = Devices()
+    io_threads_policy: str | None = None
+
+    @property
+    def guest_memory(self) -> int:
+        """vcpu.GetVirtualMemory: guest, else the request (parse_vmi ensures one is there)."""
+        if self.memory is not None:
+            return self.memory
+        return self.resources.requests_memory or 0
+
+    @property
+    def topology(self) -> tuple[int, int, int]:
+        """(sockets, cores, threads) as vcpu.GetCPUTopology: unset counts are 1; with none set, the
+        CPU limit (else request), rounded up, becomes the socket count."""
+        cpu = self.cpu
+        if not (cpu.sockets or cpu.cores or cpu.threads):
+            millis = self.resources.limits_cpu if self.resources.limits_cpu is not None else self.resources.requests_cpu
+            return (max(1, math.ceil(millis / 1000)) if millis is not None else 1), 1, 1
+        return cpu.sockets or 1, cpu.cores or 1, cpu.threads or 1
+
+    @property
+    def vcpus(self) -> int:
+        sockets, cores, threads = self.topology
+        return sockets * cores * threads
+
+
+@dataclass(frozen=True)
+class VMI:
+    name: str
+    namespace: str
+    uid: str | None
+    labels: dict = field(hash=False)
+    annotations: dict = field(hash=False)
+    domain: DomainSpec
+    volumes: tuple[Volume, ...]
+    hostname: str | None = None  # spec.hostname
+    data_volume_templates: tuple = ()  # launcher.datavolume.DataVolume, from spec.dataVolumeTemplates
+
+    @property
+    def domain_name(self) -> str:
+        return f"{self.namespace}_{self.name}"
+
+    @property
+    def uuid(self) -> str:
+        """firmware.uuid, else stable across restarts: uuid5 of namespace/name (KubeVirt's own default
+        for bare VMIs is random; VMs get uuid5 of the name in the same namespace UUID)."""
+        if self.domain.firmware.uuid:
+            return self.domain.firmware.uuid
+        return str(uuidlib.uuid5(FIRMWARE_UUID_NAMESPACE, f"{self.namespace}/{self.name}"))
+
+    def volume(self, name: str) -> Volume:
+        for volume in self.volumes:
+            if volume.name == name:
+                return volume
+        raise SpecError("spec.volumes", f"no volume named {name}")
+
+    def disk(self, name: str) -> Disk:
+        for disk in self.domain.devices.disks:
+            if disk.name == name:
+                return disk
+        raise SpecError("spec.domain.devices.disks", f"no disk named {name}")
+
+
+# ---------------------------------------------------------------- reading helpers
+
+def _fail(at: str, message: str) -> SpecError:
+    if message.startswith(at + " "):
+        return SpecError(at, message[len(at) + 1:])
+    return SpecError(at, message)
+
+
+def _map(value: Any, at: str) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise SpecError(at, "must be a mapping")
+    return value
+
+
+def _list(value: Any, at: str) -> list:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise SpecError(at, "must be a list")
+    return value
+
+
+def _str(doc: dict, key: str, at: str, required: bool = False) -> str | None:
+    value = doc.get(key)
+    if value is None or value == "":
+        if required:
+            raise SpecError(f"{at}.{key}", "required")
+        return None
+    if not isinstance(value, str):
+        raise SpecError(f"{at}.{key}", "must be a string")
+    return value
+
+
+def _bool(doc: dict, key: str, at: str, default: bool | None = False) -> bool | None:
+    value = doc.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise SpecError(f"{at}.{key}", "must be true or false")
+    return value
+
+
+def _int(doc: dict, key: str, at: str) -> int | None:
+    value = doc.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise SpecError(f"{at}.{key}", "must be a non-negative integer")
+    return value
+
+
+def _quantity(doc: dict, key: str, at: str) -> Fraction | None:
+    value = doc.get(key)
+    return None if value is None else parse_quantity(value, f"{at}.{key}")
+
+
+def _one_of(value: str | None, allowed: tuple[str, ...], at: str) -> None:
+    if value is not None and value not in allowed:
+        supported = ", ".join(f'"{a}"' for a in allowed)
+        raise SpecError(at, f'Unsupported value: "{value}": supported values: {supported}')
+
+
+def _dns_label(name: str, at: str) -> None:
+    # k8s.io/apimachinery validation.IsDNS1123Label, which KubeVirt applies to disk names
+    if len(name) > 63:
+        raise SpecError(at, "must be no more than 63 characters")
+    if not _DNS1123_LABEL.fullmatch(name):
+        raise SpecError(at, "a lowercase RFC 1123 label must consist of lower case alphanumeric characters or '-',"
+                            " and must start and end with an alphanumeric character (e.g. 'my-name',  or '123-abc',"
+                            " regex used for validation is '[a-z0-9]([-a-z0-9]*[a-z0-9])?')")
+
+
+def _path(value: str, at: str) -> None:
+    problem = path_problem(value)
+    if problem:
+        raise SpecError(at, problem)
+
+
+# ---------------------------------------------------------------- volumes
+
+def _volume_source(kind: str, doc: dict, at: str) -> VolumeSource:
+    if kind == "containerDisk":
+        image = _str(doc, "image", at, required=True)
+        path = _str(doc, "path", at)
+        if path is not None:
+            _path(path, f"{at}.path")
+        policy = _str(doc, "imagePullPolicy", at)
+        _one_of(policy, PULL_POLICIES, f"{at}.imagePullPolicy")
+        return ContainerDiskSource(image, path, policy)
+    if kind == "persistentVolumeClaim":
+        return PersistentVolumeClaimSource(_str(doc, "claimName", at, required=True),
+                                           _bool(doc, "readOnly", at), _bool(doc, "hotpluggable", at))
+    if kind == "dataVolume":
+        if not doc.get("name"):
+            raise SpecError(f"{at}.name", "DataVolume 'name' must be set")
+        return DataVolumeSource(_str(doc, "name", at), _bool(doc, "hotpluggable", at))
+    if kind == "ephemeral":
+        claim = _map(doc.get("persistentVolumeClaim"), f"{at}.persistentVolumeClaim")
+        return EphemeralSource(_str(claim, "claimName", f"{at}.persistentVolumeClaim", required=True),
+                               _bool(claim, "readOnly", f"{at}.persistentVolumeClaim"))
+    if kind == "emptyDisk":
+        capacity = _quantity(doc, "capacity", at)
+        if capacity is None:
+            raise SpecError(f"{at}.capacity", "required")
+        return EmptyDiskSource(_bytes(capacity))
+    if kind == "hostDisk":
+        path = _str(doc, "path", at)
+        if path is None:
+            raise _fail(f"{at}.path", f"{at}.path is required for hostDisk volume")
+        disk_type = _str(doc, "type", at)
+        if disk_type not in ("Disk", "DiskOrCreate"):
+            raise _fail(f"{at}.type", f"{at}.type has invalid value '{disk_type or ''}', allowed are 'Disk' or 'DiskOrCreate'")
+        capacity = _quantity(doc, "capacity", at)
+        if capacity is not None and disk_type != "DiskOrCreate":
+            raise _fail(f"{at}.capacity", f"{at}.capacity is allowed to pass only with {at}.type equal to 'DiskOrCreate'")
+        return HostDiskSource(path, disk_type, None if capacity is None else _bytes(capacity), _bool(doc, "shared", at))
+    if kind == "configMap":
+        return ConfigMapSource(_str(doc, "name", at, required=True), _bool(doc, "optional", at), _str(doc, "volumeLabel", at))
+    if kind == "secret":
+        return SecretSource(_str(doc, "secretName", at, required=True), _bool(doc, "optional", at), _str(doc, "volumeLabel", at))
+    if kind == "serviceAccount":
+        return ServiceAccountSource(_str(doc, "serviceAccountName", at, required=True))
+    if kind in ("cloudInitNoCloud", "cloudInitConfigDrive"):
+        return _cloud_init(doc, at)
+    if kind == "downwardAPI":
+        items = _list(doc.get("fields"), f"{at}.fields")
+        files = tuple(_downward_api_file(_map(item, f"{at}.fields[{i}]"), f"{at}.fields[{i}]") for i, item in enumerate(items))
+        seen: dict[str, int] = {}
+        for i, item in enumerate(files):
+            if item.path in seen:
+                raise SpecError(f"{at}.fields[{i}].path", f'Duplicate value: "{item.path}"')
+            seen[item.path] = i
+        return DownwardAPISource(files, _str(doc, "volumeLabel", at))
+    if kind == "downwardMetrics":
+        return DownwardMetricsSource()
+    raise SpecError(at, "this volume type is not supported by the launcher")
+
+
+# pkg/virt-api/webhooks/validating-webhook/admitters: cloudInitUserMaxLen, cloudInitNetworkMaxLen
+CLOUD_INIT_USER_MAX = 2048
+CLOUD_INIT_NETWORK_MAX = 2048
+
+
+def _base64(text: str, at: str) -> bytes:
+    # Go's base64.StdEncoding: padding required, line breaks skipped.
+    try:
+        return base64.b64decode(text.replace("\r", "").replace("\n", ""), validate=True)
+    except (binascii.Error, ValueError):
+        # KubeVirt's message repeats the child path after the field path (a slip); the field once is enough.
+        raise SpecError(at, "is not a valid base64 value.") from None
+
+
+def _cloud_init(doc: dict, at: str) -> CloudInitSource:
+    """The admitter's checks on cloud-init data: one source each for user and network data, valid
+    base64, the 2 KiB limits for inline data, at least one of the two."""
+    found = {}
+    for what, limit, name in (("userData", CLOUD_INIT_USER_MAX, "UserDataSecretRef"),
+                              ("networkData", CLOUD_INIT_NETWORK_MAX, "NetworkDataSecretRef")):
+        ref = _map(doc.get(f"{what}SecretRef"), f"{at}.{what}SecretRef")
+        secret = _str(ref, "name", f"{at}.{what}SecretRef")
+        encoded = _str(doc, f"{what}Base64", at)
+        plain = doc.get(what)
+        if plain is not None and not isinstance(plain, str):
+            raise SpecError(f"{at}.{what}", "must be a string")
+        count = sum(1 for v in (secret, encoded, plain or None) if v)
+        data = _base64(encoded, f"{at}.{what}Base64") if encoded else None
+        if plain:
+            data = plain.encode()
+        if count > 1:
+            noun = "userdatasource" if what == "userData" else "networkdata source"
+            raise _fail(at, f"{at} must have only one {noun} set.")
+        if data is not None and len(data) > limit:
+            raise _fail(at, f"{at} {what.lower()} exceeds {limit} byte limit. Should use {name} for larger data.")
+        found[what] = (data, secret)
+    (user, user_secret), (network, network_secret) = found["userData"], found["networkData"]
+    if not (user_secret or user is not None or network_secret or network is not None):
+        raise _fail(at, f"{at} must have at least one userdatasource or one networkdatasource set.")
+    return CloudInitSource(user, user_secret, network, network_secret)
+
+
+# k8s.io/kubernetes pkg/apis/core/validation: validVolumeDownwardAPIFieldPathExpressions
+DOWNWARD_API_FIELDS = ("metadata.annotations", "metadata.labels", "metadata.name", "metadata.namespace", "metadata.uid")
+_SUBSCRIPTED = re.compile(r"metadata\.(labels|annotations)\['([^']*)'\]")
+
+
+def _downward_api_file(doc: dict, at: str) -> DownwardAPIFile:
+    path = _str(doc, "path", at, required=True)
+    # validateLocalDescendingPath
+    if path.startswith("/"):
+        raise SpecError(f"{at}.path", "must be a relative path")
+    if ".." in path.split("/"):
+        raise SpecError(f"{at}.path", "must not contain '..'")
+    if path.startswith(".."):
+        raise SpecError(f"{at}.path", "must not start with '..'")
+    if doc.get("resourceFieldRef") is not None:
+        raise SpecError(f"{at}.resourceFieldRef", "container resources are not supported by the launcher (a VMI has no containers)")
+    ref = doc.get("fieldRef")
+    if ref is None:
+        raise SpecError(at, "must specify one of: `fieldRef` or `resourceFieldRef`")
+    ref = _map(ref, f"{at}.fieldRef")
+    field_path = _str(ref, "fieldPath", f"{at}.fieldRef", required=True)
+    version = _str(ref, "apiVersion", f"{at}.fieldRef") or "v1"
+    if version != "v1":
+        raise SpecError(f"{at}.fieldRef.apiVersion", f'Unsupported value: "{version}": supported values: "v1"')
+    if field_path not in DOWNWARD_API_FIELDS and not _SUBSCRIPTED.fullmatch(field_path):
+        _one_of(field_path, DOWNWARD_API_FIELDS, f"{at}.fieldRef.fieldPath")
+    mode = doc.get("mode")
+    if mode is not None and (isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o777):
+        raise SpecError(f"{at}.mode", "must be a number between 0 and 0777 (octal), both inclusive")
+    return DownwardAPIFile(path, field_path, mode)
+
+
+def _volumes(items: list, at: str) -> tuple[Volume, ...]:
+    volumes, seen = [], {}
+    counts = {"serviceAccount": 0, "downwardMetrics": 0}
+    for idx, item in enumerate(items):
+        vat = f"{at}[{idx}]"
+        doc = _map(item, vat)
+        name = _str(doc, "name", vat, required=True)
+        _dns_label(name, f"{vat}.name")
+        if name in seen:
+            raise _fail(f"{vat}.name", f"{vat} and {at}[{seen[name]}] must not have the same Name.")
+        seen[name] = idx
+        for kind in UNSUPPORTED_VOLUME_KINDS:
+            if kind in doc:
+                raise SpecError(f"{vat}.{kind}", "this volume type is not supported by the launcher")
+        kinds = [k for k in VOLUME_KINDS if doc.get(k) is not None]
+        if len(kinds) != 1:
+            raise _fail(vat, f"{vat} must have exactly one source type set")
+        kind = kinds[0]
+        if kind in counts:
+            counts[kind] += 1
+            if counts[kind] > 1:
+                raise _fail(at, f"{at} must have max one {kind.removesuffix('s')} volume set")
+        source = _volume_source(kind, _map(doc[kind], f"{vat}.{kind}"), f"{vat}.{kind}")
+        volumes.append(Volume(name, kind, source, idx))
+    return tuple(volumes)
+
+
+# ---------------------------------------------------------------- disks
+
+def _disk(doc: dict, idx: int, at: str) -> Disk:
+    dat = f"{at}[{idx}]"
+    name = _str(doc, "name", dat, required=True)
+    _dns_label(name, f"{dat}.name")
+    if doc.get("floppy") is not None:
+        # Rejected since KubeVirt v0.16 (commit 627216db1), dropped from the API in 205a38f90.
+        raise SpecError(f"{dat}.floppy", "Floppy disks are deprecated and will be removed from the API soon.")
+    devices = [d for d in DEVICES if doc.get(d) is not None]
+    if len(devices) > 1:
+        raise _fail(dat, f"{dat} can only have a single target type defined")
+    device = devices[0] if devices else "disk"  # api SetDefaults_DiskDevice
+    target = _map(doc.get(device), f"{dat}.{device}")
+    tat = f"{dat}.{device}"
+
+    bus = _str(target, "bus", tat)
+    if bus == "ide":
+        raise SpecError(f"{tat}.bus", "IDE bus is not supported")
+    if bus is not None and bus not in BUSES:
+        raise _fail(f"{tat}.bus", f"{dat} is set with an unrecognized bus {bus}, must be one of: [{' '.join(BUSES)}]")
+    if device == "cdrom" and bus == "virtio":
+        raise SpecError(f"{tat}.bus", "Bus type virtio is invalid for CD-ROM device")
+
+    read_only = _bool(target, "readOnly", tat, default=None)
+    if device == "cdrom" and read_only is None:
+        read_only = True  # api SetDefaults_CDRomTarget
+    tray = None
+    if device == "cdrom":
+        tray = _str(target, "tray", tat) or "closed"
+        _one_of(tray, TRAY_STATES, f"{tat}.tray")
+    pci_address = _str(target, "pciAddress", tat) if device == "disk" else None
+    if pci_address is not None:
+        if bus != "virtio":
+            raise _fail(f"{tat}.pciAddress", f"disk {dat}.name - setting a PCI address is only possible with bus type virtio.")
+        if not _PCI_ADDRESS.fullmatch(pci_address):
+            raise _fail(f"{tat}.pciAddress", f"disk {dat}.name has malformed PCI address ({pci_address}).")
+
+    boot_order = doc.get("bootOrder")
+    if boot_order is not None and (isinstance(boot_order, bool) or not isinstance(boot_order, int) or boot_order < 1):
+        raise _fail(f"{dat}.bootOrder", f"{dat} must have a boot order > 0, if supplied")
+    serial = _str(doc, "serial", dat)
+    if serial is not None:
+        if not _SERIAL.fullmatch(serial):
+            raise _fail(f"{dat}.serial", f"{dat} must be made up of the following characters [A-Za-z0-9_.+-], if specified")
+        if len(serial) > 256:
+            raise _fail(f"{dat}.serial", f"{dat} must be less than or equal to 256 in length, if specified")
+    cache = _str(doc, "cache", dat)
+    if cache is not None and cache not in CACHE_MODES:
+        raise SpecError(f"{dat}.cache", f"has invalid value {cache}")
+    io = _str(doc, "io", dat)
+    if io is not None and io not in IO_MODES:
+        raise SpecError(f"{dat}.io", "Disk IO mode is not supported. Supported modes are: native, threads.")
+    error_policy = _str(doc, "errorPolicy", dat)
+    if error_policy is not None and error_policy not in ERROR_POLICIES:
+        raise SpecError(f"{dat}.errorPolicy", f'has invalid value "{error_policy}"')
+    return Disk(
+        name=name, device=device, bus=bus, boot_order=boot_order, serial=serial, read_only=bool(read_only),
+        cache=cache, io=io, dedicated_io_thread=_bool(doc, "dedicatedIOThread", dat),
+        shareable=_bool(doc, "shareable", dat), error_policy=error_policy or "stop", tag=_str(doc, "tag", dat),
+        tray=tray, pci_address=pci_address, index=idx,
+    )
+
+
+def _with_bus(disk: Disk, volume: Volume | None) -> Disk:
+    if disk.bus is not None:
+        return disk
+    # downwardMetrics must sit on virtio (admitter); default it there instead of failing on sata.
+    bus = "virtio" if volume is not None and volume.kind == "downwardMetrics" else DEFAULT_BUS
+    return replace(disk, bus=bus)
+
+
+def _check_disk(disk: Disk, volume: Volume | None, boot_orders: dict, at: str) -> None:
+    dat = f"{at}[{disk.index}]"
+    tat = f"{dat}.{disk.device}"
+    if volume is None:
+        if disk.device == "cdrom":
+            raise SpecError(f"{dat}.name", "DeclarativeHotplugVolumes feature gate not enabled, cannot define an empty CD-ROM disk")
+        raise SpecError(f"{dat}.name", f"{dat}.Name '{disk.name}' not found.")
+    if disk.device == "lun" and volume.kind not in ("persistentVolumeClaim", "dataVolume"):
+        raise _fail(f"{dat}.lun", f"{dat}.lun can only be mapped to a DataVolume or PersistentVolumeClaim volume.")
+    if disk.device == "lun" and disk.bus not in ("scsi", "virtio"):
+        # KubeVirt lets this through to libvirt, which refuses device='lun' on other buses.
+        raise SpecError(f"{tat}.bus", f"a lun needs bus scsi or virtio, not {disk.bus}")
+    if volume.kind == "downwardMetrics":
+        if disk.device != "disk":
+            raise SpecError(f"{dat}.disk", f"DownwardMetrics volume must be mapped to a disk, but disk is not set on {dat}.disk.")
+        if disk.bus != "virtio":
+            raise SpecError(f"{dat}.disk.bus", f"DownwardMetrics volume must be mapped to virtio bus, but {dat}.disk.bus is set to {disk.bus}")
+    if disk.device == "disk" and disk.bus == "sata" and disk.read_only:
+        raise SpecError(f"{tat}.bus", "sata hard-disks do not support read-only.")
+    if disk.dedicated_io_thread and disk.bus != "virtio":
+        raise SpecError(dat, f"IOThreads are not supported for disks on a {disk.bus} bus")
+    if disk.shareable and disk.cache not in (None, "none"):
+        # converter storage/disk.go
+        raise SpecError(f"{dat}.cache", f"a sharable disk requires cache = none got: {disk.cache}")
+    if disk.boot_order is not None:
+        if disk.boot_order in boot_orders:
+            raise SpecError(f"{dat}.bootOrder", f"Boot order for {dat}.bootOrder already set for a different device.")
+        boot_orders[disk.boot_order] = disk.name
+
+
+def _disks(items: list, volumes: tuple[Volume, ...], at: str) -> tuple[Disk, ...]:
+    disks, seen = [], {}
+    for idx, item in enumerate(items):
+        disk = _disk(_map(item, f"{at}[{idx}]"), idx, at)
+        if disk.name in seen:
+            raise _fail(f"{at}[{idx}].name", f"{at}[{idx}] and {at}[{seen[disk.name]}] must not have the same Name.")
+        seen[disk.name] = idx
+        disks.append(disk)
+    by_name = {v.name: v for v in volumes}
+    # util.SetDefaultVolumeDisk (mutating webhook): a volume without a disk gets a plain disk.
+    disks += [Disk(v.name, bus=None) for v in volumes if v.name not in seen]
+    disks = [_with_bus(d, by_name.get(d.name)) for d in disks]
+    boot_orders: dict[int, str] = {}
+    for disk in disks:
+        _check_disk(disk, by_name.get(disk.name), boot_orders, at)
+    return tuple(disks)
+
+
+# ---------------------------------------------------------------- domain
+
+def _resources(doc: dict, at: str) -> Resources:
+    requests = _map(doc.get("requests"), f"{at}.requests")
+    limits = _map(doc.get("limits"), f"{at}.limits")
+    rmem = _quantity(requests, "memory", f"{at}.requests")
+    lmem = _quantity(limits, "memory", f"{at}.limits")
+    rcpu = _quantity(requests, "cpu", f"{at}.requests")
+    lcpu = _quantity(limits, "cpu", f"{at}.limits")
+    if rmem is not None and 0 < rmem < 10**6:
+        raise _fail(f"{at}.requests.memory", f"{at}.requests.memory '{requests['memory']}': must be greater than or equal to 1M.")
+    if lmem and rmem is not None and rmem > lmem:
+        raise _fail(f"{at}.requests.memory",
+                    f"{at}.requests.memory '{requests['memory']}' is greater than {at}.limits.memory '{limits['memory']}'")
+    if lcpu is not None and rcpu is not None and rcpu > lcpu:
+        raise _fail(f"{at}.requests.cpu",
+                    f"{at}.requests.cpu '{requests['cpu']}' is greater than {at}.limits.cpu '{limits['cpu']}'")
+    if rcpu is None:
+        rcpu = lcpu  # pkg/defaults setDefaultResourceRequests
+    return Resources(
+        requests_memory=None if rmem is None else _bytes(rmem), limits_memory=None if lmem is None else _bytes(lmem),
+        requests_cpu=None if rcpu is None else _millis(rcpu), limits_cpu=None if lcpu is None else _millis(lcpu),
+    )
+
+
+def _check_dedicated(cpu: CPU, resources: Resources, doc: dict, at: str) -> None:
+    """KubeVirt's webhook rules for dedicatedCpuPlacement (validateCpuPinning), in its order and words."""
+    if cpu.isolate_emulator_thread and not cpu.dedicated_cpu_placement:
+        raise SpecError(f"{at}.cpu.isolateEmulatorThread", "IsolateEmulatorThread should be only set in combination with DedicatedCPUPlacement")
+    if not cpu.dedicated_cpu_placement:
+        return
+    r = f"{at}.resources"
+    dedicated = f"{at}.cpu.dedicatedCpuPlacement"
+    if not resources.requests_memory and not resources.limits_memory:
+        raise SpecError(f"{r}.limits.memory", f"{r}.requests.memory or {r}.limits.memory should be provided")
+    requested = _map(doc.get("requests"), f"{r}.requests").get("cpu")
+    for side, millis in (("requests", requested is not None and resources.requests_cpu), ("limits", resources.limits_cpu)):
+        if millis and millis % 1000:
+            raise SpecError(f"{r}.{side}.cpu", f"provided resources CPU {side} must be an interger")  # sic, KubeVirt's spelling
+    if resources.requests_memory and resources.limits_memory and resources.requests_memory != resources.limits_memory:
+        raise SpecError(f"{r}.requests.memory", f"{r}.requests.memory must be equal to {r}.limits.memory")
+    vcpus = (cpu.sockets or 1) * (cpu.cores or 1) * (cpu.threads or 1) if (cpu.sockets or cpu.cores or cpu.threads) else 0
+    request = resources.requests_cpu if requested is not None else None
+    if not request and not resources.limits_cpu and not vcpus:
+        raise SpecError(dedicated, f"either {r}.requests.cpu or {r}.limits.cpu or {at}.cpu.cores must be provided when DedicatedCPUPlacement is true")
+    if request and resources.limits_cpu and request != resources.limits_cpu:
+        raise SpecError(dedicated, f"{r}.requests.cpu or {r}.limits.cpu must be equal when DedicatedCPUPlacement is true")
+    if (request or resources.limits_cpu) and vcpus and request != vcpus * 1000 and resources.limits_cpu != vcpus * 1000:
+        raise SpecError(dedicated, f"{r}.requests.cpu or {r}.limits.cpu must not be provided at the same time with {at}.cpu.cores when DedicatedCPUPlacement is true")
+    if (cpu.threads or 0) > 2:
+        raise SpecError(dedicated, f"Not more than two threads must be provided at {at}.cpu.threads (got {cpu.threads}) when DedicatedCPUPlacement is true")
+
+
+def _kernel_boot(doc: dict, at: str) -> KernelBoot:
+    args = _str(doc, "kernelArgs", at)
+    if doc.get("container") is None:
+        if args:
+            raise SpecError(f"{at}.kernelArgs", "kernel arguments cannot be provided without an external kernel")
+        return KernelBoot(args, None)
+    cat = f"{at}.container"
+    container = _map(doc["container"], cat)
+    image = _str(container, "image", cat)
+    if image is None:
+        raise _fail(f"{cat}.image", f"{cat} must be defined with an image")
+    kernel = _str(container, "kernelPath", cat)
+    initrd = _str(container, "initrdPath", cat)
+    if kernel is None and initrd is None:
+        raise _fail(cat, f"{cat} must be defined with at least one of the following: kernelPath, initrdPath")
+    for key, value in (("kernelPath", kernel), ("initrdPath", initrd)):
+        if value is not None:
+            _path(value, f"{cat}.{key}")
+    policy = _str(container, "imagePullPolicy", cat)
+    _one_of(policy, PULL_POLICIES, f"{cat}.imagePullPolicy")
+    secret = _str(container, "imagePullSecret", cat)
+    return KernelBoot(args, KernelBootContainer(image, kernel, initrd, policy, secret))
+
+
+def _firmware(doc: dict, at: str) -> Firmware:
+    loader = _map(doc.get("bootloader"), f"{at}.bootloader")
+    if loader.get("efi") is not None and loader.get("bios") is not None:
+        raise _fail(f"{at}.bootloader", f"{at}.bootloader has both EFI and BIOS configured, but they are mutually exclusive.")
+    bootloader, secure_boot, use_serial = None, False, False
+    if loader.get("efi") is not None:
+        bootloader = "efi"
+        secure_boot = _bool(_map(loader["efi"], f"{at}.bootloader.efi"), "secureBoot", f"{at}.bootloader.efi", default=True)
+    elif loader.get("bios") is not None:
+        bootloader = "bios"
+        use_serial = _bool(_map(loader["bios"], f"{at}.bootloader.bios"), "useSerial", f"{at}.bootloader.bios")
+    uuid = _str(doc, "uuid", at)
+    if uuid is not None:
+        try:
+            uuid = str(uuidlib.UUID(uuid))
+        except ValueError:
+            raise SpecError(f"{at}.uuid", "must be a UUID") from None
+    kernel_boot = None
+    if doc.get("kernelBoot") is not None:
+        kernel_boot = _kernel_boot(_map(doc["kernelBoot"], f"{at}.kernelBoot"), f"{at}.kernelBoot")
+    return Firmware(uuid, _str(doc, "serial", at), bootloader, secure_boot, use_serial, kernel_boot)
+
+
+def _feature(doc: dict, key: str, at: str, absent: bool) -> bool:
+    if key not in doc:
+        return absent
+    value = _map(doc[key], f"{at}.{key}")
+    return _bool(value, "enabled", f"{at}.{key}", default=True)  # api SetDefaults_FeatureState
+
+
+def _domain(doc: dict, root: str, volumes: tuple[Volume, ...]) -> DomainSpec:
+    at = f"{root}.domain"
+    cpu_doc = _map(doc.get("cpu"), f"{at}.cpu")
+    cpu = CPU(_int(cpu_doc, "cores", f"{at}.cpu"), _int(cpu_doc, "sockets", f"{at}.cpu"), _int(cpu_doc, "threads", f"{at}.cpu"),
+              _str(cpu_doc, "model", f"{at}.cpu"), _bool(cpu_doc, "dedicatedCpuPlacement", f"{at}.cpu"),
+              _bool(cpu_doc, "isolateEmulatorThread", f"{at}.cpu"))
+    resources = _resources(_map(doc.get("resources"), f"{at}.resources"), f"{at}.resources")
+    _check_dedicated(cpu, resources, _map(doc.get("resources"), f"{at}.resources"), at)
+
+    memory_doc = _map(doc.get("memory"), f"{at}.memory")
+    if memory_doc.get("hugepages") is not None:
+        raise SpecError(f"{at}.memory.hugepages", "hugepages are not supported by the launcher")
+    guest = _quantity(memory_doc, "guest", f"{at}.memory")
+    if guest is None and not resources.requests_memory:
+        raise SpecError(f"{at}.memory", f"no memory requested, at least one of '{at}.memory.guest', "
+                                        f"'{at}.memory.hugepages.pageSize' or '{at}.resources.requests.memory' must be set")
+    if guest is not None and resources.limits_memory and resources.limits_memory < guest:
+        raise _fail(f"{at}.memory.guest", f"{at}.memory.guest '{memory_doc['guest']}' must be equal to or less than the memory limit "
+                                          f"{at}.resources.limits.memory '{doc['resources']['limits']['memory']}'")
+
+    machine = _str(_map(doc.get("machine"), f"{at}.machine"), "type", f"{at}.machine") or DEFAULT_MACHINE
+    if not any(re.fullmatch(p.replace("*", ".*"), machine) for p in EMULATED_MACHINES):
+        raise _fail(f"{at}.machine.type", f"{at}.machine.type is not supported: {machine} (allowed values: [{' '.join(EMULATED_MACHINES)}])")
+
+    firmware = _firmware(_map(doc.get("firmware"), f"{at}.firmware"), f"{at}.firmware")
+    features_doc = _map(doc.get("features"), f"{at}.features")
+    features = Features(_feature(features_doc, "acpi", f"{at}.features", True),
+                        _feature(features_doc, "apic", f"{at}.features", False),
+                        _feature(features_doc, "smm", f"{at}.features", False))
+    if firmware.bootloader == "efi" and not features.acpi:
+        # KubeVirt passes this on; libvirt refuses it with these words.
+        raise SpecError(f"{at}.features.acpi", "UEFI requires ACPI on this architecture")
+    if firmware.bootloader == "efi" and firmware.secure_boot and not features.smm:
+        raise SpecError(at, "has EFI SecureBoot enabled. SecureBoot requires SMM, which is currently disabled.")
+
+    policy = _str(doc, "ioThreadsPolicy", at)
+    if policy == "supplementalPool":
+        raise SpecError(f"{at}.ioThreadsPolicy", "supplementalPool is not supported by the launcher")
+    if policy is not None and policy not in IO_THREADS_POLICIES:
+        raise SpecError(f"{at}.ioThreadsPolicy", f"Invalid IOThreadsPolicy ({policy})")
+
+    dat = f"{at}.devices"
+    devices_doc = _map(doc.get("devices"), dat)
+    disks = _disks(_list(devices_doc.get("disks"), f"{dat}.disks"), volumes, f"{dat}.disks")
+    block_mq = _bool(devices_doc, "blockMultiQueue", dat)
+    if block_mq and resources.requests_cpu is None:
+        # User guide: queues follow the vCPUs, so without a CPU request they would follow the whole node.
+        raise SpecError(f"{dat}.blockMultiQueue", f"requires a CPU request ({at}.resources.requests.cpu or limits.cpu)")
+    devices = Devices(disks, _bool(devices_doc, "autoattachSerialConsole", dat, default=True), block_mq,
+                      _bool(devices_doc, "useVirtioTransitional", dat))
+    return DomainSpec(cpu, None if guest is None else _bytes(guest), resources, machine, firmware, features, devices, policy)
+
+
+# ---------------------------------------------------------------- entry points
+
+def parse_vmi(doc: dict) -> VMI:
+    """A VirtualMachineInstance (or a VirtualMachine's template), defaulted and validated as KubeVirt does."""
+    doc = _map(doc, "document")
+    kind = doc.get("kind")
+    if kind not in ("VirtualMachineInstance", "VirtualMachine"):
+        raise SpecError("kind", f"must be VirtualMachineInstance or VirtualMachine, not {kind!r}")
+    if doc.get("apiVersion") != API_VERSION:
+        raise SpecError("apiVersion", f"must be {API_VERSION}, not {doc.get('apiVersion')!r}")
+    metadata = _map(doc.get("metadata"), "metadata")
+    spec = _map(doc.get("spec"), "spec")
+    root = "spec"
+    labels, annotations = metadata.get("labels"), metadata.get("annotations")
+    # A VirtualMachine's field; on a VMI the launcher reads it too, so one file can carry its disks.
+    templates_doc = spec.get("dataVolumeTemplates")
+    if kind == "VirtualMachine":
+        root = "spec.template.spec"
+        template = _map(spec.get("template"), "spec.template")
+        if not template:
+            raise SpecError("spec.template", "required")
+        tmeta = _map(template.get("metadata"), "spec.template.metadata")
+        labels, annotations = tmeta.get("labels"), tmeta.get("annotations")
+        spec = _map(template.get("spec"), root)
+    name = _str(metadata, "name", "metadata", required=True)
+    namespace = _str(metadata, "namespace", "metadata") or DEFAULT_NAMESPACE
+    architecture = _str(spec, "architecture", root)
+    if architecture not in (None, "amd64"):
+        raise SpecError(f"{root}.architecture", f"{architecture} is not supported by the launcher (amd64 only)")
+    volumes = _volumes(_list(spec.get("volumes"), f"{root}.volumes"), f"{root}.volumes")
+    domain = _domain(_map(spec.get("domain"), f"{root}.domain"), root, volumes)
+    hostname = _str(spec, "hostname", root)
+    if hostname is not None:
+        _dns_label(hostname, f"{root}.hostname")
+    from launcher.spec.datavolume import templates  # it parses quantities with this module's helpers
+
+    return VMI(name, namespace, _str(metadata, "uid", "metadata"),
+               dict(_map(labels, "metadata.labels")), dict(_map(annotations, "metadata.annotations")), domain, volumes,
+               hostname, templates(templates_doc, "spec.dataVolumeTemplates", namespace))
+
+
+def load_vmi(path: str | Path) -> VMI:
+    """Read one YAML document from `path` and parse it."""
+    try:
+        doc = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as err:
+        raise SpecError(str(path), f"not valid YAML: {err}") from None
+    except OSError as err:
+        raise SpecError(str(path), err.strerror or str(err)) from None
+    return parse_vmi(doc)

@@ -1,0 +1,135 @@
+"""The disks KubeVirt generates for a VM: cloud-init and config ISOs and the downwardMetrics disk.
+
+Content comes from the VMI (cloudinit, configdisks: pure) and from Kubernetes objects: `--manifests`
+first, else the volume as the kubelet mounted it into virt-launcher's pod. Images are written under
+the VM's run directory with virt-launcher's layout and names, each atomically; in a dry run
+(`create` false) only their paths are planned, but every object is still looked up and checked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from diskkit.errors import DiskkitError
+
+from launcher.volumes import cloudinit, configdisks, iso, vhostmd
+from launcher.spec.k8s import Objects
+from launcher.spec.vmi import VMI, Volume
+
+POD_CONFIG = Path("/var/run/kubevirt-private")  # where virt-launcher finds config volumes, by kind and name
+K8S_KINDS = {"configMap": ("ConfigMap", "configmaps"), "secret": ("Secret", "secrets")}
+
+
+@dataclass
+class Sources:
+    """Where objects come from: manifests, else pod mounts (configurable for tests)."""
+
+    objects: Objects | None = None
+    pod_config: Path = POD_CONFIG
+    service_account_dir: Path = Path(configdisks.SERVICE_ACCOUNT_MOUNT)
+
+
+@dataclass
+class Planned:
+    path: Path
+    volume_id: str | None = None  # None: not an ISO (the metrics disk)
+    files: dict[str, bytes] = field(default_factory=dict)
+    modes: dict[str, int] = field(default_factory=dict)
+
+
+def read_mount(directory: Path) -> dict[str, bytes]:
+    """The files of a volume the kubelet mounted: keys are symlinks into `..data`, which is skipped."""
+    files: dict[str, bytes] = {}
+    for entry in sorted(directory.iterdir()):
+        if entry.name.startswith(".."):
+            continue
+        if entry.is_dir():
+            files.update({f"{entry.name}/{k}": v for k, v in read_mount(entry).items()})
+        elif entry.is_file():
+            files[entry.name] = entry.read_bytes()
+    return files
+
+
+class Generator:
+    def __init__(self, vmi: VMI, run_dir: Path, sources: Sources):
+        self.vmi, self.run_dir, self.sources = vmi, run_dir, sources
+
+    # --- lookups ----------------------------------------------------------------------------
+
+    def _object(self, kind: str, name: str, mount: Path, optional: bool, where: str) -> dict[str, bytes]:
+        """The files of a ConfigMap or Secret: from the manifests, else its pod mount; a missing
+        optional one is empty, as the kubelet mounts it."""
+        k8s_kind, resource = K8S_KINDS[kind]
+        objects = self.sources.objects
+        if objects is not None:
+            doc = objects.get(k8s_kind, self.vmi.namespace, name)
+            if doc is not None:
+                return configdisks.configmap_files(doc) if kind == "configMap" else configdisks.secret_files(doc)
+        if mount.is_dir():
+            return read_mount(mount)
+        if optional:
+            return {}
+        if objects is None:
+            raise DiskkitError(where, f"{k8s_kind} {name}: give --manifests DIR holding it, or mount it at {mount}")
+        raise DiskkitError(where, f'{resource} "{name}" not found in namespace {self.vmi.namespace}')
+
+    # --- the disks ----------------------------------------------------------------------------
+
+    def cloud_init(self, volume: Volume, where: str) -> Planned:
+        kind, source = volume.kind, volume.source
+        first = next(v for v in self.vmi.volumes if v.kind == kind)
+        if first.name != volume.name:
+            # virt-launcher writes one image per kind from the first such volume and points every disk at it.
+            raise DiskkitError(where, f"only one {kind} volume per VMI is supported (spec.volumes[{first.index}] is one)")
+        mount = self.sources.pod_config / configdisks.SOURCE_DIRS["secret"] / volume.name
+        user = network = None
+        if source.user_data_secret:
+            user = self._object("secret", source.user_data_secret, mount, False, f"{where}.userDataSecretRef")
+        if source.network_data_secret:
+            network = self._object("secret", source.network_data_secret, mount, False, f"{where}.networkDataSecretRef")
+        try:
+            data = cloudinit.resolve(volume.name, source, user, network)
+        except DiskkitError as err:
+            raise DiskkitError(where, err.rule) from None
+        path = self.run_dir / "cloud-init-data" / self.vmi.namespace / self.vmi.name / cloudinit.ISO_NAMES[kind]
+        return Planned(path, cloudinit.VOLUME_IDS[kind], cloudinit.files_for(kind, self.vmi, data))
+
+    def config(self, volume: Volume, where: str) -> Planned:
+        kind, source = volume.kind, volume.source
+        name = source.name if kind == "configMap" else source.secret_name
+        mount = self.sources.pod_config / configdisks.SOURCE_DIRS[kind] / volume.name
+        files = self._object(kind, name, mount, source.optional, where)
+        path = self.run_dir / configdisks.DISK_DIRS[kind] / f"{volume.name}.iso"
+        return Planned(path, source.volume_label or configdisks.DEFAULT_LABEL, files)
+
+    def service_account(self, volume: Volume, where: str) -> Planned:
+        account = volume.source.service_account_name
+        objects, mount = self.sources.objects, self.sources.service_account_dir
+        doc = None
+        if objects is not None:
+            doc = configdisks.service_account_token_secret(objects.of_kind("Secret", self.vmi.namespace), account)
+        if doc is not None:
+            files = configdisks.service_account_files(doc, self.vmi.namespace)
+        elif (mount / "token").is_file():
+            files = {name: (mount / name).read_bytes() for name in configdisks.SERVICE_ACCOUNT_FILES if (mount / name).is_file()}
+        else:
+            raise DiskkitError(where, f"serviceAccount {account}: no token Secret for it in namespace {self.vmi.namespace}"
+                                      f" (type {configdisks.SERVICE_ACCOUNT_TOKEN_TYPE}, annotation"
+                                      f" {configdisks.SERVICE_ACCOUNT_NAME_ANNOTATION}: {account}) in --manifests, and no token in {mount}")
+        return Planned(self.run_dir / configdisks.SERVICE_ACCOUNT_DISK, configdisks.DEFAULT_LABEL, files)
+
+    def downward_api(self, volume: Volume, where: str) -> Planned:
+        files, modes = configdisks.downward_api_files(self.vmi, volume.source.fields)
+        path = self.run_dir / configdisks.DISK_DIRS["downwardAPI"] / f"{volume.name}.iso"
+        return Planned(path, volume.source.volume_label or configdisks.DEFAULT_LABEL, files, modes)
+
+    def downward_metrics(self, volume: Volume, where: str) -> Planned:
+        return Planned(self.run_dir / vhostmd.DISK_PATH)
+
+
+def make(planned: Planned, finish: Callable[[Path], None] | None = None) -> Path:
+    if planned.volume_id is None:
+        return vhostmd.create(planned.path, finish)
+    return iso.write_iso(planned.path, planned.volume_id, planned.files, planned.modes, finish)
