@@ -38,7 +38,6 @@ from pathlib import Path
 
 import sibling
 
-
 breg = sibling.load("registry")
 bb = breg.bb
 MIB = bb.MIB

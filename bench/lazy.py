@@ -41,7 +41,6 @@ from pathlib import Path
 
 import sibling
 
-
 breg = sibling.load("registry")
 bb = breg.bb
 MIB = bb.MIB
@@ -122,7 +121,7 @@ class QemuScratch:
 
 def server_status(cache: Path) -> dict | None:
     from diskkit.errors import DiskkitError
-    from launcher.diskserver.server import request
+    from launcher.diskserver.control import request
 
     with contextlib.suppress(OSError, ValueError, DiskkitError):
         return request(cache / "serve" / "control.sock", {"op": "status"}, timeout=10)

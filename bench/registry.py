@@ -50,7 +50,6 @@ from pathlib import Path
 
 import sibling
 
-
 bb = sibling.load("build")
 MIB = bb.MIB
 

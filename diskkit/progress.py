@@ -72,7 +72,14 @@ class RichReporter(Reporter):
     @contextlib.contextmanager
     def task(self, description: str, total: float) -> Iterator[Task]:
         from rich.console import Console
-        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
 
         with self._lock:
             if self._progress is None:

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from launcher.diskserver.server import request
+from launcher.diskserver.control import request
 from tests.conftest import launcher_command, run
 
 QEMU_UID = 107

@@ -43,7 +43,7 @@ def test_unprivileged_user_gets_qemu_without_probing(tmp_path):
         "import os, subprocess\n"
         "def boom(*a, **k): raise AssertionError('probe spawned')\n"
         "subprocess.Popen = boom\n"
-        "from launcher.accel import domain_type, KVM_DEVICE\n"
+        "from launcher.runtime.accel import domain_type, KVM_DEVICE\n"
         "print(os.access(KVM_DEVICE, os.R_OK | os.W_OK), domain_type(cache_dir=%r))\n" % str(tmp_path / "cache")
     )
     env = {k: v for k, v in os.environ.items() if k != "DISKKIT_ACCEL"}

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from diskkit.registry import authfile
 from diskkit.errors import DiskkitError
+from diskkit.registry import authfile
 
 
 def _auth(user: str, password: str) -> dict:

@@ -9,6 +9,7 @@ import pytest
 
 from diskkit.errors import DiskkitError
 from launcher.render import cpupin
+from launcher.runtime import hostcpus
 
 # one NUMA cell, six cores with two sibling threads each, reported in this (shuffled) order
 SIX_BY_TWO = (((1, 7), (0, 6), (2, 8), (3, 9), (4, 10), (5, 11)),)
@@ -74,11 +75,11 @@ def test_topology_read_from_sysfs(tmp_path: Path):
         topo.mkdir(parents=True)
         sibling = cpu + 4 if cpu < 4 else cpu - 4
         topo.joinpath("thread_siblings_list").write_text(",".join(map(str, sorted((cpu, sibling)))) + "\n")
-    assert cpupin.read_topology(system) == (((0, 4), (1, 5)), ((2, 6), (3, 7)))
+    assert hostcpus.read_topology(system) == (((0, 4), (1, 5)), ((2, 6), (3, 7)))
 
 
 def test_this_hosts_topology_covers_its_cpus():
-    topology = cpupin.read_topology()
+    topology = hostcpus.read_topology()
     threads = sorted(t for cell in topology for core in cell for t in core)
-    assert set(cpupin.pod_cpuset()) <= set(threads)
+    assert set(hostcpus.pod_cpuset()) <= set(threads)
     assert len(threads) == len(set(threads)) == os.cpu_count()

@@ -6,12 +6,20 @@ from pathlib import Path
 
 import pytest
 
-from launcher.spec import datavolume as dvm
-from launcher.spec.datavolume import DataVolume, Source, Status, can_upload, parse_data_volume, phase
 from launcher.datavolumes.control import manifests
+from launcher.spec import datavolume as dvm
+from launcher.spec.datavolume import (
+    DataVolume,
+    Source,
+    Status,
+    can_upload,
+    parse_data_volume,
+    phase,
+)
+from launcher.spec.fields import SpecError
 from launcher.spec.k8s import Objects
-from launcher.spec.vmi import SpecError, load_vmi, parse_vmi
-from launcher.volumes.prepare import Storage
+from launcher.spec.vmi import load_vmi, parse_vmi
+from launcher.volumes.storage import Storage
 
 MI = 1 << 20
 

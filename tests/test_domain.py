@@ -17,8 +17,9 @@ import pytest
 import yaml
 
 from launcher.render.domain import Host, ResolvedDisk, io_threads, render, secret_xml
+from launcher.spec.fields import SpecError
 from launcher.spec.k8s import NetworkSource
-from launcher.spec.vmi import SpecError, parse_vmi
+from launcher.spec.vmi import parse_vmi
 
 GOLDEN = Path(__file__).parent / "golden" / "domain"
 CASES = sorted(p.stem for p in GOLDEN.glob("*.yaml"))

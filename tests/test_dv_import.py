@@ -16,15 +16,15 @@ import yaml
 
 from diskkit.disk import qemuimg
 from launcher.datavolumes import dvstate
-from launcher.spec.datavolume import parse_data_volume
 from launcher.datavolumes.importer import install
-from launcher.volumes.prepare import LocalClaim, Storage
+from launcher.spec.datavolume import parse_data_volume
+from launcher.volumes.storage import LocalClaim, Storage
 from tests.conftest import make_qcow2, run_diskkit, run_launcher
 from tests.distribution import make_tls_files
 from tests.faultproxy import Fault, FaultProxy
 from tests.fileserver import FileServer
-from tests.testguest import ensure_testguest
 from tests.test_k8s import b64
+from tests.testguest import ensure_testguest
 
 MIB = 1 << 20
 NOREG = "--tls-verify=false"

@@ -13,9 +13,10 @@ import time
 import pytest
 
 from diskkit.errors import DiskkitError
-from launcher.volumes import cloudinit, configdisks, gendisks, iso, vhostmd
+from launcher.spec.fields import SpecError
 from launcher.spec.k8s import Objects
-from launcher.spec.vmi import SpecError, parse_vmi
+from launcher.spec.vmi import parse_vmi
+from launcher.volumes import cloudinit, configdisks, gendisks, iso, vhostmd
 
 UUID = "5d307ca9-b3ef-428c-8861-06e72d69f223"
 

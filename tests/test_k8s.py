@@ -11,7 +11,15 @@ import pytest
 import yaml
 
 from diskkit.errors import DiskkitError
-from launcher.spec.k8s import Claim, NetworkDisk, NetworkSource, Objects, network_disk, pv_type, resolve_claim
+from launcher.spec.k8s import (
+    Claim,
+    NetworkDisk,
+    NetworkSource,
+    Objects,
+    network_disk,
+    pv_type,
+    resolve_claim,
+)
 from tests.conftest import run_launcher
 from tests.test_domain import GOLDEN, network_source
 

@@ -14,6 +14,7 @@ from tests.imagecraft import Member, dir_, write_layout
 from tests.testguest import ensure_testguest, parse_console
 from tests.vmhost import DONE, NOREG, assert_clean
 
+
 def test_boot_from_the_registry_and_start_clean_every_time(qemu_user, guest_image):
     vmi = qemu_user.write_vmi("guest", guest_image)
     first = qemu_user.launcher("run", NOREG, "--console", "--timeout", "180", vmi)
@@ -134,11 +135,12 @@ def test_vmi_errors_name_the_field(qemu_user):
 def test_dedicated_cpus_are_pinned_as_planned(qemu_user, guest_image):
     """dedicatedCpuPlacement + isolateEmulatorThread: libvirt applies the vCPU and emulator pins we render."""
     from launcher.render import cpupin
+    from launcher.runtime import hostcpus
 
     domain = {"cpu": {"cores": 1, "dedicatedCpuPlacement": True, "isolateEmulatorThread": True},
               "resources": {"requests": {"memory": "128Mi"}, "limits": {"memory": "128Mi"}}}
     vmi = qemu_user.write_vmi("pinned", guest_image, serial="hold-60", domain=domain)
-    plan = cpupin.fit(cpupin.read_topology(), cpupin.pod_cpuset(), 1, 1, 1, True)
+    plan = cpupin.fit(hostcpus.read_topology(), hostcpus.pod_cpuset(), 1, 1, 1, True)
     try:
         result = qemu_user.launcher("run", NOREG, "--wait-for", DONE, "--timeout", "180", vmi)
         assert result.code == 0, result.err

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.volumes import storage
+from launcher.volumes import sizing
 from tests.conftest import run
 from tests.testguest import parse_console
 from tests.vmhost import NOREG, QEMU_UID, assert_clean
@@ -121,7 +121,7 @@ def test_claim_on_a_small_filesystem_is_tolerated_or_refused(qemu_user, guest_im
         assert tolerated.code == 0, tolerated.err
         assert "PV size too small: expected 17Mi" in tolerated.err, tolerated.err
         size = (mount / "disk.img").stat().st_size
-        assert size == 16 * MIB - storage.RESERVE  # all the free space but KubeVirt's reserve
+        assert size == 16 * MIB - sizing.RESERVE  # all the free space but KubeVirt's reserve
         (name, disk), = [(n, d) for n, d in parse_console(tolerated.out)["disks"].items() if d["serial"] == "small"]
         assert disk["size"] == size
     finally:

@@ -16,7 +16,14 @@ import requests
 from diskkit.layers import lazytoc
 from tests.conftest import make_qcow2, run, run_diskkit, run_launcher
 from tests.faultproxy import Fault
-from tests.lazyhost import control, disk_server, export_status, open_export, random_disk, wait_for
+from tests.lazyhost import (
+    control,
+    disk_server,
+    export_status,
+    open_export,
+    random_disk,
+    wait_for,
+)
 
 NOREG = "--tls-verify=false"
 MIB = 1 << 20

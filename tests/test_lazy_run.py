@@ -16,7 +16,14 @@ import pytest
 from tests.conftest import run, run_diskkit
 from tests.distribution import start_registry
 from tests.faultproxy import Fault
-from tests.lazyhost import QEMU_UID, control, disk_server, padded_guest, stop_spawned_server, wait_for
+from tests.lazyhost import (
+    QEMU_UID,
+    control,
+    disk_server,
+    padded_guest,
+    stop_spawned_server,
+    wait_for,
+)
 from tests.testguest import ensure_testguest, parse_console
 from tests.vmhost import DONE, NOREG, assert_clean
 

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.vmhost import qemu_scratch
-from tests.testguest import boot_qemu, ensure_testguest, parse_console
 from tests import tgt
+from tests.testguest import boot_qemu, ensure_testguest, parse_console
 from tests.tgt import start_target
+from tests.vmhost import qemu_scratch
 
 QEMU_UID = 107
 GUEST_SIZE = 64 << 20

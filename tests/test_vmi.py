@@ -7,7 +7,8 @@ from fractions import Fraction
 
 import pytest
 
-from launcher.spec.vmi import ContainerDiskSource, EmptyDiskSource, SpecError, load_vmi, parse_quantity, parse_vmi
+from launcher.spec.fields import SpecError, parse_quantity
+from launcher.spec.vmi import ContainerDiskSource, EmptyDiskSource, load_vmi, parse_vmi
 
 
 def vmi_doc(disks=None, volumes=None, **domain):

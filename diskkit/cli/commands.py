@@ -9,14 +9,21 @@ from pathlib import Path
 import click
 
 from diskkit import __version__
-from diskkit.ops.build import BuildOptions, build, examine_disk, source_epoch, split_artifact
-from diskkit.streams.compression import KINDS
+from diskkit.cli.shell import platform as platform_of
+from diskkit.cli.shell import registry_options, run_main
 from diskkit.errors import DiskkitError
 from diskkit.oci.image import Platform
-from diskkit.cli.shell import platform as platform_of, registry_options, run_main
+from diskkit.ops.build import (
+    BuildOptions,
+    build,
+    examine_disk,
+    source_epoch,
+    split_artifact,
+)
+from diskkit.ops.verify import describe, inspect, verify
 from diskkit.progress import reporter_for
 from diskkit.registry.options import RegistryOptions
-from diskkit.ops.verify import describe, inspect, verify
+from diskkit.streams.compression import KINDS
 
 
 def _given(name: str) -> bool:
@@ -62,8 +69,8 @@ def convert(src: Path, dest: Path, out_format: str, compress: bool) -> None:
     The input is checked first (qemu-img info and check, under CPU and memory limits); the output
     is written under a temporary name and renamed only when complete.
     """
-    from diskkit.streams import fsutil
     from diskkit.disk import qemuimg
+    from diskkit.streams import fsutil
 
     info = examine_disk(src)
     if dest.resolve() == src.resolve():

@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
-from diskkit.streams.compression import decompressing_reader
-from diskkit.streams.cursor import Cursor
-from diskkit.streams.digestio import HashingReader
 from diskkit.errors import DiskkitError
 from diskkit.oci.image import Image
 from diskkit.oci.mediatypes import layer_compression
+from diskkit.streams.compression import decompressing_reader
+from diskkit.streams.cursor import Cursor
+from diskkit.streams.digestio import HashingReader
 from diskkit.streams.readahead import ReadAhead
 from diskkit.streams.sparse import SparseWriter
 from diskkit.transports.base import Source

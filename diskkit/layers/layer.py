@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
 
+from diskkit.errors import DiskkitError
 from diskkit.layers import lazytoc
 from diskkit.streams.compression import compressor
-from diskkit.errors import DiskkitError
 
 QEMU_UID = QEMU_GID = 107
 QEMU_NAME = "qemu"

@@ -8,8 +8,8 @@ import platform as _platform
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from diskkit.oci import mediatypes as mt
 from diskkit.errors import DiskkitError
+from diskkit.oci import mediatypes as mt
 
 
 def canonical_json(obj: object) -> bytes:

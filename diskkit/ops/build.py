@@ -10,14 +10,33 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from diskkit.disk import diskheader, diskrules, qemuimg
-from diskkit.layers import lazytoc
-from diskkit.disk.containerdisk import ANNOTATION_FORMAT, ANNOTATION_PATH, ANNOTATION_VIRTUAL_SIZE, path_problem
+from diskkit.disk.containerdisk import (
+    ANNOTATION_FORMAT,
+    ANNOTATION_PATH,
+    ANNOTATION_VIRTUAL_SIZE,
+    path_problem,
+)
 from diskkit.errors import DiskkitError
-from diskkit.oci.image import Descriptor, Platform, canonical_json, make_config, make_index, make_manifest, rfc3339
+from diskkit.layers import lazytoc
 from diskkit.layers.layer import LayerResult, entries_for, write_layer
-from diskkit.oci.mediatypes import DOCKER_CONFIG, OCI_CONFIG, OCI_INDEX, docker_layer, oci_layer
-from diskkit.progress import Reporter
+from diskkit.oci.image import (
+    Descriptor,
+    Platform,
+    canonical_json,
+    make_config,
+    make_index,
+    make_manifest,
+    rfc3339,
+)
+from diskkit.oci.mediatypes import (
+    DOCKER_CONFIG,
+    OCI_CONFIG,
+    OCI_INDEX,
+    docker_layer,
+    oci_layer,
+)
 from diskkit.oci.reference import parse_ref
+from diskkit.progress import Reporter
 from diskkit.registry.options import RegistryOptions
 from diskkit.transports import open_destination
 from diskkit.transports.base import with_restarts

@@ -10,10 +10,8 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from diskkit.oci import mediatypes as mt
-from diskkit.streams.compression import decompressing_reader
-from diskkit.streams.digestio import HashingReader
 from diskkit.errors import DiskkitError
+from diskkit.oci import mediatypes as mt
 from diskkit.oci.image import (
     Descriptor,
     Platform,
@@ -24,9 +22,11 @@ from diskkit.oci.image import (
     select_platform,
     sha256_digest,
 )
-from diskkit.progress import Reporter
 from diskkit.oci.reference import ImageRef, parse_ref
+from diskkit.progress import Reporter
 from diskkit.registry.options import RegistryOptions
+from diskkit.streams.compression import decompressing_reader
+from diskkit.streams.digestio import HashingReader
 from diskkit.transports import open_destination, open_source
 from diskkit.transports.base import Destination, Source, with_restarts
 

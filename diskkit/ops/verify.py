@@ -8,10 +8,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from diskkit.disk import diskheader, diskrules, qemuimg
-from diskkit.disk.containerdisk import ANNOTATION_FORMAT, ANNOTATION_PATH, ANNOTATION_VIRTUAL_SIZE, locate, wanted
+from diskkit.disk.containerdisk import (
+    ANNOTATION_FORMAT,
+    ANNOTATION_PATH,
+    ANNOTATION_VIRTUAL_SIZE,
+    locate,
+    wanted,
+)
 from diskkit.errors import DiskkitError
-from diskkit.oci.image import Image, Platform
 from diskkit.layers.imagefs import extract_one, walk
+from diskkit.oci.image import Image, Platform
 from diskkit.oci.reference import parse_ref
 from diskkit.registry.options import RegistryOptions
 from diskkit.transports import open_source

@@ -25,8 +25,8 @@ from urllib.parse import urljoin
 import requests
 import urllib3
 
-from diskkit.registry import authfile
 from diskkit.errors import AuthError, RegistryError
+from diskkit.registry import authfile
 from diskkit.registry.options import RegistryOptions
 
 RETRY_STATUS = {408, 429, 500, 502, 503, 504}
@@ -135,7 +135,7 @@ class Registry:
             except requests.exceptions.SSLError as exc:
                 last = exc
                 if self.opts.tls_verify:
-                    raise RegistryError(self.host, f"TLS verification failed ({_reason(exc)}); use --cert-dir for a private CA or --tls-verify=false") from None
+                    raise RegistryError(self.host, f"TLS verification failed ({failure_reason(exc)}); use --cert-dir for a private CA or --tls-verify=false") from None
                 continue
             except requests.exceptions.ConnectionError as exc:
                 last = exc
@@ -146,7 +146,7 @@ class Registry:
                 raise RegistryError(self.host, f"/v2/ answered HTTP {response.status_code}; is this an OCI registry?")
             self.scheme = scheme
             return
-        raise RegistryError(self.host, f"cannot connect to the registry ({_reason(last)})")
+        raise RegistryError(self.host, f"cannot connect to the registry ({failure_reason(last)})")
 
     # --- auth ---------------------------------------------------------------------------------
 
@@ -194,7 +194,7 @@ class Registry:
                     response = self.session.get(realm, params=query, auth=auth, timeout=self.opts.timeout, verify=self.session.verify)
             except requests.exceptions.RequestException as exc:
                 if attempt == self.opts.retries:
-                    raise RegistryError(self.host, f"token service {realm} unreachable ({_reason(exc)})") from None
+                    raise RegistryError(self.host, f"token service {realm} unreachable ({failure_reason(exc)})") from None
                 time.sleep(retry_after(None, attempt, self.opts))
                 continue
             if response.status_code in RETRY_STATUS and attempt < self.opts.retries:
@@ -244,10 +244,10 @@ class Registry:
             try:
                 response = self._send(method, url, all_headers, body, stream)
             except requests.exceptions.SSLError as exc:
-                raise RegistryError(self.host, f"TLS error ({_reason(exc)})") from None
+                raise RegistryError(self.host, f"TLS error ({failure_reason(exc)})") from None
             except (requests.exceptions.ConnectionError, requests.exceptions.Timeout, urllib3.exceptions.HTTPError) as exc:
                 if attempt >= self.opts.retries:
-                    raise RegistryError(self.host, f"{what or method} failed after {attempt + 1} attempts ({_reason(exc)})") from None
+                    raise RegistryError(self.host, f"{what or method} failed after {attempt + 1} attempts ({failure_reason(exc)})") from None
                 time.sleep(retry_after(None, attempt, self.opts))
                 attempt += 1
                 continue
@@ -282,7 +282,7 @@ def scope(repository: str, actions: str) -> str:
     return f"repository:{repository}:{actions}"
 
 
-def _reason(exc: BaseException | None) -> str:
+def failure_reason(exc: BaseException | None) -> str:
     if exc is None:
         return "unknown error"
     text = str(exc)
@@ -375,7 +375,7 @@ class ResumableBlob(io.RawIOBase):
                 return 0
             # Connection dropped, or the body ended before the descriptor's size: resume.
             if self.resumes >= self.registry.opts.retries:
-                raise RegistryError(self.registry.host, f"blob {self.digest[:19]} download kept failing at byte {self.offset} of {self.size} ({_reason(failure) if failure else 'short body'})")
+                raise RegistryError(self.registry.host, f"blob {self.digest[:19]} download kept failing at byte {self.offset} of {self.size} ({failure_reason(failure) if failure else 'short body'})")
             if self._response is not None:
                 self._response.close()
             time.sleep(retry_after(None, self.resumes, self.registry.opts))

@@ -11,7 +11,6 @@ from typing import Iterator
 
 from diskkit.errors import DiskkitError
 
-
 WRITEBACK_STEP = 32 << 20
 _SYNC_FILE_RANGE_WRITE = 2
 

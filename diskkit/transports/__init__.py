@@ -1,4 +1,6 @@
-"""Transports: where images are read from and written to (containers/image's model)."""
+"""Transports: where images are read from and written to, as containers/image names them (docker://,
+oci:, oci-archive:, docker-archive:). Each is a Source and a Destination of verified blobs and
+manifests; what the bytes mean is diskkit.layers' and diskkit.disk's business."""
 
 from __future__ import annotations
 

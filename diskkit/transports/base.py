@@ -5,10 +5,17 @@ from __future__ import annotations
 import contextlib
 from typing import BinaryIO, Iterator, Protocol
 
-from diskkit.oci import mediatypes as mt
-from diskkit.streams.digestio import VerifyingReader, read_verified
 from diskkit.errors import DiskkitError, UploadLost
-from diskkit.oci.image import Descriptor, Image, Platform, manifest_media_type, parse_json, select_platform
+from diskkit.oci import mediatypes as mt
+from diskkit.oci.image import (
+    Descriptor,
+    Image,
+    Platform,
+    manifest_media_type,
+    parse_json,
+    select_platform,
+)
+from diskkit.streams.digestio import VerifyingReader, read_verified
 
 
 class Destination:

@@ -12,11 +12,17 @@ import re
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
-from diskkit.oci import mediatypes as mt
-from diskkit.streams.compression import sniff
 from diskkit.errors import DiskkitError
-from diskkit.oci.image import Descriptor, canonical_json, check_digest, parse_json, sha256_digest
+from diskkit.oci import mediatypes as mt
+from diskkit.oci.image import (
+    Descriptor,
+    canonical_json,
+    check_digest,
+    parse_json,
+    sha256_digest,
+)
 from diskkit.oci.reference import ImageRef
+from diskkit.streams.compression import sniff
 from diskkit.transports.base import Source
 from diskkit.transports.ociarchive import ArchiveWriter
 from diskkit.transports.tarstore import TarStore

@@ -9,10 +9,10 @@ import shutil
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
-from diskkit.streams import fsutil
 from diskkit.errors import DiskkitError
 from diskkit.oci.image import Descriptor, canonical_json, check_digest, parse_json
 from diskkit.oci.reference import ImageRef
+from diskkit.streams import fsutil
 from diskkit.transports.base import Destination, Source
 
 REF_NAME = "org.opencontainers.image.ref.name"

@@ -7,10 +7,10 @@ import os
 from pathlib import Path
 from typing import Iterator
 
-from diskkit.streams import fsutil
 from diskkit.errors import DiskkitError
 from diskkit.oci.image import Descriptor, canonical_json, check_digest, sha256_digest
 from diskkit.oci.reference import ImageRef
+from diskkit.streams import fsutil
 from diskkit.transports.base import Destination
 from diskkit.transports.layout import OCI_LAYOUT, REF_NAME, LayoutReader, updated_index
 from diskkit.transports.tarstore import TarStore

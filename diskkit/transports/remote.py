@@ -8,12 +8,18 @@ import threading
 import time
 from typing import BinaryIO, Iterator
 
+from diskkit.errors import AuthError, DiskkitError, RegistryError, UploadLost
 from diskkit.oci import mediatypes as mt
-from diskkit.errors import DiskkitError
 from diskkit.oci.image import Descriptor, sha256_digest
 from diskkit.oci.reference import ImageRef
-from diskkit.errors import AuthError, RegistryError, UploadLost
-from diskkit.registry.client import RETRY_STATUS, Registry, ResumableBlob, check_status, retry_after, scope
+from diskkit.registry.client import (
+    RETRY_STATUS,
+    Registry,
+    ResumableBlob,
+    check_status,
+    retry_after,
+    scope,
+)
 from diskkit.registry.options import RegistryOptions
 from diskkit.transports.base import Destination, Source
 

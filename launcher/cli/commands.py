@@ -9,59 +9,12 @@ from pathlib import Path
 import click
 
 from diskkit import __version__
-from diskkit.cli.shell import platform as platform_of, registry_options, run_main
+from diskkit.cli.shell import platform as platform_of
+from diskkit.cli.shell import registry_options, run_main
 from diskkit.registry.options import RegistryOptions
-
+from launcher.cli.dv import dv
+from launcher.cli.options import cache_option, parse_size, say, storage_options
 from launcher.node.cache import Cache, tree_size
-
-CACHE_HELP = "Node cache (default: $DISKKIT_CACHE, else /var/lib/diskkit as root, else ~/.cache/diskkit)."
-
-
-def cache_option(command):
-    return click.option("--cache-dir", type=click.Path(file_okay=False), help=CACHE_HELP)(command)
-
-
-def storage_options(command):
-    """--pvc, --manifests and --pvc-tolerance: where claims live outside a pod. Folded into `store`."""
-    import functools
-
-    @functools.wraps(command)
-    def wrapper(*args, pvc, manifests, kube_api, pvc_tolerance, **kwargs):
-        from diskkit.errors import DiskkitError
-
-        from launcher.runtime.gc import parse_size
-        from launcher.spec.k8s import Objects
-        from launcher.volumes.prepare import LocalClaim, Storage
-
-        claims = {}
-        for value in pvc:
-            name, sep, where = value.partition("=")
-            if not sep or not name or not where:
-                raise DiskkitError(f"--pvc {value}", "must be CLAIM=PATH or CLAIM=DIR:SIZE")
-            path, _, size = where.partition(":")
-            claims[name] = LocalClaim(Path(path), parse_size(size) if size else None)
-        if manifests and kube_api:
-            raise DiskkitError("--kube-api", "give either --manifests or --kube-api, not both")
-        objects = Objects.load(Path(manifests)) if manifests else None
-        if kube_api:
-            from launcher.spec.kubeapi import ClusterObjects
-
-            objects = ClusterObjects()
-        return command(*args, store=Storage(claims, objects, pvc_tolerance), **kwargs)
-
-    options = [
-        click.option("--pvc", multiple=True, metavar="CLAIM=PATH[:SIZE]", help="Where a claim lives here: a directory (its disk.img, created sparse with SIZE when missing) or a block device. Repeatable."),
-        click.option("--manifests", type=click.Path(file_okay=False, exists=True), help="Directory of Kubernetes manifests: claims resolve to their bound PV (iSCSI and RBD PVs become network disks); ConfigMaps, Secrets and service account tokens fill configMap, secret, serviceAccount and cloud-init secretRef disks."),
-        click.option("--kube-api", is_flag=True, help="Read claims, PVs, ConfigMaps and Secrets from the Kubernetes API: in a pod through its service account, elsewhere through KUBECONFIG."),
-        click.option("--pvc-tolerance", type=click.IntRange(0, 100), default=10, show_default=True, metavar="PERCENT", help="How much smaller than requested a new disk.img may be (KubeVirt's pvcTolerateLessSpaceUpToPercent)."),
-    ]
-    for option in options:
-        wrapper = option(wrapper)
-    return wrapper
-
-
-def _say(text: str) -> None:
-    click.echo(f"launcher: {text}", err=True)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -99,7 +52,7 @@ def pull(ref, image_path, platform, pull_policy, as_json, cache_dir, registry: R
     notes: list[str] = []
     pulled = do_pull(Cache(cache_dir), ref, image_path, platform_of(platform), registry, pull_policy, notes=notes)
     for note in notes:
-        _say(f"note: {note}")
+        say(f"note: {note}")
     click.echo(json.dumps(pulled.to_json(), indent=2) if as_json else str(pulled.path))
 
 
@@ -116,8 +69,8 @@ Examples:
 @registry_options
 def domain(vmi_file, platform, accel, cache_dir, store, registry: RegistryOptions) -> None:
     """Print the libvirt domain XML `launcher run` would start (a dry run: images are pulled, nothing started)."""
-    from launcher.spec.vmi import load_vmi
     from launcher.runtime.vms import RunOptions, plan
+    from launcher.spec.vmi import load_vmi
 
     vmi = load_vmi(vmi_file)
     _, xml = plan(vmi, Cache(cache_dir), RunOptions(platform=platform_of(platform), registry=registry, storage=store), create=False, domain_type=None if accel == "auto" else accel)
@@ -150,13 +103,14 @@ def run(vmi_file, uri, console, wait_for, timeout, platform, lazy, cache_dir, st
     starts clean every time. The command returns when the guest stops, when --wait-for text
     appears, or at --timeout; Ctrl-C or SIGTERM destroys the domain and removes its overlays.
     """
+    from launcher.runtime.vms import RunOptions
+    from launcher.runtime.vms import run as do_run
     from launcher.spec.vmi import load_vmi
-    from launcher.runtime.vms import RunOptions, run as do_run
 
     vmi = load_vmi(vmi_file)
     opts = RunOptions(uri=uri, platform=platform_of(platform), registry=registry, console=console, wait_for=wait_for, timeout=timeout, storage=store,
                       lazy={None: "auto", True: "on", False: "off"}[lazy])
-    sys.exit(do_run(vmi, Cache(cache_dir), opts, _say))
+    sys.exit(do_run(vmi, Cache(cache_dir), opts, say))
 
 
 @cli.command(epilog="""\b
@@ -197,10 +151,8 @@ def serve(cache_dir, registry: RegistryOptions, disks, upload_listen, upload_tls
     `diskkit upload` with a token from `launcher dv token`; dropped uploads resume where they
     stopped, and the disk is checked and converted to raw in its claim as an import is.
     """
-    from launcher.diskserver.server import serve_main
-
     if options["show_status"]:
-        serve_main(Cache(cache_dir), registry, **options)
+        _serve_status(Cache(cache_dir), options["socket_dir"], options["as_json"])
         return
     if not disks and not upload_listen:
         raise click.UsageError("nothing to serve: --no-disks without --upload-listen")
@@ -211,12 +163,46 @@ def serve(cache_dir, registry: RegistryOptions, disks, upload_listen, upload_tls
         uploads = start_uploads(upload_listen, upload_tls_cert, upload_tls_key, vmi_files, cache_dir, store)
     try:
         if disks:
-            serve_main(Cache(cache_dir), registry, **options)
+            _serve_disks(Cache(cache_dir), registry, **options)
         else:
             uploads.wait()
     finally:
         if uploads is not None:
             uploads.close()
+
+
+def _serve_disks(cache: Cache, registry: RegistryOptions, socket_dir, strict, prefetch_rate, prefetch_threads, fetch_timeout,
+                 exit_when_idle, show_status, as_json) -> None:
+    from launcher.diskserver.lazydisk import Options
+    from launcher.diskserver.server import ServeOptions, serve
+
+    rate = parse_size(prefetch_rate, f"--prefetch-rate {prefetch_rate}") if prefetch_rate else 0
+    lazy = Options(strict=strict, prefetch_threads=prefetch_threads, fetch_timeout=fetch_timeout, prefetch_rate=rate)
+    serve(cache, ServeOptions(Path(socket_dir) if socket_dir else None, registry, lazy, exit_when_idle))
+
+
+def _serve_status(cache: Cache, socket_dir: str | None, as_json: bool) -> None:
+    from diskkit.errors import DiskkitError
+    from launcher.diskserver.control import (
+        CONTROL_SOCKET,
+        request,
+        serve_dir,
+        socket_path,
+    )
+
+    control = socket_path(serve_dir(cache, socket_dir), CONTROL_SOCKET)
+    try:
+        answer = request(control, {"op": "status"}, timeout=30)
+    except OSError as exc:
+        raise DiskkitError(control, f"no disk server answers here ({exc.strerror or exc})") from None
+    if as_json:
+        click.echo(json.dumps(answer, indent=2))
+        return
+    click.echo(f"disk server pid {answer['pid']} on {answer['socket']}, {answer['connections']} connections")
+    for export in answer["exports"]:
+        done = f"{export['present']}/{export['chunks']} chunks" if "chunks" in export else "complete"
+        state = f"failed: {export['failed']}" if export.get("failed") else ("verified" if export.get("verified") else "fetching")
+        click.echo(f"  {export['export']}  {done}  {state}  {export['description']}")
 
 
 @cli.command(epilog="""\b
@@ -272,9 +258,9 @@ Examples:
 @cache_option
 def gc(max_size, as_json, cache_dir) -> None:
     """Remove cached disks no running VM uses (all of them, or the oldest until under --max-size)."""
-    from launcher.runtime.gc import collect, parse_size
+    from launcher.runtime.gc import collect
 
-    result = collect(Cache(cache_dir), parse_size(max_size) if max_size else None)
+    result = collect(Cache(cache_dir), parse_size(max_size, f"--max-size {max_size}") if max_size else None)
     if as_json:
         click.echo(json.dumps(result.__dict__, indent=2))
         return
@@ -285,10 +271,8 @@ def gc(max_size, as_json, cache_dir) -> None:
     click.echo(f"freed {result.freed / (1 << 20):.1f} MiB; cache holds {result.kept / (1 << 20):.1f} MiB of disks")
 
 
+cli.add_command(dv)
+
+
 def main() -> None:
     run_main(cli, "launcher")
-
-
-from launcher.cli.dv import dv  # noqa: E402  (it uses the option decorators above)
-
-cli.add_command(dv)

@@ -9,9 +9,8 @@ import click
 from diskkit.cli.shell import registry_options
 from diskkit.errors import DiskkitError
 from diskkit.registry.options import RegistryOptions
-
+from launcher.cli.options import cache_option, say, storage_options
 from launcher.node.cache import Cache
-from launcher.cli.commands import _say, cache_option, storage_options
 
 
 def _known(store, vmi_files: tuple[str, ...]):
@@ -118,9 +117,9 @@ def import_cmd(name, namespace, vmi_files, as_json, store, registry: RegistryOpt
     failed import leaves the claim as it was. Under a WaitForFirstConsumer storage class the
     import waits for a VM to use the claim first.
     """
-    from launcher.spec import datavolume as dvm
     from launcher.datavolumes import dvstate
     from launcher.datavolumes.control import fill_now
+    from launcher.spec import datavolume as dvm
 
     datavolume = _one(store, vmi_files, name, namespace)
     target = dvstate.resolve(datavolume, store)
@@ -132,9 +131,9 @@ def import_cmd(name, namespace, vmi_files, as_json, store, registry: RegistryOpt
         raise DiskkitError(where, f"in state {phase}: storage class {target.storage_class} binds claim {datavolume.name}"
                                   " when a VM using it starts (launcher run); import it after that")
     if phase == dvm.SUCCEEDED:
-        _say(f"{where}: already Succeeded")
-    while dvstate.current_phase(target) != dvm.SUCCEEDED and not fill_now(target, store, registry, _say):
-        _say(f"{where}: another importer is at work; waiting for it")
+        say(f"{where}: already Succeeded")
+    while dvstate.current_phase(target) != dvm.SUCCEEDED and not fill_now(target, store, registry, say):
+        say(f"{where}: another importer is at work; waiting for it")
         with dvstate.work_lock(target, wait=True):
             pass  # it finished (or died): look again
     row = dvstate.describe(target)
@@ -164,11 +163,11 @@ def start_uploads(listen: str, tls_cert: str | None, tls_key: str | None, vmi_fi
 
     if (tls_cert is None) != (tls_key is None):
         raise DiskkitError("--upload-tls-cert", "needs --upload-tls-key, and the other way round")
-    server = UploadServer(listen, store, list(_known(store, vmi_files).values()), node_key(Cache(cache_dir).root), _say,
+    server = UploadServer(listen, store, list(_known(store, vmi_files).values()), node_key(Cache(cache_dir).root), say,
                           (tls_cert, tls_key) if tls_cert else None)
     if not server.uploads:
-        _say("note: no upload DataVolume in --manifests or --vmi; every upload will be refused")
+        say("note: no upload DataVolume in --manifests or --vmi; every upload will be refused")
     server.start()
-    _say(f"serving uploads on {server.url}")
+    say(f"serving uploads on {server.url}")
     return server
 

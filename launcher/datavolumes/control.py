@@ -13,13 +13,12 @@ from typing import Callable
 
 from diskkit.errors import DiskkitError
 from diskkit.registry.options import RegistryOptions
-
-from launcher.spec import datavolume as dvm
 from launcher.datavolumes import dvstate, importer
-from launcher.spec.datavolume import DataVolume
 from launcher.datavolumes.dvstate import Target
+from launcher.spec import datavolume as dvm
+from launcher.spec.datavolume import DataVolume
 from launcher.spec.vmi import VMI
-from launcher.volumes.prepare import Storage
+from launcher.volumes.storage import Storage
 
 POLL = 0.5  # seconds between two looks at the state files of the DataVolumes waited for
 Say = Callable[[str], None]

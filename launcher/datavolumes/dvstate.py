@@ -13,7 +13,6 @@ import fcntl
 import json
 import os
 import shutil
-import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,11 +20,11 @@ from typing import Iterator
 
 from diskkit.errors import DiskkitError
 from diskkit.streams.fsutil import write_atomic
-
 from launcher.spec import datavolume as dvm
 from launcher.spec.datavolume import DataVolume, Status
 from launcher.spec.k8s import Objects, resolve_claim
-from launcher.volumes.prepare import LocalClaim, Storage, _own, _pv_path
+from launcher.volumes.files import give_to_qemu, is_block
+from launcher.volumes.storage import LocalClaim, Storage, pv_path
 
 STATE_FILE = "datavolume.json"
 LOCK_FILE = ".datavolume.lock"
@@ -56,12 +55,6 @@ class Target:
         return self.directory / UPLOAD_PART
 
 
-def _is_block(path: Path) -> bool:
-    try:
-        return stat.S_ISBLK(path.stat().st_mode)
-    except OSError:
-        return False
-
 
 def _bound_pv(objects: Objects, namespace: str, name: str) -> dict | None:
     """A PersistentVolume reserved for the claim through its claimRef (how local PVs are pre-bound)."""
@@ -73,7 +66,7 @@ def _bound_pv(objects: Objects, namespace: str, name: str) -> dict | None:
 
 
 def _capacity(pv: dict | None) -> int | None:
-    from launcher.spec.vmi import parse_quantity
+    from launcher.spec.fields import parse_quantity
 
     value = (((pv or {}).get("spec") or {}).get("capacity") or {}).get("storage")
     return None if value is None else int(parse_quantity(value, "capacity"))
@@ -89,14 +82,14 @@ def _location(dv: DataVolume, store: Storage, volume_name: str | None) -> tuple[
         phase = ((pvc or {}).get("status") or {}).get("phase")
         if pvc is not None and phase == "Bound":
             claim = resolve_claim(store.objects, dv.namespace, dv.name, dv.origin)
-            return _pv_path(claim), claim.capacity, pvc
+            return pv_path(claim), claim.capacity, pvc
         pv = _bound_pv(store.objects, dv.namespace, dv.name)
         if pv is not None:
             from launcher.spec.k8s import Claim
 
             spec = pv.get("spec") or {}
             claim = Claim(dv.name, dv.namespace, spec.get("volumeMode") or "Filesystem", None, None, (), False, pv)
-            return _pv_path(claim), _capacity(pv), pvc
+            return pv_path(claim), _capacity(pv), pvc
     if volume_name is not None and (store.pod_disks / volume_name).is_dir():
         return LocalClaim(store.pod_disks / volume_name), None, pvc
     return None, None, pvc
@@ -127,7 +120,7 @@ def resolve(dv: DataVolume, store: Storage, volume_name: str | None = None) -> T
         mount = store.pod_disks / (volume_name or dv.name)
         raise DiskkitError(where, f"claim {dv.name}: give --pvc {dv.name}=DIR[:SIZE], --manifests with a hostPath or local PV"
                                   f" bound to it, or mount it at {mount}")
-    if _is_block(local.path):
+    if is_block(local.path):
         raise DiskkitError(where, f"claim {dv.name} is the block device {local.path}; DataVolumes are written to filesystem claims (a directory)")
     if not local.path.is_dir():
         raise DiskkitError(where, f"claim {dv.name}: {local.path} is not a directory")
@@ -188,7 +181,7 @@ def _flock(path: Path, wait: bool, timeout: float | None = None) -> Iterator[boo
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         with contextlib.suppress(OSError):
-            _own(path)  # a worker running as root must not lock the qemu user out
+            give_to_qemu(path)  # a worker running as root must not lock the qemu user out
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             try:

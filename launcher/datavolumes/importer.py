@@ -22,16 +22,16 @@ from urllib.parse import urlsplit, urlunsplit
 
 from diskkit.disk import diskheader, qemuimg
 from diskkit.errors import DiskkitError
+from diskkit.registry.options import RegistryOptions
 from diskkit.streams.fsutil import fsync_dir
 from diskkit.streams.sparse import SparseWriter
-from diskkit.registry.options import RegistryOptions
-
-from launcher.spec import datavolume as dvm
 from launcher.datavolumes import dvstate
-from launcher.volumes import storage
 from launcher.datavolumes.dvstate import Target
-from launcher.spec.k8s import Objects, _secret
-from launcher.volumes.prepare import Storage, _own
+from launcher.spec import datavolume as dvm
+from launcher.spec.k8s import Objects, read_secret
+from launcher.volumes import sizing
+from launcher.volumes.files import free_bytes, give_to_qemu
+from launcher.volumes.storage import Storage
 
 CHUNK = 1 << 20
 HTTP_ATTEMPTS = 3  # a dropped download is tried again (with Range when the server honours it)
@@ -85,19 +85,15 @@ def check_source(path: Path, shown: str) -> qemuimg.DiskInfo:
     return info
 
 
-def _free_bytes(directory: Path) -> int:
-    st = os.statvfs(directory)
-    return st.f_bavail * st.f_frsize
-
 
 def disk_size(target: Target, virtual_size: int, reclaimable: int, tolerance: int) -> tuple[int, str | None]:
     """The size of disk.img: the claim's request (whole MiB; KubeVirt's tolerance when space is short),
     and never below the image, which is CDI's `A larger PVC is required`."""
     if target.size is None:
-        wanted = -(-virtual_size // storage.MIB) * storage.MIB  # no request: exactly what the image needs
+        wanted = -(-virtual_size // sizing.MIB) * sizing.MIB  # no request: exactly what the image needs
     else:
-        wanted = storage.image_size(target.size, None) or 0
-    fitted = storage.fit(wanted, _free_bytes(target.directory) + reclaimable, f"DataVolume {target.dv.key}", tolerance)
+        wanted = sizing.image_size(target.size, None) or 0
+    fitted = sizing.fit(wanted, free_bytes(target.directory) + reclaimable, f"DataVolume {target.dv.key}", tolerance)
     if virtual_size > fitted.size:
         raise DiskkitError(f"DataVolume {target.dv.key}", f"virtual image size {virtual_size} is larger than the reported"
                                                           f" available storage {fitted.size}. A larger PVC is required")
@@ -126,7 +122,7 @@ def install(target: Target, staged: Path, shown: str, progress: Progress, tolera
                 f.truncate(size)  # CDI resizes the image to the claim, so the guest sees all of it
             os.fsync(f.fileno())
         os.chmod(out, 0o660)
-        _own(out)
+        give_to_qemu(out)
         os.rename(out, target.disk)
         fsync_dir(target.directory)
     except OSError as exc:
@@ -165,7 +161,7 @@ def _ca_bundle(objects: Objects | None, namespace: str, name: str, where: str, i
 def _endpoint_secret(objects: Objects | None, namespace: str, name: str, where: str) -> tuple[str, str]:
     if objects is None:
         raise DiskkitError(where, f"secretRef {name} needs --manifests holding the Secret")
-    shown, data = _secret(objects, {"name": name}, namespace, where, "source")
+    shown, data = read_secret(objects, {"name": name}, namespace, where, "source")
     try:
         return data.get(ACCESS_KEY, b"").decode(), data.get(SECRET_KEY, b"").decode()
     except UnicodeDecodeError:
@@ -298,8 +294,8 @@ def _http(target: Target, store: Storage, progress: Progress, work: Path) -> tup
 
 
 def _registry(target: Target, store: Storage, registry: RegistryOptions, work: Path) -> tuple[Path, str]:
-    from diskkit.transports import open_source
     from diskkit.ops.verify import scan_image
+    from diskkit.transports import open_source
 
     source, dv = target.dv.source, target.dv
     where = f"DataVolume {dv.key}"
@@ -333,7 +329,7 @@ def _blank(target: Target, tolerance: int) -> list[str]:
         f.truncate(size)
         os.fsync(f.fileno())
     os.chmod(out, 0o660)
-    _own(out)
+    give_to_qemu(out)
     os.rename(out, target.disk)
     fsync_dir(target.directory)
     return [note] if note else []

@@ -40,12 +40,11 @@ from urllib.parse import urlsplit
 
 from diskkit.errors import DiskkitError
 from diskkit.streams.sparse import SparseWriter
-
-from launcher.spec import datavolume as dvm
 from launcher.datavolumes import dvstate, importer
-from launcher.spec.datavolume import DataVolume
 from launcher.datavolumes.dvstate import Target
-from launcher.volumes.prepare import Storage
+from launcher.spec import datavolume as dvm
+from launcher.spec.datavolume import DataVolume
+from launcher.volumes.storage import Storage
 
 PREFIX = "/diskkit/v1/uploads/"
 CDI_PATHS = ("/v1beta1/upload", "/v1beta1/upload-async")

@@ -40,18 +40,17 @@ from pathlib import Path
 import requests
 import urllib3
 
-from diskkit.layers import lazytoc
 from diskkit.disk.containerdisk import locate
 from diskkit.errors import AuthError, DiskkitError, RegistryError
-from diskkit.streams.fsutil import write_atomic
-from diskkit.oci.image import Image
+from diskkit.layers import lazytoc
 from diskkit.layers.imagefs import Tree, add_member, clean_member_name
+from diskkit.oci.image import Image
 from diskkit.oci.mediatypes import layer_compression
-from diskkit.registry.client import Registry, _reason, get_blob, retry_after
 from diskkit.ops.verify import DiskFacts, disk_problems
-
-from launcher.node.cache import Cache, key
+from diskkit.registry.client import Registry, failure_reason, get_blob, retry_after
+from diskkit.streams.fsutil import write_atomic
 from launcher.diskserver.nbd import NbdError
+from launcher.node.cache import Cache, key
 
 log = logging.getLogger("launcher.lazydisk")
 
@@ -102,7 +101,7 @@ class BlobRanges:
                 if failures >= self.registry.opts.retries:
                     if isinstance(exc, RegistryError):
                         raise
-                    raise RegistryError(self.registry.host, f"blob {self.digest[:19]} range at {start + got} kept failing ({_reason(exc)})") from None
+                    raise RegistryError(self.registry.host, f"blob {self.digest[:19]} range at {start + got} kept failing ({failure_reason(exc)})") from None
                 time.sleep(retry_after(None, failures, self.registry.opts))
                 failures += 1
         return bytes(buf)

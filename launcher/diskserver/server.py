@@ -1,14 +1,8 @@
-"""`launcher serve`: the node's disk server, and how `launcher run` finds it or starts one.
+"""`launcher serve`: the node's disk server.
 
 One process per node cache. It exports each lazily read disk over NBD on `<cache>/serve/nbd.sock`
 (one export per layer digest and disk, shared by every VM on the node) and takes requests on
-`<cache>/serve/control.sock`: one JSON object per line in, one out.
-
-    {"op": "open", "image": REF, "path": P, "platform": "linux/amd64", "registry": {...}, "marked": true}
-        -> {"ok": true, "export": NAME, "socket": NBD_SOCKET, "url": "nbd+unix:///NAME?socket=...", ...}
-        -> {"ok": false, "seekable": false, "reason": "..."}   (pull it whole instead)
-        -> {"ok": false, "error": "..."}                       (refused, as a pull would be)
-    {"op": "status"} -> {"ok": true, "pid": N, "exports": [...]}
+`<cache>/serve/control.sock` (launcher.diskserver.control has the protocol).
 
 Registry options (TLS, auth file, credentials) come with each request, so every VM's pull secret
 is used for its own image; the server's own flags serve exports it reopens after a restart. Both
@@ -23,28 +17,31 @@ import fcntl
 import json
 import logging
 import os
-import signal
 import socket
 import struct
-import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from diskkit.disk import diskheader, qemuimg
-from diskkit.layers import lazytoc
-from diskkit.disk.diskrules import violations
+from diskkit.disk import diskheader
 from diskkit.errors import DiskkitError
+from diskkit.layers import lazytoc
 from diskkit.oci.image import Platform
 from diskkit.oci.reference import parse_ref
 from diskkit.registry.options import RegistryOptions
 from diskkit.transports import open_source
 from diskkit.transports.remote import RemoteSource, registry_for
-
 from launcher.diskserver import nbd
-from launcher.node.cache import Cache
+from launcher.diskserver.control import (
+    CONTROL_SOCKET,
+    NBD_SOCKET,
+    REQUEST_TIMEOUT,
+    recv_line,
+    serve_dir,
+    socket_path,
+)
 from launcher.diskserver.lazydisk import (
     BlobRanges,
     InstalledDisk,
@@ -56,16 +53,12 @@ from launcher.diskserver.lazydisk import (
     find_layout,
     record,
 )
-from launcher.node.pull import Pulled, cached, image_key, remember
+from launcher.node.cache import Cache
+from launcher.node.pull import image_key, remember
 
 log = logging.getLogger("launcher.serve")
 
-NBD_SOCKET = "nbd.sock"
-CONTROL_SOCKET = "control.sock"
 QEMU_GID = 107
-SOCKET_PATH_MAX = 107  # sun_path holds 108 bytes with the terminating NUL
-START_TIMEOUT = 30.0
-REQUEST_TIMEOUT = 600.0
 MAX_REQUEST = 1 << 20
 
 
@@ -75,10 +68,6 @@ class ServeOptions:
     registry: RegistryOptions = field(default_factory=RegistryOptions)
     lazy: Options = field(default_factory=Options)
     exit_when_idle: float | None = None  # seconds with no VM connected and nothing left to fetch
-
-
-def serve_dir(cache: Cache, socket_dir: Path | str | None = None) -> Path:
-    return Path(socket_dir) if socket_dir else cache.root / "serve"
 
 
 def _lock_path(cache: Cache) -> Path:
@@ -106,23 +95,14 @@ def lazy_leftovers(cache: Cache) -> list[Path]:
             os.close(fd)
 
 
-def _socket_path(directory: Path, name: str) -> Path:
-    path = directory / name
-    if len(str(path).encode()) > SOCKET_PATH_MAX:
-        raise DiskkitError(path, f"is longer than the {SOCKET_PATH_MAX} bytes a unix socket path may have; use --socket-dir")
-    return path
-
-
-# --- the server --------------------------------------------------------------------------------
-
 class DiskServer:
     def __init__(self, cache: Cache, opts: ServeOptions):
         self.cache = cache
         self.opts = opts
         self.dir = serve_dir(cache, opts.socket_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.nbd_path = _socket_path(self.dir, NBD_SOCKET)
-        self.control_path = _socket_path(self.dir, CONTROL_SOCKET)
+        self.nbd_path = socket_path(self.dir, NBD_SOCKET)
+        self.control_path = socket_path(self.dir, CONTROL_SOCKET)
         self._lock_fd = self._take_lock()
         self.exports: dict[str, LazyDisk | InstalledDisk] = {}
         self.lock = threading.Lock()
@@ -375,142 +355,3 @@ def serve(cache: Cache, opts: ServeOptions) -> None:
     DiskServer(cache, opts).run()
 
 
-def serve_main(cache: Cache, registry: RegistryOptions, socket_dir: str | None, strict: bool, prefetch_rate: str | None,
-               prefetch_threads: int, fetch_timeout: float, exit_when_idle: float | None, show_status: bool, as_json: bool) -> None:
-    """`launcher serve`, from its options: serve, or with show_status ask the running server."""
-    import click
-
-    from launcher.runtime.gc import parse_size
-
-    if show_status:
-        control = _socket_path(serve_dir(cache, socket_dir), CONTROL_SOCKET)
-        try:
-            answer = request(control, {"op": "status"}, timeout=30)
-        except OSError as exc:
-            raise DiskkitError(control, f"no disk server answers here ({exc.strerror or exc})") from None
-        click.echo(json.dumps(answer, indent=2) if as_json else "\n".join(_status_lines(answer)))
-        return
-    lazy = Options(strict=strict, prefetch_threads=prefetch_threads, fetch_timeout=fetch_timeout,
-                   prefetch_rate=parse_size(prefetch_rate) if prefetch_rate else 0)
-    serve(cache, ServeOptions(Path(socket_dir) if socket_dir else None, registry, lazy, exit_when_idle))
-
-
-def _status_lines(answer: dict) -> list[str]:
-    lines = [f"disk server pid {answer['pid']} on {answer['socket']}, {answer['connections']} connections"]
-    for export in answer["exports"]:
-        done = f"{export['present']}/{export['chunks']} chunks" if "chunks" in export else "complete"
-        state = f"failed: {export['failed']}" if export.get("failed") else ("verified" if export.get("verified") else "fetching")
-        lines.append(f"  {export['export']}  {done}  {state}  {export['description']}")
-    return lines
-
-
-# --- the client: launcher run ------------------------------------------------------------------
-
-def recv_line(sock: socket.socket, limit: int | None = None) -> bytes:
-    """One newline-ended JSON message of the control protocol (or what came before the peer hung up)."""
-    data = b""
-    while not data.endswith(b"\n"):
-        piece = sock.recv(65536)
-        if not piece:
-            break
-        data += piece
-        if limit is not None and len(data) > limit:
-            raise DiskkitError("control", "request too large")
-    return data
-
-
-def request(control: Path, obj: dict, timeout: float = REQUEST_TIMEOUT) -> dict:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(timeout)
-        sock.connect(str(control))
-        sock.sendall(json.dumps(obj).encode() + b"\n")
-        data = recv_line(sock)
-    if not data:
-        raise DiskkitError(control, "the disk server closed the connection without answering")
-    return json.loads(data)
-
-
-def _registry_flags(opts: RegistryOptions) -> list[str]:
-    flags = [f"--tls-verify={'true' if opts.tls_verify else 'false'}", f"--retry-times={opts.retries}", f"--retry-delay={opts.backoff}"]
-    if opts.cert_dir:
-        flags.append(f"--cert-dir={opts.cert_dir}")
-    if opts.authfile:
-        flags.append(f"--authfile={opts.authfile}")
-    return flags  # credentials travel with each request, never on a command line
-
-
-def ensure_server(cache: Cache, registry: RegistryOptions | None = None, idle: float = 30.0) -> Path:
-    """The control socket of the node's server; one is started (detached, exiting when idle) if none answers."""
-    directory = serve_dir(cache)
-    control = _socket_path(directory, CONTROL_SOCKET)
-    with contextlib.suppress(OSError, ValueError):
-        if request(control, {"op": "status"}, timeout=5).get("ok"):
-            return control
-    directory.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "launcher", "serve", "--cache-dir", str(cache.root), "--exit-when-idle", str(idle),
-               *_registry_flags(registry or RegistryOptions())]
-    with open(directory / "server.log", "ab") as logfile:
-        child = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=logfile, stderr=logfile, start_new_session=True,
-                                 env={**os.environ, "CI": "true"})
-    deadline = time.monotonic() + START_TIMEOUT
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError, ValueError):
-            if request(control, {"op": "status"}, timeout=5).get("ok"):
-                return control
-        if child.poll() is not None and child.returncode != 0:
-            # Lost a race with another launcher's server? Then that one answers shortly.
-            with contextlib.suppress(OSError, ValueError):
-                time.sleep(0.5)
-                if request(control, {"op": "status"}, timeout=5).get("ok"):
-                    return control
-            tail = (directory / "server.log").read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
-            raise DiskkitError(directory, f"the disk server did not start: {tail[0]}")
-        time.sleep(0.02)  # a VM is waiting on this: poll often, the server takes a fraction of a second
-    child.send_signal(signal.SIGTERM)
-    raise DiskkitError(directory, f"the disk server did not answer within {START_TIMEOUT:g} s")
-
-
-@dataclass(frozen=True)
-class Attached:
-    """A containerDisk served by the node's disk server: what the VM's overlay is made over."""
-
-    url: str
-    export: str
-    socket: str
-    format: str
-    virtual_size: int
-    pulled: Pulled
-
-
-def attach(cache: Cache, ref: str, path: str | None, platform: Platform | None, registry: RegistryOptions | None,
-           mode: str, policy: str, notes: list[str]) -> Attached | None:
-    """Serve `ref`'s disk lazily when `mode` ("on", or "auto" for images marked lazy) allows; None: pull it whole.
-
-    The disk is checked as a pull checks it (KubeVirt's qemu-img info rules), read through the export."""
-    parsed = parse_ref(ref)
-    if mode == "off" or parsed.transport != "docker":
-        if mode == "on":
-            notes.append(f"{parsed}: lazy reads need a registry image; pulling it whole")
-        return None
-    if policy == "Never" or cached(cache, ref, path, platform, policy) is not None:
-        return None  # already here (a plain file beats any server), or not to be fetched at all
-    if mode == "auto":
-        with open_source(str(parsed), registry) as source:
-            annotations = source.image(platform).manifest.get("annotations") or {}
-        if lazytoc.ANNOTATION_LAZY not in annotations:
-            return None
-    control = ensure_server(cache, registry)
-    answer = request(control, {"op": "open", "image": ref, "path": path, "platform": str(platform) if platform else None,
-                               "registry": asdict(registry) if registry else None, "marked": mode == "auto"})
-    if not answer.get("ok"):
-        if answer.get("seekable") is False:
-            notes.append(f"{answer['reason']}; pulling it whole")
-            return None
-        raise DiskkitError(answer.get("error") or "the disk server refused the image")
-    notes.extend(answer.get("notes") or [])
-    info = qemuimg.info(answer["url"])  # probes the format through the export, under qemu-img's limits
-    problems = violations(info)
-    if problems:
-        raise DiskkitError(str(parsed), "; ".join(f"/{answer['member']}: {p}" for p in problems))
-    pulled = Pulled(Path(answer["disk"]), info.format, info.virtual_size, answer["image"], answer["digest"], answer["layer"], answer["member"])
-    return Attached(answer["url"], answer["export"], answer["socket"], info.format, info.virtual_size, pulled)

@@ -17,10 +17,9 @@ from diskkit.disk.containerdisk import path_problem
 from diskkit.errors import DiskkitError
 from diskkit.oci.image import Platform
 from diskkit.oci.reference import parse_ref
+from diskkit.ops.verify import DiskFacts, disk_problems, scan_image
 from diskkit.registry.options import RegistryOptions
 from diskkit.transports import open_source
-from diskkit.ops.verify import DiskFacts, disk_problems, scan_image
-
 from launcher.node.cache import Cache, key
 
 POLICIES = ("Always", "IfNotPresent", "Never")

@@ -2,27 +2,15 @@
 
 from __future__ import annotations
 
-import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from diskkit.errors import DiskkitError
-
-from launcher.node.cache import Cache, tree_size
 from launcher.diskserver.server import lazy_leftovers
-from launcher.runtime.vms import cleanup, state
+from launcher.node.cache import Cache, tree_size
 from launcher.runtime.runner import Libvirt
-
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """Sizes as users write them: 500M, 10G, 1.5Gi, 2T, 4096 (binary units throughout)."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(?:i?[bB]?)\s*", text)
-    if not match:
-        raise DiskkitError(f"--max-size {text}", "must be a size such as 500M, 10G or 1.5Ti")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+from launcher.runtime.vms import cleanup, state
 
 
 @dataclass

@@ -11,8 +11,8 @@ import contextlib
 import os
 import shutil
 import signal
-import threading
 import sys
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -21,16 +21,15 @@ from typing import Callable, Iterator
 from diskkit.errors import DiskkitError
 from diskkit.oci.image import Platform
 from diskkit.registry.options import RegistryOptions
-
-from launcher.runtime import accel
-from launcher.render import cpupin
-from launcher.volumes import vhostmd
 from launcher.node.cache import Cache
-from launcher.runtime.console import follow
 from launcher.render.domain import Host, render, secret_xml
+from launcher.runtime import accel, hostcpus
+from launcher.runtime.console import follow
 from launcher.runtime.runner import Libvirt
 from launcher.spec.vmi import VMI
-from launcher.volumes.prepare import Storage, prepare
+from launcher.volumes import vhostmd
+from launcher.volumes.prepare import prepare
+from launcher.volumes.storage import Storage
 
 
 @dataclass
@@ -56,7 +55,7 @@ def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, domain_type: st
         initrd=prepared.initrd,
     )
     if vmi.domain.cpu.dedicated_cpu_placement:
-        host = replace(host, topology=cpupin.read_topology(), cpuset=cpupin.pod_cpuset())
+        host = replace(host, topology=hostcpus.read_topology(), cpuset=hostcpus.pod_cpuset())
     return prepared, render(vmi, prepared.disks, host)
 
 

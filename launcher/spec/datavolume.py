@@ -15,8 +15,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from diskkit.errors import DiskkitError
-
-from launcher.spec.vmi import SpecError, _map, _str, parse_quantity
+from launcher.spec.fields import SpecError, as_map, get_str, parse_quantity
 
 API_VERSION = "cdi.kubevirt.io/v1beta1"
 KIND = "DataVolume"
@@ -77,21 +76,21 @@ class DataVolume:
 
 
 def _http(doc: dict, at: str) -> Source:
-    url = _str(doc, "url", at, required=True)
+    url = get_str(doc, "url", at, required=True)
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise SpecError(f"{at}.url", f"{url} is not an http:// or https:// URL")
     for key in ("extraHeaders", "secretExtraHeaders"):
         if doc.get(key):
             raise SpecError(f"{at}.{key}", "not supported by the launcher")
-    return Source("http", url, _str(doc, "secretRef", at), _str(doc, "certConfigMap", at))
+    return Source("http", url, get_str(doc, "secretRef", at), get_str(doc, "certConfigMap", at))
 
 
 def _registry(doc: dict, at: str) -> Source:
-    url, stream = _str(doc, "url", at), doc.get("imageStream")
+    url, stream = get_str(doc, "url", at), doc.get("imageStream")
     if (url is None) == (stream is None):
         raise SpecError(at, "source registry should have either URL or ImageStream")
-    method = _str(doc, "pullMethod", at) or "pod"
+    method = get_str(doc, "pullMethod", at) or "pod"
     if method not in PULL_METHODS:
         raise SpecError(f"{at}.pullMethod", f'importMethod {method} is neither pod, node or ""')
     if stream is not None:
@@ -103,17 +102,17 @@ def _registry(doc: dict, at: str) -> Source:
     scheme = urlsplit(url).scheme
     if scheme not in ("docker", "oci-archive"):
         raise SpecError(f"{at}.url", f"illegal registry source URL scheme {url}")
-    return Source("registry", url, _str(doc, "secretRef", at), _str(doc, "certConfigMap", at))
+    return Source("registry", url, get_str(doc, "secretRef", at), get_str(doc, "certConfigMap", at))
 
 
 def _pvc(doc: dict, at: str, namespace: str) -> Source:
-    return Source("pvc", claim=_str(doc, "name", at, required=True), claim_namespace=_str(doc, "namespace", at) or namespace)
+    return Source("pvc", claim=get_str(doc, "name", at, required=True), claim_namespace=get_str(doc, "namespace", at) or namespace)
 
 
 def _source(spec: dict, at: str, namespace: str) -> Source:
     if spec.get("sourceRef") is not None:
         raise SpecError(f"{at}.sourceRef", "DataSource references are not supported by the launcher")
-    source = _map(spec.get("source"), f"{at}.source")
+    source = as_map(spec.get("source"), f"{at}.source")
     kinds = [k for k in (*SOURCES, *UNSUPPORTED_SOURCES) if source.get(k) is not None]
     if not kinds:
         raise SpecError(f"{at}.source", "missing DataVolume source")
@@ -123,7 +122,7 @@ def _source(spec: dict, at: str, namespace: str) -> Source:
     sat = f"{at}.source.{kind}"
     if kind in UNSUPPORTED_SOURCES:
         raise SpecError(sat, "this DataVolume source is not supported by the launcher")
-    doc = _map(source[kind], sat)
+    doc = as_map(source[kind], sat)
     if kind == "http":
         return _http(doc, sat)
     if kind == "registry":
@@ -144,19 +143,19 @@ def _size(requests: dict, at: str, what: str) -> int | None:
 
 def parse_data_volume(doc: Any, at: str, default_namespace: str = DEFAULT_NAMESPACE, template: bool = False) -> DataVolume:
     """A DataVolume manifest, or (with `template`) one entry of dataVolumeTemplates; `at` is its field path."""
-    doc = _map(doc, at)
+    doc = as_map(doc, at)
     if not template:
         if doc.get("kind") != KIND:
             raise SpecError(f"{at}.kind", f"must be {KIND}, not {doc.get('kind')!r}")
         if doc.get("apiVersion") != API_VERSION:
             raise SpecError(f"{at}.apiVersion", f"must be {API_VERSION}, not {doc.get('apiVersion')!r}")
-    metadata = _map(doc.get("metadata"), f"{at}.metadata")
-    name = _str(metadata, "name", f"{at}.metadata", required=True)
+    metadata = as_map(doc.get("metadata"), f"{at}.metadata")
+    name = get_str(metadata, "name", f"{at}.metadata", required=True)
     if len(name) > 253 or not _DNS1123_SUBDOMAIN.fullmatch(name):
         raise SpecError(f"{at}.metadata.name", "a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.'")
-    namespace = default_namespace if template else (_str(metadata, "namespace", f"{at}.metadata") or default_namespace)
+    namespace = default_namespace if template else (get_str(metadata, "namespace", f"{at}.metadata") or default_namespace)
     sat = f"{at}.spec"
-    spec = _map(doc.get("spec"), sat)
+    spec = as_map(doc.get("spec"), sat)
     source = _source(spec, sat, namespace)
     if spec.get("contentType") not in (None, "", "kubevirt"):
         raise SpecError(f"{sat}.contentType", f"{spec['contentType']} is not supported by the launcher (kubevirt only)")
@@ -168,8 +167,8 @@ def parse_data_volume(doc: Any, at: str, default_namespace: str = DEFAULT_NAMESP
         raise SpecError(sat, "duplicate storage definition, both target storage and target pvc defined")
     what, key = ("PVC", "pvc") if pvc is not None else ("Storage", "storage")
     target_at = f"{sat}.{key}"
-    target = _map(pvc if pvc is not None else storage, target_at)
-    requests = _map(_map(target.get("resources"), f"{target_at}.resources").get("requests"), f"{target_at}.resources.requests")
+    target = as_map(pvc if pvc is not None else storage, target_at)
+    requests = as_map(as_map(target.get("resources"), f"{target_at}.resources").get("requests"), f"{target_at}.resources.requests")
     size = _size(requests, f"{target_at}.resources.requests", what)
     if size is None and pvc is not None:
         # spec.storage may leave it out (CDI then takes the clone source's size); spec.pvc may not.
@@ -183,10 +182,10 @@ def parse_data_volume(doc: Any, at: str, default_namespace: str = DEFAULT_NAMESP
         if mode not in ACCESS_MODES:
             raise SpecError(f"{target_at}.accessModes", f'unsupported value: "{mode}": supported values: '
                                                          + ", ".join(f'"{m}"' for m in sorted(ACCESS_MODES)))
-    volume_mode = _str(target, "volumeMode", target_at)
+    volume_mode = get_str(target, "volumeMode", target_at)
     if volume_mode not in (None, "Filesystem", "Block"):
         raise SpecError(f"{target_at}.volumeMode", f'Unsupported value: "{volume_mode}": supported values: "Block", "Filesystem"')
-    return DataVolume(name, namespace, source, size, _str(target, "storageClassName", target_at), volume_mode, at)
+    return DataVolume(name, namespace, source, size, get_str(target, "storageClassName", target_at), volume_mode, at)
 
 
 def templates(items: Any, at: str, namespace: str) -> tuple[DataVolume, ...]:

@@ -20,8 +20,7 @@ from typing import Any, Iterable
 import yaml
 
 from diskkit.errors import DiskkitError
-
-from launcher.spec.vmi import SpecError, parse_quantity
+from launcher.spec.fields import SpecError, parse_quantity
 
 # Kinds without a namespace; everything else is namespaced, "default" when the manifest names none
 # (what `kubectl apply` does with the default context).
@@ -105,7 +104,7 @@ class Objects:
         key = (kind, None if kind in CLUSTER_SCOPED else namespace or DEFAULT_NAMESPACE, name)
         if key in self._items:
             # Two versions of one object: which one the cluster holds is anybody's guess.
-            raise DiskkitError(origin, f"{_describe(*key)} is already defined in {self._origins[key]}")
+            raise DiskkitError(origin, f"{describe_object(*key)} is already defined in {self._origins[key]}")
         self._items[key] = doc
         self._origins[key] = origin
 
@@ -125,7 +124,7 @@ class Objects:
         return [(self._origins[key], doc) for key, doc in self._items.items() if key[0] == kind]
 
 
-def _describe(kind: str, namespace: str | None, name: str) -> str:
+def describe_object(kind: str, namespace: str | None, name: str) -> str:
     return f"{kind} {name}" if namespace is None else f"{kind} {namespace}/{name}"
 
 
@@ -243,7 +242,7 @@ def _required(src: dict, key: str, where: str, at: str) -> str:
     return value
 
 
-def _secret(objects: Objects, ref: Any, default_namespace: str, where: str, at: str) -> tuple[str, dict[str, bytes]]:
+def read_secret(objects: Objects, ref: Any, default_namespace: str, where: str, at: str) -> tuple[str, dict[str, bytes]]:
     """(namespace/name, data) of the secret `ref` points to: data base64-decoded, stringData over it as
     the API server merges them. An empty ref namespace is the claim's, as the kubelet's plugins read it."""
     name = _get(ref, "name")
@@ -294,7 +293,7 @@ def _iscsi(objects: Objects, claim: Claim, pv_name: str, src: dict, where: str) 
     if src.get("chapAuthSession"):
         if src.get("secretRef") is None:
             raise DiskkitError(where, f"{at}.chapAuthSession needs {at}.secretRef")
-        secret, data = _secret(objects, src["secretRef"], claim.namespace, where, at)
+        secret, data = read_secret(objects, src["secretRef"], claim.namespace, where, at)
         if data.get(CHAP_USERNAME + "_in"):
             raise DiskkitError(where, f"secret {secret}: mutual CHAP ({CHAP_USERNAME}_in) is not supported by qemu's iSCSI initiator")
         purpose = f"session CHAP of persistentvolumes {pv_name}"
@@ -323,7 +322,7 @@ def _rbd(objects: Objects, claim: Claim, pv_name: str, src: dict, where: str) ->
             raise DiskkitError(where, f"{at}: user {user} with keyring {keyring} needs a secretRef holding the cephx key"
                                       f" (without one only user {_RBD_DEFAULT_USER} with {_RBD_DEFAULT_KEYRING} works)")
         return NetworkDisk(NetworkSource("rbd", f"{pool}/{image}", hosts), None, read_only)
-    secret, data = _secret(objects, src["secretRef"], claim.namespace, where, at)
+    secret, data = read_secret(objects, src["secretRef"], claim.namespace, where, at)
     # Kubernetes' rbd plugin takes any value of the secret; `key` is what its docs create.
     text = data.get("key") or (next(iter(data.values())) if len(data) == 1 else None)
     if not text:

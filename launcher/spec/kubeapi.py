@@ -11,8 +11,7 @@ import json
 import os
 
 from diskkit.errors import DiskkitError
-
-from launcher.spec.k8s import CLUSTER_SCOPED, DEFAULT_NAMESPACE, _describe
+from launcher.spec.k8s import CLUSTER_SCOPED, DEFAULT_NAMESPACE, describe_object
 
 # kind -> (API class, method, plural for custom objects)
 _CORE = {
@@ -60,14 +59,14 @@ class ClusterObjects:
                 response = self._client.CustomObjectsApi(self._api).get_namespaced_custom_object(
                     group, version, namespace, plural, name, _preload_content=False)
             else:
-                raise DiskkitError(_describe(kind, namespace, name), "the launcher does not read this kind from the API")
+                raise DiskkitError(describe_object(kind, namespace, name), "the launcher does not read this kind from the API")
         except ApiException as err:
             if err.status == 404:
                 return None
             # The reason only: the body of a denied request may quote the object.
-            raise DiskkitError(_describe(kind, namespace, name), f"the Kubernetes API at {self._host} answered {err.status} {err.reason}") from None
+            raise DiskkitError(describe_object(kind, namespace, name), f"the Kubernetes API at {self._host} answered {err.status} {err.reason}") from None
         except HTTPError as err:
-            raise DiskkitError(_describe(kind, namespace, name), f"cannot reach the Kubernetes API at {self._host}: {type(err).__name__}") from None
+            raise DiskkitError(describe_object(kind, namespace, name), f"cannot reach the Kubernetes API at {self._host}: {type(err).__name__}") from None
         return json.loads(response.data)
 
     def get(self, kind: str, namespace: str | None, name: str) -> dict | None:

@@ -17,19 +17,26 @@ import math
 import re
 import uuid as uuidlib
 from dataclasses import dataclass, field, replace
-from fractions import Fraction
 from pathlib import Path
-from typing import Any
 
 import yaml
 
 from diskkit.disk.containerdisk import path_problem
-from diskkit.errors import DiskkitError
-
-
-class SpecError(DiskkitError):
-    """A VMI field KubeVirt (or this launcher) cannot accept; subject is the field path."""
-
+from launcher.spec.datavolume import templates
+from launcher.spec.fields import (
+    SpecError,
+    as_list,
+    as_map,
+    check_dns_label,
+    check_one_of,
+    field_error,
+    get_bool,
+    get_int,
+    get_quantity,
+    get_str,
+    to_bytes,
+    to_millis,
+)
 
 API_VERSION = "kubevirt.io/v1"
 DEFAULT_NAMESPACE = "default"
@@ -62,54 +69,8 @@ VOLUME_KINDS = (
 # Valid in KubeVirt, not (yet) here: named so they are refused rather than ignored.
 UNSUPPORTED_VOLUME_KINDS = ("sysprep", "memoryDump", "containerPath")
 
-_DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 _SERIAL = re.compile(r"[A-Za-z0-9_.+-]+")
 _PCI_ADDRESS = re.compile(r"([0-9a-fA-F]{4}):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])")
-
-
-# ---------------------------------------------------------------- quantities
-
-_QUANTITY = re.compile(r"([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)")
-_BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
-_DECIMAL = {"n": Fraction(1, 10**9), "u": Fraction(1, 10**6), "m": Fraction(1, 1000), "": 1,
-            "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
-QUANTITY_FORMAT = "quantities must match the regular expression '^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$'"
-
-
-def parse_quantity(value: Any, at: str) -> Fraction:
-    """A Kubernetes resource.Quantity (`1Gi`, `512M`, `500m`, `1e9`, a bare number), exactly."""
-    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        raise SpecError(at, QUANTITY_FORMAT)
-    text = str(value).strip()
-    match = _QUANTITY.fullmatch(text)
-    if not match or match.group(1) in (".", "+.", "-."):
-        raise SpecError(at, QUANTITY_FORMAT)
-    number, suffix = match.groups()
-    try:
-        amount = Fraction(number)
-    except ValueError:
-        raise SpecError(at, QUANTITY_FORMAT) from None
-    if suffix in _BINARY:
-        amount *= _BINARY[suffix]
-    elif suffix in _DECIMAL:
-        amount *= _DECIMAL[suffix]
-    elif re.fullmatch(r"[eE][-+]?[0-9]+", suffix):
-        amount *= Fraction(10) ** int(suffix[1:])
-    else:
-        raise SpecError(at, QUANTITY_FORMAT)
-    if amount < 0:
-        raise SpecError(at, f"'{text}': must be greater than or equal to 0.")
-    return amount
-
-
-def _bytes(amount: Fraction) -> int:
-    # pkg/.../vcpu QuantityToByte: a fractional byte count ends up rounded down.
-    return math.floor(amount)
-
-
-def _millis(amount: Fraction) -> int:
-    # resource.Quantity.MilliValue rounds up.
-    return math.ceil(amount * 1000)
 
 
 # ---------------------------------------------------------------- models
@@ -371,80 +332,6 @@ class VMI:
         raise SpecError("spec.domain.devices.disks", f"no disk named {name}")
 
 
-# ---------------------------------------------------------------- reading helpers
-
-def _fail(at: str, message: str) -> SpecError:
-    if message.startswith(at + " "):
-        return SpecError(at, message[len(at) + 1:])
-    return SpecError(at, message)
-
-
-def _map(value: Any, at: str) -> dict:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise SpecError(at, "must be a mapping")
-    return value
-
-
-def _list(value: Any, at: str) -> list:
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise SpecError(at, "must be a list")
-    return value
-
-
-def _str(doc: dict, key: str, at: str, required: bool = False) -> str | None:
-    value = doc.get(key)
-    if value is None or value == "":
-        if required:
-            raise SpecError(f"{at}.{key}", "required")
-        return None
-    if not isinstance(value, str):
-        raise SpecError(f"{at}.{key}", "must be a string")
-    return value
-
-
-def _bool(doc: dict, key: str, at: str, default: bool | None = False) -> bool | None:
-    value = doc.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise SpecError(f"{at}.{key}", "must be true or false")
-    return value
-
-
-def _int(doc: dict, key: str, at: str) -> int | None:
-    value = doc.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise SpecError(f"{at}.{key}", "must be a non-negative integer")
-    return value
-
-
-def _quantity(doc: dict, key: str, at: str) -> Fraction | None:
-    value = doc.get(key)
-    return None if value is None else parse_quantity(value, f"{at}.{key}")
-
-
-def _one_of(value: str | None, allowed: tuple[str, ...], at: str) -> None:
-    if value is not None and value not in allowed:
-        supported = ", ".join(f'"{a}"' for a in allowed)
-        raise SpecError(at, f'Unsupported value: "{value}": supported values: {supported}')
-
-
-def _dns_label(name: str, at: str) -> None:
-    # k8s.io/apimachinery validation.IsDNS1123Label, which KubeVirt applies to disk names
-    if len(name) > 63:
-        raise SpecError(at, "must be no more than 63 characters")
-    if not _DNS1123_LABEL.fullmatch(name):
-        raise SpecError(at, "a lowercase RFC 1123 label must consist of lower case alphanumeric characters or '-',"
-                            " and must start and end with an alphanumeric character (e.g. 'my-name',  or '123-abc',"
-                            " regex used for validation is '[a-z0-9]([-a-z0-9]*[a-z0-9])?')")
-
-
 def _path(value: str, at: str) -> None:
     problem = path_problem(value)
     if problem:
@@ -455,57 +342,57 @@ def _path(value: str, at: str) -> None:
 
 def _volume_source(kind: str, doc: dict, at: str) -> VolumeSource:
     if kind == "containerDisk":
-        image = _str(doc, "image", at, required=True)
-        path = _str(doc, "path", at)
+        image = get_str(doc, "image", at, required=True)
+        path = get_str(doc, "path", at)
         if path is not None:
             _path(path, f"{at}.path")
-        policy = _str(doc, "imagePullPolicy", at)
-        _one_of(policy, PULL_POLICIES, f"{at}.imagePullPolicy")
+        policy = get_str(doc, "imagePullPolicy", at)
+        check_one_of(policy, PULL_POLICIES, f"{at}.imagePullPolicy")
         return ContainerDiskSource(image, path, policy)
     if kind == "persistentVolumeClaim":
-        return PersistentVolumeClaimSource(_str(doc, "claimName", at, required=True),
-                                           _bool(doc, "readOnly", at), _bool(doc, "hotpluggable", at))
+        return PersistentVolumeClaimSource(get_str(doc, "claimName", at, required=True),
+                                           get_bool(doc, "readOnly", at), get_bool(doc, "hotpluggable", at))
     if kind == "dataVolume":
         if not doc.get("name"):
             raise SpecError(f"{at}.name", "DataVolume 'name' must be set")
-        return DataVolumeSource(_str(doc, "name", at), _bool(doc, "hotpluggable", at))
+        return DataVolumeSource(get_str(doc, "name", at), get_bool(doc, "hotpluggable", at))
     if kind == "ephemeral":
-        claim = _map(doc.get("persistentVolumeClaim"), f"{at}.persistentVolumeClaim")
-        return EphemeralSource(_str(claim, "claimName", f"{at}.persistentVolumeClaim", required=True),
-                               _bool(claim, "readOnly", f"{at}.persistentVolumeClaim"))
+        claim = as_map(doc.get("persistentVolumeClaim"), f"{at}.persistentVolumeClaim")
+        return EphemeralSource(get_str(claim, "claimName", f"{at}.persistentVolumeClaim", required=True),
+                               get_bool(claim, "readOnly", f"{at}.persistentVolumeClaim"))
     if kind == "emptyDisk":
-        capacity = _quantity(doc, "capacity", at)
+        capacity = get_quantity(doc, "capacity", at)
         if capacity is None:
             raise SpecError(f"{at}.capacity", "required")
-        return EmptyDiskSource(_bytes(capacity))
+        return EmptyDiskSource(to_bytes(capacity))
     if kind == "hostDisk":
-        path = _str(doc, "path", at)
+        path = get_str(doc, "path", at)
         if path is None:
-            raise _fail(f"{at}.path", f"{at}.path is required for hostDisk volume")
-        disk_type = _str(doc, "type", at)
+            raise field_error(f"{at}.path", f"{at}.path is required for hostDisk volume")
+        disk_type = get_str(doc, "type", at)
         if disk_type not in ("Disk", "DiskOrCreate"):
-            raise _fail(f"{at}.type", f"{at}.type has invalid value '{disk_type or ''}', allowed are 'Disk' or 'DiskOrCreate'")
-        capacity = _quantity(doc, "capacity", at)
+            raise field_error(f"{at}.type", f"{at}.type has invalid value '{disk_type or ''}', allowed are 'Disk' or 'DiskOrCreate'")
+        capacity = get_quantity(doc, "capacity", at)
         if capacity is not None and disk_type != "DiskOrCreate":
-            raise _fail(f"{at}.capacity", f"{at}.capacity is allowed to pass only with {at}.type equal to 'DiskOrCreate'")
-        return HostDiskSource(path, disk_type, None if capacity is None else _bytes(capacity), _bool(doc, "shared", at))
+            raise field_error(f"{at}.capacity", f"{at}.capacity is allowed to pass only with {at}.type equal to 'DiskOrCreate'")
+        return HostDiskSource(path, disk_type, None if capacity is None else to_bytes(capacity), get_bool(doc, "shared", at))
     if kind == "configMap":
-        return ConfigMapSource(_str(doc, "name", at, required=True), _bool(doc, "optional", at), _str(doc, "volumeLabel", at))
+        return ConfigMapSource(get_str(doc, "name", at, required=True), get_bool(doc, "optional", at), get_str(doc, "volumeLabel", at))
     if kind == "secret":
-        return SecretSource(_str(doc, "secretName", at, required=True), _bool(doc, "optional", at), _str(doc, "volumeLabel", at))
+        return SecretSource(get_str(doc, "secretName", at, required=True), get_bool(doc, "optional", at), get_str(doc, "volumeLabel", at))
     if kind == "serviceAccount":
-        return ServiceAccountSource(_str(doc, "serviceAccountName", at, required=True))
+        return ServiceAccountSource(get_str(doc, "serviceAccountName", at, required=True))
     if kind in ("cloudInitNoCloud", "cloudInitConfigDrive"):
         return _cloud_init(doc, at)
     if kind == "downwardAPI":
-        items = _list(doc.get("fields"), f"{at}.fields")
-        files = tuple(_downward_api_file(_map(item, f"{at}.fields[{i}]"), f"{at}.fields[{i}]") for i, item in enumerate(items))
+        items = as_list(doc.get("fields"), f"{at}.fields")
+        files = tuple(_downward_api_file(as_map(item, f"{at}.fields[{i}]"), f"{at}.fields[{i}]") for i, item in enumerate(items))
         seen: dict[str, int] = {}
         for i, item in enumerate(files):
             if item.path in seen:
                 raise SpecError(f"{at}.fields[{i}].path", f'Duplicate value: "{item.path}"')
             seen[item.path] = i
-        return DownwardAPISource(files, _str(doc, "volumeLabel", at))
+        return DownwardAPISource(files, get_str(doc, "volumeLabel", at))
     if kind == "downwardMetrics":
         return DownwardMetricsSource()
     raise SpecError(at, "this volume type is not supported by the launcher")
@@ -531,9 +418,9 @@ def _cloud_init(doc: dict, at: str) -> CloudInitSource:
     found = {}
     for what, limit, name in (("userData", CLOUD_INIT_USER_MAX, "UserDataSecretRef"),
                               ("networkData", CLOUD_INIT_NETWORK_MAX, "NetworkDataSecretRef")):
-        ref = _map(doc.get(f"{what}SecretRef"), f"{at}.{what}SecretRef")
-        secret = _str(ref, "name", f"{at}.{what}SecretRef")
-        encoded = _str(doc, f"{what}Base64", at)
+        ref = as_map(doc.get(f"{what}SecretRef"), f"{at}.{what}SecretRef")
+        secret = get_str(ref, "name", f"{at}.{what}SecretRef")
+        encoded = get_str(doc, f"{what}Base64", at)
         plain = doc.get(what)
         if plain is not None and not isinstance(plain, str):
             raise SpecError(f"{at}.{what}", "must be a string")
@@ -543,13 +430,13 @@ def _cloud_init(doc: dict, at: str) -> CloudInitSource:
             data = plain.encode()
         if count > 1:
             noun = "userdatasource" if what == "userData" else "networkdata source"
-            raise _fail(at, f"{at} must have only one {noun} set.")
+            raise field_error(at, f"{at} must have only one {noun} set.")
         if data is not None and len(data) > limit:
-            raise _fail(at, f"{at} {what.lower()} exceeds {limit} byte limit. Should use {name} for larger data.")
+            raise field_error(at, f"{at} {what.lower()} exceeds {limit} byte limit. Should use {name} for larger data.")
         found[what] = (data, secret)
     (user, user_secret), (network, network_secret) = found["userData"], found["networkData"]
     if not (user_secret or user is not None or network_secret or network is not None):
-        raise _fail(at, f"{at} must have at least one userdatasource or one networkdatasource set.")
+        raise field_error(at, f"{at} must have at least one userdatasource or one networkdatasource set.")
     return CloudInitSource(user, user_secret, network, network_secret)
 
 
@@ -559,7 +446,7 @@ _SUBSCRIPTED = re.compile(r"metadata\.(labels|annotations)\['([^']*)'\]")
 
 
 def _downward_api_file(doc: dict, at: str) -> DownwardAPIFile:
-    path = _str(doc, "path", at, required=True)
+    path = get_str(doc, "path", at, required=True)
     # validateLocalDescendingPath
     if path.startswith("/"):
         raise SpecError(f"{at}.path", "must be a relative path")
@@ -572,13 +459,13 @@ def _downward_api_file(doc: dict, at: str) -> DownwardAPIFile:
     ref = doc.get("fieldRef")
     if ref is None:
         raise SpecError(at, "must specify one of: `fieldRef` or `resourceFieldRef`")
-    ref = _map(ref, f"{at}.fieldRef")
-    field_path = _str(ref, "fieldPath", f"{at}.fieldRef", required=True)
-    version = _str(ref, "apiVersion", f"{at}.fieldRef") or "v1"
+    ref = as_map(ref, f"{at}.fieldRef")
+    field_path = get_str(ref, "fieldPath", f"{at}.fieldRef", required=True)
+    version = get_str(ref, "apiVersion", f"{at}.fieldRef") or "v1"
     if version != "v1":
         raise SpecError(f"{at}.fieldRef.apiVersion", f'Unsupported value: "{version}": supported values: "v1"')
     if field_path not in DOWNWARD_API_FIELDS and not _SUBSCRIPTED.fullmatch(field_path):
-        _one_of(field_path, DOWNWARD_API_FIELDS, f"{at}.fieldRef.fieldPath")
+        check_one_of(field_path, DOWNWARD_API_FIELDS, f"{at}.fieldRef.fieldPath")
     mode = doc.get("mode")
     if mode is not None and (isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o777):
         raise SpecError(f"{at}.mode", "must be a number between 0 and 0777 (octal), both inclusive")
@@ -590,24 +477,24 @@ def _volumes(items: list, at: str) -> tuple[Volume, ...]:
     counts = {"serviceAccount": 0, "downwardMetrics": 0}
     for idx, item in enumerate(items):
         vat = f"{at}[{idx}]"
-        doc = _map(item, vat)
-        name = _str(doc, "name", vat, required=True)
-        _dns_label(name, f"{vat}.name")
+        doc = as_map(item, vat)
+        name = get_str(doc, "name", vat, required=True)
+        check_dns_label(name, f"{vat}.name")
         if name in seen:
-            raise _fail(f"{vat}.name", f"{vat} and {at}[{seen[name]}] must not have the same Name.")
+            raise field_error(f"{vat}.name", f"{vat} and {at}[{seen[name]}] must not have the same Name.")
         seen[name] = idx
         for kind in UNSUPPORTED_VOLUME_KINDS:
             if kind in doc:
                 raise SpecError(f"{vat}.{kind}", "this volume type is not supported by the launcher")
         kinds = [k for k in VOLUME_KINDS if doc.get(k) is not None]
         if len(kinds) != 1:
-            raise _fail(vat, f"{vat} must have exactly one source type set")
+            raise field_error(vat, f"{vat} must have exactly one source type set")
         kind = kinds[0]
         if kind in counts:
             counts[kind] += 1
             if counts[kind] > 1:
-                raise _fail(at, f"{at} must have max one {kind.removesuffix('s')} volume set")
-        source = _volume_source(kind, _map(doc[kind], f"{vat}.{kind}"), f"{vat}.{kind}")
+                raise field_error(at, f"{at} must have max one {kind.removesuffix('s')} volume set")
+        source = _volume_source(kind, as_map(doc[kind], f"{vat}.{kind}"), f"{vat}.{kind}")
         volumes.append(Volume(name, kind, source, idx))
     return tuple(volumes)
 
@@ -616,62 +503,62 @@ def _volumes(items: list, at: str) -> tuple[Volume, ...]:
 
 def _disk(doc: dict, idx: int, at: str) -> Disk:
     dat = f"{at}[{idx}]"
-    name = _str(doc, "name", dat, required=True)
-    _dns_label(name, f"{dat}.name")
+    name = get_str(doc, "name", dat, required=True)
+    check_dns_label(name, f"{dat}.name")
     if doc.get("floppy") is not None:
         # Rejected since KubeVirt v0.16 (commit 627216db1), dropped from the API in 205a38f90.
         raise SpecError(f"{dat}.floppy", "Floppy disks are deprecated and will be removed from the API soon.")
     devices = [d for d in DEVICES if doc.get(d) is not None]
     if len(devices) > 1:
-        raise _fail(dat, f"{dat} can only have a single target type defined")
+        raise field_error(dat, f"{dat} can only have a single target type defined")
     device = devices[0] if devices else "disk"  # api SetDefaults_DiskDevice
-    target = _map(doc.get(device), f"{dat}.{device}")
+    target = as_map(doc.get(device), f"{dat}.{device}")
     tat = f"{dat}.{device}"
 
-    bus = _str(target, "bus", tat)
+    bus = get_str(target, "bus", tat)
     if bus == "ide":
         raise SpecError(f"{tat}.bus", "IDE bus is not supported")
     if bus is not None and bus not in BUSES:
-        raise _fail(f"{tat}.bus", f"{dat} is set with an unrecognized bus {bus}, must be one of: [{' '.join(BUSES)}]")
+        raise field_error(f"{tat}.bus", f"{dat} is set with an unrecognized bus {bus}, must be one of: [{' '.join(BUSES)}]")
     if device == "cdrom" and bus == "virtio":
         raise SpecError(f"{tat}.bus", "Bus type virtio is invalid for CD-ROM device")
 
-    read_only = _bool(target, "readOnly", tat, default=None)
+    read_only = get_bool(target, "readOnly", tat, default=None)
     if device == "cdrom" and read_only is None:
         read_only = True  # api SetDefaults_CDRomTarget
     tray = None
     if device == "cdrom":
-        tray = _str(target, "tray", tat) or "closed"
-        _one_of(tray, TRAY_STATES, f"{tat}.tray")
-    pci_address = _str(target, "pciAddress", tat) if device == "disk" else None
+        tray = get_str(target, "tray", tat) or "closed"
+        check_one_of(tray, TRAY_STATES, f"{tat}.tray")
+    pci_address = get_str(target, "pciAddress", tat) if device == "disk" else None
     if pci_address is not None:
         if bus != "virtio":
-            raise _fail(f"{tat}.pciAddress", f"disk {dat}.name - setting a PCI address is only possible with bus type virtio.")
+            raise field_error(f"{tat}.pciAddress", f"disk {dat}.name - setting a PCI address is only possible with bus type virtio.")
         if not _PCI_ADDRESS.fullmatch(pci_address):
-            raise _fail(f"{tat}.pciAddress", f"disk {dat}.name has malformed PCI address ({pci_address}).")
+            raise field_error(f"{tat}.pciAddress", f"disk {dat}.name has malformed PCI address ({pci_address}).")
 
     boot_order = doc.get("bootOrder")
     if boot_order is not None and (isinstance(boot_order, bool) or not isinstance(boot_order, int) or boot_order < 1):
-        raise _fail(f"{dat}.bootOrder", f"{dat} must have a boot order > 0, if supplied")
-    serial = _str(doc, "serial", dat)
+        raise field_error(f"{dat}.bootOrder", f"{dat} must have a boot order > 0, if supplied")
+    serial = get_str(doc, "serial", dat)
     if serial is not None:
         if not _SERIAL.fullmatch(serial):
-            raise _fail(f"{dat}.serial", f"{dat} must be made up of the following characters [A-Za-z0-9_.+-], if specified")
+            raise field_error(f"{dat}.serial", f"{dat} must be made up of the following characters [A-Za-z0-9_.+-], if specified")
         if len(serial) > 256:
-            raise _fail(f"{dat}.serial", f"{dat} must be less than or equal to 256 in length, if specified")
-    cache = _str(doc, "cache", dat)
+            raise field_error(f"{dat}.serial", f"{dat} must be less than or equal to 256 in length, if specified")
+    cache = get_str(doc, "cache", dat)
     if cache is not None and cache not in CACHE_MODES:
         raise SpecError(f"{dat}.cache", f"has invalid value {cache}")
-    io = _str(doc, "io", dat)
+    io = get_str(doc, "io", dat)
     if io is not None and io not in IO_MODES:
         raise SpecError(f"{dat}.io", "Disk IO mode is not supported. Supported modes are: native, threads.")
-    error_policy = _str(doc, "errorPolicy", dat)
+    error_policy = get_str(doc, "errorPolicy", dat)
     if error_policy is not None and error_policy not in ERROR_POLICIES:
         raise SpecError(f"{dat}.errorPolicy", f'has invalid value "{error_policy}"')
     return Disk(
         name=name, device=device, bus=bus, boot_order=boot_order, serial=serial, read_only=bool(read_only),
-        cache=cache, io=io, dedicated_io_thread=_bool(doc, "dedicatedIOThread", dat),
-        shareable=_bool(doc, "shareable", dat), error_policy=error_policy or "stop", tag=_str(doc, "tag", dat),
+        cache=cache, io=io, dedicated_io_thread=get_bool(doc, "dedicatedIOThread", dat),
+        shareable=get_bool(doc, "shareable", dat), error_policy=error_policy or "stop", tag=get_str(doc, "tag", dat),
         tray=tray, pci_address=pci_address, index=idx,
     )
 
@@ -692,7 +579,7 @@ def _check_disk(disk: Disk, volume: Volume | None, boot_orders: dict, at: str) -
             raise SpecError(f"{dat}.name", "DeclarativeHotplugVolumes feature gate not enabled, cannot define an empty CD-ROM disk")
         raise SpecError(f"{dat}.name", f"{dat}.Name '{disk.name}' not found.")
     if disk.device == "lun" and volume.kind not in ("persistentVolumeClaim", "dataVolume"):
-        raise _fail(f"{dat}.lun", f"{dat}.lun can only be mapped to a DataVolume or PersistentVolumeClaim volume.")
+        raise field_error(f"{dat}.lun", f"{dat}.lun can only be mapped to a DataVolume or PersistentVolumeClaim volume.")
     if disk.device == "lun" and disk.bus not in ("scsi", "virtio"):
         # KubeVirt lets this through to libvirt, which refuses device='lun' on other buses.
         raise SpecError(f"{tat}.bus", f"a lun needs bus scsi or virtio, not {disk.bus}")
@@ -717,9 +604,9 @@ def _check_disk(disk: Disk, volume: Volume | None, boot_orders: dict, at: str) -
 def _disks(items: list, volumes: tuple[Volume, ...], at: str) -> tuple[Disk, ...]:
     disks, seen = [], {}
     for idx, item in enumerate(items):
-        disk = _disk(_map(item, f"{at}[{idx}]"), idx, at)
+        disk = _disk(as_map(item, f"{at}[{idx}]"), idx, at)
         if disk.name in seen:
-            raise _fail(f"{at}[{idx}].name", f"{at}[{idx}] and {at}[{seen[disk.name]}] must not have the same Name.")
+            raise field_error(f"{at}[{idx}].name", f"{at}[{idx}] and {at}[{seen[disk.name]}] must not have the same Name.")
         seen[disk.name] = idx
         disks.append(disk)
     by_name = {v.name: v for v in volumes}
@@ -735,25 +622,25 @@ def _disks(items: list, volumes: tuple[Volume, ...], at: str) -> tuple[Disk, ...
 # ---------------------------------------------------------------- domain
 
 def _resources(doc: dict, at: str) -> Resources:
-    requests = _map(doc.get("requests"), f"{at}.requests")
-    limits = _map(doc.get("limits"), f"{at}.limits")
-    rmem = _quantity(requests, "memory", f"{at}.requests")
-    lmem = _quantity(limits, "memory", f"{at}.limits")
-    rcpu = _quantity(requests, "cpu", f"{at}.requests")
-    lcpu = _quantity(limits, "cpu", f"{at}.limits")
+    requests = as_map(doc.get("requests"), f"{at}.requests")
+    limits = as_map(doc.get("limits"), f"{at}.limits")
+    rmem = get_quantity(requests, "memory", f"{at}.requests")
+    lmem = get_quantity(limits, "memory", f"{at}.limits")
+    rcpu = get_quantity(requests, "cpu", f"{at}.requests")
+    lcpu = get_quantity(limits, "cpu", f"{at}.limits")
     if rmem is not None and 0 < rmem < 10**6:
-        raise _fail(f"{at}.requests.memory", f"{at}.requests.memory '{requests['memory']}': must be greater than or equal to 1M.")
+        raise field_error(f"{at}.requests.memory", f"{at}.requests.memory '{requests['memory']}': must be greater than or equal to 1M.")
     if lmem and rmem is not None and rmem > lmem:
-        raise _fail(f"{at}.requests.memory",
+        raise field_error(f"{at}.requests.memory",
                     f"{at}.requests.memory '{requests['memory']}' is greater than {at}.limits.memory '{limits['memory']}'")
     if lcpu is not None and rcpu is not None and rcpu > lcpu:
-        raise _fail(f"{at}.requests.cpu",
+        raise field_error(f"{at}.requests.cpu",
                     f"{at}.requests.cpu '{requests['cpu']}' is greater than {at}.limits.cpu '{limits['cpu']}'")
     if rcpu is None:
         rcpu = lcpu  # pkg/defaults setDefaultResourceRequests
     return Resources(
-        requests_memory=None if rmem is None else _bytes(rmem), limits_memory=None if lmem is None else _bytes(lmem),
-        requests_cpu=None if rcpu is None else _millis(rcpu), limits_cpu=None if lcpu is None else _millis(lcpu),
+        requests_memory=None if rmem is None else to_bytes(rmem), limits_memory=None if lmem is None else to_bytes(lmem),
+        requests_cpu=None if rcpu is None else to_millis(rcpu), limits_cpu=None if lcpu is None else to_millis(lcpu),
     )
 
 
@@ -767,7 +654,7 @@ def _check_dedicated(cpu: CPU, resources: Resources, doc: dict, at: str) -> None
     dedicated = f"{at}.cpu.dedicatedCpuPlacement"
     if not resources.requests_memory and not resources.limits_memory:
         raise SpecError(f"{r}.limits.memory", f"{r}.requests.memory or {r}.limits.memory should be provided")
-    requested = _map(doc.get("requests"), f"{r}.requests").get("cpu")
+    requested = as_map(doc.get("requests"), f"{r}.requests").get("cpu")
     for side, millis in (("requests", requested is not None and resources.requests_cpu), ("limits", resources.limits_cpu)):
         if millis and millis % 1000:
             raise SpecError(f"{r}.{side}.cpu", f"provided resources CPU {side} must be an interger")  # sic, KubeVirt's spelling
@@ -786,41 +673,41 @@ def _check_dedicated(cpu: CPU, resources: Resources, doc: dict, at: str) -> None
 
 
 def _kernel_boot(doc: dict, at: str) -> KernelBoot:
-    args = _str(doc, "kernelArgs", at)
+    args = get_str(doc, "kernelArgs", at)
     if doc.get("container") is None:
         if args:
             raise SpecError(f"{at}.kernelArgs", "kernel arguments cannot be provided without an external kernel")
         return KernelBoot(args, None)
     cat = f"{at}.container"
-    container = _map(doc["container"], cat)
-    image = _str(container, "image", cat)
+    container = as_map(doc["container"], cat)
+    image = get_str(container, "image", cat)
     if image is None:
-        raise _fail(f"{cat}.image", f"{cat} must be defined with an image")
-    kernel = _str(container, "kernelPath", cat)
-    initrd = _str(container, "initrdPath", cat)
+        raise field_error(f"{cat}.image", f"{cat} must be defined with an image")
+    kernel = get_str(container, "kernelPath", cat)
+    initrd = get_str(container, "initrdPath", cat)
     if kernel is None and initrd is None:
-        raise _fail(cat, f"{cat} must be defined with at least one of the following: kernelPath, initrdPath")
+        raise field_error(cat, f"{cat} must be defined with at least one of the following: kernelPath, initrdPath")
     for key, value in (("kernelPath", kernel), ("initrdPath", initrd)):
         if value is not None:
             _path(value, f"{cat}.{key}")
-    policy = _str(container, "imagePullPolicy", cat)
-    _one_of(policy, PULL_POLICIES, f"{cat}.imagePullPolicy")
-    secret = _str(container, "imagePullSecret", cat)
+    policy = get_str(container, "imagePullPolicy", cat)
+    check_one_of(policy, PULL_POLICIES, f"{cat}.imagePullPolicy")
+    secret = get_str(container, "imagePullSecret", cat)
     return KernelBoot(args, KernelBootContainer(image, kernel, initrd, policy, secret))
 
 
 def _firmware(doc: dict, at: str) -> Firmware:
-    loader = _map(doc.get("bootloader"), f"{at}.bootloader")
+    loader = as_map(doc.get("bootloader"), f"{at}.bootloader")
     if loader.get("efi") is not None and loader.get("bios") is not None:
-        raise _fail(f"{at}.bootloader", f"{at}.bootloader has both EFI and BIOS configured, but they are mutually exclusive.")
+        raise field_error(f"{at}.bootloader", f"{at}.bootloader has both EFI and BIOS configured, but they are mutually exclusive.")
     bootloader, secure_boot, use_serial = None, False, False
     if loader.get("efi") is not None:
         bootloader = "efi"
-        secure_boot = _bool(_map(loader["efi"], f"{at}.bootloader.efi"), "secureBoot", f"{at}.bootloader.efi", default=True)
+        secure_boot = get_bool(as_map(loader["efi"], f"{at}.bootloader.efi"), "secureBoot", f"{at}.bootloader.efi", default=True)
     elif loader.get("bios") is not None:
         bootloader = "bios"
-        use_serial = _bool(_map(loader["bios"], f"{at}.bootloader.bios"), "useSerial", f"{at}.bootloader.bios")
-    uuid = _str(doc, "uuid", at)
+        use_serial = get_bool(as_map(loader["bios"], f"{at}.bootloader.bios"), "useSerial", f"{at}.bootloader.bios")
+    uuid = get_str(doc, "uuid", at)
     if uuid is not None:
         try:
             uuid = str(uuidlib.UUID(uuid))
@@ -828,43 +715,43 @@ def _firmware(doc: dict, at: str) -> Firmware:
             raise SpecError(f"{at}.uuid", "must be a UUID") from None
     kernel_boot = None
     if doc.get("kernelBoot") is not None:
-        kernel_boot = _kernel_boot(_map(doc["kernelBoot"], f"{at}.kernelBoot"), f"{at}.kernelBoot")
-    return Firmware(uuid, _str(doc, "serial", at), bootloader, secure_boot, use_serial, kernel_boot)
+        kernel_boot = _kernel_boot(as_map(doc["kernelBoot"], f"{at}.kernelBoot"), f"{at}.kernelBoot")
+    return Firmware(uuid, get_str(doc, "serial", at), bootloader, secure_boot, use_serial, kernel_boot)
 
 
 def _feature(doc: dict, key: str, at: str, absent: bool) -> bool:
     if key not in doc:
         return absent
-    value = _map(doc[key], f"{at}.{key}")
-    return _bool(value, "enabled", f"{at}.{key}", default=True)  # api SetDefaults_FeatureState
+    value = as_map(doc[key], f"{at}.{key}")
+    return get_bool(value, "enabled", f"{at}.{key}", default=True)  # api SetDefaults_FeatureState
 
 
 def _domain(doc: dict, root: str, volumes: tuple[Volume, ...]) -> DomainSpec:
     at = f"{root}.domain"
-    cpu_doc = _map(doc.get("cpu"), f"{at}.cpu")
-    cpu = CPU(_int(cpu_doc, "cores", f"{at}.cpu"), _int(cpu_doc, "sockets", f"{at}.cpu"), _int(cpu_doc, "threads", f"{at}.cpu"),
-              _str(cpu_doc, "model", f"{at}.cpu"), _bool(cpu_doc, "dedicatedCpuPlacement", f"{at}.cpu"),
-              _bool(cpu_doc, "isolateEmulatorThread", f"{at}.cpu"))
-    resources = _resources(_map(doc.get("resources"), f"{at}.resources"), f"{at}.resources")
-    _check_dedicated(cpu, resources, _map(doc.get("resources"), f"{at}.resources"), at)
+    cpu_doc = as_map(doc.get("cpu"), f"{at}.cpu")
+    cpu = CPU(get_int(cpu_doc, "cores", f"{at}.cpu"), get_int(cpu_doc, "sockets", f"{at}.cpu"), get_int(cpu_doc, "threads", f"{at}.cpu"),
+              get_str(cpu_doc, "model", f"{at}.cpu"), get_bool(cpu_doc, "dedicatedCpuPlacement", f"{at}.cpu"),
+              get_bool(cpu_doc, "isolateEmulatorThread", f"{at}.cpu"))
+    resources = _resources(as_map(doc.get("resources"), f"{at}.resources"), f"{at}.resources")
+    _check_dedicated(cpu, resources, as_map(doc.get("resources"), f"{at}.resources"), at)
 
-    memory_doc = _map(doc.get("memory"), f"{at}.memory")
+    memory_doc = as_map(doc.get("memory"), f"{at}.memory")
     if memory_doc.get("hugepages") is not None:
         raise SpecError(f"{at}.memory.hugepages", "hugepages are not supported by the launcher")
-    guest = _quantity(memory_doc, "guest", f"{at}.memory")
+    guest = get_quantity(memory_doc, "guest", f"{at}.memory")
     if guest is None and not resources.requests_memory:
         raise SpecError(f"{at}.memory", f"no memory requested, at least one of '{at}.memory.guest', "
                                         f"'{at}.memory.hugepages.pageSize' or '{at}.resources.requests.memory' must be set")
     if guest is not None and resources.limits_memory and resources.limits_memory < guest:
-        raise _fail(f"{at}.memory.guest", f"{at}.memory.guest '{memory_doc['guest']}' must be equal to or less than the memory limit "
+        raise field_error(f"{at}.memory.guest", f"{at}.memory.guest '{memory_doc['guest']}' must be equal to or less than the memory limit "
                                           f"{at}.resources.limits.memory '{doc['resources']['limits']['memory']}'")
 
-    machine = _str(_map(doc.get("machine"), f"{at}.machine"), "type", f"{at}.machine") or DEFAULT_MACHINE
+    machine = get_str(as_map(doc.get("machine"), f"{at}.machine"), "type", f"{at}.machine") or DEFAULT_MACHINE
     if not any(re.fullmatch(p.replace("*", ".*"), machine) for p in EMULATED_MACHINES):
-        raise _fail(f"{at}.machine.type", f"{at}.machine.type is not supported: {machine} (allowed values: [{' '.join(EMULATED_MACHINES)}])")
+        raise field_error(f"{at}.machine.type", f"{at}.machine.type is not supported: {machine} (allowed values: [{' '.join(EMULATED_MACHINES)}])")
 
-    firmware = _firmware(_map(doc.get("firmware"), f"{at}.firmware"), f"{at}.firmware")
-    features_doc = _map(doc.get("features"), f"{at}.features")
+    firmware = _firmware(as_map(doc.get("firmware"), f"{at}.firmware"), f"{at}.firmware")
+    features_doc = as_map(doc.get("features"), f"{at}.features")
     features = Features(_feature(features_doc, "acpi", f"{at}.features", True),
                         _feature(features_doc, "apic", f"{at}.features", False),
                         _feature(features_doc, "smm", f"{at}.features", False))
@@ -874,62 +761,60 @@ def _domain(doc: dict, root: str, volumes: tuple[Volume, ...]) -> DomainSpec:
     if firmware.bootloader == "efi" and firmware.secure_boot and not features.smm:
         raise SpecError(at, "has EFI SecureBoot enabled. SecureBoot requires SMM, which is currently disabled.")
 
-    policy = _str(doc, "ioThreadsPolicy", at)
+    policy = get_str(doc, "ioThreadsPolicy", at)
     if policy == "supplementalPool":
         raise SpecError(f"{at}.ioThreadsPolicy", "supplementalPool is not supported by the launcher")
     if policy is not None and policy not in IO_THREADS_POLICIES:
         raise SpecError(f"{at}.ioThreadsPolicy", f"Invalid IOThreadsPolicy ({policy})")
 
     dat = f"{at}.devices"
-    devices_doc = _map(doc.get("devices"), dat)
-    disks = _disks(_list(devices_doc.get("disks"), f"{dat}.disks"), volumes, f"{dat}.disks")
-    block_mq = _bool(devices_doc, "blockMultiQueue", dat)
+    devices_doc = as_map(doc.get("devices"), dat)
+    disks = _disks(as_list(devices_doc.get("disks"), f"{dat}.disks"), volumes, f"{dat}.disks")
+    block_mq = get_bool(devices_doc, "blockMultiQueue", dat)
     if block_mq and resources.requests_cpu is None:
         # User guide: queues follow the vCPUs, so without a CPU request they would follow the whole node.
         raise SpecError(f"{dat}.blockMultiQueue", f"requires a CPU request ({at}.resources.requests.cpu or limits.cpu)")
-    devices = Devices(disks, _bool(devices_doc, "autoattachSerialConsole", dat, default=True), block_mq,
-                      _bool(devices_doc, "useVirtioTransitional", dat))
-    return DomainSpec(cpu, None if guest is None else _bytes(guest), resources, machine, firmware, features, devices, policy)
+    devices = Devices(disks, get_bool(devices_doc, "autoattachSerialConsole", dat, default=True), block_mq,
+                      get_bool(devices_doc, "useVirtioTransitional", dat))
+    return DomainSpec(cpu, None if guest is None else to_bytes(guest), resources, machine, firmware, features, devices, policy)
 
 
 # ---------------------------------------------------------------- entry points
 
 def parse_vmi(doc: dict) -> VMI:
     """A VirtualMachineInstance (or a VirtualMachine's template), defaulted and validated as KubeVirt does."""
-    doc = _map(doc, "document")
+    doc = as_map(doc, "document")
     kind = doc.get("kind")
     if kind not in ("VirtualMachineInstance", "VirtualMachine"):
         raise SpecError("kind", f"must be VirtualMachineInstance or VirtualMachine, not {kind!r}")
     if doc.get("apiVersion") != API_VERSION:
         raise SpecError("apiVersion", f"must be {API_VERSION}, not {doc.get('apiVersion')!r}")
-    metadata = _map(doc.get("metadata"), "metadata")
-    spec = _map(doc.get("spec"), "spec")
+    metadata = as_map(doc.get("metadata"), "metadata")
+    spec = as_map(doc.get("spec"), "spec")
     root = "spec"
     labels, annotations = metadata.get("labels"), metadata.get("annotations")
     # A VirtualMachine's field; on a VMI the launcher reads it too, so one file can carry its disks.
     templates_doc = spec.get("dataVolumeTemplates")
     if kind == "VirtualMachine":
         root = "spec.template.spec"
-        template = _map(spec.get("template"), "spec.template")
+        template = as_map(spec.get("template"), "spec.template")
         if not template:
             raise SpecError("spec.template", "required")
-        tmeta = _map(template.get("metadata"), "spec.template.metadata")
+        tmeta = as_map(template.get("metadata"), "spec.template.metadata")
         labels, annotations = tmeta.get("labels"), tmeta.get("annotations")
-        spec = _map(template.get("spec"), root)
-    name = _str(metadata, "name", "metadata", required=True)
-    namespace = _str(metadata, "namespace", "metadata") or DEFAULT_NAMESPACE
-    architecture = _str(spec, "architecture", root)
+        spec = as_map(template.get("spec"), root)
+    name = get_str(metadata, "name", "metadata", required=True)
+    namespace = get_str(metadata, "namespace", "metadata") or DEFAULT_NAMESPACE
+    architecture = get_str(spec, "architecture", root)
     if architecture not in (None, "amd64"):
         raise SpecError(f"{root}.architecture", f"{architecture} is not supported by the launcher (amd64 only)")
-    volumes = _volumes(_list(spec.get("volumes"), f"{root}.volumes"), f"{root}.volumes")
-    domain = _domain(_map(spec.get("domain"), f"{root}.domain"), root, volumes)
-    hostname = _str(spec, "hostname", root)
+    volumes = _volumes(as_list(spec.get("volumes"), f"{root}.volumes"), f"{root}.volumes")
+    domain = _domain(as_map(spec.get("domain"), f"{root}.domain"), root, volumes)
+    hostname = get_str(spec, "hostname", root)
     if hostname is not None:
-        _dns_label(hostname, f"{root}.hostname")
-    from launcher.spec.datavolume import templates  # it parses quantities with this module's helpers
-
-    return VMI(name, namespace, _str(metadata, "uid", "metadata"),
-               dict(_map(labels, "metadata.labels")), dict(_map(annotations, "metadata.annotations")), domain, volumes,
+        check_dns_label(hostname, f"{root}.hostname")
+    return VMI(name, namespace, get_str(metadata, "uid", "metadata"),
+               dict(as_map(labels, "metadata.labels")), dict(as_map(annotations, "metadata.annotations")), domain, volumes,
                hostname, templates(templates_doc, "spec.dataVolumeTemplates", namespace))
 
 

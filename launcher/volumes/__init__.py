@@ -1,1 +1,3 @@
-"""TODO"""
+"""A VMI's volumes made real, one module per kind: containerDisks (pulled or served
+lazily, under per-VM overlays), claims, emptyDisk and hostDisk, and the generated cloud-init, config
+and metrics disks. Writes only in the VM's run directory, claims and the cache; never talks to libvirt."""

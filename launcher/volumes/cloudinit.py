@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from diskkit.errors import DiskkitError
-
 from launcher.spec.vmi import VMI, CloudInitSource
 
 NOCLOUD = "cloudInitNoCloud"

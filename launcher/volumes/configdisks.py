@@ -15,7 +15,6 @@ import re
 from typing import Iterable
 
 from diskkit.errors import DiskkitError
-
 from launcher.spec.vmi import VMI, DownwardAPIFile
 
 # Where virt-launcher finds each volume and writes each image, relative to /var/run/kubevirt-private

@@ -13,10 +13,9 @@ from pathlib import Path
 from typing import Callable
 
 from diskkit.errors import DiskkitError
-
-from launcher.volumes import cloudinit, configdisks, iso, vhostmd
 from launcher.spec.k8s import Objects
 from launcher.spec.vmi import VMI, Volume
+from launcher.volumes import cloudinit, configdisks, iso, vhostmd
 
 POD_CONFIG = Path("/var/run/kubevirt-private")  # where virt-launcher finds config volumes, by kind and name
 K8S_KINDS = {"configMap": ("ConfigMap", "configmaps"), "secret": ("Secret", "secrets")}

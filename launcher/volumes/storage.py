@@ -1,59 +1,39 @@
-"""KubeVirt's sizing rules for the disks the launcher creates (pure; messages are KubeVirt's own).
-
-pkg/host-disk (disk.img on filesystem PVCs and hostDisk DiskOrCreate) and
-pkg/emptydisk (emptyDisk) in kubevirt/kubevirt.
-"""
+"""Where a VM's claims and config objects live on this node: `--pvc`, manifests, or virt-launcher's mounts."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
-from diskkit.errors import DiskkitError
+from launcher.spec.k8s import Claim, Objects
+from launcher.volumes import gendisks, sizing
 
-MIB = 1 << 20
-RESERVE = 128 << 10  # minimumReservePVCBytes: free space KubeVirt never hands to a disk image
-TOLERANCE = 10  # pvcTolerateLessSpaceUpToPercent
-
-
-def _binary(size: int) -> str:
-    for unit, shift in (("Ti", 40), ("Gi", 30), ("Mi", 20), ("Ki", 10)):
-        if size % (1 << shift) == 0 and size >= 1 << shift:
-            return f"{size >> shift}{unit}"
-    return str(size)
-
-
-def image_size(request: int | None, capacity: int | None) -> int | None:
-    """The disk.img size for a filesystem claim: the smaller of request and capacity, whole MiB."""
-    known = [size for size in (request, capacity) if size]
-    if not known:
-        return None
-    return min(known) // MIB * MIB
+POD_DISKS = Path("/var/run/kubevirt-private/vmi-disks")  # virt-launcher's mounts, by volume name
 
 
 @dataclass(frozen=True)
-class Fitted:
-    size: int
-    note: str | None  # KubeVirt's ToleratedSmallPV event text when the disk had to shrink
+class LocalClaim:
+    """`--pvc CLAIM=PATH[:SIZE]`: a directory (filesystem mode) or a block device for a claim."""
+
+    path: Path
+    size: int | None = None
 
 
-def fit(requested: int, free: int, volume: str, tolerance: int = TOLERANCE) -> Fitted:
-    """Size a new image for `free` bytes of space: up to `tolerance` % smaller is accepted."""
-    available = max(free - RESERVE, 0)
-    if requested <= available:
-        return Fitted(requested, None)
-    if requested * (100 - tolerance) // 100 > available:
-        raise DiskkitError(
-            volume,
-            f"unable to create image on volume {volume}, not enough space, demanded size {requested} B is bigger"
-            f" than available space {available} B, also after taking {tolerance} % toleration into account",
-        )
-    note = f"PV size too small: expected {_binary(requested)}, found {_binary(available)}. Using it anyway, it is within {tolerance} % toleration"
-    return Fitted(available, note)
+@dataclass
+class Storage:
+    pvcs: dict[str, LocalClaim] = field(default_factory=dict)
+    objects: Objects | None = None
+    tolerance: int = sizing.TOLERANCE
+    pod_disks: Path = POD_DISKS
+    pod_config: Path = gendisks.POD_CONFIG  # config volumes as mounted in virt-launcher's pod
+    service_account_dir: Path = gendisks.Sources.service_account_dir
 
 
-def empty_disk_size(capacity: int, volume: str) -> int:
-    """emptyDisk capacity rounded down to whole MiB; nothing left is KubeVirt's error."""
-    size = capacity // MIB * MIB
-    if size <= 0:
-        raise DiskkitError(volume, f"the size for volume {volume} is too low")
-    return size
+def pv_path(claim: Claim) -> LocalClaim | None:
+    """hostPath and local PVs name a directory on this node: the claim's disk.img lives there."""
+    spec = (claim.pv or {}).get("spec") or {}
+    for key in ("hostPath", "local"):
+        path = (spec.get(key) or {}).get("path")
+        if path:
+            return LocalClaim(Path(path))
+    return None

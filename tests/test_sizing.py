@@ -5,40 +5,40 @@ from __future__ import annotations
 import pytest
 
 from diskkit.errors import DiskkitError
-from launcher.volumes import storage
+from launcher.volumes import sizing
 
 MIB = 1 << 20
 
 
 def test_image_size_is_the_smaller_of_request_and_capacity_in_whole_mib():
-    assert storage.image_size(10 * MIB + 5, 20 * MIB) == 10 * MIB
-    assert storage.image_size(None, 7 * MIB + 1) == 7 * MIB
-    assert storage.image_size(None, None) is None
+    assert sizing.image_size(10 * MIB + 5, 20 * MIB) == 10 * MIB
+    assert sizing.image_size(None, 7 * MIB + 1) == 7 * MIB
+    assert sizing.image_size(None, None) is None
 
 
 def test_fit_keeps_the_request_when_it_fits_after_the_reserve():
-    assert storage.fit(100 * MIB, 100 * MIB + storage.RESERVE, "data") == storage.Fitted(100 * MIB, None)
+    assert sizing.fit(100 * MIB, 100 * MIB + sizing.RESERVE, "data") == sizing.Fitted(100 * MIB, None)
 
 
 def test_fit_shrinks_within_the_tolerance_with_kubevirts_event_text():
-    fitted = storage.fit(100 * MIB, 95 * MIB + storage.RESERVE, "data")
+    fitted = sizing.fit(100 * MIB, 95 * MIB + sizing.RESERVE, "data")
     assert fitted.size == 95 * MIB
     assert fitted.note == "PV size too small: expected 100Mi, found 95Mi. Using it anyway, it is within 10 % toleration"
 
 
 def test_fit_refuses_beyond_the_tolerance_with_kubevirts_message():
     with pytest.raises(DiskkitError) as err:
-        storage.fit(100 * MIB, 80 * MIB + storage.RESERVE, "data")
+        sizing.fit(100 * MIB, 80 * MIB + sizing.RESERVE, "data")
     assert err.value.rule == (
         f"unable to create image on volume data, not enough space, demanded size {100 * MIB} B is bigger than"
         f" available space {80 * MIB} B, also after taking 10 % toleration into account"
     )
     # A larger tolerance (pvcTolerateLessSpaceUpToPercent) lets the same claim through.
-    assert storage.fit(100 * MIB, 80 * MIB + storage.RESERVE, "data", tolerance=25).size == 80 * MIB
+    assert sizing.fit(100 * MIB, 80 * MIB + sizing.RESERVE, "data", tolerance=25).size == 80 * MIB
 
 
 def test_empty_disk_rounds_down_and_refuses_nothing():
-    assert storage.empty_disk_size(3 * MIB + 17, "scratch") == 3 * MIB
+    assert sizing.empty_disk_size(3 * MIB + 17, "scratch") == 3 * MIB
     with pytest.raises(DiskkitError) as err:
-        storage.empty_disk_size(MIB - 1, "scratch")
+        sizing.empty_disk_size(MIB - 1, "scratch")
     assert err.value.rule == "the size for volume scratch is too low"

@@ -1,0 +1,68 @@
+"""Options and output shared by the launcher's commands: the cache, where claims live, sizes, messages."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import click
+
+from diskkit.errors import DiskkitError
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str, option: str) -> int:
+    """Sizes as users write them: 500M, 10G, 1.5Gi, 2T, 4096 (binary units throughout); errors name `option`."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(?:i?[bB]?)\s*", text)
+    if not match:
+        raise DiskkitError(option, "must be a size such as 500M, 10G or 1.5Ti")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+CACHE_HELP = "Node cache (default: $DISKKIT_CACHE, else /var/lib/diskkit as root, else ~/.cache/diskkit)."
+
+
+def cache_option(command):
+    return click.option("--cache-dir", type=click.Path(file_okay=False), help=CACHE_HELP)(command)
+
+
+def storage_options(command):
+    """--pvc, --manifests and --pvc-tolerance: where claims live outside a pod. Folded into `store`."""
+    import functools
+
+    @functools.wraps(command)
+    def wrapper(*args, pvc, manifests, kube_api, pvc_tolerance, **kwargs):
+        from diskkit.errors import DiskkitError
+        from launcher.spec.k8s import Objects
+        from launcher.volumes.storage import LocalClaim, Storage
+
+        claims = {}
+        for value in pvc:
+            name, sep, where = value.partition("=")
+            if not sep or not name or not where:
+                raise DiskkitError(f"--pvc {value}", "must be CLAIM=PATH or CLAIM=DIR:SIZE")
+            path, _, size = where.partition(":")
+            claims[name] = LocalClaim(Path(path), parse_size(size, f"--pvc {value}") if size else None)
+        if manifests and kube_api:
+            raise DiskkitError("--kube-api", "give either --manifests or --kube-api, not both")
+        objects = Objects.load(Path(manifests)) if manifests else None
+        if kube_api:
+            from launcher.spec.kubeapi import ClusterObjects
+
+            objects = ClusterObjects()
+        return command(*args, store=Storage(claims, objects, pvc_tolerance), **kwargs)
+
+    options = [
+        click.option("--pvc", multiple=True, metavar="CLAIM=PATH[:SIZE]", help="Where a claim lives here: a directory (its disk.img, created sparse with SIZE when missing) or a block device. Repeatable."),
+        click.option("--manifests", type=click.Path(file_okay=False, exists=True), help="Directory of Kubernetes manifests: claims resolve to their bound PV (iSCSI and RBD PVs become network disks); ConfigMaps, Secrets and service account tokens fill configMap, secret, serviceAccount and cloud-init secretRef disks."),
+        click.option("--kube-api", is_flag=True, help="Read claims, PVs, ConfigMaps and Secrets from the Kubernetes API: in a pod through its service account, elsewhere through KUBECONFIG."),
+        click.option("--pvc-tolerance", type=click.IntRange(0, 100), default=10, show_default=True, metavar="PERCENT", help="How much smaller than requested a new disk.img may be (KubeVirt's pvcTolerateLessSpaceUpToPercent)."),
+    ]
+    for option in options:
+        wrapper = option(wrapper)
+    return wrapper
+
+
+def say(text: str) -> None:
+    click.echo(f"launcher: {text}", err=True)

@@ -1,0 +1,116 @@
+"""How `launcher run` uses the node's disk server: find it or start one, and have it export an image.
+
+The server is started detached (its own session, exiting when idle) so it outlives the run that
+started it and serves every later VM on the node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from diskkit.disk import qemuimg
+from diskkit.disk.diskrules import violations
+from diskkit.errors import DiskkitError
+from diskkit.layers import lazytoc
+from diskkit.oci.image import Platform
+from diskkit.oci.reference import parse_ref
+from diskkit.registry.options import RegistryOptions
+from diskkit.transports import open_source
+from launcher.diskserver.control import CONTROL_SOCKET, request, serve_dir, socket_path
+from launcher.node.cache import Cache
+from launcher.node.pull import Pulled, cached
+
+START_TIMEOUT = 30.0
+
+
+def _registry_flags(opts: RegistryOptions) -> list[str]:
+    flags = [f"--tls-verify={'true' if opts.tls_verify else 'false'}", f"--retry-times={opts.retries}", f"--retry-delay={opts.backoff}"]
+    if opts.cert_dir:
+        flags.append(f"--cert-dir={opts.cert_dir}")
+    if opts.authfile:
+        flags.append(f"--authfile={opts.authfile}")
+    return flags  # credentials travel with each request, never on a command line
+
+
+def ensure_server(cache: Cache, registry: RegistryOptions | None = None, idle: float = 30.0) -> Path:
+    """The control socket of the node's server; one is started (detached, exiting when idle) if none answers."""
+    directory = serve_dir(cache)
+    control = socket_path(directory, CONTROL_SOCKET)
+    with contextlib.suppress(OSError, ValueError):
+        if request(control, {"op": "status"}, timeout=5).get("ok"):
+            return control
+    directory.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "launcher", "serve", "--cache-dir", str(cache.root), "--exit-when-idle", str(idle),
+               *_registry_flags(registry or RegistryOptions())]
+    with open(directory / "server.log", "ab") as logfile:
+        child = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=logfile, stderr=logfile, start_new_session=True,
+                                 env={**os.environ, "CI": "true"})
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError):
+            if request(control, {"op": "status"}, timeout=5).get("ok"):
+                return control
+        if child.poll() is not None and child.returncode != 0:
+            # Lost a race with another launcher's server? Then that one answers shortly.
+            with contextlib.suppress(OSError, ValueError):
+                time.sleep(0.5)
+                if request(control, {"op": "status"}, timeout=5).get("ok"):
+                    return control
+            tail = (directory / "server.log").read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
+            raise DiskkitError(directory, f"the disk server did not start: {tail[0]}")
+        time.sleep(0.02)  # a VM is waiting on this: poll often, the server takes a fraction of a second
+    child.send_signal(signal.SIGTERM)
+    raise DiskkitError(directory, f"the disk server did not answer within {START_TIMEOUT:g} s")
+
+
+@dataclass(frozen=True)
+class Attached:
+    """A containerDisk served by the node's disk server: what the VM's overlay is made over."""
+
+    url: str
+    export: str
+    socket: str
+    format: str
+    virtual_size: int
+    pulled: Pulled
+
+
+def attach(cache: Cache, ref: str, path: str | None, platform: Platform | None, registry: RegistryOptions | None,
+           mode: str, policy: str, notes: list[str]) -> Attached | None:
+    """Serve `ref`'s disk lazily when `mode` ("on", or "auto" for images marked lazy) allows; None: pull it whole.
+
+    The disk is checked as a pull checks it (KubeVirt's qemu-img info rules), read through the export."""
+    parsed = parse_ref(ref)
+    if mode == "off" or parsed.transport != "docker":
+        if mode == "on":
+            notes.append(f"{parsed}: lazy reads need a registry image; pulling it whole")
+        return None
+    if policy == "Never" or cached(cache, ref, path, platform, policy) is not None:
+        return None  # already here (a plain file beats any server), or not to be fetched at all
+    if mode == "auto":
+        with open_source(str(parsed), registry) as source:
+            annotations = source.image(platform).manifest.get("annotations") or {}
+        if lazytoc.ANNOTATION_LAZY not in annotations:
+            return None
+    control = ensure_server(cache, registry)
+    answer = request(control, {"op": "open", "image": ref, "path": path, "platform": str(platform) if platform else None,
+                               "registry": asdict(registry) if registry else None, "marked": mode == "auto"})
+    if not answer.get("ok"):
+        if answer.get("seekable") is False:
+            notes.append(f"{answer['reason']}; pulling it whole")
+            return None
+        raise DiskkitError(answer.get("error") or "the disk server refused the image")
+    notes.extend(answer.get("notes") or [])
+    info = qemuimg.info(answer["url"])  # probes the format through the export, under qemu-img's limits
+    problems = violations(info)
+    if problems:
+        raise DiskkitError(str(parsed), "; ".join(f"/{answer['member']}: {p}" for p in problems))
+    pulled = Pulled(Path(answer["disk"]), info.format, info.virtual_size, answer["image"], answer["digest"], answer["layer"], answer["member"])
+    return Attached(answer["url"], answer["export"], answer["socket"], info.format, info.virtual_size, pulled)

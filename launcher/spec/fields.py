@@ -1,0 +1,137 @@
+"""Reading fields of Kubernetes objects (pure): typed getters, quantities and names, each failure a
+`SpecError` naming the field path, in Kubernetes' and KubeVirt's wording."""
+
+from __future__ import annotations
+
+import math
+import re
+from fractions import Fraction
+from typing import Any
+
+from diskkit.errors import DiskkitError
+
+
+class SpecError(DiskkitError):
+    """A field KubeVirt, CDI (or this launcher) cannot accept; subject is the field path."""
+
+
+DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+
+
+# ---------------------------------------------------------------- quantities
+
+_QUANTITY = re.compile(r"([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)")
+_BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+_DECIMAL = {"n": Fraction(1, 10**9), "u": Fraction(1, 10**6), "m": Fraction(1, 1000), "": 1,
+            "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
+QUANTITY_FORMAT = "quantities must match the regular expression '^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$'"
+
+
+def parse_quantity(value: Any, at: str) -> Fraction:
+    """A Kubernetes resource.Quantity (`1Gi`, `512M`, `500m`, `1e9`, a bare number), exactly."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise SpecError(at, QUANTITY_FORMAT)
+    text = str(value).strip()
+    match = _QUANTITY.fullmatch(text)
+    if not match or match.group(1) in (".", "+.", "-."):
+        raise SpecError(at, QUANTITY_FORMAT)
+    number, suffix = match.groups()
+    try:
+        amount = Fraction(number)
+    except ValueError:
+        raise SpecError(at, QUANTITY_FORMAT) from None
+    if suffix in _BINARY:
+        amount *= _BINARY[suffix]
+    elif suffix in _DECIMAL:
+        amount *= _DECIMAL[suffix]
+    elif re.fullmatch(r"[eE][-+]?[0-9]+", suffix):
+        amount *= Fraction(10) ** int(suffix[1:])
+    else:
+        raise SpecError(at, QUANTITY_FORMAT)
+    if amount < 0:
+        raise SpecError(at, f"'{text}': must be greater than or equal to 0.")
+    return amount
+
+
+def to_bytes(amount: Fraction) -> int:
+    # pkg/.../vcpu QuantityToByte: a fractional byte count ends up rounded down.
+    return math.floor(amount)
+
+
+def to_millis(amount: Fraction) -> int:
+    # resource.Quantity.MilliValue rounds up.
+    return math.ceil(amount * 1000)
+
+
+# ---------------------------------------------------------------- reading helpers
+
+def field_error(at: str, message: str) -> SpecError:
+    if message.startswith(at + " "):
+        return SpecError(at, message[len(at) + 1:])
+    return SpecError(at, message)
+
+
+def as_map(value: Any, at: str) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise SpecError(at, "must be a mapping")
+    return value
+
+
+def as_list(value: Any, at: str) -> list:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise SpecError(at, "must be a list")
+    return value
+
+
+def get_str(doc: dict, key: str, at: str, required: bool = False) -> str | None:
+    value = doc.get(key)
+    if value is None or value == "":
+        if required:
+            raise SpecError(f"{at}.{key}", "required")
+        return None
+    if not isinstance(value, str):
+        raise SpecError(f"{at}.{key}", "must be a string")
+    return value
+
+
+def get_bool(doc: dict, key: str, at: str, default: bool | None = False) -> bool | None:
+    value = doc.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise SpecError(f"{at}.{key}", "must be true or false")
+    return value
+
+
+def get_int(doc: dict, key: str, at: str) -> int | None:
+    value = doc.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise SpecError(f"{at}.{key}", "must be a non-negative integer")
+    return value
+
+
+def get_quantity(doc: dict, key: str, at: str) -> Fraction | None:
+    value = doc.get(key)
+    return None if value is None else parse_quantity(value, f"{at}.{key}")
+
+
+def check_one_of(value: str | None, allowed: tuple[str, ...], at: str) -> None:
+    if value is not None and value not in allowed:
+        supported = ", ".join(f'"{a}"' for a in allowed)
+        raise SpecError(at, f'Unsupported value: "{value}": supported values: {supported}')
+
+
+def check_dns_label(name: str, at: str) -> None:
+    # k8s.io/apimachinery validation.IsDNS1123Label, which KubeVirt applies to disk names
+    if len(name) > 63:
+        raise SpecError(at, "must be no more than 63 characters")
+    if not DNS1123_LABEL.fullmatch(name):
+        raise SpecError(at, "a lowercase RFC 1123 label must consist of lower case alphanumeric characters or '-',"
+                            " and must start and end with an alphanumeric character (e.g. 'my-name',  or '123-abc',"
+                            " regex used for validation is '[a-z0-9]([-a-z0-9]*[a-z0-9])?')")

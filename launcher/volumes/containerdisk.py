@@ -1,0 +1,49 @@
+"""containerDisk volumes and kernelBoot artifacts: pulled once per node, or served lazily by the node's
+disk server, and given to each VM through its own qcow2 overlay (N VMs cost one base plus N overlays)."""
+
+from __future__ import annotations
+
+from diskkit.disk import qemuimg
+from launcher.diskserver.client import Attached, attach
+from launcher.node.pull import default_policy, pull
+from launcher.render.domain import ResolvedDisk
+from launcher.spec.k8s import NetworkSource
+from launcher.spec.vmi import Volume
+from launcher.volumes.context import Context
+from launcher.volumes.files import direct_io_supported, overlay
+
+
+def container_disk(ctx: Context, volume: Volume, where: str) -> ResolvedDisk:
+    source = volume.source
+    if ctx.lazy != "off":
+        policy = source.image_pull_policy or default_policy(source.image)
+        attached = attach(ctx.cache, source.image, source.path, ctx.platform, ctx.registry, ctx.lazy, policy, ctx.out.notes)
+        if attached is not None:
+            ctx.out.pulled.append(attached.pulled)
+            return _nbd_overlay(ctx, volume, attached)
+    base = pull(ctx.cache, source.image, source.path, ctx.platform, ctx.registry, source.image_pull_policy, notes=ctx.out.notes)
+    ctx.out.pulled.append(base)
+    return overlay(ctx.run_dir / volume.name / "disk.qcow2", base.path, base.format, ctx.create)
+
+
+def _nbd_overlay(ctx: Context, volume: Volume, attached: Attached) -> ResolvedDisk:
+    """The overlay over a disk the node's disk server exports (a lazy containerDisk)."""
+    path = ctx.run_dir / volume.name / "disk.qcow2"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    qemuimg.create_overlay(attached.url, attached.format, path, size=attached.virtual_size)
+    export = NetworkSource("nbd", attached.export, (), socket=attached.socket)
+    return ResolvedDisk(str(path), "qcow2", backing=(attached.url, attached.format), direct_io=direct_io_supported(path),
+                        backing_type="network", backing_network=export)
+
+
+def kernel_boot(ctx: Context) -> None:
+    """firmware.kernelBoot.container: the kernel and initrd pulled from their image into the cache."""
+    boot = ctx.vmi.domain.firmware.kernel_boot if ctx.vmi.domain.firmware is not None else None
+    if boot is None or boot.container is None:
+        return
+    container = boot.container
+    for attr, file_path in (("kernel", container.kernel_path), ("initrd", container.initrd_path)):
+        if file_path:
+            pulled = pull(ctx.cache, container.image, file_path, ctx.platform, ctx.registry, container.image_pull_policy, disk=False)
+            ctx.out.pulled.append(pulled)
+            setattr(ctx.out, attr, str(pulled.path))

@@ -1,0 +1,42 @@
+"""What every volume kind is prepared with: the VM, where its files go, and what has been made so far."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from diskkit.oci.image import Platform
+from diskkit.registry.options import RegistryOptions
+from launcher.node.cache import Cache
+from launcher.node.pull import Pulled
+from launcher.render.domain import ResolvedDisk
+from launcher.spec.k8s import NetworkSource
+from launcher.spec.vmi import VMI
+from launcher.volumes.storage import Storage
+
+
+@dataclass
+class Prepared:
+    disks: dict[str, ResolvedDisk] = field(default_factory=dict)
+    kernel: str | None = None
+    initrd: str | None = None
+    pulled: list[Pulled] = field(default_factory=list)
+    secrets: list[tuple[NetworkSource, bytes]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Context:
+    vmi: VMI
+    cache: Cache
+    run_dir: Path
+    registry: RegistryOptions | None
+    platform: Platform | None
+    create: bool  # False for the dry run of `launcher domain`: paths are planned, not made
+    store: Storage
+    lazy: str = "off"
+    out: Prepared = field(default_factory=Prepared)
+
+    def note(self, text: str | None) -> None:
+        if text:
+            self.out.notes.append(text)

@@ -1,0 +1,59 @@
+"""KubeVirt's sizing rules for the disks the launcher creates (pure; messages are KubeVirt's own).
+
+pkg/host-disk (disk.img on filesystem PVCs and hostDisk DiskOrCreate) and
+pkg/emptydisk (emptyDisk) in kubevirt/kubevirt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from diskkit.errors import DiskkitError
+
+MIB = 1 << 20
+RESERVE = 128 << 10  # minimumReservePVCBytes: free space KubeVirt never hands to a disk image
+TOLERANCE = 10  # pvcTolerateLessSpaceUpToPercent
+
+
+def _binary(size: int) -> str:
+    for unit, shift in (("Ti", 40), ("Gi", 30), ("Mi", 20), ("Ki", 10)):
+        if size % (1 << shift) == 0 and size >= 1 << shift:
+            return f"{size >> shift}{unit}"
+    return str(size)
+
+
+def image_size(request: int | None, capacity: int | None) -> int | None:
+    """The disk.img size for a filesystem claim: the smaller of request and capacity, whole MiB."""
+    known = [size for size in (request, capacity) if size]
+    if not known:
+        return None
+    return min(known) // MIB * MIB
+
+
+@dataclass(frozen=True)
+class Fitted:
+    size: int
+    note: str | None  # KubeVirt's ToleratedSmallPV event text when the disk had to shrink
+
+
+def fit(requested: int, free: int, volume: str, tolerance: int = TOLERANCE) -> Fitted:
+    """Size a new image for `free` bytes of space: up to `tolerance` % smaller is accepted."""
+    available = max(free - RESERVE, 0)
+    if requested <= available:
+        return Fitted(requested, None)
+    if requested * (100 - tolerance) // 100 > available:
+        raise DiskkitError(
+            volume,
+            f"unable to create image on volume {volume}, not enough space, demanded size {requested} B is bigger"
+            f" than available space {available} B, also after taking {tolerance} % toleration into account",
+        )
+    note = f"PV size too small: expected {_binary(requested)}, found {_binary(available)}. Using it anyway, it is within {tolerance} % toleration"
+    return Fitted(available, note)
+
+
+def empty_disk_size(capacity: int, volume: str) -> int:
+    """emptyDisk capacity rounded down to whole MiB; nothing left is KubeVirt's error."""
+    size = capacity // MIB * MIB
+    if size <= 0:
+        raise DiskkitError(volume, f"the size for volume {volume} is too low")
+    return size
