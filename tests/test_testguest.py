@@ -90,6 +90,8 @@ def test_boot_reports_disks_and_persists_stamps(guest_dir, disks):
     assert iso["sizes"] == {"/" + k: len(v) for k, v in ISO_FILES.items()}
 
     assert first["stamps"] == {"vda": (0, 1), "vdb": (0, 1)}
+    # one vCPU and the 256 MiB qemu was given, less what the kernel keeps for itself
+    assert first["cpus"] == 1 and 200 * 1024 < first["mem_kib"] <= 256 * 1024, first
 
     second = tg.parse_console(tg.boot_qemu(disks))
     assert second["ready"] and second["done"], second

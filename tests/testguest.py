@@ -90,6 +90,7 @@ _ISO = re.compile(r"ISO name=(\S+) label=(.*)$")
 _ISO_FILE = re.compile(r"ISO-FILE name=(\S+) path=(.*) size=(\d+)$")
 _ISO_DATA = re.compile(r"ISO-DATA name=(\S+) path=(.*?) \|(?: (.*))?$")
 _STAMP = re.compile(r"STAMP name=(\S+) before=(\d+) after=(\d+)$")
+_CPUS = re.compile(r"CPUS count=(\d+) mem_kib=(\d+)$")
 
 
 def parse_console(text: str) -> dict[str, Any]:
@@ -99,6 +100,7 @@ def parse_console(text: str) -> dict[str, Any]:
      "disks": {name: {"size": int, "ro": bool, "serial": str | None, "head": str}},
      "isos": {name: {"label": str, "files": {path: content}, "sizes": {path: int}}},
      "stamps": {name: (before, after)},
+     "cpus": int, "mem_kib": int,   (vCPUs online and MemTotal, once the guest reported them)
      "warnings": [str]}
 
     File content is rebuilt from the ISO-DATA lines, each terminated by "\\n"
@@ -106,7 +108,7 @@ def parse_console(text: str) -> dict[str, Any]:
     Unknown lines (kernel messages) are ignored.
     """
     res: dict[str, Any] = {"ready": False, "done": False, "disks": {}, "isos": {},
-                           "stamps": {}, "warnings": []}
+                           "stamps": {}, "cpus": None, "mem_kib": None, "warnings": []}
     for raw in text.splitlines():
         line = raw.rstrip("\r")
         if "DISKKIT-TESTGUEST v1 READY" in line:
@@ -129,6 +131,8 @@ def parse_console(text: str) -> dict[str, Any]:
             iso["label"] = m[2]
         elif m := _STAMP.match(line):
             res["stamps"][m[1]] = (int(m[2]), int(m[3]))
+        elif m := _CPUS.match(line):
+            res["cpus"], res["mem_kib"] = int(m[1]), int(m[2])
         elif line.startswith("WARN "):
             res["warnings"].append(line[5:])
     return res
