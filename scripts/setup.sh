@@ -11,6 +11,7 @@ APT_PACKAGES=(
     xorriso genisoimage mtools syslinux syslinux-common fdisk dosfstools busybox-static cpio kmod e2fsprogs
     util-linux zstd libnbd-bin
     libvirt-daemon-system libvirt-clients libvirt-dev pkg-config libxml2-utils ovmf tgt
+    docker.io podman catatonit mmdebstrap
 )
 
 SUDO=""
