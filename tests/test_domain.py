@@ -32,7 +32,8 @@ def network_source(fields: dict) -> NetworkSource:
 def resolved_disk(fields: dict) -> ResolvedDisk:
     return ResolvedDisk(**{**fields, "backing": tuple(fields["backing"]) if fields.get("backing") else None,
                            "network": network_source(fields["network"]) if fields.get("network") else None,
-                           "backing_network": network_source(fields["backing_network"]) if fields.get("backing_network") else None})
+                           "backing_network": network_source(fields["backing_network"]) if fields.get("backing_network") else None,
+                           "block_io": tuple(fields["block_io"]) if fields.get("block_io") else None})
 
 
 def load_case(name: str):

@@ -76,7 +76,7 @@ def test_hostname_is_cut_to_a_dns_label():
 
 def test_user_data_from_secrets_takes_the_first_key_found():
     source = parse_vmi(vmi_doc([{"name": "ci", "cloudInitNoCloud": {
-        "userDataSecretRef": {"name": "u"}, "networkDataSecretRef": {"name": "n"}}}])).volume("ci").source
+        "secretRef": {"name": "u"}, "networkDataSecretRef": {"name": "n"}}}])).volume("ci").source
     data = cloudinit.resolve("ci", source, {"userData": b"late", "userdata": b"first"}, {"networkData": b"net"})
     assert data == cloudinit.CloudInitData(b"first", b"net")
     with pytest.raises(DiskkitError, match="no cloud-init data-source found at volume: ci"):

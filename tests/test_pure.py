@@ -65,6 +65,11 @@ def test_qcow2_header_finds_backing_and_data_file(tmp_path):
         ("/a/../b", "must be an absolute path to a file without relative components"),
         ("a/b", "must be an absolute path to a file without relative components"),
         ("/a/./b", "must be an absolute path to a file without relative components"),
+        # pkg/storage/admitters/disks.go ValidatePath: one trailing slash is trimmed before comparing
+        ("/disk/x.qcow2/", None),
+        ("/disk/x.qcow2//", "must be an absolute path to a file without relative components"),
+        ("//disk/x.qcow2", "must be an absolute path to a file without relative components"),
+        ("/a//b", "must be an absolute path to a file without relative components"),
     ],
 )
 def test_kubevirt_path_validation(path, problem):

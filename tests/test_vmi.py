@@ -97,7 +97,7 @@ def test_other_volume_kinds_are_accepted():
         {"name": "host", "hostDisk": {"path": "/data/x.img", "type": "DiskOrCreate", "capacity": "1Gi"}},
         {"name": "eph", "ephemeral": {"persistentVolumeClaim": {"claimName": "c"}}},
         {"name": "ci", "cloudInitNoCloud": {"userData": "#cloud-config"}},
-        {"name": "cd", "cloudInitConfigDrive": {"userDataSecretRef": {"name": "s"}}},
+        {"name": "cd", "cloudInitConfigDrive": {"secretRef": {"name": "s"}}},
         {"name": "cm", "configMap": {"name": "m"}},
         {"name": "sec", "secret": {"secretName": "s"}},
         {"name": "sa", "serviceAccount": {"serviceAccountName": "default"}},
@@ -229,10 +229,9 @@ def test_memory_bounds():
     )
 
 
-def test_block_multi_queue_needs_a_cpu_request():
-    assert error(vmi_doc(devices={"blockMultiQueue": True}, cpu={"cores": 2})) == (
-        "spec.domain.devices.blockMultiQueue: requires a CPU request (spec.domain.resources.requests.cpu or limits.cpu)"
-    )
+def test_block_multi_queue_needs_no_cpu_request():
+    # storage/configurator.go: queues = the vCPUs of the topology, at least one; no request needed
+    assert parse_vmi(vmi_doc(devices={"blockMultiQueue": True}, cpu={"cores": 2})).domain.devices.block_multi_queue
     with_limit = vmi_doc(devices={"blockMultiQueue": True}, resources={"requests": {"memory": "1Gi"}, "limits": {"cpu": 2}})
     assert parse_vmi(with_limit).domain.devices.block_multi_queue
 
@@ -354,7 +353,7 @@ def test_efi_with_smm_is_fine():
     "change,message",
     [
         (lambda d: d.update(kind="Pod"), "kind: must be VirtualMachineInstance or VirtualMachine, not 'Pod'"),
-        (lambda d: d.update(apiVersion="kubevirt.io/v1alpha3"), "apiVersion: must be kubevirt.io/v1, not 'kubevirt.io/v1alpha3'"),
+        (lambda d: d.update(apiVersion="kubevirt.io/v1beta1"), "apiVersion: must be kubevirt.io/v1, not 'kubevirt.io/v1beta1'"),
         (lambda d: d["metadata"].pop("name"), "metadata.name: required"),
         (lambda d: d["spec"].update(volumes={}), "spec.volumes: must be a list"),
         (lambda d: d["spec"].update(architecture="arm64"), "spec.architecture: arm64 is not supported by the launcher (amd64 only)"),
@@ -399,3 +398,56 @@ def test_dedicated_cpus_from_cores_or_an_integer_request():
     assert by_cores.domain.cpu.isolate_emulator_thread and by_cores.domain.vcpus == 2
     by_request = parse_vmi(vmi_doc(cpu={"dedicatedCpuPlacement": True}, resources={"requests": {"memory": "64Mi", "cpu": "2"}}))
     assert by_request.domain.vcpus == 2
+
+
+def test_v1alpha3_is_still_served():
+    # deprecated but served by KubeVirt's API server; CDI's examples still use it
+    doc = vmi_doc()
+    doc["apiVersion"] = "kubevirt.io/v1alpha3"
+    assert parse_vmi(doc).name == doc["metadata"]["name"]
+
+
+def test_dedicated_cpus_with_only_guest_memory():
+    # examples/vmi-fedora-isolated.yaml: validateMemoryIsProvided accepts memory.guest alone
+    doc = vmi_doc(cpu={"cores": 2, "dedicatedCpuPlacement": True, "isolateEmulatorThread": True})
+    doc["spec"]["domain"]["memory"] = {"guest": "1Gi"}
+    doc["spec"]["domain"].pop("resources", None)
+    vmi = parse_vmi(doc)
+    assert vmi.domain.cpu.dedicated_cpu_placement and vmi.domain.guest_memory == 1 << 30
+    doc["spec"]["domain"]["memory"] = {}
+    doc["spec"]["domain"]["resources"] = {"requests": {"cpu": 2}}
+    assert error(doc).startswith("spec.domain.resources.limits.memory: spec.domain.resources.requests.memory,"
+                                 " spec.domain.resources.limits.memory, spec.domain.memory.hugepages or"
+                                 " spec.domain.memory.guest should be provided")
+
+
+# pkg/storage/admitters/disks.go validateBlockSize / validateCustomBlockSize, in their order
+@pytest.mark.parametrize("block_size,bus,message", [
+    ({"custom": {"logical": 512, "physical": 512}, "matchVolume": {}}, "virtio",
+     "spec.domain.devices.disks[0].blockSize: Block size matching can't be enabled together with a custom value"),
+    ({"custom": {"logical": 4096, "physical": 512}}, "virtio",
+     "spec.domain.devices.disks[0].blockSize.custom.logical: Logical size 4096 must be the same or less than the physical size of 512"),
+    ({"custom": {"logical": 4096, "physical": 4096}}, None,
+     "spec.domain.devices.disks[0].blockSize.custom.logical: Logical size 4096 must be 512 for SATA devices"),
+    ({"custom": {"logical": 4096, "physical": 4096, "discardGranularity": 6144}}, "virtio",
+     "spec.domain.devices.disks[0].blockSize.custom.discardGranularity: Discard granularity 6144 must be multiples of logical size 4096"),
+    ({"custom": {"logical": 256, "physical": 4096}}, "virtio",
+     "spec.domain.devices.disks[0].blockSize.custom.logical: Provided size of 256 is less than the supported minimum size of 512"),
+    ({"custom": {"logical": 512, "physical": 4194304}}, "virtio",
+     "spec.domain.devices.disks[0].blockSize.custom.physical: Provided size of 4194304 is greater than the supported maximum size of 2097152"),
+    ({"custom": {"logical": 512, "physical": 3000}}, "virtio",
+     "spec.domain.devices.disks[0].blockSize.custom.physical: Provided size of 3000 is not a power of 2"),
+])
+def test_block_size_rules(block_size, bus, message):
+    disk = {"name": "root", "blockSize": block_size, **({"disk": {"bus": bus}} if bus else {})}
+    assert error(vmi_doc(disks=[disk])) == message
+
+
+def test_block_size_accepted():
+    disks = [{"name": "root", "disk": {"bus": "virtio"}, "blockSize": {"custom": {"logical": 4096, "physical": 4096}}},
+             {"name": "data", "blockSize": {"matchVolume": {"enabled": False}, "custom": {"logical": 512, "physical": 4096}}}]
+    vmi = parse_vmi(vmi_doc(disks=disks, volumes=[{"name": "root", "containerDisk": {"image": "x/y:1"}},
+                                                 {"name": "data", "emptyDisk": {"capacity": "1Gi"}}]))
+    root, data = vmi.domain.devices.disks
+    assert root.block_size == (4096, 4096, None) and data.block_size == (512, 4096, None)
+    assert not root.match_volume_block_size

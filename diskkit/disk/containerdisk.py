@@ -18,7 +18,10 @@ def path_problem(path: str) -> str | None:
     """KubeVirt's validation of containerDisk.path (and kernelBoot paths); None when the path is fine."""
     if path == "/":
         return "must not point to root"
-    if not path.startswith("/") or posixpath.normpath(path) != path or path.endswith("/"):
+    # pkg/storage/admitters/disks.go ValidatePath: filepath.Join("/", path) must equal the path less
+    # one trailing slash, so "/disk/x/" passes and "disk/x", "/disk/../x" and "//x" do not.
+    cleaned = "/" + posixpath.normpath("/" + path).lstrip("/")
+    if cleaned != path.removesuffix("/"):
         return "must be an absolute path to a file without relative components"
     return None
 
@@ -41,7 +44,7 @@ def locate(tree: Tree, path: str | None, allow_root_file: bool = False) -> Locat
         problem = path_problem(path)
         if problem:
             return Located(None, path, [f"path {path}: {problem}"])
-        return _resolved(tree, path.lstrip("/"), path)
+        return _resolved(tree, path.strip("/"), path)
     if allow_root_file:
         files = [n for n in tree.children("") if n.kind != "dir"]
         if len(files) == 1:

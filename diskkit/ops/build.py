@@ -152,7 +152,7 @@ def split_artifact(value: str, default_path: str, flag: str) -> tuple[str, Path]
     problem = path_problem(image_path)
     if problem:
         raise DiskkitError(f"{flag} {image_path}", problem)
-    return image_path, Path(local)
+    return image_path.removesuffix("/"), Path(local)
 
 
 def build(opts: BuildOptions, reporter: Reporter, registry: RegistryOptions | None = None) -> BuildResult:
@@ -196,7 +196,8 @@ def build(opts: BuildOptions, reporter: Reporter, registry: RegistryOptions | No
 def _build_one(opts, dest, plat: Platform, source: Path, info, workdir: Path, reporter: Reporter, child: bool) -> BuildResult:
     workdir.mkdir(parents=True)
     disk_file, disk_format = _prepare_format(opts, source, info, workdir, reporter)
-    image_disk_path = opts.path or f"/disk/{_disk_name(source, disk_file, disk_format)}"
+    # KubeVirt accepts one trailing slash on a file's path and opens the file itself.
+    image_disk_path = opts.path.removesuffix("/") if opts.path else f"/disk/{_disk_name(source, disk_file, disk_format)}"
     files = [(image_disk_path, disk_file)]
     files += [a for a in (opts.kernel, opts.initrd) if a]
     entries = entries_for(files)

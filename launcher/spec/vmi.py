@@ -39,6 +39,8 @@ from launcher.spec.fields import (
 )
 
 API_VERSION = "kubevirt.io/v1"
+# v1alpha3 is deprecated but still served, with the same schema (CDI's examples use it).
+API_VERSIONS = (API_VERSION, "kubevirt.io/v1alpha3")
 DEFAULT_NAMESPACE = "default"
 DEFAULT_MACHINE = "q35"
 # pkg/virt-config: DefaultAMD64EmulatedMachines
@@ -201,6 +203,8 @@ class Disk:
     tray: str | None = None  # cdrom only: "open" | "closed"
     pci_address: str | None = None
     index: int | None = None  # position in spec.domain.devices.disks; None when added for a bare volume
+    block_size: tuple[int, int, int | None] | None = None  # blockSize.custom: (logical, physical, discardGranularity)
+    match_volume_block_size: bool = False  # blockSize.matchVolume: the backend's sizes, found when it is opened
 
 
 @dataclass(frozen=True)
@@ -259,6 +263,7 @@ class Devices:
     autoattach_serial_console: bool = True
     block_multi_queue: bool = False
     use_virtio_transitional: bool = False
+    disable_hotplug: bool = False  # KubeVirt adds a SCSI controller for hotplugged volumes unless this is set
 
 
 @dataclass(frozen=True)
@@ -416,10 +421,11 @@ def _cloud_init(doc: dict, at: str) -> CloudInitSource:
     """The admitter's checks on cloud-init data: one source each for user and network data, valid
     base64, the 2 KiB limits for inline data, at least one of the two."""
     found = {}
-    for what, limit, name in (("userData", CLOUD_INIT_USER_MAX, "UserDataSecretRef"),
-                              ("networkData", CLOUD_INIT_NETWORK_MAX, "NetworkDataSecretRef")):
-        ref = as_map(doc.get(f"{what}SecretRef"), f"{at}.{what}SecretRef")
-        secret = get_str(ref, "name", f"{at}.{what}SecretRef")
+    # api core/v1 schema.go: the user data's Secret is `secretRef`, the network data's `networkDataSecretRef`.
+    for what, key, limit, name in (("userData", "secretRef", CLOUD_INIT_USER_MAX, "UserDataSecretRef"),
+                                   ("networkData", "networkDataSecretRef", CLOUD_INIT_NETWORK_MAX, "NetworkDataSecretRef")):
+        ref = as_map(doc.get(key), f"{at}.{key}")
+        secret = get_str(ref, "name", f"{at}.{key}")
         encoded = get_str(doc, f"{what}Base64", at)
         plain = doc.get(what)
         if plain is not None and not isinstance(plain, str):
@@ -555,12 +561,49 @@ def _disk(doc: dict, idx: int, at: str) -> Disk:
     error_policy = get_str(doc, "errorPolicy", dat)
     if error_policy is not None and error_policy not in ERROR_POLICIES:
         raise SpecError(f"{dat}.errorPolicy", f'has invalid value "{error_policy}"')
+    block_size, match_volume = _block_size(as_map(doc.get("blockSize"), f"{dat}.blockSize"), bus, f"{dat}.blockSize")
     return Disk(
         name=name, device=device, bus=bus, boot_order=boot_order, serial=serial, read_only=bool(read_only),
         cache=cache, io=io, dedicated_io_thread=get_bool(doc, "dedicatedIOThread", dat),
         shareable=get_bool(doc, "shareable", dat), error_policy=error_policy or "stop", tag=get_str(doc, "tag", dat),
-        tray=tray, pci_address=pci_address, index=idx,
+        tray=tray, pci_address=pci_address, index=idx, block_size=block_size, match_volume_block_size=match_volume,
     )
+
+
+# pkg/storage/admitters/disks.go: minCustomBlockSize, maxCustomBlockSize
+MIN_BLOCK_SIZE = 512
+MAX_BLOCK_SIZE = 2 * 1024 * 1024
+
+
+def _block_size(doc: dict, bus: str | None, at: str) -> tuple[tuple[int, int, int | None] | None, bool]:
+    """validateBlockSize, in its order: matchVolume with custom, logical over physical, SATA's 512-byte
+    logical size, discard granularity, then each size's bounds."""
+    match = doc.get("matchVolume")
+    match_on = match is not None and get_bool(as_map(match, f"{at}.matchVolume"), "enabled", f"{at}.matchVolume", default=True)
+    custom = doc.get("custom")
+    if custom is None:
+        return None, bool(match_on)
+    if match_on:
+        raise SpecError(at, "Block size matching can't be enabled together with a custom value")
+    cat = f"{at}.custom"
+    custom = as_map(custom, cat)
+    logical, physical = get_int(custom, "logical", cat) or 0, get_int(custom, "physical", cat) or 0
+    discard = get_int(custom, "discardGranularity", cat)
+    if logical > physical:
+        raise SpecError(f"{cat}.logical", f"Logical size {logical} must be the same or less than the physical size of {physical}")
+    # Default bus on amd64 is sata (the mutating webhook runs before the admitter).
+    if (bus or DEFAULT_BUS) == "sata" and logical != MIN_BLOCK_SIZE:
+        raise SpecError(f"{cat}.logical", f"Logical size {logical} must be {MIN_BLOCK_SIZE} for SATA devices")
+    if discard is not None and logical and discard % logical:
+        raise SpecError(f"{cat}.discardGranularity", f"Discard granularity {discard} must be multiples of logical size {logical}")
+    for key, size in (("logical", logical), ("physical", physical)):
+        if size < MIN_BLOCK_SIZE:
+            raise SpecError(f"{cat}.{key}", f"Provided size of {size} is less than the supported minimum size of {MIN_BLOCK_SIZE}")
+        if size > MAX_BLOCK_SIZE:
+            raise SpecError(f"{cat}.{key}", f"Provided size of {size} is greater than the supported maximum size of {MAX_BLOCK_SIZE}")
+        if size & (size - 1):
+            raise SpecError(f"{cat}.{key}", f"Provided size of {size} is not a power of 2")
+    return (logical, physical, discard), False
 
 
 def _with_bus(disk: Disk, volume: Volume | None) -> Disk:
@@ -644,7 +687,7 @@ def _resources(doc: dict, at: str) -> Resources:
     )
 
 
-def _check_dedicated(cpu: CPU, resources: Resources, doc: dict, at: str) -> None:
+def _check_dedicated(cpu: CPU, resources: Resources, guest_memory, doc: dict, at: str) -> None:
     """KubeVirt's webhook rules for dedicatedCpuPlacement (validateCpuPinning), in its order and words."""
     if cpu.isolate_emulator_thread and not cpu.dedicated_cpu_placement:
         raise SpecError(f"{at}.cpu.isolateEmulatorThread", "IsolateEmulatorThread should be only set in combination with DedicatedCPUPlacement")
@@ -652,8 +695,10 @@ def _check_dedicated(cpu: CPU, resources: Resources, doc: dict, at: str) -> None
         return
     r = f"{at}.resources"
     dedicated = f"{at}.cpu.dedicatedCpuPlacement"
-    if not resources.requests_memory and not resources.limits_memory:
-        raise SpecError(f"{r}.limits.memory", f"{r}.requests.memory or {r}.limits.memory should be provided")
+    if not resources.requests_memory and not resources.limits_memory and not guest_memory:
+        # validateMemoryIsProvided: memory.guest alone is enough (examples/vmi-fedora-isolated.yaml)
+        raise SpecError(f"{r}.limits.memory", f"{r}.requests.memory, {r}.limits.memory, {at}.memory.hugepages"
+                                               f" or {at}.memory.guest should be provided")
     requested = as_map(doc.get("requests"), f"{r}.requests").get("cpu")
     for side, millis in (("requests", requested is not None and resources.requests_cpu), ("limits", resources.limits_cpu)):
         if millis and millis % 1000:
@@ -733,12 +778,11 @@ def _domain(doc: dict, root: str, volumes: tuple[Volume, ...]) -> DomainSpec:
               get_str(cpu_doc, "model", f"{at}.cpu"), get_bool(cpu_doc, "dedicatedCpuPlacement", f"{at}.cpu"),
               get_bool(cpu_doc, "isolateEmulatorThread", f"{at}.cpu"))
     resources = _resources(as_map(doc.get("resources"), f"{at}.resources"), f"{at}.resources")
-    _check_dedicated(cpu, resources, as_map(doc.get("resources"), f"{at}.resources"), at)
-
     memory_doc = as_map(doc.get("memory"), f"{at}.memory")
     if memory_doc.get("hugepages") is not None:
         raise SpecError(f"{at}.memory.hugepages", "hugepages are not supported by the launcher")
     guest = get_quantity(memory_doc, "guest", f"{at}.memory")
+    _check_dedicated(cpu, resources, guest, as_map(doc.get("resources"), f"{at}.resources"), at)
     if guest is None and not resources.requests_memory:
         raise SpecError(f"{at}.memory", f"no memory requested, at least one of '{at}.memory.guest', "
                                         f"'{at}.memory.hugepages.pageSize' or '{at}.resources.requests.memory' must be set")
@@ -770,12 +814,10 @@ def _domain(doc: dict, root: str, volumes: tuple[Volume, ...]) -> DomainSpec:
     dat = f"{at}.devices"
     devices_doc = as_map(doc.get("devices"), dat)
     disks = _disks(as_list(devices_doc.get("disks"), f"{dat}.disks"), volumes, f"{dat}.disks")
+    # Queues follow the vCPU topology, one at least (storage/configurator.go), so no CPU request is needed.
     block_mq = get_bool(devices_doc, "blockMultiQueue", dat)
-    if block_mq and resources.requests_cpu is None:
-        # User guide: queues follow the vCPUs, so without a CPU request they would follow the whole node.
-        raise SpecError(f"{dat}.blockMultiQueue", f"requires a CPU request ({at}.resources.requests.cpu or limits.cpu)")
     devices = Devices(disks, get_bool(devices_doc, "autoattachSerialConsole", dat, default=True), block_mq,
-                      get_bool(devices_doc, "useVirtioTransitional", dat))
+                      get_bool(devices_doc, "useVirtioTransitional", dat), get_bool(devices_doc, "disableHotplug", dat))
     return DomainSpec(cpu, None if guest is None else to_bytes(guest), resources, machine, firmware, features, devices, policy)
 
 
@@ -787,7 +829,7 @@ def parse_vmi(doc: dict) -> VMI:
     kind = doc.get("kind")
     if kind not in ("VirtualMachineInstance", "VirtualMachine"):
         raise SpecError("kind", f"must be VirtualMachineInstance or VirtualMachine, not {kind!r}")
-    if doc.get("apiVersion") != API_VERSION:
+    if doc.get("apiVersion") not in API_VERSIONS:
         raise SpecError("apiVersion", f"must be {API_VERSION}, not {doc.get('apiVersion')!r}")
     metadata = as_map(doc.get("metadata"), "metadata")
     spec = as_map(doc.get("spec"), "spec")

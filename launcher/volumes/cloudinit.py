@@ -62,7 +62,7 @@ def _first(data: Mapping[str, bytes] | None, keys: tuple[str, ...]) -> bytes | N
 def resolve(volume_name: str, source: CloudInitSource, user_secret: Mapping[str, bytes] | None = None,
             network_secret: Mapping[str, bytes] | None = None) -> CloudInitData:
     """The user and network data of a cloud-init volume; `user_secret` / `network_secret` are the
-    data of the Secrets its userDataSecretRef / networkDataSecretRef name (None without a ref)."""
+    data of the Secrets its secretRef / networkDataSecretRef name (None without a ref)."""
     user, network = source.user_data, source.network_data
     if source.user_data_secret:
         user = _first(user_secret, USER_DATA_KEYS)

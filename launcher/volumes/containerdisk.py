@@ -10,7 +10,7 @@ from launcher.render.domain import ResolvedDisk
 from launcher.spec.k8s import NetworkSource
 from launcher.spec.vmi import Volume
 from launcher.volumes.context import Context
-from launcher.volumes.files import direct_io_supported, overlay
+from launcher.volumes.files import block_io, direct_io_supported, overlay
 
 
 def container_disk(ctx: Context, volume: Volume, where: str) -> ResolvedDisk:
@@ -33,7 +33,7 @@ def _nbd_overlay(ctx: Context, volume: Volume, attached: Attached) -> ResolvedDi
     qemuimg.create_overlay(attached.url, attached.format, path, size=attached.virtual_size)
     export = NetworkSource("nbd", attached.export, (), socket=attached.socket)
     return ResolvedDisk(str(path), "qcow2", backing=(attached.url, attached.format), direct_io=direct_io_supported(path),
-                        backing_type="network", backing_network=export)
+                        backing_type="network", backing_network=export, block_io=block_io(path))
 
 
 def kernel_boot(ctx: Context) -> None:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import stat
+import struct
 from pathlib import Path
 
 from diskkit.disk import qemuimg
@@ -58,12 +60,44 @@ def free_bytes(directory: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
+BLKSSZGET = 0x1268  # linux/fs.h: logical sector size
+BLKPBSZGET = 0x127B  # physical block size
+
+
+def block_io(path: Path) -> tuple[int, int, int] | None:
+    """What blockSize.matchVolume gives the guest (storage/disk.go getOptimalBlockIO): a device's own
+    logical and physical sizes and discard granularity, or a file's filesystem block size for all three."""
+    try:
+        if not is_block(path):
+            existing = path
+            while not existing.exists() and existing != existing.parent:
+                existing = existing.parent  # a dry run plans files in directories not made yet
+            size = os.statvfs(existing).f_bsize
+            return size, size, size
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            logical = struct.unpack("I", fcntl.ioctl(fd, BLKSSZGET, b"\0" * 4))[0]
+            physical = struct.unpack("I", fcntl.ioctl(fd, BLKPBSZGET, b"\0" * 4))[0]
+        finally:
+            os.close(fd)
+        rdev = path.stat().st_rdev
+        granularity = Path(f"/sys/dev/block/{os.major(rdev)}:{os.minor(rdev)}/queue/discard_granularity")
+        discard = int(granularity.read_text()) if granularity.exists() else 0
+    except OSError as exc:
+        raise DiskkitError(path, f"cannot read its block sizes ({exc.strerror})") from None
+    logical, physical = logical or physical, physical or logical
+    if discard % logical:
+        discard = physical
+    return logical, physical, discard
+
+
 def file_disk(path: Path, fmt: str, **kw) -> ResolvedDisk:
     """A disk on a file or block device as it stands (or will stand) at `path`."""
     block = is_block(path)
     direct = direct_io_supported(path) if path.exists() else True
     preallocated = not block and path.exists() and path.stat().st_blocks * 512 >= path.stat().st_size
-    return ResolvedDisk(str(path), fmt, type="block" if block else "file", direct_io=direct, preallocated=preallocated, **kw)
+    return ResolvedDisk(str(path), fmt, type="block" if block else "file", direct_io=direct, preallocated=preallocated,
+                        block_io=block_io(path), **kw)
 
 
 def overlay(path: Path, base: Path, base_format: str, create: bool) -> ResolvedDisk:
@@ -74,4 +108,5 @@ def overlay(path: Path, base: Path, base_format: str, create: bool) -> ResolvedD
     probe = path if create else base
     direct = direct_io_supported(probe) and direct_io_supported(base)
     backing_type = "block" if is_block(base) else "file"
-    return ResolvedDisk(str(path), "qcow2", backing=(str(base), base_format), direct_io=direct, backing_type=backing_type)
+    return ResolvedDisk(str(path), "qcow2", backing=(str(base), base_format), direct_io=direct, backing_type=backing_type,
+                        block_io=block_io(probe))

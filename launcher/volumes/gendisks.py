@@ -85,7 +85,7 @@ class Generator:
         mount = self.sources.pod_config / configdisks.SOURCE_DIRS["secret"] / volume.name
         user = network = None
         if source.user_data_secret:
-            user = self._object("secret", source.user_data_secret, mount, False, f"{where}.userDataSecretRef")
+            user = self._object("secret", source.user_data_secret, mount, False, f"{where}.secretRef")
         if source.network_data_secret:
             network = self._object("secret", source.network_data_secret, mount, False, f"{where}.networkDataSecretRef")
         try:
