@@ -216,11 +216,16 @@ def test_service_account_without_token_fails_clearly(tmp_path):
                                      " (type kubernetes.io/service-account-token, annotation kubernetes.io/service-account.name: builder)")
 
 
-def test_a_second_cloud_init_volume_of_one_kind_is_refused(tmp_path):
+def test_a_second_cloud_init_volume_of_one_kind_shares_the_first_ones_image(tmp_path):
+    # virt-launcher makes one noCloud.iso from the first cloudInitNoCloud volume and points every such
+    # disk at it (converter testdata/domain_x86_64.xml renders two disks on one file).
     volumes = [{"name": "a", "cloudInitNoCloud": {"userData": "x"}}, {"name": "b", "cloudInitNoCloud": {"userData": "y"}}]
     vmi = parse_vmi(vmi_doc(volumes))
-    with pytest.raises(DiskkitError, match=r"only one cloudInitNoCloud volume per VMI is supported \(spec.volumes\[0\] is one\)"):
-        gendisks.Generator(vmi, tmp_path, gendisks.Sources()).cloud_init(vmi.volume("b"), "spec.volumes[1].cloudInitNoCloud")
+    gen = gendisks.Generator(vmi, tmp_path, gendisks.Sources())
+    first = gen.cloud_init(vmi.volume("a"), "spec.volumes[0].cloudInitNoCloud")
+    second = gen.cloud_init(vmi.volume("b"), "spec.volumes[1].cloudInitNoCloud")
+    assert second.path == first.path and second.files == first.files
+    assert first.files["user-data"] == b"x"
 
 
 # ---------------------------------------------------------------- ISO images, read by real tools

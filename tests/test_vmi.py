@@ -40,7 +40,7 @@ def test_minimal_vmi_gets_kubevirts_defaults():
     assert vmi.domain_name == "ns_vm1"
     (disk,) = vmi.domain.devices.disks
     # a volume without a disk gets one (util.SetDefaultVolumeDisk), on SATA (pkg/defaults/amd64.go)
-    assert (disk.name, disk.device, disk.bus, disk.index, disk.error_policy) == ("root", "disk", "sata", None, "stop")
+    assert (disk.name, disk.device, disk.bus, disk.index, disk.defaulted, disk.error_policy) == ("root", "disk", "sata", 0, True, "stop")
     assert vmi.volume("root").source == ContainerDiskSource("quay.io/x/y:1")
     assert vmi.domain.machine_type == "q35"
     assert vmi.domain.guest_memory == 64 * 2**20
@@ -104,13 +104,21 @@ def test_other_volume_kinds_are_accepted():
         {"name": "dapi", "downwardAPI": {"fields": []}},
         {"name": "metrics", "downwardMetrics": {}},
     ]
-    vmi = parse_vmi(vmi_doc(volumes=volumes))
+    vmi = parse_vmi(vmi_doc(disks=[{"name": "metrics", "disk": {"bus": "virtio"}}], volumes=volumes))
     assert [v.kind for v in vmi.volumes] == [
         "containerDisk", "persistentVolumeClaim", "dataVolume", "emptyDisk", "hostDisk", "ephemeral", "cloudInitNoCloud",
         "cloudInitConfigDrive", "configMap", "secret", "serviceAccount", "downwardAPI", "downwardMetrics",
     ]
     assert vmi.volume("scratch").source == EmptyDiskSource(2 * 2**30)
-    assert vmi.disk("metrics").bus == "virtio"  # downwardMetrics must be virtio
+    assert vmi.disk("metrics").bus == "virtio"
+
+
+def test_downward_metrics_volume_without_a_virtio_disk_is_refused():
+    # pkg/defaults/amd64.go gives the defaulted disk sata before the admitter (vmi-create-admitter.go)
+    # checks that a downwardMetrics disk is on virtio.
+    volumes = [ROOT_VOLUME, {"name": "metrics", "downwardMetrics": {}}]
+    assert error(vmi_doc(volumes=volumes)) == ("spec.domain.devices.disks[1].disk.bus: DownwardMetrics volume must be mapped"
+                                               " to virtio bus, but spec.domain.devices.disks[1].disk.bus is set to sata")
 
 
 def test_a_virtual_machine_template_is_accepted():

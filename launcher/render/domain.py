@@ -125,7 +125,7 @@ def _text(parent: ET.Element, tag: str, text: str, **attrs: str) -> ET.Element:
 
 def _disk_at(vmi: VMI, disk: Disk, child: str = "") -> str:
     """The field to blame; a disk added by defaulting for a bare volume is blamed on that volume."""
-    if disk.index is None:
+    if disk.defaulted:
         return f"spec.volumes[{vmi.volume(disk.name).index}]"
     return f"spec.domain.devices.disks[{disk.index}]{child}"
 
@@ -206,12 +206,11 @@ def _disk(vmi: VMI, disk: Disk, volume: Volume, resolved: ResolvedDisk, target: 
         attrs["model"] = "virtio-transitional" if vmi.domain.devices.use_virtio_transitional else "virtio-non-transitional"
     element = ET.Element("disk", attrs)
 
-    # storage/volume.go gives the downwardMetrics disk a fresh driver (name and type only): the
-    # error policy, discard and queues set before it are gone; cache, io and iothread come after.
+    # storage/volume.go gives the downwardMetrics disk a fresh driver (name and type only): discard and
+    # queues set before it are gone; the error policy (storage/configurator.go setErrorPolicy), cache, io
+    # and iothread come after it.
     fresh = volume.kind == "downwardMetrics"
-    driver = {"name": "qemu", "type": resolved.format, "cache": cache}
-    if not fresh:
-        driver["error_policy"] = disk.error_policy
+    driver = {"name": "qemu", "type": resolved.format, "cache": cache, "error_policy": disk.error_policy}
     if io:
         driver["io"] = io
     if (disk.device in ("disk", "lun") or volume.kind in _DISCARD_KINDS) and not fresh:

@@ -202,7 +202,8 @@ class Disk:
     tag: str | None = None
     tray: str | None = None  # cdrom only: "open" | "closed"
     pci_address: str | None = None
-    index: int | None = None  # position in spec.domain.devices.disks; None when added for a bare volume
+    index: int | None = None  # position in spec.domain.devices.disks, defaulted disks after the given ones
+    defaulted: bool = False  # added for a volume without a disk (util.SetDefaultVolumeDisk)
     block_size: tuple[int, int, int | None] | None = None  # blockSize.custom: (logical, physical, discardGranularity)
     match_volume_block_size: bool = False  # blockSize.matchVolume: the backend's sizes, found when it is opened
 
@@ -606,12 +607,10 @@ def _block_size(doc: dict, bus: str | None, at: str) -> tuple[tuple[int, int, in
     return (logical, physical, discard), False
 
 
-def _with_bus(disk: Disk, volume: Volume | None) -> Disk:
-    if disk.bus is not None:
-        return disk
-    # downwardMetrics must sit on virtio (admitter); default it there instead of failing on sata.
-    bus = "virtio" if volume is not None and volume.kind == "downwardMetrics" else DEFAULT_BUS
-    return replace(disk, bus=bus)
+def _with_bus(disk: Disk) -> Disk:
+    # pkg/defaults/amd64.go: every disk without a bus gets sata, a downwardMetrics disk too, which the
+    # admitter then refuses (it must be on virtio): KubeVirt's own examples name the bus.
+    return disk if disk.bus is not None else replace(disk, bus=DEFAULT_BUS)
 
 
 def _check_disk(disk: Disk, volume: Volume | None, boot_orders: dict, at: str) -> None:
@@ -654,8 +653,9 @@ def _disks(items: list, volumes: tuple[Volume, ...], at: str) -> tuple[Disk, ...
         disks.append(disk)
     by_name = {v.name: v for v in volumes}
     # util.SetDefaultVolumeDisk (mutating webhook): a volume without a disk gets a plain disk.
-    disks += [Disk(v.name, bus=None) for v in volumes if v.name not in seen]
-    disks = [_with_bus(d, by_name.get(d.name)) for d in disks]
+    bare = [v for v in volumes if v.name not in seen]
+    disks += [Disk(v.name, bus=None, index=len(disks) + k, defaulted=True) for k, v in enumerate(bare)]
+    disks = [_with_bus(d) for d in disks]
     boot_orders: dict[int, str] = {}
     for disk in disks:
         _check_disk(disk, by_name.get(disk.name), boot_orders, at)

@@ -77,11 +77,12 @@ class Generator:
     # --- the disks ----------------------------------------------------------------------------
 
     def cloud_init(self, volume: Volume, where: str) -> Planned:
-        kind, source = volume.kind, volume.source
-        first = next(v for v in self.vmi.volumes if v.kind == kind)
+        # virt-launcher writes one image per kind, from the first such volume, and points every disk of
+        # that kind at it (converter testdata/domain_x86_64.xml has two cloudInitNoCloud disks).
+        first = next(v for v in self.vmi.volumes if v.kind == volume.kind)
         if first.name != volume.name:
-            # virt-launcher writes one image per kind from the first such volume and points every disk at it.
-            raise DiskkitError(where, f"only one {kind} volume per VMI is supported (spec.volumes[{first.index}] is one)")
+            volume, where = first, f"spec.volumes[{first.index}].{first.kind}"
+        kind, source = volume.kind, volume.source
         mount = self.sources.pod_config / configdisks.SOURCE_DIRS["secret"] / volume.name
         user = network = None
         if source.user_data_secret:
