@@ -242,3 +242,13 @@ def test_lun_passthrough_is_for_iscsi_network_disks_only():
 ])
 def test_incomplete_network_sources_are_refused(source, problem):
     assert render_error(SAN_LUN, network(source)) == f"spec.domain.devices.disks[0]: volume san {problem}"
+
+
+def test_auto_pool_is_one_thread_beside_an_isolated_emulator_thread():
+    # iothreads.go getThreadPoolLimit: with a dedicated pCPU for the emulator thread the IOThread shares it
+    volumes = [{"name": n, "emptyDisk": {"capacity": "1Mi"}} for n in "abc"]
+    disks = [{"name": n, "disk": {"bus": "virtio"}} for n in "abc"]
+    resources = {"requests": {"memory": "64Mi", "cpu": "2"}, "limits": {"memory": "64Mi", "cpu": "2"}}
+    cpu = {"dedicatedCpuPlacement": True, "isolateEmulatorThread": True}
+    assert io_threads(parse_vmi(vmi_doc(disks, volumes, ioThreadsPolicy="auto", resources=resources, cpu=cpu))) == (1, 1)
+    assert io_threads(parse_vmi(vmi_doc(disks, volumes, ioThreadsPolicy="auto", resources=resources))) == (3, 3)

@@ -459,3 +459,14 @@ def test_block_size_accepted():
     root, data = vmi.domain.devices.disks
     assert root.block_size == (4096, 4096, None) and data.block_size == (512, 4096, None)
     assert not root.match_volume_block_size
+
+
+def test_an_empty_error_policy_is_refused():
+    # storage/admitters/disks.go validateErrorPolicy: any value that is set is checked
+    assert error(vmi_doc(disks=[{"name": "root", "errorPolicy": ""}])) == 'spec.domain.devices.disks[0].errorPolicy: has invalid value ""'
+
+
+def test_host_disk_of_type_disk_with_zero_capacity_passes():
+    # vmi-create-admitter.go refuses a capacity with type Disk only when it is not zero
+    volumes = [{"name": "root", "hostDisk": {"path": "/d/x.img", "type": "Disk", "capacity": "0"}}]
+    assert parse_vmi(vmi_doc(volumes=volumes)).volume("root").source.type == "Disk"

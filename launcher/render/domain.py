@@ -147,7 +147,9 @@ def io_threads(vmi: VMI) -> tuple[int, int]:
         return 0, 0
     dedicated = sum(1 for d in disks if d.dedicated_io_thread)
     shared = len(disks) - dedicated  # every disk counts, virtio or not, as in KubeVirt
-    if domain.io_threads_policy == "auto":
+    if domain.io_threads_policy == "auto" and domain.cpu.dedicated_cpu_placement and domain.cpu.isolate_emulator_thread:
+        limit = 1  # iothreads.go getThreadPoolLimit: the IOThread shares the emulator thread's dedicated pCPU
+    elif domain.io_threads_policy == "auto":
         cpus = -(-domain.resources.requests_cpu // 1000) if domain.resources.requests_cpu is not None else 1
         limit = 2 * cpus
     else:

@@ -379,7 +379,7 @@ def _volume_source(kind: str, doc: dict, at: str) -> VolumeSource:
         if disk_type not in ("Disk", "DiskOrCreate"):
             raise field_error(f"{at}.type", f"{at}.type has invalid value '{disk_type or ''}', allowed are 'Disk' or 'DiskOrCreate'")
         capacity = get_quantity(doc, "capacity", at)
-        if capacity is not None and disk_type != "DiskOrCreate":
+        if capacity and disk_type != "DiskOrCreate":  # !Capacity.IsZero(): a zero capacity passes
             raise field_error(f"{at}.capacity", f"{at}.capacity is allowed to pass only with {at}.type equal to 'DiskOrCreate'")
         return HostDiskSource(path, disk_type, None if capacity is None else to_bytes(capacity), get_bool(doc, "shared", at))
     if kind == "configMap":
@@ -559,7 +559,8 @@ def _disk(doc: dict, idx: int, at: str) -> Disk:
     io = get_str(doc, "io", dat)
     if io is not None and io not in IO_MODES:
         raise SpecError(f"{dat}.io", "Disk IO mode is not supported. Supported modes are: native, threads.")
-    error_policy = get_str(doc, "errorPolicy", dat)
+    # validateErrorPolicy checks any value that is set, the empty string too.
+    error_policy = doc.get("errorPolicy")
     if error_policy is not None and error_policy not in ERROR_POLICIES:
         raise SpecError(f"{dat}.errorPolicy", f'has invalid value "{error_policy}"')
     block_size, match_volume = _block_size(as_map(doc.get("blockSize"), f"{dat}.blockSize"), bus, f"{dat}.blockSize")

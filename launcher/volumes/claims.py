@@ -25,23 +25,25 @@ from launcher.volumes.storage import LocalClaim, pv_path
 
 
 def persistent_volume_claim(ctx: Context, volume: Volume, where: str) -> ResolvedDisk:
-    return claim_disk(ctx, volume, volume.source.claim_name, volume.source.read_only, where)
+    # The claim's readOnly is how the pod mounts it; the guest's <readonly/> comes from the disk's own
+    # readOnly alone (storage/disk.go), so a read-only claim on the default sata bus is fine.
+    return claim_disk(ctx, volume, volume.source.claim_name, where)
 
 
 def data_volume(ctx: Context, volume: Volume, where: str) -> ResolvedDisk:
     # A DataVolume is used through the claim of the same name, once filled (launcher.datavolumes).
-    return claim_disk(ctx, volume, volume.source.name, False, where)
+    return claim_disk(ctx, volume, volume.source.name, where)
 
 
 def ephemeral(ctx: Context, volume: Volume, where: str) -> ResolvedDisk:
     # The claim is the read-only base; writes land in an overlay that goes with the VM.
-    base = claim_disk(ctx, volume, volume.source.claim_name, True, where, as_base=True)
+    base = claim_disk(ctx, volume, volume.source.claim_name, where, as_base=True)
     if base.type == "network":
         raise DiskkitError(where, "an ephemeral volume over a network (iSCSI/RBD) claim is not supported")
     return overlay(ctx.run_dir / volume.name / "disk.qcow2", Path(base.path), "raw", ctx.create)
 
 
-def claim_disk(ctx: Context, volume: Volume, claim_name: str, read_only: bool, where: str, as_base: bool = False) -> ResolvedDisk:
+def claim_disk(ctx: Context, volume: Volume, claim_name: str, where: str, as_base: bool = False) -> ResolvedDisk:
     store = ctx.store
     local = store.pvcs.get(claim_name)
     claim: Claim | None = None
@@ -53,9 +55,8 @@ def claim_disk(ctx: Context, volume: Volume, claim_name: str, read_only: bool, w
                 raise DiskkitError(where, f"claim {claim_name} is an {remote.source.protocol} volume; use it as a persistentVolumeClaim")
             if remote.secret_value is not None:
                 ctx.out.secrets.append((remote.source, remote.secret_value))
-            return ResolvedDisk(remote.source.name, "raw", type="network", network=remote.source, read_only=read_only or remote.read_only)
+            return ResolvedDisk(remote.source.name, "raw", type="network", network=remote.source, read_only=remote.read_only)
         local = pv_path(claim)
-        read_only = read_only or claim.read_only  # a ReadOnlyMany claim is never written
     if local is None:
         mounted = store.pod_disks / volume.name
         device = Path("/dev") / volume.name
@@ -66,7 +67,7 @@ def claim_disk(ctx: Context, volume: Volume, claim_name: str, read_only: bool, w
         else:
             raise DiskkitError(where, f"claim {claim_name}: give --pvc {claim_name}=DIR|DEVICE, --manifests with a bound claim, or mount it at {mounted}")
     if is_block(local.path):
-        return file_disk(local.path, "raw", read_only=read_only)
+        return file_disk(local.path, "raw")
     if not local.path.is_dir():
         raise DiskkitError(where, f"claim {claim_name}: {local.path} is neither a directory nor a block device")
     image = local.path / "disk.img"
@@ -80,4 +81,4 @@ def claim_disk(ctx: Context, volume: Volume, claim_name: str, read_only: bool, w
             create_sparse(image, fitted.size)
     elif not image.exists():
         raise DiskkitError(where, f"claim {claim_name}: {image} does not exist; an ephemeral volume needs a filled claim")
-    return file_disk(image, "raw", read_only=read_only)
+    return file_disk(image, "raw")
