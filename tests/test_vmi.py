@@ -272,7 +272,7 @@ def test_kernel_paths_are_checked_like_container_disk_paths():
         ({"disk": {"bus": "pata"}}, "spec.domain.devices.disks[0].disk.bus: spec.domain.devices.disks[0] is set with an"
                                     " unrecognized bus pata, must be one of: [virtio scsi sata usb]"),
         ({"cdrom": {"bus": "virtio"}}, "spec.domain.devices.disks[0].cdrom.bus: Bus type virtio is invalid for CD-ROM device"),
-        ({"disk": {"readOnly": True}}, "spec.domain.devices.disks[0].disk.bus: sata hard-disks do not support read-only."),
+        ({"disk": {"readonly": True}}, "spec.domain.devices.disks[0].disk.bus: sata hard-disks do not support read-only."),
         ({"disk": {}, "dedicatedIOThread": True}, "spec.domain.devices.disks[0]: IOThreads are not supported for disks on a sata bus"),
         ({"disk": {}, "cdrom": {}}, "spec.domain.devices.disks[0]: can only have a single target type defined"),
         ({"disk": {}, "bootOrder": 0}, "spec.domain.devices.disks[0].bootOrder: spec.domain.devices.disks[0] must have a boot order > 0, if supplied"),
@@ -308,8 +308,10 @@ def test_duplicate_boot_order():
     "volume,message",
     [
         ({"containerDisk": {"image": "x:1"}, "emptyDisk": {"capacity": "1Gi"}}, "spec.volumes[0]: must have exactly one source type set"),
-        ({"contianerDisk": {"image": "x:1"}}, "spec.volumes[0]: must have exactly one source type set"),
-        ({"sysprep": {}}, "spec.volumes[0].sysprep: this volume type is not supported by the launcher"),
+        ({"contianerDisk": {"image": "x:1"}}, "spec.volumes[0].contianerDisk: unknown field: not in KubeVirt's schema,"
+                                              " so its API server would drop it; --ignore-unsupported runs without it"),
+        ({"sysprep": {}}, "spec.volumes[0].sysprep: not supported by the launcher, and it changes what the guest sees;"
+                          " --ignore-unsupported runs without it"),
         ({"dataVolume": {}}, "spec.volumes[0].dataVolume.name: DataVolume 'name' must be set"),
         ({"emptyDisk": {}}, "spec.volumes[0].emptyDisk.capacity: required"),
         ({"persistentVolumeClaim": {}}, "spec.volumes[0].persistentVolumeClaim.claimName: required"),

@@ -13,7 +13,7 @@ from diskkit.cli.shell import platform as platform_of
 from diskkit.cli.shell import registry_options, run_main
 from diskkit.registry.options import RegistryOptions
 from launcher.cli.dv import dv
-from launcher.cli.options import cache_option, parse_size, say, storage_options
+from launcher.cli.options import cache_option, ignore_unsupported_option, load_vmi_file, parse_size, say, storage_options
 from launcher.node.cache import Cache, tree_size
 
 
@@ -64,15 +64,15 @@ Examples:
 @click.argument("vmi_file", type=click.Path(dir_okay=False, exists=True))
 @click.option("--platform", help="OS/ARCH of the images (default: this host's).")
 @click.option("--accel", type=click.Choice(["auto", "kvm", "qemu"]), default="auto", show_default=True, help="Domain type; auto probes whether KVM makes progress here.")
+@ignore_unsupported_option
 @cache_option
 @storage_options
 @registry_options
-def domain(vmi_file, platform, accel, cache_dir, store, registry: RegistryOptions) -> None:
+def domain(vmi_file, platform, accel, ignore_unsupported, cache_dir, store, registry: RegistryOptions) -> None:
     """Print the libvirt domain XML `launcher run` would start (a dry run: images are pulled, nothing started)."""
     from launcher.runtime.vms import RunOptions, plan
-    from launcher.spec.vmi import load_vmi
 
-    vmi = load_vmi(vmi_file)
+    vmi = load_vmi_file(vmi_file, ignore_unsupported)
     _, xml = plan(vmi, Cache(cache_dir), RunOptions(platform=platform_of(platform), registry=registry, storage=store), create=False, domain_type=None if accel == "auto" else accel)
     click.echo(xml, nl=not xml.endswith("\n"))
 
@@ -93,10 +93,11 @@ Examples:
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS", help="Give up (and destroy the VM) after this long.")
 @click.option("--platform", help="OS/ARCH of the images (default: this host's).")
 @click.option("--lazy/--no-lazy", default=None, help="Boot containerDisks before they have arrived, through the node's disk server (default: for images built with --lazy).")
+@ignore_unsupported_option
 @cache_option
 @storage_options
 @registry_options
-def run(vmi_file, uri, console, wait_for, timeout, platform, lazy, cache_dir, store, registry: RegistryOptions) -> None:
+def run(vmi_file, uri, console, wait_for, timeout, platform, lazy, ignore_unsupported, cache_dir, store, registry: RegistryOptions) -> None:
     """Prepare every volume of a VirtualMachineInstance, define and start its domain, stay with it.
 
     Each containerDisk is pulled once per node and gets a qcow2 overlay of its own, so the VM
@@ -105,9 +106,8 @@ def run(vmi_file, uri, console, wait_for, timeout, platform, lazy, cache_dir, st
     """
     from launcher.runtime.vms import RunOptions
     from launcher.runtime.vms import run as do_run
-    from launcher.spec.vmi import load_vmi
 
-    vmi = load_vmi(vmi_file)
+    vmi = load_vmi_file(vmi_file, ignore_unsupported)
     opts = RunOptions(uri=uri, platform=platform_of(platform), registry=registry, console=console, wait_for=wait_for, timeout=timeout, storage=store,
                       lazy={None: "auto", True: "on", False: "off"}[lazy])
     sys.exit(do_run(vmi, Cache(cache_dir), opts, say))

@@ -66,3 +66,19 @@ def storage_options(command):
 
 def say(text: str) -> None:
     click.echo(f"launcher: {text}", err=True)
+
+
+def ignore_unsupported_option(command):
+    return click.option("--ignore-unsupported", is_flag=True,
+                        help="Run without the fields the launcher does not implement (a GPU, a NIC, a TPM...) instead of"
+                             " refusing the VM; each one is named as it is dropped.")(command)
+
+
+def load_vmi_file(path: str, ignore_unsupported: bool):
+    """The VMI of a file, naming each field `--ignore-unsupported` dropped."""
+    from launcher.spec.vmi import load_vmi
+
+    vmi = load_vmi(path, ignore_unsupported)
+    for field, why in vmi.ignored:
+        say(f"ignoring {field}: {why.partition(';')[0]}")
+    return vmi

@@ -22,6 +22,7 @@ from pathlib import Path
 import yaml
 
 from diskkit.disk.containerdisk import path_problem
+from launcher.spec import coverage
 from launcher.spec.datavolume import templates
 from launcher.spec.fields import (
     SpecError,
@@ -68,8 +69,6 @@ VOLUME_KINDS = (
     "cloudInitNoCloud", "cloudInitConfigDrive", "configMap", "secret", "serviceAccount", "downwardAPI",
     "downwardMetrics",
 )
-# Valid in KubeVirt, not (yet) here: named so they are refused rather than ignored.
-UNSUPPORTED_VOLUME_KINDS = ("sysprep", "memoryDump", "containerPath")
 
 _SERIAL = re.compile(r"[A-Za-z0-9_.+-]+")
 _PCI_ADDRESS = re.compile(r"([0-9a-fA-F]{4}):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])")
@@ -312,6 +311,7 @@ class VMI:
     volumes: tuple[Volume, ...]
     hostname: str | None = None  # spec.hostname
     data_volume_templates: tuple = ()  # launcher.datavolume.DataVolume, from spec.dataVolumeTemplates
+    ignored: tuple[tuple[str, str], ...] = ()  # (field, why) dropped because the user asked to go on without them
 
     @property
     def domain_name(self) -> str:
@@ -490,9 +490,6 @@ def _volumes(items: list, at: str) -> tuple[Volume, ...]:
         if name in seen:
             raise field_error(f"{vat}.name", f"{vat} and {at}[{seen[name]}] must not have the same Name.")
         seen[name] = idx
-        for kind in UNSUPPORTED_VOLUME_KINDS:
-            if kind in doc:
-                raise SpecError(f"{vat}.{kind}", "this volume type is not supported by the launcher")
         kinds = [k for k in VOLUME_KINDS if doc.get(k) is not None]
         if len(kinds) != 1:
             raise field_error(vat, f"{vat} must have exactly one source type set")
@@ -530,7 +527,7 @@ def _disk(doc: dict, idx: int, at: str) -> Disk:
     if device == "cdrom" and bus == "virtio":
         raise SpecError(f"{tat}.bus", "Bus type virtio is invalid for CD-ROM device")
 
-    read_only = get_bool(target, "readOnly", tat, default=None)
+    read_only = get_bool(target, "readonly", tat, default=None)  # the schema spells it "readonly"
     if device == "cdrom" and read_only is None:
         read_only = True  # api SetDefaults_CDRomTarget
     tray = None
@@ -780,8 +777,6 @@ def _domain(doc: dict, root: str, volumes: tuple[Volume, ...]) -> DomainSpec:
               get_bool(cpu_doc, "isolateEmulatorThread", f"{at}.cpu"))
     resources = _resources(as_map(doc.get("resources"), f"{at}.resources"), f"{at}.resources")
     memory_doc = as_map(doc.get("memory"), f"{at}.memory")
-    if memory_doc.get("hugepages") is not None:
-        raise SpecError(f"{at}.memory.hugepages", "hugepages are not supported by the launcher")
     guest = get_quantity(memory_doc, "guest", f"{at}.memory")
     _check_dedicated(cpu, resources, guest, as_map(doc.get("resources"), f"{at}.resources"), at)
     if guest is None and not resources.requests_memory:
@@ -824,9 +819,17 @@ def _domain(doc: dict, root: str, volumes: tuple[Volume, ...]) -> DomainSpec:
 
 # ---------------------------------------------------------------- entry points
 
-def parse_vmi(doc: dict) -> VMI:
-    """A VirtualMachineInstance (or a VirtualMachine's template), defaulted and validated as KubeVirt does."""
+def parse_vmi(doc: dict, ignore_unsupported: bool = False) -> VMI:
+    """A VirtualMachineInstance (or a VirtualMachine's template), defaulted and validated as KubeVirt does.
+
+    A field the launcher would not honour (launcher.spec.coverage) is refused; with `ignore_unsupported`
+    it is dropped instead and named in the VMI's `ignored`."""
     doc = as_map(doc, "document")
+    unsupported = coverage.unsupported_fields(doc)
+    if unsupported and not ignore_unsupported:
+        raise SpecError(*unsupported[0])
+    if unsupported:
+        doc = coverage.without(doc, [path for path, _ in unsupported])
     kind = doc.get("kind")
     if kind not in ("VirtualMachineInstance", "VirtualMachine"):
         raise SpecError("kind", f"must be VirtualMachineInstance or VirtualMachine, not {kind!r}")
@@ -858,10 +861,10 @@ def parse_vmi(doc: dict) -> VMI:
         check_dns_label(hostname, f"{root}.hostname")
     return VMI(name, namespace, get_str(metadata, "uid", "metadata"),
                dict(as_map(labels, "metadata.labels")), dict(as_map(annotations, "metadata.annotations")), domain, volumes,
-               hostname, templates(templates_doc, "spec.dataVolumeTemplates", namespace))
+               hostname, templates(templates_doc, "spec.dataVolumeTemplates", namespace), tuple(unsupported))
 
 
-def load_vmi(path: str | Path) -> VMI:
+def load_vmi(path: str | Path, ignore_unsupported: bool = False) -> VMI:
     """Read one YAML document from `path` and parse it."""
     try:
         doc = yaml.safe_load(Path(path).read_text())
@@ -869,4 +872,4 @@ def load_vmi(path: str | Path) -> VMI:
         raise SpecError(str(path), f"not valid YAML: {err}") from None
     except OSError as err:
         raise SpecError(str(path), err.strerror or str(err)) from None
-    return parse_vmi(doc)
+    return parse_vmi(doc, ignore_unsupported)

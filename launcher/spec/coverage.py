@@ -1,0 +1,229 @@
+"""Which fields of a VM or VMI the launcher implements, and a walk that finds the rest (pure).
+
+The launcher's promise is the VM KubeVirt would run, or a refusal: never a different VM. So every
+field of a manifest is one of
+- HANDLED: parsed, validated and rendered (launcher.spec.vmi and the modules it calls);
+- INERT: KubeVirt fields that change nothing the guest sees (scheduling, probes, pull secrets);
+- UNSUPPORTED: KubeVirt fields the launcher does not implement and that would change the guest
+  (a device, a CPU feature, a network). Refused, naming the field, unless the user asks to go on
+  without them (`--ignore-unsupported`), and then each one is named as it is dropped;
+- or not a KubeVirt field at all: refused the same way (KubeVirt's API server would prune it silently,
+  which is how `readOnly` on a disk target, the schema's `readonly`, loses its effect in a cluster).
+
+Field names and nesting follow staging/src/kubevirt.io/api/core/v1 (types.go, schema.go).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+HANDLED, INERT, UNSUPPORTED = "handled", "inert", "unsupported"
+# A flag whose false or absent value is what the launcher does anyway; only a true value is refused.
+UNLESS_FALSE = "unsupported unless false"
+
+
+class ListOf:
+    """A list whose items are objects of the given shape."""
+
+    def __init__(self, shape: dict):
+        self.shape = shape
+
+
+OBJECT_REF = {"name": HANDLED}
+METADATA = {
+    "name": HANDLED, "namespace": HANDLED, "labels": HANDLED, "annotations": HANDLED, "uid": HANDLED,
+    **dict.fromkeys(("generateName", "resourceVersion", "creationTimestamp", "generation", "ownerReferences",
+                     "finalizers", "managedFields", "selfLink", "deletionTimestamp", "deletionGracePeriodSeconds"), INERT),
+}
+CLOUD_INIT = {
+    "userData": HANDLED, "userDataBase64": HANDLED, "secretRef": OBJECT_REF,
+    "networkData": HANDLED, "networkDataBase64": HANDLED, "networkDataSecretRef": OBJECT_REF,
+}
+CLAIM = {"claimName": HANDLED, "readOnly": HANDLED, "hotpluggable": INERT}
+VOLUME = {
+    "name": HANDLED,
+    "containerDisk": {"image": HANDLED, "path": HANDLED, "imagePullPolicy": HANDLED,
+                      "imagePullSecret": INERT},  # the launcher pulls with the node's credentials
+    "persistentVolumeClaim": CLAIM,
+    "dataVolume": {"name": HANDLED, "hotpluggable": INERT},
+    "ephemeral": {"persistentVolumeClaim": CLAIM},
+    "emptyDisk": {"capacity": HANDLED},
+    "hostDisk": {"path": HANDLED, "type": HANDLED, "capacity": HANDLED, "shared": HANDLED},
+    "cloudInitNoCloud": CLOUD_INIT,
+    "cloudInitConfigDrive": CLOUD_INIT,
+    "configMap": {"name": HANDLED, "optional": HANDLED, "volumeLabel": HANDLED},
+    "secret": {"secretName": HANDLED, "optional": HANDLED, "volumeLabel": HANDLED},
+    "serviceAccount": {"serviceAccountName": HANDLED},
+    "downwardAPI": {"fields": ListOf({"path": HANDLED, "fieldRef": {"apiVersion": HANDLED, "fieldPath": HANDLED},
+                                      "resourceFieldRef": HANDLED, "mode": HANDLED}),
+                    "volumeLabel": HANDLED},
+    "downwardMetrics": {},
+    "sysprep": UNSUPPORTED, "memoryDump": UNSUPPORTED, "containerPath": UNSUPPORTED,
+}
+TARGET = {"bus": HANDLED, "readonly": HANDLED}
+DISK = {
+    "name": HANDLED,
+    "disk": {**TARGET, "pciAddress": HANDLED},
+    "lun": {**TARGET, "reservation": UNLESS_FALSE},  # needs KubeVirt's pr-helper daemon
+    "cdrom": {**TARGET, "tray": HANDLED},
+    "floppy": HANDLED,  # refused by the parser with KubeVirt's words
+    "bootOrder": HANDLED, "serial": HANDLED, "dedicatedIOThread": HANDLED, "cache": HANDLED, "io": HANDLED,
+    "tag": INERT,  # device role tags reach the guest only through KubeVirt's metadata service
+    "blockSize": {"custom": {"logical": HANDLED, "physical": HANDLED, "discardGranularity": HANDLED},
+                  "matchVolume": {"enabled": HANDLED}},
+    "shareable": HANDLED, "errorPolicy": HANDLED,
+    "changedBlockTracking": INERT,
+}
+DEVICES = {
+    "disks": ListOf(DISK),
+    "useVirtioTransitional": HANDLED, "disableHotplug": HANDLED, "autoattachSerialConsole": HANDLED,
+    "blockMultiQueue": HANDLED,
+    # The launcher never adds a NIC, graphics, balloon or input device (README, "deliberate differences"):
+    # turning them off asks for what it does anyway.
+    **dict.fromkeys(("autoattachPodInterface", "autoattachGraphicsDevice", "autoattachMemBalloon",
+                     "autoattachInputDevice", "logSerialConsole", "networkInterfaceMultiqueue"), INERT),
+    "autoattachVSOCK": UNLESS_FALSE,
+    **dict.fromkeys(("watchdog", "interfaces", "inputs", "rng", "gpus", "downwardMetrics", "panicDevices",
+                     "filesystems", "hostDevices", "clientPassthrough", "sound", "tpm", "video"), UNSUPPORTED),
+}
+QUANTITIES = HANDLED  # requests/limits: the parser reads cpu and memory; other resources only schedule
+DOMAIN = {
+    "resources": {"requests": QUANTITIES, "limits": QUANTITIES, "overcommitGuestOverhead": INERT},
+    "cpu": {"cores": HANDLED, "sockets": HANDLED, "threads": HANDLED, "model": HANDLED,
+            "dedicatedCpuPlacement": HANDLED, "isolateEmulatorThread": HANDLED,
+            "maxSockets": UNSUPPORTED, "features": UNSUPPORTED, "numa": UNSUPPORTED, "realtime": UNSUPPORTED},
+    "memory": {"guest": HANDLED, "hugepages": UNSUPPORTED, "maxGuest": UNSUPPORTED, "reservedOverhead": INERT},
+    "machine": {"type": HANDLED},
+    "firmware": {"uuid": HANDLED, "serial": HANDLED,
+                 "bootloader": {"bios": {"useSerial": HANDLED}, "efi": {"secureBoot": HANDLED, "persistent": UNLESS_FALSE}},
+                 "kernelBoot": {"kernelArgs": HANDLED,
+                                "container": {"image": HANDLED, "kernelPath": HANDLED, "initrdPath": HANDLED,
+                                              "imagePullPolicy": HANDLED, "imagePullSecret": INERT}},
+                 "acpi": UNSUPPORTED},
+    "clock": {"utc": {"offsetSeconds": UNSUPPORTED}, "timezone": UNSUPPORTED, "timer": UNSUPPORTED},  # utc is the default
+    "features": {"acpi": {"enabled": HANDLED}, "apic": {"enabled": HANDLED, "endOfInterrupt": UNLESS_FALSE},
+                 "smm": {"enabled": HANDLED},
+                 "hyperv": UNSUPPORTED, "hypervPassthrough": UNSUPPORTED, "kvm": UNSUPPORTED, "pvspinlock": UNSUPPORTED},
+    "devices": DEVICES,
+    "ioThreadsPolicy": HANDLED,
+    "ioThreads": UNSUPPORTED, "chassis": UNSUPPORTED, "launchSecurity": UNSUPPORTED, "rebootPolicy": UNSUPPORTED,
+}
+VMI_SPEC = {
+    "domain": DOMAIN,
+    "volumes": ListOf(VOLUME),
+    "hostname": HANDLED, "architecture": HANDLED,
+    "dataVolumeTemplates": HANDLED,  # a VirtualMachine's field, read on a VMI too (launcher.spec.datavolume parses it)
+    **dict.fromkeys(("priorityClassName", "nodeSelector", "affinity", "schedulerName", "serviceAccountName",
+                     "tolerations", "topologySpreadConstraints", "evictionStrategy", "terminationGracePeriodSeconds",
+                     "livenessProbe", "readinessProbe", "subdomain", "dnsPolicy", "dnsConfig"), INERT),
+    **dict.fromkeys(("networks", "startStrategy", "accessCredentials", "resourceClaims", "utilityVolumes"), UNSUPPORTED),
+}
+TEMPLATE = {"metadata": METADATA, "spec": VMI_SPEC}
+VM_SPEC = {
+    "template": TEMPLATE, "dataVolumeTemplates": HANDLED,
+    **dict.fromkeys(("running", "runStrategy", "updateVolumesStrategy"), INERT),
+    **dict.fromkeys(("instancetype", "preference"), UNSUPPORTED),
+}
+DOCUMENT = {"apiVersion": HANDLED, "kind": HANDLED, "metadata": METADATA, "status": INERT}
+
+# Annotations KubeVirt acts on that change the guest and that the launcher does not implement.
+UNSUPPORTED_ANNOTATIONS = ("hooks.kubevirt.io/hookSidecars",)
+
+UNSUPPORTED_RULE = "not supported by the launcher, and it changes what the guest sees; --ignore-unsupported runs without it"
+UNKNOWN_RULE = "unknown field: not in KubeVirt's schema, so its API server would drop it; --ignore-unsupported runs without it"
+
+
+def _walk(value: Any, shape: Any, path: str, found: list[tuple[str, str]]) -> None:
+    if isinstance(shape, ListOf):
+        if isinstance(value, list):
+            for i, item in enumerate(value):
+                _walk(item, shape.shape, f"{path}[{i}]", found)
+        return
+    if not isinstance(shape, dict) or not isinstance(value, dict):
+        return  # leaves, and wrong types the parser reports in its own words
+    for key, child in value.items():
+        where = f"{path}.{key}" if path else str(key)
+        rule = shape.get(key)
+        if rule is None:
+            found.append((where, UNKNOWN_RULE))
+        elif rule == UNSUPPORTED or (rule == UNLESS_FALSE and child not in (None, False)):
+            found.append((where, UNSUPPORTED_RULE))
+        else:
+            _walk(child, rule, where, found)
+
+
+def _default_network_only(spec: dict) -> bool:
+    """One pod network with one masquerade or bridge interface is KubeVirt's own default (what it adds to a
+    VMI without networks), which the launcher documents as not attached: the same VM either way."""
+    networks = spec.get("networks")
+    interfaces = ((spec.get("domain") or {}).get("devices") or {}).get("interfaces")
+    if not (isinstance(networks, list) and isinstance(interfaces, list) and len(networks) == len(interfaces) == 1):
+        return False
+    net, nic = networks[0], interfaces[0]
+    return (isinstance(net, dict) and isinstance(nic, dict) and set(net) == {"name", "pod"} and not net["pod"]
+            and nic.get("name") == net.get("name") and set(nic) - {"name"} in ({"masquerade"}, {"bridge"}))
+
+
+def unsupported_fields(doc: Any) -> list[tuple[str, str]]:
+    """(field path, rule) of every field of a VM or VMI document the launcher would not honour."""
+    if not isinstance(doc, dict):
+        return []
+    vm = doc.get("kind") == "VirtualMachine"
+    shape = {**DOCUMENT, "spec": VM_SPEC if vm else VMI_SPEC}
+    found: list[tuple[str, str]] = []
+    _walk(doc, shape, "", found)
+    template = ((doc.get("spec") or {}).get("template") or {}) if vm else doc
+    spec, prefix = template.get("spec") if isinstance(template, dict) else None, "spec.template.spec" if vm else "spec"
+    if isinstance(spec, dict) and _default_network_only(spec):
+        found = [f for f in found if f[0] not in (f"{prefix}.networks", f"{prefix}.domain.devices.interfaces")]
+    meta = template.get("metadata") if isinstance(template, dict) else None
+    annotations = meta.get("annotations") if isinstance(meta, dict) else None
+    for key in UNSUPPORTED_ANNOTATIONS:
+        if isinstance(annotations, dict) and key in annotations:
+            found.append((f"{'spec.template.' if vm else ''}metadata.annotations[{key}]", UNSUPPORTED_RULE))
+    return found
+
+
+def without(doc: dict, paths: list[str]) -> dict:
+    """A copy of `doc` with the fields at `paths` (as unsupported_fields names them) removed."""
+    out = copy.deepcopy(doc)
+    for path in paths:
+        parent, key = _locate(out, path)
+        if parent is not None:
+            parent.pop(key, None)
+    return out
+
+
+def _locate(doc: Any, path: str) -> tuple[dict | None, str]:
+    tokens: list[Any] = []
+    for part in _split(path):
+        name, _, rest = part.partition("[")
+        if name:
+            tokens.append(name)
+        while rest:
+            index, _, rest = rest.partition("]")
+            tokens.append(int(index) if index.isdigit() else index)
+            rest = rest.removeprefix("[")
+    node = doc
+    for token in tokens[:-1]:
+        try:
+            node = node[token]
+        except (KeyError, IndexError, TypeError):
+            return None, ""
+    return (node, tokens[-1]) if isinstance(node, dict) else (None, "")
+
+
+def _split(path: str) -> list[str]:
+    # Dots inside [...] (annotation keys) do not separate fields.
+    parts, depth, current = [], 0, ""
+    for char in path:
+        if char == "." and depth == 0:
+            parts.append(current)
+            current = ""
+            continue
+        depth += char == "["
+        depth -= char == "]"
+        current += char
+    parts.append(current)
+    return parts

@@ -1,0 +1,134 @@
+"""Nothing in a manifest is dropped silently: every field is implemented, inert, or refused by name
+(launcher.spec.coverage), and --ignore-unsupported drops only what it names."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from launcher.spec import coverage
+from launcher.spec.fields import SpecError
+from launcher.spec.vmi import VOLUME_KINDS, parse_vmi
+
+ROOT = Path(__file__).resolve().parent.parent
+UNSUPPORTED = coverage.UNSUPPORTED_RULE
+UNKNOWN = coverage.UNKNOWN_RULE
+
+
+def vmi(**devices):
+    return {"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance", "metadata": {"name": "v"},
+            "spec": {"domain": {"resources": {"requests": {"memory": "64Mi"}}, "devices": {"disks": [], **devices}},
+                     "volumes": [{"name": "root", "containerDisk": {"image": "x/y:1"}},
+                                 {"name": "data", "persistentVolumeClaim": {"claimName": "data"}}]}}
+
+
+def refusal(doc) -> str:
+    with pytest.raises(SpecError) as err:
+        parse_vmi(doc)
+    return str(err.value)
+
+
+def test_every_volume_kind_the_parser_knows_has_a_shape():
+    assert set(VOLUME_KINDS) <= set(coverage.VOLUME)
+
+
+@pytest.mark.parametrize("path", sorted(p.relative_to(ROOT).as_posix() for p in
+                                        [*ROOT.glob("tests/golden/domain/*.yaml"), *ROOT.glob("examples/*.yaml")]))
+def test_the_projects_own_manifests_use_nothing_unsupported(path):
+    doc = yaml.safe_load((ROOT / path).read_text())
+    doc.pop("x-resolved", None), doc.pop("x-host", None)
+    if doc.get("kind") in ("VirtualMachineInstance", "VirtualMachine"):
+        assert coverage.unsupported_fields(doc) == []
+
+
+# (where in the doc, value, field path named in the refusal, rule)
+CASES = [
+    (("spec", "domain", "devices", "gpus"), [{"name": "g", "deviceName": "nvidia.com/GP102"}], "spec.domain.devices.gpus", UNSUPPORTED),
+    (("spec", "domain", "devices", "hostDevices"), [{"name": "h", "deviceName": "x/y"}], "spec.domain.devices.hostDevices", UNSUPPORTED),
+    (("spec", "domain", "devices", "tpm"), {}, "spec.domain.devices.tpm", UNSUPPORTED),
+    (("spec", "domain", "devices", "rng"), {}, "spec.domain.devices.rng", UNSUPPORTED),
+    (("spec", "domain", "devices", "autoattachVSOCK"), True, "spec.domain.devices.autoattachVSOCK", UNSUPPORTED),
+    (("spec", "domain", "features", "hyperv"), {"relaxed": {}}, "spec.domain.features.hyperv", UNSUPPORTED),
+    (("spec", "domain", "clock"), {"timer": {"hpet": {"present": False}}}, "spec.domain.clock.timer", UNSUPPORTED),
+    (("spec", "domain", "cpu"), {"cores": 2, "features": [{"name": "vmx"}]}, "spec.domain.cpu.features", UNSUPPORTED),
+    (("spec", "domain", "memory"), {"hugepages": {"pageSize": "2Mi"}}, "spec.domain.memory.hugepages", UNSUPPORTED),
+    (("spec", "resourceClaims"), [{"name": "r"}], "spec.resourceClaims", UNSUPPORTED),
+    (("spec", "accessCredentials"), [{"sshPublicKey": {}}], "spec.accessCredentials", UNSUPPORTED),
+    (("spec", "startStrategy"), "Paused", "spec.startStrategy", UNSUPPORTED),
+    (("spec", "networks"), [{"name": "n", "multus": {"networkName": "x"}}], "spec.networks", UNSUPPORTED),
+    (("metadata", "annotations"), {"hooks.kubevirt.io/hookSidecars": "[]"}, "metadata.annotations[hooks.kubevirt.io/hookSidecars]", UNSUPPORTED),
+    # the schema spells it "readonly" (schema.go DiskTarget); KubeVirt's API server drops "readOnly"
+    (("spec", "domain", "devices", "disks"), [{"name": "root", "disk": {"readOnly": True}}], "spec.domain.devices.disks[0].disk.readOnly", UNKNOWN),
+    (("spec", "domain", "devices", "disks"), [{"name": "data", "lun": {"bus": "scsi", "reservation": True}}], "spec.domain.devices.disks[0].lun.reservation", UNSUPPORTED),
+    (("spec", "domain", "devicez"), {}, "spec.domain.devicez", UNKNOWN),
+]
+
+
+def _with(path, value):
+    doc = vmi()
+    node = doc
+    for key in path[:-1]:
+        node = node.setdefault(key, {})
+    node[path[-1]] = value
+    return doc
+
+
+@pytest.mark.parametrize("path,value,field,rule", CASES, ids=[c[2] for c in CASES])
+def test_what_the_launcher_does_not_implement_is_refused_by_name(path, value, field, rule):
+    assert refusal(_with(path, value)) == f"{field}: {rule}"
+
+
+@pytest.mark.parametrize("path,value,field,rule", CASES, ids=[c[2] for c in CASES])
+def test_ignore_unsupported_drops_exactly_what_it_names(path, value, field, rule):
+    doc = _with(path, value)
+    kept = parse_vmi(copy.deepcopy(doc), ignore_unsupported=True)
+    assert kept.ignored == ((field, rule),)
+    assert kept.domain == parse_vmi(coverage.without(doc, [field]), ignore_unsupported=False).domain
+
+
+def test_inert_fields_change_nothing():
+    doc = vmi(autoattachGraphicsDevice=False, autoattachPodInterface=False, autoattachMemBalloon=False)
+    doc["spec"].update(nodeSelector={"a": "b"}, tolerations=[], terminationGracePeriodSeconds=0, evictionStrategy="None",
+                       readinessProbe={"exec": {"command": ["true"]}})
+    doc["spec"]["domain"]["devices"]["disks"] = [{"name": "root", "tag": "boot", "disk": {"bus": "virtio"}}]
+    assert parse_vmi(doc).ignored == ()
+
+
+def test_kubevirts_default_pod_network_is_the_launchers_documented_default():
+    # The same VM either way: KubeVirt adds exactly this to a VMI without networks (the launcher attaches none).
+    doc = vmi(interfaces=[{"name": "default", "masquerade": {}}])
+    doc["spec"]["networks"] = [{"name": "default", "pod": {}}]
+    assert parse_vmi(doc).ignored == ()
+    doc["spec"]["domain"]["devices"]["interfaces"] = [{"name": "default", "masquerade": {}, "macAddress": "02:00:00:00:00:01"}]
+    assert refusal(doc) == f"spec.domain.devices.interfaces: {UNSUPPORTED}"
+
+
+def test_a_virtual_machines_template_is_walked_too():
+    inner = vmi(gpus=[{"name": "g", "deviceName": "x"}])
+    vm = {"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachine", "metadata": {"name": "v"},
+          "spec": {"runStrategy": "Always", "template": {"metadata": {"labels": {"a": "b"}}, "spec": inner["spec"]}}}
+    assert refusal(vm) == f"spec.template.spec.domain.devices.gpus: {UNSUPPORTED}"
+    vm["spec"]["instancetype"] = {"name": "u1.small"}
+    assert parse_vmi(vm, ignore_unsupported=True).ignored[0][0] == "spec.template.spec.domain.devices.gpus"
+
+
+def test_the_cli_refuses_then_names_each_field_it_drops(tmp_path):
+    from tests.conftest import run_launcher
+
+    doc = vmi(gpus=[{"name": "g", "deviceName": "nvidia.com/GP102"}], tpm={})
+    doc["spec"]["volumes"] = [{"name": "scratch", "emptyDisk": {"capacity": "64Mi"}}]
+    spec = tmp_path / "vmi.yaml"
+    spec.write_text(yaml.safe_dump(doc))
+    env = {"DISKKIT_CACHE": str(tmp_path / "cache"), "DISKKIT_ACCEL": "qemu"}
+    refused = run_launcher("domain", spec, env=env)
+    assert refused.code != 0 and refused.err.strip().splitlines() == [f"launcher: spec.domain.devices.gpus: {UNSUPPORTED}"]
+    went_on = run_launcher("domain", "--ignore-unsupported", spec, env=env)
+    assert went_on.code == 0, went_on.err
+    assert went_on.err.splitlines()[:2] == [
+        "launcher: ignoring spec.domain.devices.gpus: not supported by the launcher, and it changes what the guest sees",
+        "launcher: ignoring spec.domain.devices.tpm: not supported by the launcher, and it changes what the guest sees",
+    ]
+    assert "<domain" in went_on.out and "hostdev" not in went_on.out and "tpm" not in went_on.out
