@@ -79,7 +79,17 @@ def test_cdi_validation_messages(source, target, message):
 def test_manifest_identity_and_unsupported_fields():
     assert "must be cdi.kubevirt.io/v1beta1" in refused({**manifest({"blank": {}}), "apiVersion": "cdi.kubevirt.io/v1alpha1"})
     assert "sourceRef" in refused({**manifest({"blank": {}}), "spec": {"sourceRef": {"kind": "DataSource", "name": "f"}, "storage": {}}})
-    assert "archive is not supported" in refused(manifest({"http": {"url": "http://a/b.tar"}}, contentType="archive"))
+    assert parse_data_volume(manifest({"http": {"url": "http://a/b.tar"}}, contentType="archive"), "dv").content_type == "archive"
+
+
+# CDI pkg/apiserver/webhooks/util.go validateContentType, validateBlankSource, validateRegistrySource
+@pytest.mark.parametrize("source,content_type,message", [
+    ({"http": {"url": "http://a/b"}}, "tarball", "DataVolume.spec.contentType: ContentType not one of: kubevirt, archive"),
+    ({"blank": {}}, "archive", "DataVolume.spec.contentType: SourceType cannot be blank and the contentType be archive"),
+    ({"registry": {"url": "docker://r/i:1"}}, "archive", "DataVolume.spec.contentType: ContentType must be kubevirt when Source is Registry"),
+])
+def test_content_type_rules(source, content_type, message):
+    assert message in refused(manifest(source, contentType=content_type))
     assert "RFC 1123" in refused(manifest({"blank": {}}, name="Root_Disk"))
 
 

@@ -292,3 +292,70 @@ def test_registry_over_tls_with_a_ca_from_a_configmap(claims, tls_registry, tmp_
     untrusted = claims.run("import", "untrusted")
     assert untrusted.code == 1 and "DataVolume default/untrusted" in untrusted.err, untrusted.err
     claims.assert_untouched("untrusted")
+
+
+def _tar(path: Path, entries: list[tuple[str, bytes | None, str]], compress: bool = False) -> Path:
+    """entries: (name, data for a file or None for a directory, kind: file|dir|symlink|hardlink|fifo)."""
+    import io
+    import tarfile
+
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for name, data, kind in entries:
+            info = tarfile.TarInfo(name)
+            info.mode = 0o6755 if kind == "file" else 0o755  # setuid bits must not survive
+            if kind == "file":
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+                continue
+            info.type = {"dir": tarfile.DIRTYPE, "symlink": tarfile.SYMTYPE, "hardlink": tarfile.LNKTYPE, "fifo": tarfile.FIFOTYPE}[kind]
+            if kind in ("symlink", "hardlink"):
+                info.linkname = "/etc/passwd"
+            tar.addfile(info)
+    path.write_bytes(gzip.compress(buffer.getvalue()) if compress else buffer.getvalue())
+    return path
+
+
+def test_archive_content_fills_the_claims_filesystem(claims, files):
+    # CDI contentType: archive: the tar's files land in the claim (a virtiofs share's source), no disk.img
+    _tar(files / "share.tar.gz", [("./", None, "dir"), ("./app", None, "dir"), ("./app/config.txt", b"answer=42\n", "file"),
+                                  ("readme", b"hello\n", "file")], compress=True)
+    with FileServer(files) as server:
+        claims.add(dv("share", {"http": {"url": server.url("share.tar.gz")}}, "10Mi", accessModes=["ReadWriteMany"]) |
+                   {"spec": {"contentType": "archive", "source": {"http": {"url": server.url("share.tar.gz")}},
+                             "storage": {"resources": {"requests": {"storage": "10Mi"}}}}})
+        result = claims.run("import", "share")
+    assert result.code == 0, result.err
+    claim = claims.dirs["share"]
+    assert result.out.strip() == str(claim)
+    assert (claim / "app" / "config.txt").read_bytes() == b"answer=42\n" and (claim / "readme").read_bytes() == b"hello\n"
+    assert (claim / "readme").stat().st_mode & 0o7777 == 0o755  # no setuid from the archive
+    assert not (claim / "disk.img").exists()
+    status = claims.status("share")
+    assert status["phase"] == "Succeeded" and status["disk"] is None
+    assert not [p for p in claim.iterdir() if p.name.startswith(".diskkit-")]
+
+
+@pytest.mark.parametrize("entries,member,rule", [
+    ([("../escape", b"x", "file")], "../escape", "its name leaves the claim"),
+    ([("/abs", b"x", "file")], "/abs", "its name leaves the claim"),
+    ([("ok", b"x", "file"), ("link", None, "symlink")], "link", "links are not unpacked"),
+    ([("hard", None, "hardlink")], "hard", "links are not unpacked"),
+    ([("pipe", None, "fifo")], "pipe", "only regular files and directories are unpacked"),
+    (None, None, "cannot process a non tar file as an archive"),
+])
+def test_bad_archives_fail_and_leave_the_claim_alone(claims, files, tmp_path, entries, member, rule):
+    name = f"bad-{abs(hash(rule)) % 10000}.tar"
+    if entries is None:
+        (files / name).write_bytes(b"\x00" * 4096 + b"not a tar")
+    else:
+        _tar(files / name, entries)
+    with FileServer(files) as server:
+        doc = dv("arch", {"http": {"url": server.url(name)}}, "10Mi")
+        doc["spec"]["contentType"] = "archive"
+        claims.add(doc)
+        result = claims.run("import", "arch")
+    assert result.code != 0
+    line = result.err.strip().splitlines()[-1]
+    assert rule in line and (member is None or f"{member}: " in line), line
+    claims.assert_untouched("arch")

@@ -95,7 +95,7 @@ def www(tmp_path_factory):
         yield server
 
 
-def test_run_imports_its_templates_waits_for_a_standalone_datavolume_then_boots(qemu_user, www, registry, tmp_path):
+def test_run_imports_its_templates_and_the_standalone_datavolumes_it_uses_then_boots(qemu_user, www, registry, tmp_path):
     image = f"{registry.host}/dv/data:v1"
     built = run_diskkit("build", NOREG, make_qcow2(tmp_path / "data.qcow2", "48M", pattern=0xAB), "-t", image)
     assert built.code == 0, built.err
@@ -108,17 +108,13 @@ def test_run_imports_its_templates_waits_for_a_standalone_datavolume_then_boots(
     storage = ["--manifests", manifests, *(arg for name, path in claims.items() for arg in ("--pvc", f"{name}={path}"))]
     vmi = _vmi(qemu_user, "dvvm", [("root", "dv-root"), ("rawdata", "dv-raw"), ("regdata", "dv-reg")], [root, regdata])
 
+    # As CDI's controller would, the run imports the standalone DataVolume too, with progress, then boots.
     run = Running(qemu_user, "run", NOREG, "--console", "--timeout", "300", *storage, vmi)
-    run.wait_for("waiting for DataVolume default/rawdata (ImportScheduled; import it with: launcher dv import rawdata)")
-    assert "default_dvvm" not in qemu_user.virsh("list", "--all", "--name").split()  # held back
-    for name in ("root", "regdata"):  # the VM's own templates, imported by the run itself
-        assert (claims[name] / "disk.img").exists()
-        assert json.loads((claims[name] / "datavolume.json").read_text())["phase"] == "Succeeded"
-    assert not (claims["rawdata"] / "disk.img").exists()
-    imported = qemu_user.launcher("dv", "import", "rawdata", *storage)
-    assert imported.code == 0, imported.err
-
     code, out, err = run.finish()
+    for name in ("root", "regdata", "rawdata"):
+        assert json.loads((claims[name] / "datavolume.json").read_text())["phase"] == "Succeeded"
+    assert "DataVolume default/rawdata: http import from" in err
+    assert "DataVolume default/root: ImportInProgress 50%" in err  # the conversion's progress, told as it goes
     assert code == 0, err
     console = parse_console(out)
     assert console["ready"] and console["done"], out

@@ -113,8 +113,9 @@ def import_cmd(name, namespace, vmi_files, as_json, store, registry: RegistryOpt
     """Run a DataVolume's import (http, registry, blank or pvc clone) into its claim, now.
 
     The image is fetched into the claim directory, checked (raw, qcow2, vmdk, vdi, vpc or vhdx, no
-    backing file, fits the claim), converted to a sparse raw disk.img and renamed into place: a
-    failed import leaves the claim as it was. Under a WaitForFirstConsumer storage class the
+    backing file, fits the claim), converted to a sparse raw disk.img and renamed into place; with
+    contentType: archive the tar's files are unpacked into the claim instead. A failed import leaves
+    the claim as it was. Under a WaitForFirstConsumer storage class the
     import waits for a VM to use the claim first.
     """
     from launcher.datavolumes import dvstate
@@ -137,7 +138,7 @@ def import_cmd(name, namespace, vmi_files, as_json, store, registry: RegistryOpt
         with dvstate.work_lock(target, wait=True):
             pass  # it finished (or died): look again
     row = dvstate.describe(target)
-    click.echo(json.dumps(row, indent=2) if as_json else row["disk"])
+    click.echo(json.dumps(row, indent=2) if as_json else row["disk"] or row["claim"])  # an archive fills the claim itself
 
 
 @dv.command("token", epilog="""\b

@@ -1,5 +1,6 @@
-"""The DataVolume controller of the launcher: which DataVolumes a VM needs, importing its own
-templates, and holding the VM back until every one of them has Succeeded (as KubeVirt does).
+"""The DataVolume controller of the launcher: which DataVolumes a VM needs, importing them (its own
+templates and the standalone DataVolumes it uses, as CDI's controller would), and holding the VM back
+until every one of them has Succeeded (as KubeVirt does).
 
 A VM is its DataVolumes' first consumer: under a WaitForFirstConsumer storage class starting it is
 what binds their claims, so the imports (or the upload) can begin.
@@ -28,7 +29,6 @@ Say = Callable[[str], None]
 class Needed:
     dv: DataVolume
     volume: str | None  # the VM volume using it (its mount path in a pod)
-    own: bool  # one of the VM's dataVolumeTemplates: this run imports it
 
 
 def manifests(store: Storage) -> dict[tuple[str, str], DataVolume]:
@@ -66,7 +66,7 @@ def needed(vmi: VMI, store: Storage) -> list[Needed]:
         name = volume.source.name
         dv = own.get(name) or known.get((vmi.namespace, name))
         if dv is not None:
-            out.append(Needed(dv, volume.name, name in own))
+            out.append(Needed(dv, volume.name))
     return out
 
 
@@ -75,13 +75,12 @@ def fill_now(target: Target, store: Storage, registry: RegistryOptions | None, s
     with dvstate.work_lock(target) as got:
         if not got:
             return False
-        status = dvstate.read_status(target)
-        if status.phase == dvm.SUCCEEDED and target.disk.exists():
+        if target.filled(dvstate.read_status(target)):
             return True
         source = target.dv.source
         what = source.url or (f"claim {source.claim_namespace}/{source.claim}" if source.kind == "pvc" else source.kind)
         say(f"DataVolume {target.dv.key}: {source.kind} import from {what} into {target.directory}")
-        for note in importer.fill(target, store, registry):
+        for note in importer.fill(target, store, registry, say):
             say(f"note: {note}")
         say(f"DataVolume {target.dv.key}: Succeeded")
     return True
@@ -90,8 +89,6 @@ def fill_now(target: Target, store: Storage, registry: RegistryOptions | None, s
 def _hint(item: Needed, phase: str) -> str:
     if item.dv.source.kind == "upload" and phase in (dvm.UPLOAD_SCHEDULED, dvm.UPLOAD_READY):
         return f"; upload it with: diskkit upload {item.dv.key} FILE"
-    if not item.own and phase in (dvm.PENDING, dvm.IMPORT_SCHEDULED, dvm.CLONE_SCHEDULED):
-        return f"; import it with: launcher dv import {item.dv.name}"
     return ""
 
 
@@ -117,9 +114,11 @@ def ensure_ready(vmi: VMI, store: Storage, registry: RegistryOptions | None, tim
         for item, target in targets:
             status = dvstate.read_status(target)
             phase = dvstate.current_phase(target, status)
-            if phase == dvm.SUCCEEDED and target.disk.exists():
+            if target.filled(status):
                 continue
-            if item.own and item.dv.source.kind != "upload" and not dvstate.worker_alive(target):
+            # As CDI's controller, the run starts every import its VM waits for, the VM's own templates
+            # and standalone DataVolumes alike, unless another worker already has it.
+            if item.dv.source.kind != "upload" and not dvstate.worker_alive(target):
                 if fill_now(target, store, registry, say):
                     continue  # done now (a failure raised)
             elif phase == dvm.FAILED:

@@ -46,6 +46,10 @@ class Target:
     def disk(self) -> Path:
         return self.directory / "disk.img"
 
+    def filled(self, status: Status) -> bool:
+        """Succeeded, with its content in place: disk.img, or for an archive the files it unpacked."""
+        return status.phase == dvm.SUCCEEDED and (self.dv.content_type == "archive" or self.disk.exists())
+
     @property
     def state_path(self) -> Path:
         return self.directory / STATE_FILE

@@ -18,6 +18,7 @@ import time
 import zlib
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 from urllib.parse import urlsplit, urlunsplit
 
 from diskkit.disk import diskheader, qemuimg
@@ -25,7 +26,7 @@ from diskkit.errors import DiskkitError
 from diskkit.registry.options import RegistryOptions
 from diskkit.streams.fsutil import fsync_dir
 from diskkit.streams.sparse import SparseWriter
-from launcher.datavolumes import dvstate
+from launcher.datavolumes import archive, dvstate
 from launcher.datavolumes.dvstate import Target
 from launcher.spec import datavolume as dvm
 from launcher.spec.k8s import Objects, read_secret
@@ -41,17 +42,26 @@ ACCESS_KEY, SECRET_KEY = "accessKeyId", "secretKey"  # CDI's endpoint secret key
 
 
 class Progress:
-    """Percent done, recorded in the state file as CDI's status.progress ("45.67%"), at most once a second."""
+    """Percent done, recorded in the state file as CDI's status.progress ("45.67%"), at most once a second,
+    and told to `say` (when given) at each quarter."""
 
-    def __init__(self, target: Target):
-        self.target = target
+    def __init__(self, target: Target, say: Callable[[str], None] | None = None):
+        self.target, self.say = target, say
         self._last = 0.0
+        self._quarter = 0
 
     def __call__(self, percent: float, force: bool = False) -> None:
         now = time.monotonic()
+        percent = min(percent, 100.0)
         if force or now - self._last >= PROGRESS_EVERY:
             self._last = now
-            dvstate.record(self.target, progress=f"{min(percent, 100.0):.2f}%")
+            dvstate.record(self.target, progress=f"{percent:.2f}%")
+        quarter = int(percent // 25)
+        if self.say is not None and 0 < quarter < 4 and quarter > self._quarter:
+            self._quarter = quarter
+            self.say(f"DataVolume {self.target.dv.key}: {self.target.dv.running_phase} {quarter * 25}%")
+        elif percent == 0:
+            self._quarter = 0  # a new stage (the conversion after the download) counts again
 
 
 def scratch(target: Target, what: str) -> Path:
@@ -353,7 +363,7 @@ def _clone(target: Target, store: Storage, progress: Progress, tolerance: int) -
 
 # ---------------------------------------------------------------- the whole job
 
-def fill(target: Target, store: Storage, registry: RegistryOptions | None) -> list[str]:
+def fill(target: Target, store: Storage, registry: RegistryOptions | None, say: Callable[[str], None] | None = None) -> list[str]:
     """Import, clone or create the DataVolume's disk, recording each phase. The caller holds the work lock.
 
     Returns notes (KubeVirt's ToleratedSmallPV text when the claim is short of space).
@@ -364,7 +374,7 @@ def fill(target: Target, store: Storage, registry: RegistryOptions | None) -> li
                                                    " write; remove it to import again")
     dvstate.remove_scratch(target)
     dvstate.record(target, phase=dv.running_phase, progress="0.00%", message=None, pid=os.getpid())
-    progress = Progress(target)
+    progress = Progress(target, say)
     work = scratch(target, "work")
     work.mkdir()
     try:
@@ -377,8 +387,12 @@ def fill(target: Target, store: Storage, registry: RegistryOptions | None) -> li
                 staged, shown = _http(target, store, progress, work)
             else:
                 staged, shown = _registry(target, store, registry or RegistryOptions(), work)
-            progress(0.0, force=True)
-            notes = install(target, staged, shown, progress, store.tolerance)
+            if dv.content_type == "archive":
+                archive.unpack(staged, target.directory, work, target.size, shown, give_to_qemu)
+                notes = []
+            else:
+                progress(0.0, force=True)
+                notes = install(target, staged, shown, progress, store.tolerance)
     except DiskkitError as exc:
         failure = exc if (exc.subject or "").startswith("DataVolume") else DiskkitError(f"DataVolume {dv.key}", exc.line())
         dvstate.record(target, phase=dvm.FAILED, message=failure.line(), pid=None)

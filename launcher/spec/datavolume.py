@@ -60,6 +60,7 @@ class DataVolume:
     storage_class: str | None
     volume_mode: str | None
     origin: str  # where it was defined, for error messages
+    content_type: str = "kubevirt"  # "archive": a tar whose files fill the claim's filesystem (no disk.img)
 
     @property
     def key(self) -> str:
@@ -157,8 +158,7 @@ def parse_data_volume(doc: Any, at: str, default_namespace: str = DEFAULT_NAMESP
     sat = f"{at}.spec"
     spec = as_map(doc.get("spec"), sat)
     source = _source(spec, sat, namespace)
-    if spec.get("contentType") not in (None, "", "kubevirt"):
-        raise SpecError(f"{sat}.contentType", f"{spec['contentType']} is not supported by the launcher (kubevirt only)")
+    content_type = _content_type(spec.get("contentType"), source, sat)
 
     pvc, storage = spec.get("pvc"), spec.get("storage")
     if pvc is None and storage is None:
@@ -185,7 +185,25 @@ def parse_data_volume(doc: Any, at: str, default_namespace: str = DEFAULT_NAMESP
     volume_mode = get_str(target, "volumeMode", target_at)
     if volume_mode not in (None, "Filesystem", "Block"):
         raise SpecError(f"{target_at}.volumeMode", f'Unsupported value: "{volume_mode}": supported values: "Block", "Filesystem"')
-    return DataVolume(name, namespace, source, size, get_str(target, "storageClassName", target_at), volume_mode, at)
+    if content_type == "archive" and volume_mode == "Block":
+        raise SpecError(f"{target_at}.volumeMode", "contentType archive needs a Filesystem claim to unpack into")
+    return DataVolume(name, namespace, source, size, get_str(target, "storageClassName", target_at), volume_mode, at,
+                      content_type)
+
+
+def _content_type(value: Any, source: Source, at: str) -> str:
+    """CDI's webhook (pkg/apiserver/webhooks/util.go): kubevirt or archive; not archive for blank or registry."""
+    if value in (None, ""):
+        return "kubevirt"
+    if value not in ("kubevirt", "archive"):
+        raise SpecError(f"{at}.contentType", "ContentType not one of: kubevirt, archive")
+    if value == "archive" and source.kind == "blank":
+        raise SpecError(f"{at}.contentType", "SourceType cannot be blank and the contentType be archive")
+    if value == "archive" and source.kind == "registry":
+        raise SpecError(f"{at}.contentType", "ContentType must be kubevirt when Source is Registry")
+    if value == "archive" and source.kind == "pvc":
+        raise SpecError(f"{at}.contentType", "cloning an archive claim is not supported by the launcher")
+    return value
 
 
 def templates(items: Any, at: str, namespace: str) -> tuple[DataVolume, ...]:
