@@ -164,3 +164,29 @@ def test_checksum_mismatch_and_virtctl_one_shot_post(tmp_path, serve, guest):
     post = requests.post(f"{server.url}/v1beta1/upload", data=data, headers={"Authorization": f"Bearer {server.token('cdi')}"})
     assert post.status_code == 200 and post.json()["phase"] == "Succeeded", post.text
     assert subprocess.run(["qemu-img", "compare", "-q", "-f", "raw", "-F", "qcow2", claims.dirs["cdi"] / "disk.img", guest]).returncode == 0
+
+
+def test_an_archive_upload_fills_the_claims_filesystem(tmp_path, serve):
+    # CDI allows contentType archive for upload sources: the tar's files land in the claim
+    import io
+    import tarfile
+
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for name, data in (("etc/app.conf", b"mode=lazy\n"), ("index.html", b"<p>hi</p>\n")):
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = len(data), 0o644
+            tar.addfile(info, io.BytesIO(data))
+    archive = tmp_path / "site.tar"
+    archive.write_bytes(buffer.getvalue())
+    claims = Claims(tmp_path)
+    doc = dv("site", {"upload": {}}, "10Mi")
+    doc["spec"]["contentType"] = "archive"
+    claims.add(doc)
+    server = serve(claims)
+    result = upload("site", archive, server.url, server.token("site"))
+    assert result.code == 0, result.err
+    claim = claims.dirs["site"]
+    assert (claim / "etc" / "app.conf").read_bytes() == b"mode=lazy\n" and (claim / "index.html").read_bytes() == b"<p>hi</p>\n"
+    assert not (claim / "disk.img").exists() and not (claim / ".diskkit-upload.part").exists()
+    assert json.loads(result.out)["phase"] == "Succeeded"

@@ -29,6 +29,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import socketserver
 import ssl
 import threading
@@ -40,10 +41,11 @@ from urllib.parse import urlsplit
 
 from diskkit.errors import DiskkitError
 from diskkit.streams.sparse import SparseWriter
-from launcher.datavolumes import dvstate, importer
+from launcher.datavolumes import archive, dvstate, importer
 from launcher.datavolumes.dvstate import Target
 from launcher.spec import datavolume as dvm
 from launcher.spec.datavolume import DataVolume
+from launcher.volumes.files import give_to_qemu
 from launcher.volumes.storage import Storage
 
 PREFIX = "/diskkit/v1/uploads/"
@@ -261,7 +263,7 @@ class UploadServer:
             shown = f"upload to DataVolume {up.dv.key}"
             self.say(f"DataVolume {up.dv.key}: received {size} bytes, converting")
             try:
-                notes = importer.install(up.target, part, shown, importer.Progress(up.target), self.store.tolerance)
+                notes = self._install(up, part, shown)
             except DiskkitError as exc:
                 part.unlink(missing_ok=True)  # resuming cannot fix a bad image
                 dvstate.remove_scratch(up.target)
@@ -273,7 +275,19 @@ class UploadServer:
             dvstate.record(up.target, phase=dvm.SUCCEEDED, progress="100.0%", message="Upload Complete")
             self.say(f"DataVolume {up.dv.key}: Succeeded")
             return {"name": up.dv.name, "namespace": up.dv.namespace, "phase": dvm.SUCCEEDED,
-                    "size": up.target.disk.stat().st_size, "sha256": digest, "notes": notes}
+                    "size": up.target.disk.stat().st_size if up.target.disk.exists() else size, "sha256": digest, "notes": notes}
+
+    def _install(self, up: _Upload, part: Path, shown: str) -> list[str]:
+        if up.dv.content_type != "archive":
+            return importer.install(up.target, part, shown, importer.Progress(up.target), self.store.tolerance)
+        work = importer.scratch(up.target, "work")
+        work.mkdir()
+        try:
+            archive.unpack(part, up.target.directory, work, up.target.size, shown, give_to_qemu)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        part.unlink()
+        return []
 
     def discard(self, up: _Upload) -> dict:
         with _working(up):
