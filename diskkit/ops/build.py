@@ -152,7 +152,9 @@ def split_artifact(value: str, default_path: str, flag: str) -> tuple[str, Path]
     problem = path_problem(image_path)
     if problem:
         raise DiskkitError(f"{flag} {image_path}", problem)
-    return image_path.removesuffix("/"), Path(local)
+    if image_path.endswith("/"):
+        raise DiskkitError(f"{flag} {image_path}", "names a directory; give the file's path in the image")
+    return image_path, Path(local)
 
 
 def build(opts: BuildOptions, reporter: Reporter, registry: RegistryOptions | None = None) -> BuildResult:
@@ -162,6 +164,9 @@ def build(opts: BuildOptions, reporter: Reporter, registry: RegistryOptions | No
         raise DiskkitError("--format", f"must be one of {', '.join(DISK_FORMATS)}")
     if opts.path is not None and (problem := path_problem(opts.path)):
         raise DiskkitError(f"--path {opts.path}", problem)
+    if opts.path is not None and opts.path.endswith("/"):
+        # KubeVirt would take "/disk/" for the file /disk; a build is told where to write the file.
+        raise DiskkitError(f"--path {opts.path}", "names a directory; give the disk file's path, e.g. /disk/disk.qcow2")
     for artifact in (opts.kernel, opts.initrd):
         if artifact:
             check_input_file(artifact[1], "kernel-boot file")
@@ -196,8 +201,7 @@ def build(opts: BuildOptions, reporter: Reporter, registry: RegistryOptions | No
 def _build_one(opts, dest, plat: Platform, source: Path, info, workdir: Path, reporter: Reporter, child: bool) -> BuildResult:
     workdir.mkdir(parents=True)
     disk_file, disk_format = _prepare_format(opts, source, info, workdir, reporter)
-    # KubeVirt accepts one trailing slash on a file's path and opens the file itself.
-    image_disk_path = opts.path.removesuffix("/") if opts.path else f"/disk/{_disk_name(source, disk_file, disk_format)}"
+    image_disk_path = opts.path or f"/disk/{_disk_name(source, disk_file, disk_format)}"
     files = [(image_disk_path, disk_file)]
     files += [a for a in (opts.kernel, opts.initrd) if a]
     entries = entries_for(files)
