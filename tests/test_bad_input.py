@@ -94,7 +94,7 @@ def test_qcow2_with_external_data_file(diskkit, tmp_path, outdir):
         ("/disk/../etc/x", "must be an absolute path to a file without relative components"),
         ("disk/x.qcow2", "must be an absolute path to a file without relative components"),
         ("/disk//x.qcow2", "must be an absolute path to a file without relative components"),
-        ("/disk/", "must be an absolute path to a file without relative components"),
+        ("/disk/", "names a directory; give the disk file's path, e.g. /disk/disk.qcow2"),
         ("/", "must not point to root"),
     ],
 )
