@@ -104,6 +104,26 @@ def test_block_mode_claim_keeps_what_the_guest_wrote(qemu_user, guest_image, loo
     assert_clean(qemu_user, "default_blockpvc")
 
 
+def test_a_block_claim_as_ephemeral_base_and_with_matched_block_sizes(qemu_user, guest_image, loop_device):
+    # converter.go SetDriverCacheMode: the overlay over a block device is writethrough (the backing store's
+    # file probe finds no file); storage/disk.go getOptimalBlockIOForDevice: the device's own sizes.
+    import xml.etree.ElementTree as ET
+
+    extra = [({"name": "scratch", "disk": {"bus": "virtio"}}, {"name": "scratch", "ephemeral": {"persistentVolumeClaim": {"claimName": "raw-claim"}}}),
+             ({"name": "direct", "disk": {"bus": "virtio"}, "blockSize": {"matchVolume": {}}},
+              {"name": "direct", "persistentVolumeClaim": {"claimName": "raw-claim"}})]
+    vmi = qemu_user.write_vmi("blockeph", guest_image, extra=extra)
+    result = qemu_user.launcher("domain", NOREG, "--pvc", f"raw-claim={loop_device}", vmi)
+    assert result.code == 0, result.err
+    disks = {d.find("alias").get("name"): d for d in ET.fromstring(result.out).iter("disk")}
+    assert disks["ua-scratch"].find("driver").get("cache") == "writethrough"
+    assert disks["ua-scratch"].find("backingStore/source").get("dev") == str(loop_device)
+    blockio = disks["ua-direct"].find("blockio")
+    sysfs = Path("/sys/class/block") / loop_device.name / "queue"
+    assert (blockio.get("logical_block_size"), blockio.get("physical_block_size")) == (
+        (sysfs / "logical_block_size").read_text().strip(), (sysfs / "physical_block_size").read_text().strip())
+
+
 def test_claim_on_a_small_filesystem_is_tolerated_or_refused(qemu_user, guest_image):
     mount = qemu_user.root / "small-claim"
     mount.mkdir()

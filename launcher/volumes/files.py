@@ -106,7 +106,10 @@ def overlay(path: Path, base: Path, base_format: str, create: bool) -> ResolvedD
         path.parent.mkdir(parents=True, exist_ok=True)
         qemuimg.create_overlay(base, base_format, path)
     probe = path if create else base
-    direct = direct_io_supported(probe) and direct_io_supported(base)
-    backing_type = "block" if is_block(base) else "file"
+    # converter.go SetDriverCacheMode probes the backing store's *file* source; a block device base has
+    # none, the probe of "" fails, and KubeVirt falls back to writethrough. Do as it does.
+    backing_block = is_block(base)
+    direct = direct_io_supported(probe) and not backing_block and direct_io_supported(base)
+    backing_type = "block" if backing_block else "file"
     return ResolvedDisk(str(path), "qcow2", backing=(str(base), base_format), direct_io=direct, backing_type=backing_type,
                         block_io=block_io(probe))
