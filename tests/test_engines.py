@@ -144,3 +144,43 @@ def test_references_skopeo_refuses(ref, words, tmp_path):
 def test_destination_must_be_name_and_tag(tmp_path, disk):
     result = run_diskkit("build", disk, "-t", "docker-daemon:x@sha256:" + "0" * 64, env={"DOCKER_HOST": f"unix://{tmp_path}/no.sock"})
     assert result.code != 0 and "a destination must be a name:tag" in result.err, result.err
+
+
+# --- containers-storage: podman's store through its service; skopeo opens the same store directly ---
+
+def storage_env(podman) -> dict:
+    return {**podman.env, "CONTAINER_HOST": podman.host}
+
+
+def test_built_into_podman_store_is_what_skopeo_reads_there(podman, disk, tmp_path):
+    built = run_diskkit("build", disk, "-t", "containers-storage:example.com/vm/stored:v1", env=storage_env(podman))
+    assert built.code == 0, built.err
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    out = run_diskkit("push", "containers-storage:example.com/vm/stored:v1", f"oci:{ours}:v1", env=storage_env(podman))
+    assert out.code == 0, out.err
+    skopeo(podman, "copy", "containers-storage:example.com/vm/stored:v1", f"oci:{theirs}:v1")
+    our_manifest, our_config = layout_image(ours, "v1")
+    their_manifest, their_config = layout_image(theirs, "v1")
+    assert our_config == their_config
+    assert layer_diff_ids(ours, our_manifest) == layer_diff_ids(theirs, their_manifest) == our_config["rootfs"]["diff_ids"]
+
+
+def test_short_names_mean_docker_io_library_and_latest(podman, disk, tmp_path):
+    src = tmp_path / "src"
+    assert run_diskkit("build", disk, "-t", f"oci:{src}:v1").code == 0
+    skopeo(podman, "copy", f"oci:{src}:v1", "containers-storage:shortdisk")
+    _, src_config = layout_image(src, "v1")
+    for ref in ("containers-storage:shortdisk", "containers-storage:docker.io/library/shortdisk:latest"):
+        out = tmp_path / ref.rpartition(":")[2].replace("/", "_")
+        result = run_diskkit("push", ref, f"oci:{out}:v1", env=storage_env(podman))
+        assert result.code == 0, result.err
+        assert layout_image(out, "v1")[1] == src_config
+    assert "docker.io/library/shortdisk:latest" in image_tags(podman)
+    # Written by us under a short name, skopeo finds it under the long one.
+    assert run_diskkit("push", f"oci:{src}:v1", "containers-storage:shortdisk2", env=storage_env(podman)).code == 0
+    skopeo(podman, "inspect", "containers-storage:docker.io/library/shortdisk2:latest")
+
+
+def test_store_specifiers_are_refused(tmp_path):
+    result = run_diskkit("push", "containers-storage:[vfs@/tmp/g+/tmp/r]x:v1", f"oci:{tmp_path / 'x'}:v1")
+    assert result.code != 0 and "store specifiers" in result.err and "CONTAINER_HOST" in result.err

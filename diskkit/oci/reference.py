@@ -1,6 +1,6 @@
 """Image references in the containers-transports syntax that skopeo and podman users type.
 
-`oci:DIR[:TAG]`, `oci-archive:FILE[:TAG]`, `docker-archive:FILE[:NAME:TAG]`, `docker-daemon:NAME:TAG`,
+`oci:DIR[:TAG]`, `oci-archive:FILE[:TAG]`, `docker-archive:FILE[:NAME:TAG]`, `docker-daemon:NAME:TAG`, `containers-storage:NAME[:TAG]`,
 `docker://HOST/REPO[:TAG|@DIGEST]`,
 and a bare `HOST/REPO:TAG`, which means `docker://` as it does for podman.
 """
@@ -19,7 +19,7 @@ _COMPONENT = re.compile(r"^[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*$")
 _HOST = re.compile(r"^(?:[a-zA-Z0-9-]+\.)*[a-zA-Z0-9-]+(?::[0-9]+)?$|^\[[0-9a-fA-F:.]+\](?::[0-9]+)?$")
 
 LOCAL_TRANSPORTS = ("oci", "oci-archive", "docker-archive")
-ENGINE_TRANSPORTS = ("docker-daemon",)
+ENGINE_TRANSPORTS = ("docker-daemon", "containers-storage")
 TRANSPORTS = LOCAL_TRANSPORTS + ENGINE_TRANSPORTS + ("docker",)
 
 
@@ -104,6 +104,8 @@ class ImageRef:
             return f"docker-archive:{self.path}:{self.name.familiar()}"
         if self.transport == "docker-daemon":
             return f"docker-daemon:{self.name.familiar_ref() if self.name else self.tag}"
+        if self.transport == "containers-storage":
+            return f"containers-storage:{self.name or self.tag}"
         return f"{self.transport}:{self.path}" + (f":{self.tag}" if self.tag else "")
 
 
@@ -127,8 +129,10 @@ def parse_ref(text: str) -> ImageRef:
         return ImageRef(transport, path=path, tag=tag or None)
     if sep and transport == "docker-daemon":
         return _parse_daemon_ref(text, rest)
-    if sep and transport in ("containers-storage", "dir", "ostree", "sif"):
-        raise DiskkitError(text, f"transport {transport}: is not supported; use oci:, oci-archive:, docker-archive:, docker-daemon: or docker://")
+    if sep and transport == "containers-storage":
+        return _parse_storage_ref(text, rest)
+    if sep and transport in ("dir", "ostree", "sif"):
+        raise DiskkitError(text, f"transport {transport}: is not supported; use oci:, oci-archive:, docker-archive:, docker-daemon:, containers-storage: or docker://")
     if "/" in text and not text.startswith(("/", ".")):
         return ImageRef("docker", name=parse_docker_name(text))
     raise DiskkitError(
@@ -152,3 +156,18 @@ def _parse_daemon_ref(text: str, rest: str) -> ImageRef:
     if name.repository == "library/sha256" and name.registry == DEFAULT_REGISTRY:
         raise DiskkitError(text, f"Invalid docker-daemon: reference {rest}: The sha256 repository name is reserved for (non-shortened) digest references")
     return ImageRef("docker-daemon", name=name)
+
+
+def _parse_storage_ref(text: str, rest: str) -> ImageRef:
+    """`containers-storage:NAME[:TAG|@DIGEST]` or an image ID. As containers/image reads it
+    (storage/storage_transport.go: ParseStoreReference) a short name means docker.io/library/NAME and
+    a missing tag `latest`; the store is podman's, reached through its service, so a
+    `[driver@graphroot+runroot]` store specifier cannot be honoured and is refused."""
+    if rest.startswith("["):
+        raise DiskkitError(text, "containers-storage: store specifiers [driver@graphroot+runroot] are not supported; point CONTAINER_HOST at the podman service of that store")
+    ident = rest.removeprefix("sha256:")
+    if re.match(r"^[0-9a-f]{64}$", ident):
+        return ImageRef("containers-storage", tag=ident)
+    if "@" in rest and re.match(r"^[0-9a-f]{64}$", rest.rpartition("@")[2]):
+        raise DiskkitError(text, "containers-storage: NAME@IMAGE-ID references are not supported; give the name or the image ID")
+    return ImageRef("containers-storage", name=parse_docker_name(rest, "containers-storage reference"))

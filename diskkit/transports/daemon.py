@@ -3,6 +3,10 @@ through its API as skopeo does (containers/image docker/daemon: a source is the 
 stream of one image, a destination is a `docker load` of a docker-archive). podman's Docker-compatible
 service answers the same API. DOCKER_HOST picks the engine, as for the docker CLI.
 
+`containers-storage:NAME[:TAG]` is podman's image store. skopeo opens the store's files itself; here
+podman's service is asked through the same API (CONTAINER_HOST, as for `podman --remote`, else the
+service's default socket), so the store's locks and layout stay podman's business.
+
 The save stream is not seekable and the archive's manifest.json may come last, so it is spooled to a
 temporary file and read in place from there; the load is sent from the finished archive file. Neither
 holds a layer in memory.
@@ -23,20 +27,39 @@ SPOOL_CHUNK = 1 << 20
 API_TIMEOUT = 600
 
 
-def engine_host() -> str:
-    return os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+def engine_host(ref: ImageRef) -> tuple[str, str]:
+    """(address, the variable that sets it) of the engine serving `ref`'s transport."""
+    if ref.transport == "containers-storage":
+        if os.environ.get("CONTAINER_HOST"):
+            return os.environ["CONTAINER_HOST"], "CONTAINER_HOST"
+        if os.geteuid() == 0:
+            return "unix:///run/podman/podman.sock", "CONTAINER_HOST"
+        runtime = os.environ.get("XDG_RUNTIME_DIR") or f"/run/user/{os.geteuid()}"
+        return f"unix://{runtime}/podman/podman.sock", "CONTAINER_HOST"
+    return os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock", "DOCKER_HOST"
 
 
-def _client(where: str):
+def _client(ref: ImageRef):
     import docker
 
+    host, variable = engine_host(ref)
     try:
-        # The docker SDK reads DOCKER_HOST, DOCKER_TLS_VERIFY and DOCKER_CERT_PATH as the CLI does.
-        client = docker.APIClient(**docker.utils.kwargs_from_env(), version="auto", timeout=API_TIMEOUT)
+        if variable == "DOCKER_HOST":
+            # The docker SDK reads DOCKER_HOST, DOCKER_TLS_VERIFY and DOCKER_CERT_PATH as the CLI does.
+            client = docker.APIClient(**docker.utils.kwargs_from_env(), version="auto", timeout=API_TIMEOUT)
+        else:
+            client = docker.APIClient(base_url=host, version="auto", timeout=API_TIMEOUT)
         client.ping()
         return client
     except docker.errors.DockerException as exc:
-        raise DiskkitError(where, f"cannot reach the container engine at {engine_host()} ({_reason(exc)}); set DOCKER_HOST") from None
+        raise DiskkitError(str(ref), f"cannot reach the container engine at {host} ({_reason(exc)}); set {variable}") from None
+
+
+def _api_name(ref: ImageRef) -> str:
+    """The name the engine is asked for: docker's familiar form, or the full one podman stores."""
+    if ref.name is None:
+        return ref.tag
+    return ref.name.familiar_ref() if ref.transport == "docker-daemon" else str(ref.name)
 
 
 def _reason(exc: Exception) -> str:
@@ -53,8 +76,9 @@ class DaemonSource(DockerArchiveSource):
         import docker
 
         where = str(ref)
-        client = _client(where)
-        wanted = ref.tag if ref.name is None else ref.name.familiar_ref()
+        client = _client(ref)
+        host = engine_host(ref)[0]
+        wanted = _api_name(ref)
         self.spool = _spool_dir()
         archive = self.spool / "image.tar"
         try:
@@ -64,9 +88,9 @@ class DaemonSource(DockerArchiveSource):
                     for chunk in stream:
                         out.write(chunk)
             except docker.errors.NotFound:
-                raise DiskkitError(where, f"no such image in the engine at {engine_host()}") from None
+                raise DiskkitError(where, f"no such image in the engine at {host}") from None
             except docker.errors.DockerException as exc:
-                raise DiskkitError(where, f"the engine at {engine_host()} could not save the image ({_reason(exc)})") from None
+                raise DiskkitError(where, f"the engine at {host} could not save the image ({_reason(exc)})") from None
             # One image was asked for, so the archive's single entry is it, whatever its RepoTags say.
             super().__init__(ImageRef("docker-archive", path=str(archive)))
         except BaseException:
@@ -83,10 +107,11 @@ class DaemonSource(DockerArchiveSource):
 class DaemonDestination(DockerArchiveDestination):
     def __init__(self, ref: ImageRef, created: int = 0):
         if ref.name is None or ref.name.digest:
-            # containers/image docker/daemon/daemon_dest.go refuses the same.
+            # containers/image docker/daemon/daemon_dest.go refuses the same; a store keeps tags only.
             raise DiskkitError(str(ref), f"Invalid destination {ref}: a destination must be a name:tag")
         self.where = str(ref)
-        self.client = _client(self.where)
+        self.host = engine_host(ref)[0]
+        self.client = _client(ref)
         self.spool = _spool_dir()
         super().__init__(ImageRef("docker-archive", path=str(self.spool / "image.tar"), name=ref.name))
 
@@ -105,7 +130,7 @@ class DaemonDestination(DockerArchiveDestination):
                     if error:
                         raise DiskkitError(self.where, f"the engine refused the image: {error}")
         except docker.errors.DockerException as exc:
-            raise DiskkitError(self.where, f"the engine at {engine_host()} could not load the image ({_reason(exc)})") from None
+            raise DiskkitError(self.where, f"the engine at {self.host} could not load the image ({_reason(exc)})") from None
         finally:
             self._cleanup()
 
