@@ -47,8 +47,8 @@ def cli() -> None:
     """Package VM disks as OCI images that KubeVirt boots as containerDisks. No container engine needed.
 
     Image references use the containers-transports syntax: oci:DIR[:TAG], oci-archive:FILE[:TAG],
-    docker-archive:FILE[:NAME:TAG], docker-daemon:NAME:TAG (the engine DOCKER_HOST names: dockerd or
-    podman's service).
+    docker-archive:FILE[:NAME:TAG], dir:DIR, docker-daemon:NAME:TAG (the engine DOCKER_HOST names:
+    dockerd or podman's service), containers-storage:NAME[:TAG] (podman's store, via CONTAINER_HOST).
     """
 
 

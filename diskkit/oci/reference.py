@@ -1,6 +1,6 @@
 """Image references in the containers-transports syntax that skopeo and podman users type.
 
-`oci:DIR[:TAG]`, `oci-archive:FILE[:TAG]`, `docker-archive:FILE[:NAME:TAG]`, `docker-daemon:NAME:TAG`, `containers-storage:NAME[:TAG]`,
+`oci:DIR[:TAG]`, `oci-archive:FILE[:TAG]`, `docker-archive:FILE[:NAME:TAG]`, `dir:DIR`, `docker-daemon:NAME:TAG`, `containers-storage:NAME[:TAG]`,
 `docker://HOST/REPO[:TAG|@DIGEST]`,
 and a bare `HOST/REPO:TAG`, which means `docker://` as it does for podman.
 """
@@ -20,7 +20,7 @@ _HOST = re.compile(r"^(?:[a-zA-Z0-9-]+\.)*[a-zA-Z0-9-]+(?::[0-9]+)?$|^\[[0-9a-fA
 
 LOCAL_TRANSPORTS = ("oci", "oci-archive", "docker-archive")
 ENGINE_TRANSPORTS = ("docker-daemon", "containers-storage")
-TRANSPORTS = LOCAL_TRANSPORTS + ENGINE_TRANSPORTS + ("docker",)
+TRANSPORTS = LOCAL_TRANSPORTS + ("dir",) + ENGINE_TRANSPORTS + ("docker",)
 
 
 @dataclass(frozen=True)
@@ -131,8 +131,13 @@ def parse_ref(text: str) -> ImageRef:
         return _parse_daemon_ref(text, rest)
     if sep and transport == "containers-storage":
         return _parse_storage_ref(text, rest)
-    if sep and transport in ("dir", "ostree", "sif"):
-        raise DiskkitError(text, f"transport {transport}: is not supported; use oci:, oci-archive:, docker-archive:, docker-daemon:, containers-storage: or docker://")
+    if sep and transport == "dir":
+        # containers/image directory transport: everything after `dir:` is the path, colons included.
+        if not rest:
+            raise DiskkitError(text, "dir: needs a path")
+        return ImageRef("dir", path=rest)
+    if sep and transport in ("ostree", "sif"):
+        raise DiskkitError(text, f"transport {transport}: is not supported; use oci:, oci-archive:, docker-archive:, dir:, docker-daemon:, containers-storage: or docker://")
     if "/" in text and not text.startswith(("/", ".")):
         return ImageRef("docker", name=parse_docker_name(text))
     raise DiskkitError(
