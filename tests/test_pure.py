@@ -35,7 +35,20 @@ def test_docker_refs_are_normalised_like_distribution():
     assert parse_ref("docker-archive:d.tar:fedora").name.familiar() == "fedora:latest"
 
 
-@pytest.mark.parametrize("text", ["nonsense", "docker://UPPER/case", "containers-storage:x", "oci:", "docker://h/r@sha256:short"])
+def test_engine_refs_as_containers_image_reads_them():
+    # docker/daemon/daemon_transport.go and storage/storage_transport.go in containers/image.
+    assert str(parse_ref("docker-daemon:fedora:40")) == "docker-daemon:fedora:40"
+    assert str(parse_ref("docker-daemon:quay.io/me/x@sha256:" + "b" * 64)) == "docker-daemon:quay.io/me/x@sha256:" + "b" * 64
+    assert parse_ref("docker-daemon:sha256:" + "c" * 64).tag == "sha256:" + "c" * 64
+    assert str(parse_ref("containers-storage:fedora")) == "containers-storage:docker.io/library/fedora:latest"
+    assert str(parse_ref("containers-storage:localhost/x:1")) == "containers-storage:localhost/x:1"
+    assert parse_ref("containers-storage:" + "d" * 64).tag == "d" * 64
+
+
+@pytest.mark.parametrize("text", [
+    "nonsense", "docker://UPPER/case", "ostree:x", "oci:", "docker://h/r@sha256:short", "docker-daemon:fedora",
+    "docker-daemon:sha512:" + "a" * 128, "containers-storage:[vfs@/a+/b]x", "containers-storage:Upper",
+])
 def test_bad_refs(text):
     with pytest.raises(DiskkitError):
         parse_ref(text)

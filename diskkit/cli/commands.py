@@ -47,7 +47,8 @@ def cli() -> None:
     """Package VM disks as OCI images that KubeVirt boots as containerDisks. No container engine needed.
 
     Image references use the containers-transports syntax: oci:DIR[:TAG], oci-archive:FILE[:TAG],
-    docker-archive:FILE[:NAME:TAG].
+    docker-archive:FILE[:NAME:TAG], dir:DIR, docker-daemon:NAME:TAG (the engine DOCKER_HOST names:
+    dockerd or podman's service), containers-storage:NAME[:TAG] (podman's store, via CONTAINER_HOST).
     """
 
 
@@ -100,6 +101,7 @@ Examples:
   diskkit build fedora.qcow2 -t quay.io/me/fedora:40                 # streams straight to the registry
   diskkit build disk.img --format qcow2 -t oci-archive:fedora.tar
   diskkit build disk.qcow2 -t docker-archive:fedora.tar:quay.io/me/fedora:40   # then: podman load -i fedora.tar
+  diskkit build disk.qcow2 -t docker-daemon:quay.io/me/fedora:40     # into dockerd (or podman: DOCKER_HOST)
   diskkit build disk.qcow2 --path /images/root.qcow2 -t oci:./layout
   diskkit build disk.qcow2 --lazy -t quay.io/me/fedora:40-lazy           # boots before it has arrived
   diskkit build disk.qcow2 --kernel ./vmlinuz --initrd /boot/initrd.img=./initrd -t oci:./layout:kb
@@ -108,7 +110,7 @@ Examples:
 """
 )
 @click.argument("src", type=click.Path(path_type=Path, readable=False), required=False)
-@click.option("-t", "--tag", "dest", required=True, metavar="DEST", help="Where to write: docker://HOST/REPO:TAG (or bare HOST/REPO:TAG), oci:DIR[:TAG], oci-archive:FILE[:TAG], docker-archive:FILE[:REF].")
+@click.option("-t", "--tag", "dest", required=True, metavar="DEST", help="Where to write: docker://HOST/REPO:TAG (or bare HOST/REPO:TAG), oci:DIR[:TAG], oci-archive:FILE[:TAG], docker-archive:FILE[:REF], docker-daemon:NAME:TAG.")
 @click.option("--path", "image_path", metavar="/DIR/NAME", help="Put the disk here instead of /disk/<name> (containerDisk.path).")
 @click.option("--format", "disk_format", type=click.Choice(["keep", "qcow2", "raw"]), default="keep", show_default=True, help="Disk format inside the image.")
 @click.option("--compression", type=click.Choice(list(KINDS)), default="gzip", show_default=True, help="Layer compression.")
@@ -248,6 +250,7 @@ Examples:
   diskkit push docker://quay.io/me/fedora:40 oci-archive:fedora.tar
   diskkit push --all docker://quay.io/me/fedora:40 docker://registry.local/me/fedora:40
   diskkit push --tls-verify=false docker-archive:fedora.tar localhost:5000/fedora:40
+  DOCKER_HOST=unix:///run/podman/podman.sock diskkit push docker-daemon:quay.io/me/fedora:40 oci:./layout:f40
 """)
 @click.argument("src")
 @click.argument("dest")

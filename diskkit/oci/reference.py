@@ -1,6 +1,7 @@
 """Image references in the containers-transports syntax that skopeo and podman users type.
 
-`oci:DIR[:TAG]`, `oci-archive:FILE[:TAG]`, `docker-archive:FILE[:NAME:TAG]`, `docker://HOST/REPO[:TAG|@DIGEST]`,
+`oci:DIR[:TAG]`, `oci-archive:FILE[:TAG]`, `docker-archive:FILE[:NAME:TAG]`, `dir:DIR`, `docker-daemon:NAME:TAG`, `containers-storage:NAME[:TAG]`,
+`docker://HOST/REPO[:TAG|@DIGEST]`,
 and a bare `HOST/REPO:TAG`, which means `docker://` as it does for podman.
 """
 
@@ -18,7 +19,8 @@ _COMPONENT = re.compile(r"^[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*$")
 _HOST = re.compile(r"^(?:[a-zA-Z0-9-]+\.)*[a-zA-Z0-9-]+(?::[0-9]+)?$|^\[[0-9a-fA-F:.]+\](?::[0-9]+)?$")
 
 LOCAL_TRANSPORTS = ("oci", "oci-archive", "docker-archive")
-TRANSPORTS = LOCAL_TRANSPORTS + ("docker",)
+ENGINE_TRANSPORTS = ("docker-daemon", "containers-storage")
+TRANSPORTS = LOCAL_TRANSPORTS + ("dir",) + ENGINE_TRANSPORTS + ("docker",)
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,12 @@ class DockerName:
         if self.digest:
             text += f"@{self.digest}"
         return text
+
+    def familiar_ref(self) -> str:
+        """familiar() with a digest reference kept as one."""
+        if self.digest:
+            return self.familiar().rpartition(":")[0] + f"@{self.digest}"
+        return self.familiar()
 
     def familiar(self) -> str:
         """The short form `docker save` writes into RepoTags (docker.io/library/ dropped)."""
@@ -86,14 +94,18 @@ def parse_docker_name(text: str, what: str = "image reference") -> DockerName:
 class ImageRef:
     transport: str
     path: str | None = None  # local transports: the directory or archive file
-    tag: str | None = None  # oci/oci-archive: the ref.name; docker-archive: a docker reference
-    name: DockerName | None = None  # docker:// and docker-archive's reference
+    tag: str | None = None  # oci/oci-archive: the ref.name; docker-daemon: an image ID
+    name: DockerName | None = None  # docker://, docker-archive's and docker-daemon's reference
 
     def __str__(self) -> str:
         if self.transport == "docker":
             return f"docker://{self.name}"
         if self.transport == "docker-archive" and self.name:
             return f"docker-archive:{self.path}:{self.name.familiar()}"
+        if self.transport == "docker-daemon":
+            return f"docker-daemon:{self.name.familiar_ref() if self.name else self.tag}"
+        if self.transport == "containers-storage":
+            return f"containers-storage:{self.name or self.tag}"
         return f"{self.transport}:{self.path}" + (f":{self.tag}" if self.tag else "")
 
 
@@ -115,10 +127,52 @@ def parse_ref(text: str) -> ImageRef:
         if tag and not re.match(r"^[A-Za-z0-9._:@/+-]+$", tag):
             raise DiskkitError(text, f"invalid {transport} tag {tag!r}")
         return ImageRef(transport, path=path, tag=tag or None)
-    if sep and transport in ("docker-daemon", "containers-storage", "dir", "ostree", "sif"):
-        raise DiskkitError(text, f"transport {transport}: is not supported; use oci:, oci-archive:, docker-archive: or docker://")
+    if sep and transport == "docker-daemon":
+        return _parse_daemon_ref(text, rest)
+    if sep and transport == "containers-storage":
+        return _parse_storage_ref(text, rest)
+    if sep and transport == "dir":
+        # containers/image directory transport: everything after `dir:` is the path, colons included.
+        if not rest:
+            raise DiskkitError(text, "dir: needs a path")
+        return ImageRef("dir", path=rest)
+    if sep and transport in ("ostree", "sif"):
+        raise DiskkitError(text, f"transport {transport}: is not supported; use oci:, oci-archive:, docker-archive:, dir:, docker-daemon:, containers-storage: or docker://")
     if "/" in text and not text.startswith(("/", ".")):
         return ImageRef("docker", name=parse_docker_name(text))
     raise DiskkitError(
         text, "not an image reference: use oci:DIR[:TAG], oci-archive:FILE[:TAG], docker-archive:FILE[:REF] or docker://HOST/REPO:TAG"
     )
+
+
+def _parse_daemon_ref(text: str, rest: str) -> ImageRef:
+    """`docker-daemon:NAME:TAG`, `NAME@DIGEST` or an image ID `sha256:HEX`, with containers/image's
+    refusals (docker/daemon/daemon_transport.go: ParseReference, NewReference)."""
+    if _DIGEST.match(rest):
+        return ImageRef("docker-daemon", tag=rest)
+    if re.match(r"^[a-z0-9]+:[0-9a-fA-F]{32,}$", rest):
+        raise DiskkitError(text, f"Invalid docker-daemon: reference {rest}: only digest algorithm sha256 accepted")
+    name = parse_docker_name(rest, "docker-daemon reference")
+    after_slash = rest.rpartition("/")[2]
+    if ":" not in after_slash.partition("@")[0] and "@" not in rest:
+        raise DiskkitError(text, f"docker-daemon: reference {rest} has neither a tag nor a digest")
+    if name.digest and ":" in after_slash.partition("@")[0]:
+        raise DiskkitError(text, "docker-daemon: references with both a tag and digest are currently not supported")
+    if name.repository == "library/sha256" and name.registry == DEFAULT_REGISTRY:
+        raise DiskkitError(text, f"Invalid docker-daemon: reference {rest}: The sha256 repository name is reserved for (non-shortened) digest references")
+    return ImageRef("docker-daemon", name=name)
+
+
+def _parse_storage_ref(text: str, rest: str) -> ImageRef:
+    """`containers-storage:NAME[:TAG|@DIGEST]` or an image ID. As containers/image reads it
+    (storage/storage_transport.go: ParseStoreReference) a short name means docker.io/library/NAME and
+    a missing tag `latest`; the store is podman's, reached through its service, so a
+    `[driver@graphroot+runroot]` store specifier cannot be honoured and is refused."""
+    if rest.startswith("["):
+        raise DiskkitError(text, "containers-storage: store specifiers [driver@graphroot+runroot] are not supported; point CONTAINER_HOST at the podman service of that store")
+    ident = rest.removeprefix("sha256:")
+    if re.match(r"^[0-9a-f]{64}$", ident):
+        return ImageRef("containers-storage", tag=ident)
+    if "@" in rest and re.match(r"^[0-9a-f]{64}$", rest.rpartition("@")[2]):
+        raise DiskkitError(text, "containers-storage: NAME@IMAGE-ID references are not supported; give the name or the image ID")
+    return ImageRef("containers-storage", name=parse_docker_name(rest, "containers-storage reference"))

@@ -1,5 +1,6 @@
 """Transports: where images are read from and written to, as containers/image names them (docker://,
-oci:, oci-archive:, docker-archive:). Each is a Source and a Destination of verified blobs and
+oci:, oci-archive:, docker-archive:, dir:,
+docker-daemon:, containers-storage:). Each is a Source and a Destination of verified blobs and
 manifests; what the bytes mean is diskkit.layers' and diskkit.disk's business."""
 
 from __future__ import annotations
@@ -28,6 +29,14 @@ def open_source(ref: ImageRef | str, opts: RegistryOptions | None = None) -> Sou
         from diskkit.transports.dockerarchive import DockerArchiveSource
 
         return DockerArchiveSource(ref)
+    if ref.transport == "dir":
+        from diskkit.transports.directory import DirSource
+
+        return DirSource(ref)
+    if ref.transport in ("docker-daemon", "containers-storage"):
+        from diskkit.transports.daemon import DaemonSource
+
+        return DaemonSource(ref)
     raise DiskkitError(str(ref), f"unknown transport {ref.transport}")
 
 
@@ -49,4 +58,12 @@ def open_destination(ref: ImageRef | str, created: int = 0, opts: RegistryOption
         from diskkit.transports.dockerarchive import DockerArchiveDestination
 
         return DockerArchiveDestination(ref, created)
+    if ref.transport == "dir":
+        from diskkit.transports.directory import DirDestination
+
+        return DirDestination(ref)
+    if ref.transport in ("docker-daemon", "containers-storage"):
+        from diskkit.transports.daemon import DaemonDestination
+
+        return DaemonDestination(ref, created)
     raise DiskkitError(str(ref), f"unknown transport {ref.transport}")

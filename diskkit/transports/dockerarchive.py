@@ -145,11 +145,15 @@ class DockerArchiveDestination(ArchiveWriter):
         self.manifest = parse_json(data, "manifest")
         return Descriptor(media_type, sha256_digest(data), len(data))
 
+    def repo_tag(self) -> str:
+        """The RepoTags entry: the short form `docker save` writes."""
+        return self.ref.name.familiar()
+
     def commit(self) -> None:
         manifest = self.manifest or {}
         config_hex = check_digest(manifest["config"]["digest"], "config")
         layers = [check_digest(layer["digest"], "layer") + ".tar" for layer in manifest["layers"]]
-        tags = [self.ref.name.familiar()] if self.ref.name else []
+        tags = [self.repo_tag()] if self.ref.name else []
         entry = {"Config": f"{config_hex}.json", "RepoTags": tags, "Layers": layers}
         self.tar.add_bytes("manifest.json", canonical_json([entry]))
         if self.ref.name:

@@ -93,7 +93,9 @@ def updated_index(existing: dict | None, entry: Descriptor, tag: str | None) -> 
     return out
 
 
-class _PendingFile:
+class PendingFile:
+    """A blob being written under a temporary name in `dest.blobs`, renamed to its digest at commit."""
+
     def __init__(self, dest: "LayoutDestination", tmp: Path):
         self._dest = dest
         self.tmp = tmp
@@ -148,8 +150,8 @@ class LayoutDestination(Destination):
         self.blobs.mkdir(parents=True, exist_ok=True)
 
     @contextlib.contextmanager
-    def blob_writer(self, media_type: str) -> Iterator[_PendingFile]:
-        pending = _PendingFile(self, self.blobs / f".tmp-{secrets.token_hex(8)}")
+    def blob_writer(self, media_type: str) -> Iterator[PendingFile]:
+        pending = PendingFile(self, self.blobs / f".tmp-{secrets.token_hex(8)}")
         try:
             yield pending
         finally:
