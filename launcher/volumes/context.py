@@ -18,6 +18,7 @@ from launcher.volumes.storage import Storage
 @dataclass
 class Prepared:
     disks: dict[str, ResolvedDisk] = field(default_factory=dict)
+    shares: dict[str, Path] = field(default_factory=dict)  # filesystem name -> the directory its virtiofsd serves
     kernel: str | None = None
     initrd: str | None = None
     pulled: list[Pulled] = field(default_factory=list)
