@@ -9,6 +9,7 @@ system daemon (34-68 s per start here), so it is not used.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -75,7 +76,7 @@ def test_filesystem_rules():
 # ---------------------------------------------------------------- end to end
 
 def virtiofsd_pids(under: Path) -> list[int]:
-    """virtiofsd processes serving a socket under `under`."""
+    """virtiofsd processes serving a socket under `under` (two per socket: sandbox=namespace forks)."""
     found = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -126,6 +127,14 @@ def write_shared_vmi(qemu_user, guest_image, name: str, hold: int = 0) -> tuple[
     return vmi_path, claim, manifests
 
 
+def virtiofsd_sockets(under: Path) -> set[str]:
+    sockets = set()
+    for pid in virtiofsd_pids(under):
+        with contextlib.suppress(OSError):
+            sockets.update(a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a.startswith(b"--socket-path="))
+    return sockets
+
+
 def root_launcher(cache: Path, *args, timeout: float = 400):
     return run_launcher(*args, env={"DISKKIT_CACHE": str(cache)}, timeout=timeout)
 
@@ -156,7 +165,7 @@ def test_launcher_stop_ends_the_virtiofsd_of_a_running_vm(qemu_user, guest_image
     started = root_launcher(cache, "run", NOREG, "--wait-for", "DISKKIT-TESTGUEST DONE", "--timeout", "300", "--connect", uri,
                             "--pvc", f"shared={claim}", "--manifests", manifests, vmi)
     assert started.code == 0, started.err
-    assert len(virtiofsd_pids(cache)) == 2  # one per filesystem, outliving the launcher with its VM
+    assert {s.rsplit("/", 1)[1] for s in virtiofsd_sockets(cache)} == {"fs0.sock", "fs1.sock"}  # one per filesystem, outliving the launcher
     stopped = root_launcher(cache, "stop", "held")
     assert stopped.code == 0, stopped.err
     assert virtiofsd_pids(cache) == []
@@ -179,7 +188,7 @@ def test_sigterm_ends_the_virtiofsd(qemu_user, guest_image, root_side):
             break
         out += line
     assert "HOLD seconds=" in out, out[-2000:] + proc.stderr.read()
-    assert len(virtiofsd_pids(cache)) == 2
+    assert {s.rsplit("/", 1)[1] for s in virtiofsd_sockets(cache)} == {"fs0.sock", "fs1.sock"}
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=120)
     assert proc.returncode != 0

@@ -118,7 +118,9 @@ def stop(entries: list[dict]) -> None:
         if _is_ours(entry):
             for sig in (signal.SIGTERM, signal.SIGKILL):
                 try:
-                    os.kill(entry["pid"], sig)
+                    # The whole session: with sandbox=namespace the serving process is a child in a PID
+                    # namespace of its own, the one we started only waits for it.
+                    os.killpg(entry["pid"], sig)
                 except ProcessLookupError:
                     break
                 deadline = time.monotonic() + STOP_TIMEOUT
