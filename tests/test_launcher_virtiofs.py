@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from launcher.runtime import virtiofs
 from launcher.spec.fields import SpecError
 from launcher.spec.vmi import parse_vmi
 from tests.conftest import launcher_command, run_launcher
@@ -206,3 +207,39 @@ def test_unprivileged_launcher_refuses_filesystems(qemu_user, guest_image):
     assert lines[0].startswith("launcher: spec.domain.devices.filesystems[0]: filesystem fs0 needs the launcher to run as root"), lines
     assert "CAP_SYS_ADMIN" in lines[0]
     assert_clean(qemu_user, "default_unpriv")
+
+
+def test_stop_ends_a_virtiofsd_no_qemu_ever_connected_to(tmp_path):
+    # A virtiofsd ends by itself when its qemu disconnects; one that never got a qemu (the domain did
+    # not start) only ends when the launcher ends it.
+    vmi = parse_vmi(doc([FS], [PVC]))
+    share = tmp_path / "share"
+    share.mkdir()
+    run_dir = tmp_path / "run"
+    daemons = virtiofs.start(vmi, {"data": share}, run_dir)
+    assert [d["name"] for d in daemons] == ["data"]
+    assert virtiofsd_sockets(tmp_path) == {f"--socket-path={run_dir}/virtiofs/data.sock"}
+    assert Path(daemons[0]["socket"]).is_socket()
+    virtiofs.stop(daemons)
+    assert virtiofsd_pids(tmp_path) == []
+    assert not Path(daemons[0]["socket"]).exists()
+
+
+def test_a_domain_that_does_not_start_leaves_no_virtiofsd(qemu_user, guest_image, root_side):
+    # qemu never connects, so nothing but the launcher ends the virtiofsd (after a run, qemu's
+    # disconnect ends it too): a disk the qemu user may not open makes the start fail after them.
+    cache, uri = root_side
+    vmi_path, claim, manifests = write_shared_vmi(qemu_user, guest_image, "nostart")
+    locked = qemu_user.root / "locked.img"
+    locked.write_bytes(b"\0" * (1 << 20))
+    locked.chmod(0o600)
+    vmi = json.loads(vmi_path.read_text())
+    vmi["spec"]["domain"]["devices"]["disks"].append({"name": "locked", "disk": {"bus": "virtio"}})
+    vmi["spec"]["volumes"].append({"name": "locked", "hostDisk": {"path": str(locked), "type": "Disk"}})
+    vmi_path.write_text(json.dumps(vmi))
+    result = root_launcher(cache, "run", NOREG, "--timeout", "120", "--connect", uri,
+                           "--pvc", f"shared={claim}", "--manifests", manifests, vmi_path)
+    assert result.code != 0
+    assert "the domain did not start" in result.err, result.err
+    assert virtiofsd_sockets(cache) == set()
+    assert not (cache / "run" / "default_nostart").exists()
