@@ -22,6 +22,7 @@ import pytest
 from launcher.runtime import virtiofs
 from launcher.spec.fields import SpecError
 from launcher.spec.vmi import parse_vmi
+from launcher.volumes.context import Share
 from tests.conftest import launcher_command, run_launcher
 from tests.testguest import parse_console
 from tests.vmhost import NOREG, QEMU_UID, assert_clean
@@ -136,6 +137,11 @@ def virtiofsd_sockets(under: Path) -> set[str]:
     return sockets
 
 
+def virtiofsd_locks(under: Path) -> list[Path]:
+    """The pid locks virtiofsd keeps in /run/virtiofsd for sockets under `under`."""
+    return list(virtiofs.LOCK_DIR.glob(str(under).replace("/", ".") + "*"))
+
+
 def root_launcher(cache: Path, *args, timeout: float = 400):
     return run_launcher(*args, env={"DISKKIT_CACHE": str(cache)}, timeout=timeout)
 
@@ -151,11 +157,13 @@ def test_guest_reads_a_claim_and_a_configmap_over_virtiofs(qemu_user, guest_imag
     assert console["filesystems"]["fs0"]["files"]["/hello.txt"] == "hello from the claim\nsecond line\n"
     assert console["filesystems"]["fs1"]["files"]["/greeting"] == "hi over virtiofs\n"
     assert console["filesystems"]["fs0"]["wrote"]
+    assert not console["filesystems"]["fs1"]["wrote"]  # a ConfigMap is read-only, as the kubelet mounts it
     assert (claim / "guest-wrote").read_text() == "written by the guest\n"  # the claim's directory itself is shared
     assert not (claim / "disk.img").exists()
     assert not [w for w in console["warnings"] if "virtiofs" in w], console["warnings"]
     assert set(console["disks"]) == {"vda"}  # neither shared volume became a disk
     assert virtiofsd_pids(cache) == []
+    assert virtiofsd_locks(cache) == []
     assert not (cache / "run" / "default_shared").exists()
     assert "default_shared" not in qemu_user.virsh("list", "--all", "--name").split()
 
@@ -170,6 +178,7 @@ def test_launcher_stop_ends_the_virtiofsd_of_a_running_vm(qemu_user, guest_image
     stopped = root_launcher(cache, "stop", "held")
     assert stopped.code == 0, stopped.err
     assert virtiofsd_pids(cache) == []
+    assert virtiofsd_locks(cache) == []
     assert not list((cache / "run").glob("default_held*"))
     assert "default_held" not in qemu_user.virsh("list", "--all", "--name").split()
 
@@ -216,13 +225,16 @@ def test_stop_ends_a_virtiofsd_no_qemu_ever_connected_to(tmp_path):
     share = tmp_path / "share"
     share.mkdir()
     run_dir = tmp_path / "run"
-    daemons = virtiofs.start(vmi, {"data": share}, run_dir)
+    daemons = virtiofs.start(vmi, {"data": Share(share)}, run_dir)
     assert [d["name"] for d in daemons] == ["data"]
     assert virtiofsd_sockets(tmp_path) == {f"--socket-path={run_dir}/virtiofs/data.sock"}
     assert Path(daemons[0]["socket"]).is_socket()
+    lock = virtiofs.lock_path(daemons[0]["socket"])
+    assert lock.exists()
     virtiofs.stop(daemons)
     assert virtiofsd_pids(tmp_path) == []
     assert not Path(daemons[0]["socket"]).exists()
+    assert not lock.exists()
 
 
 def test_a_domain_that_does_not_start_leaves_no_virtiofsd(qemu_user, guest_image, root_side):

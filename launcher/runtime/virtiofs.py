@@ -21,12 +21,21 @@ from pathlib import Path
 
 from diskkit.errors import DiskkitError
 from launcher.spec.vmi import VMI
+from launcher.volumes.context import Share
 from launcher.volumes.files import give_to_qemu
 
 VIRTIOFSD = "/usr/lib/qemu/virtiofsd"
 SOCKETS_DIR = "virtiofs"
 START_TIMEOUT = 15.0
 STOP_TIMEOUT = 5.0
+# This virtiofsd has no read-only export. Without these capabilities its root cannot write, chmod or
+# chown files it does not own (filesystems.write_tree gives them to the qemu user): read-only for the guest.
+READ_ONLY = ("-o", "modcaps=-dac_override:-fowner:-chown")
+LOCK_DIR = Path("/run/virtiofsd")  # its pid lock per socket, named after the socket's path
+
+
+def lock_path(sock: str) -> Path:
+    return LOCK_DIR / (sock.replace("/", ".") + ".pid")
 
 
 def socket_path(run_dir: Path, name: str) -> Path:
@@ -51,7 +60,7 @@ def check_runnable(vmi: VMI) -> None:
         raise DiskkitError(at, f"filesystem {first.name} needs {VIRTIOFSD} (Debian package qemu-system-common)")
 
 
-def start(vmi: VMI, shares: dict[str, Path], run_dir: Path) -> list[dict]:
+def start(vmi: VMI, shares: dict[str, Share], run_dir: Path) -> list[dict]:
     """Start every filesystem's virtiofsd and wait for its socket; [{name, pid, socket}] for the record."""
     started: list[dict] = []
     try:
@@ -64,13 +73,14 @@ def start(vmi: VMI, shares: dict[str, Path], run_dir: Path) -> list[dict]:
     return started
 
 
-def _start_one(source: Path, sock: Path, at: str) -> dict:
+def _start_one(share: Share, sock: Path, at: str) -> dict:
     sock.parent.mkdir(parents=True, exist_ok=True)
     sock.unlink(missing_ok=True)
     log_path = sock.with_suffix(".log")
     with open(log_path, "wb") as log:
         # Its own session: a Ctrl-C meant for the launcher must not end it before the domain is gone.
-        proc = subprocess.Popen([VIRTIOFSD, f"--socket-path={sock}", "-o", f"source={source}", "-o", "cache=auto", "-f"],
+        proc = subprocess.Popen([VIRTIOFSD, f"--socket-path={sock}", "-o", f"source={share.path}", "-o", "cache=auto",
+                                 *(READ_ONLY if share.read_only else ()), "-f"],
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
     entry = {"pid": proc.pid, "socket": str(sock)}
     deadline = time.monotonic() + START_TIMEOUT
@@ -131,3 +141,5 @@ def stop(entries: list[dict]) -> None:
         else:
             _gone(entry["pid"])  # reap it if it already ended as our child
         Path(entry["socket"]).unlink(missing_ok=True)
+        if _gone(entry["pid"]):
+            lock_path(entry["socket"]).unlink(missing_ok=True)  # virtiofsd leaves it behind

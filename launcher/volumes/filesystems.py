@@ -4,8 +4,8 @@ virtiofsd serves.
 KubeVirt's virtiofsd container serves the volume's mount in the pod
 (pkg/virt-controller/services/virtiofs.go virtioFSMountPoint): a claim is shared as its directory
 itself (not a disk.img in it), a configMap, secret, serviceAccount or downwardAPI volume as the
-directory of files the kubelet mounted. Here those files are written under the VM's run directory,
-from --manifests or the pod's mounts, as for the config disks.
+directory of files the kubelet mounted, read-only. Here those files are written under the VM's run
+directory, from --manifests or the pod's mounts, as for the config disks, and served read-only.
 """
 
 from __future__ import annotations
@@ -18,16 +18,16 @@ from diskkit.errors import DiskkitError
 from launcher.spec.k8s import network_disk, resolve_claim
 from launcher.spec.vmi import Volume
 from launcher.volumes import gendisks
-from launcher.volumes.context import Context
-from launcher.volumes.files import is_block
+from launcher.volumes.context import Context, Share
+from launcher.volumes.files import give_to_qemu, is_block
 from launcher.volumes.storage import pv_path
 
 SHARES_DIR = "virtiofs-shares"  # under the VM's run directory: the config volumes' files
 
 
-def share_dir(ctx: Context, volume: Volume, where: str) -> Path:
+def share(ctx: Context, volume: Volume, where: str) -> Share:
     if volume.kind in ("persistentVolumeClaim", "dataVolume"):
-        return _claim_dir(ctx, volume, where)
+        return Share(_claim_dir(ctx, volume, where))
     generator = gendisks.Generator(ctx.vmi, ctx.run_dir, gendisks.Sources(ctx.store.objects, ctx.store.pod_config, ctx.store.service_account_dir))
     plans = {"configMap": generator.config, "secret": generator.config,
              "serviceAccount": generator.service_account, "downwardAPI": generator.downward_api}
@@ -37,7 +37,8 @@ def share_dir(ctx: Context, volume: Volume, where: str) -> Path:
     target = ctx.run_dir / SHARES_DIR / volume.name
     if ctx.create:
         write_tree(target, plan.files, plan.modes)
-    return target
+    # The kubelet mounts these read-only; the guest must not change them either.
+    return Share(target, read_only=True)
 
 
 def _claim_dir(ctx: Context, volume: Volume, where: str) -> Path:
@@ -75,6 +76,12 @@ def write_tree(target: Path, files: dict[str, bytes], modes: dict[str, int]) -> 
                 os.fsync(f.fileno())
             os.chmod(path, modes.get(rel, 0o644))
         tmp.mkdir(parents=True, exist_ok=True)  # an empty (optional, missing) object is an empty directory
+        # Owned by the qemu user (the pod's fsGroup), not root: a virtiofsd without CAP_DAC_OVERRIDE,
+        # CAP_FOWNER and CAP_CHOWN then cannot write, chmod or chown them for the guest's root.
+        for parent, dirs, names in os.walk(tmp):
+            for entry in (*dirs, *names):
+                give_to_qemu(Path(parent) / entry)
+        give_to_qemu(tmp)
         shutil.rmtree(target, ignore_errors=True)
         os.rename(tmp, target)
     except OSError as exc:

@@ -73,7 +73,7 @@ def prepare(
     for volume in vmi.volumes:
         where = f"spec.volumes[{volume.index}].{volume.kind}"
         if volume.name in shared:
-            ctx.out.shares[volume.name] = filesystems.share_dir(ctx, volume, where)
+            ctx.out.shares[volume.name] = filesystems.share(ctx, volume, where)
             continue
         handler = HANDLERS.get(volume.kind)
         if handler is None:
