@@ -255,3 +255,19 @@ def test_a_domain_that_does_not_start_leaves_no_virtiofsd(qemu_user, guest_image
     assert "the domain did not start" in result.err, result.err
     assert virtiofsd_sockets(cache) == set()
     assert not (cache / "run" / "default_nostart").exists()
+
+
+def test_gc_leaves_no_virtiofsd_of_a_vm_that_ended(qemu_user, guest_image, root_side):
+    cache, uri = root_side
+    vmi, claim, manifests = write_shared_vmi(qemu_user, guest_image, "collected", hold=120)
+    started = root_launcher(cache, "run", NOREG, "--wait-for", "DISKKIT-TESTGUEST DONE", "--timeout", "300", "--connect", uri,
+                            "--pvc", f"shared={claim}", "--manifests", manifests, vmi)
+    assert started.code == 0, started.err
+    assert len(virtiofsd_sockets(cache)) == 2
+    qemu_user.virsh("destroy", "default_collected")  # the VM ends behind the launcher's back
+    collected = root_launcher(cache, "gc")
+    assert collected.code == 0, collected.err
+    assert virtiofsd_pids(cache) == []
+    assert virtiofsd_locks(cache) == []
+    assert not (cache / "vms" / "default_collected.json").exists()
+    assert not (cache / "run" / "default_collected").exists()
