@@ -1,7 +1,7 @@
 """Typed KubeVirt VirtualMachineInstance specs: parsing, KubeVirt's defaulting and its validation (pure).
 
 `parse_vmi` returns the VMI as KubeVirt's mutating webhook would leave it (disk buses, device types,
-cdrom readOnly/tray, a disk for every volume, CPU request from the limit) and rejects what its
+cdrom readOnly/tray, a disk for every volume no filesystem shares, CPU request from the limit) and rejects what its
 validating webhook would reject, with its wording where it has one
 (pkg/defaults, pkg/virt-api/webhooks/validating-webhook/admitters, pkg/storage/admitters).
 
