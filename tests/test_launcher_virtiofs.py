@@ -69,7 +69,7 @@ def test_filesystem_rules():
         "spec.domain.devices.filesystems[0].name: volume data is already used by spec.domain.devices.disks[1]:"
         " a volume backs one disk or one filesystem")
     assert error([FS], [{"name": "data", "emptyDisk": {"capacity": "1Mi"}}]).startswith(
-        "spec.domain.devices.filesystems[0].name: a emptyDisk volume cannot be shared as a filesystem")
+        "spec.domain.devices.filesystems[0].name: emptyDisk volumes cannot be shared as a filesystem")
     for kind, source in (("dataVolume", {"name": "dv"}), ("configMap", {"name": "c"}), ("secret", {"secretName": "s"}),
                          ("serviceAccount", {"serviceAccountName": "sa"}), ("downwardAPI", {"fields": []})):
         assert parse_vmi(doc([FS], [{"name": "data", kind: source}])).domain.devices.filesystems

@@ -1,8 +1,8 @@
 """Typed KubeVirt VirtualMachineInstance specs: parsing, KubeVirt's defaulting and its validation (pure).
 
 `parse_vmi` returns the VMI as KubeVirt's mutating webhook would leave it (disk buses, device types,
-cdrom readOnly/tray, a disk for every volume no filesystem shares, CPU request from the limit) and rejects what its
-validating webhook would reject, with its wording where it has one
+cdrom readOnly/tray, a disk for every volume no filesystem shares, CPU request from the limit) and
+rejects what its validating webhook would reject, with its wording where it has one
 (pkg/defaults, pkg/virt-api/webhooks/validating-webhook/admitters, pkg/storage/admitters).
 
 Errors are `SpecError(field_path, rule)`. When KubeVirt's message starts with the field path, the path
@@ -658,10 +658,10 @@ def _filesystems(items: list, volumes: tuple[Volume, ...], disk_items: list, dis
             raise SpecError(f"{fat}.name", f"{fat}.Name '{name}' not found.")
         if name in disk_names:
             # storage/admitters/storagehotplug.go validateExpectedDisksAndFilesystems: one volume, one device.
-            raise SpecError(f"{fat}.name", f"volume {name} is already used by spec.domain.devices.disks[{disk_names[name]}]:"
+            raise SpecError(f"{fat}.name", f"volume {name} is already used by {disks_at}[{disk_names[name]}]:"
                                            " a volume backs one disk or one filesystem")
         if volume.kind not in FILESYSTEM_KINDS:
-            raise SpecError(f"{fat}.name", f"a {volume.kind} volume cannot be shared as a filesystem"
+            raise SpecError(f"{fat}.name", f"{volume.kind} volumes cannot be shared as a filesystem"
                                            f" (only {', '.join(FILESYSTEM_KINDS)})")
         found.append(Filesystem(name, idx))
     return tuple(found)
