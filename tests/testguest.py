@@ -91,6 +91,10 @@ _ISO_FILE = re.compile(r"ISO-FILE name=(\S+) path=(.*) size=(\d+)$")
 _ISO_DATA = re.compile(r"ISO-DATA name=(\S+) path=(.*?) \|(?: (.*))?$")
 _STAMP = re.compile(r"STAMP name=(\S+) before=(\d+) after=(\d+)$")
 _CPUS = re.compile(r"CPUS count=(\d+) mem_kib=(\d+)$")
+_FS = re.compile(r"FS tag=(\S+) files=(\d+)$")
+_FS_FILE = re.compile(r"FS-FILE tag=(\S+) path=(.*) size=(\d+)$")
+_FS_DATA = re.compile(r"FS-DATA tag=(\S+) path=(.*?) \|(?: (.*))?$")
+_FS_WROTE = re.compile(r"FS-WROTE tag=(\S+) (ok|failed)$")
 
 
 def parse_console(text: str) -> dict[str, Any]:
@@ -101,6 +105,7 @@ def parse_console(text: str) -> dict[str, Any]:
      "isos": {name: {"label": str, "files": {path: content}, "sizes": {path: int}}},
      "stamps": {name: (before, after)},
      "cpus": int, "mem_kib": int,   (vCPUs online and MemTotal, once the guest reported them)
+     "filesystems": {tag: {"files": {path: content}, "sizes": {path: int}, "wrote": bool}},  (virtiofs tags fs0..fs7)
      "warnings": [str]}
 
     File content is rebuilt from the ISO-DATA lines, each terminated by "\\n"
@@ -108,7 +113,7 @@ def parse_console(text: str) -> dict[str, Any]:
     Unknown lines (kernel messages) are ignored.
     """
     res: dict[str, Any] = {"ready": False, "done": False, "disks": {}, "isos": {},
-                           "stamps": {}, "cpus": None, "mem_kib": None, "warnings": []}
+                           "stamps": {}, "cpus": None, "mem_kib": None, "filesystems": {}, "warnings": []}
     for raw in text.splitlines():
         line = raw.rstrip("\r")
         if "DISKKIT-TESTGUEST v1 READY" in line:
@@ -131,6 +136,17 @@ def parse_console(text: str) -> dict[str, Any]:
             iso["label"] = m[2]
         elif m := _STAMP.match(line):
             res["stamps"][m[1]] = (int(m[2]), int(m[3]))
+        elif m := _FS.match(line):
+            res["filesystems"].setdefault(m[1], {"files": {}, "sizes": {}, "wrote": False})
+        elif m := _FS_FILE.match(line):
+            fs = res["filesystems"].setdefault(m[1], {"files": {}, "sizes": {}, "wrote": False})
+            fs["files"][m[2]] = ""
+            fs["sizes"][m[2]] = int(m[3])
+        elif m := _FS_DATA.match(line):
+            fs = res["filesystems"].setdefault(m[1], {"files": {}, "sizes": {}, "wrote": False})
+            fs["files"][m[2]] = fs["files"].get(m[2], "") + (m[3] or "") + "\n"
+        elif m := _FS_WROTE.match(line):
+            res["filesystems"].setdefault(m[1], {"files": {}, "sizes": {}, "wrote": False})["wrote"] = m[2] == "ok"
         elif m := _CPUS.match(line):
             res["cpus"], res["mem_kib"] = int(m[1]), int(m[2])
         elif line.startswith("WARN "):

@@ -40,6 +40,7 @@ WANTED_MODULES=(
     scsi_common scsi_mod sd_mod cdrom sr_mod isofs
     virtio_scsi
     libata libahci ahci ata_piix ata_generic
+    fuse virtiofs
 )
 CMDLINE="console=ttyS0 quiet panic=-1 scsi_mod.scan=sync"
 export SOURCE_DATE_EPOCH=${SOURCE_DATE_EPOCH:-1700000000}

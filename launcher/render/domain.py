@@ -53,6 +53,8 @@ class Host:
     # dedicatedCpuPlacement only: the host's cells/cores/threads and the threads the pod owns
     topology: Topology = ()
     cpuset: tuple[int, ...] = ()
+    # (filesystem name, vhost-user socket of the virtiofsd the caller starts for it)
+    virtiofs_sockets: tuple[tuple[str, str], ...] = ()
 
 
 def _file_source(parent: ET.Element, path: str) -> None:
@@ -362,6 +364,29 @@ def _cputune(domain: ET.Element, vmi: VMI, host: Host, iothreads: int) -> None:
         ET.SubElement(cputune, "iothreadpin", iothread=str(iothread), cpuset=cpuset)
 
 
+def _filesystems(vmi: VMI, host: Host, devices: ET.Element) -> None:
+    """converter/storage/virtiofs.go: libvirt connects to a virtiofsd started outside it (KubeVirt's
+    runs in a container of its own); the filesystem's name is the tag the guest mounts."""
+    sockets = dict(host.virtiofs_sockets)
+    for fs in vmi.domain.devices.filesystems:
+        if fs.name not in sockets:
+            raise SpecError(f"spec.domain.devices.filesystems[{fs.index}]", f"no virtiofsd socket for filesystem {fs.name}")
+        element = ET.SubElement(devices, "filesystem", type="mount", accessmode="passthrough")
+        ET.SubElement(element, "driver", type="virtiofs", queue="1024")
+        ET.SubElement(element, "source", socket=sockets[fs.name])
+        ET.SubElement(element, "target", dir=fs.name)
+
+
+def _shared_memory(domain: ET.Element, cpu: ET.Element, vmi: VMI) -> None:
+    """vhost-user needs guest RAM the virtiofsd can map: compute/memory_backing.go gives it memfd,
+    shared, and compute/cpu.go configureSyntheticNUMA one NUMA cell holding all of it."""
+    backing = ET.SubElement(domain, "memoryBacking")
+    ET.SubElement(backing, "source", type="memfd")
+    ET.SubElement(backing, "access", mode="shared")
+    numa = ET.SubElement(cpu, "numa")
+    ET.SubElement(numa, "cell", id="0", cpus=f"0-{vmi.domain.vcpus - 1}", memory=str(vmi.domain.guest_memory // 1024), unit="KiB")
+
+
 def render(vmi: VMI, disks: dict[str, ResolvedDisk], host: Host) -> str:
     """The libvirt domain XML for `vmi`; `disks` maps each volume name to its resolved file, device or
     network source (whose credentials the caller defines first, see secret_xml)."""
@@ -389,7 +414,10 @@ def render(vmi: VMI, disks: dict[str, ResolvedDisk], host: Host) -> str:
     if vmi.domain.cpu.dedicated_cpu_placement and host.domain_type == "kvm":
         # KubeVirt always adds the hint; it is a KVM paravirt feature that TCG would refuse to start with.
         ET.SubElement(ET.SubElement(features, "kvm"), "hint-dedicated", state="on")
-    domain.append(_cpu(vmi, host))
+    cpu = _cpu(vmi, host)
+    if vmi.domain.devices.filesystems:
+        _shared_memory(domain, cpu, vmi)
+    domain.append(cpu)
     ET.SubElement(domain, "clock", offset="utc")
     _text(domain, "on_poweroff", "destroy")
     _text(domain, "on_reboot", "restart")
@@ -399,6 +427,7 @@ def render(vmi: VMI, disks: dict[str, ResolvedDisk], host: Host) -> str:
     if host.emulator:
         _text(devices, "emulator", host.emulator)
     _disks(vmi, disks, devices)
+    _filesystems(vmi, host, devices)
     disks = vmi.domain.devices.disks
     # model none keeps libvirt from adding a USB controller nobody asked for (compute/controllers.go);
     # arch/amd64.go IsUSBNeeded counts disk devices on usb, not cdroms.

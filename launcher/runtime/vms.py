@@ -23,11 +23,12 @@ from diskkit.oci.image import Platform
 from diskkit.registry.options import RegistryOptions
 from launcher.node.cache import Cache
 from launcher.render.domain import Host, render, secret_xml
-from launcher.runtime import accel, hostcpus
+from launcher.runtime import accel, hostcpus, virtiofs
 from launcher.runtime.console import follow
 from launcher.runtime.runner import Libvirt
 from launcher.spec.vmi import VMI
 from launcher.volumes import vhostmd
+from launcher.volumes.files import give_tree_to_qemu
 from launcher.volumes.prepare import prepare
 from launcher.volumes.storage import Storage
 
@@ -53,6 +54,7 @@ def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, domain_type: st
         serial_log=str(run_dir / "console.log"),
         kernel=prepared.kernel,
         initrd=prepared.initrd,
+        virtiofs_sockets=virtiofs.sockets(vmi, run_dir),
     )
     if vmi.domain.cpu.dedicated_cpu_placement:
         host = replace(host, topology=hostcpus.read_topology(), cpuset=hostcpus.pod_cpuset())
@@ -68,7 +70,9 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
             raise DiskkitError(name, f"a domain of this name already exists on {lv.uri}; stop it first (launcher stop {vmi.name})")
         _remove_run_dir(cache, name)  # leftovers of a launcher that was killed
         cache.run_dir(name).mkdir(parents=True)  # the console log lives here even with no overlay
+        daemons: list[dict] = []
         try:
+            virtiofs.check_runnable(vmi)
             from launcher.datavolumes.control import ensure_ready
 
             ensure_ready(vmi, opts.storage or Storage(), opts.registry, opts.timeout, say)  # KubeVirt waits for them too
@@ -76,6 +80,10 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
                 prepared, xml = plan(vmi, cache, opts, create=True)
                 run_dir = cache.run_dir(name)
                 (run_dir / "domain.xml").write_text(xml)
+                # As root, with qemu run by the qemu user (a session of UID 107), qemu writes its console
+                # log and overlays here; libvirt's system daemon would chown them itself.
+                give_tree_to_qemu(run_dir)
+                daemons = virtiofs.start(vmi, prepared.shares, run_dir)
                 cache.write_json(cache.vm_record_path(name), {
                     "domain": name,
                     "vmi": vmi.name,
@@ -87,6 +95,7 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
                     "started": int(time.time()),
                     "pid": os.getpid(),
                     "secrets": [source.secret_usage for source, _ in prepared.secrets],
+                    "virtiofsd": daemons,
                 })
             for note in prepared.notes:
                 say(f"note: {note}")
@@ -94,6 +103,7 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
                 lv.define_secret(secret_xml(source), value, source.secret_usage)
             lv.start(name, xml)
         except BaseException:
+            virtiofs.stop(daemons)  # started, maybe not recorded yet
             cleanup(cache, lv, name)
             raise
     echo = _echo if opts.console else None
@@ -166,12 +176,14 @@ def _remove_run_dir(cache: Cache, name: str) -> None:
 
 
 def cleanup(cache: Cache, lv: Libvirt | None, name: str) -> bool:
-    """Destroy and undefine the domain and its secrets, remove its overlays and record; True if a domain was there."""
+    """Destroy and undefine the domain and its secrets, end its virtiofsd processes, remove its overlays and
+    record; True if a domain was there."""
     had = lv.destroy(name) if lv is not None else False
     record = cache.read_json(cache.vm_record_path(name)) or {}
     if lv is not None:
         for usage in record.get("secrets", []):
             lv.undefine_secret(usage)
+    virtiofs.stop(record.get("virtiofsd", []))
     _remove_run_dir(cache, name)
     cache.vm_record_path(name).unlink(missing_ok=True)
     return had

@@ -78,6 +78,7 @@ DISK = {
 DEVICES = {
     "disks": ListOf(DISK),
     "useVirtioTransitional": HANDLED, "disableHotplug": HANDLED, "autoattachSerialConsole": HANDLED,
+    "filesystems": ListOf({"name": HANDLED, "virtiofs": {}}),
     "blockMultiQueue": HANDLED,
     # The launcher never adds a NIC, graphics, balloon or input device (README, "deliberate differences"):
     # turning them off asks for what it does anyway.
@@ -85,7 +86,7 @@ DEVICES = {
                      "autoattachInputDevice", "logSerialConsole", "networkInterfaceMultiqueue"), INERT),
     "autoattachVSOCK": UNLESS_FALSE,
     **dict.fromkeys(("watchdog", "interfaces", "inputs", "rng", "gpus", "downwardMetrics", "panicDevices",
-                     "filesystems", "hostDevices", "clientPassthrough", "sound", "tpm", "video"), UNSUPPORTED),
+                     "hostDevices", "clientPassthrough", "sound", "tpm", "video"), UNSUPPORTED),
 }
 QUANTITIES = HANDLED  # requests/limits: the parser reads cpu and memory; other resources only schedule
 DOMAIN = {

@@ -1,8 +1,8 @@
 """Typed KubeVirt VirtualMachineInstance specs: parsing, KubeVirt's defaulting and its validation (pure).
 
 `parse_vmi` returns the VMI as KubeVirt's mutating webhook would leave it (disk buses, device types,
-cdrom readOnly/tray, a disk for every volume, CPU request from the limit) and rejects what its
-validating webhook would reject, with its wording where it has one
+cdrom readOnly/tray, a disk for every volume no filesystem shares, CPU request from the limit) and
+rejects what its validating webhook would reject, with its wording where it has one
 (pkg/defaults, pkg/virt-api/webhooks/validating-webhook/admitters, pkg/storage/admitters).
 
 Errors are `SpecError(field_path, rule)`. When KubeVirt's message starts with the field path, the path
@@ -208,6 +208,15 @@ class Disk:
 
 
 @dataclass(frozen=True)
+class Filesystem:
+    """spec.domain.devices.filesystems[]: a volume shared with the guest (virtiofs, the only type
+    KubeVirt has), mounted in the guest by its name as the tag."""
+
+    name: str
+    index: int = 0  # position in spec.domain.devices.filesystems
+
+
+@dataclass(frozen=True)
 class CPU:
     cores: int | None = None
     sockets: int | None = None
@@ -264,6 +273,7 @@ class Devices:
     block_multi_queue: bool = False
     use_virtio_transitional: bool = False
     disable_hotplug: bool = False  # KubeVirt adds a SCSI controller for hotplugged volumes unless this is set
+    filesystems: tuple[Filesystem, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -641,7 +651,7 @@ def _check_disk(disk: Disk, volume: Volume | None, boot_orders: dict, at: str) -
         boot_orders[disk.boot_order] = disk.name
 
 
-def _disks(items: list, volumes: tuple[Volume, ...], at: str) -> tuple[Disk, ...]:
+def _disks(items: list, volumes: tuple[Volume, ...], at: str, shared: frozenset = frozenset()) -> tuple[Disk, ...]:
     disks, seen = [], {}
     for idx, item in enumerate(items):
         disk = _disk(as_map(item, f"{at}[{idx}]"), idx, at)
@@ -650,14 +660,52 @@ def _disks(items: list, volumes: tuple[Volume, ...], at: str) -> tuple[Disk, ...
         seen[disk.name] = idx
         disks.append(disk)
     by_name = {v.name: v for v in volumes}
-    # util.SetDefaultVolumeDisk (mutating webhook): a volume without a disk gets a plain disk.
-    bare = [v for v in volumes if v.name not in seen]
+    # util.SetDefaultVolumeDisk (mutating webhook): a volume without a disk or filesystem gets a plain disk.
+    bare = [v for v in volumes if v.name not in seen and v.name not in shared]
     disks += [Disk(v.name, bus=None, index=len(disks) + k, defaulted=True) for k, v in enumerate(bare)]
     disks = [_with_bus(d) for d in disks]
     boot_orders: dict[int, str] = {}
     for disk in disks:
         _check_disk(disk, by_name.get(disk.name), boot_orders, at)
     return tuple(disks)
+
+
+# ---------------------------------------------------------------- filesystems
+
+# The kinds KubeVirt starts a virtiofsd container for (pkg/virt-controller/services/virtiofs.go
+# virtioFSMountPoint: the claim's mount, or the config volume's source directory). containerPath
+# volumes are shared too there, but the launcher has no pod to take the path from.
+FILESYSTEM_KINDS = ("persistentVolumeClaim", "dataVolume", "configMap", "secret", "serviceAccount", "downwardAPI")
+
+
+def _filesystems(items: list, volumes: tuple[Volume, ...], disk_items: list, disks_at: str, at: str) -> tuple[Filesystem, ...]:
+    by_name = {v.name: v for v in volumes}
+    disk_names = {as_map(d, f"{disks_at}[{i}]").get("name"): i for i, d in enumerate(disk_items)}
+    found, seen = [], {}
+    for idx, item in enumerate(items):
+        fat = f"{at}[{idx}]"
+        doc = as_map(item, fat)
+        name = get_str(doc, "name", fat, required=True)
+        check_dns_label(name, f"{fat}.name")
+        if name in seen:
+            raise field_error(f"{fat}.name", f"{fat} and {at}[{seen[name]}] must not have the same Name.")
+        seen[name] = idx
+        if doc.get("virtiofs") is None:
+            # The converter (converter/storage/virtiofs.go) skips such an entry: the guest would miss it.
+            raise SpecError(f"{fat}.virtiofs", "required: virtiofs is the only filesystem type")
+        as_map(doc["virtiofs"], f"{fat}.virtiofs")
+        volume = by_name.get(name)
+        if volume is None:
+            raise SpecError(f"{fat}.name", f"{fat}.Name '{name}' not found.")
+        if name in disk_names:
+            # storage/admitters/storagehotplug.go validateExpectedDisksAndFilesystems: one volume, one device.
+            raise SpecError(f"{fat}.name", f"volume {name} is already used by {disks_at}[{disk_names[name]}]:"
+                                           " a volume backs one disk or one filesystem")
+        if volume.kind not in FILESYSTEM_KINDS:
+            raise SpecError(f"{fat}.name", f"{volume.kind} volumes cannot be shared as a filesystem"
+                                           f" (only {', '.join(FILESYSTEM_KINDS)})")
+        found.append(Filesystem(name, idx))
+    return tuple(found)
 
 
 # ---------------------------------------------------------------- domain
@@ -809,11 +857,14 @@ def _domain(doc: dict, root: str, volumes: tuple[Volume, ...]) -> DomainSpec:
 
     dat = f"{at}.devices"
     devices_doc = as_map(doc.get("devices"), dat)
-    disks = _disks(as_list(devices_doc.get("disks"), f"{dat}.disks"), volumes, f"{dat}.disks")
+    disk_items = as_list(devices_doc.get("disks"), f"{dat}.disks")
+    filesystems = _filesystems(as_list(devices_doc.get("filesystems"), f"{dat}.filesystems"), volumes, disk_items, f"{dat}.disks", f"{dat}.filesystems")
+    disks = _disks(disk_items, volumes, f"{dat}.disks", frozenset(f.name for f in filesystems))
     # Queues follow the vCPU topology, one at least (storage/configurator.go), so no CPU request is needed.
     block_mq = get_bool(devices_doc, "blockMultiQueue", dat)
     devices = Devices(disks, get_bool(devices_doc, "autoattachSerialConsole", dat, default=True), block_mq,
-                      get_bool(devices_doc, "useVirtioTransitional", dat), get_bool(devices_doc, "disableHotplug", dat))
+                      get_bool(devices_doc, "useVirtioTransitional", dat), get_bool(devices_doc, "disableHotplug", dat),
+                      filesystems)
     return DomainSpec(cpu, None if guest is None else to_bytes(guest), resources, machine, firmware, features, devices, policy)
 
 

@@ -15,9 +15,18 @@ from launcher.spec.vmi import VMI
 from launcher.volumes.storage import Storage
 
 
+@dataclass(frozen=True)
+class Share:
+    """The directory a filesystem's virtiofsd serves; read_only as the kubelet mounts config volumes."""
+
+    path: Path
+    read_only: bool = False
+
+
 @dataclass
 class Prepared:
     disks: dict[str, ResolvedDisk] = field(default_factory=dict)
+    shares: dict[str, Share] = field(default_factory=dict)  # filesystem name -> what its virtiofsd serves
     kernel: str | None = None
     initrd: str | None = None
     pulled: list[Pulled] = field(default_factory=list)

@@ -41,6 +41,16 @@ def give_to_qemu(path: Path) -> None:
         os.chown(path, QEMU_ID, QEMU_ID)
 
 
+def give_tree_to_qemu(root: Path) -> None:
+    """give_to_qemu for a directory and everything in it (a VM's run directory)."""
+    if os.geteuid() != 0:
+        return
+    give_to_qemu(root)
+    for parent, dirs, files in os.walk(root):
+        for entry in (*dirs, *files):
+            os.chown(os.path.join(parent, entry), QEMU_ID, QEMU_ID, follow_symlinks=False)
+
+
 def create_sparse(path: Path, size: int) -> None:
     """A raw image of `size` bytes holding nothing yet, appearing complete or not at all."""
     tmp = path.with_name(f".{path.name}.tmp")

@@ -2,7 +2,8 @@
 
 One function per volume kind (KubeVirt's key), each in the module of its kind: containerDisks
 (launcher.volumes.containerdisk), claims (claims), emptyDisk and hostDisk (localdisks), and the
-generated cloud-init, config and metrics disks (gendisks).
+generated cloud-init, config and metrics disks (gendisks). A volume a filesystem uses is a directory
+instead (filesystems).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from diskkit.registry.options import RegistryOptions
 from launcher.node.cache import Cache
 from launcher.render.domain import ResolvedDisk
 from launcher.spec.vmi import VMI, Volume
-from launcher.volumes import claims, gendisks, localdisks
+from launcher.volumes import claims, filesystems, gendisks, localdisks
 from launcher.volumes.containerdisk import container_disk, kernel_boot
 from launcher.volumes.context import Context, Prepared
 from launcher.volumes.files import file_disk, give_to_qemu
@@ -68,8 +69,12 @@ def prepare(
     server is started.
     """
     ctx = Context(vmi, cache, run_dir, registry, platform, create, store or Storage(), lazy if create else "off")
+    shared = {fs.name for fs in vmi.domain.devices.filesystems}
     for volume in vmi.volumes:
         where = f"spec.volumes[{volume.index}].{volume.kind}"
+        if volume.name in shared:
+            ctx.out.shares[volume.name] = filesystems.share(ctx, volume, where)
+            continue
         handler = HANDLERS.get(volume.kind)
         if handler is None:
             raise DiskkitError(where, "this volume type is not supported by the launcher yet")

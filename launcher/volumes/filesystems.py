@@ -1,0 +1,89 @@
+"""Volumes shared with the guest over virtiofs (spec.domain.devices.filesystems): the directory each
+virtiofsd serves.
+
+KubeVirt's virtiofsd container serves the volume's mount in the pod
+(pkg/virt-controller/services/virtiofs.go virtioFSMountPoint): a claim is shared as its directory
+itself (not a disk.img in it), a configMap, secret, serviceAccount or downwardAPI volume as the
+directory of files the kubelet mounted, read-only. Here those files are written under the VM's run
+directory, from --manifests or the pod's mounts, as for the config disks, and served read-only.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from diskkit.errors import DiskkitError
+from launcher.spec.k8s import network_disk, resolve_claim
+from launcher.spec.vmi import Volume
+from launcher.volumes import gendisks
+from launcher.volumes.context import Context, Share
+from launcher.volumes.files import give_to_qemu, is_block
+from launcher.volumes.storage import pv_path
+
+SHARES_DIR = "virtiofs-shares"  # under the VM's run directory: the config volumes' files
+
+
+def share(ctx: Context, volume: Volume, where: str) -> Share:
+    if volume.kind in ("persistentVolumeClaim", "dataVolume"):
+        return Share(_claim_dir(ctx, volume, where))
+    generator = gendisks.Generator(ctx.vmi, ctx.run_dir, gendisks.Sources(ctx.store.objects, ctx.store.pod_config, ctx.store.service_account_dir))
+    plans = {"configMap": generator.config, "secret": generator.config,
+             "serviceAccount": generator.service_account, "downwardAPI": generator.downward_api}
+    if volume.kind not in plans:
+        raise DiskkitError(where, f"a {volume.kind} volume cannot be shared as a filesystem")
+    plan = plans[volume.kind](volume, where)
+    target = ctx.run_dir / SHARES_DIR / volume.name
+    if ctx.create:
+        write_tree(target, plan.files, plan.modes)
+    # The kubelet mounts these read-only; the guest must not change them either.
+    return Share(target, read_only=True)
+
+
+def _claim_dir(ctx: Context, volume: Volume, where: str) -> Path:
+    source = volume.source
+    name = source.claim_name if volume.kind == "persistentVolumeClaim" else source.name
+    if getattr(source, "read_only", False):
+        # The C virtiofsd has no read-only export; sharing it writable would break the claim's promise.
+        raise DiskkitError(where, f"claim {name}: a readOnly claim cannot be shared as a filesystem by this virtiofsd")
+    store = ctx.store
+    local = store.pvcs.get(name)
+    if store.objects is not None and local is None:
+        claim = resolve_claim(store.objects, ctx.vmi.namespace, name, where)
+        if network_disk(store.objects, claim, where) is not None:
+            raise DiskkitError(where, f"claim {name} is a network (iSCSI/RBD) volume, a block device: it cannot be shared as a filesystem")
+        local = pv_path(claim)
+    path = local.path if local is not None else store.pod_disks / volume.name
+    if is_block(path):
+        raise DiskkitError(where, f"claim {name}: {path} is a block device; a filesystem shares a directory")
+    if not path.is_dir():
+        raise DiskkitError(where, f"claim {name}: {path} is not a directory (give --pvc {name}=DIR, --manifests with a bound claim,"
+                                  f" or mount it at {store.pod_disks / volume.name})")
+    return path
+
+
+def write_tree(target: Path, files: dict[str, bytes], modes: dict[str, int]) -> None:
+    """`files` (relative paths) as a directory at `target`, appearing complete or not at all."""
+    tmp = target.with_name(f".{target.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        for rel, data in sorted(files.items()):
+            path = tmp / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(data)
+                os.fsync(f.fileno())
+            os.chmod(path, modes.get(rel, 0o644))
+        tmp.mkdir(parents=True, exist_ok=True)  # an empty (optional, missing) object is an empty directory
+        # Owned by the qemu user (the pod's fsGroup), not root: a virtiofsd without CAP_DAC_OVERRIDE,
+        # CAP_FOWNER and CAP_CHOWN then cannot write, chmod or chown them for the guest's root.
+        for parent, dirs, names in os.walk(tmp):
+            for entry in (*dirs, *names):
+                give_to_qemu(Path(parent) / entry)
+        give_to_qemu(tmp)
+        shutil.rmtree(target, ignore_errors=True)
+        os.rename(tmp, target)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise DiskkitError(target, f"cannot be written ({exc.strerror})") from None

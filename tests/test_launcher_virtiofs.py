@@ -1,0 +1,285 @@
+"""virtiofs filesystems (spec.domain.devices.filesystems): KubeVirt's admission rules, and the real
+guest reading a claim's directory and a ConfigMap's files over virtiofs, with no virtiofsd left after.
+
+qemu 7.2's C virtiofsd cannot run unprivileged (launcher.runtime.virtiofs says why), so the VM tests
+run the launcher as root, against the qemu user's libvirt session daemon (its socket given in the
+URI): qemu runs as UID 107, fast, and root's virtiofsd serves it. `qemu:///session` as root is the
+system daemon (34-68 s per start here), so it is not used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from launcher.runtime import virtiofs
+from launcher.spec.fields import SpecError
+from launcher.spec.vmi import parse_vmi
+from launcher.volumes.context import Share
+from tests.conftest import launcher_command, run_launcher
+from tests.testguest import parse_console
+from tests.vmhost import NOREG, QEMU_UID, assert_clean
+
+VIRTIOFSD = "/usr/lib/qemu/virtiofsd"
+
+
+# ---------------------------------------------------------------- admission (pure)
+
+def doc(filesystems, volumes, disks=()):
+    return {
+        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance", "metadata": {"name": "fs"},
+        "spec": {"domain": {"resources": {"requests": {"memory": "64Mi"}},
+                            "devices": {"disks": [{"name": "root"}, *disks], "filesystems": filesystems}},
+                 "volumes": [{"name": "root", "containerDisk": {"image": "quay.io/x/y:1"}}, *volumes]},
+    }
+
+
+PVC = {"name": "data", "persistentVolumeClaim": {"claimName": "data"}}
+FS = {"name": "data", "virtiofs": {}}
+
+
+def error(filesystems, volumes, disks=()) -> str:
+    with pytest.raises(SpecError) as err:
+        parse_vmi(doc(filesystems, volumes, disks))
+    return str(err.value)
+
+
+def test_a_volume_a_filesystem_uses_gets_no_disk():
+    vmi = parse_vmi(doc([FS], [PVC]))
+    assert [d.name for d in vmi.domain.devices.disks] == ["root"]  # util.SetDefaultVolumeDisk skips it
+    assert [f.name for f in vmi.domain.devices.filesystems] == ["data"]
+    bare = parse_vmi(doc([], [PVC]))
+    assert [d.name for d in bare.domain.devices.disks] == ["root", "data"]  # without the filesystem: a disk
+
+
+def test_filesystem_rules():
+    assert error([FS, FS], [PVC]) == ("spec.domain.devices.filesystems[1].name: spec.domain.devices.filesystems[1] and"
+                                      " spec.domain.devices.filesystems[0] must not have the same Name.")
+    assert error([{"name": "data"}], [PVC]) == "spec.domain.devices.filesystems[0].virtiofs: required: virtiofs is the only filesystem type"
+    assert error([{"name": "nope", "virtiofs": {}}], [PVC]) == (
+        "spec.domain.devices.filesystems[0].name: spec.domain.devices.filesystems[0].Name 'nope' not found.")
+    assert error([FS], [PVC], [{"name": "data"}]) == (
+        "spec.domain.devices.filesystems[0].name: volume data is already used by spec.domain.devices.disks[1]:"
+        " a volume backs one disk or one filesystem")
+    assert error([FS], [{"name": "data", "emptyDisk": {"capacity": "1Mi"}}]).startswith(
+        "spec.domain.devices.filesystems[0].name: emptyDisk volumes cannot be shared as a filesystem")
+    for kind, source in (("dataVolume", {"name": "dv"}), ("configMap", {"name": "c"}), ("secret", {"secretName": "s"}),
+                         ("serviceAccount", {"serviceAccountName": "sa"}), ("downwardAPI", {"fields": []})):
+        assert parse_vmi(doc([FS], [{"name": "data", kind: source}])).domain.devices.filesystems
+
+
+# ---------------------------------------------------------------- end to end
+
+def virtiofsd_pids(under: Path) -> list[int]:
+    """virtiofsd processes serving a socket under `under` (two per socket: sandbox=namespace forks)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if cmdline and cmdline[0] == VIRTIOFSD.encode() and any(str(under).encode() in arg for arg in cmdline):
+            found.append(int(proc.name))
+    return found
+
+
+@pytest.fixture
+def root_side(qemu_user, tmp_path_factory):
+    """A root launcher's cache and the URI of the qemu user's session daemon."""
+    qemu_user.virsh("list")  # starts the session daemon
+    sock = qemu_user.home / ".cache" / "libvirt" / "libvirt-sock"
+    assert sock.exists(), "the qemu user's libvirt session daemon did not start"
+    cache = qemu_user.root / "root-cache"
+    cache.mkdir(exist_ok=True)
+    cache.chmod(0o755)
+    return cache, f"qemu+unix:///session?socket={sock}"
+
+
+def write_shared_vmi(qemu_user, guest_image, name: str, hold: int = 0) -> tuple[Path, Path, Path]:
+    claim = qemu_user.root / f"{name}-claim"
+    claim.mkdir()
+    (claim / "hello.txt").write_text("hello from the claim\nsecond line\n")
+    manifests = qemu_user.root / f"{name}-manifests"
+    manifests.mkdir()
+    (manifests / "cm.json").write_text(json.dumps({"apiVersion": "v1", "kind": "ConfigMap",
+                                                   "metadata": {"name": "app-config", "namespace": "default"},
+                                                   "data": {"greeting": "hi over virtiofs"}}))
+    extra = [({"name": "fs0", "virtiofs": {}}, {"name": "fs0", "persistentVolumeClaim": {"claimName": "shared"}}),
+             ({"name": "fs1", "virtiofs": {}}, {"name": "fs1", "configMap": {"name": "app-config"}})]
+    disks = []
+    volumes = [v for _, v in extra]
+    if hold:
+        disks.append({"name": "hold", "serial": f"hold-{hold}", "disk": {"bus": "virtio"}})
+        volumes.append({"name": "hold", "emptyDisk": {"capacity": "1Mi"}})
+    vmi_path = qemu_user.write_vmi(name, guest_image)
+    vmi = json.loads(vmi_path.read_text())
+    vmi["spec"]["domain"]["devices"]["disks"] += disks
+    vmi["spec"]["domain"]["devices"]["filesystems"] = [fs for fs, _ in extra]
+    vmi["spec"]["volumes"] += volumes
+    vmi_path.write_text(json.dumps(vmi))
+    return vmi_path, claim, manifests
+
+
+def virtiofsd_sockets(under: Path) -> set[str]:
+    sockets = set()
+    for pid in virtiofsd_pids(under):
+        with contextlib.suppress(OSError):
+            sockets.update(a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a.startswith(b"--socket-path="))
+    return sockets
+
+
+def virtiofsd_locks(under: Path) -> list[Path]:
+    """The pid locks virtiofsd keeps in /run/virtiofsd for sockets under `under`."""
+    return list(virtiofs.LOCK_DIR.glob(str(under).replace("/", ".") + "*"))
+
+
+def root_launcher(cache: Path, *args, timeout: float = 400):
+    return run_launcher(*args, env={"DISKKIT_CACHE": str(cache)}, timeout=timeout)
+
+
+def test_guest_reads_a_claim_and_a_configmap_over_virtiofs(qemu_user, guest_image, root_side):
+    cache, uri = root_side
+    vmi, claim, manifests = write_shared_vmi(qemu_user, guest_image, "shared")
+    result = root_launcher(cache, "run", NOREG, "--console", "--timeout", "300", "--connect", uri,
+                           "--pvc", f"shared={claim}", "--manifests", manifests, vmi)
+    assert result.code == 0, result.err
+    console = parse_console(result.out)
+    assert console["done"], result.out[-2000:]
+    assert console["filesystems"]["fs0"]["files"]["/hello.txt"] == "hello from the claim\nsecond line\n"
+    assert console["filesystems"]["fs1"]["files"]["/greeting"] == "hi over virtiofs\n"
+    assert console["filesystems"]["fs0"]["wrote"]
+    assert not console["filesystems"]["fs1"]["wrote"]  # a ConfigMap is read-only, as the kubelet mounts it
+    assert (claim / "guest-wrote").read_text() == "written by the guest\n"  # the claim's directory itself is shared
+    assert not (claim / "disk.img").exists()
+    assert not [w for w in console["warnings"] if "virtiofs" in w], console["warnings"]
+    assert set(console["disks"]) == {"vda"}  # neither shared volume became a disk
+    assert virtiofsd_pids(cache) == []
+    assert virtiofsd_locks(cache) == []
+    assert not (cache / "run" / "default_shared").exists()
+    assert "default_shared" not in qemu_user.virsh("list", "--all", "--name").split()
+
+
+def test_launcher_stop_ends_the_virtiofsd_of_a_running_vm(qemu_user, guest_image, root_side):
+    cache, uri = root_side
+    vmi, claim, manifests = write_shared_vmi(qemu_user, guest_image, "held", hold=120)
+    started = root_launcher(cache, "run", NOREG, "--wait-for", "DISKKIT-TESTGUEST DONE", "--timeout", "300", "--connect", uri,
+                            "--pvc", f"shared={claim}", "--manifests", manifests, vmi)
+    assert started.code == 0, started.err
+    assert {s.rsplit("/", 1)[1] for s in virtiofsd_sockets(cache)} == {"fs0.sock", "fs1.sock"}  # one per filesystem, outliving the launcher
+    stopped = root_launcher(cache, "stop", "held")
+    assert stopped.code == 0, stopped.err
+    assert virtiofsd_pids(cache) == []
+    assert virtiofsd_locks(cache) == []
+    assert not list((cache / "run").glob("default_held*"))
+    assert "default_held" not in qemu_user.virsh("list", "--all", "--name").split()
+
+
+def test_sigterm_ends_the_virtiofsd(qemu_user, guest_image, root_side):
+    cache, uri = root_side
+    vmi, claim, manifests = write_shared_vmi(qemu_user, guest_image, "termed", hold=120)
+    proc = subprocess.Popen(launcher_command("run", NOREG, "--console", "--timeout", "300", "--connect", uri,
+                                             "--pvc", f"shared={claim}", "--manifests", manifests, vmi),
+                            env={**os.environ, "CI": "true", "DISKKIT_CACHE": str(cache)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    out = ""
+    while "HOLD seconds=" not in out and time.monotonic() < deadline:  # the guest is up, its shares read
+        line = proc.stdout.readline()
+        if not line:
+            break
+        out += line
+    assert "HOLD seconds=" in out, out[-2000:] + proc.stderr.read()
+    assert {s.rsplit("/", 1)[1] for s in virtiofsd_sockets(cache)} == {"fs0.sock", "fs1.sock"}
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert virtiofsd_pids(cache) == []
+    assert not (cache / "run" / "default_termed").exists()
+
+
+def test_unprivileged_launcher_refuses_filesystems(qemu_user, guest_image):
+    vmi, claim, manifests = write_shared_vmi(qemu_user, guest_image, "unpriv")
+    os.chown(claim, QEMU_UID, QEMU_UID)
+    result = qemu_user.launcher("run", NOREG, "--console", "--timeout", "120", "--pvc", f"shared={claim}", "--manifests", manifests, vmi)
+    assert result.code != 0
+    lines = result.err.strip().splitlines()
+    assert len(lines) == 1, result.err
+    assert lines[0].startswith("launcher: spec.domain.devices.filesystems[0]: filesystem fs0 needs the launcher to run as root"), lines
+    assert "CAP_SYS_ADMIN" in lines[0]
+    assert_clean(qemu_user, "default_unpriv")
+
+
+def test_stop_ends_a_virtiofsd_no_qemu_ever_connected_to(tmp_path):
+    # A virtiofsd ends by itself when its qemu disconnects; one that never got a qemu (the domain did
+    # not start) only ends when the launcher ends it.
+    vmi = parse_vmi(doc([FS], [PVC]))
+    share = tmp_path / "share"
+    share.mkdir()
+    run_dir = tmp_path / "run"
+    daemons = virtiofs.start(vmi, {"data": Share(share)}, run_dir)
+    assert [d["name"] for d in daemons] == ["data"]
+    assert virtiofsd_sockets(tmp_path) == {f"--socket-path={run_dir}/virtiofs/data.sock"}
+    assert Path(daemons[0]["socket"]).is_socket()
+    lock = virtiofs.lock_path(daemons[0]["socket"])
+    assert lock.exists()
+    virtiofs.stop(daemons)
+    assert virtiofsd_pids(tmp_path) == []
+    assert not Path(daemons[0]["socket"]).exists()
+    assert not lock.exists()
+
+
+def test_a_domain_that_does_not_start_leaves_no_virtiofsd(qemu_user, guest_image, root_side):
+    # qemu never connects, so nothing but the launcher ends the virtiofsd (after a run, qemu's
+    # disconnect ends it too): a disk the qemu user may not open makes the start fail after them.
+    cache, uri = root_side
+    vmi_path, claim, manifests = write_shared_vmi(qemu_user, guest_image, "nostart")
+    locked = qemu_user.root / "locked.img"
+    locked.write_bytes(b"\0" * (1 << 20))
+    locked.chmod(0o600)
+    vmi = json.loads(vmi_path.read_text())
+    vmi["spec"]["domain"]["devices"]["disks"].append({"name": "locked", "disk": {"bus": "virtio"}})
+    vmi["spec"]["volumes"].append({"name": "locked", "hostDisk": {"path": str(locked), "type": "Disk"}})
+    vmi_path.write_text(json.dumps(vmi))
+    result = root_launcher(cache, "run", NOREG, "--timeout", "120", "--connect", uri,
+                           "--pvc", f"shared={claim}", "--manifests", manifests, vmi_path)
+    assert result.code != 0
+    assert "the domain did not start" in result.err, result.err
+    assert virtiofsd_sockets(cache) == set()
+    assert not (cache / "run" / "default_nostart").exists()
+
+
+def test_gc_leaves_no_virtiofsd_of_a_vm_that_ended(qemu_user, guest_image, root_side):
+    cache, uri = root_side
+    vmi, claim, manifests = write_shared_vmi(qemu_user, guest_image, "collected", hold=120)
+    started = root_launcher(cache, "run", NOREG, "--wait-for", "DISKKIT-TESTGUEST DONE", "--timeout", "300", "--connect", uri,
+                            "--pvc", f"shared={claim}", "--manifests", manifests, vmi)
+    assert started.code == 0, started.err
+    assert len(virtiofsd_sockets(cache)) == 2
+    qemu_user.virsh("destroy", "default_collected")  # the VM ends behind the launcher's back
+    collected = root_launcher(cache, "gc")
+    assert collected.code == 0, collected.err
+    assert virtiofsd_pids(cache) == []
+    assert virtiofsd_locks(cache) == []
+    assert not (cache / "vms" / "default_collected.json").exists()
+    assert not (cache / "run" / "default_collected").exists()
+
+
+def test_timeout_leaves_no_virtiofsd(qemu_user, guest_image, root_side):
+    cache, uri = root_side
+    vmi, claim, manifests = write_shared_vmi(qemu_user, guest_image, "timed", hold=120)
+    result = root_launcher(cache, "run", NOREG, "--timeout", "30", "--connect", uri,
+                           "--pvc", f"shared={claim}", "--manifests", manifests, vmi)
+    assert result.code != 0
+    assert "the VM was still running after 30 s; the domain was destroyed" in result.err, result.err
+    assert virtiofsd_pids(cache) == []
+    assert virtiofsd_locks(cache) == []
+    assert not (cache / "run" / "default_timed").exists()
