@@ -15,7 +15,7 @@ import pytest
 from diskkit.errors import DiskkitError
 from diskkit.oci.reference import parse_docker_name
 from diskkit.registry import registriesconf
-from tests.conftest import make_qcow2, run_diskkit
+from tests.conftest import make_qcow2, run_diskkit, run_launcher
 from tests.engines import podman_env
 
 
@@ -115,6 +115,9 @@ def test_short_names_resolve_as_podman_resolves_them(registry, pushed, tmp_path)
     env = conf_env(tmp_path, f'unqualified-search-registries = ["{h}"]\n{insecure}[aliases]\n"x" = "{h}/mirror/x"\n')
     assert ours_digest(env, "x:v1", tmp_path) == (0, pushed)
     assert podman_pull_digest(env, "x:v1", tmp_path) == pushed
+    pulled = run_launcher("pull", "--cache-dir", tmp_path / "cache", "--json", "x:v1", env=env)
+    assert pulled.code == 0, pulled.err
+    assert json.loads(pulled.out)["digest"] == pushed
     # No alias: the search registries in order; a registry that refuses connections is passed over.
     env = conf_env(tmp_path, f'short-name-mode = "permissive"\nunqualified-search-registries = ["127.0.0.1:9", "{h}"]\n{insecure}')
     assert ours_digest(env, "mirror/x:v1", tmp_path) == (0, pushed)

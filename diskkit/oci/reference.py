@@ -100,7 +100,8 @@ class ImageRef:
 
     def __str__(self) -> str:
         if self.transport == "docker":
-            return f"docker://{self.name}"
+            # A short name stays as typed: it means whatever registries.conf resolves it to.
+            return self.short or f"docker://{self.name}"
         if self.transport == "docker-archive" and self.name:
             return f"docker-archive:{self.path}:{self.name.familiar()}"
         if self.transport == "docker-daemon":
