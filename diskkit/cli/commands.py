@@ -174,16 +174,31 @@ Examples:
   diskkit inspect oci:./layout:fedora-40
   diskkit inspect --json docker-archive:fedora.tar
   diskkit inspect docker://quay.io/containerdisks/fedora:40
+  diskkit inspect --raw docker://quay.io/containerdisks/fedora:40 | jq .
+  diskkit inspect --config --raw oci:./layout:fedora-40
 """)
 @click.argument("ref")
 @click.option("--platform", help="OS/ARCH to pick from a multi-platform index (default: this host's).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--raw", is_flag=True, help="Print the manifest (or index) bytes as stored, as skopeo inspect --raw.")
+@click.option("--config", "show_config", is_flag=True, help="Print the image's config (with --raw: its bytes as stored).")
 @registry_options
-def inspect_cmd(ref: str, platform: str | None, as_json: bool, registry: RegistryOptions) -> None:
+def inspect_cmd(ref: str, platform: str | None, as_json: bool, raw: bool, show_config: bool, registry: RegistryOptions) -> None:
     """Show an image's manifest, config, layers and disk (path, format, virtual size, owner, mode).
 
     Registry images are described without pulling their layers.
     """
+    if raw or show_config:
+        from diskkit.transports import open_source
+
+        with open_source(ref, registry) as source:
+            if show_config:
+                data = source.image(platform_of(platform)).config_bytes
+                out = data if raw else (json.dumps(json.loads(data), indent=4) + "\n").encode()
+            else:
+                out = source.top_manifest()[0]
+        sys.stdout.buffer.write(out)
+        return
     report = inspect(ref, platform_of(platform), registry)
     data = describe(report)
     if as_json:
@@ -250,25 +265,49 @@ Examples:
   diskkit push docker://quay.io/me/fedora:40 oci-archive:fedora.tar
   diskkit push --all docker://quay.io/me/fedora:40 docker://registry.local/me/fedora:40
   diskkit push --tls-verify=false docker-archive:fedora.tar localhost:5000/fedora:40
+  diskkit copy --src-creds me:pw --dest-tls-verify=false docker://quay.io/me/f:40 docker://localhost:5000/f:40
+  diskkit copy --preserve-digests --multi-arch all docker://quay.io/me/f:40 dir:./f40
   DOCKER_HOST=unix:///run/podman/podman.sock diskkit push docker-daemon:quay.io/me/fedora:40 oci:./layout:f40
 """)
 @click.argument("src")
 @click.argument("dest")
 @click.option("--platform", help="OS/ARCH to pick from a multi-platform index (default: this host's).")
 @click.option("--all", "all_platforms", is_flag=True, help="Copy every platform of an index, and the index itself.")
+@click.option("--multi-arch", type=click.Choice(["system", "all", "index-only"]), help="As skopeo: system = this host's image (default), all = as --all.")
+@click.option("--preserve-digests", is_flag=True, help="Fail instead of rewriting a manifest (format conversion, decompression).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object; events as JSON lines on stderr.")
+@click.option("--src-tls-verify", type=click.BOOL, metavar="BOOL", help="--tls-verify for the source registry only.")
+@click.option("--dest-tls-verify", type=click.BOOL, metavar="BOOL", help="--tls-verify for the destination registry only.")
+@click.option("--src-creds", metavar="USER:PASS", help="--creds for the source registry only.")
+@click.option("--dest-creds", metavar="USER:PASS", help="--creds for the destination registry only.")
+@click.option("--src-authfile", type=click.Path(dir_okay=False), help="--authfile for the source registry only.")
+@click.option("--dest-authfile", type=click.Path(dir_okay=False), help="--authfile for the destination registry only.")
+@click.option("--src-cert-dir", type=click.Path(file_okay=False), help="--cert-dir for the source registry only.")
+@click.option("--dest-cert-dir", type=click.Path(file_okay=False), help="--cert-dir for the destination registry only.")
 @registry_options
-def push_cmd(src, dest, platform, all_platforms, as_json, registry: RegistryOptions) -> None:
-    """Copy an image from any transport to any transport, as `skopeo copy` does.
+def push_cmd(src, dest, platform, all_platforms, multi_arch, preserve_digests, as_json, registry: RegistryOptions, **sides) -> None:
+    """Copy an image from any transport to any transport, as `skopeo copy` does (`copy` is the same command).
 
     Blobs the destination already has are skipped, blobs in another repository of the same
     registry are mounted, the rest stream through with their digests verified. Manifests keep
-    their bytes and media type, so the digest printed is the source's.
+    their bytes and media type, so the digest printed is the source's. The --src-*/--dest-*
+    flags apply to one side only and win over the plain ones, as in skopeo.
     """
+    from dataclasses import replace
+
     from diskkit.ops.copy import copy_image
 
-    result = copy_image(src, dest, registry, reporter_for(as_json), platform_of(platform), all_platforms)
+    if multi_arch == "index-only":
+        raise DiskkitError("--multi-arch", "index-only is not implemented; use system or all")
+    all_platforms = all_platforms or multi_arch == "all"
+    fields = {"tls_verify": "tls_verify", "creds": "creds", "authfile": "authfile", "cert_dir": "cert_dir"}
+    src_opts = replace(registry, **{f: sides[f"src_{k}"] for k, f in fields.items() if sides[f"src_{k}"] is not None})
+    dest_opts = replace(registry, **{f: sides[f"dest_{k}"] for k, f in fields.items() if sides[f"dest_{k}"] is not None})
+    result = copy_image(src, dest, src_opts, reporter_for(as_json), platform_of(platform), all_platforms, dest_opts, preserve_digests)
     click.echo(json.dumps(result.to_json(), indent=2) if as_json else result.digest)
+
+
+cli.add_command(push_cmd, "copy")
 
 
 @cli.command("delete", epilog="""\b

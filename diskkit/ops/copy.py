@@ -52,14 +52,19 @@ def copy_image(
     reporter: Reporter,
     platform: Platform | None = None,
     all_platforms: bool = False,
+    dest_opts: RegistryOptions | None = None,
+    preserve_digests: bool = False,
 ) -> CopyResult:
+    """`opts` reach the source registry, `dest_opts` (default: the same) the destination's, as
+    skopeo's --src-*/--dest-* flags do. With `preserve_digests` a copy that would have to rewrite a
+    manifest is refused instead (skopeo copy --preserve-digests)."""
     src_ref = parse_ref(src) if isinstance(src, str) else src
     dest_ref = parse_ref(dest) if isinstance(dest, str) else dest
     statuses: dict[str, str] = {}
     with open_source(src_ref, opts) as source:
         data, media, _ = source.manifest_descriptors()
-        with open_destination(dest_ref, 0, opts) as destination:
-            copier = _Copier(source, destination, src_ref, dest_ref, reporter, statuses)
+        with open_destination(dest_ref, 0, dest_opts or opts) as destination:
+            copier = _Copier(source, destination, src_ref, dest_ref, reporter, statuses, preserve_digests)
             if media in mt.INDEXES and all_platforms:
                 if destination.docker_manifest:
                     raise DiskkitError(str(dest_ref), "docker-archive holds a single image; choose one with --platform instead of --all")
@@ -70,6 +75,7 @@ def copy_image(
                     copied = copier.image(_child_manifest(source, desc), desc.media_type, desc.platform, child=True)
                     children.append({**child, "mediaType": copied.media_type, "digest": copied.digest, "size": copied.size})
                 if destination.oci_only and media == mt.DOCKER_LIST:
+                    copier.rewriting("a Docker manifest list becomes an OCI index")
                     data, media = canonical_json(docker_to_oci({**index, "manifests": children})), mt.OCI_INDEX
                 top = destination.put_manifest(data, media)
             elif media in mt.INDEXES:
@@ -89,8 +95,10 @@ def _child_manifest(source: Source, desc: Descriptor) -> bytes:
 
 
 class _Copier:
-    def __init__(self, source: Source, dest: Destination, src_ref: ImageRef, dest_ref: ImageRef, reporter: Reporter, statuses: dict):
+    def __init__(self, source: Source, dest: Destination, src_ref: ImageRef, dest_ref: ImageRef, reporter: Reporter, statuses: dict, preserve_digests: bool = False):
         self.source, self.dest, self.reporter, self.statuses = source, dest, reporter, statuses
+        self.preserve_digests = preserve_digests
+        self.dest_ref = dest_ref
         same_registry = (
             src_ref.transport == dest_ref.transport == "docker"
             and src_ref.name.registry == dest_ref.name.registry
@@ -101,11 +109,13 @@ class _Copier:
     def image(self, data: bytes, media: str, platform: dict | None, child: bool = False) -> Descriptor:
         manifest = parse_json(data, self.source.where)
         if self.dest.oci_only and media == mt.DOCKER_MANIFEST:
+            self.rewriting("a Docker schema2 manifest becomes an OCI manifest")
             manifest = docker_to_oci(manifest)
             data, media = canonical_json(manifest), mt.OCI_MANIFEST
         config = Descriptor.from_json(manifest["config"], self.source.where)
         layers = [Descriptor.from_json(layer, self.source.where) for layer in manifest.get("layers") or []]
         if self.dest.layer_compression == "none" and any(mt.layer_compression(l.media_type) != "none" for l in layers):
+            self.rewriting("its layers must be stored uncompressed")
             return self._into_plain_layers(config, layers, platform)
         blobs = [config, *layers]
         if self.dest.concurrent_blobs and len(blobs) > 1:
@@ -115,6 +125,10 @@ class _Copier:
             for desc in blobs:
                 self.blob(desc)
         return self.dest.put_manifest(data, media, platform, child=child)
+
+    def rewriting(self, why: str) -> None:
+        if self.preserve_digests:
+            raise DiskkitError(str(self.dest_ref), f"--preserve-digests: the manifest would change digest ({why} here)")
 
     def blob(self, desc: Descriptor) -> None:
         if self.dest.has_blob(desc):

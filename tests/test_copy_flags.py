@@ -1,0 +1,106 @@
+"""skopeo copy/inspect's flags on `diskkit push`/`diskkit copy` and `diskkit inspect`, each run side
+by side with skopeo 1.9 on the same inputs (loopback registries from tests/distribution.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import make_qcow2, run_diskkit
+
+
+def skopeo(home: Path, *args) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HOME": str(home), "REGISTRY_AUTH_FILE": str(home / "none.json"), "XDG_RUNTIME_DIR": str(home)}
+    return subprocess.run(["skopeo", *map(str, args)], capture_output=True, env=env, timeout=120)
+
+
+def sha(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("flags")
+    disk = make_qcow2(root / "d.qcow2", "16M", 0x19)
+    single, multi = root / "single", root / "multi"
+    assert run_diskkit("build", disk, "-t", f"oci:{single}:v1").code == 0
+    assert run_diskkit("build", "--platform", f"linux/amd64={disk}", "--platform", f"linux/arm64={disk}", "-t", f"oci:{multi}:v1").code == 0
+    home = root / "home"
+    home.mkdir()
+    return {"single": f"oci:{single}:v1", "multi": f"oci:{multi}:v1", "home": home}
+
+
+def test_copy_is_push_with_per_side_flags(built, tls_registry, auth_registry, registry, tmp_path):
+    """TLS source with its CA, authenticated destination over plain HTTP, then on to a third
+    registry: each side's flags apply to that side only, for skopeo and for us."""
+    home = built["home"]
+    tls_src = f"docker://{tls_registry.host}/flags/x:v1"
+    assert run_diskkit("copy", "--dest-cert-dir", tls_registry.ca_dir, built["single"], tls_src).code == 0
+    creds = f"{auth_registry.username}:{auth_registry.password}"
+    for who, dest in (("ours", "ours"), ("skopeo", "theirs")):
+        target = f"docker://{auth_registry.host}/flags/{dest}:v1"
+        flags = ["--src-cert-dir", tls_registry.ca_dir, "--dest-tls-verify=false", "--dest-creds", creds]
+        if who == "ours":
+            result = run_diskkit("copy", *flags, tls_src, target)
+            assert result.code == 0, result.err
+        else:
+            proc = skopeo(home, "copy", *flags, tls_src, target)
+            assert proc.returncode == 0, proc.stderr
+    raw = {}
+    for dest in ("ours", "theirs"):
+        proc = skopeo(home, "inspect", "--raw", "--tls-verify=false", "--creds", creds, f"docker://{auth_registry.host}/flags/{dest}:v1")
+        assert proc.returncode == 0, proc.stderr
+        raw[dest] = proc.stdout
+    assert raw["ours"] == raw["theirs"]
+    # The source's flags do not leak to the destination: without --dest-creds the push is refused.
+    denied = run_diskkit("copy", "--src-cert-dir", tls_registry.ca_dir, "--dest-tls-verify=false", tls_src, f"docker://{auth_registry.host}/flags/no:v1")
+    assert denied.code != 0
+    # Nor the other way round: --dest-tls-verify=false does not relax the TLS source.
+    strict = run_diskkit("copy", "--dest-tls-verify=false", tls_src, f"docker://{registry.host}/flags/no:v1")
+    assert strict.code != 0
+
+
+def test_multi_arch_all_and_system_as_skopeo(built, tmp_path):
+    home = built["home"]
+    for mode in ("all", "system"):
+        ours, theirs = tmp_path / f"ours-{mode}", tmp_path / f"theirs-{mode}"
+        result = run_diskkit("copy", "--multi-arch", mode, built["multi"], f"dir:{ours}")
+        assert result.code == 0, result.err
+        proc = skopeo(home, "copy", "--multi-arch", mode, built["multi"], f"dir:{theirs}")
+        assert proc.returncode == 0, proc.stderr
+        assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in theirs.iterdir())
+        assert (ours / "manifest.json").read_bytes() == (theirs / "manifest.json").read_bytes()
+    refused = run_diskkit("copy", "--multi-arch", "index-only", built["multi"], f"dir:{tmp_path / 'x'}")
+    assert refused.code != 0 and "index-only is not implemented" in refused.err and not (tmp_path / "x").exists()
+
+
+def test_preserve_digests_refuses_a_rewrite_and_allows_a_plain_copy(built, tmp_path):
+    archive = tmp_path / "d.tar"
+    # An archive stores plain layers: the manifest must change, which --preserve-digests forbids.
+    refused = run_diskkit("copy", "--preserve-digests", built["single"], f"docker-archive:{archive}:x:v1")
+    assert refused.code != 0 and "--preserve-digests" in refused.err and not archive.exists()
+    assert skopeo(built["home"], "copy", "--preserve-digests", built["single"], f"docker-archive:{tmp_path / 's.tar'}:x:v1").returncode != 0
+    kept = run_diskkit("copy", "--preserve-digests", built["single"], f"dir:{tmp_path / 'd'}")
+    assert kept.code == 0, kept.err
+    assert kept.out.strip() == sha((tmp_path / "d" / "manifest.json").read_bytes())
+
+
+@pytest.mark.parametrize("kind", ["single", "multi"])
+def test_inspect_raw_and_config_as_skopeo(built, kind):
+    home = built["home"]
+    ref = built[kind]
+    for flags in (["--raw"], ["--config", "--raw"], ["--config"]):
+        result = subprocess.run([sys.executable, "-m", "diskkit", "inspect", *flags, ref], capture_output=True)
+        assert result.returncode == 0, result.stderr
+        theirs = skopeo(home, "inspect", *flags, ref)
+        assert theirs.returncode == 0, theirs.stderr
+        if flags == ["--config"]:
+            assert json.loads(result.stdout) == json.loads(theirs.stdout)
+        else:
+            assert result.stdout == theirs.stdout, flags
