@@ -104,6 +104,8 @@ class ImageRef:
             return self.short or f"docker://{self.name}"
         if self.transport == "docker-archive" and self.name:
             return f"docker-archive:{self.path}:{self.name.familiar()}"
+        if self.transport == "docker-archive" and self.tag:
+            return f"docker-archive:{self.path}:{self.tag}"
         if self.transport == "docker-daemon":
             return f"docker-daemon:{self.name.familiar_ref() if self.name else self.tag}"
         if self.transport == "containers-storage":
@@ -122,6 +124,9 @@ def parse_ref(text: str) -> ImageRef:
         if not path:
             raise DiskkitError(text, f"{transport}: needs a path")
         if transport == "docker-archive":
+            if re.match(r"^@[0-9]+$", tag):
+                # containers/image docker/archive/transport.go: `@N` is the N-th image of manifest.json.
+                return ImageRef(transport, path=path, tag=tag)
             name = parse_docker_name(tag, "docker-archive reference") if tag else None
             if name and name.digest:
                 raise DiskkitError(text, "docker-archive references take a tag, not a digest")
