@@ -180,13 +180,14 @@ Examples:
 @click.argument("ref")
 @click.option("--platform", help="OS/ARCH to pick from a multi-platform index (default: this host's).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--path", "image_path", metavar="/DIR/NAME", help="Where the disk is in the image (default: the image's io.diskkit.disk.path annotation, else the one file in /disk).")
 @click.option("--raw", is_flag=True, help="Print the manifest (or index) bytes as stored, as skopeo inspect --raw.")
 @click.option("--config", "show_config", is_flag=True, help="Print the image's config (with --raw: its bytes as stored).")
 @registry_options
-def inspect_cmd(ref: str, platform: str | None, as_json: bool, raw: bool, show_config: bool, registry: RegistryOptions) -> None:
+def inspect_cmd(ref: str, platform: str | None, as_json: bool, image_path: str | None, raw: bool, show_config: bool, registry: RegistryOptions) -> None:
     """Show an image's manifest, config, layers and disk (path, format, virtual size, owner, mode).
 
-    Registry images are described without pulling their layers.
+    Registry images are described without pulling their layers. Exits 1 when it lists a problem.
     """
     if raw or show_config:
         from diskkit.transports import open_source
@@ -199,26 +200,32 @@ def inspect_cmd(ref: str, platform: str | None, as_json: bool, raw: bool, show_c
                 out = source.top_manifest()[0]
         sys.stdout.buffer.write(out)
         return
-    report = inspect(ref, platform_of(platform), registry)
+    report = inspect(ref, platform_of(platform), registry, image_path)
     data = describe(report)
     if as_json:
         click.echo(json.dumps(data, indent=2))
-        return
+        sys.exit(1 if data["problems"] else 0)
     disk = data["disk"]
     lines = [
         f"Reference:    {data['reference']}",
         f"Digest:       {data['digest']}",
         f"MediaType:    {data['mediaType']}",
         f"Platform:     {data['os']}/{data['architecture']}",
-        f"Created:      {data['created']}",
     ]
+    if data["created"]:
+        lines.append(f"Created:      {data['created']}")
     for key, value in sorted(data["labels"].items()):
         lines.append(f"Label:        {key}={value}")
     for key, value in sorted(data["annotations"].items()):
         lines.append(f"Annotation:   {key}={value}")
     for layer in data["layers"]:
         lines.append(f"Layer:        {layer['digest']} {layer['size']} bytes {layer['mediaType']}")
-    lines.append(f"Disk:         {disk['path']}")
+    if disk["path"]:
+        lines.append(f"Disk:         {disk['path']}")
+    elif parse_ref(ref).transport == "docker":
+        lines.append("Disk:         not described (no io.diskkit.disk.* annotations; `diskkit verify` reads the layers)")
+    else:
+        lines.append("Disk:         none found (not a containerDisk: no single file in /disk; see --path)")
     if disk["format"]:
         size = disk["virtualSize"]
         lines.append(f"  format:     {disk['format']}, virtual size {size} bytes ({size / (1 << 30):.2f} GiB)" if size else f"  format:     {disk['format']}")
@@ -227,6 +234,7 @@ def inspect_cmd(ref: str, platform: str | None, as_json: bool, raw: bool, show_c
     for problem in data["problems"]:
         lines.append(f"Problem:      {problem}")
     click.echo("\n".join(lines))
+    sys.exit(1 if data["problems"] else 0)
 
 
 @cli.command("verify", epilog="""\b
