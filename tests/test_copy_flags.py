@@ -104,3 +104,31 @@ def test_inspect_raw_and_config_as_skopeo(built, kind):
             assert json.loads(result.stdout) == json.loads(theirs.stdout)
         else:
             assert result.stdout == theirs.stdout, flags
+
+
+def test_archive_layers_are_gzipped_for_a_registry_as_skopeo_does(built, registry, tmp_path):
+    import gzip
+
+    archive = tmp_path / "d.tar"
+    assert run_diskkit("push", built["single"], f"docker-archive:{archive}:x:v1").code == 0
+    home = built["home"]
+    manifests = {}
+    for who in ("ours", "theirs"):
+        target = f"docker://{registry.host}/gz/{who}:v1"
+        if who == "ours":
+            result = run_diskkit("copy", "--dest-tls-verify=false", f"docker-archive:{archive}", target)
+            assert result.code == 0, result.err
+        else:
+            proc = skopeo(home, "copy", "--dest-tls-verify=false", f"docker-archive:{archive}", target)
+            assert proc.returncode == 0, proc.stderr
+        proc = skopeo(home, "inspect", "--raw", "--tls-verify=false", target)
+        manifests[who] = json.loads(proc.stdout)
+    ours, theirs = manifests["ours"], manifests["theirs"]
+    assert [l["mediaType"] for l in ours["layers"]] == [l["mediaType"] for l in theirs["layers"]] == ["application/vnd.docker.image.rootfs.diff.tar.gzip"]
+    assert ours["config"]["digest"] == theirs["config"]["digest"]
+    # Same content under both compressions: the layer un-gzips to the diffID.
+    proc = skopeo(home, "copy", "--src-tls-verify=false", f"docker://{registry.host}/gz/ours:v1", f"dir:{tmp_path / 'back'}")
+    assert proc.returncode == 0, proc.stderr
+    layer = (tmp_path / "back" / ours["layers"][0]["digest"].split(":")[1]).read_bytes()
+    config = json.loads((tmp_path / "back" / ours["config"]["digest"].split(":")[1]).read_bytes())
+    assert sha(gzip.decompress(layer)) == config["rootfs"]["diff_ids"][0]

@@ -1,11 +1,14 @@
 """Copy an image between any two transports, as `skopeo copy` does: every blob verified in passing.
 
 Manifest bytes travel unchanged (so digests stay the same), except into docker-archive, whose
-format holds uncompressed layers only: there layers are decompressed and the manifest rewritten.
+format holds uncompressed layers only: there layers are decompressed and the manifest rewritten;
+and from sources that store no manifest (archives, engines), whose plain layers are gzipped on
+their way to a registry or an OCI layout, as skopeo does.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,12 +28,13 @@ from diskkit.oci.image import (
 from diskkit.oci.reference import ImageRef, parse_ref
 from diskkit.progress import Reporter
 from diskkit.registry.options import RegistryOptions
-from diskkit.streams.compression import decompressing_reader
+from diskkit.streams.compression import compressor, decompressing_reader
 from diskkit.streams.digestio import HashingReader
 from diskkit.transports import open_destination, open_source
 from diskkit.transports.base import Destination, Source, with_restarts
 
 COPY_CHUNK = 1 << 20
+GZIPPED = {mt.DOCKER_LAYER: mt.DOCKER_LAYER_GZIP, mt.OCI_LAYER: mt.OCI_LAYER_GZIP}
 PARALLEL_BLOBS = 3
 
 
@@ -117,6 +121,11 @@ class _Copier:
         if self.dest.layer_compression == "none" and any(mt.layer_compression(l.media_type) != "none" for l in layers):
             self.rewriting("its layers must be stored uncompressed")
             return self._into_plain_layers(config, layers, platform)
+        if self.source.manifest_synthesized and self.dest.compresses_plain_layers and any(l.media_type in GZIPPED for l in layers):
+            # skopeo compresses an archive's or an engine's plain layers on their way to a registry
+            # or an OCI layout; the manifest was made up by the source anyway, so no digest is lost.
+            self.rewriting("plain layers are compressed for this destination")
+            return self._into_gzip_layers(manifest, media, config, layers, platform, child)
         blobs = [config, *layers]
         if self.dest.concurrent_blobs and len(blobs) > 1:
             with ThreadPoolExecutor(PARALLEL_BLOBS) as pool:
@@ -158,6 +167,36 @@ class _Copier:
     def _status(self, desc: Descriptor, status: str) -> None:
         self.statuses[desc.digest] = status
         self.reporter.event({"event": "blob", "digest": desc.digest, "size": desc.size, "status": status})
+
+    def _into_gzip_layers(self, manifest: dict, media: str, config: Descriptor, layers: list[Descriptor], platform: dict | None, child: bool) -> Descriptor:
+        self.blob(config)
+        out = []
+        for desc in layers:
+            if desc.media_type not in GZIPPED:
+                self.blob(desc)
+                out.append(desc.to_json())
+                continue
+            packer = compressor("gzip")
+            digest = hashlib.sha256()
+            size = 0
+            with self.source.blob(desc) as reader, self.dest.blob_writer(GZIPPED[desc.media_type]) as writer:
+                with self.reporter.task(f"layer {desc.digest[7:19]}", desc.size) as task:
+                    while chunk := reader.read(COPY_CHUNK):
+                        packed = packer.compress(chunk)
+                        writer.write(packed)
+                        digest.update(packed)
+                        size += len(packed)
+                        task.advance(len(chunk))
+                    packed = packer.flush()
+                    writer.write(packed)
+                    digest.update(packed)
+                    size += len(packed)
+                reader.drain()
+                writer.commit(f"sha256:{digest.hexdigest()}", size)
+            out.append(Descriptor(GZIPPED[desc.media_type], f"sha256:{digest.hexdigest()}", size).to_json())
+            self._status(desc, "uploaded")
+        data = canonical_json({**manifest, "layers": out})
+        return self.dest.put_manifest(data, media, platform, child=child)
 
     def _into_plain_layers(self, config: Descriptor, layers: list[Descriptor], platform: dict | None) -> Descriptor:
         config_bytes = self.source.read_small(config)

@@ -31,6 +31,7 @@ _BLOB_NAME = re.compile(r"^(?:blobs/sha256/|)([0-9a-f]{64})(?:\.tar|\.json|/laye
 
 
 class DockerArchiveSource(Source):
+    manifest_synthesized = True
     def __init__(self, ref: ImageRef):
         self.where = str(ref)
         self.store = TarStore(Path(ref.path))

@@ -236,6 +236,7 @@ class _SizedBody:
 
 
 class RemoteDestination(Destination):
+    compresses_plain_layers = True
     concurrent_blobs = True
 
     def __init__(self, ref: ImageRef, opts: RegistryOptions):
