@@ -132,3 +132,47 @@ def test_archive_layers_are_gzipped_for_a_registry_as_skopeo_does(built, registr
     layer = (tmp_path / "back" / ours["layers"][0]["digest"].split(":")[1]).read_bytes()
     config = json.loads((tmp_path / "back" / ours["config"]["digest"].split(":")[1]).read_bytes())
     assert sha(gzip.decompress(layer)) == config["rootfs"]["diff_ids"][0]
+
+
+@pytest.mark.parametrize("kind, flags", [("single", []), ("multi", ["--all"])])
+def test_format_v2s2_and_back_to_oci_as_skopeo(built, tmp_path, kind, flags):
+    home = built["home"]
+    for fmt, src in (("v2s2", built[kind]), ("oci", None)):
+        src = src or f"dir:{tmp_path / 'theirs-v2s2'}"
+        ours_src = src.replace("theirs-", "ours-")
+        ours, theirs = tmp_path / f"ours-{fmt}", tmp_path / f"theirs-{fmt}"
+        result = run_diskkit("copy", *flags, "--format", fmt, ours_src, f"dir:{ours}")
+        assert result.code == 0, result.err
+        proc = skopeo(home, "copy", *flags, "--format", fmt, src, f"dir:{theirs}")
+        assert proc.returncode == 0, proc.stderr
+        our_top, their_top = json.loads((ours / "manifest.json").read_bytes()), json.loads((theirs / "manifest.json").read_bytes())
+        assert our_top["mediaType"] == their_top["mediaType"]
+        for key in ("layers", "manifests"):
+            if key in their_top:
+                assert [(d["mediaType"], d.get("platform")) for d in our_top[key]] == [(d["mediaType"], d.get("platform")) for d in their_top[key]]
+        if fmt == "v2s2":
+            # schema2 keeps the config's bytes: the same blobs, and manifests that differ only in
+            # key order (Go's struct order against our sorted keys).
+            assert contents(ours) == contents(theirs)
+
+
+def contents(root: Path) -> tuple[set[str], list[str]]:
+    """(blob files, every manifest re-serialised with sorted keys, digests of children left out)."""
+    blobs = {p.name for p in root.iterdir() if not p.name.endswith("manifest.json")}
+    manifests = []
+    for path in root.glob("*manifest.json"):
+        obj = json.loads(path.read_bytes())
+        for child in obj.get("manifests") or []:
+            child.pop("digest"), child.pop("size")
+        manifests.append(json.dumps(obj, sort_keys=True))
+    return blobs, sorted(manifests)
+
+
+def test_format_v2s2_refuses_zstd_as_skopeo_does(built, tmp_path):
+    disk = make_qcow2(tmp_path / "d.qcow2", "8M")
+    layout = f"oci:{tmp_path / 'z'}:v1"
+    assert run_diskkit("build", disk, "--compression", "zstd", "-t", layout).code == 0
+    result = run_diskkit("copy", "--format", "v2s2", layout, f"dir:{tmp_path / 'o'}")
+    assert result.code != 0 and "zstd compression is not supported for docker images" in result.err
+    assert skopeo(built["home"], "copy", "--format", "v2s2", layout, f"dir:{tmp_path / 's'}").returncode != 0
+    assert not (tmp_path / "o").exists()

@@ -21,6 +21,7 @@ from diskkit.oci.image import (
     canonical_json,
     docker_to_oci,
     manifest_media_type,
+    oci_to_docker,
     parse_json,
     select_platform,
     sha256_digest,
@@ -58,17 +59,19 @@ def copy_image(
     all_platforms: bool = False,
     dest_opts: RegistryOptions | None = None,
     preserve_digests: bool = False,
+    manifest_format: str | None = None,
 ) -> CopyResult:
     """`opts` reach the source registry, `dest_opts` (default: the same) the destination's, as
     skopeo's --src-*/--dest-* flags do. With `preserve_digests` a copy that would have to rewrite a
-    manifest is refused instead (skopeo copy --preserve-digests)."""
+    manifest is refused instead (skopeo copy --preserve-digests); `manifest_format` ("oci" or "v2s2")
+    restates manifests in that format (skopeo copy --format)."""
     src_ref = parse_ref(src) if isinstance(src, str) else src
     dest_ref = parse_ref(dest) if isinstance(dest, str) else dest
     statuses: dict[str, str] = {}
     with open_source(src_ref, opts) as source:
         data, media, _ = source.manifest_descriptors()
         with open_destination(dest_ref, 0, dest_opts or opts) as destination:
-            copier = _Copier(source, destination, src_ref, dest_ref, reporter, statuses, preserve_digests)
+            copier = _Copier(source, destination, src_ref, dest_ref, reporter, statuses, preserve_digests, manifest_format)
             if media in mt.INDEXES and all_platforms:
                 if destination.docker_manifest:
                     raise DiskkitError(str(dest_ref), "docker-archive holds a single image; choose one with --platform instead of --all")
@@ -78,9 +81,14 @@ def copy_image(
                     desc = Descriptor.from_json(child, source.where)
                     copied = copier.image(_child_manifest(source, desc), desc.media_type, desc.platform, child=True)
                     children.append({**child, "mediaType": copied.media_type, "digest": copied.digest, "size": copied.size})
-                if destination.oci_only and media == mt.DOCKER_LIST:
+                if (destination.oci_only or manifest_format == "oci") and media == mt.DOCKER_LIST:
                     copier.rewriting("a Docker manifest list becomes an OCI index")
                     data, media = canonical_json(docker_to_oci({**index, "manifests": children})), mt.OCI_INDEX
+                elif manifest_format == "v2s2" and media == mt.OCI_INDEX:
+                    copier.rewriting("an OCI index becomes a Docker manifest list")
+                    data, media = canonical_json(oci_to_docker({**index, "manifests": children}, source.where)), mt.DOCKER_LIST
+                elif children != index.get("manifests"):
+                    data = canonical_json({**index, "manifests": children})
                 top = destination.put_manifest(data, media)
             elif media in mt.INDEXES:
                 desc = select_platform(parse_json(data, source.where), platform or Platform.host(), source.where)
@@ -99,9 +107,12 @@ def _child_manifest(source: Source, desc: Descriptor) -> bytes:
 
 
 class _Copier:
-    def __init__(self, source: Source, dest: Destination, src_ref: ImageRef, dest_ref: ImageRef, reporter: Reporter, statuses: dict, preserve_digests: bool = False):
+    def __init__(self, source: Source, dest: Destination, src_ref: ImageRef, dest_ref: ImageRef, reporter: Reporter, statuses: dict, preserve_digests: bool = False, manifest_format: str | None = None):
         self.source, self.dest, self.reporter, self.statuses = source, dest, reporter, statuses
         self.preserve_digests = preserve_digests
+        self.manifest_format = manifest_format
+        if manifest_format == "v2s2" and dest.oci_only:
+            raise DiskkitError(str(dest_ref), "--format v2s2: OCI layouts index OCI manifests only")
         self.dest_ref = dest_ref
         same_registry = (
             src_ref.transport == dest_ref.transport == "docker"
@@ -112,10 +123,14 @@ class _Copier:
 
     def image(self, data: bytes, media: str, platform: dict | None, child: bool = False) -> Descriptor:
         manifest = parse_json(data, self.source.where)
-        if self.dest.oci_only and media == mt.DOCKER_MANIFEST:
+        if (self.dest.oci_only or self.manifest_format == "oci") and media == mt.DOCKER_MANIFEST:
             self.rewriting("a Docker schema2 manifest becomes an OCI manifest")
             manifest = docker_to_oci(manifest)
             data, media = canonical_json(manifest), mt.OCI_MANIFEST
+        elif self.manifest_format == "v2s2" and media == mt.OCI_MANIFEST:
+            self.rewriting("an OCI manifest becomes a Docker schema2 manifest")
+            manifest = oci_to_docker(manifest, self.source.where)
+            data, media = canonical_json(manifest), mt.DOCKER_MANIFEST
         config = Descriptor.from_json(manifest["config"], self.source.where)
         layers = [Descriptor.from_json(layer, self.source.where) for layer in manifest.get("layers") or []]
         if self.dest.layer_compression == "none" and any(mt.layer_compression(l.media_type) != "none" for l in layers):
