@@ -176,3 +176,41 @@ def test_format_v2s2_refuses_zstd_as_skopeo_does(built, tmp_path):
     assert result.code != 0 and "zstd compression is not supported for docker images" in result.err
     assert skopeo(built["home"], "copy", "--format", "v2s2", layout, f"dir:{tmp_path / 's'}").returncode != 0
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("fmt", ["zstd", "gzip"])
+def test_dest_compress_format_as_skopeo(built, tmp_path, fmt):
+    """gzip layers re-encoded as zstd, zstd ones as gzip: same media type and content as skopeo's."""
+    home = built["home"]
+    src = built["single"]
+    if fmt == "gzip":
+        src = f"oci:{tmp_path / 'zstd'}:v1"
+        assert run_diskkit("build", make_qcow2(tmp_path / "d.qcow2", "8M"), "--compression", "zstd", "-t", src).code == 0
+    for flags in ([], ["--dest-compress"]):
+        ours, theirs = tmp_path / f"ours{len(flags)}", tmp_path / f"theirs{len(flags)}"
+        result = run_diskkit("copy", *flags, "--dest-compress-format", fmt, "--dest-compress-level", "3", src, f"dir:{ours}")
+        assert result.code == 0, result.err
+        proc = skopeo(home, "copy", *flags, "--dest-compress-format", fmt, src, f"dir:{theirs}")
+        assert proc.returncode == 0, proc.stderr
+        assert layer_facts(ours) == layer_facts(theirs)
+        media, plain, diff_id = layer_facts(ours)
+        # dir: keeps layers as they are unless told --dest-compress, for skopeo as for us.
+        assert plain == diff_id and media.endswith(fmt) == bool(flags)
+    layout = tmp_path / "layout"
+    assert run_diskkit("copy", "--dest-compress-format", fmt, src, f"oci:{layout}:v1").code == 0
+    assert skopeo(home, "copy", "--dest-compress-format", fmt, src, f"oci:{tmp_path / 'sk-layout'}:v1").returncode == 0
+    assert run_diskkit("inspect", "--raw", f"oci:{layout}:v1").out.count(f"tar+{fmt}") == 1
+    assert skopeo(home, "inspect", "--raw", f"oci:{tmp_path / 'sk-layout'}:v1").stdout.decode().count(f"tar+{fmt}") == 1
+
+
+def layer_facts(root: Path) -> tuple[str, str, str]:
+    """(layer media type, digest of its uncompressed bytes, the config's diffID)."""
+    import gzip
+
+    import zstandard
+
+    manifest = json.loads((root / "manifest.json").read_bytes())
+    config = json.loads((root / manifest["config"]["digest"].split(":")[1]).read_bytes())
+    data = (root / manifest["layers"][0]["digest"].split(":")[1]).read_bytes()
+    plain = zstandard.ZstdDecompressor().decompressobj().decompress(data) if data[:4] == b"\x28\xb5\x2f\xfd" else gzip.decompress(data)
+    return manifest["layers"][0]["mediaType"], sha(plain), config["rootfs"]["diff_ids"][0]

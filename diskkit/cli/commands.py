@@ -283,6 +283,9 @@ Examples:
 @click.option("--all", "all_platforms", is_flag=True, help="Copy every platform of an index, and the index itself.")
 @click.option("--multi-arch", type=click.Choice(["system", "all", "index-only"]), help="As skopeo: system = this host's image (default), all = as --all.")
 @click.option("--preserve-digests", is_flag=True, help="Fail instead of rewriting a manifest (format conversion, decompression).")
+@click.option("--dest-compress", is_flag=True, help="Compress layers for destinations that keep them as they are (dir:), as skopeo does.")
+@click.option("--dest-compress-format", type=click.Choice(["gzip", "zstd"]), help="Re-encode layers not already in this compression (registries, OCI layouts; dir: with --dest-compress).")
+@click.option("--dest-compress-level", type=int, help="Its level (gzip 0-3, zstd 1-19; as diskkit build --level).")
 @click.option("--format", "manifest_format", type=click.Choice(["oci", "v2s2"]), help="Restate manifests as OCI or Docker schema2, as skopeo copy --format.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object; events as JSON lines on stderr.")
 @click.option("--src-tls-verify", type=click.BOOL, metavar="BOOL", help="--tls-verify for the source registry only.")
@@ -294,7 +297,7 @@ Examples:
 @click.option("--src-cert-dir", type=click.Path(file_okay=False), help="--cert-dir for the source registry only.")
 @click.option("--dest-cert-dir", type=click.Path(file_okay=False), help="--cert-dir for the destination registry only.")
 @registry_options
-def push_cmd(src, dest, platform, all_platforms, multi_arch, preserve_digests, manifest_format, as_json, registry: RegistryOptions, **sides) -> None:
+def push_cmd(src, dest, platform, all_platforms, multi_arch, preserve_digests, dest_compress, dest_compress_format, dest_compress_level, manifest_format, as_json, registry: RegistryOptions, **sides) -> None:
     """Copy an image from any transport to any transport, as `skopeo copy` does (`copy` is the same command).
 
     Blobs the destination already has are skipped, blobs in another repository of the same
@@ -306,13 +309,15 @@ def push_cmd(src, dest, platform, all_platforms, multi_arch, preserve_digests, m
 
     from diskkit.ops.copy import copy_image
 
+    if dest_compress_level is not None and dest_compress_format is None:
+        raise DiskkitError("--dest-compress-level", "needs --dest-compress-format")
     if multi_arch == "index-only":
         raise DiskkitError("--multi-arch", "index-only is not implemented; use system or all")
     all_platforms = all_platforms or multi_arch == "all"
     fields = {"tls_verify": "tls_verify", "creds": "creds", "authfile": "authfile", "cert_dir": "cert_dir"}
     src_opts = replace(registry, **{f: sides[f"src_{k}"] for k, f in fields.items() if sides[f"src_{k}"] is not None})
     dest_opts = replace(registry, **{f: sides[f"dest_{k}"] for k, f in fields.items() if sides[f"dest_{k}"] is not None})
-    result = copy_image(src, dest, src_opts, reporter_for(as_json), platform_of(platform), all_platforms, dest_opts, preserve_digests, manifest_format)
+    result = copy_image(src, dest, src_opts, reporter_for(as_json), platform_of(platform), all_platforms, dest_opts, preserve_digests, manifest_format, dest_compress_format or ("gzip" if dest_compress else None), dest_compress_level, dest_compress)
     click.echo(json.dumps(result.to_json(), indent=2) if as_json else result.digest)
 
 

@@ -35,7 +35,6 @@ from diskkit.transports import open_destination, open_source
 from diskkit.transports.base import Destination, Source, with_restarts
 
 COPY_CHUNK = 1 << 20
-GZIPPED = {mt.DOCKER_LAYER: mt.DOCKER_LAYER_GZIP, mt.OCI_LAYER: mt.OCI_LAYER_GZIP}
 PARALLEL_BLOBS = 3
 
 
@@ -60,18 +59,23 @@ def copy_image(
     dest_opts: RegistryOptions | None = None,
     preserve_digests: bool = False,
     manifest_format: str | None = None,
+    compress_format: str | None = None,
+    compress_level: int | None = None,
+    dest_compress: bool = False,
 ) -> CopyResult:
     """`opts` reach the source registry, `dest_opts` (default: the same) the destination's, as
     skopeo's --src-*/--dest-* flags do. With `preserve_digests` a copy that would have to rewrite a
     manifest is refused instead (skopeo copy --preserve-digests); `manifest_format` ("oci" or "v2s2")
-    restates manifests in that format (skopeo copy --format)."""
+    restates manifests in that format (skopeo copy --format); `compress_format`/`compress_level`
+    re-encode every layer that is not already in that format (skopeo's --dest-compress-format), for
+    destinations that compress, or any with `dest_compress` (--dest-compress)."""
     src_ref = parse_ref(src) if isinstance(src, str) else src
     dest_ref = parse_ref(dest) if isinstance(dest, str) else dest
     statuses: dict[str, str] = {}
     with open_source(src_ref, opts) as source:
         data, media, _ = source.manifest_descriptors()
         with open_destination(dest_ref, 0, dest_opts or opts) as destination:
-            copier = _Copier(source, destination, src_ref, dest_ref, reporter, statuses, preserve_digests, manifest_format)
+            copier = _Copier(source, destination, src_ref, dest_ref, reporter, statuses, preserve_digests, manifest_format, compress_format, compress_level, dest_compress)
             if media in mt.INDEXES and all_platforms:
                 if destination.docker_manifest:
                     raise DiskkitError(str(dest_ref), "docker-archive holds a single image; choose one with --platform instead of --all")
@@ -107,10 +111,11 @@ def _child_manifest(source: Source, desc: Descriptor) -> bytes:
 
 
 class _Copier:
-    def __init__(self, source: Source, dest: Destination, src_ref: ImageRef, dest_ref: ImageRef, reporter: Reporter, statuses: dict, preserve_digests: bool = False, manifest_format: str | None = None):
+    def __init__(self, source: Source, dest: Destination, src_ref: ImageRef, dest_ref: ImageRef, reporter: Reporter, statuses: dict, preserve_digests: bool = False, manifest_format: str | None = None, compress_format: str | None = None, compress_level: int | None = None, dest_compress: bool = False):
         self.source, self.dest, self.reporter, self.statuses = source, dest, reporter, statuses
         self.preserve_digests = preserve_digests
         self.manifest_format = manifest_format
+        self.compress_format, self.compress_level, self.dest_compress = compress_format, compress_level, dest_compress
         if manifest_format == "v2s2" and dest.oci_only:
             raise DiskkitError(str(dest_ref), "--format v2s2: OCI layouts index OCI manifests only")
         self.dest_ref = dest_ref
@@ -136,11 +141,19 @@ class _Copier:
         if self.dest.layer_compression == "none" and any(mt.layer_compression(l.media_type) != "none" for l in layers):
             self.rewriting("its layers must be stored uncompressed")
             return self._into_plain_layers(config, layers, platform)
-        if self.source.manifest_synthesized and self.dest.compresses_plain_layers and any(l.media_type in GZIPPED for l in layers):
+        # As skopeo: destinations that compress (registries, OCI layouts) take the format as given;
+        # the others (dir:) only with --dest-compress.
+        if self.compress_format and (self.dest.compresses_plain_layers or self.dest_compress):
+            if self.dest.layer_compression == "none":
+                raise DiskkitError(str(self.dest_ref), "--dest-compress-format: this destination stores plain layers only")
+            if any(mt.layer_compression(l.media_type) not in (self.compress_format, None) for l in layers):
+                self.rewriting(f"layers are recompressed as {self.compress_format}")
+                return self._recompressed(manifest, media, config, layers, platform, child, self.compress_format)
+        elif self.source.manifest_synthesized and self.dest.compresses_plain_layers and any(mt.layer_compression(l.media_type) == "none" for l in layers):
             # skopeo compresses an archive's or an engine's plain layers on their way to a registry
             # or an OCI layout; the manifest was made up by the source anyway, so no digest is lost.
             self.rewriting("plain layers are compressed for this destination")
-            return self._into_gzip_layers(manifest, media, config, layers, platform, child)
+            return self._recompressed(manifest, media, config, layers, platform, child, "gzip", only_plain=True)
         blobs = [config, *layers]
         if self.dest.concurrent_blobs and len(blobs) > 1:
             with ThreadPoolExecutor(PARALLEL_BLOBS) as pool:
@@ -183,32 +196,37 @@ class _Copier:
         self.statuses[desc.digest] = status
         self.reporter.event({"event": "blob", "digest": desc.digest, "size": desc.size, "status": status})
 
-    def _into_gzip_layers(self, manifest: dict, media: str, config: Descriptor, layers: list[Descriptor], platform: dict | None, child: bool) -> Descriptor:
+    def _recompressed(self, manifest: dict, media: str, config: Descriptor, layers: list[Descriptor], platform: dict | None, child: bool, kind: str, only_plain: bool = False) -> Descriptor:
+        """Layers re-encoded as `kind` in one streaming pass each (decompress, compress, hash, send)."""
+        if kind == "zstd" and media == mt.DOCKER_MANIFEST:
+            raise DiskkitError(str(self.dest_ref), f'"{mt.DOCKER_LAYER_ZSTD}": zstd compression is not supported for docker images; add --format oci')
         self.blob(config)
         out = []
         for desc in layers:
-            if desc.media_type not in GZIPPED:
+            have = mt.layer_compression(desc.media_type)
+            if have is None or have == kind or (only_plain and have != "none"):
                 self.blob(desc)
                 out.append(desc.to_json())
                 continue
-            packer = compressor("gzip")
+            target = (mt.docker_layer if media == mt.DOCKER_MANIFEST else mt.oci_layer)(kind)
+            packer = compressor(kind, self.compress_level)
             digest = hashlib.sha256()
             size = 0
-            with self.source.blob(desc) as reader, self.dest.blob_writer(GZIPPED[desc.media_type]) as writer:
+            with self.source.blob(desc) as reader, self.dest.blob_writer(target) as writer:
+                plain = decompressing_reader(reader, have)
                 with self.reporter.task(f"layer {desc.digest[7:19]}", desc.size) as task:
-                    while chunk := reader.read(COPY_CHUNK):
-                        packed = packer.compress(chunk)
+                    while True:
+                        chunk = plain.read(COPY_CHUNK)
+                        packed = packer.compress(chunk) if chunk else packer.flush()
                         writer.write(packed)
                         digest.update(packed)
                         size += len(packed)
+                        if not chunk:
+                            break
                         task.advance(len(chunk))
-                    packed = packer.flush()
-                    writer.write(packed)
-                    digest.update(packed)
-                    size += len(packed)
                 reader.drain()
                 writer.commit(f"sha256:{digest.hexdigest()}", size)
-            out.append(Descriptor(GZIPPED[desc.media_type], f"sha256:{digest.hexdigest()}", size).to_json())
+            out.append({**desc.to_json(), "mediaType": target, "digest": f"sha256:{digest.hexdigest()}", "size": size})
             self._status(desc, "uploaded")
         data = canonical_json({**manifest, "layers": out})
         return self.dest.put_manifest(data, media, platform, child=child)
