@@ -1,4 +1,4 @@
-"""docker-archive:FILE:NAME and :@N on archives written by docker, podman-style and skopeo peers,
+"""docker-archive:FILE:NAME and :@N on archives written by docker, buildah and skopeo (podman-style names),
 read side by side with skopeo (containers/image docker/archive compares normalised names)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import tarfile
 import pytest
 
 from tests.conftest import make_qcow2, run_diskkit
-from tests.engines import dockerd  # noqa: F401  (fixture)
+from tests.engines import dockerd, podman_env  # noqa: F401  (fixture)
 
 
 def skopeo_raw(ref: str) -> tuple[int, bytes]:
@@ -51,6 +51,16 @@ def archives(tmp_path_factory, dockerd) -> dict:
         for chunk in dockerd.client().api.get_image("x:1"):
             f.write(chunk)
     out["docker"] = root / "docker.tar"
+    # buildah names its local images localhost/NAME and pushes both forms when given a name.
+    store = root / "buildah"
+    store.mkdir()
+    env = {**os.environ, **podman_env(store)}
+    subprocess.run(["buildah", "pull", "-q", layout], check=True, capture_output=True, env=env)
+    image_id = subprocess.run(["buildah", "images", "-q"], check=True, capture_output=True, text=True, env=env).stdout.split()[0]
+    subprocess.run(["buildah", "tag", image_id, "x:1"], check=True, capture_output=True, env=env)
+    subprocess.run(["buildah", "push", "-q", "x:1", f"docker-archive:{root / 'buildah.tar'}"], check=True, capture_output=True, env=env)
+    subprocess.run(["buildah", "push", "-q", "x:1", f"docker-archive:{root / 'buildah-named.tar'}:x:1"], check=True, capture_output=True, env=env)
+    out["buildah"], out["buildah-named"] = root / "buildah.tar", root / "buildah-named.tar"
     return out
 
 
@@ -58,6 +68,8 @@ def archives(tmp_path_factory, dockerd) -> dict:
     ("skopeo", ["docker.io/library/x:1"], ["x:1", "docker.io/library/x:1"]),
     ("docker", ["x:1"], ["x:1", "docker.io/library/x:1"]),
     ("podman-style", ["localhost/x:1"], ["localhost/x:1"]),
+    ("buildah", ["localhost/x:1"], ["localhost/x:1"]),
+    ("buildah-named", ["docker.io/library/x:1", "localhost/x:1"], ["x:1", "localhost/x:1"]),
 ])
 def test_names_match_as_skopeo_matches_them(archives, kind, tags, names):
     path = archives[kind]
