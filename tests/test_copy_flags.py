@@ -214,3 +214,13 @@ def layer_facts(root: Path) -> tuple[str, str, str]:
     data = (root / manifest["layers"][0]["digest"].split(":")[1]).read_bytes()
     plain = zstandard.ZstdDecompressor().decompressobj().decompress(data) if data[:4] == b"\x28\xb5\x2f\xfd" else gzip.decompress(data)
     return manifest["layers"][0]["mediaType"], sha(plain), config["rootfs"]["diff_ids"][0]
+
+
+def test_authfile_applies_to_its_side_only(built, auth_registry, tmp_path):
+    home = built["home"]
+    authfile = auth_registry.auth_file(tmp_path / "auth.json")
+    target = f"docker://{auth_registry.host}/flags/authfile:v1"
+    for side, expect in (("--dest-authfile", True), ("--src-authfile", False)):
+        ours = run_diskkit("copy", "--dest-tls-verify=false", side, authfile, built["single"], target)
+        theirs = skopeo(home, "copy", "--dest-tls-verify=false", side, authfile, built["single"], target)
+        assert (ours.code == 0) == (theirs.returncode == 0) == expect, (side, ours.err, theirs.stderr)
