@@ -12,7 +12,7 @@ import tarfile
 import pytest
 
 from tests.conftest import make_qcow2, run_diskkit
-from tests.engines import dockerd, podman_env  # noqa: F401  (fixture)
+from tests.engines import podman_env
 
 
 def skopeo_raw(ref: str) -> tuple[int, bytes]:

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import make_qcow2, run_diskkit, run_launcher
-from tests.engines import dockerd, engine, podman  # noqa: F401  (fixtures)
 
 
 def skopeo(engine, *args) -> subprocess.CompletedProcess:

@@ -3,6 +3,8 @@ an exit code that says whether a problem was found."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.conftest import make_qcow2, run_diskkit
@@ -30,14 +32,13 @@ def test_inspect_exits_1_when_it_lists_a_problem(images):
     assert result.code == 1 and "Problem:" in result.out
 
 
-def test_foreign_image_is_described_without_none(tmp_path):
-    """An ordinary container image (no /disk, no created time): every line says something."""
+def foreign_layout(root: Path) -> str:
+    """An ordinary container image (no /disk, no created time, no diskkit annotations)."""
     import hashlib
     import io
     import json
     import tarfile
 
-    root = tmp_path / "foreign"
     blobs = root / "blobs" / "sha256"
     blobs.mkdir(parents=True)
 
@@ -59,9 +60,21 @@ def test_foreign_image_is_described_without_none(tmp_path):
     (root / "oci-layout").write_text('{"imageLayoutVersion":"1.0.0"}')
     (root / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [
         {"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": put(manifest), "size": len(manifest)}]}))
-    result = run_diskkit("inspect", f"oci:{root}")
+    return f"oci:{root}"
+
+
+def test_foreign_image_is_described_without_none(tmp_path):
+    result = run_diskkit("inspect", foreign_layout(tmp_path / "foreign"))
     assert "None" not in result.out, result.out
     assert "Problem:      failed to check /disk for disks" in result.out and result.code == 1
+
+
+def test_foreign_image_in_a_registry_is_described_without_none(registry, tmp_path):
+    target = f"{registry.host}/lines/foreign:v1"
+    assert run_diskkit("push", "--tls-verify=false", foreign_layout(tmp_path / "foreign"), target).code == 0
+    result = run_diskkit("inspect", "--tls-verify=false", target)
+    assert result.code == 0, result.err
+    assert "None" not in result.out and "Disk:         not described" in result.out, result.out
 
 
 def test_verify_names_the_reference_once(images):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import make_qcow2, run_diskkit
-from tests.engines import dockerd, podman_env  # noqa: F401  (fixture)
+from tests.engines import podman_env
 
 KINDS = ("gzip", "zstd", "none")
 PEERS = ("skopeo 1.9", "umoci 0.4.7", "podman 4.3", "buildah 1.28", "docker 20.10")

@@ -13,6 +13,7 @@ from diskkit.cli.shell import platform as platform_of
 from diskkit.cli.shell import registry_options, run_main
 from diskkit.errors import DiskkitError
 from diskkit.oci.image import Platform
+from diskkit.oci.reference import parse_ref
 from diskkit.ops.build import (
     BuildOptions,
     build,
@@ -332,7 +333,6 @@ Example:
 @registry_options
 def delete_cmd(ref, registry: RegistryOptions) -> None:
     """Delete an image's manifest from a registry (the registry must allow deletes)."""
-    from diskkit.oci.reference import parse_ref
     from diskkit.transports.remote import delete
 
     parsed = parse_ref(ref)
