@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.distribution import auth_registry, registry, tls_registry, token_registry  # noqa: F401  (fixtures)
+from tests.engines import dockerd, engine, podman  # noqa: F401  (fixtures)
 from tests.faultproxy import FaultProxy
 
 REQUIRED_TOOLS = (

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import make_qcow2, run_diskkit, run_launcher
-from tests.engines import dockerd, engine, podman  # noqa: F401  (fixtures)
 
 
 def skopeo(engine, *args) -> subprocess.CompletedProcess:
@@ -163,6 +162,9 @@ def test_built_into_podman_store_is_what_skopeo_reads_there(podman, disk, tmp_pa
     their_manifest, their_config = layout_image(theirs, "v1")
     assert our_config == their_config
     assert layer_diff_ids(ours, our_manifest) == layer_diff_ids(theirs, their_manifest) == our_config["rootfs"]["diff_ids"]
+    pulled = run_launcher("pull", "--cache-dir", tmp_path / "cache", "containers-storage:example.com/vm/stored:v1", env=storage_env(podman))
+    assert pulled.code == 0, pulled.err
+    assert Path(pulled.out.strip()).read_bytes() == disk.read_bytes()
 
 
 def test_short_names_mean_docker_io_library_and_latest(podman, disk, tmp_path):

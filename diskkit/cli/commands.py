@@ -13,6 +13,7 @@ from diskkit.cli.shell import platform as platform_of
 from diskkit.cli.shell import registry_options, run_main
 from diskkit.errors import DiskkitError
 from diskkit.oci.image import Platform
+from diskkit.oci.reference import parse_ref
 from diskkit.ops.build import (
     BuildOptions,
     build,
@@ -174,36 +175,58 @@ Examples:
   diskkit inspect oci:./layout:fedora-40
   diskkit inspect --json docker-archive:fedora.tar
   diskkit inspect docker://quay.io/containerdisks/fedora:40
+  diskkit inspect --raw docker://quay.io/containerdisks/fedora:40 | jq .
+  diskkit inspect --config --raw oci:./layout:fedora-40
 """)
 @click.argument("ref")
 @click.option("--platform", help="OS/ARCH to pick from a multi-platform index (default: this host's).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--path", "image_path", metavar="/DIR/NAME", help="Where the disk is in the image (default: the image's io.diskkit.disk.path annotation, else the one file in /disk).")
+@click.option("--raw", is_flag=True, help="Print the manifest (or index) bytes as stored, as skopeo inspect --raw.")
+@click.option("--config", "show_config", is_flag=True, help="Print the image's config (with --raw: its bytes as stored).")
 @registry_options
-def inspect_cmd(ref: str, platform: str | None, as_json: bool, registry: RegistryOptions) -> None:
+def inspect_cmd(ref: str, platform: str | None, as_json: bool, image_path: str | None, raw: bool, show_config: bool, registry: RegistryOptions) -> None:
     """Show an image's manifest, config, layers and disk (path, format, virtual size, owner, mode).
 
-    Registry images are described without pulling their layers.
+    Registry images are described without pulling their layers. Exits 1 when it lists a problem.
     """
-    report = inspect(ref, platform_of(platform), registry)
+    if raw or show_config:
+        from diskkit.transports import open_source
+
+        with open_source(ref, registry) as source:
+            if show_config:
+                data = source.image(platform_of(platform)).config_bytes
+                out = data if raw else (json.dumps(json.loads(data), indent=4) + "\n").encode()
+            else:
+                out = source.top_manifest()[0]
+        sys.stdout.buffer.write(out)
+        return
+    report = inspect(ref, platform_of(platform), registry, image_path)
     data = describe(report)
     if as_json:
         click.echo(json.dumps(data, indent=2))
-        return
+        sys.exit(1 if data["problems"] else 0)
     disk = data["disk"]
     lines = [
         f"Reference:    {data['reference']}",
         f"Digest:       {data['digest']}",
         f"MediaType:    {data['mediaType']}",
         f"Platform:     {data['os']}/{data['architecture']}",
-        f"Created:      {data['created']}",
     ]
+    if data["created"]:
+        lines.append(f"Created:      {data['created']}")
     for key, value in sorted(data["labels"].items()):
         lines.append(f"Label:        {key}={value}")
     for key, value in sorted(data["annotations"].items()):
         lines.append(f"Annotation:   {key}={value}")
     for layer in data["layers"]:
         lines.append(f"Layer:        {layer['digest']} {layer['size']} bytes {layer['mediaType']}")
-    lines.append(f"Disk:         {disk['path']}")
+    if disk["path"]:
+        lines.append(f"Disk:         {disk['path']}")
+    elif parse_ref(ref).transport == "docker":
+        lines.append("Disk:         not described (no io.diskkit.disk.* annotations; `diskkit verify` reads the layers)")
+    else:
+        lines.append("Disk:         none found (not a containerDisk: no single file in /disk; see --path)")
     if disk["format"]:
         size = disk["virtualSize"]
         lines.append(f"  format:     {disk['format']}, virtual size {size} bytes ({size / (1 << 30):.2f} GiB)" if size else f"  format:     {disk['format']}")
@@ -212,6 +235,7 @@ def inspect_cmd(ref: str, platform: str | None, as_json: bool, registry: Registr
     for problem in data["problems"]:
         lines.append(f"Problem:      {problem}")
     click.echo("\n".join(lines))
+    sys.exit(1 if data["problems"] else 0)
 
 
 @cli.command("verify", epilog="""\b
@@ -250,25 +274,55 @@ Examples:
   diskkit push docker://quay.io/me/fedora:40 oci-archive:fedora.tar
   diskkit push --all docker://quay.io/me/fedora:40 docker://registry.local/me/fedora:40
   diskkit push --tls-verify=false docker-archive:fedora.tar localhost:5000/fedora:40
+  diskkit copy --src-creds me:pw --dest-tls-verify=false docker://quay.io/me/f:40 docker://localhost:5000/f:40
+  diskkit copy --preserve-digests --multi-arch all docker://quay.io/me/f:40 dir:./f40
   DOCKER_HOST=unix:///run/podman/podman.sock diskkit push docker-daemon:quay.io/me/fedora:40 oci:./layout:f40
 """)
 @click.argument("src")
 @click.argument("dest")
 @click.option("--platform", help="OS/ARCH to pick from a multi-platform index (default: this host's).")
 @click.option("--all", "all_platforms", is_flag=True, help="Copy every platform of an index, and the index itself.")
+@click.option("--multi-arch", type=click.Choice(["system", "all", "index-only"]), help="As skopeo: system = this host's image (default), all = as --all.")
+@click.option("--preserve-digests", is_flag=True, help="Fail instead of rewriting a manifest (format conversion, decompression).")
+@click.option("--dest-compress", is_flag=True, help="Compress layers for destinations that keep them as they are (dir:), as skopeo does.")
+@click.option("--dest-compress-format", type=click.Choice(["gzip", "zstd"]), help="Re-encode layers not already in this compression (registries, OCI layouts; dir: with --dest-compress).")
+@click.option("--dest-compress-level", type=int, help="Its level (gzip 0-3, zstd 1-19; as diskkit build --level).")
+@click.option("--format", "manifest_format", type=click.Choice(["oci", "v2s2"]), help="Restate manifests as OCI or Docker schema2, as skopeo copy --format.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object; events as JSON lines on stderr.")
+@click.option("--src-tls-verify", type=click.BOOL, metavar="BOOL", help="--tls-verify for the source registry only.")
+@click.option("--dest-tls-verify", type=click.BOOL, metavar="BOOL", help="--tls-verify for the destination registry only.")
+@click.option("--src-creds", metavar="USER:PASS", help="--creds for the source registry only.")
+@click.option("--dest-creds", metavar="USER:PASS", help="--creds for the destination registry only.")
+@click.option("--src-authfile", type=click.Path(dir_okay=False), help="--authfile for the source registry only.")
+@click.option("--dest-authfile", type=click.Path(dir_okay=False), help="--authfile for the destination registry only.")
+@click.option("--src-cert-dir", type=click.Path(file_okay=False), help="--cert-dir for the source registry only.")
+@click.option("--dest-cert-dir", type=click.Path(file_okay=False), help="--cert-dir for the destination registry only.")
 @registry_options
-def push_cmd(src, dest, platform, all_platforms, as_json, registry: RegistryOptions) -> None:
-    """Copy an image from any transport to any transport, as `skopeo copy` does.
+def push_cmd(src, dest, platform, all_platforms, multi_arch, preserve_digests, dest_compress, dest_compress_format, dest_compress_level, manifest_format, as_json, registry: RegistryOptions, **sides) -> None:
+    """Copy an image from any transport to any transport, as `skopeo copy` does (`copy` is the same command).
 
     Blobs the destination already has are skipped, blobs in another repository of the same
     registry are mounted, the rest stream through with their digests verified. Manifests keep
-    their bytes and media type, so the digest printed is the source's.
+    their bytes and media type, so the digest printed is the source's. The --src-*/--dest-*
+    flags apply to one side only and win over the plain ones, as in skopeo.
     """
+    from dataclasses import replace
+
     from diskkit.ops.copy import copy_image
 
-    result = copy_image(src, dest, registry, reporter_for(as_json), platform_of(platform), all_platforms)
+    if dest_compress_level is not None and dest_compress_format is None:
+        raise DiskkitError("--dest-compress-level", "needs --dest-compress-format")
+    if multi_arch == "index-only":
+        raise DiskkitError("--multi-arch", "index-only is not implemented; use system or all")
+    all_platforms = all_platforms or multi_arch == "all"
+    fields = {"tls_verify": "tls_verify", "creds": "creds", "authfile": "authfile", "cert_dir": "cert_dir"}
+    src_opts = replace(registry, **{f: sides[f"src_{k}"] for k, f in fields.items() if sides[f"src_{k}"] is not None})
+    dest_opts = replace(registry, **{f: sides[f"dest_{k}"] for k, f in fields.items() if sides[f"dest_{k}"] is not None})
+    result = copy_image(src, dest, src_opts, reporter_for(as_json), platform_of(platform), all_platforms, dest_opts, preserve_digests, manifest_format, dest_compress_format or ("gzip" if dest_compress else None), dest_compress_level, dest_compress)
     click.echo(json.dumps(result.to_json(), indent=2) if as_json else result.digest)
+
+
+cli.add_command(push_cmd, "copy")
 
 
 @cli.command("delete", epilog="""\b
@@ -279,7 +333,6 @@ Example:
 @registry_options
 def delete_cmd(ref, registry: RegistryOptions) -> None:
     """Delete an image's manifest from a registry (the registry must allow deletes)."""
-    from diskkit.oci.reference import parse_ref
     from diskkit.transports.remote import delete
 
     parsed = parse_ref(ref)

@@ -209,6 +209,34 @@ def to_oci_media(media_type: str) -> str:
     return _TO_OCI.get(media_type, media_type)
 
 
+_TO_DOCKER = {oci: docker for docker, oci in _TO_OCI.items() if docker != mt.DOCKER_LAYER_ZSTD}
+
+
+def oci_to_docker(manifest: dict, where: str) -> dict:
+    """An OCI manifest or index restated as Docker schema2, blobs unchanged, as `skopeo copy --format
+    v2s2` does: schema2 has no annotations, so they go; zstd layers have no schema2 type and are
+    refused in containers/image's words (manifest/docker_schema2.go)."""
+    out = {k: v for k, v in manifest.items() if k != "annotations"}
+
+    def convert(item: dict) -> dict:
+        media = item.get("mediaType", "")
+        if media in _TO_OCI:  # already a Docker type
+            return {k: v for k, v in item.items() if k != "annotations"}
+        if media == mt.OCI_LAYER_ZSTD:
+            raise DiskkitError(where, f'"{media}": zstd compression is not supported for docker images')
+        if media not in _TO_DOCKER:
+            raise DiskkitError(where, f"{media!r} has no Docker schema2 equivalent")
+        return {k: v for k, v in {**item, "mediaType": _TO_DOCKER[media]}.items() if k != "annotations"}
+
+    out["mediaType"] = mt.DOCKER_LIST if "manifests" in manifest else mt.DOCKER_MANIFEST
+    if "config" in out:
+        out["config"] = convert(out["config"])
+    for key in ("layers", "manifests"):
+        if key in out:
+            out[key] = [convert(item) for item in out[key]]
+    return out
+
+
 def docker_to_oci(manifest: dict) -> dict:
     """A schema2 manifest or manifest list restated with OCI media types, blobs unchanged.
 

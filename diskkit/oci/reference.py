@@ -96,12 +96,16 @@ class ImageRef:
     path: str | None = None  # local transports: the directory or archive file
     tag: str | None = None  # oci/oci-archive: the ref.name; docker-daemon: an image ID
     name: DockerName | None = None  # docker://, docker-archive's and docker-daemon's reference
+    short: str | None = None  # a bare name without a registry host, as typed: registries.conf resolves it
 
     def __str__(self) -> str:
         if self.transport == "docker":
-            return f"docker://{self.name}"
+            # A short name stays as typed: it means whatever registries.conf resolves it to.
+            return self.short or f"docker://{self.name}"
         if self.transport == "docker-archive" and self.name:
             return f"docker-archive:{self.path}:{self.name.familiar()}"
+        if self.transport == "docker-archive" and self.tag:
+            return f"docker-archive:{self.path}:{self.tag}"
         if self.transport == "docker-daemon":
             return f"docker-daemon:{self.name.familiar_ref() if self.name else self.tag}"
         if self.transport == "containers-storage":
@@ -120,6 +124,9 @@ def parse_ref(text: str) -> ImageRef:
         if not path:
             raise DiskkitError(text, f"{transport}: needs a path")
         if transport == "docker-archive":
+            if re.match(r"^@[0-9]+$", tag):
+                # containers/image docker/archive/transport.go: `@N` is the N-th image of manifest.json.
+                return ImageRef(transport, path=path, tag=tag)
             name = parse_docker_name(tag, "docker-archive reference") if tag else None
             if name and name.digest:
                 raise DiskkitError(text, "docker-archive references take a tag, not a digest")
@@ -138,8 +145,11 @@ def parse_ref(text: str) -> ImageRef:
         return ImageRef("dir", path=rest)
     if sep and transport in ("ostree", "sif"):
         raise DiskkitError(text, f"transport {transport}: is not supported; use oci:, oci-archive:, docker-archive:, dir:, docker-daemon:, containers-storage: or docker://")
-    if "/" in text and not text.startswith(("/", ".")):
-        return ImageRef("docker", name=parse_docker_name(text))
+    if "/" in text and not text.startswith(("/", ".")) or re.match(r"^[a-z0-9][a-z0-9._-]*(?::[\w][\w.-]*|@sha256:[0-9a-f]{64})$", text):
+        name = parse_docker_name(text)
+        first = text.partition("/")[0]
+        qualified = "/" in text and ("." in first or ":" in first or first == "localhost" or first.startswith("["))
+        return ImageRef("docker", name=name, short=None if qualified else text)
     raise DiskkitError(
         text, "not an image reference: use oci:DIR[:TAG], oci-archive:FILE[:TAG], docker-archive:FILE[:REF] or docker://HOST/REPO:TAG"
     )

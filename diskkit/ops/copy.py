@@ -1,11 +1,14 @@
 """Copy an image between any two transports, as `skopeo copy` does: every blob verified in passing.
 
 Manifest bytes travel unchanged (so digests stay the same), except into docker-archive, whose
-format holds uncompressed layers only: there layers are decompressed and the manifest rewritten.
+format holds uncompressed layers only: there layers are decompressed and the manifest rewritten;
+and from sources that store no manifest (archives, engines), whose plain layers are gzipped on
+their way to a registry or an OCI layout, as skopeo does.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -18,6 +21,7 @@ from diskkit.oci.image import (
     canonical_json,
     docker_to_oci,
     manifest_media_type,
+    oci_to_docker,
     parse_json,
     select_platform,
     sha256_digest,
@@ -25,7 +29,7 @@ from diskkit.oci.image import (
 from diskkit.oci.reference import ImageRef, parse_ref
 from diskkit.progress import Reporter
 from diskkit.registry.options import RegistryOptions
-from diskkit.streams.compression import decompressing_reader
+from diskkit.streams.compression import compressor, decompressing_reader
 from diskkit.streams.digestio import HashingReader
 from diskkit.transports import open_destination, open_source
 from diskkit.transports.base import Destination, Source, with_restarts
@@ -52,14 +56,26 @@ def copy_image(
     reporter: Reporter,
     platform: Platform | None = None,
     all_platforms: bool = False,
+    dest_opts: RegistryOptions | None = None,
+    preserve_digests: bool = False,
+    manifest_format: str | None = None,
+    compress_format: str | None = None,
+    compress_level: int | None = None,
+    dest_compress: bool = False,
 ) -> CopyResult:
+    """`opts` reach the source registry, `dest_opts` (default: the same) the destination's, as
+    skopeo's --src-*/--dest-* flags do. With `preserve_digests` a copy that would have to rewrite a
+    manifest is refused instead (skopeo copy --preserve-digests); `manifest_format` ("oci" or "v2s2")
+    restates manifests in that format (skopeo copy --format); `compress_format`/`compress_level`
+    re-encode every layer that is not already in that format (skopeo's --dest-compress-format), for
+    destinations that compress, or any with `dest_compress` (--dest-compress)."""
     src_ref = parse_ref(src) if isinstance(src, str) else src
     dest_ref = parse_ref(dest) if isinstance(dest, str) else dest
     statuses: dict[str, str] = {}
     with open_source(src_ref, opts) as source:
         data, media, _ = source.manifest_descriptors()
-        with open_destination(dest_ref, 0, opts) as destination:
-            copier = _Copier(source, destination, src_ref, dest_ref, reporter, statuses)
+        with open_destination(dest_ref, 0, dest_opts or opts) as destination:
+            copier = _Copier(source, destination, src_ref, dest_ref, reporter, statuses, preserve_digests, manifest_format, compress_format, compress_level, dest_compress)
             if media in mt.INDEXES and all_platforms:
                 if destination.docker_manifest:
                     raise DiskkitError(str(dest_ref), "docker-archive holds a single image; choose one with --platform instead of --all")
@@ -69,8 +85,14 @@ def copy_image(
                     desc = Descriptor.from_json(child, source.where)
                     copied = copier.image(_child_manifest(source, desc), desc.media_type, desc.platform, child=True)
                     children.append({**child, "mediaType": copied.media_type, "digest": copied.digest, "size": copied.size})
-                if destination.oci_only and media == mt.DOCKER_LIST:
+                if (destination.oci_only or manifest_format == "oci") and media == mt.DOCKER_LIST:
+                    copier.rewriting("a Docker manifest list becomes an OCI index")
                     data, media = canonical_json(docker_to_oci({**index, "manifests": children})), mt.OCI_INDEX
+                elif manifest_format == "v2s2" and media == mt.OCI_INDEX:
+                    copier.rewriting("an OCI index becomes a Docker manifest list")
+                    data, media = canonical_json(oci_to_docker({**index, "manifests": children}, source.where)), mt.DOCKER_LIST
+                elif children != index.get("manifests"):
+                    data = canonical_json({**index, "manifests": children})
                 top = destination.put_manifest(data, media)
             elif media in mt.INDEXES:
                 desc = select_platform(parse_json(data, source.where), platform or Platform.host(), source.where)
@@ -89,8 +111,14 @@ def _child_manifest(source: Source, desc: Descriptor) -> bytes:
 
 
 class _Copier:
-    def __init__(self, source: Source, dest: Destination, src_ref: ImageRef, dest_ref: ImageRef, reporter: Reporter, statuses: dict):
+    def __init__(self, source: Source, dest: Destination, src_ref: ImageRef, dest_ref: ImageRef, reporter: Reporter, statuses: dict, preserve_digests: bool = False, manifest_format: str | None = None, compress_format: str | None = None, compress_level: int | None = None, dest_compress: bool = False):
         self.source, self.dest, self.reporter, self.statuses = source, dest, reporter, statuses
+        self.preserve_digests = preserve_digests
+        self.manifest_format = manifest_format
+        self.compress_format, self.compress_level, self.dest_compress = compress_format, compress_level, dest_compress
+        if manifest_format == "v2s2" and dest.oci_only:
+            raise DiskkitError(str(dest_ref), "--format v2s2: OCI layouts index OCI manifests only")
+        self.dest_ref = dest_ref
         same_registry = (
             src_ref.transport == dest_ref.transport == "docker"
             and src_ref.name.registry == dest_ref.name.registry
@@ -100,13 +128,32 @@ class _Copier:
 
     def image(self, data: bytes, media: str, platform: dict | None, child: bool = False) -> Descriptor:
         manifest = parse_json(data, self.source.where)
-        if self.dest.oci_only and media == mt.DOCKER_MANIFEST:
+        if (self.dest.oci_only or self.manifest_format == "oci") and media == mt.DOCKER_MANIFEST:
+            self.rewriting("a Docker schema2 manifest becomes an OCI manifest")
             manifest = docker_to_oci(manifest)
             data, media = canonical_json(manifest), mt.OCI_MANIFEST
+        elif self.manifest_format == "v2s2" and media == mt.OCI_MANIFEST:
+            self.rewriting("an OCI manifest becomes a Docker schema2 manifest")
+            manifest = oci_to_docker(manifest, self.source.where)
+            data, media = canonical_json(manifest), mt.DOCKER_MANIFEST
         config = Descriptor.from_json(manifest["config"], self.source.where)
         layers = [Descriptor.from_json(layer, self.source.where) for layer in manifest.get("layers") or []]
         if self.dest.layer_compression == "none" and any(mt.layer_compression(l.media_type) != "none" for l in layers):
+            self.rewriting("its layers must be stored uncompressed")
             return self._into_plain_layers(config, layers, platform)
+        # As skopeo: destinations that compress (registries, OCI layouts) take the format as given;
+        # the others (dir:) only with --dest-compress.
+        if self.compress_format and (self.dest.compresses_plain_layers or self.dest_compress):
+            if self.dest.layer_compression == "none":
+                raise DiskkitError(str(self.dest_ref), "--dest-compress-format: this destination stores plain layers only")
+            if any(mt.layer_compression(l.media_type) not in (self.compress_format, None) for l in layers):
+                self.rewriting(f"layers are recompressed as {self.compress_format}")
+                return self._recompressed(manifest, media, config, layers, platform, child, self.compress_format)
+        elif self.source.manifest_synthesized and self.dest.compresses_plain_layers and any(mt.layer_compression(l.media_type) == "none" for l in layers):
+            # skopeo compresses an archive's or an engine's plain layers on their way to a registry
+            # or an OCI layout; the manifest was made up by the source anyway, so no digest is lost.
+            self.rewriting("plain layers are compressed for this destination")
+            return self._recompressed(manifest, media, config, layers, platform, child, "gzip", only_plain=True)
         blobs = [config, *layers]
         if self.dest.concurrent_blobs and len(blobs) > 1:
             with ThreadPoolExecutor(PARALLEL_BLOBS) as pool:
@@ -115,6 +162,10 @@ class _Copier:
             for desc in blobs:
                 self.blob(desc)
         return self.dest.put_manifest(data, media, platform, child=child)
+
+    def rewriting(self, why: str) -> None:
+        if self.preserve_digests:
+            raise DiskkitError(str(self.dest_ref), f"--preserve-digests: the manifest would change digest ({why} here)")
 
     def blob(self, desc: Descriptor) -> None:
         if self.dest.has_blob(desc):
@@ -144,6 +195,41 @@ class _Copier:
     def _status(self, desc: Descriptor, status: str) -> None:
         self.statuses[desc.digest] = status
         self.reporter.event({"event": "blob", "digest": desc.digest, "size": desc.size, "status": status})
+
+    def _recompressed(self, manifest: dict, media: str, config: Descriptor, layers: list[Descriptor], platform: dict | None, child: bool, kind: str, only_plain: bool = False) -> Descriptor:
+        """Layers re-encoded as `kind` in one streaming pass each (decompress, compress, hash, send)."""
+        if kind == "zstd" and media == mt.DOCKER_MANIFEST:
+            raise DiskkitError(str(self.dest_ref), f'"{mt.DOCKER_LAYER_ZSTD}": zstd compression is not supported for docker images; add --format oci')
+        self.blob(config)
+        out = []
+        for desc in layers:
+            have = mt.layer_compression(desc.media_type)
+            if have is None or have == kind or (only_plain and have != "none"):
+                self.blob(desc)
+                out.append(desc.to_json())
+                continue
+            target = (mt.docker_layer if media == mt.DOCKER_MANIFEST else mt.oci_layer)(kind)
+            packer = compressor(kind, self.compress_level)
+            digest = hashlib.sha256()
+            size = 0
+            with self.source.blob(desc) as reader, self.dest.blob_writer(target) as writer:
+                plain = decompressing_reader(reader, have)
+                with self.reporter.task(f"layer {desc.digest[7:19]}", desc.size) as task:
+                    while True:
+                        chunk = plain.read(COPY_CHUNK)
+                        packed = packer.compress(chunk) if chunk else packer.flush()
+                        writer.write(packed)
+                        digest.update(packed)
+                        size += len(packed)
+                        if not chunk:
+                            break
+                        task.advance(len(chunk))
+                reader.drain()
+                writer.commit(f"sha256:{digest.hexdigest()}", size)
+            out.append({**desc.to_json(), "mediaType": target, "digest": f"sha256:{digest.hexdigest()}", "size": size})
+            self._status(desc, "uploaded")
+        data = canonical_json({**manifest, "layers": out})
+        return self.dest.put_manifest(data, media, platform, child=child)
 
     def _into_plain_layers(self, config: Descriptor, layers: list[Descriptor], platform: dict | None) -> Descriptor:
         config_bytes = self.source.read_small(config)

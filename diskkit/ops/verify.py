@@ -94,7 +94,8 @@ def verify(ref: str, path: str | None = None, platform: Platform | None = None, 
         try:
             image, tree, found, disk_file = scan(ref, platform, path, spool, None, registry)
         except DiskkitError as exc:
-            report.problems.append(exc.line())
+            # Problems are printed after the reference already: naming it again says nothing.
+            report.problems.append(exc.rule if exc.subject in _names(ref) else exc.line())
             return report
         report.image = image
         report.problems += tree.findings + found.problems
@@ -104,6 +105,14 @@ def verify(ref: str, path: str | None = None, platform: Platform | None = None, 
         return report
     finally:
         shutil.rmtree(spool, ignore_errors=True)
+
+
+def _names(ref: str) -> set[str]:
+    """The ways an error line may already name `ref`."""
+    try:
+        return {ref, str(parse_ref(ref))}
+    except DiskkitError:
+        return {ref}
 
 
 def fill(disk: DiskFacts, found) -> None:
@@ -137,7 +146,7 @@ def disk_problems(disk_file: Path, shown: str, disk: DiskFacts) -> list[str]:
     return problems
 
 
-def inspect(ref: str, platform: Platform | None = None, registry: RegistryOptions | None = None) -> Report:
+def inspect(ref: str, platform: Platform | None = None, registry: RegistryOptions | None = None, path: str | None = None) -> Report:
     """Manifest, config, layers and the disk's facts.
 
     Local images are read through (only the disk's first bytes are kept); registry images are
@@ -154,9 +163,13 @@ def inspect(ref: str, platform: Platform | None = None, registry: RegistryOption
         size = notes.get(ANNOTATION_VIRTUAL_SIZE)
         report.disk.virtual_size = int(size) if size and size.isdigit() else None
         return report
+    if path is None:
+        # An image built with --path says where its disk is; looking only in /disk would call it broken.
+        with open_source(ref, registry) as source:
+            path = (source.image(platform).manifest.get("annotations") or {}).get(ANNOTATION_PATH)
     spool = Path(tempfile.mkdtemp(prefix="diskkit-inspect-"))
     try:
-        image, tree, found, head_file = scan(ref, platform, None, spool, diskheader.HEADER_BYTES, registry)
+        image, tree, found, head_file = scan(ref, platform, path, spool, diskheader.HEADER_BYTES, registry)
         report.image = image
         report.problems += tree.findings + found.problems
         fill(report.disk, found)

@@ -135,7 +135,10 @@ class Registry:
             except requests.exceptions.SSLError as exc:
                 last = exc
                 if self.opts.tls_verify:
-                    raise RegistryError(self.host, f"TLS verification failed ({failure_reason(exc)}); use --cert-dir for a private CA or --tls-verify=false") from None
+                    if "WRONG_VERSION_NUMBER" in str(exc):
+                        # The TLS hello got an HTTP answer: no certificate setting can help here.
+                        raise RegistryError(self.host, "the registry answered in plain HTTP, not HTTPS; use --tls-verify=false (or insecure = true for it in registries.conf)") from None
+                    raise RegistryError(self.host, f"TLS verification failed ({tls_reason(exc)}); use --cert-dir for a private CA or --tls-verify=false") from None
                 continue
             except requests.exceptions.ConnectionError as exc:
                 last = exc
@@ -290,6 +293,14 @@ def failure_reason(exc: BaseException | None) -> str:
         if marker in text:
             text = text.split(marker, 1)[1]
     return text.strip("()'\" ")[:200]
+
+
+def tls_reason(exc: BaseException) -> str:
+    """OpenSSL's reason, without the layers of exception reprs around it."""
+    import re
+
+    found = re.search(r"\[SSL: [A-Z_]+\] ([^(']+?)\s*\(_ssl", str(exc))
+    return found.group(1) if found else failure_reason(exc)
 
 
 def _api_error(response: requests.Response) -> str:

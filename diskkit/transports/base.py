@@ -29,6 +29,7 @@ class Destination:
     docker_manifest = False
     concurrent_blobs = False  # tar-stream destinations take one blob at a time
     oci_only = False  # OCI layouts index OCI media types only
+    compresses_plain_layers = False  # registries and OCI layouts: skopeo gzips plain layers for them
 
     def has_blob(self, desc: Descriptor) -> bool:
         return False
@@ -73,6 +74,7 @@ class Source:
     """Reads one image reference. Subclasses provide the top manifest, manifests by digest and blobs."""
 
     where: str
+    manifest_synthesized = False  # archives and engines store none: the manifest is made up on reading
 
     def top_manifest(self) -> tuple[bytes, str | None, Descriptor | None]:
         """The manifest or index the reference names, its media type if known, and its descriptor if known."""

@@ -21,7 +21,7 @@ from diskkit.oci.image import (
     parse_json,
     sha256_digest,
 )
-from diskkit.oci.reference import ImageRef
+from diskkit.oci.reference import ImageRef, parse_docker_name
 from diskkit.streams.compression import sniff
 from diskkit.transports.base import Source
 from diskkit.transports.ociarchive import ArchiveWriter
@@ -31,6 +31,7 @@ _BLOB_NAME = re.compile(r"^(?:blobs/sha256/|)([0-9a-f]{64})(?:\.tar|\.json|/laye
 
 
 class DockerArchiveSource(Source):
+    manifest_synthesized = True
     def __init__(self, ref: ImageRef):
         self.where = str(ref)
         self.store = TarStore(Path(ref.path))
@@ -39,11 +40,17 @@ class DockerArchiveSource(Source):
             assert isinstance(entries, list)
         except (ValueError, AssertionError):
             raise DiskkitError(ref.path, "manifest.json is not a docker-archive manifest list") from None
-        if ref.name:
-            wanted = ref.name.familiar()
-            entries = [e for e in entries if wanted in (e.get("RepoTags") or [])]
+        if ref.tag:
+            index = int(ref.tag[1:])
+            if index >= len(entries):
+                raise DiskkitError(self.where, f"Invalid source index @{index}, only {len(entries)} manifest items available")
+            entries = [entries[index]]
+        elif ref.name:
+            # docker writes `x:1`, podman and buildah `localhost/x:1` or `docker.io/library/x:1`:
+            # tags are compared as the names they normalise to.
+            entries = [e for e in entries if any(_same_name(t, ref.name) for t in e.get("RepoTags") or [])]
             if not entries:
-                raise DiskkitError(self.where, f"no image tagged {wanted} in the archive")
+                raise DiskkitError(self.where, f'Tag "{ref.name}" not found')
         elif len(entries) != 1:
             raise DiskkitError(self.where, f"the archive holds {len(entries)} images; name one with :NAME:TAG")
         self.entry = entries[0]
@@ -94,6 +101,13 @@ class DockerArchiveSource(Source):
         return self.store.open(path)
 
 
+def _same_name(tag: str, name) -> bool:
+    try:
+        return parse_docker_name(tag) == name
+    except DiskkitError:
+        return False
+
+
 def _hash_stream(f: BinaryIO) -> str:
     import hashlib
 
@@ -124,6 +138,8 @@ class DockerArchiveDestination(ArchiveWriter):
     docker_manifest = True
 
     def __init__(self, ref: ImageRef, created: int = 0):
+        if ref.tag:
+            raise DiskkitError(str(ref), "an image index @N only selects a source image; name the destination's image NAME:TAG")
         super().__init__(ref, created)
         self.manifest: dict | None = None
 

@@ -123,6 +123,7 @@ class PendingFile:
 
 
 class LayoutDestination(Destination):
+    compresses_plain_layers = True
     oci_only = True
 
     """Writes into a new directory (staged under a temporary name, renamed at commit) or adds to an existing layout."""

@@ -77,6 +77,7 @@ class ArchiveWriter(Destination):
 
 
 class OciArchiveDestination(ArchiveWriter):
+    compresses_plain_layers = True
     oci_only = True
 
     def __init__(self, ref: ImageRef, created: int = 0):

@@ -20,6 +20,7 @@ from diskkit.registry.client import (
     retry_after,
     scope,
 )
+from diskkit.registry import registriesconf
 from diskkit.registry.options import RegistryOptions
 from diskkit.transports.base import Destination, Source
 
@@ -39,12 +40,22 @@ def registry_for(host: str, opts: RegistryOptions) -> Registry:
 
 
 class RemoteSource(Source):
+    """Reads from the first of registries.conf's pull sources that has the image: a short name's
+    candidates in order, each one's mirrors in order, then the registry itself."""
+
     def __init__(self, ref: ImageRef, opts: RegistryOptions):
         assert ref.name is not None
         self.ref = ref
-        self.name = ref.name
         self.where = str(ref)
-        self.registry = registry_for(self.name.registry, opts)
+        conf = registriesconf.load()
+        names = conf.short_name_candidates(ref.short) if ref.short else [ref.name]
+        self.sources = [source for name in names for source in conf.pull_sources(name)]
+        self.opts = opts
+        self._use(self.sources[0])
+
+    def _use(self, source: registriesconf.PullSource) -> None:
+        self.name = source.name
+        self.registry = registry_for(self.name.registry, registriesconf.with_insecure(self.opts, source.insecure))
         self.pull_scope = scope(self.name.repository, "pull")
 
     def _get_manifest(self, reference: str) -> tuple[bytes, str | None]:
@@ -64,7 +75,18 @@ class RemoteSource(Source):
         return data, (response.headers.get("Content-Type") or "").split(";")[0] or None
 
     def top_manifest(self):
-        data, media = self._get_manifest(self.name.reference)
+        failures = []
+        for source in self.sources:
+            self._use(source)
+            try:
+                data, media = self._get_manifest(self.name.reference)
+                break
+            except DiskkitError as exc:
+                if len(self.sources) == 1:
+                    raise
+                failures.append(f"{source.name}: {exc.rule}")
+        else:
+            raise RegistryError(self.where, "no pull source has it (" + "; ".join(failures) + ")")
         desc = None
         if self.name.digest:
             desc = Descriptor(media or mt.OCI_MANIFEST, self.name.digest, len(data))
@@ -214,13 +236,15 @@ class _SizedBody:
 
 
 class RemoteDestination(Destination):
+    compresses_plain_layers = True
     concurrent_blobs = True
 
     def __init__(self, ref: ImageRef, opts: RegistryOptions):
         assert ref.name is not None
         self.ref = ref
         self.repository = ref.name.repository
-        self.registry = registry_for(ref.name.registry, opts)
+        target = registriesconf.load().push_target(ref.name)
+        self.registry = registry_for(ref.name.registry, registriesconf.with_insecure(opts, target.insecure))
         self.push_scope = scope(self.repository, "pull,push")
 
     def has_blob(self, desc: Descriptor) -> bool:

@@ -118,10 +118,9 @@ def _extract(cache: Cache, source, image, shown: str, path: str | None, disk: bo
     with cache.staging() as spool:
         # The ImageVolume rule (a lone file at the root) only applies when no path was given.
         tree, found, staged = scan_image(source, image, path, spool, allow_root_file=path is None)
-        # UID 107 permissions matter to KubeVirt, which never chowns the file; the cache owns its copy.
-        blocking = tree.findings + [p for p in found.problems if p not in found.access]
-        if notes is not None:
-            notes += found.access
+        # The rules `diskkit verify` applies, UID 107's access included: KubeVirt never chowns the
+        # file, so qemu would fail on it with Permission denied in a real virt-launcher.
+        blocking = tree.findings + found.problems
         if found.node is None or staged is None or blocking:
             raise DiskkitError(shown, "; ".join(blocking) or f"{found.shown}: not found in the image")
         facts = DiskFacts()
