@@ -37,6 +37,7 @@ from launcher.spec.fields import (
     to_bytes,
     to_millis,
 )
+from launcher.spec.instancetype import ObjectSource, Selection, check_requirements, expand
 
 API_VERSION = "kubevirt.io/v1"
 DEFAULT_NAMESPACE = "default"
@@ -781,14 +782,19 @@ def _domain(doc: dict, root: str, volumes: tuple[Volume, ...]) -> DomainSpec:
 
 # ---------------------------------------------------------------- entry points
 
-def parse_vmi(doc: dict) -> VMI:
-    """A VirtualMachineInstance (or a VirtualMachine's template), defaulted and validated as KubeVirt does."""
+def parse_vmi(doc: dict, objects: ObjectSource | None = None) -> VMI:
+    """A VirtualMachineInstance (or a VirtualMachine's template), defaulted and validated as KubeVirt does.
+    `objects` holds a VirtualMachine's instance type and preference (and the volumes they are inferred from)."""
     doc = as_map(doc, "document")
     kind = doc.get("kind")
     if kind not in ("VirtualMachineInstance", "VirtualMachine"):
         raise SpecError("kind", f"must be VirtualMachineInstance or VirtualMachine, not {kind!r}")
     if doc.get("apiVersion") != API_VERSION:
         raise SpecError("apiVersion", f"must be {API_VERSION}, not {doc.get('apiVersion')!r}")
+    selection = Selection()
+    if kind == "VirtualMachine":
+        # KubeVirt's VM admitter applies them to the template before defaulting and validating it.
+        doc, selection = expand(doc, objects)
     metadata = as_map(doc.get("metadata"), "metadata")
     spec = as_map(doc.get("spec"), "spec")
     root = "spec"
@@ -813,17 +819,21 @@ def parse_vmi(doc: dict) -> VMI:
     hostname = get_str(spec, "hostname", root)
     if hostname is not None:
         check_dns_label(hostname, f"{root}.hostname")
-    return VMI(name, namespace, get_str(metadata, "uid", "metadata"),
-               dict(as_map(labels, "metadata.labels")), dict(as_map(annotations, "metadata.annotations")), domain, volumes,
-               hostname, templates(templates_doc, "spec.dataVolumeTemplates", namespace))
+    vmi = VMI(name, namespace, get_str(metadata, "uid", "metadata"),
+              dict(as_map(labels, "metadata.labels")), dict(as_map(annotations, "metadata.annotations")), domain, volumes,
+              hostname, templates(templates_doc, "spec.dataVolumeTemplates", namespace))
+    if selection.preference is not None:
+        check_requirements(selection, dict(zip(("sockets", "cores", "threads"), domain.topology)), domain.guest_memory,
+                           architecture or "amd64")
+    return vmi
 
 
-def load_vmi(path: str | Path) -> VMI:
-    """Read one YAML document from `path` and parse it."""
+def load_vmi(path: str | Path, objects: ObjectSource | None = None) -> VMI:
+    """Read one YAML document from `path` and parse it (`objects`: see parse_vmi)."""
     try:
         doc = yaml.safe_load(Path(path).read_text())
     except yaml.YAMLError as err:
         raise SpecError(str(path), f"not valid YAML: {err}") from None
     except OSError as err:
         raise SpecError(str(path), err.strerror or str(err)) from None
-    return parse_vmi(doc)
+    return parse_vmi(doc, objects)
