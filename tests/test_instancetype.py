@@ -215,7 +215,9 @@ def test_preference_fills_buses_cache_io_and_machine_but_never_overrides():
     # DiskDevice defined", PreferredDiskDedicatedIoThread "should only apply to virtio disk devices";
     # machine_test.go.
     volumes = [{"name": n, "emptyDisk": {"capacity": "1Gi"}} for n in ("a", "b", "c", "d")]
-    disks = [{"name": "a"}, {"name": "b", "disk": {"bus": "sata"}, "cache": "none"}, {"name": "c", "cdrom": {}}]
+    volumes.append({"name": "e", "emptyDisk": {"capacity": "1Gi"}})
+    disks = [{"name": "a"}, {"name": "b", "disk": {"bus": "sata"}, "cache": "none"}, {"name": "c", "cdrom": {}},
+             {"name": "e", "disk": {"bus": "virtio"}, "dedicatedIOThread": False}]
     doc = vm(None, {"name": "cores", "kind": "VirtualMachinePreference"}, disks=disks, volumes=volumes,
              domain={"resources": {"requests": {"memory": "1Gi"}}})
     vmi = parse_vmi(doc, OBJECTS)
@@ -223,7 +225,8 @@ def test_preference_fills_buses_cache_io_and_machine_but_never_overrides():
     assert got == {"a": ("disk", "virtio", "writethrough", "threads", True),
                    "b": ("disk", "sata", "none", "threads", False),
                    "c": ("cdrom", "scsi", None, None, False),
-                   "d": ("disk", "virtio", "writethrough", "threads", True)}  # the volume's implicit disk too
+                   "d": ("disk", "virtio", "writethrough", "threads", True),  # the volume's implicit disk too
+                   "e": ("disk", "virtio", "writethrough", "threads", False)}
     assert vmi.domain.machine_type == "pc-q35-rhel9.4.0"
     assert summary(domain_xml(vm(None, "fedora-no-rng", domain={"resources": {"requests": {"memory": "2Gi"}}})))["buses"] == ["virtio"]
 
@@ -235,6 +238,11 @@ def test_preferred_efi_with_secure_boot_and_smm():
     # "should not apply PreferredEfi when VM already using BIOS - bug #12985"
     bios = parse_vmi(vm("u1.large", "fedora-no-rng", domain={"firmware": {"bootloader": {"bios": {}}}}), OBJECTS)
     assert bios.domain.firmware.bootloader == "bios"
+    # The preferred EFI is taken whole: secure boot off stays off (KubeVirt's own EFI default is on).
+    insecure = {"apiVersion": V1B1, "kind": "VirtualMachineClusterPreference", "metadata": {"name": "efi"},
+                "spec": {"firmware": {"preferredEfi": {"secureBoot": False}}}}
+    efi = parse_vmi(vm("u1.large", "efi"), Objects(CORPUS + [insecure]))
+    assert (efi.domain.firmware.bootloader, efi.domain.firmware.secure_boot) == ("efi", False)
 
 
 @pytest.mark.parametrize("instancetype,preference,domain,message", [
@@ -313,6 +321,13 @@ def test_infer_failures_and_the_ignore_policy():
                  domain={"resources": {"requests": {"memory": "128Mi"}}})
     vmi = parse_vmi(ignored, objects)
     assert (vmi.domain.vcpus, vmi.domain.guest_memory, vmi.annotations) == (1, 128 << 20, {})
+    # Under Ignore a successful inference drops the template's memory, so it cannot conflict
+    # (infer/handler.go Instancetype).
+    labelled = [{"name": "root", "persistentVolumeClaim": {"claimName": "fedora-pvc"}}]
+    with_memory = vm({"inferFromVolume": "root", "inferFromVolumeFailurePolicy": "Ignore"}, volumes=labelled,
+                     domain={"memory": {"guest": "128Mi"}})
+    inferred = parse_vmi(with_memory, Objects(CORPUS + [_labelled("PersistentVolumeClaim", "fedora-pvc", LABELS)]))
+    assert (inferred.domain.vcpus, inferred.domain.guest_memory) == (2, 8 << 30)
     # A claim that does not exist is no inference failure: it is refused under either policy.
     missing = vm({"inferFromVolume": "root", "inferFromVolumeFailurePolicy": "Ignore"},
                  volumes=[{"name": "root", "persistentVolumeClaim": {"claimName": "gone"}}])
