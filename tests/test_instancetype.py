@@ -17,7 +17,7 @@ import yaml
 
 from launcher.render.domain import Host, ResolvedDisk, render
 from launcher.spec.fields import SpecError
-from launcher.spec.instancetype import quantity_text
+from launcher.spec.instancetype import expand, quantity_text
 from launcher.spec.k8s import Objects
 from launcher.spec.vmi import parse_vmi
 from tests.testguest import parse_console
@@ -90,7 +90,7 @@ def vm(instancetype=None, preference=None, disks=None, volumes=None, domain=None
 
 
 def domain_xml(doc: dict, objects=OBJECTS) -> ET.Element:
-    vmi = parse_vmi(doc, objects)
+    vmi = parse_vmi(doc, objects=objects)
     disks = {v.name: ResolvedDisk(f"/run/{v.name}.qcow2", "qcow2") for v in vmi.volumes}
     return ET.fromstring(render(vmi, disks, Host()))
 
@@ -104,7 +104,7 @@ def summary(xml: ET.Element) -> dict:
 
 def error(doc: dict, objects=OBJECTS) -> str:
     with pytest.raises(SpecError) as err:
-        parse_vmi(doc, objects)
+        parse_vmi(doc, objects=objects)
     return err.value.line()
 
 
@@ -139,7 +139,7 @@ def test_spread_that_does_not_divide_is_refused():
 
 def test_overcommit_lowers_the_request_not_what_the_guest_gets():
     # apply/memory_test.go "should apply memory overcommit to VMI based on OvercommitPercent"
-    vmi = parse_vmi(vm("o1.large"), OBJECTS)
+    vmi = parse_vmi(vm("o1.large"), objects=OBJECTS)
     assert vmi.domain.guest_memory == 8 << 30
     assert vmi.domain.resources.requests_memory == 4 << 30
     assert summary(domain_xml(vm("o1.large")))["memory"] == 8 << 30
@@ -148,9 +148,9 @@ def test_overcommit_lowers_the_request_not_what_the_guest_gets():
 def test_namespaced_instancetype_and_annotations():
     # annotations/annotations_test.go and preference/annotations: the VMI names what it was built from;
     # apply/annotations_test.go: the instance type's annotations are added, the preference's do not override.
-    vmi = parse_vmi(vm({"name": "small", "kind": "virtualmachineinstancetype"}, {"name": "cores", "kind": "VirtualMachinePreference"}), OBJECTS)
+    vmi = parse_vmi(vm({"name": "small", "kind": "virtualmachineinstancetype"}, {"name": "cores", "kind": "VirtualMachinePreference"}), objects=OBJECTS)
     assert vmi.annotations == {"kubevirt.io/instancetype-name": "small", "kubevirt.io/preference-name": "cores", "from": "instancetype"}
-    cluster = parse_vmi(vm("u1.large", "fedora-no-rng"), OBJECTS)
+    cluster = parse_vmi(vm("u1.large", "fedora-no-rng"), objects=OBJECTS)
     assert cluster.annotations == {"kubevirt.io/cluster-instancetype-name": "u1.large", "kubevirt.io/cluster-preference-name": "fedora-no-rng"}
 
 
@@ -182,7 +182,7 @@ def test_what_the_launcher_cannot_do_is_refused_naming_the_field():
 def test_cx1_without_numa_is_dedicated_and_isolated():
     spec = copy.deepcopy(CORPUS[4])
     del spec["spec"]["cpu"]["numa"], spec["spec"]["memory"]["hugepages"]
-    vmi = parse_vmi(vm("cx1.large"), Objects([spec]))
+    vmi = parse_vmi(vm("cx1.large"), objects=Objects([spec]))
     assert (vmi.domain.cpu.dedicated_cpu_placement, vmi.domain.cpu.isolate_emulator_thread) == (True, True)
     assert (vmi.domain.io_threads_policy, vmi.domain.topology) == ("auto", (2, 1, 1))
 
@@ -220,7 +220,7 @@ def test_preference_fills_buses_cache_io_and_machine_but_never_overrides():
              {"name": "e", "disk": {"bus": "virtio"}, "dedicatedIOThread": False}]
     doc = vm(None, {"name": "cores", "kind": "VirtualMachinePreference"}, disks=disks, volumes=volumes,
              domain={"resources": {"requests": {"memory": "1Gi"}}})
-    vmi = parse_vmi(doc, OBJECTS)
+    vmi = parse_vmi(doc, objects=OBJECTS)
     got = {d.name: (d.device, d.bus, d.cache, d.io, d.dedicated_io_thread) for d in vmi.domain.devices.disks}
     assert got == {"a": ("disk", "virtio", "writethrough", "threads", True),
                    "b": ("disk", "sata", "none", "threads", False),
@@ -231,17 +231,39 @@ def test_preference_fills_buses_cache_io_and_machine_but_never_overrides():
     assert summary(domain_xml(vm(None, "fedora-no-rng", domain={"resources": {"requests": {"memory": "2Gi"}}})))["buses"] == ["virtio"]
 
 
+def test_preference_flags_land_in_the_template_as_kubevirt_sets_them():
+    # preference/apply/device_test.go "should apply to VMI": unset booleans are filled, disableHotplug is
+    # replaced (no pointer upstream), the block size goes to every disk target; interfaces are left
+    # alone, as the launcher attaches no NIC (a default pod network stays KubeVirt's default).
+    flags = {"apiVersion": V1B1, "kind": "VirtualMachineClusterPreference", "metadata": {"name": "flags"},
+             "spec": {"devices": {"preferredAutoattachGraphicsDevice": False, "preferredAutoattachSerialConsole": True,
+                                  "preferredUseVirtioTransitional": True, "preferredDisableHotplug": True,
+                                  "preferredDiskBlockSize": {"matchVolume": {"enabled": True}},
+                                  "preferredInterfaceModel": "virtio"}}}
+    doc = vm(None, "flags", domain={"devices": {"disks": [{"name": "root", "disk": {"bus": "virtio"}}],
+                                                "autoattachSerialConsole": False, "disableHotplug": False,
+                                                "interfaces": [{"name": "default", "masquerade": {}}]}})
+    doc["spec"]["template"]["spec"]["networks"] = [{"name": "default", "pod": {}}]
+    expanded, _ = expand(doc, Objects([flags]))
+    devices = expanded["spec"]["template"]["spec"]["domain"]["devices"]
+    assert {k: v for k, v in devices.items() if k not in ("disks", "interfaces")} == {
+        "autoattachSerialConsole": False, "disableHotplug": True, "autoattachGraphicsDevice": False, "useVirtioTransitional": True}
+    assert devices["disks"] == [{"name": "root", "disk": {"bus": "virtio"}, "blockSize": {"matchVolume": {"enabled": True}}}]
+    assert devices["interfaces"] == [{"name": "default", "masquerade": {}}]
+    assert "preference" in doc["spec"] and "annotations" not in doc["spec"]["template"].get("metadata", {})  # the input is untouched
+
+
 def test_preferred_efi_with_secure_boot_and_smm():
     # preference/apply/firmware_test.go "should apply PreferredEfi"; features_test.go preferredSmm
-    vmi = parse_vmi(vm("u1.large", "fedora-no-rng"), OBJECTS)
+    vmi = parse_vmi(vm("u1.large", "fedora-no-rng"), objects=OBJECTS)
     assert (vmi.domain.firmware.bootloader, vmi.domain.firmware.secure_boot, vmi.domain.features.smm) == ("efi", True, True)
     # "should not apply PreferredEfi when VM already using BIOS - bug #12985"
-    bios = parse_vmi(vm("u1.large", "fedora-no-rng", domain={"firmware": {"bootloader": {"bios": {}}}}), OBJECTS)
+    bios = parse_vmi(vm("u1.large", "fedora-no-rng", domain={"firmware": {"bootloader": {"bios": {}}}}), objects=OBJECTS)
     assert bios.domain.firmware.bootloader == "bios"
     # The preferred EFI is taken whole: secure boot off stays off (KubeVirt's own EFI default is on).
     insecure = {"apiVersion": V1B1, "kind": "VirtualMachineClusterPreference", "metadata": {"name": "efi"},
                 "spec": {"firmware": {"preferredEfi": {"secureBoot": False}}}}
-    efi = parse_vmi(vm("u1.large", "efi"), Objects(CORPUS + [insecure]))
+    efi = parse_vmi(vm("u1.large", "efi"), objects=Objects(CORPUS + [insecure]))
     assert (efi.domain.firmware.bootloader, efi.domain.firmware.secure_boot) == ("efi", False)
 
 
@@ -271,7 +293,7 @@ def test_requirements_use_kubevirts_messages(instancetype, preference, domain, m
 
 def test_requirements_met_pass():
     # requirements/cpu_test.go / memory_test.go "should pass when sufficient resources are provided"
-    assert parse_vmi(vm("u1.large", "fedora-no-rng"), OBJECTS).domain.vcpus == 2
+    assert parse_vmi(vm("u1.large", "fedora-no-rng"), objects=OBJECTS).domain.vcpus == 2
 
 
 def test_quantities_print_as_kubernetes_prints_them():
@@ -298,13 +320,13 @@ def test_infer_from_a_pvc_and_a_datavolume():
     infer = {"inferFromVolume": "root"}
     for volume in ({"persistentVolumeClaim": {"claimName": "fedora-pvc"}}, {"dataVolume": {"name": "fedora-dv"}}):
         doc = vm(infer, infer, volumes=[{"name": "root", **volume}])
-        assert parse_vmi(doc, objects).annotations == {"kubevirt.io/cluster-instancetype-name": "u1.large",
+        assert parse_vmi(doc, objects=objects).annotations == {"kubevirt.io/cluster-instancetype-name": "u1.large",
                                                        "kubevirt.io/cluster-preference-name": "fedora-no-rng"}
     templated = vm(infer, None, volumes=[{"name": "root", "dataVolume": {"name": "fresh"}}],
                    dataVolumeTemplates=[{"metadata": {"name": "fresh"},
                                          "spec": {"source": {"pvc": {"name": "fedora-pvc", "namespace": "ns"}},
                                                   "storage": {"resources": {"requests": {"storage": "1Gi"}}}}}])
-    assert parse_vmi(templated, objects).domain.vcpus == 2
+    assert parse_vmi(templated, objects=objects).domain.vcpus == 2
 
 
 def test_infer_failures_and_the_ignore_policy():
@@ -319,14 +341,14 @@ def test_infer_failures_and_the_ignore_policy():
     assert error(vm({"inferFromVolume": "nope"}), objects) == "spec.instancetype.inferFromVolume: unable to find volume nope to infer defaults"
     ignored = vm({"inferFromVolume": "root", "inferFromVolumeFailurePolicy": "Ignore"}, volumes=bare,
                  domain={"resources": {"requests": {"memory": "128Mi"}}})
-    vmi = parse_vmi(ignored, objects)
+    vmi = parse_vmi(ignored, objects=objects)
     assert (vmi.domain.vcpus, vmi.domain.guest_memory, vmi.annotations) == (1, 128 << 20, {})
     # Under Ignore a successful inference drops the template's memory, so it cannot conflict
     # (infer/handler.go Instancetype).
     labelled = [{"name": "root", "persistentVolumeClaim": {"claimName": "fedora-pvc"}}]
     with_memory = vm({"inferFromVolume": "root", "inferFromVolumeFailurePolicy": "Ignore"}, volumes=labelled,
                      domain={"memory": {"guest": "128Mi"}})
-    inferred = parse_vmi(with_memory, Objects(CORPUS + [_labelled("PersistentVolumeClaim", "fedora-pvc", LABELS)]))
+    inferred = parse_vmi(with_memory, objects=Objects(CORPUS + [_labelled("PersistentVolumeClaim", "fedora-pvc", LABELS)]))
     assert (inferred.domain.vcpus, inferred.domain.guest_memory) == (2, 8 << 30)
     # A claim that does not exist is no inference failure: it is refused under either policy.
     missing = vm({"inferFromVolume": "root", "inferFromVolumeFailurePolicy": "Ignore"},

@@ -72,7 +72,7 @@ def domain(vmi_file, platform, accel, cache_dir, store, registry: RegistryOption
     from launcher.runtime.vms import RunOptions, plan
     from launcher.spec.vmi import load_vmi
 
-    vmi = load_vmi(vmi_file, store.objects)
+    vmi = load_vmi(vmi_file, objects=store.objects)
     _, xml = plan(vmi, Cache(cache_dir), RunOptions(platform=platform_of(platform), registry=registry, storage=store), create=False, domain_type=None if accel == "auto" else accel)
     click.echo(xml, nl=not xml.endswith("\n"))
 
@@ -107,7 +107,7 @@ def run(vmi_file, uri, console, wait_for, timeout, platform, lazy, cache_dir, st
     from launcher.runtime.vms import run as do_run
     from launcher.spec.vmi import load_vmi
 
-    vmi = load_vmi(vmi_file, store.objects)
+    vmi = load_vmi(vmi_file, objects=store.objects)
     opts = RunOptions(uri=uri, platform=platform_of(platform), registry=registry, console=console, wait_for=wait_for, timeout=timeout, storage=store,
                       lazy={None: "auto", True: "on", False: "off"}[lazy])
     sys.exit(do_run(vmi, Cache(cache_dir), opts, say))

@@ -20,7 +20,7 @@ def _known(store, vmi_files: tuple[str, ...]):
 
     found = dict(manifests(store))
     for path in vmi_files:
-        vmi = load_vmi(path, store.objects)
+        vmi = load_vmi(path, objects=store.objects)
         found.update({(dv.namespace, dv.name): dv for dv in vmi.data_volume_templates})
     return found
 

@@ -450,8 +450,8 @@ def _apply_disks(pref: Selected, devices: dict, prefs: dict) -> None:
         if isinstance(disk.get("disk"), dict):
             if prefs.get("preferredDiskBus"):
                 _set_default(disk["disk"], "bus", prefs["preferredDiskBus"])
-            if prefs.get("preferredDiskBlockSize") is not None and disk.get("blockSize") is None:
-                raise _unsupported(pref, "devices.preferredDiskBlockSize")
+            if prefs.get("preferredDiskBlockSize") is not None:
+                _set_default(disk, "blockSize", prefs["preferredDiskBlockSize"])
             for key, field in (("preferredDiskCache", "cache"), ("preferredDiskIO", "io")):
                 if prefs.get(key):
                     _set_default(disk, field, prefs[key])
@@ -464,19 +464,16 @@ def _apply_disks(pref: Selected, devices: dict, prefs: dict) -> None:
             _set_default(disk["lun"], "bus", prefs["preferredLunBus"])
 
 
-def _on_pod_network(tspec: dict, name: Any) -> bool:
-    for network in as_list(tspec.get("networks"), f"{_BASE}.networks"):
-        if isinstance(network, dict) and network.get("name") == name:
-            return network.get("pod") is not None
-    return False
-
-
-# The launcher attaches none of these; a preference that turns one on would add a device.
-_AUTOATTACH_ABSENT = {"preferredAutoattachGraphicsDevice": "autoattachGraphicsDevice",
-                      "preferredAutoattachMemBalloon": "autoattachMemBalloon",
-                      "preferredAutoattachPodInterface": "autoattachPodInterface",
-                      "preferredAutoattachInputDevice": "autoattachInputDevice"}
-_BINDINGS = ("bridge", "masquerade", "sriov", "slirp", "passt", "macvtap", "binding")
+# Booleans a preference sets when the VM leaves them unset (device.go ApplyDevicePreferences and
+# ApplyAutoAttachPreferences). The launcher adds no NIC, graphics, balloon or input device whatever
+# the autoattach flags say (README, deliberate differences), so those pass through as KubeVirt sets them.
+_DEVICE_FLAGS = {"preferredUseVirtioTransitional": "useVirtioTransitional", "preferredBlockMultiQueue": "blockMultiQueue",
+                 "preferredNetworkInterfaceMultiQueue": "networkInterfaceMultiqueue",
+                 "preferredAutoattachGraphicsDevice": "autoattachGraphicsDevice",
+                 "preferredAutoattachMemBalloon": "autoattachMemBalloon",
+                 "preferredAutoattachPodInterface": "autoattachPodInterface",
+                 "preferredAutoattachSerialConsole": "autoattachSerialConsole",
+                 "preferredAutoattachInputDevice": "autoattachInputDevice"}
 
 
 def _default_volume_disks(devices: dict, tspec: dict) -> None:
@@ -496,18 +493,11 @@ def _apply_devices(pref: Selected, tspec: dict) -> None:
     prefs = as_map(pref.spec.get("devices"), f"{pref.label} spec.devices")
     if not prefs:
         return
-    for key, field in (("preferredUseVirtioTransitional", "useVirtioTransitional"), ("preferredBlockMultiQueue", "blockMultiQueue"),
-                       ("preferredAutoattachSerialConsole", "autoattachSerialConsole")):
+    for key, field in _DEVICE_FLAGS.items():
         if prefs.get(key) is not None:
             _set_default(devices, field, prefs[key])
-    for key, field in _AUTOATTACH_ABSENT.items():
-        if prefs.get(key) is True and devices.get(field) is None:
-            raise _unsupported(pref, f"devices.{key}")
-        if prefs.get(key) is not None:
-            _set_default(devices, field, prefs[key])
-    if prefs.get("preferredNetworkInterfaceMultiQueue") is True and devices.get("networkInterfaceMultiQueue") is None:
-        raise _unsupported(pref, "devices.preferredNetworkInterfaceMultiQueue")
-    # The launcher has no hotplug, so there is nothing to disable.
+    if prefs.get("preferredDisableHotplug") is not None:
+        devices["disableHotplug"] = prefs["preferredDisableHotplug"]  # not a pointer upstream: always replaced
     if prefs.get("preferredSoundModel") and isinstance(devices.get("sound"), dict) and not devices["sound"].get("model"):
         raise _unsupported(pref, "devices.preferredSoundModel")
     for key, field in (("preferredRng", "rng"), ("preferredTPM", "tpm")):
@@ -521,14 +511,8 @@ def _apply_devices(pref: Selected, tspec: dict) -> None:
         for key, field in (("preferredInputBus", "bus"), ("preferredInputType", "type")):
             if prefs.get(key) and isinstance(item, dict) and not item.get(field):
                 raise _unsupported(pref, f"devices.{key}")
-    for iface in as_list(devices.get("interfaces"), f"{_BASE}.domain.devices.interfaces"):
-        if not isinstance(iface, dict):
-            continue
-        if prefs.get("preferredInterfaceModel") and not iface.get("model"):
-            raise _unsupported(pref, "devices.preferredInterfaceModel")
-        if (prefs.get("preferredInterfaceMasquerade") is not None and not any(iface.get(b) is not None for b in _BINDINGS)
-                and _on_pod_network(tspec, iface.get("name"))):
-            raise _unsupported(pref, "devices.preferredInterfaceMasquerade")
+    # preferredInterfaceModel / preferredInterfaceMasquerade (interface.go) shape NICs, and the launcher
+    # attaches none: KubeVirt's default pod interface is the same VM without one (README).
     _apply_disks(pref, devices, prefs)
 
 

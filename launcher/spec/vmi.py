@@ -784,7 +784,7 @@ def _domain(doc: dict, root: str, volumes: tuple[Volume, ...]) -> DomainSpec:
 
 # ---------------------------------------------------------------- entry points
 
-def parse_vmi(doc: dict, objects: ObjectSource | None = None) -> VMI:
+def parse_vmi(doc: dict, *, objects: ObjectSource | None = None) -> VMI:
     """A VirtualMachineInstance (or a VirtualMachine's template), defaulted and validated as KubeVirt does.
     `objects` holds a VirtualMachine's instance type and preference (and the volumes they are inferred from)."""
     doc = as_map(doc, "document")
@@ -830,7 +830,7 @@ def parse_vmi(doc: dict, objects: ObjectSource | None = None) -> VMI:
     return vmi
 
 
-def load_vmi(path: str | Path, objects: ObjectSource | None = None) -> VMI:
+def load_vmi(path: str | Path, *, objects: ObjectSource | None = None) -> VMI:
     """Read one YAML document from `path` and parse it (`objects`: see parse_vmi)."""
     try:
         doc = yaml.safe_load(Path(path).read_text())
@@ -838,4 +838,4 @@ def load_vmi(path: str | Path, objects: ObjectSource | None = None) -> VMI:
         raise SpecError(str(path), f"not valid YAML: {err}") from None
     except OSError as err:
         raise SpecError(str(path), err.strerror or str(err)) from None
-    return parse_vmi(doc, objects)
+    return parse_vmi(doc, objects=objects)
