@@ -269,19 +269,19 @@ def test_preferred_efi_with_secure_boot_and_smm():
 
 @pytest.mark.parametrize("instancetype,preference,domain,message", [
     # requirements/cpu_test.go "should be rejected ... by an instance type for vCPUs"
-    ("u1.medium", "windows-reqs", None, "spec.instancetype: failure checking preference requirements: insufficient CPU resources"
-                                        " of 1 vCPU provided by instance type, preference requires 2 vCPU"),
+    ("u1.medium", "windows-reqs", None, ("spec.instancetype: failure checking preference requirements: insufficient CPU resources"
+                                        " of 1 vCPU provided by instance type, preference requires 2 vCPU")),
     # requirements/memory_test.go "by an instance type for Memory"
-    ("u1.large", "fedora-reqs-16", None, "spec.instancetype: failure checking preference requirements: insufficient Memory"
-                                         " resources of 8Gi provided by instance type, preference requires 16Gi"),
+    ("u1.large", "fedora-reqs-16", None, ("spec.instancetype: failure checking preference requirements: insufficient Memory"
+                                         " resources of 8Gi provided by instance type, preference requires 16Gi")),
     # requirements/cpu_test.go "by a VM for vCPUs using PreferCores"
     (None, "windows-reqs", {"cpu": {"sockets": 2}, "resources": {"requests": {"memory": "4Gi"}}},
-     "spec.template.spec.domain.cpu.cores: failure checking preference requirements: insufficient CPU resources of 1 vCPU"
-     " provided by VirtualMachine, preference requires 2 vCPU provided as cores"),
+     ("spec.template.spec.domain.cpu.cores: failure checking preference requirements: insufficient CPU resources of 1 vCPU"
+     " provided by VirtualMachine, preference requires 2 vCPU provided as cores")),
     # requirements/memory_test.go "by a VM for Memory"
     (None, "fedora-reqs-16", {"resources": {"requests": {"memory": "1536Mi"}}},
-     "spec.template.spec.domain.memory: failure checking preference requirements: insufficient Memory resources of 1536Mi"
-     " provided by VirtualMachine, preference requires 16Gi"),
+     ("spec.template.spec.domain.memory: failure checking preference requirements: insufficient Memory resources of 1536Mi"
+     " provided by VirtualMachine, preference requires 16Gi")),
 ])
 def test_requirements_use_kubevirts_messages(instancetype, preference, domain, message):
     reqs = [{"apiVersion": V1B1, "kind": "VirtualMachineClusterPreference", "metadata": {"name": "windows-reqs"},
@@ -327,6 +327,15 @@ def test_infer_from_a_pvc_and_a_datavolume():
                                          "spec": {"source": {"pvc": {"name": "fedora-pvc", "namespace": "ns"}},
                                                   "storage": {"resources": {"requests": {"storage": "1Gi"}}}}}])
     assert parse_vmi(templated, objects=objects).domain.vcpus == 2
+    # handler_test.go "should infer defaults from DataVolume, DataVolumeSourceRef" ",DataSource and
+    # PersistentVolumeClaim": an unlabelled DataVolume cloning from a DataSource (in the VM's namespace)
+    # whose PVC carries the labels.
+    sourced = Objects(CORPUS + [
+        _labelled("DataVolume", "cloned", {}, spec={"sourceRef": {"kind": "DataSource", "name": "fedora"}}),
+        _labelled("DataSource", "fedora", {}, spec={"source": {"pvc": {"name": "fedora-pvc", "namespace": "ns"}}}),
+        _labelled("PersistentVolumeClaim", "fedora-pvc", LABELS)])
+    from_source = vm(infer, infer, volumes=[{"name": "root", "dataVolume": {"name": "cloned"}}])
+    assert parse_vmi(from_source, objects=sourced).annotations["kubevirt.io/cluster-preference-name"] == "fedora-no-rng"
 
 
 def test_infer_failures_and_the_ignore_policy():

@@ -105,8 +105,12 @@ class _Ignorable(Exception):
     """infer/errors.go IgnoreableInferenceError: cleared by inferFromVolumeFailurePolicy: Ignore."""
 
 
-def _not_found(resource: str, name: str) -> SpecError:
-    return SpecError("", f'{resource} "{name}" not found')
+class _Failed(Exception):
+    """Any other inference error (an object the labels should come from is missing): refused under both policies."""
+
+
+def _not_found(resource: str, name: str) -> _Failed:
+    return _Failed(f'{resource} "{name}" not found')
 
 
 def _from_labels(labels: Any, what: str) -> tuple[str, str]:
@@ -184,7 +188,7 @@ def _from_volume(vm: dict, objects: ObjectSource | None, volume_name: str, names
             except _Ignorable:
                 return _from_dv_spec(objects, _get(dv, "spec"), namespace, what)
         raise _Ignorable(f"unable to infer defaults from volume {volume_name} as type is not supported")
-    raise SpecError(f"spec.{what}.inferFromVolume", f"unable to find volume {volume_name} to infer defaults")
+    raise _Failed(f"unable to find volume {volume_name} to infer defaults")
 
 
 def _infer(vm: dict, objects: ObjectSource | None, namespace: str, what: str) -> None:
@@ -201,8 +205,8 @@ def _infer(vm: dict, objects: ObjectSource | None, namespace: str, what: str) ->
             del vm["spec"][what]
             return
         raise SpecError(f"spec.{what}.inferFromVolume", str(err)) from None
-    except SpecError as err:
-        raise SpecError(err.subject or f"spec.{what}.inferFromVolume", err.rule) from None
+    except _Failed as err:
+        raise SpecError(f"spec.{what}.inferFromVolume", str(err)) from None
     domain = _get(vm, "spec", "template", "spec", "domain")
     if ignore and what == "instancetype" and isinstance(domain, dict):
         # The handler clears the template's memory so an inferred instance type cannot conflict with it.

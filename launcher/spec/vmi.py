@@ -37,7 +37,12 @@ from launcher.spec.fields import (
     to_bytes,
     to_millis,
 )
-from launcher.spec.instancetype import ObjectSource, Selection, check_requirements, expand
+from launcher.spec.instancetype import (
+    ObjectSource,
+    Selection,
+    check_requirements,
+    expand,
+)
 
 API_VERSION = "kubevirt.io/v1"
 DEFAULT_NAMESPACE = "default"
