@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 import yaml
@@ -19,7 +20,7 @@ from launcher.render.domain import Host, ResolvedDisk, render
 from launcher.spec.fields import SpecError
 from launcher.spec.instancetype import expand, quantity_text
 from launcher.spec.k8s import Objects
-from launcher.spec.vmi import parse_vmi
+from launcher.spec.vmi import load_vmi, parse_vmi
 from tests.testguest import parse_console
 from tests.vmhost import NOREG
 
@@ -410,3 +411,10 @@ def test_vm_boots_with_the_instancetypes_cpus_and_memory(qemu_user, guest_image)
     refused = qemu_user.launcher("run", NOREG, path)
     assert refused.code != 0
     assert 'spec.instancetype: virtualmachineclusterinstancetypes.instancetype.kubevirt.io "tiny.2c" not found' in refused.err
+
+
+def test_the_example_parses():
+    examples = Path(__file__).resolve().parent.parent / "examples" / "instancetypes"
+    vmi = load_vmi(examples / "vm.yaml", objects=Objects.load(examples))
+    assert (vmi.domain.topology, vmi.domain.guest_memory) == ((1, 2, 1), 4 << 30)
+    assert [d.bus for d in vmi.domain.devices.disks] == ["virtio", "virtio"]
