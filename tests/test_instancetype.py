@@ -181,11 +181,17 @@ def test_what_the_launcher_cannot_do_is_refused_naming_the_field():
 
 
 def test_cx1_without_numa_is_dedicated_and_isolated():
+    # apply/cpu_test.go "should apply in full with PreferSockets selected": the CPU flags and the
+    # ioThreadsPolicy go to the template (maxSockets equal to the sockets changes nothing).
     spec = copy.deepcopy(CORPUS[4])
     del spec["spec"]["cpu"]["numa"], spec["spec"]["memory"]["hugepages"]
-    vmi = parse_vmi(vm("cx1.large"), objects=Objects([spec]))
-    assert (vmi.domain.cpu.dedicated_cpu_placement, vmi.domain.cpu.isolate_emulator_thread) == (True, True)
-    assert (vmi.domain.io_threads_policy, vmi.domain.topology) == ("auto", (2, 1, 1))
+    expanded, _ = expand(vm("cx1.large"), Objects([spec]))
+    domain = expanded["spec"]["template"]["spec"]["domain"]
+    assert domain["cpu"] == {"dedicatedCpuPlacement": True, "isolateEmulatorThread": True, "sockets": 2, "cores": 1, "threads": 1}
+    assert (domain["memory"], domain["ioThreadsPolicy"]) == ({"guest": "4Gi"}, "auto")
+    spec["spec"]["cpu"]["maxSockets"] = 4
+    assert error(vm("cx1.large"), Objects([spec])) == \
+        "spec.instancetype: VirtualMachineClusterInstancetype cx1.large: spec.cpu.maxSockets is not supported by the launcher"
 
 
 def test_missing_objects_use_the_api_servers_words():

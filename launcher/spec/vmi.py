@@ -650,7 +650,7 @@ def _resources(doc: dict, at: str) -> Resources:
     )
 
 
-def _check_dedicated(cpu: CPU, resources: Resources, doc: dict, at: str, memory_doc: dict) -> None:
+def _check_dedicated(cpu: CPU, resources: Resources, doc: dict, at: str) -> None:
     """KubeVirt's webhook rules for dedicatedCpuPlacement (validateCpuPinning), in its order and words."""
     if cpu.isolate_emulator_thread and not cpu.dedicated_cpu_placement:
         raise SpecError(f"{at}.cpu.isolateEmulatorThread", "IsolateEmulatorThread should be only set in combination with DedicatedCPUPlacement")
@@ -658,10 +658,8 @@ def _check_dedicated(cpu: CPU, resources: Resources, doc: dict, at: str, memory_
         return
     r = f"{at}.resources"
     dedicated = f"{at}.cpu.dedicatedCpuPlacement"
-    # validateMemoryIsProvided: memory.guest counts too (what an instance type sets).
-    if not resources.requests_memory and not resources.limits_memory and memory_doc.get("hugepages") is None \
-            and not get_quantity(memory_doc, "guest", f"{at}.memory"):
-        raise SpecError(f"{r}.limits.memory", f"{r}.requests.memory, {r}.limits.memory, {at}.memory.hugepages or {at}.memory.guest should be provided")
+    if not resources.requests_memory and not resources.limits_memory:
+        raise SpecError(f"{r}.limits.memory", f"{r}.requests.memory or {r}.limits.memory should be provided")
     requested = as_map(doc.get("requests"), f"{r}.requests").get("cpu")
     for side, millis in (("requests", requested is not None and resources.requests_cpu), ("limits", resources.limits_cpu)):
         if millis and millis % 1000:
@@ -741,7 +739,7 @@ def _domain(doc: dict, root: str, volumes: tuple[Volume, ...]) -> DomainSpec:
               get_str(cpu_doc, "model", f"{at}.cpu"), get_bool(cpu_doc, "dedicatedCpuPlacement", f"{at}.cpu"),
               get_bool(cpu_doc, "isolateEmulatorThread", f"{at}.cpu"))
     resources = _resources(as_map(doc.get("resources"), f"{at}.resources"), f"{at}.resources")
-    _check_dedicated(cpu, resources, as_map(doc.get("resources"), f"{at}.resources"), at, as_map(doc.get("memory"), f"{at}.memory"))
+    _check_dedicated(cpu, resources, as_map(doc.get("resources"), f"{at}.resources"), at)
 
     memory_doc = as_map(doc.get("memory"), f"{at}.memory")
     if memory_doc.get("hugepages") is not None:
