@@ -791,15 +791,15 @@ def parse_vmi(doc: dict, *, objects: ObjectSource | None = None) -> VMI:
     """A VirtualMachineInstance (or a VirtualMachine's template), defaulted and validated as KubeVirt does.
     `objects` holds a VirtualMachine's instance type and preference (and the volumes they are inferred from)."""
     doc = as_map(doc, "document")
+    selection = Selection()
+    if doc.get("kind") == "VirtualMachine":
+        # First of all, as KubeVirt's VM admitter applies them to the template before anything judges it.
+        doc, selection = expand(doc, objects)
     kind = doc.get("kind")
     if kind not in ("VirtualMachineInstance", "VirtualMachine"):
         raise SpecError("kind", f"must be VirtualMachineInstance or VirtualMachine, not {kind!r}")
     if doc.get("apiVersion") != API_VERSION:
         raise SpecError("apiVersion", f"must be {API_VERSION}, not {doc.get('apiVersion')!r}")
-    selection = Selection()
-    if kind == "VirtualMachine":
-        # KubeVirt's VM admitter applies them to the template before defaulting and validating it.
-        doc, selection = expand(doc, objects)
     metadata = as_map(doc.get("metadata"), "metadata")
     spec = as_map(doc.get("spec"), "spec")
     root = "spec"
