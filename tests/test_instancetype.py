@@ -257,6 +257,7 @@ def test_preference_flags_land_in_the_template_as_kubevirt_sets_them():
         "autoattachSerialConsole": False, "disableHotplug": True, "autoattachGraphicsDevice": False, "useVirtioTransitional": True}
     assert devices["disks"] == [{"name": "root", "disk": {"bus": "virtio"}, "blockSize": {"matchVolume": {"enabled": True}}}]
     assert devices["interfaces"] == [{"name": "default", "masquerade": {}}]
+    assert "preference" not in expanded["spec"]  # consumed: the VMI names it in an annotation
     assert "preference" in doc["spec"] and "annotations" not in doc["spec"]["template"].get("metadata", {})  # the input is untouched
 
 

@@ -602,8 +602,8 @@ def _apply_preference(pref: Selected, vm: dict, tspec: dict, meta: dict) -> None
 # ---------------------------------------------------------------- entry points
 
 def expand(vm: dict, objects: ObjectSource | None) -> tuple[dict, Selection]:
-    """The VirtualMachine `vm` with its instance type and preference applied to spec.template (a
-    copy; `vm` is left as it was), and what was selected, for `check_requirements`."""
+    """The VirtualMachine `vm` with its instance type and preference applied to spec.template and its
+    matchers gone (a copy; `vm` is left as it was), and what was selected, for `check_requirements`."""
     spec = as_map(vm.get("spec"), "spec")
     if spec.get("instancetype") is None and spec.get("preference") is None:
         return vm, Selection()
@@ -637,6 +637,9 @@ def expand(vm: dict, objects: ObjectSource | None) -> tuple[dict, Selection]:
     for selected in (it, pref):
         if selected is not None:
             annotations[ANNOTATIONS[selected.kind]] = selected.name
+    # Consumed: what is left describes the VMI, which names them in the annotations only.
+    vm["spec"].pop("instancetype", None)
+    vm["spec"].pop("preference", None)
     return vm, Selection(it, pref)
 
 
