@@ -261,6 +261,19 @@ def test_preference_flags_land_in_the_template_as_kubevirt_sets_them():
     assert "preference" in doc["spec"] and "annotations" not in doc["spec"]["template"].get("metadata", {})  # the input is untouched
 
 
+def test_preferred_storage_class_fills_datavolume_templates():
+    # webhooks/vm/mutator.go mutateDataVolumeTemplates: only where the template names no class.
+    pref = {"apiVersion": V1B1, "kind": "VirtualMachineClusterPreference", "metadata": {"name": "fast"},
+            "spec": {"volumes": {"preferredStorageClassName": "fast-ssd"}}}
+    dvt = [{"metadata": {"name": name}, "spec": {"source": {"blank": {}}, "storage": {
+        "resources": {"requests": {"storage": "1Gi"}}, **({"storageClassName": "slow"} if name == "keep" else {})}}}
+        for name in ("fill", "keep")]
+    volumes = [{"name": n, "dataVolume": {"name": n}} for n in ("fill", "keep")]
+    doc = vm("u1.large", "fast", volumes=volumes, dataVolumeTemplates=dvt)
+    vmi = parse_vmi(doc, objects=Objects(CORPUS + [pref]))
+    assert {dv.name: dv.storage_class for dv in vmi.data_volume_templates} == {"fill": "fast-ssd", "keep": "slow"}
+
+
 def test_preferred_efi_with_secure_boot_and_smm():
     # preference/apply/firmware_test.go "should apply PreferredEfi"; features_test.go preferredSmm
     vmi = parse_vmi(vm("u1.large", "fedora-no-rng"), objects=OBJECTS)
