@@ -185,7 +185,7 @@ def test_cx1_without_numa_is_dedicated_and_isolated():
     # ioThreadsPolicy go to the template (maxSockets equal to the sockets changes nothing).
     spec = copy.deepcopy(CORPUS[4])
     del spec["spec"]["cpu"]["numa"], spec["spec"]["memory"]["hugepages"]
-    expanded, _ = expand(vm("cx1.large"), Objects([spec]))
+    expanded = expand(vm("cx1.large"), Objects([spec]))
     domain = expanded["spec"]["template"]["spec"]["domain"]
     assert domain["cpu"] == {"dedicatedCpuPlacement": True, "isolateEmulatorThread": True, "sockets": 2, "cores": 1, "threads": 1}
     assert (domain["memory"], domain["ioThreadsPolicy"]) == ({"guest": "4Gi"}, "auto")
@@ -251,7 +251,7 @@ def test_preference_flags_land_in_the_template_as_kubevirt_sets_them():
                                                 "autoattachSerialConsole": False, "disableHotplug": False,
                                                 "interfaces": [{"name": "default", "masquerade": {}}]}})
     doc["spec"]["template"]["spec"]["networks"] = [{"name": "default", "pod": {}}]
-    expanded, _ = expand(doc, Objects([flags]))
+    expanded = expand(doc, Objects([flags]))
     devices = expanded["spec"]["template"]["spec"]["domain"]["devices"]
     assert {k: v for k, v in devices.items() if k not in ("disks", "interfaces")} == {
         "autoattachSerialConsole": False, "disableHotplug": True, "autoattachGraphicsDevice": False, "useVirtioTransitional": True}
@@ -296,9 +296,18 @@ def test_preferred_efi_with_secure_boot_and_smm():
     ("u1.large", "fedora-reqs-16", None, ("spec.instancetype: failure checking preference requirements: insufficient Memory"
                                          " resources of 8Gi provided by instance type, preference requires 16Gi")),
     # requirements/cpu_test.go "by a VM for vCPUs using PreferCores"
-    (None, "windows-reqs", {"cpu": {"sockets": 2}, "resources": {"requests": {"memory": "4Gi"}}},
+    (None, "windows-reqs", {"cpu": {"cores": 1}, "resources": {"requests": {"memory": "4Gi"}}},
      ("spec.template.spec.domain.cpu.cores: failure checking preference requirements: insufficient CPU resources of 1 vCPU"
      " provided by VirtualMachine, preference requires 2 vCPU provided as cores")),
+    # defaults.SetDefaultGuestCPUTopology leaves a partial topology alone: unset cores count as 0.
+    (None, "windows-reqs", {"cpu": {"sockets": 2}, "resources": {"requests": {"memory": "4Gi"}}},
+     ("spec.template.spec.domain.cpu.cores: failure checking preference requirements: insufficient CPU resources of 0 vCPU"
+     " provided by VirtualMachine, preference requires 2 vCPU provided as cores")),
+    # ... and with none set, the CPU limit (before the request) rounded up becomes the sockets (requirements/cpu_test.go
+    # "by a VM for vCPUs using PreferSockets (default)").
+    (None, "three-cpus", {"resources": {"requests": {"memory": "1Gi", "cpu": "1"}, "limits": {"cpu": "1500m"}}},
+     ("spec.template.spec.domain.cpu.sockets: failure checking preference requirements: insufficient CPU resources of 2 vCPU"
+     " provided by VirtualMachine, preference requires 3 vCPU provided as sockets")),
     # requirements/memory_test.go "by a VM for Memory"
     (None, "fedora-reqs-16", {"resources": {"requests": {"memory": "1536Mi"}}},
      ("spec.template.spec.domain.memory: failure checking preference requirements: insufficient Memory resources of 1536Mi"
@@ -308,7 +317,9 @@ def test_requirements_use_kubevirts_messages(instancetype, preference, domain, m
     reqs = [{"apiVersion": V1B1, "kind": "VirtualMachineClusterPreference", "metadata": {"name": "windows-reqs"},
              "spec": {"cpu": {"preferredCPUTopology": "cores"}, "requirements": {"cpu": {"guest": 2}, "memory": {"guest": "4Gi"}}}},
             {"apiVersion": V1B1, "kind": "VirtualMachineClusterPreference", "metadata": {"name": "fedora-reqs-16"},
-             "spec": {"requirements": {"memory": {"guest": "16Gi"}}}}]
+             "spec": {"requirements": {"memory": {"guest": "16Gi"}}}},
+            {"apiVersion": V1B1, "kind": "VirtualMachineClusterPreference", "metadata": {"name": "three-cpus"},
+             "spec": {"requirements": {"cpu": {"guest": 3}}}}]
     assert error(vm(instancetype, preference, domain=domain), Objects(CORPUS + reqs)) == message
 
 

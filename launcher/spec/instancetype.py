@@ -4,9 +4,9 @@
 validated: infer the matchers from a volume (pkg/instancetype/infer), find the objects
 (pkg/instancetype/find, preference/find), refuse conflicts (pkg/instancetype/apply,
 pkg/instancetype/conflict), apply the instance type and then the preference
-(pkg/instancetype/preference/apply) to spec.template, and annotate the template as the VM controller
-annotates the VMI (pkg/instancetype/annotations, preference/annotations). `check_requirements` is the
-VM admitter's last step, run on the defaulted VMI (pkg/instancetype/preference/requirements).
+(pkg/instancetype/preference/apply) to spec.template, annotate the template as the VM controller
+annotates the VMI (pkg/instancetype/annotations, preference/annotations), and check the preference's
+requirements as the VM admitter does (pkg/instancetype/preference/requirements).
 
 Objects come from whatever `get(kind, namespace, name)` the caller holds (manifests or the API); no
 I/O here. What an instance type or preference would put in the VMI and the launcher cannot do is
@@ -70,12 +70,6 @@ class Selected:
     @property
     def label(self) -> str:
         return f"{self.kind} {self.name}"
-
-
-@dataclass(frozen=True)
-class Selection:
-    instancetype: Selected | None = None
-    preference: Selected | None = None
 
 
 def _get(doc: Any, *keys: str) -> Any:
@@ -601,12 +595,12 @@ def _apply_preference(pref: Selected, vm: dict, tspec: dict, meta: dict) -> None
 
 # ---------------------------------------------------------------- entry points
 
-def expand(vm: dict, objects: ObjectSource | None) -> tuple[dict, Selection]:
+def expand(vm: dict, objects: ObjectSource | None) -> dict:
     """The VirtualMachine `vm` with its instance type and preference applied to spec.template and its
-    matchers gone (a copy; `vm` is left as it was), and what was selected, for `check_requirements`."""
+    matchers gone (a copy; `vm` is left as it was)."""
     spec = as_map(vm.get("spec"), "spec")
     if spec.get("instancetype") is None and spec.get("preference") is None:
-        return vm, Selection()
+        return vm
     vm = copy.deepcopy(vm)
     namespace = _get(vm, "metadata", "namespace") or "default"
     for what in ("instancetype", "preference"):
@@ -633,6 +627,7 @@ def expand(vm: dict, objects: ObjectSource | None) -> tuple[dict, Selection]:
         _apply_instancetype(it, pref, tspec, meta)
     if pref is not None:
         _apply_preference(pref, vm, tspec, meta)
+        _check_requirements(it, pref, tspec)
     annotations = meta.setdefault("annotations", {})
     for selected in (it, pref):
         if selected is not None:
@@ -640,7 +635,7 @@ def expand(vm: dict, objects: ObjectSource | None) -> tuple[dict, Selection]:
     # Consumed: what is left describes the VMI, which names them in the annotations only.
     vm["spec"].pop("instancetype", None)
     vm["spec"].pop("preference", None)
-    return vm, Selection(it, pref)
+    return vm
 
 
 def quantity_text(amount: Fraction | int, binary: bool) -> str:
@@ -661,11 +656,42 @@ def _quantity(value: Any, at: str) -> tuple[Fraction, str]:
     return amount, quantity_text(amount, str(value).strip().endswith("i"))
 
 
-def check_requirements(selection: Selection, vcpus_by: dict[str, int], guest_memory: int, architecture: str) -> None:
-    """preference/requirements: the preference's minimums against the instance type, or without one
-    against the defaulted VMI (its sockets/cores/threads by name, guest memory, architecture)."""
-    pref, it = selection.preference, selection.instancetype
-    requirements = as_map(pref.spec.get("requirements"), f"{pref.label} spec.requirements") if pref else {}
+def _defaulted_topology(tspec: dict) -> dict[str, int]:
+    """defaults.SetDefaultGuestCPUTopology: only when none of the three is set do they become
+    (CPU limit, else request, rounded up, else 1) sockets of 1 core of 1 thread; a partial topology
+    keeps its zeros, and the requirements see them."""
+    cpu = as_map(_get(tspec, "domain", "cpu"), f"{_BASE}.domain.cpu")
+    counts = {k: cpu.get(k) or 0 for k in ("sockets", "cores", "threads")}
+    if any(counts.values()):
+        return counts
+    sockets = 1
+    for side in ("limits", "requests"):
+        value = _get(tspec, "domain", "resources", side, "cpu")
+        if value is not None:
+            sockets = math.ceil(parse_quantity(value, f"{_BASE}.domain.resources.{side}.cpu"))  # Quantity.Value()
+            break
+    return {"sockets": sockets, "cores": 1, "threads": 1}
+
+
+def _defaulted_memory(tspec: dict) -> tuple[Fraction, str]:
+    """defaults.setGuestMemory: guest, else the memory request, else the limit, else the hugepage size;
+    none at all reads as 0 (the checker's own starting value)."""
+    memory = as_map(_get(tspec, "domain", "memory"), f"{_BASE}.domain.memory")
+    for value, at in ((memory.get("guest"), "memory.guest"),
+                      (_get(tspec, "domain", "resources", "requests", "memory"), "resources.requests.memory"),
+                      (_get(tspec, "domain", "resources", "limits", "memory"), "resources.limits.memory"),
+                      (_get(memory, "hugepages", "pageSize"), "memory.hugepages.pageSize")):
+        if value is not None and parse_quantity(value, f"{_BASE}.domain.{at}"):
+            return _quantity(value, f"{_BASE}.domain.{at}")
+    return Fraction(0), "0"
+
+
+def _check_requirements(it: Selected | None, pref: Selected, tspec: dict) -> None:
+    """preference/requirements, as the VM admitter runs it: after the instance type and preference are
+    applied and the template defaulted, before the template is validated. The minimums are checked
+    against the instance type, or without one against the template (its sockets/cores/threads by
+    name, guest memory, architecture)."""
+    requirements = as_map(pref.spec.get("requirements"), f"{pref.label} spec.requirements")
     if not requirements:
         return
     prefix = "failure checking preference requirements: "
@@ -686,9 +712,10 @@ def check_requirements(selection: Selection, vcpus_by: dict[str, int], guest_mem
                 names, label = ("cores", "sockets", "threads"), "cores, sockets and threads"
             else:
                 names, label = (topology,), topology
+            counts = _defaulted_topology(tspec)
             provided = 1
             for name in names:
-                provided *= vcpus_by[name]
+                provided *= counts[name]
             if provided < need_cpu:
                 raise SpecError(", ".join(f"{base}.{n}" for n in names),
                                 f"{prefix}insufficient CPU resources of {provided} vCPU provided by VirtualMachine, preference requires {need_cpu} vCPU provided as {label}")
@@ -699,10 +726,11 @@ def check_requirements(selection: Selection, vcpus_by: dict[str, int], guest_mem
             have, have_text = _quantity(it.spec["memory"]["guest"], f"{it.label} spec.memory.guest")
             subject, source = "spec.instancetype", "instance type"
         else:
-            have, have_text = Fraction(guest_memory), quantity_text(guest_memory, True)
+            have, have_text = _defaulted_memory(tspec)
             subject, source = f"{_BASE}.domain.memory", "VirtualMachine"
         if have < need:
             raise SpecError(subject, f"{prefix}insufficient Memory resources of {have_text} provided by {source}, preference requires {need_text}")
     arch = requirements.get("architecture")
+    architecture = tspec.get("architecture") or "amd64"  # defaults.setDefaultArchitecture: the node's
     if arch is not None and arch != architecture:
         raise SpecError(f"{_BASE}.architecture", f"{prefix}preference requires architecture {arch} but {architecture} is being requested")

@@ -37,12 +37,7 @@ from launcher.spec.fields import (
     to_bytes,
     to_millis,
 )
-from launcher.spec.instancetype import (
-    ObjectSource,
-    Selection,
-    check_requirements,
-    expand,
-)
+from launcher.spec.instancetype import ObjectSource, expand
 
 API_VERSION = "kubevirt.io/v1"
 DEFAULT_NAMESPACE = "default"
@@ -791,10 +786,9 @@ def parse_vmi(doc: dict, *, objects: ObjectSource | None = None) -> VMI:
     """A VirtualMachineInstance (or a VirtualMachine's template), defaulted and validated as KubeVirt does.
     `objects` holds a VirtualMachine's instance type and preference (and the volumes they are inferred from)."""
     doc = as_map(doc, "document")
-    selection = Selection()
     if doc.get("kind") == "VirtualMachine":
         # First of all, as KubeVirt's VM admitter applies them to the template before anything judges it.
-        doc, selection = expand(doc, objects)
+        doc = expand(doc, objects)
     kind = doc.get("kind")
     if kind not in ("VirtualMachineInstance", "VirtualMachine"):
         raise SpecError("kind", f"must be VirtualMachineInstance or VirtualMachine, not {kind!r}")
@@ -824,13 +818,9 @@ def parse_vmi(doc: dict, *, objects: ObjectSource | None = None) -> VMI:
     hostname = get_str(spec, "hostname", root)
     if hostname is not None:
         check_dns_label(hostname, f"{root}.hostname")
-    vmi = VMI(name, namespace, get_str(metadata, "uid", "metadata"),
-              dict(as_map(labels, "metadata.labels")), dict(as_map(annotations, "metadata.annotations")), domain, volumes,
-              hostname, templates(templates_doc, "spec.dataVolumeTemplates", namespace))
-    if selection.preference is not None:
-        check_requirements(selection, dict(zip(("sockets", "cores", "threads"), domain.topology)), domain.guest_memory,
-                           architecture or "amd64")
-    return vmi
+    return VMI(name, namespace, get_str(metadata, "uid", "metadata"),
+               dict(as_map(labels, "metadata.labels")), dict(as_map(annotations, "metadata.annotations")), domain, volumes,
+               hostname, templates(templates_doc, "spec.dataVolumeTemplates", namespace))
 
 
 def load_vmi(path: str | Path, *, objects: ObjectSource | None = None) -> VMI:
