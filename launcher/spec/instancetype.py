@@ -369,15 +369,13 @@ def _apply_instancetype(it: Selected, pref: Selected | None, tspec: dict, meta: 
     # maxSockets only bounds CPU hotplug; equal to the sockets the guest gets, it changes nothing.
     if cpu.get("maxSockets") is not None and _uint(cpu["maxSockets"], f"{it.label} spec.cpu.maxSockets") != sockets:
         raise _unsupported(it, "cpu.maxSockets")
-    for key in ("maxGuest",):
-        if memory.get(key) is not None:
-            raise _unsupported(it, f"memory.{key}")
+    if memory.get("maxGuest") is not None:
+        raise _unsupported(it, "memory.maxGuest")  # memory hotplug
     for key in ("gpus", "hostDevices"):
         if spec.get(key):
             raise _unsupported(it, key)
-    for key in ("launchSecurity",):
-        if spec.get(key) is not None:
-            raise _unsupported(it, key)
+    if spec.get("launchSecurity") is not None:
+        raise _unsupported(it, "launchSecurity")
     if _get(spec, "ioThreads", "supplementalPoolThreadCount") is not None:
         raise _unsupported(it, "ioThreads.supplementalPoolThreadCount")
 
