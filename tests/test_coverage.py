@@ -111,7 +111,7 @@ def test_a_virtual_machines_template_is_walked_too():
     vm = {"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachine", "metadata": {"name": "v"},
           "spec": {"runStrategy": "Always", "template": {"metadata": {"labels": {"a": "b"}}, "spec": inner["spec"]}}}
     assert refusal(vm) == f"spec.template.spec.domain.devices.gpus: {UNSUPPORTED}"
-    vm["spec"]["instancetype"] = {"name": "u1.small"}
+    vm["spec"]["running"] = True
     assert parse_vmi(vm, ignore_unsupported=True).ignored[0][0] == "spec.template.spec.domain.devices.gpus"
 
 

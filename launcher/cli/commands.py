@@ -72,7 +72,7 @@ def domain(vmi_file, platform, accel, ignore_unsupported, cache_dir, store, regi
     """Print the libvirt domain XML `launcher run` would start (a dry run: images are pulled, nothing started)."""
     from launcher.runtime.vms import RunOptions, plan
 
-    vmi = load_vmi_file(vmi_file, ignore_unsupported)
+    vmi = load_vmi_file(vmi_file, ignore_unsupported, store.objects)
     _, xml = plan(vmi, Cache(cache_dir), RunOptions(platform=platform_of(platform), registry=registry, storage=store), create=False, domain_type=None if accel == "auto" else accel)
     click.echo(xml, nl=not xml.endswith("\n"))
 
@@ -108,7 +108,7 @@ def run(vmi_file, uri, console, wait_for, timeout, platform, lazy, ignore_unsupp
     from launcher.runtime.vms import RunOptions
     from launcher.runtime.vms import run as do_run
 
-    vmi = load_vmi_file(vmi_file, ignore_unsupported)
+    vmi = load_vmi_file(vmi_file, ignore_unsupported, store.objects)
     opts = RunOptions(uri=uri, platform=platform_of(platform), registry=registry, console=console, wait_for=wait_for, timeout=timeout, storage=store,
                       lazy={None: "auto", True: "on", False: "off"}[lazy])
     sys.exit(do_run(vmi, Cache(cache_dir), opts, say))

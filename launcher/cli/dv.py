@@ -20,7 +20,7 @@ def _known(store, vmi_files: tuple[str, ...]):
 
     found = dict(manifests(store))
     for path in vmi_files:
-        vmi = load_vmi(path, ignore_unsupported=True)  # only its dataVolumeTemplates are read here
+        vmi = load_vmi(path, ignore_unsupported=True, objects=store.objects)  # only its dataVolumeTemplates are read here
         found.update({(dv.namespace, dv.name): dv for dv in vmi.data_volume_templates})
     return found
 

@@ -55,8 +55,8 @@ def storage_options(command):
 
     options = [
         click.option("--pvc", multiple=True, metavar="CLAIM=PATH[:SIZE]", help="Where a claim lives here: a directory (its disk.img, created sparse with SIZE when missing) or a block device. Repeatable."),
-        click.option("--manifests", type=click.Path(file_okay=False, exists=True), help="Directory of Kubernetes manifests: claims resolve to their bound PV (iSCSI and RBD PVs become network disks); ConfigMaps, Secrets and service account tokens fill configMap, secret, serviceAccount and cloud-init secretRef disks."),
-        click.option("--kube-api", is_flag=True, help="Read claims, PVs, ConfigMaps and Secrets from the Kubernetes API: in a pod through its service account, elsewhere through KUBECONFIG."),
+        click.option("--manifests", type=click.Path(file_okay=False, exists=True), help="Directory of Kubernetes manifests: claims resolve to their bound PV (iSCSI and RBD PVs become network disks); ConfigMaps, Secrets and service account tokens fill configMap, secret, serviceAccount and cloud-init secretRef disks; a VirtualMachine's instance type and preference come from here."),
+        click.option("--kube-api", is_flag=True, help="Read claims, PVs, ConfigMaps, Secrets, instance types and preferences from the Kubernetes API: in a pod through its service account, elsewhere through KUBECONFIG."),
         click.option("--pvc-tolerance", type=click.IntRange(0, 100), default=10, show_default=True, metavar="PERCENT", help="How much smaller than requested a new disk.img may be (KubeVirt's pvcTolerateLessSpaceUpToPercent)."),
     ]
     for option in options:
@@ -74,11 +74,12 @@ def ignore_unsupported_option(command):
                              " refusing the VM; each one is named as it is dropped.")(command)
 
 
-def load_vmi_file(path: str, ignore_unsupported: bool):
-    """The VMI of a file, naming each field `--ignore-unsupported` dropped."""
+def load_vmi_file(path: str, ignore_unsupported: bool, objects=None):
+    """The VMI of a file (instance types and preferences from `objects`), naming each field
+    `--ignore-unsupported` dropped."""
     from launcher.spec.vmi import load_vmi
 
-    vmi = load_vmi(path, ignore_unsupported)
+    vmi = load_vmi(path, ignore_unsupported, objects=objects)
     for field, why in vmi.ignored:
         say(f"ignoring {field}: {why.partition(';')[0]}")
     return vmi

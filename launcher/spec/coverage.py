@@ -124,7 +124,8 @@ TEMPLATE = {"metadata": METADATA, "spec": VMI_SPEC}
 VM_SPEC = {
     "template": TEMPLATE, "dataVolumeTemplates": HANDLED,
     **dict.fromkeys(("running", "runStrategy", "updateVolumesStrategy"), INERT),
-    **dict.fromkeys(("instancetype", "preference"), UNSUPPORTED),
+    # launcher.spec.instancetype applies them (and removes them) before this walk
+    **dict.fromkeys(("instancetype", "preference"), HANDLED),
 }
 DOCUMENT = {"apiVersion": HANDLED, "kind": HANDLED, "metadata": METADATA, "status": INERT}
 

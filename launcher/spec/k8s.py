@@ -24,7 +24,8 @@ from launcher.spec.fields import SpecError, parse_quantity
 
 # Kinds without a namespace; everything else is namespaced, "default" when the manifest names none
 # (what `kubectl apply` does with the default context).
-CLUSTER_SCOPED = frozenset({"PersistentVolume", "StorageClass", "Namespace", "Node", "CSIDriver", "VolumeAttachment"})
+CLUSTER_SCOPED = frozenset({"PersistentVolume", "StorageClass", "Namespace", "Node", "CSIDriver", "VolumeAttachment",
+                            "VirtualMachineClusterInstancetype", "VirtualMachineClusterPreference"})
 DEFAULT_NAMESPACE = "default"
 VOLUME_MODES = ("Filesystem", "Block")
 ISCSI_PORT = 3260

@@ -21,7 +21,15 @@ _CORE = {
     "ConfigMap": "read_namespaced_config_map",
     "ServiceAccount": "read_namespaced_service_account",
 }
-_CUSTOM = {"DataVolume": ("cdi.kubevirt.io", "v1beta1", "datavolumes")}
+_CUSTOM = {
+    "DataVolume": ("cdi.kubevirt.io", "v1beta1", "datavolumes"),
+    "DataSource": ("cdi.kubevirt.io", "v1beta1", "datasources"),
+    "VolumeSnapshot": ("snapshot.storage.k8s.io", "v1", "volumesnapshots"),
+    "VirtualMachineInstancetype": ("instancetype.kubevirt.io", "v1beta1", "virtualmachineinstancetypes"),
+    "VirtualMachinePreference": ("instancetype.kubevirt.io", "v1beta1", "virtualmachinepreferences"),
+    "VirtualMachineClusterInstancetype": ("instancetype.kubevirt.io", "v1beta1", "virtualmachineclusterinstancetypes"),
+    "VirtualMachineClusterPreference": ("instancetype.kubevirt.io", "v1beta1", "virtualmachineclusterpreferences"),
+}
 
 
 class ClusterObjects:
@@ -56,8 +64,11 @@ class ClusterObjects:
                 response = self._client.StorageV1Api(self._api).read_storage_class(name, _preload_content=False)
             elif kind in _CUSTOM:
                 group, version, plural = _CUSTOM[kind]
-                response = self._client.CustomObjectsApi(self._api).get_namespaced_custom_object(
-                    group, version, namespace, plural, name, _preload_content=False)
+                api = self._client.CustomObjectsApi(self._api)
+                if namespace is None:
+                    response = api.get_cluster_custom_object(group, version, plural, name, _preload_content=False)
+                else:
+                    response = api.get_namespaced_custom_object(group, version, namespace, plural, name, _preload_content=False)
             else:
                 raise DiskkitError(describe_object(kind, namespace, name), "the launcher does not read this kind from the API")
         except ApiException as err:

@@ -38,6 +38,7 @@ from launcher.spec.fields import (
     to_bytes,
     to_millis,
 )
+from launcher.spec.instancetype import ObjectSource, expand
 
 API_VERSION = "kubevirt.io/v1"
 # v1alpha3 is deprecated but still served, with the same schema (CDI's examples use it).
@@ -870,12 +871,16 @@ def _domain(doc: dict, root: str, volumes: tuple[Volume, ...]) -> DomainSpec:
 
 # ---------------------------------------------------------------- entry points
 
-def parse_vmi(doc: dict, ignore_unsupported: bool = False) -> VMI:
+def parse_vmi(doc: dict, ignore_unsupported: bool = False, *, objects: ObjectSource | None = None) -> VMI:
     """A VirtualMachineInstance (or a VirtualMachine's template), defaulted and validated as KubeVirt does.
 
-    A field the launcher would not honour (launcher.spec.coverage) is refused; with `ignore_unsupported`
-    it is dropped instead and named in the VMI's `ignored`."""
+    `objects` holds a VirtualMachine's instance type and preference (and the volumes they are inferred
+    from). A field the launcher would not honour (launcher.spec.coverage) is refused; with
+    `ignore_unsupported` it is dropped instead and named in the VMI's `ignored`."""
     doc = as_map(doc, "document")
+    if doc.get("kind") == "VirtualMachine":
+        # First of all, as KubeVirt's VM admitter applies them to the template before anything judges it.
+        doc = expand(doc, objects)
     unsupported = coverage.unsupported_fields(doc)
     if unsupported and not ignore_unsupported:
         raise SpecError(*unsupported[0])
@@ -915,12 +920,12 @@ def parse_vmi(doc: dict, ignore_unsupported: bool = False) -> VMI:
                hostname, templates(templates_doc, "spec.dataVolumeTemplates", namespace), tuple(unsupported))
 
 
-def load_vmi(path: str | Path, ignore_unsupported: bool = False) -> VMI:
-    """Read one YAML document from `path` and parse it."""
+def load_vmi(path: str | Path, ignore_unsupported: bool = False, *, objects: ObjectSource | None = None) -> VMI:
+    """Read one YAML document from `path` and parse it (`objects`: see parse_vmi)."""
     try:
         doc = yaml.safe_load(Path(path).read_text())
     except yaml.YAMLError as err:
         raise SpecError(str(path), f"not valid YAML: {err}") from None
     except OSError as err:
         raise SpecError(str(path), err.strerror or str(err)) from None
-    return parse_vmi(doc, ignore_unsupported)
+    return parse_vmi(doc, ignore_unsupported, objects=objects)
