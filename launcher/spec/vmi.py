@@ -825,16 +825,18 @@ def parse_vmi(doc: dict, ignore_unsupported: bool = False) -> VMI:
     A field the launcher would not honour (launcher.spec.coverage) is refused; with `ignore_unsupported`
     it is dropped instead and named in the VMI's `ignored`."""
     doc = as_map(doc, "document")
-    unsupported = coverage.unsupported_fields(doc)
-    if unsupported and not ignore_unsupported:
-        raise SpecError(*unsupported[0])
-    if unsupported:
-        doc = coverage.without(doc, [path for path, _ in unsupported])
+    # The kind first: a replica set's or pool's fields are not a VMI's, and naming them as unknown
+    # VMI fields would hide that the whole object is of another kind.
     kind = doc.get("kind")
     if kind not in ("VirtualMachineInstance", "VirtualMachine"):
         raise SpecError("kind", f"must be VirtualMachineInstance or VirtualMachine, not {kind!r}")
     if doc.get("apiVersion") not in API_VERSIONS:
         raise SpecError("apiVersion", f"must be {API_VERSION}, not {doc.get('apiVersion')!r}")
+    unsupported = coverage.unsupported_fields(doc)
+    if unsupported and not ignore_unsupported:
+        raise SpecError(*unsupported[0])
+    if unsupported:
+        doc = coverage.without(doc, [path for path, _ in unsupported])
     metadata = as_map(doc.get("metadata"), "metadata")
     spec = as_map(doc.get("spec"), "spec")
     root = "spec"
