@@ -555,7 +555,8 @@ def _disk(doc: dict, idx: int, at: str) -> Disk:
         raise SpecError(f"{dat}.cache", f"has invalid value {cache}")
     io = get_str(doc, "io", dat)
     if io is not None and io not in IO_MODES:
-        raise SpecError(f"{dat}.io", "Disk IO mode is not supported. Supported modes are: native, threads.")
+        # pkg/storage/admitters/disks.go validateIOMode names the disk list, not the disk
+        raise SpecError(f"{dat}.io", f"Disk IO mode for {at} is not supported. Supported modes are: native, threads.")
     # validateErrorPolicy checks any value that is set, the empty string too.
     error_policy = doc.get("errorPolicy")
     if error_policy is not None and error_policy not in ERROR_POLICIES:
