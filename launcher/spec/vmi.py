@@ -30,6 +30,8 @@ from launcher.spec.fields import (
     as_map,
     check_dns_label,
     check_one_of,
+    dns_label_problems,
+    dns_subdomain_problems,
     field_error,
     get_bool,
     get_int,
@@ -818,6 +820,30 @@ def _domain(doc: dict, root: str, volumes: tuple[Volume, ...]) -> DomainSpec:
     return DomainSpec(cpu, None if guest is None else to_bytes(guest), resources, machine, firmware, features, devices, policy)
 
 
+def _check_names(spec: dict, volumes: tuple[Volume, ...], root: str) -> str | None:
+    """vmi-create-admitter.go: hostname a DNS label, subdomain a DNS subdomain, serviceAccountName a DNS
+    subdomain naming the same account as a serviceAccount volume (validateServiceAccountName). The
+    hostname is returned; the other two only schedule and name the pod, but KubeVirt refuses them."""
+    hostname = get_str(spec, "hostname", root)
+    problems = dns_label_problems(hostname) if hostname is not None else []
+    if problems:
+        raise SpecError(f"{root}.hostname", f"does not conform to the kubernetes DNS_LABEL rules : {', '.join(problems)}")
+    subdomain = get_str(spec, "subdomain", root)
+    problems = dns_subdomain_problems(subdomain) if subdomain is not None else []
+    if problems:
+        raise SpecError(f"{root}.subdomain", f"does not conform to the kubernetes DNS_SUBDOMAIN rules : {', '.join(problems)}")
+    account = get_str(spec, "serviceAccountName", root)
+    if account is not None:
+        problems = dns_subdomain_problems(account)
+        if problems:
+            raise SpecError(f"{root}.serviceAccountName", f"is not a valid service account name: {'; '.join(problems)}")
+        for volume in volumes:
+            if volume.kind == "serviceAccount" and volume.source.service_account_name != account:
+                raise SpecError(f"{root}.serviceAccountName", f'spec.serviceAccountName "{account}" and serviceAccount volume'
+                                                              f' "{volume.source.service_account_name}" must reference the same service account')
+    return hostname
+
+
 # ---------------------------------------------------------------- entry points
 
 def parse_vmi(doc: dict, ignore_unsupported: bool = False) -> VMI:
@@ -859,9 +885,7 @@ def parse_vmi(doc: dict, ignore_unsupported: bool = False) -> VMI:
         raise SpecError(f"{root}.architecture", f"{architecture} is not supported by the launcher (amd64 only)")
     volumes = _volumes(as_list(spec.get("volumes"), f"{root}.volumes"), f"{root}.volumes")
     domain = _domain(as_map(spec.get("domain"), f"{root}.domain"), root, volumes)
-    hostname = get_str(spec, "hostname", root)
-    if hostname is not None:
-        check_dns_label(hostname, f"{root}.hostname")
+    hostname = _check_names(spec, volumes, root)
     return VMI(name, namespace, get_str(metadata, "uid", "metadata"),
                dict(as_map(labels, "metadata.labels")), dict(as_map(annotations, "metadata.annotations")), domain, volumes,
                hostname, templates(templates_doc, "spec.dataVolumeTemplates", namespace), tuple(unsupported))
