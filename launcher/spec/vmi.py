@@ -806,6 +806,11 @@ def _domain(doc: dict, root: str, volumes: tuple[Volume, ...]) -> DomainSpec:
 
     policy = get_str(doc, "ioThreadsPolicy", at)
     if policy == "supplementalPool":
+        # vmi-create-admitter.go validateIOThreadsPolicy: KubeVirt's own refusal comes first (ioThreads
+        # itself is unsupported here, so with --ignore-unsupported the count is always missing)
+        threads = as_map(doc.get("ioThreads"), f"{at}.ioThreads").get("supplementalPoolThreadCount")
+        if not isinstance(threads, int) or isinstance(threads, bool) or threads <= 0:
+            raise SpecError(f"{at}.ioThreads.count", "the number of iothreads needs to be set and positive for the dedicated policy")
         raise SpecError(f"{at}.ioThreadsPolicy", "supplementalPool is not supported by the launcher")
     if policy is not None and policy not in IO_THREADS_POLICIES:
         raise SpecError(f"{at}.ioThreadsPolicy", f"Invalid IOThreadsPolicy ({policy})")
