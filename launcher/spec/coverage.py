@@ -16,6 +16,7 @@ Field names and nesting follow staging/src/kubevirt.io/api/core/v1 (types.go, sc
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 HANDLED, INERT, UNSUPPORTED = "handled", "inert", "unsupported"
@@ -185,13 +186,32 @@ def unsupported_fields(doc: Any) -> list[tuple[str, str]]:
     return found
 
 
+_VOLUME_SOURCE = re.compile(r"(.*)\.volumes\[(\d+)\]\.([A-Za-z]+)")
+
+
 def without(doc: dict, paths: list[str]) -> dict:
-    """A copy of `doc` with the fields at `paths` (as unsupported_fields names them) removed."""
+    """A copy of `doc` with the fields at `paths` (as unsupported_fields names them) removed.
+
+    A volume whose source is dropped goes whole, with the disks that use it: a volume without a
+    source is one KubeVirt refuses, and a disk without its volume too."""
     out = copy.deepcopy(doc)
+    volumes = []
     for path in paths:
+        match = _VOLUME_SOURCE.fullmatch(path)
+        if match and match.group(3) in VOLUME:
+            volumes.append((match.group(1), int(match.group(2))))
+            continue
         parent, key = _locate(out, path)
         if parent is not None:
             parent.pop(key, None)
+    for spec_path, index in sorted(volumes, reverse=True):
+        spec, _ = _locate(out, f"{spec_path}.volumes")
+        if spec is None or not isinstance(spec.get("volumes"), list) or index >= len(spec["volumes"]):
+            continue
+        name = (spec["volumes"].pop(index) or {}).get("name")
+        devices = (spec.get("domain") or {}).get("devices") or {}
+        if isinstance(devices.get("disks"), list):
+            devices["disks"] = [d for d in devices["disks"] if not (isinstance(d, dict) and d.get("name") == name)]
     return out
 
 
