@@ -5,7 +5,8 @@ Every document in tests/conformance/*.yaml is one case, written from a KubeVirt 
 
 - `x-expect-refusal`: the launcher's one line `field: message`. `FIELD: unsupported` and
   `FIELD: unknown` stand for launcher.spec.coverage's two rules; such a case must also say what the
-  rest of the VM renders to with `--ignore-unsupported` (`x-expect-xml`), as KubeVirt renders it.
+  rest of the VM renders to with `--ignore-unsupported` (`x-expect-xml`), as KubeVirt renders it, or
+  what KubeVirt refuses in the rest (`x-expect-ignored-refusal`).
 - `x-expect-xml`: the domain's relevant parts. `disks` maps each disk (by name) to the attributes
   compared (device, type, bus, dev, model, driver{...}, readonly, shareable, serial, boot, blockio{...},
   tray, address{...}); `order` is the disks' names in document order; `controllers` is every
@@ -34,6 +35,8 @@ from launcher.spec.vmi import parse_vmi
 CORPUS = Path(__file__).parent / "conformance"
 SHORTHAND = {"unsupported": coverage.UNSUPPORTED_RULE, "unknown": coverage.UNKNOWN_RULE}
 PENDING = ("instancetype", "virtiofs")
+KEYS = {"x-source", "x-expect-refusal", "x-expect-xml", "x-expect-datavolume", "x-expect-ignored-refusal",
+        "x-resolved", "x-host", "x-pending"}
 
 
 def _cases() -> list:
@@ -135,7 +138,7 @@ def _check_xml(xml: str, expected: dict) -> None:
         else:
             assert element is not None, f"{path} is missing"
             got = {k: element.text if k == "text" else element.get(k) for k in attrs}
-            assert got == {k: str(v) for k, v in attrs.items()}, path
+            assert got == {k: None if v is None else str(v) for k, v in attrs.items()}, path
 
 
 def _refusal(call) -> str:
@@ -152,6 +155,7 @@ def test_corpus_is_big_and_every_case_is_sourced():
         doc = param.values[0]
         assert doc.get("x-source"), param.id
         assert {"x-expect-refusal", "x-expect-xml", "x-expect-datavolume"} & set(doc), f"{param.id} expects nothing"
+        assert not set(k for k in doc if k.startswith("x-")) - KEYS, f"{param.id}: unknown keys"
         assert doc.get("x-pending") in (None, *PENDING), param.id
 
 
@@ -175,7 +179,10 @@ def test_case(case):
         expected = _expected_refusal(refusal)
         assert _refusal(lambda: render(parse_vmi(case), disks, host)) == expected
         if expected.endswith((coverage.UNSUPPORTED_RULE, coverage.UNKNOWN_RULE)):
-            assert "x-expect-xml" in meta, "a field the launcher drops: say what the rest renders to"
+            assert {"x-expect-xml", "x-expect-ignored-refusal"} & set(meta), "a field the launcher drops: say what the rest renders to"
+    if "x-expect-ignored-refusal" in meta:
+        got = _refusal(lambda: render(parse_vmi(case, ignore_unsupported=True), disks, host))
+        assert got == _expected_refusal(meta["x-expect-ignored-refusal"])
     if "x-expect-xml" in meta:
         vmi = parse_vmi(case, ignore_unsupported=refusal is not None)
         _check_xml(render(vmi, disks, host), meta["x-expect-xml"])
