@@ -65,12 +65,12 @@ def test_every_supported_source_parses():
     ({"registry": {"url": "docker://q/x", "pullMethod": "node"}}, None, "only pullMethod pod is supported by the launcher"),
     ({"registry": {"url": "docker://q/x", "pullMethod": "fast"}}, None, 'importMethod fast is neither pod, node or ""'),
     ({"registry": {}}, None, "source registry should have either URL or ImageStream"),
-    ({"blank": {}}, {}, "DataVolume.spec: missing DataVolume PVC or Storage fields"),
-    ({"blank": {}}, {"pvc": {}, "storage": {}}, "duplicate storage definition, both target storage and target pvc defined"),
+    ({"blank": {}}, {}, "DataVolume.spec: Missing Data volume PVC"),
+    ({"blank": {}}, {"pvc": {}, "storage": {}}, "Duplicate storage definition, both target storage and target pvc defined"),
     ({"blank": {}}, {"pvc": {"accessModes": ["ReadWriteOnce"]}}, "DataVolume.spec.pvc.resources.requests.storage: PVC size is missing"),
-    ({"blank": {}}, {"pvc": {"resources": {"requests": {"storage": "1Gi"}}}}, "exactly 1 access mode is required"),
+    ({"blank": {}}, {"pvc": {"resources": {"requests": {"storage": "1Gi"}}}}, "at least 1 access mode is required"),
     ({"blank": {}}, {"storage": {"resources": {"requests": {"storage": "0"}}}}, "Storage size can't be equal or less than zero"),
-    ({"blank": {}}, {"storage": {"accessModes": ["ReadWriteSome"]}}, 'unsupported value: "ReadWriteSome"'),
+    ({"blank": {}}, {"storage": {"accessModes": ["ReadWriteSome"]}}, 'Unsupported value: "ReadWriteSome"'),
 ])
 def test_cdi_validation_messages(source, target, message):
     assert message in refused(manifest(source, target))

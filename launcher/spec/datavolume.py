@@ -81,7 +81,9 @@ def _http(doc: dict, at: str) -> Source:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise SpecError(f"{at}.url", f"{url} is not an http:// or https:// URL")
-    for key in ("extraHeaders", "secretExtraHeaders"):
+    # CDI's DataVolumeSourceHTTP fields the importer does not implement, refused rather than ignored:
+    # they change what is fetched or whether it is checked
+    for key in ("extraHeaders", "secretExtraHeaders", "checksum", "insecureSkipVerify"):
         if doc.get(key):
             raise SpecError(f"{at}.{key}", "not supported by the launcher")
     return Source("http", url, get_str(doc, "secretRef", at), get_str(doc, "certConfigMap", at))
@@ -139,6 +141,8 @@ def _size(requests: dict, at: str, what: str) -> int | None:
     size = math.floor(parse_quantity(requests["storage"], f"{at}.storage"))
     if size <= 0:
         raise SpecError(f"{at}.storage", f"{what} size can't be equal or less than zero")
+    if size < 2**20:  # datavolume-validate.go validateStorageSize: KubeVirt takes no disk under 1MiB
+        raise SpecError(f"{at}.storage", f"{what} size should be at least 1MiB")
     return size
 
 
@@ -162,9 +166,9 @@ def parse_data_volume(doc: Any, at: str, default_namespace: str = DEFAULT_NAMESP
 
     pvc, storage = spec.get("pvc"), spec.get("storage")
     if pvc is None and storage is None:
-        raise SpecError(sat, "missing DataVolume PVC or Storage fields")
+        raise SpecError(sat, "Missing Data volume PVC")  # CDI's words, for spec.storage too
     if pvc is not None and storage is not None:
-        raise SpecError(sat, "duplicate storage definition, both target storage and target pvc defined")
+        raise SpecError(sat, "Duplicate storage definition, both target storage and target pvc defined")
     what, key = ("PVC", "pvc") if pvc is not None else ("Storage", "storage")
     target_at = f"{sat}.{key}"
     target = as_map(pvc if pvc is not None else storage, target_at)
@@ -176,11 +180,13 @@ def parse_data_volume(doc: Any, at: str, default_namespace: str = DEFAULT_NAMESP
     modes = target.get("accessModes") or []
     if not isinstance(modes, list):
         raise SpecError(f"{target_at}.accessModes", "must be a list")
-    if pvc is not None and len(modes) != 1:
-        raise SpecError(f"{target_at}.accessModes", "required value: exactly 1 access mode is required")
+    if pvc is not None and not modes:  # datavolume-validate.go: spec.pvc takes exactly one, spec.storage any
+        raise SpecError(f"{target_at}.accessModes", "Required value: at least 1 access mode is required")
+    if pvc is not None and len(modes) > 1:
+        raise SpecError(f"{target_at}.accessModes", "PVC multiple accessModes")
     for mode in modes:
         if mode not in ACCESS_MODES:
-            raise SpecError(f"{target_at}.accessModes", f'unsupported value: "{mode}": supported values: '
+            raise SpecError(f"{target_at}.accessModes", f'Unsupported value: "{mode}": supported values: '
                                                          + ", ".join(f'"{m}"' for m in sorted(ACCESS_MODES)))
     volume_mode = get_str(target, "volumeMode", target_at)
     if volume_mode not in (None, "Filesystem", "Block"):
