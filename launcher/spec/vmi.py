@@ -24,6 +24,7 @@ import yaml
 from diskkit.disk.containerdisk import path_problem
 from launcher.spec import coverage
 from launcher.spec.datavolume import templates
+from launcher.spec.dns import check_dns
 from launcher.spec.fields import (
     SpecError,
     as_list,
@@ -891,6 +892,7 @@ def parse_vmi(doc: dict, ignore_unsupported: bool = False) -> VMI:
     volumes = _volumes(as_list(spec.get("volumes"), f"{root}.volumes"), f"{root}.volumes")
     domain = _domain(as_map(spec.get("domain"), f"{root}.domain"), root, volumes)
     hostname = _check_names(spec, volumes, root)
+    check_dns(spec, root)
     return VMI(name, namespace, get_str(metadata, "uid", "metadata"),
                dict(as_map(labels, "metadata.labels")), dict(as_map(annotations, "metadata.annotations")), domain, volumes,
                hostname, templates(templates_doc, "spec.dataVolumeTemplates", namespace), tuple(unsupported))
