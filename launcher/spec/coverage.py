@@ -193,7 +193,8 @@ def without(doc: dict, paths: list[str]) -> dict:
     """A copy of `doc` with the fields at `paths` (as unsupported_fields names them) removed.
 
     A volume whose source is dropped goes whole, with the disks that use it: a volume without a
-    source is one KubeVirt refuses, and a disk without its volume too."""
+    source is one KubeVirt refuses, and a disk without its volume too. So do the volumes of dropped
+    filesystems."""
     out = copy.deepcopy(doc)
     volumes = []
     for path in paths:
@@ -202,9 +203,19 @@ def without(doc: dict, paths: list[str]) -> dict:
             volumes.append((match.group(1), int(match.group(2))))
             continue
         parent, key = _locate(out, path)
-        if parent is not None:
-            parent.pop(key, None)
-    for spec_path, index in sorted(volumes, reverse=True):
+        if parent is None:
+            continue
+        dropped = parent.pop(key, None)
+        if path.endswith(".domain.devices.filesystems") and isinstance(dropped, list):
+            # A filesystem's volume has no disk (util.SetDefaultVolumeDisk skips it): kept, it would
+            # become a disk the VM never had.
+            spec_path = path.removesuffix(".domain.devices.filesystems")
+            spec, _ = _locate(out, f"{spec_path}.volumes")
+            names = {f.get("name") for f in dropped if isinstance(f, dict)}
+            for index, volume in enumerate((spec or {}).get("volumes") or []):
+                if isinstance(volume, dict) and volume.get("name") in names:
+                    volumes.append((spec_path, index))
+    for spec_path, index in sorted(set(volumes), reverse=True):
         spec, _ = _locate(out, f"{spec_path}.volumes")
         if spec is None or not isinstance(spec.get("volumes"), list) or index >= len(spec["volumes"]):
             continue
