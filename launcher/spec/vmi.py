@@ -893,9 +893,16 @@ def parse_vmi(doc: dict, ignore_unsupported: bool = False) -> VMI:
     domain = _domain(as_map(spec.get("domain"), f"{root}.domain"), root, volumes)
     hostname = _check_names(spec, volumes, root)
     check_dns(spec, root)
+    data_volumes = templates(templates_doc, "spec.dataVolumeTemplates", namespace)
+    claims = {v.source.claim_name if v.kind == "persistentVolumeClaim" else v.source.name
+              for v in volumes if v.kind in ("persistentVolumeClaim", "dataVolume")}
+    for i, dv in enumerate(data_volumes):
+        if dv.name not in claims:  # storage/admitters/data-volume-template.go ValidateDataVolumeTemplate
+            raise SpecError(f"spec.dataVolumeTemplates[{i}]", f"DataVolumeTemplate entry spec.dataVolumeTemplates[{i}] must be"
+                                                              " referenced in the VMI template's 'volumes' list")
     return VMI(name, namespace, get_str(metadata, "uid", "metadata"),
                dict(as_map(labels, "metadata.labels")), dict(as_map(annotations, "metadata.annotations")), domain, volumes,
-               hostname, templates(templates_doc, "spec.dataVolumeTemplates", namespace), tuple(unsupported))
+               hostname, data_volumes, tuple(unsupported))
 
 
 def load_vmi(path: str | Path, ignore_unsupported: bool = False) -> VMI:
