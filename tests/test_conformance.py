@@ -18,6 +18,7 @@ Every document in tests/conformance/*.yaml is one case, written from a KubeVirt 
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -74,7 +75,7 @@ def _volumes(doc: dict) -> list:
     spec = doc.get("spec") or {}
     if doc.get("kind") == "VirtualMachine":
         spec = (spec.get("template") or {}).get("spec") or {}
-    return [v for v in spec.get("volumes") or [] if isinstance(v, dict) and v.get("name")]
+    return [v for v in spec.get("volumes") or [] if isinstance(v, dict) and isinstance(v.get("name"), str)]
 
 
 def _resolved(doc: dict, overrides: dict) -> dict:
@@ -186,6 +187,10 @@ def test_case(case):
     if "x-expect-xml" in meta:
         vmi = parse_vmi(case, ignore_unsupported=refusal is not None)
         _check_xml(render(vmi, disks, host), meta["x-expect-xml"])
+    try:  # whatever else happens to it, a KubeVirt spec ends in a domain or in one line, never a traceback
+        render(parse_vmi(case, ignore_unsupported=True), disks, host)
+    except DiskkitError as err:
+        assert "\n" not in str(err)
 
 
 def test_refusals_are_one_line_from_the_cli(tmp_path):
@@ -210,3 +215,38 @@ def test_refusals_are_one_line_from_the_cli(tmp_path):
         assert _expected_refusal(doc["x-expect-refusal"]) in proc.stderr, (param.id, proc.stderr)
         checked += 1
     assert checked > 0
+
+
+def _leaf_paths(value, path=()):
+    if path:
+        yield path
+    children = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, child in children:
+        yield from _leaf_paths(child, path + (key,))
+
+
+def test_broken_corpus_specs_fail_in_one_line():
+    """Every field of every case, replaced by a value of the wrong type: a domain or one DiskkitError line."""
+    tracebacks = []
+    for param in CASES:
+        doc = param.values[0]
+        case = {k: v for k, v in doc.items() if not k.startswith("x-")}
+        for path in _leaf_paths(case):
+            for wrong in (None, 5, "x", [], {"a": 1}):
+                broken = copy.deepcopy(case)
+                parent = broken
+                for key in path[:-1]:
+                    parent = parent[key]
+                parent[path[-1]] = wrong
+                for ignore in (False, True):
+                    try:
+                        if broken.get("kind") == "DataVolume":
+                            parse_data_volume(broken, "DataVolume")
+                        else:
+                            render(parse_vmi(broken, ignore_unsupported=ignore), _resolved(broken, doc.get("x-resolved")),
+                                   _host(broken, doc.get("x-host")))
+                    except DiskkitError as err:
+                        assert "\n" not in str(err)
+                    except Exception as err:  # noqa: BLE001 - the point is to catch any
+                        tracebacks.append(f"{param.id} {'.'.join(map(str, path))}={wrong!r}: {type(err).__name__}: {err}")
+    assert not tracebacks, "\n".join(tracebacks[:20])
