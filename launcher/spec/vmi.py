@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import math
 import re
 import uuid as uuidlib
 from dataclasses import dataclass, field, replace
@@ -294,7 +293,7 @@ class DomainSpec:
         cpu = self.cpu
         if not (cpu.sockets or cpu.cores or cpu.threads):
             millis = self.resources.limits_cpu if self.resources.limits_cpu is not None else self.resources.requests_cpu
-            return (max(1, math.ceil(millis / 1000)) if millis is not None else 1), 1, 1
+            return (max(1, -(-millis // 1000)) if millis is not None else 1), 1, 1  # integers: no float overflow
         return cpu.sockets or 1, cpu.cores or 1, cpu.threads or 1
 
     @property
