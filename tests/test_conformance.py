@@ -225,19 +225,25 @@ def _leaf_paths(value, path=()):
         yield from _leaf_paths(child, path + (key,))
 
 
+DELETED = object()
+
+
 def test_broken_corpus_specs_fail_in_one_line():
-    """Every field of every case, replaced by a value of the wrong type: a domain or one DiskkitError line."""
+    """Every field of every case, removed or replaced by a value of the wrong type: a domain or one DiskkitError line."""
     tracebacks = []
     for param in CASES:
         doc = param.values[0]
         case = {k: v for k, v in doc.items() if not k.startswith("x-")}
         for path in _leaf_paths(case):
-            for wrong in (None, 5, "x", [], {"a": 1}):
+            for wrong in (None, 5, "x", [], {"a": 1}, "1e400", DELETED):
                 broken = copy.deepcopy(case)
                 parent = broken
                 for key in path[:-1]:
                     parent = parent[key]
-                parent[path[-1]] = wrong
+                if wrong is DELETED:
+                    parent.pop(path[-1])
+                else:
+                    parent[path[-1]] = wrong
                 for ignore in (False, True):
                     try:
                         if broken.get("kind") == "DataVolume":
