@@ -56,8 +56,8 @@ def test_every_supported_source_parses():
 
 
 @pytest.mark.parametrize("source, target, message", [
-    ({}, None, "DataVolume.spec.source: missing DataVolume source"),
-    ({"http": {"url": "http://a/b"}, "blank": {}}, None, "DataVolume.spec.source: multiple DataVolume sources"),
+    ({}, None, "DataVolume.spec.source: Missing Data volume source"),
+    ({"http": {"url": "http://a/b"}, "blank": {}}, None, "DataVolume.spec.source: Multiple Data volume sources"),
     ({"s3": {"url": "s3://b/k"}}, None, "DataVolume.spec.source.s3: this DataVolume source is not supported by the launcher"),
     ({"http": {}}, None, "DataVolume.spec.source.http.url: required"),
     ({"http": {"url": "ftp://host/f.img"}}, None, "ftp://host/f.img is not an http:// or https:// URL"),
@@ -65,12 +65,12 @@ def test_every_supported_source_parses():
     ({"registry": {"url": "docker://q/x", "pullMethod": "node"}}, None, "only pullMethod pod is supported by the launcher"),
     ({"registry": {"url": "docker://q/x", "pullMethod": "fast"}}, None, 'importMethod fast is neither pod, node or ""'),
     ({"registry": {}}, None, "source registry should have either URL or ImageStream"),
-    ({"blank": {}}, {}, "DataVolume.spec: missing DataVolume PVC or Storage fields"),
-    ({"blank": {}}, {"pvc": {}, "storage": {}}, "duplicate storage definition, both target storage and target pvc defined"),
+    ({"blank": {}}, {}, "DataVolume.spec: Missing Data volume PVC"),
+    ({"blank": {}}, {"pvc": {}, "storage": {}}, "Duplicate storage definition, both target storage and target pvc defined"),
     ({"blank": {}}, {"pvc": {"accessModes": ["ReadWriteOnce"]}}, "DataVolume.spec.pvc.resources.requests.storage: PVC size is missing"),
-    ({"blank": {}}, {"pvc": {"resources": {"requests": {"storage": "1Gi"}}}}, "exactly 1 access mode is required"),
+    ({"blank": {}}, {"pvc": {"resources": {"requests": {"storage": "1Gi"}}}}, "at least 1 access mode is required"),
     ({"blank": {}}, {"storage": {"resources": {"requests": {"storage": "0"}}}}, "Storage size can't be equal or less than zero"),
-    ({"blank": {}}, {"storage": {"accessModes": ["ReadWriteSome"]}}, 'unsupported value: "ReadWriteSome"'),
+    ({"blank": {}}, {"storage": {"accessModes": ["ReadWriteSome"]}}, 'Unsupported value: "ReadWriteSome"'),
 ])
 def test_cdi_validation_messages(source, target, message):
     assert message in refused(manifest(source, target))
@@ -114,7 +114,7 @@ def test_data_volume_templates_of_a_vm_and_of_a_vmi(kind):
     assert "spec.dataVolumeTemplates[1].metadata.name: root is already the name of spec.dataVolumeTemplates[0]" in str(err.value)
     with pytest.raises(SpecError) as err:
         parse_vmi(_vm([{"metadata": {"name": "x"}, "spec": {"storage": {}}}], [], kind))
-    assert str(err.value) == "spec.dataVolumeTemplates[0].spec.source: missing DataVolume source"
+    assert str(err.value) == "spec.dataVolumeTemplates[0].spec.source: Data volume should have either Source, SourceRef, or be externally populated"
 
 
 def test_phases():

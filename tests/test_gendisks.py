@@ -106,7 +106,7 @@ def test_user_data_at_the_limit_and_base64_with_line_breaks_are_accepted():
 
 
 def test_bad_hostname_is_refused():
-    with pytest.raises(SpecError, match=r"^spec.hostname: a lowercase RFC 1123 label"):
+    with pytest.raises(SpecError, match=r"^spec.hostname: does not conform to the kubernetes DNS_LABEL rules : a lowercase RFC 1123 label"):
         parse_vmi(vmi_doc([{"name": "ci", "cloudInitNoCloud": {"userData": "x"}}], hostname="Not_Valid"))
 
 

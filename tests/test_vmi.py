@@ -280,7 +280,7 @@ def test_kernel_paths_are_checked_like_container_disk_paths():
                                         " the following characters [A-Za-z0-9_.+-], if specified"),
         ({"disk": {}, "cache": "unsafe"}, "spec.domain.devices.disks[0].cache: has invalid value unsafe"),
         ({"disk": {}, "errorPolicy": "panic"}, 'spec.domain.devices.disks[0].errorPolicy: has invalid value "panic"'),
-        ({"disk": {}, "io": "uring"}, "spec.domain.devices.disks[0].io: Disk IO mode is not supported. Supported modes are: native, threads."),
+        ({"disk": {}, "io": "uring"}, "spec.domain.devices.disks[0].io: Disk IO mode for spec.domain.devices.disks is not supported. Supported modes are: native, threads."),
         ({"disk": {"bus": "virtio"}, "shareable": True, "cache": "writethrough"},
          "spec.domain.devices.disks[0].cache: a sharable disk requires cache = none got: writethrough"),
         ({"disk": {"bus": "sata", "pciAddress": "0000:81:01.0"}},

@@ -435,9 +435,13 @@ def render(vmi: VMI, disks: dict[str, ResolvedDisk], host: Host) -> str:
     ET.SubElement(devices, "controller", type="usb", index="0", model="qemu-xhci" if usb else "none")
     # compute/controllers.go requiresSCSIController: always there for hotplug, unless disableHotplug
     # and no disk is on scsi.
+    model = "virtio-transitional" if vmi.domain.devices.use_virtio_transitional else "virtio-non-transitional"
     if not vmi.domain.devices.disable_hotplug or any(d.bus == "scsi" for d in disks):
-        model = "virtio-transitional" if vmi.domain.devices.use_virtio_transitional else "virtio-non-transitional"
         ET.SubElement(devices, "controller", type="scsi", index=str(_SCSI_CONTROLLER), model=model)
+    # compute/controllers.go requiresVirtioSerialController: the guest sees a virtio-serial device
+    # whenever the serial console is attached, channel or not
+    if vmi.domain.devices.autoattach_serial_console:
+        ET.SubElement(devices, "controller", type="virtio-serial", index="0", model=model)
     if vmi.domain.devices.autoattach_serial_console:
         serial = ET.SubElement(devices, "serial", type="pty")
         if host.serial_log:

@@ -16,6 +16,7 @@ Field names and nesting follow staging/src/kubevirt.io/api/core/v1 (types.go, sc
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 HANDLED, INERT, UNSUPPORTED = "handled", "inert", "unsupported"
@@ -159,7 +160,9 @@ def _default_network_only(spec: dict) -> bool:
     """One pod network with one masquerade or bridge interface is KubeVirt's own default (what it adds to a
     VMI without networks), which the launcher documents as not attached: the same VM either way."""
     networks = spec.get("networks")
-    interfaces = ((spec.get("domain") or {}).get("devices") or {}).get("interfaces")
+    domain = spec.get("domain")
+    devices = domain.get("devices") if isinstance(domain, dict) else None
+    interfaces = devices.get("interfaces") if isinstance(devices, dict) else None
     if not (isinstance(networks, list) and isinstance(interfaces, list) and len(networks) == len(interfaces) == 1):
         return False
     net, nic = networks[0], interfaces[0]
@@ -175,7 +178,8 @@ def unsupported_fields(doc: Any) -> list[tuple[str, str]]:
     shape = {**DOCUMENT, "spec": VM_SPEC if vm else VMI_SPEC}
     found: list[tuple[str, str]] = []
     _walk(doc, shape, "", found)
-    template = ((doc.get("spec") or {}).get("template") or {}) if vm else doc
+    vm_spec = doc.get("spec")
+    template = (vm_spec.get("template") if isinstance(vm_spec, dict) else None) if vm else doc
     spec, prefix = template.get("spec") if isinstance(template, dict) else None, "spec.template.spec" if vm else "spec"
     if isinstance(spec, dict) and _default_network_only(spec):
         found = [f for f in found if f[0] not in (f"{prefix}.networks", f"{prefix}.domain.devices.interfaces")]
@@ -187,13 +191,47 @@ def unsupported_fields(doc: Any) -> list[tuple[str, str]]:
     return found
 
 
+_VOLUME_SOURCE = re.compile(r"(.*)\.volumes\[(\d+)\]\.([A-Za-z]+)")
+
+
 def without(doc: dict, paths: list[str]) -> dict:
-    """A copy of `doc` with the fields at `paths` (as unsupported_fields names them) removed."""
+    """A copy of `doc` with the fields at `paths` (as unsupported_fields names them) removed.
+
+    A volume whose source is dropped goes whole, with the disks and filesystems that use it: a volume
+    without a source is one KubeVirt refuses, and a disk without its volume too. So do the volumes of
+    dropped filesystems."""
     out = copy.deepcopy(doc)
+    volumes = []
     for path in paths:
+        match = _VOLUME_SOURCE.fullmatch(path)
+        if match and match.group(3) in VOLUME:
+            volumes.append((match.group(1), int(match.group(2))))
+            continue
         parent, key = _locate(out, path)
-        if parent is not None:
-            parent.pop(key, None)
+        if parent is None:
+            continue
+        dropped = parent.pop(key, None)
+        if path.endswith(".domain.devices.filesystems") and isinstance(dropped, list):
+            # A filesystem's volume has no disk (util.SetDefaultVolumeDisk skips it): kept, it would
+            # become a disk the VM never had.
+            spec_path = path.removesuffix(".domain.devices.filesystems")
+            spec, _ = _locate(out, f"{spec_path}.volumes")
+            names = {f.get("name") for f in dropped if isinstance(f, dict) and isinstance(f.get("name"), str)}
+            listed = spec.get("volumes") if spec is not None else None
+            for index, volume in enumerate(listed if isinstance(listed, list) else []):
+                if isinstance(volume, dict) and isinstance(volume.get("name"), str) and volume["name"] in names:
+                    volumes.append((spec_path, index))
+    for spec_path, index in sorted(set(volumes), reverse=True):
+        spec, _ = _locate(out, f"{spec_path}.volumes")
+        if spec is None or not isinstance(spec.get("volumes"), list) or index >= len(spec["volumes"]):
+            continue
+        popped = spec["volumes"].pop(index)
+        name = popped.get("name") if isinstance(popped, dict) else None
+        domain = spec.get("domain")
+        devices = domain.get("devices") if isinstance(domain, dict) else None
+        for key in ("disks", "filesystems"):  # whatever used the volume goes with it
+            if isinstance(devices, dict) and isinstance(devices.get(key), list):
+                devices[key] = [d for d in devices[key] if not (isinstance(d, dict) and d.get("name") == name)]
     return out
 
 

@@ -81,7 +81,9 @@ def _http(doc: dict, at: str) -> Source:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise SpecError(f"{at}.url", f"{url} is not an http:// or https:// URL")
-    for key in ("extraHeaders", "secretExtraHeaders"):
+    # CDI's DataVolumeSourceHTTP fields the importer does not implement, refused rather than ignored:
+    # they change what is fetched or whether it is checked
+    for key in ("extraHeaders", "secretExtraHeaders", "checksum", "insecureSkipVerify"):
         if doc.get(key):
             raise SpecError(f"{at}.{key}", "not supported by the launcher")
     return Source("http", url, get_str(doc, "secretRef", at), get_str(doc, "certConfigMap", at))
@@ -110,15 +112,19 @@ def _pvc(doc: dict, at: str, namespace: str) -> Source:
     return Source("pvc", claim=get_str(doc, "name", at, required=True), claim_namespace=get_str(doc, "namespace", at) or namespace)
 
 
-def _source(spec: dict, at: str, namespace: str) -> Source:
+def _source(spec: dict, at: str, namespace: str, template: bool) -> Source:
     if spec.get("sourceRef") is not None:
         raise SpecError(f"{at}.sourceRef", "DataSource references are not supported by the launcher")
+    if spec.get("source") is None:
+        raise SpecError(f"{at}.source", "Data volume should have either Source, SourceRef, or be externally populated" if template
+                        else "Data volume should have either Source or SourceRef, or be externally populated")
     source = as_map(spec.get("source"), f"{at}.source")
     kinds = [k for k in (*SOURCES, *UNSUPPORTED_SOURCES) if source.get(k) is not None]
+    # data-volume-template.go validateNumberOfSources (KubeVirt) / webhooks/util.go (CDI)
     if not kinds:
-        raise SpecError(f"{at}.source", "missing DataVolume source")
+        raise SpecError(f"{at}.source", "Missing dataVolume valid source" if template else "Missing Data volume source")
     if len(kinds) > 1:
-        raise SpecError(f"{at}.source", "multiple DataVolume sources")
+        raise SpecError(f"{at}.source", "Multiple dataVolume sources" if template else "Multiple Data volume sources")
     kind = kinds[0]
     sat = f"{at}.source.{kind}"
     if kind in UNSUPPORTED_SOURCES:
@@ -139,6 +145,8 @@ def _size(requests: dict, at: str, what: str) -> int | None:
     size = math.floor(parse_quantity(requests["storage"], f"{at}.storage"))
     if size <= 0:
         raise SpecError(f"{at}.storage", f"{what} size can't be equal or less than zero")
+    if size < 2**20:  # datavolume-validate.go validateStorageSize: KubeVirt takes no disk under 1MiB
+        raise SpecError(f"{at}.storage", f"{what} size should be at least 1MiB")
     return size
 
 
@@ -151,20 +159,25 @@ def parse_data_volume(doc: Any, at: str, default_namespace: str = DEFAULT_NAMESP
         if doc.get("apiVersion") != API_VERSION:
             raise SpecError(f"{at}.apiVersion", f"must be {API_VERSION}, not {doc.get('apiVersion')!r}")
     metadata = as_map(doc.get("metadata"), f"{at}.metadata")
+    if template and not metadata.get("name"):  # KubeVirt's storage/admitters/data-volume-template.go
+        raise SpecError(f"{at}.metadata.name", f"'name' field must not be empty for DataVolumeTemplate entry {at}.metadata.name.")
     name = get_str(metadata, "name", f"{at}.metadata", required=True)
     if len(name) > 253 or not _DNS1123_SUBDOMAIN.fullmatch(name):
         raise SpecError(f"{at}.metadata.name", "a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.'")
-    namespace = default_namespace if template else (get_str(metadata, "namespace", f"{at}.metadata") or default_namespace)
+    namespace = get_str(metadata, "namespace", f"{at}.metadata") or default_namespace
+    if template and namespace != default_namespace:
+        raise SpecError(at, f"Embedded DataVolume namespace {namespace} differs from VM namespace {default_namespace}")
     sat = f"{at}.spec"
     spec = as_map(doc.get("spec"), sat)
-    source = _source(spec, sat, namespace)
-    content_type = _content_type(spec.get("contentType"), source, sat)
-
+    # The target before the source, in CDI's webhook and in KubeVirt's template admitter alike; their
+    # words differ, so a template gets KubeVirt's.
     pvc, storage = spec.get("pvc"), spec.get("storage")
     if pvc is None and storage is None:
-        raise SpecError(sat, "missing DataVolume PVC or Storage fields")
+        raise SpecError(sat, "Missing Data volume PVC or Storage" if template else "Missing Data volume PVC")
     if pvc is not None and storage is not None:
-        raise SpecError(sat, "duplicate storage definition, both target storage and target pvc defined")
+        raise SpecError(sat, "Duplicate storage definition, both target storage and target pvc defined")
+    source = _source(spec, sat, namespace, template)
+    content_type = _content_type(spec.get("contentType"), source, sat)
     what, key = ("PVC", "pvc") if pvc is not None else ("Storage", "storage")
     target_at = f"{sat}.{key}"
     target = as_map(pvc if pvc is not None else storage, target_at)
@@ -176,11 +189,13 @@ def parse_data_volume(doc: Any, at: str, default_namespace: str = DEFAULT_NAMESP
     modes = target.get("accessModes") or []
     if not isinstance(modes, list):
         raise SpecError(f"{target_at}.accessModes", "must be a list")
-    if pvc is not None and len(modes) != 1:
-        raise SpecError(f"{target_at}.accessModes", "required value: exactly 1 access mode is required")
+    if pvc is not None and not modes:  # datavolume-validate.go: spec.pvc takes exactly one, spec.storage any
+        raise SpecError(f"{target_at}.accessModes", "Required value: at least 1 access mode is required")
+    if pvc is not None and len(modes) > 1:
+        raise SpecError(f"{target_at}.accessModes", "PVC multiple accessModes")
     for mode in modes:
         if mode not in ACCESS_MODES:
-            raise SpecError(f"{target_at}.accessModes", f'unsupported value: "{mode}": supported values: '
+            raise SpecError(f"{target_at}.accessModes", f'Unsupported value: "{mode}": supported values: '
                                                          + ", ".join(f'"{m}"' for m in sorted(ACCESS_MODES)))
     volume_mode = get_str(target, "volumeMode", target_at)
     if volume_mode not in (None, "Filesystem", "Block"):

@@ -16,6 +16,7 @@ class SpecError(DiskkitError):
 
 
 DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+DNS1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 
 
 # ---------------------------------------------------------------- quantities
@@ -127,11 +128,32 @@ def check_one_of(value: str | None, allowed: tuple[str, ...], at: str) -> None:
         raise SpecError(at, f'Unsupported value: "{value}": supported values: {supported}')
 
 
-def check_dns_label(name: str, at: str) -> None:
-    # k8s.io/apimachinery validation.IsDNS1123Label, which KubeVirt applies to disk names
+def dns_label_problems(name: str) -> list[str]:
+    """k8s.io/apimachinery validation.IsDNS1123Label, its messages."""
+    problems = []
     if len(name) > 63:
-        raise SpecError(at, "must be no more than 63 characters")
+        problems.append("must be no more than 63 characters")
     if not DNS1123_LABEL.fullmatch(name):
-        raise SpecError(at, "a lowercase RFC 1123 label must consist of lower case alphanumeric characters or '-',"
-                            " and must start and end with an alphanumeric character (e.g. 'my-name',  or '123-abc',"
-                            " regex used for validation is '[a-z0-9]([-a-z0-9]*[a-z0-9])?')")
+        problems.append("a lowercase RFC 1123 label must consist of lower case alphanumeric characters or '-',"
+                        " and must start and end with an alphanumeric character (e.g. 'my-name',  or '123-abc',"
+                        " regex used for validation is '[a-z0-9]([-a-z0-9]*[a-z0-9])?')")
+    return problems
+
+
+def dns_subdomain_problems(name: str) -> list[str]:
+    """k8s.io/apimachinery validation.IsDNS1123Subdomain, its messages."""
+    problems = []
+    if len(name) > 253:
+        problems.append("must be no more than 253 characters")
+    if not DNS1123_SUBDOMAIN.fullmatch(name):
+        problems.append("a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.',"
+                        " and must start and end with an alphanumeric character (e.g. 'example.com', regex used for"
+                        " validation is '[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*')")
+    return problems
+
+
+def check_dns_label(name: str, at: str) -> None:
+    # KubeVirt applies IsDNS1123Label to disk and volume names
+    problems = dns_label_problems(name)
+    if problems:
+        raise SpecError(at, problems[0])

@@ -379,8 +379,8 @@ def _apply_instancetype(it: Selected, pref: Selected | None, tspec: dict, meta: 
     if _get(spec, "ioThreads", "supplementalPoolThreadCount") is not None:
         raise _unsupported(it, "ioThreads.supplementalPoolThreadCount")
 
-    domain = tspec.setdefault("domain", {})
-    vcpu = domain.setdefault("cpu", {})
+    domain = _obj(tspec, "domain", "spec.template.spec.domain")
+    vcpu = _obj(domain, "cpu", "spec.template.spec.domain.cpu")
     if cpu.get("model") is not None:
         vcpu["model"] = cpu["model"]
     if cpu.get("dedicatedCPUPlacement") is not None:
@@ -389,13 +389,13 @@ def _apply_instancetype(it: Selected, pref: Selected | None, tspec: dict, meta: 
         vcpu["isolateEmulatorThread"] = cpu["isolateEmulatorThread"]
     vcpu.update(sockets=sockets, cores=cores, threads=threads)
 
-    vmem = domain.setdefault("memory", {})
+    vmem = _obj(domain, "memory", "spec.template.spec.domain.memory")
     vmem["guest"] = memory["guest"]
     percent = memory.get("overcommitPercent") or 0
     if percent:
         # apply/memory.go: the pod asks for less than the guest gets; the guest still sees all of it.
         amount = parse_quantity(memory["guest"], f"{it.label} spec.memory.guest")
-        domain.setdefault("resources", {}).setdefault("requests", {})["memory"] = str(int(amount * (100 - percent) / 100))
+        _obj(_obj(domain, "resources", "spec.template.spec.domain.resources"), "requests", "spec.template.spec.domain.resources.requests")["memory"] = str(int(amount * (100 - percent) / 100))
     if memory.get("hugepages") is not None:
         vmem["hugepages"] = copy.deepcopy(memory["hugepages"])
     if spec.get("nodeSelector") is not None:
@@ -404,7 +404,7 @@ def _apply_instancetype(it: Selected, pref: Selected | None, tspec: dict, meta: 
         tspec["schedulerName"] = spec["schedulerName"]
     if spec.get("ioThreadsPolicy") is not None:
         domain["ioThreadsPolicy"] = spec["ioThreadsPolicy"]
-    annotations = meta.setdefault("annotations", {})
+    annotations = _obj(meta, "annotations", "spec.template.metadata.annotations")
     for key, value in as_map(spec.get("annotations"), "annotations").items():
         annotations.setdefault(key, value)
 
@@ -476,15 +476,19 @@ def _default_volume_disks(devices: dict, tspec: dict) -> None:
     """util.SetDefaultVolumeDisk, which the VM controller runs on the VMI before the preference is
     applied: so a volume's implicit disk gets the preferred bus too."""
     named = {d.get("name") for key in ("disks", "filesystems")
-             for d in as_list(devices.get(key), f"{_BASE}.domain.devices.{key}") if isinstance(d, dict)}
+             for d in as_list(devices.get(key), f"{_BASE}.domain.devices.{key}")
+             if isinstance(d, dict) and isinstance(d.get("name"), str)}
     for volume in as_list(tspec.get("volumes"), f"{_BASE}.volumes"):
-        if isinstance(volume, dict) and volume.get("name") not in named:
-            devices.setdefault("disks", []).append({"name": volume.get("name")})
+        # names of the wrong type are left for the VMI parser to refuse in its words
+        if isinstance(volume, dict) and isinstance(volume.get("name"), str) and volume["name"] not in named:
+            if devices.get("disks") is None:
+                devices["disks"] = []
+            devices["disks"].append({"name": volume["name"]})
 
 
 def _apply_devices(pref: Selected, tspec: dict) -> None:
     """preference/apply/device.go, interface.go, disk.go."""
-    devices = tspec.setdefault("domain", {}).setdefault("devices", {})
+    devices = _obj(_obj(tspec, "domain", "spec.template.spec.domain"), "devices", "spec.template.spec.domain.devices")
     _default_volume_disks(devices, tspec)
     prefs = as_map(pref.spec.get("devices"), f"{pref.label} spec.devices")
     if not prefs:
@@ -517,7 +521,7 @@ def _apply_features(pref: Selected, domain: dict) -> None:
     prefs = as_map(pref.spec.get("features"), f"{pref.label} spec.features")
     if not prefs:
         return
-    features = domain.setdefault("features", {})
+    features = _obj(domain, "features", "spec.template.spec.domain.features")
     if prefs.get("preferredAcpi") is not None:
         features["acpi"] = copy.deepcopy(prefs["preferredAcpi"])  # acpi is no pointer upstream: always replaced
     for key, field in (("preferredApic", "apic"), ("preferredSmm", "smm")):
@@ -533,7 +537,7 @@ def _apply_firmware(pref: Selected, domain: dict) -> None:
     prefs = as_map(pref.spec.get("firmware"), f"{pref.label} spec.firmware")
     if not prefs:
         return
-    loader = domain.setdefault("firmware", {}).setdefault("bootloader", {})
+    loader = _obj(_obj(domain, "firmware", "spec.template.spec.domain.firmware"), "bootloader", "spec.template.spec.domain.firmware.bootloader")
     if prefs.get("preferredUseBios") and loader.get("bios") is None and loader.get("efi") is None:
         loader["bios"] = {}
     if prefs.get("preferredUseBiosSerial") is not None and isinstance(loader.get("bios"), dict):
@@ -554,7 +558,7 @@ def _apply_preference(pref: Selected, vm: dict, tspec: dict, meta: dict) -> None
     """preference/apply/vmi.go Apply, in its order, plus the VM mutator's storage class for
     dataVolumeTemplates (webhooks/vm/mutator.go)."""
     spec = pref.spec
-    domain = tspec.setdefault("domain", {})
+    domain = _obj(tspec, "domain", "spec.template.spec.domain")
     features = _get(spec, "cpu", "preferredCPUFeatures")
     if features:
         have = {f.get("name") for f in as_list(_get(domain, "cpu", "features"), f"{_BASE}.domain.cpu.features") if isinstance(f, dict)}
@@ -565,7 +569,7 @@ def _apply_preference(pref: Selected, vm: dict, tspec: dict, meta: dict) -> None
     _apply_firmware(pref, domain)
     machine_type = _get(spec, "machine", "preferredMachineType")
     if machine_type:
-        _set_default(domain.setdefault("machine", {}), "type", machine_type)
+        _set_default(_obj(domain, "machine", "spec.template.spec.domain.machine"), "type", machine_type)
     clock = as_map(spec.get("clock"), f"{pref.label} spec.clock")
     if clock.get("preferredClockOffset") is not None and not any(k in as_map(domain.get("clock"), "clock") for k in ("utc", "timezone")):
         raise _unsupported(pref, "clock.preferredClockOffset")
@@ -577,7 +581,7 @@ def _apply_preference(pref: Selected, vm: dict, tspec: dict, meta: dict) -> None
         _set_default(tspec, "terminationGracePeriodSeconds", spec["preferredTerminationGracePeriodSeconds"])
     if spec.get("preferredArchitecture"):
         _set_default(tspec, "architecture", spec["preferredArchitecture"])
-    annotations = meta.setdefault("annotations", {})
+    annotations = _obj(meta, "annotations", "spec.template.metadata.annotations")
     for key, value in as_map(spec.get("annotations"), f"{pref.label} spec.annotations").items():
         annotations.setdefault(key, value)
     if spec.get("preferredLaunchSecurity") is not None and domain.get("launchSecurity") is None:
@@ -592,6 +596,16 @@ def _apply_preference(pref: Selected, vm: dict, tspec: dict, meta: dict) -> None
 
 
 # ---------------------------------------------------------------- entry points
+
+def _obj(parent: dict, key: str, at: str) -> dict:
+    """parent[key] as a mapping to fill in, made when absent or null; anything else is refused in one line."""
+    value = parent.get(key)
+    if value is None:
+        value = parent[key] = {}
+    if not isinstance(value, dict):
+        raise SpecError(at, "must be a mapping")
+    return value
+
 
 def expand(vm: dict, objects: ObjectSource | None) -> dict:
     """The VirtualMachine `vm` with its instance type and preference applied to spec.template and its
@@ -614,11 +628,11 @@ def expand(vm: dict, objects: ObjectSource | None) -> dict:
     if pref is not None:
         _check_preference(pref)
     _check_spread(it, pref)
-    template = vm["spec"].setdefault("template", {})
+    template = _obj(vm["spec"], "template", "spec.template")
     if not isinstance(template, dict):
         raise SpecError("spec.template", "must be a mapping")
-    tspec = template.setdefault("spec", {})
-    meta = template.setdefault("metadata", {})
+    tspec = _obj(template, "spec", "spec.template.spec")
+    meta = _obj(template, "metadata", "spec.template.metadata")
     if not isinstance(tspec, dict) or not isinstance(meta, dict):
         raise SpecError("spec.template", "spec and metadata must be mappings")
     if it is not None:
@@ -626,7 +640,7 @@ def expand(vm: dict, objects: ObjectSource | None) -> dict:
     if pref is not None:
         _apply_preference(pref, vm, tspec, meta)
         _check_requirements(it, pref, tspec)
-    annotations = meta.setdefault("annotations", {})
+    annotations = _obj(meta, "annotations", "spec.template.metadata.annotations")
     for selected in (it, pref):
         if selected is not None:
             annotations[ANNOTATIONS[selected.kind]] = selected.name

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import math
 import re
 import uuid as uuidlib
 from dataclasses import dataclass, field, replace
@@ -24,12 +23,15 @@ import yaml
 from diskkit.disk.containerdisk import path_problem
 from launcher.spec import coverage
 from launcher.spec.datavolume import templates
+from launcher.spec.dns import check_dns
 from launcher.spec.fields import (
     SpecError,
     as_list,
     as_map,
     check_dns_label,
     check_one_of,
+    dns_label_problems,
+    dns_subdomain_problems,
     field_error,
     get_bool,
     get_int,
@@ -302,7 +304,7 @@ class DomainSpec:
         cpu = self.cpu
         if not (cpu.sockets or cpu.cores or cpu.threads):
             millis = self.resources.limits_cpu if self.resources.limits_cpu is not None else self.resources.requests_cpu
-            return (max(1, math.ceil(millis / 1000)) if millis is not None else 1), 1, 1
+            return (max(1, -(-millis // 1000)) if millis is not None else 1), 1, 1  # integers: no float overflow
         return cpu.sockets or 1, cpu.cores or 1, cpu.threads or 1
 
     @property
@@ -566,7 +568,8 @@ def _disk(doc: dict, idx: int, at: str) -> Disk:
         raise SpecError(f"{dat}.cache", f"has invalid value {cache}")
     io = get_str(doc, "io", dat)
     if io is not None and io not in IO_MODES:
-        raise SpecError(f"{dat}.io", "Disk IO mode is not supported. Supported modes are: native, threads.")
+        # pkg/storage/admitters/disks.go validateIOMode names the disk list, not the disk
+        raise SpecError(f"{dat}.io", f"Disk IO mode for {at} is not supported. Supported modes are: native, threads.")
     # validateErrorPolicy checks any value that is set, the empty string too.
     error_policy = doc.get("errorPolicy")
     if error_policy is not None and error_policy not in ERROR_POLICIES:
@@ -681,7 +684,7 @@ FILESYSTEM_KINDS = ("persistentVolumeClaim", "dataVolume", "configMap", "secret"
 
 def _filesystems(items: list, volumes: tuple[Volume, ...], disk_items: list, disks_at: str, at: str) -> tuple[Filesystem, ...]:
     by_name = {v.name: v for v in volumes}
-    disk_names = {as_map(d, f"{disks_at}[{i}]").get("name"): i for i, d in enumerate(disk_items)}
+    disk_names = {get_str(as_map(d, f"{disks_at}[{i}]"), "name", f"{disks_at}[{i}]"): i for i, d in enumerate(disk_items)}
     found, seen = [], {}
     for idx, item in enumerate(items):
         fat = f"{at}[{idx}]"
@@ -852,6 +855,11 @@ def _domain(doc: dict, root: str, volumes: tuple[Volume, ...]) -> DomainSpec:
 
     policy = get_str(doc, "ioThreadsPolicy", at)
     if policy == "supplementalPool":
+        # vmi-create-admitter.go validateIOThreadsPolicy: KubeVirt's own refusal comes first (ioThreads
+        # itself is unsupported here, so with --ignore-unsupported the count is always missing)
+        threads = as_map(doc.get("ioThreads"), f"{at}.ioThreads").get("supplementalPoolThreadCount")
+        if not isinstance(threads, int) or isinstance(threads, bool) or threads <= 0:
+            raise SpecError(f"{at}.ioThreads.count", "the number of iothreads needs to be set and positive for the dedicated policy")
         raise SpecError(f"{at}.ioThreadsPolicy", "supplementalPool is not supported by the launcher")
     if policy is not None and policy not in IO_THREADS_POLICIES:
         raise SpecError(f"{at}.ioThreadsPolicy", f"Invalid IOThreadsPolicy ({policy})")
@@ -869,6 +877,30 @@ def _domain(doc: dict, root: str, volumes: tuple[Volume, ...]) -> DomainSpec:
     return DomainSpec(cpu, None if guest is None else to_bytes(guest), resources, machine, firmware, features, devices, policy)
 
 
+def _check_names(spec: dict, volumes: tuple[Volume, ...], root: str) -> str | None:
+    """vmi-create-admitter.go: hostname a DNS label, subdomain a DNS subdomain, serviceAccountName a DNS
+    subdomain naming the same account as a serviceAccount volume (validateServiceAccountName). The
+    hostname is returned; the other two only schedule and name the pod, but KubeVirt refuses them."""
+    hostname = get_str(spec, "hostname", root)
+    problems = dns_label_problems(hostname) if hostname is not None else []
+    if problems:
+        raise SpecError(f"{root}.hostname", f"does not conform to the kubernetes DNS_LABEL rules : {', '.join(problems)}")
+    subdomain = get_str(spec, "subdomain", root)
+    problems = dns_subdomain_problems(subdomain) if subdomain is not None else []
+    if problems:
+        raise SpecError(f"{root}.subdomain", f"does not conform to the kubernetes DNS_SUBDOMAIN rules : {', '.join(problems)}")
+    account = get_str(spec, "serviceAccountName", root)
+    if account is not None:
+        problems = dns_subdomain_problems(account)
+        if problems:
+            raise SpecError(f"{root}.serviceAccountName", f"is not a valid service account name: {'; '.join(problems)}")
+        for volume in volumes:
+            if volume.kind == "serviceAccount" and volume.source.service_account_name != account:
+                raise SpecError(f"{root}.serviceAccountName", f'spec.serviceAccountName "{account}" and serviceAccount volume'
+                                                              f' "{volume.source.service_account_name}" must reference the same service account')
+    return hostname
+
+
 # ---------------------------------------------------------------- entry points
 
 def parse_vmi(doc: dict, ignore_unsupported: bool = False, *, objects: ObjectSource | None = None) -> VMI:
@@ -878,19 +910,21 @@ def parse_vmi(doc: dict, ignore_unsupported: bool = False, *, objects: ObjectSou
     from). A field the launcher would not honour (launcher.spec.coverage) is refused; with
     `ignore_unsupported` it is dropped instead and named in the VMI's `ignored`."""
     doc = as_map(doc, "document")
-    if doc.get("kind") == "VirtualMachine":
-        # First of all, as KubeVirt's VM admitter applies them to the template before anything judges it.
+    # The kind first: a replica set's or pool's fields are not a VMI's, and naming them as unknown
+    # VMI fields would hide that the whole object is of another kind.
+    kind = doc.get("kind")
+    if kind not in ("VirtualMachineInstance", "VirtualMachine"):
+        raise SpecError("kind", f"must be VirtualMachineInstance or VirtualMachine, not {kind!r}")
+    if doc.get("apiVersion") not in API_VERSIONS:
+        raise SpecError("apiVersion", f"must be {API_VERSION}, not {doc.get('apiVersion')!r}")
+    if kind == "VirtualMachine":
+        # Before anything judges the template, as KubeVirt's VM admitter applies them first.
         doc = expand(doc, objects)
     unsupported = coverage.unsupported_fields(doc)
     if unsupported and not ignore_unsupported:
         raise SpecError(*unsupported[0])
     if unsupported:
         doc = coverage.without(doc, [path for path, _ in unsupported])
-    kind = doc.get("kind")
-    if kind not in ("VirtualMachineInstance", "VirtualMachine"):
-        raise SpecError("kind", f"must be VirtualMachineInstance or VirtualMachine, not {kind!r}")
-    if doc.get("apiVersion") not in API_VERSIONS:
-        raise SpecError("apiVersion", f"must be {API_VERSION}, not {doc.get('apiVersion')!r}")
     metadata = as_map(doc.get("metadata"), "metadata")
     spec = as_map(doc.get("spec"), "spec")
     root = "spec"
@@ -912,12 +946,18 @@ def parse_vmi(doc: dict, ignore_unsupported: bool = False, *, objects: ObjectSou
         raise SpecError(f"{root}.architecture", f"{architecture} is not supported by the launcher (amd64 only)")
     volumes = _volumes(as_list(spec.get("volumes"), f"{root}.volumes"), f"{root}.volumes")
     domain = _domain(as_map(spec.get("domain"), f"{root}.domain"), root, volumes)
-    hostname = get_str(spec, "hostname", root)
-    if hostname is not None:
-        check_dns_label(hostname, f"{root}.hostname")
+    hostname = _check_names(spec, volumes, root)
+    check_dns(spec, root)
+    data_volumes = templates(templates_doc, "spec.dataVolumeTemplates", namespace)
+    claims = {v.source.claim_name if v.kind == "persistentVolumeClaim" else v.source.name
+              for v in volumes if v.kind in ("persistentVolumeClaim", "dataVolume")}
+    for i, dv in enumerate(data_volumes):
+        if dv.name not in claims:  # storage/admitters/data-volume-template.go ValidateDataVolumeTemplate
+            raise SpecError(f"spec.dataVolumeTemplates[{i}]", f"DataVolumeTemplate entry spec.dataVolumeTemplates[{i}] must be"
+                                                              " referenced in the VMI template's 'volumes' list")
     return VMI(name, namespace, get_str(metadata, "uid", "metadata"),
                dict(as_map(labels, "metadata.labels")), dict(as_map(annotations, "metadata.annotations")), domain, volumes,
-               hostname, templates(templates_doc, "spec.dataVolumeTemplates", namespace), tuple(unsupported))
+               hostname, data_volumes, tuple(unsupported))
 
 
 def load_vmi(path: str | Path, ignore_unsupported: bool = False, *, objects: ObjectSource | None = None) -> VMI:
