@@ -67,7 +67,7 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
         if lv.exists(name):
             raise DiskkitError(name, f"a domain of this name already exists on {lv.uri}; stop it first (launcher stop {vmi.name})")
         _remove_run_dir(cache, name)  # leftovers of a launcher that was killed
-        cache.run_dir(name).mkdir(parents=True)  # the console log lives here even with no overlay
+        cache.create_run_dir(name)  # the console log lives here even with no overlay
         try:
             from launcher.datavolumes.control import ensure_ready
 

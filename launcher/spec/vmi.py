@@ -19,8 +19,6 @@ import uuid as uuidlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import yaml
-
 from diskkit.disk.containerdisk import path_problem
 from launcher.spec.datavolume import templates
 from launcher.spec.fields import (
@@ -36,6 +34,14 @@ from launcher.spec.fields import (
     get_str,
     to_bytes,
     to_millis,
+)
+from launcher.spec.meta import (
+    check_annotations,
+    check_labels,
+    check_namespace,
+    check_subdomain,
+    check_xml_text,
+    load_documents,
 )
 
 API_VERSION = "kubevirt.io/v1"
@@ -69,6 +75,8 @@ VOLUME_KINDS = (
 # Valid in KubeVirt, not (yet) here: named so they are refused rather than ignored.
 UNSUPPORTED_VOLUME_KINDS = ("sysprep", "memoryDump", "containerPath")
 
+# Contents of cloud-init files, never in the domain XML or a file name (keys of cloudInitNoCloud/ConfigDrive).
+CLOUD_INIT_CONTENT = frozenset({"userData", "networkData"})
 _SERIAL = re.compile(r"[A-Za-z0-9_.+-]+")
 _PCI_ADDRESS = re.compile(r"([0-9a-fA-F]{4}):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])")
 
@@ -804,7 +812,18 @@ def parse_vmi(doc: dict) -> VMI:
         labels, annotations = tmeta.get("labels"), tmeta.get("annotations")
         spec = as_map(template.get("spec"), root)
     name = get_str(metadata, "name", "metadata", required=True)
+    check_subdomain(name, "metadata.name")
     namespace = get_str(metadata, "namespace", "metadata") or DEFAULT_NAMESPACE
+    check_namespace(namespace, "metadata.namespace")
+    meta_at = "metadata" if kind == "VirtualMachineInstance" else "spec.template.metadata"
+    labels = check_labels(labels, f"{meta_at}.labels")
+    annotations = check_annotations(annotations, f"{meta_at}.annotations")
+    if kind == "VirtualMachine":
+        check_labels(metadata.get("labels"), "metadata.labels")
+        check_annotations(metadata.get("annotations"), "metadata.annotations")
+    # Strings reach the domain XML, file names and the generated disks' files; cloud-init data only
+    # the latter, as file contents.
+    check_xml_text(doc, "", skip=CLOUD_INIT_CONTENT)
     architecture = get_str(spec, "architecture", root)
     if architecture not in (None, "amd64"):
         raise SpecError(f"{root}.architecture", f"{architecture} is not supported by the launcher (amd64 only)")
@@ -813,17 +832,13 @@ def parse_vmi(doc: dict) -> VMI:
     hostname = get_str(spec, "hostname", root)
     if hostname is not None:
         check_dns_label(hostname, f"{root}.hostname")
-    return VMI(name, namespace, get_str(metadata, "uid", "metadata"),
-               dict(as_map(labels, "metadata.labels")), dict(as_map(annotations, "metadata.annotations")), domain, volumes,
+    return VMI(name, namespace, get_str(metadata, "uid", "metadata"), labels, annotations, domain, volumes,
                hostname, templates(templates_doc, "spec.dataVolumeTemplates", namespace))
 
 
 def load_vmi(path: str | Path) -> VMI:
-    """Read one YAML document from `path` and parse it."""
-    try:
-        doc = yaml.safe_load(Path(path).read_text())
-    except yaml.YAMLError as err:
-        raise SpecError(str(path), f"not valid YAML: {err}") from None
-    except OSError as err:
-        raise SpecError(str(path), err.strerror or str(err)) from None
-    return parse_vmi(doc)
+    """Read one YAML document from `path` (within the API server's limits) and parse it."""
+    docs = [doc for doc in load_documents(path) if doc is not None]
+    if len(docs) != 1:
+        raise SpecError(str(path), f"must hold one VirtualMachineInstance or VirtualMachine document, not {len(docs)}")
+    return parse_vmi(docs[0])
