@@ -237,7 +237,7 @@ def check_annotations(value: Any, at: str) -> dict[str, str]:
     total = 0
     for key, item in annotations.items():
         _qualified_name(key.lower(), at)
-        total += len(key.encode()) + len(item.encode())
+        total += len(key.encode(errors="surrogatepass")) + len(item.encode(errors="surrogatepass"))
         if total > TOTAL_ANNOTATION_SIZE:
             raise SpecError(at, f"Too long: must have at most {TOTAL_ANNOTATION_SIZE} bytes")
     return annotations

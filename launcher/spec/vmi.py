@@ -816,14 +816,14 @@ def parse_vmi(doc: dict) -> VMI:
     namespace = get_str(metadata, "namespace", "metadata") or DEFAULT_NAMESPACE
     check_namespace(namespace, "metadata.namespace")
     meta_at = "metadata" if kind == "VirtualMachineInstance" else "spec.template.metadata"
+    # Strings reach the domain XML, file names and the generated disks' files; cloud-init data only
+    # the latter, as file contents.
+    check_xml_text(doc, "", skip=CLOUD_INIT_CONTENT)
     labels = check_labels(labels, f"{meta_at}.labels")
     annotations = check_annotations(annotations, f"{meta_at}.annotations")
     if kind == "VirtualMachine":
         check_labels(metadata.get("labels"), "metadata.labels")
         check_annotations(metadata.get("annotations"), "metadata.annotations")
-    # Strings reach the domain XML, file names and the generated disks' files; cloud-init data only
-    # the latter, as file contents.
-    check_xml_text(doc, "", skip=CLOUD_INIT_CONTENT)
     architecture = get_str(spec, "architecture", root)
     if architecture not in (None, "amd64"):
         raise SpecError(f"{root}.architecture", f"{architecture} is not supported by the launcher (amd64 only)")
