@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from launcher.node.cache import Cache, entry_name, private_dirs, within
-from launcher.render.domain import Host, render
+from launcher.render.domain import Host, ResolvedDisk, render
 from launcher.spec.datavolume import parse_data_volume
 from launcher.spec.fields import SpecError
 from launcher.spec.k8s import Objects
@@ -77,13 +77,15 @@ def test_a_virtual_machine_name_is_checked_too():
         parse_vmi(vm)
 
 
-def test_longest_valid_names_render_with_kubevirts_domain_name():
-    vmi = parse_vmi(vmi_doc(LONG_NAME, LONG_NAMESPACE))
-    assert vmi.domain_name == f"{LONG_NAMESPACE}_{LONG_NAME}"
-    from launcher.render.domain import ResolvedDisk
-
-    xml = render(vmi, {"root": ResolvedDisk("/x/disk.qcow2", "qcow2")}, Host(domain_type="qemu", serial_log="/x/console.log"))
-    assert ET.fromstring(xml).findtext("name") == vmi.domain_name
+def test_domain_names_are_kubevirts_while_libvirt_can_hold_them():
+    # libvirt writes <name>.xml.new, <name>.pid, <name>.log: 247 bytes is the longest name it can start
+    fits = parse_vmi(vmi_doc(LONG_NAME[:183], LONG_NAMESPACE))
+    assert fits.domain_name == f"{LONG_NAMESPACE}_{LONG_NAME[:183]}" and len(fits.domain_name) == 247
+    longest = parse_vmi(vmi_doc(LONG_NAME, LONG_NAMESPACE))
+    assert len(longest.domain_name) == 247 and longest.domain_name.startswith(f"{LONG_NAMESPACE}_aaaa")
+    assert longest.domain_name != parse_vmi(vmi_doc(LONG_NAME[:-1] + "y", LONG_NAMESPACE)).domain_name
+    xml = render(longest, {"root": ResolvedDisk("/x/disk.qcow2", "qcow2")}, Host(domain_type="qemu", serial_log="/x/console.log"))
+    assert ET.fromstring(xml).findtext("name") == longest.domain_name
 
 
 def test_data_volume_names_are_subdomains_and_namespaces_labels():

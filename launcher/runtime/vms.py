@@ -181,7 +181,10 @@ def find_record(cache: Cache, name: str) -> dict | None:
     """A VM by domain name (NAMESPACE_NAME), NAMESPACE/NAME, or VMI name in any namespace if unique."""
     records = cache.vm_records()
     wanted = name.replace("/", "_", 1)
-    exact = [r for r in records if r["domain"] in (wanted, f"default_{name}")]
+    namespace, _, plain = name.rpartition("/")
+    # A name too long for libvirt has a shortened domain name: NAMESPACE/NAME still finds it.
+    exact = [r for r in records if r["domain"] in (wanted, f"default_{name}")
+             or (namespace and (r.get("namespace"), r.get("vmi")) == (namespace, plain))]
     if exact:
         return exact[0]
     by_name = [r for r in records if r["vmi"] == name]

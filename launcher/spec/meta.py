@@ -6,6 +6,7 @@ domain XML) cannot carry.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -45,6 +46,21 @@ _NOT_XML = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
 # thousand decoded nodes, the share of them reached through an alias may be at most 99 %, falling to
 # 10 % between 400,000 and 4,000,000 nodes. A "billion laughs" document trips it after a few thousand.
 _ALIAS_RATIO_LOW, _ALIAS_RATIO_HIGH = 400_000, 4_000_000
+
+
+# libvirt names files after a domain (<name>.xml.new, <name>.pid, <name>.log) and fails with
+# ENAMETOOLONG past NAME_MAX (255 bytes): `<namespace>_<name>` may reach 317.
+LIBVIRT_NAME_MAX = 255 - len(".xml.new")
+
+
+def domain_name(namespace: str, name: str) -> str:
+    """KubeVirt's libvirt domain name, `<namespace>_<name>` (pkg/virt-launcher/virtwrap/util:
+    VMINamespaceKeyFunc), whenever libvirt can hold it; past that (KubeVirt cannot start such a VMI
+    either), its head and a hash of the whole."""
+    full = f"{namespace}_{name}"
+    if len(full.encode()) <= LIBVIRT_NAME_MAX:
+        return full
+    return f"{full[:LIBVIRT_NAME_MAX - 17]}-{hashlib.sha256(full.encode()).hexdigest()[:16]}"
 
 
 def _quoted(value: str) -> str:

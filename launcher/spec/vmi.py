@@ -41,6 +41,7 @@ from launcher.spec.meta import (
     check_namespace,
     check_subdomain,
     check_xml_text,
+    domain_name,
     load_documents,
 )
 
@@ -317,7 +318,7 @@ class VMI:
 
     @property
     def domain_name(self) -> str:
-        return f"{self.namespace}_{self.name}"
+        return domain_name(self.namespace, self.name)
 
     @property
     def uuid(self) -> str:
