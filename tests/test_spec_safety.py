@@ -24,6 +24,7 @@ from launcher.spec.k8s import Objects
 from launcher.spec.meta import MAX_MANIFEST_BYTES, SUBDOMAIN_MESSAGE, load_documents
 from launcher.spec.vmi import load_vmi, parse_vmi
 from launcher.volumes import gendisks
+from launcher.volumes.files import give_to_qemu
 from tests.conftest import launcher_command
 from tests.vmhost import QEMU_UID, qemu_scratch
 
@@ -271,11 +272,13 @@ def test_generated_disks_and_their_directories_are_private(tmp_path):
     gendisks.make(planned, run_dir)
     for directory in (run_dir, run_dir / "cloud-init-data", run_dir / "cloud-init-data" / "ns", planned.path.parent):
         st = directory.stat()
-        if os.geteuid() == 0:  # qemu (group 107) may pass through, nobody else in
-            assert (stat.S_IMODE(st.st_mode), st.st_gid) == (0o710, QEMU_UID), directory
-        else:
-            assert stat.S_IMODE(st.st_mode) == 0o700, directory
+        assert (stat.S_IMODE(st.st_mode), st.st_uid) == (0o700, QEMU_UID if os.geteuid() == 0 else os.geteuid()), directory
     assert stat.S_IMODE(planned.path.stat().st_mode) == 0o600
+    # as the launcher runs it: the image is given to qemu (107:107 as root), still 0600
+    gendisks.make(planned, run_dir, give_to_qemu)
+    st = planned.path.stat()
+    assert stat.S_IMODE(st.st_mode) == 0o600 and (os.geteuid() != 0 or (st.st_uid, st.st_gid) == (QEMU_UID, QEMU_UID))
+
 
 
 def test_private_dirs_unprivileged_are_0700():
