@@ -5,6 +5,7 @@
     <root>/refs/<key>.json                          image (+platform, path) -> the disk it resolved to
     <root>/tags/<key>.json                          reference -> manifest digest, for IfNotPresent
     <root>/vms/<domain>.json, <root>/run/<domain>/  records and overlays of VMs started from here
+                                                    (long domains: head + hash, see entry_name)
     <root>/locks/, <root>/tmp/                      flock files; staging on the same filesystem
 
 Disks are keyed by the layer that holds them and the member's path, so two images sharing a
