@@ -5,6 +5,7 @@ the modes of what carries secrets. Each refusal is one line, exit 1, nothing wri
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import resource
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from diskkit.errors import DiskkitError
 from launcher.node.cache import Cache, entry_name, private_dirs, within
 from launcher.render.domain import Host, ResolvedDisk, render
 from launcher.spec.datavolume import parse_data_volume
@@ -354,3 +356,31 @@ def test_manifests_bomb_is_refused_under_a_memory_limit(tmp_path):
     assert result.stderr.strip().splitlines() == [
         f"launcher: {manifests / 'bomb.yaml'}: not valid YAML: document contains excessive aliasing"], result.stderr
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+def test_a_chap_user_name_from_a_secret_must_be_xml_text():
+    # the user name lands in the domain's <auth username=...>; the password goes to a libvirt secret
+    from launcher.spec.k8s import network_disk, resolve_claim
+
+    def objects(username: bytes):
+        return Objects([
+            {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "data", "namespace": "apps"},
+             "spec": {"volumeName": "pv"}, "status": {"phase": "Bound"}},
+            {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": "pv"},
+             "spec": {"claimRef": {"namespace": "apps", "name": "data"}, "iscsi": {
+                 "targetPortal": "192.0.2.10", "iqn": "iqn.2013-07.com.example:t", "chapAuthSession": True, "secretRef": {"name": "chap"}}}},
+            {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "chap", "namespace": "apps"},
+             "data": {"node.session.auth.username": base64.b64encode(username).decode(),
+                      "node.session.auth.password": base64.b64encode(b"\0any\xffbytes").decode()}},
+        ])
+
+    def disk(username: bytes):
+        found = objects(username)
+        return network_disk(found, resolve_claim(found, "apps", "data", "vmi.yaml"), "vmi.yaml")
+
+    assert disk(b"vmuser").source.auth_username == "vmuser"
+    for bad, needle in [(b"vm\0user", "data.node.session.auth.username: must not contain the character U+0000"),
+                        (b"vm\xffuser", "data.node.session.auth.username is not UTF-8 text")]:
+        with pytest.raises(DiskkitError) as err:
+            disk(bad)
+        assert str(err.value).startswith("vmi.yaml: secret apps/chap") and needle in str(err.value), err.value

@@ -289,6 +289,18 @@ def _secret_key(data: dict[str, bytes], key: str, secret: str, where: str, purpo
     return value
 
 
+def _secret_text(value: bytes, secret: str, key: str, where: str) -> str:
+    """A secret's value that goes into the domain XML (the CHAP user name): UTF-8 that XML can carry."""
+    try:
+        text = value.decode()
+        check_xml_text(text, f"secret {secret} data.{key}")
+    except UnicodeDecodeError:
+        raise DiskkitError(where, f"secret {secret}: data.{key} is not UTF-8 text") from None
+    except SpecError as err:
+        raise DiskkitError(where, f"{err.subject}: {err.rule}") from None
+    return text
+
+
 def _iscsi(objects: Objects, claim: Claim, pv_name: str, src: dict, where: str) -> NetworkDisk:
     at = f"persistentvolumes {pv_name} spec.iscsi"
     iqn = _required(src, "iqn", where, at)
@@ -314,7 +326,7 @@ def _iscsi(objects: Objects, claim: Claim, pv_name: str, src: dict, where: str) 
         if data.get(CHAP_USERNAME + "_in"):
             raise DiskkitError(where, f"secret {secret}: mutual CHAP ({CHAP_USERNAME}_in) is not supported by qemu's iSCSI initiator")
         purpose = f"session CHAP of persistentvolumes {pv_name}"
-        username = _secret_key(data, CHAP_USERNAME, secret, where, purpose).decode()
+        username = _secret_text(_secret_key(data, CHAP_USERNAME, secret, where, purpose), secret, CHAP_USERNAME, where)
         password = _secret_key(data, CHAP_PASSWORD, secret, where, purpose)
         usage, secret_type = f"diskkit-{claim.namespace}-{pv_name}", "iscsi"
     source = NetworkSource("iscsi", f"{iqn}/{lun}", tuple(dict.fromkeys(hosts)), username, secret_type, usage, initiator)
