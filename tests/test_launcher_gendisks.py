@@ -183,8 +183,12 @@ def _unreadable_by_nobody(path) -> bool:
 
 
 def test_long_names_run_and_secrets_are_private_while_the_vm_runs(qemu_user, guest_image):
-    vmi_path = qemu_user.write_vmi("long", guest_image, serial="hold-20",
-                                   extra=[(_virtio("ci", "ci"), {"name": "ci", "cloudInitNoCloud": {"userData": SECRET_USER_DATA}})])
+    (qemu_user.root / "long").mkdir()
+    manifests = write_manifests(qemu_user.root / "long", LONG_NAMESPACE)
+    vmi_path = qemu_user.write_vmi("long", guest_image, serial="hold-20", extra=[
+        (_virtio("ci", "ci"), {"name": "ci", "cloudInitNoCloud": {"userData": SECRET_USER_DATA}}),
+        (_virtio("sec", "sec"), {"name": "sec", "secret": {"secretName": "app-secret"}}),
+        (_virtio("sa", "sa"), {"name": "sa", "serviceAccount": {"serviceAccountName": "builder"}})])
     vmi = json.loads(vmi_path.read_text())
     vmi["metadata"] = {"name": LONG_NAME, "namespace": LONG_NAMESPACE}
     vmi_path.write_text(json.dumps(vmi))
@@ -193,7 +197,9 @@ def test_long_names_run_and_secrets_are_private_while_the_vm_runs(qemu_user, gue
     run_dir = qemu_user.cache / "run" / entry_name(domain)
     iso_path = run_dir / "cloud-init-data" / LONG_NAMESPACE / LONG_NAME / "noCloud.iso"
 
-    proc = qemu_user.popen("run", NOREG, "--console", "--timeout", "240", vmi_path)
+    secret_isos = [run_dir / "secret-disks" / "sec.iso", run_dir / "service-account-disk" / "service-account.iso"]
+
+    proc = qemu_user.popen("run", NOREG, "--console", "--timeout", "240", "--manifests", manifests, vmi_path)
     try:
         deadline = time.monotonic() + 180
         while proc.poll() is None and time.monotonic() < deadline and domain not in qemu_user.virsh("list", "--name").split():
@@ -204,9 +210,11 @@ def test_long_names_run_and_secrets_are_private_while_the_vm_runs(qemu_user, gue
         for directory in (run_dir, *iso_path.parents[:3]):
             st = directory.stat()
             assert (stat.S_IMODE(st.st_mode), st.st_uid) == (0o700, QEMU_UID), directory
-        st = iso_path.stat()
-        assert (stat.S_IMODE(st.st_mode), st.st_uid) == (0o600, QEMU_UID)
-        assert _unreadable_by_nobody(iso_path)
+        for iso in (iso_path, *secret_isos):
+            st = iso.stat()
+            assert (stat.S_IMODE(st.st_mode), st.st_uid) == (0o600, QEMU_UID), iso
+            assert stat.S_IMODE(iso.parent.stat().st_mode) == 0o700, iso.parent
+            assert _unreadable_by_nobody(iso)
         assert _unreadable_by_nobody(run_dir / "console.log")
         out, err = proc.communicate(timeout=240)
     finally:
@@ -218,6 +226,8 @@ def test_long_names_run_and_secrets_are_private_while_the_vm_runs(qemu_user, gue
     assert console["ready"] and console["done"], out
     by_serial = {disk["serial"]: name for name, disk in console["disks"].items()}
     nocloud = console["isos"][by_serial["ci"]]
-    assert nocloud["label"] == "cidata" and nocloud["files"]["/user-data"] == SECRET_USER_DATA  # the guest still reads it
+    assert nocloud["label"] == "cidata" and nocloud["files"]["/user-data"] == SECRET_USER_DATA  # the guest still reads them
+    assert console["isos"][by_serial["sec"]]["files"] == {"/password": "s3cret\n", "/username": "admin\n"}
+    assert console["isos"][by_serial["sa"]]["files"]["/token"] == "eyJhbGciOiJSUzI1NiJ9.payload.sig\n"
     assert not run_dir.exists() and not (qemu_user.cache / "vms" / f"{entry_name(domain)}.json").exists()
     assert domain not in qemu_user.virsh("list", "--all", "--name").split()
