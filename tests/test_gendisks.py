@@ -26,8 +26,8 @@ def vmi_doc(volumes, name="web.example", namespace="ns", **spec):
     return {
         "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",
         "metadata": {"name": name, "namespace": namespace, "uid": "1234-abcd",
-                     "labels": {"app": "web", "tier": 'front"end'},
-                     "annotations": {"kubevirt.io/instancetype-name": "u1.small", "note": "line1\nline2"}},
+                     "labels": {"app": "web", "tier": "front-end"},  # label values cannot hold a quote; annotations can
+                     "annotations": {"kubevirt.io/instancetype-name": "u1.small", "note": 'line1\n"line2"'}},
         "spec": {"domain": {"resources": {"requests": {"memory": "64Mi"}}, "devices": {"disks": disks},
                             "firmware": {"uuid": UUID}},
                  "volumes": volumes, **spec},
@@ -151,8 +151,8 @@ def test_downward_api_renders_fields_as_the_kubelet_does():
     files, modes = configdisks.downward_api_files(vmi, vmi.volume("dapi").source.fields)
     assert files == {
         "name": b"web.example", "meta/namespace": b"ns",
-        "labels": b'app="web"\ntier="front\\"end"',
-        "annotations": b'kubevirt.io/instancetype-name="u1.small"\nnote="line1\\nline2"',
+        "labels": b'app="web"\ntier="front-end"',
+        "annotations": b'kubevirt.io/instancetype-name="u1.small"\nnote="line1\\n\\"line2\\""',
         "app": b"web", "missing": b"", "uid": b"1234-abcd",
     }
     assert modes == {"meta/namespace": 0o600}
@@ -294,7 +294,7 @@ def test_iso_refuses_bad_paths_and_leaves_nothing(tmp_path):
 def test_generated_disks_belong_to_whoever_finishes_them(tmp_path):
     seen = []
     planned = gendisks.Planned(tmp_path / "d" / "x.iso", "L", {"f": b"1"})
-    gendisks.make(planned, lambda staging: seen.append((staging.name, staging.exists())))
+    gendisks.make(planned, tmp_path, lambda staging: seen.append((staging.name, staging.exists())))
     assert seen == [("x.iso.staging", True)] and planned.path.exists()
 
 

@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import base64
 import json
+import stat
 import struct
+import subprocess
 import time
 
+from launcher.node.cache import entry_name
+from launcher.spec.meta import domain_name
 from tests.testguest import parse_console
-from tests.vmhost import NOREG, assert_clean
+from tests.vmhost import NOREG, QEMU_UID, assert_clean
 
 USER_DATA = "#cloud-config\nhostname: from-cloud-init\n"
 NETWORK_DATA = "version: 2\nethernets: {}\n"
@@ -163,3 +167,67 @@ def test_missing_config_objects_fail_clearly_and_leave_nothing(qemu_user, guest_
     console = parse_console(result.out)
     name = next(n for n, d in console["disks"].items() if d["serial"] == "opt")
     assert console["isos"][name] == {"label": "cfgdata", "files": {}, "sizes": {}}, console
+
+
+# The longest names Kubernetes allows: a 253-character VMI in a 63-character namespace.
+LONG_NAME = ".".join(["a" * 63] * 4)[:252] + "z"
+LONG_NAMESPACE = "n" * 63
+SECRET_USER_DATA = "#cloud-config\npassword: hunter2-very-secret\nchpasswd: {expire: false}\n"
+
+
+def _unreadable_by_nobody(path) -> bool:
+    """Whether the unprivileged `nobody` fails to read `path` (or to enter its directories)."""
+    proc = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "cat", str(path)],
+                          capture_output=True, check=False)
+    return proc.returncode != 0 and b"Permission denied" in proc.stderr and proc.stdout == b""
+
+
+def test_long_names_run_and_secrets_are_private_while_the_vm_runs(qemu_user, guest_image):
+    (qemu_user.root / "long").mkdir()
+    manifests = write_manifests(qemu_user.root / "long", LONG_NAMESPACE)
+    vmi_path = qemu_user.write_vmi("long", guest_image, serial="hold-20", extra=[
+        (_virtio("ci", "ci"), {"name": "ci", "cloudInitNoCloud": {"userData": SECRET_USER_DATA}}),
+        (_virtio("sec", "sec"), {"name": "sec", "secret": {"secretName": "app-secret"}}),
+        (_virtio("sa", "sa"), {"name": "sa", "serviceAccount": {"serviceAccountName": "builder"}})])
+    vmi = json.loads(vmi_path.read_text())
+    vmi["metadata"] = {"name": LONG_NAME, "namespace": LONG_NAMESPACE}
+    vmi_path.write_text(json.dumps(vmi))
+    domain = domain_name(LONG_NAMESPACE, LONG_NAME)  # 317 bytes as KubeVirt's: shortened for libvirt
+    assert len(domain) == 247
+    run_dir = qemu_user.cache / "run" / entry_name(domain)
+    iso_path = run_dir / "cloud-init-data" / LONG_NAMESPACE / LONG_NAME / "noCloud.iso"
+
+    secret_isos = [run_dir / "secret-disks" / "sec.iso", run_dir / "service-account-disk" / "service-account.iso"]
+
+    proc = qemu_user.popen("run", NOREG, "--console", "--timeout", "240", "--manifests", manifests, vmi_path)
+    try:
+        deadline = time.monotonic() + 180
+        while proc.poll() is None and time.monotonic() < deadline and domain not in qemu_user.virsh("list", "--name").split():
+            time.sleep(0.5)
+        assert domain in qemu_user.virsh("list", "--name").split(), proc.stderr.read() if proc.poll() is not None else "not started"
+        # Running: the secret-carrying image and every directory down to it are the qemu user's alone.
+        assert iso_path.is_file()
+        for directory in (run_dir, *iso_path.parents[:3]):
+            st = directory.stat()
+            assert (stat.S_IMODE(st.st_mode), st.st_uid) == (0o700, QEMU_UID), directory
+        for iso in (iso_path, *secret_isos):
+            st = iso.stat()
+            assert (stat.S_IMODE(st.st_mode), st.st_uid) == (0o600, QEMU_UID), iso
+            assert stat.S_IMODE(iso.parent.stat().st_mode) == 0o700, iso.parent
+            assert _unreadable_by_nobody(iso)
+        assert _unreadable_by_nobody(run_dir / "console.log")
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    console = parse_console(out)
+    assert console["ready"] and console["done"], out
+    by_serial = {disk["serial"]: name for name, disk in console["disks"].items()}
+    nocloud = console["isos"][by_serial["ci"]]
+    assert nocloud["label"] == "cidata" and nocloud["files"]["/user-data"] == SECRET_USER_DATA  # the guest still reads them
+    assert console["isos"][by_serial["sec"]]["files"] == {"/password": "s3cret\n", "/username": "admin\n"}
+    assert console["isos"][by_serial["sa"]]["files"]["/token"] == "eyJhbGciOiJSUzI1NiJ9.payload.sig\n"
+    assert not run_dir.exists() and not (qemu_user.cache / "vms" / f"{entry_name(domain)}.json").exists()
+    assert domain not in qemu_user.virsh("list", "--all", "--name").split()

@@ -5,6 +5,7 @@
     <root>/refs/<key>.json                          image (+platform, path) -> the disk it resolved to
     <root>/tags/<key>.json                          reference -> manifest digest, for IfNotPresent
     <root>/vms/<domain>.json, <root>/run/<domain>/  records and overlays of VMs started from here
+                                                    (long domains: head + hash, see entry_name)
     <root>/locks/, <root>/tmp/                      flock files; staging on the same filesystem
 
 Disks are keyed by the layer that holds them and the member's path, so two images sharing a
@@ -43,6 +44,51 @@ def key(*parts: str) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
 
 
+# A VM's entries are named after its domain, `<namespace>_<name>`: up to 317 bytes for valid names,
+# more than a file name may hold (255) and than keeps the paths in the run directory short. Longer
+# names keep a readable head and end in a hash of the whole.
+ENTRY_NAME_MAX = 100
+
+
+def entry_name(name: str) -> str:
+    """A file name for `name`: itself when short and plain, else its head and a hash."""
+    plain = name not in ("", ".", "..") and "/" not in name and "\0" not in name
+    if plain and len(name.encode()) <= ENTRY_NAME_MAX:
+        return name
+    head = "".join(c for c in name[:ENTRY_NAME_MAX - 34] if c.isascii() and (c.isalnum() or c in "-_."))
+    return f"{head.strip('.')}-{key(name)}"
+
+
+def within(base: Path, *parts: str) -> Path:
+    """`base`/parts, refused unless it stays under `base` (defence in depth: names are validated
+    at parse time, and none may lead out of its directory, even through a symlink)."""
+    path = base.joinpath(*parts)
+    resolved, top = path.resolve(), base.resolve()
+    if resolved != top and top not in resolved.parents:
+        raise DiskkitError(path, f"leads out of {base}")
+    return path
+
+
+QEMU_ID = 107  # KubeVirt's qemu user and group
+
+
+def private_dirs(top: Path, path: Path) -> Path:
+    """Create `path` and every missing directory between `top` (which exists) and it, open to
+    their owner and the VM's qemu only: they hold secrets (cloud-init passwords, Secret volumes,
+    service account tokens): 0700, and as root owned by KubeVirt's qemu user (107), which the disks
+    in them are given to. Unprivileged, qemu runs as us (qemu:///session)."""
+    missing, at = [], path
+    while at != top and not at.exists():
+        missing.append(at)
+        at = at.parent
+    for directory in reversed(missing):
+        directory.mkdir(mode=0o700)
+        os.chmod(directory, 0o700)  # whatever the umask
+        if os.geteuid() == 0:
+            os.chown(directory, QEMU_ID, QEMU_ID)
+    return path
+
+
 class Cache:
     def __init__(self, root: Path | str | None = None):
         self.root = Path(root) if root else default_root()
@@ -57,7 +103,7 @@ class Cache:
     @contextlib.contextmanager
     def lock(self, name: str, shared: bool = False) -> Iterator[None]:
         """A cross-process lock (flock): concurrent pulls of one image on a node download once."""
-        fd = os.open(self.root / "locks" / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(within(self.root / "locks", f"{entry_name(name)}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
             yield
@@ -153,10 +199,16 @@ class Cache:
     # --- VMs started from this cache ---------------------------------------------------------
 
     def vm_record_path(self, domain: str) -> Path:
-        return self.root / "vms" / f"{domain}.json"
+        return within(self.root / "vms", f"{entry_name(domain)}.json")
 
     def run_dir(self, domain: str) -> Path:
-        return self.root / "run" / domain
+        return within(self.root / "run", entry_name(domain))
+
+    def create_run_dir(self, domain: str) -> Path:
+        """A fresh run directory that no other user can enter (see private_dirs)."""
+        path = self.run_dir(domain)
+        private_dirs(self.root / "run", path)
+        return path
 
     def vm_records(self) -> list[dict]:
         records = []

@@ -69,7 +69,7 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
         if lv.exists(name):
             raise DiskkitError(name, f"a domain of this name already exists on {lv.uri}; stop it first (launcher stop {vmi.name})")
         _remove_run_dir(cache, name)  # leftovers of a launcher that was killed
-        cache.run_dir(name).mkdir(parents=True)  # the console log lives here even with no overlay
+        cache.create_run_dir(name)  # the console log lives here even with no overlay
         daemons: list[dict] = []
         try:
             virtiofs.check_runnable(vmi)
@@ -193,7 +193,10 @@ def find_record(cache: Cache, name: str) -> dict | None:
     """A VM by domain name (NAMESPACE_NAME), NAMESPACE/NAME, or VMI name in any namespace if unique."""
     records = cache.vm_records()
     wanted = name.replace("/", "_", 1)
-    exact = [r for r in records if r["domain"] in (wanted, f"default_{name}")]
+    namespace, _, plain = name.rpartition("/")
+    # A name too long for libvirt has a shortened domain name: NAMESPACE/NAME still finds it.
+    exact = [r for r in records if r["domain"] in (wanted, f"default_{name}")
+             or (namespace and (r.get("namespace"), r.get("vmi")) == (namespace, plain))]
     if exact:
         return exact[0]
     by_name = [r for r in records if r["vmi"] == name]

@@ -9,13 +9,18 @@ Messages are CDI's where it has one (pkg/apiserver/webhooks/datavolume-validate.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urlsplit
 
 from diskkit.errors import DiskkitError
 from launcher.spec.fields import SpecError, as_map, get_str, parse_quantity
+from launcher.spec.meta import (
+    check_annotations,
+    check_labels,
+    check_namespace,
+    check_subdomain,
+)
 
 API_VERSION = "cdi.kubevirt.io/v1beta1"
 KIND = "DataVolume"
@@ -38,7 +43,6 @@ SOURCES = ("http", "registry", "blank", "upload", "pvc")
 UNSUPPORTED_SOURCES = ("s3", "gcs", "imageio", "vddk", "snapshot")
 PULL_METHODS = ("pod", "node")
 ACCESS_MODES = ("ReadWriteOnce", "ReadOnlyMany", "ReadWriteMany", "ReadWriteOncePod")
-_DNS1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 
 
 @dataclass(frozen=True)
@@ -162,11 +166,14 @@ def parse_data_volume(doc: Any, at: str, default_namespace: str = DEFAULT_NAMESP
     if template and not metadata.get("name"):  # KubeVirt's storage/admitters/data-volume-template.go
         raise SpecError(f"{at}.metadata.name", f"'name' field must not be empty for DataVolumeTemplate entry {at}.metadata.name.")
     name = get_str(metadata, "name", f"{at}.metadata", required=True)
-    if len(name) > 253 or not _DNS1123_SUBDOMAIN.fullmatch(name):
-        raise SpecError(f"{at}.metadata.name", "a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.'")
+    # The claim's directory and the state file beside it are named after it: nothing else may pass.
+    check_subdomain(name, f"{at}.metadata.name")
     namespace = get_str(metadata, "namespace", f"{at}.metadata") or default_namespace
     if template and namespace != default_namespace:
         raise SpecError(at, f"Embedded DataVolume namespace {namespace} differs from VM namespace {default_namespace}")
+    check_namespace(namespace, f"{at}.metadata.namespace")
+    check_labels(metadata.get("labels"), f"{at}.metadata.labels")
+    check_annotations(metadata.get("annotations"), f"{at}.metadata.annotations")
     sat = f"{at}.spec"
     spec = as_map(doc.get("spec"), sat)
     # The target before the source, in CDI's webhook and in KubeVirt's template admitter alike; their

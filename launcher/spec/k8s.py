@@ -11,16 +11,22 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
-
-import yaml
+from typing import Any
 
 from diskkit.errors import DiskkitError
 from launcher.spec.fields import SpecError, parse_quantity
+from launcher.spec.meta import (
+    check_annotations,
+    check_labels,
+    check_namespace,
+    check_subdomain,
+    check_xml_text,
+    load_documents,
+)
 
 # Kinds without a namespace; everything else is namespaced, "default" when the manifest names none
 # (what `kubectl apply` does with the default context).
@@ -33,6 +39,8 @@ CEPH_MON_PORT = 6789
 CHAP_USERNAME = "node.session.auth.username"
 CHAP_PASSWORD = "node.session.auth.password"
 # PersistentVolumeSpec fields that are not the volume source; whatever else is set names the PV's type.
+# ConfigMap and Secret contents: they become files in generated disks, never part of the domain XML.
+PAYLOAD_FIELDS = frozenset({"data", "stringData", "binaryData"})
 _PV_COMMON = frozenset({"accessModes", "capacity", "claimRef", "mountOptions", "nodeAffinity",
                         "persistentVolumeReclaimPolicy", "storageClassName", "volumeMode", "volumeAttributesClassName"})
 # librbd's own fallbacks, which qemu gets when libvirt passes no cephx key (and Kubernetes' defaults).
@@ -72,14 +80,7 @@ class Objects:
         files = sorted(p for p in directory.iterdir()
                        if p.suffix in (".yaml", ".yml", ".json") and not p.name.startswith(".") and p.is_file())
         for path in files:
-            try:
-                text = path.read_text()
-                docs = [json.loads(text)] if path.suffix == ".json" else list(yaml.safe_load_all(text))
-            except (yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError) as err:
-                raise DiskkitError(path, f"not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {err}") from None
-            except OSError as err:
-                raise DiskkitError(path, err.strerror or str(err)) from None
-            for number, doc in enumerate(docs, 1):
+            for number, doc in enumerate(load_documents(path), 1):
                 if doc is not None:  # an empty document between two `---`
                     objects._add(doc, f"{path} document {number}")
         return objects
@@ -102,6 +103,10 @@ class Objects:
             raise DiskkitError(origin, f"{kind}: metadata.name is required")
         if namespace is not None and not isinstance(namespace, str):
             raise DiskkitError(origin, f"{kind} {name}: metadata.namespace must be a string")
+        try:
+            _check_meta(doc, kind, name, namespace)
+        except SpecError as err:
+            raise DiskkitError(origin, f"{kind}: {err.subject}: {err.rule}") from None
         key = (kind, None if kind in CLUSTER_SCOPED else namespace or DEFAULT_NAMESPACE, name)
         if key in self._items:
             # Two versions of one object: which one the cluster holds is anybody's guess.
@@ -123,6 +128,18 @@ class Objects:
     def documents(self, kind: str) -> list[tuple[str, dict]]:
         """(origin, document) of every object of `kind`, in the order they were read."""
         return [(self._origins[key], doc) for key, doc in self._items.items() if key[0] == kind]
+
+
+def _check_meta(doc: dict, kind: str, name: str, namespace: str | None) -> None:
+    """ValidateObjectMeta, and no string libvirt's XML could not carry (payloads aside)."""
+    # pkg/apis/core/validation: Namespace names are DNS labels, every other kind here a DNS subdomain.
+    (check_namespace if kind == "Namespace" else check_subdomain)(name, "metadata.name")
+    if namespace:
+        check_namespace(namespace, "metadata.namespace")
+    metadata = doc.get("metadata")
+    check_labels(metadata.get("labels"), "metadata.labels")
+    check_annotations(metadata.get("annotations"), "metadata.annotations")
+    check_xml_text(doc, "", skip=PAYLOAD_FIELDS)
 
 
 def describe_object(kind: str, namespace: str | None, name: str) -> str:
@@ -273,6 +290,18 @@ def _secret_key(data: dict[str, bytes], key: str, secret: str, where: str, purpo
     return value
 
 
+def _secret_text(value: bytes, secret: str, key: str, where: str) -> str:
+    """A secret's value that goes into the domain XML (the CHAP user name): UTF-8 that XML can carry."""
+    try:
+        text = value.decode()
+        check_xml_text(text, f"secret {secret} data.{key}")
+    except UnicodeDecodeError:
+        raise DiskkitError(where, f"secret {secret}: data.{key} is not UTF-8 text") from None
+    except SpecError as err:
+        raise DiskkitError(where, f"{err.subject}: {err.rule}") from None
+    return text
+
+
 def _iscsi(objects: Objects, claim: Claim, pv_name: str, src: dict, where: str) -> NetworkDisk:
     at = f"persistentvolumes {pv_name} spec.iscsi"
     iqn = _required(src, "iqn", where, at)
@@ -298,7 +327,7 @@ def _iscsi(objects: Objects, claim: Claim, pv_name: str, src: dict, where: str) 
         if data.get(CHAP_USERNAME + "_in"):
             raise DiskkitError(where, f"secret {secret}: mutual CHAP ({CHAP_USERNAME}_in) is not supported by qemu's iSCSI initiator")
         purpose = f"session CHAP of persistentvolumes {pv_name}"
-        username = _secret_key(data, CHAP_USERNAME, secret, where, purpose).decode()
+        username = _secret_text(_secret_key(data, CHAP_USERNAME, secret, where, purpose), secret, CHAP_USERNAME, where)
         password = _secret_key(data, CHAP_PASSWORD, secret, where, purpose)
         usage, secret_type = f"diskkit-{claim.namespace}-{pv_name}", "iscsi"
     source = NetworkSource("iscsi", f"{iqn}/{lun}", tuple(dict.fromkeys(hosts)), username, secret_type, usage, initiator)

@@ -18,8 +18,6 @@ import uuid as uuidlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import yaml
-
 from diskkit.disk.containerdisk import path_problem
 from launcher.spec import coverage
 from launcher.spec.datavolume import templates
@@ -41,6 +39,15 @@ from launcher.spec.fields import (
     to_millis,
 )
 from launcher.spec.instancetype import ObjectSource, expand
+from launcher.spec.meta import (
+    check_annotations,
+    check_labels,
+    check_namespace,
+    check_subdomain,
+    check_xml_text,
+    domain_name,
+    load_documents,
+)
 
 API_VERSION = "kubevirt.io/v1"
 # v1alpha3 is deprecated but still served, with the same schema (CDI's examples use it).
@@ -73,6 +80,8 @@ VOLUME_KINDS = (
     "downwardMetrics",
 )
 
+# Contents of cloud-init files, never in the domain XML or a file name (keys of cloudInitNoCloud/ConfigDrive).
+CLOUD_INIT_CONTENT = frozenset({"userData", "networkData"})
 _SERIAL = re.compile(r"[A-Za-z0-9_.+-]+")
 _PCI_ADDRESS = re.compile(r"([0-9a-fA-F]{4}):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])")
 
@@ -328,7 +337,7 @@ class VMI:
 
     @property
     def domain_name(self) -> str:
-        return f"{self.namespace}_{self.name}"
+        return domain_name(self.namespace, self.name)
 
     @property
     def uuid(self) -> str:
@@ -940,7 +949,18 @@ def parse_vmi(doc: dict, ignore_unsupported: bool = False, *, objects: ObjectSou
         labels, annotations = tmeta.get("labels"), tmeta.get("annotations")
         spec = as_map(template.get("spec"), root)
     name = get_str(metadata, "name", "metadata", required=True)
+    check_subdomain(name, "metadata.name")
     namespace = get_str(metadata, "namespace", "metadata") or DEFAULT_NAMESPACE
+    check_namespace(namespace, "metadata.namespace")
+    meta_at = "metadata" if kind == "VirtualMachineInstance" else "spec.template.metadata"
+    # Strings reach the domain XML, file names and the generated disks' files; cloud-init data only
+    # the latter, as file contents.
+    check_xml_text(doc, "", skip=CLOUD_INIT_CONTENT)
+    labels = check_labels(labels, f"{meta_at}.labels")
+    annotations = check_annotations(annotations, f"{meta_at}.annotations")
+    if kind == "VirtualMachine":
+        check_labels(metadata.get("labels"), "metadata.labels")
+        check_annotations(metadata.get("annotations"), "metadata.annotations")
     architecture = get_str(spec, "architecture", root)
     if architecture not in (None, "amd64"):
         raise SpecError(f"{root}.architecture", f"{architecture} is not supported by the launcher (amd64 only)")
@@ -955,17 +975,13 @@ def parse_vmi(doc: dict, ignore_unsupported: bool = False, *, objects: ObjectSou
         if dv.name not in claims:  # storage/admitters/data-volume-template.go ValidateDataVolumeTemplate
             raise SpecError(f"spec.dataVolumeTemplates[{i}]", f"DataVolumeTemplate entry spec.dataVolumeTemplates[{i}] must be"
                                                               " referenced in the VMI template's 'volumes' list")
-    return VMI(name, namespace, get_str(metadata, "uid", "metadata"),
-               dict(as_map(labels, "metadata.labels")), dict(as_map(annotations, "metadata.annotations")), domain, volumes,
+    return VMI(name, namespace, get_str(metadata, "uid", "metadata"), labels, annotations, domain, volumes,
                hostname, data_volumes, tuple(unsupported))
 
 
 def load_vmi(path: str | Path, ignore_unsupported: bool = False, *, objects: ObjectSource | None = None) -> VMI:
-    """Read one YAML document from `path` and parse it (`objects`: see parse_vmi)."""
-    try:
-        doc = yaml.safe_load(Path(path).read_text())
-    except yaml.YAMLError as err:
-        raise SpecError(str(path), f"not valid YAML: {err}") from None
-    except OSError as err:
-        raise SpecError(str(path), err.strerror or str(err)) from None
-    return parse_vmi(doc, ignore_unsupported, objects=objects)
+    """Read one YAML document from `path` (within the API server's limits) and parse it (`objects`: see parse_vmi)."""
+    docs = [doc for doc in load_documents(path) if doc is not None]
+    if len(docs) != 1:
+        raise SpecError(str(path), f"must hold one VirtualMachineInstance or VirtualMachine document, not {len(docs)}")
+    return parse_vmi(docs[0], ignore_unsupported, objects=objects)

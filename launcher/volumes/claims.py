@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from diskkit.errors import DiskkitError
+from launcher.node.cache import within
 from launcher.render.domain import ResolvedDisk
 from launcher.spec.k8s import Claim, network_disk, resolve_claim
 from launcher.spec.vmi import Volume
@@ -40,7 +41,7 @@ def ephemeral(ctx: Context, volume: Volume, where: str) -> ResolvedDisk:
     base = claim_disk(ctx, volume, volume.source.claim_name, where, as_base=True)
     if base.type == "network":
         raise DiskkitError(where, "an ephemeral volume over a network (iSCSI/RBD) claim is not supported")
-    return overlay(ctx.run_dir / volume.name / "disk.qcow2", Path(base.path), "raw", ctx.create)
+    return overlay(within(ctx.run_dir, volume.name, "disk.qcow2"), Path(base.path), "raw", ctx.create)
 
 
 def claim_disk(ctx: Context, volume: Volume, claim_name: str, where: str, as_base: bool = False) -> ResolvedDisk:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from diskkit.disk import qemuimg
 from launcher.diskserver.client import Attached, attach
+from launcher.node.cache import within
 from launcher.node.pull import default_policy, pull
 from launcher.render.domain import ResolvedDisk
 from launcher.spec.k8s import NetworkSource
@@ -23,12 +24,12 @@ def container_disk(ctx: Context, volume: Volume, where: str) -> ResolvedDisk:
             return _nbd_overlay(ctx, volume, attached)
     base = pull(ctx.cache, source.image, source.path, ctx.platform, ctx.registry, source.image_pull_policy, notes=ctx.out.notes)
     ctx.out.pulled.append(base)
-    return overlay(ctx.run_dir / volume.name / "disk.qcow2", base.path, base.format, ctx.create)
+    return overlay(within(ctx.run_dir, volume.name, "disk.qcow2"), base.path, base.format, ctx.create)
 
 
 def _nbd_overlay(ctx: Context, volume: Volume, attached: Attached) -> ResolvedDisk:
     """The overlay over a disk the node's disk server exports (a lazy containerDisk)."""
-    path = ctx.run_dir / volume.name / "disk.qcow2"
+    path = within(ctx.run_dir, volume.name, "disk.qcow2")
     path.parent.mkdir(parents=True, exist_ok=True)
     qemuimg.create_overlay(attached.url, attached.format, path, size=attached.virtual_size)
     export = NetworkSource("nbd", attached.export, (), socket=attached.socket)

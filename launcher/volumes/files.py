@@ -11,9 +11,8 @@ from pathlib import Path
 
 from diskkit.disk import qemuimg
 from diskkit.errors import DiskkitError
+from launcher.node.cache import QEMU_ID
 from launcher.render.domain import ResolvedDisk
-
-QEMU_ID = 107  # KubeVirt's qemu user and group
 
 
 def direct_io_supported(path: Path) -> bool:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from diskkit.errors import DiskkitError
+from launcher.node.cache import private_dirs, within
 from launcher.spec.k8s import Objects
 from launcher.spec.vmi import VMI, Volume
 from launcher.volumes import cloudinit, configdisks, iso, vhostmd
@@ -93,7 +94,7 @@ class Generator:
             data = cloudinit.resolve(volume.name, source, user, network)
         except DiskkitError as err:
             raise DiskkitError(where, err.rule) from None
-        path = self.run_dir / "cloud-init-data" / self.vmi.namespace / self.vmi.name / cloudinit.ISO_NAMES[kind]
+        path = within(self.run_dir, "cloud-init-data", self.vmi.namespace, self.vmi.name, cloudinit.ISO_NAMES[kind])
         return Planned(path, cloudinit.VOLUME_IDS[kind], cloudinit.files_for(kind, self.vmi, data))
 
     def config(self, volume: Volume, where: str) -> Planned:
@@ -101,7 +102,7 @@ class Generator:
         name = source.name if kind == "configMap" else source.secret_name
         mount = self.sources.pod_config / configdisks.SOURCE_DIRS[kind] / volume.name
         files = self._object(kind, name, mount, source.optional, where)
-        path = self.run_dir / configdisks.DISK_DIRS[kind] / f"{volume.name}.iso"
+        path = within(self.run_dir, configdisks.DISK_DIRS[kind], f"{volume.name}.iso")
         return Planned(path, source.volume_label or configdisks.DEFAULT_LABEL, files)
 
     def service_account(self, volume: Volume, where: str) -> Planned:
@@ -118,18 +119,20 @@ class Generator:
             raise DiskkitError(where, f"serviceAccount {account}: no token Secret for it in namespace {self.vmi.namespace}"
                                       f" (type {configdisks.SERVICE_ACCOUNT_TOKEN_TYPE}, annotation"
                                       f" {configdisks.SERVICE_ACCOUNT_NAME_ANNOTATION}: {account}) in --manifests, and no token in {mount}")
-        return Planned(self.run_dir / configdisks.SERVICE_ACCOUNT_DISK, configdisks.DEFAULT_LABEL, files)
+        return Planned(within(self.run_dir, configdisks.SERVICE_ACCOUNT_DISK), configdisks.DEFAULT_LABEL, files)
 
     def downward_api(self, volume: Volume, where: str) -> Planned:
         files, modes = configdisks.downward_api_files(self.vmi, volume.source.fields)
-        path = self.run_dir / configdisks.DISK_DIRS["downwardAPI"] / f"{volume.name}.iso"
+        path = within(self.run_dir, configdisks.DISK_DIRS["downwardAPI"], f"{volume.name}.iso")
         return Planned(path, volume.source.volume_label or configdisks.DEFAULT_LABEL, files, modes)
 
     def downward_metrics(self, volume: Volume, where: str) -> Planned:
-        return Planned(self.run_dir / vhostmd.DISK_PATH)
+        return Planned(within(self.run_dir, vhostmd.DISK_PATH))
 
 
-def make(planned: Planned, finish: Callable[[Path], None] | None = None) -> Path:
+def make(planned: Planned, run_dir: Path, finish: Callable[[Path], None] | None = None) -> Path:
+    """Write the disk; its directories, like the run directory, are for its owner and qemu only."""
+    private_dirs(run_dir, planned.path.parent)
     if planned.volume_id is None:
         return vhostmd.create(planned.path, finish)
     return iso.write_iso(planned.path, planned.volume_id, planned.files, planned.modes, finish)

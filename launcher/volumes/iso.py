@@ -155,7 +155,10 @@ def write_iso(path: Path, volume_id: str, files: Mapping[str, bytes], modes: Map
               finish: Callable[[Path], None] | None = None) -> Path:
     """Write the image to `path` atomically; `finish(staging)` runs before the rename (chown, say)."""
     with publishing(path) as staging:
-        with open(staging, "wb") as out:
+        # 0600 from the start: the image may carry secrets (cloud-init passwords, Secret volumes,
+        # tokens); as root, `finish` gives it to the qemu user.
+        with os.fdopen(os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as out:
+            os.fchmod(out.fileno(), 0o600)  # a staging file left behind keeps its mode through O_CREAT
             write_to(out, volume_id, files, modes)
             out.truncate(-(-out.tell() // ALIGNMENT) * ALIGNMENT)  # zeros, as a hole
             out.flush()

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from diskkit.disk import qemuimg
 from diskkit.errors import DiskkitError
+from launcher.node.cache import within
 from launcher.render.domain import ResolvedDisk
 from launcher.spec.vmi import Volume
 from launcher.volumes import sizing
@@ -16,7 +17,7 @@ from launcher.volumes.files import create_sparse, file_disk, free_bytes, is_bloc
 def empty_disk(ctx: Context, volume: Volume, where: str) -> ResolvedDisk:
     """A sparse qcow2 in the VM's run directory: it survives guest reboots, not VM re-creation."""
     size = sizing.empty_disk_size(volume.source.capacity, volume.name)
-    path = ctx.run_dir / "empty-disks" / f"{volume.name}.qcow2"
+    path = within(ctx.run_dir, "empty-disks", f"{volume.name}.qcow2")
     if ctx.create:
         path.parent.mkdir(parents=True, exist_ok=True)
         qemuimg.create_image(path, "qcow2", size)

@@ -31,7 +31,7 @@ def _generated(plan_of: Callable[[gendisks.Generator, Volume, str], gendisks.Pla
         sources = gendisks.Sources(ctx.store.objects, ctx.store.pod_config, ctx.store.service_account_dir)
         plan = plan_of(gendisks.Generator(ctx.vmi, ctx.run_dir, sources), volume, where)
         if ctx.create:
-            gendisks.make(plan, give_to_qemu)
+            gendisks.make(plan, ctx.run_dir, give_to_qemu)
         return file_disk(plan.path, "raw")
     return handler
 
