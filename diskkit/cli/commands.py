@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import click
 from diskkit import __version__
 from diskkit.cli.shell import platform as platform_of
 from diskkit.cli.shell import registry_options, run_main
+from diskkit.cli.trustflags import signature_options
 from diskkit.errors import DiskkitError
 from diskkit.oci.image import Platform
 from diskkit.ops.build import (
@@ -105,6 +107,7 @@ Examples:
   diskkit build disk.qcow2 --kernel ./vmlinuz --initrd /boot/initrd.img=./initrd -t oci:./layout:kb
   diskkit build --platform linux/amd64=x86.qcow2 --platform linux/arm64=arm.qcow2 -t quay.io/me/fedora:40
   SOURCE_DATE_EPOCH=1700000000 diskkit build disk.qcow2 -t oci:./layout --json
+  diskkit build disk.qcow2 -t quay.io/me/fedora:40 --sign-by-sigstore-private-key ci.private --sign-passphrase-file pass
 """
 )
 @click.argument("src", type=click.Path(path_type=Path, readable=False), required=False)
@@ -122,7 +125,8 @@ Examples:
 @click.option("--env", multiple=True, metavar="KEY=VALUE", help="Config environment variable (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the digest; progress as JSON lines on stderr.")
 @registry_options
-def build_cmd(src, dest, image_path, disk_format, compression, level, lazy, kernel, initrd, platforms, label, annotation, env, as_json, registry: RegistryOptions) -> None:
+@signature_options(policy=False)
+def build_cmd(src, dest, image_path, disk_format, compression, level, lazy, kernel, initrd, platforms, label, annotation, env, as_json, registry: RegistryOptions, sign) -> None:
     """Package disk SRC as a scratch-based containerDisk image.
 
     One layer holds /disk/ (0555) and /disk/<name> (0440), both owned by qemu (107:107), as KubeVirt
@@ -157,14 +161,75 @@ def build_cmd(src, dest, image_path, disk_format, compression, level, lazy, kern
         created=source_epoch(),
         platforms=[(Platform.parse(p.split("=", 1)[0]), Path(p.split("=", 1)[1])) for p in per_platform],
     )
+    signer = _signer(dest, sign)
     result = build(opts, reporter_for(as_json), registry)
+    signed = _sign(dest, result.digest, signer, registry)
     if as_json:
-        click.echo(json.dumps(result.to_json(), indent=2))
+        click.echo(json.dumps({**result.to_json(), **signed}, indent=2))
     else:
         click.echo(result.digest)
 
 
 cli.add_command(build_cmd, "build")
+
+
+def _signer(dest: str, sign):
+    """(destination, decrypted key) when signing, checked before anything is pushed; else None."""
+    if sign is None:
+        return None
+    from diskkit.signing.trust import check_signable, load_signer
+
+    return check_signable(dest, sign), load_signer(sign)
+
+
+def _sign(dest: str, digest: str, signer, registry: RegistryOptions) -> dict:
+    if signer is None:
+        return {}
+    from diskkit.signing.trust import sign_pushed
+
+    return {"signed": sign_pushed(signer[0], digest, signer[1], registry)}
+
+
+@cli.command("generate-sigstore-key", epilog="""\b
+Examples:
+  diskkit generate-sigstore-key --output-prefix ci            # asks for a passphrase; writes ci.private, ci.pub
+  diskkit generate-sigstore-key --output-prefix ci --passphrase-file pass
+""")
+@click.option("--output-prefix", required=True, metavar="PREFIX", help="Write PREFIX.private and PREFIX.pub.")
+@click.option("--passphrase-file", type=click.Path(dir_okay=False, path_type=Path), help="Read the passphrase from this file (else it is asked on the terminal).")
+def generate_key_cmd(output_prefix: str, passphrase_file: Path | None) -> None:
+    """Generate a sigstore key pair for --sign-by-sigstore-private-key, as `skopeo generate-sigstore-key`.
+
+    PREFIX.private is the passphrase-encrypted ECDSA P-256 key (cosign's format); PREFIX.pub is the
+    public key that policy.json's sigstoreSigned keyPath names. Existing files are not overwritten.
+    """
+    from diskkit.signing.keys import generate_key_pair, read_passphrase
+    from diskkit.streams import fsutil
+
+    private_path, public_path = Path(output_prefix + ".private"), Path(output_prefix + ".pub")
+    for path in (private_path, public_path):
+        if path.exists():
+            raise DiskkitError(path, "refusing to overwrite an existing file")
+    private, public = generate_key_pair(read_passphrase(passphrase_file, "Passphrase for the new key: ", confirm=True))
+    written = []
+    try:
+        for path, data, mode in ((private_path, private, 0o600), (public_path, public, 0o644)):
+            tmp = fsutil.staging_file(path)
+            try:
+                with open(tmp, "wb") as out:
+                    out.write(data)
+                    out.flush()
+                    os.fsync(out.fileno())
+                tmp.chmod(mode)
+                tmp.replace(path)
+            finally:
+                tmp.unlink(missing_ok=True)
+            written.append(path)
+    except BaseException:
+        for path in written:
+            path.unlink(missing_ok=True)
+        raise
+    click.echo(f"Key written to {private_path} and {public_path}")
 
 
 @cli.command("inspect", epilog="""\b
@@ -177,11 +242,15 @@ Examples:
 @click.option("--platform", help="OS/ARCH to pick from a multi-platform index (default: this host's).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @registry_options
-def inspect_cmd(ref: str, platform: str | None, as_json: bool, registry: RegistryOptions) -> None:
+@signature_options(sign=False)
+def inspect_cmd(ref: str, platform: str | None, as_json: bool, registry: RegistryOptions, trust) -> None:
     """Show an image's manifest, config, layers and disk (path, format, virtual size, owner, mode).
 
-    Registry images are described without pulling their layers.
+    Registry images are described without pulling their layers. The signature policy is enforced first.
     """
+    from diskkit.signing.trust import enforce_ref
+
+    enforce_ref(ref, trust, registry, platform_of(platform))
     report = inspect(ref, platform_of(platform), registry)
     data = describe(report)
     if as_json:
@@ -248,6 +317,8 @@ Examples:
   diskkit push docker://quay.io/me/fedora:40 oci-archive:fedora.tar
   diskkit push --all docker://quay.io/me/fedora:40 docker://registry.local/me/fedora:40
   diskkit push --tls-verify=false docker-archive:fedora.tar localhost:5000/fedora:40
+  diskkit push --sign-by-sigstore-private-key ci.private --sign-passphrase-file pass oci:./layout:40 quay.io/me/fedora:40
+  diskkit push --signature-policy policy.json quay.io/me/fedora:40 oci:./mirror:40
 """)
 @click.argument("src")
 @click.argument("dest")
@@ -255,17 +326,23 @@ Examples:
 @click.option("--all", "all_platforms", is_flag=True, help="Copy every platform of an index, and the index itself.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object; events as JSON lines on stderr.")
 @registry_options
-def push_cmd(src, dest, platform, all_platforms, as_json, registry: RegistryOptions) -> None:
+@signature_options()
+def push_cmd(src, dest, platform, all_platforms, as_json, registry: RegistryOptions, trust, sign) -> None:
     """Copy an image from any transport to any transport, as `skopeo copy` does.
 
     Blobs the destination already has are skipped, blobs in another repository of the same
     registry are mounted, the rest stream through with their digests verified. Manifests keep
-    their bytes and media type, so the digest printed is the source's.
+    their bytes and media type, so the digest printed is the source's. The source must pass the
+    signature policy before any blob moves; with a key, what was pushed is signed.
     """
     from diskkit.ops.copy import copy_image
+    from diskkit.signing.trust import enforce_ref
 
+    enforce_ref(src, trust, registry, platform_of(platform), all_platforms)
+    signer = _signer(dest, sign)
     result = copy_image(src, dest, registry, reporter_for(as_json), platform_of(platform), all_platforms)
-    click.echo(json.dumps(result.to_json(), indent=2) if as_json else result.digest)
+    signed = _sign(dest, result.digest, signer, registry)
+    click.echo(json.dumps({**result.to_json(), **signed}, indent=2) if as_json else result.digest)
 
 
 @cli.command("delete", epilog="""\b
