@@ -286,13 +286,15 @@ Examples:
   diskkit verify oci:./layout:fedora-40
   diskkit verify --path /images/root.qcow2 oci-archive:custom.tar
   diskkit verify --tls-verify=false localhost:5000/disks/fedora:40
+  diskkit verify --key ci.pub --key old.pub quay.io/me/fedora:40
 """)
 @click.argument("ref")
 @click.option("--path", "image_path", metavar="/DIR/NAME", help="The containerDisk.path the VMI will use (default: the one file in /disk).")
 @click.option("--platform", help="OS/ARCH to pick from a multi-platform index (default: this host's).")
+@click.option("--key", "keys", multiple=True, type=click.Path(dir_okay=False, path_type=Path), metavar="FILE", help="Also report whether the image is signed by this sigstore public key (repeatable); none of them: exit 1.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @registry_options
-def verify_cmd(ref: str, image_path: str | None, platform: str | None, as_json: bool, registry: RegistryOptions) -> None:
+def verify_cmd(ref: str, image_path: str | None, platform: str | None, keys: tuple[Path, ...], as_json: bool, registry: RegistryOptions) -> None:
     """Check an image (ours or anyone's) the way KubeVirt consumes it; exit 1 listing every violation.
 
     Checks every blob digest and diffID, finds the disk as KubeVirt does (exactly one entry in
@@ -300,15 +302,28 @@ def verify_cmd(ref: str, image_path: str | None, platform: str | None, as_json: 
     qcow2 with no backing file, no external data file and no corruption.
     """
     report = verify(ref, image_path, platform_of(platform), registry)
+    signature = _signature_report(ref, keys, registry, report.problems) if keys else {}
     if as_json:
-        click.echo(json.dumps({**describe(report), "ok": report.ok}, indent=2))
+        click.echo(json.dumps({**describe(report), **signature, "ok": report.ok}, indent=2))
     elif report.ok:
         disk = report.disk
         click.echo(f"OK {ref}: {disk.path} is {disk.format}, virtual size {disk.virtual_size} bytes, readable by UID 107")
+        for signer in signature.get("signedBy", []):
+            click.echo(f"OK {ref}: {signer['digest']} signed by {signer['key']} as {signer['identity']}")
     else:
         for problem in report.problems:
             click.echo(f"{ref}: {problem}", err=True)
     sys.exit(0 if report.ok else 1)
+
+
+def _signature_report(ref: str, keys: tuple[Path, ...], registry: RegistryOptions, problems: list[str]) -> dict:
+    from diskkit.signing.trust import signers
+
+    digest, count, found = signers(ref, list(keys), registry)
+    if not found:
+        given = ", ".join(str(k) for k in keys)
+        problems.append(f"{digest}: not signed by {given} ({count} signature{'s' if count != 1 else ''} found)")
+    return {"signatures": count, "signedBy": [{"key": s.key, "identity": s.identity, "digest": s.digest} for s in found]}
 
 
 @cli.command("push", epilog="""\b

@@ -7,6 +7,7 @@ image is refused before any of its layers is read.
 
 from __future__ import annotations
 
+import base64
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from diskkit.oci.image import Platform, parse_json, select_platform, sha256_dige
 from diskkit.oci.reference import DockerName, ImageRef, parse_ref
 from diskkit.registry.options import RegistryOptions
 from diskkit.signing import keys, policy, registriesd, sigstore
+from diskkit.signing import payload as payload_module
 from diskkit.transports import open_source
 from diskkit.transports.base import Source
 from diskkit.transports.remote import RemoteSource
@@ -132,3 +134,42 @@ def sign_pushed(dest: ImageRef, digest: str, private_key, registry: RegistryOpti
     for each in signed:
         sigstore.put_signature(name, each, sigstore.signature_layer(private_key, reference, each), registry)
     return signed
+
+
+@dataclass(frozen=True)
+class Signer:
+    key: str
+    identity: str
+    digest: str
+
+
+def signers(ref: ImageRef | str, key_paths: list[Path], registry: RegistryOptions | None) -> tuple[str, int, list[Signer]]:
+    """(digest, signatures found, which given keys signed it and for which identity) of the manifest
+    `ref` resolves to; a signature counts only when its payload names that digest."""
+    ref = parse_ref(ref) if isinstance(ref, str) else ref
+    if ref.transport != "docker":
+        raise DiskkitError(str(ref), "signatures are read from a registry (docker://); local layouts and archives hold none")
+    loaded = []
+    for path in key_paths:
+        try:
+            loaded.append((str(path), keys.load_public_keys(Path(path).read_bytes(), str(path))))
+        except OSError as exc:
+            raise DiskkitError(path, f"cannot read the public key: {exc.strerror}") from None
+    with open_source(ref, registry) as source:
+        data, _, desc = source.top_manifest()
+    digest = desc.digest if desc else sha256_digest(data)
+    found = sigstore.read_signatures(ref.name, digest, registry or RegistryOptions())
+    out = []
+    for sig in found:
+        annotation = sig.annotations.get(payload_module.SIGNATURE_ANNOTATION)
+        if sig.media_type != payload_module.MIME_TYPE or annotation is None:
+            continue
+        try:
+            raw = base64.b64decode(annotation, validate=True)
+            signed_ref, signed_digest = payload_module.parse_payload(sig.payload)
+        except ValueError:
+            continue
+        if signed_digest != digest:
+            continue
+        out += [Signer(path, signed_ref, digest) for path, pubs in loaded if any(keys.verifies(k, sig.payload, raw) for k in pubs)]
+    return digest, len(found), out
