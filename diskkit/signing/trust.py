@@ -52,16 +52,20 @@ def _scope_names(ref: ImageRef) -> tuple[str, list[str]]:
     return (f"{path}:{ref.tag}" if ref.tag else path), parents
 
 
+def load_policy(trust: TrustOptions) -> policy.Policy | None:
+    path = trust.policy if trust.policy is not None else policy.default_path()
+    return policy.load(path) if path is not None else None
+
+
 def enforce(ref: ImageRef | str, digests: list[str], trust: TrustOptions, registry: RegistryOptions | None) -> None:
     """Raise DiskkitError (image, policy entry, reason) unless the policy allows every digest of `ref`.
 
     With no policy file anywhere nothing is enforced (diskkit's behaviour before signatures existed).
     """
     ref = parse_ref(ref) if isinstance(ref, str) else ref
-    path = trust.policy if trust.policy is not None else policy.default_path()
-    if path is None:
+    loaded = load_policy(trust)
+    if loaded is None:
         return
-    loaded = policy.load(path)
     identity, namespaces = _scope_names(ref)
     entry, requirements = policy.requirements_for(loaded, ref.transport, identity, namespaces)
     intended = None
@@ -82,6 +86,8 @@ def enforce(ref: ImageRef | str, digests: list[str], trust: TrustOptions, regist
 def enforce_source(source: Source, trust: TrustOptions, registry: RegistryOptions | None, platform: Platform | None = None, every: bool = False) -> None:
     """enforce() for an open Source: its top manifest and, for an index, the instance `platform`
     selects (or with `every`, all of them)."""
+    if load_policy(trust) is None:
+        return  # a broken policy is reported before the registry is asked anything
     data, media, desc = source.manifest_descriptors()
     digests = [desc.digest if desc else sha256_digest(data)]
     if media in mt.INDEXES:
