@@ -20,6 +20,7 @@ import requests
 from diskkit.signing import policy as policy_mod
 from diskkit.oci.reference import parse_docker_name
 from tests.conftest import make_qcow2, run_diskkit, run_launcher
+from tests.vmhost import QEMU_UID, qemu_user  # noqa: F401  (fixture)
 
 NOREG = "--tls-verify=false"
 ROOT = Path(__file__).resolve().parent.parent
@@ -360,3 +361,36 @@ def test_skopeo_here_has_no_sigstore(registry, trust, disk, tmp_path):
     proc = subprocess.run(["skopeo", "--policy", pol, "--registries.d", trust["regd"], "copy", "--src-tls-verify=false",
                            f"docker://{ref}", f"oci:{tmp_path}/out:v1"], capture_output=True, text=True)
     assert proc.returncode != 0 and "sigstore disabled" in proc.stderr, proc.stderr
+
+
+def test_vm_boots_a_signed_image_and_run_refuses_an_unsigned_one(registry, trust, qemu_user):
+    from tests.testguest import ensure_testguest, parse_console
+    from tests.vmhost import assert_clean
+
+    guest = ensure_testguest() / "testguest.qcow2"
+    signed = f"{registry.host}/vm/guest:v1"
+    build_signed(guest, signed, trust)
+    unsigned = f"{registry.host}/vmu/guest:v1"
+    assert run_diskkit("build", NOREG, guest, "-t", unsigned).code == 0
+    # The node's policy in the qemu user's standard places; keyData, as its HOME cannot read ours.
+    conf = qemu_user.home / ".config/containers"
+    (conf / "registries.d").mkdir(parents=True)
+    (conf / "registries.d/default.yaml").write_text((trust["regd"] / "default.yaml").read_text())
+    key_data = base64.b64encode(Path(f"{trust['a']}.pub").read_bytes()).decode()
+    write_policy(conf / "policy.json", registry.host, {"type": "sigstoreSigned", "keyData": key_data})
+    # The qemu user's libvirt session daemon keeps its own files under ~/.config: it must stay theirs.
+    for path in [qemu_user.home / ".config", *(qemu_user.home / ".config").rglob("*")]:
+        os.chown(path, QEMU_UID, QEMU_UID)
+
+    refused = qemu_user.launcher("run", NOREG, "--console", "--timeout", "180", qemu_user.write_vmi("unsigned", unsigned))
+    assert refused.code != 0, refused.out
+    [line] = refused.err.strip().splitlines()
+    assert unsigned in line and "A signature was required, but no signature exists" in line, refused.err
+    assert cache_files(qemu_user.cache) == []
+    assert_clean(qemu_user, "default_unsigned")
+
+    booted = qemu_user.launcher("run", NOREG, "--console", "--timeout", "180", qemu_user.write_vmi("signed", signed))
+    assert booted.code == 0, booted.err
+    console = parse_console(booted.out)
+    assert console["ready"] and console["done"], booted.out
+    assert_clean(qemu_user, "default_signed")
