@@ -394,3 +394,25 @@ def test_vm_boots_a_signed_image_and_run_refuses_an_unsigned_one(registry, trust
     console = parse_console(booted.out)
     assert console["ready"] and console["done"], booted.out
     assert_clean(qemu_user, "default_signed")
+
+
+def test_lazy_disk_server_checks_the_policy_before_serving(registry, trust, disk, other_disk, tmp_path):
+    from tests.lazyhost import control, disk_server
+
+    signed = f"{registry.host}/lazy/signed:v1"
+    r = run_diskkit("build", NOREG, "--lazy", disk, "-t", signed, *signing_flags(trust))
+    assert r.code == 0, r.err
+    unsigned = f"{registry.host}/lazy/unsigned:v1"
+    assert run_diskkit("build", NOREG, "--lazy", other_disk, "-t", unsigned).code == 0
+    env = node_home(tmp_path, trust, keyed(trust), f"{registry.host}/lazy")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with disk_server(cache, env=env):
+        ask = {"op": "open", "path": None, "registry": {"tls_verify": False}}
+        refused = control(cache, {**ask, "image": unsigned})
+        assert refused["ok"] is False and "A signature was required, but no signature exists" in refused["error"], refused
+        assert unsigned in refused["error"]
+        lazy = cache / "lazy"
+        assert [p for p in lazy.rglob("*") if p.is_file()] == [] if lazy.exists() else True, "the refused image left lazy files"
+        opened = control(cache, {**ask, "image": signed})
+        assert opened["ok"], opened
