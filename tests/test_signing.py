@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import requests
 
-from diskkit.signing import policy as policy_mod
 from diskkit.oci.reference import parse_docker_name
+from diskkit.signing import policy as policy_mod
 from tests.conftest import make_qcow2, run_diskkit, run_launcher
-from tests.vmhost import QEMU_UID, qemu_user  # noqa: F401  (fixture)
+from tests.vmhost import QEMU_UID
 
 NOREG = "--tls-verify=false"
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,7 +32,7 @@ SIG_ANNOTATION = "dev.cosignproject.cosign/signature"
 def keypeer(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("keypeer") / "keypeer"
     env = {**os.environ, "GO111MODULE": "off", "GOPATH": "/usr/share/gocode", "GOCACHE": str(out.parent / "gocache")}
-    proc = subprocess.run(["go", "build", "-o", str(out), str(ROOT / "tests/keypeer/main.go")], capture_output=True, text=True, env=env)
+    proc = subprocess.run(["go", "build", "-o", str(out), str(ROOT / "tests/keypeer/main.go")], capture_output=True, text=True, env=env, check=False)
     assert proc.returncode == 0, f"building tests/keypeer failed (golang-go and golang-golang-x-crypto-dev needed):\n{proc.stderr}"
     return out
 
@@ -115,13 +115,13 @@ def test_generate_key_is_read_by_go_crypto(trust, keypeer, tmp_path):
     assert public.read_text().startswith("-----BEGIN PUBLIC KEY-----")
     payload = tmp_path / "payload"
     payload.write_bytes(b'{"any":"bytes"}')
-    signed = subprocess.run([keypeer, "sign", private, trust["pass"]], stdin=payload.open("rb"), capture_output=True, text=True)
+    signed = subprocess.run([keypeer, "sign", private, trust["pass"]], stdin=payload.open("rb"), capture_output=True, text=True, check=False)
     assert signed.returncode == 0, signed.stderr
-    verified = subprocess.run([keypeer, "verify", public, signed.stdout.strip()], stdin=payload.open("rb"), capture_output=True, text=True)
+    verified = subprocess.run([keypeer, "verify", public, signed.stdout.strip()], stdin=payload.open("rb"), capture_output=True, text=True, check=False)
     assert verified.returncode == 0, verified.stderr
     wrong = tmp_path / "wrong"
     wrong.write_text("not it\n")
-    assert subprocess.run([keypeer, "sign", private, wrong], stdin=payload.open("rb"), capture_output=True).returncode != 0
+    assert subprocess.run([keypeer, "sign", private, wrong], stdin=payload.open("rb"), capture_output=True, check=False).returncode != 0
     again = run_diskkit("generate-sigstore-key", "--output-prefix", trust["a"], "--passphrase-file", trust["pass"])
     assert again.code != 0 and "refusing to overwrite" in again.err
 
@@ -135,7 +135,7 @@ def test_key_made_by_go_signs_in_diskkit(registry, trust, keypeer, disk, tmp_pat
     digest = r.last_line
     layer = attachment(registry, "sign/gokey", digest)["layers"][0]
     payload = blob(registry, "sign/gokey", layer["digest"])
-    verified = subprocess.run([keypeer, "verify", tmp_path / "go.pub", layer["annotations"][SIG_ANNOTATION]], input=payload, capture_output=True)
+    verified = subprocess.run([keypeer, "verify", tmp_path / "go.pub", layer["annotations"][SIG_ANNOTATION]], input=payload, capture_output=True, check=False)
     assert verified.returncode == 0, verified.stderr
     ok = run_diskkit("verify", NOREG, "--key", f"{trust['a']}.pub", "--key", tmp_path / "go.pub", ref)
     assert ok.code == 0, ok.err
@@ -183,7 +183,7 @@ def test_build_stores_a_cosign_attachment(registry, trust, disk, tmp_path):
     (tmp_path / "payload").write_bytes(payload)
     (tmp_path / "sig").write_bytes(base64.b64decode(layer["annotations"][SIG_ANNOTATION]))
     for key, expect in (("a", 0), ("b", 1)):
-        proc = subprocess.run(["openssl", "dgst", "-sha256", "-verify", f"{trust[key]}.pub", "-signature", tmp_path / "sig", tmp_path / "payload"], capture_output=True)
+        proc = subprocess.run(["openssl", "dgst", "-sha256", "-verify", f"{trust[key]}.pub", "-signature", tmp_path / "sig", tmp_path / "payload"], capture_output=True, check=False)
         assert proc.returncode == expect, proc.stdout
     # A second signature by another key is added beside the first, as skopeo does.
     r = run_diskkit("push", NOREG, *signing_flags(trust, "b"), f"docker://{ref}", f"docker://{ref}")
@@ -359,7 +359,7 @@ def test_skopeo_here_has_no_sigstore(registry, trust, disk, tmp_path):
     build_signed(disk, ref, trust)
     pol = write_policy(tmp_path / "p.json", f"{registry.host}/sign", keyed(trust))
     proc = subprocess.run(["skopeo", "--policy", pol, "--registries.d", trust["regd"], "copy", "--src-tls-verify=false",
-                           f"docker://{ref}", f"oci:{tmp_path}/out:v1"], capture_output=True, text=True)
+                           f"docker://{ref}", f"oci:{tmp_path}/out:v1"], capture_output=True, text=True, check=False)
     assert proc.returncode != 0 and "sigstore disabled" in proc.stderr, proc.stderr
 
 

@@ -11,14 +11,19 @@ from __future__ import annotations
 import base64
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from diskkit.errors import DiskkitError
 from diskkit.oci.reference import DockerName, parse_docker_name
 from diskkit.signing import keys
-from diskkit.signing.payload import MIME_TYPE, SIGNATURE_ANNOTATION, InvalidPayload, parse_payload
+from diskkit.signing.payload import (
+    MIME_TYPE,
+    SIGNATURE_ANNOTATION,
+    InvalidPayload,
+    parse_payload,
+)
 
 SYSTEM_POLICY = Path("/etc/containers/policy.json")
 IDENTITY_TYPES = ("matchExact", "matchRepoDigestOrExact", "matchRepository", "exactReference", "exactRepository", "remapIdentity")
