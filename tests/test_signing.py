@@ -416,3 +416,21 @@ def test_lazy_disk_server_checks_the_policy_before_serving(registry, trust, disk
         assert [p for p in lazy.rglob("*") if p.is_file()] == [] if lazy.exists() else True, "the refused image left lazy files"
         opened = control(cache, {**ask, "image": signed})
         assert opened["ok"], opened
+
+
+def test_registries_d_most_specific_entry_that_sets_the_key_wins(tmp_path):
+    from diskkit.signing import registriesd
+
+    (tmp_path / "a.yaml").write_text("default-docker:\n  use-sigstore-attachments: true\n")
+    (tmp_path / "b.yaml").write_text(
+        "docker:\n  reg.example/ns:\n    use-sigstore-attachments: false\n  reg.example/ns/img:\n    lookaside: file:///x\n"
+    )
+    config = registriesd.load(tmp_path)
+    name = parse_docker_name("reg.example/ns/img:v1")
+    # reg.example/ns/img sets nothing about attachments, so reg.example/ns decides.
+    assert registriesd.uses_attachments(config, policy_mod.identity_of(name), policy_mod.namespaces_of(name)) is False
+    other = parse_docker_name("reg.example/other/img:v1")
+    assert registriesd.uses_attachments(config, policy_mod.identity_of(other), policy_mod.namespaces_of(other)) is True
+    (tmp_path / "c.yaml").write_text("default-docker:\n  use-sigstore-attachments: false\n")
+    with pytest.raises(Exception, match="default-docker is defined in more than one file"):
+        registriesd.load(tmp_path)

@@ -72,23 +72,22 @@ def load(path: Path) -> Policy:
             raise DiskkitError(where, f'invalid policy: unknown key "{name}"')
     if "default" not in doc:
         raise DiskkitError(where, 'invalid policy: Policy.Default is missing')
-    base = Path(path).parent
-    default = _requirements(doc["default"], f"{where}: default", base)
+    default = _requirements(doc["default"], f"{where}: default")
     transports: dict[str, dict[str, list[Requirement]]] = {}
     for transport, scopes in (doc.get("transports") or {}).items():
         if not isinstance(scopes, dict):
             raise DiskkitError(f"{where}: transports.{transport}", "must be an object of scopes")
-        transports[transport] = {s: _requirements(r, f"{where}: transports.{transport}[{s!r}]", base) for s, r in scopes.items()}
+        transports[transport] = {s: _requirements(r, f"{where}: transports.{transport}[{s!r}]") for s, r in scopes.items()}
     return Policy(where, default, transports)
 
 
-def _requirements(items, where: str, base: Path) -> list[Requirement]:
+def _requirements(items, where: str) -> list[Requirement]:
     if not isinstance(items, list) or not items:
         raise DiskkitError(where, "List of verification policy requirements must not be empty")
-    return [_requirement(item, f"{where}[{i}]", base) for i, item in enumerate(items)]
+    return [_requirement(item, f"{where}[{i}]") for i, item in enumerate(items)]
 
 
-def _requirement(obj, where: str, base: Path) -> Requirement:
+def _requirement(obj, where: str) -> Requirement:
     if not isinstance(obj, dict) or "type" not in obj:
         raise DiskkitError(where, "a policy requirement needs a type")
     kind = obj["type"]
@@ -115,8 +114,7 @@ def _requirement(obj, where: str, base: Path) -> Requirement:
         raise DiskkitError(f"{where}.{name}", "must be a string (or a non-empty list of strings)")
     for value in values:
         if name.startswith("keyPath"):
-            # containers/image requires absolute paths here; relative ones are read next to the policy.
-            path = Path(value) if os.path.isabs(value) else base / value
+            path = Path(value)  # as containers/image reads it: a relative path is the working directory's
             try:
                 pems.append((path.read_bytes(), str(path)))
             except OSError as exc:
