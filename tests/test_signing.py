@@ -12,6 +12,7 @@ import base64
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -434,3 +435,43 @@ def test_registries_d_most_specific_entry_that_sets_the_key_wins(tmp_path):
     (tmp_path / "c.yaml").write_text("default-docker:\n  use-sigstore-attachments: false\n")
     with pytest.raises(Exception, match="default-docker is defined in more than one file"):
         registriesd.load(tmp_path)
+
+
+def _on_a_terminal(args: list, answers: list[str]) -> tuple[int, str]:
+    """Run diskkit with a pty as its controlling terminal, typing each answer after a prompt."""
+    import pty
+    import select
+
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: its terminal is the pty
+        os.chdir(ROOT)
+        os.execv(sys.executable, [sys.executable, "-m", "diskkit", *map(str, args)])
+    seen, sent = b"", 0
+    while True:
+        ready, _, _ = select.select([fd], [], [], 60)
+        assert ready, f"no output from diskkit: {seen!r}"
+        try:
+            chunk = os.read(fd, 1024)
+        except OSError:
+            break
+        if not chunk:
+            break
+        seen += chunk
+        if sent < len(answers) and seen.lower().count(b"passphrase for the new key: ") > sent:
+            os.write(fd, answers[sent].encode() + b"\n")
+            sent += 1
+    _, status = os.waitpid(pid, 0)
+    os.close(fd)
+    return os.waitstatus_to_exitcode(status), seen.decode(errors="replace")
+
+
+def test_generate_key_asks_on_the_terminal(keypeer, tmp_path):
+    """Without --passphrase-file the passphrase is typed twice on the terminal, never echoed."""
+    code, out = _on_a_terminal(["generate-sigstore-key", "--output-prefix", tmp_path / "tty"], ["typed secret", "typed secret"])
+    assert code == 0 and "typed secret" not in out, out
+    (tmp_path / "pass").write_text("typed secret\n")
+    signed = subprocess.run([keypeer, "sign", tmp_path / "tty.private", tmp_path / "pass"], input=b"x", capture_output=True, check=False)
+    assert signed.returncode == 0, signed.stderr
+    code, out = _on_a_terminal(["generate-sigstore-key", "--output-prefix", tmp_path / "tty2"], ["one", "two"])
+    assert code != 0 and "the two entries differ" in out, out
+    assert not (tmp_path / "tty2.private").exists()
