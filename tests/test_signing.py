@@ -475,3 +475,15 @@ def test_generate_key_asks_on_the_terminal(keypeer, tmp_path):
     code, out = _on_a_terminal(["generate-sigstore-key", "--output-prefix", tmp_path / "tty2"], ["one", "two"])
     assert code != 0 and "the two entries differ" in out, out
     assert not (tmp_path / "tty2.private").exists()
+
+
+def test_a_signed_name_without_a_tag_is_not_name_latest():
+    """reference.ParseNormalizedNamed keeps a signed "host/repo" untagged (policy_reference_match.go)."""
+    intended = parse_docker_name("reg.example/ns/img:latest")
+    rule = {"type": "matchRepoDigestOrExact"}
+    assert policy_mod.identity_matches(rule, intended, "reg.example/ns/img:latest")
+    assert not policy_mod.identity_matches(rule, intended, "reg.example/ns/img")
+    assert policy_mod.identity_matches({"type": "matchRepository"}, intended, "reg.example/ns/img")
+    assert not policy_mod.identity_matches({"type": "matchExact"}, intended, "reg.example/ns/img")
+    by_digest = parse_docker_name("reg.example/ns/img@sha256:" + "a" * 64)
+    assert policy_mod.identity_matches(rule, by_digest, "reg.example/ns/img")

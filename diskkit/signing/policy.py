@@ -12,7 +12,7 @@ import base64
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from diskkit.errors import DiskkitError
@@ -177,8 +177,13 @@ def requirements_for(policy: Policy, transport: str, identity: str, namespaces: 
 # --- evaluation ---------------------------------------------------------------------------------
 
 
-def _full(name: DockerName) -> str:
-    return str(name) if (name.tag or name.digest) else f"{name}:latest"
+def _as_written(text: str, what: str) -> DockerName:
+    """A reference as given: unlike an image to pull, a signed name without a tag stays without one
+    (reference.ParseNormalizedNamed), so it never equals NAME:latest."""
+    name = parse_docker_name(text, what)
+    if name.tag and ":" not in text.rsplit("/", 1)[-1].split("@")[0]:
+        name = replace(name, tag=None)
+    return name
 
 
 def _repo(name: DockerName) -> str:
@@ -187,7 +192,7 @@ def _repo(name: DockerName) -> str:
 
 def _repo_digest_or_exact(intended: DockerName, signed: DockerName) -> bool:
     if intended.tag:
-        return _full(signed) == _full(intended)
+        return str(signed) == str(intended)
     if intended.digest:
         return _repo(signed) == _repo(intended)
     return False
@@ -195,7 +200,7 @@ def _repo_digest_or_exact(intended: DockerName, signed: DockerName) -> bool:
 
 def identity_matches(identity: dict, intended: DockerName, signed_text: str) -> bool:
     try:
-        signed = parse_docker_name(signed_text, "signed docker-reference")
+        signed = _as_written(signed_text, "signed docker-reference")
     except DiskkitError:
         return False
     kind = identity["type"]
@@ -207,7 +212,7 @@ def identity_matches(identity: dict, intended: DockerName, signed_text: str) -> 
         return _repo(signed) == _repo(intended)
     if kind == "exactReference":
         try:
-            wanted = parse_docker_name(identity["dockerReference"], "signedIdentity.dockerReference")
+            wanted = _as_written(identity["dockerReference"], "signedIdentity.dockerReference")
         except DiskkitError:
             return False
         return bool(wanted.tag or wanted.digest) and str(signed) == str(wanted)
