@@ -57,37 +57,22 @@ def load_policy(trust: TrustOptions) -> policy.Policy | None:
     return policy.load(path) if path is not None else None
 
 
-def enforce(ref: ImageRef | str, digests: list[str], trust: TrustOptions, registry: RegistryOptions | None) -> None:
-    """Raise DiskkitError (image, policy entry, reason) unless the policy allows every digest of `ref`.
+def enforce_source(source: Source, trust: TrustOptions, registry: RegistryOptions | None, platform: Platform | None = None, every: bool = False) -> None:
+    """Raise DiskkitError (image, policy entry, reason) unless the policy allows the source's top
+    manifest and, for an index, the instance `platform` selects (with `every`, all of them).
 
-    With no policy file anywhere nothing is enforced (diskkit's behaviour before signatures existed).
+    The policy is read before the registry is asked anything, and an image whose scope accepts
+    anything costs no request. With no policy file anywhere nothing is enforced (diskkit's
+    behaviour before signatures existed; containers/image would refuse to run).
     """
-    ref = parse_ref(ref) if isinstance(ref, str) else ref
     loaded = load_policy(trust)
     if loaded is None:
         return
+    ref = source.ref if isinstance(source, RemoteSource) else parse_ref(source.where)
     identity, namespaces = _scope_names(ref)
     entry, requirements = policy.requirements_for(loaded, ref.transport, identity, namespaces)
-    intended = None
-    attachments = False
-    if ref.transport == "docker":
-        intended = ref.name
-        attachments = registriesd.uses_attachments(registriesd.load(trust.registries_d), identity, namespaces)
-    for digest in dict.fromkeys(digests):
-        def signatures(digest=digest):
-            return sigstore.read_signatures(intended, digest, registry or RegistryOptions()) if attachments else []
-
-        try:
-            policy.check(requirements, str(ref), intended, digest, signatures)
-        except policy.Rejected as exc:
-            raise DiskkitError(str(ref), f"rejected by {loaded.source} {entry} ({digest[:19]}): {exc}") from None
-
-
-def enforce_source(source: Source, trust: TrustOptions, registry: RegistryOptions | None, platform: Platform | None = None, every: bool = False) -> None:
-    """enforce() for an open Source: its top manifest and, for an index, the instance `platform`
-    selects (or with `every`, all of them)."""
-    if load_policy(trust) is None:
-        return  # a broken policy is reported before the registry is asked anything
+    if all(req.type == "insecureAcceptAnything" for req in requirements):
+        return
     data, media, desc = source.manifest_descriptors()
     digests = [desc.digest if desc else sha256_digest(data)]
     if media in mt.INDEXES:
@@ -96,8 +81,16 @@ def enforce_source(source: Source, trust: TrustOptions, registry: RegistryOption
             digests += [child["digest"] for child in index.get("manifests") or []]
         else:
             digests.append(select_platform(index, platform or Platform.host(), source.where).digest)
-    ref = source.ref if isinstance(source, RemoteSource) else parse_ref(source.where)
-    enforce(ref, digests, trust, registry)
+    intended = ref.name if ref.transport == "docker" else None
+    attachments = intended is not None and registriesd.uses_attachments(registriesd.load(trust.registries_d), identity, namespaces)
+    for digest in dict.fromkeys(digests):
+        def signatures(digest=digest):
+            return sigstore.read_signatures(intended, digest, registry or RegistryOptions()) if attachments else []
+
+        try:
+            policy.check(requirements, str(ref), intended, digest, signatures)
+        except policy.Rejected as exc:
+            raise DiskkitError(str(ref), f"rejected by {loaded.source} {entry} ({digest[:19]}): {exc}") from None
 
 
 def enforce_ref(ref: str, trust: TrustOptions, registry: RegistryOptions | None, platform: Platform | None = None, every: bool = False) -> None:
