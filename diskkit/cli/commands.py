@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -203,32 +202,13 @@ def generate_key_cmd(output_prefix: str, passphrase_file: Path | None) -> None:
     PREFIX.private is the passphrase-encrypted ECDSA P-256 key (cosign's format); PREFIX.pub is the
     public key that policy.json's sigstoreSigned keyPath names. Existing files are not overwritten.
     """
-    from diskkit.signing.keys import generate_key_pair, read_passphrase
-    from diskkit.streams import fsutil
+    from diskkit.signing.keys import read_passphrase, write_key_files
 
     private_path, public_path = Path(output_prefix + ".private"), Path(output_prefix + ".pub")
     for path in (private_path, public_path):
         if path.exists():
             raise DiskkitError(path, "refusing to overwrite an existing file")
-    private, public = generate_key_pair(read_passphrase(passphrase_file, "Passphrase for the new key: ", confirm=True))
-    written = []
-    try:
-        for path, data, mode in ((private_path, private, 0o600), (public_path, public, 0o644)):
-            tmp = fsutil.staging_file(path)
-            try:
-                with open(tmp, "wb") as out:
-                    out.write(data)
-                    out.flush()
-                    os.fsync(out.fileno())
-                tmp.chmod(mode)
-                tmp.replace(path)
-            finally:
-                tmp.unlink(missing_ok=True)
-            written.append(path)
-    except BaseException:
-        for path in written:
-            path.unlink(missing_ok=True)
-        raise
+    write_key_files(private_path, public_path, read_passphrase(passphrase_file, "Passphrase for the new key: ", confirm=True))
     click.echo(f"Key written to {private_path} and {public_path}")
 
 

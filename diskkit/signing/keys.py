@@ -21,6 +21,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519, padding, rsa
 from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
 
 from diskkit.errors import DiskkitError
+from diskkit.streams.fsutil import staging_file
 
 # skopeo 1.9 (containers/image 5.23) reads only the COSIGN label, and containers/image still writes
 # it ("a version of cosign that can accept [SIGSTORE] has not yet been released"), so that is what
@@ -74,6 +75,31 @@ def generate_key_pair(passphrase: bytes) -> tuple[bytes, bytes]:
     }
     public = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
     return _pem(WRITE_PEM_TYPE, json.dumps(envelope).encode()), public
+
+
+def write_key_files(private_path: Path, public_path: Path, passphrase: bytes) -> None:
+    """Both files of a new pair, or neither: each staged, fsynced and renamed; the private one is
+    created 0600, so it is never readable by others, even for a moment."""
+    private, public = generate_key_pair(passphrase)
+    written: list[Path] = []
+    try:
+        for path, data, mode in ((private_path, private, 0o600), (public_path, public, 0o644)):
+            tmp = staging_file(path)
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+                with os.fdopen(fd, "wb") as out:
+                    out.write(data)
+                    out.flush()
+                    os.fsync(out.fileno())
+                os.chmod(tmp, mode)  # the umask may have taken bits the public key should have
+                tmp.replace(path)
+            finally:
+                tmp.unlink(missing_ok=True)
+            written.append(path)
+    except BaseException:
+        for path in written:
+            path.unlink(missing_ok=True)
+        raise
 
 
 def load_private_key(data: bytes, passphrase: bytes, where: str):
