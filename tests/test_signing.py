@@ -209,6 +209,15 @@ def test_multi_platform_build_signs_index_and_each_manifest(registry, trust, dis
     pol = write_policy(Path(registry.root).parent / "multi-policy.json", f"{registry.host}/sign", keyed(trust))
     ok = probe(ref, pol, trust)
     assert ok.code == 0, ok.err
+    # push --all signs the copied index and each manifest too; without --all only the one copied.
+    copied = f"{registry.host}/sign/multi-copy:v1"
+    r = run_diskkit("push", NOREG, "--all", "--json", *signing_flags(trust, "b"), f"docker://{ref}", f"docker://{copied}")
+    assert r.code == 0, r.err
+    assert sorted(json.loads(r.out)["signed"]) == sorted(result["signed"])
+    one = f"{registry.host}/sign/multi-one:v1"
+    r = run_diskkit("push", NOREG, "--platform", "linux/arm64", "--json", *signing_flags(trust, "b"), f"docker://{ref}", f"docker://{one}")
+    assert r.code == 0, r.err
+    assert json.loads(r.out)["signed"] == [json.loads(r.out)["digest"]] and json.loads(r.out)["digest"] in children
 
 
 # --- policy -------------------------------------------------------------------------------------
