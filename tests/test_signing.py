@@ -243,6 +243,8 @@ def test_push_enforces_the_policy(registry, trust, disk, other_disk, tmp_path):
         [line] = r.err.strip().splitlines()
         assert ref in line and str(pol) in line and f'transports.docker["{registry.host}/sign"]' in line and reason in line, line
         assert not (tmp_path / "no").exists()
+    either = {"type": "sigstoreSigned", "keyPaths": [f"{trust['b']}.pub", f"{trust['a']}.pub"]}
+    assert probe(signed, write_policy(tmp_path / "either.json", f"{registry.host}/sign", either), trust).code == 0
     # A signature replayed onto another image's attachment tag names the wrong digest.
     good = run_diskkit("inspect", NOREG, "--json", signed)
     bad = run_diskkit("inspect", NOREG, "--json", unsigned)
