@@ -12,6 +12,7 @@ APT_PACKAGES=(
     util-linux zstd libnbd-bin
     libvirt-daemon-system libvirt-clients libvirt-dev pkg-config libxml2-utils ovmf tgt
     docker.io podman catatonit mmdebstrap
+    golang-go golang-golang-x-crypto-dev openssl
 )
 
 SUDO=""

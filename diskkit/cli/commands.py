@@ -11,6 +11,7 @@ import click
 from diskkit import __version__
 from diskkit.cli.shell import platform as platform_of
 from diskkit.cli.shell import registry_options, run_main
+from diskkit.cli.trustflags import signature_options
 from diskkit.errors import DiskkitError
 from diskkit.oci.image import Platform
 from diskkit.oci.reference import parse_ref
@@ -108,6 +109,7 @@ Examples:
   diskkit build disk.qcow2 --kernel ./vmlinuz --initrd /boot/initrd.img=./initrd -t oci:./layout:kb
   diskkit build --platform linux/amd64=x86.qcow2 --platform linux/arm64=arm.qcow2 -t quay.io/me/fedora:40
   SOURCE_DATE_EPOCH=1700000000 diskkit build disk.qcow2 -t oci:./layout --json
+  diskkit build disk.qcow2 -t quay.io/me/fedora:40 --sign-by-sigstore-private-key ci.private --sign-passphrase-file pass
 """
 )
 @click.argument("src", type=click.Path(path_type=Path, readable=False), required=False)
@@ -125,7 +127,8 @@ Examples:
 @click.option("--env", multiple=True, metavar="KEY=VALUE", help="Config environment variable (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the digest; progress as JSON lines on stderr.")
 @registry_options
-def build_cmd(src, dest, image_path, disk_format, compression, level, lazy, kernel, initrd, platforms, label, annotation, env, as_json, registry: RegistryOptions) -> None:
+@signature_options(policy=False)
+def build_cmd(src, dest, image_path, disk_format, compression, level, lazy, kernel, initrd, platforms, label, annotation, env, as_json, registry: RegistryOptions, sign) -> None:
     """Package disk SRC as a scratch-based containerDisk image.
 
     One layer holds /disk/ (0555) and /disk/<name> (0440), both owned by qemu (107:107), as KubeVirt
@@ -160,14 +163,56 @@ def build_cmd(src, dest, image_path, disk_format, compression, level, lazy, kern
         created=source_epoch(),
         platforms=[(Platform.parse(p.split("=", 1)[0]), Path(p.split("=", 1)[1])) for p in per_platform],
     )
+    signer = _signer(dest, sign)
     result = build(opts, reporter_for(as_json), registry)
+    signed = _sign(dest, result.digest, signer, registry)
     if as_json:
-        click.echo(json.dumps(result.to_json(), indent=2))
+        click.echo(json.dumps({**result.to_json(), **signed}, indent=2))
     else:
         click.echo(result.digest)
 
 
 cli.add_command(build_cmd, "build")
+
+
+def _signer(dest: str, sign):
+    """(destination, decrypted key) when signing, checked before anything is pushed; else None."""
+    if sign is None:
+        return None
+    from diskkit.signing.trust import check_signable, load_signer
+
+    return check_signable(dest, sign), load_signer(sign)
+
+
+def _sign(dest: str, digest: str, signer, registry: RegistryOptions) -> dict:
+    if signer is None:
+        return {}
+    from diskkit.signing.trust import sign_pushed
+
+    return {"signed": sign_pushed(signer[0], digest, signer[1], registry)}
+
+
+@cli.command("generate-sigstore-key", epilog="""\b
+Examples:
+  diskkit generate-sigstore-key --output-prefix ci            # asks for a passphrase; writes ci.private, ci.pub
+  diskkit generate-sigstore-key --output-prefix ci --passphrase-file pass
+""")
+@click.option("--output-prefix", required=True, metavar="PREFIX", help="Write PREFIX.private and PREFIX.pub.")
+@click.option("--passphrase-file", type=click.Path(dir_okay=False, path_type=Path), help="Read the passphrase from this file (else it is asked on the terminal).")
+def generate_key_cmd(output_prefix: str, passphrase_file: Path | None) -> None:
+    """Generate a sigstore key pair for --sign-by-sigstore-private-key, as `skopeo generate-sigstore-key`.
+
+    PREFIX.private is the passphrase-encrypted ECDSA P-256 key (cosign's format); PREFIX.pub is the
+    public key that policy.json's sigstoreSigned keyPath names. Existing files are not overwritten.
+    """
+    from diskkit.signing.keys import read_passphrase, write_key_files
+
+    private_path, public_path = Path(output_prefix + ".private"), Path(output_prefix + ".pub")
+    for path in (private_path, public_path):
+        if path.exists():
+            raise DiskkitError(path, "refusing to overwrite an existing file")
+    write_key_files(private_path, public_path, read_passphrase(passphrase_file, "Passphrase for the new key: ", confirm=True))
+    click.echo(f"Key written to {private_path} and {public_path}")
 
 
 @cli.command("inspect", epilog="""\b
@@ -185,11 +230,17 @@ Examples:
 @click.option("--raw", is_flag=True, help="Print the manifest (or index) bytes as stored, as skopeo inspect --raw.")
 @click.option("--config", "show_config", is_flag=True, help="Print the image's config (with --raw: its bytes as stored).")
 @registry_options
-def inspect_cmd(ref: str, platform: str | None, as_json: bool, image_path: str | None, raw: bool, show_config: bool, registry: RegistryOptions) -> None:
+@signature_options(sign=False)
+def inspect_cmd(ref: str, platform: str | None, as_json: bool, image_path: str | None, raw: bool, show_config: bool,
+                registry: RegistryOptions, trust) -> None:
     """Show an image's manifest, config, layers and disk (path, format, virtual size, owner, mode).
 
-    Registry images are described without pulling their layers. Exits 1 when it lists a problem.
+    Registry images are described without pulling their layers. The signature policy is enforced
+    first. Exits 1 when it lists a problem.
     """
+    from diskkit.signing.trust import enforce_ref
+
+    enforce_ref(ref, trust, registry, platform_of(platform))
     if raw or show_config:
         from diskkit.transports import open_source
 
@@ -243,13 +294,15 @@ Examples:
   diskkit verify oci:./layout:fedora-40
   diskkit verify --path /images/root.qcow2 oci-archive:custom.tar
   diskkit verify --tls-verify=false localhost:5000/disks/fedora:40
+  diskkit verify --key ci.pub --key old.pub quay.io/me/fedora:40
 """)
 @click.argument("ref")
 @click.option("--path", "image_path", metavar="/DIR/NAME", help="The containerDisk.path the VMI will use (default: the one file in /disk).")
 @click.option("--platform", help="OS/ARCH to pick from a multi-platform index (default: this host's).")
+@click.option("--key", "keys", multiple=True, type=click.Path(dir_okay=False, path_type=Path), metavar="FILE", help="Also report whether the image is signed by this sigstore public key (repeatable); none of them: exit 1.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @registry_options
-def verify_cmd(ref: str, image_path: str | None, platform: str | None, as_json: bool, registry: RegistryOptions) -> None:
+def verify_cmd(ref: str, image_path: str | None, platform: str | None, keys: tuple[Path, ...], as_json: bool, registry: RegistryOptions) -> None:
     """Check an image (ours or anyone's) the way KubeVirt consumes it; exit 1 listing every violation.
 
     Checks every blob digest and diffID, finds the disk as KubeVirt does (exactly one entry in
@@ -257,15 +310,28 @@ def verify_cmd(ref: str, image_path: str | None, platform: str | None, as_json: 
     qcow2 with no backing file, no external data file and no corruption.
     """
     report = verify(ref, image_path, platform_of(platform), registry)
+    signature = _signature_report(ref, keys, registry, report.problems) if keys else {}
     if as_json:
-        click.echo(json.dumps({**describe(report), "ok": report.ok}, indent=2))
+        click.echo(json.dumps({**describe(report), **signature, "ok": report.ok}, indent=2))
     elif report.ok:
         disk = report.disk
         click.echo(f"OK {ref}: {disk.path} is {disk.format}, virtual size {disk.virtual_size} bytes, readable by UID 107")
+        for signer in signature.get("signedBy", []):
+            click.echo(f"OK {ref}: {signer['digest']} signed by {signer['key']} as {signer['identity']}")
     else:
         for problem in report.problems:
             click.echo(f"{ref}: {problem}", err=True)
     sys.exit(0 if report.ok else 1)
+
+
+def _signature_report(ref: str, keys: tuple[Path, ...], registry: RegistryOptions, problems: list[str]) -> dict:
+    from diskkit.signing.trust import signers
+
+    digest, count, found = signers(ref, list(keys), registry)
+    if not found:
+        given = ", ".join(str(k) for k in keys)
+        problems.append(f"{digest}: not signed by {given} ({count} signature{'s' if count != 1 else ''} found)")
+    return {"signatures": count, "signedBy": [{"key": s.key, "identity": s.identity, "digest": s.digest} for s in found]}
 
 
 @cli.command("push", epilog="""\b
@@ -277,6 +343,8 @@ Examples:
   diskkit copy --src-creds me:pw --dest-tls-verify=false docker://quay.io/me/f:40 docker://localhost:5000/f:40
   diskkit copy --preserve-digests --multi-arch all docker://quay.io/me/f:40 dir:./f40
   DOCKER_HOST=unix:///run/podman/podman.sock diskkit push docker-daemon:quay.io/me/fedora:40 oci:./layout:f40
+  diskkit push --sign-by-sigstore-private-key ci.private --sign-passphrase-file pass oci:./layout:40 quay.io/me/fedora:40
+  diskkit push --signature-policy policy.json quay.io/me/fedora:40 oci:./mirror:40
 """)
 @click.argument("src")
 @click.argument("dest")
@@ -298,17 +366,21 @@ Examples:
 @click.option("--src-cert-dir", type=click.Path(file_okay=False), help="--cert-dir for the source registry only.")
 @click.option("--dest-cert-dir", type=click.Path(file_okay=False), help="--cert-dir for the destination registry only.")
 @registry_options
-def push_cmd(src, dest, platform, all_platforms, multi_arch, preserve_digests, dest_compress, dest_compress_format, dest_compress_level, manifest_format, as_json, registry: RegistryOptions, **sides) -> None:
+@signature_options()
+def push_cmd(src, dest, platform, all_platforms, multi_arch, preserve_digests, dest_compress, dest_compress_format, dest_compress_level,
+             manifest_format, as_json, registry: RegistryOptions, trust, sign, **sides) -> None:
     """Copy an image from any transport to any transport, as `skopeo copy` does (`copy` is the same command).
 
     Blobs the destination already has are skipped, blobs in another repository of the same
     registry are mounted, the rest stream through with their digests verified. Manifests keep
     their bytes and media type, so the digest printed is the source's. The --src-*/--dest-*
-    flags apply to one side only and win over the plain ones, as in skopeo.
+    flags apply to one side only and win over the plain ones, as in skopeo. The source must pass
+    the signature policy before any blob moves; with a key, what was pushed is signed.
     """
     from dataclasses import replace
 
     from diskkit.ops.copy import copy_image
+    from diskkit.signing.trust import enforce_ref
 
     if dest_compress_level is not None and dest_compress_format is None:
         raise DiskkitError("--dest-compress-level", "needs --dest-compress-format")
@@ -318,8 +390,12 @@ def push_cmd(src, dest, platform, all_platforms, multi_arch, preserve_digests, d
     fields = {"tls_verify": "tls_verify", "creds": "creds", "authfile": "authfile", "cert_dir": "cert_dir"}
     src_opts = replace(registry, **{f: sides[f"src_{k}"] for k, f in fields.items() if sides[f"src_{k}"] is not None})
     dest_opts = replace(registry, **{f: sides[f"dest_{k}"] for k, f in fields.items() if sides[f"dest_{k}"] is not None})
-    result = copy_image(src, dest, src_opts, reporter_for(as_json), platform_of(platform), all_platforms, dest_opts, preserve_digests, manifest_format, dest_compress_format or ("gzip" if dest_compress else None), dest_compress_level, dest_compress)
-    click.echo(json.dumps(result.to_json(), indent=2) if as_json else result.digest)
+    enforce_ref(src, trust, src_opts, platform_of(platform), all_platforms)
+    signer = _signer(dest, sign)
+    result = copy_image(src, dest, src_opts, reporter_for(as_json), platform_of(platform), all_platforms, dest_opts, preserve_digests,
+                        manifest_format, dest_compress_format or ("gzip" if dest_compress else None), dest_compress_level, dest_compress)
+    signed = _sign(dest, result.digest, signer, dest_opts)
+    click.echo(json.dumps({**result.to_json(), **signed}, indent=2) if as_json else result.digest)
 
 
 cli.add_command(push_cmd, "copy")

@@ -31,6 +31,7 @@ from diskkit.layers import lazytoc
 from diskkit.oci.image import Platform
 from diskkit.oci.reference import parse_ref
 from diskkit.registry.options import RegistryOptions
+from diskkit.signing.trust import TrustOptions, enforce_source
 from diskkit.transports import open_source
 from diskkit.transports.remote import RemoteSource, registry_for
 from launcher.diskserver import nbd
@@ -212,6 +213,7 @@ class DiskServer:
         notes: list[str] = []
         with self.open_lock, open_source(shown, registry) as source:
             assert isinstance(source, RemoteSource)
+            enforce_source(source, TrustOptions(), registry, platform)  # the policy first: before any byte is served
             image = source.image(platform)
             if request.get("marked") and lazytoc.ANNOTATION_LAZY not in (image.manifest.get("annotations") or {}):
                 return {"ok": False, "seekable": False, "reason": f"{shown} is not marked lazy ({lazytoc.ANNOTATION_LAZY})"}

@@ -19,6 +19,7 @@ from diskkit.oci.image import Platform
 from diskkit.oci.reference import parse_ref
 from diskkit.ops.verify import DiskFacts, disk_problems, scan_image
 from diskkit.registry.options import RegistryOptions
+from diskkit.signing.trust import TrustOptions, enforce_source
 from diskkit.transports import open_source
 from launcher.node.cache import Cache, key
 
@@ -73,6 +74,7 @@ def pull(
         raise DiskkitError(shown, "container image is not present with pull policy of Never")
 
     with open_source(shown, registry) as source:
+        enforce_source(source, TrustOptions(), registry, platform)  # the policy first: before any layer is read
         image = source.image(platform)
         ref_key = image_key(image.digest, path, platform, disk)
         with cache.lock(ref_key):

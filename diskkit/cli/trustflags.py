@@ -1,0 +1,39 @@
+"""The signature flags, kept apart from the registry flags: a policy for reading, a key for signing."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import click
+
+from diskkit.signing.trust import SignOptions, TrustOptions
+
+_FILE = click.Path(dir_okay=False, path_type=Path)
+
+
+def signature_options(policy: bool = True, sign: bool = True):
+    """skopeo's flags, folded into `trust: TrustOptions` (with policy) and `sign: SignOptions | None` (with sign)."""
+
+    def decorate(command):
+        @functools.wraps(command)
+        def wrapper(*args, registries_d, signature_policy=None, sign_by_sigstore_private_key=None, sign_passphrase_file=None, **kwargs):
+            if policy:
+                kwargs["trust"] = TrustOptions(signature_policy, registries_d)
+            if sign:
+                if sign_passphrase_file and not sign_by_sigstore_private_key:
+                    raise click.UsageError("--sign-passphrase-file needs --sign-by-sigstore-private-key")
+                kwargs["sign"] = SignOptions(sign_by_sigstore_private_key, sign_passphrase_file, registries_d) if sign_by_sigstore_private_key else None
+            return command(*args, **kwargs)
+
+        options = [click.option("--registries.d", "registries_d", type=click.Path(file_okay=False, path_type=Path), help="registries.d directory: where use-sigstore-attachments is set (default: ~/.config/containers/registries.d, else /etc/containers/registries.d).")]
+        if policy:
+            options.append(click.option("--signature-policy", type=_FILE, help="policy.json to enforce (default: ~/.config/containers/policy.json, else /etc/containers/policy.json; with neither, everything is accepted)."))
+        if sign:
+            options.append(click.option("--sign-passphrase-file", type=_FILE, help="Read the key's passphrase from this file (else it is asked on the terminal)."))
+            options.append(click.option("--sign-by-sigstore-private-key", type=_FILE, metavar="FILE", help="Sign the pushed image (and each manifest of an index) with this sigstore key."))
+        for option in options:
+            wrapper = option(wrapper)
+        return wrapper
+
+    return decorate

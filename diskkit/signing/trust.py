@@ -1,0 +1,174 @@
+"""Where signing and policy meet the registry: sign what was pushed, enforce policy.json before a pull.
+
+The policy is checked on the manifest a reference resolves to and, for an index, on the instance
+chosen too, as containers/image's copy does (copy/single.go checks each unparsed instance), so an
+image is refused before any of its layers is read.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from diskkit.errors import DiskkitError
+from diskkit.oci import mediatypes as mt
+from diskkit.oci.image import Platform, parse_json, select_platform, sha256_digest
+from diskkit.oci.reference import DockerName, ImageRef, parse_ref
+from diskkit.registry.options import RegistryOptions
+from diskkit.signing import keys, policy, registriesd, sigstore
+from diskkit.signing import payload as payload_module
+from diskkit.transports import open_source
+from diskkit.transports.base import Source
+from diskkit.transports.remote import RemoteSource
+
+
+@dataclass(frozen=True)
+class TrustOptions:
+    """--signature-policy and --registries.d, as skopeo takes them; None means the standard places."""
+
+    policy: Path | None = None
+    registries_d: Path | None = None
+
+
+@dataclass(frozen=True)
+class SignOptions:
+    """--sign-by-sigstore-private-key, --sign-passphrase-file and where attachments may be written."""
+
+    key: Path
+    passphrase_file: Path | None = None
+    registries_d: Path | None = None
+
+
+def _scope_names(ref: ImageRef) -> tuple[str, list[str]]:
+    """Policy identity and namespaces; local transports are scoped by their resolved path (oci/layout)."""
+    if ref.transport == "docker":
+        return policy.identity_of(ref.name), policy.namespaces_of(ref.name)
+    path = os.path.abspath(ref.path or "")
+    parents = [path]
+    while os.path.dirname(parents[-1]) != parents[-1]:
+        parents.append(os.path.dirname(parents[-1]))
+    return (f"{path}:{ref.tag}" if ref.tag else path), parents
+
+
+def load_policy(trust: TrustOptions) -> policy.Policy | None:
+    path = trust.policy if trust.policy is not None else policy.default_path()
+    return policy.load(path) if path is not None else None
+
+
+def enforce_source(source: Source, trust: TrustOptions, registry: RegistryOptions | None, platform: Platform | None = None, every: bool = False) -> None:
+    """Raise DiskkitError (image, policy entry, reason) unless the policy allows the source's top
+    manifest and, for an index, the instance `platform` selects (with `every`, all of them).
+
+    The policy is read before the registry is asked anything, and an image whose scope accepts
+    anything costs no request. With no policy file anywhere nothing is enforced (diskkit's
+    behaviour before signatures existed; containers/image would refuse to run).
+    """
+    loaded = load_policy(trust)
+    if loaded is None:
+        return
+    ref = source.ref if isinstance(source, RemoteSource) else parse_ref(source.where)
+    identity, namespaces = _scope_names(ref)
+    entry, requirements = policy.requirements_for(loaded, ref.transport, identity, namespaces)
+    if all(req.type == "insecureAcceptAnything" for req in requirements):
+        return
+    data, media, desc = source.manifest_descriptors()
+    digests = [desc.digest if desc else sha256_digest(data)]
+    if media in mt.INDEXES:
+        index = parse_json(data, source.where)
+        if every:
+            digests += [child["digest"] for child in index.get("manifests") or []]
+        else:
+            digests.append(select_platform(index, platform or Platform.host(), source.where).digest)
+    intended = ref.name if ref.transport == "docker" else None
+    attachments = intended is not None and registriesd.uses_attachments(registriesd.load(trust.registries_d), identity, namespaces)
+    for digest in dict.fromkeys(digests):
+        def signatures(digest=digest):
+            return sigstore.read_signatures(intended, digest, registry or RegistryOptions()) if attachments else []
+
+        try:
+            policy.check(requirements, str(ref), intended, digest, signatures)
+        except policy.Rejected as exc:
+            raise DiskkitError(str(ref), f"rejected by {loaded.source} {entry} ({digest[:19]}): {exc}") from None
+
+
+def enforce_ref(ref: str, trust: TrustOptions, registry: RegistryOptions | None, platform: Platform | None = None, every: bool = False) -> None:
+    with open_source(ref, registry) as source:
+        enforce_source(source, trust, registry, platform, every)
+
+
+def load_signer(opts: SignOptions):
+    """The decrypted private key, asked for before anything is pushed so a wrong passphrase costs nothing."""
+    try:
+        data = Path(opts.key).read_bytes()
+    except OSError as exc:
+        raise DiskkitError(opts.key, f"cannot read the private key: {exc.strerror}") from None
+    passphrase = keys.read_passphrase(opts.passphrase_file, f"Passphrase for key {opts.key}: ")
+    return keys.load_private_key(data, passphrase, str(opts.key))
+
+
+def check_signable(dest: ImageRef | str, opts: SignOptions) -> ImageRef:
+    """Refuse before any byte moves when the signature could not be stored (skopeo's rules)."""
+    dest = parse_ref(dest) if isinstance(dest, str) else dest
+    if dest.transport != "docker":
+        raise DiskkitError(str(dest), "sigstore signatures can only be stored in a registry (docker://)")
+    identity, namespaces = _scope_names(dest)
+    if not registriesd.uses_attachments(registriesd.load(opts.registries_d), identity, namespaces):
+        raise DiskkitError(str(dest), "writing sigstore attachments is disabled by configuration (set use-sigstore-attachments: true in registries.d)")
+    return dest
+
+
+def sign_pushed(dest: ImageRef, digest: str, private_key, registry: RegistryOptions) -> list[str]:
+    """Sign the pushed manifest and, for an index, each manifest in it (as skopeo does); the digests signed."""
+    name = dest.name
+    reference = policy.identity_of(name)
+    source = RemoteSource(ImageRef("docker", name=DockerName(name.registry, name.repository, digest=digest)), registry)
+    data, _, _ = source.top_manifest()
+    obj = parse_json(data, str(dest))
+    signed = []
+    if obj.get("mediaType") in mt.INDEXES or "manifests" in obj:
+        signed += [child["digest"] for child in obj.get("manifests") or []]
+    signed.append(digest)
+    for each in signed:
+        sigstore.put_signature(name, each, sigstore.signature_layer(private_key, reference, each), registry)
+    return signed
+
+
+@dataclass(frozen=True)
+class Signer:
+    key: str
+    identity: str
+    digest: str
+
+
+def signers(ref: ImageRef | str, key_paths: list[Path], registry: RegistryOptions | None) -> tuple[str, int, list[Signer]]:
+    """(digest, signatures found, which given keys signed it and for which identity) of the manifest
+    `ref` resolves to; a signature counts only when its payload names that digest."""
+    ref = parse_ref(ref) if isinstance(ref, str) else ref
+    if ref.transport != "docker":
+        raise DiskkitError(str(ref), "signatures are read from a registry (docker://); local layouts and archives hold none")
+    loaded = []
+    for path in key_paths:
+        try:
+            loaded.append((str(path), keys.load_public_keys(Path(path).read_bytes(), str(path))))
+        except OSError as exc:
+            raise DiskkitError(path, f"cannot read the public key: {exc.strerror}") from None
+    with open_source(ref, registry) as source:
+        data, _, desc = source.top_manifest()
+    digest = desc.digest if desc else sha256_digest(data)
+    found = sigstore.read_signatures(ref.name, digest, registry or RegistryOptions())
+    out = []
+    for sig in found:
+        annotation = sig.annotations.get(payload_module.SIGNATURE_ANNOTATION)
+        if sig.media_type != payload_module.MIME_TYPE or annotation is None:
+            continue
+        try:
+            raw = base64.b64decode(annotation, validate=True)
+            signed_ref, signed_digest = payload_module.parse_payload(sig.payload)
+        except ValueError:
+            continue
+        if signed_digest != digest:
+            continue
+        out += [Signer(path, signed_ref, digest) for path, pubs in loaded if any(keys.verifies(k, sig.payload, raw) for k in pubs)]
+    return digest, len(found), out
