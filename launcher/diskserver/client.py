@@ -101,7 +101,8 @@ def attach(cache: Cache, ref: str, path: str | None, platform: Platform | None, 
             return None
     control = ensure_server(cache, registry)
     answer = request(control, {"op": "open", "image": ref, "path": path, "platform": str(platform) if platform else None,
-                               "registry": asdict(registry) if registry else None, "marked": mode == "auto"})
+                               "registry": asdict(registry) if registry else None, "marked": mode == "auto",
+                               "clients": 2})  # the probe below, then the VM's qemu: the server waits for both
     if not answer.get("ok"):
         if answer.get("seekable") is False:
             notes.append(f"{answer['reason']}; pulling it whole")

@@ -84,6 +84,7 @@ class BlobRanges:
         self.digest = digest
         self.size = size
         self.requests = 0
+        self.stop = threading.Event()  # set when the server stops: no more waiting between retries
 
     def read(self, start: int, length: int) -> bytes:
         if start < 0 or start + length > self.size:
@@ -102,7 +103,8 @@ class BlobRanges:
                     if isinstance(exc, RegistryError):
                         raise
                     raise RegistryError(self.registry.host, f"blob {self.digest[:19]} range at {start + got} kept failing ({failure_reason(exc)})") from None
-                time.sleep(retry_after(None, failures, self.registry.opts))
+                if self.stop.wait(retry_after(None, failures, self.registry.opts)):
+                    raise RegistryError(self.registry.host, f"blob {self.digest[:19]}: the server is stopping") from None
                 failures += 1
         return bytes(buf)
 
@@ -321,7 +323,7 @@ class LazyDisk:
         self.lock = threading.Lock()
         self.save_lock = threading.Lock()
         self.inflight: dict[int, threading.Event] = {}
-        self.closing = threading.Event()
+        self.closing = ranges.stop  # one event: a stopping export ends its retries too
         self.verified = threading.Event()
         self.failed: str | None = None
         self.installed: Path | None = None
@@ -380,13 +382,17 @@ class LazyDisk:
                 thread.start()
         return self
 
-    def close(self) -> None:
+    def close(self, grace: float = 1.0) -> None:
+        """Stops within `grace` seconds: a fetch stuck on an unreachable registry is abandoned, never
+        waited for (SIGTERM must end the server promptly; the bitmap only vouches for synced chunks)."""
         self.closing.set()
+        deadline = time.monotonic() + grace
         for thread in [*self.threads, self.saver]:
             if thread.is_alive():
-                thread.join(timeout=10)
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
         self._save(force=True)
-        os.close(self.fd)
+        if not any(thread.is_alive() for thread in self.threads):
+            os.close(self.fd)  # else a stuck fetcher may still write to it: it goes with the process
 
     def add_ref(self, ref: Ref) -> None:
         """Kept with the state, so a server restarted before the end still records every image."""
@@ -457,6 +463,8 @@ class LazyDisk:
                 event.wait(max(0.0, deadline - time.monotonic()))
             if self.failed is not None:
                 raise NbdError(errno.EIO, self.failed)
+            if self.closing.is_set():
+                raise NbdError(errno.ESHUTDOWN, "the disk server is stopping")
             if time.monotonic() > deadline:
                 raise NbdError(errno.EIO, f"chunks {first}-{last} could not be fetched in {self.opts.fetch_timeout:g} s")
             if failures:

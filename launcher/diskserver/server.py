@@ -60,6 +60,8 @@ log = logging.getLogger("launcher.serve")
 
 QEMU_GID = 107
 MAX_REQUEST = 1 << 20
+HOLD = 600.0  # an opened export waits this long at most for the VMs announced with it to connect
+GRACE = 5.0  # after its last VM disconnected, a server exiting by itself waits this long for another
 
 
 @dataclass
@@ -108,6 +110,8 @@ class DiskServer:
         self.lock = threading.Lock()
         self.open_lock = threading.Lock()  # opening fetches headers and TOCs: one at a time
         self.last_activity = time.monotonic()
+        self.awaiting: dict[str, list[float]] = {}  # export -> deadlines of NBD clients announced by `open`
+        self.served = False  # some NBD client connected: when the last one leaves, the work is done
         self.stopping = threading.Event()
         root = os.geteuid() == 0
         self.mode, self.group = (0o660, QEMU_GID) if root else (0o600, None)
@@ -157,6 +161,11 @@ class DiskServer:
             export = self._reopen(name)
         if export is not None:
             self.last_activity = time.monotonic()
+            with self.lock:
+                self.served = True
+                announced = self.awaiting.get(name)
+                if announced:
+                    announced.pop(0)
             if isinstance(export, LazyDisk):
                 export.touch()
         return export
@@ -228,6 +237,11 @@ class DiskServer:
             if unsafe:
                 raise DiskkitError(shown, "; ".join(f"/{layout.member}: {p}" for p in unsafe))
             remember(self.cache, shown, platform, image)
+        clients = request.get("clients", 1)
+        if not isinstance(clients, int) or not 0 <= clients <= 16:
+            raise DiskkitError("open", "clients must be a number of NBD connections from 0 to 16")
+        with self.lock:
+            self.awaiting.setdefault(layout.name, []).extend([time.monotonic() + HOLD] * clients)
         ref_record = Ref(image_key(image.digest, path, platform), shown, image.digest)
         if isinstance(export, LazyDisk):
             export.touch()  # a VM is about to start on it
@@ -298,12 +312,37 @@ class DiskServer:
 
     # --- lifetime -------------------------------------------------------------------------------
 
-    def idle(self) -> bool:
+    def exit_reason(self) -> str | None:
+        """Why a server started with exit_when_idle may go now; None while a VM uses it, one is
+        announced (an `open` whose VM has not connected yet, as libvirt may take a minute to start
+        qemu) or a disk is still being fetched."""
+        now = time.monotonic()
         if self.nbd.connections:
-            return False
+            self.last_activity = now
+            return None
         if any(getattr(export, "busy", False) for export in self.listing()):
-            return False
-        return time.monotonic() - self.last_activity >= (self.opts.exit_when_idle or 0)
+            return None
+        with self.lock:
+            for name in list(self.awaiting):
+                self.awaiting[name] = [d for d in self.awaiting[name] if d > now]
+            if any(self.awaiting.values()):
+                return None
+            served = self.served
+        limit = self.opts.exit_when_idle or 0
+        if served:
+            limit = min(limit, GRACE)  # the VMs it was started for came and went: no need to linger
+        if now - self.last_activity < limit:
+            return None
+        return "its last VM is gone and nothing is left to fetch" if served else f"idle for {limit:g} s with nothing left to fetch"
+
+    def cache_gone(self) -> bool:
+        """The cache directory was deleted (or replaced) under the server: nothing it holds is reachable."""
+        try:
+            st = os.stat(_lock_path(self.cache))
+        except OSError:
+            return True
+        mine = os.fstat(self._lock_fd)
+        return (st.st_dev, st.st_ino) != (mine.st_dev, mine.st_ino)
 
     def run(self) -> None:
         self.nbd.start()
@@ -311,13 +350,18 @@ class DiskServer:
         log.info("serving NBD on %s, requests on %s (pid %d)", self.nbd_path, self.control_path, os.getpid())
         try:
             while not self.stopping.wait(0.5):
-                if self.opts.exit_when_idle is not None and self.idle():
-                    log.info("idle for %g s with nothing left to fetch: exiting", self.opts.exit_when_idle)
+                if self.cache_gone():
+                    log.warning("cache directory %s is gone: exiting", self.cache.root)
+                    break
+                reason = self.exit_reason() if self.opts.exit_when_idle is not None else None
+                if reason:
+                    log.info("%s: exiting", reason)
                     break
         except KeyboardInterrupt:
-            pass  # SIGTERM and Ctrl-C end the server cleanly
+            log.info("stopping (signal)")
         finally:
             self.close()
+            log.info("stopped")
 
     def close(self) -> None:
         self.stopping.set()
@@ -325,6 +369,9 @@ class DiskServer:
             self.control.close()
         self.control_path.unlink(missing_ok=True)
         self.nbd.close()
+        for export in self.listing():
+            if isinstance(export, LazyDisk):
+                export.closing.set()  # all at once: each close then has little left to wait for
         for export in self.listing():
             with contextlib.suppress(Exception):
                 export.close()

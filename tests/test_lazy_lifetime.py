@@ -1,0 +1,106 @@
+"""The disk server's lifetime, without a VM: it ends promptly on SIGTERM even while reads wait on an
+unreachable registry, by itself when its cache directory is deleted, and (started to exit when idle)
+once its last NBD client is gone with nothing left to fetch, but never before an announced client
+has connected."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run, run_diskkit
+from tests.faultproxy import Fault
+from tests.lazyhost import control, disk_server, export_status, open_export, random_disk, wait_for
+
+NOREG = "--tls-verify=false"
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def guest_raw(tmp_path_factory) -> Path:
+    return random_disk(tmp_path_factory.mktemp("lifetime") / "guest-8m.img", 8 * MIB)
+
+
+@pytest.fixture(scope="module")
+def lazy_image(registry, guest_raw) -> str:
+    ref = f"{registry.host}/lifetime/guest:toc"
+    result = run_diskkit("build", NOREG, "--lazy", guest_raw, "-t", ref)
+    assert result.code == 0, result.err
+    return ref
+
+
+def server_log(cache: Path) -> str:
+    return (cache.parent / f"serve-{cache.name}.log").read_text(errors="replace")
+
+
+def test_sigterm_ends_a_server_whose_reads_wait_on_the_registry(tmp_path, registry, fault_proxy, lazy_image):
+    proxy = fault_proxy(registry)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with disk_server(cache, "--prefetch-rate", "1K") as server:
+        answer = open_export(cache, lazy_image.replace(registry.host, proxy.host))
+        # Every range request from now on hangs in the registry: the reader below waits in the server.
+        proxy.add(Fault("GET", r"/blobs/sha256:", "stall", times=100, arg=100))
+        reader = subprocess.Popen(["qemu-io", "-r", "-f", "raw", "-c", "read 0 1M", answer["url"]],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_for(lambda: export_status(cache, answer["export"])["stats"]["demand_fetches"] >= 1, 60, "the read to reach the registry")
+            started = time.monotonic()
+            server.send_signal(signal.SIGTERM)
+            # Before: 21-40 s (fetch threads joined one after another, read workers joined at exit).
+            code = server.wait(timeout=15)
+            took = time.monotonic() - started
+        finally:
+            reader.kill()
+            reader.wait()
+        print(f"SIGTERM to exit: {took:.2f} s")
+        assert code == 0, server_log(cache)
+        assert "stopping (signal)" in server_log(cache) and "stopped" in server_log(cache)
+        assert not (cache / "serve" / "control.sock").exists()
+
+
+def test_a_server_whose_cache_directory_is_deleted_exits(tmp_path, lazy_image):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with disk_server(cache, "--prefetch-rate", "1K") as server:
+        open_export(cache, lazy_image)
+        shutil.rmtree(cache)
+        code = server.wait(timeout=30)
+    assert f"cache directory {cache} is gone: exiting" in server_log(cache), server_log(cache)
+    assert code == 0
+
+
+def test_an_idle_exiting_server_waits_for_its_announced_client_then_leaves_with_it(tmp_path, lazy_image, guest_raw):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with disk_server(cache, "--exit-when-idle", "1") as server:
+        answer = control(cache, {"op": "open", "image": lazy_image, "registry": {"tls_verify": False}, "clients": 1})
+        assert answer["ok"], answer
+        wait_for(lambda: export_status(cache, answer["export"])["installed"], 60, "the disk to be fetched")
+        # Nothing left to fetch and idle far longer than 1 s, but the announced client (a VM whose
+        # qemu libvirt is still starting) has not connected: the server stays.
+        time.sleep(4)
+        assert server.poll() is None, server_log(cache)
+        assert run("qemu-img", "compare", "-f", "raw", "-F", "raw", answer["url"], guest_raw).stdout.strip() == "Images are identical."
+        code = server.wait(timeout=60)
+    assert code == 0
+    assert "its last VM is gone and nothing is left to fetch: exiting" in server_log(cache), server_log(cache)
+
+
+def test_a_server_started_to_exit_when_idle_keeps_fetching_after_its_last_client(tmp_path, lazy_image, guest_raw):
+    """Its last VM gone, the rest of the disk still arrives (and is installed) before the server leaves."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with disk_server(cache, "--exit-when-idle", "0", "--prefetch-rate", "2M") as server:
+        answer = open_export(cache, lazy_image)
+        run("qemu-io", "-r", "-f", "raw", "-c", "read 0 1M", answer["url"])
+        assert not export_status(cache, answer["export"])["installed"]
+        code = server.wait(timeout=120)
+    assert code == 0
+    installed = cache / "disks" / "sha256" / answer["layer"].removeprefix("sha256:")
+    assert [p.read_bytes() == guest_raw.read_bytes() for p in installed.glob("*/disk.img")] == [True]
