@@ -5,6 +5,7 @@ has connected."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
@@ -15,7 +16,7 @@ import pytest
 
 from tests.conftest import run, run_diskkit
 from tests.faultproxy import Fault
-from tests.lazyhost import control, disk_server, export_status, open_export, random_disk, wait_for
+from tests.lazyhost import QEMU_UID, control, disk_server, export_status, open_export, random_disk, wait_for
 
 NOREG = "--tls-verify=false"
 MIB = 1 << 20
@@ -104,3 +105,22 @@ def test_a_server_started_to_exit_when_idle_keeps_fetching_after_its_last_client
     assert code == 0
     installed = cache / "disks" / "sha256" / answer["layer"].removeprefix("sha256:")
     assert [p.read_bytes() == guest_raw.read_bytes() for p in installed.glob("*/disk.img")] == [True]
+
+
+def test_run_says_in_one_line_that_its_cache_directory_vanished(tmp_path, registry, fault_proxy, lazy_image, qemu_user):
+    proxy = fault_proxy(registry)
+    proxy.add(Fault("GET", r"/manifests/", "stall", times=1, arg=8))  # the run waits here while the cache goes
+    cache = qemu_user.root / "vanishing"
+    cache.mkdir()
+    os.chown(cache, QEMU_UID, QEMU_UID)
+    vmi = qemu_user.write_vmi("vanishing", lazy_image.replace(registry.host, proxy.host))
+    proc = qemu_user.popen("run", NOREG, "--no-lazy", "--cache-dir", cache, "--timeout", "120", vmi)
+    try:
+        wait_for(lambda: not proxy.pending, 60, "the run to ask for the manifest")
+        shutil.rmtree(cache)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert err.strip() == f"launcher: {cache}: the cache directory disappeared while the VM was being prepared", err

@@ -54,6 +54,10 @@ class Cache:
         if not os.access(self.root, os.W_OK | os.X_OK):
             raise DiskkitError(self.root, "cache directory is not writable")
 
+    def vanished(self) -> bool:
+        """The cache directory was deleted under us: what failed with it is told in one line, not a traceback."""
+        return not (self.root / "locks").is_dir()
+
     @contextlib.contextmanager
     def lock(self, name: str, shared: bool = False) -> Iterator[None]:
         """A cross-process lock (flock): concurrent pulls of one image on a node download once."""

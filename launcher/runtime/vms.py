@@ -93,8 +93,10 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
             for source, value in prepared.secrets:
                 lv.define_secret(secret_xml(source), value, source.secret_usage)
             lv.start(name, xml)
-        except BaseException:
+        except BaseException as exc:
             cleanup(cache, lv, name)
+            if isinstance(exc, OSError) and cache.vanished():
+                raise DiskkitError(cache.root, "the cache directory disappeared while the VM was being prepared") from None
             raise
     echo = _echo if opts.console else None
     metrics = None
