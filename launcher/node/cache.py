@@ -6,6 +6,7 @@
     <root>/tags/<key>.json                          reference -> manifest digest, for IfNotPresent
     <root>/vms/<domain>.json, <root>/run/<domain>/  records and overlays of VMs started from here
     <root>/locks/, <root>/tmp/                      flock files; staging on the same filesystem
+    <root>/partial/<digest>.part, .synced           blobs being downloaded, kept for resuming after a kill
 
 Disks are keyed by the layer that holds them and the member's path, so two images sharing a
 layer share one file. Layer blobs themselves are not kept: the disk is what VMs use, and a second
@@ -97,6 +98,18 @@ class Cache:
             finally:
                 os.close(fd)
         return stale
+
+    def reclaim_staging(self) -> list[Path]:
+        """Remove the staging directories of dead processes; returns them."""
+        stale = self.stale_staging()
+        for path in stale:
+            shutil.rmtree(path, ignore_errors=True)
+        return stale
+
+    @property
+    def partial_dir(self) -> Path:
+        """Blob downloads in progress (diskkit.registry.partial): where a killed pull resumes from."""
+        return self.root / "partial"
 
     # --- small JSON records ------------------------------------------------------------------
 
