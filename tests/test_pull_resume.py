@@ -1,6 +1,7 @@
 """Interrupted pulls: a `launcher pull` killed with SIGKILL half way through a layer resumes from the
 bytes it had synced, with one range request for the rest; what killed pulls leave behind is taken
-by the next pull or by `launcher gc`."""
+by the next pull or by `launcher gc`, and what a `diskkit push` to a layout killed half way leaves
+by the next push there."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -103,3 +105,39 @@ def test_a_layer_that_failed_its_digest_is_not_resumed_from(tmp_path, registry, 
     pulled = run_launcher("pull", "--cache-dir", cache, NOREG, "--json", via)
     assert pulled.code == 0, pulled.err
     assert Path(json.loads(pulled.out)["path"]).read_bytes() == disk.read_bytes()
+
+
+def push_killed_half_way(proxy, ref: str, dest: str, layer: str, size: int, leftover) -> None:
+    """`diskkit push` whose layer download breaks at half, killed with SIGKILL while it waits to retry."""
+    proxy.add(Fault("GET", f"/blobs/{layer}", "truncate", times=1, arg=size // 2))
+    proc = subprocess.Popen([sys.executable, "-m", "diskkit", "push", NOREG, "--retry-delay", "60", f"docker://{ref}", dest],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "CI": "true"})
+    try:
+        def half_written():
+            assert proc.poll() is None, proc.stderr.read().decode()
+            return any(p.stat().st_size >= size // 2 - MIB for p in leftover())
+        wait_for(half_written, 120, "the push to write half of the layer")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+
+def test_a_push_to_a_layout_killed_half_way_leaves_nothing_after_the_next(tmp_path, registry, fault_proxy, big_image):
+    ref, _, layer, size = big_image
+    proxy = fault_proxy(registry)
+    via = ref.replace(registry.host, proxy.host)
+    layout = tmp_path / "layout"
+    staged = lambda: list(tmp_path.glob(".layout.diskkit-*/blobs/sha256/.tmp-*"))  # noqa: E731
+    push_killed_half_way(proxy, via, f"oci:{layout}:v1", layer, size, staged)
+    assert len(list(tmp_path.glob(".layout.diskkit-*"))) == 1
+    assert run_diskkit("push", NOREG, f"docker://{via}", f"oci:{layout}:v1").code == 0
+    assert list(tmp_path.glob(".layout.*")) == []  # the dead push's staging directory is gone
+
+    # Into the layout that now exists: a killed push leaves a temporary blob there, the next takes it.
+    layout_tmp = lambda: list((layout / "blobs" / "sha256").glob(".tmp-*"))  # noqa: E731
+    (layout / "blobs" / "sha256" / layer.removeprefix("sha256:")).unlink()  # so that it is written again
+    push_killed_half_way(proxy, via, f"oci:{layout}:v2", layer, size, layout_tmp)
+    assert len(layout_tmp()) == 1
+    assert run_diskkit("push", NOREG, f"docker://{via}", f"oci:{layout}:v2").code == 0
+    assert layout_tmp() == []
+    assert run_diskkit("verify", f"oci:{layout}:v2").code == 0
