@@ -124,9 +124,10 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 class Server:
-    """Listens on `path` (mode `mode`, group `group` when given) until close()."""
+    """Listens on `path` (mode `mode`, owner `owner` and group `group` when given) until close()."""
 
-    def __init__(self, path: Path, exports: Exports, mode: int = 0o600, group: int | None = None, workers: int = 16):
+    def __init__(self, path: Path, exports: Exports, mode: int = 0o600, group: int | None = None, workers: int = 16,
+                 owner: int | None = None):
         self.path = Path(path)
         self.exports = exports
         self.pool = _ReadPool(workers)
@@ -141,8 +142,8 @@ class Server:
             self.sock.bind(str(self.path))
         finally:
             os.umask(old)
-        if group is not None:
-            os.chown(self.path, -1, group)
+        if group is not None or owner is not None:
+            os.chown(self.path, -1 if owner is None else owner, -1 if group is None else group)
         os.chmod(self.path, mode)
         self.sock.listen(64)
         self._thread = threading.Thread(target=self._accept_loop, name="nbd-accept", daemon=True)

@@ -5,9 +5,14 @@ One process per node cache. It exports each lazily read disk over NBD on `<cache
 `<cache>/serve/control.sock` (launcher.diskserver.control has the protocol).
 
 Registry options (TLS, auth file, credentials) come with each request, so every VM's pull secret
-is used for its own image; the server's own flags serve exports it reopens after a restart. Both
-sockets are mode 0660, group qemu (107) when the server runs as root, so qemu run by libvirt as
-UID 107 can connect; 0600 otherwise (the launcher and its qemu share the user then).
+is used for its own image; the server's own flags serve exports it reopens after a restart.
+
+Who may connect: run as root, the control socket is mode 0660, group 107 (KubeVirt's qemu group,
+the launcher users' here); `nbd.sock` is mode 0660 in the group libvirt's system daemon runs qemu
+as (launcher.diskserver.qemuid: qemu.conf's `group`, else libvirt's built-in one), for VMs that
+root starts on qemu:///system; a VM of another user runs on that user's qemu:///session as that
+user, so its launcher is answered with `nbd-<uid>.sock`, owned by it, mode 0600. Not run as root,
+both sockets are 0600: the launcher and its qemu share the server's user.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ from launcher.diskserver.lazydisk import (
     find_layout,
     record,
 )
+from launcher.diskserver.qemuid import system_qemu_gid
 from launcher.node.cache import Cache
 from launcher.node.pull import image_key, remember
 
@@ -113,12 +119,33 @@ class DiskServer:
         self.awaiting: dict[str, list[float]] = {}  # export -> deadlines of NBD clients announced by `open`
         self.served = False  # some NBD client connected: when the last one leaves, the work is done
         self.stopping = threading.Event()
-        root = os.geteuid() == 0
-        self.mode, self.group = (0o660, QEMU_GID) if root else (0o600, None)
-        if root:
+        self.root = os.geteuid() == 0
+        self.mode, self.group = (0o660, QEMU_GID) if self.root else (0o600, None)
+        if self.root:
             os.chmod(self.dir, 0o755)
-        self.nbd = nbd.Server(self.nbd_path, self, self.mode, self.group)
+            self.nbd = nbd.Server(self.nbd_path, self, 0o660, system_qemu_gid())
+        else:
+            self.nbd = nbd.Server(self.nbd_path, self, 0o600)
+        self.user_nbd: dict[int, nbd.Server] = {}  # uid -> the socket of that user's session VMs
         self.control = self._listen(self.control_path)
+
+    def _nbd_for(self, peer_uid: int | None) -> nbd.Server:
+        """The NBD socket the VM of the launcher at the other end of a control request can reach."""
+        if not self.root or peer_uid in (None, 0):
+            return self.nbd
+        with self.lock:
+            server = self.user_nbd.get(peer_uid)
+            if server is None:
+                path = socket_path(self.dir, f"nbd-{peer_uid}.sock")
+                server = nbd.Server(path, self, 0o600, owner=peer_uid).start()
+                self.user_nbd[peer_uid] = server
+        return server
+
+    @property
+    def connections(self) -> int:
+        with self.lock:
+            servers = [self.nbd, *self.user_nbd.values()]
+        return sum(server.connections for server in servers)
 
     def _take_lock(self) -> int:
         # In the cache, wherever the sockets are: one server per cache, and gc can tell whether it runs.
@@ -237,6 +264,7 @@ class DiskServer:
             if unsafe:
                 raise DiskkitError(shown, "; ".join(f"/{layout.member}: {p}" for p in unsafe))
             remember(self.cache, shown, platform, image)
+        listener = self._nbd_for(peer_uid)
         clients = request.get("clients", 1)
         if not isinstance(clients, int) or not 0 <= clients <= 16:
             raise DiskkitError("open", "clients must be a number of NBD connections from 0 to 16")
@@ -251,8 +279,8 @@ class DiskServer:
         return {
             "ok": True,
             "export": layout.name,
-            "socket": str(self.nbd_path),
-            "url": f"nbd+unix:///{layout.name}?socket={self.nbd_path}",
+            "socket": str(listener.path),
+            "url": f"nbd+unix:///{layout.name}?socket={listener.path}",
             "image": shown,
             "digest": image.digest,
             "layer": layout.layer,
@@ -273,7 +301,7 @@ class DiskServer:
         return options
 
     def status(self) -> dict:
-        return {"ok": True, "pid": os.getpid(), "socket": str(self.nbd_path), "connections": self.nbd.connections,
+        return {"ok": True, "pid": os.getpid(), "socket": str(self.nbd_path), "connections": self.connections,
                 "exports": [export.status() for export in self.listing()]}
 
     def _handle(self, conn: socket.socket) -> None:
@@ -317,7 +345,7 @@ class DiskServer:
         announced (an `open` whose VM has not connected yet, as libvirt may take a minute to start
         qemu) or a disk is still being fetched."""
         now = time.monotonic()
-        if self.nbd.connections:
+        if self.connections:
             self.last_activity = now
             return None
         if any(getattr(export, "busy", False) for export in self.listing()):
@@ -369,6 +397,10 @@ class DiskServer:
             self.control.close()
         self.control_path.unlink(missing_ok=True)
         self.nbd.close()
+        with self.lock:
+            extra = list(self.user_nbd.values())
+        for server in extra:
+            server.close()
         for export in self.listing():
             if isinstance(export, LazyDisk):
                 export.closing.set()  # all at once: each close then has little left to wait for
