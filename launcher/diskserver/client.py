@@ -83,10 +83,11 @@ class Attached:
 
 
 def attach(cache: Cache, ref: str, path: str | None, platform: Platform | None, registry: RegistryOptions | None,
-           mode: str, policy: str, notes: list[str]) -> Attached | None:
+           mode: str, policy: str, notes: list[str], vm: bool = True) -> Attached | None:
     """Serve `ref`'s disk lazily when `mode` ("on", or "auto" for images marked lazy) allows; None: pull it whole.
 
-    The disk is checked as a pull checks it (KubeVirt's qemu-img info rules), read through the export."""
+    The disk is checked as a pull checks it (KubeVirt's qemu-img info rules), read through the export.
+    Without `vm` (a dry run) the server is not told to wait for a VM's qemu."""
     parsed = parse_ref(ref)
     if mode == "off" or parsed.transport != "docker":
         if mode == "on":
@@ -102,7 +103,7 @@ def attach(cache: Cache, ref: str, path: str | None, platform: Platform | None, 
     control = ensure_server(cache, registry)
     answer = request(control, {"op": "open", "image": ref, "path": path, "platform": str(platform) if platform else None,
                                "registry": asdict(registry) if registry else None, "marked": mode == "auto",
-                               "clients": 2})  # the probe below, then the VM's qemu: the server waits for both
+                               "clients": 2 if vm else 1})  # the probe below, then the VM's qemu: the server waits for both
     if not answer.get("ok"):
         if answer.get("seekable") is False:
             notes.append(f"{answer['reason']}; pulling it whole")
