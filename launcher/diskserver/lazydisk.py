@@ -326,6 +326,7 @@ class LazyDisk:
         self.closing = ranges.stop  # one event: a stopping export ends its retries too
         self.verified = threading.Event()
         self.failed: str | None = None
+        self.last_failure: str | None = None  # the registry's last refusal, while it lasts: told to VMs that pause
         self.installed: Path | None = None
         self.cursor = 0
         self.demand_active = 0  # fetches a reader waits for: prefetching stands back meanwhile
@@ -466,6 +467,8 @@ class LazyDisk:
             if self.closing.is_set():
                 raise NbdError(errno.ESHUTDOWN, "the disk server is stopping")
             if time.monotonic() > deadline:
+                # The VM pauses on this (errorPolicy stop) and is resumed by its launcher, which retries the read.
+                log.warning("%s: chunks %d-%d not fetched in %g s: a read fails", self.name, first, last, self.opts.fetch_timeout)
                 raise NbdError(errno.EIO, f"chunks {first}-{last} could not be fetched in {self.opts.fetch_timeout:g} s")
             if failures:
                 # The registry is down or restarting: wait, then ask again, for as long as the deadline allows.
@@ -502,8 +505,10 @@ class LazyDisk:
             data = self.ranges.read(lay.offset + start, stop - start)
         except DiskkitError as exc:
             self.stats.failed_fetches += 1
+            self.last_failure = exc.line()
             log.warning("%s: chunks %d-%d not fetched: %s", self.name, first, end - 1, exc.line())
             return False
+        self.last_failure = None
         view = memoryview(data)
         good: list[int] = []
         bad: list[int] = []
@@ -694,6 +699,7 @@ class LazyDisk:
             "verified": self.verified.is_set() and self.failed is None,
             "installed": str(self.installed) if self.installed else None,
             "failed": self.failed,
+            "lastFailure": self.last_failure,
             "stats": asdict(self.stats),
         }
 

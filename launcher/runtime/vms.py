@@ -21,10 +21,12 @@ from typing import Callable, Iterator
 from diskkit.errors import DiskkitError
 from diskkit.oci.image import Platform
 from diskkit.registry.options import RegistryOptions
+from launcher.diskserver.client import last_failure
 from launcher.node.cache import Cache
 from launcher.render.domain import Host, render, secret_xml
 from launcher.runtime import accel, hostcpus
 from launcher.runtime.console import follow
+from launcher.runtime.iopause import PauseWatch
 from launcher.runtime.runner import Libvirt
 from launcher.spec.vmi import VMI
 from launcher.volumes import vhostmd
@@ -104,7 +106,8 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
         try:
             metrics = _metrics_refresher(vmi, prepared, lv)
             with _signals_set(interrupted := threading.Event()):
-                outcome = follow(run_dir / "console.log", lambda: lv.active(name), opts.wait_for, opts.timeout, echo, interrupted)
+                watch = PauseWatch(lv, name, say, lambda: last_failure(cache))
+                outcome = follow(run_dir / "console.log", watch.running, opts.wait_for, opts.timeout, echo, interrupted)
         finally:
             if metrics is not None:
                 metrics.stop()  # with --wait-for the VM outlives us; its metrics then stop changing
