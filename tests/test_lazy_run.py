@@ -192,3 +192,20 @@ def test_registry_gone_for_good_ends_the_run_with_the_reason(qemu_user, lazy_reg
     assert lazy_registry.host in last  # the disk server's reason names the registry it cannot reach
     assert "Traceback" not in err
     assert_clean(qemu_user, "default_lazy-gone")
+
+
+def test_two_vms_on_one_export_fetch_each_chunk_once(qemu_user, lazy_registry):
+    ref, _ = push_padded(lazy_registry, qemu_user.root, "twice", 6)
+    cache = qemu_user.cache
+    with disk_server(cache, "--prefetch-rate", "2M", user=QEMU_UID, env=qemu_user.env):
+        procs = [qemu_user.popen("run", NOREG, "--lazy", "--console", "--timeout", "400", qemu_user.write_vmi(name, ref))
+                 for name in ("lazy-one", "lazy-two")]
+        for proc in procs:
+            finish(proc, follow(proc, DONE, timeout=400))
+        export = only_export(cache)  # both VMs read the one export
+        stats = export["stats"]
+        # Every chunk came from the registry once, whichever VM (or prefetcher) asked first.
+        assert stats["fetched_chunks"] == export["present"] and stats["corrupt_chunks"] == 0, export
+        assert stats["fetched_bytes"] <= export["present"] * export["chunkSize"], export
+    for name in ("lazy-one", "lazy-two"):
+        assert_clean(qemu_user, f"default_{name}")
