@@ -194,8 +194,12 @@ def test_registry_gone_for_good_ends_the_run_with_the_reason(qemu_user, lazy_reg
     assert_clean(qemu_user, "default_lazy-gone")
 
 
-def test_two_vms_on_one_export_fetch_each_chunk_once(qemu_user, lazy_registry):
+def test_two_vms_on_one_export_fetch_each_chunk_once(qemu_user, lazy_registry, fault_proxy):
     ref, _ = push_padded(lazy_registry, qemu_user.root, "twice", 6)
+    proxy = fault_proxy(lazy_registry)
+    # A slow registry (a second per range request): both guests wait on the same chunks at once.
+    proxy.add(Fault("GET", r"/blobs/sha256:", "stall", times=100000, arg=1, header=("Range", r"^bytes=")))
+    ref = ref.replace(lazy_registry.host, proxy.host)
     cache = qemu_user.cache
     with disk_server(cache, "--prefetch-rate", "2M", user=QEMU_UID, env=qemu_user.env):
         procs = [qemu_user.popen("run", NOREG, "--lazy", "--console", "--timeout", "400", qemu_user.write_vmi(name, ref))
