@@ -124,3 +124,14 @@ def test_run_says_in_one_line_that_its_cache_directory_vanished(tmp_path, regist
             proc.kill()
     assert proc.returncode != 0
     assert err.strip() == f"launcher: {cache}: the cache directory disappeared while the VM was being prepared", err
+
+
+def test_run_timeout_counts_the_preparation_too(registry, fault_proxy, guest_image, qemu_user):
+    """A registry that keeps the run waiting 20 s leaves 2 s of a 22 s --timeout for the guest: not
+    enough for the test guest to finish under TCG, which it does when the clock starts at boot."""
+    proxy = fault_proxy(registry)
+    proxy.add(Fault("GET", r"/manifests/", "stall", times=1, arg=20))
+    vmi = qemu_user.write_vmi("slow-prep", guest_image.replace(registry.host, proxy.host))
+    result = qemu_user.launcher("run", NOREG, "--no-lazy", "--console", "--timeout", "22", vmi)
+    assert result.code != 0 and not proxy.pending
+    assert result.err.strip().splitlines()[-1] == "launcher: default_slow-prep: the VM was still running after 22 s; the domain was destroyed", result.err

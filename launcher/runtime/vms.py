@@ -64,6 +64,7 @@ def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, domain_type: st
 def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) -> int:
     """Start the VM and stay with it: until --wait-for text, the guest's own stop, a timeout or a signal."""
     name = vmi.domain_name
+    began = time.monotonic()  # --timeout counts from here: pulls, the disk server and libvirt's start included
     lv = Libvirt(opts.uri)
     with cache.lock(f"vm-{name}"):
         if lv.exists(name):
@@ -107,7 +108,8 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
             metrics = _metrics_refresher(vmi, prepared, lv)
             with _signals_set(interrupted := threading.Event()):
                 watch = PauseWatch(lv, name, say, lambda: last_failure(cache))
-                outcome = follow(run_dir / "console.log", watch.running, opts.wait_for, opts.timeout, echo, interrupted)
+                left = None if opts.timeout is None else max(0.0, opts.timeout - (time.monotonic() - began))
+                outcome = follow(run_dir / "console.log", watch.running, opts.wait_for, left, echo, interrupted)
         finally:
             if metrics is not None:
                 metrics.stop()  # with --wait-for the VM outlives us; its metrics then stop changing
