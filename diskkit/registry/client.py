@@ -28,7 +28,7 @@ import urllib3
 from diskkit.errors import AuthError, RegistryError
 from diskkit.registry import authfile
 from diskkit.registry.options import RegistryOptions
-from diskkit.registry.partial import SYNC_EVERY, Busy, PartialBlob
+from diskkit.registry.partial import MIN_SIZE, Busy, PartialBlob
 
 RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 USER_AGENT = "diskkit/0.1"
@@ -352,7 +352,7 @@ class ResumableBlob(io.RawIOBase):
         self.resumes = 0
         self._response: requests.Response | None = None
         self.partial: PartialBlob | None = None
-        if partial_dir is not None and size >= SYNC_EVERY:  # smaller ones cost less than a resume point
+        if partial_dir is not None and size >= MIN_SIZE:
             try:
                 self.partial = PartialBlob(partial_dir, digest)
             except (Busy, OSError):

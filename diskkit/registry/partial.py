@@ -2,7 +2,9 @@
 SIGKILL) resumes from there with one range request instead of starting over.
 
     <dir>/<hex>.part     the blob's first bytes, as received
-    <dir>/<hex>.synced   how many of them are on disk (written after fdatasync): the resume point
+    <dir>/<hex>.synced   how many of them are on disk (written after fdatasync): the resume point,
+                         moved every few seconds and on every failure (by time, not bytes: a fast
+                         pull does not pay for syncing data it deletes a moment later)
 
 hashlib's state cannot be saved, so the bytes kept are not trusted on their own: they are read
 back into the reader's stream, and the consumer's digest check covers them with the rest. A
@@ -16,11 +18,13 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import time
 from pathlib import Path
 
 from diskkit.streams.fsutil import write_atomic
 
-SYNC_EVERY = 8 << 20  # bytes received between two resume points: what a kill can cost
+SYNC_INTERVAL = 5.0  # seconds of downloading between two resume points: what a kill can cost
+MIN_SIZE = 8 << 20  # smaller blobs cost less to fetch again than to keep
 
 
 class Busy(Exception):
@@ -46,6 +50,7 @@ class PartialBlob:
         # Bytes after the resume point may be torn by the kill: they are fetched again.
         self.length = self.synced = max(0, min(synced, os.fstat(self.fd).st_size))
         os.ftruncate(self.fd, self.length)
+        self.synced_at = time.monotonic()
 
     def read(self, offset: int, size: int) -> bytes:
         return os.pread(self.fd, min(size, self.length - offset), offset)
@@ -53,10 +58,11 @@ class PartialBlob:
     def append(self, data: bytes) -> None:
         os.pwrite(self.fd, data, self.length)
         self.length += len(data)
-        if self.length - self.synced >= SYNC_EVERY:
+        if time.monotonic() - self.synced_at >= SYNC_INTERVAL:
             self.sync()
 
     def sync(self) -> None:
+        self.synced_at = time.monotonic()
         if self.length != self.synced:
             os.fdatasync(self.fd)
             write_atomic(self.mark, str(self.length).encode())
