@@ -1,7 +1,11 @@
 """A VM paused by an I/O error (KubeVirt's default errorPolicy stop) is resumed, as its disks may be
 back: a lazy containerDisk's reads fail while the registry is away for longer than the disk
 server's fetch timeout, and qemu retries the failed request when the VM continues. A VM that keeps
-pausing is given up on, within a bound, with the disk server's own reason."""
+pausing is given up on, within a bound, with the disk server's own reason.
+
+KubeVirt only reports such a pause (a Paused condition for libvirt's PAUSED_IOERROR reason:
+pkg/virt-handler/vm.go, api.ReasonPausedIOError); resuming is ours, since a lazy disk's errors
+are a registry's outage rather than a broken device."""
 
 from __future__ import annotations
 
