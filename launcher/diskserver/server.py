@@ -22,6 +22,7 @@ import fcntl
 import json
 import logging
 import os
+import shutil
 import socket
 import struct
 import sys
@@ -112,6 +113,7 @@ class DiskServer:
         self.nbd_path = socket_path(self.dir, NBD_SOCKET)
         self.control_path = socket_path(self.dir, CONTROL_SOCKET)
         self._lock_fd = self._take_lock()
+        self._reclaim_staging()
         self.exports: dict[str, LazyDisk | InstalledDisk] = {}
         self.lock = threading.Lock()
         self.open_lock = threading.Lock()  # opening fetches headers and TOCs: one at a time
@@ -164,6 +166,13 @@ class DiskServer:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         return fd
+
+    def _reclaim_staging(self) -> None:
+        """Exports a killed server was setting up (hidden directories in lazy/): with the lock held, no one else's."""
+        lazy = self.cache.root / "lazy"
+        for staging in sorted(lazy.glob(".*")) if lazy.is_dir() else []:
+            shutil.rmtree(staging, ignore_errors=True)
+            log.info("removed %s, left by a server that was killed", staging)
 
     def _listen(self, path: Path) -> socket.socket:
         path.unlink(missing_ok=True)
