@@ -162,3 +162,19 @@ def test_a_server_killed_while_opening_an_export_leaves_nothing_to_the_next(tmp_
     with disk_server(cache):
         assert list((cache / "lazy").glob(".*")) == []
         assert "left by a server that was killed" in server_log(cache)
+
+
+def test_an_announced_client_is_not_waited_for_once_the_run_that_announced_it_is_gone(tmp_path, lazy_image):
+    """A run that failed before its VM started (it exits) does not keep an idle-exiting server for 10 min."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with disk_server(cache, "--exit-when-idle", "1") as server:
+        opener = subprocess.run([sys.executable, "-c", "import sys, json; from launcher.diskserver.control import request; "
+                                 "assert request(__import__('pathlib').Path(sys.argv[1]), json.loads(sys.argv[2]))['ok']",
+                                 cache / "serve" / "control.sock",
+                                 json.dumps({"op": "open", "image": lazy_image, "registry": {"tls_verify": False}, "clients": 1})],
+                                capture_output=True, text=True)
+        assert opener.returncode == 0, opener.stderr
+        code = server.wait(timeout=120)  # once the disk is fetched: nothing holds it
+    assert code == 0
+    assert "idle for 1 s with nothing left to fetch: exiting" in server_log(cache), server_log(cache)

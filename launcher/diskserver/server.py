@@ -118,7 +118,7 @@ class DiskServer:
         self.lock = threading.Lock()
         self.open_lock = threading.Lock()  # opening fetches headers and TOCs: one at a time
         self.last_activity = time.monotonic()
-        self.awaiting: dict[str, list[float]] = {}  # export -> deadlines of NBD clients announced by `open`
+        self.awaiting: dict[str, list[tuple[float, int]]] = {}  # export -> (deadline, asking pid) per announced NBD client
         self.served = False  # some NBD client connected: when the last one leaves, the work is done
         self.stopping = threading.Event()
         self.root = os.geteuid() == 0
@@ -243,7 +243,7 @@ class DiskServer:
 
     # --- control requests -----------------------------------------------------------------------
 
-    def open(self, request: dict, peer_uid: int | None = None) -> dict:
+    def open(self, request: dict, peer_uid: int | None = None, peer_pid: int = 0) -> dict:
         ref = request.get("image")
         if not isinstance(ref, str) or not ref:
             raise DiskkitError("open", "needs an image reference")
@@ -278,7 +278,8 @@ class DiskServer:
         if not isinstance(clients, int) or not 0 <= clients <= 16:
             raise DiskkitError("open", "clients must be a number of NBD connections from 0 to 16")
         with self.lock:
-            self.awaiting.setdefault(layout.name, []).extend([time.monotonic() + HOLD] * clients)
+            # Held while the run that asked lives (a run that failed before its VM started frees it), at most HOLD.
+            self.awaiting.setdefault(layout.name, []).extend([(time.monotonic() + HOLD, peer_pid)] * clients)
         ref_record = Ref(image_key(image.digest, path, platform), shown, image.digest)
         if isinstance(export, LazyDisk):
             export.touch()  # a VM is about to start on it
@@ -321,7 +322,8 @@ class DiskServer:
                 self.last_activity = time.monotonic()
                 op = request.get("op")
                 if op == "open":
-                    answer = self.open(request, _peer_uid(conn))
+                    pid, uid = _peer(conn)
+                    answer = self.open(request, uid, pid)
                 elif op == "status":
                     answer = self.status()
                 else:
@@ -361,7 +363,7 @@ class DiskServer:
             return None
         with self.lock:
             for name in list(self.awaiting):
-                self.awaiting[name] = [d for d in self.awaiting[name] if d > now]
+                self.awaiting[name] = [(d, pid) for d, pid in self.awaiting[name] if d > now and _alive(pid)]
             if any(self.awaiting.values()):
                 return None
             served = self.served
@@ -419,12 +421,25 @@ class DiskServer:
         os.close(self._lock_fd)
 
 
-def _peer_uid(conn: socket.socket) -> int | None:
+def _peer(conn: socket.socket) -> tuple[int, int | None]:
+    """The pid (0 when outside this PID namespace) and uid of a control client."""
     try:
-        _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-        return uid
+        pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        return pid, uid
     except OSError:
-        return None
+        return 0, None
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return True  # not ours to see: the deadline alone ends the wait
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def _header_problems(export) -> list[str]:
