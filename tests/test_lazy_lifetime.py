@@ -136,7 +136,11 @@ def test_run_timeout_counts_the_preparation_too(registry, fault_proxy, guest_ima
     vmi = qemu_user.write_vmi("slow-prep", guest_image.replace(registry.host, proxy.host))
     result = qemu_user.launcher("run", NOREG, "--no-lazy", "--console", "--timeout", "22", vmi)
     assert result.code != 0 and not proxy.pending
-    assert result.err.strip().splitlines()[-1] == "launcher: default_slow-prep: the VM was still running after 22 s; the domain was destroyed", result.err
+    # Out of time while following the guest, or already while pulling and starting it.
+    assert result.err.strip().splitlines()[-1] in (
+        "launcher: default_slow-prep: the VM was still running after 22 s; the domain was destroyed",
+        "launcher: default_slow-prep: not started within --timeout 22 s (pulling, serving or starting it); nothing was left"), result.err
+    assert not (qemu_user.cache / "run" / "default_slow-prep").exists()
 
 
 def test_a_server_killed_while_opening_an_export_leaves_nothing_to_the_next(tmp_path, registry, fault_proxy, lazy_image):
@@ -178,3 +182,14 @@ def test_an_announced_client_is_not_waited_for_once_the_run_that_announced_it_is
         code = server.wait(timeout=120)  # once the disk is fetched: nothing holds it
     assert code == 0
     assert "idle for 1 s with nothing left to fetch: exiting" in server_log(cache), server_log(cache)
+
+
+def test_run_timeout_holds_while_the_registry_keeps_it_preparing(registry, fault_proxy, guest_image, qemu_user):
+    proxy = fault_proxy(registry)
+    proxy.add(Fault("GET", r"/manifests/", "stall", times=1, arg=45))
+    vmi = qemu_user.write_vmi("stuck-prep", guest_image.replace(registry.host, proxy.host))
+    result = qemu_user.launcher("run", NOREG, "--no-lazy", "--timeout", "8", vmi)
+    assert result.code != 0
+    assert result.err.strip() == ("launcher: default_stuck-prep: not started within --timeout 8 s (pulling, serving or starting it); "
+                                  "nothing was left"), result.err
+    assert not (qemu_user.cache / "run" / "default_stuck-prep").exists()

@@ -71,10 +71,13 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
             raise DiskkitError(name, f"a domain of this name already exists on {lv.uri}; stop it first (launcher stop {vmi.name})")
         _remove_run_dir(cache, name)  # leftovers of a launcher that was killed
         cache.run_dir(name).mkdir(parents=True)  # the console log lives here even with no overlay
+        alarm = _Alarm()
         try:
             from launcher.datavolumes.control import ensure_ready
 
             ensure_ready(vmi, opts.storage or Storage(), opts.registry, opts.timeout, say)  # KubeVirt waits for them too
+            if opts.timeout is not None:
+                alarm.arm(opts.timeout - (time.monotonic() - began))
             with cache.lock("gc", shared=True):  # gc must not take the bases between pull and record
                 prepared, xml = plan(vmi, cache, opts, create=True)
                 run_dir = cache.run_dir(name)
@@ -96,8 +99,12 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
             for source, value in prepared.secrets:
                 lv.define_secret(secret_xml(source), value, source.secret_usage)
             lv.start(name, xml)
+            alarm.disarm()
         except BaseException as exc:
+            alarm.disarm()
             cleanup(cache, lv, name)
+            if isinstance(exc, _OutOfTime):
+                raise DiskkitError(name, f"not started within --timeout {opts.timeout:g} s (pulling, serving or starting it); nothing was left") from None
             if isinstance(exc, OSError) and cache.vanished():
                 raise DiskkitError(cache.root, "the cache directory disappeared while the VM was being prepared") from None
             raise
@@ -159,6 +166,32 @@ def _signals_set(event: threading.Event) -> Iterator[None]:
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+class _OutOfTime(BaseException):
+    """--timeout ran out while the VM was being prepared or started. A BaseException, as SIGALRM
+    raises it wherever the run is, and an `except Exception` on the way must not swallow it."""
+
+
+class _Alarm:
+    """SIGALRM at the run's deadline: pulls, the disk server and libvirt's start block in calls
+    that take no timeout of their own."""
+
+    def __init__(self):
+        self.previous = None
+
+    def arm(self, seconds: float) -> None:
+        def ring(signum, frame):
+            raise _OutOfTime()
+
+        self.previous = signal.signal(signal.SIGALRM, ring)
+        signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.001))
+
+    def disarm(self) -> None:
+        if self.previous is not None:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self.previous)
+            self.previous = None
 
 
 def _echo(data: bytes) -> None:
