@@ -95,11 +95,15 @@ def test_an_idle_exiting_server_waits_for_its_announced_client_then_leaves_with_
     assert "its last VM is gone and nothing is left to fetch: exiting" in server_log(cache), server_log(cache)
 
 
-def test_a_server_started_to_exit_when_idle_keeps_fetching_after_its_last_client(tmp_path, lazy_image, guest_raw):
+def test_a_server_started_to_exit_when_idle_keeps_fetching_after_its_last_client(tmp_path, registry):
     """Its last VM gone, the rest of the disk still arrives (and is installed) before the server leaves."""
+    guest_raw = random_disk(tmp_path / "guest-48m.img", 48 * MIB, seed=7)
+    lazy_image = f"{registry.host}/lifetime/guest:big"
+    assert run_diskkit("build", NOREG, "--lazy", guest_raw, "-t", lazy_image).code == 0
     cache = tmp_path / "cache"
     cache.mkdir()
-    with disk_server(cache, "--exit-when-idle", "0", "--prefetch-rate", "2M") as server:
+    # 4 MiB/s after a first 8 MiB span: ten seconds of fetching left when the reader below is done.
+    with disk_server(cache, "--exit-when-idle", "0", "--prefetch-rate", "4M") as server:
         answer = open_export(cache, lazy_image)
         run("qemu-io", "-r", "-f", "raw", "-c", "read 0 1M", answer["url"])
         assert not export_status(cache, answer["export"])["installed"]
