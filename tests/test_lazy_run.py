@@ -8,6 +8,7 @@ range response, a registry restart mid-boot and a server started by `run` itself
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from pathlib import Path
 
@@ -140,3 +141,75 @@ def test_run_starts_a_server_for_an_image_marked_lazy_and_pull_then_finds_the_di
     finally:
         stop_spawned_server(cache)
     assert_clean(qemu_user, "default_lazy-auto")
+
+
+def domstate(user, domain: str) -> str:
+    try:
+        return user.virsh("domstate", "--reason", domain)
+    except subprocess.CalledProcessError:
+        return ""  # not defined yet
+
+
+def test_registry_away_longer_than_the_fetch_timeout_pauses_the_vm_until_it_is_back(qemu_user, lazy_registry):
+    """Reads fail after the server's fetch timeout: qemu pauses the VM (errorPolicy stop), the launcher
+    resumes it, qemu retries the read, and once the registry is back the boot goes on."""
+    ref, _ = push_padded(lazy_registry, qemu_user.root, "pause", 4)
+    cache = qemu_user.cache
+    with disk_server(cache, "--prefetch-rate", "1M", "--fetch-timeout", "2", user=QEMU_UID, env=qemu_user.env):
+        vmi = qemu_user.write_vmi("lazy-pause", ref)
+        proc = qemu_user.popen("run", NOREG, "--retry-times", "1", "--retry-delay", "0.2", "--lazy", "--console", "--timeout", "400", vmi)
+        wait_for(lambda: control(cache, {"op": "status"})["exports"], 120, "the export to open")
+        lazy_registry.stop()
+        try:
+            wait_for(lambda: "I/O error" in domstate(qemu_user, "default_lazy-pause"), 120, "the VM to pause")
+            assert proc.poll() is None
+        finally:
+            lazy_registry.start()
+        seen = follow(proc, DONE)
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+        assert "note: the VM paused on an I/O error of vda" in err and "note: resuming the VM" in err, err
+        console = parse_console(seen + out)
+        assert console["done"] and console["disks"]["vda"]["size"] == PADDED
+    assert_clean(qemu_user, "default_lazy-pause")
+
+
+def test_registry_gone_for_good_ends_the_run_with_the_reason(qemu_user, lazy_registry):
+    ref, _ = push_padded(lazy_registry, qemu_user.root, "gone", 5)
+    cache = qemu_user.cache
+    with disk_server(cache, "--prefetch-rate", "1M", "--fetch-timeout", "2", user=QEMU_UID, env=qemu_user.env):
+        vmi = qemu_user.write_vmi("lazy-gone", ref)
+        proc = qemu_user.popen("run", NOREG, "--retry-times", "1", "--retry-delay", "0.2", "--lazy", "--console", "--timeout", "600", vmi)
+        wait_for(lambda: control(cache, {"op": "status"})["exports"], 120, "the export to open")
+        lazy_registry.stop()
+        try:
+            out, err = proc.communicate(timeout=400)  # bounded: six resumes, 45 s of waiting between them
+        finally:
+            lazy_registry.start()
+    assert proc.returncode != 0
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("launcher: default_lazy-gone: the VM kept pausing on I/O errors of vda (") and "after 6 resumes; the domain was destroyed" in last, err
+    assert lazy_registry.host in last  # the disk server's reason names the registry it cannot reach
+    assert "Traceback" not in err
+    assert_clean(qemu_user, "default_lazy-gone")
+
+
+def test_two_vms_on_one_export_fetch_each_chunk_once(qemu_user, lazy_registry, fault_proxy):
+    ref, _ = push_padded(lazy_registry, qemu_user.root, "twice", 6)
+    proxy = fault_proxy(lazy_registry)
+    # A slow registry (a second per range request): both guests wait on the same chunks at once.
+    proxy.add(Fault("GET", r"/blobs/sha256:", "stall", times=100000, arg=1, header=("Range", r"^bytes=")))
+    ref = ref.replace(lazy_registry.host, proxy.host)
+    cache = qemu_user.cache
+    with disk_server(cache, "--prefetch-rate", "2M", user=QEMU_UID, env=qemu_user.env):
+        procs = [qemu_user.popen("run", NOREG, "--lazy", "--console", "--timeout", "400", qemu_user.write_vmi(name, ref))
+                 for name in ("lazy-one", "lazy-two")]
+        for proc in procs:
+            finish(proc, follow(proc, DONE, timeout=400))
+        export = only_export(cache)  # both VMs read the one export
+        stats = export["stats"]
+        # Every chunk came from the registry once, whichever VM (or prefetcher) asked first.
+        assert stats["fetched_chunks"] == export["present"] and stats["corrupt_chunks"] == 0, export
+        assert stats["fetched_bytes"] <= export["present"] * export["chunkSize"], export
+    for name in ("lazy-one", "lazy-two"):
+        assert_clean(qemu_user, f"default_{name}")

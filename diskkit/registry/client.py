@@ -28,6 +28,7 @@ import urllib3
 from diskkit.errors import AuthError, RegistryError
 from diskkit.registry import authfile
 from diskkit.registry.options import RegistryOptions
+from diskkit.registry.partial import MIN_SIZE, Busy, PartialBlob
 
 RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 USER_AGENT = "diskkit/0.1"
@@ -348,9 +349,12 @@ def get_blob(registry: Registry, repository: str, digest: str, first: int = 0, l
 
 
 class ResumableBlob(io.RawIOBase):
-    """A blob download that survives dropped connections by asking again with `Range: bytes=N-`."""
+    """A blob download that survives dropped connections by asking again with `Range: bytes=N-`.
 
-    def __init__(self, registry: Registry, repository: str, digest: str, size: int):
+    With `partial_dir` what arrives is also kept there (diskkit.registry.partial), so a download
+    of the same blob by a later process, after this one was killed, starts where it stopped."""
+
+    def __init__(self, registry: Registry, repository: str, digest: str, size: int, partial_dir: Path | None = None):
         self.registry = registry
         self.repository = repository
         self.digest = digest
@@ -358,7 +362,14 @@ class ResumableBlob(io.RawIOBase):
         self.offset = 0
         self.resumes = 0
         self._response: requests.Response | None = None
-        self._open()
+        self.partial: PartialBlob | None = None
+        if partial_dir is not None and size >= MIN_SIZE:
+            try:
+                self.partial = PartialBlob(partial_dir, digest)
+            except (Busy, OSError):
+                pass  # another process downloads it now (or the directory is unusable): no head start
+        if self.partial is None or not self.partial.length:
+            self._open()
 
     def readable(self) -> bool:
         return True
@@ -367,6 +378,13 @@ class ResumableBlob(io.RawIOBase):
         self._response = get_blob(self.registry, self.repository, self.digest, self.offset)
 
     def readinto(self, buf) -> int:
+        if self.partial is not None and self.offset < self.partial.length:
+            data = self.partial.read(self.offset, min(len(buf), 1 << 20))
+            buf[: len(data)] = data
+            self.offset += len(data)
+            return len(data)
+        if self._response is None:
+            self._open()  # the kept bytes are used up: the rest comes from the registry
         while True:
             try:
                 assert self._response is not None
@@ -381,9 +399,13 @@ class ResumableBlob(io.RawIOBase):
                 n = len(data)
                 buf[:n] = data
                 self.offset += n
+                if self.partial is not None:
+                    self.partial.append(data)
                 return n
             if failure is None and self.offset >= self.size:
                 return 0
+            if self.partial is not None:
+                self.partial.sync()  # whatever happens next, what came so far is not fetched again
             # Connection dropped, or the body ended before the descriptor's size: resume.
             if self.resumes >= self.registry.opts.retries:
                 raise RegistryError(self.registry.host, f"blob {self.digest[:19]} download kept failing at byte {self.offset} of {self.size} ({failure_reason(failure) if failure else 'short body'})")
@@ -396,4 +418,11 @@ class ResumableBlob(io.RawIOBase):
     def close(self) -> None:
         if self._response is not None:
             self._response.close()
+        if self.partial is not None:
+            # Read to the end, the consumer has checked the digest (or refused the blob): done either way.
+            if self.offset >= self.size:
+                self.partial.drop()
+            else:
+                self.partial.keep()
+            self.partial = None
         super().close()

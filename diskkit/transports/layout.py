@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import glob
 import os
 import secrets
 import shutil
@@ -100,6 +102,7 @@ class PendingFile:
         self._dest = dest
         self.tmp = tmp
         self.file = open(tmp, "wb")
+        fcntl.flock(self.file.fileno(), fcntl.LOCK_EX)  # alive: a later push must not reclaim it
         self._writeback = fsutil.Writeback(self.file)
         self.done = False
 
@@ -142,13 +145,20 @@ class LayoutDestination(Destination):
             fsutil.check_writable(self.final)
             self.root = self.final
             self.staging = None
+            _reclaim((self.final / "blobs" / "sha256").glob(".tmp-*"))
         else:
             parent = self.final.parent
             fsutil.check_writable(parent)
+            _reclaim(parent.glob(f".{glob.escape(self.final.name)}.diskkit-*"))
             self.staging = parent / f".{self.final.name}.diskkit-{secrets.token_hex(4)}"
             self.root = self.staging
         self.blobs = self.root / "blobs" / "sha256"
         self.blobs.mkdir(parents=True, exist_ok=True)
+        self._alive = None
+        if self.staging is not None:
+            # Held until commit or abort (or death): tells a later push this staging is no leftover.
+            self._alive = os.open(self.staging, os.O_RDONLY | os.O_DIRECTORY)
+            fcntl.flock(self._alive, fcntl.LOCK_EX)
 
     @contextlib.contextmanager
     def blob_writer(self, media_type: str) -> Iterator[PendingFile]:
@@ -187,11 +197,37 @@ class LayoutDestination(Destination):
                 self.abort()
                 raise DiskkitError(self.final, f"cannot be created ({exc.strerror})") from None
             fsutil.fsync_dir(self.final.parent)
+            self._release()
 
     def abort(self) -> None:
         if self.staging is not None:
             shutil.rmtree(self.staging, ignore_errors=True)
+            self._release()
         else:
             for path in self.added:
                 path.unlink(missing_ok=True)
+
+    def _release(self) -> None:
+        if self._alive is not None:
+            os.close(self._alive)
+            self._alive = None
+
+
+def _reclaim(paths) -> None:
+    """Staging a killed push left behind (nobody holds its lock any more) goes before a new one starts."""
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # a push at work
+        finally:
+            os.close(fd)
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 

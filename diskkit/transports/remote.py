@@ -57,6 +57,7 @@ class RemoteSource(Source):
         self.name = source.name
         self.registry = registry_for(self.name.registry, registriesconf.with_insecure(self.opts, source.insecure))
         self.pull_scope = scope(self.name.repository, "pull")
+        self.partial_dir = None  # where blob downloads keep what they received, to resume after a kill
 
     def _get_manifest(self, reference: str) -> tuple[bytes, str | None]:
         path = f"/v2/{self.name.repository}/manifests/{reference}"
@@ -97,7 +98,7 @@ class RemoteSource(Source):
         return data
 
     def open_blob(self, desc: Descriptor) -> BinaryIO:
-        return ResumableBlob(self.registry, self.name.repository, desc.digest, desc.size)
+        return ResumableBlob(self.registry, self.name.repository, desc.digest, desc.size, self.partial_dir)
 
 
 class _Upload:

@@ -60,20 +60,23 @@ def pull(ref, image_path, platform, pull_policy, as_json, cache_dir, registry: R
 Examples:
   launcher domain examples/vmi-containerdisk.yaml
   launcher domain --accel kvm vmi.yaml > domain.xml
+  launcher domain --lazy vmi.yaml                  # the NBD export `launcher run --lazy` would boot from
 """)
 @click.argument("vmi_file", type=click.Path(dir_okay=False, exists=True))
 @click.option("--platform", help="OS/ARCH of the images (default: this host's).")
 @click.option("--accel", type=click.Choice(["auto", "kvm", "qemu"]), default="auto", show_default=True, help="Domain type; auto probes whether KVM makes progress here.")
+@click.option("--lazy/--no-lazy", default=None, help="As `launcher run --lazy`: lazy containerDisks show the NBD export the VM would read.")
 @ignore_unsupported_option
 @cache_option
 @storage_options
 @registry_options
-def domain(vmi_file, platform, accel, ignore_unsupported, cache_dir, store, registry: RegistryOptions) -> None:
-    """Print the libvirt domain XML `launcher run` would start (a dry run: images are pulled, nothing started)."""
+def domain(vmi_file, platform, accel, lazy, ignore_unsupported, cache_dir, store, registry: RegistryOptions) -> None:
+    """Print the libvirt domain XML `launcher run` would start (a dry run: images are pulled or, lazy, opened on the node's disk server; nothing started)."""
     from launcher.runtime.vms import RunOptions, plan
 
     vmi = load_vmi_file(vmi_file, ignore_unsupported, store.objects)
-    _, xml = plan(vmi, Cache(cache_dir), RunOptions(platform=platform_of(platform), registry=registry, storage=store), create=False, domain_type=None if accel == "auto" else accel)
+    opts = RunOptions(platform=platform_of(platform), registry=registry, storage=store, lazy={None: "auto", True: "on", False: "off"}[lazy])
+    _, xml = plan(vmi, Cache(cache_dir), opts, create=False, domain_type=None if accel == "auto" else accel)
     click.echo(xml, nl=not xml.endswith("\n"))
 
 

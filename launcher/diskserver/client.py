@@ -28,6 +28,7 @@ from launcher.node.cache import Cache
 from launcher.node.pull import Pulled, cached
 
 START_TIMEOUT = 30.0
+FETCH_TIMEOUT = 30.0  # a spawned server's reads fail after this: the VM pauses and its launcher resumes it
 
 
 def _registry_flags(opts: RegistryOptions) -> list[str]:
@@ -48,6 +49,7 @@ def ensure_server(cache: Cache, registry: RegistryOptions | None = None, idle: f
             return control
     directory.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "launcher", "serve", "--cache-dir", str(cache.root), "--exit-when-idle", str(idle),
+               "--fetch-timeout", str(FETCH_TIMEOUT),
                *_registry_flags(registry or RegistryOptions())]
     with open(directory / "server.log", "ab") as logfile:
         child = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=logfile, stderr=logfile, start_new_session=True,
@@ -83,10 +85,11 @@ class Attached:
 
 
 def attach(cache: Cache, ref: str, path: str | None, platform: Platform | None, registry: RegistryOptions | None,
-           mode: str, policy: str, notes: list[str]) -> Attached | None:
+           mode: str, policy: str, notes: list[str], vm: bool = True) -> Attached | None:
     """Serve `ref`'s disk lazily when `mode` ("on", or "auto" for images marked lazy) allows; None: pull it whole.
 
-    The disk is checked as a pull checks it (KubeVirt's qemu-img info rules), read through the export."""
+    The disk is checked as a pull checks it (KubeVirt's qemu-img info rules), read through the export.
+    Without `vm` (a dry run) the server is not told to wait for a VM's qemu."""
     parsed = parse_ref(ref)
     if mode == "off" or parsed.transport != "docker":
         if mode == "on":
@@ -101,7 +104,8 @@ def attach(cache: Cache, ref: str, path: str | None, platform: Platform | None, 
             return None
     control = ensure_server(cache, registry)
     answer = request(control, {"op": "open", "image": ref, "path": path, "platform": str(platform) if platform else None,
-                               "registry": asdict(registry) if registry else None, "marked": mode == "auto"})
+                               "registry": asdict(registry) if registry else None, "marked": mode == "auto",
+                               "clients": 2 if vm else 1})  # the probe below, then the VM's qemu: the server waits for both
     if not answer.get("ok"):
         if answer.get("seekable") is False:
             notes.append(f"{answer['reason']}; pulling it whole")
@@ -114,3 +118,13 @@ def attach(cache: Cache, ref: str, path: str | None, platform: Platform | None, 
         raise DiskkitError(str(parsed), "; ".join(f"/{answer['member']}: {p}" for p in problems))
     pulled = Pulled(Path(answer["disk"]), info.format, info.virtual_size, answer["image"], answer["digest"], answer["layer"], answer["member"])
     return Attached(answer["url"], answer["export"], answer["socket"], info.format, info.virtual_size, pulled)
+
+
+def last_failure(cache: Cache) -> str | None:
+    """Why the node's disk server last failed to fetch (a registry away), if it is failing now."""
+    try:
+        answer = request(socket_path(serve_dir(cache), CONTROL_SOCKET), {"op": "status"}, timeout=5)
+    except (OSError, ValueError, DiskkitError):
+        return None
+    failures = [e["lastFailure"] for e in answer.get("exports", []) if e.get("lastFailure")]
+    return failures[0] if failures else None

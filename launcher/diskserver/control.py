@@ -1,6 +1,7 @@
 """Where the node's disk server listens and how it is spoken to: one JSON object per line, each way.
 
-    {"op": "open", "image": REF, "path": P, "platform": "linux/amd64", "registry": {...}, "marked": true}
+    {"op": "open", "image": REF, "path": P, "platform": "linux/amd64", "registry": {...}, "marked": true,
+     "clients": 2}   NBD connections to expect (default 1): a server exiting when idle waits for them
         -> {"ok": true, "export": NAME, "socket": NBD_SOCKET, "url": "nbd+unix:///NAME?socket=...", ...}
         -> {"ok": false, "seekable": false, "reason": "..."}   (pull it whole instead)
         -> {"ok": false, "error": "..."}                       (refused, as a pull would be)

@@ -84,6 +84,7 @@ class BlobRanges:
         self.digest = digest
         self.size = size
         self.requests = 0
+        self.stop = threading.Event()  # set when the server stops: no more waiting between retries
 
     def read(self, start: int, length: int) -> bytes:
         if start < 0 or start + length > self.size:
@@ -102,7 +103,8 @@ class BlobRanges:
                     if isinstance(exc, RegistryError):
                         raise
                     raise RegistryError(self.registry.host, f"blob {self.digest[:19]} range at {start + got} kept failing ({failure_reason(exc)})") from None
-                time.sleep(retry_after(None, failures, self.registry.opts))
+                if self.stop.wait(retry_after(None, failures, self.registry.opts)):
+                    raise RegistryError(self.registry.host, f"blob {self.digest[:19]}: the server is stopping") from None
                 failures += 1
         return bytes(buf)
 
@@ -321,9 +323,10 @@ class LazyDisk:
         self.lock = threading.Lock()
         self.save_lock = threading.Lock()
         self.inflight: dict[int, threading.Event] = {}
-        self.closing = threading.Event()
+        self.closing = ranges.stop  # one event: a stopping export ends its retries too
         self.verified = threading.Event()
         self.failed: str | None = None
+        self.last_failure: str | None = None  # the registry's last refusal, while it lasts: told to VMs that pause
         self.installed: Path | None = None
         self.cursor = 0
         self.demand_active = 0  # fetches a reader waits for: prefetching stands back meanwhile
@@ -380,13 +383,17 @@ class LazyDisk:
                 thread.start()
         return self
 
-    def close(self) -> None:
+    def close(self, grace: float = 1.0) -> None:
+        """Stops within `grace` seconds: a fetch stuck on an unreachable registry is abandoned, never
+        waited for (SIGTERM must end the server promptly; the bitmap only vouches for synced chunks)."""
         self.closing.set()
+        deadline = time.monotonic() + grace
         for thread in [*self.threads, self.saver]:
             if thread.is_alive():
-                thread.join(timeout=10)
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
         self._save(force=True)
-        os.close(self.fd)
+        if not any(thread.is_alive() for thread in self.threads):
+            os.close(self.fd)  # else a stuck fetcher may still write to it: it goes with the process
 
     def add_ref(self, ref: Ref) -> None:
         """Kept with the state, so a server restarted before the end still records every image."""
@@ -457,7 +464,11 @@ class LazyDisk:
                 event.wait(max(0.0, deadline - time.monotonic()))
             if self.failed is not None:
                 raise NbdError(errno.EIO, self.failed)
+            if self.closing.is_set():
+                raise NbdError(errno.ESHUTDOWN, "the disk server is stopping")
             if time.monotonic() > deadline:
+                # The VM pauses on this (errorPolicy stop) and is resumed by its launcher, which retries the read.
+                log.warning("%s: chunks %d-%d not fetched in %g s: a read fails", self.name, first, last, self.opts.fetch_timeout)
                 raise NbdError(errno.EIO, f"chunks {first}-{last} could not be fetched in {self.opts.fetch_timeout:g} s")
             if failures:
                 # The registry is down or restarting: wait, then ask again, for as long as the deadline allows.
@@ -494,8 +505,10 @@ class LazyDisk:
             data = self.ranges.read(lay.offset + start, stop - start)
         except DiskkitError as exc:
             self.stats.failed_fetches += 1
+            self.last_failure = exc.line()
             log.warning("%s: chunks %d-%d not fetched: %s", self.name, first, end - 1, exc.line())
             return False
+        self.last_failure = None
         view = memoryview(data)
         good: list[int] = []
         bad: list[int] = []
@@ -686,6 +699,7 @@ class LazyDisk:
             "verified": self.verified.is_set() and self.failed is None,
             "installed": str(self.installed) if self.installed else None,
             "failed": self.failed,
+            "lastFailure": self.last_failure,
             "stats": asdict(self.stats),
         }
 

@@ -19,7 +19,7 @@ import os
 import socket
 import struct
 import threading
-from concurrent.futures import ThreadPoolExecutor
+import queue
 from pathlib import Path
 from typing import Protocol
 
@@ -81,6 +81,36 @@ class _Closed(Exception):
     pass
 
 
+class _ReadPool:
+    """Worker threads for reads. Daemons, unlike concurrent.futures' workers (joined at exit): a read
+    waiting on an unreachable registry must not keep a stopping server alive."""
+
+    def __init__(self, workers: int):
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.closed = False
+        for index in range(workers):
+            threading.Thread(target=self._work, name=f"nbd-read-{index}", daemon=True).start()
+
+    def submit(self, fn, *args) -> None:
+        if self.closed:
+            raise RuntimeError("the pool is closed")
+        self.jobs.put((fn, args))
+
+    def _work(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            fn, args = job
+            try:
+                fn(*args)
+            except Exception:  # a bug must cost one read, never a worker
+                log.exception("NBD read failed")
+
+    def shutdown(self) -> None:
+        self.closed = True
+
+
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray(n)
     view = memoryview(buf)
@@ -94,12 +124,13 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 class Server:
-    """Listens on `path` (mode `mode`, group `group` when given) until close()."""
+    """Listens on `path` (mode `mode`, owner `owner` and group `group` when given) until close()."""
 
-    def __init__(self, path: Path, exports: Exports, mode: int = 0o600, group: int | None = None, workers: int = 16):
+    def __init__(self, path: Path, exports: Exports, mode: int = 0o600, group: int | None = None, workers: int = 16,
+                 owner: int | None = None):
         self.path = Path(path)
         self.exports = exports
-        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="nbd-read")
+        self.pool = _ReadPool(workers)
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
         self._closing = threading.Event()
@@ -111,8 +142,8 @@ class Server:
             self.sock.bind(str(self.path))
         finally:
             os.umask(old)
-        if group is not None:
-            os.chown(self.path, -1, group)
+        if group is not None or owner is not None:
+            os.chown(self.path, -1 if owner is None else owner, -1 if group is None else group)
         os.chmod(self.path, mode)
         self.sock.listen(64)
         self._thread = threading.Thread(target=self._accept_loop, name="nbd-accept", daemon=True)
@@ -141,7 +172,7 @@ class Server:
             except OSError:
                 pass
         self._thread.join(timeout=5)
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown()
         self.path.unlink(missing_ok=True)
 
     def _accept_loop(self) -> None:
@@ -248,7 +279,7 @@ class _Handshake:
 
 
 class _Transmission:
-    def __init__(self, conn: socket.socket, export: Export, pool: ThreadPoolExecutor):
+    def __init__(self, conn: socket.socket, export: Export, pool: _ReadPool):
         self.conn = conn
         self.export = export
         self.pool = pool

@@ -5,9 +5,14 @@ One process per node cache. It exports each lazily read disk over NBD on `<cache
 `<cache>/serve/control.sock` (launcher.diskserver.control has the protocol).
 
 Registry options (TLS, auth file, credentials) come with each request, so every VM's pull secret
-is used for its own image; the server's own flags serve exports it reopens after a restart. Both
-sockets are mode 0660, group qemu (107) when the server runs as root, so qemu run by libvirt as
-UID 107 can connect; 0600 otherwise (the launcher and its qemu share the user then).
+is used for its own image; the server's own flags serve exports it reopens after a restart.
+
+Who may connect: run as root, the control socket is mode 0660, group 107 (KubeVirt's qemu group,
+the launcher users' here); `nbd.sock` is mode 0660 in the group libvirt's system daemon runs qemu
+as (launcher.diskserver.qemuid: qemu.conf's `group`, else libvirt's built-in one), for VMs that
+root starts on qemu:///system; a VM of another user runs on that user's qemu:///session as that
+user, so its launcher is answered with `nbd-<uid>.sock`, owned by it, mode 0600. Not run as root,
+both sockets are 0600: the launcher and its qemu share the server's user.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import fcntl
 import json
 import logging
 import os
+import shutil
 import socket
 import struct
 import sys
@@ -54,6 +60,7 @@ from launcher.diskserver.lazydisk import (
     find_layout,
     record,
 )
+from launcher.diskserver.qemuid import system_qemu_gid
 from launcher.node.cache import Cache
 from launcher.node.pull import image_key, remember
 
@@ -61,6 +68,8 @@ log = logging.getLogger("launcher.serve")
 
 QEMU_GID = 107
 MAX_REQUEST = 1 << 20
+HOLD = 600.0  # an opened export waits this long at most for the VMs announced with it to connect
+GRACE = 5.0  # after its last VM disconnected, a server exiting by itself waits this long for another
 
 
 @dataclass
@@ -105,17 +114,41 @@ class DiskServer:
         self.nbd_path = socket_path(self.dir, NBD_SOCKET)
         self.control_path = socket_path(self.dir, CONTROL_SOCKET)
         self._lock_fd = self._take_lock()
+        self._reclaim_staging()
         self.exports: dict[str, LazyDisk | InstalledDisk] = {}
         self.lock = threading.Lock()
         self.open_lock = threading.Lock()  # opening fetches headers and TOCs: one at a time
         self.last_activity = time.monotonic()
+        self.awaiting: dict[str, list[tuple[float, int]]] = {}  # export -> (deadline, asking pid) per announced NBD client
+        self.served = False  # some NBD client connected: when the last one leaves, the work is done
         self.stopping = threading.Event()
-        root = os.geteuid() == 0
-        self.mode, self.group = (0o660, QEMU_GID) if root else (0o600, None)
-        if root:
+        self.root = os.geteuid() == 0
+        self.mode, self.group = (0o660, QEMU_GID) if self.root else (0o600, None)
+        if self.root:
             os.chmod(self.dir, 0o755)
-        self.nbd = nbd.Server(self.nbd_path, self, self.mode, self.group)
+            self.nbd = nbd.Server(self.nbd_path, self, 0o660, system_qemu_gid())
+        else:
+            self.nbd = nbd.Server(self.nbd_path, self, 0o600)
+        self.user_nbd: dict[int, nbd.Server] = {}  # uid -> the socket of that user's session VMs
         self.control = self._listen(self.control_path)
+
+    def _nbd_for(self, peer_uid: int | None) -> nbd.Server:
+        """The NBD socket the VM of the launcher at the other end of a control request can reach."""
+        if not self.root or peer_uid in (None, 0):
+            return self.nbd
+        with self.lock:
+            server = self.user_nbd.get(peer_uid)
+            if server is None:
+                path = socket_path(self.dir, f"nbd-{peer_uid}.sock")
+                server = nbd.Server(path, self, 0o600, owner=peer_uid).start()
+                self.user_nbd[peer_uid] = server
+        return server
+
+    @property
+    def connections(self) -> int:
+        with self.lock:
+            servers = [self.nbd, *self.user_nbd.values()]
+        return sum(server.connections for server in servers)
 
     def _take_lock(self) -> int:
         # In the cache, wherever the sockets are: one server per cache, and gc can tell whether it runs.
@@ -134,6 +167,13 @@ class DiskServer:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         return fd
+
+    def _reclaim_staging(self) -> None:
+        """Exports a killed server was setting up (hidden directories in lazy/): with the lock held, no one else's."""
+        lazy = self.cache.root / "lazy"
+        for staging in sorted(lazy.glob(".*")) if lazy.is_dir() else []:
+            shutil.rmtree(staging, ignore_errors=True)
+            log.info("removed %s, left by a server that was killed", staging)
 
     def _listen(self, path: Path) -> socket.socket:
         path.unlink(missing_ok=True)
@@ -158,6 +198,11 @@ class DiskServer:
             export = self._reopen(name)
         if export is not None:
             self.last_activity = time.monotonic()
+            with self.lock:
+                self.served = True
+                announced = self.awaiting.get(name)
+                if announced:
+                    announced.pop(0)
             if isinstance(export, LazyDisk):
                 export.touch()
         return export
@@ -199,7 +244,7 @@ class DiskServer:
 
     # --- control requests -----------------------------------------------------------------------
 
-    def open(self, request: dict, peer_uid: int | None = None) -> dict:
+    def open(self, request: dict, peer_uid: int | None = None, peer_pid: int = 0) -> dict:
         ref = request.get("image")
         if not isinstance(ref, str) or not ref:
             raise DiskkitError("open", "needs an image reference")
@@ -230,6 +275,13 @@ class DiskServer:
             if unsafe:
                 raise DiskkitError(shown, "; ".join(f"/{layout.member}: {p}" for p in unsafe))
             remember(self.cache, shown, platform, image)
+        listener = self._nbd_for(peer_uid)
+        clients = request.get("clients", 1)
+        if not isinstance(clients, int) or not 0 <= clients <= 16:
+            raise DiskkitError("open", "clients must be a number of NBD connections from 0 to 16")
+        with self.lock:
+            # Held while the run that asked lives (a run that failed before its VM started frees it), at most HOLD.
+            self.awaiting.setdefault(layout.name, []).extend([(time.monotonic() + HOLD, peer_pid)] * clients)
         ref_record = Ref(image_key(image.digest, path, platform), shown, image.digest)
         if isinstance(export, LazyDisk):
             export.touch()  # a VM is about to start on it
@@ -239,8 +291,8 @@ class DiskServer:
         return {
             "ok": True,
             "export": layout.name,
-            "socket": str(self.nbd_path),
-            "url": f"nbd+unix:///{layout.name}?socket={self.nbd_path}",
+            "socket": str(listener.path),
+            "url": f"nbd+unix:///{layout.name}?socket={listener.path}",
             "image": shown,
             "digest": image.digest,
             "layer": layout.layer,
@@ -261,7 +313,7 @@ class DiskServer:
         return options
 
     def status(self) -> dict:
-        return {"ok": True, "pid": os.getpid(), "socket": str(self.nbd_path), "connections": self.nbd.connections,
+        return {"ok": True, "pid": os.getpid(), "socket": str(self.nbd_path), "connections": self.connections,
                 "exports": [export.status() for export in self.listing()]}
 
     def _handle(self, conn: socket.socket) -> None:
@@ -272,7 +324,8 @@ class DiskServer:
                 self.last_activity = time.monotonic()
                 op = request.get("op")
                 if op == "open":
-                    answer = self.open(request, _peer_uid(conn))
+                    pid, uid = _peer(conn)
+                    answer = self.open(request, uid, pid)
                 elif op == "status":
                     answer = self.status()
                 else:
@@ -300,12 +353,37 @@ class DiskServer:
 
     # --- lifetime -------------------------------------------------------------------------------
 
-    def idle(self) -> bool:
-        if self.nbd.connections:
-            return False
+    def exit_reason(self) -> str | None:
+        """Why a server started with exit_when_idle may go now; None while a VM uses it, one is
+        announced (an `open` whose VM has not connected yet, as libvirt may take a minute to start
+        qemu) or a disk is still being fetched."""
+        now = time.monotonic()
+        if self.connections:
+            self.last_activity = now
+            return None
         if any(getattr(export, "busy", False) for export in self.listing()):
-            return False
-        return time.monotonic() - self.last_activity >= (self.opts.exit_when_idle or 0)
+            return None
+        with self.lock:
+            for name in list(self.awaiting):
+                self.awaiting[name] = [(d, pid) for d, pid in self.awaiting[name] if d > now and _alive(pid)]
+            if any(self.awaiting.values()):
+                return None
+            served = self.served
+        limit = self.opts.exit_when_idle or 0
+        if served:
+            limit = min(limit, GRACE)  # the VMs it was started for came and went: no need to linger
+        if now - self.last_activity < limit:
+            return None
+        return "its last VM is gone and nothing is left to fetch" if served else f"idle for {limit:g} s with nothing left to fetch"
+
+    def cache_gone(self) -> bool:
+        """The cache directory was deleted (or replaced) under the server: nothing it holds is reachable."""
+        try:
+            st = os.stat(_lock_path(self.cache))
+        except OSError:
+            return True
+        mine = os.fstat(self._lock_fd)
+        return (st.st_dev, st.st_ino) != (mine.st_dev, mine.st_ino)
 
     def run(self) -> None:
         self.nbd.start()
@@ -313,13 +391,18 @@ class DiskServer:
         log.info("serving NBD on %s, requests on %s (pid %d)", self.nbd_path, self.control_path, os.getpid())
         try:
             while not self.stopping.wait(0.5):
-                if self.opts.exit_when_idle is not None and self.idle():
-                    log.info("idle for %g s with nothing left to fetch: exiting", self.opts.exit_when_idle)
+                if self.cache_gone():
+                    log.warning("cache directory %s is gone: exiting", self.cache.root)
+                    break
+                reason = self.exit_reason() if self.opts.exit_when_idle is not None else None
+                if reason:
+                    log.info("%s: exiting", reason)
                     break
         except KeyboardInterrupt:
-            pass  # SIGTERM and Ctrl-C end the server cleanly
+            log.info("stopping (signal)")
         finally:
             self.close()
+            log.info("stopped")
 
     def close(self) -> None:
         self.stopping.set()
@@ -327,18 +410,38 @@ class DiskServer:
             self.control.close()
         self.control_path.unlink(missing_ok=True)
         self.nbd.close()
+        with self.lock:
+            extra = list(self.user_nbd.values())
+        for server in extra:
+            server.close()
+        for export in self.listing():
+            if isinstance(export, LazyDisk):
+                export.closing.set()  # all at once: each close then has little left to wait for
         for export in self.listing():
             with contextlib.suppress(Exception):
                 export.close()
         os.close(self._lock_fd)
 
 
-def _peer_uid(conn: socket.socket) -> int | None:
+def _peer(conn: socket.socket) -> tuple[int, int | None]:
+    """The pid (0 when outside this PID namespace) and uid of a control client."""
     try:
-        _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-        return uid
+        pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        return pid, uid
     except OSError:
-        return None
+        return 0, None
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return True  # not ours to see: the deadline alone ends the wait
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def _header_problems(export) -> list[str]:

@@ -7,6 +7,7 @@
     <root>/vms/<domain>.json, <root>/run/<domain>/  records and overlays of VMs started from here
                                                     (long domains: head + hash, see entry_name)
     <root>/locks/, <root>/tmp/                      flock files; staging on the same filesystem
+    <root>/partial/<digest>.part, .synced           blobs being downloaded, kept for resuming after a kill
 
 Disks are keyed by the layer that holds them and the member's path, so two images sharing a
 layer share one file. Layer blobs themselves are not kept: the disk is what VMs use, and a second
@@ -100,6 +101,10 @@ class Cache:
         if not os.access(self.root, os.W_OK | os.X_OK):
             raise DiskkitError(self.root, "cache directory is not writable")
 
+    def vanished(self) -> bool:
+        """The cache directory was deleted under us: what failed with it is told in one line, not a traceback."""
+        return not (self.root / "locks").is_dir()
+
     @contextlib.contextmanager
     def lock(self, name: str, shared: bool = False) -> Iterator[None]:
         """A cross-process lock (flock): concurrent pulls of one image on a node download once."""
@@ -139,6 +144,18 @@ class Cache:
             finally:
                 os.close(fd)
         return stale
+
+    def reclaim_staging(self) -> list[Path]:
+        """Remove the staging directories of dead processes; returns them."""
+        stale = self.stale_staging()
+        for path in stale:
+            shutil.rmtree(path, ignore_errors=True)
+        return stale
+
+    @property
+    def partial_dir(self) -> Path:
+        """Blob downloads in progress (diskkit.registry.partial): where a killed pull resumes from."""
+        return self.root / "partial"
 
     # --- small JSON records ------------------------------------------------------------------
 

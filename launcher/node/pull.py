@@ -21,6 +21,7 @@ from diskkit.ops.verify import DiskFacts, disk_problems, scan_image
 from diskkit.registry.options import RegistryOptions
 from diskkit.signing.trust import TrustOptions, enforce_source
 from diskkit.transports import open_source
+from diskkit.transports.remote import RemoteSource
 from launcher.node.cache import Cache, key
 
 POLICIES = ("Always", "IfNotPresent", "Never")
@@ -75,6 +76,8 @@ def pull(
 
     with open_source(shown, registry) as source:
         enforce_source(source, TrustOptions(), registry, platform)  # the policy first: before any layer is read
+        if isinstance(source, RemoteSource):
+            source.partial_dir = cache.partial_dir  # a pull killed half way resumes from what it had
         image = source.image(platform)
         ref_key = image_key(image.digest, path, platform, disk)
         with cache.lock(ref_key):
@@ -117,6 +120,7 @@ def _cached(cache: Cache, ref_key: str) -> Pulled | None:
 
 
 def _extract(cache: Cache, source, image, shown: str, path: str | None, disk: bool, ref_key: str, notes: list[str] | None) -> Pulled:
+    cache.reclaim_staging()  # what killed pulls left behind: this one may need the space
     with cache.staging() as spool:
         # The ImageVolume rule (a lone file at the root) only applies when no path was given.
         tree, found, staged = scan_image(source, image, path, spool, allow_root_file=path is None)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from diskkit.errors import DiskkitError
+from diskkit.registry.partial import abandoned
 from launcher.diskserver.server import lazy_leftovers
 from launcher.node.cache import Cache, tree_size
 from launcher.runtime.runner import Libvirt
@@ -36,8 +38,12 @@ def collect(cache: Cache, max_size: int | None = None) -> Collected:
                 lv = None
             cleanup(cache, lv, record["domain"])
             out.vms_cleaned.append(record["domain"])
-        for stale in cache.stale_staging():
-            shutil.rmtree(stale, ignore_errors=True)
+        cache.reclaim_staging()
+        for partial in abandoned(cache.partial_dir):
+            with contextlib.suppress(OSError):
+                out.freed += partial.stat().st_blocks * 512
+                partial.unlink()
+                out.removed.append(str(partial))
         for partial in lazy_leftovers(cache):
             out.freed += tree_size(partial)
             shutil.rmtree(partial, ignore_errors=True)

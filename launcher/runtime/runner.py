@@ -67,6 +67,28 @@ class Libvirt:
         except self.lv.libvirtError:
             return False  # vanished between the lookup and the question
 
+    def io_error(self, name: str) -> str | None:
+        """The disks that paused the domain with an I/O error (error_policy stop), or None if it is not so paused."""
+        domain = self._lookup(name)
+        try:
+            if domain is None:
+                return None
+            state, reason = domain.state()
+            if state != self.lv.VIR_DOMAIN_PAUSED or reason != self.lv.VIR_DOMAIN_PAUSED_IOERROR:
+                return None
+            errors = domain.diskErrors() or {}
+        except self.lv.libvirtError:
+            return None
+        return ", ".join(sorted(errors)) or "a disk"
+
+    def resume(self, name: str) -> None:
+        domain = self._lookup(name)
+        try:
+            if domain is not None:
+                domain.resume()
+        except self.lv.libvirtError:
+            pass  # stopped or resumed meanwhile: the next look tells
+
     def exists(self, name: str) -> bool:
         return self._lookup(name) is not None
 

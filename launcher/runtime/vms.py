@@ -21,10 +21,12 @@ from typing import Callable, Iterator
 from diskkit.errors import DiskkitError
 from diskkit.oci.image import Platform
 from diskkit.registry.options import RegistryOptions
+from launcher.diskserver.client import last_failure
 from launcher.node.cache import Cache
 from launcher.render.domain import Host, render, secret_xml
 from launcher.runtime import accel, hostcpus, virtiofs
 from launcher.runtime.console import follow
+from launcher.runtime.iopause import PauseWatch
 from launcher.runtime.runner import Libvirt
 from launcher.spec.vmi import VMI
 from launcher.volumes import vhostmd
@@ -64,6 +66,7 @@ def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, domain_type: st
 def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) -> int:
     """Start the VM and stay with it: until --wait-for text, the guest's own stop, a timeout or a signal."""
     name = vmi.domain_name
+    began = time.monotonic()  # --timeout counts from here: pulls, the disk server and libvirt's start included
     lv = Libvirt(opts.uri)
     with cache.lock(f"vm-{name}"):
         if lv.exists(name):
@@ -71,11 +74,14 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
         _remove_run_dir(cache, name)  # leftovers of a launcher that was killed
         cache.create_run_dir(name)  # the console log lives here even with no overlay
         daemons: list[dict] = []
+        alarm = _Alarm()
         try:
             virtiofs.check_runnable(vmi)
             from launcher.datavolumes.control import ensure_ready
 
             ensure_ready(vmi, opts.storage or Storage(), opts.registry, opts.timeout, say)  # KubeVirt waits for them too
+            if opts.timeout is not None:
+                alarm.arm(opts.timeout - (time.monotonic() - began))
             with cache.lock("gc", shared=True):  # gc must not take the bases between pull and record
                 prepared, xml = plan(vmi, cache, opts, create=True)
                 run_dir = cache.run_dir(name)
@@ -102,9 +108,15 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
             for source, value in prepared.secrets:
                 lv.define_secret(secret_xml(source), value, source.secret_usage)
             lv.start(name, xml)
-        except BaseException:
+            alarm.disarm()
+        except BaseException as exc:
+            alarm.disarm()
             virtiofs.stop(daemons)  # started, maybe not recorded yet
             cleanup(cache, lv, name)
+            if isinstance(exc, _OutOfTime):
+                raise DiskkitError(name, f"not started within --timeout {opts.timeout:g} s (pulling, serving or starting it); nothing was left") from None
+            if isinstance(exc, OSError) and cache.vanished():
+                raise DiskkitError(cache.root, "the cache directory disappeared while the VM was being prepared") from None
             raise
     echo = _echo if opts.console else None
     metrics = None
@@ -112,7 +124,9 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
         try:
             metrics = _metrics_refresher(vmi, prepared, lv)
             with _signals_set(interrupted := threading.Event()):
-                outcome = follow(run_dir / "console.log", lambda: lv.active(name), opts.wait_for, opts.timeout, echo, interrupted)
+                watch = PauseWatch(lv, name, say, lambda: last_failure(cache))
+                left = None if opts.timeout is None else max(0.0, opts.timeout - (time.monotonic() - began))
+                outcome = follow(run_dir / "console.log", watch.running, opts.wait_for, left, echo, interrupted)
         finally:
             if metrics is not None:
                 metrics.stop()  # with --wait-for the VM outlives us; its metrics then stop changing
@@ -162,6 +176,32 @@ def _signals_set(event: threading.Event) -> Iterator[None]:
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+class _OutOfTime(BaseException):
+    """--timeout ran out while the VM was being prepared or started. A BaseException, as SIGALRM
+    raises it wherever the run is, and an `except Exception` on the way must not swallow it."""
+
+
+class _Alarm:
+    """SIGALRM at the run's deadline: pulls, the disk server and libvirt's start block in calls
+    that take no timeout of their own."""
+
+    def __init__(self):
+        self.previous = None
+
+    def arm(self, seconds: float) -> None:
+        def ring(signum, frame):
+            raise _OutOfTime()
+
+        self.previous = signal.signal(signal.SIGALRM, ring)
+        signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.001))
+
+    def disarm(self) -> None:
+        if self.previous is not None:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self.previous)
+            self.previous = None
 
 
 def _echo(data: bytes) -> None:

@@ -18,7 +18,8 @@ def container_disk(ctx: Context, volume: Volume, where: str) -> ResolvedDisk:
     source = volume.source
     if ctx.lazy != "off":
         policy = source.image_pull_policy or default_policy(source.image)
-        attached = attach(ctx.cache, source.image, source.path, ctx.platform, ctx.registry, ctx.lazy, policy, ctx.out.notes)
+        attached = attach(ctx.cache, source.image, source.path, ctx.platform, ctx.registry, ctx.lazy, policy, ctx.out.notes,
+                          vm=ctx.create)
         if attached is not None:
             ctx.out.pulled.append(attached.pulled)
             return _nbd_overlay(ctx, volume, attached)
@@ -28,12 +29,18 @@ def container_disk(ctx: Context, volume: Volume, where: str) -> ResolvedDisk:
 
 
 def _nbd_overlay(ctx: Context, volume: Volume, attached: Attached) -> ResolvedDisk:
-    """The overlay over a disk the node's disk server exports (a lazy containerDisk)."""
+    """The overlay over a disk the node's disk server exports (a lazy containerDisk); planned only
+    without `create` (the dry run shows the export and socket the VM would use)."""
     path = within(ctx.run_dir, volume.name, "disk.qcow2")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    qemuimg.create_overlay(attached.url, attached.format, path, size=attached.virtual_size)
+    probe = path
+    if ctx.create:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        qemuimg.create_overlay(attached.url, attached.format, path, size=attached.virtual_size)
+    else:
+        while not probe.exists():
+            probe = probe.parent  # where the overlay would be made: the same filesystem
     export = NetworkSource("nbd", attached.export, (), socket=attached.socket)
-    return ResolvedDisk(str(path), "qcow2", backing=(attached.url, attached.format), direct_io=direct_io_supported(path),
+    return ResolvedDisk(str(path), "qcow2", backing=(attached.url, attached.format), direct_io=direct_io_supported(probe),
                         backing_type="network", backing_network=export, block_io=block_io(path))
 
 

@@ -65,10 +65,10 @@ def prepare(
 ) -> Prepared:
     """Resolve every volume; with `create`, make the overlays and images under `run_dir` and in claims.
 
-    Without `create` (the dry run of `launcher domain`) paths are planned, not made, and no disk
-    server is started.
+    Without `create` (the dry run of `launcher domain`) paths are planned, not made; images are
+    pulled, or opened on the node's disk server when lazy, so the domain shows what a run would use.
     """
-    ctx = Context(vmi, cache, run_dir, registry, platform, create, store or Storage(), lazy if create else "off")
+    ctx = Context(vmi, cache, run_dir, registry, platform, create, store or Storage(), lazy)
     shared = {fs.name for fs in vmi.domain.devices.filesystems}
     for volume in vmi.volumes:
         where = f"spec.volumes[{volume.index}].{volume.kind}"

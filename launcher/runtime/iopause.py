@@ -1,0 +1,54 @@
+"""A VM paused by an I/O error (KubeVirt's default errorPolicy stop) is resumed, as its disks may be
+back: a lazy containerDisk's reads fail while the registry is away for longer than the disk
+server's fetch timeout, and qemu retries the failed request when the VM continues. A VM that keeps
+pausing is given up on, within a bound, with the disk server's own reason.
+
+KubeVirt only reports such a pause (a Paused condition for libvirt's PAUSED_IOERROR reason:
+pkg/virt-handler/vm.go, api.ReasonPausedIOError); resuming is ours, since a lazy disk's errors
+are a registry's outage rather than a broken device."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from diskkit.errors import DiskkitError
+from launcher.runtime.runner import Libvirt
+
+RESUME_AFTER = (1.0, 2.0, 4.0, 8.0, 15.0, 15.0)  # then it is given up on
+SETTLED = 30.0  # running this long since the last resume: the outage is over, the count starts again
+
+
+class PauseWatch:
+    def __init__(self, lv: Libvirt, name: str, say: Callable[[str], None], reason: Callable[[], str | None] = lambda: None):
+        self.lv = lv
+        self.name = name
+        self.say = say
+        self.reason = reason  # what the disk server last failed with, for the final error
+        self.resumes = 0
+        self.paused_at: float | None = None
+        self.resumed_at = 0.0
+
+    def running(self) -> bool:
+        """For console.follow: True while the domain is up, resuming it when an I/O error paused it."""
+        now = time.monotonic()
+        disks = self.lv.io_error(self.name)
+        if disks is None:
+            self.paused_at = None
+            if self.resumes and now - self.resumed_at >= SETTLED:
+                self.resumes = 0
+            return self.lv.active(self.name)
+        if self.paused_at is None:
+            self.paused_at = now
+            self.say(f"note: the VM paused on an I/O error of {disks}")
+        if self.resumes >= len(RESUME_AFTER):
+            why = self.reason()
+            raise DiskkitError(self.name, f"the VM kept pausing on I/O errors of {disks}" + (f" ({why})" if why else "")
+                               + f" after {self.resumes} resumes; the domain was destroyed")
+        if now - self.paused_at >= RESUME_AFTER[self.resumes]:
+            self.resumes += 1
+            self.resumed_at = now
+            self.paused_at = None
+            self.say(f"note: resuming the VM (attempt {self.resumes} of {len(RESUME_AFTER)})")
+            self.lv.resume(self.name)
+        return True
