@@ -275,4 +275,7 @@ cli.add_command(dv)
 
 
 def main() -> None:
+    from launcher.runtime.reaper import init_if_pid1
+
+    init_if_pid1()  # a pod's container without shareProcessNamespace makes the launcher PID 1
     run_main(cli, "launcher")
