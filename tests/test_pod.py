@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import json
 import os
 import secrets
 import subprocess
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.podhost import Podman, image_tag, launcher_image
+from tests.podhost import Podman, image_tag, launcher_image, version
 from tests.testguest import parse_console
 from tests.vmhost import NOREG, guest_image  # noqa: F401  (fixture)
 
@@ -95,8 +96,6 @@ def processes_in(namespace: str) -> dict[int, tuple[str, str]]:
 
 def podman_exit_code_was_clean(podman: Podman, events: Path) -> bool:
     """The launcher container ended by itself (130: interrupted, its cleanup done), not by SIGKILL (137)."""
-    import json
-
     codes = [json.loads(line).get("ContainerExitCode") for line in events.read_text().splitlines()
              if f'"Name":"{CONTAINER}"' in line and '"Status":"died"' in line]
     assert codes and codes[-1] == 130, codes
@@ -215,3 +214,21 @@ def check_the_pod(podman: Podman, kube: Path, pod: dict, cache: Path, claim: Pat
         assert check.returncode == 0, f"{lock} is still held"
     # The claim outlives the pod, as a PVC does.
     assert (claim / "disk.img").read_bytes()[:16] == header
+
+
+def test_the_image_runs_as_107_and_carries_its_bill_of_materials(tmp_path):
+    podman = Podman(tmp_path / "podman")
+    podman("load", "--quiet", "-i", launcher_image())
+    config = json.loads(podman.out("image", "inspect", image_tag()))[0]
+    print(f"launcher image: {config['Size'] / 2**20:.0f} MiB")
+    assert config["Config"]["User"] == "107:107"
+    labels = config["Config"]["Labels"]
+    assert labels["org.opencontainers.image.version"] == labels["io.diskkit.version"] == version()
+    debs = dict(entry.split("=", 1) for entry in labels["io.diskkit.sbom.debian"].split())
+    assert {"qemu-system-x86", "qemu-utils", "libvirt-daemon", "python3"} <= debs.keys(), debs
+    assert not {"gcc", "libvirt-dev", "python3-dev", "libvirt-daemon-system"} & debs.keys()  # build deps stayed in the builder
+    pythons = dict(entry.split("==", 1) for entry in labels["io.diskkit.sbom.python"].split())
+    assert pythons["diskkit"] == version() and pythons["libvirt-python"].startswith("9.0"), pythons
+    # What the labels list is what the image holds.
+    installed = podman.out("run", "--rm", "--network", "none", "--entrypoint", "dpkg-query", image_tag(), "-W", "-f", "${Package} ")
+    assert set(installed.split()) == debs.keys()
