@@ -5,6 +5,7 @@
 # podman/buildah run with private storage and settings under a temporary directory, so nothing of
 # the host's container storage is touched and nothing is left behind.
 # Needs root (mmdebstrap's root mode, rootful buildah), mmdebstrap, podman and buildah.
+# EXTRA_PACKAGES (environment) replaces the Containerfile's optional packages; "" drops them.
 set -euo pipefail
 
 out=${1:?usage: build.sh OUT.tar}
@@ -63,6 +64,7 @@ buildah build --quiet --pull=never --network=host --layers=false \
     --build-arg BASE="$base" \
     --build-arg VERSION="$version" \
     --build-arg PIP_CONFIG_FILE=/run/diskkit-build/pip.conf \
+    ${EXTRA_PACKAGES+--build-arg "EXTRA_PACKAGES=$EXTRA_PACKAGES"} \
     -f "$root/images/launcher/Containerfile" -t "$tag" "$root" >/dev/null
 
 # An SBOM as labels: every Debian package and every Python distribution with its version, read
