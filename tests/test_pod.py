@@ -3,6 +3,9 @@ manifests of examples/kubernetes played by podman, the test guest pulled from a 
 loopback and booted under TCG, its console read with `podman logs`, the pod torn down with
 `podman kube down` and nothing of it left running.
 
+Both a containerDisk pulled whole and a lazy one (booted through the disk server `launcher run`
+starts in the pod) are played.
+
 What the test changes in the examples, and why: the containerDisk reference (the loopback
 registry, plain HTTP), the cache hostPath (a directory of the test's own), the data disk's serial
 (`hold-N` keeps the test guest up instead of powering off at once) and the kvm device limit (no
@@ -20,11 +23,13 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
+from tests.conftest import run_diskkit
 from tests.podhost import Podman, image_tag, launcher_image, version
-from tests.testguest import parse_console
-from tests.vmhost import NOREG, guest_image  # noqa: F401  (fixture)
+from tests.testguest import ensure_testguest, parse_console
+from tests.vmhost import NOREG
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "kubernetes"
 CONTAINER = "testguest-launcher"  # podman names a pod's container <pod>-<container>
@@ -115,7 +120,19 @@ def wait_for_logs(podman: Podman, text: str, timeout: float) -> str:
     raise AssertionError(f"{text!r} not in the pod's logs after {timeout:g} s:\n{logs}")
 
 
-def test_the_example_pod_boots_the_guest_reads_its_claim_and_leaves_nothing(tmp_path, guest_image):  # noqa: F811
+@pytest.fixture(params=["full", "lazy"])
+def pod_image(request, registry) -> str:
+    """The test guest as a containerDisk: pulled whole before the boot, or lazy (`diskkit build
+    --lazy`), which `launcher run` boots through a disk server it starts in the pod."""
+    ref = f"{registry.host}/pod/guest-{request.param}:v1"
+    lazy = ["--lazy"] if request.param == "lazy" else []
+    result = run_diskkit("build", NOREG, *lazy, ensure_testguest() / "testguest.qcow2", "-t", ref)
+    assert result.code == 0, result.err
+    return ref
+
+
+def test_the_example_pod_boots_the_guest_reads_its_claim_and_leaves_nothing(tmp_path, pod_image):
+    guest_image = pod_image
     archive = launcher_image()
     podman = Podman(tmp_path / "podman")
     podman("load", "--quiet", "-i", archive)
@@ -142,12 +159,12 @@ def test_the_example_pod_boots_the_guest_reads_its_claim_and_leaves_nothing(tmp_
     kube = tmp_path / "testguest.yaml"
     kube.write_text(yaml.safe_dump_all(documents[1:]))
     try:
-        check_the_pod(podman, kube, pod, cache, claim, header)
+        check_the_pod(podman, kube, pod, cache, claim, header, lazy="/guest-lazy:" in guest_image)
     finally:
         podman("kube", "down", kube, check=False)  # after a failure: no VM left running
 
 
-def check_the_pod(podman: Podman, kube: Path, pod: dict, cache: Path, claim: Path, header: bytes) -> None:
+def check_the_pod(podman: Podman, kube: Path, pod: dict, cache: Path, claim: Path, header: bytes, lazy: bool) -> None:
     started = time.monotonic()
     podman("kube", "play", "--quiet", kube, timeout=300)
     logs = wait_for_logs(podman, f"HOLD seconds={HOLD}", 600)
@@ -183,6 +200,8 @@ def check_the_pod(podman: Podman, kube: Path, pod: dict, cache: Path, claim: Pat
     inside = processes_in(namespace)
     commands = " | ".join(cmd for _, cmd in inside.values())
     assert "qemu-system-x86_64" in commands and "launcher run" in commands, commands
+    # A lazy image is read over NBD from the disk server `launcher run` started in the pod.
+    assert ("launcher serve" in commands) == lazy, commands
     assert not [p for p, (state, _) in inside.items() if state == "Z"], inside
 
     # What the launcher says while it stops is gone with the container: follow it to a file.
