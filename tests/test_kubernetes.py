@@ -85,6 +85,17 @@ def pod_problems(pod: dict) -> list[str]:
         problems.append("cache is not a hostPath at $DISKKIT_CACHE=/var/lib/diskkit")
     if not spec.get("imagePullSecrets"):
         problems.append("no imagePullSecrets")
+    # The launcher is PID 1 and reaps (launcher.runtime.reaper); the pod is the VM (tests/test_pod.py plays it).
+    if spec.get("shareProcessNamespace"):
+        problems.append("shareProcessNamespace: the launcher reaps as PID 1 of its own namespace")
+    if spec.get("restartPolicy") != "Never":
+        problems.append("restartPolicy is not Never")
+    if spec.get("terminationGracePeriodSeconds", 30) < 45:
+        problems.append("terminationGracePeriodSeconds below the launcher's 30 s grace plus KubeVirt's 15 s")
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        command = launcher.get(probe, {}).get("exec", {}).get("command", [])
+        if command[:2] != ["launcher", "status"]:
+            problems.append(f"{probe} does not ask launcher status")
     return problems
 
 
@@ -107,6 +118,10 @@ def test_pod_runs_non_root_as_107():
     (("spec", "containers", 0, "securityContext", "allowPrivilegeEscalation"), True),
     (("spec", "containers", 0, "securityContext", "runAsUser"), 0),
     (("spec", "containers", 0, "resources", "limits", "memory"), "40M"),
+    (("spec", "shareProcessNamespace"), True),
+    (("spec", "restartPolicy"), "Always"),
+    (("spec", "terminationGracePeriodSeconds"), 30),
+    (("spec", "containers", 0, "livenessProbe", "exec", "command"), ["true"]),
 ])
 def test_pod_check_catches_regressions(path, value):
     pod = copy.deepcopy(the("Pod"))

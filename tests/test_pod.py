@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import run_diskkit
+from tests.conftest import run_diskkit, run_launcher
 from tests.podhost import Podman, image_tag, launcher_image, version
 from tests.testguest import ensure_testguest, parse_console
 from tests.vmhost import NOREG
@@ -251,3 +251,10 @@ def test_the_image_runs_as_107_and_carries_its_bill_of_materials(tmp_path):
     # What the labels list is what the image holds.
     installed = podman.out("run", "--rm", "--network", "none", "--entrypoint", "dpkg-query", image_tag(), "-W", "-f", "${Package} ")
     assert set(installed.split()) == debs.keys()
+
+
+def test_the_probe_command_fails_without_a_running_vm(tmp_path):
+    # Before the launcher has recorded its VM (the pull) and after it is gone, probes fail.
+    result = run_launcher("status", "testguest", "--cache-dir", tmp_path)
+    assert result.code == 1
+    assert result.err.strip() == "launcher: testguest: no VM of this name was started from this cache (yet)"
