@@ -17,6 +17,7 @@ from tests.faultproxy import FaultProxy
 REQUIRED_TOOLS = (
     "qemu-img", "qemu-io", "skopeo", "umoci", "buildah", "docker-registry", "qemu-system-x86_64", "xorriso",
     "virsh", "virt-xml-validate", "xmllint", "tgtd", "tgtadm", "setpriv", "losetup", "isoinfo", "nbdinfo", "nbdcopy",
+    "podman", "mmdebstrap", "catatonit", "unshare", "flock",
 )
 
 
