@@ -19,6 +19,7 @@ import copy
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -131,10 +132,18 @@ def pod_image(request, registry) -> str:
     return ref
 
 
-def test_the_example_pod_boots_the_guest_reads_its_claim_and_leaves_nothing(tmp_path, pod_image):
+@pytest.fixture
+def podman(tmp_path) -> Podman:
+    engine = Podman(tmp_path / "podman")
+    yield engine
+    # A copy of the image per test (vfs): give the disk back now, not when pytest prunes old runs.
+    engine("rm", "--all", "--force", check=False)
+    shutil.rmtree(engine.root / "storage", ignore_errors=True)
+
+
+def test_the_example_pod_boots_the_guest_reads_its_claim_and_leaves_nothing(tmp_path, podman, pod_image):
     guest_image = pod_image
     archive = launcher_image()
-    podman = Podman(tmp_path / "podman")
     podman("load", "--quiet", "-i", archive)
     documents, pod = manifests(guest_image, tmp_path / "node-cache")
     podman("tag", image_tag(), pod["spec"]["containers"][0]["image"])
@@ -235,8 +244,7 @@ def check_the_pod(podman: Podman, kube: Path, pod: dict, cache: Path, claim: Pat
     assert (claim / "disk.img").read_bytes()[:16] == header
 
 
-def test_the_image_runs_as_107_and_carries_its_bill_of_materials(tmp_path):
-    podman = Podman(tmp_path / "podman")
+def test_the_image_runs_as_107_and_carries_its_bill_of_materials(podman):
     podman("load", "--quiet", "-i", launcher_image())
     config = json.loads(podman.out("image", "inspect", image_tag()))[0]
     print(f"launcher image: {config['Size'] / 2**20:.0f} MiB")
