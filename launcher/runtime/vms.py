@@ -136,7 +136,8 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
 
 def _shut_down(lv: Libvirt, name: str, grace: float, say: Callable[[str], None]) -> None:
     """virt-launcher's graceful shutdown: the ACPI power button, then up to `grace` seconds for the
-    guest to stop by itself (pkg/virt-launcher/monitor.go); what is still running is destroyed."""
+    guest to stop by itself, and what is still running is killed (pkg/virt-launcher/monitor.go,
+    the graceful and final shutdown callbacks of cmd/virt-launcher/virt-launcher.go)."""
     if grace <= 0 or not lv.shutdown(name):
         return
     say(f"{name}: shutting down (up to {grace:g} s)")
