@@ -14,10 +14,14 @@ version=$(sed -n 's/^version = "\(.*\)"/\1/p' "$root/pyproject.toml" | head -n1)
 tag=localhost/diskkit-launcher:$version
 
 work=$(mktemp -d "${TMPDIR:-/var/tmp}/launcher-image.XXXXXX")
+tmp_out="$out.tmp.$$"
 cleanup() {
-    # vfs layers and the build's mounts belong to this private store only.
-    buildah rm --all >/dev/null 2>&1 || true
-    rm -rf "$work"
+    # vfs layers and the build's mounts belong to this private store only; a half-written
+    # archive never takes OUT's name.
+    if [ "${CONTAINERS_STORAGE_CONF:-}" = "$work/storage.conf" ]; then
+        buildah rm --all >/dev/null 2>&1 || true
+    fi
+    rm -rf "$work" "$tmp_out"
 }
 trap cleanup EXIT
 
@@ -77,7 +81,6 @@ buildah config --label "io.diskkit.sbom.debian=$debs" --label "io.diskkit.sbom.p
     --label "io.diskkit.version=$version" "$ctr"
 buildah commit --quiet --rm "$ctr" "$tag" >/dev/null
 
-tmp_out="$out.tmp.$$"
 podman save --quiet --format docker-archive -o "$tmp_out" "$tag"
 sync "$tmp_out"
 mv -f "$tmp_out" "$out"
