@@ -19,6 +19,7 @@ REQUIRED_TOOLS = (
     "qemu-img", "qemu-io", "skopeo", "umoci", "buildah", "docker-registry", "qemu-system-x86_64", "xorriso",
     "virsh", "virt-xml-validate", "xmllint", "tgtd", "tgtadm", "setpriv", "losetup", "isoinfo", "nbdinfo", "nbdcopy",
     "go", "openssl",
+    "podman", "mmdebstrap", "catatonit", "unshare", "flock",
 )
 
 

@@ -24,7 +24,7 @@ def the(kind: str) -> dict:
 
 
 def test_examples_exist():
-    assert {doc["kind"] for _, doc in DOCS} == {"Pod", "ConfigMap", "PersistentVolumeClaim"}
+    assert {doc["kind"] for _, doc in DOCS} == {"Pod", "ConfigMap", "PersistentVolumeClaim", "Secret"}
 
 
 @pytest.mark.parametrize("doc", [doc for _, doc in DOCS], ids=[name for name, _ in DOCS])
@@ -80,10 +80,22 @@ def pod_problems(pod: dict) -> list[str]:
     env = {e["name"]: e.get("value") for e in launcher.get("env", [])}
     volumes = {v["name"]: v for v in spec.get("volumes", [])}
     cache = [name for name, path in mounts_by_volume.items() if path == "/var/lib/diskkit"]
-    if env.get("DISKKIT_CACHE") != "/var/lib/diskkit" or not cache or "emptyDir" not in volumes[cache[0]]:
-        problems.append("cache is not an emptyDir at $DISKKIT_CACHE=/var/lib/diskkit")
+    # The node cache is the node's (a hostPath), shared by the VM pods on it, as tests/test_pod.py plays it.
+    if env.get("DISKKIT_CACHE") != "/var/lib/diskkit" or not cache or "hostPath" not in volumes[cache[0]]:
+        problems.append("cache is not a hostPath at $DISKKIT_CACHE=/var/lib/diskkit")
     if not spec.get("imagePullSecrets"):
         problems.append("no imagePullSecrets")
+    # The launcher is PID 1 and reaps (launcher.runtime.reaper); the pod is the VM (tests/test_pod.py plays it).
+    if spec.get("shareProcessNamespace"):
+        problems.append("shareProcessNamespace: the launcher reaps as PID 1 of its own namespace")
+    if spec.get("restartPolicy") != "Never":
+        problems.append("restartPolicy is not Never")
+    if spec.get("terminationGracePeriodSeconds", 30) < 45:
+        problems.append("terminationGracePeriodSeconds below the launcher's 30 s grace plus KubeVirt's 15 s")
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        command = launcher.get(probe, {}).get("exec", {}).get("command", [])
+        if command[:2] != ["launcher", "status"]:
+            problems.append(f"{probe} does not ask launcher status")
     return problems
 
 
@@ -106,6 +118,10 @@ def test_pod_runs_non_root_as_107():
     (("spec", "containers", 0, "securityContext", "allowPrivilegeEscalation"), True),
     (("spec", "containers", 0, "securityContext", "runAsUser"), 0),
     (("spec", "containers", 0, "resources", "limits", "memory"), "40M"),
+    (("spec", "shareProcessNamespace"), True),
+    (("spec", "restartPolicy"), "Always"),
+    (("spec", "terminationGracePeriodSeconds"), 30),
+    (("spec", "containers", 0, "livenessProbe", "exec", "command"), ["true"]),
 ])
 def test_pod_check_catches_regressions(path, value):
     pod = copy.deepcopy(the("Pod"))

@@ -76,7 +76,8 @@ def test_two_vms_at_once_share_one_base(qemu_user, guest_image):
 
 def test_sigterm_destroys_the_domain_and_its_overlays(qemu_user, guest_image):
     vmi = qemu_user.write_vmi("term", guest_image, serial="hold-120")
-    proc = qemu_user.popen("run", NOREG, "--console", vmi)
+    # The test guest does not answer the ACPI power button: it is destroyed when the grace period ends.
+    proc = qemu_user.popen("run", NOREG, "--console", "--grace-period", "3", vmi)
     seen = ""
     deadline = time.monotonic() + 180
     while DONE not in seen:
@@ -87,6 +88,8 @@ def test_sigterm_destroys_the_domain_and_its_overlays(qemu_user, guest_image):
     assert (qemu_user.cache / "run" / "default_term" / "root" / "disk.qcow2").is_file()
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 130
+    err = proc.stderr.read()
+    assert "default_term: shutting down (up to 3 s)" in err and "still running after 3 s; destroying it" in err, err
     assert_clean(qemu_user, "default_term")
 
 

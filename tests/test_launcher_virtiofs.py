@@ -186,7 +186,7 @@ def test_launcher_stop_ends_the_virtiofsd_of_a_running_vm(qemu_user, guest_image
 def test_sigterm_ends_the_virtiofsd(qemu_user, guest_image, root_side):
     cache, uri = root_side
     vmi, claim, manifests = write_shared_vmi(qemu_user, guest_image, "termed", hold=120)
-    proc = subprocess.Popen(launcher_command("run", NOREG, "--console", "--timeout", "300", "--connect", uri,
+    proc = subprocess.Popen(launcher_command("run", NOREG, "--console", "--timeout", "300", "--grace-period", "2", "--connect", uri,
                                              "--pvc", f"shared={claim}", "--manifests", manifests, vmi),
                             env={**os.environ, "CI": "true", "DISKKIT_CACHE": str(cache)},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

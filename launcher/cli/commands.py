@@ -97,23 +97,25 @@ Examples:
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS", help="Give up (and destroy the VM) after this long.")
 @click.option("--platform", help="OS/ARCH of the images (default: this host's).")
 @click.option("--lazy/--no-lazy", default=None, help="Boot containerDisks before they have arrived, through the node's disk server (default: for images built with --lazy).")
+@click.option("--grace-period", type=click.FloatRange(min=0), default=30, show_default=True, metavar="SECONDS", help="After SIGTERM or Ctrl-C, how long the guest has to power off (ACPI) before it is destroyed; 0: at once.")
 @ignore_unsupported_option
 @cache_option
 @storage_options
 @registry_options
-def run(vmi_file, uri, console, wait_for, timeout, platform, lazy, ignore_unsupported, cache_dir, store, registry: RegistryOptions) -> None:
+def run(vmi_file, uri, console, wait_for, timeout, platform, lazy, grace_period, ignore_unsupported, cache_dir, store, registry: RegistryOptions) -> None:
     """Prepare every volume of a VirtualMachineInstance, define and start its domain, stay with it.
 
     Each containerDisk is pulled once per node and gets a qcow2 overlay of its own, so the VM
     starts clean every time. The command returns when the guest stops, when --wait-for text
-    appears, or at --timeout; Ctrl-C or SIGTERM destroys the domain and removes its overlays.
+    appears, or at --timeout; Ctrl-C or SIGTERM shuts the guest down (destroyed after --grace-period)
+    and removes its overlays.
     """
     from launcher.runtime.vms import RunOptions
     from launcher.runtime.vms import run as do_run
 
     vmi = load_vmi_file(vmi_file, ignore_unsupported, store.objects)
     opts = RunOptions(uri=uri, platform=platform_of(platform), registry=registry, console=console, wait_for=wait_for, timeout=timeout, storage=store,
-                      lazy={None: "auto", True: "on", False: "off"}[lazy])
+                      lazy={None: "auto", True: "on", False: "off"}[lazy], grace_period=grace_period)
     sys.exit(do_run(vmi, Cache(cache_dir), opts, say))
 
 
@@ -223,6 +225,31 @@ def stop(name, cache_dir) -> None:
     click.echo(do_stop(Cache(cache_dir), name))
 
 
+@cli.command(epilog="""\b
+Examples:
+  launcher status testguest
+  (a pod's probe)  exec: {command: [launcher, status, testguest]}
+""")
+@click.argument("name")
+@cache_option
+def status(name, cache_dir) -> None:
+    """Print a VM's state (running, stopped, gone, unknown); exit 0 only while it runs.
+
+    Made for a pod's exec readiness and liveness probes: the answer comes from libvirt, so a
+    launcher that is alive with a dead guest is reported as not running.
+    """
+    from diskkit.errors import DiskkitError
+    from launcher.runtime.vms import find_record, state
+
+    record = find_record(Cache(cache_dir), name)
+    if record is None:
+        raise DiskkitError(name, "no VM of this name was started from this cache (yet)")
+    now = state(record)
+    click.echo(now)
+    if now != "running":
+        sys.exit(1)
+
+
 @cli.command("ls", epilog="""\b
 Examples:
   launcher ls
@@ -279,4 +306,7 @@ cli.add_command(dv)
 
 
 def main() -> None:
+    from launcher.runtime.reaper import init_if_pid1
+
+    init_if_pid1()  # a pod's container without shareProcessNamespace makes the launcher PID 1
     run_main(cli, "launcher")

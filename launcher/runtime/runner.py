@@ -92,6 +92,17 @@ class Libvirt:
     def exists(self, name: str) -> bool:
         return self._lookup(name) is not None
 
+    def shutdown(self, name: str) -> bool:
+        """Ask the guest to power off (ACPI power button); True if it was asked."""
+        domain = self._lookup(name)
+        try:
+            if domain is None or not domain.isActive():
+                return False
+            domain.shutdown()
+            return True
+        except self.lv.libvirtError:
+            return False  # it stopped meanwhile, or cannot be asked: destroy decides
+
     def destroy(self, name: str) -> bool:
         """Stop the domain at once and forget its definition; True if there was one."""
         domain = self._lookup(name)

@@ -45,6 +45,10 @@ class RunOptions:
     timeout: float | None = None
     storage: Storage | None = None
     lazy: str = "auto"  # containerDisks through the node's disk server: "on", "off", or "auto" for images marked lazy
+    # After SIGTERM the guest has this long to power off before the domain is destroyed: KubeVirt's
+    # default VMI terminationGracePeriodSeconds (staging/src/kubevirt.io/api/core/v1/types.go,
+    # DefaultGracePeriodSeconds); its launcher pod gets 15 s more (pkg/virt-controller/services/template.go).
+    grace_period: float = 30
 
 
 def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, domain_type: str | None = None):
@@ -136,7 +140,10 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
         cleanup(cache, lv, name)
         raise
     if outcome == "interrupted":
-        cleanup(cache, lv, name)
+        try:
+            _shut_down(lv, name, opts.grace_period, say)
+        finally:
+            cleanup(cache, lv, name)
         raise KeyboardInterrupt
     if outcome == "found":
         say(f"{name} is running (saw {opts.wait_for!r}); stop it with: launcher stop {vmi.name}")
@@ -149,6 +156,21 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
         raise DiskkitError(name, f"the guest stopped before {opts.wait_for!r} appeared on the console")
     say(f"{name} stopped")
     return 0
+
+
+def _shut_down(lv: Libvirt, name: str, grace: float, say: Callable[[str], None]) -> None:
+    """virt-launcher's graceful shutdown: the ACPI power button, then up to `grace` seconds for the
+    guest to stop by itself, and what is still running is killed (pkg/virt-launcher/monitor.go,
+    the graceful and final shutdown callbacks of cmd/virt-launcher/virt-launcher.go)."""
+    if grace <= 0 or not lv.shutdown(name):
+        return
+    say(f"{name}: shutting down (up to {grace:g} s)")
+    deadline = time.monotonic() + grace
+    with _signals_set(threading.Event()):  # a second SIGTERM must not cut the grace period short
+        while lv.active(name) and time.monotonic() < deadline:
+            time.sleep(0.5)
+    if lv.active(name):
+        say(f"{name}: still running after {grace:g} s; destroying it")
 
 
 def _metrics_refresher(vmi: VMI, prepared, lv: Libvirt) -> vhostmd.Refresher | None:

@@ -1,0 +1,116 @@
+"""The launcher as a container's PID 1 (launcher.runtime.reaper): orphans are reaped, the launcher's
+own children keep their exit status, signals reach it and its exit status is the container's.
+Each case runs in a fresh PID namespace (`unshare --pid --fork --mount-proc`), as in a pod with
+shareProcessNamespace: false."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import launcher_command
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# An orphan (sh exits, its background child is handed to PID 1 and dies later), then a child of
+# our own whose status must come back intact, then a count of zombies in the namespace.
+SCRIPT = textwrap.dedent("""
+    import os, subprocess, sys, time
+    if sys.argv[1] == "reaper":
+        from launcher.runtime.reaper import init_if_pid1
+        init_if_pid1()
+    print("PID", os.getpid(), flush=True)
+    for _ in range(3):
+        subprocess.run(["sh", "-c", "(sleep 0.2; exit 5) & exit 0"], check=True)
+    own = subprocess.run(["sh", "-c", "sleep 0.5; exit 7"])
+    time.sleep(0.5)
+    def state(pid):
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1].split()[0]
+    zombies = [p for p in os.listdir("/proc") if p.isdigit() and state(p) == "Z"]
+    print("OWN", own.returncode, "ZOMBIES", len(zombies), flush=True)
+    sys.exit(3)
+""")
+
+
+def in_pid_namespace(*cmd: str) -> list[str]:
+    return ["unshare", "--pid", "--fork", "--mount-proc", *cmd]
+
+
+def run_script(mode: str) -> subprocess.CompletedProcess:
+    return subprocess.run(in_pid_namespace(sys.executable, "-c", SCRIPT, mode), capture_output=True, text=True, cwd=ROOT, timeout=60)
+
+
+def test_pid1_reaps_orphans_and_keeps_own_children_status():
+    proc = run_script("reaper")
+    assert proc.returncode == 3, proc.stderr  # the launcher's status is the container's
+    # The launcher itself runs as PID 2, PID 1 reaps what it is handed.
+    assert "PID 2" in proc.stdout
+    assert "OWN 7 ZOMBIES 0" in proc.stdout, proc.stdout
+
+
+def test_without_the_reaper_orphans_stay_zombies():
+    # The control: the same processes with nobody reaping them, so the check above can fail.
+    proc = run_script("none")
+    assert proc.returncode == 3, proc.stderr
+    assert "PID 1" in proc.stdout
+    zombies = int(proc.stdout.split("ZOMBIES")[1])
+    assert zombies >= 3, proc.stdout
+
+
+def test_launcher_entry_point_as_pid1_keeps_its_exit_status_and_error(tmp_path):
+    proc = subprocess.run(in_pid_namespace(*launcher_command("stop", "nosuch", "--cache-dir", tmp_path)),
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode not in (0, 3), proc
+    assert "nosuch" in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+
+
+def _pid_in_namespace_of(unshare_pid: int) -> int:
+    """The host pid of the namespace's PID 1: unshare's only child."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        children = Path(f"/proc/{unshare_pid}/task/{unshare_pid}/children").read_text().split()
+        if children:
+            return int(children[0])
+        time.sleep(0.05)
+    raise AssertionError("unshare started no child")
+
+
+def test_sigterm_to_pid1_reaches_the_launcher():
+    script = textwrap.dedent("""
+        import os, signal, sys, time
+        from launcher.runtime.reaper import init_if_pid1
+        init_if_pid1()
+        signal.signal(signal.SIGTERM, lambda *_: (print("TERM in", os.getpid(), flush=True), sys.exit(42)))
+        print("READY", flush=True)
+        time.sleep(60)
+        sys.exit(1)
+    """)
+    proc = subprocess.Popen(in_pid_namespace(sys.executable, "-c", script), stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert proc.stdout.readline().strip() == "READY"
+        os.kill(_pid_in_namespace_of(proc.pid), signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert "TERM in 2" in out
+    assert proc.returncode == 42
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL])
+def test_launcher_killed_by_a_signal_exits_like_a_shell_says(signum):
+    script = textwrap.dedent(f"""
+        import os
+        from launcher.runtime.reaper import init_if_pid1
+        init_if_pid1()
+        os.kill(os.getpid(), {int(signum)})
+    """)
+    proc = subprocess.run(in_pid_namespace(sys.executable, "-c", script), capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 128 + signum, proc
