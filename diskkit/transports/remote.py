@@ -6,6 +6,7 @@ import contextlib
 import queue
 import threading
 import time
+from pathlib import Path
 from typing import BinaryIO, Iterator
 
 from diskkit.errors import AuthError, DiskkitError, RegistryError, UploadLost
@@ -51,13 +52,13 @@ class RemoteSource(Source):
         names = conf.short_name_candidates(ref.short) if ref.short else [ref.name]
         self.sources = [source for name in names for source in conf.pull_sources(name)]
         self.opts = opts
+        self.partial_dir: Path | None = None  # where blob downloads keep what they received, to resume after a kill
         self._use(self.sources[0])
 
     def _use(self, source: registriesconf.PullSource) -> None:
         self.name = source.name
         self.registry = registry_for(self.name.registry, registriesconf.with_insecure(self.opts, source.insecure))
         self.pull_scope = scope(self.name.repository, "pull")
-        self.partial_dir = None  # where blob downloads keep what they received, to resume after a kill
 
     def _get_manifest(self, reference: str) -> tuple[bytes, str | None]:
         path = f"/v2/{self.name.repository}/manifests/{reference}"
