@@ -13,6 +13,7 @@ from diskkit.errors import AuthError, DiskkitError, RegistryError, UploadLost
 from diskkit.oci import mediatypes as mt
 from diskkit.oci.image import Descriptor, sha256_digest
 from diskkit.oci.reference import ImageRef
+from diskkit.registry import registriesconf
 from diskkit.registry.client import (
     RETRY_STATUS,
     Registry,
@@ -21,7 +22,6 @@ from diskkit.registry.client import (
     retry_after,
     scope,
 )
-from diskkit.registry import registriesconf
 from diskkit.registry.options import RegistryOptions
 from diskkit.transports.base import Destination, Source
 
