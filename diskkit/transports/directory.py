@@ -13,14 +13,14 @@ import os
 import secrets
 import shutil
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
 from diskkit.errors import DiskkitError
 from diskkit.oci.image import Descriptor, check_digest, sha256_digest
 from diskkit.oci.reference import ImageRef
 from diskkit.streams import fsutil
 from diskkit.transports.base import Destination, Source
-from diskkit.transports.layout import DirStore, PendingFile
+from diskkit.transports.layout import DirStore, PendingFile, pending_blob
 
 VERSION = b"Directory Transport Version: 1.1\n"
 
@@ -62,15 +62,8 @@ class DirDestination(Destination):
         self.added: list[Path] = []
         self.top: bytes | None = None
 
-    @contextlib.contextmanager
-    def blob_writer(self, media_type: str) -> Iterator[PendingFile]:
-        pending = PendingFile(self, self.blobs / f".tmp-{secrets.token_hex(8)}")
-        try:
-            yield pending
-        finally:
-            if not pending.done:
-                pending.file.close()
-                pending.tmp.unlink(missing_ok=True)
+    def blob_writer(self, media_type: str) -> contextlib.AbstractContextManager[PendingFile]:
+        return pending_blob(self)
 
     def has_blob(self, desc: Descriptor) -> bool:
         return (self.blobs / check_digest(desc.digest, str(self.final))).is_file()

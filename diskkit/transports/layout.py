@@ -125,6 +125,18 @@ class PendingFile:
         self.done = True
 
 
+@contextlib.contextmanager
+def pending_blob(dest) -> Iterator[PendingFile]:
+    """A PendingFile in `dest.blobs`, removed unless committed: the blob writer of oci: and dir:."""
+    pending = PendingFile(dest, dest.blobs / f".tmp-{secrets.token_hex(8)}")
+    try:
+        yield pending
+    finally:
+        if not pending.done:
+            pending.file.close()
+            pending.tmp.unlink(missing_ok=True)
+
+
 class LayoutDestination(Destination):
     compresses_plain_layers = True
     oci_only = True
@@ -160,15 +172,8 @@ class LayoutDestination(Destination):
             self._alive = os.open(self.staging, os.O_RDONLY | os.O_DIRECTORY)
             fcntl.flock(self._alive, fcntl.LOCK_EX)
 
-    @contextlib.contextmanager
-    def blob_writer(self, media_type: str) -> Iterator[PendingFile]:
-        pending = PendingFile(self, self.blobs / f".tmp-{secrets.token_hex(8)}")
-        try:
-            yield pending
-        finally:
-            if not pending.done:
-                pending.file.close()
-                pending.tmp.unlink(missing_ok=True)
+    def blob_writer(self, media_type: str) -> contextlib.AbstractContextManager[PendingFile]:
+        return pending_blob(self)
 
     def has_blob(self, desc: Descriptor) -> bool:
         return (self.blobs / check_digest(desc.digest, str(self.root))).is_file()

@@ -157,3 +157,12 @@ def check_dns_label(name: str, at: str) -> None:
     problems = dns_label_problems(name)
     if problems:
         raise SpecError(at, problems[0])
+
+
+def dig(doc: Any, *keys: str) -> Any:
+    """doc[k1][k2]..., None as soon as a level is missing or not a mapping."""
+    for key in keys:
+        if not isinstance(doc, dict):
+            return None
+        doc = doc.get(key)
+    return doc

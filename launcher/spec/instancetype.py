@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Protocol
 
-from launcher.spec.fields import SpecError, as_list, as_map, parse_quantity
+from launcher.spec.fields import SpecError, as_list, as_map, dig, parse_quantity
 
 GROUP = "instancetype.kubevirt.io"
 API_VERSION = f"{GROUP}/v1beta1"  # staging/src/kubevirt.io/api/instancetype: the only version served
@@ -72,13 +72,6 @@ class Selected:
         return f"{self.kind} {self.name}"
 
 
-def _get(doc: Any, *keys: str) -> Any:
-    for key in keys:
-        if not isinstance(doc, dict):
-            return None
-        doc = doc.get(key)
-    return doc
-
 
 # ---------------------------------------------------------------- matchers and inference
 
@@ -119,14 +112,14 @@ def _from_pvc(objects: ObjectSource | None, name: str, namespace: str, what: str
     pvc = objects.get("PersistentVolumeClaim", namespace, name) if objects is not None else None
     if pvc is None:
         raise _not_found("persistentvolumeclaims", name)
-    return _from_labels(_get(pvc, "metadata", "labels"), what)
+    return _from_labels(dig(pvc, "metadata", "labels"), what)
 
 
 def _from_snapshot(objects: ObjectSource | None, name: str, namespace: str, what: str) -> tuple[str, str]:
     snapshot = objects.get("VolumeSnapshot", namespace, name) if objects is not None else None
     if snapshot is None:
         raise _not_found("volumesnapshots.snapshot.storage.k8s.io", name)
-    return _from_labels(_get(snapshot, "metadata", "labels"), what)
+    return _from_labels(dig(snapshot, "metadata", "labels"), what)
 
 
 def _from_data_source(objects: ObjectSource | None, name: str, namespace: str, what: str) -> tuple[str, str]:
@@ -134,10 +127,10 @@ def _from_data_source(objects: ObjectSource | None, name: str, namespace: str, w
     if source is None:
         raise _not_found("datasources.cdi.kubevirt.io", name)
     try:
-        return _from_labels(_get(source, "metadata", "labels"), what)
+        return _from_labels(dig(source, "metadata", "labels"), what)
     except _Ignorable:
         pass
-    pvc, snapshot = _get(source, "spec", "source", "pvc"), _get(source, "spec", "source", "snapshot")
+    pvc, snapshot = dig(source, "spec", "source", "pvc"), dig(source, "spec", "source", "snapshot")
     if isinstance(pvc, dict):
         return _from_pvc(objects, str(pvc.get("name")), pvc.get("namespace") or namespace, what)
     if isinstance(snapshot, dict):
@@ -146,13 +139,13 @@ def _from_data_source(objects: ObjectSource | None, name: str, namespace: str, w
 
 
 def _from_dv_spec(objects: ObjectSource | None, spec: Any, namespace: str, what: str) -> tuple[str, str]:
-    pvc, snapshot = _get(spec, "source", "pvc"), _get(spec, "source", "snapshot")
+    pvc, snapshot = dig(spec, "source", "pvc"), dig(spec, "source", "snapshot")
     # CDI's own namespace default for a clone source is the DataVolume's; KubeVirt passes the field as is.
     if isinstance(pvc, dict):
         return _from_pvc(objects, str(pvc.get("name")), pvc.get("namespace") or namespace, what)
     if isinstance(snapshot, dict):
         return _from_snapshot(objects, str(snapshot.get("name")), snapshot.get("namespace") or namespace, what)
-    ref = _get(spec, "sourceRef")
+    ref = dig(spec, "sourceRef")
     if isinstance(ref, dict):
         if ref.get("kind") == "DataSource":
             return _from_data_source(objects, str(ref.get("name")), ref.get("namespace") or namespace, what)
@@ -163,24 +156,24 @@ def _from_dv_spec(objects: ObjectSource | None, spec: Any, namespace: str, what:
 def _from_volume(vm: dict, objects: ObjectSource | None, volume_name: str, namespace: str, what: str) -> tuple[str, str]:
     """infer/volume.go fromVolumes: PVCs and DataVolumes (template first, then the object); any other
     volume type, containerDisk included, is 'not supported' there."""
-    for volume in as_list(_get(vm, "spec", "template", "spec", "volumes"), f"{_BASE}.volumes"):
+    for volume in as_list(dig(vm, "spec", "template", "spec", "volumes"), f"{_BASE}.volumes"):
         if not isinstance(volume, dict) or volume.get("name") != volume_name:
             continue
         if isinstance(volume.get("persistentVolumeClaim"), dict):
             return _from_pvc(objects, str(volume["persistentVolumeClaim"].get("claimName")), namespace, what)
         if isinstance(volume.get("dataVolume"), dict):
             dv_name = str(volume["dataVolume"].get("name"))
-            for template in as_list(_get(vm, "spec", "dataVolumeTemplates"), "spec.dataVolumeTemplates"):
-                if _get(template, "metadata", "name") == dv_name:
-                    return _from_dv_spec(objects, _get(template, "spec"), namespace, what)
+            for template in as_list(dig(vm, "spec", "dataVolumeTemplates"), "spec.dataVolumeTemplates"):
+                if dig(template, "metadata", "name") == dv_name:
+                    return _from_dv_spec(objects, dig(template, "spec"), namespace, what)
             dv = objects.get("DataVolume", namespace, dv_name) if objects is not None else None
             if dv is None:
                 # A garbage-collected DataVolume leaves its claim of the same name.
                 return _from_pvc(objects, dv_name, namespace, what)
             try:
-                return _from_labels(_get(dv, "metadata", "labels"), what)
+                return _from_labels(dig(dv, "metadata", "labels"), what)
             except _Ignorable:
-                return _from_dv_spec(objects, _get(dv, "spec"), namespace, what)
+                return _from_dv_spec(objects, dig(dv, "spec"), namespace, what)
         raise _Ignorable(f"unable to infer defaults from volume {volume_name} as type is not supported")
     raise _Failed(f"unable to find volume {volume_name} to infer defaults")
 
@@ -201,7 +194,7 @@ def _infer(vm: dict, objects: ObjectSource | None, namespace: str, what: str) ->
         raise SpecError(f"spec.{what}.inferFromVolume", str(err)) from None
     except _Failed as err:
         raise SpecError(f"spec.{what}.inferFromVolume", str(err)) from None
-    domain = _get(vm, "spec", "template", "spec", "domain")
+    domain = dig(vm, "spec", "template", "spec", "domain")
     if ignore and what == "instancetype" and isinstance(domain, dict):
         # The handler clears the template's memory so an inferred instance type cannot conflict with it.
         domain.pop("memory", None)
@@ -258,14 +251,14 @@ def _check_instancetype(it: Selected) -> None:
 
 def _topology(pref: Selected | None) -> str:
     """preference/apply/cpu.go GetPreferredTopology: sockets unless the preference says otherwise."""
-    value = _get(pref.spec, "cpu", "preferredCPUTopology") if pref else None
+    value = dig(pref.spec, "cpu", "preferredCPUTopology") if pref else None
     return _TOPOLOGIES[value] if value else "sockets"
 
 
 def _spread_options(pref: Selected) -> tuple[int, str]:
     """preference/apply/cpu.go GetSpreadOptions: ratio 2 across SocketsCores by default."""
     ratio = pref.spec.get("preferSpreadSocketToCoreRatio") or 2
-    options = as_map(_get(pref.spec, "cpu", "spreadOptions"), f"{pref.label} spec.cpu.spreadOptions")
+    options = as_map(dig(pref.spec, "cpu", "spreadOptions"), f"{pref.label} spec.cpu.spreadOptions")
     if options.get("ratio") is not None:
         ratio = _uint(options["ratio"], f"{pref.label} spec.cpu.spreadOptions.ratio")
     return ratio, options.get("across") or "SocketsCores"
@@ -273,7 +266,7 @@ def _spread_options(pref: Selected) -> tuple[int, str]:
 
 def _check_preference(pref: Selected) -> None:
     """preference/webhooks/admitter.go ValidatePreferenceSpec."""
-    value = _get(pref.spec, "cpu", "preferredCPUTopology")
+    value = dig(pref.spec, "cpu", "preferredCPUTopology")
     if value is not None and value not in _TOPOLOGIES:
         raise SpecError(f"{pref.label} spec.cpu.preferredCPUTopology", f"unknown preferredCPUTopology {value}")
     if _topology(pref) == "spread":
@@ -315,8 +308,8 @@ def _conflicts(it: Selected, tspec: dict, meta: dict) -> list[str]:
     the single-field ones (apply/cpu.go, memory.go, iothreads.go, ...)."""
     spec, dom = it.spec, as_map(tspec.get("domain"), f"{_BASE}.domain")
     cpu, vcpu = as_map(spec.get("cpu"), "cpu"), as_map(dom.get("cpu"), f"{_BASE}.domain.cpu")
-    requests = as_map(_get(dom, "resources", "requests"), f"{_BASE}.domain.resources.requests")
-    limits = as_map(_get(dom, "resources", "limits"), f"{_BASE}.domain.resources.limits")
+    requests = as_map(dig(dom, "resources", "requests"), f"{_BASE}.domain.resources.requests")
+    limits = as_map(dig(dom, "resources", "limits"), f"{_BASE}.domain.resources.limits")
     memory, vmem = as_map(spec.get("memory"), "memory"), as_map(dom.get("memory"), f"{_BASE}.domain.memory")
     found: list[str] = []
     d = f"{_BASE}.domain"
@@ -338,15 +331,15 @@ def _conflicts(it: Selected, tspec: dict, meta: dict) -> list[str]:
                      (vmem.get("maxGuest") is not None and memory.get("maxGuest") is not None, "memory.maxGuest"),
                      ("memory" in requests, "resources.requests.memory"), ("memory" in limits, "resources.limits.memory")]
     found += [f"{d}.{path}" for hit, path in memory_checks if hit][:1]
-    if _get(spec, "ioThreads", "supplementalPoolThreadCount") is not None and _get(dom, "ioThreads", "supplementalPoolThreadCount") is not None:
+    if dig(spec, "ioThreads", "supplementalPoolThreadCount") is not None and dig(dom, "ioThreads", "supplementalPoolThreadCount") is not None:
         found.append(f"{d}.ioThreads.supplementalPoolThreadCount")
     if spec.get("ioThreadsPolicy") is not None and dom.get("ioThreadsPolicy") is not None:
         found.append(f"{d}.ioThreadsPolicy")
     if spec.get("launchSecurity") is not None and dom.get("launchSecurity") is not None:
         found.append(f"{d}.launchSecurity")
-    if spec.get("gpus") and _get(dom, "devices", "gpus"):
+    if spec.get("gpus") and dig(dom, "devices", "gpus"):
         found.append(f"{d}.devices.gpus")
-    if spec.get("hostDevices") and _get(dom, "devices", "hostDevices"):
+    if spec.get("hostDevices") and dig(dom, "devices", "hostDevices"):
         found.append(f"{d}.devices.hostDevices")
     annotations = as_map(meta.get("annotations"), "spec.template.metadata.annotations")
     for key, value in as_map(spec.get("annotations"), "annotations").items():
@@ -376,7 +369,7 @@ def _apply_instancetype(it: Selected, pref: Selected | None, tspec: dict, meta: 
             raise _unsupported(it, key)
     if spec.get("launchSecurity") is not None:
         raise _unsupported(it, "launchSecurity")
-    if _get(spec, "ioThreads", "supplementalPoolThreadCount") is not None:
+    if dig(spec, "ioThreads", "supplementalPoolThreadCount") is not None:
         raise _unsupported(it, "ioThreads.supplementalPoolThreadCount")
 
     domain = _obj(tspec, "domain", "spec.template.spec.domain")
@@ -503,7 +496,7 @@ def _apply_devices(pref: Selected, tspec: dict) -> None:
     for key, field in (("preferredRng", "rng"), ("preferredTPM", "tpm")):
         if prefs.get(key) is not None and devices.get(field) is None:
             raise _unsupported(pref, f"devices.{key}")
-    if prefs.get("preferredVideoType") is not None and not _get(devices, "video", "type"):
+    if prefs.get("preferredVideoType") is not None and not dig(devices, "video", "type"):
         raise _unsupported(pref, "devices.preferredVideoType")
     if prefs.get("preferredPanicDeviceModel") is not None:
         raise _unsupported(pref, "devices.preferredPanicDeviceModel")
@@ -559,21 +552,21 @@ def _apply_preference(pref: Selected, vm: dict, tspec: dict, meta: dict) -> None
     dataVolumeTemplates (webhooks/vm/mutator.go)."""
     spec = pref.spec
     domain = _obj(tspec, "domain", "spec.template.spec.domain")
-    features = _get(spec, "cpu", "preferredCPUFeatures")
+    features = dig(spec, "cpu", "preferredCPUFeatures")
     if features:
-        have = {f.get("name") for f in as_list(_get(domain, "cpu", "features"), f"{_BASE}.domain.cpu.features") if isinstance(f, dict)}
+        have = {f.get("name") for f in as_list(dig(domain, "cpu", "features"), f"{_BASE}.domain.cpu.features") if isinstance(f, dict)}
         if any(isinstance(f, dict) and f.get("name") not in have for f in features):
             raise _unsupported(pref, "cpu.preferredCPUFeatures")
     _apply_devices(pref, tspec)
     _apply_features(pref, domain)
     _apply_firmware(pref, domain)
-    machine_type = _get(spec, "machine", "preferredMachineType")
+    machine_type = dig(spec, "machine", "preferredMachineType")
     if machine_type:
         _set_default(_obj(domain, "machine", "spec.template.spec.domain.machine"), "type", machine_type)
     clock = as_map(spec.get("clock"), f"{pref.label} spec.clock")
     if clock.get("preferredClockOffset") is not None and not any(k in as_map(domain.get("clock"), "clock") for k in ("utc", "timezone")):
         raise _unsupported(pref, "clock.preferredClockOffset")
-    if clock.get("preferredTimer") is not None and _get(domain, "clock", "timer") is None:
+    if clock.get("preferredTimer") is not None and dig(domain, "clock", "timer") is None:
         raise _unsupported(pref, "clock.preferredTimer")
     if spec.get("preferredSubdomain") is not None:
         _set_default(tspec, "subdomain", spec["preferredSubdomain"])
@@ -586,11 +579,11 @@ def _apply_preference(pref: Selected, vm: dict, tspec: dict, meta: dict) -> None
         annotations.setdefault(key, value)
     if spec.get("preferredLaunchSecurity") is not None and domain.get("launchSecurity") is None:
         raise _unsupported(pref, "preferredLaunchSecurity")
-    storage_class = _get(spec, "volumes", "preferredStorageClassName")
+    storage_class = dig(spec, "volumes", "preferredStorageClassName")
     if storage_class:
         for template in as_list(vm["spec"].get("dataVolumeTemplates"), "spec.dataVolumeTemplates"):
             for key in ("pvc", "storage"):
-                target = _get(template, "spec", key)
+                target = dig(template, "spec", key)
                 if isinstance(target, dict) and target.get("storageClassName") is None:
                     target["storageClassName"] = storage_class
 
@@ -614,7 +607,7 @@ def expand(vm: dict, objects: ObjectSource | None) -> dict:
     if spec.get("instancetype") is None and spec.get("preference") is None:
         return vm
     vm = copy.deepcopy(vm)
-    namespace = _get(vm, "metadata", "namespace") or "default"
+    namespace = dig(vm, "metadata", "namespace") or "default"
     for what in ("instancetype", "preference"):
         if vm["spec"].get(what) is not None:
             _check_matcher(as_map(vm["spec"][what], f"spec.{what}"), what)
@@ -672,13 +665,13 @@ def _defaulted_topology(tspec: dict) -> dict[str, int]:
     """defaults.SetDefaultGuestCPUTopology: only when none of the three is set do they become
     (CPU limit, else request, rounded up, else 1) sockets of 1 core of 1 thread; a partial topology
     keeps its zeros, and the requirements see them."""
-    cpu = as_map(_get(tspec, "domain", "cpu"), f"{_BASE}.domain.cpu")
+    cpu = as_map(dig(tspec, "domain", "cpu"), f"{_BASE}.domain.cpu")
     counts = {k: cpu.get(k) or 0 for k in ("sockets", "cores", "threads")}
     if any(counts.values()):
         return counts
     sockets = 1
     for side in ("limits", "requests"):
-        value = _get(tspec, "domain", "resources", side, "cpu")
+        value = dig(tspec, "domain", "resources", side, "cpu")
         if value is not None:
             sockets = math.ceil(parse_quantity(value, f"{_BASE}.domain.resources.{side}.cpu"))  # Quantity.Value()
             break
@@ -688,11 +681,11 @@ def _defaulted_topology(tspec: dict) -> dict[str, int]:
 def _defaulted_memory(tspec: dict) -> tuple[Fraction, str]:
     """defaults.setGuestMemory: guest, else the memory request, else the limit, else the hugepage size;
     none at all reads as 0 (the checker's own starting value)."""
-    memory = as_map(_get(tspec, "domain", "memory"), f"{_BASE}.domain.memory")
+    memory = as_map(dig(tspec, "domain", "memory"), f"{_BASE}.domain.memory")
     for value, at in ((memory.get("guest"), "memory.guest"),
-                      (_get(tspec, "domain", "resources", "requests", "memory"), "resources.requests.memory"),
-                      (_get(tspec, "domain", "resources", "limits", "memory"), "resources.limits.memory"),
-                      (_get(memory, "hugepages", "pageSize"), "memory.hugepages.pageSize")):
+                      (dig(tspec, "domain", "resources", "requests", "memory"), "resources.requests.memory"),
+                      (dig(tspec, "domain", "resources", "limits", "memory"), "resources.limits.memory"),
+                      (dig(memory, "hugepages", "pageSize"), "memory.hugepages.pageSize")):
         if value is not None and parse_quantity(value, f"{_BASE}.domain.{at}"):
             return _quantity(value, f"{_BASE}.domain.{at}")
     return Fraction(0), "0"
@@ -707,7 +700,7 @@ def _check_requirements(it: Selected | None, pref: Selected, tspec: dict) -> Non
     if not requirements:
         return
     prefix = "failure checking preference requirements: "
-    need_cpu = _get(requirements, "cpu", "guest")
+    need_cpu = dig(requirements, "cpu", "guest")
     if need_cpu is not None:
         need_cpu = _uint(need_cpu, f"{pref.label} spec.requirements.cpu.guest")
         if it is not None:
@@ -731,7 +724,7 @@ def _check_requirements(it: Selected | None, pref: Selected, tspec: dict) -> Non
             if provided < need_cpu:
                 raise SpecError(", ".join(f"{base}.{n}" for n in names),
                                 f"{prefix}insufficient CPU resources of {provided} vCPU provided by VirtualMachine, preference requires {need_cpu} vCPU provided as {label}")
-    need_memory = _get(requirements, "memory", "guest")
+    need_memory = dig(requirements, "memory", "guest")
     if need_memory is not None:
         need, need_text = _quantity(need_memory, f"{pref.label} spec.requirements.memory.guest")
         if it is not None:

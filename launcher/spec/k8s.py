@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from diskkit.errors import DiskkitError
-from launcher.spec.fields import SpecError, parse_quantity
+from launcher.spec.fields import SpecError, dig, parse_quantity
 from launcher.spec.meta import (
     check_annotations,
     check_labels,
@@ -47,14 +47,6 @@ _PV_COMMON = frozenset({"accessModes", "capacity", "claimRef", "mountOptions", "
 _RBD_DEFAULT_USER = "admin"
 _RBD_DEFAULT_KEYRING = "/etc/ceph/keyring"
 
-
-def _get(doc: Any, *keys: str) -> Any:
-    """doc[k1][k2]..., None as soon as a level is missing or not a mapping."""
-    for key in keys:
-        if not isinstance(doc, dict):
-            return None
-        doc = doc.get(key)
-    return doc
 
 
 # ---------------------------------------------------------------- objects
@@ -96,7 +88,7 @@ class Objects:
             for number, item in enumerate(items):
                 self._add(item, f"{origin} items[{number}]")
             return
-        name, namespace = _get(doc, "metadata", "name"), _get(doc, "metadata", "namespace")
+        name, namespace = dig(doc, "metadata", "name"), dig(doc, "metadata", "namespace")
         if not isinstance(kind, str) or not kind:
             raise DiskkitError(origin, "kind is required")
         if not isinstance(name, str) or not name:
@@ -176,35 +168,35 @@ def resolve_claim(objects: Objects, namespace: str, claim_name: str, where: str)
     if pvc is None:
         raise DiskkitError(where, f'persistentvolumeclaims "{claim_name}" not found in namespace {namespace}')
     unbound = f"claim {claim_name} is not bound to a PersistentVolume"
-    phase = _get(pvc, "status", "phase") or "Pending"  # what the API server sets on a new claim
-    pv_name = _get(pvc, "spec", "volumeName")
+    phase = dig(pvc, "status", "phase") or "Pending"  # what the API server sets on a new claim
+    pv_name = dig(pvc, "spec", "volumeName")
     if phase != "Bound" or not pv_name:
         missing = ", no spec.volumeName" if phase == "Bound" else ""
         raise DiskkitError(where, f"{unbound} (phase {phase}{missing})")
     pv = objects.get("PersistentVolume", None, pv_name)
     if pv is None:
         raise DiskkitError(where, f'{unbound} (persistentvolumes "{pv_name}" not found)')
-    ref = _get(pv, "spec", "claimRef") or {}
-    claim_uid, ref_uid = _get(pvc, "metadata", "uid"), _get(ref, "uid")
+    ref = dig(pv, "spec", "claimRef") or {}
+    claim_uid, ref_uid = dig(pvc, "metadata", "uid"), dig(ref, "uid")
     # A Released PV still names its old claim; the uid tells a recreated claim of the same name apart.
     if (ref.get("name"), ref.get("namespace") or DEFAULT_NAMESPACE) != (claim_name, namespace) or (
             claim_uid and ref_uid and claim_uid != ref_uid):
         owner = f"{ref.get('namespace') or DEFAULT_NAMESPACE}/{ref['name']}" if ref.get("name") else "no claim"
         raise DiskkitError(where, f'{unbound} (persistentvolumes "{pv_name}" is bound to {owner})')
 
-    volume_mode = _get(pvc, "spec", "volumeMode") or "Filesystem"
+    volume_mode = dig(pvc, "spec", "volumeMode") or "Filesystem"
     if volume_mode not in VOLUME_MODES:
         raise DiskkitError(where, f"claim {claim_name}: spec.volumeMode {volume_mode!r} is neither Filesystem nor Block")
-    modes = _get(pvc, "status", "accessModes") or _get(pvc, "spec", "accessModes") or _get(pv, "spec", "accessModes") or []
+    modes = dig(pvc, "status", "accessModes") or dig(pvc, "spec", "accessModes") or dig(pv, "spec", "accessModes") or []
     if not isinstance(modes, list) or not all(isinstance(m, str) for m in modes):
         raise DiskkitError(where, f"claim {claim_name}: accessModes must be a list of strings")
-    capacity = _get(pv, "spec", "capacity", "storage")
+    capacity = dig(pv, "spec", "capacity", "storage")
     capacity_at = f"persistentvolumes {pv_name} spec.capacity.storage"
     if capacity is None:
-        capacity, capacity_at = _get(pvc, "status", "capacity", "storage"), f"claim {claim_name} status.capacity.storage"
+        capacity, capacity_at = dig(pvc, "status", "capacity", "storage"), f"claim {claim_name} status.capacity.storage"
     return Claim(
         name=claim_name, namespace=namespace, volume_mode=volume_mode,
-        request=_bytes(_get(pvc, "spec", "resources", "requests", "storage"), where,
+        request=_bytes(dig(pvc, "spec", "resources", "requests", "storage"), where,
                        f"claim {claim_name} spec.resources.requests.storage"),
         capacity=_bytes(capacity, where, capacity_at),
         access_modes=tuple(modes), read_only=set(modes) == {"ReadOnlyMany"}, pv=pv, shareable="ReadWriteMany" in modes,
@@ -263,10 +255,10 @@ def _required(src: dict, key: str, where: str, at: str) -> str:
 def read_secret(objects: Objects, ref: Any, default_namespace: str, where: str, at: str) -> tuple[str, dict[str, bytes]]:
     """(namespace/name, data) of the secret `ref` points to: data base64-decoded, stringData over it as
     the API server merges them. An empty ref namespace is the claim's, as the kubelet's plugins read it."""
-    name = _get(ref, "name")
+    name = dig(ref, "name")
     if not isinstance(name, str) or not name:
         raise DiskkitError(where, f"{at}.secretRef.name is required")
-    namespace = _get(ref, "namespace") or default_namespace
+    namespace = dig(ref, "namespace") or default_namespace
     secret = objects.get("Secret", namespace, name)
     if secret is None:
         raise DiskkitError(where, f'secrets "{name}" not found in namespace {namespace} (the {at}.secretRef)')
@@ -370,7 +362,7 @@ def _rbd(objects: Objects, claim: Claim, pv_name: str, src: dict, where: str) ->
 
 def pv_type(pv: dict) -> str:
     """The volume source a PersistentVolume uses: iscsi, rbd, nfs, csi, hostPath, local..."""
-    spec = _get(pv, "spec") or {}
+    spec = dig(pv, "spec") or {}
     kinds = sorted(k for k, v in spec.items() if k not in _PV_COMMON and v is not None) if isinstance(spec, dict) else []
     return kinds[0] if kinds else "unknown"
 
@@ -380,8 +372,8 @@ def network_disk(objects: Objects, claim: Claim, where: str, *, required: bool =
     (the caller then needs the volume at a local path), or an error when `required`."""
     if claim.pv is None:
         raise DiskkitError(where, f"claim {claim.name} is not bound to a PersistentVolume")
-    pv_name = _get(claim.pv, "metadata", "name")
-    spec = _get(claim.pv, "spec") or {}
+    pv_name = dig(claim.pv, "metadata", "name")
+    spec = dig(claim.pv, "spec") or {}
     for kind, convert in (("iscsi", _iscsi), ("rbd", _rbd)):
         src = spec.get(kind)
         if src is not None:
