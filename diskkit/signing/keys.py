@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519, padding, rsa
 from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
 
 from diskkit.errors import DiskkitError
-from diskkit.streams.fsutil import staging_file
+from diskkit.streams.fsutil import check_writable, write_atomic
 
 # skopeo 1.9 (containers/image 5.23) reads only the COSIGN label, and containers/image still writes
 # it ("a version of cosign that can accept [SIGSTORE] has not yet been released"), so that is what
@@ -84,17 +84,8 @@ def write_key_files(private_path: Path, public_path: Path, passphrase: bytes) ->
     written: list[Path] = []
     try:
         for path, data, mode in ((private_path, private, 0o600), (public_path, public, 0o644)):
-            tmp = staging_file(path)
-            try:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-                with os.fdopen(fd, "wb") as out:
-                    out.write(data)
-                    out.flush()
-                    os.fsync(out.fileno())
-                os.chmod(tmp, mode)  # the umask may have taken bits the public key should have
-                tmp.replace(path)
-            finally:
-                tmp.unlink(missing_ok=True)
+            check_writable(path.parent if str(path.parent) else Path("."))
+            write_atomic(path, data, mode)  # created with its mode: the private key is never readable by others
             written.append(path)
     except BaseException:
         for path in written:
