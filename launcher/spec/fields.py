@@ -17,6 +17,9 @@ class SpecError(DiskkitError):
 
 DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 DNS1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+SUBDOMAIN_MESSAGE = ("a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', and must"
+                     " start and end with an alphanumeric character (e.g. 'example.com', regex used for validation is"
+                     " '[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*')")
 
 
 # ---------------------------------------------------------------- quantities
@@ -146,9 +149,7 @@ def dns_subdomain_problems(name: str) -> list[str]:
     if len(name) > 253:
         problems.append("must be no more than 253 characters")
     if not DNS1123_SUBDOMAIN.fullmatch(name):
-        problems.append("a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.',"
-                        " and must start and end with an alphanumeric character (e.g. 'example.com', regex used for"
-                        " validation is '[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*')")
+        problems.append(SUBDOMAIN_MESSAGE)
     return problems
 
 

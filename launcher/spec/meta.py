@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from launcher.spec.fields import SpecError, check_dns_label
+from launcher.spec.fields import DNS1123_SUBDOMAIN, SUBDOMAIN_MESSAGE, SpecError, check_dns_label
 
 # k8s.io/apiserver/pkg/server/config.go: MaxRequestBodyBytes, the largest object the API server decodes.
 MAX_MANIFEST_BYTES = 3 * 1024 * 1024
@@ -25,12 +25,8 @@ LABEL_VALUE_MAX = 63
 QUALIFIED_NAME_MAX = 63
 
 # k8s.io/apimachinery/pkg/util/validation/validation.go, its regular expressions and messages.
-_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 _QUALIFIED = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")
 _LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
-SUBDOMAIN_MESSAGE = ("a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', and must"
-                     " start and end with an alphanumeric character (e.g. 'example.com', regex used for validation is"
-                     " '[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*')")
 _QUALIFIED_EXAMPLES = ("must consist of alphanumeric characters, '-', '_' or '.', and must start and end with an alphanumeric"
                        " character (e.g. 'MyName',  or 'my.name',  or '123-abc', regex used for validation is"
                        " '([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]')")
@@ -187,7 +183,7 @@ def check_subdomain(name: str, at: str) -> None:
     """validation.IsDNS1123Subdomain: object names (VMIs, VMs, DataVolumes, claims, secrets...)."""
     if len(name) > DNS1123_SUBDOMAIN_MAX:
         raise SpecError(at, f"Invalid value: {_quoted(name[:DNS1123_SUBDOMAIN_MAX + 1])}...: must be no more than 253 characters")
-    if not _SUBDOMAIN.fullmatch(name):
+    if not DNS1123_SUBDOMAIN.fullmatch(name):
         raise SpecError(at, f"Invalid value: {_quoted(name)}: {SUBDOMAIN_MESSAGE}")
 
 
@@ -207,7 +203,7 @@ def _qualified_name(key: str, at: str) -> None:
             raise SpecError(at, f"Invalid value: {_quoted(key)}: prefix part must be non-empty")
         if len(prefix) > DNS1123_SUBDOMAIN_MAX:
             raise SpecError(at, f"Invalid value: {_quoted(key)}: prefix part must be no more than 253 characters")
-        if not _SUBDOMAIN.fullmatch(prefix):
+        if not DNS1123_SUBDOMAIN.fullmatch(prefix):
             raise SpecError(at, f"Invalid value: {_quoted(key)}: prefix part {SUBDOMAIN_MESSAGE}")
     else:
         raise SpecError(at, f"Invalid value: {_quoted(key)}: a qualified name {_QUALIFIED_EXAMPLES}"
