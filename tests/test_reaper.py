@@ -83,6 +83,22 @@ def _pid_in_namespace_of(unshare_pid: int) -> int:
     raise AssertionError("unshare started no child")
 
 
+def _signal_state(pid: int) -> str:
+    """Signal masks, pending sets and wait channels of `pid` and its children."""
+    lines = []
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    for p in [str(pid), *children]:
+        try:
+            status = Path(f"/proc/{p}/status").read_text().splitlines()
+            wchan = Path(f"/proc/{p}/wchan").read_text()
+        except OSError as e:
+            lines.append(f"{p}: {e}")
+            continue
+        fields = [x for x in status if x.split(":")[0] in ("Name", "State", "NSpid", "SigQ", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")]
+        lines.append(f"{p} wchan={wchan} " + " | ".join(" ".join(f.split()) for f in fields))
+    return "\n".join(lines)
+
+
 def test_sigterm_to_pid1_reaches_the_launcher():
     script = textwrap.dedent("""
         import os, signal, sys, time
@@ -96,8 +112,13 @@ def test_sigterm_to_pid1_reaches_the_launcher():
     proc = subprocess.Popen(in_pid_namespace(sys.executable, "-c", script), stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         assert proc.stdout.readline().strip() == "READY"
-        os.kill(_pid_in_namespace_of(proc.pid), signal.SIGTERM)
-        out, _ = proc.communicate(timeout=30)
+        pid1 = _pid_in_namespace_of(proc.pid)
+        os.kill(pid1, signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            # Seen once in CI and never reproduced: say where the signal went.
+            raise AssertionError("no exit 30 s after SIGTERM:\n" + _signal_state(pid1)) from None
     finally:
         proc.kill()
     assert "TERM in 2" in out
