@@ -63,7 +63,7 @@ CASES = [
     (("spec", "domain", "devices", "gpus"), [{"name": "g", "deviceName": "nvidia.com/GP102"}], "spec.domain.devices.gpus", UNSUPPORTED),
     (("spec", "domain", "devices", "hostDevices"), [{"name": "h", "deviceName": "x/y"}], "spec.domain.devices.hostDevices", UNSUPPORTED),
     (("spec", "domain", "devices", "tpm"), {}, "spec.domain.devices.tpm", UNSUPPORTED),
-    (("spec", "domain", "devices", "rng"), {}, "spec.domain.devices.rng", UNSUPPORTED),
+    (("spec", "domain", "devices", "rng"), {"model": "x"}, "spec.domain.devices.rng.model", UNKNOWN),
     (("spec", "domain", "devices", "autoattachVSOCK"), True, "spec.domain.devices.autoattachVSOCK", UNSUPPORTED),
     (("spec", "domain", "features", "hyperv"), {"relaxed": {}}, "spec.domain.features.hyperv", UNSUPPORTED),
     (("spec", "domain", "clock"), {"timer": {"hpet": {"present": False}}}, "spec.domain.clock.timer", UNSUPPORTED),

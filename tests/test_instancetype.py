@@ -50,11 +50,6 @@ CORPUS = [
      "spec": {"devices": {"preferredDiskBus": "virtio", "preferredInterfaceModel": "virtio", "preferredRng": {}},
               "features": {"preferredSmm": {}}, "firmware": {"preferredEfi": {"secureBoot": True}},
               "preferredArchitecture": "amd64", "requirements": {"architecture": "amd64", "cpu": {"guest": 1}, "memory": {"guest": "2Gi"}}}},
-    # The same without the rng component (which the launcher does not render yet).
-    {"apiVersion": V1B1, "kind": "VirtualMachineClusterPreference", "metadata": {"name": "fedora-no-rng"},
-     "spec": {"devices": {"preferredDiskBus": "virtio", "preferredInterfaceModel": "virtio"},
-              "features": {"preferredSmm": {}}, "firmware": {"preferredEfi": {"secureBoot": True}},
-              "preferredArchitecture": "amd64", "requirements": {"architecture": "amd64", "cpu": {"guest": 1}, "memory": {"guest": "2Gi"}}}},
     # preferences/windows/11: requirements 2 vCPU / 4Gi, cpu-topology-cores, efi-persisted, tpm,
     # secureboot; windows base: sata disks, e1000e, hyperv clock and features.
     {"apiVersion": V1B1, "kind": "VirtualMachineClusterPreference", "metadata": {"name": "windows.11"},
@@ -151,8 +146,8 @@ def test_namespaced_instancetype_and_annotations():
     # apply/annotations_test.go: the instance type's annotations are added, the preference's do not override.
     vmi = parse_vmi(vm({"name": "small", "kind": "virtualmachineinstancetype"}, {"name": "cores", "kind": "VirtualMachinePreference"}), objects=OBJECTS)
     assert vmi.annotations == {"kubevirt.io/instancetype-name": "small", "kubevirt.io/preference-name": "cores", "from": "instancetype"}
-    cluster = parse_vmi(vm("u1.large", "fedora-no-rng"), objects=OBJECTS)
-    assert cluster.annotations == {"kubevirt.io/cluster-instancetype-name": "u1.large", "kubevirt.io/cluster-preference-name": "fedora-no-rng"}
+    cluster = parse_vmi(vm("u1.large", "fedora"), objects=OBJECTS)
+    assert cluster.annotations == {"kubevirt.io/cluster-instancetype-name": "u1.large", "kubevirt.io/cluster-preference-name": "fedora"}
 
 
 def test_conflicts_are_refused_with_kubevirts_message():
@@ -174,10 +169,15 @@ def test_what_the_launcher_cannot_do_is_refused_naming_the_field():
     # cx1: NUMA passthrough is not implemented; m1: hugepages land in the template and are refused there.
     assert error(vm("cx1.large")) == "spec.instancetype: VirtualMachineClusterInstancetype cx1.large: spec.cpu.numa is not supported by the launcher"
     assert error(vm("m1.large")) == "spec.template.spec.domain.memory.hugepages: not supported by the launcher, and it changes what the guest sees; --ignore-unsupported runs without it"
-    # linux preferences add a virtio RNG, which the launcher does not render.
-    assert error(vm("u1.large", "fedora")) == ("spec.preference: VirtualMachineClusterPreference fedora:"
-                                               " spec.devices.preferredRng is not supported by the launcher")
     assert "spec.devices.preferredTPM is not supported" in error(vm("u1.large", "windows.11"))
+
+
+def test_linux_preferences_give_the_guest_a_virtio_rng():
+    # pkg/instancetype/preference/apply/device.go: preferredRng when the VMI has no rng of its own.
+    template = expand(vm("u1.large", "fedora"), OBJECTS)["spec"]["template"]["spec"]
+    assert template["domain"]["devices"]["rng"] == {}
+    rng = domain_xml(vm("u1.large", "fedora")).find("devices/rng")
+    assert (rng.get("model"), rng.find("backend").get("model"), rng.find("backend").text) == ("virtio-non-transitional", "random", "/dev/urandom")
 
 
 def test_cx1_without_numa_is_dedicated_and_isolated():
@@ -235,7 +235,7 @@ def test_preference_fills_buses_cache_io_and_machine_but_never_overrides():
                    "d": ("disk", "virtio", "writethrough", "threads", True),  # the volume's implicit disk too
                    "e": ("disk", "virtio", "writethrough", "threads", False)}
     assert vmi.domain.machine_type == "pc-q35-rhel9.4.0"
-    assert summary(domain_xml(vm(None, "fedora-no-rng", domain={"resources": {"requests": {"memory": "2Gi"}}})))["buses"] == ["virtio"]
+    assert summary(domain_xml(vm(None, "fedora", domain={"resources": {"requests": {"memory": "2Gi"}}})))["buses"] == ["virtio"]
 
 
 def test_preference_flags_land_in_the_template_as_kubevirt_sets_them():
@@ -276,10 +276,10 @@ def test_preferred_storage_class_fills_datavolume_templates():
 
 def test_preferred_efi_with_secure_boot_and_smm():
     # preference/apply/firmware_test.go "should apply PreferredEfi"; features_test.go preferredSmm
-    vmi = parse_vmi(vm("u1.large", "fedora-no-rng"), objects=OBJECTS)
+    vmi = parse_vmi(vm("u1.large", "fedora"), objects=OBJECTS)
     assert (vmi.domain.firmware.bootloader, vmi.domain.firmware.secure_boot, vmi.domain.features.smm) == ("efi", True, True)
     # "should not apply PreferredEfi when VM already using BIOS - bug #12985"
-    bios = parse_vmi(vm("u1.large", "fedora-no-rng", domain={"firmware": {"bootloader": {"bios": {}}}}), objects=OBJECTS)
+    bios = parse_vmi(vm("u1.large", "fedora", domain={"firmware": {"bootloader": {"bios": {}}}}), objects=OBJECTS)
     assert bios.domain.firmware.bootloader == "bios"
     # The preferred EFI is taken whole: secure boot off stays off (KubeVirt's own EFI default is on).
     insecure = {"apiVersion": V1B1, "kind": "VirtualMachineClusterPreference", "metadata": {"name": "efi"},
@@ -325,7 +325,7 @@ def test_requirements_use_kubevirts_messages(instancetype, preference, domain, m
 
 def test_requirements_met_pass():
     # requirements/cpu_test.go / memory_test.go "should pass when sufficient resources are provided"
-    assert parse_vmi(vm("u1.large", "fedora-no-rng"), objects=OBJECTS).domain.vcpus == 2
+    assert parse_vmi(vm("u1.large", "fedora"), objects=OBJECTS).domain.vcpus == 2
 
 
 def test_quantities_print_as_kubernetes_prints_them():
@@ -340,7 +340,7 @@ def _labelled(kind: str, name: str, labels: dict, **extra) -> dict:
 
 
 LABELS = {"instancetype.kubevirt.io/default-instancetype": "u1.large",
-          "instancetype.kubevirt.io/default-preference": "fedora-no-rng"}
+          "instancetype.kubevirt.io/default-preference": "fedora"}
 
 
 def test_infer_from_a_pvc_and_a_datavolume():
@@ -353,7 +353,7 @@ def test_infer_from_a_pvc_and_a_datavolume():
     for volume in ({"persistentVolumeClaim": {"claimName": "fedora-pvc"}}, {"dataVolume": {"name": "fedora-dv"}}):
         doc = vm(infer, infer, volumes=[{"name": "root", **volume}])
         assert parse_vmi(doc, objects=objects).annotations == {"kubevirt.io/cluster-instancetype-name": "u1.large",
-                                                       "kubevirt.io/cluster-preference-name": "fedora-no-rng"}
+                                                       "kubevirt.io/cluster-preference-name": "fedora"}
     templated = vm(infer, None, volumes=[{"name": "root", "dataVolume": {"name": "fresh"}}],
                    dataVolumeTemplates=[{"metadata": {"name": "fresh"},
                                          "spec": {"source": {"pvc": {"name": "fedora-pvc", "namespace": "ns"}},
@@ -367,7 +367,7 @@ def test_infer_from_a_pvc_and_a_datavolume():
         _labelled("DataSource", "fedora", {}, spec={"source": {"pvc": {"name": "fedora-pvc", "namespace": "ns"}}}),
         _labelled("PersistentVolumeClaim", "fedora-pvc", LABELS)])
     from_source = vm(infer, infer, volumes=[{"name": "root", "dataVolume": {"name": "cloned"}}])
-    assert parse_vmi(from_source, objects=sourced).annotations["kubevirt.io/cluster-preference-name"] == "fedora-no-rng"
+    assert parse_vmi(from_source, objects=sourced).annotations["kubevirt.io/cluster-preference-name"] == "fedora"
 
 
 def test_infer_failures_and_the_ignore_policy():
@@ -401,14 +401,14 @@ def test_infer_failures_and_the_ignore_policy():
 
 # ---------------------------------------------------------------- end to end
 
-def test_vm_boots_with_the_instancetypes_cpus_and_memory(qemu_user, guest_image):
+def test_vm_boots_with_the_instancetypes_cpus_memory_and_rng(qemu_user, guest_image):
     manifests = qemu_user.root / "itype-manifests"
     manifests.mkdir()
     objects = [
         {"apiVersion": V1B1, "kind": "VirtualMachineClusterInstancetype", "metadata": {"name": "tiny.2c"},
          "spec": {"cpu": {"guest": 2}, "memory": {"guest": "320Mi"}}},
         {"apiVersion": V1B1, "kind": "VirtualMachinePreference", "metadata": {"name": "virtio-cores"},
-         "spec": {"cpu": {"preferredCPUTopology": "cores"}, "devices": {"preferredDiskBus": "virtio"}}},
+         "spec": {"cpu": {"preferredCPUTopology": "cores"}, "devices": {"preferredDiskBus": "virtio", "preferredRng": {}}}},
     ]
     (manifests / "types.yaml").write_text(yaml.safe_dump_all(objects))
     manifests.chmod(0o755)
@@ -431,6 +431,7 @@ def test_vm_boots_with_the_instancetypes_cpus_and_memory(qemu_user, guest_image)
     console = parse_console(result.out)
     assert console["ready"] and console["done"], result.out
     assert console["cpus"] == 2
+    assert console["rng"] == "virtio_rng.0"  # the preference's virtio RNG
     # MemTotal is what the kernel has left of the 320 MiB it was given.
     assert 256 * 1024 < console["mem_kib"] <= 320 * 1024, console["mem_kib"]
     # Both disks reached the guest on virtio (the template names no bus; SATA would be invisible here).

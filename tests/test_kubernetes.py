@@ -91,7 +91,7 @@ def pod_problems(pod: dict) -> list[str]:
     if spec.get("restartPolicy") != "Never":
         problems.append("restartPolicy is not Never")
     if spec.get("terminationGracePeriodSeconds", 30) < 45:
-        problems.append("terminationGracePeriodSeconds below the launcher's 30 s grace plus KubeVirt's 15 s")
+        problems.append("terminationGracePeriodSeconds below the VMI's (30 s by default) plus KubeVirt's 15 s")
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         command = launcher.get(probe, {}).get("exec", {}).get("command", [])
         if command[:2] != ["launcher", "status"]:

@@ -74,10 +74,7 @@ def test_two_vms_at_once_share_one_base(qemu_user, guest_image):
         assert_clean(qemu_user, f"default_{name}")
 
 
-def test_sigterm_destroys_the_domain_and_its_overlays(qemu_user, guest_image):
-    vmi = qemu_user.write_vmi("term", guest_image, serial="hold-120")
-    # The test guest does not answer the ACPI power button: it is destroyed when the grace period ends.
-    proc = qemu_user.popen("run", NOREG, "--console", "--grace-period", "3", vmi)
+def _until_done(proc) -> str:
     seen = ""
     deadline = time.monotonic() + 180
     while DONE not in seen:
@@ -85,12 +82,42 @@ def test_sigterm_destroys_the_domain_and_its_overlays(qemu_user, guest_image):
         assert line or proc.poll() is None, proc.stderr.read()
         seen += line
         assert time.monotonic() < deadline, seen
+    return seen
+
+
+def test_sigterm_destroys_a_guest_that_ignores_the_power_button(qemu_user, guest_image):
+    # This guest leaves the ACPI power button unanswered: it is destroyed when the grace period ends.
+    vmi = qemu_user.write_vmi("term", guest_image, serial="hold-120-ignore-acpi")
+    proc = qemu_user.popen("run", NOREG, "--console", "--grace-period", "3", vmi)
+    _until_done(proc)
     assert (qemu_user.cache / "run" / "default_term" / "root" / "disk.qcow2").is_file()
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 130
     err = proc.stderr.read()
     assert "default_term: shutting down (up to 3 s)" in err and "still running after 3 s; destroying it" in err, err
+    assert "ACPI-POWEROFF" not in proc.stdout.read()
     assert_clean(qemu_user, "default_term")
+
+
+def test_sigterm_presses_the_power_button_and_waits_the_vmis_grace_period(qemu_user, guest_image):
+    # The grace period comes from the VMI (pkg/virt-controller/services/template.go gracePeriodInSeconds)
+    # when --grace-period is not given; the guest powers off by itself well within it.
+    vmi = qemu_user.write_vmi("acpi", guest_image, serial="hold-120")
+    doc = json.loads(vmi.read_text())
+    doc["spec"]["terminationGracePeriodSeconds"] = 90
+    vmi.write_text(json.dumps(doc))
+    proc = qemu_user.popen("run", NOREG, "--console", vmi)
+    _until_done(proc)
+    began = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 130
+    took = time.monotonic() - began
+    err = proc.stderr.read()
+    assert "default_acpi: shutting down (up to 90 s)" in err and "default_acpi: the guest powered off" in err, err
+    assert "destroying it" not in err
+    assert "DISKKIT-TESTGUEST ACPI-POWEROFF" in proc.stdout.read()
+    assert took < 90, took  # not the grace period's end: the guest's own power-off
+    assert_clean(qemu_user, "default_acpi")
 
 
 def test_wait_for_text_that_never_comes_times_out_and_cleans_up(qemu_user, guest_image):

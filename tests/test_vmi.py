@@ -472,3 +472,18 @@ def test_host_disk_of_type_disk_with_zero_capacity_passes():
     # vmi-create-admitter.go refuses a capacity with type Disk only when it is not zero
     volumes = [{"name": "root", "hostDisk": {"path": "/d/x.img", "type": "Disk", "capacity": "0"}}]
     assert parse_vmi(vmi_doc(volumes=volumes)).volume("root").source.type == "Disk"
+
+
+def test_termination_grace_period_is_the_vmis_unless_the_launcher_is_told_otherwise():
+    # pkg/virt-controller/services/template.go gracePeriodInSeconds: the VMI's, else 30
+    # (DefaultGracePeriodSeconds in staging/src/kubevirt.io/api/core/v1/types.go).
+    from launcher.runtime.vms import RunOptions, grace_period_of
+    doc = vmi_doc()
+    assert grace_period_of(parse_vmi(doc), RunOptions()) == 30
+    doc["spec"]["terminationGracePeriodSeconds"] = 0
+    assert grace_period_of(parse_vmi(doc), RunOptions()) == 0
+    doc["spec"]["terminationGracePeriodSeconds"] = 120
+    assert grace_period_of(parse_vmi(doc), RunOptions()) == 120
+    assert grace_period_of(parse_vmi(doc), RunOptions(grace_period=5)) == 5
+    doc["spec"]["terminationGracePeriodSeconds"] = -1
+    assert error(doc) == "spec.terminationGracePeriodSeconds: must be a non-negative integer"

@@ -106,6 +106,8 @@ def parse_console(text: str) -> dict[str, Any]:
      "stamps": {name: (before, after)},
      "cpus": int, "mem_kib": int,   (vCPUs online and MemTotal, once the guest reported them)
      "filesystems": {tag: {"files": {path: content}, "sizes": {path: int}, "wrote": bool}},  (virtiofs tags fs0..fs7)
+     "acpi_poweroff": bool,  (the guest powered off because its ACPI power button was pressed)
+     "rng": str,  (the kernel's current hardware RNG: virtio_rng.0, or none)
      "warnings": [str]}
 
     File content is rebuilt from the ISO-DATA lines, each terminated by "\\n"
@@ -113,13 +115,17 @@ def parse_console(text: str) -> dict[str, Any]:
     Unknown lines (kernel messages) are ignored.
     """
     res: dict[str, Any] = {"ready": False, "done": False, "disks": {}, "isos": {},
-                           "stamps": {}, "cpus": None, "mem_kib": None, "filesystems": {}, "warnings": []}
+                           "stamps": {}, "cpus": None, "mem_kib": None, "filesystems": {}, "warnings": [], "acpi_poweroff": False, "rng": None}
     for raw in text.splitlines():
         line = raw.rstrip("\r")
         if "DISKKIT-TESTGUEST v1 READY" in line:
             res["ready"] = True
         elif "DISKKIT-TESTGUEST DONE" in line:
             res["done"] = True
+        elif "DISKKIT-TESTGUEST ACPI-POWEROFF" in line:
+            res["acpi_poweroff"] = True
+        elif line.startswith("RNG current="):
+            res["rng"] = line.split("=", 1)[1].strip()
         elif m := _DISK.match(line):
             name, size, ro, serial, head = m.groups()
             res["disks"][name] = {"size": int(size), "ro": ro == "1",

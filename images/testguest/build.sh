@@ -41,6 +41,8 @@ WANTED_MODULES=(
     virtio_scsi
     libata libahci ahci ata_piix ata_generic
     fuse virtiofs
+    button evdev
+    virtio_rng
 )
 CMDLINE="console=ttyS0 quiet panic=-1 scsi_mod.scan=sync"
 export SOURCE_DATE_EPOCH=${SOURCE_DATE_EPOCH:-1700000000}

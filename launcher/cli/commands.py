@@ -97,7 +97,7 @@ Examples:
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS", help="Give up (and destroy the VM) after this long.")
 @click.option("--platform", help="OS/ARCH of the images (default: this host's).")
 @click.option("--lazy/--no-lazy", default=None, help="Boot containerDisks before they have arrived, through the node's disk server (default: for images built with --lazy).")
-@click.option("--grace-period", type=click.FloatRange(min=0), default=30, show_default=True, metavar="SECONDS", help="After SIGTERM or Ctrl-C, how long the guest has to power off (ACPI) before it is destroyed; 0: at once.")
+@click.option("--grace-period", type=click.FloatRange(min=0), metavar="SECONDS", help="After SIGTERM or Ctrl-C, how long the guest has to power off (ACPI) before it is destroyed; 0: at once.  [default: the VMI's terminationGracePeriodSeconds, else 30]")
 @ignore_unsupported_option
 @cache_option
 @storage_options

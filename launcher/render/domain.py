@@ -450,6 +450,10 @@ def render(vmi: VMI, disks: dict[str, ResolvedDisk], host: Host) -> str:
         console = ET.SubElement(devices, "console", type="pty")
         ET.SubElement(console, "target", type="serial", port="0")
     ET.SubElement(devices, "memballoon", model="none")
+    if vmi.domain.devices.rng:
+        # compute/rng.go: virtio (transitional or not, as every virtio device here), fed by /dev/urandom
+        rng = ET.SubElement(devices, "rng", model=model)
+        _text(rng, "backend", "/dev/urandom", model="random")
 
     ET.indent(domain, "  ")
     return ET.tostring(domain, encoding="unicode") + "\n"

@@ -21,14 +21,14 @@ def follow(
     timeout: float | None = None,
     echo: Callable[[bytes], None] | None = None,
     interrupted: threading.Event | None = None,
+    offset: int = 0,
 ) -> str:
-    """Stream the log until `wait_for` appears ("found"), the guest stops ("stopped"), time runs
-    out ("timeout") or `interrupted` is set ("interrupted")."""
+    """Stream the log from `offset` until `wait_for` appears ("found"), the guest stops ("stopped"),
+    time runs out ("timeout") or `interrupted` is set ("interrupted")."""
     interrupted = interrupted or threading.Event()
     deadline = None if timeout is None else time.monotonic() + timeout
     needle = wait_for.encode() if wait_for else None
     seen = b""  # the tail kept for matching text split across reads
-    offset = 0
     while not interrupted.is_set():
         alive = running()
         data = _read_from(log, offset)

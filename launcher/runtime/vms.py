@@ -45,10 +45,22 @@ class RunOptions:
     timeout: float | None = None
     storage: Storage | None = None
     lazy: str = "auto"  # containerDisks through the node's disk server: "on", "off", or "auto" for images marked lazy
-    # After SIGTERM the guest has this long to power off before the domain is destroyed: KubeVirt's
-    # default VMI terminationGracePeriodSeconds (staging/src/kubevirt.io/api/core/v1/types.go,
-    # DefaultGracePeriodSeconds); its launcher pod gets 15 s more (pkg/virt-controller/services/template.go).
-    grace_period: float = 30
+    # After SIGTERM the guest has this long to power off before the domain is destroyed; None: the VMI's
+    # terminationGracePeriodSeconds (see grace_period_of).
+    grace_period: float | None = None
+
+
+# KubeVirt's default VMI terminationGracePeriodSeconds (staging/src/kubevirt.io/api/core/v1/types.go,
+# DefaultGracePeriodSeconds); its launcher pod gets 15 s more (pkg/virt-controller/services/template.go).
+DEFAULT_GRACE_PERIOD = 30
+
+
+def grace_period_of(vmi: VMI, opts: RunOptions) -> float:
+    """The option, else the VMI's own, else KubeVirt's default (gracePeriodInSeconds in
+    pkg/virt-controller/services/template.go)."""
+    if opts.grace_period is not None:
+        return opts.grace_period
+    return DEFAULT_GRACE_PERIOD if vmi.grace_period is None else vmi.grace_period
 
 
 def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, domain_type: str | None = None):
@@ -122,7 +134,8 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
             if isinstance(exc, OSError) and cache.vanished():
                 raise DiskkitError(cache.root, "the cache directory disappeared while the VM was being prepared") from None
             raise
-    echo = _echo if opts.console else None
+    console_log = run_dir / "console.log"
+    echo = Echo() if opts.console else None
     metrics = None
     try:
         try:
@@ -130,7 +143,7 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
             with _signals_set(interrupted := threading.Event()):
                 watch = PauseWatch(lv, name, say, lambda: last_failure(cache))
                 left = None if opts.timeout is None else max(0.0, opts.timeout - (time.monotonic() - began))
-                outcome = follow(run_dir / "console.log", watch.running, opts.wait_for, left, echo, interrupted)
+                outcome = follow(console_log, watch.running, opts.wait_for, left, echo, interrupted)
         finally:
             if metrics is not None:
                 metrics.stop()  # with --wait-for the VM outlives us; its metrics then stop changing
@@ -141,7 +154,7 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
         raise
     if outcome == "interrupted":
         try:
-            _shut_down(lv, name, opts.grace_period, say)
+            _shut_down(lv, name, grace_period_of(vmi, opts), say, console_log, echo)
         finally:
             cleanup(cache, lv, name)
         raise KeyboardInterrupt
@@ -158,19 +171,28 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
     return 0
 
 
-def _shut_down(lv: Libvirt, name: str, grace: float, say: Callable[[str], None]) -> None:
+def _shut_down(lv: Libvirt, name: str, grace: float, say: Callable[[str], None], console_log: Path, echo: Echo | None) -> None:
     """virt-launcher's graceful shutdown: the ACPI power button, then up to `grace` seconds for the
     guest to stop by itself, and what is still running is killed (pkg/virt-launcher/monitor.go,
-    the graceful and final shutdown callbacks of cmd/virt-launcher/virt-launcher.go)."""
+    the graceful and final shutdown callbacks of cmd/virt-launcher/virt-launcher.go). The console
+    stays on meanwhile: a guest's shutdown messages are what a pod's log should end with."""
     if grace <= 0 or not lv.shutdown(name):
         return
     say(f"{name}: shutting down (up to {grace:g} s)")
-    deadline = time.monotonic() + grace
+    offset = echo.shown if echo else _size(console_log)
     with _signals_set(threading.Event()):  # a second SIGTERM must not cut the grace period short
-        while lv.active(name) and time.monotonic() < deadline:
-            time.sleep(0.5)
-    if lv.active(name):
+        outcome = follow(console_log, lambda: lv.active(name), timeout=grace, echo=echo, offset=offset)
+    if outcome == "stopped":
+        say(f"{name}: the guest powered off")
+    else:
         say(f"{name}: still running after {grace:g} s; destroying it")
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
 
 
 def _metrics_refresher(vmi: VMI, prepared, lv: Libvirt) -> vhostmd.Refresher | None:
@@ -226,9 +248,16 @@ class _Alarm:
             self.previous = None
 
 
-def _echo(data: bytes) -> None:
-    sys.stdout.buffer.write(data)
-    sys.stdout.buffer.flush()
+class Echo:
+    """The console to stdout, counting what was shown so that following can resume after it."""
+
+    def __init__(self) -> None:
+        self.shown = 0
+
+    def __call__(self, data: bytes) -> None:
+        sys.stdout.buffer.write(data)
+        sys.stdout.buffer.flush()
+        self.shown += len(data)
 
 
 def _remove_run_dir(cache: Cache, name: str) -> None:

@@ -86,7 +86,8 @@ DEVICES = {
     **dict.fromkeys(("autoattachPodInterface", "autoattachGraphicsDevice", "autoattachMemBalloon",
                      "autoattachInputDevice", "logSerialConsole", "networkInterfaceMultiqueue"), INERT),
     "autoattachVSOCK": UNLESS_FALSE,
-    **dict.fromkeys(("watchdog", "interfaces", "inputs", "rng", "gpus", "downwardMetrics", "panicDevices",
+    "rng": {},
+    **dict.fromkeys(("watchdog", "interfaces", "inputs", "gpus", "downwardMetrics", "panicDevices",
                      "hostDevices", "clientPassthrough", "sound", "tpm", "video"), UNSUPPORTED),
 }
 QUANTITIES = HANDLED  # requests/limits: the parser reads cpu and memory; other resources only schedule
@@ -114,10 +115,10 @@ DOMAIN = {
 VMI_SPEC = {
     "domain": DOMAIN,
     "volumes": ListOf(VOLUME),
-    "hostname": HANDLED, "architecture": HANDLED,
+    "hostname": HANDLED, "architecture": HANDLED, "terminationGracePeriodSeconds": HANDLED,
     "dataVolumeTemplates": HANDLED,  # a VirtualMachine's field, read on a VMI too (launcher.spec.datavolume parses it)
     **dict.fromkeys(("priorityClassName", "nodeSelector", "affinity", "schedulerName", "serviceAccountName",
-                     "tolerations", "topologySpreadConstraints", "evictionStrategy", "terminationGracePeriodSeconds",
+                     "tolerations", "topologySpreadConstraints", "evictionStrategy",
                      "livenessProbe", "readinessProbe", "subdomain", "dnsPolicy", "dnsConfig"), INERT),
     **dict.fromkeys(("networks", "startStrategy", "accessCredentials", "resourceClaims", "utilityVolumes"), UNSUPPORTED),
 }

@@ -493,9 +493,11 @@ def _apply_devices(pref: Selected, tspec: dict) -> None:
         devices["disableHotplug"] = prefs["preferredDisableHotplug"]  # not a pointer upstream: always replaced
     if prefs.get("preferredSoundModel") and isinstance(devices.get("sound"), dict) and not devices["sound"].get("model"):
         raise _unsupported(pref, "devices.preferredSoundModel")
-    for key, field in (("preferredRng", "rng"), ("preferredTPM", "tpm")):
-        if prefs.get(key) is not None and devices.get(field) is None:
-            raise _unsupported(pref, f"devices.{key}")
+    # pkg/instancetype/preference/apply/device.go: the preferred RNG when the VMI names none
+    if prefs.get("preferredRng") is not None and devices.get("rng") is None:
+        devices["rng"] = copy.deepcopy(prefs["preferredRng"])
+    if prefs.get("preferredTPM") is not None and devices.get("tpm") is None:
+        raise _unsupported(pref, "devices.preferredTPM")
     if prefs.get("preferredVideoType") is not None and not dig(devices, "video", "type"):
         raise _unsupported(pref, "devices.preferredVideoType")
     if prefs.get("preferredPanicDeviceModel") is not None:

@@ -286,6 +286,7 @@ class Devices:
     use_virtio_transitional: bool = False
     disable_hotplug: bool = False  # KubeVirt adds a SCSI controller for hotplugged volumes unless this is set
     filesystems: tuple[Filesystem, ...] = ()
+    rng: bool = False  # devices.rng: {} gives the guest a virtio RNG fed by the host's /dev/urandom
 
 
 @dataclass(frozen=True)
@@ -332,6 +333,8 @@ class VMI:
     domain: DomainSpec
     volumes: tuple[Volume, ...]
     hostname: str | None = None  # spec.hostname
+    # spec.terminationGracePeriodSeconds: how long a stopping guest has to power off (None: KubeVirt's default)
+    grace_period: int | None = None
     data_volume_templates: tuple = ()  # launcher.datavolume.DataVolume, from spec.dataVolumeTemplates
     ignored: tuple[tuple[str, str], ...] = ()  # (field, why) dropped because the user asked to go on without them
 
@@ -882,7 +885,7 @@ def _domain(doc: dict, root: str, volumes: tuple[Volume, ...]) -> DomainSpec:
     block_mq = get_bool(devices_doc, "blockMultiQueue", dat)
     devices = Devices(disks, get_bool(devices_doc, "autoattachSerialConsole", dat, default=True), block_mq,
                       get_bool(devices_doc, "useVirtioTransitional", dat), get_bool(devices_doc, "disableHotplug", dat),
-                      filesystems)
+                      filesystems, "rng" in devices_doc and as_map(devices_doc["rng"], f"{dat}.rng") is not None)
     return DomainSpec(cpu, None if guest is None else to_bytes(guest), resources, machine, firmware, features, devices, policy)
 
 
@@ -976,7 +979,7 @@ def parse_vmi(doc: dict, ignore_unsupported: bool = False, *, objects: ObjectSou
             raise SpecError(f"spec.dataVolumeTemplates[{i}]", f"DataVolumeTemplate entry spec.dataVolumeTemplates[{i}] must be"
                                                               " referenced in the VMI template's 'volumes' list")
     return VMI(name, namespace, get_str(metadata, "uid", "metadata"), labels, annotations, domain, volumes,
-               hostname, data_volumes, tuple(unsupported))
+               hostname, get_int(spec, "terminationGracePeriodSeconds", root), data_volumes, tuple(unsupported))
 
 
 def load_vmi(path: str | Path, ignore_unsupported: bool = False, *, objects: ObjectSource | None = None) -> VMI:
