@@ -111,7 +111,6 @@ def attach(cache: Cache, ref: str, path: str | None, platform: Platform | None, 
             notes.append(f"{answer['reason']}; pulling it whole")
             return None
         raise DiskkitError(answer.get("error") or "the disk server refused the image")
-    notes.extend(answer.get("notes") or [])
     info = qemuimg.info(answer["url"])  # probes the format through the export, under qemu-img's limits
     problems = violations(info)
     if problems:
