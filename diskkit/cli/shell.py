@@ -31,7 +31,8 @@ def registry_options(command):
         click.option("--cert-dir", type=click.Path(file_okay=False), help="Directory of *.crt CAs and *.cert/*.key client certificates for the registry."),
         click.option("--retry-times", type=click.IntRange(0, 20), default=5, show_default=True, help="Retries on connection errors, 408, 429 and 5xx."),
         click.option("--retry-delay", type=click.FloatRange(0, 60), default=0.5, show_default=True, metavar="SECONDS", help="First backoff delay; doubles per retry, with jitter (Retry-After wins)."),
-        click.option("--tls-verify", type=click.BOOL, default=True, is_flag=False, flag_value=True, show_default=True, metavar="BOOL", help="Require HTTPS and verify certificates (--tls-verify=false also allows plain HTTP)."),
+        click.option("--tls-verify", type=click.BOOL, default=None, is_flag=False, flag_value=True, metavar="BOOL",
+                     help="Require HTTPS and verify certificates (--tls-verify=false also allows plain HTTP). Unset: true, unless registries.conf marks the registry insecure; given: wins over registries.conf."),
     ]
     for option in options:
         wrapper = option(wrapper)

@@ -32,7 +32,9 @@ FETCH_TIMEOUT = 30.0  # a spawned server's reads fail after this: the VM pauses 
 
 
 def _registry_flags(opts: RegistryOptions) -> list[str]:
-    flags = [f"--tls-verify={'true' if opts.tls_verify else 'false'}", f"--retry-times={opts.retries}", f"--retry-delay={opts.backoff}"]
+    flags = [f"--retry-times={opts.retries}", f"--retry-delay={opts.backoff}"]
+    if opts.tls_verify is not None:  # unset stays unset: registries.conf decides in the server too
+        flags.append(f"--tls-verify={'true' if opts.tls_verify else 'false'}")
     if opts.cert_dir:
         flags.append(f"--cert-dir={opts.cert_dir}")
     if opts.authfile:
