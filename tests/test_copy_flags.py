@@ -83,7 +83,7 @@ def tree(root: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize("kind", ["multi", "single"])
-def test_multi_arch_index_only_as_skopeo(built, kind, tmp_path):
+def test_multi_arch_index_only_as_skopeo(built, kind, tmp_path, registry):
     """containers/image copy/multiple.go: CopySpecificImages with no instances writes the index,
     descriptors unchanged, and copies none of its images; a single image is copied as always."""
     home = built["home"]
@@ -124,6 +124,21 @@ def test_multi_arch_index_only_as_skopeo(built, kind, tmp_path):
         assert {m["mediaType"] for m in mine["manifests"]} == {"application/vnd.docker.distribution.manifest.v2+json"}
         refused = run_diskkit("copy", "--preserve-digests", "--multi-arch", "index-only", f"dir:{listed}", f"oci:{tmp_path / 'kept'}:v1")
         assert refused.code != 0 and "--preserve-digests" in refused.err
+        # A registry takes the index only when its images are in the repository already (the
+        # distribution registry checks the descriptors): refused for both, then accepted.
+        for who in ("ours", "theirs"):
+            target = f"docker://{registry.host}/indexonly/{who}"
+            if who == "ours":
+                assert run_diskkit("copy", "--dest-tls-verify=false", "--multi-arch", "index-only", built[kind], f"{target}:v1").code != 0
+            else:
+                assert skopeo(home, "copy", "--dest-tls-verify=false", "--multi-arch", "index-only", built[kind], f"{target}:v1").returncode != 0
+            assert run_diskkit("copy", "--dest-tls-verify=false", "--multi-arch", "all", built[kind], f"{target}:all").code == 0
+        result = run_diskkit("copy", "--dest-tls-verify=false", "--multi-arch", "index-only", built[kind], f"docker://{registry.host}/indexonly/ours:v1")
+        assert result.code == 0, result.err
+        proc = skopeo(home, "copy", "--dest-tls-verify=false", "--multi-arch", "index-only", built[kind], f"docker://{registry.host}/indexonly/theirs:v1")
+        assert proc.returncode == 0, proc.stderr
+        raw = [skopeo(home, "inspect", "--raw", "--tls-verify=false", f"docker://{registry.host}/indexonly/{who}:v1").stdout for who in ("ours", "theirs")]
+        assert raw[0] == raw[1] and sha(raw[0]) == result.out.strip()
     # docker-archive holds one image: refused by both, nothing left behind.
     archive = tmp_path / "one.tar"
     refused = run_diskkit("copy", "--multi-arch", "index-only", built[kind], f"docker-archive:{archive}:x:v1")
