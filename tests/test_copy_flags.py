@@ -139,6 +139,9 @@ def test_multi_arch_index_only_as_skopeo(built, kind, tmp_path, registry):
         assert proc.returncode == 0, proc.stderr
         raw = [skopeo(home, "inspect", "--raw", "--tls-verify=false", f"docker://{registry.host}/indexonly/{who}:v1").stdout for who in ("ours", "theirs")]
         assert raw[0] == raw[1] and sha(raw[0]) == result.out.strip()
+    both = run_diskkit("copy", "--all", "--multi-arch", "all", built[kind], f"dir:{tmp_path / 'both'}")
+    assert both.code != 0 and "Cannot use --all and --multi-arch flags together" in both.err
+    assert skopeo(home, "copy", "--all", "--multi-arch", "all", built[kind], f"dir:{tmp_path / 'both2'}").returncode != 0
     # docker-archive holds one image: refused by both, nothing left behind.
     archive = tmp_path / "one.tar"
     refused = run_diskkit("copy", "--multi-arch", "index-only", built[kind], f"docker-archive:{archive}:x:v1")

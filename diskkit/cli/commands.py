@@ -385,8 +385,8 @@ def push_cmd(src, dest, platform, all_platforms, multi_arch, preserve_digests, d
 
     if dest_compress_level is not None and dest_compress_format is None:
         raise DiskkitError("--dest-compress-level", "needs --dest-compress-format")
-    if all_platforms and multi_arch not in (None, "all"):
-        raise DiskkitError("--all", f"conflicts with --multi-arch {multi_arch}")
+    if all_platforms and multi_arch is not None:  # skopeo cmd/skopeo/copy.go, in its words
+        raise DiskkitError("--all", "Cannot use --all and --multi-arch flags together")
     multi_arch = "all" if all_platforms else multi_arch or "system"
     fields = {"tls_verify": "tls_verify", "creds": "creds", "authfile": "authfile", "cert_dir": "cert_dir"}
     src_opts = replace(registry, **{f: sides[f"src_{k}"] for k, f in fields.items() if sides[f"src_{k}"] is not None})

@@ -66,11 +66,12 @@ def copy_image(
     """`opts` reach the source registry, `dest_opts` (default: the same) the destination's, as
     skopeo's --src-*/--dest-* flags do. `multi_arch` says what becomes of an index, as skopeo's
     --multi-arch: "system" copies the instance `platform` selects, "all" every instance and the
-    index, "index-only" the index alone (a single image is copied whatever it says). With `preserve_digests` a copy that would have to rewrite a
-    manifest is refused instead (skopeo copy --preserve-digests); `manifest_format` ("oci" or "v2s2")
-    restates manifests in that format (skopeo copy --format); `compress_format`/`compress_level`
-    re-encode every layer that is not already in that format (skopeo's --dest-compress-format), for
-    destinations that compress, or any with `dest_compress` (--dest-compress)."""
+    index, "index-only" the index alone (a single image is copied whatever it says). With
+    `preserve_digests` a copy that would have to rewrite a manifest is refused instead (skopeo
+    copy --preserve-digests); `manifest_format` ("oci" or "v2s2") restates manifests in that format
+    (skopeo copy --format); `compress_format`/`compress_level` re-encode every layer that is not
+    already in that format (skopeo's --dest-compress-format), for destinations that compress, or any
+    with `dest_compress` (--dest-compress)."""
     src_ref = parse_ref(src) if isinstance(src, str) else src
     dest_ref = parse_ref(dest) if isinstance(dest, str) else dest
     statuses: dict[str, str] = {}
