@@ -120,7 +120,8 @@ def test_an_explicit_tls_verify_wins_over_insecure_and_no_flag_lets_it_decide(tl
     read = ours("push", "--json", ref, f"oci:{out}:a")
     assert read.code == 0 and json.loads(read.out)["digest"] == pushed, read.err
     # --tls-verify=true (and --src-tls-verify=true): verified, so the unknown CA is refused by both.
-    for flags in (["--tls-verify=true"], ["--src-tls-verify=true"]):
+    # Bare, as skopeo (pflag) reads them: true, and the next argument stays a positional.
+    for flags in (["--tls-verify=true"], ["--src-tls-verify=true"], ["--tls-verify"], ["--src-tls-verify"]):
         theirs = skopeo("copy", *flags, ref, f"oci:{out}:b")
         assert theirs.returncode != 0 and "certificate" in theirs.stderr, (flags, theirs.stderr)
         refused = ours("copy", *flags, ref, f"oci:{out}:b")
