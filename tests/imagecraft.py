@@ -46,16 +46,18 @@ def _put(blobs: Path, data: bytes) -> str:
     return "sha256:" + digest
 
 
-def write_layout(root: Path, layers: list[list[Member] | bytes], tag: str = "t", docker_types: bool = False) -> Path:
-    """An OCI layout; a layer is a list of members, or a whole tar another tool wrote."""
+def write_layout(root: Path, layers: list[list[Member] | bytes], tag: str = "t", docker_types: bool = False, gzipped: bool = True) -> Path:
+    """An OCI layout; a layer is a list of members, or a whole tar another tool wrote; `gzipped=False`
+    stores layers as plain tar (seekable, as the disk server reads them)."""
     blobs = root / "blobs" / "sha256"
     blobs.mkdir(parents=True, exist_ok=True)
     descs, diff_ids = [], []
     for members in layers:
         raw = members if isinstance(members, bytes) else layer_tar(members)
         diff_ids.append("sha256:" + hashlib.sha256(raw).hexdigest())
-        blob = gzip.compress(raw, mtime=0)
-        media = "application/vnd.docker.image.rootfs.diff.tar.gzip" if docker_types else "application/vnd.oci.image.layer.v1.tar+gzip"
+        blob = gzip.compress(raw, mtime=0) if gzipped else raw
+        media = "application/vnd.docker.image.rootfs.diff.tar" if docker_types else "application/vnd.oci.image.layer.v1.tar"
+        media += "+gzip" if gzipped and not docker_types else ".gzip" if gzipped else ""
         descs.append({"mediaType": media, "digest": _put(blobs, blob), "size": len(blob)})
     config = json.dumps({"architecture": "amd64", "os": "linux", "rootfs": {"type": "layers", "diff_ids": diff_ids}}).encode()
     config_media = "application/vnd.docker.container.image.v1+json" if docker_types else "application/vnd.oci.image.config.v1+json"

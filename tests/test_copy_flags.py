@@ -76,8 +76,81 @@ def test_multi_arch_all_and_system_as_skopeo(built, tmp_path):
         assert proc.returncode == 0, proc.stderr
         assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in theirs.iterdir())
         assert (ours / "manifest.json").read_bytes() == (theirs / "manifest.json").read_bytes()
-    refused = run_diskkit("copy", "--multi-arch", "index-only", built["multi"], f"dir:{tmp_path / 'x'}")
-    assert refused.code != 0 and "index-only is not implemented" in refused.err and not (tmp_path / "x").exists()
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("kind", ["multi", "single"])
+def test_multi_arch_index_only_as_skopeo(built, kind, tmp_path, registry):
+    """containers/image copy/multiple.go: CopySpecificImages with no instances writes the index,
+    descriptors unchanged, and copies none of its images; a single image is copied as always."""
+    home = built["home"]
+    for transport in ("dir", "oci"):
+        ours, theirs = tmp_path / f"ours-{transport}", tmp_path / f"theirs-{transport}"
+        dest = (lambda p: f"dir:{p}") if transport == "dir" else (lambda p: f"oci:{p}:v1")
+        result = run_diskkit("copy", "--multi-arch", "index-only", built[kind], dest(ours))
+        assert result.code == 0, result.err
+        proc = skopeo(home, "copy", "--multi-arch", "index-only", built[kind], dest(theirs))
+        assert proc.returncode == 0, proc.stderr
+        mine, skopeos = tree(ours), tree(theirs)
+        if transport == "oci":  # index.json and oci-layout are written by each tool in its own spelling
+            assert json.loads(mine.pop("index.json"))["manifests"] == json.loads(skopeos.pop("index.json"))["manifests"]
+            assert json.loads(mine.pop("oci-layout")) == json.loads(skopeos.pop("oci-layout"))
+        assert mine == skopeos
+        source = built[kind].removeprefix("oci:").rsplit(":", 1)[0]
+        top = json.loads(Path(source, "index.json").read_text())["manifests"][0]["digest"]
+        assert result.out.strip() == top
+        if kind == "multi":  # the index alone: no config, no layer, no instance manifest came along
+            blobs = [name for name in mine if name.startswith("blobs/")] if transport == "oci" else [n for n in mine if n != "version"]
+            assert len(blobs) == 1, sorted(mine)
+    if kind == "multi":
+        # A Docker list into an OCI layout becomes an OCI index; the descriptors keep their
+        # instances' Docker types, since the instances are not copied (so not converted).
+        listed = tmp_path / "v2s2"
+        assert run_diskkit("copy", "--format", "v2s2", "--multi-arch", "all", built[kind], f"dir:{listed}").code == 0
+        ours, theirs = tmp_path / "ours-list", tmp_path / "theirs-list"
+        result = run_diskkit("copy", "--multi-arch", "index-only", f"dir:{listed}", f"oci:{ours}:v1")
+        assert result.code == 0, result.err
+        proc = skopeo(home, "copy", "--multi-arch", "index-only", f"dir:{listed}", f"oci:{theirs}:v1")
+        assert proc.returncode == 0, proc.stderr
+        (index,) = json.loads((ours / "index.json").read_text())["manifests"]
+        mine = json.loads((ours / "blobs" / "sha256" / index["digest"][7:]).read_bytes())
+        (index,) = json.loads((theirs / "index.json").read_text())["manifests"]
+        skopeos = json.loads((theirs / "blobs" / "sha256" / index["digest"][7:]).read_bytes())
+        assert mine["mediaType"] == skopeos["mediaType"] == "application/vnd.oci.image.index.v1+json"
+        assert mine["manifests"] == skopeos["manifests"]
+        assert {m["mediaType"] for m in mine["manifests"]} == {"application/vnd.docker.distribution.manifest.v2+json"}
+        refused = run_diskkit("copy", "--preserve-digests", "--multi-arch", "index-only", f"dir:{listed}", f"oci:{tmp_path / 'kept'}:v1")
+        assert refused.code != 0 and "--preserve-digests" in refused.err
+        # A registry takes the index only when its images are in the repository already (the
+        # distribution registry checks the descriptors): refused for both, then accepted.
+        for who in ("ours", "theirs"):
+            target = f"docker://{registry.host}/indexonly/{who}"
+            if who == "ours":
+                assert run_diskkit("copy", "--dest-tls-verify=false", "--multi-arch", "index-only", built[kind], f"{target}:v1").code != 0
+            else:
+                assert skopeo(home, "copy", "--dest-tls-verify=false", "--multi-arch", "index-only", built[kind], f"{target}:v1").returncode != 0
+            assert run_diskkit("copy", "--dest-tls-verify=false", "--multi-arch", "all", built[kind], f"{target}:all").code == 0
+        result = run_diskkit("copy", "--dest-tls-verify=false", "--multi-arch", "index-only", built[kind], f"docker://{registry.host}/indexonly/ours:v1")
+        assert result.code == 0, result.err
+        proc = skopeo(home, "copy", "--dest-tls-verify=false", "--multi-arch", "index-only", built[kind], f"docker://{registry.host}/indexonly/theirs:v1")
+        assert proc.returncode == 0, proc.stderr
+        raw = [skopeo(home, "inspect", "--raw", "--tls-verify=false", f"docker://{registry.host}/indexonly/{who}:v1").stdout for who in ("ours", "theirs")]
+        assert raw[0] == raw[1] and sha(raw[0]) == result.out.strip()
+    both = run_diskkit("copy", "--all", "--multi-arch", "all", built[kind], f"dir:{tmp_path / 'both'}")
+    assert both.code != 0 and "Cannot use --all and --multi-arch flags together" in both.err
+    assert skopeo(home, "copy", "--all", "--multi-arch", "all", built[kind], f"dir:{tmp_path / 'both2'}").returncode != 0
+    # docker-archive holds one image: refused by both, nothing left behind.
+    archive = tmp_path / "one.tar"
+    refused = run_diskkit("copy", "--multi-arch", "index-only", built[kind], f"docker-archive:{archive}:x:v1")
+    theirs = skopeo(home, "copy", "--multi-arch", "index-only", built[kind], f"docker-archive:{tmp_path / 'theirs.tar'}:x:v1")
+    if kind == "multi":
+        assert refused.code != 0 and "--multi-arch index-only" in refused.err and not archive.exists()
+        assert theirs.returncode != 0 and b"does not support copying multiple images" in theirs.stderr
+    else:
+        assert refused.code == 0 and theirs.returncode == 0, (refused.err, theirs.stderr)
 
 
 def test_preserve_digests_refuses_a_rewrite_and_allows_a_plain_copy(built, tmp_path):

@@ -16,6 +16,7 @@ import requests
 from diskkit.layers import lazytoc
 from tests.conftest import make_qcow2, run, run_diskkit, run_launcher
 from tests.faultproxy import Fault
+from tests.imagecraft import Member, dir_, write_layout
 from tests.lazyhost import (
     control,
     disk_server,
@@ -146,6 +147,25 @@ def test_images_that_cannot_be_read_at_offsets_are_pulled_whole(tmp_path, regist
         missing = control(cache, {"op": "open", "image": f"{registry.host}/lazy/absent:v1", "registry": {"tls_verify": False}})
         assert not missing["ok"] and "not found" in missing["error"]
 
+
+
+def test_a_disk_uid_107_cannot_read_is_refused_as_pull_and_verify_refuse_it(tmp_path, registry):
+    """root:0600, seekable: the server used to export it with a note; qemu in virt-launcher fails on it."""
+    disk = random_disk(tmp_path / "locked.img", 2 * MIB).read_bytes()
+    layout = write_layout(tmp_path / "locked", [[dir_("disk"), Member("disk/locked.img", disk, mode=0o600, uid=0, gid=0)]], gzipped=False)
+    ref = f"{registry.host}/lazy/locked:v1"
+    assert run_diskkit("push", NOREG, f"oci:{layout}:t", ref).code == 0
+    rule = "/disk/locked.img is not readable by UID 107 (owner 0:0, mode 0600)"
+    verified = run_diskkit("verify", NOREG, ref)
+    assert verified.code == 1 and rule in verified.err
+    pulled = run_launcher("pull", "--cache-dir", tmp_path / "pulled", NOREG, ref)
+    assert pulled.code != 0 and rule in pulled.err
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with disk_server(cache):
+        answer = control(cache, {"op": "open", "image": ref, "registry": {"tls_verify": False}})
+        assert not answer["ok"] and rule in answer["error"], answer
+        assert control(cache, {"op": "status"})["exports"] == []
 
 def disk_offset(registry, ref: str) -> int:
     """Where the disk's bytes start in the image's layer blob, read with plain tools."""

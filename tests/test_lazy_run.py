@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run, run_diskkit
+from tests.conftest import run, run_diskkit, run_launcher
 from tests.distribution import start_registry
 from tests.faultproxy import Fault
 from tests.lazyhost import (
@@ -213,3 +213,26 @@ def test_two_vms_on_one_export_fetch_each_chunk_once(qemu_user, lazy_registry, f
         assert stats["fetched_bytes"] <= export["present"] * export["chunkSize"], export
     for name in ("lazy-one", "lazy-two"):
         assert_clean(qemu_user, f"default_{name}")
+
+
+def test_a_short_name_boots_lazily_through_the_runs_registries_conf(qemu_user, lazy_registry):
+    """The node's server (root, as a node service) knows no alias; the run's registries.conf maps the
+    short name to the loopback registry, as for `launcher pull`, and the VM boots from the export."""
+    ref, _ = push_padded(lazy_registry, qemu_user.root, "short", 5)
+    layer = json.loads(run_diskkit("inspect", NOREG, "--json", ref).out)["layers"][0]["digest"]
+    confs = qemu_user.root / "confs"
+    confs.mkdir(mode=0o755)
+    (confs / "client.conf").write_text(f'[aliases]\n"shortguest" = "{lazy_registry.host}/lazy/guest"\n')
+    (confs / "server.conf").write_text("")
+    cache = qemu_user.cache
+    assert qemu_user.launcher("ls").code == 0  # the cache's layout made by its owner, before root's server uses it
+    with disk_server(cache, "--prefetch-rate", "8M", env={"CONTAINERS_REGISTRIES_CONF": str(confs / "server.conf"), "HOME": str(confs)}):
+        vmi = qemu_user.write_vmi("lazy-short", "shortguest:short")
+        result = run_launcher("run", NOREG, "--lazy", "--console", "--timeout", "300", vmi, user=str(QEMU_UID),
+                              env={**qemu_user.env, "CONTAINERS_REGISTRIES_CONF": str(confs / "client.conf")})
+        assert result.code == 0, result.err
+        console = parse_console(result.out)
+        assert console["done"] and console["disks"]["vda"]["size"] == PADDED, result.out
+        assert layer in [e["layer"] for e in control(cache, {"op": "status"})["exports"] if "layer" in e]
+    run("chown", "-R", f"{QEMU_UID}:{QEMU_UID}", cache)  # what root's server wrote goes back to the cache's owner
+    assert_clean(qemu_user, "default_lazy-short")

@@ -97,6 +97,52 @@ def test_insecure_allows_plain_http_and_blocked_refuses(registry, pushed, tmp_pa
     assert skopeo_digest(env, ref)[0] != 0 and ours_digest(env, ref, tmp_path)[0] != 0
 
 
+
+def test_an_explicit_tls_verify_wins_over_insecure_and_no_flag_lets_it_decide(tls_registry, tmp_path):
+    """containers/image docker/docker_client.go (detectPropertiesHelper): registries.conf's insecure
+    applies only while DockerInsecureSkipTLSVerify is undefined; --tls-verify=true makes it verify."""
+    ref = f"docker://{tls_registry.host}/tlsconf/x:v1"
+    built = run_diskkit("build", "--cert-dir", tls_registry.ca_dir, make_qcow2(tmp_path / "d.qcow2", "8M", 0x3C), "-t", ref)
+    assert built.code == 0, built.err
+    pushed = built.last_line
+    env = conf_env(tmp_path, f'[[registry]]\nlocation = "{tls_registry.host}"\ninsecure = true\n')
+    conf = ["--registries-conf", env["CONTAINERS_REGISTRIES_CONF"]]
+
+    def skopeo(*args) -> subprocess.CompletedProcess:
+        return subprocess.run(["skopeo", *conf, *map(str, args)], capture_output=True, text=True, env={**os.environ, **env})
+
+    def ours(*args):
+        return run_diskkit(*args, env=env)
+
+    out = tmp_path / "out"
+    # No flag: the entry's insecure decides (the test CA is unknown, yet both read the image).
+    assert skopeo("inspect", "--raw", ref).returncode == 0
+    read = ours("push", "--json", ref, f"oci:{out}:a")
+    assert read.code == 0 and json.loads(read.out)["digest"] == pushed, read.err
+    # --tls-verify=true (and --src-tls-verify=true): verified, so the unknown CA is refused by both.
+    # Bare, as skopeo (pflag) reads them: true, and the next argument stays a positional.
+    for flags in (["--tls-verify=true"], ["--src-tls-verify=true"], ["--tls-verify"], ["--src-tls-verify"]):
+        theirs = skopeo("copy", *flags, ref, f"oci:{out}:b")
+        assert theirs.returncode != 0 and "certificate" in theirs.stderr, (flags, theirs.stderr)
+        refused = ours("copy", *flags, ref, f"oci:{out}:b")
+        assert refused.code != 0 and "TLS verification failed" in refused.err, (flags, refused.err)
+    # ... and with the CA it is trusted: verifying, not refusing.
+    trusted = ours("inspect", "--raw", "--tls-verify=true", "--cert-dir", tls_registry.ca_dir, ref)
+    assert trusted.code == 0, trusted.err
+    # The destination side: --dest-tls-verify=true refuses the push, no flag lets insecure allow it.
+    dest = f"docker://{tls_registry.host}/tlsconf/y:v1"
+    theirs = skopeo("copy", "--dest-tls-verify=true", f"oci:{out}:a", dest)
+    assert theirs.returncode != 0 and "certificate" in theirs.stderr, theirs.stderr
+    refused = ours("copy", "--dest-tls-verify=true", f"oci:{out}:a", dest)
+    assert refused.code != 0 and "TLS verification failed" in refused.err, refused.err
+    allowed = ours("copy", f"oci:{out}:a", dest)
+    assert allowed.code == 0 and allowed.last_line == pushed, allowed.err
+    # --tls-verify=false still relaxes a registry registries.conf does not mention.
+    (tmp_path / "empty").mkdir()
+    env.update(conf_env(tmp_path / "empty", ""))
+    assert ours("inspect", "--raw", ref).code != 0
+    assert ours("inspect", "--raw", "--tls-verify=false", ref).code == 0
+
 def podman_pull_digest(env: dict, name: str, tmp_path: Path) -> str:
     store = tmp_path / "podman"
     store.mkdir(exist_ok=True)

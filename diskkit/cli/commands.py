@@ -184,12 +184,12 @@ def _signer(dest: str, sign):
     return check_signable(dest, sign), load_signer(sign)
 
 
-def _sign(dest: str, digest: str, signer, registry: RegistryOptions) -> dict:
+def _sign(dest: str, digest: str, signer, registry: RegistryOptions, instances: bool = True) -> dict:
     if signer is None:
         return {}
     from diskkit.signing.trust import sign_pushed
 
-    return {"signed": sign_pushed(signer[0], digest, signer[1], registry)}
+    return {"signed": sign_pushed(signer[0], digest, signer[1], registry, instances)}
 
 
 @cli.command("generate-sigstore-key", epilog="""\b
@@ -342,6 +342,7 @@ Examples:
   diskkit push --tls-verify=false docker-archive:fedora.tar localhost:5000/fedora:40
   diskkit copy --src-creds me:pw --dest-tls-verify=false docker://quay.io/me/f:40 docker://localhost:5000/f:40
   diskkit copy --preserve-digests --multi-arch all docker://quay.io/me/f:40 dir:./f40
+  diskkit copy --multi-arch index-only docker://quay.io/me/f:40 docker://registry.local/me/f:40   # its images are there already
   DOCKER_HOST=unix:///run/podman/podman.sock diskkit push docker-daemon:quay.io/me/fedora:40 oci:./layout:f40
   diskkit push --sign-by-sigstore-private-key ci.private --sign-passphrase-file pass oci:./layout:40 quay.io/me/fedora:40
   diskkit push --signature-policy policy.json quay.io/me/fedora:40 oci:./mirror:40
@@ -350,7 +351,7 @@ Examples:
 @click.argument("dest")
 @click.option("--platform", help="OS/ARCH to pick from a multi-platform index (default: this host's).")
 @click.option("--all", "all_platforms", is_flag=True, help="Copy every platform of an index, and the index itself.")
-@click.option("--multi-arch", type=click.Choice(["system", "all", "index-only"]), help="As skopeo: system = this host's image (default), all = as --all.")
+@click.option("--multi-arch", type=click.Choice(["system", "all", "index-only"]), help="As skopeo: system = this host's image (default), all = as --all, index-only = the index without its images.")
 @click.option("--preserve-digests", is_flag=True, help="Fail instead of rewriting a manifest (format conversion, decompression).")
 @click.option("--dest-compress", is_flag=True, help="Compress layers for destinations that keep them as they are (dir:), as skopeo does.")
 @click.option("--dest-compress-format", type=click.Choice(["gzip", "zstd"]), help="Re-encode layers not already in this compression (registries, OCI layouts; dir: with --dest-compress).")
@@ -384,17 +385,17 @@ def push_cmd(src, dest, platform, all_platforms, multi_arch, preserve_digests, d
 
     if dest_compress_level is not None and dest_compress_format is None:
         raise DiskkitError("--dest-compress-level", "needs --dest-compress-format")
-    if multi_arch == "index-only":
-        raise DiskkitError("--multi-arch", "index-only is not implemented; use system or all")
-    all_platforms = all_platforms or multi_arch == "all"
+    if all_platforms and multi_arch is not None:  # skopeo cmd/skopeo/copy.go, in its words
+        raise DiskkitError("--all", "Cannot use --all and --multi-arch flags together")
+    multi_arch = "all" if all_platforms else multi_arch or "system"
     fields = {"tls_verify": "tls_verify", "creds": "creds", "authfile": "authfile", "cert_dir": "cert_dir"}
     src_opts = replace(registry, **{f: sides[f"src_{k}"] for k, f in fields.items() if sides[f"src_{k}"] is not None})
     dest_opts = replace(registry, **{f: sides[f"dest_{k}"] for k, f in fields.items() if sides[f"dest_{k}"] is not None})
-    enforce_ref(src, trust, src_opts, platform_of(platform), all_platforms)
+    enforce_ref(src, trust, src_opts, platform_of(platform), {"system": "selected", "all": "every", "index-only": "none"}[multi_arch])
     signer = _signer(dest, sign)
-    result = copy_image(src, dest, src_opts, reporter_for(as_json), platform_of(platform), all_platforms, dest_opts, preserve_digests,
+    result = copy_image(src, dest, src_opts, reporter_for(as_json), platform_of(platform), multi_arch, dest_opts, preserve_digests,
                         manifest_format, dest_compress_format or ("gzip" if dest_compress else None), dest_compress_level, dest_compress)
-    signed = _sign(dest, result.digest, signer, dest_opts)
+    signed = _sign(dest, result.digest, signer, dest_opts, instances=multi_arch != "index-only")
     click.echo(json.dumps({**result.to_json(), **signed}, indent=2) if as_json else result.digest)
 
 

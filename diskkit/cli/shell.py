@@ -31,11 +31,27 @@ def registry_options(command):
         click.option("--cert-dir", type=click.Path(file_okay=False), help="Directory of *.crt CAs and *.cert/*.key client certificates for the registry."),
         click.option("--retry-times", type=click.IntRange(0, 20), default=5, show_default=True, help="Retries on connection errors, 408, 429 and 5xx."),
         click.option("--retry-delay", type=click.FloatRange(0, 60), default=0.5, show_default=True, metavar="SECONDS", help="First backoff delay; doubles per retry, with jitter (Retry-After wins)."),
-        click.option("--tls-verify", type=click.BOOL, default=True, is_flag=False, flag_value=True, show_default=True, metavar="BOOL", help="Require HTTPS and verify certificates (--tls-verify=false also allows plain HTTP)."),
+        click.option("--tls-verify", type=click.BOOL, default=None, metavar="BOOL",
+                     help="Require HTTPS and verify certificates (--tls-verify=false also allows plain HTTP). Unset: true, unless registries.conf marks the registry insecure; given: wins over registries.conf."),
     ]
     for option in options:
         wrapper = option(wrapper)
     return wrapper
+
+
+# skopeo's boolean flags that take an optional value (pflag's NoOptDefVal): bare, they mean true and
+# never take the next argument as their value, so `--tls-verify SRC DEST` keeps SRC a positional.
+OPTIONAL_BOOLS = ("--tls-verify", "--src-tls-verify", "--dest-tls-verify")
+
+
+def skopeo_args(args: list[str]) -> list[str]:
+    """The command line with each bare optional boolean spelled out as `=true` (up to a `--`)."""
+    out = []
+    for i, arg in enumerate(args):
+        if arg == "--":
+            return out + args[i:]
+        out.append(f"{arg}=true" if arg in OPTIONAL_BOOLS else arg)
+    return out
 
 
 def platform(value: str | None) -> Platform | None:
@@ -66,7 +82,7 @@ def run_main(cli: click.Group, prog: str) -> None:
     _keep_large_buffers()
     signal.signal(signal.SIGTERM, _terminate)
     try:
-        cli.main(prog_name=prog, standalone_mode=False)
+        cli.main(args=skopeo_args(sys.argv[1:]), prog_name=prog, standalone_mode=False)
     except click.exceptions.Abort:
         click.echo(f"{prog}: interrupted", err=True)
         sys.exit(130)

@@ -55,7 +55,7 @@ def copy_image(
     opts: RegistryOptions,
     reporter: Reporter,
     platform: Platform | None = None,
-    all_platforms: bool = False,
+    multi_arch: str = "system",
     dest_opts: RegistryOptions | None = None,
     preserve_digests: bool = False,
     manifest_format: str | None = None,
@@ -64,11 +64,14 @@ def copy_image(
     dest_compress: bool = False,
 ) -> CopyResult:
     """`opts` reach the source registry, `dest_opts` (default: the same) the destination's, as
-    skopeo's --src-*/--dest-* flags do. With `preserve_digests` a copy that would have to rewrite a
-    manifest is refused instead (skopeo copy --preserve-digests); `manifest_format` ("oci" or "v2s2")
-    restates manifests in that format (skopeo copy --format); `compress_format`/`compress_level`
-    re-encode every layer that is not already in that format (skopeo's --dest-compress-format), for
-    destinations that compress, or any with `dest_compress` (--dest-compress)."""
+    skopeo's --src-*/--dest-* flags do. `multi_arch` says what becomes of an index, as skopeo's
+    --multi-arch: "system" copies the instance `platform` selects, "all" every instance and the
+    index, "index-only" the index alone (a single image is copied whatever it says). With
+    `preserve_digests` a copy that would have to rewrite a manifest is refused instead (skopeo
+    copy --preserve-digests); `manifest_format` ("oci" or "v2s2") restates manifests in that format
+    (skopeo copy --format); `compress_format`/`compress_level` re-encode every layer that is not
+    already in that format (skopeo's --dest-compress-format), for destinations that compress, or any
+    with `dest_compress` (--dest-compress)."""
     src_ref = parse_ref(src) if isinstance(src, str) else src
     dest_ref = parse_ref(dest) if isinstance(dest, str) else dest
     statuses: dict[str, str] = {}
@@ -76,21 +79,27 @@ def copy_image(
         data, media, _ = source.manifest_descriptors()
         with open_destination(dest_ref, 0, dest_opts or opts) as destination:
             copier = _Copier(source, destination, src_ref, dest_ref, reporter, statuses, preserve_digests, manifest_format, compress_format, compress_level, dest_compress)
-            if media in mt.INDEXES and all_platforms:
+            if media in mt.INDEXES and multi_arch != "system":
                 if destination.docker_manifest:
-                    raise DiskkitError(str(dest_ref), "docker-archive holds a single image; choose one with --platform instead of --all")
+                    flag = "--all" if multi_arch == "all" else f"--multi-arch {multi_arch}"
+                    raise DiskkitError(str(dest_ref), f"docker-archive holds a single image; choose one with --platform instead of {flag}")
                 index = parse_json(data, source.where)
                 children = []
                 for child in index.get("manifests") or []:
+                    if multi_arch == "index-only":
+                        # containers/image copy/multiple.go: CopySpecificImages with no instances keeps
+                        # every descriptor as it is and copies none of them.
+                        children.append(child)
+                        continue
                     desc = Descriptor.from_json(child, source.where)
                     copied = copier.image(_child_manifest(source, desc), desc.media_type, desc.platform, child=True)
                     children.append({**child, "mediaType": copied.media_type, "digest": copied.digest, "size": copied.size})
                 if (destination.oci_only or manifest_format == "oci") and media == mt.DOCKER_LIST:
                     copier.rewriting("a Docker manifest list becomes an OCI index")
-                    data, media = canonical_json(docker_to_oci({**index, "manifests": children})), mt.OCI_INDEX
+                    data, media = canonical_json(_typed_as(docker_to_oci({**index, "manifests": children}), children, multi_arch)), mt.OCI_INDEX
                 elif manifest_format == "v2s2" and media == mt.OCI_INDEX:
                     copier.rewriting("an OCI index becomes a Docker manifest list")
-                    data, media = canonical_json(oci_to_docker({**index, "manifests": children}, source.where)), mt.DOCKER_LIST
+                    data, media = canonical_json(_typed_as(oci_to_docker({**index, "manifests": children}, source.where), children, multi_arch)), mt.DOCKER_LIST
                 elif children != index.get("manifests"):
                     data = canonical_json({**index, "manifests": children})
                 top = destination.put_manifest(data, media)
@@ -101,6 +110,15 @@ def copy_image(
             else:
                 top = copier.image(data, media, None)
     return CopyResult(str(dest_ref), top.digest, top.media_type, statuses)
+
+
+def _typed_as(converted: dict, children: list[dict], multi_arch: str) -> dict:
+    """A converted list whose descriptors keep the types of instances left uncopied: a list
+    conversion changes the list's own type only (containers/image manifest/docker_schema2_list.go:
+    ToOCI1Index, oci_index.go: ToSchema2List); --all has converted the instances themselves."""
+    if multi_arch != "index-only":
+        return converted
+    return {**converted, "manifests": [{**new, "mediaType": old["mediaType"]} for new, old in zip(converted["manifests"], children)]}
 
 
 def _child_manifest(source: Source, desc: Descriptor) -> bytes:

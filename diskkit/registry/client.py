@@ -82,6 +82,7 @@ class Registry:
     opts: RegistryOptions = field(default_factory=RegistryOptions)
 
     def __post_init__(self) -> None:
+        self.opts = self.opts.for_endpoint()  # no --tls-verify and no registries.conf entry: verify
         self.session = requests.Session()
         self.session.headers["User-Agent"] = USER_AGENT
         self.scheme: str | None = None

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
 class RegistryOptions:
     """--tls-verify, --cert-dir, --authfile, --creds and the retry policy, as skopeo's subcommands take them."""
 
-    tls_verify: bool = True
+    # None: not given, so registries.conf's `insecure` decides, else TLS is verified; True/False: the
+    # user's word, which registries.conf cannot change (skopeo's OptionalBool;
+    # containers/image docker/docker_client.go: detectPropertiesHelper).
+    tls_verify: bool | None = None
     cert_dir: str | None = None
     authfile: str | None = None
     creds: str | None = None
@@ -17,3 +20,10 @@ class RegistryOptions:
     backoff: float = 0.5  # first delay in seconds; doubles per attempt, with jitter
     max_delay: float = 30.0
     timeout: float = 60.0
+
+    def for_endpoint(self, insecure: bool = False) -> "RegistryOptions":
+        """The options for one registry endpoint, `tls_verify` settled: registries.conf's `insecure`
+        for it applies only where no flag was given."""
+        if self.tls_verify is not None:
+            return self
+        return replace(self, tls_verify=not insecure)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 import tomllib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from diskkit.errors import DiskkitError
@@ -284,7 +284,3 @@ def load(env: dict | None = None) -> RegistriesConf:
             conf.aliases.setdefault(key, value)
     return conf
 
-
-def with_insecure(opts, insecure: bool):
-    """RegistryOptions for one endpoint: `insecure = true` acts as --tls-verify=false for it."""
-    return replace(opts, tls_verify=False) if insecure and opts.tls_verify else opts

@@ -57,9 +57,10 @@ def load_policy(trust: TrustOptions) -> policy.Policy | None:
     return policy.load(path) if path is not None else None
 
 
-def enforce_source(source: Source, trust: TrustOptions, registry: RegistryOptions | None, platform: Platform | None = None, every: bool = False) -> None:
+def enforce_source(source: Source, trust: TrustOptions, registry: RegistryOptions | None, platform: Platform | None = None, instances: str = "selected") -> None:
     """Raise DiskkitError (image, policy entry, reason) unless the policy allows the source's top
-    manifest and, for an index, the instance `platform` selects (with `every`, all of them).
+    manifest and, for an index, the instance `platform` selects (`instances="every"`: all of them;
+    "none": only the index, as a copy of the index alone checks it in containers/image copy/copy.go).
 
     The policy is read before the registry is asked anything, and an image whose scope accepts
     anything costs no request. With no policy file anywhere nothing is enforced (diskkit's
@@ -77,9 +78,9 @@ def enforce_source(source: Source, trust: TrustOptions, registry: RegistryOption
     digests = [desc.digest if desc else sha256_digest(data)]
     if media in mt.INDEXES:
         index = parse_json(data, source.where)
-        if every:
+        if instances == "every":
             digests += [child["digest"] for child in index.get("manifests") or []]
-        else:
+        elif instances == "selected":
             digests.append(select_platform(index, platform or Platform.host(), source.where).digest)
     intended = ref.name if ref.transport == "docker" else None
     attachments = intended is not None and registriesd.uses_attachments(registriesd.load(trust.registries_d), identity, namespaces)
@@ -93,9 +94,9 @@ def enforce_source(source: Source, trust: TrustOptions, registry: RegistryOption
             raise DiskkitError(str(ref), f"rejected by {loaded.source} {entry} ({digest[:19]}): {exc}") from None
 
 
-def enforce_ref(ref: str, trust: TrustOptions, registry: RegistryOptions | None, platform: Platform | None = None, every: bool = False) -> None:
+def enforce_ref(ref: str, trust: TrustOptions, registry: RegistryOptions | None, platform: Platform | None = None, instances: str = "selected") -> None:
     with open_source(ref, registry) as source:
-        enforce_source(source, trust, registry, platform, every)
+        enforce_source(source, trust, registry, platform, instances)
 
 
 def load_signer(opts: SignOptions):
@@ -119,15 +120,16 @@ def check_signable(dest: ImageRef | str, opts: SignOptions) -> ImageRef:
     return dest
 
 
-def sign_pushed(dest: ImageRef, digest: str, private_key, registry: RegistryOptions) -> list[str]:
-    """Sign the pushed manifest and, for an index, each manifest in it (as skopeo does); the digests signed."""
+def sign_pushed(dest: ImageRef, digest: str, private_key, registry: RegistryOptions, instances: bool = True) -> list[str]:
+    """Sign the pushed manifest and, for an index, each manifest in it unless only the index was
+    copied (as skopeo does: each copied image is signed as it is copied); the digests signed."""
     name = dest.name
     reference = policy.identity_of(name)
     source = RemoteSource(ImageRef("docker", name=DockerName(name.registry, name.repository, digest=digest)), registry)
     data, _, _ = source.top_manifest()
     obj = parse_json(data, str(dest))
     signed = []
-    if obj.get("mediaType") in mt.INDEXES or "manifests" in obj:
+    if instances and (obj.get("mediaType") in mt.INDEXES or "manifests" in obj):
         signed += [child["digest"] for child in obj.get("manifests") or []]
     signed.append(digest)
     for each in signed:

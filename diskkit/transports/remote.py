@@ -57,7 +57,7 @@ class RemoteSource(Source):
 
     def _use(self, source: registriesconf.PullSource) -> None:
         self.name = source.name
-        self.registry = registry_for(self.name.registry, registriesconf.with_insecure(self.opts, source.insecure))
+        self.registry = registry_for(self.name.registry, self.opts.for_endpoint(source.insecure))
         self.pull_scope = scope(self.name.repository, "pull")
 
     def _get_manifest(self, reference: str) -> tuple[bytes, str | None]:
@@ -246,7 +246,7 @@ class RemoteDestination(Destination):
         self.ref = ref
         self.repository = ref.name.repository
         target = registriesconf.load().push_target(ref.name)
-        self.registry = registry_for(ref.name.registry, registriesconf.with_insecure(opts, target.insecure))
+        self.registry = registry_for(ref.name.registry, opts.for_endpoint(target.insecure))
         self.push_scope = scope(self.repository, "pull,push")
 
     def has_blob(self, desc: Descriptor) -> bool:
@@ -344,7 +344,8 @@ class RemoteDestination(Destination):
 def delete(ref: ImageRef, opts: RegistryOptions) -> str:
     """Delete a manifest by digest (resolving a tag first), as `skopeo delete` does."""
     assert ref.name is not None
-    registry = registry_for(ref.name.registry, opts)
+    # registries.conf's insecure and blocked, as for a push (containers/image docker/docker_client.go: newDockerClient)
+    registry = registry_for(ref.name.registry, opts.for_endpoint(registriesconf.load().push_target(ref.name).insecure))
     repo_scope = scope(ref.name.repository, "pull,push,delete")
     digest = ref.name.digest
     if not digest:

@@ -49,10 +49,7 @@ def pull(ref, image_path, platform, pull_policy, as_json, cache_dir, registry: R
     """
     from launcher.node.pull import pull as do_pull
 
-    notes: list[str] = []
-    pulled = do_pull(Cache(cache_dir), ref, image_path, platform_of(platform), registry, pull_policy, notes=notes)
-    for note in notes:
-        say(f"note: {note}")
+    pulled = do_pull(Cache(cache_dir), ref, image_path, platform_of(platform), registry, pull_policy)
     click.echo(json.dumps(pulled.to_json(), indent=2) if as_json else str(pulled.path))
 
 

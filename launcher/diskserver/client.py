@@ -21,6 +21,7 @@ from diskkit.errors import DiskkitError
 from diskkit.layers import lazytoc
 from diskkit.oci.image import Platform
 from diskkit.oci.reference import parse_ref
+from diskkit.registry import registriesconf
 from diskkit.registry.options import RegistryOptions
 from diskkit.transports import open_source
 from launcher.diskserver.control import CONTROL_SOCKET, request, serve_dir, socket_path
@@ -32,7 +33,9 @@ FETCH_TIMEOUT = 30.0  # a spawned server's reads fail after this: the VM pauses 
 
 
 def _registry_flags(opts: RegistryOptions) -> list[str]:
-    flags = [f"--tls-verify={'true' if opts.tls_verify else 'false'}", f"--retry-times={opts.retries}", f"--retry-delay={opts.backoff}"]
+    flags = [f"--retry-times={opts.retries}", f"--retry-delay={opts.backoff}"]
+    if opts.tls_verify is not None:  # unset stays unset: registries.conf decides in the server too
+        flags.append(f"--tls-verify={'true' if opts.tls_verify else 'false'}")
     if opts.cert_dir:
         flags.append(f"--cert-dir={opts.cert_dir}")
     if opts.authfile:
@@ -97,13 +100,14 @@ def attach(cache: Cache, ref: str, path: str | None, platform: Platform | None, 
         return None
     if policy == "Never" or cached(cache, ref, path, platform, policy) is not None:
         return None  # already here (a plain file beats any server), or not to be fetched at all
+    parsed = parse_ref(qualified(str(parsed), registry))
     if mode == "auto":
         with open_source(str(parsed), registry) as source:
             annotations = source.image(platform).manifest.get("annotations") or {}
         if lazytoc.ANNOTATION_LAZY not in annotations:
             return None
     control = ensure_server(cache, registry)
-    answer = request(control, {"op": "open", "image": ref, "path": path, "platform": str(platform) if platform else None,
+    answer = request(control, {"op": "open", "image": str(parsed), "path": path, "platform": str(platform) if platform else None,
                                "registry": asdict(registry) if registry else None, "marked": mode == "auto",
                                "clients": 2 if vm else 1})  # the probe below, then the VM's qemu: the server waits for both
     if not answer.get("ok"):
@@ -111,13 +115,33 @@ def attach(cache: Cache, ref: str, path: str | None, platform: Platform | None, 
             notes.append(f"{answer['reason']}; pulling it whole")
             return None
         raise DiskkitError(answer.get("error") or "the disk server refused the image")
-    notes.extend(answer.get("notes") or [])
     info = qemuimg.info(answer["url"])  # probes the format through the export, under qemu-img's limits
     problems = violations(info)
     if problems:
         raise DiskkitError(str(parsed), "; ".join(f"/{answer['member']}: {p}" for p in problems))
     pulled = Pulled(Path(answer["disk"]), info.format, info.virtual_size, answer["image"], answer["digest"], answer["layer"], answer["member"])
     return Attached(answer["url"], answer["export"], answer["socket"], info.format, info.virtual_size, pulled)
+
+
+def qualified(ref: str, registry: RegistryOptions | None) -> str:
+    """A short name resolved here, through this user's registries.conf, as `launcher pull` resolves
+    it (the first candidate that has the image): the node's server may run as another user, with
+    other files or none, so it is only ever sent full names."""
+    short = parse_ref(ref).short
+    if short is None:
+        return ref
+    candidates = [f"docker://{name}" for name in registriesconf.load().short_name_candidates(short)]
+    if len(candidates) == 1:
+        return candidates[0]  # an alias, or one search registry: nothing to ask
+    failures = []
+    for candidate in candidates:
+        try:
+            with open_source(candidate, registry) as source:
+                source.top_manifest()
+            return candidate
+        except DiskkitError as exc:
+            failures.append(f"{candidate}: {exc.rule}")
+    raise DiskkitError(ref, "no candidate of the short name has it (" + "; ".join(failures) + ")")
 
 
 def last_failure(cache: Cache) -> str | None:

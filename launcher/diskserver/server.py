@@ -255,7 +255,6 @@ class DiskServer:
         shown = str(parsed)
         if parsed.transport != "docker":
             return {"ok": False, "seekable": False, "reason": f"{shown}: lazy reads need a registry image (docker://)"}
-        notes: list[str] = []
         with self.open_lock, open_source(shown, registry) as source:
             assert isinstance(source, RemoteSource)
             enforce_source(source, TrustOptions(), registry, platform)  # the policy first: before any byte is served
@@ -267,7 +266,7 @@ class DiskServer:
                 if layer is None:
                     raise NotSeekable(shown, "has no layers")
                 ranges = BlobRanges(source.registry, source.name.repository, layer.digest, layer.size)
-                layout = find_layout(image, ranges, source.registry.host, source.name.repository, path, shown, notes)
+                layout = find_layout(image, ranges, source.registry.host, source.name.repository, path, shown)
             except NotSeekable as exc:
                 return {"ok": False, "seekable": False, "reason": exc.line()}
             export = self._export(layout, source.registry)
@@ -298,7 +297,6 @@ class DiskServer:
             "layer": layout.layer,
             "member": layout.member,
             "disk": str(self.cache.disk_dir(layout.layer, layout.member) / "disk.img"),
-            "notes": notes,
             "status": export.status(),
         }
 

@@ -59,7 +59,6 @@ def pull(
     registry: RegistryOptions | None = None,
     policy: str | None = None,
     disk: bool = True,
-    notes: list[str] | None = None,
 ) -> Pulled:
     """The cached disk (or, with disk=False, plain file) that `ref` holds at `path` (default: /disk)."""
     if path is not None and (problem := path_problem(path)):
@@ -83,7 +82,7 @@ def pull(
         with cache.lock(ref_key):
             hit = _cached(cache, ref_key)
             if hit is None:
-                hit = _extract(cache, source, image, shown, path, disk, ref_key, notes)
+                hit = _extract(cache, source, image, shown, path, disk, ref_key)
         remember(cache, shown, platform, image)
     return hit
 
@@ -119,7 +118,7 @@ def _cached(cache: Cache, ref_key: str) -> Pulled | None:
     return Pulled(**{**record, "path": Path(record["path"])})
 
 
-def _extract(cache: Cache, source, image, shown: str, path: str | None, disk: bool, ref_key: str, notes: list[str] | None) -> Pulled:
+def _extract(cache: Cache, source, image, shown: str, path: str | None, disk: bool, ref_key: str) -> Pulled:
     cache.reclaim_staging()  # what killed pulls left behind: this one may need the space
     with cache.staging() as spool:
         # The ImageVolume rule (a lone file at the root) only applies when no path was given.

@@ -23,7 +23,7 @@ def container_disk(ctx: Context, volume: Volume, where: str) -> ResolvedDisk:
         if attached is not None:
             ctx.out.pulled.append(attached.pulled)
             return _nbd_overlay(ctx, volume, attached)
-    base = pull(ctx.cache, source.image, source.path, ctx.platform, ctx.registry, source.image_pull_policy, notes=ctx.out.notes)
+    base = pull(ctx.cache, source.image, source.path, ctx.platform, ctx.registry, source.image_pull_policy)
     ctx.out.pulled.append(base)
     return overlay(within(ctx.run_dir, volume.name, "disk.qcow2"), base.path, base.format, ctx.create)
 
