@@ -215,3 +215,27 @@ def test_prefix_rewrite_and_wildcards():
     assert [str(s.name) for s in conf.pull_sources(parse_docker_name("example.com/foobar:1"))] == ["example.com/foobar:1"]
     with pytest.raises(DiskkitError, match="is blocked"):
         conf.pull_sources(parse_docker_name("reg.corp.example/x:1"))
+
+
+def test_a_short_name_is_judged_by_the_policy_as_the_name_it_resolved_to(registry, pushed, tmp_path):
+    # containers/image resolves a short name before it builds the reference the policy judges
+    # (pkg/shortnames, then signature/policy_eval.go on that reference): docker.io is never asked.
+    h = registry.host
+    env = conf_env(tmp_path, f'[[registry]]\nlocation = "{h}"\ninsecure = true\n[aliases]\n"x" = "{h}/mirror/x"\n')
+    policy = tmp_path / "policy.json"
+    policy.write_text(json.dumps({"default": [{"type": "reject"}],
+                                  "transports": {"docker": {f"{h}/mirror": [{"type": "insecureAcceptAnything"}]}}}))
+    out = tmp_path / "accepted"
+    result = run_diskkit("push", "--signature-policy", policy, "x:v1", f"oci:{out}:v1", env=env)
+    assert result.code == 0, result.err
+    # The launcher reads the user's policy.json (it has no flag for one).
+    user_policy = Path(env["HOME"]) / ".config/containers/policy.json"
+    user_policy.parent.mkdir(parents=True)
+    user_policy.write_text(policy.read_text())
+    pulled = run_launcher("pull", "--cache-dir", tmp_path / "cache", "--json", "x:v1", env=env)
+    assert pulled.code == 0, pulled.err
+    # And the other way round: a policy that accepts only docker.io refuses what x really is.
+    policy.write_text(json.dumps({"default": [{"type": "reject"}],
+                                  "transports": {"docker": {"docker.io": [{"type": "insecureAcceptAnything"}]}}}))
+    refused = run_diskkit("push", "--signature-policy", policy, "x:v1", f"oci:{tmp_path}/refused:v1", env=env)
+    assert refused.code != 0 and f"docker://{h}/mirror/x:v1" in refused.err, refused.err

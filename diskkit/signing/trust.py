@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import base64
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from diskkit.errors import DiskkitError
@@ -69,7 +69,12 @@ def enforce_source(source: Source, trust: TrustOptions, registry: RegistryOption
     loaded = load_policy(trust)
     if loaded is None:
         return
-    ref = source.ref if isinstance(source, RemoteSource) else parse_ref(source.where)
+    if isinstance(source, RemoteSource):
+        if source.ref.short:
+            source.top_manifest()  # a short name is the candidate that has the image: its scope, not docker.io's
+        ref = replace(source.ref, name=source.requested, short=None)
+    else:
+        ref = parse_ref(source.where)
     identity, namespaces = _scope_names(ref)
     entry, requirements = policy.requirements_for(loaded, ref.transport, identity, namespaces)
     if all(req.type == "insecureAcceptAnything" for req in requirements):

@@ -12,7 +12,7 @@ from typing import BinaryIO, Iterator
 from diskkit.errors import AuthError, DiskkitError, RegistryError, UploadLost
 from diskkit.oci import mediatypes as mt
 from diskkit.oci.image import Descriptor, sha256_digest
-from diskkit.oci.reference import ImageRef
+from diskkit.oci.reference import DockerName, ImageRef
 from diskkit.registry import registriesconf
 from diskkit.registry.client import (
     RETRY_STATUS,
@@ -50,12 +50,14 @@ class RemoteSource(Source):
         self.where = str(ref)
         conf = registriesconf.load()
         names = conf.short_name_candidates(ref.short) if ref.short else [ref.name]
-        self.sources = [source for name in names for source in conf.pull_sources(name)]
+        self.sources = [(name, source) for name in names for source in conf.pull_sources(name)]
         self.opts = opts
         self.partial_dir: Path | None = None  # where blob downloads keep what they received, to resume after a kill
-        self._use(self.sources[0])
+        self._use(*self.sources[0])
 
-    def _use(self, source: registriesconf.PullSource) -> None:
+    def _use(self, requested: DockerName, source: registriesconf.PullSource) -> None:
+        # What the policy and signatures speak of: a short name's candidate, never a mirror's location.
+        self.requested = requested
         self.name = source.name
         self.registry = registry_for(self.name.registry, self.opts.for_endpoint(source.insecure))
         self.pull_scope = scope(self.name.repository, "pull")
@@ -78,8 +80,8 @@ class RemoteSource(Source):
 
     def top_manifest(self):
         failures = []
-        for source in self.sources:
-            self._use(source)
+        for requested, source in self.sources:
+            self._use(requested, source)
             try:
                 data, media = self._get_manifest(self.name.reference)
                 break
