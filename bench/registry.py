@@ -199,7 +199,7 @@ def use_this_tree() -> str:
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     for package in ("diskkit", "launcher"):
         compileall.compile_dir(ROOT / package, quiet=1)
-    rev = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True, text=True)
+    rev = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True, text=True, check=False)
     return rev.stdout.strip() or "unknown"
 
 
@@ -381,7 +381,7 @@ def checks(results: dict[tuple[str, str], Result], modes: list[str], variants: l
 
 def print_check(c: dict) -> None:
     best = f" (best {c['best']}x)" if "best" in c else ""
-    print(f"  {c['name']:26} {c['value']:>8} {c['unit']:4} target {c['target']:10} {'PASS' if c['pass'] else 'MISS'}{best}")
+    print(f"  {c['name']:36} {c['value']:>8} {c['unit']:4} target {c['target']:10} {'PASS' if c['pass'] else 'MISS'}{best}")
 
 
 def print_results(results: dict[tuple[str, str], Result], modes: list[str], found: list[dict]) -> None:
@@ -394,8 +394,8 @@ def print_results(results: dict[tuple[str, str], Result], modes: list[str], foun
                 continue
             size = r.median("bytes") / MIB
             rss = ", ".join(f"{name} {mib:.1f}" for name, mib in r.peak_rss_mib().items())
-            print(f"  {r.variant:20} {r.wall_s:7.2f} {r.best('wall_s'):6.2f} {r.median('cpu_s'):7.2f} {r.best('cpu_s'):6.2f} "
-                  f"{size:7.1f} {size / r.wall_s:7.1f}  {rss}")
+            sized = f"{size:7.1f} {size / r.wall_s:7.1f}" if size else f"{'-':>7} {'-':>7}"
+            print(f"  {r.variant:20} {r.wall_s:7.2f} {r.best('wall_s'):6.2f} {r.median('cpu_s'):7.2f} {r.best('cpu_s'):6.2f} {sized}  {rss}")
         print()
         for c in found:
             if c["cache"] == mode:
