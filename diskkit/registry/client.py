@@ -16,7 +16,6 @@ import random
 import re
 import ssl
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,10 +29,8 @@ from diskkit.errors import AuthError, RegistryError
 from diskkit.registry import authfile
 from diskkit.registry.options import RegistryOptions
 from diskkit.registry.partial import MIN_SIZE, Busy, PartialBlob
-from diskkit.registry.stripes import STRIPE, Stripes
 
 RETRY_STATUS = {408, 429, 500, 502, 503, 504}
-PARALLEL_MIN = 64 << 20  # the rest of a blob from this size on comes as ranges over several connections
 USER_AGENT = "diskkit/0.1"
 _CHALLENGE_PARAM = re.compile(r'(\w+)="([^"]*)"|(\w+)=([^\s,]+)')
 
@@ -355,9 +352,7 @@ class ResumableBlob(io.RawIOBase):
     """A blob download that survives dropped connections by asking again with `Range: bytes=N-`.
 
     With `partial_dir` what arrives is also kept there (diskkit.registry.partial), so a download
-    of the same blob by a later process, after this one was killed, starts where it stopped.
-    From PARALLEL_MIN bytes to go, the rest comes as ranges on several connections
-    (diskkit.registry.stripes) when the registry honours Range; the bytes still arrive in order."""
+    of the same blob by a later process, after this one was killed, starts where it stopped."""
 
     def __init__(self, registry: Registry, repository: str, digest: str, size: int, partial_dir: Path | None = None):
         self.registry = registry
@@ -367,10 +362,6 @@ class ResumableBlob(io.RawIOBase):
         self.offset = 0
         self.resumes = 0
         self._response: requests.Response | None = None
-        self._stripes: Stripes | None = None
-        self._striping_tried = False
-        self._live: set[requests.Response] = set()  # range answers being read by the stripes' workers
-        self._live_lock = threading.Lock()
         self.partial: PartialBlob | None = None
         if partial_dir is not None and size >= MIN_SIZE:
             try:
@@ -384,50 +375,7 @@ class ResumableBlob(io.RawIOBase):
         return True
 
     def _open(self) -> None:
-        if not self._striping_tried and self.size - self.offset >= PARALLEL_MIN:
-            self._striping_tried = True
-            last = self.offset + STRIPE - 1
-            response = get_blob(self.registry, self.repository, self.digest, self.offset, last)
-            if response.status_code == 206:
-                self._stripes = Stripes(self.offset, self.size, self._fetch_range, response)
-                return
-            self._response = response  # Range ignored: the whole rest comes on this connection
-            return
         self._response = get_blob(self.registry, self.repository, self.digest, self.offset)
-
-    def _fetch_range(self, first: int, end: int, response: requests.Response | None) -> list[bytes]:
-        """Bytes [first, end) as pieces, resumed where a dropped connection stopped (in a stripes worker)."""
-        pieces: list[bytes] = []
-        at, failures = first, 0
-        while True:
-            failure: BaseException | None = None
-            try:
-                if response is None:
-                    response = get_blob(self.registry, self.repository, self.digest, at, end - 1)
-                    if response.status_code != 206:
-                        raise RegistryError(self.registry.host, f"blob {self.digest[:19]}: a range request was answered with HTTP {response.status_code}, not 206")
-                with self._live_lock:
-                    self._live.add(response)
-                while at < end and (data := response.raw.read(min(1 << 20, end - at))):
-                    pieces.append(data)
-                    at += len(data)
-            except (urllib3.exceptions.HTTPError, requests.exceptions.RequestException, OSError) as exc:
-                failure = exc
-            finally:
-                if response is not None:
-                    with self._live_lock:
-                        self._live.discard(response)
-                    if at < end:
-                        response.close()
-                    else:
-                        response.raw.release_conn()  # read to its Content-Length: the connection serves the next range
-                response = None
-            if at >= end:
-                return pieces
-            if failures >= self.registry.opts.retries:
-                raise RegistryError(self.registry.host, f"blob {self.digest[:19]} download kept failing at byte {at} of {self.size} ({failure_reason(failure) if failure else 'short body'})")
-            time.sleep(retry_after(None, failures, self.registry.opts))
-            failures += 1
 
     def readinto(self, buf) -> int:
         data = self._next(len(buf))
@@ -446,19 +394,8 @@ class ResumableBlob(io.RawIOBase):
             data = self.partial.read(self.offset, limit)
             self.offset += len(data)
             return data
-        if self._response is None and self._stripes is None:
+        if self._response is None:
             self._open()  # the kept bytes are used up: the rest comes from the registry
-        if self._stripes is not None:
-            try:
-                data = self._stripes.read(limit)
-            except BaseException:
-                if self.partial is not None:
-                    self.partial.sync()  # what came in order so far is not fetched again
-                raise
-            self.offset += len(data)
-            if data and self.partial is not None:
-                self.partial.append(data)
-            return data
         while True:
             try:
                 assert self._response is not None
@@ -490,11 +427,6 @@ class ResumableBlob(io.RawIOBase):
     def close(self) -> None:
         if self._response is not None:
             self._response.close()
-        if self._stripes is not None:
-            self._stripes.close()
-            with self._live_lock:
-                for response in self._live:
-                    response.close()  # a worker still reading ends with its connection
         if self.partial is not None:
             # Read to the end, the consumer has checked the digest (or refused the blob): done either way.
             if self.offset >= self.size:
