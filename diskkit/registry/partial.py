@@ -94,7 +94,7 @@ class PartialBlob:
                 self.written += len(item)
                 if time.monotonic() - self.synced_at >= SYNC_INTERVAL:
                     self._sync()
-            except OSError:
+            except Exception:  # noqa: BLE001 - whatever failed, the queue must keep moving
                 self._keeping = False  # e.g. the disk is full: the download goes on without a copy
             finally:
                 self._pending.task_done()
