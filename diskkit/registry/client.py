@@ -384,7 +384,9 @@ class ResumableBlob(io.RawIOBase):
 
     def read(self, size: int = -1) -> bytes:
         # The bytes object as received, without the copy into a caller's buffer readinto makes.
-        return self._next(size if size is not None and size >= 0 else 1 << 20)
+        if size is None or size < 0:
+            return self.readall()
+        return self._next(size)
 
     def _next(self, limit: int) -> bytes:
         limit = min(limit, 1 << 20)

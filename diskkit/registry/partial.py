@@ -6,7 +6,7 @@ SIGKILL) resumes from there with one range request instead of starting over.
                          moved every few seconds and on every failure (by time, not bytes: a fast
                          pull does not pay for syncing data it deletes a moment later)
 
-Writing the copy costs about as much as receiving it, so a thread of its own does it (and its
+The copy is a second write of every byte received, so a thread of its own makes it (and its
 fdatasyncs) while the download goes on; the queue between them is bounded, so memory stays flat
 and a disk slower than the link holds the download back rather than falling behind. Keeping is
 best effort: a failed write ends the copy (the resume point stays where it was), not the download.
