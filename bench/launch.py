@@ -14,11 +14,15 @@ the workdir) and a CNCF distribution registry started by bench/registry.py's hel
                 all 20 run. Reported: how often the registry served the layer (its access log), the
                 bytes the cache's bases and the 20 overlays occupy, against 20 private copies.
 
-Runs are whole processes, interleaved (ours, theirs, ...), writeback flushed before each; medians
-are printed with the ratio. Targets: skopeo+umoci / launcher >= 4x; one download for 20 VMs.
+Runs are whole processes, interleaved (ours, theirs, ...), under bench/registry.py's --cache
+conditions (warm: sync, the pull image's blobs read into the page cache; sync: sync and, as root,
+drop_caches), each applied before every run. Printed: the command line, median and best wall and
+CPU time, each process's peak RSS, the ratio with PASS/MISS. Targets: skopeo+umoci / launcher >= 4x,
+every launcher process < 150 MiB; one download for 20 VMs. The launcher measured is this tree's.
 
 Run from the project root, as root (it creates the qemu user's scratch directories):
     .venv/bin/python bench/launch.py                       # 700 MB of content, 3 runs, 20 VMs
+    .venv/bin/python bench/launch.py --vms 0 --cache warm --runs 5
     .venv/bin/python bench/launch.py --vms 5 --runs 1 --json
 """
 
@@ -28,8 +32,8 @@ import argparse
 import json
 import os
 import pwd
+import shlex
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -61,29 +65,31 @@ def pull_commands(variant: str, host: str, run_dir: Path) -> list[list[str]]:
     ]
 
 
-def bench_pull(host: str, runs: int, workdir: Path, log) -> dict:
-    samples: dict[str, list[tuple[float, float, int]]] = {"launcher": [], "skopeo+umoci": []}
+OURS, THEIRS = "launcher", "skopeo+umoci"
+
+
+def bench_pull(host: str, runs: int, workdir: Path, modes: list[str], warm: list[Path], log) -> dict:
+    results = {(m, v): breg.Result(v, m, []) for m in modes for v in (OURS, THEIRS)}
     for i in range(1, runs + 1):
-        for variant in samples:
-            run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=workdir))
-            try:
-                os.sync()
-                wall = cpu = 0.0
-                rss = 0
-                for cmd in pull_commands(variant, host, run_dir):
-                    w, c, r = bb.run_measured(cmd, run_dir / "out.log")
-                    wall, cpu, rss = wall + w, cpu + c, max(rss, r)
-                samples[variant].append((wall, cpu, rss))
-                log(f"  run {i}/{runs} {variant:14} {wall:7.2f} s  {rss / 1024:7.1f} MiB")
-            finally:
-                shutil.rmtree(run_dir, ignore_errors=True)
-    out = {}
-    for variant, values in samples.items():
-        out[variant] = {
-            "wall_s": round(statistics.median(v[0] for v in values), 3),
-            "cpu_s": round(statistics.median(v[1] for v in values), 3),
-            "rss_mib": round(statistics.median(v[2] for v in values) / 1024, 1),
-        }
+        for mode in modes:
+            for variant in (OURS, THEIRS):
+                run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=workdir))
+                try:
+                    cmds = pull_commands(variant, host, run_dir)
+                    breg.prepare(mode, warm)
+                    wall, cpu, rss = breg.measure(cmds, run_dir / "out.log")
+                    results[(mode, variant)].samples.append(breg.Sample(wall, cpu, rss, 0))
+                    log(f"  run {i}/{runs} {mode:4} {variant:14} {wall:7.2f} s  {max(rss.values()) / 1024:7.1f} MiB")
+                finally:
+                    shutil.rmtree(run_dir, ignore_errors=True)
+    return results
+
+
+def pull_checks(results: dict, modes: list[str]) -> list[dict]:
+    out = []
+    for mode in modes:
+        out.append(breg.ratio_check("pull+extract skopeo+umoci/launcher", results[(mode, THEIRS)], results[(mode, OURS)], TARGET_PULL_SPEEDUP))
+        out.append(breg.rss_check(results[(mode, OURS)]))
     return out
 
 
@@ -161,9 +167,11 @@ def bench_vms(registry, count: int, workdir: Path, log) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mb", type=int, default=bb.DEFAULT_SIZE_MB, help="MiB of /usr content in the pull disk (default %(default)s)")
-    parser.add_argument("--runs", type=int, default=bb.DEFAULT_RUNS, help="pull runs per variant, interleaved (default %(default)s)")
+    parser.add_argument("--runs", type=int, default=bb.DEFAULT_RUNS, help="pull runs per variant and condition, interleaved (default %(default)s)")
+    parser.add_argument("--cache", choices=("both", *breg.CACHE_MODES), default="both", help="conditions before every pull run, as bench/registry.py's (default %(default)s)")
     parser.add_argument("--vms", type=int, default=20, help="VMs started from one image (default %(default)s; 0 skips)")
     parser.add_argument("--workdir", type=Path, default=bb.DEFAULT_WORKDIR, help="cache for the test disk and scratch (default build/bench)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON instead of a table")
@@ -171,15 +179,19 @@ def main(argv: list[str] | None = None) -> int:
     workdir = bb.checked_workdir(parser, args, ("umoci", "skopeo", "docker-registry", "mke2fs", "qemu-img", "setpriv"))
     if args.vms and (os.geteuid() != 0 or not GUEST.is_file()):
         parser.error("the VM part runs as root (it starts VMs as the qemu user) and needs build/testguest (scripts/setup.sh)")
+    command = shlex.join(["bench/launch.py", *argv])
+    modes = list(breg.CACHE_MODES) if args.cache == "both" else [args.cache]
     log = bb.log
+    tree = breg.use_this_tree()
     disk_meta = bb.make_disk(workdir, args.size_mb, log)
     disk = Path(disk_meta["path"])
     bb.warm_cache(disk)
+    load_before = breg.load_average()
     registry = breg.Registry(workdir, access_log=True)
     try:
         breg.push_pull_image(registry, disk)
         log("pull+extract ...")
-        pulls = bench_pull(registry.host, args.runs, workdir, log)
+        pulls = bench_pull(registry.host, args.runs, workdir, modes, registry.blob_files(breg.PULL_REPO, breg.TAG), log)
         vms = None
         if args.vms:
             log(f"{args.vms} VMs from one image ...")
@@ -187,24 +199,26 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         registry.stop()
 
-    ratio = pulls["skopeo+umoci"]["wall_s"] / pulls["launcher"]["wall_s"]
-    checks = [{"name": "pull+extract skopeo+umoci/launcher", "value": round(ratio, 2), "target": f">= {TARGET_PULL_SPEEDUP:g}x", "pass": ratio >= TARGET_PULL_SPEEDUP}]
+    checks = pull_checks(pulls, modes)
     if vms:
-        checks.append({"name": f"layer downloads for {vms['vms']} VMs", "value": vms["layer_downloads"], "target": "1", "pass": vms["layer_downloads"] == 1})
+        checks.append({"name": f"layer downloads for {vms['vms']} VMs", "value": vms["layer_downloads"], "unit": "", "target": "1", "pass": vms["layer_downloads"] == 1})
+    context = {"command": command, "tree": tree, "cpus": os.cpu_count(), "load_average_before": load_before,
+               "load_average_after": breg.load_average(), "caches_dropped": "sync" in modes and breg.can_drop_caches()}
     if args.json:
-        print(json.dumps({"disk": disk_meta, "runs": args.runs, "pull": pulls, "vms": vms, "checks": checks}, indent=2))
+        print(json.dumps({**context, "disk": disk_meta, "runs": args.runs, "conditions": {m: breg.describe_mode(m) for m in modes},
+                          "pull": [r.to_json() for r in pulls.values()], "vms": vms, "checks": checks}, indent=2))
         return 0
-    print(f"{disk.name}: {disk_meta['qcow2_bytes'] / MIB:.0f} MiB qcow2; median of {args.runs} run(s)\n")
-    print(f"{'pull+extract':16} {'wall s':>8} {'cpu s':>8} {'RSS MiB':>8}")
-    for variant, figures in pulls.items():
-        print(f"{variant:16} {figures['wall_s']:8.2f} {figures['cpu_s']:8.2f} {figures['rss_mib']:8.1f}")
+    print(f"$ {command}")
+    print(f"tree {tree}; {os.cpu_count()} CPUs, load average {context['load_average_before']} before, {context['load_average_after']} after")
+    print(f"{disk.name}: {disk_meta['qcow2_bytes'] / MIB:.0f} MiB qcow2; {args.runs} run(s) each, interleaved; wall and cpu: median and best")
+    breg.print_results(pulls, modes, [c for c in checks if "cache" in c])
     if vms:
         print(f"\n{vms['vms']} VMs from one image ({vms['running_together']} running together, started in {vms['seconds_to_start_all']} s):")
         print(f"  layer downloads {vms['layer_downloads']}; on disk: bases {vms['bases_mib']} MiB + overlays {vms['overlays_mib']} MiB"
               f" ({vms['vms']} private copies would be {vms['private_copies_mib']} MiB)")
-    print()
-    for c in checks:
-        print(f"{c['name']:38} {c['value']:>8}  target {c['target']:6} {'PASS' if c['pass'] else 'MISS'}")
+        for c in checks:
+            if "cache" not in c:
+                breg.print_check(c)
     return 0
 
 

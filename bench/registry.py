@@ -18,23 +18,37 @@ links are deleted from the registry, so no run can skip or cross-repository-moun
 run sent (skopeo remembers blob locations in its blob-info cache and would otherwise mount). Pulls
 go to a fresh directory, deleted after the run, as are the umoci layouts.
 
-Each variant runs as whole processes, --runs times, interleaved (ours, theirs, ours, theirs, ...);
-writeback is flushed (sync) before each run. Reported: median wall time, CPU time (user+sys) and
-peak RSS (ru_maxrss of each process and the children it reaped, measured by bench/build.py's helper).
-Targets: skopeo/diskkit build+push time >= 3x, skopeo/diskkit pull time >= 1x, every diskkit
-process < 150 MiB peak RSS. PASS/MISS is printed; the exit status is 0 unless a command fails.
+Each variant runs as whole processes, --runs times, interleaved (ours, theirs, ours, theirs, ...),
+under each --cache condition, prepared before every run:
+
+  warm   `sync`, then the blobs the run reads (the pull image's in the registry's storage, or the
+         source disk) read once, so they come from the page cache
+  sync   `sync`, then as root `echo 3 > /proc/sys/vm/drop_caches` (everything comes from the
+         device, the tools' own files too); not as root the caches stay and the output says so
+
+Reported per condition: median and best wall time and CPU time (user+sys), the peak RSS of each
+process (ru_maxrss of the process and the children it reaped, measured by bench/build.py's helper;
+the largest over the runs), the command line, and the ratios with PASS/MISS against the issue's
+targets: skopeo/diskkit build+push time >= 3x, skopeo/diskkit pull time >= 1.5x, every diskkit
+process < 150 MiB peak RSS. The exit status is 0 unless a command fails.
+
+The diskkit measured is the one in this tree (PYTHONPATH), its modules byte-compiled first as an
+installed package's are; the machine's load average is printed too, for runs on shared machines.
 
 Run from the project root:
-    .venv/bin/python bench/registry.py                  # 700 MB of content, 3 runs
+    .venv/bin/python bench/registry.py                  # 700 MB of content, 3 runs, warm and sync
+    .venv/bin/python bench/registry.py --what pull --cache warm --runs 7
     .venv/bin/python bench/registry.py --size-mb 200 --runs 5 --json
 """
 
 from __future__ import annotations
 
 import argparse
+import compileall
 import ctypes
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -54,7 +68,7 @@ bb = sibling.load("build")
 MIB = bb.MIB
 
 TARGET_PUSH_SPEEDUP = 3.0
-TARGET_PULL_SPEEDUP = 1.0
+TARGET_PULL_SPEEDUP = 1.5
 TARGET_RSS_MIB = 150
 READY_TIMEOUT = 15.0
 PULL_REPO = "bench/pull"
@@ -66,7 +80,10 @@ MANIFEST_ACCEPT = ", ".join([
 
 OURS_PUSH, THEIRS_PUSH = "diskkit build+push", "umoci+skopeo push"
 OURS_PULL, THEIRS_PULL = "diskkit pull", "skopeo pull"
-VARIANTS = [OURS_PUSH, THEIRS_PUSH, OURS_PULL, THEIRS_PULL]
+VARIANTS = {"push": [OURS_PUSH, THEIRS_PUSH], "pull": [OURS_PULL, THEIRS_PULL]}
+CACHE_MODES = ("warm", "sync")
+ROOT = Path(__file__).resolve().parent.parent
+DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 
 
 # --------------------------------------------------------------------------- registry
@@ -154,6 +171,12 @@ class Registry:
         if status != 202:
             raise SystemExit(f"DELETE manifest {digest} in {repo}: HTTP {status} {body[:200]!r}")
 
+    def blob_files(self, repo: str, ref: str) -> list[Path]:
+        """Where the registry's filesystem driver keeps the image's config and layers."""
+        _, manifest = self.manifest(repo, ref)
+        hexes = [desc["digest"].removeprefix("sha256:") for desc in [manifest["config"], *(manifest.get("layers") or [])]]
+        return [self.dir / "storage/docker/registry/v2/blobs/sha256" / h[:2] / h / "data" for h in hexes]
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -164,6 +187,49 @@ class Registry:
                 self.proc.wait()
         self._log.close()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- conditions
+
+
+def use_this_tree() -> str:
+    """Measure this tree's code: the venv's console scripts would import whichever checkout is
+    installed in editable mode. Its modules are byte-compiled once, as an installed package's are
+    (PYTHONDONTWRITEBYTECODE would otherwise make every run compile them again)."""
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    for package in ("diskkit", "launcher"):
+        compileall.compile_dir(ROOT / package, quiet=1)
+    rev = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True, text=True, check=False)
+    return rev.stdout.strip() or "unknown"
+
+
+def can_drop_caches() -> bool:
+    return os.geteuid() == 0 and os.access(DROP_CACHES, os.W_OK)
+
+
+def describe_mode(mode: str) -> str:
+    if mode == "warm":
+        return "warm: sync, then the blobs the run reads (registry storage or source disk) read into the page cache, before every run"
+    if can_drop_caches():
+        return "sync: sync; echo 3 > /proc/sys/vm/drop_caches (as root: cold caches), before every run"
+    return "sync: sync before every run; NOT root, so the page cache was NOT dropped (warm reads)"
+
+
+def prepare(mode: str, warm_files: list[Path]) -> None:
+    """The state every timed run starts from: no writeback pending, then caches warm or dropped."""
+    os.sync()
+    if mode == "sync":
+        if can_drop_caches():
+            DROP_CACHES.write_text("3\n")
+        return
+    for path in warm_files:
+        with open(path, "rb") as f:
+            while f.read(8 * MIB):
+                pass
+
+
+def load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 # --------------------------------------------------------------------------- timing
@@ -191,24 +257,40 @@ def commands(variant: str, disk: Path, host: str, run: int, run_dir: Path) -> tu
     return [["skopeo", "copy", "--src-tls-verify=false", src, dest]], None
 
 
+def process_name(cmd: list[str]) -> str:
+    """`diskkit build`, `umoci insert`, `skopeo copy`: the program and its subcommand."""
+    program = Path(cmd[0]).name
+    if program.startswith("python") and cmd[1:2] == ["-m"]:
+        program, cmd = cmd[2], cmd[2:]
+    return f"{program} {cmd[1]}" if len(cmd) > 1 else program
+
+
 @dataclass
 class Sample:
     wall_s: float
     cpu_s: float
-    rss_kib: int  # the largest of the run's processes
+    rss_kib: dict[str, int]  # peak RSS of each of the run's processes
     bytes: int  # pushed: config + layers in the registry; pulled: the output layout
 
 
-def run_once(variant: str, disk: Path, registry: Registry, run: int, workdir: Path) -> Sample:
+def measure(cmds: list[list[str]], log_path: Path) -> tuple[float, float, dict[str, int]]:
+    """Wall and CPU seconds summed over the processes, which run one after the other; RSS each."""
+    wall = cpu = 0.0
+    rss: dict[str, int] = {}
+    for cmd in cmds:
+        w, c, r = bb.run_measured(cmd, log_path)
+        wall, cpu = wall + w, cpu + c
+        name = process_name(cmd)
+        rss[name] = max(rss.get(name, 0), r)
+    return wall, cpu, rss
+
+
+def run_once(variant: str, mode: str, disk: Path, registry: Registry, run: int, workdir: Path, warm: dict[str, list[Path]]) -> Sample:
     run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=workdir))
     try:
         cmds, repo = commands(variant, disk, registry.host, run, run_dir)
-        os.sync()  # no run pays for the previous one's writeback
-        wall = cpu = 0.0
-        rss = 0
-        for cmd in cmds:
-            w, c, r = bb.run_measured(cmd, run_dir / "out.log")
-            wall, cpu, rss = wall + w, cpu + c, max(rss, r)
+        prepare(mode, warm["push" if repo else "pull"])
+        wall, cpu, rss = measure(cmds, run_dir / "out.log")
         if repo:
             size = registry.pushed_bytes(repo, TAG)
             registry.forget(repo, TAG)
@@ -222,69 +304,102 @@ def run_once(variant: str, disk: Path, registry: Registry, run: int, workdir: Pa
 @dataclass
 class Result:
     variant: str
+    mode: str
     samples: list[Sample]
 
     def median(self, attr: str) -> float:
         return statistics.median(getattr(s, attr) for s in self.samples)
 
+    def best(self, attr: str) -> float:
+        return min(getattr(s, attr) for s in self.samples)
+
     @property
     def wall_s(self) -> float:
         return self.median("wall_s")
 
-    @property
-    def rss_mib(self) -> float:
-        return self.median("rss_kib") / 1024
+    def peak_rss_mib(self) -> dict[str, float]:
+        """Each process's largest peak RSS over the runs."""
+        out: dict[str, float] = {}
+        for s in self.samples:
+            for name, kib in s.rss_kib.items():
+                out[name] = max(out.get(name, 0.0), kib / 1024)
+        return out
 
     def to_json(self) -> dict:
+        size = self.median("bytes") / MIB
         return {
             "variant": self.variant,
+            "cache": self.mode,
             "median": {"wall_s": round(self.wall_s, 3), "cpu_s": round(self.median("cpu_s"), 3),
-                       "rss_mib": round(self.rss_mib, 1), "mib": round(self.median("bytes") / MIB, 1),
-                       "mib_per_s": round(self.median("bytes") / MIB / self.wall_s, 1)},
+                       "mib": round(size, 1), "mib_per_s": round(size / self.wall_s, 1)},
+            "best": {"wall_s": round(self.best("wall_s"), 3), "cpu_s": round(self.best("cpu_s"), 3)},
+            "peak_rss_mib": {k: round(v, 1) for k, v in self.peak_rss_mib().items()},
             "samples": [asdict(s) for s in self.samples],
         }
 
 
-def bench(disk: Path, registry: Registry, runs: int, workdir: Path, log) -> dict[str, Result]:
-    results = {v: Result(v, []) for v in VARIANTS}
+def bench(disk: Path, registry: Registry, runs: int, workdir: Path, variants: list[str], modes: list[str], warm: dict[str, list[Path]], log) -> dict[tuple[str, str], Result]:
+    """Every run goes through the conditions and, in each, through the variants in turn (ours, theirs)."""
+    results = {(m, v): Result(v, m, []) for m in modes for v in variants}
     for i in range(1, runs + 1):
-        for variant in VARIANTS:
-            s = run_once(variant, disk, registry, i, workdir)
-            log(f"  run {i}/{runs} {variant:19} {s.wall_s:7.2f} s  {s.rss_kib / 1024:7.1f} MiB")
-            results[variant].samples.append(s)
+        for mode in modes:
+            for variant in variants:
+                s = run_once(variant, mode, disk, registry, i, workdir, warm)
+                log(f"  run {i}/{runs} {mode:4} {variant:19} {s.wall_s:7.2f} s  {max(s.rss_kib.values()) / 1024:7.1f} MiB")
+                results[(mode, variant)].samples.append(s)
     return results
 
 
 # --------------------------------------------------------------------------- report
 
 
-def checks(results: dict[str, Result]) -> list[dict]:
-    push = results[THEIRS_PUSH].wall_s / results[OURS_PUSH].wall_s
-    pull = results[THEIRS_PULL].wall_s / results[OURS_PULL].wall_s
-    out = [
-        {"name": "build+push skopeo/ours", "value": round(push, 2), "unit": "x",
-         "target": f">= {TARGET_PUSH_SPEEDUP:g}x", "pass": push >= TARGET_PUSH_SPEEDUP},
-        {"name": "pull skopeo/ours", "value": round(pull, 2), "unit": "x",
-         "target": f">= {TARGET_PULL_SPEEDUP:g}x", "pass": pull >= TARGET_PULL_SPEEDUP},
-    ]
-    for variant in (OURS_PUSH, OURS_PULL):
-        rss = results[variant].rss_mib
-        out.append({"name": f"{variant} RSS", "value": round(rss, 1), "unit": "MiB",
-                    "target": f"< {TARGET_RSS_MIB} MiB", "pass": rss < TARGET_RSS_MIB})
+def ratio_check(name: str, theirs: Result, ours: Result, target: float) -> dict:
+    value = theirs.wall_s / ours.wall_s
+    best = theirs.best("wall_s") / ours.best("wall_s")
+    return {"name": name, "cache": ours.mode, "value": round(value, 2), "best": round(best, 2), "unit": "x",
+            "target": f">= {target:g}x", "pass": value >= target}
+
+
+def rss_check(result: Result, limit: float = TARGET_RSS_MIB) -> dict:
+    name, rss = max(result.peak_rss_mib().items(), key=lambda kv: kv[1])
+    return {"name": f"{name} peak RSS", "cache": result.mode, "value": round(rss, 1), "unit": "MiB",
+            "target": f"< {limit:g} MiB", "pass": rss < limit}
+
+
+def checks(results: dict[tuple[str, str], Result], modes: list[str], variants: list[str]) -> list[dict]:
+    out = []
+    for mode in modes:
+        if OURS_PUSH in variants:
+            out.append(ratio_check("build+push skopeo/ours", results[(mode, THEIRS_PUSH)], results[(mode, OURS_PUSH)], TARGET_PUSH_SPEEDUP))
+        if OURS_PULL in variants:
+            out.append(ratio_check("pull skopeo/ours", results[(mode, THEIRS_PULL)], results[(mode, OURS_PULL)], TARGET_PULL_SPEEDUP))
+        for variant in (OURS_PUSH, OURS_PULL):
+            if variant in variants:
+                out.append(rss_check(results[(mode, variant)]))
     return out
 
 
-def print_table(disk: dict, host: str, results: dict[str, Result], found: list[dict], runs: int) -> None:
-    print(f"{Path(disk['path']).name}: {disk['qcow2_bytes'] / MIB:.0f} MiB qcow2, "
-          f"{disk['content_bytes'] / MIB:.0f} MiB in {disk['files']} files+dirs; registry {host} (distribution, plain HTTP)")
-    print(f"\nmedian of {runs} run(s); RSS = ru_maxrss of the largest process; MiB = pushed blobs / pulled layout\n")
-    print(f"{'variant':20} {'wall s':>8} {'cpu s':>8} {'RSS MiB':>8} {'MiB':>8} {'MiB/s':>8}  runs")
-    for r in results.values():
-        size = r.median("bytes") / MIB
-        print(f"{r.variant:20} {r.wall_s:8.2f} {r.median('cpu_s'):8.2f} {r.rss_mib:8.1f} {size:8.1f} {size / r.wall_s:8.1f}  {len(r.samples)}")
-    print()
-    for c in found:
-        print(f"{c['name']:26} {c['value']:>8} {c['unit']:4} target {c['target']:10} {'PASS' if c['pass'] else 'MISS'}")
+def print_check(c: dict) -> None:
+    best = f" (best {c['best']}x)" if "best" in c else ""
+    print(f"  {c['name']:36} {c['value']:>8} {c['unit']:4} target {c['target']:10} {'PASS' if c['pass'] else 'MISS'}{best}")
+
+
+def print_results(results: dict[tuple[str, str], Result], modes: list[str], found: list[dict]) -> None:
+    """One table per cache condition, its checks under it."""
+    for mode in modes:
+        print(f"\n{describe_mode(mode)}")
+        print(f"  {'variant':20} {'wall s':>7} {'best':>6} {'cpu s':>7} {'best':>6} {'MiB':>7} {'MiB/s':>7}  peak RSS MiB per process")
+        for (m, _), r in results.items():
+            if m != mode:
+                continue
+            size = r.median("bytes") / MIB
+            rss = ", ".join(f"{name} {mib:.1f}" for name, mib in r.peak_rss_mib().items())
+            sized = f"{size:7.1f} {size / r.wall_s:7.1f}" if size else f"{'-':>7} {'-':>7}"
+            print(f"  {r.variant:20} {r.wall_s:7.2f} {r.best('wall_s'):6.2f} {r.median('cpu_s'):7.2f} {r.best('cpu_s'):6.2f} {sized}  {rss}")
+        print()
+        for c in found:
+            if c["cache"] == mode:
+                print_check(c)
 
 
 def push_pull_image(registry: Registry, disk: Path) -> None:
@@ -294,32 +409,49 @@ def push_pull_image(registry: Registry, disk: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mb", type=int, default=bb.DEFAULT_SIZE_MB, help="MiB of /usr content in the test disk (default %(default)s)")
-    parser.add_argument("--runs", type=int, default=bb.DEFAULT_RUNS, help="runs per variant, interleaved (default %(default)s)")
+    parser.add_argument("--runs", type=int, default=bb.DEFAULT_RUNS, help="runs per variant and condition, interleaved (default %(default)s)")
+    parser.add_argument("--what", choices=("all", "push", "pull"), default="all", help="which comparisons to run (default %(default)s)")
+    parser.add_argument("--cache", choices=("both", *CACHE_MODES), default="both", help="conditions before every run (default %(default)s; see above)")
     parser.add_argument("--workdir", type=Path, default=bb.DEFAULT_WORKDIR, help="cache for the test disk, scratch for outputs and registry storage (default build/bench)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON instead of a table")
     args = parser.parse_args(argv)
     workdir = bb.checked_workdir(parser, args, ("umoci", "skopeo", "docker-registry", "mke2fs", "qemu-img"))
+    command = shlex.join(["bench/registry.py", *argv])
+    modes = list(CACHE_MODES) if args.cache == "both" else [args.cache]
+    variants = VARIANTS["push"] + VARIANTS["pull"] if args.what == "all" else VARIANTS[args.what]
     log = bb.log
+    tree = use_this_tree()
     disk_meta = bb.make_disk(workdir, args.size_mb, log)
     disk = Path(disk_meta["path"])
     bb.warm_cache(disk)
+    load_before = load_average()
 
     registry = Registry(workdir)
     try:
         push_pull_image(registry, disk)
+        warm = {"push": [disk], "pull": registry.blob_files(PULL_REPO, TAG)}
         log(f"timing on {disk.name} ...")
-        results = bench(disk, registry, args.runs, workdir, log)
+        results = bench(disk, registry, args.runs, workdir, variants, modes, warm, log)
     finally:
         registry.stop()
 
-    found = checks(results)
+    found = checks(results, modes, variants)
+    context = {"command": command, "tree": tree, "cpus": os.cpu_count(), "load_average_before": load_before,
+               "load_average_after": load_average(), "caches_dropped": "sync" in modes and can_drop_caches()}
     if args.json:
-        print(json.dumps({"runs": args.runs, "disk": disk_meta, "registry": "distribution " + registry.host,
+        print(json.dumps({**context, "runs": args.runs, "disk": disk_meta, "registry": "distribution " + registry.host,
+                          "conditions": {m: describe_mode(m) for m in modes},
                           "results": [r.to_json() for r in results.values()], "checks": found}, indent=2))
-    else:
-        print_table(disk_meta, registry.host, results, found, args.runs)
+        return 0
+    print(f"$ {command}")
+    print(f"tree {tree}; {os.cpu_count()} CPUs, load average {context['load_average_before']} before, {context['load_average_after']} after")
+    print(f"{disk.name}: {disk_meta['qcow2_bytes'] / MIB:.0f} MiB qcow2, {disk_meta['content_bytes'] / MIB:.0f} MiB in "
+          f"{disk_meta['files']} files+dirs; registry {registry.host} (distribution, plain HTTP); {args.runs} run(s) each, interleaved")
+    print("wall and cpu: median and best; MiB = pushed blobs / pulled layout")
+    print_results(results, modes, found)
     return 0
 
 

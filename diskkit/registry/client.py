@@ -379,32 +379,43 @@ class ResumableBlob(io.RawIOBase):
         self._response = get_blob(self.registry, self.repository, self.digest, self.offset)
 
     def readinto(self, buf) -> int:
+        data = self._next(len(buf))
+        buf[: len(data)] = data
+        return len(data)
+
+    def read(self, size: int = -1) -> bytes:
+        # The bytes object as received, without the copy into a caller's buffer readinto makes.
+        if size is None or size < 0:
+            return self.readall()
+        return self._next(size)
+
+    def _next(self, limit: int) -> bytes:
+        limit = min(limit, 1 << 20)
+        if not limit:
+            return b""
         if self.partial is not None and self.offset < self.partial.length:
-            data = self.partial.read(self.offset, min(len(buf), 1 << 20))
-            buf[: len(data)] = data
+            data = self.partial.read(self.offset, limit)
             self.offset += len(data)
-            return len(data)
+            return data
         if self._response is None:
             self._open()  # the kept bytes are used up: the rest comes from the registry
         while True:
             try:
                 assert self._response is not None
                 # On a reset only what is inside the failing read (at most 1 MiB) is fetched again.
-                data = self._response.raw.read(min(len(buf), 1 << 20))
+                data = self._response.raw.read(limit)
             except (urllib3.exceptions.HTTPError, requests.exceptions.RequestException, OSError) as exc:
                 data = None
                 failure: BaseException | None = exc
             else:
                 failure = None
             if data:
-                n = len(data)
-                buf[:n] = data
-                self.offset += n
+                self.offset += len(data)
                 if self.partial is not None:
                     self.partial.append(data)
-                return n
+                return data
             if failure is None and self.offset >= self.size:
-                return 0
+                return b""
             if self.partial is not None:
                 self.partial.sync()  # whatever happens next, what came so far is not fetched again
             # Connection dropped, or the body ended before the descriptor's size: resume.

@@ -6,6 +6,11 @@ SIGKILL) resumes from there with one range request instead of starting over.
                          moved every few seconds and on every failure (by time, not bytes: a fast
                          pull does not pay for syncing data it deletes a moment later)
 
+The copy is a second write of every byte received, so a thread of its own makes it (and its
+fdatasyncs) while the download goes on; the queue between them is bounded, so memory stays flat
+and a disk slower than the link holds the download back rather than falling behind. Keeping is
+best effort: a failed write ends the copy (the resume point stays where it was), not the download.
+
 hashlib's state cannot be saved, so the bytes kept are not trusted on their own: they are read
 back into the reader's stream, and the consumer's digest check covers them with the rest. A
 download read to its end drops its partial file, whether the digest then matched or not, so bad
@@ -15,9 +20,10 @@ no one holds.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import os
+import queue
+import threading
 import time
 from pathlib import Path
 
@@ -25,6 +31,8 @@ from diskkit.streams.fsutil import write_atomic
 
 SYNC_INTERVAL = 5.0  # seconds of downloading between two resume points: what a kill can cost
 MIN_SIZE = 8 << 20  # smaller blobs cost less to fetch again than to keep
+QUEUE_DEPTH = 16  # pieces (of up to 1 MiB) received but not yet written
+_SYNC, _STOP = object(), object()
 
 
 class Busy(Exception):
@@ -48,36 +56,72 @@ class PartialBlob:
         except (OSError, ValueError):
             synced = 0
         # Bytes after the resume point may be torn by the kill: they are fetched again.
-        self.length = self.synced = max(0, min(synced, os.fstat(self.fd).st_size))
+        self.length = self.synced = self.written = max(0, min(synced, os.fstat(self.fd).st_size))
         os.ftruncate(self.fd, self.length)
         self.synced_at = time.monotonic()
+        self._pending: queue.Queue = queue.Queue(QUEUE_DEPTH)
+        self._keeping = True
+        self._writer = threading.Thread(target=self._write_all, daemon=True)
+        self._writer.start()
 
     def read(self, offset: int, size: int) -> bytes:
         return os.pread(self.fd, min(size, self.length - offset), offset)
 
     def append(self, data: bytes) -> None:
-        os.pwrite(self.fd, data, self.length)
+        """Queue what just arrived (the bytes object is kept, not copied); waits while the queue is full."""
         self.length += len(data)
-        if time.monotonic() - self.synced_at >= SYNC_INTERVAL:
-            self.sync()
+        self._pending.put(data)
 
     def sync(self) -> None:
+        """Everything appended so far on disk and recorded as the resume point, before returning."""
+        self._pending.put(_SYNC)
+        self._pending.join()
+
+    def _write_all(self) -> None:
+        while True:
+            item = self._pending.get()
+            try:
+                if item is _STOP:
+                    return
+                if not self._keeping:
+                    continue
+                if item is _SYNC:
+                    self._sync()
+                    continue
+                view = memoryview(item)
+                while view:
+                    view = view[os.pwrite(self.fd, view, self.written):]
+                self.written += len(item)
+                if time.monotonic() - self.synced_at >= SYNC_INTERVAL:
+                    self._sync()
+            except Exception:  # noqa: BLE001 - whatever failed, the queue must keep moving
+                self._keeping = False  # e.g. the disk is full: the download goes on without a copy
+            finally:
+                self._pending.task_done()
+
+    def _sync(self) -> None:
         self.synced_at = time.monotonic()
-        if self.length != self.synced:
+        if self.written != self.synced:
             os.fdatasync(self.fd)
-            write_atomic(self.mark, str(self.length).encode())
-            self.synced = self.length
+            write_atomic(self.mark, str(self.written).encode())
+            self.synced = self.written
+
+    def _stop(self, keep: bool) -> None:
+        self._keeping = self._keeping and keep
+        if keep:
+            self._pending.put(_SYNC)
+        self._pending.put(_STOP)
+        self._writer.join()
+        os.close(self.fd)
 
     def keep(self) -> None:
         """The download stopped early: what arrived is the next one's head start."""
-        with contextlib.suppress(OSError):
-            self.sync()
-        os.close(self.fd)
+        self._stop(keep=True)
 
     def drop(self) -> None:
+        self._stop(keep=False)  # what is still queued is not written
         self.mark.unlink(missing_ok=True)
         self.path.unlink(missing_ok=True)
-        os.close(self.fd)
 
 
 def abandoned(directory: Path) -> list[Path]:

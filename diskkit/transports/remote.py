@@ -23,6 +23,8 @@ from diskkit.registry.client import (
     scope,
 )
 from diskkit.registry.options import RegistryOptions
+from diskkit.streams.digestio import VerifyingReader
+from diskkit.streams.readahead import ReadAhead
 from diskkit.transports.base import Destination, Source
 
 ACCEPT = ", ".join([mt.OCI_MANIFEST, mt.OCI_INDEX, mt.DOCKER_MANIFEST, mt.DOCKER_LIST])
@@ -102,6 +104,21 @@ class RemoteSource(Source):
 
     def open_blob(self, desc: Descriptor) -> BinaryIO:
         return ResumableBlob(self.registry, self.name.repository, desc.digest, desc.size, self.partial_dir)
+
+    @contextlib.contextmanager
+    def blob(self, desc: Descriptor) -> Iterator[ReadAhead]:
+        """The verified blob, received on one thread and hashed on another (socket reads and
+        hashlib release the GIL) while the caller writes or decompresses on its own: a pull to a
+        layout spent about as long receiving as hashing as writing, one after the other. The digest
+        check still ends the stream: its failure reaches the reader before the end of the blob does."""
+        raw = self.open_blob(desc)
+        received = ReadAhead(raw)
+        hashed = ReadAhead(VerifyingReader(received, desc.digest, desc.size, f"{self.where}: blob {desc.digest[:19]}"))
+        try:
+            yield hashed
+        finally:
+            for stage in (hashed, received, raw):
+                stage.close()
 
 
 class _Upload:
