@@ -173,5 +173,5 @@ def write_layer(
         writer.join()
     if writer.error is not None:
         raise writer.error
-    loc = lazytoc.TocLocation(toc_at, len(toc_member), "sha256:" + hashlib.sha256(toc_member).hexdigest())
+    loc = lazytoc.TocLocation(toc_at, len(toc_member), "sha256:" + hashlib.sha256(doc).hexdigest())
     return LayerResult("sha256:" + writer.hash.hexdigest(), writer.size, "sha256:" + diff.hexdigest(), "gzip", loc)

@@ -33,7 +33,9 @@ manifest locates and pins the TOC with three annotations, and the manifest carri
 
 The manifest digest covers the annotations, the annotations cover the TOC, the TOC covers every
 chunk: a reader fetching byte ranges checks each chunk before anyone reads it. In version 2 the
-offset, size and digest annotations are those of the TOC's gzip member as stored in the blob.
+offset and size annotations locate the TOC's gzip member in the blob and the digest is that of the
+JSON inside it (as eStargz's `containerd.io/snapshot/stargz/toc.digest`), so the TOC in the
+unpacked layer can be checked against it too.
 """
 
 from __future__ import annotations
@@ -138,14 +140,19 @@ def inflate(data: bytes, limit: int, where: str) -> bytes:
     return out
 
 
-def parse(data: bytes, loc: TocLocation, where: str, gzip: bool = False) -> Toc:
-    """The TOC (as stored in the blob: a gzip member in a gzip layer), checked against its pinned
-    digest and for a layout a reader can rely on."""
+def version_for(media_type: str) -> int:
+    return VERSION_GZIP if media_type.endswith("+gzip") else VERSION
+
+
+def read_stored(stored: bytes, version: int, where: str) -> bytes:
+    """The TOC's JSON from its bytes in the blob (version 2: one gzip member, inflated within bounds)."""
+    return inflate(stored, MAX_TOC_BYTES, f"{where}: lazy TOC") if version == VERSION_GZIP else stored
+
+
+def parse(data: bytes, loc: TocLocation, where: str, expected: int = VERSION) -> Toc:
+    """The TOC's JSON, checked against its pinned digest and for a layout a reader can rely on."""
     if "sha256:" + hashlib.sha256(data).hexdigest() != loc.digest:
         raise DiskkitError(where, f"lazy TOC does not match its digest {loc.digest}")
-    expected = VERSION_GZIP if gzip else VERSION
-    if gzip:
-        data = inflate(data, MAX_TOC_BYTES, f"{where}: lazy TOC")
     try:
         obj = json.loads(data)
         members = obj.get("members")
