@@ -118,7 +118,7 @@ Examples:
 @click.option("--format", "disk_format", type=click.Choice(["keep", "qcow2", "raw"]), default="keep", show_default=True, help="Disk format inside the image.")
 @click.option("--compression", type=click.Choice(list(KINDS)), default="gzip", show_default=True, help="Layer compression.")
 @click.option("--level", type=int, help="Compression level (gzip 0-3, default 1; zstd 1-19, default 3).")
-@click.option("--lazy", is_flag=True, help="Seekable layer: a chunk table of contents, so `launcher run` can boot it before the image has arrived (gzip: one gzip member per chunk, any client unpacks it; --compression none: the v1 uncompressed layout).")
+@click.option("--lazy/--no-lazy", default=False, show_default=True, help="Seekable layer: a chunk table of contents, so `launcher run` can boot it before the image has arrived (gzip: one gzip member per chunk, any client unpacks it; --compression none: the v1 uncompressed layout).")
 @click.option("--kernel", metavar="[/PATH=]FILE", help="Add a kernel for kernelBoot (default path /boot/vmlinuz).")
 @click.option("--initrd", metavar="[/PATH=]FILE", help="Add an initrd for kernelBoot (default path /boot/initrd.img).")
 @click.option("--platform", "platforms", multiple=True, metavar="OS/ARCH[=FILE]", help="Guest platform (default linux/amd64); repeat as OS/ARCH=FILE for a multi-platform index.")
