@@ -6,7 +6,7 @@ import os
 import shutil
 import stat
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from diskkit.disk import diskheader, diskrules, qemuimg
@@ -53,7 +53,9 @@ class BuildOptions:
     initrd: tuple[str, Path] | None = None
     compression: str = "gzip"
     level: int | None = None
-    lazy: bool = False  # chunk TOC: launchers can boot it before it has arrived (gzip: TOC v2, none: TOC v1)
+    # Chunk TOC, so launchers boot it before it has arrived (gzip: TOC v2, none: TOC v1). None: v2
+    # wherever it costs nothing (a gzip layer in an OCI manifest), a plain layer elsewhere.
+    lazy: bool | None = None
     disk_format: str = "keep"
     platform: Platform = field(default_factory=lambda: Platform("linux", "amd64"))
     labels: dict[str, str] = field(default_factory=dict)
@@ -170,6 +172,9 @@ def build(opts: BuildOptions, reporter: Reporter, registry: RegistryOptions | No
     for artifact in (opts.kernel, opts.initrd):
         if artifact:
             check_input_file(artifact[1], "kernel-boot file")
+    auto_lazy = opts.lazy is None
+    if auto_lazy:
+        opts = replace(opts, lazy=opts.compression == "gzip")
     if opts.lazy and opts.compression not in ("gzip", "none"):
         raise DiskkitError("--lazy", f"writes a gzip or an uncompressed layer (read at offsets), not a {opts.compression} one")
     sources = opts.platforms or [(opts.platform, opts.source)]
@@ -179,7 +184,10 @@ def build(opts: BuildOptions, reporter: Reporter, registry: RegistryOptions | No
         with open_destination(dest_ref, opts.created, registry) as dest:
             if opts.platforms and dest.docker_manifest:
                 raise DiskkitError(str(dest_ref), "docker-archive holds a single image; build one platform at a time")
-            if opts.lazy and (dest.docker_manifest or (dest.layer_compression or opts.compression) != opts.compression):
+            holds_toc = not dest.docker_manifest and (dest.layer_compression or opts.compression) == opts.compression
+            if auto_lazy and not holds_toc:
+                opts = replace(opts, lazy=False)  # docker manifests carry no layer annotations: a plain layer there
+            if opts.lazy and not holds_toc:
                 raise DiskkitError(str(dest_ref), f"--lazy needs OCI manifests with annotations and a {opts.compression} layer; use oci:, oci-archive: or a registry")
             built = [
                 _build_one(opts, dest, plat, source, info, workdir / str(i), reporter, child=bool(opts.platforms))
