@@ -11,6 +11,7 @@ import io
 import json
 import os
 import random
+import shutil
 import tarfile
 import zlib
 from pathlib import Path
@@ -21,7 +22,7 @@ from diskkit.layers import lazytoc
 from tests.conftest import run, run_diskkit, run_launcher
 from tests.engines import podman_env
 from tests.faultproxy import Fault
-from tests.lazyhost import disk_server, export_status, image_toc, open_export, wait_for
+from tests.lazyhost import control, disk_server, export_status, image_toc, open_export, wait_for
 
 NOREG = "--tls-verify=false"
 MIB = 1 << 20
@@ -125,8 +126,13 @@ def _rewrite_toc(layout: Path, manifest: dict, data: bytes, at: int, size: int, 
     layer.update(digest=digest, size=len(new))
     layer["annotations"][lazytoc.ANNOTATION_TOC_SIZE] = str(len(member))
     layer["annotations"][lazytoc.ANNOTATION_TOC_DIGEST] = "sha256:" + hashlib.sha256(doc).hexdigest()
+    _rewrite_config(layout, manifest, "sha256:" + hashlib.sha256(gzip.decompress(new)).hexdigest())
+
+
+def _rewrite_config(layout: Path, manifest: dict, diff_id: str) -> None:
+    """The config's diffID set, the config, manifest and index digests recomputed."""
     config = json.loads(blob(layout, manifest["config"]["digest"]))
-    config["rootfs"]["diff_ids"] = ["sha256:" + hashlib.sha256(gzip.decompress(new)).hexdigest()]
+    config["rootfs"]["diff_ids"] = [diff_id]
     cbytes = json.dumps(config, separators=(",", ":"), sort_keys=True).encode()
     (layout / "blobs" / "sha256" / hashlib.sha256(cbytes).hexdigest()).write_bytes(cbytes)
     manifest["config"].update(digest="sha256:" + hashlib.sha256(cbytes).hexdigest(), size=len(cbytes))
@@ -233,3 +239,35 @@ def test_launcher_pull_takes_a_v2_image_whole(tmp_path, remote, disk):
     pulled = run_launcher("pull", "--cache-dir", tmp_path / "cache", NOREG, "--json", remote)
     assert pulled.code == 0, pulled.err
     assert Path(json.loads(pulled.out)["path"]).read_bytes() == disk.read_bytes()
+
+
+def test_the_server_refuses_a_toc_it_cannot_rely_on_and_a_wrong_diffid(tmp_path, registry, disk):
+    """Members not back to back are refused at open, in one line; a config whose diffID is not the
+    layer's is found once the disk is complete: nothing is installed, as a pull would refuse it."""
+    out = tmp_path / "layout"
+    assert run_diskkit("build", "--lazy", disk, "-t", f"oci:{out}:v2").code == 0
+    manifest = manifest_of(out)
+    data = blob(out, manifest["layers"][0]["digest"])
+    notes = manifest["layers"][0]["annotations"]
+    at, size = int(notes[lazytoc.ANNOTATION_TOC_OFFSET]), int(notes[lazytoc.ANNOTATION_TOC_SIZE])
+    toc = json.loads(zlib.decompress(data[at : at + size], 31))
+    toc["members"][2][0] += 1  # a gap between members 1 and 2
+    doc = json.dumps(toc, separators=(",", ":"), sort_keys=True).encode()
+    gapped = tmp_path / "gapped"
+    shutil.copytree(out, gapped)
+    _rewrite_toc(gapped, json.loads(json.dumps(manifest)), data, at, size, doc)
+    wrong = tmp_path / "wrong"
+    shutil.copytree(out, wrong)
+    _rewrite_config(wrong, json.loads(json.dumps(manifest)), "sha256:" + "1" * 64)
+    refs = {}
+    for name, layout in (("gapped", gapped), ("wrong", wrong)):
+        refs[name] = f"{registry.host}/lazygz/{name}:v2"
+        assert run_diskkit("push", NOREG, f"oci:{layout}:v2", refs[name]).code == 0
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with disk_server(cache):
+        refused = control(cache, {"op": "open", "image": refs["gapped"], "registry": {"tls_verify": False}})
+        assert not refused["ok"] and "lazy TOC's gzip members are not back to back" in refused["error"], refused
+        answer = open_export(cache, refs["wrong"])
+        status = wait_for(lambda: (s := export_status(cache, answer["export"]))["failed"] and s, 120, "the diffID check")
+    assert "not the config's diffID sha256:11111111111" in status["failed"] and not status["installed"], status

@@ -132,10 +132,10 @@ def inflate(data: bytes, limit: int, where: str) -> bytes:
     """One gzip member, refused when it holds more than `limit` bytes or anything after its end."""
     inflater = zlib.decompressobj(31)
     try:
-        out = inflater.decompress(data, limit)
+        out = inflater.decompress(data, limit + 1)  # one byte of room: the trailer is read, a longer member seen
     except zlib.error as exc:
         raise DiskkitError(where, f"is not a gzip member ({exc})") from None
-    if inflater.unconsumed_tail or not inflater.eof or inflater.unused_data:
+    if len(out) > limit or inflater.unconsumed_tail or not inflater.eof or inflater.unused_data:
         raise DiskkitError(where, f"is not a single gzip member of at most {limit} bytes")
     return out
 

@@ -231,6 +231,7 @@ class Layout:
     chunk_size: int
     chunks: tuple[str, ...] | None  # sha256 per chunk from the TOC; None: only the blob digest checks
     members: tuple[tuple[int, int], ...] | None = None  # v2: each chunk's gzip member in the blob; `offset` is then in the tar
+    diff_id: str | None = None  # v2: the config's diffID, checked once the disk is complete (v1: the blob is its own)
 
     @property
     def name(self) -> str:
@@ -318,8 +319,9 @@ def find_layout(image: Image, ranges: BlobRanges, registry_host: str, repository
         if (toc.disk, toc.offset, toc.size) != (member, offset, size):
             raise DiskkitError(where, f"the lazy TOC describes /{toc.disk} at {toc.offset}+{toc.size}, but the layer holds /{member} at {offset}+{size}")
         chunk_size, chunks = toc.chunk_size, toc.chunks
+    v2 = toc is not None and toc.members is not None
     layout = Layout(registry_host, repository, layer.digest, layer.size, member, offset, size, chunk_size, chunks,
-                    toc.members if toc is not None else None)
+                    toc.members if v2 else None, (image.diff_ids or [None])[0] if v2 else None)
     besides = layer.size - (layout.data_end - layout.data_start)
     if besides > MAX_HEAD_TAIL:
         raise NotSeekable(shown, f"its layer holds {besides} bytes besides the disk")
@@ -724,6 +726,12 @@ class LazyDisk:
             if digest != self.layout.layer:
                 self._verification_failed(digest)
                 return
+            if self.layout.diff_id is not None and (diff := self._diff_id()) != self.layout.diff_id:
+                # The blob is the one the manifest names, so is every chunk: the config disagrees, as a pull would find.
+                self.failed = f"layer {self.layout.layer[:19]} unpacks to {diff[:19]}, not the config's diffID {self.layout.diff_id[:19]}"
+                self.verified.set()
+                log.warning("%s: %s", self.name, self.failed)
+                return
             self.verified.set()
             self._save(force=True)
             log.info("%s: complete and verified (%s)", self.name, self.layout.layer)
@@ -733,6 +741,19 @@ class LazyDisk:
         finally:
             with self.lock:
                 self._completing = False
+
+    def _diff_id(self) -> str:
+        """sha256 of the uncompressed tar: the head's members, the disk, the tail's members."""
+        diff = hashlib.sha256(_inflate_all((self.dir / "head").read_bytes(), self.layout.offset, "the layer's head"))
+        offset = 0
+        while offset < self.layout.size:
+            piece = os.pread(self.fd, min(4 << 20, self.layout.size - offset), offset)
+            if not piece:
+                break
+            diff.update(piece)
+            offset += len(piece)
+        diff.update(_inflate_all((self.dir / "tail").read_bytes(), 4 * MAX_HEAD_TAIL, "the layer's tail"))
+        return "sha256:" + diff.hexdigest()
 
     def _blob_digest(self) -> str:
         blob = hashlib.sha256((self.dir / "head").read_bytes())
