@@ -273,7 +273,7 @@ def find_layout(image: Image, ranges: BlobRanges, registry_host: str, repository
     Raises NotSeekable for images that must be pulled whole, DiskkitError for images `launcher pull`
     would refuse too."""
     if len(image.layers) != 1:
-        raise NotSeekable(shown, f"has {len(image.layers)} layers; lazy reads need a single uncompressed layer")
+        raise NotSeekable(shown, f"has {len(image.layers)} layers; lazy reads need a single layer, uncompressed or lazy gzip")
     layer = image.layers[0]
     kind = layer_compression(layer.media_type)
     where = f"{shown}: layer {layer.digest[:19]}"
