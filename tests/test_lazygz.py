@@ -170,7 +170,6 @@ def test_peers_unpack_the_v2_layer_byte_identical(tmp_path, layout, disk, regist
             container = run("buildah", "from", "-q", image, env=env).stdout.strip()
             mounted = run("buildah", "mount", container, env=env).stdout.strip()
         assert same(Path(mounted) / inside), tool
-        run("chmod", "-R", "u+w", store)
 
     # docker 20.10 pulls it from the loopback registry and hands the file back from a created container.
     remote = f"{registry.host}/lazygz/peer:v2"
