@@ -270,3 +270,16 @@ def test_the_server_refuses_a_toc_it_cannot_rely_on_and_a_wrong_diffid(tmp_path,
         answer = open_export(cache, refs["wrong"])
         status = wait_for(lambda: (s := export_status(cache, answer["export"]))["failed"] and s, 120, "the diffID check")
     assert "not the config's diffID sha256:11111111111" in status["failed"] and not status["installed"], status
+
+
+def test_a_re_encoded_copy_drops_the_toc_annotations(tmp_path, layout, disk):
+    """The TOC's offsets are offsets in this blob: a copy that recompresses the layer keeps the TOC
+    member inside (it is part of the tar) but not the annotations that would point into the old blob."""
+    copied = tmp_path / "zstd"
+    result = run_diskkit("copy", "--dest-compress-format", "zstd", f"oci:{layout}:v2", f"oci:{copied}:v2")
+    assert result.code == 0, result.err
+    (layer,) = manifest_of(copied)["layers"]
+    assert layer["mediaType"] == "application/vnd.oci.image.layer.v1.tar+zstd"
+    assert not any(k.startswith("io.diskkit.lazy.toc.") for k in layer.get("annotations", {})), layer
+    verified = run_diskkit("verify", f"oci:{copied}:v2")
+    assert verified.code == 0, verified.err

@@ -111,6 +111,12 @@ class TocLocation:
         return {ANNOTATION_TOC_OFFSET: str(self.offset), ANNOTATION_TOC_SIZE: str(self.size), ANNOTATION_TOC_DIGEST: self.digest}
 
 
+def without_toc(annotations: dict[str, str]) -> dict[str, str]:
+    """A layer's annotations once its blob is re-encoded, when the TOC no longer describes it."""
+    toc_keys = (ANNOTATION_TOC_OFFSET, ANNOTATION_TOC_SIZE, ANNOTATION_TOC_DIGEST)
+    return {k: v for k, v in annotations.items() if k not in toc_keys}
+
+
 def location(layer: Descriptor, where: str) -> TocLocation | None:
     """Where the layer's TOC is, from its descriptor's annotations; None for layers without one."""
     notes = layer.annotations or {}
