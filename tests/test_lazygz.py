@@ -22,7 +22,14 @@ from diskkit.layers import lazytoc
 from tests.conftest import run, run_diskkit, run_launcher
 from tests.engines import podman_env
 from tests.faultproxy import Fault
-from tests.lazyhost import control, disk_server, export_status, image_toc, open_export, wait_for
+from tests.lazyhost import (
+    control,
+    disk_server,
+    export_status,
+    image_toc,
+    open_export,
+    wait_for,
+)
 
 NOREG = "--tls-verify=false"
 MIB = 1 << 20

@@ -14,8 +14,8 @@ import hashlib
 import os
 import queue
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from diskkit.errors import DiskkitError
 from diskkit.layers import lazytoc
