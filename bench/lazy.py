@@ -2,7 +2,7 @@
 
 The test guest as a raw disk, once at its own 64 MiB and once padded with pseudo-random data to
 4 GiB (same content, extra data at the end that every full pull must move), each built with
-`diskkit build --lazy` and pushed to a CNCF distribution registry on a free 127.0.0.1 port.
+`diskkit build --lazy` (TOC v2, seekable gzip) and pushed to a CNCF distribution registry on a free 127.0.0.1 port.
 
   lazy   `launcher run --lazy --console VMI` with a fresh cache: the run starts the node's disk
          server, which exports the disk over NBD and fetches byte ranges as the guest reads them
@@ -109,8 +109,9 @@ class QemuScratch:
         return self._mkdir(self.root / name)
 
     def command(self, *args: str) -> list[str]:
+        # PYTHONPATH: this checkout's code, whichever one the venv was installed from.
         return ["setpriv", f"--reuid={QEMU_UID}", f"--regid={QEMU_UID}", "--clear-groups", "env", f"HOME={self.home}",
-                "XDG_RUNTIME_DIR=", "CI=true", *bb.tool_command("launcher"), *args]
+                "XDG_RUNTIME_DIR=", "CI=true", f"PYTHONPATH={ROOT}", sys.executable, "-m", "launcher", *args]
 
     def close(self) -> None:
         for pidfile in self.root.glob("**/.cache/libvirt/*.pid"):
@@ -208,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         for label, disk in disks.items():
             log(f"pushing {disk.name} (--lazy) ...")
             images[label] = f"{registry.host}/bench/lazy-{label}:v1"
-            bb.run_quiet([*bb.diskkit_command(), "build", "--lazy", "--tls-verify=false", str(disk), "-t", images[label]])
+            bb.run_quiet([sys.executable, "-m", "diskkit", "build", "--lazy", "--tls-verify=false", str(disk), "-t", images[label]], cwd=ROOT)
         boot_once(scratch, images["small"], False, "warm-up")
         for i in range(1, args.runs + 1):
             for (mode, label), found in samples.items():

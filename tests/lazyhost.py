@@ -7,13 +7,17 @@ own; tests ask it what it holds through the same control socket `launcher run` u
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import signal
 import subprocess
 import time
+import zlib
 from pathlib import Path
 from typing import Iterator
+
+import requests
 
 from launcher.diskserver.control import request
 from tests.conftest import launcher_command, run
@@ -29,6 +33,25 @@ def open_export(cache: Path, ref: str, path: str | None = None) -> dict:
     answer = control(cache, {"op": "open", "image": ref, "path": path, "registry": {"tls_verify": False, "retries": 8, "backoff": 0.2}})
     assert answer.get("ok"), answer
     return answer
+
+
+def image_toc(registry, ref: str) -> dict:
+    """A lazy image's TOC as a plain HTTP client reads it: manifest, layer annotations, range GET (inflated for v2)."""
+    repository, tag = ref.split("/", 1)[1].rsplit(":", 1)
+    manifest = requests.get(registry.url(f"/v2/{repository}/manifests/{tag}"), timeout=60,
+                            headers={"Accept": "application/vnd.oci.image.manifest.v1+json"}).json()
+    layer = manifest["layers"][0]
+    notes = layer["annotations"]
+    start = int(notes["io.diskkit.lazy.toc.offset"])
+    end = start + int(notes["io.diskkit.lazy.toc.size"]) - 1
+    data = requests.get(registry.url(f"/v2/{repository}/blobs/{layer['digest']}"), headers={"Range": f"bytes={start}-{end}"}, timeout=60).content
+    return json.loads(zlib.decompress(data, 31) if layer["mediaType"].endswith("+gzip") else data)
+
+
+def first_chunk_at(registry, ref: str) -> int:
+    """Where the disk's first chunk starts in the blob: its gzip member (v2) or its first byte (v1)."""
+    toc = image_toc(registry, ref)
+    return toc["members"][0][0] if "members" in toc else toc["offset"]
 
 
 def export_status(cache: Path, name: str) -> dict:

@@ -38,7 +38,7 @@ def test_oci_layout_is_read_by_skopeo_and_umoci(diskkit, qcow2, tmp_path):
     assert (st_dir.st_uid, st_dir.st_gid, st_dir.st_mode & 0o7777) == (107, 107, 0o555)
     assert (st_disk.st_uid, st_disk.st_gid, st_disk.st_mode & 0o7777) == (107, 107, 0o440)
     assert disk.read_bytes() == qcow2.read_bytes()
-    assert sorted(os.listdir(bundle / "rootfs")) == ["disk"]
+    assert sorted(os.listdir(bundle / "rootfs")) == [".diskkit", "disk"]  # the lazy TOC, outside /disk
 
 
 def test_layer_tar_headers_name_qemu_not_the_host_user(diskkit, qcow2, tmp_path):
@@ -52,6 +52,8 @@ def test_layer_tar_headers_name_qemu_not_the_host_user(diskkit, qcow2, tmp_path)
     assert members == [
         ("disk", tarfile.DIRTYPE, 107, 107, "qemu", "qemu", 0o555, 0),
         ("disk/disk.qcow2", tarfile.REGTYPE, 107, 107, "qemu", "qemu", 0o440, 0),
+        (".diskkit", tarfile.DIRTYPE, 107, 107, "qemu", "qemu", 0o555, 0),
+        (".diskkit/lazy-toc.json", tarfile.REGTYPE, 107, 107, "qemu", "qemu", 0o444, 0),
     ]
 
 

@@ -21,6 +21,7 @@ from tests.lazyhost import (
     QEMU_UID,
     control,
     disk_server,
+    first_chunk_at,
     padded_guest,
     stop_spawned_server,
     wait_for,
@@ -85,8 +86,8 @@ def test_boots_before_the_blob_has_arrived_and_a_corrupt_chunk_is_fetched_again(
     """The node's server runs as root; qemu, as UID 107, reaches its socket through the qemu group."""
     ref, _ = padded_image
     proxy = fault_proxy(lazy_registry)
-    # One bit flipped in the first range response that carries disk data (the blob's disk starts at 1024).
-    proxy.add(Fault("GET", r"/blobs/sha256:", "flip", times=1, arg=300, header=("Range", r"^bytes=1024-")))
+    # One bit flipped in the first range response that carries disk data: the first chunk's gzip member (TOC v2).
+    proxy.add(Fault("GET", r"/blobs/sha256:", "flip", times=1, arg=300, header=("Range", rf"^bytes={first_chunk_at(lazy_registry, ref)}-")))
     cache = qemu_user.cache
     assert qemu_user.launcher("ls").code == 0  # the cache's layout made by its owner, before root's server uses it
     with disk_server(cache, "--prefetch-rate", "4M"):

@@ -26,12 +26,15 @@ def _ok(cmd: list[str], env: dict | None = None) -> bool:
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory, registry, dockerd) -> dict:
     root = tmp_path_factory.mktemp("peers")
-    disk = make_qcow2(root / "d.qcow2", "16M", 0x66)
     store = root / "store"
     store.mkdir()
     storage = podman_env(store)
     out = {}
-    for kind in KINDS:
+    for index, kind in enumerate(KINDS):
+        # A disk of its own per kind: an engine that already holds a layer with the same diffID
+        # (the same tar, compressed otherwise) skips the download and would seem to read anything.
+        (root / kind).mkdir()
+        disk = make_qcow2(root / kind / "d.qcow2", "16M", 0x66 + index)
         layout = root / f"l-{kind}"
         assert run_diskkit("build", disk, "--compression", kind, "-t", f"oci:{layout}:v1").code == 0
         remote = f"{registry.host}/peers/{kind}:v1"

@@ -126,7 +126,7 @@ def pod_image(request, registry) -> str:
     """The test guest as a containerDisk: pulled whole before the boot, or lazy (`diskkit build
     --lazy`), which `launcher run` boots through a disk server it starts in the pod."""
     ref = f"{registry.host}/pod/guest-{request.param}:v1"
-    lazy = ["--lazy"] if request.param == "lazy" else []
+    lazy = ["--lazy"] if request.param == "lazy" else ["--no-lazy"]
     result = run_diskkit("build", NOREG, *lazy, ensure_testguest() / "testguest.qcow2", "-t", ref)
     assert result.code == 0, result.err
     return ref

@@ -67,7 +67,8 @@ def signing_flags(trust: dict, key: str = "a") -> list:
 
 
 def build_signed(disk: Path, ref: str, trust: dict, key: str = "a") -> str:
-    r = run_diskkit("build", NOREG, disk, "-t", ref, *signing_flags(trust, key))
+    # --no-lazy: a VM test below boots it from a full pull (lazy signed images: the disk-server test).
+    r = run_diskkit("build", NOREG, "--no-lazy", disk, "-t", ref, *signing_flags(trust, key))
     assert r.code == 0, r.err
     return r.last_line
 
@@ -383,7 +384,7 @@ def test_vm_boots_a_signed_image_and_run_refuses_an_unsigned_one(registry, trust
     signed = f"{registry.host}/vm/guest:v1"
     build_signed(guest, signed, trust)
     unsigned = f"{registry.host}/vmu/guest:v1"
-    assert run_diskkit("build", NOREG, guest, "-t", unsigned).code == 0
+    assert run_diskkit("build", NOREG, "--no-lazy", guest, "-t", unsigned).code == 0
     # The node's policy in the qemu user's standard places; keyData, as its HOME cannot read ours.
     conf = qemu_user.home / ".config/containers"
     (conf / "registries.d").mkdir(parents=True)

@@ -99,7 +99,8 @@ def qemu_user():
 @pytest.fixture(scope="module")
 def guest_image(registry) -> str:
     ref = f"{registry.host}/launcher/guest:v1"
-    result = run_diskkit("build", NOREG, ensure_testguest() / "testguest.qcow2", "-t", ref)
+    # --no-lazy: these tests boot from a full pull (lazy boots are test_lazy_run's), and builds are lazy by default.
+    result = run_diskkit("build", NOREG, "--no-lazy", ensure_testguest() / "testguest.qcow2", "-t", ref)
     assert result.code == 0, result.err
     return ref
 

@@ -105,7 +105,8 @@ Examples:
   diskkit build disk.qcow2 -t docker-archive:fedora.tar:quay.io/me/fedora:40   # then: podman load -i fedora.tar
   diskkit build disk.qcow2 -t docker-daemon:quay.io/me/fedora:40     # into dockerd (or podman: DOCKER_HOST)
   diskkit build disk.qcow2 --path /images/root.qcow2 -t oci:./layout
-  diskkit build disk.qcow2 --lazy -t quay.io/me/fedora:40-lazy           # boots before it has arrived
+  diskkit build disk.qcow2 -t quay.io/me/fedora:40                   # lazy (seekable gzip) by default
+  diskkit build disk.qcow2 --no-lazy -t quay.io/me/fedora:40         # one plain gzip stream
   diskkit build disk.qcow2 --kernel ./vmlinuz --initrd /boot/initrd.img=./initrd -t oci:./layout:kb
   diskkit build --platform linux/amd64=x86.qcow2 --platform linux/arm64=arm.qcow2 -t quay.io/me/fedora:40
   SOURCE_DATE_EPOCH=1700000000 diskkit build disk.qcow2 -t oci:./layout --json
@@ -118,7 +119,7 @@ Examples:
 @click.option("--format", "disk_format", type=click.Choice(["keep", "qcow2", "raw"]), default="keep", show_default=True, help="Disk format inside the image.")
 @click.option("--compression", type=click.Choice(list(KINDS)), default="gzip", show_default=True, help="Layer compression.")
 @click.option("--level", type=int, help="Compression level (gzip 0-3, default 1; zstd 1-19, default 3).")
-@click.option("--lazy", is_flag=True, help="Uncompressed layer with a chunk table of contents, so `launcher run` can boot it before the image has arrived (implies --compression none).")
+@click.option("--lazy/--no-lazy", default=None, help="Seekable layer with a chunk table of contents, so `launcher run` boots it before it has arrived (gzip: one gzip member per chunk, read by every client as any gzip layer; with --compression none the v1 uncompressed layout). Default: on for gzip layers in OCI manifests.")
 @click.option("--kernel", metavar="[/PATH=]FILE", help="Add a kernel for kernelBoot (default path /boot/vmlinuz).")
 @click.option("--initrd", metavar="[/PATH=]FILE", help="Add an initrd for kernelBoot (default path /boot/initrd.img).")
 @click.option("--platform", "platforms", multiple=True, metavar="OS/ARCH[=FILE]", help="Guest platform (default linux/amd64); repeat as OS/ARCH=FILE for a multi-platform index.")
@@ -152,7 +153,7 @@ def build_cmd(src, dest, image_path, disk_format, compression, level, lazy, kern
         path=image_path,
         kernel=split_artifact(kernel, "/boot/vmlinuz", "--kernel") if kernel else None,
         initrd=split_artifact(initrd, "/boot/initrd.img", "--initrd") if initrd else None,
-        compression="none" if lazy and not _given("compression") else compression,
+        compression=compression,
         level=level,
         lazy=lazy,
         disk_format=disk_format,

@@ -112,7 +112,7 @@ def _produce(entries: list[Entry], mtime: int, out: queue.Queue, diff: "hashlib.
                 return
             except queue.Full:
                 continue
-        raise _Stopped
+        raise Stopped
 
     toc: lazytoc.Toc | None = None
     try:
@@ -153,17 +153,17 @@ def _produce(entries: list[Entry], mtime: int, out: queue.Queue, diff: "hashlib.
                 put(bytes(512 - len(data) % 512))
         put(bytes(1024))
         out.put(None)
-    except _Stopped:
+    except Stopped:
         pass
     except BaseException as exc:  # handed to the consumer, which re-raises it in the caller's thread
         out.put(exc)
 
 
-class _Stopped(Exception):
+class Stopped(Exception):
     pass
 
 
-class _Writer(threading.Thread):
+class BlobWriter(threading.Thread):
     """Hashes and writes the compressed stream, so the sink (a file or an upload) overlaps compression."""
 
     def __init__(self, sink: BlobSink, hashed: bool):
@@ -217,7 +217,7 @@ def write_layer(
     stop = threading.Event()
     toc_out: list[lazytoc.TocLocation] = []
     reader = threading.Thread(target=_produce, args=(entries, mtime, chunks, diff, stop, toc_for, toc_out), daemon=True)
-    writer = _Writer(sink, hashed=compression != "none")
+    writer = BlobWriter(sink, hashed=compression != "none")
     reader.start()
     writer.start()
     try:

@@ -1,6 +1,20 @@
 """The table of contents that makes a containerDisk layer readable at any offset (`diskkit build --lazy`).
 
-A lazy layer is an ordinary uncompressed tar (`application/vnd.oci.image.layer.v1.tar`), so every
+Two layouts. Version 2 (the default of `--lazy`) is an ordinary gzip layer
+(`application/vnd.oci.image.layer.v1.tar+gzip`) cut into independent gzip members: the tar bytes
+before the disk's data, then exactly one member per disk chunk, then the rest, with the TOC's JSON
+in a member of its own. Concatenated members are one valid gzip stream (RFC 1952 2.2), so every
+client unpacks it as any gzip layer; a reader that knows the TOC fetches one member per chunk and
+inflates it alone. This is eStargz's idea (containerd/stargz-snapshotter docs/estargz.md: a gzip
+member per file, TOC located from the blob) and zstd:chunked's way of locating it (containers/storage
+pkg/chunked: the TOC's position in a layer annotation, ignored by clients that do not know it). The
+TOC adds, per chunk, the member's compressed `[offset, length]` in the blob, and `offset` is where
+the disk's first byte is in the uncompressed tar:
+
+    {"version": 2, "disk": "disk/root.qcow2", "offset": 1536, "size": 67108864, "chunkSize": 1048576,
+     "chunks": ["<sha256 hex of disk bytes [0, 1 MiB)>", ...], "members": [[1024, 310291], ...]}
+
+Version 1 is an uncompressed tar (`application/vnd.oci.image.layer.v1.tar`), so every
 OCI client unpacks it as usual. The disk's bytes sit in it contiguously, at a fixed offset. After
 the disk comes one more member, `.diskkit/lazy-toc.json` (outside /disk, so KubeVirt's rules never
 see it), holding this JSON object:
@@ -18,19 +32,24 @@ manifest locates and pins the TOC with three annotations, and the manifest carri
     io.diskkit.lazy.toc.digest   sha256 of the TOC
 
 The manifest digest covers the annotations, the annotations cover the TOC, the TOC covers every
-chunk: a reader fetching byte ranges checks each chunk before anyone reads it.
+chunk: a reader fetching byte ranges checks each chunk before anyone reads it. In version 2 the
+offset and size annotations locate the TOC's gzip member in the blob and the digest is that of the
+JSON inside it (as eStargz's `containerd.io/snapshot/stargz/toc.digest`), so the TOC in the
+unpacked layer can be checked against it too.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import zlib
 from dataclasses import dataclass
 
 from diskkit.errors import DiskkitError
 from diskkit.oci.image import Descriptor
 
-VERSION = 1
+VERSION = 1  # uncompressed layer, the disk contiguous in the blob
+VERSION_GZIP = 2  # gzip layer, one member per chunk
 TOC_DIR = ".diskkit"
 TOC_MEMBER = ".diskkit/lazy-toc.json"
 ANNOTATION_LAZY = "io.diskkit.lazy"
@@ -38,6 +57,7 @@ ANNOTATION_TOC_OFFSET = "io.diskkit.lazy.toc.offset"
 ANNOTATION_TOC_SIZE = "io.diskkit.lazy.toc.size"
 ANNOTATION_TOC_DIGEST = "io.diskkit.lazy.toc.digest"
 LAZY_VALUE = "toc-v1"
+LAZY_VALUE_GZIP = "toc-v2"
 MIN_CHUNK = 1 << 20
 MAX_CHUNKS = 16384  # keeps the TOC near 1 MiB at most; larger disks get larger chunks
 MAX_TOC_BYTES = 4 << 20
@@ -58,6 +78,11 @@ class Toc:
     size: int
     chunk_size: int
     chunks: tuple[str, ...]  # sha256 hex per chunk
+    members: tuple[tuple[int, int], ...] | None = None  # version 2: each chunk's gzip member (offset, length) in the blob
+
+    @property
+    def version(self) -> int:
+        return VERSION if self.members is None else VERSION_GZIP
 
     @property
     def count(self) -> int:
@@ -69,8 +94,10 @@ class Toc:
         return start, min(start + self.chunk_size, self.size)
 
     def render(self) -> bytes:
-        obj = {"version": VERSION, "disk": self.disk, "offset": self.offset, "size": self.size,
+        obj = {"version": self.version, "disk": self.disk, "offset": self.offset, "size": self.size,
                "chunkSize": self.chunk_size, "chunks": list(self.chunks)}
+        if self.members is not None:
+            obj["members"] = [list(m) for m in self.members]
         return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
 
 
@@ -82,6 +109,12 @@ class TocLocation:
 
     def annotations(self) -> dict[str, str]:
         return {ANNOTATION_TOC_OFFSET: str(self.offset), ANNOTATION_TOC_SIZE: str(self.size), ANNOTATION_TOC_DIGEST: self.digest}
+
+
+def without_toc(annotations: dict[str, str]) -> dict[str, str]:
+    """A layer's annotations once its blob is re-encoded, when the TOC no longer describes it."""
+    toc_keys = (ANNOTATION_TOC_OFFSET, ANNOTATION_TOC_SIZE, ANNOTATION_TOC_DIGEST)
+    return {k: v for k, v in annotations.items() if k not in toc_keys}
 
 
 def location(layer: Descriptor, where: str) -> TocLocation | None:
@@ -101,27 +134,69 @@ def location(layer: Descriptor, where: str) -> TocLocation | None:
     return TocLocation(offset, size, digest)
 
 
-def parse(data: bytes, loc: TocLocation, where: str) -> Toc:
-    """The TOC, checked against its pinned digest and for a layout a reader can rely on."""
+def inflate(data: bytes, limit: int, where: str) -> bytes:
+    """One gzip member, refused when it holds more than `limit` bytes or anything after its end."""
+    inflater = zlib.decompressobj(31)
+    try:
+        out = inflater.decompress(data, limit + 1)  # one byte of room: the trailer is read, a longer member seen
+    except zlib.error as exc:
+        raise DiskkitError(where, f"is not a gzip member ({exc})") from None
+    if len(out) > limit or inflater.unconsumed_tail or not inflater.eof or inflater.unused_data:
+        raise DiskkitError(where, f"is not a single gzip member of at most {limit} bytes")
+    return out
+
+
+def version_for(media_type: str) -> int:
+    return VERSION_GZIP if media_type.endswith("+gzip") else VERSION
+
+
+def read_stored(stored: bytes, version: int, where: str) -> bytes:
+    """The TOC's JSON from its bytes in the blob (version 2: one gzip member, inflated within bounds)."""
+    return inflate(stored, MAX_TOC_BYTES, f"{where}: lazy TOC") if version == VERSION_GZIP else stored
+
+
+def parse(data: bytes, loc: TocLocation, where: str, expected: int = VERSION) -> Toc:
+    """The TOC's JSON, checked against its pinned digest and for a layout a reader can rely on."""
     if "sha256:" + hashlib.sha256(data).hexdigest() != loc.digest:
         raise DiskkitError(where, f"lazy TOC does not match its digest {loc.digest}")
     try:
         obj = json.loads(data)
-        toc = Toc(str(obj["disk"]), int(obj["offset"]), int(obj["size"]), int(obj["chunkSize"]), tuple(obj["chunks"]))
+        members = obj.get("members")
+        if members is not None:
+            members = tuple((int(o), int(n)) for o, n in members)
+        toc = Toc(str(obj["disk"]), int(obj["offset"]), int(obj["size"]), int(obj["chunkSize"]), tuple(obj["chunks"]), members)
         version = obj.get("version")
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, AttributeError):
         raise DiskkitError(where, "lazy TOC is not the JSON object diskkit writes") from None
-    if version != VERSION:
-        raise DiskkitError(where, f"lazy TOC version {version!r} is not supported (expected {VERSION})")
+    if version != expected or toc.version != expected:
+        raise DiskkitError(where, f"lazy TOC version {version!r} is not supported in this layer (expected {expected})")
     if toc.chunk_size < 4096 or toc.chunk_size % 4096:
         raise DiskkitError(where, f"lazy TOC chunk size {toc.chunk_size} is not a positive multiple of 4096")
     if toc.size <= 0 or toc.count != -(-toc.size // toc.chunk_size):
         raise DiskkitError(where, f"lazy TOC lists {toc.count} chunks for a {toc.size}-byte disk in {toc.chunk_size}-byte chunks")
-    if toc.offset <= 0 or toc.offset + toc.size > loc.offset:
+    if toc.members is not None:
+        _check_members(toc, loc, where)
+    elif toc.offset <= 0 or toc.offset + toc.size > loc.offset:
         raise DiskkitError(where, "lazy TOC places the disk outside the blob or over the TOC itself")
     if any(len(c) != 64 for c in toc.chunks):
         raise DiskkitError(where, "lazy TOC chunk digests must be sha256 hex")
     return toc
+
+
+def _check_members(toc: Toc, loc: TocLocation, where: str) -> None:
+    """Members back to back, one per chunk, after the tar headers and before the TOC: the head and
+    tail a reader keeps for the blob digest are then exactly the bytes around them."""
+    if len(toc.members) != toc.count:
+        raise DiskkitError(where, f"lazy TOC lists {len(toc.members)} gzip members for {toc.count} chunks")
+    at = toc.members[0][0]
+    if at <= 0 or toc.offset <= 0:
+        raise DiskkitError(where, "lazy TOC places the first chunk at the start of the blob, before any tar header")
+    for offset, length in toc.members:
+        if offset != at or length <= 0:
+            raise DiskkitError(where, f"lazy TOC's gzip members are not back to back (one at {offset}+{length}, expected at {at})")
+        at += length
+    if at > loc.offset:
+        raise DiskkitError(where, "lazy TOC places the chunks outside the blob or over the TOC itself")
 
 
 class ChunkHasher:

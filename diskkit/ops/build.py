@@ -6,7 +6,7 @@ import os
 import shutil
 import stat
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from diskkit.disk import diskheader, diskrules, qemuimg
@@ -17,7 +17,7 @@ from diskkit.disk.containerdisk import (
     path_problem,
 )
 from diskkit.errors import DiskkitError
-from diskkit.layers import lazytoc
+from diskkit.layers import lazygzip, lazytoc
 from diskkit.layers.layer import LayerResult, entries_for, write_layer
 from diskkit.oci.image import (
     Descriptor,
@@ -53,7 +53,9 @@ class BuildOptions:
     initrd: tuple[str, Path] | None = None
     compression: str = "gzip"
     level: int | None = None
-    lazy: bool = False  # uncompressed layer + chunk TOC: launchers can boot it before it has arrived
+    # Chunk TOC, so launchers boot it before it has arrived (gzip: TOC v2, none: TOC v1). None: v2
+    # wherever it costs nothing (a gzip layer in an OCI manifest), a plain layer elsewhere.
+    lazy: bool | None = None
     disk_format: str = "keep"
     platform: Platform = field(default_factory=lambda: Platform("linux", "amd64"))
     labels: dict[str, str] = field(default_factory=dict)
@@ -170,8 +172,11 @@ def build(opts: BuildOptions, reporter: Reporter, registry: RegistryOptions | No
     for artifact in (opts.kernel, opts.initrd):
         if artifact:
             check_input_file(artifact[1], "kernel-boot file")
-    if opts.lazy and opts.compression != "none":
-        raise DiskkitError("--lazy", f"writes an uncompressed layer (read at offsets); drop --compression {opts.compression}")
+    auto_lazy = opts.lazy is None
+    if auto_lazy:
+        opts = replace(opts, lazy=opts.compression == "gzip")
+    if opts.lazy and opts.compression not in ("gzip", "none"):
+        raise DiskkitError("--lazy", f"writes a gzip or an uncompressed layer (read at offsets), not a {opts.compression} one")
     sources = opts.platforms or [(opts.platform, opts.source)]
     infos = [examine_disk(source) for _, source in sources]  # refuse any bad input before writing anything
     workdir = Path(tempfile.mkdtemp(prefix="diskkit-build-"))
@@ -179,8 +184,11 @@ def build(opts: BuildOptions, reporter: Reporter, registry: RegistryOptions | No
         with open_destination(dest_ref, opts.created, registry) as dest:
             if opts.platforms and dest.docker_manifest:
                 raise DiskkitError(str(dest_ref), "docker-archive holds a single image; build one platform at a time")
-            if opts.lazy and (dest.docker_manifest or (dest.layer_compression or "none") != "none"):
-                raise DiskkitError(str(dest_ref), "--lazy needs OCI manifests with annotations and an uncompressed layer; use oci:, oci-archive: or a registry")
+            holds_toc = not dest.docker_manifest and (dest.layer_compression or opts.compression) == opts.compression
+            if auto_lazy and not holds_toc:
+                opts = replace(opts, lazy=False)  # docker manifests carry no layer annotations: a plain layer there
+            if opts.lazy and not holds_toc:
+                raise DiskkitError(str(dest_ref), f"--lazy needs OCI manifests with annotations and a {opts.compression} layer; use oci:, oci-archive: or a registry")
             built = [
                 _build_one(opts, dest, plat, source, info, workdir / str(i), reporter, child=bool(opts.platforms))
                 for i, ((plat, source), info) in enumerate(zip(sources, infos))
@@ -213,8 +221,11 @@ def _build_one(opts, dest, plat: Platform, source: Path, info, workdir: Path, re
 
     def send() -> LayerResult:
         with dest.blob_writer(layer_media) as pending, reporter.task(label, total) as task:
-            result = write_layer(entries, pending, compression, opts.level, opts.created, task.advance,
-                                 toc_for=image_disk_path.lstrip("/") if opts.lazy else None)
+            if opts.lazy and compression == "gzip":
+                result = lazygzip.write_layer(entries, pending, opts.level, opts.created, task.advance, image_disk_path.lstrip("/"))
+            else:
+                result = write_layer(entries, pending, compression, opts.level, opts.created, task.advance,
+                                     toc_for=image_disk_path.lstrip("/") if opts.lazy else None)
             pending.commit(result.digest, result.size)
         return result
 
@@ -228,7 +239,7 @@ def _build_one(opts, dest, plat: Platform, source: Path, info, workdir: Path, re
         ANNOTATION_PATH: image_disk_path,
         ANNOTATION_FORMAT: disk_format,
         ANNOTATION_VIRTUAL_SIZE: str(info.virtual_size),
-        **({lazytoc.ANNOTATION_LAZY: lazytoc.LAZY_VALUE} if layer.toc else {}),
+        **({lazytoc.ANNOTATION_LAZY: lazytoc.LAZY_VALUE_GZIP if compression == "gzip" else lazytoc.LAZY_VALUE} if layer.toc else {}),
         **opts.annotations,
     }
     manifest = make_manifest(config_desc, [layer_desc], annotations, docker)

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from diskkit.errors import DiskkitError
+from diskkit.layers import lazytoc
 from diskkit.oci import mediatypes as mt
 from diskkit.oci.image import (
     Descriptor,
@@ -244,7 +245,11 @@ class _Copier:
                         task.advance(len(chunk))
                 reader.drain()
                 writer.commit(f"sha256:{digest.hexdigest()}", size)
-            out.append({**desc.to_json(), "mediaType": target, "digest": f"sha256:{digest.hexdigest()}", "size": size})
+            # A lazy TOC's offsets are offsets in the old blob: the re-encoded layer is an ordinary one.
+            renamed = {**desc.to_json(), "mediaType": target, "digest": f"sha256:{digest.hexdigest()}", "size": size}
+            notes = lazytoc.without_toc(desc.annotations or {})
+            renamed.pop("annotations", None)
+            out.append({**renamed, **({"annotations": notes} if notes else {})})
             self._status(desc, "uploaded")
         data = canonical_json({**manifest, "layers": out})
         return self.dest.put_manifest(data, media, platform, child=child)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from diskkit.disk.containerdisk import (
     wanted,
 )
 from diskkit.errors import DiskkitError
+from diskkit.layers import lazytoc
 from diskkit.layers.imagefs import extract_one, walk
 from diskkit.oci.image import Image, Platform
 from diskkit.oci.reference import parse_ref
@@ -59,7 +61,8 @@ class Report:
         return not self.problems
 
 
-def scan(ref: str, platform: Platform | None, path: str | None, spool: Path, head_limit: int | None, registry: RegistryOptions | None):
+def scan(ref: str, platform: Platform | None, path: str | None, spool: Path, head_limit: int | None, registry: RegistryOptions | None,
+         kept: dict[str, Path] | None = None):
     """Stream the image once: the tree, where the disk is, and the disk spooled (sparse) into `spool`.
 
     With `head_limit` only that many bytes of each candidate are kept (enough to read a header).
@@ -68,12 +71,19 @@ def scan(ref: str, platform: Platform | None, path: str | None, spool: Path, hea
         image = source.image(platform)
         if path is None and head_limit:
             path = (image.manifest.get("annotations") or {}).get(ANNOTATION_PATH)
-        return (image, *scan_image(source, image, path, spool, head_limit))
+        return (image, *scan_image(source, image, path, spool, head_limit, kept=kept))
 
 
-def scan_image(source: Source, image: Image, path: str | None, spool: Path, head_limit: int | None = None, allow_root_file: bool = False):
-    """The tree, the located disk and its spooled file (None when it is missing or only partly kept)."""
-    tree, spooled = walk(source, image, wanted(path, allow_root_file), spool, head_limit)
+def scan_image(source: Source, image: Image, path: str | None, spool: Path, head_limit: int | None = None, allow_root_file: bool = False,
+               kept: dict[str, Path] | None = None):
+    """The tree, the located disk and its spooled file (None when it is missing or only partly kept).
+
+    With `kept`, the lazy TOC member is spooled too and its file put there."""
+    disk_candidate = wanted(path, allow_root_file)
+    want = disk_candidate if kept is None else (lambda p: disk_candidate(p) or p == lazytoc.TOC_MEMBER)
+    tree, spooled = walk(source, image, want, spool, head_limit)
+    if kept is not None and lazytoc.TOC_MEMBER in spooled and spooled[lazytoc.TOC_MEMBER].complete:
+        kept[lazytoc.TOC_MEMBER] = spooled[lazytoc.TOC_MEMBER].path
     found = locate(tree, path, allow_root_file=allow_root_file)
     disk_file = None
     if found.node is not None:
@@ -92,7 +102,8 @@ def verify(ref: str, path: str | None = None, platform: Platform | None = None, 
     spool = Path(tempfile.mkdtemp(prefix="diskkit-verify-"))
     try:
         try:
-            image, tree, found, disk_file = scan(ref, platform, path, spool, None, registry)
+            kept: dict[str, Path] = {}
+            image, tree, found, disk_file = scan(ref, platform, path, spool, None, registry, kept)
         except DiskkitError as exc:
             # Problems are printed after the reference already: naming it again says nothing.
             report.problems.append(exc.rule if exc.subject in _names(ref) else exc.line())
@@ -102,9 +113,38 @@ def verify(ref: str, path: str | None = None, platform: Platform | None = None, 
         fill(report.disk, found)
         if disk_file is not None:
             report.problems += disk_problems(disk_file, found.shown, report.disk)
+            report.problems += toc_problems(image, kept.get(lazytoc.TOC_MEMBER), disk_file, found.node.path)
         return report
     finally:
         shutil.rmtree(spool, ignore_errors=True)
+
+
+def toc_problems(image: Image, toc_file: Path | None, disk_file: Path, member: str) -> list[str]:
+    """A lazy image's TOC against the layer as unpacked: pinned by the annotations, and describing
+    the disk that is really there, chunk by chunk (a lazy reader trusts it for every byte it serves)."""
+    problems: list[str] = []
+    for index, layer in enumerate(image.layers):
+        where = f"layer {index} ({layer.digest[:19]})"
+        try:
+            loc = lazytoc.location(layer, where)
+            if loc is None:
+                continue
+            if toc_file is None:
+                problems.append(f"{where}: its annotations pin a lazy TOC, but the layer holds no /{lazytoc.TOC_MEMBER}")
+                continue
+            toc = lazytoc.parse(toc_file.read_bytes(), loc, where, lazytoc.version_for(layer.media_type))
+        except DiskkitError as exc:
+            problems.append(exc.line())
+            continue
+        if (toc.disk, toc.size) != (member, disk_file.stat().st_size):
+            problems.append(f"{where}: the lazy TOC describes /{toc.disk} ({toc.size} bytes), not the disk /{member} ({disk_file.stat().st_size} bytes)")
+            continue
+        with open(disk_file, "rb") as f:
+            for chunk, digest in enumerate(toc.chunks):
+                if hashlib.sha256(f.read(toc.chunk_size)).hexdigest() != digest:
+                    problems.append(f"{where}: the lazy TOC's digest of chunk {chunk} does not match /{member}")
+                    break
+    return problems
 
 
 def _names(ref: str) -> set[str]:

@@ -34,8 +34,7 @@ def compressor(kind: str, level: int | None = None) -> Compressor:
     if level is None:
         level = DEFAULT_LEVEL[kind]
     if kind == "gzip":
-        if not 0 <= level <= 3:
-            raise DiskkitError("--level", "gzip levels are 0-3 (ISA-L); 1 matches gzip's BestSpeed")
+        _check_gzip_level(level)
         return isal_zlib.compressobj(level, isal_zlib.DEFLATED, 31)
     if kind == "zstd":
         if not 1 <= level <= 19:
@@ -46,6 +45,19 @@ def compressor(kind: str, level: int | None = None) -> Compressor:
     if kind == "none":
         return _Identity()
     raise DiskkitError(kind, f"unknown compression; use one of {', '.join(KINDS)}")
+
+
+def _check_gzip_level(level: int) -> None:
+    if not 0 <= level <= 3:
+        raise DiskkitError("--level", "gzip levels are 0-3 (ISA-L); 1 matches gzip's BestSpeed")
+
+
+def gzip_member(data: bytes | memoryview, level: int | None = None) -> bytes:
+    """One complete gzip member (header mtime 0). Members concatenate into one gzip stream, and
+    ISA-L releases the GIL while compressing, so threads compress members on every core."""
+    level = DEFAULT_LEVEL["gzip"] if level is None else level
+    _check_gzip_level(level)
+    return isal_zlib.compress(data, level, 31)
 
 
 def sniff(head: bytes) -> str:

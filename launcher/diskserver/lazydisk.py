@@ -1,8 +1,9 @@
 """A containerDisk read at offsets straight from its registry blob: the chunk store behind a lazy export.
 
-The disk of a seekable image (one uncompressed layer, see diskkit.lazytoc) lies in the blob at a
-fixed offset. Reads fetch the chunks they touch with HTTP range requests, through the registry
-client (auth, TLS, retries); background threads prefetch the rest. Each chunk lands in a sparse
+The disk of a seekable image (one layer, see diskkit.lazytoc) lies in the blob at a fixed offset
+(v1, uncompressed) or as one gzip member per chunk (v2). Reads fetch the chunks they touch with HTTP
+range requests, through the registry client (auth, TLS, retries), inflating v2 members one by one;
+background threads prefetch the rest. Each chunk lands in a sparse
 file in the node cache and is marked in a bitmap that is persisted after the data is synced, so a
 restarted server resumes where it stopped.
 
@@ -18,7 +19,8 @@ is the export marked verified and the file moved into the cache's extracted-disk
     <root>/lazy/<export>/bitmap        one bit per chunk here (and verified, with a TOC)
     <root>/lazy/<export>/state.json    counters, verified flag
     <root>/lazy/<export>/refs.json     the images that resolved to it, recorded for pulls once installed
-    <root>/lazy/<export>/head, tail    the blob's bytes before and after the disk, for its digest
+    <root>/lazy/<export>/members.gz    v2: sparse; the chunks' gzip members as fetched, for the blob digest
+    <root>/lazy/<export>/head, tail    the blob's bytes before and after the disk (v2: its members), for its digest
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import shutil
 import tarfile
 import threading
 import time
+import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -159,6 +162,59 @@ class _RangeFile(io.RawIOBase):
         return n
 
 
+class _Framed(io.RawIOBase):
+    """The uncompressed tar of a v2 layer with its disk left out: the members before and after it
+    inflated, the disk a hole tarfile seeks past (it reads headers, never file data)."""
+
+    def __init__(self, head: bytes, hole: int, tail: bytes):
+        self.head, self.hole, self.tail = head, hole, tail
+        self.size = len(head) + hole + len(tail)
+        self.pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = {0: offset, 1: self.pos + offset, 2: self.size + offset}[whence]
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, buf) -> int:
+        n = min(len(buf), self.size - self.pos)
+        if n <= 0:
+            return 0
+        hole_end = len(self.head) + self.hole
+        if self.pos < len(self.head):
+            piece = self.head[self.pos : self.pos + n]
+        elif self.pos < hole_end:
+            piece = bytes(min(n, hole_end - self.pos))
+        else:
+            piece = self.tail[self.pos - hole_end : self.pos - hole_end + n]
+        buf[: len(piece)] = piece
+        self.pos += len(piece)
+        return len(piece)
+
+
+def _inflate_all(data: bytes, limit: int, where: str) -> bytes:
+    """Concatenated gzip members, as any gzip reader sees them, up to `limit` bytes."""
+    out = bytearray()
+    while data:
+        inflater = zlib.decompressobj(31)
+        try:
+            out += inflater.decompress(data, limit + 1 - len(out))
+        except zlib.error as exc:
+            raise DiskkitError(where, f"is not gzip ({exc})") from None
+        if len(out) > limit or not inflater.eof:
+            raise DiskkitError(where, f"does not inflate to at most {limit} bytes of whole gzip members")
+        data = inflater.unused_data
+    return bytes(out)
+
+
 # --- where the disk is -----------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -174,22 +230,40 @@ class Layout:
     size: int
     chunk_size: int
     chunks: tuple[str, ...] | None  # sha256 per chunk from the TOC; None: only the blob digest checks
+    members: tuple[tuple[int, int], ...] | None = None  # v2: each chunk's gzip member in the blob; `offset` is then in the tar
+    diff_id: str | None = None  # v2: the config's diffID, checked once the disk is complete (v1: the blob is its own)
 
     @property
     def name(self) -> str:
         return export_name(self.layer, self.member)
+
+    def chunk_range(self, index: int) -> tuple[int, int]:
+        """Disk byte range [start, end) of chunk `index`."""
+        start = index * self.chunk_size
+        return start, min(start + self.chunk_size, self.size)
+
+    @property
+    def data_start(self) -> int:
+        """Where the chunks' bytes begin in the blob; head is the blob before, tail after data_end."""
+        return self.members[0][0] if self.members else self.offset
+
+    @property
+    def data_end(self) -> int:
+        return sum(self.members[-1]) if self.members else self.offset + self.size
 
     @property
     def count(self) -> int:
         return -(-self.size // self.chunk_size)
 
     def to_json(self) -> dict:
-        return {**asdict(self), "chunks": list(self.chunks) if self.chunks is not None else None}
+        return {**asdict(self), "chunks": list(self.chunks) if self.chunks is not None else None,
+                "members": [list(m) for m in self.members] if self.members is not None else None}
 
     @classmethod
     def from_json(cls, obj: dict) -> "Layout":
-        chunks = obj.get("chunks")
-        return cls(**{**obj, "chunks": tuple(chunks) if chunks is not None else None})
+        chunks, members = obj.get("chunks"), obj.get("members")
+        return cls(**{**obj, "chunks": tuple(chunks) if chunks is not None else None,
+                      "members": tuple((int(o), int(n)) for o, n in members) if members is not None else None})
 
 
 def find_layout(image: Image, ranges: BlobRanges, registry_host: str, repository: str, path: str | None,
@@ -199,17 +273,26 @@ def find_layout(image: Image, ranges: BlobRanges, registry_host: str, repository
     Raises NotSeekable for images that must be pulled whole, DiskkitError for images `launcher pull`
     would refuse too."""
     if len(image.layers) != 1:
-        raise NotSeekable(shown, f"has {len(image.layers)} layers; lazy reads need a single uncompressed layer")
+        raise NotSeekable(shown, f"has {len(image.layers)} layers; lazy reads need a single layer, uncompressed or lazy gzip")
     layer = image.layers[0]
     kind = layer_compression(layer.media_type)
-    if kind != "none":
+    where = f"{shown}: layer {layer.digest[:19]}"
+    loc = lazytoc.location(layer, where)
+    toc: lazytoc.Toc | None = None
+    if kind == "gzip" and loc is not None:
+        stored = ranges.read(loc.offset, loc.size)
+        toc = lazytoc.parse(lazytoc.read_stored(stored, lazytoc.VERSION_GZIP, where), loc, where, lazytoc.VERSION_GZIP)
+        fileobj = _framed(ranges, toc, layer.size, shown, where)
+    elif kind != "none":
         raise NotSeekable(shown, f"its layer is {kind or layer.media_type}-compressed; build it with --lazy or --compression none")
-    if image.diff_ids != [layer.digest]:
+    elif image.diff_ids != [layer.digest]:
         raise DiskkitError(shown, f"layer {layer.digest[:19]} does not match the config's diffID (an uncompressed layer is its own diffID)")
+    else:
+        fileobj = _RangeFile(ranges)
     tree = Tree()
     data_at: dict[str, tuple[int, int]] = {}
     try:
-        with tarfile.open(fileobj=_RangeFile(ranges), mode="r:", errorlevel=2) as tar:
+        with tarfile.open(fileobj=fileobj, mode="r:", errorlevel=2) as tar:
             for count, member in enumerate(tar):
                 if count >= MAX_MEMBERS:
                     raise NotSeekable(shown, f"its layer has more than {MAX_MEMBERS} entries")
@@ -230,16 +313,31 @@ def find_layout(image: Image, ranges: BlobRanges, registry_host: str, repository
     if size == 0:
         raise DiskkitError(shown, f"{found.shown} is empty")
     chunk_size, chunks = lazytoc.chunk_size_for(size), None
-    where = f"{shown}: layer {layer.digest[:19]}"
-    loc = lazytoc.location(layer, where)
-    if loc is not None:
+    if toc is None and loc is not None:
         toc = lazytoc.parse(ranges.read(loc.offset, loc.size), loc, where)
+    if toc is not None:
         if (toc.disk, toc.offset, toc.size) != (member, offset, size):
             raise DiskkitError(where, f"the lazy TOC describes /{toc.disk} at {toc.offset}+{toc.size}, but the layer holds /{member} at {offset}+{size}")
         chunk_size, chunks = toc.chunk_size, toc.chunks
-    if layer.size - size > MAX_HEAD_TAIL:
-        raise NotSeekable(shown, f"its layer holds {layer.size - size} bytes besides the disk")
-    return Layout(registry_host, repository, layer.digest, layer.size, member, offset, size, chunk_size, chunks)
+    v2 = toc is not None and toc.members is not None
+    layout = Layout(registry_host, repository, layer.digest, layer.size, member, offset, size, chunk_size, chunks,
+                    toc.members if v2 else None, (image.diff_ids or [None])[0] if v2 else None)
+    besides = layer.size - (layout.data_end - layout.data_start)
+    if besides > MAX_HEAD_TAIL:
+        raise NotSeekable(shown, f"its layer holds {besides} bytes besides the disk")
+    return layout
+
+
+def _framed(ranges: BlobRanges, toc: lazytoc.Toc, layer_size: int, shown: str, where: str) -> _Framed:
+    """The tar headers of a v2 layer: its members before and after the disk's, inflated."""
+    start, end = toc.members[0][0], sum(toc.members[-1])
+    if start + layer_size - end > MAX_HEAD_TAIL:
+        raise NotSeekable(shown, f"its layer holds {start + layer_size - end} bytes besides the disk")
+    head = _inflate_all(ranges.read(0, start), toc.offset, f"{where}: the members before the disk")
+    if len(head) != toc.offset:
+        raise DiskkitError(where, f"the lazy TOC places the disk at {toc.offset} in the tar, but the members before it hold {len(head)} bytes")
+    tail = _inflate_all(ranges.read(end, layer_size - end), 4 * MAX_HEAD_TAIL, f"{where}: the members after the disk")
+    return _Framed(head, toc.size, tail)
 
 
 # --- the chunk store -------------------------------------------------------------------------------
@@ -338,6 +436,8 @@ class LazyDisk:
         self._zero = bytes(layout.chunk_size)
         self._prepare()
         self.fd = os.open(self.dir / "disk.img", os.O_RDWR)
+        # v2 keeps each member as it arrives: the blob digest at the end needs no second fetch.
+        self.members_fd = os.open(self.dir / "members.gz", os.O_RDWR) if layout.members is not None else None
         self.present = _unpack((self.dir / "bitmap").read_bytes(), layout.count)
         state = cache.read_json(self.dir / "state.json") or {}
         for k, v in (state.get("stats") or {}).items():
@@ -360,11 +460,13 @@ class LazyDisk:
         staging.mkdir()
         try:
             lay = self.layout
-            (staging / "head").write_bytes(self.ranges.read(0, lay.offset))
-            tail_at = lay.offset + lay.size
-            (staging / "tail").write_bytes(self.ranges.read(tail_at, lay.layer_size - tail_at))
+            (staging / "head").write_bytes(self.ranges.read(0, lay.data_start))
+            (staging / "tail").write_bytes(self.ranges.read(lay.data_end, lay.layer_size - lay.data_end))
             with open(staging / "disk.img", "wb") as f:
                 f.truncate(lay.size)  # sparse: chunks not fetched yet read as holes nobody is shown
+            if lay.members is not None:
+                with open(staging / "members.gz", "wb") as f:
+                    f.truncate(lay.data_end - lay.data_start)
             (staging / "bitmap").write_bytes(bytes((lay.count + 7) // 8))
             write_atomic(staging / "source.json", json.dumps({"layout": lay.to_json()}, indent=2).encode())
             if self.dir.exists():
@@ -394,6 +496,8 @@ class LazyDisk:
         self._save(force=True)
         if not any(thread.is_alive() for thread in self.threads):
             os.close(self.fd)  # else a stuck fetcher may still write to it: it goes with the process
+            if self.members_fd is not None:
+                os.close(self.members_fd)
 
     def add_ref(self, ref: Ref) -> None:
         """Kept with the state, so a server restarted before the end still records every image."""
@@ -499,10 +603,12 @@ class LazyDisk:
 
     def _fetch_run(self, first: int, end: int) -> bool:
         lay = self.layout
-        start = first * lay.chunk_size
-        stop = min(end * lay.chunk_size, lay.size)
+        if lay.members is None:
+            start, stop = lay.offset + first * lay.chunk_size, lay.offset + min(end * lay.chunk_size, lay.size)
+        else:
+            start, stop = lay.members[first][0], sum(lay.members[end - 1])
         try:
-            data = self.ranges.read(lay.offset + start, stop - start)
+            data = self.ranges.read(start, stop - start)
         except DiskkitError as exc:
             self.stats.failed_fetches += 1
             self.last_failure = exc.line()
@@ -513,12 +619,14 @@ class LazyDisk:
         good: list[int] = []
         bad: list[int] = []
         for index in range(first, end):
-            piece = view[(index - first) * lay.chunk_size : min((index - first + 1) * lay.chunk_size, len(view))]
-            if lay.chunks is not None and hashlib.sha256(piece).hexdigest() != lay.chunks[index]:
+            piece, stored = self._chunk(view, start, index)
+            if piece is None or (lay.chunks is not None and hashlib.sha256(piece).hexdigest() != lay.chunks[index]):
                 bad.append(index)
                 continue
             if self.stale_data or piece != self._zero[: len(piece)]:
                 os.pwrite(self.fd, piece, index * lay.chunk_size)  # zero chunks stay holes
+            if stored is not None:
+                os.pwrite(self.members_fd, stored, lay.members[index][0] - lay.data_start)
             good.append(index)
         with self.lock:
             for index in good:
@@ -534,6 +642,21 @@ class LazyDisk:
             # Readers fetched the last gaps: verify now rather than when a (throttled) prefetcher wakes.
             threading.Thread(target=self._complete, name="verify", daemon=True).start()
         return not bad
+
+    def _chunk(self, view: memoryview, start: int, index: int) -> tuple[bytes | memoryview | None, memoryview | None]:
+        """Chunk `index` out of the blob bytes fetched from `start`, and (v2) its member as stored;
+        None for a member that does not inflate to exactly the chunk's length."""
+        lay = self.layout
+        low, high = lay.chunk_range(index)
+        if lay.members is None:
+            return view[low + lay.offset - start : high + lay.offset - start], None
+        at, length = lay.members[index]
+        stored = view[at - start : at - start + length]
+        try:
+            piece = lazytoc.inflate(stored, high - low, f"chunk {index}")
+        except DiskkitError:
+            return None, stored
+        return (piece if len(piece) == high - low else None), stored
 
     def _claim_prefetch(self) -> list[int] | None:
         """The next run of missing, unclaimed chunks from the cursor on (wrapping); None when none is left."""
@@ -603,6 +726,12 @@ class LazyDisk:
             if digest != self.layout.layer:
                 self._verification_failed(digest)
                 return
+            if self.layout.diff_id is not None and (diff := self._diff_id()) != self.layout.diff_id:
+                # The blob is the one the manifest names, so is every chunk: the config disagrees, as a pull would find.
+                self.failed = f"layer {self.layout.layer[:19]} unpacks to {diff[:19]}, not the config's diffID {self.layout.diff_id[:19]}"
+                self.verified.set()
+                log.warning("%s: %s", self.name, self.failed)
+                return
             self.verified.set()
             self._save(force=True)
             log.info("%s: complete and verified (%s)", self.name, self.layout.layer)
@@ -613,11 +742,26 @@ class LazyDisk:
             with self.lock:
                 self._completing = False
 
-    def _blob_digest(self) -> str:
-        blob = hashlib.sha256((self.dir / "head").read_bytes())
+    def _diff_id(self) -> str:
+        """sha256 of the uncompressed tar: the head's members, the disk, the tail's members."""
+        diff = hashlib.sha256(_inflate_all((self.dir / "head").read_bytes(), self.layout.offset, "the layer's head"))
         offset = 0
         while offset < self.layout.size:
             piece = os.pread(self.fd, min(4 << 20, self.layout.size - offset), offset)
+            if not piece:
+                break
+            diff.update(piece)
+            offset += len(piece)
+        diff.update(_inflate_all((self.dir / "tail").read_bytes(), 4 * MAX_HEAD_TAIL, "the layer's tail"))
+        return "sha256:" + diff.hexdigest()
+
+    def _blob_digest(self) -> str:
+        blob = hashlib.sha256((self.dir / "head").read_bytes())
+        offset = 0
+        fd = self.fd if self.members_fd is None else self.members_fd
+        size = self.layout.data_end - self.layout.data_start
+        while offset < size:
+            piece = os.pread(fd, min(4 << 20, size - offset), offset)
             if not piece:
                 break
             blob.update(piece)
@@ -656,7 +800,7 @@ class LazyDisk:
         for ref in refs:
             record(self.cache, ref, final)
         write_atomic(self.dir / "source.json", json.dumps({"layout": lay.to_json(), "installed": str(final)}, indent=2).encode())
-        for leftover in ("head", "tail", "bitmap", "disk.img", "refs.json"):
+        for leftover in ("head", "tail", "bitmap", "disk.img", "members.gz", "refs.json"):
             (self.dir / leftover).unlink(missing_ok=True)
         log.info("%s: installed as %s", self.name, final)
 
@@ -680,6 +824,8 @@ class LazyDisk:
                 packed = _pack(self.present)
                 self.dirty = False
             os.fdatasync(self.fd)
+            if self.members_fd is not None:
+                os.fdatasync(self.members_fd)
             write_atomic(self.dir / "bitmap", packed)
             write_atomic(self.dir / "state.json", json.dumps(self.status(), indent=2).encode())
 

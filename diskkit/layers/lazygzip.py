@@ -1,0 +1,177 @@
+"""Write a lazy gzip layer (TOC version 2, see lazytoc): one gzip member per disk chunk, in one pass.
+
+A reader thread frames the tar, hashes the diffID and cuts the stream into members: the disk's
+data exactly at chunk boundaries, everything else in pieces of at most CHUNK bytes. Each member is
+compressed (and, for a chunk, hashed) on a thread pool, so every core compresses; the futures go
+through a bounded queue in stream order, so memory stays flat whatever the disk size. The calling
+thread takes them in order, notes each chunk's offset in the blob and hands the bytes to the blob
+writer (digest + sink, as for any layer). The TOC is written last, when every offset is known.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from diskkit.errors import DiskkitError
+from diskkit.layers import lazytoc
+from diskkit.layers.layer import (
+    CHUNK,
+    DIR_MODE,
+    BlobSink,
+    BlobWriter,
+    Entry,
+    LayerResult,
+    Stopped,
+    member_header,
+    tar_header,
+)
+from diskkit.streams.compression import gzip_member
+
+WORKERS = os.cpu_count() or 2
+
+
+def _compress(data: bytes, level: int | None, chunk: bool) -> tuple[bytes, str | None]:
+    return gzip_member(data, level), hashlib.sha256(data).hexdigest() if chunk else None
+
+
+class _Framer:
+    """The producer: tar bytes in stream order, cut into members and submitted to the pool."""
+
+    def __init__(self, pool: ThreadPoolExecutor, out: queue.Queue, diff, stop: threading.Event, level: int | None):
+        self.pool, self.out, self.diff, self.stop, self.level = pool, out, diff, stop, level
+        self.position = 0  # in the uncompressed tar
+        self.pending = bytearray()
+
+    def add(self, data: bytes | memoryview) -> None:
+        self.pending += data
+        if len(self.pending) >= CHUNK:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.pending:
+            self.submit(bytes(self.pending), chunk=False)
+            self.pending = bytearray()
+
+    def submit(self, data: bytes, chunk: bool) -> None:
+        self.diff.update(data)
+        self.position += len(data)
+        self.put((chunk, self.pool.submit(_compress, data, self.level, chunk), len(data)))
+
+    def put(self, item) -> None:
+        while not self.stop.is_set():
+            try:
+                self.out.put(item, timeout=0.2)
+                return
+            except queue.Full:
+                continue
+        raise Stopped
+
+
+def _produce(entries: list[Entry], mtime: int, framer: _Framer, toc_for: str, found: list) -> None:
+    try:
+        for entry in entries:
+            framer.add(tar_header(entry, mtime))
+            if entry.is_dir:
+                continue
+            disk = entry.path == toc_for
+            if disk:
+                framer.flush()  # the first chunk starts a member of its own
+                found.append((framer.position, entry.size, lazytoc.chunk_size_for(entry.size)))
+            piece = found[-1][2] if disk else CHUNK
+            copied = 0
+            with open(entry.source, "rb") as src:
+                os.posix_fadvise(src.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                # A buffered read returns short only at the end of the file: chunks end where they should.
+                while copied < entry.size and (data := src.read(min(piece, entry.size - copied))):
+                    copied += len(data)
+                    if disk:
+                        framer.submit(data, chunk=True)
+                    else:
+                        framer.add(data)
+                copied += len(src.read(1))  # a file that grew is refused too
+            if copied != entry.size:
+                raise DiskkitError(entry.source, f"changed while being read ({entry.size} bytes expected, {copied} read)")
+            if entry.size % 512:
+                framer.add(bytes(512 - entry.size % 512))
+        framer.flush()
+        framer.put(None)
+    except Stopped:
+        pass
+    except BaseException as exc:  # handed to the consumer, which re-raises it in the caller's thread
+        framer.out.put(exc)
+
+
+def write_layer(
+    entries: list[Entry],
+    sink: BlobSink,
+    level: int | None = None,
+    mtime: int = 0,
+    advance: Callable[[int], None] | None = None,
+    toc_for: str = "",
+) -> LayerResult:
+    """The layer, with a version-2 TOC for the member `toc_for` (the disk)."""
+    if not any(e.path == toc_for and not e.is_dir for e in entries):
+        raise DiskkitError(f"/{toc_for}", "is not a file in the layer, so no lazy TOC can describe it")
+    diff = hashlib.sha256()
+    futures: queue.Queue = queue.Queue(2 * WORKERS + 2)  # compressing or done, not yet written
+    stop = threading.Event()
+    found: list[tuple[int, int, int]] = []
+    pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="gzip")
+    framer = _Framer(pool, futures, diff, stop, level)
+    reader = threading.Thread(target=_produce, args=(entries, mtime, framer, toc_for, found), daemon=True)
+    writer = BlobWriter(sink, hashed=True)
+    reader.start()
+    writer.start()
+    position = 0
+    members: list[tuple[int, int]] = []
+    digests: list[str] = []
+
+    def emit(data: bytes) -> int:
+        nonlocal position
+        at = position
+        writer.put(data)
+        position += len(data)
+        return at
+
+    try:
+        while True:
+            item = futures.get()
+            if item is None:
+                break
+            if isinstance(item, BaseException):
+                raise item
+            chunk, future, raw = item
+            data, digest = future.result()
+            at = emit(data)
+            if chunk:
+                members.append((at, len(data)))
+                digests.append(digest)
+            if advance:
+                advance(raw)
+        # The reader is done with the diffID: the TOC member and the trailer are hashed here.
+        disk_at, size, chunk_size = found[0]
+        toc = lazytoc.Toc(toc_for, disk_at, size, chunk_size, tuple(digests), tuple(members))
+        doc = toc.render()
+        headers = member_header(lazytoc.TOC_DIR, DIR_MODE, 0, mtime, directory=True) + member_header(lazytoc.TOC_MEMBER, 0o444, len(doc), mtime)
+        trailer = bytes(-len(doc) % 512) + bytes(1024)
+        for part in (headers, doc, trailer):
+            diff.update(part)
+        emit(gzip_member(headers, level))
+        toc_member = gzip_member(doc, level)  # a member of its own: a reader fetches and inflates just it
+        toc_at = emit(toc_member)
+        emit(gzip_member(trailer, level))
+    finally:
+        stop.set()
+        reader.join()
+        pool.shutdown(wait=True, cancel_futures=True)
+        writer.queue.put(None)
+        writer.join()
+    if writer.error is not None:
+        raise writer.error
+    loc = lazytoc.TocLocation(toc_at, len(toc_member), "sha256:" + hashlib.sha256(doc).hexdigest())
+    return LayerResult("sha256:" + writer.hash.hexdigest(), writer.size, "sha256:" + diff.hexdigest(), "gzip", loc)

@@ -1,0 +1,292 @@
+"""Lazy images v2 (`diskkit build --lazy`): a gzip layer of one member per disk chunk. The layer is
+taken apart with zlib alone, unpacked by skopeo+umoci, podman, buildah and docker 20.10, pulled
+whole by `launcher pull`, and served chunk by chunk by the disk server, which refuses a corrupted
+member (fault proxy) and fetches it again."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import os
+import random
+import shutil
+import tarfile
+import zlib
+from pathlib import Path
+
+import pytest
+
+from diskkit.layers import lazytoc
+from tests.conftest import run, run_diskkit, run_launcher
+from tests.engines import podman_env
+from tests.faultproxy import Fault
+from tests.lazyhost import (
+    control,
+    disk_server,
+    export_status,
+    image_toc,
+    open_export,
+    wait_for,
+)
+
+NOREG = "--tls-verify=false"
+MIB = 1 << 20
+GZIP_LAYER = "application/vnd.oci.image.layer.v1.tar+gzip"
+
+
+@pytest.fixture(scope="module")
+def disk(tmp_path_factory) -> Path:
+    """24 chunks: compressible text, 6 MiB of zeros (holes in a sparse file), random bytes, a short last chunk."""
+    rng = random.Random(5)
+    words = [bytes(rng.choices(b"abcdefghij klmnop", k=rng.randint(2, 9))) for _ in range(500)]
+    text = b" ".join(rng.choices(words, k=3 << 20))[: 8 * MIB]
+    out = tmp_path_factory.mktemp("lazygz") / "guest.img"
+    out.write_bytes(text + bytes(6 * MIB) + rng.randbytes(9 * MIB + 12345))
+    return out
+
+
+@pytest.fixture(scope="module")
+def layout(tmp_path_factory, disk) -> Path:
+    out = tmp_path_factory.mktemp("lazygz-layout") / "layout"
+    built = run_diskkit("build", "--lazy", disk, "-t", f"oci:{out}:v2")
+    assert built.code == 0, built.err
+    return out
+
+
+def blob(layout: Path, digest: str) -> bytes:
+    return (layout / "blobs" / "sha256" / digest.removeprefix("sha256:")).read_bytes()
+
+
+def manifest_of(layout: Path) -> dict:
+    index = json.loads((layout / "index.json").read_text())
+    return json.loads(blob(layout, index["manifests"][0]["digest"]))
+
+
+def test_v2_layer_is_one_gzip_member_per_chunk(tmp_path, layout, disk):
+    manifest = manifest_of(layout)
+    assert manifest["annotations"][lazytoc.ANNOTATION_LAZY] == "toc-v2"
+    (layer,) = manifest["layers"]
+    assert layer["mediaType"] == GZIP_LAYER
+    data = blob(layout, layer["digest"])
+    config = json.loads(blob(layout, manifest["config"]["digest"]))
+    tar_bytes = gzip.decompress(data)  # concatenated members read as one gzip stream
+    whole = bytearray()
+    rest = data
+    while rest:  # every member read alone, as a reader of one chunk reads it
+        inflater = zlib.decompressobj(31)
+        whole += inflater.decompress(rest)
+        assert inflater.eof
+        rest = inflater.unused_data
+    assert bytes(whole) == tar_bytes
+    assert config["rootfs"]["diff_ids"] == ["sha256:" + hashlib.sha256(tar_bytes).hexdigest()]
+
+    # The annotations pin the TOC's own member; the TOC pins each chunk's member.
+    notes = layer["annotations"]
+    at, size = int(notes[lazytoc.ANNOTATION_TOC_OFFSET]), int(notes[lazytoc.ANNOTATION_TOC_SIZE])
+    doc = zlib.decompress(data[at : at + size], 31)
+    assert "sha256:" + hashlib.sha256(doc).hexdigest() == notes[lazytoc.ANNOTATION_TOC_DIGEST]
+    toc = json.loads(doc)
+    content = disk.read_bytes()
+    assert toc["version"] == 2 and toc["disk"] == f"disk/{disk.name}" and toc["size"] == len(content) and toc["chunkSize"] == MIB
+    assert tar_bytes[toc["offset"] : toc["offset"] + toc["size"]] == content
+    assert len(toc["members"]) == len(toc["chunks"]) == 24
+    for index, ((offset, length), digest) in enumerate(zip(toc["members"], toc["chunks"])):
+        inflater = zlib.decompressobj(31)
+        chunk = inflater.decompress(data[offset : offset + length])
+        assert inflater.eof and not inflater.unused_data, index  # exactly one member
+        assert chunk == content[index * MIB : (index + 1) * MIB] and hashlib.sha256(chunk).hexdigest() == digest
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+        assert [m.name for m in tar] == ["disk", f"disk/{disk.name}", ".diskkit", ".diskkit/lazy-toc.json"]
+    # Compressed after all: the text and the zeros shrink, the random chunks stay.
+    assert len(data) < len(content) * 0.75
+    verified = run_diskkit("verify", f"oci:{layout}:v2")
+    assert verified.code == 0, verified.err
+    again = run_diskkit("build", "--lazy", disk, "-t", f"oci:{tmp_path / 'again'}:v2")
+    assert again.last_line == json.loads((layout / "index.json").read_text())["manifests"][0]["digest"]  # reproducible
+
+
+def test_verify_refuses_a_toc_that_disagrees_with_the_layer(tmp_path, disk):
+    """The TOC is checked against the layer verify unpacks: a chunk digest changed (and the TOC re-pinned) is caught."""
+    out = tmp_path / "layout"
+    assert run_diskkit("build", "--lazy", disk, "-t", f"oci:{out}:v2").code == 0
+    manifest = manifest_of(out)
+    layer = manifest["layers"][0]
+    data = blob(out, layer["digest"])
+    notes = layer["annotations"]
+    at, size = int(notes[lazytoc.ANNOTATION_TOC_OFFSET]), int(notes[lazytoc.ANNOTATION_TOC_SIZE])
+    toc = json.loads(zlib.decompress(data[at : at + size], 31))
+    toc["chunks"][3] = "0" * 64
+    _rewrite_toc(out, manifest, data, at, size, json.dumps(toc, separators=(",", ":"), sort_keys=True).encode())
+    refused = run_diskkit("verify", f"oci:{out}:v2")
+    assert refused.code != 0 and "chunk 3" in refused.err and "lazy TOC" in refused.err, refused.err
+
+
+def _rewrite_toc(layout: Path, manifest: dict, data: bytes, at: int, size: int, doc: bytes) -> None:
+    """A forged layer: the TOC member replaced, every digest on the way up recomputed (a consistent lie)."""
+    member = gzip.compress(doc, mtime=0)
+    new = data[:at] + member + data[at + size :]
+    digest = "sha256:" + hashlib.sha256(new).hexdigest()
+    (layout / "blobs" / "sha256" / digest[7:]).write_bytes(new)
+    layer = manifest["layers"][0]
+    layer.update(digest=digest, size=len(new))
+    layer["annotations"][lazytoc.ANNOTATION_TOC_SIZE] = str(len(member))
+    layer["annotations"][lazytoc.ANNOTATION_TOC_DIGEST] = "sha256:" + hashlib.sha256(doc).hexdigest()
+    _rewrite_config(layout, manifest, "sha256:" + hashlib.sha256(gzip.decompress(new)).hexdigest())
+
+
+def _rewrite_config(layout: Path, manifest: dict, diff_id: str) -> None:
+    """The config's diffID set, the config, manifest and index digests recomputed."""
+    config = json.loads(blob(layout, manifest["config"]["digest"]))
+    config["rootfs"]["diff_ids"] = [diff_id]
+    cbytes = json.dumps(config, separators=(",", ":"), sort_keys=True).encode()
+    (layout / "blobs" / "sha256" / hashlib.sha256(cbytes).hexdigest()).write_bytes(cbytes)
+    manifest["config"].update(digest="sha256:" + hashlib.sha256(cbytes).hexdigest(), size=len(cbytes))
+    mbytes = json.dumps(manifest, separators=(",", ":"), sort_keys=True).encode()
+    (layout / "blobs" / "sha256" / hashlib.sha256(mbytes).hexdigest()).write_bytes(mbytes)
+    index = json.loads((layout / "index.json").read_text())
+    index["manifests"][0].update(digest="sha256:" + hashlib.sha256(mbytes).hexdigest(), size=len(mbytes))
+    (layout / "index.json").write_text(json.dumps(index))
+
+
+def test_peers_unpack_the_v2_layer_byte_identical(tmp_path, layout, disk, registry, dockerd):
+    content_digest = hashlib.sha256(disk.read_bytes()).hexdigest()
+    inside = f"disk/{disk.name}"
+
+    def same(path: Path) -> bool:
+        return hashlib.sha256(path.read_bytes()).hexdigest() == content_digest
+
+    # skopeo copies it (blobs as they are), umoci unpacks the copy.
+    copied = tmp_path / "copied"
+    run("skopeo", "copy", f"oci:{layout}:v2", f"oci:{copied}:v2")
+    run("umoci", "unpack", "--rootless", "--image", f"{copied}:v2", tmp_path / "bundle")
+    assert same(tmp_path / "bundle" / "rootfs" / inside)
+
+    # podman and buildah, each into a private vfs store, from an oci-archive made by skopeo.
+    archive = tmp_path / "v2.tar"
+    run("skopeo", "copy", f"oci:{layout}:v2", f"oci-archive:{archive}:v2")
+    for tool in ("podman", "buildah"):
+        store = tmp_path / f"store-{tool}"
+        store.mkdir()
+        env = {**os.environ, **podman_env(store), "STORAGE_DRIVER": "vfs"}
+        image = run(tool, "pull", "-q", f"oci-archive:{archive}", env=env).stdout.strip().splitlines()[-1]
+        if tool == "podman":
+            mounted = run("podman", "image", "mount", image, env=env).stdout.strip()
+        else:
+            container = run("buildah", "from", "-q", image, env=env).stdout.strip()
+            mounted = run("buildah", "mount", container, env=env).stdout.strip()
+        assert same(Path(mounted) / inside), tool
+
+    # docker 20.10 pulls it from the loopback registry and hands the file back from a created container.
+    remote = f"{registry.host}/lazygz/peer:v2"
+    assert run_diskkit("push", NOREG, f"oci:{layout}:v2", remote).code == 0
+    client = dockerd.client()
+    client.images.pull(remote)
+    container = client.containers.create(remote, command=["/none"])
+    try:
+        stream, _ = container.get_archive(f"/{inside}")
+        with tarfile.open(fileobj=io.BytesIO(b"".join(stream))) as tar:
+            got = tar.extractfile(disk.name).read()
+        assert hashlib.sha256(got).hexdigest() == content_digest
+    finally:
+        container.remove()
+
+
+@pytest.fixture(scope="module")
+def remote(registry, disk) -> str:
+    ref = f"{registry.host}/lazygz/guest:v2"
+    result = run_diskkit("build", NOREG, "--lazy", disk, "-t", ref)
+    assert result.code == 0, result.err
+    return ref
+
+
+def test_served_chunk_by_chunk_then_installed_without_a_second_fetch(tmp_path, registry, remote, disk):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    toc = image_toc(registry, remote)
+    with disk_server(cache, "--prefetch-rate", "2M"):
+        answer = open_export(cache, remote)
+        url, name = answer["url"], answer["export"]
+        assert export_status(cache, name)["present"] < 24  # demand reads below fill the gaps
+        assert run("qemu-img", "compare", "-f", "raw", "-F", "raw", url, disk).stdout.strip() == "Images are identical."
+        status = wait_for(lambda: (s := export_status(cache, name))["installed"] and s, 120, "the disk to be verified and installed")
+    assert status["verified"] and status["toc"] and status["stats"]["corrupt_chunks"] == 0
+    assert status["stats"]["demand_fetches"] > 0
+    # Each member travelled once: the blob digest came from the members kept as they arrived.
+    assert status["stats"]["fetched_bytes"] == sum(length for _, length in toc["members"])
+    assert Path(status["installed"]).read_bytes() == disk.read_bytes()
+    assert not (cache / "lazy" / name / "members.gz").exists()
+    blob_gets = registry.log_text().count(f"/blobs/{answer['layer']}")
+    pulled = run_launcher("pull", "--cache-dir", cache, NOREG, "--json", remote)
+    assert pulled.code == 0, pulled.err
+    assert json.loads(pulled.out)["path"] == status["installed"]
+    assert registry.log_text().count(f"/blobs/{answer['layer']}") == blob_gets
+
+
+def test_a_corrupted_member_is_refused_and_fetched_again(tmp_path, registry, fault_proxy, remote, disk):
+    toc = image_toc(registry, remote)
+    proxy = fault_proxy(registry)
+    # One bit flipped inside chunk 0's member, in the first response that starts there (the open's header probe).
+    at, length = toc["members"][0]
+    proxy.add(Fault("GET", r"/blobs/sha256:", "flip", times=1, arg=length // 2, header=("Range", rf"^bytes={at}-")))
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with disk_server(cache, "--prefetch-rate", "1K"):  # no prefetching: every chunk is read on demand
+        answer = open_export(cache, remote.replace(registry.host, proxy.host))
+        assert run("qemu-img", "compare", "-f", "raw", "-F", "raw", answer["url"], disk).stdout.strip() == "Images are identical."
+        assert not proxy.pending  # the flip happened, and was never served
+        status = wait_for(lambda: (s := export_status(cache, answer["export"]))["verified"] and s, 120, "verification")
+    assert status["stats"]["corrupt_chunks"] == 1 and status["stats"]["verify_attempts"] == 1, status
+    assert status["installed"] and Path(status["installed"]).read_bytes() == disk.read_bytes()
+
+
+def test_launcher_pull_takes_a_v2_image_whole(tmp_path, remote, disk):
+    pulled = run_launcher("pull", "--cache-dir", tmp_path / "cache", NOREG, "--json", remote)
+    assert pulled.code == 0, pulled.err
+    assert Path(json.loads(pulled.out)["path"]).read_bytes() == disk.read_bytes()
+
+
+def test_the_server_refuses_a_toc_it_cannot_rely_on_and_a_wrong_diffid(tmp_path, registry, disk):
+    """Members not back to back are refused at open, in one line; a config whose diffID is not the
+    layer's is found once the disk is complete: nothing is installed, as a pull would refuse it."""
+    out = tmp_path / "layout"
+    assert run_diskkit("build", "--lazy", disk, "-t", f"oci:{out}:v2").code == 0
+    manifest = manifest_of(out)
+    data = blob(out, manifest["layers"][0]["digest"])
+    notes = manifest["layers"][0]["annotations"]
+    at, size = int(notes[lazytoc.ANNOTATION_TOC_OFFSET]), int(notes[lazytoc.ANNOTATION_TOC_SIZE])
+    toc = json.loads(zlib.decompress(data[at : at + size], 31))
+    toc["members"][2][0] += 1  # a gap between members 1 and 2
+    doc = json.dumps(toc, separators=(",", ":"), sort_keys=True).encode()
+    gapped = tmp_path / "gapped"
+    shutil.copytree(out, gapped)
+    _rewrite_toc(gapped, json.loads(json.dumps(manifest)), data, at, size, doc)
+    wrong = tmp_path / "wrong"
+    shutil.copytree(out, wrong)
+    _rewrite_config(wrong, json.loads(json.dumps(manifest)), "sha256:" + "1" * 64)
+    refs = {}
+    for name, layout in (("gapped", gapped), ("wrong", wrong)):
+        refs[name] = f"{registry.host}/lazygz/{name}:v2"
+        assert run_diskkit("push", NOREG, f"oci:{layout}:v2", refs[name]).code == 0
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with disk_server(cache):
+        refused = control(cache, {"op": "open", "image": refs["gapped"], "registry": {"tls_verify": False}})
+        assert not refused["ok"] and "lazy TOC's gzip members are not back to back" in refused["error"], refused
+        answer = open_export(cache, refs["wrong"])
+        status = wait_for(lambda: (s := export_status(cache, answer["export"]))["failed"] and s, 120, "the diffID check")
+    assert "not the config's diffID sha256:11111111111" in status["failed"] and not status["installed"], status
+
+
+def test_a_re_encoded_copy_drops_the_toc_annotations(tmp_path, layout, disk):
+    """The TOC's offsets are offsets in this blob: a copy that recompresses the layer keeps the TOC
+    member inside (it is part of the tar) but not the annotations that would point into the old blob."""
+    copied = tmp_path / "zstd"
+    result = run_diskkit("copy", "--dest-compress-format", "zstd", f"oci:{layout}:v2", f"oci:{copied}:v2")
+    assert result.code == 0, result.err
+    (layer,) = manifest_of(copied)["layers"]
+    assert layer["mediaType"] == "application/vnd.oci.image.layer.v1.tar+zstd"
+    assert not any(k.startswith("io.diskkit.lazy.toc.") for k in layer.get("annotations", {})), layer
+    verified = run_diskkit("verify", f"oci:{copied}:v2")
+    assert verified.code == 0, verified.err
