@@ -141,7 +141,9 @@ def test_upload_dropped_before_data_continues_from_the_reported_range(diskkit, r
     log = [(m, s) for m, _, s in proxy.log]
     assert ("GET", 204) in log  # the upload status said where to continue
     patches = [s for m, s in log if m == "PATCH"]
-    assert patches == [0, 202]  # the dropped chunk, then the same chunk in the same session
+    # The dropped chunk, then the same chunk in the same session, then the rest of the layer (how
+    # many chunks that takes depends on the layer's size, not on the fault).
+    assert patches[:2] == [0, 202] and set(patches[2:]) <= {202}, patches
     assert [m for m, _ in log].count("POST") == 2  # the layer's session and the config's, no restart
 
 
@@ -153,7 +155,8 @@ def test_upload_session_lost_mid_chunk_is_sent_again(diskkit, registry, fault_pr
     result = _upload_through(diskkit, registry, proxy, noisy_disk, tmp_path)
     assert "sending it again from the start" in result.err
     log = [(m, s) for m, _, s in proxy.log]
-    assert [s for m, s in log if m == "PATCH"] == [0, 202]
+    patches = [s for m, s in log if m == "PATCH"]
+    assert patches[:2] == [0, 202] and set(patches[2:]) <= {202}, patches
     assert [m for m, _ in log].count("POST") == 3  # the lost session, its replacement, the config
 
 
