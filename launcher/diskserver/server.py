@@ -51,6 +51,7 @@ from launcher.diskserver.control import (
 )
 from launcher.diskserver.lazydisk import (
     BlobRanges,
+    Found,
     InstalledDisk,
     Layout,
     LazyDisk,
@@ -226,7 +227,7 @@ class DiskServer:
                 log.warning("export %s cannot be reopened: %s", name, exc.line())
                 return None
 
-    def _export(self, layout: Layout, registry) -> LazyDisk | InstalledDisk:
+    def _export(self, layout: Layout, registry, found: Found | None = None) -> LazyDisk | InstalledDisk:
         """The export for `layout`, made once: later VMs booting the same disk share it."""
         with self.lock:
             if layout.name in self.exports:
@@ -236,7 +237,8 @@ class DiskServer:
             export = InstalledDisk(layout.name, installed, f"{layout.layer} /{layout.member}")
         else:
             ranges = BlobRanges(registry, layout.repository, layout.layer, layout.layer_size)
-            export = LazyDisk(self.cache, layout, ranges, self.opts.lazy).start()
+            head, tail = (found.head, found.tail) if found is not None else (None, None)
+            export = LazyDisk(self.cache, layout, ranges, self.opts.lazy, head=head, tail=tail).start()
         with self.lock:
             self.exports[layout.name] = export
         log.info("exporting %s (%s)", layout.name, "complete" if isinstance(export, InstalledDisk) else "lazy")
@@ -261,15 +263,13 @@ class DiskServer:
             image = source.image(platform)
             if request.get("marked") and lazytoc.ANNOTATION_LAZY not in (image.manifest.get("annotations") or {}):
                 return {"ok": False, "seekable": False, "reason": f"{shown} is not marked lazy ({lazytoc.ANNOTATION_LAZY})"}
-            layer = image.layers[0] if image.layers else None
             try:
-                if layer is None:
-                    raise NotSeekable(shown, "has no layers")
-                ranges = BlobRanges(source.registry, source.name.repository, layer.digest, layer.size)
-                layout = find_layout(image, ranges, source.registry.host, source.name.repository, path, shown)
+                found = find_layout(image, lambda desc: BlobRanges(source.registry, source.name.repository, desc.digest, desc.size),
+                                    source.registry.host, source.name.repository, path, shown)
             except NotSeekable as exc:
                 return {"ok": False, "seekable": False, "reason": exc.line()}
-            export = self._export(layout, source.registry)
+            layout = found.layout
+            export = self._export(layout, source.registry, found)
             unsafe = _header_problems(export)
             if unsafe:
                 raise DiskkitError(shown, "; ".join(f"/{layout.member}: {p}" for p in unsafe))
