@@ -198,12 +198,12 @@ def find_layout(image: Image, ranges_for, registry_host: str, repository: str, p
         raise DiskkitError(shown, "; ".join(blocking) or f"{found.shown}: not found in the image")
     index, member = found.node.layer, found.node.path
     layer = image.layers[index]
+    if walked.verified(index):
+        raise NotSeekable(shown, f"the disk {found.shown} is in layer {index}, which is neither lazy nor uncompressed")
     unverified = sorted((walked.ranged | set(walked.lazy)) - {index})
     if unverified:
         # Their headers shaped the tree KubeVirt's rules just read, and nothing will ever check them.
         raise NotSeekable(shown, f"layer {unverified[0]} is read at offsets but does not hold the disk (layer {index} does)")
-    if walked.verified(index):
-        raise NotSeekable(shown, f"the disk {found.shown} is in layer {index}, which is neither lazy nor uncompressed")
     offset, size = walked.data_at[(index, member)]
     if size == 0:
         raise DiskkitError(shown, f"{found.shown} is empty")

@@ -1,0 +1,169 @@
+"""Lazy images of several layers: `diskkit build` writes the lazy disk layer, and other layers are
+added on top as another tool adds them (tests/imagecraft.py: plain tarfile + gzip), whiteouts
+included. The disk server finds the disk in the final filesystem (KubeVirt's rules, as `launcher
+pull`), serves it lazily from its own layer and reads only the small layers whole; kernelBoot
+artifacts come out of a small layer without the disk's layer being fetched. Real registry, real
+NBD clients, real boots of the test guest as the qemu user."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from launcher.node.cache import Cache
+from tests.conftest import run, run_diskkit, run_launcher
+from tests.imagecraft import Member, add_layer, dir_
+from tests.lazyhost import (
+    QEMU_UID,
+    control,
+    disk_server,
+    export_status,
+    open_export,
+    wait_for,
+)
+from tests.testguest import KERNEL_CMDLINE, ensure_testguest, parse_console
+from tests.vmhost import NOREG, assert_clean
+
+GUEST_SIZE = 64 << 20  # the test guest's virtual size
+
+
+def manifest(layout: Path, tag: str) -> dict:
+    index = json.loads((layout / "index.json").read_text())
+    (entry,) = [m for m in index["manifests"] if m["annotations"]["org.opencontainers.image.ref.name"] == tag]
+    return json.loads((layout / "blobs/sha256" / entry["digest"][7:]).read_text())
+
+
+def build_lazy(root: Path, *flags: str) -> Path:
+    layout = root / "layout"
+    built = run_diskkit("build", "--lazy", *flags, ensure_testguest() / "testguest.qcow2", "-t", f"oci:{layout}:base")
+    assert built.code == 0, built.err
+    return layout
+
+
+def push(layout: Path, tag: str, ref: str) -> str:
+    pushed = run_diskkit("push", NOREG, f"oci:{layout}:{tag}", ref)
+    assert pushed.code == 0, pushed.err
+    return ref
+
+
+def disk_path(layout: Path) -> str:
+    return manifest(layout, "base")["annotations"]["io.diskkit.disk.path"].lstrip("/")
+
+
+def blob_gets(proxy, digest: str) -> int:
+    return sum(1 for method, path, _ in proxy.log if method == "GET" and path.endswith(f"/blobs/{digest}"))
+
+
+def test_the_disk_under_an_upper_layer_is_served_lazily_and_its_head_and_tail_fetched_once(tmp_path, registry, fault_proxy):
+    layout = build_lazy(tmp_path)
+    disk = disk_path(layout)
+    # The upper layer hides the TOC's directory (opaque whiteout), deletes nothing of /disk and adds files.
+    add_layer(layout, "base", "two", [dir_(".diskkit"), Member(".diskkit/.wh..wh..opq"), dir_("etc"), Member("etc/motd", b"hello\n")])
+    ref = push(layout, "two", f"{registry.host}/layers/guest:two")
+    lower, upper = (layer["digest"] for layer in manifest(layout, "two")["layers"])
+    proxy = fault_proxy(registry)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with disk_server(cache, "--prefetch-rate", "1K"):  # no prefetching: only what the open and the reads ask for
+        answer = open_export(cache, ref.replace(registry.host, proxy.host))
+        assert answer["layer"] == lower and answer["member"] == disk
+        # The lazy layer at open: its TOC, the members before and after the chunks (once: handed to
+        # the export), the disk's first chunk for the header check. The small layer: once, whole.
+        assert blob_gets(proxy, lower) == 4, proxy.log
+        assert blob_gets(proxy, upper) == 1
+        lower_size = next(layer["size"] for layer in manifest(layout, "two")["layers"] if layer["digest"] == lower)
+        assert proxy.sent[f"/v2/layers/guest/blobs/{lower}"] < lower_size // 4
+        same = run("qemu-img", "compare", "-f", "qcow2", "-F", "qcow2", answer["url"], ensure_testguest() / "testguest.qcow2")
+        assert same.stdout.strip() == "Images are identical."
+        status = wait_for(lambda: (s := export_status(cache, answer["export"]))["installed"] and s, 180, "the disk to be verified and installed")
+    assert status["verified"] and status["toc"], status
+    # The disk store entry is the one `launcher pull` makes for this image: (layer, member).
+    pulled = run_launcher("pull", "--cache-dir", cache, NOREG, "--json", ref)
+    assert pulled.code == 0, pulled.err
+    assert json.loads(pulled.out)["path"] == status["installed"] and json.loads(pulled.out)["layer"] == lower
+
+
+def test_a_whiteout_that_removes_the_disk_is_refused_as_pull_refuses_it(tmp_path, registry):
+    layout = build_lazy(tmp_path)
+    name = disk_path(layout).split("/", 1)[1]
+    add_layer(layout, "base", "gone", [dir_("disk"), Member(f"disk/.wh.{name}")])
+    ref = push(layout, "gone", f"{registry.host}/layers/guest:gone")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with disk_server(cache):
+        refused = control(cache, {"op": "open", "image": ref, "registry": {"tls_verify": False}})
+    pulled = run_launcher("pull", "--cache-dir", tmp_path / "pullcache", NOREG, ref)
+    assert pulled.code != 0
+    assert not refused["ok"] and refused["error"] == f"docker://{ref}: no file found in folder /disk, no disk present", refused
+    assert pulled.err.strip().splitlines()[-1] == f"launcher: {refused['error']}"
+
+
+def test_a_disk_replaced_in_a_small_upper_layer_is_pulled_whole(tmp_path, registry):
+    """An opaque /disk with another disk above: that disk's layer is plain gzip, read whole, so no lazy export."""
+    layout = build_lazy(tmp_path)
+    add_layer(layout, "base", "other", [dir_("disk"), Member("disk/.wh..wh..opq"), Member("disk/other.img", bytes(1 << 20))])
+    ref = push(layout, "other", f"{registry.host}/layers/guest:other")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with disk_server(cache):
+        answer = control(cache, {"op": "open", "image": ref, "registry": {"tls_verify": False}})
+    assert answer == {"ok": False, "seekable": False,
+                      "reason": f"docker://{ref}: the disk /disk/other.img is in layer 1, which is neither lazy nor uncompressed"}
+
+
+def kernel_layer() -> list[Member]:
+    guest = ensure_testguest()
+    return [dir_("boot", mode=0o555, uid=0, gid=0),
+            Member("boot/vmlinuz", (guest / "vmlinuz").read_bytes(), mode=0o444, uid=0, gid=0),
+            Member("boot/initrd.img", (guest / "initrd.img").read_bytes(), mode=0o444, uid=0, gid=0)]
+
+
+def test_boots_lazily_from_a_two_layer_image(tmp_path, qemu_user, registry):
+    layout = build_lazy(tmp_path)
+    add_layer(layout, "base", "two", [dir_("etc", uid=0, gid=0), Member("etc/motd", b"hello\n"), Member(".diskkit/.wh.lazy-toc.json")])
+    ref = push(layout, "two", f"{registry.host}/layers/boot:two")
+    lower = manifest(layout, "two")["layers"][0]["digest"]
+    cache = qemu_user.cache
+    with disk_server(cache, "--prefetch-rate", "1K", user=QEMU_UID, env=qemu_user.env):
+        vmi = qemu_user.write_vmi("layers-two", ref)
+        result = qemu_user.launcher("run", NOREG, "--lazy", "--console", "--timeout", "300", vmi)
+        assert result.code == 0, result.err
+        console = parse_console(result.out)
+        assert console["done"] and console["disks"]["vda"]["size"] == GUEST_SIZE, result.out
+        assert console["disks"]["vda"]["head"].startswith("33c0")  # the guest's MBR, read through the export
+        (export,) = control(cache, {"op": "status"})["exports"]
+        assert export["layer"] == lower and export["member"] == disk_path(layout), export
+    assert_clean(qemu_user, "default_layers-two")
+
+
+def test_kernel_boot_and_a_custom_path_from_a_three_layer_lazy_image(tmp_path, qemu_user, registry, fault_proxy):
+    """containerDisk.path names the disk `diskkit build --path` put elsewhere; kernelBoot's kernel and
+    initrd come from a layer above it, read whole and verified, while the disk's layer is only
+    read where the guest reads: its bytes fetched stay far below its size."""
+    layout = build_lazy(tmp_path, "--path", "/images/vm/guest.qcow2")
+    add_layer(layout, "base", "kb", kernel_layer())
+    add_layer(layout, "kb", "three", [dir_("images", mode=0o555, uid=0, gid=0), Member("images/README", b"the disk is in vm/\n")])
+    lazy_layer, kernel_blob, _ = (layer for layer in manifest(layout, "three")["layers"])
+    proxy = fault_proxy(registry)
+    ref = push(layout, "three", f"{registry.host}/layers/boot:three").replace(registry.host, proxy.host)
+    firmware = {"kernelBoot": {"kernelArgs": KERNEL_CMDLINE,
+                               "container": {"image": ref, "kernelPath": "/boot/vmlinuz", "initrdPath": "/boot/initrd.img"}}}
+    cache = qemu_user.cache
+    with disk_server(cache, "--prefetch-rate", "1K", user=QEMU_UID, env=qemu_user.env):
+        vmi = qemu_user.write_vmi("layers-kb", ref, path="/images/vm/guest.qcow2", domain={"firmware": firmware})
+        result = qemu_user.launcher("run", NOREG, "--lazy", "--console", "--timeout", "300", vmi)
+        assert result.code == 0, result.err
+        console = parse_console(result.out)
+        assert console["done"] and console["disks"]["vda"]["size"] == GUEST_SIZE, result.out
+        (export,) = control(cache, {"op": "status"})["exports"]
+        assert export["layer"] == lazy_layer["digest"] and export["member"] == "images/vm/guest.qcow2"
+        assert export["present"] < export["chunks"], export
+    fetched = proxy.sent[f"/v2/layers/boot/blobs/{lazy_layer['digest']}"]
+    assert fetched < lazy_layer["size"] // 2, (fetched, lazy_layer["size"])
+    # Read whole twice: by the server (its headers are part of the image's filesystem) and, for both files, by the run.
+    assert proxy.sent[f"/v2/layers/boot/blobs/{kernel_blob['digest']}"] == 2 * kernel_blob["size"]
+    # In the cache where a pull installs it: the file of the layer that holds it, keyed (layer, member).
+    installed = Cache(cache).disk_dir(kernel_blob["digest"], "boot/vmlinuz") / "disk.img"
+    assert installed.read_bytes() == (ensure_testguest() / "vmlinuz").read_bytes()
+    assert_clean(qemu_user, "default_layers-kb")
+
