@@ -7,7 +7,9 @@ NBD clients, real boots of the test guest as the qemu user."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import zlib
 from pathlib import Path
 
 from launcher.node.cache import Cache
@@ -167,3 +169,43 @@ def test_kernel_boot_and_a_custom_path_from_a_three_layer_lazy_image(tmp_path, q
     assert installed.read_bytes() == (ensure_testguest() / "vmlinuz").read_bytes()
     assert_clean(qemu_user, "default_layers-kb")
 
+
+
+def test_kernel_boot_from_the_lazy_layer_itself(tmp_path, qemu_user, registry, fault_proxy):
+    """`diskkit build --kernel --initrd` puts them in the lazy layer, beside the disk: the TOC pins
+    each (`files`), so the run takes them out of the members around the disk's and checks them;
+    the disk's own members are fetched only where the guest reads."""
+    guest = ensure_testguest()
+    layout = build_lazy(tmp_path, "--kernel", f"/boot/vmlinuz={guest / 'vmlinuz'}", "--initrd", f"/boot/initrd.img={guest / 'initrd.img'}")
+    (layer,) = manifest(layout, "base")["layers"]
+    data = (layout / "blobs/sha256" / layer["digest"][7:]).read_bytes()
+    notes = layer["annotations"]
+    toc_at, toc_size = int(notes["io.diskkit.lazy.toc.offset"]), int(notes["io.diskkit.lazy.toc.size"])
+    toc = json.loads(zlib.decompress(data[toc_at : toc_at + toc_size], 31))
+    assert toc["files"] == {"boot/vmlinuz": hashlib.sha256((guest / "vmlinuz").read_bytes()).hexdigest(),
+                            "boot/initrd.img": hashlib.sha256((guest / "initrd.img").read_bytes()).hexdigest()}
+    proxy = fault_proxy(registry)
+    ref = push(layout, "base", f"{registry.host}/layers/boot:inlayer").replace(registry.host, proxy.host)
+    firmware = {"kernelBoot": {"kernelArgs": KERNEL_CMDLINE,
+                               "container": {"image": ref, "kernelPath": "/boot/vmlinuz", "initrdPath": "/boot/initrd.img"}}}
+    cache = qemu_user.cache
+    with disk_server(cache, "--prefetch-rate", "1K", user=QEMU_UID, env=qemu_user.env):
+        vmi = qemu_user.write_vmi("layers-inlayer", ref, domain={"firmware": firmware})
+        result = qemu_user.launcher("run", NOREG, "--lazy", "--console", "--timeout", "300", vmi)
+        assert result.code == 0, result.err
+        assert "pulling it whole" not in result.err, result.err
+        console = parse_console(result.out)
+        assert console["done"] and console["disks"]["vda"]["size"] == GUEST_SIZE, result.out
+        (export,) = control(cache, {"op": "status"})["exports"]
+        assert export["present"] < export["chunks"], export
+    # The head and tail (kernel, initrd, headers) travel twice, to the server and to the run; of the
+    # disk's members only those the guest read.
+    first, end = toc["members"][0][0], sum(toc["members"][-1])
+    around = first + layer["size"] - end + toc_size
+    fetched = proxy.sent[f"/v2/layers/boot/blobs/{layer['digest']}"]
+    assert fetched <= 2 * around + export["stats"]["fetched_bytes"], (fetched, around, export)
+    assert export["stats"]["fetched_bytes"] < (end - first) // 2, export
+    for name in ("vmlinuz", "initrd.img"):
+        installed = Cache(cache).disk_dir(layer["digest"], f"boot/{name}") / "disk.img"
+        assert installed.read_bytes() == (guest / name).read_bytes()
+    assert_clean(qemu_user, "default_layers-inlayer")

@@ -152,14 +152,29 @@ class Walked:
     whole: dict[int, bytes] = field(default_factory=dict)  # layers read whole and verified: their tar
     lazy: dict[int, LazyLayer] = field(default_factory=dict)
     ranged: set[int] = field(default_factory=set)  # uncompressed layers whose headers came by range requests
+    tocs: dict[int, lazytoc.Toc] = field(default_factory=dict)  # lazy layers (v1 and v2): their TOC
+    readers: dict[int, io.RawIOBase] = field(default_factory=dict)  # the tar of a layer not read whole, where it can be read
 
     def verified(self, index: int) -> bool:
         return index in self.whole
 
-    def file_bytes(self, index: int, path: str) -> bytes:
-        """A regular file of a layer read whole (verified)."""
+    def pinned_file(self, index: int, path: str, where: str) -> bytes | None:
+        """A regular file's bytes once something pins them: its layer's digest (read whole), or its
+        digest in the layer's lazy TOC (`files`); None when nothing does short of the whole blob."""
         offset, size = self.data_at[(index, path)]
-        return self.whole[index][offset : offset + size]
+        if index in self.whole:
+            return self.whole[index][offset : offset + size]
+        digest = dict(self.tocs[index].files).get(path) if index in self.tocs else None
+        if digest is None or size > MAX_SMALL_TAR:
+            return None
+        reader = self.readers[index]
+        reader.seek(offset)
+        data = bytearray()
+        while len(data) < size and (piece := reader.read(size - len(data))):
+            data += piece
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise DiskkitError(where, f"/{path} does not match its digest in the lazy TOC")
+        return bytes(data)
 
 
 def walk(image: Image, ranges_for: Callable[[Descriptor], Ranges], shown: str) -> Walked:
@@ -197,15 +212,20 @@ def _reader(walked: Walked, index: int, layer: Descriptor, diff_id: str, ranges:
             raise NotSeekable(shown, f"its layer holds {start + layer.size - end} bytes besides the disk")
         head, tail = ranges.read(0, start), ranges.read(end, layer.size - end)
         walked.lazy[index] = LazyLayer(toc, head, tail)
+        walked.tocs[index] = toc
         inflated = inflate_all(head, toc.offset, f"{where}: the members before the disk")
         if len(inflated) != toc.offset:
             raise DiskkitError(where, f"the lazy TOC places the disk at {toc.offset} in the tar, but the members before it hold {len(inflated)} bytes")
-        return Framed(inflated, toc.size, inflate_all(tail, 4 * MAX_HEAD_TAIL, f"{where}: the members after the disk"))
+        walked.readers[index] = Framed(inflated, toc.size, inflate_all(tail, 4 * MAX_HEAD_TAIL, f"{where}: the members after the disk"))
+        return walked.readers[index]
     if kind == "none" and diff_id != layer.digest:
         raise DiskkitError(shown, f"layer {layer.digest[:19]} does not match the config's diffID (an uncompressed layer is its own diffID)")
     if kind == "none" and (alone or loc is not None or layer.size > MAX_SMALL_LAYER):
         walked.ranged.add(index)  # checked by the blob digest once the disk is complete, if it is the disk's layer
-        return RangeFile(ranges)
+        if loc is not None:
+            walked.tocs[index] = lazytoc.parse(ranges.read(loc.offset, loc.size), loc, where)
+        walked.readers[index] = RangeFile(ranges)
+        return RangeFile(ranges)  # a reader of its own: tarfile's position is not disturbed by file reads
     if kind is None:
         raise DiskkitError(shown, f"layer {index} has media type {layer.media_type}, which is not an image layer")
     if layer.size > MAX_SMALL_LAYER:

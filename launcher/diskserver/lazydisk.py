@@ -209,10 +209,7 @@ def find_layout(image: Image, ranges_for, registry_host: str, repository: str, p
         raise DiskkitError(shown, f"{found.shown} is empty")
     where = f"{shown}: layer {layer.digest[:19]}"
     lazy = walked.lazy.get(index)
-    toc = lazy.toc if lazy is not None else None
-    loc = lazytoc.location(layer, where)
-    if toc is None and loc is not None:
-        toc = lazytoc.parse(ranges_for(layer).read(loc.offset, loc.size), loc, where)
+    toc = walked.tocs.get(index)
     chunk_size, chunks = lazytoc.chunk_size_for(size), None
     if toc is not None:
         if (toc.disk, toc.offset, toc.size) != (member, offset, size):

@@ -1,11 +1,11 @@
 """kernelBoot artifacts (firmware.kernelBoot.container) out of a lazy image, its disk layer never fetched whole.
 
 A kernel and an initrd are small files a VM needs whole before it starts, so they are not served:
-they are read out of the image's small layers, which imagewalk fetches whole and checks against
-their digest and diffID before a byte is used, and installed in the node cache as `launcher pull`
-would install them (the same ref record, so later pulls and runs find them). A file in the lazy
-layer itself lies outside the disk's chunks, where nothing short of the whole blob's digest vouches
-for it: such an image is pulled whole, as any image that is not lazy.
+they are taken out of the layers as imagewalk reads them, each checked before it is used (a small
+layer read whole against its digest and diffID; a file in the lazy layer, in the members around the
+disk's, against its digest in the TOC's `files`), and installed in the node cache as `launcher pull`
+installs them (the same ref record, so later pulls and runs find them). A file nothing but the whole
+blob's digest would vouch for (a TOC written before `files`) is pulled whole, with a note.
 """
 
 from __future__ import annotations
@@ -52,21 +52,22 @@ def fetch_files(cache: Cache, ref: str, paths: list[str], platform: Platform | N
             blocking = walked.tree.findings + found.problems
             if found.node is None or blocking:
                 raise DiskkitError(shown, "; ".join(blocking) or f"{found.shown}: not found in the image")
-            if not walked.verified(found.node.layer):
-                notes.append(f"{shown}: {found.shown} is in layer {found.node.layer}, which only its whole digest verifies; pulling it whole")
+            data = walked.pinned_file(found.node.layer, found.node.path, f"{shown}: layer {found.node.layer}")
+            if data is None:
+                notes.append(f"{shown}: nothing but its layer's whole digest verifies {found.shown} (no digest in a lazy TOC); pulling it whole")
                 return None
-            located[path] = found.node
-        out = {path: _install(cache, walked, image, shown, path, node, platform) for path, node in located.items()}
+            located[path] = (found.node, data)
+        out = {path: _install(cache, image, shown, path, node, data, platform) for path, (node, data) in located.items()}
         remember(cache, shown, platform, image)
     return out
 
 
-def _install(cache: Cache, walked: imagewalk.Walked, image, shown: str, path: str, node, platform: Platform | None) -> Pulled:
+def _install(cache: Cache, image, shown: str, path: str, node, data: bytes, platform: Platform | None) -> Pulled:
     """Where `launcher pull` installs a file: keyed (layer, member), with the ref record it writes."""
     layer = image.layers[node.layer].digest
     with cache.staging() as spool:
         staged = spool / "file"
-        write_atomic(staged, walked.file_bytes(node.layer, node.path))
+        write_atomic(staged, data)
         final = cache.install_disk(staged, layer, node.path, {"layer": layer, "member": node.path, "format": None, "virtual_size": None})
     pulled = Pulled(final, None, None, shown, image.digest, layer, node.path)
     cache.write_json(cache.ref_path(image_key(image.digest, path, platform, disk=False)), pulled.to_json())
