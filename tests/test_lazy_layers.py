@@ -23,6 +23,7 @@ from tests.lazyhost import (
     open_export,
     wait_for,
 )
+from tests.test_lazygz import rewrite_toc
 from tests.testguest import KERNEL_CMDLINE, ensure_testguest, parse_console
 from tests.vmhost import NOREG, assert_clean
 
@@ -209,3 +210,31 @@ def test_kernel_boot_from_the_lazy_layer_itself(tmp_path, qemu_user, registry, f
         installed = Cache(cache).disk_dir(layer["digest"], f"boot/{name}") / "disk.img"
         assert installed.read_bytes() == (guest / name).read_bytes()
     assert_clean(qemu_user, "default_layers-inlayer")
+
+
+def test_a_kernel_that_does_not_match_its_toc_digest_is_refused(tmp_path, registry):
+    """A consistent lie (the TOC re-pinned by the annotations, every digest above recomputed) that
+    names another kernel: the file taken out of the head does not match, and the run stops there."""
+    guest = ensure_testguest()
+    layout = build_lazy(tmp_path, "--kernel", f"/boot/vmlinuz={guest / 'vmlinuz'}")
+    doc = manifest(layout, "base")
+    data = (layout / "blobs/sha256" / doc["layers"][0]["digest"][7:]).read_bytes()
+    notes = doc["layers"][0]["annotations"]
+    at, size = int(notes["io.diskkit.lazy.toc.offset"]), int(notes["io.diskkit.lazy.toc.size"])
+    toc = json.loads(zlib.decompress(data[at : at + size], 31))
+    toc["files"]["boot/vmlinuz"] = hashlib.sha256(b"another kernel").hexdigest()
+    rewrite_toc(layout, doc, data, at, size, json.dumps(toc, separators=(",", ":"), sort_keys=True).encode())
+    ref = push(layout, "base", f"{registry.host}/layers/forged:v1")
+    vmi = tmp_path / "vmi.json"
+    vmi.write_text(json.dumps({
+        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance", "metadata": {"name": "forged"},
+        "spec": {"domain": {"resources": {"requests": {"memory": "128Mi"}}, "devices": {"disks": [{"name": "root", "disk": {"bus": "virtio"}}]},
+                            "firmware": {"kernelBoot": {"container": {"image": ref, "kernelPath": "/boot/vmlinuz"}}}},
+                 "volumes": [{"name": "root", "containerDisk": {"image": ref}}]}}))
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with disk_server(cache):
+        out = run_launcher("domain", "--accel", "qemu", "--cache-dir", cache, NOREG, "--lazy", vmi)
+    assert out.code != 0
+    assert out.err.strip().splitlines()[-1] == f"launcher: docker://{ref}: layer 0: /boot/vmlinuz does not match its digest in the lazy TOC", out.err
+    assert not Cache(cache).disk_dir(doc["layers"][0]["digest"], "boot/vmlinuz").exists()  # nothing installed
