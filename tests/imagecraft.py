@@ -82,9 +82,9 @@ def layer_blob_paths(root: Path) -> list[Path]:
     return [root / "blobs/sha256" / layer["digest"][7:] for layer in manifest["layers"]]
 
 
-def add_layer(root: Path, tag: str, new_tag: str, members: list[Member]) -> Path:
+def add_layer(root: Path, tag: str, new_tag: str, members: list[Member], keep_annotations: bool = True) -> Path:
     """A layer (gzip, as another tool adds one) on top of image `tag` of a layout, tagged `new_tag`;
-    the lower layers, their annotations and the manifest's are kept as they are."""
+    the lower layers and their annotations are kept as they are, the manifest's unless told not to."""
     blobs = root / "blobs" / "sha256"
     index = json.loads((root / "index.json").read_text())
     (entry,) = [m for m in index["manifests"] if (m.get("annotations") or {}).get("org.opencontainers.image.ref.name") == tag]
@@ -96,6 +96,8 @@ def add_layer(root: Path, tag: str, new_tag: str, members: list[Member]) -> Path
     manifest["layers"].append({"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": _put(blobs, blob), "size": len(blob)})
     config_bytes = json.dumps(config).encode()
     manifest["config"] = {**manifest["config"], "digest": _put(blobs, config_bytes), "size": len(config_bytes)}
+    if not keep_annotations:
+        manifest.pop("annotations", None)
     manifest_bytes = json.dumps(manifest).encode()
     index["manifests"].append({"mediaType": manifest["mediaType"], "digest": _put(blobs, manifest_bytes), "size": len(manifest_bytes),
                                "annotations": {"org.opencontainers.image.ref.name": new_tag}})

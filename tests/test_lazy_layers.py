@@ -114,6 +114,26 @@ def test_a_disk_replaced_in_a_small_upper_layer_is_pulled_whole(tmp_path, regist
                       "reason": f"docker://{ref}: the disk /disk/other.img is in layer 1, which is neither lazy nor uncompressed"}
 
 
+def test_an_uncompressed_lazy_layer_under_a_layer_whose_manifest_lost_the_mark(tmp_path, registry):
+    """TOC v1 (`--compression none`) below a gzip layer, in a manifest without `io.diskkit.lazy` (as
+    a tool building FROM the image may leave it): the layer's TOC annotations still mark it lazy,
+    and its tar headers are walked with range requests."""
+    layout = build_lazy(tmp_path, "--compression", "none")
+    add_layer(layout, "base", "v1", [dir_("etc"), Member("etc/motd", b"hello\n")], keep_annotations=False)
+    doc = manifest(layout, "v1")
+    assert "annotations" not in doc and doc["layers"][0]["mediaType"] == "application/vnd.oci.image.layer.v1.tar"
+    ref = push(layout, "v1", f"{registry.host}/layers/guest:v1")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with disk_server(cache, "--prefetch-rate", "1K"):
+        answer = control(cache, {"op": "open", "image": ref, "marked": True, "registry": {"tls_verify": False}})
+        assert answer["ok"] and answer["layer"] == doc["layers"][0]["digest"], answer
+        same = run("qemu-img", "compare", "-f", "qcow2", "-F", "qcow2", answer["url"], ensure_testguest() / "testguest.qcow2")
+        assert same.stdout.strip() == "Images are identical."
+        status = export_status(cache, answer["export"])
+    assert status["toc"] and status["stats"]["corrupt_chunks"] == 0, status
+
+
 def kernel_layer() -> list[Member]:
     guest = ensure_testguest()
     return [dir_("boot", mode=0o555, uid=0, gid=0),

@@ -125,6 +125,12 @@ def without_toc(annotations: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in annotations.items() if k not in toc_keys}
 
 
+def marked(manifest: dict, layers: list[Descriptor]) -> bool:
+    """Built to boot lazily: the manifest says so, or (an image another tool built FROM a lazy one,
+    keeping the lower layer's descriptor but not the manifest's annotations) a layer pins a TOC."""
+    return ANNOTATION_LAZY in (manifest.get("annotations") or {}) or any(ANNOTATION_TOC_DIGEST in (layer.annotations or {}) for layer in layers)
+
+
 def location(layer: Descriptor, where: str) -> TocLocation | None:
     """Where the layer's TOC is, from its descriptor's annotations; None for layers without one."""
     notes = layer.annotations or {}

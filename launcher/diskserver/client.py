@@ -103,8 +103,8 @@ def attach(cache: Cache, ref: str, path: str | None, platform: Platform | None, 
     parsed = parse_ref(qualified(str(parsed), registry))
     if mode == "auto":
         with open_source(str(parsed), registry) as source:
-            annotations = source.image(platform).manifest.get("annotations") or {}
-        if lazytoc.ANNOTATION_LAZY not in annotations:
+            image = source.image(platform)
+        if not lazytoc.marked(image.manifest, image.layers):
             return None
     control = ensure_server(cache, registry)
     answer = request(control, {"op": "open", "image": str(parsed), "path": path, "platform": str(platform) if platform else None,

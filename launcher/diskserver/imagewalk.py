@@ -34,6 +34,7 @@ MAX_MEMBERS = 10000  # tar headers walked over all layers before giving up on la
 MAX_HEAD_TAIL = 64 << 20  # a lazy layer's bytes besides the disk, kept for the final digest
 MAX_SMALL_LAYER = 64 << 20  # a layer without a TOC is read whole up to this size (compressed)
 MAX_SMALL_TAR = 4 * MAX_SMALL_LAYER  # ... and inflated
+MAX_SMALL_TOTAL = 2 * MAX_SMALL_LAYER  # all layers read whole: past this a pull is as cheap
 WINDOW = 64 << 10  # header reads fetch this much at once: consecutive headers cost one request
 
 
@@ -154,6 +155,7 @@ class Walked:
     ranged: set[int] = field(default_factory=set)  # uncompressed layers whose headers came by range requests
     tocs: dict[int, lazytoc.Toc] = field(default_factory=dict)  # lazy layers (v1 and v2): their TOC
     readers: dict[int, io.RawIOBase] = field(default_factory=dict)  # the tar of a layer not read whole, where it can be read
+    fetched_whole: int = 0  # blob bytes of the layers read whole
 
     def verified(self, index: int) -> bool:
         return index in self.whole
@@ -230,6 +232,9 @@ def _reader(walked: Walked, index: int, layer: Descriptor, diff_id: str, ranges:
         raise DiskkitError(shown, f"layer {index} has media type {layer.media_type}, which is not an image layer")
     if layer.size > MAX_SMALL_LAYER:
         raise NotSeekable(shown, f"layer {index} is {kind}-compressed without a lazy TOC and larger than {MAX_SMALL_LAYER} bytes; build it with --lazy")
+    walked.fetched_whole += layer.size
+    if walked.fetched_whole > MAX_SMALL_TOTAL:
+        raise NotSeekable(shown, f"its layers without a lazy TOC hold more than {MAX_SMALL_TOTAL} bytes")
     walked.whole[index] = _whole(ranges, layer, kind, diff_id, where)
     return io.BytesIO(walked.whole[index])
 

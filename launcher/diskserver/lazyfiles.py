@@ -39,7 +39,7 @@ def fetch_files(cache: Cache, ref: str, paths: list[str], platform: Platform | N
     with open_source(shown, registry) as source:
         enforce_source(source, TrustOptions(), registry, platform)  # the policy first: before any layer is read
         image = source.image(platform)
-        if lazytoc.ANNOTATION_LAZY not in (image.manifest.get("annotations") or {}):
+        if not lazytoc.marked(image.manifest, image.layers):
             return None
         try:
             walked = imagewalk.walk(image, lambda desc: BlobRanges(source.registry, source.name.repository, desc.digest, desc.size), shown)

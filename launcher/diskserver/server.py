@@ -261,7 +261,7 @@ class DiskServer:
             assert isinstance(source, RemoteSource)
             enforce_source(source, TrustOptions(), registry, platform)  # the policy first: before any byte is served
             image = source.image(platform)
-            if request.get("marked") and lazytoc.ANNOTATION_LAZY not in (image.manifest.get("annotations") or {}):
+            if request.get("marked") and not lazytoc.marked(image.manifest, image.layers):
                 return {"ok": False, "seekable": False, "reason": f"{shown} is not marked lazy ({lazytoc.ANNOTATION_LAZY})"}
             try:
                 found = find_layout(image, lambda desc: BlobRanges(source.registry, source.name.repository, desc.digest, desc.size),
