@@ -118,6 +118,25 @@ class BlobRanges:
             response.close()
 
 
+class KnownRanges:
+    """A blob's ranges, some already in the node cache (an export's head and tail): those are read
+    from there, not fetched again. Exact pieces only, as imagewalk asks for them."""
+
+    def __init__(self, ranges: BlobRanges, known: dict[tuple[int, int], Path]):
+        self.ranges, self.size, self.known = ranges, ranges.size, known
+
+    def read(self, start: int, length: int) -> bytes:
+        path = self.known.get((start, length))
+        if path is not None:
+            try:
+                data = path.read_bytes()
+            except OSError:
+                data = b""  # installed meanwhile: its head and tail are gone
+            if len(data) == length:
+                return data
+        return self.ranges.read(start, length)
+
+
 # --- where the disk is -----------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -394,6 +413,11 @@ class LazyDisk:
             os.close(self.fd)  # else a stuck fetcher may still write to it: it goes with the process
             if self.members_fd is not None:
                 os.close(self.members_fd)
+
+    def known(self) -> dict[tuple[int, int], Path]:
+        """The blob's ranges this export holds in the cache: (start, length) -> file."""
+        lay = self.layout
+        return {(0, lay.data_start): self.dir / "head", (lay.data_end, lay.layer_size - lay.data_end): self.dir / "tail"}
 
     def add_ref(self, ref: Ref) -> None:
         """Kept with the state, so a server restarted before the end still records every image."""

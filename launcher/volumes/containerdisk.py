@@ -4,8 +4,7 @@ disk server, and given to each VM through its own qcow2 overlay (N VMs cost one 
 from __future__ import annotations
 
 from diskkit.disk import qemuimg
-from launcher.diskserver.client import Attached, attach
-from launcher.diskserver.lazyfiles import fetch_files
+from launcher.diskserver.client import Attached, attach, files
 from launcher.node.cache import within
 from launcher.node.pull import default_policy, pull
 from launcher.render.domain import ResolvedDisk
@@ -46,8 +45,8 @@ def _nbd_overlay(ctx: Context, volume: Volume, attached: Attached) -> ResolvedDi
 
 
 def kernel_boot(ctx: Context) -> None:
-    """firmware.kernelBoot.container: the kernel and initrd pulled from their image into the cache
-    (from a lazy image, out of its small layers only, the disk layer left to the disk server)."""
+    """firmware.kernelBoot.container: the kernel and initrd pulled from their image into the cache, or
+    from a lazy image taken out of it by the node's disk server, its disk's chunks left where they are."""
     boot = ctx.vmi.domain.firmware.kernel_boot if ctx.vmi.domain.firmware is not None else None
     if boot is None or boot.container is None:
         return
@@ -56,7 +55,7 @@ def kernel_boot(ctx: Context) -> None:
     fetched = None
     if ctx.lazy != "off":
         policy = container.image_pull_policy or default_policy(container.image)
-        fetched = fetch_files(ctx.cache, container.image, [path for _, path in wanted], ctx.platform, ctx.registry, policy, ctx.out.notes)
+        fetched = files(ctx.cache, container.image, [path for _, path in wanted], ctx.platform, ctx.registry, ctx.lazy, policy, ctx.out.notes)
     for attr, file_path in wanted:
         pulled = fetched[file_path] if fetched else pull(ctx.cache, container.image, file_path, ctx.platform, ctx.registry,
                                                          container.image_pull_policy, disk=False)
