@@ -258,3 +258,34 @@ def test_a_kernel_that_does_not_match_its_toc_digest_is_refused(tmp_path, regist
     assert out.code != 0
     assert out.err.strip().splitlines()[-1] == f"launcher: docker://{ref}: layer 0: /boot/vmlinuz does not match its digest in the lazy TOC", out.err
     assert not Cache(cache).disk_dir(doc["layers"][0]["digest"], "boot/vmlinuz").exists()  # nothing installed
+
+
+def test_a_kernel_no_toc_digest_pins_is_pulled_whole(tmp_path, registry, fault_proxy):
+    """A TOC without `files` (as written before it existed): the kernel in the members around the
+    disk has nothing but the whole blob's digest to vouch for it, so the image is pulled whole."""
+    guest = ensure_testguest()
+    layout = build_lazy(tmp_path, "--kernel", f"/boot/vmlinuz={guest / 'vmlinuz'}")
+    doc = manifest(layout, "base")
+    data = (layout / "blobs/sha256" / doc["layers"][0]["digest"][7:]).read_bytes()
+    notes = doc["layers"][0]["annotations"]
+    at, size = int(notes["io.diskkit.lazy.toc.offset"]), int(notes["io.diskkit.lazy.toc.size"])
+    toc = json.loads(zlib.decompress(data[at : at + size], 31))
+    del toc["files"]
+    rewrite_toc(layout, doc, data, at, size, json.dumps(toc, separators=(",", ":"), sort_keys=True).encode())
+    proxy = fault_proxy(registry)
+    ref = push(layout, "base", f"{registry.host}/layers/oldtoc:v1").replace(registry.host, proxy.host)
+    vmi = tmp_path / "vmi.json"
+    vmi.write_text(json.dumps({
+        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance", "metadata": {"name": "oldtoc"},
+        "spec": {"domain": {"resources": {"requests": {"memory": "128Mi"}}, "devices": {"disks": [{"name": "root", "disk": {"bus": "virtio"}}]},
+                            "firmware": {"kernelBoot": {"container": {"image": ref, "kernelPath": "/boot/vmlinuz"}}}},
+                 "volumes": [{"name": "root", "containerDisk": {"image": ref}}]}}))
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with disk_server(cache, "--prefetch-rate", "1K"):  # the disk is not prefetched: what arrives whole is the pull
+        out = run_launcher("domain", "--accel", "qemu", "--cache-dir", cache, NOREG, "--lazy", vmi)
+    assert out.code == 0, out.err
+    layer = doc["layers"][0]
+    assert proxy.sent[f"/v2/layers/oldtoc/blobs/{layer['digest']}"] > layer["size"]  # the whole blob, besides the server's reads
+    pulled = Cache(cache).disk_dir(layer["digest"], "boot/vmlinuz") / "disk.img"
+    assert pulled.read_bytes() == (guest / "vmlinuz").read_bytes()
