@@ -307,6 +307,8 @@ class DiskServer:
         ref, paths = request.get("image"), request.get("paths")
         if not isinstance(ref, str) or not ref or not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
             raise DiskkitError("files", "needs an image reference and a list of paths")
+        if not 0 < len(paths) <= 2:
+            raise DiskkitError("files", "takes a kernel and an initrd: one or two paths")
         platform = Platform.parse(request["platform"]) if request.get("platform") else None
         registry = self._registry_options(request.get("registry"), peer_uid)
         shown = str(parse_ref(ref))
