@@ -372,6 +372,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 sent += len(piece)
             if limit is None and rechunk:
                 self.wfile.write(b"0\r\n\r\n")
+            self.server.proxy._count(self.path, sent)
         if limit is not None:
             if action == "drop":
                 self._reset()
@@ -406,6 +407,7 @@ class FaultProxy:
         self.upstream = upstream
         self.upstream_host, self.upstream_port = up_host, int(up_port)
         self.log: list[tuple[str, str, int]] = []
+        self.sent: dict[str, int] = {}  # body bytes relayed per request path: what a client really fetched
         self._faults: list[Fault] = []
         self._lock = threading.Lock()
         self._closing = threading.Event()
@@ -440,6 +442,10 @@ class FaultProxy:
                     fault.times -= 1
                     return fault
         return None
+
+    def _count(self, path: str, sent: int) -> None:
+        with self._lock:
+            self.sent[path] = self.sent.get(path, 0) + sent
 
     def _log(self, method: str, path: str, status: int) -> None:
         with self._lock:

@@ -80,3 +80,26 @@ def layer_blob_paths(root: Path) -> list[Path]:
     index = json.loads((root / "index.json").read_text())
     manifest = json.loads((root / "blobs/sha256" / index["manifests"][0]["digest"][7:]).read_text())
     return [root / "blobs/sha256" / layer["digest"][7:] for layer in manifest["layers"]]
+
+
+def add_layer(root: Path, tag: str, new_tag: str, members: list[Member], keep_annotations: bool = True) -> Path:
+    """A layer (gzip, as another tool adds one) on top of image `tag` of a layout, tagged `new_tag`;
+    the lower layers and their annotations are kept as they are, the manifest's unless told not to."""
+    blobs = root / "blobs" / "sha256"
+    index = json.loads((root / "index.json").read_text())
+    (entry,) = [m for m in index["manifests"] if (m.get("annotations") or {}).get("org.opencontainers.image.ref.name") == tag]
+    manifest = json.loads((blobs / entry["digest"][7:]).read_text())
+    config = json.loads((blobs / manifest["config"]["digest"][7:]).read_text())
+    raw = layer_tar(members)
+    config["rootfs"]["diff_ids"].append("sha256:" + hashlib.sha256(raw).hexdigest())
+    blob = gzip.compress(raw, mtime=0)
+    manifest["layers"].append({"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": _put(blobs, blob), "size": len(blob)})
+    config_bytes = json.dumps(config).encode()
+    manifest["config"] = {**manifest["config"], "digest": _put(blobs, config_bytes), "size": len(config_bytes)}
+    if not keep_annotations:
+        manifest.pop("annotations", None)
+    manifest_bytes = json.dumps(manifest).encode()
+    index["manifests"].append({"mediaType": manifest["mediaType"], "digest": _put(blobs, manifest_bytes), "size": len(manifest_bytes),
+                               "annotations": {"org.opencontainers.image.ref.name": new_tag}})
+    (root / "index.json").write_text(json.dumps(index))
+    return root

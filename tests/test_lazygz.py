@@ -118,12 +118,12 @@ def test_verify_refuses_a_toc_that_disagrees_with_the_layer(tmp_path, disk):
     at, size = int(notes[lazytoc.ANNOTATION_TOC_OFFSET]), int(notes[lazytoc.ANNOTATION_TOC_SIZE])
     toc = json.loads(zlib.decompress(data[at : at + size], 31))
     toc["chunks"][3] = "0" * 64
-    _rewrite_toc(out, manifest, data, at, size, json.dumps(toc, separators=(",", ":"), sort_keys=True).encode())
+    rewrite_toc(out, manifest, data, at, size, json.dumps(toc, separators=(",", ":"), sort_keys=True).encode())
     refused = run_diskkit("verify", f"oci:{out}:v2")
     assert refused.code != 0 and "chunk 3" in refused.err and "lazy TOC" in refused.err, refused.err
 
 
-def _rewrite_toc(layout: Path, manifest: dict, data: bytes, at: int, size: int, doc: bytes) -> None:
+def rewrite_toc(layout: Path, manifest: dict, data: bytes, at: int, size: int, doc: bytes) -> None:
     """A forged layer: the TOC member replaced, every digest on the way up recomputed (a consistent lie)."""
     member = gzip.compress(doc, mtime=0)
     new = data[:at] + member + data[at + size :]
@@ -133,10 +133,10 @@ def _rewrite_toc(layout: Path, manifest: dict, data: bytes, at: int, size: int, 
     layer.update(digest=digest, size=len(new))
     layer["annotations"][lazytoc.ANNOTATION_TOC_SIZE] = str(len(member))
     layer["annotations"][lazytoc.ANNOTATION_TOC_DIGEST] = "sha256:" + hashlib.sha256(doc).hexdigest()
-    _rewrite_config(layout, manifest, "sha256:" + hashlib.sha256(gzip.decompress(new)).hexdigest())
+    rewrite_config(layout, manifest, "sha256:" + hashlib.sha256(gzip.decompress(new)).hexdigest())
 
 
-def _rewrite_config(layout: Path, manifest: dict, diff_id: str) -> None:
+def rewrite_config(layout: Path, manifest: dict, diff_id: str) -> None:
     """The config's diffID set, the config, manifest and index digests recomputed."""
     config = json.loads(blob(layout, manifest["config"]["digest"]))
     config["rootfs"]["diff_ids"] = [diff_id]
@@ -236,7 +236,8 @@ def test_a_corrupted_member_is_refused_and_fetched_again(tmp_path, registry, fau
         answer = open_export(cache, remote.replace(registry.host, proxy.host))
         assert run("qemu-img", "compare", "-f", "raw", "-F", "raw", answer["url"], disk).stdout.strip() == "Images are identical."
         assert not proxy.pending  # the flip happened, and was never served
-        status = wait_for(lambda: (s := export_status(cache, answer["export"]))["verified"] and s, 120, "verification")
+        # Installed follows verified (qemu-img's checks run in between): wait for both.
+        status = wait_for(lambda: (s := export_status(cache, answer["export"]))["verified"] and s["installed"] and s, 120, "verification")
     assert status["stats"]["corrupt_chunks"] == 1 and status["stats"]["verify_attempts"] == 1, status
     assert status["installed"] and Path(status["installed"]).read_bytes() == disk.read_bytes()
 
@@ -261,10 +262,10 @@ def test_the_server_refuses_a_toc_it_cannot_rely_on_and_a_wrong_diffid(tmp_path,
     doc = json.dumps(toc, separators=(",", ":"), sort_keys=True).encode()
     gapped = tmp_path / "gapped"
     shutil.copytree(out, gapped)
-    _rewrite_toc(gapped, json.loads(json.dumps(manifest)), data, at, size, doc)
+    rewrite_toc(gapped, json.loads(json.dumps(manifest)), data, at, size, doc)
     wrong = tmp_path / "wrong"
     shutil.copytree(out, wrong)
-    _rewrite_config(wrong, json.loads(json.dumps(manifest)), "sha256:" + "1" * 64)
+    rewrite_config(wrong, json.loads(json.dumps(manifest)), "sha256:" + "1" * 64)
     refs = {}
     for name, layout in (("gapped", gapped), ("wrong", wrong)):
         refs[name] = f"{registry.host}/lazygz/{name}:v2"

@@ -13,7 +13,7 @@ import posixpath
 import queue
 import tarfile
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Protocol
 
@@ -115,12 +115,14 @@ def _produce(entries: list[Entry], mtime: int, out: queue.Queue, diff: "hashlib.
         raise Stopped
 
     toc: lazytoc.Toc | None = None
+    files: list[tuple[str, str]] = []  # the other files' digests, for the TOC
     try:
         for entry in entries:
             put(tar_header(entry, mtime))
             if entry.is_dir:
                 continue
             chunks = lazytoc.ChunkHasher(lazytoc.chunk_size_for(entry.size)) if entry.path == toc_for else None
+            digest = hashlib.sha256() if toc_for is not None and chunks is None else None
             data_offset = position
             copied = 0
             with open(entry.source, "rb") as src:
@@ -135,6 +137,8 @@ def _produce(entries: list[Entry], mtime: int, out: queue.Queue, diff: "hashlib.
                         break
                     if chunks is not None:
                         chunks.update(memoryview(buf)[:n])
+                    if digest is not None:
+                        digest.update(memoryview(buf)[:n])
                     put(memoryview(buf)[:n])
             if copied != entry.size:
                 raise DiskkitError(entry.source, f"changed while being read ({entry.size} bytes expected, {copied} read)")
@@ -142,7 +146,10 @@ def _produce(entries: list[Entry], mtime: int, out: queue.Queue, diff: "hashlib.
                 put(bytes(512 - entry.size % 512))
             if chunks is not None:
                 toc = lazytoc.Toc(entry.path, data_offset, entry.size, chunks.chunk_size, chunks.finish())
+            if digest is not None:
+                files.append((entry.path, digest.hexdigest()))
         if toc is not None and toc_out is not None:
+            toc = replace(toc, files=tuple(sorted(files)))
             # Last, as the digests are known only now; outside /disk, where KubeVirt never looks.
             data = toc.render()
             put(member_header(lazytoc.TOC_DIR, DIR_MODE, 0, mtime, directory=True))

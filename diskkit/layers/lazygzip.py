@@ -72,7 +72,7 @@ class _Framer:
         raise Stopped
 
 
-def _produce(entries: list[Entry], mtime: int, framer: _Framer, toc_for: str, found: list) -> None:
+def _produce(entries: list[Entry], mtime: int, framer: _Framer, toc_for: str, found: list, files: list) -> None:
     try:
         for entry in entries:
             framer.add(tar_header(entry, mtime))
@@ -83,6 +83,7 @@ def _produce(entries: list[Entry], mtime: int, framer: _Framer, toc_for: str, fo
                 framer.flush()  # the first chunk starts a member of its own
                 found.append((framer.position, entry.size, lazytoc.chunk_size_for(entry.size)))
             piece = found[-1][2] if disk else CHUNK
+            digest = None if disk else hashlib.sha256()
             copied = 0
             with open(entry.source, "rb") as src:
                 os.posix_fadvise(src.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
@@ -92,10 +93,13 @@ def _produce(entries: list[Entry], mtime: int, framer: _Framer, toc_for: str, fo
                     if disk:
                         framer.submit(data, chunk=True)
                     else:
+                        digest.update(data)
                         framer.add(data)
                 copied += len(src.read(1))  # a file that grew is refused too
             if copied != entry.size:
                 raise DiskkitError(entry.source, f"changed while being read ({entry.size} bytes expected, {copied} read)")
+            if digest is not None:
+                files.append((entry.path, digest.hexdigest()))
             if entry.size % 512:
                 framer.add(bytes(512 - entry.size % 512))
         framer.flush()
@@ -121,9 +125,10 @@ def write_layer(
     futures: queue.Queue = queue.Queue(2 * WORKERS + 2)  # compressing or done, not yet written
     stop = threading.Event()
     found: list[tuple[int, int, int]] = []
+    files: list[tuple[str, str]] = []
     pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="gzip")
     framer = _Framer(pool, futures, diff, stop, level)
-    reader = threading.Thread(target=_produce, args=(entries, mtime, framer, toc_for, found), daemon=True)
+    reader = threading.Thread(target=_produce, args=(entries, mtime, framer, toc_for, found, files), daemon=True)
     writer = BlobWriter(sink, hashed=True)
     reader.start()
     writer.start()
@@ -155,7 +160,7 @@ def write_layer(
                 advance(raw)
         # The reader is done with the diffID: the TOC member and the trailer are hashed here.
         disk_at, size, chunk_size = found[0]
-        toc = lazytoc.Toc(toc_for, disk_at, size, chunk_size, tuple(digests), tuple(members))
+        toc = lazytoc.Toc(toc_for, disk_at, size, chunk_size, tuple(digests), tuple(members), tuple(sorted(files)))
         doc = toc.render()
         headers = member_header(lazytoc.TOC_DIR, DIR_MODE, 0, mtime, directory=True) + member_header(lazytoc.TOC_MEMBER, 0o444, len(doc), mtime)
         trailer = bytes(-len(doc) % 512) + bytes(1024)

@@ -12,7 +12,12 @@ TOC adds, per chunk, the member's compressed `[offset, length]` in the blob, and
 the disk's first byte is in the uncompressed tar:
 
     {"version": 2, "disk": "disk/root.qcow2", "offset": 1536, "size": 67108864, "chunkSize": 1048576,
-     "chunks": ["<sha256 hex of disk bytes [0, 1 MiB)>", ...], "members": [[1024, 310291], ...]}
+     "chunks": ["<sha256 hex of disk bytes [0, 1 MiB)>", ...], "members": [[1024, 310291], ...],
+     "files": {"boot/vmlinuz": "<sha256 hex of its content>", ...}}
+
+`files` (both versions; absent when the layer holds only the disk) pins the layer's other regular
+files, the kernelBoot kernel and initrd: a reader takes them out of the members around the disk's
+(or, v1, at their offsets) and checks them without the blob digest, which needs the whole disk.
 
 Version 1 is an uncompressed tar (`application/vnd.oci.image.layer.v1.tar`), so every
 OCI client unpacks it as usual. The disk's bytes sit in it contiguously, at a fixed offset. After
@@ -79,6 +84,7 @@ class Toc:
     chunk_size: int
     chunks: tuple[str, ...]  # sha256 hex per chunk
     members: tuple[tuple[int, int], ...] | None = None  # version 2: each chunk's gzip member (offset, length) in the blob
+    files: tuple[tuple[str, str], ...] = ()  # (path, sha256 hex) of the layer's other regular files: kernelBoot artifacts
 
     @property
     def version(self) -> int:
@@ -98,6 +104,8 @@ class Toc:
                "chunkSize": self.chunk_size, "chunks": list(self.chunks)}
         if self.members is not None:
             obj["members"] = [list(m) for m in self.members]
+        if self.files:
+            obj["files"] = dict(self.files)
         return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
 
 
@@ -115,6 +123,12 @@ def without_toc(annotations: dict[str, str]) -> dict[str, str]:
     """A layer's annotations once its blob is re-encoded, when the TOC no longer describes it."""
     toc_keys = (ANNOTATION_TOC_OFFSET, ANNOTATION_TOC_SIZE, ANNOTATION_TOC_DIGEST)
     return {k: v for k, v in annotations.items() if k not in toc_keys}
+
+
+def marked(manifest: dict, layers: list[Descriptor]) -> bool:
+    """Built to boot lazily: the manifest says so, or (an image another tool built FROM a lazy one,
+    keeping the lower layer's descriptor but not the manifest's annotations) a layer pins a TOC."""
+    return ANNOTATION_LAZY in (manifest.get("annotations") or {}) or any(ANNOTATION_TOC_DIGEST in (layer.annotations or {}) for layer in layers)
 
 
 def location(layer: Descriptor, where: str) -> TocLocation | None:
@@ -164,7 +178,8 @@ def parse(data: bytes, loc: TocLocation, where: str, expected: int = VERSION) ->
         members = obj.get("members")
         if members is not None:
             members = tuple((int(o), int(n)) for o, n in members)
-        toc = Toc(str(obj["disk"]), int(obj["offset"]), int(obj["size"]), int(obj["chunkSize"]), tuple(obj["chunks"]), members)
+        files = tuple(sorted((str(k), str(v)) for k, v in (obj.get("files") or {}).items()))
+        toc = Toc(str(obj["disk"]), int(obj["offset"]), int(obj["size"]), int(obj["chunkSize"]), tuple(obj["chunks"]), members, files)
         version = obj.get("version")
     except (ValueError, KeyError, TypeError, AttributeError):
         raise DiskkitError(where, "lazy TOC is not the JSON object diskkit writes") from None
@@ -178,8 +193,8 @@ def parse(data: bytes, loc: TocLocation, where: str, expected: int = VERSION) ->
         _check_members(toc, loc, where)
     elif toc.offset <= 0 or toc.offset + toc.size > loc.offset:
         raise DiskkitError(where, "lazy TOC places the disk outside the blob or over the TOC itself")
-    if any(len(c) != 64 for c in toc.chunks):
-        raise DiskkitError(where, "lazy TOC chunk digests must be sha256 hex")
+    if any(len(c) != 64 for c in toc.chunks) or any(len(d) != 64 for _, d in toc.files):
+        raise DiskkitError(where, "lazy TOC chunk and file digests must be sha256 hex")
     return toc
 
 

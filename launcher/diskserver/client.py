@@ -103,8 +103,8 @@ def attach(cache: Cache, ref: str, path: str | None, platform: Platform | None, 
     parsed = parse_ref(qualified(str(parsed), registry))
     if mode == "auto":
         with open_source(str(parsed), registry) as source:
-            annotations = source.image(platform).manifest.get("annotations") or {}
-        if lazytoc.ANNOTATION_LAZY not in annotations:
+            image = source.image(platform)
+        if not lazytoc.marked(image.manifest, image.layers):
             return None
     control = ensure_server(cache, registry)
     answer = request(control, {"op": "open", "image": str(parsed), "path": path, "platform": str(platform) if platform else None,
@@ -121,6 +121,33 @@ def attach(cache: Cache, ref: str, path: str | None, platform: Platform | None, 
         raise DiskkitError(str(parsed), "; ".join(f"/{answer['member']}: {p}" for p in problems))
     pulled = Pulled(Path(answer["disk"]), info.format, info.virtual_size, answer["image"], answer["digest"], answer["layer"], answer["member"])
     return Attached(answer["url"], answer["export"], answer["socket"], info.format, info.virtual_size, pulled)
+
+
+def files(cache: Cache, ref: str, paths: list[str], platform: Platform | None, registry: RegistryOptions | None,
+          mode: str, policy: str, notes: list[str]) -> dict[str, Pulled] | None:
+    """kernelBoot files taken out of a lazy image by the node's server (its disk layer not fetched
+    for them; the members around a disk it exports not fetched twice); None: pull them whole."""
+    parsed = parse_ref(ref)
+    if mode == "off" or parsed.transport != "docker" or policy == "Never":
+        return None  # local images cost nothing to read whole; Never is the pull's to refuse in its words
+    hits = {path: cached(cache, ref, path, platform, policy, disk=False) for path in paths}
+    if all(hits.values()):
+        return hits
+    parsed = parse_ref(qualified(str(parsed), registry))
+    if mode == "auto":
+        with open_source(str(parsed), registry) as source:
+            image = source.image(platform)
+        if not lazytoc.marked(image.manifest, image.layers):
+            return None
+    control = ensure_server(cache, registry)
+    answer = request(control, {"op": "files", "image": str(parsed), "paths": paths, "platform": str(platform) if platform else None,
+                               "registry": asdict(registry) if registry else None, "marked": mode == "auto"})
+    if not answer.get("ok"):
+        if answer.get("seekable") is False:
+            notes.append(f"{answer['reason']}; pulling it whole")
+            return None
+        raise DiskkitError(answer.get("error") or "the disk server refused the image")
+    return {path: Pulled(**{**got, "path": Path(got["path"])}) for path, got in answer["files"].items()}
 
 
 def qualified(ref: str, registry: RegistryOptions | None) -> str:

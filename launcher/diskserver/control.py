@@ -5,6 +5,9 @@
         -> {"ok": true, "export": NAME, "socket": NBD_SOCKET, "url": "nbd+unix:///NAME?socket=...", ...}
         -> {"ok": false, "seekable": false, "reason": "..."}   (pull it whole instead)
         -> {"ok": false, "error": "..."}                       (refused, as a pull would be)
+    {"op": "files", "image": REF, "paths": [P, ...], "platform": ..., "registry": {...}, "marked": true}   kernelBoot files
+        -> {"ok": true, "files": {P: {"path": FILE_IN_THE_CACHE, ...}}}   (as `launcher pull` records them)
+        -> {"ok": false, "seekable": false, "reason": "..."}              (pull them whole instead)
     {"op": "status"} -> {"ok": true, "pid": N, "exports": [...]}
 """
 

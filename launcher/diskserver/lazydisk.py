@@ -1,7 +1,7 @@
 """A containerDisk read at offsets straight from its registry blob: the chunk store behind a lazy export.
 
-The disk of a seekable image (one layer, see diskkit.lazytoc) lies in the blob at a fixed offset
-(v1, uncompressed) or as one gzip member per chunk (v2). Reads fetch the chunks they touch with HTTP
+The disk of a seekable image (found in the image's layers by imagewalk) lies in its layer's blob at
+a fixed offset (v1, uncompressed) or as one gzip member per chunk (v2, see diskkit.lazytoc). Reads fetch the chunks they touch with HTTP
 range requests, through the registry client (auth, TLS, retries), inflating v2 members one by one;
 background threads prefetch the rest. Each chunk lands in a sparse
 file in the node cache and is marked in a bitmap that is persisted after the data is synced, so a
@@ -27,16 +27,13 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import io
 import json
 import logging
 import os
 import secrets
 import shutil
-import tarfile
 import threading
 import time
-import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -46,12 +43,13 @@ import urllib3
 from diskkit.disk.containerdisk import locate
 from diskkit.errors import AuthError, DiskkitError, RegistryError
 from diskkit.layers import lazytoc
-from diskkit.layers.imagefs import Tree, add_member, clean_member_name
 from diskkit.oci.image import Image
 from diskkit.oci.mediatypes import layer_compression
 from diskkit.ops.verify import DiskFacts, disk_problems
 from diskkit.registry.client import Registry, failure_reason, get_blob, retry_after
 from diskkit.streams.fsutil import write_atomic
+from launcher.diskserver import imagewalk
+from launcher.diskserver.imagewalk import NotSeekable, inflate_all
 from launcher.diskserver.nbd import NbdError
 from launcher.node.cache import Cache, key
 
@@ -60,15 +58,8 @@ log = logging.getLogger("launcher.lazydisk")
 PREFETCH_SPAN = 8 << 20  # bytes per prefetch request
 GUEST_BUSY = 3.0  # a guest that connected or read this recently is booting or working: prefetch gently
 BUSY_SPAN_EVERY = 0.25  # then one span per thread this often (32 MiB/s each), enough to stay ahead of a boot
-MAX_MEMBERS = 10000  # tar headers walked by range requests before giving up on lazy reads
-MAX_HEAD_TAIL = 64 << 20  # the blob's bytes besides the disk, kept for the final digest
-WINDOW = 64 << 10  # header reads fetch this much at once: consecutive headers cost one request
 SAVE_INTERVAL = 1.0
 VERIFY_ATTEMPTS = 3
-
-
-class NotSeekable(DiskkitError):
-    """The image cannot be read at offsets (compressed, several layers, ...): pull it whole instead."""
 
 
 def export_name(layer: str, member: str) -> str:
@@ -127,92 +118,23 @@ class BlobRanges:
             response.close()
 
 
-class _RangeFile(io.RawIOBase):
-    """A seekable view of the blob for tarfile: headers are read, file data is seeked past."""
+class KnownRanges:
+    """A blob's ranges, some already in the node cache (an export's head and tail): those are read
+    from there, not fetched again. Exact pieces only, as imagewalk asks for them."""
 
-    def __init__(self, ranges: BlobRanges):
-        self.ranges = ranges
-        self.pos = 0
-        self.window_at = -1
-        self.window = b""
+    def __init__(self, ranges: BlobRanges, known: dict[tuple[int, int], Path]):
+        self.ranges, self.size, self.known = ranges, ranges.size, known
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        self.pos = {0: offset, 1: self.pos + offset, 2: self.ranges.size + offset}[whence]
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def readinto(self, buf) -> int:
-        n = min(len(buf), self.ranges.size - self.pos)
-        if n <= 0:
-            return 0
-        if not (self.window_at <= self.pos and self.pos + n <= self.window_at + len(self.window)):
-            self.window_at = self.pos
-            self.window = self.ranges.read(self.pos, min(max(n, WINDOW), self.ranges.size - self.pos))
-        at = self.pos - self.window_at
-        buf[:n] = self.window[at : at + n]
-        self.pos += n
-        return n
-
-
-class _Framed(io.RawIOBase):
-    """The uncompressed tar of a v2 layer with its disk left out: the members before and after it
-    inflated, the disk a hole tarfile seeks past (it reads headers, never file data)."""
-
-    def __init__(self, head: bytes, hole: int, tail: bytes):
-        self.head, self.hole, self.tail = head, hole, tail
-        self.size = len(head) + hole + len(tail)
-        self.pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        self.pos = {0: offset, 1: self.pos + offset, 2: self.size + offset}[whence]
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def readinto(self, buf) -> int:
-        n = min(len(buf), self.size - self.pos)
-        if n <= 0:
-            return 0
-        hole_end = len(self.head) + self.hole
-        if self.pos < len(self.head):
-            piece = self.head[self.pos : self.pos + n]
-        elif self.pos < hole_end:
-            piece = bytes(min(n, hole_end - self.pos))
-        else:
-            piece = self.tail[self.pos - hole_end : self.pos - hole_end + n]
-        buf[: len(piece)] = piece
-        self.pos += len(piece)
-        return len(piece)
-
-
-def _inflate_all(data: bytes, limit: int, where: str) -> bytes:
-    """Concatenated gzip members, as any gzip reader sees them, up to `limit` bytes."""
-    out = bytearray()
-    while data:
-        inflater = zlib.decompressobj(31)
-        try:
-            out += inflater.decompress(data, limit + 1 - len(out))
-        except zlib.error as exc:
-            raise DiskkitError(where, f"is not gzip ({exc})") from None
-        if len(out) > limit or not inflater.eof:
-            raise DiskkitError(where, f"does not inflate to at most {limit} bytes of whole gzip members")
-        data = inflater.unused_data
-    return bytes(out)
+    def read(self, start: int, length: int) -> bytes:
+        path = self.known.get((start, length))
+        if path is not None:
+            try:
+                data = path.read_bytes()
+            except OSError:
+                data = b""  # installed meanwhile: its head and tail are gone
+            if len(data) == length:
+                return data
+        return self.ranges.read(start, length)
 
 
 # --- where the disk is -----------------------------------------------------------------------------
@@ -266,78 +188,65 @@ class Layout:
                       "members": tuple((int(o), int(n)) for o, n in members) if members is not None else None})
 
 
-def find_layout(image: Image, ranges: BlobRanges, registry_host: str, repository: str, path: str | None,
-                shown: str) -> Layout:
-    """Locate the disk with KubeVirt's rules by walking the layer's tar headers over range requests.
+@dataclass(frozen=True)
+class Found:
+    """A disk located for lazy reads, and (v2) the blob's bytes around its chunks, already fetched."""
+
+    layout: Layout
+    head: bytes | None = None
+    tail: bytes | None = None
+
+
+def find_layout(image: Image, ranges_for, registry_host: str, repository: str, path: str | None, shown: str) -> Found:
+    """Locate the disk with KubeVirt's rules in the image's final filesystem (every layer applied,
+    whiteouts included) and where its layer holds it; `ranges_for(descriptor)` reads a blob's bytes.
 
     Raises NotSeekable for images that must be pulled whole, DiskkitError for images `launcher pull`
-    would refuse too."""
-    if len(image.layers) != 1:
-        raise NotSeekable(shown, f"has {len(image.layers)} layers; lazy reads need a single layer, uncompressed or lazy gzip")
-    layer = image.layers[0]
-    kind = layer_compression(layer.media_type)
-    where = f"{shown}: layer {layer.digest[:19]}"
-    loc = lazytoc.location(layer, where)
-    toc: lazytoc.Toc | None = None
-    if kind == "gzip" and loc is not None:
-        stored = ranges.read(loc.offset, loc.size)
-        toc = lazytoc.parse(lazytoc.read_stored(stored, lazytoc.VERSION_GZIP, where), loc, where, lazytoc.VERSION_GZIP)
-        fileobj = _framed(ranges, toc, layer.size, shown, where)
-    elif kind != "none":
-        raise NotSeekable(shown, f"its layer is {kind or layer.media_type}-compressed; build it with --lazy or --compression none")
-    elif image.diff_ids != [layer.digest]:
-        raise DiskkitError(shown, f"layer {layer.digest[:19]} does not match the config's diffID (an uncompressed layer is its own diffID)")
-    else:
-        fileobj = _RangeFile(ranges)
-    tree = Tree()
-    data_at: dict[str, tuple[int, int]] = {}
-    try:
-        with tarfile.open(fileobj=fileobj, mode="r:", errorlevel=2) as tar:
-            for count, member in enumerate(tar):
-                if count >= MAX_MEMBERS:
-                    raise NotSeekable(shown, f"its layer has more than {MAX_MEMBERS} entries")
-                add_member(tree, 0, member)
-                cleaned = clean_member_name(member.name)
-                if cleaned is not None and member.isreg():
-                    data_at[cleaned] = (member.offset_data, member.size)
-    except tarfile.TarError as exc:
-        raise DiskkitError(shown, f"layer 0 ({layer.digest[:19]}) is not a valid tar: {exc}") from None
-    found = locate(tree, path, allow_root_file=path is None)
+    would refuse too, with its words."""
+    if not image.layers:
+        raise NotSeekable(shown, "has no layers")
+    if not any(_lazy_capable(layer) for layer in image.layers):
+        kinds = sorted({layer_compression(layer.media_type) or layer.media_type for layer in image.layers})
+        raise NotSeekable(shown, f"its layer{'s are' if len(image.layers) > 1 else ' is'} {'/'.join(kinds)}-compressed; build it with --lazy or --compression none")
+    walked = imagewalk.walk(image, ranges_for, shown)
+    found = locate(walked.tree, path, allow_root_file=path is None)
     # UID 107's access included, as `launcher pull` and `diskkit verify` (diskkit.disk.containerdisk):
     # qemu in virt-launcher would fail on the file with Permission denied.
-    blocking = tree.findings + found.problems
+    blocking = walked.tree.findings + found.problems
     if found.node is None or blocking:
         raise DiskkitError(shown, "; ".join(blocking) or f"{found.shown}: not found in the image")
-    member = found.node.path
-    offset, size = data_at[member]
+    index, member = found.node.layer, found.node.path
+    layer = image.layers[index]
+    if walked.verified(index):
+        raise NotSeekable(shown, f"the disk {found.shown} is in layer {index}, which is neither lazy nor uncompressed")
+    unverified = sorted((walked.ranged | set(walked.lazy)) - {index})
+    if unverified:
+        # Their headers shaped the tree KubeVirt's rules just read, and nothing will ever check them.
+        raise NotSeekable(shown, f"layer {unverified[0]} is read at offsets but does not hold the disk (layer {index} does)")
+    offset, size = walked.data_at[(index, member)]
     if size == 0:
         raise DiskkitError(shown, f"{found.shown} is empty")
+    where = f"{shown}: layer {layer.digest[:19]}"
+    lazy = walked.lazy.get(index)
+    toc = walked.tocs.get(index)
     chunk_size, chunks = lazytoc.chunk_size_for(size), None
-    if toc is None and loc is not None:
-        toc = lazytoc.parse(ranges.read(loc.offset, loc.size), loc, where)
     if toc is not None:
         if (toc.disk, toc.offset, toc.size) != (member, offset, size):
             raise DiskkitError(where, f"the lazy TOC describes /{toc.disk} at {toc.offset}+{toc.size}, but the layer holds /{member} at {offset}+{size}")
         chunk_size, chunks = toc.chunk_size, toc.chunks
-    v2 = toc is not None and toc.members is not None
+    v2 = lazy is not None
     layout = Layout(registry_host, repository, layer.digest, layer.size, member, offset, size, chunk_size, chunks,
-                    toc.members if v2 else None, (image.diff_ids or [None])[0] if v2 else None)
+                    toc.members if v2 else None, image.diff_ids[index] if v2 else None)
     besides = layer.size - (layout.data_end - layout.data_start)
-    if besides > MAX_HEAD_TAIL:
+    if besides > imagewalk.MAX_HEAD_TAIL:
         raise NotSeekable(shown, f"its layer holds {besides} bytes besides the disk")
-    return layout
+    return Found(layout, lazy.head if v2 else None, lazy.tail if v2 else None)
 
 
-def _framed(ranges: BlobRanges, toc: lazytoc.Toc, layer_size: int, shown: str, where: str) -> _Framed:
-    """The tar headers of a v2 layer: its members before and after the disk's, inflated."""
-    start, end = toc.members[0][0], sum(toc.members[-1])
-    if start + layer_size - end > MAX_HEAD_TAIL:
-        raise NotSeekable(shown, f"its layer holds {start + layer_size - end} bytes besides the disk")
-    head = _inflate_all(ranges.read(0, start), toc.offset, f"{where}: the members before the disk")
-    if len(head) != toc.offset:
-        raise DiskkitError(where, f"the lazy TOC places the disk at {toc.offset} in the tar, but the members before it hold {len(head)} bytes")
-    tail = _inflate_all(ranges.read(end, layer_size - end), 4 * MAX_HEAD_TAIL, f"{where}: the members after the disk")
-    return _Framed(head, toc.size, tail)
+def _lazy_capable(layer) -> bool:
+    """A layer whose disk could be read at offsets: lazy gzip (a TOC) or uncompressed."""
+    kind = layer_compression(layer.media_type)
+    return kind == "none" or (kind == "gzip" and lazytoc.ANNOTATION_TOC_DIGEST in (layer.annotations or {}))
 
 
 # --- the chunk store -------------------------------------------------------------------------------
@@ -407,7 +316,8 @@ class Options:
 class LazyDisk:
     """One export: reads fetch what they need, prefetchers fetch the rest, completion verifies and installs."""
 
-    def __init__(self, cache: Cache, layout: Layout, ranges: BlobRanges, opts: Options, description: str = ""):
+    def __init__(self, cache: Cache, layout: Layout, ranges: BlobRanges, opts: Options, description: str = "",
+                 head: bytes | None = None, tail: bytes | None = None):
         self.cache = cache
         self.layout = layout
         self.ranges = ranges
@@ -434,7 +344,7 @@ class LazyDisk:
         self.bucket = _Bucket(opts.prefetch_rate)
         self._completing = False
         self._zero = bytes(layout.chunk_size)
-        self._prepare()
+        self._prepare(head, tail)
         self.fd = os.open(self.dir / "disk.img", os.O_RDWR)
         # v2 keeps each member as it arrives: the blob digest at the end needs no second fetch.
         self.members_fd = os.open(self.dir / "members.gz", os.O_RDWR) if layout.members is not None else None
@@ -450,8 +360,9 @@ class LazyDisk:
 
     # --- setup ----------------------------------------------------------------------------------
 
-    def _prepare(self) -> None:
-        """The state directory: reused when it describes this layout, else made afresh (atomically)."""
+    def _prepare(self, head: bytes | None, tail: bytes | None) -> None:
+        """The state directory: reused when it describes this layout, else made afresh (atomically);
+        `head` and `tail`, the blob's bytes around the chunks, when the caller has them already."""
         current = self.cache.read_json(self.dir / "source.json")
         if current is not None and current.get("layout") == self.layout.to_json() and (self.dir / "disk.img").is_file():
             return
@@ -460,8 +371,12 @@ class LazyDisk:
         staging.mkdir()
         try:
             lay = self.layout
-            (staging / "head").write_bytes(self.ranges.read(0, lay.data_start))
-            (staging / "tail").write_bytes(self.ranges.read(lay.data_end, lay.layer_size - lay.data_end))
+            if head is None or len(head) != lay.data_start:
+                head = self.ranges.read(0, lay.data_start)
+            if tail is None or len(tail) != lay.layer_size - lay.data_end:
+                tail = self.ranges.read(lay.data_end, lay.layer_size - lay.data_end)
+            (staging / "head").write_bytes(head)
+            (staging / "tail").write_bytes(tail)
             with open(staging / "disk.img", "wb") as f:
                 f.truncate(lay.size)  # sparse: chunks not fetched yet read as holes nobody is shown
             if lay.members is not None:
@@ -498,6 +413,11 @@ class LazyDisk:
             os.close(self.fd)  # else a stuck fetcher may still write to it: it goes with the process
             if self.members_fd is not None:
                 os.close(self.members_fd)
+
+    def known(self) -> dict[tuple[int, int], Path]:
+        """The blob's ranges this export holds in the cache: (start, length) -> file."""
+        lay = self.layout
+        return {(0, lay.data_start): self.dir / "head", (lay.data_end, lay.layer_size - lay.data_end): self.dir / "tail"}
 
     def add_ref(self, ref: Ref) -> None:
         """Kept with the state, so a server restarted before the end still records every image."""
@@ -744,7 +664,7 @@ class LazyDisk:
 
     def _diff_id(self) -> str:
         """sha256 of the uncompressed tar: the head's members, the disk, the tail's members."""
-        diff = hashlib.sha256(_inflate_all((self.dir / "head").read_bytes(), self.layout.offset, "the layer's head"))
+        diff = hashlib.sha256(inflate_all((self.dir / "head").read_bytes(), self.layout.offset, "the layer's head"))
         offset = 0
         while offset < self.layout.size:
             piece = os.pread(self.fd, min(4 << 20, self.layout.size - offset), offset)
@@ -752,7 +672,7 @@ class LazyDisk:
                 break
             diff.update(piece)
             offset += len(piece)
-        diff.update(_inflate_all((self.dir / "tail").read_bytes(), 4 * MAX_HEAD_TAIL, "the layer's tail"))
+        diff.update(inflate_all((self.dir / "tail").read_bytes(), 4 * imagewalk.MAX_HEAD_TAIL, "the layer's tail"))
         return "sha256:" + diff.hexdigest()
 
     def _blob_digest(self) -> str:

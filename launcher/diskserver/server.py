@@ -51,7 +51,9 @@ from launcher.diskserver.control import (
 )
 from launcher.diskserver.lazydisk import (
     BlobRanges,
+    Found,
     InstalledDisk,
+    KnownRanges,
     Layout,
     LazyDisk,
     NotSeekable,
@@ -60,6 +62,7 @@ from launcher.diskserver.lazydisk import (
     find_layout,
     record,
 )
+from launcher.diskserver.lazyfiles import take_files
 from launcher.diskserver.qemuid import system_qemu_gid
 from launcher.node.cache import Cache
 from launcher.node.pull import image_key, remember
@@ -226,7 +229,7 @@ class DiskServer:
                 log.warning("export %s cannot be reopened: %s", name, exc.line())
                 return None
 
-    def _export(self, layout: Layout, registry) -> LazyDisk | InstalledDisk:
+    def _export(self, layout: Layout, registry, found: Found | None = None) -> LazyDisk | InstalledDisk:
         """The export for `layout`, made once: later VMs booting the same disk share it."""
         with self.lock:
             if layout.name in self.exports:
@@ -236,7 +239,8 @@ class DiskServer:
             export = InstalledDisk(layout.name, installed, f"{layout.layer} /{layout.member}")
         else:
             ranges = BlobRanges(registry, layout.repository, layout.layer, layout.layer_size)
-            export = LazyDisk(self.cache, layout, ranges, self.opts.lazy).start()
+            head, tail = (found.head, found.tail) if found is not None else (None, None)
+            export = LazyDisk(self.cache, layout, ranges, self.opts.lazy, head=head, tail=tail).start()
         with self.lock:
             self.exports[layout.name] = export
         log.info("exporting %s (%s)", layout.name, "complete" if isinstance(export, InstalledDisk) else "lazy")
@@ -259,17 +263,15 @@ class DiskServer:
             assert isinstance(source, RemoteSource)
             enforce_source(source, TrustOptions(), registry, platform)  # the policy first: before any byte is served
             image = source.image(platform)
-            if request.get("marked") and lazytoc.ANNOTATION_LAZY not in (image.manifest.get("annotations") or {}):
+            if request.get("marked") and not lazytoc.marked(image.manifest, image.layers):
                 return {"ok": False, "seekable": False, "reason": f"{shown} is not marked lazy ({lazytoc.ANNOTATION_LAZY})"}
-            layer = image.layers[0] if image.layers else None
             try:
-                if layer is None:
-                    raise NotSeekable(shown, "has no layers")
-                ranges = BlobRanges(source.registry, source.name.repository, layer.digest, layer.size)
-                layout = find_layout(image, ranges, source.registry.host, source.name.repository, path, shown)
+                found = find_layout(image, lambda desc: BlobRanges(source.registry, source.name.repository, desc.digest, desc.size),
+                                    source.registry.host, source.name.repository, path, shown)
             except NotSeekable as exc:
                 return {"ok": False, "seekable": False, "reason": exc.line()}
-            export = self._export(layout, source.registry)
+            layout = found.layout
+            export = self._export(layout, source.registry, found)
             unsafe = _header_problems(export)
             if unsafe:
                 raise DiskkitError(shown, "; ".join(f"/{layout.member}: {p}" for p in unsafe))
@@ -300,6 +302,38 @@ class DiskServer:
             "status": export.status(),
         }
 
+    def files(self, request: dict, peer_uid: int | None = None) -> dict:
+        """kernelBoot files out of a lazy image (launcher.diskserver.lazyfiles), installed in the cache."""
+        ref, paths = request.get("image"), request.get("paths")
+        if not isinstance(ref, str) or not ref or not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
+            raise DiskkitError("files", "needs an image reference and a list of paths")
+        if not 0 < len(paths) <= 2:
+            raise DiskkitError("files", "takes a kernel and an initrd: one or two paths")
+        platform = Platform.parse(request["platform"]) if request.get("platform") else None
+        registry = self._registry_options(request.get("registry"), peer_uid)
+        shown = str(parse_ref(ref))
+        if parse_ref(ref).transport != "docker":
+            return {"ok": False, "seekable": False, "reason": f"{shown}: lazy reads need a registry image (docker://)"}
+        with self.open_lock, open_source(shown, registry) as source:
+            assert isinstance(source, RemoteSource)
+            enforce_source(source, TrustOptions(), registry, platform)  # the policy first: before any byte is read
+            image = source.image(platform)
+            if request.get("marked") and not lazytoc.marked(image.manifest, image.layers):
+                return {"ok": False, "seekable": False, "reason": f"{shown} is not marked lazy ({lazytoc.ANNOTATION_LAZY})"}
+            try:
+                taken = take_files(self.cache, image, shown, paths, platform, lambda desc: self._ranges(source, desc))
+            except NotSeekable as exc:
+                return {"ok": False, "seekable": False, "reason": exc.line()}
+        return {"ok": True, "files": {path: pulled.to_json() for path, pulled in taken.items()}}
+
+    def _ranges(self, source: RemoteSource, desc) -> BlobRanges | KnownRanges:
+        """A layer's ranges; what an export of it holds already is not fetched again."""
+        ranges = BlobRanges(source.registry, source.name.repository, desc.digest, desc.size)
+        for export in self.listing():
+            if isinstance(export, LazyDisk) and export.layout.layer == desc.digest:
+                return KnownRanges(ranges, export.known())
+        return ranges
+
     def _registry_options(self, asked: dict | None, peer_uid: int | None) -> RegistryOptions:
         """The request's options; files it names are read only for a client as privileged as this server,
         so a client in the qemu group cannot make a root server read (or use) another user's auth file."""
@@ -324,10 +358,12 @@ class DiskServer:
                 if op == "open":
                     pid, uid = _peer(conn)
                     answer = self.open(request, uid, pid)
+                elif op == "files":
+                    answer = self.files(request, _peer(conn)[1])
                 elif op == "status":
                     answer = self.status()
                 else:
-                    answer = {"ok": False, "error": f"control: unknown op {op!r} (open, status)"}
+                    answer = {"ok": False, "error": f"control: unknown op {op!r} (open, files, status)"}
             except DiskkitError as exc:
                 answer = {"ok": False, "error": exc.line()}
             except (ValueError, TypeError) as exc:

@@ -4,7 +4,7 @@ disk server, and given to each VM through its own qcow2 overlay (N VMs cost one 
 from __future__ import annotations
 
 from diskkit.disk import qemuimg
-from launcher.diskserver.client import Attached, attach
+from launcher.diskserver.client import Attached, attach, files
 from launcher.node.cache import within
 from launcher.node.pull import default_policy, pull
 from launcher.render.domain import ResolvedDisk
@@ -45,13 +45,19 @@ def _nbd_overlay(ctx: Context, volume: Volume, attached: Attached) -> ResolvedDi
 
 
 def kernel_boot(ctx: Context) -> None:
-    """firmware.kernelBoot.container: the kernel and initrd pulled from their image into the cache."""
+    """firmware.kernelBoot.container: the kernel and initrd pulled from their image into the cache, or
+    from a lazy image taken out of it by the node's disk server, its disk's chunks left where they are."""
     boot = ctx.vmi.domain.firmware.kernel_boot if ctx.vmi.domain.firmware is not None else None
     if boot is None or boot.container is None:
         return
     container = boot.container
-    for attr, file_path in (("kernel", container.kernel_path), ("initrd", container.initrd_path)):
-        if file_path:
-            pulled = pull(ctx.cache, container.image, file_path, ctx.platform, ctx.registry, container.image_pull_policy, disk=False)
-            ctx.out.pulled.append(pulled)
-            setattr(ctx.out, attr, str(pulled.path))
+    wanted = [(attr, path) for attr, path in (("kernel", container.kernel_path), ("initrd", container.initrd_path)) if path]
+    fetched = None
+    if ctx.lazy != "off":
+        policy = container.image_pull_policy or default_policy(container.image)
+        fetched = files(ctx.cache, container.image, [path for _, path in wanted], ctx.platform, ctx.registry, ctx.lazy, policy, ctx.out.notes)
+    for attr, file_path in wanted:
+        pulled = fetched[file_path] if fetched else pull(ctx.cache, container.image, file_path, ctx.platform, ctx.registry,
+                                                         container.image_pull_policy, disk=False)
+        ctx.out.pulled.append(pulled)
+        setattr(ctx.out, attr, str(pulled.path))
