@@ -101,20 +101,14 @@ def attach(cache: Cache, ref: str, path: str | None, platform: Platform | None, 
     if policy == "Never" or cached(cache, ref, path, platform, policy) is not None:
         return None  # already here (a plain file beats any server), or not to be fetched at all
     parsed = parse_ref(qualified(str(parsed), registry))
-    if mode == "auto":
-        with open_source(str(parsed), registry) as source:
-            image = source.image(platform)
-        if not lazytoc.marked(image.manifest, image.layers):
-            return None
-    control = ensure_server(cache, registry)
-    answer = request(control, {"op": "open", "image": str(parsed), "path": path, "platform": str(platform) if platform else None,
-                               "registry": asdict(registry) if registry else None, "marked": mode == "auto",
-                               "clients": 2 if vm else 1})  # the probe below, then the VM's qemu: the server waits for both
-    if not answer.get("ok"):
-        if answer.get("seekable") is False:
-            notes.append(f"{answer['reason']}; pulling it whole")
-            return None
-        raise DiskkitError(answer.get("error") or "the disk server refused the image")
+    if mode == "auto" and not _marked(str(parsed), registry, platform):
+        return None
+    answer = _ask(cache, registry, notes, {
+        "op": "open", "image": str(parsed), "path": path, "platform": str(platform) if platform else None,
+        "registry": asdict(registry) if registry else None, "marked": mode == "auto",
+        "clients": 2 if vm else 1})  # the probe below, then the VM's qemu: the server waits for both
+    if answer is None:
+        return None
     info = qemuimg.info(answer["url"])  # probes the format through the export, under qemu-img's limits
     problems = violations(info)
     if problems:
@@ -134,20 +128,32 @@ def files(cache: Cache, ref: str, paths: list[str], platform: Platform | None, r
     if all(hits.values()):
         return hits
     parsed = parse_ref(qualified(str(parsed), registry))
-    if mode == "auto":
-        with open_source(str(parsed), registry) as source:
-            image = source.image(platform)
-        if not lazytoc.marked(image.manifest, image.layers):
-            return None
-    control = ensure_server(cache, registry)
-    answer = request(control, {"op": "files", "image": str(parsed), "paths": paths, "platform": str(platform) if platform else None,
-                               "registry": asdict(registry) if registry else None, "marked": mode == "auto"})
-    if not answer.get("ok"):
-        if answer.get("seekable") is False:
-            notes.append(f"{answer['reason']}; pulling it whole")
-            return None
-        raise DiskkitError(answer.get("error") or "the disk server refused the image")
+    if mode == "auto" and not _marked(str(parsed), registry, platform):
+        return None
+    answer = _ask(cache, registry, notes, {
+        "op": "files", "image": str(parsed), "paths": paths, "platform": str(platform) if platform else None,
+        "registry": asdict(registry) if registry else None, "marked": mode == "auto"})
+    if answer is None:
+        return None
     return {path: Pulled(**{**got, "path": Path(got["path"])}) for path, got in answer["files"].items()}
+
+
+def _marked(ref: str, registry: RegistryOptions | None, platform: Platform | None) -> bool:
+    """Whether the image says it can boot lazily (read from its manifest and config alone)."""
+    with open_source(ref, registry) as source:
+        image = source.image(platform)
+    return lazytoc.marked(image.manifest, image.layers)
+
+
+def _ask(cache: Cache, registry: RegistryOptions | None, notes: list[str], req: dict) -> dict | None:
+    """The node server's answer; None (and a note) where the image is to be pulled whole instead."""
+    answer = request(ensure_server(cache, registry), req)
+    if answer.get("ok"):
+        return answer
+    if answer.get("seekable") is False:
+        notes.append(f"{answer['reason']}; pulling it whole")
+        return None
+    raise DiskkitError(answer.get("error") or "the disk server refused the image")
 
 
 def qualified(ref: str, registry: RegistryOptions | None) -> str:

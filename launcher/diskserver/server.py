@@ -255,27 +255,19 @@ class DiskServer:
         path = request.get("path")
         platform = Platform.parse(request["platform"]) if request.get("platform") else None
         registry = self._registry_options(request.get("registry"), peer_uid)
-        parsed = parse_ref(ref)
-        shown = str(parsed)
-        if parsed.transport != "docker":
-            return {"ok": False, "seekable": False, "reason": f"{shown}: lazy reads need a registry image (docker://)"}
-        with self.open_lock, open_source(shown, registry) as source:
-            assert isinstance(source, RemoteSource)
-            enforce_source(source, TrustOptions(), registry, platform)  # the policy first: before any byte is served
-            image = source.image(platform)
-            if request.get("marked") and not lazytoc.marked(image.manifest, image.layers):
-                return {"ok": False, "seekable": False, "reason": f"{shown} is not marked lazy ({lazytoc.ANNOTATION_LAZY})"}
-            try:
+        shown = str(parse_ref(ref))
+        try:
+            with self._lazy_image(shown, registry, platform, request.get("marked")) as (source, image):
                 found = find_layout(image, lambda desc: BlobRanges(source.registry, source.name.repository, desc.digest, desc.size),
                                     source.registry.host, source.name.repository, path, shown)
-            except NotSeekable as exc:
-                return {"ok": False, "seekable": False, "reason": exc.line()}
-            layout = found.layout
-            export = self._export(layout, source.registry, found)
-            unsafe = _header_problems(export)
-            if unsafe:
-                raise DiskkitError(shown, "; ".join(f"/{layout.member}: {p}" for p in unsafe))
-            remember(self.cache, shown, platform, image)
+                layout = found.layout
+                export = self._export(layout, source.registry, found)
+                unsafe = _header_problems(export)
+                if unsafe:
+                    raise DiskkitError(shown, "; ".join(f"/{layout.member}: {p}" for p in unsafe))
+                remember(self.cache, shown, platform, image)
+        except NotSeekable as exc:
+            return {"ok": False, "seekable": False, "reason": exc.line()}
         listener = self._nbd_for(peer_uid)
         clients = request.get("clients", 1)
         if not isinstance(clients, int) or not 0 <= clients <= 16:
@@ -312,19 +304,26 @@ class DiskServer:
         platform = Platform.parse(request["platform"]) if request.get("platform") else None
         registry = self._registry_options(request.get("registry"), peer_uid)
         shown = str(parse_ref(ref))
-        if parse_ref(ref).transport != "docker":
-            return {"ok": False, "seekable": False, "reason": f"{shown}: lazy reads need a registry image (docker://)"}
+        try:
+            with self._lazy_image(shown, registry, platform, request.get("marked")) as (source, image):
+                taken = take_files(self.cache, image, shown, paths, platform, lambda desc: self._ranges(source, desc))
+        except NotSeekable as exc:
+            return {"ok": False, "seekable": False, "reason": exc.line()}
+        return {"ok": True, "files": {path: pulled.to_json() for path, pulled in taken.items()}}
+
+    @contextlib.contextmanager
+    def _lazy_image(self, shown: str, registry: RegistryOptions | None, platform: Platform | None, marked: bool):
+        """The image a request names, the policy enforced before any byte of it is read; NotSeekable
+        when it cannot be read at offsets, or (`marked`) does not say it should be."""
+        if parse_ref(shown).transport != "docker":
+            raise NotSeekable(shown, "lazy reads need a registry image (docker://)")
         with self.open_lock, open_source(shown, registry) as source:
             assert isinstance(source, RemoteSource)
-            enforce_source(source, TrustOptions(), registry, platform)  # the policy first: before any byte is read
+            enforce_source(source, TrustOptions(), registry, platform)
             image = source.image(platform)
-            if request.get("marked") and not lazytoc.marked(image.manifest, image.layers):
-                return {"ok": False, "seekable": False, "reason": f"{shown} is not marked lazy ({lazytoc.ANNOTATION_LAZY})"}
-            try:
-                taken = take_files(self.cache, image, shown, paths, platform, lambda desc: self._ranges(source, desc))
-            except NotSeekable as exc:
-                return {"ok": False, "seekable": False, "reason": exc.line()}
-        return {"ok": True, "files": {path: pulled.to_json() for path, pulled in taken.items()}}
+            if marked and not lazytoc.marked(image.manifest, image.layers):
+                raise NotSeekable(shown, f"not marked lazy ({lazytoc.ANNOTATION_LAZY})")
+            yield source, image
 
     def _ranges(self, source: RemoteSource, desc) -> BlobRanges | KnownRanges:
         """A layer's ranges; what an export of it holds already is not fetched again."""
