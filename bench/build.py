@@ -26,6 +26,8 @@ Run from the project root:
 from __future__ import annotations
 
 import argparse
+import compileall
+import functools
 import json
 import math
 import os
@@ -50,7 +52,8 @@ LARGE_FACTOR = 4
 FILL_SLACK = 0.01  # stop filling when within 1% of the target
 COPY_BATCH = 500
 IMAGE_TAG = "bench"
-DEFAULT_WORKDIR = Path(__file__).resolve().parent.parent / "build" / "bench"
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_WORKDIR = ROOT / "build" / "bench"
 
 TARGET_SPEEDUP = 2.0
 TARGET_RSS_MIB = 150
@@ -218,14 +221,34 @@ class Sample:
     output_bytes: int
 
 
+@functools.cache
+def use_this_tree() -> str:
+    """Make every tool command run this checkout's code, and describe it (git describe).
+
+    The venv's console scripts import whichever checkout is installed in editable mode, so tools run
+    as `python -m NAME` with this tree first on PYTHONPATH (children inherit it). The modules are
+    byte-compiled once, as an installed package's are; PYTHONDONTWRITEBYTECODE would otherwise make
+    every run compile them again.
+    """
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    for package in ("diskkit", "launcher"):
+        compileall.compile_dir(ROOT / package, quiet=1)
+    rev = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True, text=True, check=False)
+    return rev.stdout.strip() or "unknown"
+
+
 def tool_command(name: str) -> list[str]:
-    """The venv's console script for `name` (diskkit or launcher), else `python -m name`."""
-    script = Path(sys.executable).parent / name
-    return [str(script)] if script.is_file() else [sys.executable, "-m", name]
+    """`python -m name` (diskkit or launcher) running this checkout's code."""
+    use_this_tree()
+    return [sys.executable, "-m", name]
 
 
 def diskkit_command() -> list[str]:
     return tool_command("diskkit")
+
+
+def load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def commands(variant: str, disk: Path, layout: Path) -> list[list[str]]:

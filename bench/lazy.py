@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         for label, disk in disks.items():
             log(f"pushing {disk.name} (--lazy) ...")
             images[label] = f"{registry.host}/bench/lazy-{label}:v1"
-            bb.run_quiet([sys.executable, "-m", "diskkit", "build", "--lazy", "--tls-verify=false", str(disk), "-t", images[label]], cwd=ROOT)
+            bb.run_quiet([*bb.diskkit_command(), "build", "--lazy", "--tls-verify=false", str(disk), "-t", images[label]])
         boot_once(scratch, images["small"], False, "warm-up")
         for i in range(1, args.runs + 1):
             for (mode, label), found in samples.items():

@@ -12,7 +12,7 @@ best wall time, median CPU time, peak RSS, and the layer size. Targets: lazy lay
 plain one, lazy build (median wall) <= 1.15x the plain one. PASS/MISS is printed for each; the exit
 status is 0 whatever the figures.
 
-Run from the project root (diskkit runs as `python -m diskkit`, the code of the current directory):
+Run from the project root (diskkit runs as `python -m diskkit`, this checkout's code):
     .venv/bin/python bench/lazygz.py                          # 700 MiB of /usr content, 5 runs
     .venv/bin/python bench/lazygz.py --disk my.qcow2 --runs 3 --json
 """
@@ -35,8 +35,6 @@ MIB = bb.MIB
 TARGET_SIZE = 1.10
 TARGET_TIME = 1.15
 VARIANTS = {"plain": "--no-lazy", "lazy": "--lazy"}
-# `-m` from the project root: the checkout's code, whichever one the venv's script was installed from.
-DISKKIT = [sys.executable, "-m", "diskkit"]
 
 
 def layer_size(layout: Path) -> int:
@@ -51,7 +49,7 @@ def run_once(variant: str, disk: Path, workdir: Path) -> dict:
     try:
         layout = scratch / "layout"
         os.sync()
-        wall, cpu, rss = bb.run_measured([*DISKKIT, "build", VARIANTS[variant], str(disk), "-t", f"oci:{layout}:bench"],
+        wall, cpu, rss = bb.run_measured([*bb.diskkit_command(), "build", VARIANTS[variant], str(disk), "-t", f"oci:{layout}:bench"],
                                          scratch / "build.log")
         return {"wall_s": wall, "cpu_s": cpu, "rss_kib": rss, "layer_bytes": layer_size(layout)}
     finally:
