@@ -251,6 +251,11 @@ def load_average() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+def machine_line(load_before: str) -> str:
+    """What a figure was measured on: the tree, the CPUs and how busy they were (machines are shared)."""
+    return f"tree {use_this_tree()}; {os.cpu_count()} CPUs, load average {load_before} before, {load_average()} after"
+
+
 def commands(variant: str, disk: Path, layout: Path) -> list[list[str]]:
     dest = f"oci:{layout}:{IMAGE_TAG}"
     if variant == "umoci gzip":
@@ -362,7 +367,8 @@ def checks(results: dict[str, Result]) -> list[dict]:
     return out
 
 
-def print_table(disks: list[dict], results: dict[str, Result], found: list[dict], runs: int) -> None:
+def print_table(disks: list[dict], results: dict[str, Result], found: list[dict], runs: int, load_before: str) -> None:
+    print(machine_line(load_before))
     for d in disks:
         print(f"{Path(d['path']).name}: {d['qcow2_bytes'] / MIB:.0f} MiB qcow2, "
               f"{d['content_bytes'] / MIB:.0f} MiB in {d['files']} files+dirs from {USR}")
@@ -406,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
 
     disk = Path(disks[0]["path"])
     warm_cache(disk)
+    load_before = load_average()
     log(f"timing on {disk.name} ...")
     results = bench(["diskkit gzip", "umoci gzip", "diskkit zstd"], disk, args.runs, workdir, log)
     if not args.no_large:
@@ -418,10 +425,11 @@ def main(argv: list[str] | None = None) -> int:
 
     found = checks(results)
     if args.json:
-        print(json.dumps({"runs": args.runs, "disks": disks, "results": [r.to_json() for r in results.values()],
+        print(json.dumps({"tree": use_this_tree(), "cpus": os.cpu_count(), "load_average_before": load_before,
+                          "load_average_after": load_average(), "runs": args.runs, "disks": disks, "results": [r.to_json() for r in results.values()],
                           "checks": found}, indent=2))
     else:
-        print_table(disks, results, found, args.runs)
+        print_table(disks, results, found, args.runs, load_before)
     return 0
 
 

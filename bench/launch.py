@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                           "pull": [r.to_json() for r in pulls.values()], "vms": vms, "checks": checks}, indent=2))
         return 0
     print(f"$ {command}")
-    print(f"tree {tree}; {os.cpu_count()} CPUs, load average {context['load_average_before']} before, {context['load_average_after']} after")
+    print(bb.machine_line(load_before))
     print(f"{disk.name}: {disk_meta['qcow2_bytes'] / MIB:.0f} MiB qcow2; {args.runs} run(s) each, interleaved; wall and cpu: median and best")
     breg.print_results(pulls, modes, [c for c in checks if "cache" in c])
     if vms:

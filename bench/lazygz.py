@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = bb.checked_workdir(parser, args, ("mke2fs", "qemu-img"))
     disk = args.disk.resolve() if args.disk else Path(bb.make_disk(workdir, args.size_mb, bb.log)["path"])
     bb.warm_cache(disk)
+    load_before = bb.load_average()
     samples: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     for run in range(args.runs):
         for variant in VARIANTS:
@@ -88,9 +89,11 @@ def main(argv: list[str] | None = None) -> int:
         {"check": f"lazy build / plain build (median wall) <= {TARGET_TIME}", "value": round(time_ratio, 4), "pass": time_ratio <= TARGET_TIME},
     ]
     if args.json:
-        print(json.dumps({"disk": str(disk), "disk_bytes": disk.stat().st_size, "runs": args.runs, "plain": plain, "lazy": lazy,
+        print(json.dumps({"tree": bb.use_this_tree(), "cpus": os.cpu_count(), "load_average_before": load_before,
+                          "load_average_after": bb.load_average(), "disk": str(disk), "disk_bytes": disk.stat().st_size, "runs": args.runs, "plain": plain, "lazy": lazy,
                           "samples": samples, "checks": checks}, indent=2))
         return 0
+    print(bb.machine_line(load_before))
     print(f"disk {disk} ({disk.stat().st_size / MIB:.0f} MiB), {args.runs} interleaved runs each, sync before each")
     print(f"{'variant':8} {'median s':>9} {'best s':>8} {'cpu s':>8} {'rss MiB':>8} {'layer bytes':>13}")
     for name, s in (("plain", plain), ("lazy", lazy)):

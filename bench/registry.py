@@ -430,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
                           "results": [r.to_json() for r in results.values()], "checks": found}, indent=2))
         return 0
     print(f"$ {command}")
-    print(f"tree {tree}; {os.cpu_count()} CPUs, load average {context['load_average_before']} before, {context['load_average_after']} after")
+    print(bb.machine_line(load_before))
     print(f"{disk.name}: {disk_meta['qcow2_bytes'] / MIB:.0f} MiB qcow2, {disk_meta['content_bytes'] / MIB:.0f} MiB in "
           f"{disk_meta['files']} files+dirs; registry {registry.host} (distribution, plain HTTP); {args.runs} run(s) each, interleaved")
     print("wall and cpu: median and best; MiB = pushed blobs / pulled layout")
