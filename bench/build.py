@@ -16,7 +16,9 @@ Targets: umoci/diskkit wall time >= 2x, diskkit peak RSS < 150 MiB, 4x-disk RSS 
 the normal one. PASS/MISS is printed for each, but the exit status is 0 whatever the figures.
 
 Generated disks are cached in the workdir (default build/bench) so reruns skip the slow part;
-output layouts are deleted after every run.
+output layouts are deleted after every run. The diskkit measured is this checkout's (`python -m
+diskkit` with it first on PYTHONPATH, byte-compiled once; use_this_tree, which every bench shares),
+and the tree and the machine's load average are printed with the figures.
 
 Run from the project root:
     .venv/bin/python bench/build.py                      # 700 MB of content, 3 runs, with the 4x disk
