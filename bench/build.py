@@ -16,7 +16,9 @@ Targets: umoci/diskkit wall time >= 2x, diskkit peak RSS < 150 MiB, 4x-disk RSS 
 the normal one. PASS/MISS is printed for each, but the exit status is 0 whatever the figures.
 
 Generated disks are cached in the workdir (default build/bench) so reruns skip the slow part;
-output layouts are deleted after every run.
+output layouts are deleted after every run. The diskkit measured is this checkout's (`python -m
+diskkit` with it first on PYTHONPATH, byte-compiled once; use_this_tree, which every bench shares),
+and the tree and the machine's load average are printed with the figures.
 
 Run from the project root:
     .venv/bin/python bench/build.py                      # 700 MB of content, 3 runs, with the 4x disk
@@ -26,6 +28,8 @@ Run from the project root:
 from __future__ import annotations
 
 import argparse
+import compileall
+import functools
 import json
 import math
 import os
@@ -50,7 +54,8 @@ LARGE_FACTOR = 4
 FILL_SLACK = 0.01  # stop filling when within 1% of the target
 COPY_BATCH = 500
 IMAGE_TAG = "bench"
-DEFAULT_WORKDIR = Path(__file__).resolve().parent.parent / "build" / "bench"
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_WORKDIR = ROOT / "build" / "bench"
 
 TARGET_SPEEDUP = 2.0
 TARGET_RSS_MIB = 150
@@ -218,14 +223,39 @@ class Sample:
     output_bytes: int
 
 
+@functools.cache
+def use_this_tree() -> str:
+    """Make every tool command run this checkout's code, and describe it (git describe).
+
+    The venv's console scripts import whichever checkout is installed in editable mode, so tools run
+    as `python -m NAME` with this tree first on PYTHONPATH (children inherit it). The modules are
+    byte-compiled once, as an installed package's are; PYTHONDONTWRITEBYTECODE would otherwise make
+    every run compile them again.
+    """
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    for package in ("diskkit", "launcher"):
+        compileall.compile_dir(ROOT / package, quiet=1)
+    rev = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True, text=True, check=False)
+    return rev.stdout.strip() or "unknown"
+
+
 def tool_command(name: str) -> list[str]:
-    """The venv's console script for `name` (diskkit or launcher), else `python -m name`."""
-    script = Path(sys.executable).parent / name
-    return [str(script)] if script.is_file() else [sys.executable, "-m", name]
+    """`python -m name` (diskkit or launcher) running this checkout's code."""
+    use_this_tree()
+    return [sys.executable, "-m", name]
 
 
 def diskkit_command() -> list[str]:
     return tool_command("diskkit")
+
+
+def load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def machine_line(load_before: str) -> str:
+    """What a figure was measured on: the tree, the CPUs and how busy they were (machines are shared)."""
+    return f"tree {use_this_tree()}; {os.cpu_count()} CPUs, load average {load_before} before, {load_average()} after"
 
 
 def commands(variant: str, disk: Path, layout: Path) -> list[list[str]]:
@@ -339,7 +369,8 @@ def checks(results: dict[str, Result]) -> list[dict]:
     return out
 
 
-def print_table(disks: list[dict], results: dict[str, Result], found: list[dict], runs: int) -> None:
+def print_table(disks: list[dict], results: dict[str, Result], found: list[dict], runs: int, load_before: str) -> None:
+    print(machine_line(load_before))
     for d in disks:
         print(f"{Path(d['path']).name}: {d['qcow2_bytes'] / MIB:.0f} MiB qcow2, "
               f"{d['content_bytes'] / MIB:.0f} MiB in {d['files']} files+dirs from {USR}")
@@ -383,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
 
     disk = Path(disks[0]["path"])
     warm_cache(disk)
+    load_before = load_average()
     log(f"timing on {disk.name} ...")
     results = bench(["diskkit gzip", "umoci gzip", "diskkit zstd"], disk, args.runs, workdir, log)
     if not args.no_large:
@@ -395,10 +427,11 @@ def main(argv: list[str] | None = None) -> int:
 
     found = checks(results)
     if args.json:
-        print(json.dumps({"runs": args.runs, "disks": disks, "results": [r.to_json() for r in results.values()],
+        print(json.dumps({"tree": use_this_tree(), "cpus": os.cpu_count(), "load_average_before": load_before,
+                          "load_average_after": load_average(), "runs": args.runs, "disks": disks, "results": [r.to_json() for r in results.values()],
                           "checks": found}, indent=2))
     else:
-        print_table(disks, results, found, args.runs)
+        print_table(disks, results, found, args.runs, load_before)
     return 0
 
 

@@ -182,11 +182,11 @@ def main(argv: list[str] | None = None) -> int:
     command = shlex.join(["bench/launch.py", *argv])
     modes = list(breg.CACHE_MODES) if args.cache == "both" else [args.cache]
     log = bb.log
-    tree = breg.use_this_tree()
+    tree = bb.use_this_tree()
     disk_meta = bb.make_disk(workdir, args.size_mb, log)
     disk = Path(disk_meta["path"])
     bb.warm_cache(disk)
-    load_before = breg.load_average()
+    load_before = bb.load_average()
     registry = breg.Registry(workdir, access_log=True)
     try:
         breg.push_pull_image(registry, disk)
@@ -203,13 +203,13 @@ def main(argv: list[str] | None = None) -> int:
     if vms:
         checks.append({"name": f"layer downloads for {vms['vms']} VMs", "value": vms["layer_downloads"], "unit": "", "target": "1", "pass": vms["layer_downloads"] == 1})
     context = {"command": command, "tree": tree, "cpus": os.cpu_count(), "load_average_before": load_before,
-               "load_average_after": breg.load_average(), "caches_dropped": "sync" in modes and breg.can_drop_caches()}
+               "load_average_after": bb.load_average(), "caches_dropped": "sync" in modes and breg.can_drop_caches()}
     if args.json:
         print(json.dumps({**context, "disk": disk_meta, "runs": args.runs, "conditions": {m: breg.describe_mode(m) for m in modes},
                           "pull": [r.to_json() for r in pulls.values()], "vms": vms, "checks": checks}, indent=2))
         return 0
     print(f"$ {command}")
-    print(f"tree {tree}; {os.cpu_count()} CPUs, load average {context['load_average_before']} before, {context['load_average_after']} after")
+    print(bb.machine_line(load_before))
     print(f"{disk.name}: {disk_meta['qcow2_bytes'] / MIB:.0f} MiB qcow2; {args.runs} run(s) each, interleaved; wall and cpu: median and best")
     breg.print_results(pulls, modes, [c for c in checks if "cache" in c])
     if vms:

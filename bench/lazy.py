@@ -201,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     log = bb.log
     sizes = {"small": args.small_mb * MIB, "large": args.large_mb * MIB}
     disks = {label: padded_guest(workdir, size, log) for label, size in sizes.items()}
+    load_before = bb.load_average()
     registry = breg.Registry(workdir)
     scratch = QemuScratch()
     samples: dict[tuple[str, str], list[dict]] = {(mode, label): [] for mode in ("lazy", "full") for label in sizes}
@@ -209,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         for label, disk in disks.items():
             log(f"pushing {disk.name} (--lazy) ...")
             images[label] = f"{registry.host}/bench/lazy-{label}:v1"
-            bb.run_quiet([sys.executable, "-m", "diskkit", "build", "--lazy", "--tls-verify=false", str(disk), "-t", images[label]], cwd=ROOT)
+            bb.run_quiet([*bb.diskkit_command(), "build", "--lazy", "--tls-verify=false", str(disk), "-t", images[label]])
         boot_once(scratch, images["small"], False, "warm-up")
         for i in range(1, args.runs + 1):
             for (mode, label), found in samples.items():
@@ -231,10 +232,12 @@ def main(argv: list[str] | None = None) -> int:
         {"name": f"full / lazy, {args.large_mb} MiB", "value": round(full_ratio, 2), "target": f">= {TARGET_FULL_RATIO:g}x", "pass": full_ratio >= TARGET_FULL_RATIO},
     ]
     if args.json:
-        print(json.dumps({"runs": args.runs, "node_server": args.node_server, "sizes_mib": {k: v // MIB for k, v in sizes.items()},
+        print(json.dumps({"tree": bb.use_this_tree(), "cpus": os.cpu_count(), "load_average_before": load_before,
+                          "load_average_after": bb.load_average(), "runs": args.runs, "node_server": args.node_server, "sizes_mib": {k: v // MIB for k, v in sizes.items()},
                           "first_line_s": {f"{m}-{l}": round(v, 2) for (m, l), v in med.items()},
                           "lazy_large_fetched_at_first_line": fetched, "checks": checks}, indent=2))
         return 0
+    print(bb.machine_line(load_before))
     server = "the node's disk server already running" if args.node_server else "the disk server started by the run"
     print(f"test guest (raw) at {args.small_mb} MiB and {args.large_mb} MiB, built --lazy; seconds from `launcher run` to the"
           f" first console line, median of {args.runs} run(s); lazy with {server}\n")

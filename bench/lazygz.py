@@ -12,7 +12,7 @@ best wall time, median CPU time, peak RSS, and the layer size. Targets: lazy lay
 plain one, lazy build (median wall) <= 1.15x the plain one. PASS/MISS is printed for each; the exit
 status is 0 whatever the figures.
 
-Run from the project root (diskkit runs as `python -m diskkit`, the code of the current directory):
+Run from the project root (diskkit runs as `python -m diskkit`, this checkout's code):
     .venv/bin/python bench/lazygz.py                          # 700 MiB of /usr content, 5 runs
     .venv/bin/python bench/lazygz.py --disk my.qcow2 --runs 3 --json
 """
@@ -35,8 +35,6 @@ MIB = bb.MIB
 TARGET_SIZE = 1.10
 TARGET_TIME = 1.15
 VARIANTS = {"plain": "--no-lazy", "lazy": "--lazy"}
-# `-m` from the project root: the checkout's code, whichever one the venv's script was installed from.
-DISKKIT = [sys.executable, "-m", "diskkit"]
 
 
 def layer_size(layout: Path) -> int:
@@ -51,7 +49,7 @@ def run_once(variant: str, disk: Path, workdir: Path) -> dict:
     try:
         layout = scratch / "layout"
         os.sync()
-        wall, cpu, rss = bb.run_measured([*DISKKIT, "build", VARIANTS[variant], str(disk), "-t", f"oci:{layout}:bench"],
+        wall, cpu, rss = bb.run_measured([*bb.diskkit_command(), "build", VARIANTS[variant], str(disk), "-t", f"oci:{layout}:bench"],
                                          scratch / "build.log")
         return {"wall_s": wall, "cpu_s": cpu, "rss_kib": rss, "layer_bytes": layer_size(layout)}
     finally:
@@ -76,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = bb.checked_workdir(parser, args, ("mke2fs", "qemu-img"))
     disk = args.disk.resolve() if args.disk else Path(bb.make_disk(workdir, args.size_mb, bb.log)["path"])
     bb.warm_cache(disk)
+    load_before = bb.load_average()
     samples: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     for run in range(args.runs):
         for variant in VARIANTS:
@@ -90,9 +89,11 @@ def main(argv: list[str] | None = None) -> int:
         {"check": f"lazy build / plain build (median wall) <= {TARGET_TIME}", "value": round(time_ratio, 4), "pass": time_ratio <= TARGET_TIME},
     ]
     if args.json:
-        print(json.dumps({"disk": str(disk), "disk_bytes": disk.stat().st_size, "runs": args.runs, "plain": plain, "lazy": lazy,
+        print(json.dumps({"tree": bb.use_this_tree(), "cpus": os.cpu_count(), "load_average_before": load_before,
+                          "load_average_after": bb.load_average(), "disk": str(disk), "disk_bytes": disk.stat().st_size, "runs": args.runs, "plain": plain, "lazy": lazy,
                           "samples": samples, "checks": checks}, indent=2))
         return 0
+    print(bb.machine_line(load_before))
     print(f"disk {disk} ({disk.stat().st_size / MIB:.0f} MiB), {args.runs} interleaved runs each, sync before each")
     print(f"{'variant':8} {'median s':>9} {'best s':>8} {'cpu s':>8} {'rss MiB':>8} {'layer bytes':>13}")
     for name, s in (("plain", plain), ("lazy", lazy)):

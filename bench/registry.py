@@ -44,7 +44,6 @@ Run from the project root:
 from __future__ import annotations
 
 import argparse
-import compileall
 import ctypes
 import json
 import os
@@ -82,7 +81,6 @@ OURS_PUSH, THEIRS_PUSH = "diskkit build+push", "umoci+skopeo push"
 OURS_PULL, THEIRS_PULL = "diskkit pull", "skopeo pull"
 VARIANTS = {"push": [OURS_PUSH, THEIRS_PUSH], "pull": [OURS_PULL, THEIRS_PULL]}
 CACHE_MODES = ("warm", "sync")
-ROOT = Path(__file__).resolve().parent.parent
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 
 
@@ -192,17 +190,6 @@ class Registry:
 # --------------------------------------------------------------------------- conditions
 
 
-def use_this_tree() -> str:
-    """Measure this tree's code: the venv's console scripts would import whichever checkout is
-    installed in editable mode. Its modules are byte-compiled once, as an installed package's are
-    (PYTHONDONTWRITEBYTECODE would otherwise make every run compile them again)."""
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    for package in ("diskkit", "launcher"):
-        compileall.compile_dir(ROOT / package, quiet=1)
-    rev = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True, text=True, check=False)
-    return rev.stdout.strip() or "unknown"
-
-
 def can_drop_caches() -> bool:
     return os.geteuid() == 0 and os.access(DROP_CACHES, os.W_OK)
 
@@ -226,10 +213,6 @@ def prepare(mode: str, warm_files: list[Path]) -> None:
         with open(path, "rb") as f:
             while f.read(8 * MIB):
                 pass
-
-
-def load_average() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 # --------------------------------------------------------------------------- timing
@@ -423,11 +406,11 @@ def main(argv: list[str] | None = None) -> int:
     modes = list(CACHE_MODES) if args.cache == "both" else [args.cache]
     variants = VARIANTS["push"] + VARIANTS["pull"] if args.what == "all" else VARIANTS[args.what]
     log = bb.log
-    tree = use_this_tree()
+    tree = bb.use_this_tree()
     disk_meta = bb.make_disk(workdir, args.size_mb, log)
     disk = Path(disk_meta["path"])
     bb.warm_cache(disk)
-    load_before = load_average()
+    load_before = bb.load_average()
 
     registry = Registry(workdir)
     try:
@@ -440,14 +423,14 @@ def main(argv: list[str] | None = None) -> int:
 
     found = checks(results, modes, variants)
     context = {"command": command, "tree": tree, "cpus": os.cpu_count(), "load_average_before": load_before,
-               "load_average_after": load_average(), "caches_dropped": "sync" in modes and can_drop_caches()}
+               "load_average_after": bb.load_average(), "caches_dropped": "sync" in modes and can_drop_caches()}
     if args.json:
         print(json.dumps({**context, "runs": args.runs, "disk": disk_meta, "registry": "distribution " + registry.host,
                           "conditions": {m: describe_mode(m) for m in modes},
                           "results": [r.to_json() for r in results.values()], "checks": found}, indent=2))
         return 0
     print(f"$ {command}")
-    print(f"tree {tree}; {os.cpu_count()} CPUs, load average {context['load_average_before']} before, {context['load_average_after']} after")
+    print(bb.machine_line(load_before))
     print(f"{disk.name}: {disk_meta['qcow2_bytes'] / MIB:.0f} MiB qcow2, {disk_meta['content_bytes'] / MIB:.0f} MiB in "
           f"{disk_meta['files']} files+dirs; registry {registry.host} (distribution, plain HTTP); {args.runs} run(s) each, interleaved")
     print("wall and cpu: median and best; MiB = pushed blobs / pulled layout")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from diskkit.signing.trust import SignOptions, TrustOptions
+from diskkit.signing.options import SignOptions, TrustOptions
 
 _FILE = click.Path(dir_okay=False, path_type=Path)
 

@@ -17,7 +17,6 @@ from pathlib import Path
 
 from diskkit.errors import DiskkitError
 from diskkit.oci.reference import DockerName, parse_docker_name
-from diskkit.signing import keys
 from diskkit.signing.payload import (
     MIME_TYPE,
     SIGNATURE_ANNOTATION,
@@ -124,6 +123,7 @@ def _requirement(obj, where: str) -> Requirement:
                 pems.append((base64.b64decode(value, validate=True), f"{where}.{name}"))
             except ValueError:
                 raise DiskkitError(f"{where}.{name}", "is not base64") from None
+    from diskkit.signing import keys  # cryptography: only when a policy names keys
     public = [k for data, origin in pems for k in keys.load_public_keys(data, origin)]
     identity = obj.get("signedIdentity", {"type": "matchRepoDigestOrExact"})
     _check_identity(identity, f"{where}.signedIdentity")
@@ -243,6 +243,7 @@ def _accepts(req: Requirement, sig, intended: DockerName, digest: str) -> None:
         raw = base64.b64decode(encoded, validate=True)
     except ValueError:
         raise Rejected("base64 decoding: illegal base64 data") from None
+    from diskkit.signing import keys
     if not any(keys.verifies(k, sig.payload, raw) for k in req.keys):
         raise Rejected("cryptographic signature verification failed: not signed by any of the policy's keys")
     try:

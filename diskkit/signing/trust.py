@@ -17,28 +17,15 @@ from diskkit.oci import mediatypes as mt
 from diskkit.oci.image import Platform, parse_json, select_platform, sha256_digest
 from diskkit.oci.reference import DockerName, ImageRef, parse_ref
 from diskkit.registry.options import RegistryOptions
-from diskkit.signing import keys, policy, registriesd, sigstore
+
+# keys (cryptography, nacl), sigstore and registriesd (yaml) are imported where they are used: a
+# pull under a policy that accepts anything needs none of them, and it pays for every import.
 from diskkit.signing import payload as payload_module
+from diskkit.signing import policy
+from diskkit.signing.options import SignOptions, TrustOptions
 from diskkit.transports import open_source
 from diskkit.transports.base import Source
 from diskkit.transports.remote import RemoteSource
-
-
-@dataclass(frozen=True)
-class TrustOptions:
-    """--signature-policy and --registries.d, as skopeo takes them; None means the standard places."""
-
-    policy: Path | None = None
-    registries_d: Path | None = None
-
-
-@dataclass(frozen=True)
-class SignOptions:
-    """--sign-by-sigstore-private-key, --sign-passphrase-file and where attachments may be written."""
-
-    key: Path
-    passphrase_file: Path | None = None
-    registries_d: Path | None = None
 
 
 def _scope_names(ref: ImageRef) -> tuple[str, list[str]]:
@@ -87,6 +74,7 @@ def enforce_source(source: Source, trust: TrustOptions, registry: RegistryOption
             digests += [child["digest"] for child in index.get("manifests") or []]
         elif instances == "selected":
             digests.append(select_platform(index, platform or Platform.host(), source.where).digest)
+    from diskkit.signing import registriesd, sigstore
     intended = ref.name if ref.transport == "docker" else None
     attachments = intended is not None and registriesd.uses_attachments(registriesd.load(trust.registries_d), identity, namespaces)
     for digest in dict.fromkeys(digests):
@@ -106,6 +94,7 @@ def enforce_ref(ref: str, trust: TrustOptions, registry: RegistryOptions | None,
 
 def load_signer(opts: SignOptions):
     """The decrypted private key, asked for before anything is pushed so a wrong passphrase costs nothing."""
+    from diskkit.signing import keys
     try:
         data = Path(opts.key).read_bytes()
     except OSError as exc:
@@ -116,6 +105,7 @@ def load_signer(opts: SignOptions):
 
 def check_signable(dest: ImageRef | str, opts: SignOptions) -> ImageRef:
     """Refuse before any byte moves when the signature could not be stored (skopeo's rules)."""
+    from diskkit.signing import registriesd
     dest = parse_ref(dest) if isinstance(dest, str) else dest
     if dest.transport != "docker":
         raise DiskkitError(str(dest), "sigstore signatures can only be stored in a registry (docker://)")
@@ -128,6 +118,7 @@ def check_signable(dest: ImageRef | str, opts: SignOptions) -> ImageRef:
 def sign_pushed(dest: ImageRef, digest: str, private_key, registry: RegistryOptions, instances: bool = True) -> list[str]:
     """Sign the pushed manifest and, for an index, each manifest in it unless only the index was
     copied (as skopeo does: each copied image is signed as it is copied); the digests signed."""
+    from diskkit.signing import sigstore
     name = dest.name
     reference = policy.identity_of(name)
     source = RemoteSource(ImageRef("docker", name=DockerName(name.registry, name.repository, digest=digest)), registry)
@@ -152,6 +143,7 @@ class Signer:
 def signers(ref: ImageRef | str, key_paths: list[Path], registry: RegistryOptions | None) -> tuple[str, int, list[Signer]]:
     """(digest, signatures found, which given keys signed it and for which identity) of the manifest
     `ref` resolves to; a signature counts only when its payload names that digest."""
+    from diskkit.signing import keys, sigstore
     ref = parse_ref(ref) if isinstance(ref, str) else ref
     if ref.transport != "docker":
         raise DiskkitError(str(ref), "signatures are read from a registry (docker://); local layouts and archives hold none")
