@@ -31,7 +31,7 @@ def test_policy_accepting_anything_loads_no_key_code(tmp_path):
     # A pull under the stock policy.json (insecureAcceptAnything) goes through enforce_source.
     policy = tmp_path / "policy.json"
     policy.write_text(json.dumps({"default": [{"type": "insecureAcceptAnything"}]}))
-    loaded = _loaded("from pathlib import Path\nfrom diskkit.signing.trust import TrustOptions, load_policy\n"
+    loaded = _loaded("from pathlib import Path\nfrom diskkit.signing.options import TrustOptions\nfrom diskkit.signing.trust import load_policy\n"
                      f"assert load_policy(TrustOptions(Path({str(policy)!r}))) is not None")
     assert "diskkit.signing.trust" in loaded
     assert sorted(loaded.intersection(SIGNING_ONLY)) == []
@@ -44,6 +44,6 @@ def test_policy_with_keys_still_loads_them(tmp_path):
     (tmp_path / "k.pub").write_bytes(pub)
     policy = tmp_path / "policy.json"
     policy.write_text(json.dumps({"default": [{"type": "sigstoreSigned", "keyPath": str(tmp_path / "k.pub")}]}))
-    loaded = _loaded("from pathlib import Path\nfrom diskkit.signing.trust import TrustOptions, load_policy\n"
+    loaded = _loaded("from pathlib import Path\nfrom diskkit.signing.options import TrustOptions\nfrom diskkit.signing.trust import load_policy\n"
                      f"assert load_policy(TrustOptions(Path({str(policy)!r}))).default[0].keys")
     assert {"cryptography", "diskkit.signing.keys"} <= loaded

@@ -37,7 +37,8 @@ from diskkit.layers import lazytoc
 from diskkit.oci.image import Platform
 from diskkit.oci.reference import parse_ref
 from diskkit.registry.options import RegistryOptions
-from diskkit.signing.trust import TrustOptions, enforce_source
+from diskkit.signing.options import TrustOptions
+from diskkit.signing.trust import enforce_source
 from diskkit.transports import open_source
 from diskkit.transports.remote import RemoteSource, registry_for
 from launcher.diskserver import nbd

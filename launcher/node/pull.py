@@ -19,7 +19,8 @@ from diskkit.oci.image import Platform
 from diskkit.oci.reference import parse_ref
 from diskkit.ops.verify import DiskFacts, disk_problems, scan_image
 from diskkit.registry.options import RegistryOptions
-from diskkit.signing.trust import TrustOptions, enforce_source
+from diskkit.signing.options import TrustOptions
+from diskkit.signing.trust import enforce_source
 from diskkit.transports import open_source
 from diskkit.transports.remote import RemoteSource
 from launcher.node.cache import Cache, key
