@@ -112,10 +112,10 @@ def test_sigterm_presses_the_power_button_and_waits_the_vmis_grace_period(qemu_u
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 130
     took = time.monotonic() - began
-    err = proc.stderr.read()
-    assert "default_acpi: shutting down (up to 90 s)" in err and "default_acpi: the guest powered off" in err, err
+    err, out = proc.stderr.read(), proc.stdout.read()
+    assert "default_acpi: shutting down (up to 90 s)" in err and "default_acpi: the guest powered off" in err, err + out
     assert "destroying it" not in err
-    assert "DISKKIT-TESTGUEST ACPI-POWEROFF" in proc.stdout.read()
+    assert "DISKKIT-TESTGUEST ACPI-POWEROFF" in out
     assert took < 90, took  # not the grace period's end: the guest's own power-off
     assert_clean(qemu_user, "default_acpi")
 

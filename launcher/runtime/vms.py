@@ -53,6 +53,9 @@ class RunOptions:
 # KubeVirt's default VMI terminationGracePeriodSeconds (staging/src/kubevirt.io/api/core/v1/types.go,
 # DefaultGracePeriodSeconds); its launcher pod gets 15 s more (pkg/virt-controller/services/template.go).
 DEFAULT_GRACE_PERIOD = 30
+# virt-handler presses the power button again every 5 s of the grace period: "a booting OS can miss
+# ACPI signals" (shutdownVMI in pkg/virt-handler/vm.go).
+PRESS_AGAIN = 5
 
 
 def grace_period_of(vmi: VMI, opts: RunOptions) -> float:
@@ -179,9 +182,15 @@ def _shut_down(lv: Libvirt, name: str, grace: float, say: Callable[[str], None],
     if grace <= 0 or not lv.shutdown(name):
         return
     say(f"{name}: shutting down (up to {grace:g} s)")
-    offset = echo.shown if echo else _size(console_log)
+    deadline = time.monotonic() + grace
     with _signals_set(threading.Event()):  # a second SIGTERM must not cut the grace period short
-        outcome = follow(console_log, lambda: lv.active(name), timeout=grace, echo=echo, offset=offset)
+        while True:
+            offset = echo.shown if echo else _size(console_log)
+            left = deadline - time.monotonic()
+            outcome = follow(console_log, lambda: lv.active(name), timeout=min(PRESS_AGAIN, left), echo=echo, offset=offset)
+            if outcome == "stopped" or time.monotonic() >= deadline:
+                break
+            lv.shutdown(name)
     if outcome == "stopped":
         say(f"{name}: the guest powered off")
     else:
