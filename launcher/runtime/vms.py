@@ -30,7 +30,7 @@ from launcher.runtime.iopause import PauseWatch
 from launcher.runtime.runner import Libvirt
 from launcher.spec.vmi import VMI
 from launcher.volumes import vhostmd
-from launcher.volumes.files import give_tree_to_qemu
+from launcher.volumes.files import give_tree_to_qemu, qemu_owner
 from launcher.volumes.prepare import prepare
 from launcher.volumes.storage import Storage
 
@@ -102,10 +102,12 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
                 prepared, xml = plan(vmi, cache, opts, create=True)
                 run_dir = cache.run_dir(name)
                 (run_dir / "domain.xml").write_text(xml)
-                # As root, with qemu run by the qemu user (a session of UID 107), qemu writes its console
-                # log and overlays here; libvirt's system daemon would chown them itself.
-                give_tree_to_qemu(run_dir)
-                daemons = virtiofs.start(vmi, prepared.shares, run_dir)
+                # As root, qemu must reach the run directory: it runs as the qemu user of the session
+                # daemon connected to (107) or as qemu.conf's user under the system daemon, which
+                # chowns the disks it opens but not the 0700 directories they are in.
+                owner = qemu_owner(lv.uri)
+                give_tree_to_qemu(run_dir, owner)
+                daemons = virtiofs.start(vmi, prepared.shares, run_dir, owner)
                 cache.write_json(cache.vm_record_path(name), {
                     "domain": name,
                     "vmi": vmi.name,
