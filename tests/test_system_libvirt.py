@@ -11,6 +11,7 @@ import json
 import os
 import pwd
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ from tests.conftest import run_diskkit
 from tests.lazyhost import control, stop_spawned_server
 from tests.systemlibvirt import system_libvirtd
 from tests.testguest import ensure_testguest, parse_console
-from tests.vmhost import NOREG
+from tests.vmhost import DONE, NOREG
 
 TIMEOUT = "900"
 KUBEVIRT_QEMU = (107, 107)  # two QEMU probes (capabilities, then the domain's own start) on a shared 2-core machine
@@ -63,15 +64,16 @@ def cache(daemon) -> Path:
     return path
 
 
-def write_vmi(where: Path, name: str, image: str) -> Path:
+def write_vmi(where: Path, name: str, image: str, cloud_init: str | None = None) -> Path:
+    disks, volumes = [{"name": "root", "disk": {"bus": "virtio"}}], [{"name": "root", "containerDisk": {"image": image}}]
+    if cloud_init is not None:
+        disks.append({"name": "ci", "disk": {"bus": "virtio"}})
+        volumes.append({"name": "ci", "cloudInitNoCloud": {"userData": cloud_init}})
     vmi = {
         "apiVersion": "kubevirt.io/v1",
         "kind": "VirtualMachineInstance",
         "metadata": {"name": name},
-        "spec": {
-            "domain": {"resources": {"requests": {"memory": "128Mi"}}, "devices": {"disks": [{"name": "root", "disk": {"bus": "virtio"}}]}},
-            "volumes": [{"name": "root", "containerDisk": {"image": image}}],
-        },
+        "spec": {"domain": {"resources": {"requests": {"memory": "128Mi"}}, "devices": {"disks": disks}}, "volumes": volumes},
     }
     path = where / f"{name}.yaml"
     path.write_text(json.dumps(vmi))  # JSON is YAML
@@ -94,8 +96,26 @@ def assert_gone(daemon, cache: Path, domain: str) -> None:
 
 
 def test_pulled_container_disk_boots_as_root_through_the_system_daemon(daemon, cache, guest_image):
-    console = boot(daemon, cache, write_vmi(daemon.root, "sys-pulled", guest_image))
+    user_data = "#cloud-config\npassword: s3cret-of-the-vm\n"
+    vmi = write_vmi(daemon.root, "sys-pulled", guest_image, cloud_init=user_data)
+    console = boot(daemon, cache, vmi, "--wait-for", DONE)  # the run directory stays until `launcher stop`
     assert console["disks"]["vda"]["size"] == 64 << 20
+    assert console["isos"]["vdb"]["files"]["/user-data"] == user_data  # qemu, as libvirt-qemu, read the ISO
+
+    # Everything in the run directory is qemu.conf's user and group's (Debian's built-in libvirt-qemu), and
+    # the directory stays 0700: the ISO with the password is no one else's to read, not even KubeVirt's qemu (107).
+    run_dir = cache / "run" / "default_sys-pulled"
+    owner = (pwd.getpwnam("libvirt-qemu").pw_uid, grp.getgrnam("libvirt-qemu").gr_gid)
+    assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
+    tree = [run_dir, *run_dir.rglob("*")]
+    made_by_launcher = [p for p in tree if p.name != "console.log"]  # the log is virtlogd's (root's) to write
+    assert {(p.stat().st_uid, p.stat().st_gid) for p in made_by_launcher} == {owner}, [(p, p.stat()) for p in tree]
+    [iso] = run_dir.rglob("*.iso")
+    other = subprocess.run(["setpriv", "--reuid=107", "--regid=107", "--clear-groups", "cat", iso], capture_output=True, text=True, check=False)
+    assert other.returncode != 0 and "Permission denied" in other.stderr, other
+
+    stopped = daemon.launcher("stop", "sys-pulled", env={"DISKKIT_CACHE": str(cache)})
+    assert stopped.code == 0, stopped.err
     assert_gone(daemon, cache, "default_sys-pulled")
 
 
