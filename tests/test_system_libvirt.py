@@ -18,6 +18,7 @@ import pytest
 
 from diskkit.errors import DiskkitError
 from launcher.diskserver.qemuid import is_system_uri, system_qemu_ids
+from launcher.runtime.virtiofs import SOCKETS_DIR
 from launcher.volumes.files import qemu_owner
 from tests.conftest import run_diskkit
 from tests.lazyhost import control, stop_spawned_server
@@ -64,16 +65,21 @@ def cache(daemon) -> Path:
     return path
 
 
-def write_vmi(where: Path, name: str, image: str, cloud_init: str | None = None) -> Path:
+def write_vmi(where: Path, name: str, image: str, cloud_init: str | None = None, config_map: str | None = None) -> Path:
+    """A VMI booting `image`, with a cloud-init disk and a ConfigMap shared over virtiofs if asked."""
     disks, volumes = [{"name": "root", "disk": {"bus": "virtio"}}], [{"name": "root", "containerDisk": {"image": image}}]
+    devices: dict = {"disks": disks}
     if cloud_init is not None:
         disks.append({"name": "ci", "disk": {"bus": "virtio"}})
         volumes.append({"name": "ci", "cloudInitNoCloud": {"userData": cloud_init}})
+    if config_map is not None:
+        devices["filesystems"] = [{"name": "fs0", "virtiofs": {}}]
+        volumes.append({"name": "fs0", "configMap": {"name": config_map}})
     vmi = {
         "apiVersion": "kubevirt.io/v1",
         "kind": "VirtualMachineInstance",
         "metadata": {"name": name},
-        "spec": {"domain": {"resources": {"requests": {"memory": "128Mi"}}, "devices": {"disks": disks}}, "volumes": volumes},
+        "spec": {"domain": {"resources": {"requests": {"memory": "128Mi"}}, "devices": devices}, "volumes": volumes},
     }
     path = where / f"{name}.yaml"
     path.write_text(json.dumps(vmi))  # JSON is YAML
@@ -97,10 +103,16 @@ def assert_gone(daemon, cache: Path, domain: str) -> None:
 
 def test_pulled_container_disk_boots_as_root_through_the_system_daemon(daemon, cache, guest_image):
     user_data = "#cloud-config\npassword: s3cret-of-the-vm\n"
-    vmi = write_vmi(daemon.root, "sys-pulled", guest_image, cloud_init=user_data)
-    console = boot(daemon, cache, vmi, "--wait-for", DONE)  # the run directory stays until `launcher stop`
+    manifests = daemon.root / "manifests"
+    manifests.mkdir()
+    (manifests / "cm.json").write_text(json.dumps({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "app-config", "namespace": "default"},
+                                                   "data": {"greeting": "hi over virtiofs"}}))
+    vmi = write_vmi(daemon.root, "sys-pulled", guest_image, cloud_init=user_data, config_map="app-config")
+    # --wait-for: the run directory stays until `launcher stop`, to be looked at
+    console = boot(daemon, cache, vmi, "--wait-for", DONE, "--manifests", str(manifests))
     assert console["disks"]["vda"]["size"] == 64 << 20
     assert console["isos"]["vdb"]["files"]["/user-data"] == user_data  # qemu, as libvirt-qemu, read the ISO
+    assert console["filesystems"]["fs0"]["files"]["/greeting"] == "hi over virtiofs\n"  # and reached virtiofsd's socket
 
     # Everything in the run directory is qemu.conf's user and group's (Debian's built-in libvirt-qemu), and
     # the directory stays 0700: the ISO with the password is no one else's to read, not even KubeVirt's qemu (107).
@@ -108,8 +120,13 @@ def test_pulled_container_disk_boots_as_root_through_the_system_daemon(daemon, c
     owner = (pwd.getpwnam("libvirt-qemu").pw_uid, grp.getgrnam("libvirt-qemu").gr_gid)
     assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
     tree = [run_dir, *run_dir.rglob("*")]
-    made_by_launcher = [p for p in tree if p.name != "console.log"]  # the log is virtlogd's (root's) to write
-    assert {(p.stat().st_uid, p.stat().st_gid) for p in made_by_launcher} == {owner}, [(p, p.stat()) for p in tree]
+    # The console log is virtlogd's (root's) to write; virtiofsd's directory is made after (root's, and
+    # open: qemu only needs its socket), the socket given to qemu's user.
+    sockets = run_dir / SOCKETS_DIR
+    prepared = [p for p in tree if p.name != "console.log" and sockets not in (p, *p.parents)]
+    assert {(p.stat().st_uid, p.stat().st_gid) for p in prepared} == {owner}, [(p, p.stat()) for p in tree]
+    sock = (sockets / "fs0.sock").stat()
+    assert (sock.st_uid, sock.st_gid) == owner
     [iso] = run_dir.rglob("*.iso")
     other = subprocess.run(["setpriv", "--reuid=107", "--regid=107", "--clear-groups", "cat", iso], capture_output=True, text=True, check=False)
     assert other.returncode != 0 and "Permission denied" in other.stderr, other
