@@ -12,6 +12,7 @@ import os
 import pwd
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,12 @@ def test_run_directory_owner_follows_the_daemon():
     for uri in ("qemu:///session", "qemu+unix:///session?socket=/home/q/.cache/libvirt/libvirt-sock", "qemu+ssh://host/system", "test:///system"):
         assert not is_system_uri(uri)
     assert qemu_owner("qemu:///session") == KUBEVIRT_QEMU  # a root launcher on the qemu user's session daemon
+    # A user in the libvirt group may use the system daemon too: it gives nothing away, and must not
+    # need qemu.conf, which only root reads on Debian.
+    code = "from launcher.volumes.files import qemu_owner; print(qemu_owner('qemu:///system'))"
+    as_qemu = subprocess.run(["setpriv", "--reuid=107", "--regid=107", "--clear-groups", sys.executable, "-c", code],
+                             capture_output=True, text=True, check=False)
+    assert (as_qemu.returncode, as_qemu.stdout) == (0, "(107, 107)\n"), as_qemu.stderr
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,10 @@ KUBEVIRT_QEMU = (QEMU_ID, QEMU_ID)
 def qemu_owner(uri: str) -> tuple[int, int]:
     """Who qemu runs as for a root launcher: under libvirt's system daemon, qemu.conf's user and
     group (Debian's libvirt-qemu; not 107, which libvirt would be denied a 0700 run directory of);
-    on a session daemon, KubeVirt's qemu (107), whose session a root launcher connects to."""
+    on a session daemon, KubeVirt's qemu (107), whose session a root launcher connects to.
+    Unprivileged nothing is given away (and qemu.conf, 0600 on Debian, is not ours to read)."""
+    if os.geteuid() != 0:
+        return os.geteuid(), os.getegid()
     return system_qemu_ids() if is_system_uri(uri) else KUBEVIRT_QEMU
 
 
