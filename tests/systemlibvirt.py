@@ -95,9 +95,12 @@ def system_libvirtd() -> Iterator[SystemLibvirt]:
     """Start the private daemon; fail the test (never skip) if it does not answer within a minute."""
     if os.geteuid() != 0:
         pytest.fail("a system libvirtd needs root")
-    for tool in ("libvirtd", "unshare", "nsenter", "virsh"):
+    for tool in ("libvirtd", "virtlogd", "unshare", "nsenter", "virsh"):
         if shutil.which(tool) is None:
             pytest.fail(f"{tool} is missing (scripts/setup.sh installs it)")
+    for driver in ("qemu", "secret"):
+        if not (DRIVERS / f"libvirt_driver_{driver}.so").exists():
+            pytest.fail(f"{DRIVERS}/libvirt_driver_{driver}.so is missing (libvirt-daemon-system installs it)")
     root = Path(tempfile.mkdtemp(prefix="diskkit-syslibvirt-"))
     root.chmod(0o755)
     (root / "qemu.conf").write_text(QEMU_CONF)
