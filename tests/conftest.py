@@ -20,6 +20,7 @@ REQUIRED_TOOLS = (
     "virsh", "virt-xml-validate", "xmllint", "tgtd", "tgtadm", "setpriv", "losetup", "isoinfo", "nbdinfo", "nbdcopy",
     "go", "openssl",
     "podman", "mmdebstrap", "catatonit", "unshare", "flock",
+    "libvirtd", "virtlogd", "nsenter",
 )
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from diskkit.errors import DiskkitError
 from launcher.spec.vmi import VMI
 from launcher.volumes.context import Share
-from launcher.volumes.files import give_to_qemu
+from launcher.volumes.files import KUBEVIRT_QEMU, give_to_qemu
 
 VIRTIOFSD = "/usr/lib/qemu/virtiofsd"
 SOCKETS_DIR = "virtiofs"
@@ -60,12 +60,12 @@ def check_runnable(vmi: VMI) -> None:
         raise DiskkitError(at, f"filesystem {first.name} needs {VIRTIOFSD} (Debian package qemu-system-common)")
 
 
-def start(vmi: VMI, shares: dict[str, Share], run_dir: Path) -> list[dict]:
+def start(vmi: VMI, shares: dict[str, Share], run_dir: Path, owner: tuple[int, int] = KUBEVIRT_QEMU) -> list[dict]:
     """Start every filesystem's virtiofsd and wait for its socket; [{name, pid, socket}] for the record."""
     started: list[dict] = []
     try:
         for fs in vmi.domain.devices.filesystems:
-            started.append(_start_one(shares[fs.name], socket_path(run_dir, fs.name), f"spec.domain.devices.filesystems[{fs.index}]"))
+            started.append(_start_one(shares[fs.name], socket_path(run_dir, fs.name), f"spec.domain.devices.filesystems[{fs.index}]", owner))
             started[-1]["name"] = fs.name
     except BaseException:
         stop(started)
@@ -73,7 +73,7 @@ def start(vmi: VMI, shares: dict[str, Share], run_dir: Path) -> list[dict]:
     return started
 
 
-def _start_one(share: Share, sock: Path, at: str) -> dict:
+def _start_one(share: Share, sock: Path, at: str, owner: tuple[int, int]) -> dict:
     sock.parent.mkdir(parents=True, exist_ok=True)
     sock.unlink(missing_ok=True)
     log_path = sock.with_suffix(".log")
@@ -91,7 +91,7 @@ def _start_one(share: Share, sock: Path, at: str) -> dict:
             stop([entry])
             raise DiskkitError(at, f"virtiofsd did not create {sock} within {START_TIMEOUT:g} s")
         time.sleep(0.05)
-    give_to_qemu(sock)  # qemu runs as the qemu user and connects to it
+    give_to_qemu(sock, owner)  # qemu runs as the qemu user and connects to it
     return entry
 
 

@@ -30,7 +30,7 @@ from launcher.runtime.iopause import PauseWatch
 from launcher.runtime.runner import Libvirt
 from launcher.spec.vmi import VMI
 from launcher.volumes import vhostmd
-from launcher.volumes.files import give_tree_to_qemu
+from launcher.volumes.files import give_to_qemu, give_tree_to_qemu, qemu_owner
 from launcher.volumes.prepare import prepare
 from launcher.volumes.storage import Storage
 
@@ -87,11 +87,17 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
     name = vmi.domain_name
     began = time.monotonic()  # --timeout counts from here: pulls, the disk server and libvirt's start included
     lv = Libvirt(opts.uri)
+    # As root, qemu must reach the run directory: it runs as the qemu user of the session daemon
+    # connected to (107) or as qemu.conf's user under the system daemon, which chowns the disks it
+    # opens but not the 0700 directories they are in.
+    owner = qemu_owner(lv.uri)
     with cache.lock(f"vm-{name}"):
         if lv.exists(name):
             raise DiskkitError(name, f"a domain of this name already exists on {lv.uri}; stop it first (launcher stop {vmi.name})")
         _remove_run_dir(cache, name)  # leftovers of a launcher that was killed
-        cache.create_run_dir(name)  # the console log lives here even with no overlay
+        # The console log lives here even with no overlay. Given to qemu's user before any secret is
+        # written in it: made for KubeVirt's 107, it would be open to that user until the end of prepare.
+        give_to_qemu(cache.create_run_dir(name), owner)
         daemons: list[dict] = []
         alarm = _Alarm()
         try:
@@ -105,10 +111,8 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
                 prepared, xml = plan(vmi, cache, opts, create=True)
                 run_dir = cache.run_dir(name)
                 (run_dir / "domain.xml").write_text(xml)
-                # As root, with qemu run by the qemu user (a session of UID 107), qemu writes its console
-                # log and overlays here; libvirt's system daemon would chown them itself.
-                give_tree_to_qemu(run_dir)
-                daemons = virtiofs.start(vmi, prepared.shares, run_dir)
+                give_tree_to_qemu(run_dir, owner)
+                daemons = virtiofs.start(vmi, prepared.shares, run_dir, owner)
                 cache.write_json(cache.vm_record_path(name), {
                     "domain": name,
                     "vmi": vmi.name,

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from diskkit.disk import qemuimg
 from diskkit.errors import DiskkitError
+from launcher.diskserver.qemuid import is_system_uri, system_qemu_ids
 from launcher.node.cache import QEMU_ID
 from launcher.render.domain import ResolvedDisk
 
@@ -34,20 +35,34 @@ def is_block(path: Path) -> bool:
         return False
 
 
-def give_to_qemu(path: Path) -> None:
+KUBEVIRT_QEMU = (QEMU_ID, QEMU_ID)
+
+
+def qemu_owner(uri: str) -> tuple[int, int]:
+    """Who qemu runs as for a root launcher: under libvirt's system daemon, qemu.conf's user and
+    group (Debian's libvirt-qemu; not 107, which libvirt would be denied a 0700 run directory of);
+    on a session daemon, KubeVirt's qemu (107), whose session a root launcher connects to.
+    Unprivileged nothing is given away (and qemu.conf, 0600 on Debian, is not ours to read)."""
+    if os.geteuid() != 0:
+        return os.geteuid(), os.getegid()
+    return system_qemu_ids() if is_system_uri(uri) else KUBEVIRT_QEMU
+
+
+def give_to_qemu(path: Path, owner: tuple[int, int] = KUBEVIRT_QEMU) -> None:
     # As root (virt-handler's role) new images go to the qemu user; unprivileged, they are ours already.
     if os.geteuid() == 0:
-        os.chown(path, QEMU_ID, QEMU_ID)
+        os.chown(path, *owner)
 
 
-def give_tree_to_qemu(root: Path) -> None:
-    """give_to_qemu for a directory and everything in it (a VM's run directory)."""
+def give_tree_to_qemu(root: Path, owner: tuple[int, int] = KUBEVIRT_QEMU) -> None:
+    """give_to_qemu for a directory and everything in it (a VM's run directory): its modes stay
+    (0700 directories, as it holds secrets), so only that user (and root) reaches what is inside."""
     if os.geteuid() != 0:
         return
-    give_to_qemu(root)
+    give_to_qemu(root, owner)
     for parent, dirs, files in os.walk(root):
         for entry in (*dirs, *files):
-            os.chown(os.path.join(parent, entry), QEMU_ID, QEMU_ID, follow_symlinks=False)
+            os.chown(os.path.join(parent, entry), *owner, follow_symlinks=False)
 
 
 def create_sparse(path: Path, size: int) -> None:

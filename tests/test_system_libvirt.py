@@ -1,0 +1,160 @@
+"""The launcher as root through libvirt's system daemon (`qemu:///system`), where qemu runs as the
+user and group of qemu.conf (Debian's build default: libvirt-qemu), neither root nor KubeVirt's 107.
+
+Each libvirt start as root re-probes QEMU here (34-68 s), so the module boots twice: a pulled
+containerDisk, and a lazy one served over NBD by the disk server `launcher run` starts."""
+
+from __future__ import annotations
+
+import grp
+import json
+import os
+import pwd
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from diskkit.errors import DiskkitError
+from launcher.diskserver.qemuid import is_system_uri, system_qemu_ids
+from launcher.runtime.virtiofs import SOCKETS_DIR
+from launcher.volumes.files import qemu_owner
+from tests.conftest import run_diskkit
+from tests.lazyhost import control, stop_spawned_server
+from tests.systemlibvirt import system_libvirtd
+from tests.testguest import ensure_testguest, parse_console
+from tests.vmhost import DONE, NOREG
+
+TIMEOUT = "900"
+KUBEVIRT_QEMU = (107, 107)  # two QEMU probes (capabilities, then the domain's own start) on a shared 2-core machine
+
+
+def test_qemu_conf_user_and_group(tmp_path):
+    conf = tmp_path / "qemu.conf"
+    conf.write_text("")  # unset: libvirt's build default, libvirt-qemu on Debian (user and group each looked up)
+    assert system_qemu_ids(conf) == (pwd.getpwnam("libvirt-qemu").pw_uid, grp.getgrnam("libvirt-qemu").gr_gid)
+    conf.write_text('#user = "root"\nuser = "+4242"\ngroup = "kvm"  # as on some hosts\n')
+    assert system_qemu_ids(conf) == (4242, grp.getgrnam("kvm").gr_gid)
+    conf.write_text('user = "4343"\ngroup = "4444"\n')  # numbers that name no one are IDs
+    assert system_qemu_ids(conf) == (4343, 4444)
+    conf.write_text('user = "no-such-qemu-user"\n')
+    with pytest.raises(DiskkitError, match=r"qemu.conf: user: user 'no-such-qemu-user' does not exist"):
+        system_qemu_ids(conf)
+
+
+def test_run_directory_owner_follows_the_daemon():
+    for uri in ("qemu:///system", "qemu+unix:///system?socket=/run/libvirt/libvirt-sock"):
+        assert is_system_uri(uri)
+        assert qemu_owner(uri) == system_qemu_ids()
+    for uri in ("qemu:///session", "qemu+unix:///session?socket=/home/q/.cache/libvirt/libvirt-sock", "qemu+ssh://host/system", "test:///system"):
+        assert not is_system_uri(uri)
+    assert qemu_owner("qemu:///session") == KUBEVIRT_QEMU  # a root launcher on the qemu user's session daemon
+    # A user in the libvirt group may use the system daemon too: it gives nothing away, and must not
+    # need qemu.conf, which only root reads on Debian.
+    code = "from launcher.volumes.files import qemu_owner; print(qemu_owner('qemu:///system'))"
+    as_qemu = subprocess.run(["setpriv", "--reuid=107", "--regid=107", "--clear-groups", sys.executable, "-c", code],
+                             capture_output=True, text=True, check=False)
+    assert (as_qemu.returncode, as_qemu.stdout) == (0, "(107, 107)\n"), as_qemu.stderr
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    with system_libvirtd() as d:
+        yield d
+
+
+@pytest.fixture(scope="module")
+def cache(daemon) -> Path:
+    path = daemon.root / "cache"
+    path.mkdir()
+    return path
+
+
+def write_vmi(where: Path, name: str, image: str, cloud_init: str | None = None, config_map: str | None = None) -> Path:
+    """A VMI booting `image`, with a cloud-init disk and a ConfigMap shared over virtiofs if asked."""
+    disks, volumes = [{"name": "root", "disk": {"bus": "virtio"}}], [{"name": "root", "containerDisk": {"image": image}}]
+    devices: dict = {"disks": disks}
+    if cloud_init is not None:
+        disks.append({"name": "ci", "disk": {"bus": "virtio"}})
+        volumes.append({"name": "ci", "cloudInitNoCloud": {"userData": cloud_init}})
+    if config_map is not None:
+        devices["filesystems"] = [{"name": "fs0", "virtiofs": {}}]
+        volumes.append({"name": "fs0", "configMap": {"name": config_map}})
+    vmi = {
+        "apiVersion": "kubevirt.io/v1",
+        "kind": "VirtualMachineInstance",
+        "metadata": {"name": name},
+        "spec": {"domain": {"resources": {"requests": {"memory": "128Mi"}}, "devices": devices}, "volumes": volumes},
+    }
+    path = where / f"{name}.yaml"
+    path.write_text(json.dumps(vmi))  # JSON is YAML
+    return path
+
+
+def boot(daemon, cache: Path, vmi: Path, *args: str) -> dict:
+    result = daemon.launcher("run", NOREG, "--console", "--timeout", TIMEOUT, *args, vmi, env={"DISKKIT_CACHE": str(cache)})
+    assert result.code == 0, f"{result.err}\n{daemon.log[-4000:]}"
+    console = parse_console(result.out)
+    assert console["ready"] and console["done"], result.out
+    assert console["disks"]["vda"]["head"].startswith("33c0"), console  # the guest's own MBR
+    return console
+
+
+def assert_gone(daemon, cache: Path, domain: str) -> None:
+    assert domain not in daemon.domains()
+    assert not (cache / "run" / domain).exists()
+    assert not (cache / "vms" / f"{domain}.json").exists()
+
+
+def test_pulled_container_disk_boots_as_root_through_the_system_daemon(daemon, cache, guest_image):
+    user_data = "#cloud-config\npassword: s3cret-of-the-vm\n"
+    manifests = daemon.root / "manifests"
+    manifests.mkdir()
+    (manifests / "cm.json").write_text(json.dumps({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "app-config", "namespace": "default"},
+                                                   "data": {"greeting": "hi over virtiofs"}}))
+    vmi = write_vmi(daemon.root, "sys-pulled", guest_image, cloud_init=user_data, config_map="app-config")
+    # --wait-for: the run directory stays until `launcher stop`, to be looked at
+    console = boot(daemon, cache, vmi, "--wait-for", DONE, "--manifests", str(manifests))
+    assert console["disks"]["vda"]["size"] == 64 << 20
+    assert console["isos"]["vdb"]["files"]["/user-data"] == user_data  # qemu, as libvirt-qemu, read the ISO
+    assert console["filesystems"]["fs0"]["files"]["/greeting"] == "hi over virtiofs\n"  # and reached virtiofsd's socket
+
+    # Everything in the run directory is qemu.conf's user and group's (Debian's built-in libvirt-qemu), and
+    # the directory stays 0700: the ISO with the password is no one else's to read, not even KubeVirt's qemu (107).
+    run_dir = cache / "run" / "default_sys-pulled"
+    owner = (pwd.getpwnam("libvirt-qemu").pw_uid, grp.getgrnam("libvirt-qemu").gr_gid)
+    assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
+    tree = [run_dir, *run_dir.rglob("*")]
+    # The console log is virtlogd's (root's) to write; virtiofsd's directory is made after (root's, and
+    # open: qemu only needs its socket), the socket given to qemu's user.
+    sockets = run_dir / SOCKETS_DIR
+    prepared = [p for p in tree if p.name != "console.log" and sockets not in (p, *p.parents)]
+    assert {(p.stat().st_uid, p.stat().st_gid) for p in prepared} == {owner}, [(p, p.stat()) for p in tree]
+    sock = (sockets / "fs0.sock").stat()
+    assert (sock.st_uid, sock.st_gid) == owner
+    [iso] = run_dir.rglob("*.iso")
+    other = subprocess.run(["setpriv", "--reuid=107", "--regid=107", "--clear-groups", "cat", iso], capture_output=True, text=True, check=False)
+    assert other.returncode != 0 and "Permission denied" in other.stderr, other
+
+    stopped = daemon.launcher("stop", "sys-pulled", env={"DISKKIT_CACHE": str(cache)})
+    assert stopped.code == 0, stopped.err
+    assert_gone(daemon, cache, "default_sys-pulled")
+
+
+def test_lazy_container_disk_boots_as_root_through_the_system_daemon(daemon, cache, registry):
+    ref = f"{registry.host}/system/guest:lazy"
+    built = run_diskkit("build", NOREG, ensure_testguest() / "testguest.qcow2", "-t", ref)  # lazy v2 is the default
+    assert built.code == 0, built.err
+    try:
+        console = boot(daemon, cache, write_vmi(daemon.root, "sys-lazy", ref))
+        assert console["disks"]["vda"]["size"] == 64 << 20
+        exports = control(cache, {"op": "status"})["exports"]
+        # served lazily over NBD (the image's qcow2 file, read by qemu through its TOC), not pulled
+        assert [(e["member"], e["toc"]) for e in exports] == [("disk/testguest.qcow2", True)], exports
+        sock = os.stat(cache / "serve" / "nbd.sock")  # qemu.conf's group reaches it (launcher.diskserver.qemuid)
+        assert (sock.st_gid, stat.S_IMODE(sock.st_mode)) == (grp.getgrnam("libvirt-qemu").gr_gid, 0o660)
+    finally:
+        stop_spawned_server(cache)
+    assert_gone(daemon, cache, "default_sys-lazy")
