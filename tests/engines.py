@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -19,6 +18,8 @@ from pathlib import Path
 
 import docker
 import pytest
+
+from tests.procs import terminate
 
 READY_TIMEOUT = 60.0
 
@@ -39,13 +40,7 @@ class Engine:
         return docker.DockerClient(base_url=self.host, version="1.40", timeout=300)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc)
         shutil.rmtree(self.root, ignore_errors=True)
 
 

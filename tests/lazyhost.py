@@ -21,6 +21,7 @@ import requests
 
 from launcher.diskserver.control import request
 from tests.conftest import launcher_command, run
+from tests.procs import terminate
 
 QEMU_UID = 107
 
@@ -85,13 +86,7 @@ def disk_server(cache: Path, *args: str, user: int | None = None, env: dict | No
         wait_for(ready, 30, "the disk server to answer")
         yield proc
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        terminate(proc)
         log.close()
 
 

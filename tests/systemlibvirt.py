@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import Result, launcher_command
+from tests.procs import terminate
 
 DRIVERS = Path("/usr/lib/x86_64-linux-gnu/libvirt/connection-driver")
 QEMU_CONF = """\
@@ -129,12 +130,7 @@ def system_libvirtd() -> Iterator[SystemLibvirt]:
                     names = daemon.domains()  # none if the daemon never answered
                 for name in names:
                     subprocess.run(daemon.command("virsh", "-c", "qemu:///system", "destroy", name), capture_output=True, timeout=120, check=False)
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+                terminate(proc)
         finally:
             with contextlib.suppress(OSError, ValueError):
                 os.kill(int((root / "virtlogd.pid").read_text()), signal.SIGTERM)

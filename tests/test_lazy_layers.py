@@ -57,6 +57,24 @@ def blob_gets(proxy, digest: str) -> int:
     return sum(1 for method, path, _ in proxy.log if method == "GET" and path.endswith(f"/blobs/{digest}"))
 
 
+def layer_toc(layout: Path, layer: dict) -> tuple[bytes, int, int, dict]:
+    """A v2 lazy layer's blob, where its TOC member is (offset, size) and the TOC it holds."""
+    data = (layout / "blobs/sha256" / layer["digest"][7:]).read_bytes()
+    notes = layer["annotations"]
+    at, size = int(notes["io.diskkit.lazy.toc.offset"]), int(notes["io.diskkit.lazy.toc.size"])
+    return data, at, size, json.loads(zlib.decompress(data[at : at + size], 31))
+
+
+def kernel_boot_vmi(path: Path, name: str, ref: str) -> Path:
+    """A VMI whose disk and kernelBoot kernel both come from `ref`."""
+    path.write_text(json.dumps({
+        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance", "metadata": {"name": name},
+        "spec": {"domain": {"resources": {"requests": {"memory": "128Mi"}}, "devices": {"disks": [{"name": "root", "disk": {"bus": "virtio"}}]},
+                            "firmware": {"kernelBoot": {"container": {"image": ref, "kernelPath": "/boot/vmlinuz"}}}},
+                 "volumes": [{"name": "root", "containerDisk": {"image": ref}}]}}))
+    return path
+
+
 def test_the_disk_under_an_upper_layer_is_served_lazily_and_its_head_and_tail_fetched_once(tmp_path, registry, fault_proxy):
     layout = build_lazy(tmp_path)
     disk = disk_path(layout)
@@ -199,10 +217,7 @@ def test_kernel_boot_from_the_lazy_layer_itself(tmp_path, qemu_user, registry, f
     guest = ensure_testguest()
     layout = build_lazy(tmp_path, "--kernel", f"/boot/vmlinuz={guest / 'vmlinuz'}", "--initrd", f"/boot/initrd.img={guest / 'initrd.img'}")
     (layer,) = manifest(layout, "base")["layers"]
-    data = (layout / "blobs/sha256" / layer["digest"][7:]).read_bytes()
-    notes = layer["annotations"]
-    toc_at, toc_size = int(notes["io.diskkit.lazy.toc.offset"]), int(notes["io.diskkit.lazy.toc.size"])
-    toc = json.loads(zlib.decompress(data[toc_at : toc_at + toc_size], 31))
+    data, toc_at, toc_size, toc = layer_toc(layout, layer)
     assert toc["files"] == {"boot/vmlinuz": hashlib.sha256((guest / "vmlinuz").read_bytes()).hexdigest(),
                             "boot/initrd.img": hashlib.sha256((guest / "initrd.img").read_bytes()).hexdigest()}
     proxy = fault_proxy(registry)
@@ -238,19 +253,11 @@ def test_a_kernel_that_does_not_match_its_toc_digest_is_refused(tmp_path, regist
     guest = ensure_testguest()
     layout = build_lazy(tmp_path, "--kernel", f"/boot/vmlinuz={guest / 'vmlinuz'}")
     doc = manifest(layout, "base")
-    data = (layout / "blobs/sha256" / doc["layers"][0]["digest"][7:]).read_bytes()
-    notes = doc["layers"][0]["annotations"]
-    at, size = int(notes["io.diskkit.lazy.toc.offset"]), int(notes["io.diskkit.lazy.toc.size"])
-    toc = json.loads(zlib.decompress(data[at : at + size], 31))
+    data, at, size, toc = layer_toc(layout, doc["layers"][0])
     toc["files"]["boot/vmlinuz"] = hashlib.sha256(b"another kernel").hexdigest()
     rewrite_toc(layout, doc, data, at, size, json.dumps(toc, separators=(",", ":"), sort_keys=True).encode())
     ref = push(layout, "base", f"{registry.host}/layers/forged:v1")
-    vmi = tmp_path / "vmi.json"
-    vmi.write_text(json.dumps({
-        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance", "metadata": {"name": "forged"},
-        "spec": {"domain": {"resources": {"requests": {"memory": "128Mi"}}, "devices": {"disks": [{"name": "root", "disk": {"bus": "virtio"}}]},
-                            "firmware": {"kernelBoot": {"container": {"image": ref, "kernelPath": "/boot/vmlinuz"}}}},
-                 "volumes": [{"name": "root", "containerDisk": {"image": ref}}]}}))
+    vmi = kernel_boot_vmi(tmp_path / "vmi.json", "forged", ref)
     cache = tmp_path / "cache"
     cache.mkdir()
     with disk_server(cache):
@@ -266,20 +273,12 @@ def test_a_kernel_no_toc_digest_pins_is_pulled_whole(tmp_path, registry, fault_p
     guest = ensure_testguest()
     layout = build_lazy(tmp_path, "--kernel", f"/boot/vmlinuz={guest / 'vmlinuz'}")
     doc = manifest(layout, "base")
-    data = (layout / "blobs/sha256" / doc["layers"][0]["digest"][7:]).read_bytes()
-    notes = doc["layers"][0]["annotations"]
-    at, size = int(notes["io.diskkit.lazy.toc.offset"]), int(notes["io.diskkit.lazy.toc.size"])
-    toc = json.loads(zlib.decompress(data[at : at + size], 31))
+    data, at, size, toc = layer_toc(layout, doc["layers"][0])
     del toc["files"]
     rewrite_toc(layout, doc, data, at, size, json.dumps(toc, separators=(",", ":"), sort_keys=True).encode())
     proxy = fault_proxy(registry)
     ref = push(layout, "base", f"{registry.host}/layers/oldtoc:v1").replace(registry.host, proxy.host)
-    vmi = tmp_path / "vmi.json"
-    vmi.write_text(json.dumps({
-        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance", "metadata": {"name": "oldtoc"},
-        "spec": {"domain": {"resources": {"requests": {"memory": "128Mi"}}, "devices": {"disks": [{"name": "root", "disk": {"bus": "virtio"}}]},
-                            "firmware": {"kernelBoot": {"container": {"image": ref, "kernelPath": "/boot/vmlinuz"}}}},
-                 "volumes": [{"name": "root", "containerDisk": {"image": ref}}]}}))
+    vmi = kernel_boot_vmi(tmp_path / "vmi.json", "oldtoc", ref)
     cache = tmp_path / "cache"
     cache.mkdir()
     with disk_server(cache, "--prefetch-rate", "1K"):  # the disk is not prefetched: what arrives whole is the pull

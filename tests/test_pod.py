@@ -213,20 +213,17 @@ def check_the_pod(podman: Podman, kube: Path, pod: dict, cache: Path, claim: Pat
     assert ("launcher serve" in commands) == lazy, commands
     assert not [p for p, (state, _) in inside.items() if state == "Z"], inside
 
-    # What the launcher says while it stops is gone with the container: follow it to a file.
-    trail = kube.parent / "launcher-stop.log"
-    with open(trail, "w") as out:
-        follower = subprocess.Popen(["podman", "logs", "--follow", CONTAINER], stdout=out, stderr=subprocess.STDOUT, env=podman.env)
-        # podman 4.3's `kube down` SIGKILLs at once (podman issue #22397, fixed in 5.1): stop the pod
-        # first, which sends SIGTERM and waits the pod's grace period, as the kubelet does.
-        grace = pod["spec"]["terminationGracePeriodSeconds"]
-        started = time.monotonic()
-        podman("pod", "stop", "--time", str(grace), pod["metadata"]["name"], timeout=grace + 60)
-        stopped = time.monotonic() - started
-        # The follower ends with the container; `kube down` removes the log it may still be reading.
-        follower.wait(timeout=30)
-        podman("kube", "down", kube, timeout=120)
-    said = trail.read_text()
+    # podman 4.3's `kube down` SIGKILLs at once (podman issue #22397, fixed in 5.1): stop the pod
+    # first, which sends SIGTERM and waits the pod's grace period, as the kubelet does.
+    grace = pod["spec"]["terminationGracePeriodSeconds"]
+    started = time.monotonic()
+    podman("pod", "stop", "--time", str(grace), pod["metadata"]["name"], timeout=grace + 60)
+    stopped = time.monotonic() - started
+    # The stopped container's whole log, read before `kube down` removes it (a `logs --follow` can
+    # end with the container before it has read the last lines).
+    logs = podman("logs", CONTAINER)
+    said = logs.stdout + logs.stderr
+    podman("kube", "down", kube, timeout=120)
     print(f"pod down in {stopped:.1f} s")
     assert stopped < GRACE, "the guest did not power off within the VMI's grace period"
     assert podman_exit_code_was_clean(podman, kube.parent / "podman" / "events.log")
