@@ -17,6 +17,7 @@ import re
 import uuid as uuidlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Iterator
 
 from diskkit.disk.containerdisk import path_problem
 from launcher.spec import coverage
@@ -504,17 +505,25 @@ def _downward_api_file(doc: dict, at: str) -> DownwardAPIFile:
     return DownwardAPIFile(path, field_path, mode)
 
 
-def _volumes(items: list, at: str) -> tuple[Volume, ...]:
-    volumes, seen = [], {}
-    counts = {"serviceAccount": 0, "downwardMetrics": 0}
+def _named(items: list, at: str) -> Iterator[tuple[int, str, dict, str]]:
+    """(index, where, item, name) of a list whose items carry unique DNS-label names, as KubeVirt's admitter
+    checks volumes and filesystems."""
+    seen: dict[str, int] = {}
     for idx, item in enumerate(items):
-        vat = f"{at}[{idx}]"
-        doc = as_map(item, vat)
-        name = get_str(doc, "name", vat, required=True)
-        check_dns_label(name, f"{vat}.name")
+        where = f"{at}[{idx}]"
+        doc = as_map(item, where)
+        name = get_str(doc, "name", where, required=True)
+        check_dns_label(name, f"{where}.name")
         if name in seen:
-            raise field_error(f"{vat}.name", f"{vat} and {at}[{seen[name]}] must not have the same Name.")
+            raise field_error(f"{where}.name", f"{where} and {at}[{seen[name]}] must not have the same Name.")
         seen[name] = idx
+        yield idx, where, doc, name
+
+
+def _volumes(items: list, at: str) -> tuple[Volume, ...]:
+    volumes = []
+    counts = {"serviceAccount": 0, "downwardMetrics": 0}
+    for idx, vat, doc, name in _named(items, at):
         kinds = [k for k in VOLUME_KINDS if doc.get(k) is not None]
         if len(kinds) != 1:
             raise field_error(vat, f"{vat} must have exactly one source type set")
@@ -697,15 +706,8 @@ FILESYSTEM_KINDS = ("persistentVolumeClaim", "dataVolume", "configMap", "secret"
 def _filesystems(items: list, volumes: tuple[Volume, ...], disk_items: list, disks_at: str, at: str) -> tuple[Filesystem, ...]:
     by_name = {v.name: v for v in volumes}
     disk_names = {get_str(as_map(d, f"{disks_at}[{i}]"), "name", f"{disks_at}[{i}]"): i for i, d in enumerate(disk_items)}
-    found, seen = [], {}
-    for idx, item in enumerate(items):
-        fat = f"{at}[{idx}]"
-        doc = as_map(item, fat)
-        name = get_str(doc, "name", fat, required=True)
-        check_dns_label(name, f"{fat}.name")
-        if name in seen:
-            raise field_error(f"{fat}.name", f"{fat} and {at}[{seen[name]}] must not have the same Name.")
-        seen[name] = idx
+    found = []
+    for idx, fat, doc, name in _named(items, at):
         if doc.get("virtiofs") is None:
             # The converter (converter/storage/virtiofs.go) skips such an entry: the guest would miss it.
             raise SpecError(f"{fat}.virtiofs", "required: virtiofs is the only filesystem type")
