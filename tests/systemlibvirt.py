@@ -3,7 +3,8 @@
 libvirtd runs in a mount namespace of its own (`unshare --mount --propagation private`): its run,
 state, cache and log directories and the domain and secret definitions under /etc/libvirt land
 in overlays and tmpfs under the test's directory; /etc/libvirt/qemu.conf is replaced by the test's
-own (root inside an unprivileged container needs `remember_owner = 0` and `cgroup_controllers = [ ]`).
+own (root inside an unprivileged container needs `remember_owner = 0` and `cgroup_controllers = [ ]`;
+`namespaces = [ ]` keeps qemu in the daemon's /dev, where an unusable /dev/kvm is hidden).
 Only the qemu and secret drivers are loaded (LIBVIRT_DRIVER_DIR): no network, nwfilter or storage
 driver, so nothing looks at bridges or firewall rules. Commands under test join the namespace
 through `nsenter --mount=/proc/PID/ns/mnt`, and see the same sockets and qemu.conf as libvirtd.
@@ -30,6 +31,7 @@ DRIVERS = Path("/usr/lib/x86_64-linux-gnu/libvirt/connection-driver")
 QEMU_CONF = """\
 remember_owner = 0
 cgroup_controllers = [ ]
+namespaces = [ ]
 """
 # Written over with an empty tmpfs in the namespace: they exist on the host.
 PRIVATE_DIRS = ("/var/lib/libvirt", "/var/cache/libvirt", "/var/log/libvirt", "/etc/libvirt/qemu")
@@ -45,6 +47,12 @@ for lower in {overlaid}; do
 done
 for d in {private}; do mount -t tmpfs -o mode=0755 tmpfs "$d"; done
 mount --bind "$S/qemu.conf" /etc/libvirt/qemu.conf
+# A /dev/kvm that qemu.conf's user cannot open (0600 root here) makes libvirt probe qemu's capabilities
+# over and over ("KVM was enabled when probing ..., but it is not available now"): 90 s before the first
+# domain defines. An empty file in its place is a host without KVM, which is what this daemon's qemu has.
+if [ -e /dev/kvm ] && ! setpriv --reuid=libvirt-qemu --regid=libvirt-qemu --init-groups test -r /dev/kvm -a -w /dev/kvm; then
+  : > "$S/no-kvm"; mount --bind "$S/no-kvm" /dev/kvm
+fi
 export LIBVIRT_DRIVER_DIR="$S/drivers"
 virtlogd -d -p "$S/virtlogd.pid"  # systemd would start it on the first connection to its socket
 exec libvirtd -f "$S/libvirtd.conf" -p "$S/libvirtd.pid"
@@ -96,7 +104,7 @@ def system_libvirtd() -> Iterator[SystemLibvirt]:
     """Start the private daemon; fail the test (never skip) if it does not answer within a minute."""
     if os.geteuid() != 0:
         pytest.fail("a system libvirtd needs root")
-    for tool in ("libvirtd", "virtlogd", "unshare", "nsenter", "virsh"):
+    for tool in ("libvirtd", "virtlogd", "unshare", "nsenter", "setpriv", "virsh"):
         if shutil.which(tool) is None:
             pytest.fail(f"{tool} is missing (scripts/setup.sh installs it)")
     for driver in ("qemu", "secret"):
