@@ -499,3 +499,47 @@ def test_a_signed_name_without_a_tag_is_not_name_latest():
     assert not policy_mod.identity_matches({"type": "matchExact"}, intended, "reg.example/ns/img")
     by_digest = parse_docker_name("reg.example/ns/img@sha256:" + "a" * 64)
     assert policy_mod.identity_matches(rule, by_digest, "reg.example/ns/img")
+
+
+def test_launcher_flags_name_the_policy_for_pulls_disk_servers_and_imports(registry, trust, disk, other_disk, tmp_path):
+    """--signature-policy and --registries.d on launcher commands, as skopeo takes them (issue: signed
+    images, "every launcher pull (run, pull, serve, DataVolume registry imports)"): the flag's policy,
+    not the node's in HOME (which accepts anything here), decides."""
+    from tests.lazyhost import control, disk_server
+    from tests.test_dv_import import Claims, dv
+
+    scope = f"{registry.host}/flags"
+    signed, unsigned = f"{scope}/signed:v1", f"{scope}/unsigned:v1"
+    assert run_diskkit("build", NOREG, disk, "-t", signed, *signing_flags(trust)).code == 0
+    assert run_diskkit("build", NOREG, other_disk, "-t", unsigned).code == 0
+    env = node_home(tmp_path, trust, {"type": "insecureAcceptAnything"}, scope)
+    pol = write_policy(tmp_path / "required.json", scope, keyed(trust))
+    flags = ["--signature-policy", pol, "--registries.d", trust["regd"]]
+
+    def pull(ref: str, *extra):
+        return run_launcher("pull", NOREG, *extra, "--cache-dir", tmp_path / f"cache-{len(extra)}-{ref.rsplit('/', 1)[1]}", ref, env=env)
+
+    assert pull(unsigned).code == 0  # the node's own policy lets it through
+    refused = pull(unsigned, *flags)
+    [line] = refused.err.strip().splitlines()
+    assert refused.code != 0 and unsigned in line and "no signature exists" in line, refused.err
+    assert pull(signed, *flags).code == 0
+
+    cache = tmp_path / "serve-cache"
+    cache.mkdir()
+    with disk_server(cache, *flags, env=env):
+        ask = {"op": "open", "path": None, "registry": {"tls_verify": False}}
+        answer = control(cache, {**ask, "image": unsigned})
+        assert answer["ok"] is False and "no signature exists" in answer["error"], answer
+        assert control(cache, {**ask, "image": signed})["ok"]
+
+    (tmp_path / "claims").mkdir()
+    claims = Claims(tmp_path / "claims")
+    claims.add(dv("unsigned", {"registry": {"url": f"docker://{unsigned}"}}, "24Mi"),
+               dv("signed", {"registry": {"url": f"docker://{signed}"}}, "24Mi"))
+    refused = claims.run("import", NOREG, *flags, "unsigned")
+    assert refused.code != 0 and unsigned in refused.err and "no signature exists" in refused.err, refused.err
+    claims.assert_untouched("unsigned")
+    imported = claims.run("import", NOREG, *flags, "signed")
+    assert imported.code == 0, imported.err
+    assert (claims.dirs["signed"] / "disk.img").stat().st_size == 24 << 20

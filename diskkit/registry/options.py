@@ -20,6 +20,11 @@ class RegistryOptions:
     backoff: float = 0.5  # first delay in seconds; doubles per attempt, with jitter
     max_delay: float = 30.0
     timeout: float = 60.0
+    # Where the policy a read must pass lives, as containers/image's SystemContext carries it
+    # (SignaturePolicyPath, RegistriesDirPath): None is the standard places. It travels with the other
+    # options so that every read of a command, a disk server's included, answers to the same policy.
+    signature_policy: str | None = None
+    registries_d: str | None = None
 
     def for_endpoint(self, insecure: bool = False) -> "RegistryOptions":
         """The options for one registry endpoint, `tls_verify` settled: registries.conf's `insecure`

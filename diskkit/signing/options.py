@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from diskkit.registry.options import RegistryOptions
+
 
 @dataclass(frozen=True)
 class TrustOptions:
@@ -13,6 +15,14 @@ class TrustOptions:
 
     policy: Path | None = None
     registries_d: Path | None = None
+
+    @classmethod
+    def of(cls, registry: RegistryOptions | None) -> "TrustOptions":
+        """The policy named by a command's registry options (the launcher's flags), else the standard places."""
+        if registry is None:
+            return cls()
+        return cls(Path(registry.signature_policy) if registry.signature_policy else None,
+                   Path(registry.registries_d) if registry.registries_d else None)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from diskkit.cli.shell import platform as platform_of
 from diskkit.cli.shell import registry_options, run_main
 from diskkit.registry.options import RegistryOptions
 from launcher.cli.dv import dv
-from launcher.cli.options import cache_option, ignore_unsupported_option, load_vmi_file, parse_size, say, storage_options
+from launcher.cli.options import cache_option, ignore_unsupported_option, load_vmi_file, parse_size, say, storage_options, trust_options
 from launcher.node.cache import Cache, tree_size
 
 
@@ -40,6 +40,7 @@ Examples:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @cache_option
 @registry_options
+@trust_options
 def pull(ref, image_path, platform, pull_policy, as_json, cache_dir, registry: RegistryOptions) -> None:
     """Pull REF into the node cache and print the path of its extracted disk.
 
@@ -67,6 +68,7 @@ Examples:
 @cache_option
 @storage_options
 @registry_options
+@trust_options
 def domain(vmi_file, platform, accel, lazy, ignore_unsupported, cache_dir, store, registry: RegistryOptions) -> None:
     """Print the libvirt domain XML `launcher run` would start (a dry run: images are pulled or, lazy, opened on the node's disk server; nothing started)."""
     from launcher.runtime.vms import RunOptions, plan
@@ -99,6 +101,7 @@ Examples:
 @cache_option
 @storage_options
 @registry_options
+@trust_options
 def run(vmi_file, uri, console, wait_for, timeout, platform, lazy, grace_period, ignore_unsupported, cache_dir, store, registry: RegistryOptions) -> None:
     """Prepare every volume of a VirtualMachineInstance, define and start its domain, stay with it.
 
@@ -140,6 +143,7 @@ Examples:
 @cache_option
 @storage_options
 @registry_options
+@trust_options
 def serve(cache_dir, registry: RegistryOptions, disks, upload_listen, upload_tls_cert, upload_tls_key, vmi_files, store, **options) -> None:
     """Serve this node's endpoints until SIGTERM or Ctrl-C: the disk server, and uploads.
 

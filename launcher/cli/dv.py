@@ -9,7 +9,7 @@ import click
 from diskkit.cli.shell import registry_options
 from diskkit.errors import DiskkitError
 from diskkit.registry.options import RegistryOptions
-from launcher.cli.options import cache_option, say, storage_options
+from launcher.cli.options import cache_option, say, storage_options, trust_options
 from launcher.node.cache import Cache
 
 
@@ -109,6 +109,7 @@ Examples:
 @click.option("--json", "as_json", is_flag=True, help="Print the final status as one JSON object.")
 @storage_options
 @registry_options
+@trust_options
 def import_cmd(name, namespace, vmi_files, as_json, store, registry: RegistryOptions) -> None:
     """Run a DataVolume's import (http, registry, blank or pvc clone) into its claim, now.
 

@@ -64,6 +64,28 @@ def storage_options(command):
     return wrapper
 
 
+def trust_options(command):
+    """--signature-policy and --registries.d, as skopeo takes them, folded into the `registry` options
+    that `registry_options` (above this decorator) made: every read of the command, the disk server's
+    included, answers to that policy."""
+    import functools
+    from dataclasses import replace
+
+    @functools.wraps(command)
+    def wrapper(*args, registry, signature_policy, registries_d, **kwargs):
+        return command(*args, registry=replace(registry, signature_policy=signature_policy, registries_d=registries_d), **kwargs)
+
+    options = [
+        click.option("--registries.d", "registries_d", type=click.Path(file_okay=False),
+                     help="registries.d directory: where use-sigstore-attachments is set (default: ~/.config/containers/registries.d, else /etc/containers/registries.d)."),
+        click.option("--signature-policy", type=click.Path(dir_okay=False),
+                     help="policy.json every image must pass (default: ~/.config/containers/policy.json, else /etc/containers/policy.json; with neither, everything is accepted)."),
+    ]
+    for option in options:
+        wrapper = option(wrapper)
+    return wrapper
+
+
 def say(text: str) -> None:
     click.echo(f"launcher: {text}", err=True)
 

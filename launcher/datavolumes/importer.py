@@ -305,6 +305,8 @@ def _http(target: Target, store: Storage, progress: Progress, work: Path) -> tup
 
 def _registry(target: Target, store: Storage, registry: RegistryOptions, work: Path) -> tuple[Path, str]:
     from diskkit.ops.verify import scan_image
+    from diskkit.signing.options import TrustOptions
+    from diskkit.signing.trust import enforce_source
     from diskkit.transports import open_source
 
     source, dv = target.dv.source, target.dv
@@ -322,6 +324,7 @@ def _registry(target: Target, store: Storage, registry: RegistryOptions, work: P
     spool = work / "spool"
     spool.mkdir()
     with open_source(ref, opts) as src:
+        enforce_source(src, TrustOptions.of(opts), opts, None)  # as every pull: before any layer is read
         image = src.image(None)
         tree, found, staged = scan_image(src, image, None, spool)
         blocking = tree.findings + [p for p in found.problems if p not in found.access]

@@ -40,6 +40,10 @@ def _registry_flags(opts: RegistryOptions) -> list[str]:
         flags.append(f"--cert-dir={opts.cert_dir}")
     if opts.authfile:
         flags.append(f"--authfile={opts.authfile}")
+    if opts.signature_policy:
+        flags.append(f"--signature-policy={opts.signature_policy}")
+    if opts.registries_d:
+        flags.append(f"--registries.d={opts.registries_d}")
     return flags  # credentials travel with each request, never on a command line
 
 

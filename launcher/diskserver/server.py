@@ -320,7 +320,7 @@ class DiskServer:
             raise NotSeekable(shown, "lazy reads need a registry image (docker://)")
         with self.open_lock, open_source(shown, registry) as source:
             assert isinstance(source, RemoteSource)
-            enforce_source(source, TrustOptions(), registry, platform)
+            enforce_source(source, TrustOptions.of(registry), registry, platform)
             image = source.image(platform)
             if marked and not lazytoc.marked(image.manifest, image.layers):
                 raise NotSeekable(shown, f"not marked lazy ({lazytoc.ANNOTATION_LAZY})")
@@ -336,13 +336,15 @@ class DiskServer:
 
     def _registry_options(self, asked: dict | None, peer_uid: int | None) -> RegistryOptions:
         """The request's options; files it names are read only for a client as privileged as this server,
-        so a client in the qemu group cannot make a root server read (or use) another user's auth file."""
+        so a client in the qemu group cannot make a root server read (or use) another user's auth file,
+        nor trade the node's signature policy for its own."""
         if not asked:
             return self.opts.registry
-        options = RegistryOptions(**asked)
+        options, own = RegistryOptions(**asked), self.opts.registry
         if peer_uid not in (0, os.geteuid()):
-            options = replace(options, authfile=self.opts.registry.authfile, cert_dir=self.opts.registry.cert_dir)
-        return options
+            return replace(options, authfile=own.authfile, cert_dir=own.cert_dir, signature_policy=own.signature_policy, registries_d=own.registries_d)
+        # A policy this server was started with holds for every request that names none.
+        return replace(options, signature_policy=options.signature_policy or own.signature_policy, registries_d=options.registries_d or own.registries_d)
 
     def status(self) -> dict:
         return {"ok": True, "pid": os.getpid(), "socket": str(self.nbd_path), "connections": self.connections,

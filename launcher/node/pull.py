@@ -75,7 +75,7 @@ def pull(
         raise DiskkitError(shown, "container image is not present with pull policy of Never")
 
     with open_source(shown, registry) as source:
-        enforce_source(source, TrustOptions(), registry, platform)  # the policy first: before any layer is read
+        enforce_source(source, TrustOptions.of(registry), registry, platform)  # the policy first: before any layer is read
         if isinstance(source, RemoteSource):
             source.partial_dir = cache.partial_dir  # a pull killed half way resumes from what it had
         image = source.image(platform)
