@@ -137,6 +137,50 @@ class KnownRanges:
         return self.ranges.read(start, length)
 
 
+class SmallBlobs:
+    """The last small blobs read whole (the layers imagewalk verifies and uses at once), so that a VM's
+    disk and its kernelBoot files, looked up one after the other in the same image, fetch them once.
+    Kept as fetched: whoever uses them checks their digest and diffID again, as for a fresh read."""
+
+    def __init__(self, limit: int = imagewalk.MAX_SMALL_LAYER // 2):
+        self.limit = limit
+        self.blobs: dict[str, bytes] = {}  # insertion order: the oldest goes first
+        self.lock = threading.Lock()
+
+    def ranges(self, ranges: BlobRanges | KnownRanges) -> "RememberedRanges":
+        return RememberedRanges(ranges, self)
+
+    def get(self, digest: str) -> bytes | None:
+        with self.lock:
+            return self.blobs.get(digest)
+
+    def put(self, digest: str, data: bytes) -> None:
+        if len(data) > self.limit:
+            return
+        with self.lock:
+            self.blobs.pop(digest, None)
+            self.blobs[digest] = data
+            while sum(map(len, self.blobs.values())) > self.limit:
+                del self.blobs[next(iter(self.blobs))]
+
+
+class RememberedRanges:
+    """A blob's ranges where a read of the whole blob is answered from, and kept in, SmallBlobs."""
+
+    def __init__(self, ranges: BlobRanges | KnownRanges, small: SmallBlobs):
+        self.ranges, self.small, self.size = ranges, small, ranges.size
+        self.digest = ranges.ranges.digest if isinstance(ranges, KnownRanges) else ranges.digest
+
+    def read(self, start: int, length: int) -> bytes:
+        if (start, length) != (0, self.size):
+            return self.ranges.read(start, length)
+        data = self.small.get(self.digest)
+        if data is None or len(data) != length:
+            data = self.ranges.read(start, length)
+            self.small.put(self.digest, data)
+        return data
+
+
 # --- where the disk is -----------------------------------------------------------------------------
 
 @dataclass(frozen=True)

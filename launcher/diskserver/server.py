@@ -60,6 +60,8 @@ from launcher.diskserver.lazydisk import (
     NotSeekable,
     Options,
     Ref,
+    RememberedRanges,
+    SmallBlobs,
     find_layout,
     record,
 )
@@ -122,6 +124,7 @@ class DiskServer:
         self.exports: dict[str, LazyDisk | InstalledDisk] = {}
         self.lock = threading.Lock()
         self.open_lock = threading.Lock()  # opening fetches headers and TOCs: one at a time
+        self.small_blobs = SmallBlobs()
         self.last_activity = time.monotonic()
         self.awaiting: dict[str, list[tuple[float, int]]] = {}  # export -> (deadline, asking pid) per announced NBD client
         self.served = False  # some NBD client connected: when the last one leaves, the work is done
@@ -259,7 +262,7 @@ class DiskServer:
         shown = str(parse_ref(ref))
         try:
             with self._lazy_image(shown, registry, platform, request.get("marked")) as (source, image):
-                found = find_layout(image, lambda desc: BlobRanges(source.registry, source.name.repository, desc.digest, desc.size),
+                found = find_layout(image, lambda desc: self.small_blobs.ranges(BlobRanges(source.registry, source.name.repository, desc.digest, desc.size)),
                                     source.registry.host, source.name.repository, path, shown)
                 layout = found.layout
                 export = self._export(layout, source.registry, found)
@@ -326,13 +329,14 @@ class DiskServer:
                 raise NotSeekable(shown, f"not marked lazy ({lazytoc.ANNOTATION_LAZY})")
             yield source, image
 
-    def _ranges(self, source: RemoteSource, desc) -> BlobRanges | KnownRanges:
-        """A layer's ranges; what an export of it holds already is not fetched again."""
+    def _ranges(self, source: RemoteSource, desc) -> RememberedRanges:
+        """A layer's ranges; what an export of it holds already, or a small layer just read whole for
+        the disk's lookup, is not fetched again."""
         ranges = BlobRanges(source.registry, source.name.repository, desc.digest, desc.size)
         for export in self.listing():
             if isinstance(export, LazyDisk) and export.layout.layer == desc.digest:
-                return KnownRanges(ranges, export.known())
-        return ranges
+                return self.small_blobs.ranges(KnownRanges(ranges, export.known()))
+        return self.small_blobs.ranges(ranges)
 
     def _registry_options(self, asked: dict | None, peer_uid: int | None) -> RegistryOptions:
         """The request's options; files it names are read only for a client as privileged as this server,
