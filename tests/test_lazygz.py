@@ -12,6 +12,7 @@ import json
 import os
 import random
 import shutil
+import subprocess
 import tarfile
 import zlib
 from pathlib import Path
@@ -305,6 +306,73 @@ def test_a_corrupted_member_is_refused_and_fetched_again(tmp_path, registry, fau
         status = wait_for(lambda: (s := export_status(cache, answer["export"]))["verified"] and s["installed"] and s, 120, "verification")
     assert status["stats"]["corrupt_chunks"] == 1 and status["stats"]["verify_attempts"] == 1, status
     assert status["installed"] and Path(status["installed"]).read_bytes() == disk.read_bytes()
+
+
+def test_old_uncompressed_pins_are_still_served(tmp_path, registry, layout, disk):
+    """An image whose TOC pins chunks by their uncompressed bytes (`chunks`, as written before
+    memberDigests) verifies and is served chunk by chunk, each chunk checked once inflated."""
+    old = forged(tmp_path, layout, "old", old_pins)
+    assert run_diskkit("verify", f"oci:{old}:v2").code == 0
+    ref = f"{registry.host}/lazygz/old:v2"
+    assert run_diskkit("push", NOREG, f"oci:{old}:v2", ref).code == 0
+    toc = image_toc(registry, ref)
+    assert "memberDigests" not in toc and len(toc["chunks"]) == 24
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with disk_server(cache, "--prefetch-rate", "1K"):
+        answer = open_export(cache, ref)
+        assert run("qemu-img", "compare", "-f", "raw", "-F", "raw", answer["url"], disk).stdout.strip() == "Images are identical."
+        status = wait_for(lambda: (s := export_status(cache, answer["export"]))["verified"] and s["installed"] and s, 120, "verification")
+    assert status["toc"] and status["stats"]["corrupt_chunks"] == 0 and status["stats"]["verify_attempts"] == 1, status
+
+
+def test_a_member_corrupted_in_the_registry_is_named_by_verify_and_never_served(tmp_path, registry, disk):
+    """One byte flipped in chunk 5's member in the registry's storage: verify names that member
+    (before the inflater sees it), and the disk server refuses it on every fetch."""
+    own = tmp_path / "own.img"  # a blob of its own: the registry stores blobs once for every repository
+    own.write_bytes(b"own" + disk.read_bytes()[3:])
+    ref = f"{registry.host}/lazygz/corrupt:v2"
+    assert run_diskkit("build", NOREG, "--lazy", own, "-t", ref).code == 0
+    toc = image_toc(registry, ref)
+    at, length = toc["members"][5]
+    layer = json.loads(run_diskkit("inspect", NOREG, "--json", ref).out)["layers"][0]["digest"]
+    stored = registry.blob_data_path(layer)
+    with open(stored, "r+b") as f:
+        f.seek(at + length // 2)
+        byte = f.read(1)
+        f.seek(at + length // 2)
+        f.write(bytes([byte[0] ^ 1]))
+    refused = run_diskkit("verify", NOREG, ref)
+    assert refused.code != 0 and f"chunk 5's gzip member at {at}+{length} does not match its digest in the lazy TOC" in refused.err, refused.err
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with disk_server(cache, "--prefetch-rate", "1K", "--fetch-timeout", "5"):
+        answer = open_export(cache, ref)
+        good = subprocess.run(["qemu-io", "-r", "-f", "raw", "-c", f"read -P 0 {9 * MIB} 4K", answer["url"]], capture_output=True, text=True, timeout=120)
+        assert good.returncode == 0 and "read 4096/4096 bytes" in good.stdout, good  # chunk 9: zeros, as built
+        bad = subprocess.run(["qemu-io", "-r", "-f", "raw", "-c", f"read {5 * MIB} 4K", answer["url"]], capture_output=True, text=True, timeout=120)
+        assert "Input/output error" in bad.stdout + bad.stderr, bad
+        status = export_status(cache, answer["export"])
+    assert status["stats"]["corrupt_chunks"] >= 1 and not status["verified"] and not status["installed"], status
+
+
+def test_the_server_refuses_a_member_that_inflates_but_differs_from_its_pin(tmp_path, registry, layout):
+    """A sound gzip member whose digest is not the TOC's (the TOC re-pinned all the way up) is never
+    inflated nor served: the gzip CRC alone would have let it through."""
+
+    def wrong_member(toc, data):
+        toc["memberDigests"][3] = "0" * 64
+
+    ref = f"{registry.host}/lazygz/wrongpin:v2"
+    assert run_diskkit("push", NOREG, f"oci:{forged(tmp_path, layout, 'wrongpin', wrong_member)}:v2", ref).code == 0
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with disk_server(cache, "--prefetch-rate", "1K", "--fetch-timeout", "5"):
+        answer = open_export(cache, ref)
+        bad = subprocess.run(["qemu-io", "-r", "-f", "raw", "-c", f"read {3 * MIB} 4K", answer["url"]], capture_output=True, text=True, timeout=120)
+        assert "Input/output error" in bad.stdout + bad.stderr, bad
+        status = export_status(cache, answer["export"])
+    assert status["stats"]["corrupt_chunks"] >= 1 and not status["installed"], status
 
 
 def test_launcher_pull_takes_a_v2_image_whole(tmp_path, remote, disk):
