@@ -18,8 +18,8 @@ from diskkit.disk.containerdisk import (
 )
 from diskkit.errors import DiskkitError
 from diskkit.layers import lazytoc
-from diskkit.layers.lazycheck import MemberCheck
 from diskkit.layers.imagefs import Spooled, extract_one, walk
+from diskkit.layers.lazycheck import MemberCheck
 from diskkit.oci.image import Image, Platform
 from diskkit.oci.reference import parse_ref
 from diskkit.registry.options import RegistryOptions
@@ -131,19 +131,18 @@ def _where(image: Image, index: int) -> str:
 
 
 def stored_tocs(source: Source, image: Image, problems: list[str]) -> dict[int, lazytoc.Toc | None]:
-    """The TOCs of lazy gzip layers, read where their annotations point in the blob (as a lazy reader
+    """The TOCs of lazy layers, read where their annotations point in the blob (as a lazy reader
     reads them) before the blob streams; None (and a problem) for one that cannot be read there."""
     tocs: dict[int, lazytoc.Toc | None] = {}
     for index, layer in enumerate(image.layers):
         where = _where(image, index)
-        if lazytoc.version_for(layer.media_type) != lazytoc.VERSION_GZIP:
-            continue
+        version = lazytoc.version_for(layer.media_type)
         try:
             loc = lazytoc.location(layer, where)
             if loc is None:
                 continue
-            stored = lazytoc.read_stored(source.read_range(layer, loc.offset, loc.size), lazytoc.VERSION_GZIP, where)
-            tocs[index] = lazytoc.parse(stored, loc, where, lazytoc.VERSION_GZIP)
+            stored = lazytoc.read_stored(source.read_range(layer, loc.offset, loc.size), version, where)
+            tocs[index] = lazytoc.parse(stored, loc, where, version)
         except DiskkitError as exc:
             problems.append(exc.line())
             tocs[index] = None
