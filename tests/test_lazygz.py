@@ -12,6 +12,7 @@ import json
 import os
 import random
 import shutil
+import subprocess
 import tarfile
 import zlib
 from pathlib import Path
@@ -91,12 +92,13 @@ def test_v2_layer_is_one_gzip_member_per_chunk(tmp_path, layout, disk):
     content = disk.read_bytes()
     assert toc["version"] == 2 and toc["disk"] == f"disk/{disk.name}" and toc["size"] == len(content) and toc["chunkSize"] == MIB
     assert tar_bytes[toc["offset"] : toc["offset"] + toc["size"]] == content
-    assert len(toc["members"]) == len(toc["chunks"]) == 24
-    for index, ((offset, length), digest) in enumerate(zip(toc["members"], toc["chunks"])):
+    # Chunks are pinned by their members as stored, never by their uncompressed bytes (the old `chunks`).
+    assert "chunks" not in toc and len(toc["members"]) == len(toc["memberDigests"]) == 24
+    for index, ((offset, length), digest) in enumerate(zip(toc["members"], toc["memberDigests"])):
         inflater = zlib.decompressobj(31)
         chunk = inflater.decompress(data[offset : offset + length])
         assert inflater.eof and not inflater.unused_data, index  # exactly one member
-        assert chunk == content[index * MIB : (index + 1) * MIB] and hashlib.sha256(chunk).hexdigest() == digest
+        assert chunk == content[index * MIB : (index + 1) * MIB] and hashlib.sha256(data[offset : offset + length]).hexdigest() == digest
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
         assert [m.name for m in tar] == ["disk", f"disk/{disk.name}", ".diskkit", ".diskkit/lazy-toc.json"]
     # Compressed after all: the text and the zeros shrink, the random chunks stay.
@@ -107,20 +109,84 @@ def test_v2_layer_is_one_gzip_member_per_chunk(tmp_path, layout, disk):
     assert again.last_line == json.loads((layout / "index.json").read_text())["manifests"][0]["digest"]  # reproducible
 
 
-def test_verify_refuses_a_toc_that_disagrees_with_the_layer(tmp_path, disk):
-    """The TOC is checked against the layer verify unpacks: a chunk digest changed (and the TOC re-pinned) is caught."""
-    out = tmp_path / "layout"
-    assert run_diskkit("build", "--lazy", disk, "-t", f"oci:{out}:v2").code == 0
+def forged(tmp_path: Path, layout: Path, name: str, change) -> Path:
+    """A copy of `layout` whose TOC `change(toc, data)` edited, re-pinned all the way up (see rewrite_toc)."""
+    out = tmp_path / name
+    shutil.copytree(layout, out)
     manifest = manifest_of(out)
-    layer = manifest["layers"][0]
-    data = blob(out, layer["digest"])
-    notes = layer["annotations"]
+    data = blob(out, manifest["layers"][0]["digest"])
+    notes = manifest["layers"][0]["annotations"]
     at, size = int(notes[lazytoc.ANNOTATION_TOC_OFFSET]), int(notes[lazytoc.ANNOTATION_TOC_SIZE])
-    toc = json.loads(zlib.decompress(data[at : at + size], 31))
-    toc["chunks"][3] = "0" * 64
-    rewrite_toc(out, manifest, data, at, size, json.dumps(toc, separators=(",", ":"), sort_keys=True).encode())
-    refused = run_diskkit("verify", f"oci:{out}:v2")
-    assert refused.code != 0 and "chunk 3" in refused.err and "lazy TOC" in refused.err, refused.err
+    doc = zlib.decompress(data[at : at + size], 31)
+    toc = json.loads(doc)
+    change(toc, data)
+    new = json.dumps(toc, separators=(",", ":"), sort_keys=True).encode()
+    # The tar header before the TOC keeps its size: a shorter TOC is padded with JSON whitespace.
+    assert len(new) <= len(doc), "a forged TOC may not be longer than the original"
+    rewrite_toc(out, manifest, data, at, size, new + b" " * (len(doc) - len(new)))
+    return out
+
+
+def old_pins(toc: dict, data: bytes) -> None:
+    """The TOC as diskkit wrote it before memberDigests: each chunk pinned by its uncompressed bytes."""
+    pins = toc.pop("memberDigests")
+    toc["chunks"] = []
+    for (at, length), pin in zip(toc["members"], pins):
+        assert hashlib.sha256(data[at : at + length]).hexdigest() == pin
+        toc["chunks"].append(hashlib.sha256(zlib.decompress(data[at : at + length], 31)).hexdigest())
+
+
+def test_verify_refuses_a_toc_that_disagrees_with_the_layer(tmp_path, layout):
+    """The TOC is checked against the layer verify unpacks: a member digest changed (and the TOC
+    re-pinned) is named while the blob streams; so is an uncompressed chunk digest in an old TOC."""
+
+    def wrong_member(toc, data):
+        toc["memberDigests"][3] = "0" * 64
+
+    def wrong_chunk(toc, data):
+        old_pins(toc, data)
+        toc["chunks"][3] = "0" * 64
+
+    refused = run_diskkit("verify", f"oci:{forged(tmp_path, layout, 'member', wrong_member)}:v2")
+    assert refused.code != 0 and "chunk 3's gzip member at" in refused.err and "does not match its digest in the lazy TOC" in refused.err, refused.err
+    refused = run_diskkit("verify", f"oci:{forged(tmp_path, layout, 'chunk', wrong_chunk)}:v2")
+    assert refused.code != 0 and "lazy TOC's digest of chunk 3 does not match" in refused.err, refused.err
+
+
+def test_a_toc_pins_chunks_one_way_only():
+    """A TOC holding both kinds of pins, or neither, is refused: which one a reader trusts would be ambiguous."""
+    toc = lazytoc.Toc("disk/a.img", 1536, 8192, 4096, None, ((1024, 100), (1124, 100)), (), ("a" * 64, "b" * 64))
+    doc = toc.render()
+    assert json.loads(doc)["memberDigests"] == ["a" * 64, "b" * 64] and "chunks" not in json.loads(doc)
+    loc = lazytoc.TocLocation(4096, 200, "sha256:" + hashlib.sha256(doc).hexdigest())
+    assert lazytoc.parse(doc, loc, "here", lazytoc.VERSION_GZIP) == toc
+    for name, change in (("both", {"chunks": ["c" * 64] * 2}), ("neither", {"memberDigests": None})):
+        obj = {**json.loads(doc), **change}
+        forged_doc = json.dumps({k: v for k, v in obj.items() if v is not None}).encode()
+        with pytest.raises(lazytoc.DiskkitError, match="exactly one of chunks .uncompressed. and memberDigests"):
+            lazytoc.parse(forged_doc, lazytoc.TocLocation(4096, 200, "sha256:" + hashlib.sha256(forged_doc).hexdigest()), "here", 2)
+
+
+def test_verify_checks_the_files_the_toc_pins(tmp_path, disk):
+    """kernelBoot's kernel and initrd, pinned in the TOC's `files`: a wrong digest there is refused."""
+    (tmp_path / "vmlinuz").write_bytes(b"kernel " * 1000)
+    (tmp_path / "initrd").write_bytes(b"initrd " * 1000)
+    out = tmp_path / "kb"
+    built = run_diskkit("build", "--lazy", disk, "--kernel", tmp_path / "vmlinuz", "--initrd", tmp_path / "initrd", "-t", f"oci:{out}:v2")
+    assert built.code == 0, built.err
+    verified = run_diskkit("verify", f"oci:{out}:v2")
+    assert verified.code == 0, verified.err
+
+    def wrong_kernel(toc, data):
+        assert toc["files"]["boot/vmlinuz"] == hashlib.sha256(b"kernel " * 1000).hexdigest()
+        toc["files"]["boot/vmlinuz"] = hashlib.sha256(b"another kernel").hexdigest()
+
+    refused = run_diskkit("verify", f"oci:{forged(tmp_path, out, 'wrongkernel', wrong_kernel)}:v2")
+    assert refused.code != 0 and "/boot/vmlinuz does not match its digest in the lazy TOC's files" in refused.err, refused.err
+    # Same length as the original TOC (the tar header before it keeps its size): the kernel listed under another name.
+    missing = forged(tmp_path, out, "missing", lambda toc, data: toc["files"].update({"boot/vmlinux": toc["files"].pop("boot/vmlinuz")}))
+    refused = run_diskkit("verify", f"oci:{missing}:v2")
+    assert refused.code != 0 and "files list /boot/vmlinux, which is not a regular file of this layer" in refused.err, refused.err
 
 
 def rewrite_toc(layout: Path, manifest: dict, data: bytes, at: int, size: int, doc: bytes) -> None:
@@ -240,6 +306,73 @@ def test_a_corrupted_member_is_refused_and_fetched_again(tmp_path, registry, fau
         status = wait_for(lambda: (s := export_status(cache, answer["export"]))["verified"] and s["installed"] and s, 120, "verification")
     assert status["stats"]["corrupt_chunks"] == 1 and status["stats"]["verify_attempts"] == 1, status
     assert status["installed"] and Path(status["installed"]).read_bytes() == disk.read_bytes()
+
+
+def test_old_uncompressed_pins_are_still_served(tmp_path, registry, layout, disk):
+    """An image whose TOC pins chunks by their uncompressed bytes (`chunks`, as written before
+    memberDigests) verifies and is served chunk by chunk, each chunk checked once inflated."""
+    old = forged(tmp_path, layout, "old", old_pins)
+    assert run_diskkit("verify", f"oci:{old}:v2").code == 0
+    ref = f"{registry.host}/lazygz/old:v2"
+    assert run_diskkit("push", NOREG, f"oci:{old}:v2", ref).code == 0
+    toc = image_toc(registry, ref)
+    assert "memberDigests" not in toc and len(toc["chunks"]) == 24
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with disk_server(cache, "--prefetch-rate", "1K"):
+        answer = open_export(cache, ref)
+        assert run("qemu-img", "compare", "-f", "raw", "-F", "raw", answer["url"], disk).stdout.strip() == "Images are identical."
+        status = wait_for(lambda: (s := export_status(cache, answer["export"]))["verified"] and s["installed"] and s, 120, "verification")
+    assert status["toc"] and status["stats"]["corrupt_chunks"] == 0 and status["stats"]["verify_attempts"] == 1, status
+
+
+def test_a_member_corrupted_in_the_registry_is_named_by_verify_and_never_served(tmp_path, registry, disk):
+    """One byte flipped in chunk 5's member in the registry's storage: verify names that member
+    (before the inflater sees it), and the disk server refuses it on every fetch."""
+    own = tmp_path / "own.img"  # a blob of its own: the registry stores blobs once for every repository
+    own.write_bytes(b"own" + disk.read_bytes()[3:])
+    ref = f"{registry.host}/lazygz/corrupt:v2"
+    assert run_diskkit("build", NOREG, "--lazy", own, "-t", ref).code == 0
+    toc = image_toc(registry, ref)
+    at, length = toc["members"][5]
+    layer = json.loads(run_diskkit("inspect", NOREG, "--json", ref).out)["layers"][0]["digest"]
+    stored = registry.blob_data_path(layer)
+    with open(stored, "r+b") as f:
+        f.seek(at + length // 2)
+        byte = f.read(1)
+        f.seek(at + length // 2)
+        f.write(bytes([byte[0] ^ 1]))
+    refused = run_diskkit("verify", NOREG, ref)
+    assert refused.code != 0 and f"chunk 5's gzip member at {at}+{length} does not match its digest in the lazy TOC" in refused.err, refused.err
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with disk_server(cache, "--prefetch-rate", "1K", "--fetch-timeout", "5"):
+        answer = open_export(cache, ref)
+        good = subprocess.run(["qemu-io", "-r", "-f", "raw", "-c", f"read -P 0 {9 * MIB} 4K", answer["url"]], capture_output=True, text=True, timeout=120)
+        assert good.returncode == 0 and "read 4096/4096 bytes" in good.stdout, good  # chunk 9: zeros, as built
+        bad = subprocess.run(["qemu-io", "-r", "-f", "raw", "-c", f"read {5 * MIB} 4K", answer["url"]], capture_output=True, text=True, timeout=120)
+        assert "Input/output error" in bad.stdout + bad.stderr, bad
+        status = export_status(cache, answer["export"])
+    assert status["stats"]["corrupt_chunks"] >= 1 and not status["verified"] and not status["installed"], status
+
+
+def test_the_server_refuses_a_member_that_inflates_but_differs_from_its_pin(tmp_path, registry, layout):
+    """A sound gzip member whose digest is not the TOC's (the TOC re-pinned all the way up) is never
+    inflated nor served: the gzip CRC alone would have let it through."""
+
+    def wrong_member(toc, data):
+        toc["memberDigests"][3] = "0" * 64
+
+    ref = f"{registry.host}/lazygz/wrongpin:v2"
+    assert run_diskkit("push", NOREG, f"oci:{forged(tmp_path, layout, 'wrongpin', wrong_member)}:v2", ref).code == 0
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with disk_server(cache, "--prefetch-rate", "1K", "--fetch-timeout", "5"):
+        answer = open_export(cache, ref)
+        bad = subprocess.run(["qemu-io", "-r", "-f", "raw", "-c", f"read {3 * MIB} 4K", answer["url"]], capture_output=True, text=True, timeout=120)
+        assert "Input/output error" in bad.stdout + bad.stderr, bad
+        status = export_status(cache, answer["export"])
+    assert status["stats"]["corrupt_chunks"] >= 1 and not status["installed"], status
 
 
 def test_launcher_pull_takes_a_v2_image_whole(tmp_path, remote, disk):

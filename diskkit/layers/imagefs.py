@@ -13,7 +13,7 @@ import shutil
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import BinaryIO, Callable, Iterable
 
 from diskkit.errors import DiskkitError
 from diskkit.oci.image import Image
@@ -164,8 +164,10 @@ def walk(
     spool_dir: Path | None = None,
     head_limit: int | None = None,
     only_layer: int | None = None,
+    taps: dict[int, Callable[[BinaryIO], BinaryIO]] | None = None,
 ) -> tuple[Tree, dict[str, Spooled]]:
-    """Stream every layer (digest and diffID checked), building the tree and spooling wanted files."""
+    """Stream every layer (digest and diffID checked), building the tree and spooling wanted files;
+    `taps[index]` wraps layer `index`'s blob stream before it is decompressed (lazy member checks)."""
     tree = Tree()
     spooled: dict[str, Spooled] = {}
     diff_ids = image.diff_ids
@@ -185,7 +187,8 @@ def walk(
             raise DiskkitError(image.where, f"layer {index} has media type {desc.media_type}, which is not an image layer")
         with source.blob(desc) as verified:
             # Four stages, each on its own thread: fetch+blob digest | decompress | diffID | tar+write.
-            fetched = ReadAhead(verified)
+            tap = (taps or {}).get(index)
+            fetched = ReadAhead(tap(verified) if tap else verified)
             decompressed = ReadAhead(decompressing_reader(fetched, kind))
             hashed = HashingReader(decompressed)
             unpacked = ReadAhead(hashed)

@@ -2,7 +2,7 @@
 
 A reader thread frames the tar, hashes the diffID and cuts the stream into members: the disk's
 data exactly at chunk boundaries, everything else in pieces of at most CHUNK bytes. Each member is
-compressed (and, for a chunk, hashed) on a thread pool, so every core compresses; the futures go
+compressed (and, for a chunk, the member hashed: the TOC pins members, see lazytoc) on a thread pool, so every core compresses; the futures go
 through a bounded queue in stream order, so memory stays flat whatever the disk size. The calling
 thread takes them in order, notes each chunk's offset in the blob and hands the bytes to the blob
 writer (digest + sink, as for any layer). The TOC is written last, when every offset is known.
@@ -36,7 +36,8 @@ WORKERS = os.cpu_count() or 2
 
 
 def _compress(data: bytes, level: int | None, chunk: bool) -> tuple[bytes, str | None]:
-    return gzip_member(data, level), hashlib.sha256(data).hexdigest() if chunk else None
+    member = gzip_member(data, level)
+    return member, hashlib.sha256(member).hexdigest() if chunk else None
 
 
 class _Framer:
@@ -160,7 +161,7 @@ def write_layer(
                 advance(raw)
         # The reader is done with the diffID: the TOC member and the trailer are hashed here.
         disk_at, size, chunk_size = found[0]
-        toc = lazytoc.Toc(toc_for, disk_at, size, chunk_size, tuple(digests), tuple(members), tuple(sorted(files)))
+        toc = lazytoc.Toc(toc_for, disk_at, size, chunk_size, None, tuple(members), tuple(sorted(files)), tuple(digests))
         doc = toc.render()
         headers = member_header(lazytoc.TOC_DIR, DIR_MODE, 0, mtime, directory=True) + member_header(lazytoc.TOC_MEMBER, 0o444, len(doc), mtime)
         trailer = bytes(-len(doc) % 512) + bytes(1024)

@@ -12,8 +12,15 @@ TOC adds, per chunk, the member's compressed `[offset, length]` in the blob, and
 the disk's first byte is in the uncompressed tar:
 
     {"version": 2, "disk": "disk/root.qcow2", "offset": 1536, "size": 67108864, "chunkSize": 1048576,
-     "chunks": ["<sha256 hex of disk bytes [0, 1 MiB)>", ...], "members": [[1024, 310291], ...],
+     "memberDigests": ["<sha256 hex of blob bytes [1024, 1024 + 310291)>", ...], "members": [[1024, 310291], ...],
      "files": {"boot/vmlinuz": "<sha256 hex of its content>", ...}}
+
+`memberDigests` pins each chunk by its gzip member exactly as stored in the blob: the writer hashes
+the compressed bytes (less than half the disk's size), and a reader checks a member before any of
+it reaches the inflater, then that it inflates to exactly the chunk's length. Version-2 TOCs written
+before this pin chunks by their uncompressed bytes instead, under the name `chunks` (as version 1);
+they are still read. The field's name says which digest an entry is: a TOC carries exactly one of
+the two, and `memberDigests` only with `members`.
 
 `files` (both versions; absent when the layer holds only the disk) pins the layer's other regular
 files, the kernelBoot kernel and initrd: a reader takes them out of the members around the disk's
@@ -82,9 +89,10 @@ class Toc:
     offset: int  # the disk's first byte in the blob
     size: int
     chunk_size: int
-    chunks: tuple[str, ...]  # sha256 hex per chunk
+    chunks: tuple[str, ...] | None  # sha256 hex per chunk's uncompressed bytes (v1, and v2 TOCs written before memberDigests)
     members: tuple[tuple[int, int], ...] | None = None  # version 2: each chunk's gzip member (offset, length) in the blob
     files: tuple[tuple[str, str], ...] = ()  # (path, sha256 hex) of the layer's other regular files: kernelBoot artifacts
+    member_digests: tuple[str, ...] | None = None  # version 2: sha256 hex per chunk's gzip member as stored in the blob
 
     @property
     def version(self) -> int:
@@ -92,7 +100,7 @@ class Toc:
 
     @property
     def count(self) -> int:
-        return len(self.chunks)
+        return len(self.chunks if self.member_digests is None else self.member_digests)
 
     def chunk_range(self, index: int) -> tuple[int, int]:
         """Disk byte range [start, end) of chunk `index`."""
@@ -101,7 +109,11 @@ class Toc:
 
     def render(self) -> bytes:
         obj = {"version": self.version, "disk": self.disk, "offset": self.offset, "size": self.size,
-               "chunkSize": self.chunk_size, "chunks": list(self.chunks)}
+               "chunkSize": self.chunk_size}
+        if self.chunks is not None:
+            obj["chunks"] = list(self.chunks)
+        if self.member_digests is not None:
+            obj["memberDigests"] = list(self.member_digests)
         if self.members is not None:
             obj["members"] = [list(m) for m in self.members]
         if self.files:
@@ -179,10 +191,17 @@ def parse(data: bytes, loc: TocLocation, where: str, expected: int = VERSION) ->
         if members is not None:
             members = tuple((int(o), int(n)) for o, n in members)
         files = tuple(sorted((str(k), str(v)) for k, v in (obj.get("files") or {}).items()))
-        toc = Toc(str(obj["disk"]), int(obj["offset"]), int(obj["size"]), int(obj["chunkSize"]), tuple(obj["chunks"]), members, files)
+        chunks, member_digests = obj.get("chunks"), obj.get("memberDigests")
+        if (chunks is None) == (member_digests is None):
+            raise DiskkitError(where, "lazy TOC must pin its chunks with exactly one of chunks (uncompressed) and memberDigests (gzip members)")
+        toc = Toc(str(obj["disk"]), int(obj["offset"]), int(obj["size"]), int(obj["chunkSize"]),
+                  tuple(map(str, chunks)) if chunks is not None else None, members, files,
+                  tuple(map(str, member_digests)) if member_digests is not None else None)
         version = obj.get("version")
     except (ValueError, KeyError, TypeError, AttributeError):
         raise DiskkitError(where, "lazy TOC is not the JSON object diskkit writes") from None
+    if toc.member_digests is not None and toc.members is None:
+        raise DiskkitError(where, "lazy TOC pins gzip members (memberDigests) but lists none (members)")
     if version != expected or toc.version != expected:
         raise DiskkitError(where, f"lazy TOC version {version!r} is not supported in this layer (expected {expected})")
     if toc.chunk_size < 4096 or toc.chunk_size % 4096:
@@ -193,7 +212,7 @@ def parse(data: bytes, loc: TocLocation, where: str, expected: int = VERSION) ->
         _check_members(toc, loc, where)
     elif toc.offset <= 0 or toc.offset + toc.size > loc.offset:
         raise DiskkitError(where, "lazy TOC places the disk outside the blob or over the TOC itself")
-    if any(len(c) != 64 for c in toc.chunks) or any(len(d) != 64 for _, d in toc.files):
+    if any(len(c) != 64 for c in toc.chunks or toc.member_digests) or any(len(d) != 64 for _, d in toc.files):
         raise DiskkitError(where, "lazy TOC chunk and file digests must be sha256 hex")
     return toc
 

@@ -18,7 +18,8 @@ from diskkit.disk.containerdisk import (
 )
 from diskkit.errors import DiskkitError
 from diskkit.layers import lazytoc
-from diskkit.layers.imagefs import extract_one, walk
+from diskkit.layers.imagefs import Spooled, extract_one, walk
+from diskkit.layers.lazycheck import MemberCheck
 from diskkit.oci.image import Image, Platform
 from diskkit.oci.reference import parse_ref
 from diskkit.registry.options import RegistryOptions
@@ -61,8 +62,7 @@ class Report:
         return not self.problems
 
 
-def scan(ref: str, platform: Platform | None, path: str | None, spool: Path, head_limit: int | None, registry: RegistryOptions | None,
-         kept: dict[str, Path] | None = None):
+def scan(ref: str, platform: Platform | None, path: str | None, spool: Path, head_limit: int | None, registry: RegistryOptions | None):
     """Stream the image once: the tree, where the disk is, and the disk spooled (sparse) into `spool`.
 
     With `head_limit` only that many bytes of each candidate are kept (enough to read a header).
@@ -71,19 +71,19 @@ def scan(ref: str, platform: Platform | None, path: str | None, spool: Path, hea
         image = source.image(platform)
         if path is None and head_limit:
             path = (image.manifest.get("annotations") or {}).get(ANNOTATION_PATH)
-        return (image, *scan_image(source, image, path, spool, head_limit, kept=kept))
+        return (image, *scan_image(source, image, path, spool, head_limit))
 
 
 def scan_image(source: Source, image: Image, path: str | None, spool: Path, head_limit: int | None = None, allow_root_file: bool = False,
-               kept: dict[str, Path] | None = None):
+               kept: dict[str, Spooled] | None = None, keep: frozenset[str] = frozenset(), taps: dict | None = None):
     """The tree, the located disk and its spooled file (None when it is missing or only partly kept).
 
-    With `kept`, the lazy TOC member is spooled too and its file put there."""
+    With `kept`, the files at `keep` are spooled too and put there; `taps` as imagefs.walk's."""
     disk_candidate = wanted(path, allow_root_file)
-    want = disk_candidate if kept is None else (lambda p: disk_candidate(p) or p == lazytoc.TOC_MEMBER)
-    tree, spooled = walk(source, image, want, spool, head_limit)
-    if kept is not None and lazytoc.TOC_MEMBER in spooled and spooled[lazytoc.TOC_MEMBER].complete:
-        kept[lazytoc.TOC_MEMBER] = spooled[lazytoc.TOC_MEMBER].path
+    want = disk_candidate if not keep else (lambda p: disk_candidate(p) or p in keep)
+    tree, spooled = walk(source, image, want, spool, head_limit, taps=taps)
+    if kept is not None:
+        kept.update({p: spooled[p] for p in keep if p in spooled and spooled[p].complete})
     found = locate(tree, path, allow_root_file=allow_root_file)
     disk_file = None
     if found.node is not None:
@@ -102,8 +102,15 @@ def verify(ref: str, path: str | None = None, platform: Platform | None = None, 
     spool = Path(tempfile.mkdtemp(prefix="diskkit-verify-"))
     try:
         try:
-            kept: dict[str, Path] = {}
-            image, tree, found, disk_file = scan(ref, platform, path, spool, None, registry, kept)
+            kept: dict[str, Spooled] = {}
+            with open_source(ref, registry) as source:
+                image = source.image(platform)
+                tocs = stored_tocs(source, image, report.problems)
+                # Each chunk's member is checked against its pin as the blob streams through: one read of it.
+                taps = {i: (lambda raw, toc=toc, i=i: MemberCheck(raw, toc, _where(image, i)))
+                        for i, toc in tocs.items() if toc is not None and toc.member_digests is not None}
+                keep = frozenset({lazytoc.TOC_MEMBER}.union(*(dict(t.files) for t in tocs.values() if t is not None)))
+                tree, found, disk_file = scan_image(source, image, path, spool, kept=kept, keep=keep, taps=taps)
         except DiskkitError as exc:
             # Problems are printed after the reference already: naming it again says nothing.
             report.problems.append(exc.rule if exc.subject in _names(ref) else exc.line())
@@ -113,37 +120,81 @@ def verify(ref: str, path: str | None = None, platform: Platform | None = None, 
         fill(report.disk, found)
         if disk_file is not None:
             report.problems += disk_problems(disk_file, found.shown, report.disk)
-            report.problems += toc_problems(image, kept.get(lazytoc.TOC_MEMBER), disk_file, found.node.path)
+            report.problems += toc_problems(image, tocs, kept, disk_file, found.node.path)
         return report
     finally:
         shutil.rmtree(spool, ignore_errors=True)
 
 
-def toc_problems(image: Image, toc_file: Path | None, disk_file: Path, member: str) -> list[str]:
-    """A lazy image's TOC against the layer as unpacked: pinned by the annotations, and describing
-    the disk that is really there, chunk by chunk (a lazy reader trusts it for every byte it serves)."""
-    problems: list[str] = []
+def _where(image: Image, index: int) -> str:
+    return f"layer {index} ({image.layers[index].digest[:19]})"
+
+
+def stored_tocs(source: Source, image: Image, problems: list[str]) -> dict[int, lazytoc.Toc | None]:
+    """The TOCs of lazy layers, read where their annotations point in the blob (as a lazy reader
+    reads them) before the blob streams; None (and a problem) for one that cannot be read there."""
+    tocs: dict[int, lazytoc.Toc | None] = {}
     for index, layer in enumerate(image.layers):
-        where = f"layer {index} ({layer.digest[:19]})"
+        where = _where(image, index)
+        version = lazytoc.version_for(layer.media_type)
         try:
             loc = lazytoc.location(layer, where)
             if loc is None:
                 continue
+            stored = lazytoc.read_stored(source.read_range(layer, loc.offset, loc.size), version, where)
+            tocs[index] = lazytoc.parse(stored, loc, where, version)
+        except DiskkitError as exc:
+            problems.append(exc.line())
+            tocs[index] = None
+    return tocs
+
+
+def toc_problems(image: Image, tocs: dict[int, lazytoc.Toc | None], kept: dict[str, Spooled], disk_file: Path, member: str) -> list[str]:
+    """A lazy image's TOC against the layer as unpacked: pinned by the annotations, and describing
+    the disk and the files that are really there (a lazy reader trusts it for every byte it serves).
+    Member pins were checked as the blob streamed (MemberCheck); uncompressed chunk pins are checked here."""
+    problems: list[str] = []
+    size = disk_file.stat().st_size
+    for index, layer in enumerate(image.layers):
+        where = _where(image, index)
+        if index in tocs and tocs[index] is None:
+            continue  # its TOC could not be read where the annotations say: reported already
+        try:
+            loc = lazytoc.location(layer, where)
+            if loc is None:
+                continue
+            toc_file = kept.get(lazytoc.TOC_MEMBER)
             if toc_file is None:
                 problems.append(f"{where}: its annotations pin a lazy TOC, but the layer holds no /{lazytoc.TOC_MEMBER}")
                 continue
-            toc = lazytoc.parse(toc_file.read_bytes(), loc, where, lazytoc.version_for(layer.media_type))
+            toc = lazytoc.parse(toc_file.path.read_bytes(), loc, where, lazytoc.version_for(layer.media_type))
         except DiskkitError as exc:
             problems.append(exc.line())
             continue
-        if (toc.disk, toc.size) != (member, disk_file.stat().st_size):
-            problems.append(f"{where}: the lazy TOC describes /{toc.disk} ({toc.size} bytes), not the disk /{member} ({disk_file.stat().st_size} bytes)")
+        if (toc.disk, toc.size) != (member, size):
+            problems.append(f"{where}: the lazy TOC describes /{toc.disk} ({toc.size} bytes), not the disk /{member} ({size} bytes)")
             continue
         with open(disk_file, "rb") as f:
-            for chunk, digest in enumerate(toc.chunks):
+            for chunk, digest in enumerate(toc.chunks or ()):
                 if hashlib.sha256(f.read(toc.chunk_size)).hexdigest() != digest:
                     problems.append(f"{where}: the lazy TOC's digest of chunk {chunk} does not match /{member}")
                     break
+        problems += _file_problems(toc, index, kept, where)
+    return problems
+
+
+def _file_problems(toc: lazytoc.Toc, index: int, kept: dict[str, Spooled], where: str) -> list[str]:
+    """The TOC's `files` (kernelBoot's kernel and initrd, which a lazy reader takes on their word)."""
+    problems = []
+    for path, digest in toc.files:
+        spooled = kept.get(path)
+        if spooled is None or spooled.node.layer != index:
+            problems.append(f"{where}: the lazy TOC's files list /{path}, which is not a regular file of this layer")
+            continue
+        with open(spooled.path, "rb") as f:
+            got = hashlib.file_digest(f, "sha256").hexdigest()
+        if got != digest:
+            problems.append(f"{where}: /{path} does not match its digest in the lazy TOC's files")
     return problems
 
 

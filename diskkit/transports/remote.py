@@ -19,6 +19,7 @@ from diskkit.registry.client import (
     Registry,
     ResumableBlob,
     check_status,
+    get_blob,
     retry_after,
     scope,
 )
@@ -104,6 +105,14 @@ class RemoteSource(Source):
 
     def open_blob(self, desc: Descriptor) -> BinaryIO:
         return ResumableBlob(self.registry, self.name.repository, desc.digest, desc.size, self.partial_dir)
+
+    def read_range(self, desc: Descriptor, offset: int, size: int) -> bytes:
+        response = get_blob(self.registry, self.name.repository, desc.digest, offset, offset + size - 1)
+        with response:
+            data = response.raw.read(size)
+        if len(data) != size:
+            raise DiskkitError(self.where, f"blob {desc.digest[:19]} ends before byte {offset + size}")
+        return data
 
     @contextlib.contextmanager
     def blob(self, desc: Descriptor) -> Iterator[ReadAhead]:

@@ -8,7 +8,9 @@ file in the node cache and is marked in a bitmap that is persisted after the dat
 restarted server resumes where it stopped.
 
 Integrity: with a TOC every chunk is checked against its digest before anyone can read it, and a
-chunk that fails is fetched again. Without one (a plain uncompressed layer) chunks are served as
+chunk that fails is fetched again. A v2 TOC pins each chunk's gzip member as stored (memberDigests):
+the member's bytes are checked before they are inflated, then its inflated length; TOCs written
+before that pin the uncompressed chunk, checked once inflated. Without one (a plain uncompressed layer) chunks are served as
 they arrive, unless `strict`, in which case reads wait for the whole blob. Either way, once every
 chunk is here the blob digest is recomputed from the file and the layer's other bytes; only then
 is the export marked verified and the file moved into the cache's extracted-disk store, where
@@ -198,6 +200,12 @@ class Layout:
     chunks: tuple[str, ...] | None  # sha256 per chunk from the TOC; None: only the blob digest checks
     members: tuple[tuple[int, int], ...] | None = None  # v2: each chunk's gzip member in the blob; `offset` is then in the tar
     diff_id: str | None = None  # v2: the config's diffID, checked once the disk is complete (v1: the blob is its own)
+    member_digests: tuple[str, ...] | None = None  # v2: sha256 per chunk's gzip member as stored; then `chunks` is None
+
+    @property
+    def pinned(self) -> bool:
+        """Each chunk has a digest of its own in the TOC, checked before it is served."""
+        return self.chunks is not None or self.member_digests is not None
 
     @property
     def name(self) -> str:
@@ -223,13 +231,15 @@ class Layout:
 
     def to_json(self) -> dict:
         return {**asdict(self), "chunks": list(self.chunks) if self.chunks is not None else None,
-                "members": [list(m) for m in self.members] if self.members is not None else None}
+                "members": [list(m) for m in self.members] if self.members is not None else None,
+                "member_digests": list(self.member_digests) if self.member_digests is not None else None}
 
     @classmethod
     def from_json(cls, obj: dict) -> "Layout":
-        chunks, members = obj.get("chunks"), obj.get("members")
+        chunks, members, pins = obj.get("chunks"), obj.get("members"), obj.get("member_digests")
         return cls(**{**obj, "chunks": tuple(chunks) if chunks is not None else None,
-                      "members": tuple((int(o), int(n)) for o, n in members) if members is not None else None})
+                      "members": tuple((int(o), int(n)) for o, n in members) if members is not None else None,
+                      "member_digests": tuple(pins) if pins is not None else None})
 
 
 @dataclass(frozen=True)
@@ -273,14 +283,14 @@ def find_layout(image: Image, ranges_for, registry_host: str, repository: str, p
     where = f"{shown}: layer {layer.digest[:19]}"
     lazy = walked.lazy.get(index)
     toc = walked.tocs.get(index)
-    chunk_size, chunks = lazytoc.chunk_size_for(size), None
+    chunk_size, chunks, pins = lazytoc.chunk_size_for(size), None, None
     if toc is not None:
         if (toc.disk, toc.offset, toc.size) != (member, offset, size):
             raise DiskkitError(where, f"the lazy TOC describes /{toc.disk} at {toc.offset}+{toc.size}, but the layer holds /{member} at {offset}+{size}")
-        chunk_size, chunks = toc.chunk_size, toc.chunks
+        chunk_size, chunks, pins = toc.chunk_size, toc.chunks, toc.member_digests
     v2 = lazy is not None
     layout = Layout(registry_host, repository, layer.digest, layer.size, member, offset, size, chunk_size, chunks,
-                    toc.members if v2 else None, image.diff_ids[index] if v2 else None)
+                    toc.members if v2 else None, image.diff_ids[index] if v2 else None, pins)
     besides = layer.size - (layout.data_end - layout.data_start)
     if besides > imagewalk.MAX_HEAD_TAIL:
         raise NotSeekable(shown, f"its layer holds {besides} bytes besides the disk")
@@ -486,7 +496,7 @@ class LazyDisk:
             raise NbdError(errno.EIO, self.failed)
         if not length:
             return b""
-        if self.opts.strict and self.layout.chunks is None and not self.verified.is_set():
+        if self.opts.strict and not self.layout.pinned and not self.verified.is_set():
             # Without chunk digests nothing is verified before the whole blob is: wait for it.
             if not self.verified.wait(self.opts.fetch_timeout) or self.failed is not None:
                 raise NbdError(errno.EIO, self.failed or "the blob was not verified in time")
@@ -609,13 +619,15 @@ class LazyDisk:
 
     def _chunk(self, view: memoryview, start: int, index: int) -> tuple[bytes | memoryview | None, memoryview | None]:
         """Chunk `index` out of the blob bytes fetched from `start`, and (v2) its member as stored;
-        None for a member that does not inflate to exactly the chunk's length."""
+        None for a member that does not match its pinned digest or inflate to exactly the chunk's length."""
         lay = self.layout
         low, high = lay.chunk_range(index)
         if lay.members is None:
             return view[low + lay.offset - start : high + lay.offset - start], None
         at, length = lay.members[index]
         stored = view[at - start : at - start + length]
+        if lay.member_digests is not None and hashlib.sha256(stored).hexdigest() != lay.member_digests[index]:
+            return None, stored  # never inflated: zlib sees only bytes the TOC vouches for
         try:
             piece = lazytoc.inflate(stored, high - low, f"chunk {index}")
         except DiskkitError:
@@ -735,7 +747,7 @@ class LazyDisk:
 
     def _verification_failed(self, digest: str) -> None:
         log.warning("%s: the assembled blob hashes to %s, not %s", self.name, digest, self.layout.layer)
-        if self.layout.chunks is not None or self.stats.verify_attempts >= VERIFY_ATTEMPTS:
+        if self.layout.pinned or self.stats.verify_attempts >= VERIFY_ATTEMPTS:
             # With a TOC every chunk matched, so the layer itself disagrees with its TOC: nothing to refetch.
             self.failed = f"layer {self.layout.layer[:19]} does not match its content (hashes to {digest[:19]})"
             self.verified.set()  # wakes strict readers, who then see `failed`
@@ -804,7 +816,7 @@ class LazyDisk:
             "chunkSize": self.layout.chunk_size,
             "chunks": self.layout.count,
             "present": present,
-            "toc": self.layout.chunks is not None,
+            "toc": self.layout.pinned,
             "strict": self.opts.strict,
             "verified": self.verified.is_set() and self.failed is None,
             "installed": str(self.installed) if self.installed else None,
