@@ -32,17 +32,26 @@ def init_if_pid1() -> None:
     if child == 0:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
         return
+    # A handler as well as the mask: the kernel drops a signal an unkillable namespace init leaves at
+    # SIG_DFL whenever it is not blocked, and a SIGTERM from outside the pod was once lost that way
+    # (test_reaper). Caught, it is forwarded whichever way it arrives: sigwaitinfo or the handler.
+    for sig in FORWARDED:
+        signal.signal(sig, lambda signo, _frame: _forward(child, signo))
     os._exit(_serve(child, watched))
+
+
+def _forward(child: int, signo: int) -> None:
+    try:
+        os.kill(child, signo)
+    except ProcessLookupError:
+        pass  # it is exiting; its SIGCHLD follows
 
 
 def _serve(child: int, watched: set[int]) -> int:
     while True:
         info = signal.sigwaitinfo(watched)
         if info.si_signo != signal.SIGCHLD:
-            try:
-                os.kill(child, info.si_signo)
-            except ProcessLookupError:
-                pass  # it is exiting; its SIGCHLD follows
+            _forward(child, info.si_signo)
             continue
         status = _reap(child)
         if status is not None:
