@@ -567,10 +567,15 @@ class LazyDisk:
             if stored is not None:
                 os.pwrite(self.members_fd, stored, lay.members[index][0] - lay.data_start)
             good.append(index)
-        with self.lock:
-            for index in good:
+            # Released at once: a reader waiting for this chunk (the first one of a prefetched run, say)
+            # need not wait for the rest of the run to be inflated and checked.
+            with self.lock:
                 self.present[index] = 1
-            self.dirty = self.dirty or bool(good)
+                self.dirty = True
+                event = self.inflight.pop(index, None)
+            if event is not None:
+                event.set()
+        with self.lock:
             self.stats.fetched_chunks += len(good)
             self.stats.fetched_bytes += len(data)
             self.stats.corrupt_chunks += len(bad)
