@@ -9,14 +9,18 @@ The test guest as a raw disk, once at its own 64 MiB and once padded with pseudo
          (with --node-server the server is already running, untimed, as a node daemon would be)
   full   `launcher run --no-lazy --console VMI` with a fresh cache: the whole layer is pulled,
          verified and extracted before the VM is defined
+  local  the floor: `launcher run --no-lazy --console VMI` of the small image already pulled into
+         the cache (untimed), so the guest boots from a local file: what no lazy boot can beat. The
+         guest reads the same bytes of either image before its first line, so the small one stands
+         for both; `full large / local` is the best full/lazy ratio this machine allows
 
 Timed: from the `launcher run` process starting to the guest's first console line on its stdout,
 run as the unprivileged qemu user through libvirt's session daemon (TCG unless KVM makes progress).
 For lazy runs the share of the 4 GiB blob already fetched at that moment is reported too.
 Variants are interleaved, one fresh cache per run, writeback flushed before each; medians printed.
 One untimed boot comes first, so starting libvirt's session daemon is charged to no variant.
-Targets: the 4 GiB image boots lazily within 1.5x of the 64 MiB one, and at least 5x faster than
-a full pull of the 4 GiB image.
+Targets (issue "Lazy images v2"): the 4 GiB image boots lazily within 1.2x of the 64 MiB one, and
+at least 8x faster than a full pull of the 4 GiB image.
 
 Run from the project root, as root (it creates the qemu user's scratch directories):
     .venv/bin/python bench/lazy.py
@@ -47,8 +51,8 @@ MIB = bb.MIB
 ROOT = Path(__file__).resolve().parent.parent
 GUEST = ROOT / "build" / "testguest" / "testguest.qcow2"
 QEMU_UID = 107
-TARGET_SIZE_RATIO = 1.5  # lazy large / lazy small
-TARGET_FULL_RATIO = 5.0  # full large / lazy large
+TARGET_SIZE_RATIO = 1.2  # lazy large / lazy small
+TARGET_FULL_RATIO = 8.0  # full large / lazy large
 FIRST_LINE_TIMEOUT = 900.0
 
 VMI = """apiVersion: kubevirt.io/v1
@@ -140,9 +144,12 @@ def start_server(scratch: QemuScratch, cache: Path) -> None:
         time.sleep(0.05)
 
 
-def boot_once(scratch: QemuScratch, image: str, lazy: bool, run_id: str, node_server: bool = False) -> dict:
-    """Seconds from `launcher run` to the first console line; then the VM and any server are stopped."""
+def boot_once(scratch: QemuScratch, image: str, lazy: bool, run_id: str, node_server: bool = False, pulled: bool = False) -> dict:
+    """Seconds from `launcher run` to the first console line; then the VM and any server are stopped.
+    With `pulled` the image is pulled into the cache first, before the clock starts."""
     cache = scratch.fresh_cache(f"cache-{run_id}")
+    if pulled:
+        subprocess.run(scratch.command("pull", "--cache-dir", str(cache), "--tls-verify=false", image), check=True, capture_output=True)
     if lazy and node_server:
         start_server(scratch, cache)
     vmi = scratch.root / f"{run_id}.yaml"
@@ -205,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     registry = breg.Registry(workdir)
     scratch = QemuScratch()
     samples: dict[tuple[str, str], list[dict]] = {(mode, label): [] for mode in ("lazy", "full") for label in sizes}
+    samples[("local", "small")] = []
     try:
         images = {}
         for label, disk in disks.items():
@@ -214,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         boot_once(scratch, images["small"], False, "warm-up")
         for i in range(1, args.runs + 1):
             for (mode, label), found in samples.items():
-                sample = boot_once(scratch, images[label], mode == "lazy", f"{mode}-{label}-{i}", args.node_server)
+                sample = boot_once(scratch, images[label], mode == "lazy", f"{mode}-{label}-{i}", args.node_server, pulled=mode == "local")
                 found.append(sample)
                 share = f", {sample['fetched']:.1%} of the blob fetched" if sample["fetched"] is not None else ""
                 log(f"  run {i} {mode:4} {label:5} {sample['seconds']:.2f} s{share}")
@@ -227,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         s["fetched"] is not None for s in samples[("lazy", "large")]) else None
     size_ratio = med[("lazy", "large")] / med[("lazy", "small")]
     full_ratio = med[("full", "large")] / med[("lazy", "large")]
+    floor_ratio = med[("full", "large")] / med[("local", "small")]  # a lazy boot as fast as a local file's
     checks = [
         {"name": f"lazy {args.large_mb} MiB / lazy {args.small_mb} MiB", "value": round(size_ratio, 2), "target": f"<= {TARGET_SIZE_RATIO:g}x", "pass": size_ratio <= TARGET_SIZE_RATIO},
         {"name": f"full / lazy, {args.large_mb} MiB", "value": round(full_ratio, 2), "target": f">= {TARGET_FULL_RATIO:g}x", "pass": full_ratio >= TARGET_FULL_RATIO},
@@ -235,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"tree": bb.use_this_tree(), "cpus": os.cpu_count(), "load_average_before": load_before,
                           "load_average_after": bb.load_average(), "runs": args.runs, "node_server": args.node_server, "sizes_mib": {k: v // MIB for k, v in sizes.items()},
                           "first_line_s": {f"{m}-{l}": round(v, 2) for (m, l), v in med.items()},
-                          "lazy_large_fetched_at_first_line": fetched, "checks": checks}, indent=2))
+                          "lazy_large_fetched_at_first_line": fetched, "floor_full_ratio": round(floor_ratio, 2), "checks": checks}, indent=2))
         return 0
     print(bb.machine_line(load_before))
     server = "the node's disk server already running" if args.node_server else "the disk server started by the run"
@@ -244,11 +253,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'':6} {f'{args.small_mb} MiB':>10} {f'{args.large_mb} MiB':>10}")
     for mode in ("lazy", "full"):
         print(f"{mode:6} {med[(mode, 'small')]:10.2f} {med[(mode, 'large')]:10.2f}")
+    print(f"{'local':6} {med[('local', 'small')]:10.2f} {'':>10}  (already pulled: the guest boots from a file in the cache)")
     if fetched is not None:
         print(f"\nlazy {args.large_mb} MiB: {fetched:.1%} of the blob had arrived when the first line appeared")
     print()
     for c in checks:
         print(f"{c['name']:38} {c['value']:>8}  target {c['target']:7} {'PASS' if c['pass'] else 'MISS'}")
+    print(f"{'floor: full / local':38} {round(floor_ratio, 2):>8}  (the full/lazy ratio of a lazy boot as fast as a local file's)")
     return 0
 
 

@@ -110,10 +110,15 @@ def run(vmi_file, uri, console, wait_for, timeout, platform, lazy, grace_period,
     appears, or at --timeout; Ctrl-C or SIGTERM shuts the guest down (destroyed after --grace-period)
     and removes its overlays.
     """
+    vmi = load_vmi_file(vmi_file, ignore_unsupported, store.objects)
+    if lazy and any(volume.kind == "containerDisk" for volume in vmi.volumes):
+        from launcher.diskserver.client import start_server
+
+        # --lazy will need the node's disk server: started now, its start overlaps the run's own.
+        start_server(Cache(cache_dir), registry)
     from launcher.runtime.vms import RunOptions
     from launcher.runtime.vms import run as do_run
 
-    vmi = load_vmi_file(vmi_file, ignore_unsupported, store.objects)
     opts = RunOptions(uri=uri, platform=platform_of(platform), registry=registry, console=console, wait_for=wait_for, timeout=timeout, storage=store,
                       lazy={None: "auto", True: "on", False: "off"}[lazy], grace_period=grace_period)
     sys.exit(do_run(vmi, Cache(cache_dir), opts, say))

@@ -47,34 +47,61 @@ def _registry_flags(opts: RegistryOptions) -> list[str]:
     return flags  # credentials travel with each request, never on a command line
 
 
-def ensure_server(cache: Cache, registry: RegistryOptions | None = None, idle: float = 30.0) -> Path:
-    """The control socket of the node's server; one is started (detached, exiting when idle) if none answers."""
-    directory = serve_dir(cache)
-    control = socket_path(directory, CONTROL_SOCKET)
+# Servers this process started and has not yet seen answer: `ensure_server` waits for one of these
+# rather than starting another, which would only find the cache taken.
+_starting: dict[Path, subprocess.Popen] = {}
+
+
+def _answers(control: Path) -> bool:
     with contextlib.suppress(OSError, ValueError):
-        if request(control, {"op": "status"}, timeout=5).get("ok"):
-            return control
+        return bool(request(control, {"op": "status"}, timeout=5).get("ok"))
+    return False
+
+
+def start_server(cache: Cache, registry: RegistryOptions | None = None, idle: float = 30.0) -> subprocess.Popen | None:
+    """Start the node's server (detached, exiting when idle) if none answers, without waiting for it:
+    a run that knows it will boot lazily starts it first, and the server's own start (an interpreter,
+    its imports) then overlaps the run's preparation instead of adding to it. The child starting, or
+    None when a server answers already."""
+    directory = serve_dir(cache)
+    if cache.root in _starting:
+        return _starting[cache.root]
+    if _answers(socket_path(directory, CONTROL_SOCKET)):
+        return None
     directory.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "launcher", "serve", "--cache-dir", str(cache.root), "--exit-when-idle", str(idle),
                "--fetch-timeout", str(FETCH_TIMEOUT),
                *_registry_flags(registry or RegistryOptions())]
     with open(directory / "server.log", "ab") as logfile:
-        child = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=logfile, stderr=logfile, start_new_session=True,
-                                 env={**os.environ, "CI": "true"})
+        child = _starting[cache.root] = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=logfile, stderr=logfile,
+                                                         start_new_session=True, env={**os.environ, "CI": "true"})
+    return child
+
+
+def ensure_server(cache: Cache, registry: RegistryOptions | None = None, idle: float = 30.0) -> Path:
+    """The control socket of the node's server; one is started (detached, exiting when idle) if none answers."""
+    directory = serve_dir(cache)
+    control = socket_path(directory, CONTROL_SOCKET)
+    if cache.root not in _starting and _answers(control):
+        return control
+    child = start_server(cache, registry, idle)
+    if child is None:
+        return control  # another launcher's server came up meanwhile
     deadline = time.monotonic() + START_TIMEOUT
     while time.monotonic() < deadline:
-        with contextlib.suppress(OSError, ValueError):
-            if request(control, {"op": "status"}, timeout=5).get("ok"):
-                return control
+        if _answers(control):
+            _starting.pop(cache.root, None)
+            return control
         if child.poll() is not None and child.returncode != 0:
+            _starting.pop(cache.root, None)
             # Lost a race with another launcher's server? Then that one answers shortly.
-            with contextlib.suppress(OSError, ValueError):
-                time.sleep(0.5)
-                if request(control, {"op": "status"}, timeout=5).get("ok"):
-                    return control
+            time.sleep(0.5)
+            if _answers(control):
+                return control
             tail = (directory / "server.log").read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
             raise DiskkitError(directory, f"the disk server did not start: {tail[0]}")
         time.sleep(0.02)  # a VM is waiting on this: poll often, the server takes a fraction of a second
+    _starting.pop(cache.root, None)
     child.send_signal(signal.SIGTERM)
     raise DiskkitError(directory, f"the disk server did not answer within {START_TIMEOUT:g} s")
 

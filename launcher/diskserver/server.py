@@ -75,6 +75,7 @@ log = logging.getLogger("launcher.serve")
 QEMU_GID = 107
 MAX_REQUEST = 1 << 20
 HOLD = 600.0  # an opened export waits this long at most for the VMs announced with it to connect
+SWITCH_INTERVAL = 0.0005
 GRACE = 5.0  # after its last VM disconnected, a server exiting by itself waits this long for another
 
 
@@ -497,6 +498,9 @@ def _header_problems(export) -> list[str]:
 def serve(cache: Cache, opts: ServeOptions) -> None:
     """Run until SIGTERM, Ctrl-C or (with exit_when_idle) idleness."""
     logging.basicConfig(level=logging.INFO, format="launcher serve: %(message)s", stream=sys.stderr, force=True)
+    # A guest's boot is hundreds of small NBD reads in a row, each answered by a thread that must take
+    # the GIL from whichever fetcher holds it: Python's default 5 ms interval would be paid per read.
+    sys.setswitchinterval(SWITCH_INTERVAL)
     DiskServer(cache, opts).run()
 
 

@@ -1,0 +1,75 @@
+"""What the disk server prefetches while a VM boots from a lazy image: the head of the disk at once
+(a boot reads its boot sector, loader, kernel and initrd first), then only a read-ahead past the
+guest's last read; the rest of the disk waits until the boot is over, as it would otherwise take
+the CPU the boot needs (bench/lazy.py measured it). Real registry, real server, qemu-io as the guest."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+
+import pytest
+
+from launcher.diskserver.lazydisk import HEAD_PREFETCH, READ_AHEAD
+from tests.conftest import run, run_diskkit
+from tests.lazyhost import disk_server, export_status, image_toc, open_export, random_disk, wait_for
+
+NOREG = "--tls-verify=false"
+MIB = 1 << 20
+DISK = 96 * MIB  # 1 MiB chunks: 32 in the head, 16 read ahead, the rest held back
+HEAD, AHEAD = HEAD_PREFETCH // MIB, READ_AHEAD // MIB
+QUIET = 3.0  # long enough for two 8 MiB prefetch requests on loopback, far below the server's boot hold
+
+
+@pytest.fixture(scope="module")
+def disk(tmp_path_factory) -> Path:
+    return random_disk(tmp_path_factory.mktemp("prefetch") / "disk-96m.img", DISK, seed=7)
+
+
+@pytest.fixture(scope="module")
+def image(registry, disk) -> str:
+    ref = f"{registry.host}/prefetch/disk:v2"
+    result = run_diskkit("build", NOREG, "--lazy", disk, "-t", ref)
+    assert result.code == 0, result.err
+    return ref
+
+
+def present_chunks(cache: Path, export: str, count: int) -> list[int]:
+    """The chunks the export's bitmap vouches for (saved once a second, after the data is synced)."""
+    bits = (cache / "lazy" / export / "bitmap").read_bytes()
+    return [i for i in range(count) if bits[i // 8] >> (i % 8) & 1]
+
+
+def settled(cache: Path, export: str, count: int, expected: list[int]) -> list[int]:
+    """The bitmap once it shows `expected`, and still after QUIET seconds (nothing more was fetched)."""
+    wait_for(lambda: present_chunks(cache, export, count) == expected, 60, f"chunks {expected[0]}..{expected[-1]}")
+    time.sleep(QUIET)
+    assert export_status(cache, export)["present"] == len(expected)
+    return present_chunks(cache, export, count)
+
+
+def test_a_booting_vm_gets_the_head_and_read_ahead_and_the_rest_waits(tmp_path, registry, image, disk):
+    assert DISK // MIB > HEAD + AHEAD + 8  # room for chunks that must not arrive
+    toc = image_toc(registry, image)
+    count = len(toc["chunks"])
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with disk_server(cache):
+        answer = open_export(cache, image)  # a VM is announced: its boot is about to read the head
+        export = answer["export"]
+        head = list(range(HEAD))
+        assert settled(cache, export, count, head) == head
+        # The head is the disk's own bytes, each chunk as the TOC names it.
+        stored = (cache / "lazy" / export / "disk.img").read_bytes()
+        for index in head:
+            assert hashlib.sha256(stored[index * MIB : (index + 1) * MIB]).hexdigest() == toc["chunks"][index]
+        assert stored[: HEAD * MIB] == disk.read_bytes()[: HEAD * MIB]
+
+        # The guest reads past the head: that chunk on demand, the next READ_AHEAD prefetched, no more.
+        at = 60
+        demanded = export_status(cache, export)["stats"]["demand_fetches"]
+        run("qemu-io", "-r", "-f", "raw", "-c", f"read {at * MIB} 512", answer["url"])
+        ahead = head + list(range(at, at + 1 + AHEAD))
+        assert settled(cache, export, count, ahead) == ahead
+        assert export_status(cache, export)["stats"]["demand_fetches"] == demanded + 1
