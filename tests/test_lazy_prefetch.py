@@ -5,7 +5,6 @@ the CPU the boot needs (bench/lazy.py measured it). Real registry, real server, 
 
 from __future__ import annotations
 
-import hashlib
 import time
 from pathlib import Path
 
@@ -52,7 +51,7 @@ def settled(cache: Path, export: str, count: int, expected: list[int]) -> list[i
 def test_a_booting_vm_gets_the_head_and_read_ahead_and_the_rest_waits(tmp_path, registry, image, disk):
     assert DISK // MIB > HEAD + AHEAD + 8  # room for chunks that must not arrive
     toc = image_toc(registry, image)
-    count = len(toc["chunks"])
+    count = len(toc["memberDigests"])
     cache = tmp_path / "cache"
     cache.mkdir()
     with disk_server(cache):
@@ -60,10 +59,8 @@ def test_a_booting_vm_gets_the_head_and_read_ahead_and_the_rest_waits(tmp_path, 
         export = answer["export"]
         head = list(range(HEAD))
         assert settled(cache, export, count, head) == head
-        # The head is the disk's own bytes, each chunk as the TOC names it.
+        # The head is the disk's own bytes (each chunk's member was checked against the TOC on arrival).
         stored = (cache / "lazy" / export / "disk.img").read_bytes()
-        for index in head:
-            assert hashlib.sha256(stored[index * MIB : (index + 1) * MIB]).hexdigest() == toc["chunks"][index]
         assert stored[: HEAD * MIB] == disk.read_bytes()[: HEAD * MIB]
 
         # The guest reads past the head: that chunk on demand, the next READ_AHEAD prefetched, no more.
