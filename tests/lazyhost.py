@@ -20,7 +20,7 @@ from typing import Iterator
 import requests
 
 from launcher.diskserver.control import request
-from tests.conftest import launcher_command, run
+from tests.conftest import launcher_command, run, run_diskkit
 from tests.procs import terminate
 
 QEMU_UID = 107
@@ -34,6 +34,13 @@ def open_export(cache: Path, ref: str, path: str | None = None) -> dict:
     answer = control(cache, {"op": "open", "image": ref, "path": path, "registry": {"tls_verify": False, "retries": 8, "backoff": 0.2}})
     assert answer.get("ok"), answer
     return answer
+
+
+def build_lazy_image(disk: Path, ref: str) -> str:
+    """`disk` built as a lazy image and pushed to `ref` (a loopback registry over plain HTTP)."""
+    result = run_diskkit("build", "--tls-verify=false", "--lazy", disk, "-t", ref)
+    assert result.code == 0, result.err
+    return ref
 
 
 def image_toc(registry, ref: str) -> dict:

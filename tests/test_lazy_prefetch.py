@@ -11,10 +11,17 @@ from pathlib import Path
 import pytest
 
 from launcher.diskserver.lazydisk import HEAD_PREFETCH, READ_AHEAD
-from tests.conftest import run, run_diskkit
-from tests.lazyhost import disk_server, export_status, image_toc, open_export, random_disk, wait_for
+from tests.conftest import run
+from tests.lazyhost import (
+    build_lazy_image,
+    disk_server,
+    export_status,
+    image_toc,
+    open_export,
+    random_disk,
+    wait_for,
+)
 
-NOREG = "--tls-verify=false"
 MIB = 1 << 20
 DISK = 96 * MIB  # 1 MiB chunks: 32 in the head, 16 read ahead, the rest held back
 HEAD, AHEAD = HEAD_PREFETCH // MIB, READ_AHEAD // MIB
@@ -28,10 +35,7 @@ def disk(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def image(registry, disk) -> str:
-    ref = f"{registry.host}/prefetch/disk:v2"
-    result = run_diskkit("build", NOREG, "--lazy", disk, "-t", ref)
-    assert result.code == 0, result.err
-    return ref
+    return build_lazy_image(disk, f"{registry.host}/prefetch/disk:v2")
 
 
 def present_chunks(cache: Path, export: str, count: int) -> list[int]:

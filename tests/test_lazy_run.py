@@ -19,6 +19,7 @@ from tests.distribution import start_registry
 from tests.faultproxy import Fault
 from tests.lazyhost import (
     QEMU_UID,
+    build_lazy_image,
     control,
     disk_server,
     first_chunk_at,
@@ -43,10 +44,7 @@ def lazy_registry(tmp_path_factory):
 
 def push_padded(registry, root: Path, tag: str, seed: int) -> tuple[str, Path]:
     disk = padded_guest(ensure_testguest() / "testguest.qcow2", root / f"padded-{tag}.img", PADDED, seed)
-    ref = f"{registry.host}/lazy/guest:{tag}"
-    result = run_diskkit("build", NOREG, "--lazy", disk, "-t", ref)
-    assert result.code == 0, result.err
-    return ref, disk
+    return build_lazy_image(disk, f"{registry.host}/lazy/guest:{tag}"), disk
 
 
 @pytest.fixture(scope="module")

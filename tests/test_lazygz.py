@@ -24,6 +24,7 @@ from tests.conftest import run, run_diskkit, run_launcher
 from tests.engines import podman_env
 from tests.faultproxy import Fault
 from tests.lazyhost import (
+    build_lazy_image,
     control,
     disk_server,
     export_status,
@@ -261,10 +262,7 @@ def test_peers_unpack_the_v2_layer_byte_identical(tmp_path, layout, disk, regist
 
 @pytest.fixture(scope="module")
 def remote(registry, disk) -> str:
-    ref = f"{registry.host}/lazygz/guest:v2"
-    result = run_diskkit("build", NOREG, "--lazy", disk, "-t", ref)
-    assert result.code == 0, result.err
-    return ref
+    return build_lazy_image(disk, f"{registry.host}/lazygz/guest:v2")
 
 
 def test_served_chunk_by_chunk_then_installed_without_a_second_fetch(tmp_path, registry, remote, disk):
