@@ -177,6 +177,22 @@ def test_boots_lazily_from_a_two_layer_image(tmp_path, qemu_user, registry):
     assert_clean(qemu_user, "default_layers-two")
 
 
+def kernel_boot_lazily(qemu_user, name: str, ref: str, path: str | None = None):
+    """Boot `ref`'s disk and its kernelBoot kernel and initrd through a node server prefetching almost
+    nothing; the run's result and the one export, as the server listed it while the VM ran."""
+    firmware = {"kernelBoot": {"kernelArgs": KERNEL_CMDLINE,
+                               "container": {"image": ref, "kernelPath": "/boot/vmlinuz", "initrdPath": "/boot/initrd.img"}}}
+    with disk_server(qemu_user.cache, "--prefetch-rate", "1K", user=QEMU_UID, env=qemu_user.env):
+        vmi = qemu_user.write_vmi(name, ref, path=path, domain={"firmware": firmware})
+        result = qemu_user.launcher("run", NOREG, "--lazy", "--console", "--timeout", "300", vmi)
+        assert result.code == 0, result.err
+        console = parse_console(result.out)
+        assert console["done"] and console["disks"]["vda"]["size"] == GUEST_SIZE, result.out
+        (export,) = control(qemu_user.cache, {"op": "status"})["exports"]
+        assert export["present"] < export["chunks"], export  # the disk's layer read only where the guest read
+    return result, export
+
+
 def test_kernel_boot_and_a_custom_path_from_a_three_layer_lazy_image(tmp_path, qemu_user, registry, fault_proxy):
     """containerDisk.path names the disk `diskkit build --path` put elsewhere; kernelBoot's kernel and
     initrd come from a layer above it, read whole and verified, while the disk's layer is only
@@ -187,18 +203,9 @@ def test_kernel_boot_and_a_custom_path_from_a_three_layer_lazy_image(tmp_path, q
     lazy_layer, kernel_blob, _ = (layer for layer in manifest(layout, "three")["layers"])
     proxy = fault_proxy(registry)
     ref = push(layout, "three", f"{registry.host}/layers/boot:three").replace(registry.host, proxy.host)
-    firmware = {"kernelBoot": {"kernelArgs": KERNEL_CMDLINE,
-                               "container": {"image": ref, "kernelPath": "/boot/vmlinuz", "initrdPath": "/boot/initrd.img"}}}
     cache = qemu_user.cache
-    with disk_server(cache, "--prefetch-rate", "1K", user=QEMU_UID, env=qemu_user.env):
-        vmi = qemu_user.write_vmi("layers-kb", ref, path="/images/vm/guest.qcow2", domain={"firmware": firmware})
-        result = qemu_user.launcher("run", NOREG, "--lazy", "--console", "--timeout", "300", vmi)
-        assert result.code == 0, result.err
-        console = parse_console(result.out)
-        assert console["done"] and console["disks"]["vda"]["size"] == GUEST_SIZE, result.out
-        (export,) = control(cache, {"op": "status"})["exports"]
-        assert export["layer"] == lazy_layer["digest"] and export["member"] == "images/vm/guest.qcow2"
-        assert export["present"] < export["chunks"], export
+    _, export = kernel_boot_lazily(qemu_user, "layers-kb", ref, path="/images/vm/guest.qcow2")
+    assert export["layer"] == lazy_layer["digest"] and export["member"] == "images/vm/guest.qcow2"
     fetched = proxy.sent[f"/v2/layers/boot/blobs/{lazy_layer['digest']}"]
     assert fetched < lazy_layer["size"] // 2, (fetched, lazy_layer["size"])
     # Read whole once by the server, for the disk (its headers are part of the image's filesystem), and
@@ -223,18 +230,9 @@ def test_kernel_boot_from_the_lazy_layer_itself(tmp_path, qemu_user, registry, f
                             "boot/initrd.img": hashlib.sha256((guest / "initrd.img").read_bytes()).hexdigest()}
     proxy = fault_proxy(registry)
     ref = push(layout, "base", f"{registry.host}/layers/boot:inlayer").replace(registry.host, proxy.host)
-    firmware = {"kernelBoot": {"kernelArgs": KERNEL_CMDLINE,
-                               "container": {"image": ref, "kernelPath": "/boot/vmlinuz", "initrdPath": "/boot/initrd.img"}}}
     cache = qemu_user.cache
-    with disk_server(cache, "--prefetch-rate", "1K", user=QEMU_UID, env=qemu_user.env):
-        vmi = qemu_user.write_vmi("layers-inlayer", ref, domain={"firmware": firmware})
-        result = qemu_user.launcher("run", NOREG, "--lazy", "--console", "--timeout", "300", vmi)
-        assert result.code == 0, result.err
-        assert "pulling it whole" not in result.err, result.err
-        console = parse_console(result.out)
-        assert console["done"] and console["disks"]["vda"]["size"] == GUEST_SIZE, result.out
-        (export,) = control(cache, {"op": "status"})["exports"]
-        assert export["present"] < export["chunks"], export
+    result, export = kernel_boot_lazily(qemu_user, "layers-inlayer", ref)
+    assert "pulling it whole" not in result.err, result.err
     # The head and tail (kernel, initrd, headers) travel once: the server takes the files out of the
     # export's copy. The TOC twice (it is read per request); of the disk's members only those the guest read.
     first, end = toc["members"][0][0], sum(toc["members"][-1])
