@@ -4,7 +4,7 @@ never starting a second (which would only find the cache taken). Real server pro
 
 from __future__ import annotations
 
-from launcher.diskserver.client import ensure_server, start_server
+from launcher.diskserver.spawn import ensure_server, start_server
 from launcher.diskserver.control import request
 from launcher.node.cache import Cache
 from tests.procs import terminate

@@ -9,6 +9,7 @@ import os
 import socket
 import struct
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -18,16 +19,32 @@ from tests.conftest import run
 from tests.lazyhost import random_disk, wait_for
 
 
+HERE = 4 << 20  # the bytes before this are "here": read_ready has them; the rest come through read
+BAD_SECTORS = ((1 << 20) + 512, (7 << 20) + 512)  # one in each part, as only a read starting right there sees it
+
+
 class FileExport:
     def __init__(self, name: str, path: Path):
         self.name, self.description = name, f"file {path.name}"
         self.fd = os.open(path, os.O_RDONLY)
         self.size = os.fstat(self.fd).st_size
-        self.reads = 0
+        self.reads = self.ready_reads = 0
+        self.arrived = threading.Event()  # what read() waits for, as a lazy export waits for its registry
+        self.arrived.set()
+
+    def read_ready(self, offset: int, length: int) -> bytes | None:
+        if offset + length > HERE:
+            return None
+        self.ready_reads += 1
+        return self._pread(offset, length)
 
     def read(self, offset: int, length: int) -> bytes:
         self.reads += 1
-        if offset == (7 << 20) + 512:  # a bad sector, as only a read starting right there sees it
+        self.arrived.wait(30)
+        return self._pread(offset, length)
+
+    def _pread(self, offset: int, length: int) -> bytes:
+        if offset in BAD_SECTORS:
             raise nbd.NbdError(errno.EIO, "a bad sector")
         return os.pread(self.fd, length, offset)
 
@@ -79,9 +96,11 @@ def test_real_clients_read_the_export(served, tmp_path):
 
 
 def test_errors_reach_the_client(served):
-    server, _, _ = served
-    bad = subprocess.run(["qemu-io", "-r", "-f", "raw", "-c", f"read {(7 << 20) + 512} 4096", url(server)], capture_output=True, text=True)
-    assert "Input/output error" in bad.stdout + bad.stderr
+    server, export, _ = served
+    for sector in BAD_SECTORS:  # answered on the connection's thread, then by the pool
+        bad = subprocess.run(["qemu-io", "-r", "-f", "raw", "-c", f"read {sector} 4096", url(server)], capture_output=True, text=True)
+        assert "Input/output error" in bad.stdout + bad.stderr, sector
+    assert export.ready_reads and export.reads
     missing = subprocess.run(["nbdinfo", url(server, "nope")], capture_output=True, text=True)
     assert missing.returncode != 0 and "No such file or directory for export: nope" in missing.stderr  # NBD_REP_ERR_UNKNOWN
 
@@ -142,3 +161,23 @@ def test_old_style_export_name_writes_and_bounds(served):
     with _handshake(server.path, 1 << 5) as sock:  # a flag the server never offered
         assert sock.recv(1) == b""
     wait_for(lambda: server.connections == 0, 10, "every connection to be let go")
+
+
+def test_reads_of_bytes_here_pass_reads_that_wait(served):
+    """A read whose bytes are here is answered at once, on the connection's thread, even while an
+    earlier read on the same connection waits for its bytes; that one's reply follows when they come."""
+    server, export, disk = served
+    data = disk.read_bytes()
+    export.arrived.clear()
+    with _handshake(server.path) as sock:
+        _option(sock, nbd.OPT_EXPORT_NAME, b"disk")
+        nbd._recv_exact(sock, 10)
+        sock.sendall(struct.pack(">IHHQQI", nbd.REQUEST_MAGIC, 0, nbd.CMD_READ, 1, 6 << 20, 4096))  # waits
+        for cookie in (2, 3):
+            assert _request(sock, nbd.CMD_READ, cookie, cookie << 20, 4096) == (0, cookie)
+            assert nbd._recv_exact(sock, 4096) == data[cookie << 20 : (cookie << 20) + 4096]
+        assert (export.ready_reads, export.reads) == (2, 1)
+        export.arrived.set()
+        magic, error, cookie = struct.unpack(">IIQ", nbd._recv_exact(sock, 16))
+        assert (magic, error, cookie) == (nbd.SIMPLE_REPLY_MAGIC, 0, 1)
+        assert nbd._recv_exact(sock, 4096) == data[6 << 20 : (6 << 20) + 4096]

@@ -112,7 +112,7 @@ def run(vmi_file, uri, console, wait_for, timeout, platform, lazy, grace_period,
     """
     vmi = load_vmi_file(vmi_file, ignore_unsupported, store.objects)
     if lazy and any(volume.kind == "containerDisk" for volume in vmi.volumes):
-        from launcher.diskserver.client import start_server
+        from launcher.diskserver.spawn import start_server
 
         # --lazy will need the node's disk server: started now, its start overlaps the run's own.
         start_server(Cache(cache_dir), registry)

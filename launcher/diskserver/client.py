@@ -1,17 +1,8 @@
-"""How `launcher run` uses the node's disk server: find it or start one, and have it export an image.
-
-The server is started detached (its own session, exiting when idle) so it outlives the run that
-started it and serves every later VM on the node.
-"""
+"""How `launcher run` uses the node's disk server (found or started by launcher.diskserver.spawn):
+have it export an image's disk, or take kernelBoot files out of one."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import subprocess
-import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -25,85 +16,9 @@ from diskkit.registry import registriesconf
 from diskkit.registry.options import RegistryOptions
 from diskkit.transports import open_source
 from launcher.diskserver.control import CONTROL_SOCKET, request, serve_dir, socket_path
+from launcher.diskserver.spawn import ensure_server
 from launcher.node.cache import Cache
 from launcher.node.pull import Pulled, cached
-
-START_TIMEOUT = 30.0
-FETCH_TIMEOUT = 30.0  # a spawned server's reads fail after this: the VM pauses and its launcher resumes it
-
-
-def _registry_flags(opts: RegistryOptions) -> list[str]:
-    flags = [f"--retry-times={opts.retries}", f"--retry-delay={opts.backoff}"]
-    if opts.tls_verify is not None:  # unset stays unset: registries.conf decides in the server too
-        flags.append(f"--tls-verify={'true' if opts.tls_verify else 'false'}")
-    if opts.cert_dir:
-        flags.append(f"--cert-dir={opts.cert_dir}")
-    if opts.authfile:
-        flags.append(f"--authfile={opts.authfile}")
-    if opts.signature_policy:
-        flags.append(f"--signature-policy={opts.signature_policy}")
-    if opts.registries_d:
-        flags.append(f"--registries.d={opts.registries_d}")
-    return flags  # credentials travel with each request, never on a command line
-
-
-# Servers this process started and has not yet seen answer: `ensure_server` waits for one of these
-# rather than starting another, which would only find the cache taken.
-_starting: dict[Path, subprocess.Popen] = {}
-
-
-def _answers(control: Path) -> bool:
-    with contextlib.suppress(OSError, ValueError):
-        return bool(request(control, {"op": "status"}, timeout=5).get("ok"))
-    return False
-
-
-def start_server(cache: Cache, registry: RegistryOptions | None = None, idle: float = 30.0) -> subprocess.Popen | None:
-    """Start the node's server (detached, exiting when idle) if none answers, without waiting for it:
-    a run that knows it will boot lazily starts it first, and the server's own start (an interpreter,
-    its imports) then overlaps the run's preparation instead of adding to it. The child starting, or
-    None when a server answers already."""
-    directory = serve_dir(cache)
-    if cache.root in _starting:
-        return _starting[cache.root]
-    if _answers(socket_path(directory, CONTROL_SOCKET)):
-        return None
-    directory.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "launcher", "serve", "--cache-dir", str(cache.root), "--exit-when-idle", str(idle),
-               "--fetch-timeout", str(FETCH_TIMEOUT),
-               *_registry_flags(registry or RegistryOptions())]
-    with open(directory / "server.log", "ab") as logfile:
-        child = _starting[cache.root] = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=logfile, stderr=logfile,
-                                                         start_new_session=True, env={**os.environ, "CI": "true"})
-    return child
-
-
-def ensure_server(cache: Cache, registry: RegistryOptions | None = None, idle: float = 30.0) -> Path:
-    """The control socket of the node's server; one is started (detached, exiting when idle) if none answers."""
-    directory = serve_dir(cache)
-    control = socket_path(directory, CONTROL_SOCKET)
-    if cache.root not in _starting and _answers(control):
-        return control
-    child = start_server(cache, registry, idle)
-    if child is None:
-        return control  # another launcher's server came up meanwhile
-    deadline = time.monotonic() + START_TIMEOUT
-    while time.monotonic() < deadline:
-        if _answers(control):
-            _starting.pop(cache.root, None)
-            return control
-        if child.poll() is not None and child.returncode != 0:
-            _starting.pop(cache.root, None)
-            # Lost a race with another launcher's server? Then that one answers shortly.
-            time.sleep(0.5)
-            if _answers(control):
-                return control
-            tail = (directory / "server.log").read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
-            raise DiskkitError(directory, f"the disk server did not start: {tail[0]}")
-        time.sleep(0.02)  # a VM is waiting on this: poll often, the server takes a fraction of a second
-    _starting.pop(cache.root, None)
-    child.send_signal(signal.SIGTERM)
-    raise DiskkitError(directory, f"the disk server did not answer within {START_TIMEOUT:g} s")
 
 
 @dataclass(frozen=True)
