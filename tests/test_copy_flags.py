@@ -41,7 +41,10 @@ def test_copy_is_push_with_per_side_flags(built, tls_registry, auth_registry, re
     registry: each side's flags apply to that side only, for skopeo and for us."""
     home = built["home"]
     tls_src = f"docker://{tls_registry.host}/flags/x:v1"
-    assert run_diskkit("copy", "--dest-cert-dir", tls_registry.ca_dir, built["single"], tls_src).code == 0
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    assert run_diskkit("copy", "--dest-cert-dir", tls_registry.ca_dir, built["single"], tls_src, env={"TMPDIR": str(tmp)}).code == 0
+    assert not list(tmp.iterdir())  # the CA bundle made for --cert-dir is gone with the process
     creds = f"{auth_registry.username}:{auth_registry.password}"
     for who, dest in (("ours", "ours"), ("skopeo", "theirs")):
         target = f"docker://{auth_registry.host}/flags/{dest}:v1"

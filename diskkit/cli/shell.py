@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import gc
 import functools
 import signal
 import sys
@@ -83,6 +84,9 @@ def run_main(cli: click.Group, prog: str) -> None:
     signal.signal(signal.SIGTERM, _terminate)
     try:
         cli.main(args=skopeo_args(sys.argv[1:]), prog_name=prog, standalone_mode=False)
+        # Everything still alive is freed by exit anyway: frozen, the interpreter's last collections
+        # skip scanning it, 20-25 ms of every command's exit (measured with the registry client loaded).
+        gc.freeze()
     except click.exceptions.Abort:
         click.echo(f"{prog}: interrupted", err=True)
         sys.exit(130)

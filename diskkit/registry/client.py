@@ -10,6 +10,7 @@ Every transfer here streams through requests instead, with those checks done.
 
 from __future__ import annotations
 
+import atexit
 import email.utils
 import io
 import random
@@ -114,6 +115,7 @@ class Registry:
         if cas:
             # Private CAs are added to the system's, as containers/image does with certs.d.
             self._bundle = tempfile.NamedTemporaryFile("wb", prefix="diskkit-ca-", suffix=".pem")
+            atexit.register(self._bundle.close)  # removed at exit even if this client is never closed or collected
             system = Path(ssl.get_default_verify_paths().cafile or "/etc/ssl/certs/ca-certificates.crt")
             if system.is_file():
                 self._bundle.write(system.read_bytes() + b"\n")
