@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from launcher.diskserver import nbd
+from launcher.diskserver.lazydisk import InstalledDisk
 from tests.conftest import run
 from tests.lazyhost import random_disk, wait_for
 
@@ -181,3 +182,21 @@ def test_reads_of_bytes_here_pass_reads_that_wait(served):
         magic, error, cookie = struct.unpack(">IIQ", nbd._recv_exact(sock, 16))
         assert (magic, error, cookie) == (nbd.SIMPLE_REPLY_MAGIC, 0, 1)
         assert nbd._recv_exact(sock, 4096) == data[6 << 20 : (6 << 20) + 4096]
+
+
+def test_a_complete_disk_answers_here_only_from_the_page_cache(tmp_path):
+    """launcher/diskserver/lazydisk.InstalledDisk: bytes the page cache holds are returned by
+    read_ready (answered on the connection's thread); bytes that would wait for the device are not
+    (preadv RWF_NOWAIT), so the pool reads them and the connection's other reads go on meanwhile."""
+    disk = random_disk(tmp_path / "disk.img", 8 << 20)
+    with open(disk, "rb") as f:
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages: dropped from the cache
+    export = InstalledDisk("disk", disk)
+    try:
+        assert export.read_ready(4 << 20, 65536) is None
+        data = export.read(4 << 20, 65536)  # the pool's read, which waits for the device
+        assert data == disk.read_bytes()[4 << 20 : (4 << 20) + 65536]
+        assert export.read_ready(4 << 20, 65536) == data  # now cached
+    finally:
+        export.close()

@@ -515,14 +515,17 @@ class LazyDisk:
         """Without chunk digests nothing is verified before the whole blob is: strict reads wait for it."""
         return self.opts.strict and not self.layout.pinned and not self.verified.is_set()
 
-    def read_ready(self, offset: int, length: int) -> bytes | None:
-        """The bytes if every chunk they touch is here (and may be served), without waiting; else None."""
+    def read_ready(self, offset: int, length: int) -> bytearray | None:
+        """The bytes if every chunk they touch is here (and may be served) and in the page cache; else None."""
         if self.failed is not None or not length or self._strict_wait():
             return None
         first, last = offset // self.layout.chunk_size, (offset + length - 1) // self.layout.chunk_size
         if self.present.find(0, first, last + 1) != -1:
             return None
-        return self._pread(offset, length, last)
+        data = cached_pread(self.fd, length, offset)
+        if data is not None:
+            self._note_read(last)
+        return data
 
     def read(self, offset: int, length: int) -> bytes:
         if self.failed is not None:
@@ -538,10 +541,13 @@ class LazyDisk:
             self._ensure(first, last)
         return self._pread(offset, length, last)
 
-    def _pread(self, offset: int, length: int, last: int | None) -> bytes:
+    def _note_read(self, last: int | None) -> None:
         if last is not None:
             self.cursor = last + 1  # prefetch where the guest is reading: boots read sequentially
         self.last_read = time.monotonic()
+
+    def _pread(self, offset: int, length: int, last: int | None) -> bytes:
+        self._note_read(last)
         data = os.pread(self.fd, length, offset)
         if len(data) != length:
             raise NbdError(errno.EIO, f"short read at {offset}")
@@ -893,7 +899,8 @@ class InstalledDisk:
     def read(self, offset: int, length: int) -> bytes:
         return os.pread(self.fd, length, offset)
 
-    read_ready = read  # a complete file never waits
+    def read_ready(self, offset: int, length: int) -> bytearray | None:
+        return cached_pread(self.fd, length, offset)
 
     def start(self) -> "InstalledDisk":
         return self
@@ -903,6 +910,17 @@ class InstalledDisk:
 
     def status(self) -> dict:
         return {"export": self.name, "description": self.description, "size": self.size, "verified": True, "installed": str(self.path)}
+
+
+def cached_pread(fd: int, length: int, offset: int) -> bytearray | None:
+    """The bytes if the page cache holds them all, else None: a read that would wait for the device
+    goes to the NBD server's pool, so it holds up no other read of the connection."""
+    buf = bytearray(length)
+    try:
+        got = os.preadv(fd, [buf], offset, os.RWF_NOWAIT)
+    except OSError:  # EAGAIN: not all cached; EOPNOTSUPP: a filesystem without RWF_NOWAIT; else the pool's pread says
+        return None
+    return buf if got == length else None
 
 
 def _lower_priority() -> None:
