@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import ctypes
-import gc
 import functools
+import gc
 import signal
 import sys
 

@@ -511,6 +511,15 @@ class LazyDisk:
             return (cursor, count), (0, count)
         return (cursor, min(count, cursor + -(-READ_AHEAD // chunk))), (0, min(count, -(-HEAD_PREFETCH // chunk)))
 
+    def _chunk_span(self, offset: int, length: int) -> tuple[int, int]:
+        """The first and last chunk a read of `length` (> 0) bytes at `offset` touches."""
+        return offset // self.layout.chunk_size, (offset + length - 1) // self.layout.chunk_size
+
+    def _note_read(self, last: int | None) -> None:
+        if last is not None:
+            self.cursor = last + 1  # prefetch where the guest is reading: boots read sequentially
+        self.last_read = time.monotonic()
+
     def _strict_wait(self) -> bool:
         """Without chunk digests nothing is verified before the whole blob is: strict reads wait for it."""
         return self.opts.strict and not self.layout.pinned and not self.verified.is_set()
@@ -519,7 +528,7 @@ class LazyDisk:
         """The bytes if every chunk they touch is here (and may be served) and in the page cache; else None."""
         if self.failed is not None or not length or self._strict_wait():
             return None
-        first, last = offset // self.layout.chunk_size, (offset + length - 1) // self.layout.chunk_size
+        first, last = self._chunk_span(offset, length)
         if self.present.find(0, first, last + 1) != -1:
             return None
         data = cached_pread(self.fd, length, offset)
@@ -537,16 +546,8 @@ class LazyDisk:
             if not self.verified.wait(self.opts.fetch_timeout) or self.failed is not None:
                 raise NbdError(errno.EIO, self.failed or "the blob was not verified in time")
         else:
-            first, last = offset // self.layout.chunk_size, (offset + length - 1) // self.layout.chunk_size
+            first, last = self._chunk_span(offset, length)
             self._ensure(first, last)
-        return self._pread(offset, length, last)
-
-    def _note_read(self, last: int | None) -> None:
-        if last is not None:
-            self.cursor = last + 1  # prefetch where the guest is reading: boots read sequentially
-        self.last_read = time.monotonic()
-
-    def _pread(self, offset: int, length: int, last: int | None) -> bytes:
         self._note_read(last)
         data = os.pread(self.fd, length, offset)
         if len(data) != length:

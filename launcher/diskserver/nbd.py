@@ -8,9 +8,9 @@ export is advertised read-only.
 A read whose bytes are already here (fetched, and in the page cache) is answered on the
 connection's own thread. The others are served on a thread pool, so a read waiting for a registry
 or a device never holds up one whose data is here; replies may leave out of order, matched by the
-client's cookie. Handing every read to a pool
-thread cost a booting test guest 0.6 s: under TCG one core runs the guest, and each hand-off waited
-about 1.4 ms for the scheduler on the other (traced bench/lazy.py run, 600 reads).
+client's cookie. Handing every read to a pool thread cost a booting test guest 0.6 s: under TCG
+one core runs the guest, and each hand-off waited about 1.4 ms for the scheduler on the other
+(traced bench/lazy.py run, 600 reads).
 
 Exports are looked up by name through the `Exports` the caller gives; each export only needs a size,
 a `read(offset, length)` that returns the bytes or raises `NbdError` with an errno, and a
@@ -316,8 +316,8 @@ class _Transmission:
                 if length > MAX_REQUEST or offset + length > self.export.size:
                     self._simple(cookie, errno.EINVAL)
                     continue
-                if self._answer_now(cookie, offset, length):
-                    continue
+                if self._answer(cookie, offset, length, self.export.read_ready):
+                    continue  # the bytes were here: answered without the pool
                 self.slots.acquire()
                 try:
                     self.pool.submit(self._read, cookie, offset, length)
@@ -327,10 +327,10 @@ class _Transmission:
             else:
                 self._simple(cookie, errno.EINVAL)
 
-    def _answer_now(self, cookie: int, offset: int, length: int) -> bool:
-        """Reply here if the export has the bytes without waiting; False: the pool must wait for them."""
+    def _answer(self, cookie: int, offset: int, length: int, read) -> bool:
+        """Reply with what `read` returns, or its error; False, and nothing sent, when it returns None."""
         try:
-            data = self.export.read_ready(offset, length) if length else b""
+            data = read(offset, length) if length else b""
         except NbdError as exc:
             self._simple(cookie, exc.errno)
             return True
@@ -340,32 +340,20 @@ class _Transmission:
             return True
         if data is None:
             return False
-        self._reply(cookie, offset, length, data)
+        if len(data) != length:
+            log.error("export %s returned %d bytes for a %d-byte read at %d", self.export.name, len(data), length, offset)
+            self._simple(cookie, errno.EIO)
+        else:
+            self._simple(cookie, 0, data)
         return True
 
     def _read(self, cookie: int, offset: int, length: int) -> None:
         try:
-            try:
-                data = self.export.read(offset, length) if length else b""
-            except NbdError as exc:
-                self._simple(cookie, exc.errno)
-                return
-            except Exception:
-                log.exception("read of %d bytes at %d from %s failed", length, offset, self.export.name)
-                self._simple(cookie, errno.EIO)
-                return
-            self._reply(cookie, offset, length, data)
+            self._answer(cookie, offset, length, self.export.read)
         except OSError:
             pass  # the client went away; its connection thread notices too
         finally:
             self.slots.release()
-
-    def _reply(self, cookie: int, offset: int, length: int, data: bytes) -> None:
-        if len(data) != length:
-            log.error("export %s returned %d bytes for a %d-byte read at %d", self.export.name, len(data), length, offset)
-            self._simple(cookie, errno.EIO)
-            return
-        self._simple(cookie, 0, data)
 
     def _simple(self, cookie: int, code: int, data: bytes = b"") -> None:
         header = struct.pack(">IIQ", SIMPLE_REPLY_MAGIC, code, cookie)
