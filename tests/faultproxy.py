@@ -25,7 +25,8 @@ Actions (``Fault.action``):
 
 Faults are tried in the order added; the first live one whose method (or ``"*"``) equals the
 request method and whose ``path`` regex is found (``re.search``) in the request target — path plus
-query string — applies and uses up one of its ``times``. A fault with ``header=(NAME, REGEX)`` also
+query string — applies and uses up one of its ``times``; with ``skip=N`` the first N requests it
+matches pass unharmed (the second PATCH of an upload, say). A fault with ``header=(NAME, REGEX)`` also
 needs that request header to match (e.g. ``("Range", r"^bytes=1536-")`` for one range request).
 """
 
@@ -63,6 +64,7 @@ class Fault:
     times: int = 1
     arg: float = 0
     header: tuple[str, str] | None = None
+    skip: int = 0
 
     def __post_init__(self):
         if self.action not in ACTIONS:
@@ -439,6 +441,9 @@ class FaultProxy:
         with self._lock:
             for fault in self._faults:
                 if fault.matches(method, target, headers):
+                    if fault.skip:
+                        fault.skip -= 1
+                        return None
                     fault.times -= 1
                     return fault
         return None

@@ -13,6 +13,7 @@ import uuid
 import pytest
 
 from tests.conftest import run
+from diskkit.transports.remote import RETAIN, SEGMENT
 from tests.faultproxy import Fault
 
 FAST = ["--tls-verify=false", "--retry-delay", "0.05"]
@@ -157,6 +158,40 @@ def test_upload_session_lost_mid_chunk_is_sent_again(diskkit, registry, fault_pr
     log = [(m, s) for m, _, s in proxy.log]
     patches = [s for m, s in log if m == "PATCH"]
     assert patches[:2] == [0, 202] and set(patches[2:]) <= {202}, patches
+    assert [m for m, _ in log].count("POST") == 3  # the lost session, its replacement, the config
+
+
+def _segments_plus(tmp_path, extra: int):
+    path = tmp_path / "segments.img"
+    with open(path, "wb") as f:
+        for _ in range((SEGMENT + extra) >> 20):
+            f.write(os.urandom(1 << 20))
+    return path
+
+
+def test_a_large_layer_streams_in_segments_and_a_refused_one_goes_again_in_the_same_session(diskkit, registry, fault_proxy, tmp_path):
+    # Two PATCHes, the second refused once: the registry acknowledged the first segment, and the
+    # bytes sent since are still held, so they go again in the same session.
+    disk = _segments_plus(tmp_path, 8 << 20)
+    proxy = fault_proxy(registry)
+    proxy.add(Fault("PATCH", "/blobs/uploads/", "status", arg=500, skip=1))
+    _upload_through(diskkit, registry, proxy, disk, tmp_path)
+    log = [(m, s) for m, _, s in proxy.log]
+    assert [s for m, s in log if m == "PATCH"] == [202, 500, 202]
+    assert ("GET", 204) in log
+    assert [m for m, _ in log].count("POST") == 2  # the layer's session and the config's, no restart
+
+
+def test_a_segment_refused_after_more_than_is_held_sends_the_layer_again(diskkit, registry, fault_proxy, tmp_path):
+    # The second segment is longer than what is kept for resending: after the refusal the registry
+    # has only the first segment, whose last bytes are gone from memory, so the layer is produced again.
+    disk = _segments_plus(tmp_path, RETAIN + (8 << 20))
+    proxy = fault_proxy(registry)
+    proxy.add(Fault("PATCH", "/blobs/uploads/", "status", arg=500, skip=1))
+    result = _upload_through(diskkit, registry, proxy, disk, tmp_path)
+    assert "resending from there needs more than the 16 MiB kept; sending it again from the start" in result.err
+    log = [(m, s) for m, _, s in proxy.log]
+    assert [s for m, s in log if m == "PATCH"] == [202, 500, 202, 202]
     assert [m for m, _ in log].count("POST") == 3  # the lost session, its replacement, the config
 
 

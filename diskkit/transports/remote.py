@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import queue
 import threading
@@ -29,7 +30,9 @@ from diskkit.streams.readahead import ReadAhead
 from diskkit.transports.base import Destination, Source
 
 ACCEPT = ", ".join([mt.OCI_MANIFEST, mt.OCI_INDEX, mt.DOCKER_MANIFEST, mt.DOCKER_LIST])
-UPLOAD_CHUNK = 8 << 20  # bytes held for resending after a dropped connection; two chunks bound memory
+SEGMENT = 64 << 20  # bytes streamed per PATCH (see _Upload)
+RETAIN = 16 << 20  # the newest bytes sent held for resending until acknowledged
+UPLOAD_QUEUE = 16  # pieces waiting for the sender: it goes on writing while the registry syncs a segment
 
 
 _registries: dict[tuple[str, RegistryOptions], Registry] = {}
@@ -131,25 +134,32 @@ class RemoteSource(Source):
 
 
 class _Upload:
-    """A chunked upload session (POST, PATCH..., PUT ?digest=) that resumes after a dropped connection.
+    """A blob upload session (POST, PATCH..., PUT ?digest=) that streams and resumes after a drop.
 
-    Writes gather into chunks; a sender thread PATCHes each full chunk with its Content-Range
-    while the next one fills, so compression never waits for the registry's reply. If the
-    connection drops, the upload status (GET on the session) says how much arrived and the rest
-    of that chunk goes again. At most two chunks are held, so a registry that drops the session
-    instead (UploadLost) needs the blob produced again.
+    Writes go through a short queue to a sender thread, which streams them to the registry in
+    PATCH requests of up to SEGMENT bytes each (chunked transfer encoding, as docker and skopeo
+    push), so the registry takes the bytes while compression goes on. Segments are large because
+    every request costs: distribution syncs its upload file to disk at the end of each PATCH, and
+    35 PATCHes of 8 MiB made a 700 MB build+push 0.17 s slower than 5 streamed ones.
+
+    The bytes sent and not yet acknowledged are held, the newest RETAIN of them: after a dropped
+    connection or a refusal the upload status (GET on the session) says how much arrived, and
+    what is still held goes again in the same session. A registry that dropped the session, or
+    acknowledged less than is held, needs the blob produced again (UploadLost).
     """
 
     def __init__(self, dest: "RemoteDestination"):
         self.dest = dest
         self.registry = dest.registry
         self.offset = 0  # bytes the registry has acknowledged
-        self.pieces: list[bytes] = []
-        self.gathered = 0
+        self.sent = 0  # bytes taken from the queue, whether acknowledged or not
+        self.held: collections.deque[tuple[int, bytes]] = collections.deque()  # (offset, piece), unacknowledged
+        self.held_bytes = 0
+        self.ended = False  # the writer's end was taken from the queue
         self.location = self._start()
         self.done = False
         self.error: BaseException | None = None
-        self.chunks: queue.Queue = queue.Queue(1)
+        self.pieces: queue.Queue = queue.Queue(UPLOAD_QUEUE)
         self.sender = threading.Thread(target=self._send_all, daemon=True)
         self.sender.start()
 
@@ -161,65 +171,87 @@ class _Upload:
     def write(self, data) -> None:
         if self.error is not None:
             raise self.error
-        self.pieces.append(bytes(data))
-        self.gathered += len(data)
-        if self.gathered >= UPLOAD_CHUNK:
-            self._hand_over()
+        if data:
+            self.pieces.put(bytes(data))
 
-    def _hand_over(self) -> None:
-        if self.pieces:
-            self.chunks.put(b"".join(self.pieces))
-            self.pieces, self.gathered = [], 0
+    def _take(self) -> bytes | None:
+        """The writer's next piece, held until acknowledged; None at the end."""
+        piece = self.pieces.get()
+        if piece is None:
+            self.ended = True
+            return None
+        self.held.append((self.sent, piece))
+        self.sent += len(piece)
+        self.held_bytes += len(piece)
+        while self.held_bytes - len(self.held[0][1]) >= RETAIN:
+            self.held_bytes -= len(self.held.popleft()[1])
+        return piece
+
+    def _acknowledged(self, offset: int) -> None:
+        self.offset = offset
+        while self.held and self.held[0][0] + len(self.held[0][1]) <= offset:
+            self.held_bytes -= len(self.held.popleft()[1])
+
+    def _segment(self, start: int):
+        """The body of one PATCH from `start`: what is held from there, then new pieces up to SEGMENT
+        bytes. A factory, as the client calls it again to send the request again after a 401."""
+        if self.held and start < self.held[0][0] or not self.held and start < self.sent:
+            raise UploadLost(self.registry.host, f"the registry has the first {start} bytes of the upload, and resending from there needs more than the {RETAIN >> 20} MiB kept")
+
+        def body() -> Iterator[bytes | memoryview]:
+            for at, piece in list(self.held):
+                if at + len(piece) > start:
+                    yield memoryview(piece)[max(0, start - at):]
+            while not self.ended and self.sent - start < SEGMENT:
+                piece = self._take()
+                if piece is not None:
+                    yield piece
+
+        return body()
 
     def _send_all(self) -> None:
-        while (chunk := self.chunks.get()) is not None:
-            if self.error is None:
+        try:
+            failures = 0
+            while self.offset < self.sent or not self.ended and self._take() is not None:
+                start = self.offset
+                headers = {"Content-Type": "application/octet-stream"}
+                error: RegistryError | None = None
                 try:
-                    self._send(chunk)
-                except BaseException as exc:
-                    self.error = exc
+                    response = self.registry.request("PATCH", self.location, self.dest.push_scope, headers=headers, body=lambda: self._segment(start), what="upload chunk", retry=False)
+                except AuthError:
+                    raise
+                except UploadLost:
+                    raise
+                except RegistryError as exc:
+                    response, error = None, exc
+                if response is None or response.status_code in RETRY_STATUS or response.status_code == 416:
+                    # Dropped, refused for now, or out of step: ask the session how much arrived, go on from there.
+                    if failures >= self.registry.opts.retries:
+                        if error is not None:
+                            raise error
+                        check_status(response, (202,), self.registry.host, f"upload chunk at {start}")
+                    time.sleep(retry_after(response, failures, self.registry.opts))
+                    failures += 1
+                    acknowledged = self._status()
+                    if acknowledged > self.sent:
+                        raise RegistryError(self.registry.host, f"the upload session reports {acknowledged} bytes, more than the {self.sent} sent")
+                    self._acknowledged(acknowledged)
+                    continue
+                check_status(response, (202,), self.registry.host, f"upload chunk at {start}")
+                self.location = self.registry.resolve(response.headers.get("Location", self.location))
+                self._acknowledged(self.sent)
+        except BaseException as exc:
+            self.error = exc
+            while not self.ended:  # the writer must never block on a queue nobody reads
+                self._take()
+                self.held.clear()
 
     def _finish_sending(self) -> None:
         if self.sender.is_alive():
-            self.chunks.put(None)
+            self.pieces.put(None)
             self.sender.join()
         if self.error is not None:
             raise self.error
-
-    def _send(self, data: bytes) -> None:
-        sent = 0
-        failures = 0
-        while sent < len(data):
-            chunk = memoryview(data)[sent:]
-            start = self.offset
-            headers = {
-                "Content-Type": "application/octet-stream",
-                "Content-Range": f"{start}-{start + len(chunk) - 1}",
-                "Content-Length": str(len(chunk)),
-            }
-            error: RegistryError | None = None
-            try:
-                response = self.registry.request("PATCH", self.location, self.dest.push_scope, headers=headers, body=chunk, what="upload chunk", retry=False)
-            except AuthError:
-                raise
-            except RegistryError as exc:
-                response, error = None, exc
-            if response is None or response.status_code in RETRY_STATUS or response.status_code == 416:
-                # Dropped, refused for now, or out of step: ask the session how much arrived, go on from there.
-                if failures >= self.registry.opts.retries:
-                    if error is not None:
-                        raise error
-                    check_status(response, (202,), self.registry.host, f"upload chunk at {start}")
-                time.sleep(retry_after(response, failures, self.registry.opts))
-                failures += 1
-                acknowledged = self._status()
-                sent += acknowledged - self.offset
-                self.offset = acknowledged
-                continue
-            check_status(response, (202,), self.registry.host, f"upload chunk at {start}")
-            self.location = self.registry.resolve(response.headers.get("Location", self.location))
-            self.offset = start + len(chunk)
-            sent = len(data)
 
     def _status(self) -> int:
         """Bytes the registry holds for this session, from the Range header of GET on the session."""
@@ -234,7 +266,6 @@ class _Upload:
         return end + 1 if end or self.offset else 0
 
     def commit(self, digest: str, size: int) -> None:
-        self._hand_over()
         self._finish_sending()
         if self.offset != size:
             raise RegistryError(self.registry.host, f"uploaded {self.offset} bytes of blob {digest[:19]}, expected {size}")
