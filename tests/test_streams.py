@@ -5,11 +5,17 @@ from __future__ import annotations
 import io
 import os
 import tarfile
+import threading
+from dataclasses import replace
 
 import pytest
 
+from diskkit.errors import DiskkitError
+from diskkit.layers import lazygzip
+from diskkit.layers.layer import entries_for
 from diskkit.streams.cursor import Cursor
 from diskkit.streams.fsutil import WRITEBACK_STEP, Writeback
+from diskkit.streams.pieceread import IN_FLIGHT, PieceReader, resident_fraction
 from diskkit.streams.sparse import HOLE, write_sparse
 
 
@@ -112,3 +118,104 @@ def test_writeback_starts_before_the_fsync(tmp_path):
         assert dirty < 2 * WRITEBACK_STEP, f"{dirty >> 20} MiB dirty after writing {4 * WRITEBACK_STEP >> 20} MiB"
         out.flush()
         os.fsync(out.fileno())
+
+
+def _evict(path):
+    """Drop the file's pages from the page cache (written back first), as a cold disk after a reboot."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _resident(path) -> float:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return resident_fraction(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+
+
+def _read_all(reader) -> bytes:
+    out = bytearray()
+    for view, release in reader:
+        out += view
+        release()
+    return bytes(out)
+
+
+def test_piece_reader_reads_a_cold_file_around_the_page_cache_and_a_cached_one_through_it(tmp_path):
+    path = tmp_path / "disk.img"
+    content = os.urandom((5 << 20) + 1000)  # the last piece ends inside a page
+    path.write_bytes(content)
+    assert _resident(path) == 1.0
+    reader = PieceReader(path, 1 << 20, 4, len(content))
+    assert not reader.direct and _read_all(reader) == content
+    reader.close()
+    _evict(path)
+    assert _resident(path) == 0.0
+    reader = PieceReader(path, 1 << 20, 4, len(content))
+    assert reader.direct and _read_all(reader) == content
+    reader.close()
+    # O_DIRECT went around the cache: reading the whole file left none of it there.
+    assert _resident(path) == 0.0
+
+
+def test_piece_reader_stops_at_its_length_and_tells_a_grown_or_shrunk_file(tmp_path):
+    path = tmp_path / "disk.img"
+    content = os.urandom(3 << 20)
+    path.write_bytes(content)
+    for cold in (False, True):
+        if cold:
+            _evict(path)
+        reader = PieceReader(path, 1 << 20, 4, (2 << 20) + 5)
+        assert reader.direct == cold
+        assert _read_all(reader) == content[: (2 << 20) + 5]
+        assert reader.grew((2 << 20) + 5) and not reader.grew(3 << 20)
+        reader.close()
+        reader = PieceReader(path, 1 << 20, 4, 4 << 20)
+        assert _read_all(reader) == content  # shorter than asked: the caller sees the count
+        reader.close()
+
+
+def test_piece_reader_lends_at_most_its_buffers(tmp_path):
+    path = tmp_path / "disk.img"
+    path.write_bytes(os.urandom(8 << 20))
+    reader = PieceReader(path, 1 << 20, IN_FLIGHT + 1, 8 << 20)
+    held = []
+
+    def consume():
+        for view, release in reader:
+            held.append(release)
+
+    thread = threading.Thread(target=consume, daemon=True)
+    thread.start()
+    thread.join(0.5)
+    assert thread.is_alive() and len(held) == IN_FLIGHT + 1  # waiting for a buffer back
+    held[0]()
+    thread.join(0.5)
+    assert len(held) == IN_FLIGHT + 2
+    for release in held[1:]:
+        release()
+    thread.join(5)
+    assert not thread.is_alive() and len(held) == 8
+    reader.close()
+
+
+def test_a_disk_read_cold_or_cached_makes_the_same_layer_and_a_changed_one_is_refused(tmp_path):
+    disk = tmp_path / "disk.qcow2"
+    disk.write_bytes(os.urandom(3 << 20) + bytes(2 << 20) + os.urandom(777))
+    results = []
+    for cold in (False, True):
+        if cold:
+            _evict(disk)
+        sink = io.BytesIO()
+        entries = entries_for([("/disk/disk.qcow2", disk)])
+        results.append((lazygzip.write_layer(entries, sink, toc_for="disk/disk.qcow2"), sink.getvalue()))
+    assert results[0] == results[1]
+    for wrong in (disk.stat().st_size - 1, disk.stat().st_size + 1):
+        entries = [replace(e, size=wrong) if e.path == "disk/disk.qcow2" else e for e in entries_for([("/disk/disk.qcow2", disk)])]
+        with pytest.raises(DiskkitError, match=r"changed while being read \(\d+ bytes expected, \d+ read\)"):
+            lazygzip.write_layer(entries, io.BytesIO(), toc_for="disk/disk.qcow2")

@@ -31,6 +31,7 @@ from diskkit.layers.layer import (
     tar_header,
 )
 from diskkit.streams.compression import gzip_member
+from diskkit.streams.pieceread import PieceReader
 
 WORKERS = os.cpu_count() or 2
 
@@ -58,10 +59,14 @@ class _Framer:
             self.submit(bytes(self.pending), chunk=False)
             self.pending = bytearray()
 
-    def submit(self, data: bytes, chunk: bool) -> None:
+    def submit(self, data: bytes | memoryview, chunk: bool, release: Callable[[], None] | None = None) -> None:
+        """`release` is called once the bytes are compressed: the reader may then reuse their buffer."""
         self.diff.update(data)
         self.position += len(data)
-        self.put((chunk, self.pool.submit(_compress, data, self.level, chunk), len(data)))
+        future = self.pool.submit(_compress, data, self.level, chunk)
+        if release is not None:
+            future.add_done_callback(lambda _: release())
+        self.put((chunk, future, len(data)))
 
     def put(self, item) -> None:
         while not self.stop.is_set():
@@ -71,6 +76,21 @@ class _Framer:
             except queue.Full:
                 continue
         raise Stopped
+
+
+def _submit_disk(entry: Entry, chunk_size: int, framer: _Framer) -> int:
+    """The disk's chunks, each a member of its own; the bytes read (one more if the file grew)."""
+    reader = PieceReader(entry.source, chunk_size, framer.out.maxsize + WORKERS, entry.size)
+    copied = 0
+    try:
+        for view, release in reader:
+            copied += len(view)
+            framer.submit(view, chunk=True, release=release)
+        if reader.grew(copied):
+            copied += 1
+    finally:
+        reader.close()
+    return copied
 
 
 def _produce(entries: list[Entry], mtime: int, framer: _Framer, toc_for: str, found: list, files: list) -> None:
@@ -83,24 +103,21 @@ def _produce(entries: list[Entry], mtime: int, framer: _Framer, toc_for: str, fo
             if disk:
                 framer.flush()  # the first chunk starts a member of its own
                 found.append((framer.position, entry.size, lazytoc.chunk_size_for(entry.size)))
-            piece = found[-1][2] if disk else CHUNK
-            digest = None if disk else hashlib.sha256()
             copied = 0
-            with open(entry.source, "rb") as src:
-                os.posix_fadvise(src.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-                # A buffered read returns short only at the end of the file: chunks end where they should.
-                while copied < entry.size and (data := src.read(min(piece, entry.size - copied))):
-                    copied += len(data)
-                    if disk:
-                        framer.submit(data, chunk=True)
-                    else:
+            if disk:
+                copied = _submit_disk(entry, found[-1][2], framer)
+            else:
+                digest = hashlib.sha256()
+                with open(entry.source, "rb") as src:
+                    # A buffered read returns short only at the end of the file.
+                    while copied < entry.size and (data := src.read(min(CHUNK, entry.size - copied))):
+                        copied += len(data)
                         digest.update(data)
                         framer.add(data)
-                copied += len(src.read(1))  # a file that grew is refused too
+                    copied += len(src.read(1))  # a file that grew is refused too
+                files.append((entry.path, digest.hexdigest()))
             if copied != entry.size:
                 raise DiskkitError(entry.source, f"changed while being read ({entry.size} bytes expected, {copied} read)")
-            if digest is not None:
-                files.append((entry.path, digest.hexdigest()))
             if entry.size % 512:
                 framer.add(bytes(512 - entry.size % 512))
         framer.flush()
