@@ -1,5 +1,6 @@
 """What a CLI run imports before it does anything: the signing stack (cryptography, nacl, yaml)
-costs ~0.09 s of every run, so it loads only when a command signs or a policy names keys."""
+costs ~0.09 s of every run, so it loads only when a command signs or a policy names keys; zstd
+only when a layer is zstd."""
 
 from __future__ import annotations
 
@@ -47,3 +48,13 @@ def test_policy_with_keys_still_loads_them(tmp_path):
     loaded = _loaded("from pathlib import Path\nfrom diskkit.signing.options import TrustOptions\nfrom diskkit.signing.trust import load_policy\n"
                      f"assert load_policy(TrustOptions(Path({str(policy)!r}))).default[0].keys")
     assert {"cryptography", "diskkit.signing.keys"} <= loaded
+
+
+def test_a_gzip_build_loads_no_zstd_and_a_zstd_build_does(tmp_path):
+    disk = tmp_path / "disk.img"
+    disk.write_bytes(bytes(1 << 20))
+    for kind, expected in (("gzip", False), ("zstd", True)):
+        loaded = _loaded("from click.testing import CliRunner\nfrom diskkit.cli.commands import cli\n"
+                         f"r = CliRunner().invoke(cli, ['build', {str(disk)!r}, '--compression', {kind!r}, '-t', 'oci:{tmp_path}/{kind}:x'])\n"
+                         "assert r.exit_code == 0, r.output")
+        assert ("zstandard" in loaded) == expected, kind
