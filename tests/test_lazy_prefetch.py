@@ -55,7 +55,7 @@ def settled(cache: Path, export: str, count: int, expected: list[int]) -> list[i
 def test_a_booting_vm_gets_the_head_and_read_ahead_and_the_rest_waits(tmp_path, registry, image, disk):
     assert DISK // MIB > HEAD + AHEAD + 8  # room for chunks that must not arrive
     toc = image_toc(registry, image)
-    count = len(toc["memberDigests"])
+    count = len(toc["members"])
     cache = tmp_path / "cache"
     cache.mkdir()
     with disk_server(cache):

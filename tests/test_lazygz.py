@@ -17,6 +17,7 @@ import tarfile
 import zlib
 from pathlib import Path
 
+import blake3
 import pytest
 
 from diskkit.layers import lazytoc
@@ -93,13 +94,13 @@ def test_v2_layer_is_one_gzip_member_per_chunk(tmp_path, layout, disk):
     content = disk.read_bytes()
     assert toc["version"] == 2 and toc["disk"] == f"disk/{disk.name}" and toc["size"] == len(content) and toc["chunkSize"] == MIB
     assert tar_bytes[toc["offset"] : toc["offset"] + toc["size"]] == content
-    # Chunks are pinned by their members as stored, never by their uncompressed bytes (the old `chunks`).
-    assert "chunks" not in toc and len(toc["members"]) == len(toc["memberDigests"]) == 24
-    for index, ((offset, length), digest) in enumerate(zip(toc["members"], toc["memberDigests"])):
+    # Chunks are pinned by their members as stored (BLAKE3), never by their uncompressed bytes (the old `chunks`).
+    assert "chunks" not in toc and "memberDigests" not in toc and len(toc["members"]) == len(toc["memberBlake3s"]) == 24
+    for index, ((offset, length), digest) in enumerate(zip(toc["members"], toc["memberBlake3s"])):
         inflater = zlib.decompressobj(31)
         chunk = inflater.decompress(data[offset : offset + length])
         assert inflater.eof and not inflater.unused_data, index  # exactly one member
-        assert chunk == content[index * MIB : (index + 1) * MIB] and hashlib.sha256(data[offset : offset + length]).hexdigest() == digest
+        assert chunk == content[index * MIB : (index + 1) * MIB] and blake3.blake3(data[offset : offset + length]).hexdigest() == digest
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
         assert [m.name for m in tar] == ["disk", f"disk/{disk.name}", ".diskkit", ".diskkit/lazy-toc.json"]
     # Compressed after all: the text and the zeros shrink, the random chunks stay.
@@ -129,12 +130,18 @@ def forged(tmp_path: Path, layout: Path, name: str, change) -> Path:
 
 
 def old_pins(toc: dict, data: bytes) -> None:
-    """The TOC as diskkit wrote it before memberDigests: each chunk pinned by its uncompressed bytes."""
-    pins = toc.pop("memberDigests")
+    """The TOC as diskkit wrote it before member pins: each chunk pinned by its uncompressed bytes."""
+    pins = toc.pop("memberBlake3s")
     toc["chunks"] = []
     for (at, length), pin in zip(toc["members"], pins):
-        assert hashlib.sha256(data[at : at + length]).hexdigest() == pin
+        assert blake3.blake3(data[at : at + length]).hexdigest() == pin
         toc["chunks"].append(hashlib.sha256(zlib.decompress(data[at : at + length], 31)).hexdigest())
+
+
+def sha256_pins(toc: dict, data: bytes) -> None:
+    """The TOC as diskkit wrote it before BLAKE3: each member pinned by its sha256 (memberDigests)."""
+    toc.pop("memberBlake3s")
+    toc["memberDigests"] = [hashlib.sha256(data[at : at + length]).hexdigest() for at, length in toc["members"]]
 
 
 def test_verify_refuses_a_toc_that_disagrees_with_the_layer(tmp_path, layout):
@@ -142,29 +149,37 @@ def test_verify_refuses_a_toc_that_disagrees_with_the_layer(tmp_path, layout):
     re-pinned) is named while the blob streams; so is an uncompressed chunk digest in an old TOC."""
 
     def wrong_member(toc, data):
+        toc["memberBlake3s"][3] = "0" * 64
+
+    def wrong_sha256_member(toc, data):
+        sha256_pins(toc, data)
         toc["memberDigests"][3] = "0" * 64
 
     def wrong_chunk(toc, data):
         old_pins(toc, data)
         toc["chunks"][3] = "0" * 64
 
-    refused = run_diskkit("verify", f"oci:{forged(tmp_path, layout, 'member', wrong_member)}:v2")
-    assert refused.code != 0 and "chunk 3's gzip member at" in refused.err and "does not match its digest in the lazy TOC" in refused.err, refused.err
+    for name, change in (("member", wrong_member), ("sha256-member", wrong_sha256_member)):
+        refused = run_diskkit("verify", f"oci:{forged(tmp_path, layout, name, change)}:v2")
+        assert refused.code != 0 and "chunk 3's gzip member at" in refused.err and "does not match its digest in the lazy TOC" in refused.err, refused.err
+    accepted = run_diskkit("verify", f"oci:{forged(tmp_path, layout, 'sha256', sha256_pins)}:v2")
+    assert accepted.code == 0, accepted.err  # TOCs written before BLAKE3 still verify
     refused = run_diskkit("verify", f"oci:{forged(tmp_path, layout, 'chunk', wrong_chunk)}:v2")
     assert refused.code != 0 and "lazy TOC's digest of chunk 3 does not match" in refused.err, refused.err
 
 
 def test_a_toc_pins_chunks_one_way_only():
-    """A TOC holding both kinds of pins, or neither, is refused: which one a reader trusts would be ambiguous."""
-    toc = lazytoc.Toc("disk/a.img", 1536, 8192, 4096, None, ((1024, 100), (1124, 100)), (), ("a" * 64, "b" * 64))
-    doc = toc.render()
-    assert json.loads(doc)["memberDigests"] == ["a" * 64, "b" * 64] and "chunks" not in json.loads(doc)
-    loc = lazytoc.TocLocation(4096, 200, "sha256:" + hashlib.sha256(doc).hexdigest())
-    assert lazytoc.parse(doc, loc, "here", lazytoc.VERSION_GZIP) == toc
-    for name, change in (("both", {"chunks": ["c" * 64] * 2}), ("neither", {"memberDigests": None})):
+    """A TOC holding two kinds of pins, or none, is refused: which one a reader trusts would be ambiguous."""
+    for member_hash, field in (("blake3", "memberBlake3s"), ("sha256", "memberDigests")):
+        toc = lazytoc.Toc("disk/a.img", 1536, 8192, 4096, None, ((1024, 100), (1124, 100)), (), ("a" * 64, "b" * 64), member_hash)
+        doc = toc.render()
+        assert json.loads(doc)[field] == ["a" * 64, "b" * 64] and set(json.loads(doc)) & {"chunks", "memberBlake3s", "memberDigests"} == {field}
+        loc = lazytoc.TocLocation(4096, 200, "sha256:" + hashlib.sha256(doc).hexdigest())
+        assert lazytoc.parse(doc, loc, "here", lazytoc.VERSION_GZIP) == toc
+    for name, change in (("chunks too", {"chunks": ["c" * 64] * 2}), ("both member pins", {"memberBlake3s": ["c" * 64] * 2}), ("neither", {"memberDigests": None})):
         obj = {**json.loads(doc), **change}
         forged_doc = json.dumps({k: v for k, v in obj.items() if v is not None}).encode()
-        with pytest.raises(lazytoc.DiskkitError, match="exactly one of chunks .uncompressed. and memberDigests"):
+        with pytest.raises(lazytoc.DiskkitError, match="exactly one of chunks .uncompressed., memberBlake3s and memberDigests"):
             lazytoc.parse(forged_doc, lazytoc.TocLocation(4096, 200, "sha256:" + hashlib.sha256(forged_doc).hexdigest()), "here", 2)
 
 
@@ -306,22 +321,24 @@ def test_a_corrupted_member_is_refused_and_fetched_again(tmp_path, registry, fau
     assert status["installed"] and Path(status["installed"]).read_bytes() == disk.read_bytes()
 
 
-def test_old_uncompressed_pins_are_still_served(tmp_path, registry, layout, disk):
-    """An image whose TOC pins chunks by their uncompressed bytes (`chunks`, as written before
-    memberDigests) verifies and is served chunk by chunk, each chunk checked once inflated."""
-    old = forged(tmp_path, layout, "old", old_pins)
-    assert run_diskkit("verify", f"oci:{old}:v2").code == 0
-    ref = f"{registry.host}/lazygz/old:v2"
-    assert run_diskkit("push", NOREG, f"oci:{old}:v2", ref).code == 0
-    toc = image_toc(registry, ref)
-    assert "memberDigests" not in toc and len(toc["chunks"]) == 24
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    with disk_server(cache, "--prefetch-rate", "1K"):
-        answer = open_export(cache, ref)
-        assert run("qemu-img", "compare", "-f", "raw", "-F", "raw", answer["url"], disk).stdout.strip() == "Images are identical."
-        status = wait_for(lambda: (s := export_status(cache, answer["export"]))["verified"] and s["installed"] and s, 120, "verification")
-    assert status["toc"] and status["stats"]["corrupt_chunks"] == 0 and status["stats"]["verify_attempts"] == 1, status
+def test_old_pins_are_still_served(tmp_path, registry, layout, disk):
+    """Images whose TOC pins chunks as diskkit wrote them before: by their uncompressed bytes
+    (`chunks`, each chunk checked once inflated) and by their members' sha256 (`memberDigests`),
+    verify and are served chunk by chunk."""
+    for name, change, field in (("old", old_pins, "chunks"), ("sha256", sha256_pins, "memberDigests")):
+        old = forged(tmp_path, layout, name, change)
+        assert run_diskkit("verify", f"oci:{old}:v2").code == 0
+        ref = f"{registry.host}/lazygz/{name}:v2"
+        assert run_diskkit("push", NOREG, f"oci:{old}:v2", ref).code == 0
+        toc = image_toc(registry, ref)
+        assert "memberBlake3s" not in toc and len(toc[field]) == 24
+        cache = tmp_path / f"cache-{name}"
+        cache.mkdir()
+        with disk_server(cache, "--prefetch-rate", "1K"):
+            answer = open_export(cache, ref)
+            assert run("qemu-img", "compare", "-f", "raw", "-F", "raw", answer["url"], disk).stdout.strip() == "Images are identical."
+            status = wait_for(lambda: (s := export_status(cache, answer["export"]))["verified"] and s["installed"] and s, 120, "verification")
+        assert status["toc"] and status["stats"]["corrupt_chunks"] == 0 and status["stats"]["verify_attempts"] == 1, (name, status)
 
 
 def test_a_member_corrupted_in_the_registry_is_named_by_verify_and_never_served(tmp_path, registry, disk):
@@ -359,18 +376,23 @@ def test_the_server_refuses_a_member_that_inflates_but_differs_from_its_pin(tmp_
     inflated nor served: the gzip CRC alone would have let it through."""
 
     def wrong_member(toc, data):
+        toc["memberBlake3s"][3] = "0" * 64
+
+    def wrong_sha256_member(toc, data):
+        sha256_pins(toc, data)
         toc["memberDigests"][3] = "0" * 64
 
-    ref = f"{registry.host}/lazygz/wrongpin:v2"
-    assert run_diskkit("push", NOREG, f"oci:{forged(tmp_path, layout, 'wrongpin', wrong_member)}:v2", ref).code == 0
     cache = tmp_path / "cache"
     cache.mkdir()
-    with disk_server(cache, "--prefetch-rate", "1K", "--fetch-timeout", "5"):
-        answer = open_export(cache, ref)
-        bad = subprocess.run(["qemu-io", "-r", "-f", "raw", "-c", f"read {3 * MIB} 4K", answer["url"]], capture_output=True, text=True, timeout=120)
-        assert "Input/output error" in bad.stdout + bad.stderr, bad
-        status = export_status(cache, answer["export"])
-    assert status["stats"]["corrupt_chunks"] >= 1 and not status["installed"], status
+    for name, change in (("wrongpin", wrong_member), ("wrongsha256pin", wrong_sha256_member)):
+        ref = f"{registry.host}/lazygz/{name}:v2"
+        assert run_diskkit("push", NOREG, f"oci:{forged(tmp_path, layout, name, change)}:v2", ref).code == 0
+        with disk_server(cache, "--prefetch-rate", "1K", "--fetch-timeout", "5"):
+            answer = open_export(cache, ref)
+            bad = subprocess.run(["qemu-io", "-r", "-f", "raw", "-c", f"read {3 * MIB} 4K", answer["url"]], capture_output=True, text=True, timeout=120)
+            assert "Input/output error" in bad.stdout + bad.stderr, (name, bad)
+            status = export_status(cache, answer["export"])
+        assert status["stats"]["corrupt_chunks"] >= 1 and not status["installed"], (name, status)
 
 
 def test_launcher_pull_takes_a_v2_image_whole(tmp_path, remote, disk):

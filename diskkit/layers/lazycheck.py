@@ -1,4 +1,4 @@
-"""A lazy v2 layer's gzip members checked against the TOC's memberDigests as the blob streams by.
+"""A lazy v2 layer's gzip members checked against the TOC's member pins as the blob streams by.
 
 `diskkit verify` reads each blob once; this reader sits between the blob and the inflater and
 holds each chunk's member until all of it has arrived and hashes to its pin, so the inflater only
@@ -8,12 +8,11 @@ would say only that the layer is wrong, and only at its end).
 
 from __future__ import annotations
 
-import hashlib
 import io
 from typing import BinaryIO
 
 from diskkit.errors import DiskkitError
-from diskkit.layers.lazytoc import Toc
+from diskkit.layers.lazytoc import Toc, member_pin
 
 PASS = 1 << 20  # bytes outside the members (tar headers, TOC, trailer) pass in pieces of this size
 
@@ -21,7 +20,7 @@ PASS = 1 << 20  # bytes outside the members (tar headers, TOC, trailer) pass in 
 class MemberCheck(io.RawIOBase):
     def __init__(self, raw: BinaryIO, toc: Toc, where: str):
         if toc.members is None or toc.member_digests is None:
-            raise ValueError("only a TOC with memberDigests pins gzip members")
+            raise ValueError("only a TOC with member pins (memberBlake3s, memberDigests) pins gzip members")
         self._raw, self._toc, self._where = raw, toc, where
         self._position = 0  # in the blob: the next byte read from `raw`
         self._index = 0  # the next member to check
@@ -51,7 +50,7 @@ class MemberCheck(io.RawIOBase):
         member = self._read(length)
         if len(member) != length:
             raise DiskkitError(self._where, f"the blob ends inside chunk {self._index}'s gzip member at {at}+{length}")
-        if hashlib.sha256(member).hexdigest() != self._toc.member_digests[self._index]:
+        if member_pin(self._toc.member_hash, member) != self._toc.member_digests[self._index]:
             raise DiskkitError(self._where, f"chunk {self._index}'s gzip member at {at}+{length} does not match its digest in the lazy TOC")
         self._index += 1
         return member

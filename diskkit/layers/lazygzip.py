@@ -38,7 +38,7 @@ WORKERS = os.cpu_count() or 2
 
 def _compress(data: bytes, level: int | None, chunk: bool) -> tuple[bytes, str | None]:
     member = gzip_member(data, level)
-    return member, hashlib.sha256(member).hexdigest() if chunk else None
+    return member, lazytoc.member_pin(lazytoc.MEMBER_HASH, member) if chunk else None
 
 
 class _Framer:

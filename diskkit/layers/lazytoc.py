@@ -12,15 +12,18 @@ TOC adds, per chunk, the member's compressed `[offset, length]` in the blob, and
 the disk's first byte is in the uncompressed tar:
 
     {"version": 2, "disk": "disk/root.qcow2", "offset": 1536, "size": 67108864, "chunkSize": 1048576,
-     "memberDigests": ["<sha256 hex of blob bytes [1024, 1024 + 310291)>", ...], "members": [[1024, 310291], ...],
+     "memberBlake3s": ["<BLAKE3-256 hex of blob bytes [1024, 1024 + 310291)>", ...], "members": [[1024, 310291], ...],
      "files": {"boot/vmlinuz": "<sha256 hex of its content>", ...}}
 
-`memberDigests` pins each chunk by its gzip member exactly as stored in the blob: the writer hashes
+`memberBlake3s` pins each chunk by its gzip member exactly as stored in the blob: the writer hashes
 the compressed bytes (less than half the disk's size), and a reader checks a member before any of
-it reaches the inflater, then that it inflates to exactly the chunk's length. Version-2 TOCs written
-before this pin chunks by their uncompressed bytes instead, under the name `chunks` (as version 1);
-they are still read. The field's name says which digest an entry is: a TOC carries exactly one of
-the two, and `memberDigests` only with `members`.
+it reaches the inflater, then that it inflates to exactly the chunk's length. BLAKE3 because the
+blob's own sha256 already passes over the same bytes and the diffID's over the whole tar: here it
+hashes at 7.3 GB/s against sha256's 1.8 GB/s with SHA-NI, 0.13 CPU-s less for a 700 MB disk's
+build (0.06 s of a build+push on 2 cores). Earlier TOCs are still read: version-2 TOCs pinning
+members by sha256 (`memberDigests`), and before that chunks by their uncompressed bytes (`chunks`,
+as version 1). The field's name says which digest an entry is: a TOC carries exactly one of the
+three, and a member pin only with `members`.
 
 `files` (both versions; absent when the layer holds only the disk) pins the layer's other regular
 files, the kernelBoot kernel and initrd: a reader takes them out of the members around the disk's
@@ -57,6 +60,8 @@ import json
 import zlib
 from dataclasses import dataclass
 
+import blake3
+
 from diskkit.errors import DiskkitError
 from diskkit.oci.image import Descriptor
 
@@ -70,6 +75,8 @@ ANNOTATION_TOC_SIZE = "io.diskkit.lazy.toc.size"
 ANNOTATION_TOC_DIGEST = "io.diskkit.lazy.toc.digest"
 LAZY_VALUE = "toc-v1"
 LAZY_VALUE_GZIP = "toc-v2"
+MEMBER_PINS = {"blake3": "memberBlake3s", "sha256": "memberDigests"}  # hash -> the TOC field that lists it
+MEMBER_HASH = "blake3"  # what new TOCs pin members with
 MIN_CHUNK = 1 << 20
 MAX_CHUNKS = 16384  # keeps the TOC near 1 MiB at most; larger disks get larger chunks
 MAX_TOC_BYTES = 4 << 20
@@ -92,7 +99,8 @@ class Toc:
     chunks: tuple[str, ...] | None  # sha256 hex per chunk's uncompressed bytes (v1, and v2 TOCs written before memberDigests)
     members: tuple[tuple[int, int], ...] | None = None  # version 2: each chunk's gzip member (offset, length) in the blob
     files: tuple[tuple[str, str], ...] = ()  # (path, sha256 hex) of the layer's other regular files: kernelBoot artifacts
-    member_digests: tuple[str, ...] | None = None  # version 2: sha256 hex per chunk's gzip member as stored in the blob
+    member_digests: tuple[str, ...] | None = None  # version 2: hex digest per chunk's gzip member as stored in the blob
+    member_hash: str = MEMBER_HASH  # which hash member_digests are (MEMBER_PINS)
 
     @property
     def version(self) -> int:
@@ -113,7 +121,7 @@ class Toc:
         if self.chunks is not None:
             obj["chunks"] = list(self.chunks)
         if self.member_digests is not None:
-            obj["memberDigests"] = list(self.member_digests)
+            obj[MEMBER_PINS[self.member_hash]] = list(self.member_digests)
         if self.members is not None:
             obj["members"] = [list(m) for m in self.members]
         if self.files:
@@ -191,17 +199,19 @@ def parse(data: bytes, loc: TocLocation, where: str, expected: int = VERSION) ->
         if members is not None:
             members = tuple((int(o), int(n)) for o, n in members)
         files = tuple(sorted((str(k), str(v)) for k, v in (obj.get("files") or {}).items()))
-        chunks, member_digests = obj.get("chunks"), obj.get("memberDigests")
-        if (chunks is None) == (member_digests is None):
-            raise DiskkitError(where, "lazy TOC must pin its chunks with exactly one of chunks (uncompressed) and memberDigests (gzip members)")
+        chunks = obj.get("chunks")
+        pins = [(name, obj[field]) for name, field in MEMBER_PINS.items() if obj.get(field) is not None]
+        if (chunks is not None) + len(pins) != 1:
+            raise DiskkitError(where, "lazy TOC must pin its chunks with exactly one of chunks (uncompressed), memberBlake3s and memberDigests (gzip members)")
+        member_hash, member_digests = pins[0] if pins else (MEMBER_HASH, None)
         toc = Toc(str(obj["disk"]), int(obj["offset"]), int(obj["size"]), int(obj["chunkSize"]),
                   tuple(map(str, chunks)) if chunks is not None else None, members, files,
-                  tuple(map(str, member_digests)) if member_digests is not None else None)
+                  tuple(map(str, member_digests)) if member_digests is not None else None, member_hash)
         version = obj.get("version")
     except (ValueError, KeyError, TypeError, AttributeError):
         raise DiskkitError(where, "lazy TOC is not the JSON object diskkit writes") from None
     if toc.member_digests is not None and toc.members is None:
-        raise DiskkitError(where, "lazy TOC pins gzip members (memberDigests) but lists none (members)")
+        raise DiskkitError(where, f"lazy TOC pins gzip members ({MEMBER_PINS[toc.member_hash]}) but lists none (members)")
     if version != expected or toc.version != expected:
         raise DiskkitError(where, f"lazy TOC version {version!r} is not supported in this layer (expected {expected})")
     if toc.chunk_size < 4096 or toc.chunk_size % 4096:
@@ -213,7 +223,7 @@ def parse(data: bytes, loc: TocLocation, where: str, expected: int = VERSION) ->
     elif toc.offset <= 0 or toc.offset + toc.size > loc.offset:
         raise DiskkitError(where, "lazy TOC places the disk outside the blob or over the TOC itself")
     if any(len(c) != 64 for c in toc.chunks or toc.member_digests) or any(len(d) != 64 for _, d in toc.files):
-        raise DiskkitError(where, "lazy TOC chunk and file digests must be sha256 hex")
+        raise DiskkitError(where, "lazy TOC chunk and file digests must be 64 hex digits")
     return toc
 
 
@@ -231,6 +241,13 @@ def _check_members(toc: Toc, loc: TocLocation, where: str) -> None:
         at += length
     if at > loc.offset:
         raise DiskkitError(where, "lazy TOC places the chunks outside the blob or over the TOC itself")
+
+
+def member_pin(hash_name: str, member) -> str:
+    """The hex digest a TOC pins a gzip member with (Toc.member_hash)."""
+    if hash_name == "blake3":
+        return blake3.blake3(member).hexdigest()  # releases the GIL, as hashlib does
+    return hashlib.sha256(member).hexdigest()
 
 
 class ChunkHasher:

@@ -8,7 +8,7 @@ file in the node cache and is marked in a bitmap that is persisted after the dat
 restarted server resumes where it stopped.
 
 Integrity: with a TOC every chunk is checked against its digest before anyone can read it, and a
-chunk that fails is fetched again. A v2 TOC pins each chunk's gzip member as stored (memberDigests):
+chunk that fails is fetched again. A v2 TOC pins each chunk's gzip member as stored (memberBlake3s, or memberDigests):
 the member's bytes are checked before they are inflated, then its inflated length; TOCs written
 before that pin the uncompressed chunk, checked once inflated. Without one (a plain uncompressed layer) chunks are served as
 they arrive, unless `strict`, in which case reads wait for the whole blob. Either way, once every
@@ -208,7 +208,8 @@ class Layout:
     chunks: tuple[str, ...] | None  # sha256 per chunk from the TOC; None: only the blob digest checks
     members: tuple[tuple[int, int], ...] | None = None  # v2: each chunk's gzip member in the blob; `offset` is then in the tar
     diff_id: str | None = None  # v2: the config's diffID, checked once the disk is complete (v1: the blob is its own)
-    member_digests: tuple[str, ...] | None = None  # v2: sha256 per chunk's gzip member as stored; then `chunks` is None
+    member_digests: tuple[str, ...] | None = None  # v2: digest per chunk's gzip member as stored; then `chunks` is None
+    member_hash: str = "sha256"  # which hash member_digests are (lazytoc.MEMBER_PINS); source.json written before it held sha256
 
     @property
     def pinned(self) -> bool:
@@ -292,14 +293,14 @@ def find_layout(image: Image, ranges_for, registry_host: str, repository: str, p
     where = f"{shown}: layer {layer.digest[:19]}"
     lazy = walked.lazy.get(index)
     toc = walked.tocs.get(index)
-    chunk_size, chunks, pins = lazytoc.chunk_size_for(size), None, None
+    chunk_size, chunks, pins, pin_hash = lazytoc.chunk_size_for(size), None, None, "sha256"
     if toc is not None:
         if (toc.disk, toc.offset, toc.size) != (member, offset, size):
             raise DiskkitError(where, f"the lazy TOC describes /{toc.disk} at {toc.offset}+{toc.size}, but the layer holds /{member} at {offset}+{size}")
-        chunk_size, chunks, pins = toc.chunk_size, toc.chunks, toc.member_digests
+        chunk_size, chunks, pins, pin_hash = toc.chunk_size, toc.chunks, toc.member_digests, toc.member_hash
     v2 = lazy is not None
     layout = Layout(registry_host, repository, layer.digest, layer.size, member, offset, size, chunk_size, chunks,
-                    toc.members if v2 else None, image.diff_ids[index] if v2 else None, pins)
+                    toc.members if v2 else None, image.diff_ids[index] if v2 else None, pins, pin_hash)
     besides = layer.size - (layout.data_end - layout.data_start)
     if besides > imagewalk.MAX_HEAD_TAIL:
         raise NotSeekable(shown, f"its layer holds {besides} bytes besides the disk")
@@ -675,7 +676,7 @@ class LazyDisk:
             return view[low + lay.offset - start : high + lay.offset - start], None
         at, length = lay.members[index]
         stored = view[at - start : at - start + length]
-        if lay.member_digests is not None and hashlib.sha256(stored).hexdigest() != lay.member_digests[index]:
+        if lay.member_digests is not None and lazytoc.member_pin(lay.member_hash, stored) != lay.member_digests[index]:
             return None, stored  # never inflated: zlib sees only bytes the TOC vouches for
         try:
             piece = lazytoc.inflate(stored, high - low, f"chunk {index}")
