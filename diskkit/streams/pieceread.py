@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import errno
 import mmap
 import os
 import queue
@@ -93,7 +94,7 @@ class PieceReader:
             try:
                 return buf, os.preadv(self.direct_fd, [buf], offset)
             except OSError as exc:
-                if exc.errno != 22:  # EINVAL: this file's blocks do not suit direct reads after all
+                if exc.errno != errno.EINVAL:  # this file's blocks do not suit direct reads after all
                     raise
         return buf, os.preadv(self.fd, [buf], offset)
 

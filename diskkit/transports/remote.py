@@ -240,6 +240,7 @@ class _Upload:
                 check_status(response, (202,), self.registry.host, f"upload chunk at {start}")
                 self.location = self.registry.resolve(response.headers.get("Location", self.location))
                 self._acknowledged(self.sent)
+                failures = 0  # the retries are per segment
         except BaseException as exc:
             self.error = exc
             while not self.ended:  # the writer must never block on a queue nobody reads
