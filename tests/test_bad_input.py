@@ -76,6 +76,31 @@ def test_corrupt_qcow2_l1_table(diskkit, tmp_path, outdir):
     build_refused(diskkit, disk, outdir, needles=("corrupt.qcow2", "corrupt or truncated"))
 
 
+def test_qcow2_that_qemu_img_cannot_open_leaves_no_check_running(tmp_path, monkeypatch):
+    # `qemu-img check` starts beside `qemu-img info` once the header shows nothing outside the file;
+    # when info refuses the image, the check is stopped and reaped, not left behind.
+    from diskkit.errors import DiskkitError
+    from diskkit.ops.build import examine_disk
+
+    disk = make_qcow2(tmp_path / "bigclusters.qcow2")
+    with open(disk, "r+b") as f:
+        f.seek(20)
+        f.write(struct.pack(">I", 40))  # cluster_bits: qemu opens 2^9 to 2^21 only
+    started = []
+    real = subprocess.Popen.__init__
+
+    def record(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        started.append(self)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", record)
+    with pytest.raises(DiskkitError, match="Unsupported cluster size"):
+        examine_disk(disk)
+    monkeypatch.undo()
+    assert sorted(p.args[1] for p in started) == ["check", "info"]
+    assert all(p.returncode is not None for p in started)  # both ended and reaped
+
+
 def test_qcow2_with_backing_file(diskkit, tmp_path, outdir):
     disk = tmp_path / "backed.qcow2"
     run("qemu-img", "create", "-q", "-f", "qcow2", "-b", "/etc/passwd", "-F", "raw", disk)

@@ -42,13 +42,23 @@ def _limits(cpu: int, memory: int) -> Callable[[], None]:
     return apply
 
 
-def run(args: list[str], cpu: int, memory: int = ADDRESS_SPACE) -> subprocess.CompletedProcess:
-    return subprocess.run(
+def start(args: list[str], cpu: int, memory: int = ADDRESS_SPACE) -> subprocess.Popen:
+    return subprocess.Popen(
         [_binary(), *args],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         preexec_fn=_limits(cpu, memory),
         env={**os.environ, "LC_ALL": "C"},
     )
+
+
+def finish(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+    out, err = proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def run(args: list[str], cpu: int, memory: int = ADDRESS_SPACE) -> subprocess.CompletedProcess:
+    return finish(start(args, cpu, memory))
 
 
 def _failure(path: Path, what: str, proc: subprocess.CompletedProcess) -> DiskkitError:
@@ -98,9 +108,14 @@ def info(path: Path, fmt: str | None = None) -> DiskInfo:
     return DiskInfo.from_json(path, obj)
 
 
-def check(path: Path, fmt: str) -> None:
+def start_check(path: Path, fmt: str) -> subprocess.Popen:
+    """`qemu-img check` started, for check() to judge: it can run beside `qemu-img info`."""
+    return start(["check", "-f", fmt, "--output=json", "--", str(path)], CHECK_CPU_SECONDS)
+
+
+def check(path: Path, fmt: str, started: subprocess.Popen | None = None) -> None:
     """`qemu-img check`: refuses truncated or corrupt qcow2 metadata (leaks are harmless and allowed)."""
-    proc = run(["check", "-f", fmt, "--output=json", "--", str(path)], CHECK_CPU_SECONDS)
+    proc = finish(started or start_check(path, fmt))
     # Exit 3 means leaked clusters only: wasted space, no corruption.
     if proc.returncode in (0, 3):
         return
