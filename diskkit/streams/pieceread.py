@@ -18,7 +18,7 @@ import mmap
 import os
 import queue
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 IN_FLIGHT = 3  # direct reads outstanding: one device request at a time left the compressors waiting
@@ -68,7 +68,6 @@ class PieceReader:
     def __init__(self, path: Path, piece: int, buffers: int, length: int):
         if piece % PAGE:
             raise ValueError(f"piece size {piece} is not a multiple of the page size")
-        self.path = path
         self.piece = piece
         self.length = length
         self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -100,42 +99,36 @@ class PieceReader:
 
     def __iter__(self) -> Iterator[tuple[memoryview, Release]]:
         if not self.direct:
-            # From the page cache: a read is a copy, done here; a thread handing it over cost more.
-            offset = 0
-            while offset < self.length:
-                buf = self.free.get()
-                count = min(os.preadv(self.fd, [buf], offset), self.length - offset)
+            # From the page cache a read is a copy, done here when it is due: a thread handing it over cost more.
+            yield from self._pieces(lambda buf, at: (lambda done=self._read(buf, at): done), 1)
+            return
+        with ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="read") as io:
+            yield from self._pieces(lambda buf, at: io.submit(self._read, buf, at).result, IN_FLIGHT)
+
+    def _pieces(self, start: Callable[[mmap.mmap, int], Callable[[], tuple[mmap.mmap, int]]], depth: int) -> Iterator[tuple[memoryview, Release]]:
+        """`start(buf, offset)` begins a read and returns what waits for it; up to `depth` run ahead."""
+        pending: collections.deque[Callable[[], tuple[mmap.mmap, int]]] = collections.deque()
+        ahead = 0
+        try:
+            while True:
+                while len(pending) < depth and ahead < self.length:
+                    pending.append(start(self.free.get(), ahead))
+                    ahead += self.piece
+                if not pending:
+                    return
+                offset = ahead - len(pending) * self.piece
+                buf, count = pending.popleft()()
+                count = min(count, self.length - offset)  # a direct read takes whole pages
                 if count <= 0:
                     self.free.put(buf)
                     return
                 yield memoryview(buf)[:count], (lambda b=buf: self.free.put(b))
-                offset += count
                 if count < self.piece:
                     return  # the end: of `length`, of the file, or of a file that shrank (the caller counts)
-            return
-        with ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="read") as io:
-            pending: collections.deque[Future] = collections.deque()
-            ahead = 0
-            try:
-                while True:
-                    while len(pending) < IN_FLIGHT and ahead < self.length:
-                        pending.append(io.submit(self._read, self.free.get(), ahead))
-                        ahead += self.piece
-                    if not pending:
-                        return
-                    offset = ahead - len(pending) * self.piece
-                    buf, count = pending.popleft().result()
-                    count = min(count, self.length - offset)  # a direct read takes whole pages
-                    if count <= 0:
-                        self.free.put(buf)
-                        return
-                    yield memoryview(buf)[:count], (lambda b=buf: self.free.put(b))
-                    if count < self.piece:
-                        return  # the end: of `length`, of the file, or of a file that shrank (the caller counts)
-            finally:
-                for future in pending:
-                    with contextlib.suppress(OSError):
-                        self.free.put(future.result()[0])
+        finally:
+            for waiting in pending:
+                with contextlib.suppress(OSError):
+                    self.free.put(waiting()[0])
 
     def grew(self, length: int) -> bool:
         """Whether the file now holds more than `length` bytes (a file that grew is refused too)."""

@@ -195,7 +195,7 @@ class _Upload:
     def _segment(self, start: int):
         """The body of one PATCH from `start`: what is held from there, then new pieces up to SEGMENT
         bytes. A factory, as the client calls it again to send the request again after a 401."""
-        if self.held and start < self.held[0][0] or not self.held and start < self.sent:
+        if start < (self.held[0][0] if self.held else self.sent):  # the bytes from `start` are no longer held
             raise UploadLost(self.registry.host, f"the registry has the first {start} bytes of the upload, and resending from there needs more than the {RETAIN >> 20} MiB kept")
 
         def body() -> Iterator[bytes | memoryview]:
