@@ -32,6 +32,7 @@ class FileExport:
         self.reads = self.ready_reads = 0
         self.arrived = threading.Event()  # what read() waits for, as a lazy export waits for its registry
         self.arrived.set()
+        self.pool_read = threading.Event()  # set once the pool has begun a read
 
     def read_ready(self, offset: int, length: int) -> bytes | None:
         if offset + length > HERE:
@@ -41,6 +42,7 @@ class FileExport:
 
     def read(self, offset: int, length: int) -> bytes:
         self.reads += 1
+        self.pool_read.set()
         self.arrived.wait(30)
         return self._pread(offset, length)
 
@@ -177,6 +179,8 @@ def test_reads_of_bytes_here_pass_reads_that_wait(served):
         for cookie in (2, 3):
             assert _request(sock, nbd.CMD_READ, cookie, cookie << 20, 4096) == (0, cookie)
             assert nbd._recv_exact(sock, 4096) == data[cookie << 20 : (cookie << 20) + 4096]
+        # the pool thread may not have been scheduled yet: the waiting read is the pool's, whenever it runs
+        assert export.pool_read.wait(10)
         assert (export.ready_reads, export.reads) == (2, 1)
         export.arrived.set()
         magic, error, cookie = struct.unpack(">IIQ", nbd._recv_exact(sock, 16))

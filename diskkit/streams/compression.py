@@ -1,7 +1,8 @@
 """Streaming compressors and decompressors for layer blobs: gzip through ISA-L, zstd, or none.
 
-Output is deterministic for a given input and level (gzip header mtime 0; zstd always in
-multi-threaded mode, whose output does not depend on the thread count), so builds are reproducible.
+Output is deterministic for a given input and level (gzip header mtime 0, and ISA-L's first bytes
+kept from its body, see _Gzip; zstd always in multi-threaded mode, whose output does not depend on
+the thread count), so builds are reproducible.
 """
 
 from __future__ import annotations
@@ -21,6 +22,42 @@ class Compressor(Protocol):
     def flush(self) -> bytes: ...
 
 
+# ISA-L (2.32.1, also its master) levels 1 and 2 hash a fresh stream's third byte from a register
+# holding the stream's address instead of from the data (igzip_icf_body_h1_gr_bt.asm,
+# .write_first_byte, reads `tmp2` = rcx before setting it). Which earlier position a later match
+# finds then hung on where the stream struct lay in memory: on a compressing thread's stack, moved
+# by ASLR. About 1 build in 10 of a 700 MB disk made a different (valid) layer digest. The body
+# takes that path only when it starts a stream; input of at most PROLOGUE bytes under a flush it
+# leaves to the finish routine, which starts a stream correctly. So a stream's first PROLOGUE
+# bytes go alone, closed by a sync flush (an empty stored block, 5 bytes), and the body only ever
+# continues a stream.
+PROLOGUE = 16
+
+
+class _Gzip:
+    def __init__(self, level: int):
+        self._z = isal_zlib.compressobj(level, isal_zlib.DEFLATED, 31)
+        self._head = b""
+        self._started = False
+
+    def compress(self, data: bytes | memoryview) -> bytes:
+        if self._started:
+            return self._z.compress(data)
+        need = PROLOGUE - len(self._head)
+        self._head += bytes(data[:need])
+        if len(self._head) < PROLOGUE:
+            return b""
+        self._started = True
+        out = self._z.compress(self._head) + self._z.flush(isal_zlib.Z_SYNC_FLUSH)
+        return out + self._z.compress(data[need:]) if len(data) > need else out
+
+    def flush(self) -> bytes:
+        if not self._started:  # PROLOGUE bytes or fewer in all: the finish routine takes them whole
+            self._started = True
+            return self._z.compress(self._head) + self._z.flush()
+        return self._z.flush()
+
+
 class _Identity:
     def compress(self, data):
         return data
@@ -34,7 +71,7 @@ def compressor(kind: str, level: int | None = None) -> Compressor:
         level = DEFAULT_LEVEL[kind]
     if kind == "gzip":
         _check_gzip_level(level)
-        return isal_zlib.compressobj(level, isal_zlib.DEFLATED, 31)
+        return _Gzip(level)
     if kind == "zstd":
         if not 1 <= level <= 19:
             raise DiskkitError("--level", "zstd levels are 1-19")
@@ -58,7 +95,8 @@ def gzip_member(data: bytes | memoryview, level: int | None = None) -> bytes:
     ISA-L releases the GIL while compressing, so threads compress members on every core."""
     level = DEFAULT_LEVEL["gzip"] if level is None else level
     _check_gzip_level(level)
-    return isal_zlib.compress(data, level, 31)
+    gz = _Gzip(level)
+    return gz.compress(data) + gz.flush()
 
 
 def sniff(head: bytes) -> str:
