@@ -34,6 +34,11 @@ class Compressor(Protocol):
 PROLOGUE = 16
 
 
+def _open_stream(z, head: bytes | memoryview) -> bytes:
+    """A stream's first PROLOGUE bytes, alone and flushed, so ISA-L's body only continues it."""
+    return z.compress(head) + z.flush(isal_zlib.Z_SYNC_FLUSH)
+
+
 class _Gzip:
     def __init__(self, level: int):
         self._z = isal_zlib.compressobj(level, isal_zlib.DEFLATED, 31)
@@ -48,7 +53,7 @@ class _Gzip:
         if len(self._head) < PROLOGUE:
             return b""
         self._started = True
-        out = self._z.compress(self._head) + self._z.flush(isal_zlib.Z_SYNC_FLUSH)
+        out = _open_stream(self._z, self._head)
         return out + self._z.compress(data[need:]) if len(data) > need else out
 
     def flush(self) -> bytes:
@@ -98,8 +103,8 @@ def gzip_member(data: bytes | memoryview, level: int | None = None) -> bytes:
     z = isal_zlib.compressobj(level, isal_zlib.DEFLATED, 31)
     if len(data) <= PROLOGUE:
         return z.compress(data) + z.flush()
-    # as _Gzip does, in one join: a member is copied once, not once per part
-    return b"".join((z.compress(data[:PROLOGUE]), z.flush(isal_zlib.Z_SYNC_FLUSH), z.compress(data[PROLOGUE:]), z.flush()))
+    # _Gzip's parts in one join: a member is copied once, not once per part
+    return b"".join((_open_stream(z, data[:PROLOGUE]), z.compress(data[PROLOGUE:]), z.flush()))
 
 
 def sniff(head: bytes) -> str:
