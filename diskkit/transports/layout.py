@@ -15,6 +15,7 @@ from diskkit.errors import DiskkitError
 from diskkit.oci.image import Descriptor, canonical_json, check_digest, parse_json
 from diskkit.oci.reference import ImageRef
 from diskkit.streams import fsutil
+from diskkit.streams.directwrite import DirectWriter
 from diskkit.transports.base import Destination, Source
 
 REF_NAME = "org.opencontainers.image.ref.name"
@@ -103,15 +104,14 @@ class PendingFile:
         self.tmp = tmp
         self.file = open(tmp, "wb")
         fcntl.flock(self.file.fileno(), fcntl.LOCK_EX)  # alive: a later push must not reclaim it
-        self._writeback = fsutil.Writeback(self.file)
+        self._out = DirectWriter(tmp, self.file.fileno())  # a blob is hashed on its way in, never read back here
         self.done = False
 
     def write(self, data) -> None:
-        self.file.write(data)
-        self._writeback()
+        self._out.write(data)
 
     def commit(self, digest: str, size: int) -> None:
-        self.file.flush()
+        self._out.close()
         os.fsync(self.file.fileno())
         self.file.close()
         if os.stat(self.tmp).st_size != size:
@@ -124,6 +124,10 @@ class PendingFile:
             self._dest.added.append(final)
         self.done = True
 
+    def abort(self) -> None:
+        self._out.abort()
+        self.file.close()
+
 
 @contextlib.contextmanager
 def pending_blob(dest) -> Iterator[PendingFile]:
@@ -133,7 +137,7 @@ def pending_blob(dest) -> Iterator[PendingFile]:
         yield pending
     finally:
         if not pending.done:
-            pending.file.close()
+            pending.abort()
             pending.tmp.unlink(missing_ok=True)
 
 
