@@ -33,7 +33,6 @@ class DirectWriter:
     def __init__(self, path: os.PathLike, fd: int):
         self.path = path
         self.fd = fd
-        self.size = 0
         self.error: BaseException | None = None
         self._direct: int | None = None
         self._thread: threading.Thread | None = None
@@ -54,7 +53,6 @@ class DirectWriter:
             view = view[n:]
             if self._fill == PIECE:
                 self._hand_over(PIECE)
-        self.size += len(data)
 
     def _hand_over(self, length: int) -> None:
         if self._thread is None:
@@ -122,7 +120,6 @@ class DirectWriter:
                 self._direct = None
         if self.error is not None:
             raise self.error
-
 
     def abort(self) -> None:
         """Stop without writing the tail: the file is being thrown away."""
