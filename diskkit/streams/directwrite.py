@@ -21,7 +21,7 @@ import threading
 
 PIECE = 4 << 20  # bytes per direct write: the device's requests are 4 MiB (max_sectors_kb)
 BUFFERS = 3  # one filling, up to two on their way to the device
-ALIGN = 4096  # offsets and lengths of direct writes: a page covers every logical block size in use
+ALIGN = mmap.PAGESIZE  # offsets and lengths of direct writes: a page covers every logical block size in use
 
 
 class DirectWriter:
@@ -100,9 +100,8 @@ class DirectWriter:
 
     def close(self) -> None:
         """Every byte written to the file (not yet synced); raises what the writer thread met."""
-        if self._thread is None:
-            if self.error is None:
-                _pwrite_all(self.fd, memoryview(self._buf)[:self._fill], 0)
+        if self._thread is None:  # nothing handed over, so nothing failed yet
+            _pwrite_all(self.fd, memoryview(self._buf)[:self._fill], 0)
             return
         try:
             end = self._offset + self._fill
