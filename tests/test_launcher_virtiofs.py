@@ -249,8 +249,8 @@ def test_a_domain_that_does_not_start_leaves_no_virtiofsd(qemu_user, guest_image
     vmi["spec"]["domain"]["devices"]["disks"].append({"name": "locked", "disk": {"bus": "virtio"}})
     vmi["spec"]["volumes"].append({"name": "locked", "hostDisk": {"path": str(locked), "type": "Disk"}})
     vmi_path.write_text(json.dumps(vmi))
-    result = root_launcher(cache, "run", NOREG, "--timeout", "120", "--connect", uri,
-                           "--pvc", f"shared={claim}", "--manifests", manifests, vmi_path)
+    result = root_launcher(cache, "run", NOREG, "--timeout", "120", "--connect", uri, "--feature-gates", "HostDisk",
+                           "--host-disk-dir", qemu_user.root, "--pvc", f"shared={claim}", "--manifests", manifests, vmi_path)
     assert result.code != 0
     assert "the domain did not start" in result.err, result.err
     assert virtiofsd_sockets(cache) == set()

@@ -34,7 +34,8 @@ def test_pvc_emptydisk_and_hostdisk_beside_the_containerdisk(qemu_user, guest_im
         (_virtio("host", "host"), {"name": "host", "hostDisk": {"path": str(host_disk), "type": "DiskOrCreate", "capacity": "48Mi"}}),
     ]
     vmi = qemu_user.write_vmi("storage", guest_image, extra=extra)
-    args = ["run", NOREG, "--console", "--timeout", "180", "--pvc", f"data-claim={claim_dir}:40Mi", vmi]
+    args = ["run", NOREG, "--console", "--timeout", "180", "--pvc", f"data-claim={claim_dir}:40Mi",
+            "--feature-gates", "HostDisk", "--host-disk-dir", host_disk.parent, vmi]
 
     first = qemu_user.launcher(*args)
     assert first.code == 0, first.err
@@ -69,7 +70,7 @@ def test_missing_claim_and_disk_fail_before_any_domain(qemu_user, guest_image):
     assert_clean(qemu_user, "default_noclaim")
     extra = [(_virtio("host", "h"), {"name": "host", "hostDisk": {"path": str(qemu_user.root / "absent.img"), "type": "Disk"}})]
     vmi = qemu_user.write_vmi("nohost", guest_image, extra=extra)
-    result = qemu_user.launcher("run", NOREG, vmi)
+    result = qemu_user.launcher("run", NOREG, "--feature-gates", "HostDisk", "--host-disk-dir", qemu_user.root, vmi)
     assert result.code == 1 and "does not exist (type Disk)" in result.err, result.err
     assert_clean(qemu_user, "default_nohost")
 

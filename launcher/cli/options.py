@@ -28,12 +28,14 @@ def cache_option(command):
 
 
 def storage_options(command):
-    """--pvc, --manifests and --pvc-tolerance: where claims live outside a pod. Folded into `store`."""
+    """--pvc, --manifests, --pvc-tolerance, --feature-gates and --host-disk-dir: where claims live outside
+    a pod and which host disks may be used. Folded into `store`."""
     import functools
 
     @functools.wraps(command)
-    def wrapper(*args, pvc, manifests, kube_api, pvc_tolerance, **kwargs):
+    def wrapper(*args, pvc, manifests, kube_api, pvc_tolerance, feature_gates, host_disk_dir, **kwargs):
         from diskkit.errors import DiskkitError
+        from launcher.spec.gates import parse_gates
         from launcher.spec.k8s import Objects
         from launcher.volumes.storage import LocalClaim, Storage
 
@@ -51,12 +53,15 @@ def storage_options(command):
             from launcher.spec.kubeapi import ClusterObjects
 
             objects = ClusterObjects()
-        return command(*args, store=Storage(claims, objects, pvc_tolerance), **kwargs)
+        gates = parse_gates(feature_gates, host_disk_dir)
+        return command(*args, store=Storage(claims, objects, pvc_tolerance, gates=gates), **kwargs)
 
     options = [
         click.option("--pvc", multiple=True, metavar="CLAIM=PATH[:SIZE]", help="Where a claim lives here: a directory (its disk.img, created sparse with SIZE when missing) or a block device. Repeatable."),
         click.option("--manifests", type=click.Path(file_okay=False, exists=True), help="Directory of Kubernetes manifests: claims resolve to their bound PV (iSCSI and RBD PVs become network disks); ConfigMaps, Secrets and service account tokens fill configMap, secret, serviceAccount and cloud-init secretRef disks; a VirtualMachine's instance type and preference come from here."),
         click.option("--kube-api", is_flag=True, help="Read claims, PVs, ConfigMaps, Secrets, instance types and preferences from the Kubernetes API: in a pod through its service account, elsewhere through KUBECONFIG."),
+        click.option("--feature-gates", multiple=True, metavar="GATE[,GATE]", help="KubeVirt feature gates the node's admin turns on (KubeVirt's names; off by default as in KubeVirt): HostDisk."),
+        click.option("--host-disk-dir", multiple=True, metavar="DIR", help="A directory hostDisk volumes may use (with --feature-gates HostDisk); nothing outside one, and no symbolic link below it, is attached. Repeatable."),
         click.option("--pvc-tolerance", type=click.IntRange(0, 100), default=10, show_default=True, metavar="PERCENT", help="How much smaller than requested a new disk.img may be (KubeVirt's pvcTolerateLessSpaceUpToPercent)."),
     ]
     for option in options:

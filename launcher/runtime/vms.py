@@ -31,7 +31,7 @@ from launcher.runtime.runner import Libvirt
 from launcher.spec.vmi import VMI
 from launcher.volumes import vhostmd
 from launcher.volumes.files import give_to_qemu, give_tree_to_qemu, qemu_owner
-from launcher.volumes.prepare import prepare
+from launcher.volumes.prepare import admit, prepare
 from launcher.volumes.storage import Storage
 
 
@@ -102,6 +102,7 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
         alarm = _Alarm()
         try:
             virtiofs.check_runnable(vmi)
+            admit(vmi, opts.storage or Storage())
             from launcher.datavolumes.control import ensure_ready
 
             ensure_ready(vmi, opts.storage or Storage(), opts.registry, opts.timeout, say)  # KubeVirt waits for them too

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 from diskkit.disk import qemuimg
 from diskkit.errors import DiskkitError
 from launcher.node.cache import within
 from launcher.render.domain import ResolvedDisk
+from launcher.spec.gates import allowed_dir
 from launcher.spec.vmi import Volume
 from launcher.volumes import sizing
 from launcher.volumes.context import Context
@@ -27,6 +30,7 @@ def empty_disk(ctx: Context, volume: Volume, where: str) -> ResolvedDisk:
 def host_disk(ctx: Context, volume: Volume, where: str) -> ResolvedDisk:
     source = volume.source
     path = Path(source.path)
+    _refuse_links(path, allowed_dir(source.path, ctx.store.gates), f"{where}.path")
     if not path.exists():
         if source.type != "DiskOrCreate":
             raise DiskkitError(f"{where}.path", f"hostDisk {source.path} does not exist (type {source.type})")
@@ -41,3 +45,21 @@ def host_disk(ctx: Context, volume: Volume, where: str) -> ResolvedDisk:
     elif not (path.is_file() or is_block(path)):
         raise DiskkitError(f"{where}.path", f"hostDisk {source.path} is not a regular file")
     return file_disk(path, "raw")
+
+
+def _refuse_links(path: Path, allowed: str | None, at: str) -> None:
+    """Nothing between the allowed directory and the disk may be a symbolic link: libvirt would chown
+    and qemu open whatever it points to, which the admin never allowed (admission checked only the text)."""
+    if allowed is None:  # admission refuses it first; a direct caller gets the same answer
+        raise DiskkitError(at, f"{path} is not under a directory allowed for hostDisks")
+    current = Path(allowed)
+    for part in path.relative_to(allowed).parts:
+        current = current / part
+        try:
+            mode = os.lstat(current).st_mode
+        except FileNotFoundError:
+            return  # the rest does not exist: DiskOrCreate makes it, Disk refuses it below
+        except OSError as exc:
+            raise DiskkitError(at, f"{current} cannot be examined ({exc.strerror})") from None
+        if stat.S_ISLNK(mode):
+            raise DiskkitError(at, f"{current} is a symbolic link; a hostDisk path is never followed through links")

@@ -16,6 +16,7 @@ from diskkit.oci.image import Platform
 from diskkit.registry.options import RegistryOptions
 from launcher.node.cache import Cache
 from launcher.render.domain import ResolvedDisk
+from launcher.spec.gates import admit_host_disks
 from launcher.spec.vmi import VMI, Volume
 from launcher.volumes import claims, filesystems, gendisks, localdisks
 from launcher.volumes.containerdisk import container_disk, kernel_boot
@@ -53,6 +54,11 @@ HANDLERS: dict[str, Handler] = {
 }
 
 
+def admit(vmi: VMI, store: Storage) -> None:
+    """What the node's admin must allow before any volume is touched (KubeVirt's admission with its gates)."""
+    admit_host_disks(vmi.volumes, store.gates)
+
+
 def prepare(
     vmi: VMI,
     cache: Cache,
@@ -69,6 +75,7 @@ def prepare(
     pulled, or opened on the node's disk server when lazy, so the domain shows what a run would use.
     """
     ctx = Context(vmi, cache, run_dir, registry, platform, create, store or Storage(), lazy)
+    admit(vmi, ctx.store)
     shared = {fs.name for fs in vmi.domain.devices.filesystems}
     for volume in vmi.volumes:
         where = f"spec.volumes[{volume.index}].{volume.kind}"

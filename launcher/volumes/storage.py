@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from launcher.spec.gates import FeatureGates
 from launcher.spec.k8s import Claim, Objects
 from launcher.volumes import gendisks, sizing
 
@@ -27,6 +28,7 @@ class Storage:
     pod_disks: Path = POD_DISKS
     pod_config: Path = gendisks.POD_CONFIG  # config volumes as mounted in virt-launcher's pod
     service_account_dir: Path = gendisks.Sources.service_account_dir
+    gates: FeatureGates = field(default_factory=FeatureGates)  # --feature-gates, --host-disk-dir
 
 
 def pv_path(claim: Claim) -> LocalClaim | None:

@@ -1,0 +1,76 @@
+"""Feature gates: what a cluster admin turns on in KubeVirt's CR, given here with --feature-gates.
+
+KubeVirt admits a hostDisk volume only with its HostDisk gate on (off by default:
+pkg/virt-api/webhooks/validating-webhook/admitters/vmi-create-admitter.go, validateVolumes, "HostDisk
+feature gate is not enabled"), because the disk is any file on the node, chowned to qemu by libvirt
+and written by the guest. Here the gate alone is not enough: a node user's VMI could still name
+/etc/shadow, so a hostDisk must also lie under a directory the node's admin allowed
+(--host-disk-dir), checked here on the path as written and by launcher.volumes.localdisks on the
+filesystem (no symlink anywhere below the allowed directory).
+"""
+
+from __future__ import annotations
+
+import posixpath
+from dataclasses import dataclass
+from typing import Iterable
+
+from launcher.spec.fields import SpecError
+
+HOST_DISK = "HostDisk"
+KNOWN = (HOST_DISK,)
+
+
+@dataclass(frozen=True)
+class FeatureGates:
+    enabled: frozenset[str] = frozenset()
+    host_disk_dirs: tuple[str, ...] = ()  # absolute, normalised; a hostDisk must lie below one of them
+
+    def on(self, gate: str) -> bool:
+        return gate in self.enabled
+
+
+def parse_gates(gates: Iterable[str], host_disk_dirs: Iterable[str] = ()) -> FeatureGates:
+    """--feature-gates values (repeatable, comma-separated, KubeVirt's names) and --host-disk-dir values."""
+    enabled = set()
+    for value in gates:
+        for name in filter(None, (part.strip() for part in value.split(","))):
+            if name not in KNOWN:
+                raise SpecError(f"--feature-gates {name}", f"unknown feature gate (this launcher knows {', '.join(KNOWN)})")
+            enabled.add(name)
+    dirs = []
+    for value in host_disk_dirs:
+        if not value.startswith("/") or _clean(value) != value.rstrip("/") or value == "/":
+            raise SpecError(f"--host-disk-dir {value}", "must be an absolute, clean path to a directory other than /")
+        dirs.append(value.rstrip("/"))
+    if dirs and HOST_DISK not in enabled:
+        raise SpecError("--host-disk-dir", f"allows hostDisk paths, which need --feature-gates {HOST_DISK}")
+    return FeatureGates(frozenset(enabled), tuple(dirs))
+
+
+def _clean(path: str) -> str:
+    return posixpath.normpath(path) if path else path
+
+
+def admit_host_disks(volumes, gates: FeatureGates) -> None:
+    """Refuse, before anything is pulled or made, a hostDisk the gates do not let this node attach."""
+    for volume in volumes:
+        if volume.kind != "hostDisk":
+            continue
+        at = f"spec.volumes[{volume.index}]"
+        if not gates.on(HOST_DISK):
+            raise SpecError(at, f"{HOST_DISK} feature gate is not enabled")
+        path = volume.source.path
+        if not path.startswith("/") or _clean(path) != path:
+            raise SpecError(f"{at}.hostDisk.path", "must be an absolute path without relative components (., .., //)")
+        if allowed_dir(path, gates) is None:
+            shown = ", ".join(gates.host_disk_dirs) or "none given"
+            raise SpecError(f"{at}.hostDisk.path", f"{path} is not under a directory allowed for hostDisks (--host-disk-dir: {shown})")
+
+
+def allowed_dir(path: str, gates: FeatureGates) -> str | None:
+    """The allowed directory `path` lies strictly below, if any."""
+    for directory in gates.host_disk_dirs:
+        if path.startswith(directory + "/"):
+            return directory
+    return None
