@@ -1,33 +1,41 @@
-"""virtiofs filesystems (spec.domain.devices.filesystems): KubeVirt's admission rules, and the real
-guest reading a claim's directory and a ConfigMap's files over virtiofs, with no virtiofsd left after.
+"""virtiofs filesystems (spec.domain.devices.filesystems): KubeVirt's admission rules, the real
+guest reading a claim's directory and a ConfigMap's files over virtiofs, with no virtiofsd left after,
+and a hostile guest that tries to reach the host through its shares.
 
-qemu 7.2's C virtiofsd cannot run unprivileged (launcher.runtime.virtiofs says why), so the VM tests
-run the launcher as root, against the qemu user's libvirt session daemon (its socket given in the
-URI): qemu runs as UID 107, fast, and root's virtiofsd serves it. `qemu:///session` as root is the
-system daemon (34-68 s per start here), so it is not used.
+virtiofsd runs as root of a user namespace that is the qemu user outside (launcher.runtime.virtiofs,
+as KubeVirt's non-root virtiofsd: securityContextVirtioFS in pkg/virt-controller/services/virtiofs.go),
+so both a root launcher and an unprivileged one serve filesystems. The root VM tests run against the
+qemu user's libvirt session daemon (its socket given in the URI): qemu runs as UID 107, fast.
+`qemu:///session` as root is the system daemon (34-68 s per start here), so it is not used.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
 import signal
+import stat
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
+from diskkit.errors import DiskkitError
 from launcher.runtime import virtiofs
 from launcher.spec.fields import SpecError
 from launcher.spec.vmi import parse_vmi
 from launcher.volumes.context import Share
+from launcher.volumes.filesystems import give_share
 from tests.conftest import launcher_command, run_launcher
 from tests.testguest import parse_console
-from tests.vmhost import NOREG, QEMU_UID, assert_clean
+from tests.vmhost import NOREG, QEMU_UID, assert_clean, qemu_scratch
 
 VIRTIOFSD = "/usr/lib/qemu/virtiofsd"
+OLD_LOCK_DIR = Path("/run/virtiofsd")  # where virtiofsd keeps a pid lock per --socket-path
+NOBODY = 65534
 
 
 # ---------------------------------------------------------------- admission (pure)
@@ -130,16 +138,18 @@ def write_shared_vmi(qemu_user, guest_image, name: str, hold: int = 0) -> tuple[
 
 
 def virtiofsd_sockets(under: Path) -> set[str]:
+    """The sockets served under `under`, named by the mount point each virtiofsd serves (NAME.root)."""
     sockets = set()
     for pid in virtiofsd_pids(under):
         with contextlib.suppress(OSError):
-            sockets.update(a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a.startswith(b"--socket-path="))
+            sockets.update(str(Path(a.decode().split("=", 1)[1]).with_suffix(".sock"))
+                           for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a.startswith(b"source="))
     return sockets
 
 
 def virtiofsd_locks(under: Path) -> list[Path]:
-    """The pid locks virtiofsd keeps in /run/virtiofsd for sockets under `under`."""
-    return list(virtiofs.LOCK_DIR.glob(str(under).replace("/", ".") + "*"))
+    """Pid locks in /run/virtiofsd for sockets under `under` (virtiofsd takes none when given --fd)."""
+    return list(OLD_LOCK_DIR.glob(str(under).replace("/", ".") + "*"))
 
 
 def root_launcher(cache: Path, *args, timeout: float = 400):
@@ -206,35 +216,94 @@ def test_sigterm_ends_the_virtiofsd(qemu_user, guest_image, root_side):
     assert not (cache / "run" / "default_termed").exists()
 
 
-def test_unprivileged_launcher_refuses_filesystems(qemu_user, guest_image):
+def test_unprivileged_launcher_serves_filesystems(qemu_user, guest_image):
+    """An unprivileged launcher (uid 107) serves a claim and a ConfigMap: virtiofsd needs no host root."""
     vmi, claim, manifests = write_shared_vmi(qemu_user, guest_image, "unpriv")
     os.chown(claim, QEMU_UID, QEMU_UID)
-    result = qemu_user.launcher("run", NOREG, "--console", "--timeout", "120", "--pvc", f"shared={claim}", "--manifests", manifests, vmi)
-    assert result.code != 0
-    lines = result.err.strip().splitlines()
-    assert len(lines) == 1, result.err
-    assert lines[0].startswith("launcher: spec.domain.devices.filesystems[0]: filesystem fs0 needs the launcher to run as root"), lines
-    assert "CAP_SYS_ADMIN" in lines[0]
+    result = qemu_user.launcher("run", NOREG, "--console", "--timeout", "300", "--pvc", f"shared={claim}", "--manifests", manifests, vmi)
+    assert result.code == 0, result.err
+    console = parse_console(result.out)
+    assert console["done"], result.out[-2000:]
+    assert console["filesystems"]["fs0"]["files"]["/hello.txt"] == "hello from the claim\nsecond line\n"
+    assert console["filesystems"]["fs1"]["files"]["/greeting"] == "hi over virtiofs\n"
+    assert console["filesystems"]["fs0"]["wrote"]
+    assert not console["filesystems"]["fs1"]["wrote"]
+    wrote = (claim / "guest-wrote").lstat()
+    assert (wrote.st_uid, wrote.st_gid) == (QEMU_UID, QEMU_UID)  # the launcher's own ids (setpriv --regid=107)
+    assert stat.S_IMODE(claim.stat().st_mode) == 0o700
+    assert virtiofsd_pids(qemu_user.cache) == []
     assert_clean(qemu_user, "default_unpriv")
 
 
-def test_stop_ends_a_virtiofsd_no_qemu_ever_connected_to(tmp_path):
+@pytest.fixture
+def scratch():
+    """A directory the qemu user (whom virtiofsd runs as) can reach; pytest's tmp_path is root's alone."""
+    with qemu_scratch("diskkit-virtiofs-") as root:
+        yield root
+
+
+def test_stop_ends_a_virtiofsd_no_qemu_ever_connected_to(scratch):
     # A virtiofsd ends by itself when its qemu disconnects; one that never got a qemu (the domain did
     # not start) only ends when the launcher ends it.
     vmi = parse_vmi(doc([FS], [PVC]))
+    tmp_path = scratch
     share = tmp_path / "share"
     share.mkdir()
     run_dir = tmp_path / "run"
     daemons = virtiofs.start(vmi, {"data": Share(share)}, run_dir)
     assert [d["name"] for d in daemons] == ["data"]
-    assert virtiofsd_sockets(tmp_path) == {f"--socket-path={run_dir}/virtiofs/data.sock"}
+    assert virtiofsd_sockets(tmp_path) == {f"{run_dir}/virtiofs/data.sock"}
     assert Path(daemons[0]["socket"]).is_socket()
-    lock = virtiofs.lock_path(daemons[0]["socket"])
-    assert lock.exists()
+    status = Path(f"/proc/{daemons[0]['pid']}/status").read_text()
+    assert "\nUid:\t107\t107\t107\t107\n" in status, status  # the qemu user outside its namespace, never host root
+    assert virtiofsd_locks(tmp_path) == []
     virtiofs.stop(daemons)
     assert virtiofsd_pids(tmp_path) == []
     assert not Path(daemons[0]["socket"]).exists()
-    assert not lock.exists()
+
+
+def test_a_share_virtiofsd_cannot_mount_is_one_line(scratch):
+    """A share the qemu user cannot reach (under a root-only directory) ends in one line naming it, no virtiofsd left."""
+    vmi = parse_vmi(doc([FS], [PVC]))
+    tmp_path = scratch
+    hidden = tmp_path / "hidden"
+    share = hidden / "share"
+    share.mkdir(parents=True)
+    hidden.chmod(0o700)
+    with pytest.raises(DiskkitError) as err:
+        virtiofs.start(vmi, {"data": Share(share, read_only=True)}, tmp_path / "run")
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith(f"spec.domain.devices.filesystems[0]: virtiofsd for {share}, run as uid 107, exited ("), message
+    assert message.endswith(f"stat: cannot statx '{share}/': Permission denied"), message
+    assert virtiofsd_pids(tmp_path) == []
+
+
+def test_a_shared_directory_is_given_to_the_qemu_user_alone(tmp_path):
+    """A root launcher gives a root-owned claim directory to the qemu user, mode 0700; another local
+    user's directory, or a symbolic link planted where the claim is, is refused in one line."""
+    owner = (QEMU_UID, QEMU_UID)
+    mine = tmp_path / "root-claim"
+    mine.mkdir(mode=0o755)
+    give_share(mine, owner, "here")
+    st = mine.stat()
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (QEMU_UID, QEMU_UID, 0o700)
+    theirs = tmp_path / "nobody-claim"
+    theirs.mkdir(mode=0o755)
+    os.chown(theirs, NOBODY, NOBODY)
+    with pytest.raises(DiskkitError) as err:
+        give_share(theirs, owner, "here")
+    assert str(err.value) == (f"here: shared directory {theirs} belongs to uid {NOBODY}; virtiofsd serves it as uid 107"
+                              " (the qemu user), so it must belong to that user or to root")
+    assert (theirs.stat().st_uid, stat.S_IMODE(theirs.stat().st_mode)) == (NOBODY, 0o755)
+    target = tmp_path / "root-only"
+    target.mkdir(mode=0o711)
+    link = tmp_path / "link-claim"
+    link.symlink_to(target)
+    with pytest.raises(DiskkitError) as err:
+        give_share(link, owner, "here")
+    assert "a symbolic link is not followed" in str(err.value)
+    assert (target.stat().st_uid, stat.S_IMODE(target.stat().st_mode)) == (0, 0o711)
 
 
 def test_a_domain_that_does_not_start_leaves_no_virtiofsd(qemu_user, guest_image, root_side):
