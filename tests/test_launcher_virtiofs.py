@@ -352,3 +352,93 @@ def test_timeout_leaves_no_virtiofsd(qemu_user, guest_image, root_side):
     assert virtiofsd_pids(cache) == []
     assert virtiofsd_locks(cache) == []
     assert not (cache / "run" / "default_timed").exists()
+
+
+# ---------------------------------------------------------------- a hostile guest
+
+def as_nobody(*cmd) -> subprocess.CompletedProcess:
+    """Another local user's try. Through a shell: setpriv's own execve still resolves the path with
+    root's capabilities here (it ran a file in a 0700 directory of another user's)."""
+    return subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--",
+                           "/bin/sh", "-c", '"$@"', "sh", *map(str, cmd)], capture_output=True, text=True)
+
+
+def tree(root: Path) -> dict[str, tuple[int, int, int, bytes | None]]:
+    """Every entry under root: (uid, gid, mode, content of a regular file)."""
+    found = {}
+    for parent, dirs, files in os.walk(root):
+        for name in (*dirs, *files):
+            path = Path(parent) / name
+            st = path.lstat()
+            found[str(path.relative_to(root))] = (st.st_uid, st.st_gid, st.st_mode,
+                                                  path.read_bytes() if stat.S_ISREG(st.st_mode) else None)
+    return found
+
+
+def test_a_hostile_guest_stays_in_its_shares(qemu_user, guest_image, root_side):
+    """Attacks by a guest root on its virtiofs shares (issue 29, 2 and 7): a setuid busybox, one given to
+    root, files given to another owner, char and block device nodes, a link to /etc/shadow, writes and
+    chmods of the host's files; in read-only shares (ConfigMap, Secret, a readOnly claim) the same again
+    as the share owner's uid and as 107. On the host: nothing setuid but the qemu user's, no device node,
+    every new file the qemu user's, nothing written in a read-only share, and another local user reaches
+    nothing in the claim. (virtiofsd ran as host root: the guest left a setuid-root binary nobody ran.)"""
+    cache, uri = root_side
+    vmi_path, claim, manifests = write_shared_vmi(qemu_user, guest_image, "hostile", hold=120)
+    (manifests / "secret.json").write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "app-secret", "namespace": "default"},
+        "data": {"token": base64.b64encode(b"s3cret\n").decode()}}))
+    ro_claim = qemu_user.root / "hostile-ro-claim"
+    ro_claim.mkdir()
+    (ro_claim / "ro.txt").write_text("the host's, read-only\n")
+    vmi = json.loads(vmi_path.read_text())
+    devices = vmi["spec"]["domain"]["devices"]
+    devices["filesystems"] += [{"name": "fs2", "virtiofs": {}}, {"name": "fs3", "virtiofs": {}}]
+    devices["disks"].append({"name": "attack", "serial": "attack-fs", "disk": {"bus": "virtio"}})
+    vmi["spec"]["volumes"] += [{"name": "fs2", "persistentVolumeClaim": {"claimName": "ro", "readOnly": True}},
+                               {"name": "fs3", "secret": {"secretName": "app-secret"}},
+                               {"name": "attack", "emptyDisk": {"capacity": "1Mi"}}]
+    vmi_path.write_text(json.dumps(vmi))
+    claim_before = tree(claim)
+    ro_before = tree(ro_claim)
+    started = root_launcher(cache, "run", NOREG, "--wait-for", "DISKKIT-TESTGUEST DONE", "--timeout", "300", "--connect", uri,
+                            "--pvc", f"shared={claim}", "--pvc", f"ro={ro_claim}", "--manifests", manifests, vmi_path)
+    assert started.code == 0, started.err
+    run_dir = cache / "run" / "default_hostile"
+    try:
+        console = parse_console((run_dir / "console.log").read_text(errors="replace"))
+        attacks = console["attacks"]
+
+        # The writable claim: the guest writes, but only as the qemu user, and nobody else gets in.
+        assert attacks[("fs0", 0, "write")] and attacks[("fs0", 0, "setuid")], attacks  # the guest did attack
+        for what in ("mknod-char", "mknod-block", "chown-other"):
+            assert not attacks[("fs0", 0, what)], what
+        after = tree(claim)
+        assert after["hello.txt"] == claim_before["hello.txt"]  # the host's file, not the qemu user's to change
+        new = {name: entry for name, entry in after.items() if name not in claim_before}
+        assert "attack-0-suid" in new and "attack-0-link" in new, sorted(new)
+        for name, (uid, gid, mode, _) in after.items():
+            assert not (stat.S_ISCHR(mode) or stat.S_ISBLK(mode)), f"device node {name}"
+            assert not (mode & stat.S_ISUID and uid != QEMU_UID), f"setuid {name} of uid {uid}"
+            assert not (mode & stat.S_ISGID and gid != QEMU_UID), f"setgid {name} of gid {gid}"
+        for name, (uid, gid, _, _) in new.items():
+            assert (uid, gid) == (QEMU_UID, QEMU_UID), f"{name} is {uid}:{gid}"
+        st = claim.stat()
+        assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (QEMU_UID, 0o700)
+        assert as_nobody("ls", claim).returncode != 0
+        ran = as_nobody(claim / "attack-0-suid", "id", "-u")
+        assert ran.returncode != 0 and "Permission denied" in ran.stderr, (ran.stdout, ran.stderr)
+
+        # Read-only shares: every try fails, as root, as the share's owner and as 107, and nothing changed.
+        for tag in ("fs1", "fs2", "fs3"):
+            tried = {key: ok for key, ok in attacks.items() if key[0] == tag}
+            assert {uid for _, uid, _ in tried} >= {0, 107}, tried
+            assert {what for _, _, what in tried} >= {"write", "setuid", "mknod-char", "symlink", "append", "chmod"}, tried
+            assert not any(tried.values()), {key: ok for key, ok in tried.items() if ok}
+        assert tree(ro_claim) == ro_before
+        shares = run_dir / "virtiofs-shares"
+        assert {name: entry[3] for name, entry in tree(shares / "fs1").items()} == {"greeting": b"hi over virtiofs"}
+        assert {name: entry[3] for name, entry in tree(shares / "fs3").items()} == {"token": b"s3cret\n"}
+    finally:
+        stopped = root_launcher(cache, "stop", "hostile")
+    assert stopped.code == 0, stopped.err
+    assert virtiofsd_pids(cache) == []
