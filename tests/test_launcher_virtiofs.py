@@ -390,6 +390,8 @@ def test_a_hostile_guest_stays_in_its_shares(qemu_user, guest_image, root_side):
     ro_claim = qemu_user.root / "hostile-ro-claim"
     ro_claim.mkdir()
     (ro_claim / "ro.txt").write_text("the host's, read-only\n")
+    for path in (ro_claim, ro_claim / "ro.txt"):  # written by the qemu user before: only the read-only mount stops the guest
+        os.chown(path, QEMU_UID, QEMU_UID)
     vmi = json.loads(vmi_path.read_text())
     devices = vmi["spec"]["domain"]["devices"]
     devices["filesystems"] += [{"name": "fs2", "virtiofs": {}}, {"name": "fs3", "virtiofs": {}}]
@@ -434,6 +436,8 @@ def test_a_hostile_guest_stays_in_its_shares(qemu_user, guest_image, root_side):
             assert {uid for _, uid, _ in tried} >= {0, 107}, tried
             assert {what for _, _, what in tried} >= {"write", "setuid", "mknod-char", "symlink", "append", "chmod"}, tried
             assert not any(tried.values()), {key: ok for key, ok in tried.items() if ok}
+            for what in ("write", "setuid", "mknod-char", "mknod-block", "symlink", "append", "chmod"):  # the mount, not permissions
+                assert console["attack_errors"][(tag, 0, what)] == "Read-only file system", (tag, what, console["attack_errors"])
         assert tree(ro_claim) == ro_before
         shares = run_dir / "virtiofs-shares"
         assert {name: entry[3] for name, entry in tree(shares / "fs1").items()} == {"greeting": b"hi over virtiofs"}
