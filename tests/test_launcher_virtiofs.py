@@ -217,10 +217,15 @@ def test_sigterm_ends_the_virtiofsd(qemu_user, guest_image, root_side):
 
 
 def test_unprivileged_launcher_serves_filesystems(qemu_user, guest_image):
-    """An unprivileged launcher (uid 107) serves a claim and a ConfigMap: virtiofsd needs no host root."""
-    vmi, claim, manifests = write_shared_vmi(qemu_user, guest_image, "unpriv")
+    """An unprivileged launcher (uid 107) serves a claim and a ConfigMap: virtiofsd needs no host root.
+    The hostile guest (attack-fs) gets no device node, no file of another owner, no write to the ConfigMap."""
+    vmi_path, claim, manifests = write_shared_vmi(qemu_user, guest_image, "unpriv")
     os.chown(claim, QEMU_UID, QEMU_UID)
-    result = qemu_user.launcher("run", NOREG, "--console", "--timeout", "300", "--pvc", f"shared={claim}", "--manifests", manifests, vmi)
+    vmi = json.loads(vmi_path.read_text())
+    vmi["spec"]["domain"]["devices"]["disks"].append({"name": "attack", "serial": "attack-fs", "disk": {"bus": "virtio"}})
+    vmi["spec"]["volumes"].append({"name": "attack", "emptyDisk": {"capacity": "1Mi"}})
+    vmi_path.write_text(json.dumps(vmi))
+    result = qemu_user.launcher("run", NOREG, "--console", "--timeout", "300", "--pvc", f"shared={claim}", "--manifests", manifests, vmi_path)
     assert result.code == 0, result.err
     console = parse_console(result.out)
     assert console["done"], result.out[-2000:]
@@ -228,8 +233,17 @@ def test_unprivileged_launcher_serves_filesystems(qemu_user, guest_image):
     assert console["filesystems"]["fs1"]["files"]["/greeting"] == "hi over virtiofs\n"
     assert console["filesystems"]["fs0"]["wrote"]
     assert not console["filesystems"]["fs1"]["wrote"]
-    wrote = (claim / "guest-wrote").lstat()
-    assert (wrote.st_uid, wrote.st_gid) == (QEMU_UID, QEMU_UID)  # the launcher's own ids (setpriv --regid=107)
+    errors = console["attack_errors"]
+    assert console["attacks"][("fs0", 0, "write")]
+    assert errors[("fs0", 0, "mknod-char")] == errors[("fs0", 0, "mknod-block")] == "Operation not permitted"
+    assert errors[("fs0", 0, "chown-other")] == "Invalid argument"  # 1234 is no id of the namespace
+    assert errors[("fs1", 0, "write")] == "Read-only file system"
+    assert not any(ok for (tag, _, _), ok in console["attacks"].items() if tag == "fs1")
+    for entry in claim.iterdir():
+        st = entry.lstat()
+        if entry.name != "hello.txt":  # the test's, as root
+            assert (st.st_uid, st.st_gid) == (QEMU_UID, QEMU_UID), entry  # the launcher's own ids (setpriv --regid=107)
+        assert not (stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)), entry
     assert stat.S_IMODE(claim.stat().st_mode) == 0o700
     assert virtiofsd_pids(qemu_user.cache) == []
     assert_clean(qemu_user, "default_unpriv")
