@@ -270,10 +270,34 @@ def test_stop_ends_a_virtiofsd_no_qemu_ever_connected_to(scratch):
     assert Path(daemons[0]["socket"]).is_socket()
     status = Path(f"/proc/{daemons[0]['pid']}/status").read_text()
     assert "\nUid:\t107\t107\t107\t107\n" in status, status  # the qemu user outside its namespace, never host root
+    assert Path(f"/proc/{daemons[0]['pid']}/uid_map").read_text().split() == ["0", "107", "1"]  # its root is 107, and no one else
+    assert Path(f"/proc/{daemons[0]['pid']}/gid_map").read_text().split() == ["0", "107", "1"]
     assert virtiofsd_locks(tmp_path) == []
     virtiofs.stop(daemons)
     assert virtiofsd_pids(tmp_path) == []
     assert not Path(daemons[0]["socket"]).exists()
+
+
+def test_virtiofsd_command():
+    """As root: become the owner first, so the namespace is the owner's; unprivileged: already are.
+    A read-only share's bind mount is ro; every share's nosuid,nodev."""
+    root = virtiofs.command(Path("/claim"), Path("/run/x.root"), True, 5, (107, 108), euid=0)
+    assert root[:root.index("unshare")] == ["setpriv", "--reuid", "107", "--regid", "108", "--clear-groups", "--no-new-privs", "--"]
+    assert root[root.index("/claim") + 2] == "nosuid,nodev,ro"
+    assert root[-7:] == [VIRTIOFSD, "--fd=5", "-o", "source=/run/x.root", "-o", "cache=auto", "-f"]
+    user = virtiofs.command(Path("/claim"), Path("/run/x.root"), False, 5, (107, 108), euid=107)
+    assert user[:user.index("unshare")] == ["setpriv", "--no-new-privs", "--"]
+    assert user[user.index("/claim") + 2] == "nosuid,nodev"
+
+
+def test_virtiofsd_never_runs_as_host_root(scratch):
+    """qemu.conf's user root would make the namespace root's: refused, nothing started."""
+    vmi = parse_vmi(doc([FS], [PVC]))
+    with pytest.raises(DiskkitError) as err:
+        virtiofs.start(vmi, {"data": Share(scratch)}, scratch / "run", (0, 0))
+    assert str(err.value) == ("spec.domain.devices.filesystems[0]: filesystem data: qemu runs as root here, and virtiofsd runs"
+                              " as the qemu user; set a user in qemu.conf")
+    assert virtiofsd_pids(scratch) == []
 
 
 def test_a_share_virtiofsd_cannot_mount_is_one_line(scratch):

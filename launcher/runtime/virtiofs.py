@@ -85,6 +85,11 @@ def command(source: Path, target: Path, read_only: bool, listen_fd: int, owner: 
 def start(vmi: VMI, shares: dict[str, Share], run_dir: Path, owner: tuple[int, int] = KUBEVIRT_QEMU) -> list[dict]:
     """Start every filesystem's virtiofsd and wait for it to serve; [{name, pid, socket}] for the record."""
     started: list[dict] = []
+    if owner[0] == 0 and vmi.domain.devices.filesystems:
+        # Root's namespace maps root: virtiofsd would hold host root's capabilities over host root's files.
+        first = vmi.domain.devices.filesystems[0]
+        raise DiskkitError(f"spec.domain.devices.filesystems[{first.index}]",
+                           f"filesystem {first.name}: qemu runs as root here, and virtiofsd runs as the qemu user; set a user in qemu.conf")
     try:
         for fs in vmi.domain.devices.filesystems:
             at = f"spec.domain.devices.filesystems[{fs.index}]"
