@@ -95,6 +95,7 @@ _FS = re.compile(r"FS tag=(\S+) files=(\d+)$")
 _FS_FILE = re.compile(r"FS-FILE tag=(\S+) path=(.*) size=(\d+)$")
 _FS_DATA = re.compile(r"FS-DATA tag=(\S+) path=(.*?) \|(?: (.*))?$")
 _FS_WROTE = re.compile(r"FS-WROTE tag=(\S+) (ok|failed)$")
+_ATTACK = re.compile(r"ATTACK tag=(\S+) uid=(\d+) what=(\S+) (ok|failed)(?:: (.*))?$")
 
 
 def parse_console(text: str) -> dict[str, Any]:
@@ -108,6 +109,8 @@ def parse_console(text: str) -> dict[str, Any]:
      "filesystems": {tag: {"files": {path: content}, "sizes": {path: int}, "wrote": bool}},  (virtiofs tags fs0..fs7)
      "acpi_poweroff": bool,  (the guest powered off because its ACPI power button was pressed)
      "rng": str,  (the kernel's current hardware RNG: virtio_rng.0, or none)
+     "attacks": {(tag, uid, what): succeeded},  (a disk with serial attack-fs: what the hostile guest tried on its shares)
+     "attack_errors": {(tag, uid, what): reason},  (why a failed one failed, e.g. "Read-only file system")
      "warnings": [str]}
 
     File content is rebuilt from the ISO-DATA lines, each terminated by "\\n"
@@ -115,7 +118,8 @@ def parse_console(text: str) -> dict[str, Any]:
     Unknown lines (kernel messages) are ignored.
     """
     res: dict[str, Any] = {"ready": False, "done": False, "disks": {}, "isos": {},
-                           "stamps": {}, "cpus": None, "mem_kib": None, "filesystems": {}, "warnings": [], "acpi_poweroff": False, "rng": None}
+                           "stamps": {}, "cpus": None, "mem_kib": None, "filesystems": {}, "warnings": [], "acpi_poweroff": False, "rng": None,
+                           "attacks": {}, "attack_errors": {}}
     for raw in text.splitlines():
         line = raw.rstrip("\r")
         if "DISKKIT-TESTGUEST v1 READY" in line:
@@ -153,6 +157,10 @@ def parse_console(text: str) -> dict[str, Any]:
             fs["files"][m[2]] = fs["files"].get(m[2], "") + (m[3] or "") + "\n"
         elif m := _FS_WROTE.match(line):
             res["filesystems"].setdefault(m[1], {"files": {}, "sizes": {}, "wrote": False})["wrote"] = m[2] == "ok"
+        elif m := _ATTACK.match(line):
+            res["attacks"][(m[1], int(m[2]), m[3])] = m[4] == "ok"
+            if m[4] == "failed":
+                res["attack_errors"][(m[1], int(m[2]), m[3])] = m[5] or ""
         elif m := _CPUS.match(line):
             res["cpus"], res["mem_kib"] = int(m[1]), int(m[2])
         elif line.startswith("WARN "):

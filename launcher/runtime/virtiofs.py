@@ -5,16 +5,26 @@ KubeVirt runs virtiofsd in a container of its own and points libvirt at its sock
 the launcher, its socket in the VM's run directory, its pid in the VM's record so `launcher stop`
 and `gc` from any later process can end it.
 
-The virtiofsd here is qemu 7.2's C one. Unprivileged it cannot run: it takes a lock in
-/run/virtiofsd, then sandboxes itself with unshare(CLONE_NEWPID|CLONE_NEWNS) (sandbox=namespace) or
-chroot(2) (sandbox=chroot), both refused without CAP_SYS_ADMIN / CAP_SYS_CHROOT; it has no
-sandbox=none (KubeVirt's Rust virtiofsd has). So filesystems need the launcher to run as root.
+KubeVirt's virtiofsd runs as the non-root qemu user (107) with every capability dropped
+(securityContextVirtioFS in pkg/virt-controller/services/virtiofs.go). The virtiofsd here is qemu
+7.2's C one, which needs CAP_SYS_ADMIN to sandbox itself and switches to the guest's uid for every
+file it creates. So it runs as root of a user namespace whose only id is the qemu user the VM runs
+as (the launcher's own for an unprivileged launcher): every file a guest creates belongs to that
+user, it cannot create device nodes (mknod is refused in a user namespace) or files of any other
+owner (the guest's other ids are not mapped), and its capabilities reach nothing outside the
+namespace. The share is a bind mount in the namespace's private mount table, made by the mapped
+user (so the launcher's root follows none of the share's path), nosuid and nodev, and read-only
+for a read-only share: every guest uid, the owner's included, gets EROFS. virtiofsd is given the
+listening socket (--fd) rather than a path, so it takes no pid lock in /run/virtiofsd either.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -23,23 +33,25 @@ from diskkit.errors import DiskkitError
 from launcher.spec.vmi import VMI
 from launcher.volumes.context import Share
 from launcher.volumes.files import KUBEVIRT_QEMU, give_to_qemu
+from launcher.volumes.filesystems import give_share
 
 VIRTIOFSD = "/usr/lib/qemu/virtiofsd"
+HELPERS = ("setpriv", "unshare", "mount")  # util-linux
 SOCKETS_DIR = "virtiofs"
 START_TIMEOUT = 15.0
 STOP_TIMEOUT = 5.0
-# This virtiofsd has no read-only export. Without these capabilities its root cannot write, chmod or
-# chown files it does not own (filesystems.write_tree gives them to the qemu user): read-only for the guest.
-READ_ONLY = ("-o", "modcaps=-dac_override:-fowner:-chown")
-LOCK_DIR = Path("/run/virtiofsd")  # its pid lock per socket, named after the socket's path
-
-
-def lock_path(sock: str) -> Path:
-    return LOCK_DIR / (sock.replace("/", ".") + ".pid")
+# Run by the mapped user inside the new namespaces: the share bound at the mount point, then virtiofsd.
+# stat first: mount says only "bind failed" where stat says why (Permission denied: not the qemu user's to reach).
+_MOUNT_THEN_EXEC = 'stat -c %i -- "$1/" >/dev/null && mount --bind -- "$1" "$2" && mount -o "remount,bind,$3" -- "$2" && shift 3 && exec "$@"'
 
 
 def socket_path(run_dir: Path, name: str) -> Path:
     return run_dir / SOCKETS_DIR / f"{name}.sock"
+
+
+def mount_point(sock: Path) -> Path:
+    """Where the share appears in virtiofsd's namespace; empty for everyone else."""
+    return sock.with_suffix(".root")
 
 
 def sockets(vmi: VMI, run_dir: Path) -> tuple[tuple[str, str], ...]:
@@ -52,20 +64,39 @@ def check_runnable(vmi: VMI) -> None:
         return
     first = vmi.domain.devices.filesystems[0]
     at = f"spec.domain.devices.filesystems[{first.index}]"
-    if os.geteuid() != 0:
-        raise DiskkitError(at, f"filesystem {first.name} needs the launcher to run as root: {VIRTIOFSD} (qemu 7.2's C virtiofsd)"
-                               " locks in /run/virtiofsd and sandboxes itself with unshare(CLONE_NEWPID|CLONE_NEWNS) or chroot,"
-                               " which need CAP_SYS_ADMIN / CAP_SYS_CHROOT")
     if not os.access(VIRTIOFSD, os.X_OK):
         raise DiskkitError(at, f"filesystem {first.name} needs {VIRTIOFSD} (Debian package qemu-system-common)")
+    for tool in HELPERS:
+        if shutil.which(tool) is None:
+            raise DiskkitError(at, f"filesystem {first.name} needs {tool} (util-linux) to run virtiofsd in a user namespace")
+
+
+def command(source: Path, target: Path, read_only: bool, listen_fd: int, owner: tuple[int, int], euid: int) -> list[str]:
+    """virtiofsd as root of a user namespace that is `owner` outside, serving `source` bound at `target`."""
+    # As root, first become the owner: the namespace is then made and mapped by that user alone.
+    become = ["--reuid", str(owner[0]), "--regid", str(owner[1]), "--clear-groups"] if euid == 0 else []
+    flags = "nosuid,nodev" + (",ro" if read_only else "")
+    return ["setpriv", *become, "--no-new-privs", "--",
+            "unshare", "--map-root-user", "--mount", "--propagation", "private", "--",
+            "/bin/sh", "-c", _MOUNT_THEN_EXEC, "virtiofs-mount", str(source), str(target), flags,
+            VIRTIOFSD, f"--fd={listen_fd}", "-o", f"source={target}", "-o", "cache=auto", "-f"]
 
 
 def start(vmi: VMI, shares: dict[str, Share], run_dir: Path, owner: tuple[int, int] = KUBEVIRT_QEMU) -> list[dict]:
-    """Start every filesystem's virtiofsd and wait for its socket; [{name, pid, socket}] for the record."""
+    """Start every filesystem's virtiofsd and wait for it to serve; [{name, pid, socket}] for the record."""
     started: list[dict] = []
+    if owner[0] == 0 and vmi.domain.devices.filesystems:
+        # Root's namespace maps root: virtiofsd would hold host root's capabilities over host root's files.
+        first = vmi.domain.devices.filesystems[0]
+        raise DiskkitError(f"spec.domain.devices.filesystems[{first.index}]",
+                           f"filesystem {first.name}: qemu runs as root here, and virtiofsd runs as the qemu user; set a user in qemu.conf")
     try:
         for fs in vmi.domain.devices.filesystems:
-            started.append(_start_one(shares[fs.name], socket_path(run_dir, fs.name), f"spec.domain.devices.filesystems[{fs.index}]", owner))
+            at = f"spec.domain.devices.filesystems[{fs.index}]"
+            share = shares[fs.name]
+            if not share.read_only:
+                give_share(share.path, owner, at)
+            started.append(_start_one(share, socket_path(run_dir, fs.name), at, owner))
             started[-1]["name"] = fs.name
     except BaseException:
         stop(started)
@@ -73,40 +104,61 @@ def start(vmi: VMI, shares: dict[str, Share], run_dir: Path, owner: tuple[int, i
     return started
 
 
-def _start_one(share: Share, sock: Path, at: str, owner: tuple[int, int]) -> dict:
+def _listen(sock: Path, owner: tuple[int, int]) -> socket.socket:
     sock.parent.mkdir(parents=True, exist_ok=True)
     sock.unlink(missing_ok=True)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(str(sock))
+        listener.listen(1)
+        give_to_qemu(sock, owner)  # qemu runs as the qemu user and connects to it
+    except BaseException:
+        listener.close()
+        raise
+    return listener
+
+
+def _start_one(share: Share, sock: Path, at: str, owner: tuple[int, int]) -> dict:
+    target = mount_point(sock)
+    target.mkdir(parents=True, exist_ok=True)
+    give_to_qemu(target, owner)
     log_path = sock.with_suffix(".log")
-    with open(log_path, "wb") as log:
+    with _listen(sock, owner) as listener, open(log_path, "wb") as log:
         # Its own session: a Ctrl-C meant for the launcher must not end it before the domain is gone.
-        proc = subprocess.Popen([VIRTIOFSD, f"--socket-path={sock}", "-o", f"source={share.path}", "-o", "cache=auto",
-                                 *(READ_ONLY if share.read_only else ()), "-f"],
-                                stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+        proc = subprocess.Popen(command(share.path, target, share.read_only, listener.fileno(), owner, os.geteuid()),
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=log, pass_fds=(listener.fileno(),),
+                                start_new_session=True)
     entry = {"pid": proc.pid, "socket": str(sock)}
     deadline = time.monotonic() + START_TIMEOUT
-    while not sock.exists():
-        if proc.poll() is not None:
-            raise DiskkitError(at, f"virtiofsd exited ({proc.returncode}): {_last_line(log_path)}")
-        if time.monotonic() > deadline:
-            stop([entry])
-            raise DiskkitError(at, f"virtiofsd did not create {sock} within {START_TIMEOUT:g} s")
-        time.sleep(0.05)
-    give_to_qemu(sock, owner)  # qemu runs as the qemu user and connects to it
+    try:
+        while not _is_ours(entry):  # the share mounted and virtiofsd exec'd
+            if proc.poll() is not None:
+                raise DiskkitError(at, f"virtiofsd for {share.path}, run as uid {owner[0]}, exited ({proc.returncode}): {_last_line(log_path)}")
+            if time.monotonic() > deadline:
+                raise DiskkitError(at, f"virtiofsd for {share.path} did not start within {START_TIMEOUT:g} s")
+            time.sleep(0.02)
+    except BaseException:
+        # Not virtiofsd yet, so stop() would not recognise it.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
     return entry
 
 
 def _last_line(path: Path) -> str:
-    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
-    return lines[-1] if lines else "no output"
+    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip() and "dmesg(1)" not in line]
+    return lines[-1].strip() if lines else "no output"
 
 
 def _is_ours(entry: dict) -> bool:
-    """The pid is still the virtiofsd we started (pids are reused)."""
+    """The pid is still the virtiofsd we started (pids are reused): it serves this socket's mount point."""
     try:
         cmdline = Path(f"/proc/{entry['pid']}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return False
-    return f"--socket-path={entry['socket']}".encode() in cmdline
+    source = f"source={mount_point(Path(entry['socket']))}".encode()
+    return cmdline[0] == VIRTIOFSD.encode() and source in cmdline
 
 
 def _gone(pid: int) -> bool:
@@ -141,5 +193,3 @@ def stop(entries: list[dict]) -> None:
         else:
             _gone(entry["pid"])  # reap it if it already ended as our child
         Path(entry["socket"]).unlink(missing_ok=True)
-        if _gone(entry["pid"]):
-            lock_path(entry["socket"]).unlink(missing_ok=True)  # virtiofsd leaves it behind

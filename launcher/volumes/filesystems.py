@@ -6,12 +6,17 @@ KubeVirt's virtiofsd container serves the volume's mount in the pod
 itself (not a disk.img in it), a configMap, secret, serviceAccount or downwardAPI volume as the
 directory of files the kubelet mounted, read-only. Here those files are written under the VM's run
 directory, from --manifests or the pod's mounts, as for the config disks, and served read-only.
+
+virtiofsd serves a share as the qemu user (launcher.runtime.virtiofs), so a writable claim's
+directory is that user's, mode 0700: whatever a guest leaves in it (a setuid binary of that user,
+say) is out of every other local user's reach.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import stat
 from pathlib import Path
 
 from diskkit.errors import DiskkitError
@@ -27,7 +32,7 @@ SHARES_DIR = "virtiofs-shares"  # under the VM's run directory: the config volum
 
 def share(ctx: Context, volume: Volume, where: str) -> Share:
     if volume.kind in ("persistentVolumeClaim", "dataVolume"):
-        return Share(_claim_dir(ctx, volume, where))
+        return _claim_share(ctx, volume, where)
     generator = gendisks.Generator(ctx.vmi, ctx.run_dir, gendisks.Sources(ctx.store.objects, ctx.store.pod_config, ctx.store.service_account_dir))
     plans = {"configMap": generator.config, "secret": generator.config,
              "serviceAccount": generator.service_account, "downwardAPI": generator.downward_api}
@@ -44,9 +49,6 @@ def share(ctx: Context, volume: Volume, where: str) -> Share:
 def _claim_dir(ctx: Context, volume: Volume, where: str) -> Path:
     source = volume.source
     name = source.claim_name if volume.kind == "persistentVolumeClaim" else source.name
-    if getattr(source, "read_only", False):
-        # The C virtiofsd has no read-only export; sharing it writable would break the claim's promise.
-        raise DiskkitError(where, f"claim {name}: a readOnly claim cannot be shared as a filesystem by this virtiofsd")
     store = ctx.store
     local = store.pvcs.get(name)
     if store.objects is not None and local is None:
@@ -63,6 +65,37 @@ def _claim_dir(ctx: Context, volume: Volume, where: str) -> Path:
     return path
 
 
+def _claim_share(ctx: Context, volume: Volume, where: str) -> Share:
+    # A readOnly claim is shared read-only, as the kubelet mounts it.
+    return Share(_claim_dir(ctx, volume, where), read_only=bool(getattr(volume.source, "read_only", False)))
+
+
+SHARE_MODE = 0o700
+
+
+def give_share(path: Path, owner: tuple[int, int], where: str) -> None:
+    """A writable share's directory as virtiofsd's user gets it: theirs (a root launcher gives it a
+    directory of root's, as KubeVirt's fsGroup does a claim), mode SHARE_MODE. Another user's
+    directory is refused: virtiofsd, which sees the guest's memory, runs as the qemu user only."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise DiskkitError(where, f"shared directory {path} cannot be opened ({exc.strerror}; a symbolic link is not followed)") from None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != owner[0]:
+            if st.st_uid != 0 or os.geteuid() != 0:
+                raise DiskkitError(where, f"shared directory {path} belongs to uid {st.st_uid}; virtiofsd serves it as uid {owner[0]}"
+                                          " (the qemu user), so it must belong to that user" + (" or to root" if os.geteuid() == 0 else ""))
+            os.fchown(fd, *owner)
+        if stat.S_IMODE(st.st_mode) != SHARE_MODE:
+            os.fchmod(fd, SHARE_MODE)
+    except OSError as exc:
+        raise DiskkitError(where, f"shared directory {path} cannot be given to uid {owner[0]} ({exc.strerror})") from None
+    finally:
+        os.close(fd)
+
+
 def write_tree(target: Path, files: dict[str, bytes], modes: dict[str, int]) -> None:
     """`files` (relative paths) as a directory at `target`, appearing complete or not at all."""
     tmp = target.with_name(f".{target.name}.tmp")
@@ -76,8 +109,7 @@ def write_tree(target: Path, files: dict[str, bytes], modes: dict[str, int]) -> 
                 os.fsync(f.fileno())
             os.chmod(path, modes.get(rel, 0o644))
         tmp.mkdir(parents=True, exist_ok=True)  # an empty (optional, missing) object is an empty directory
-        # Owned by the qemu user (the pod's fsGroup), not root: a virtiofsd without CAP_DAC_OVERRIDE,
-        # CAP_FOWNER and CAP_CHOWN then cannot write, chmod or chown them for the guest's root.
+        # Owned by the qemu user (the pod's fsGroup), not root: virtiofsd runs as that user.
         for parent, dirs, names in os.walk(tmp):
             for entry in (*dirs, *names):
                 give_to_qemu(Path(parent) / entry)
