@@ -87,7 +87,7 @@ Examples:
   launcher run vmi.yaml --pvc data=/srv/vm-data:10Gi --console      # filesystem claim: /srv/vm-data/disk.img
   launcher run vmi.yaml --manifests ./k8s --console                  # claims bound to iSCSI/RBD PVs, ConfigMaps, Secrets
   launcher run --lazy vmi.yaml --console                             # boot while the image streams in
-  sudo launcher run vmi.yaml --pvc shared=/srv/shared --console      # a claim shared as a virtiofs filesystem (root only)
+  launcher run vmi.yaml --pvc shared=/srv/shared --console           # a claim shared as a virtiofs filesystem
   launcher run vmi.yaml --feature-gates HostDisk --host-disk-dir /srv/vm-disks   # hostDisk volumes, only under that directory
 """)
 @click.argument("vmi_file", type=click.Path(dir_okay=False, exists=True))
