@@ -19,6 +19,8 @@ Actions (``Fault.action``):
 ``flip``        forward; flip the lowest bit of response-body byte ``int(arg)``.
 ``truncate``    forward; send only ``int(arg)`` body bytes (Content-Length unchanged), then close.
 ``stall``       wait ``arg`` seconds, then forward normally.
+``redirect``    answer ``int(arg)`` (a 3xx) with ``Location: location``, not forwarded: a registry sending the
+                client elsewhere (another host, a ``file://`` URL).
 ``cut``         requests with a body: forward the request and the first ``arg`` body bytes, then reset
                 the client connection and close the upstream one (the server sees a body cut short,
                 as when a connection drops mid-upload). Logged with status 0.
@@ -48,7 +50,7 @@ CLIENT_TIMEOUT = 60.0
 MAX_CONNECTIONS = 64
 MAX_STALL = 120.0
 
-ACTIONS = ("drop", "status", "retry_after", "flip", "truncate", "stall", "cut")
+ACTIONS = ("drop", "status", "retry_after", "flip", "truncate", "stall", "cut", "redirect")
 # Hop-by-hop headers, never forwarded in either direction (RFC 9110 section 7.6.1), plus Expect (answered here).
 HOP_BY_HOP = {
     "connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization", "te", "trailer",
@@ -65,6 +67,7 @@ class Fault:
     arg: float = 0
     header: tuple[str, str] | None = None
     skip: int = 0
+    location: str = ""
 
     def __post_init__(self):
         if self.action not in ACTIONS:
@@ -266,8 +269,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _proxy_request(self) -> None:
         proxy = self.server.proxy
         kind, length = self._body_kind()
+        if self.headers.get("Authorization") is not None:
+            proxy._credentials(self.path, self.headers["Authorization"])
         fault = proxy._take(self.command, self.path, self.headers)
         action = fault.action if fault else None
+
+        if action == "redirect":
+            self._drain(kind, length)
+            self._reply(int(fault.arg), {"errors": []}, {"Location": fault.location})
+            return
 
         if action == "status" or action == "retry_after":
             self._drain(kind, length)
@@ -409,6 +419,7 @@ class FaultProxy:
         self.upstream = upstream
         self.upstream_host, self.upstream_port = up_host, int(up_port)
         self.log: list[tuple[str, str, int]] = []
+        self.credentials: list[tuple[str, str]] = []  # (request target, Authorization) of every request that carried one
         self.sent: dict[str, int] = {}  # body bytes relayed per request path: what a client really fetched
         self._faults: list[Fault] = []
         self._lock = threading.Lock()
@@ -451,6 +462,10 @@ class FaultProxy:
     def _count(self, path: str, sent: int) -> None:
         with self._lock:
             self.sent[path] = self.sent.get(path, 0) + sent
+
+    def _credentials(self, path: str, authorization: str) -> None:
+        with self._lock:
+            self.credentials.append((path, authorization))
 
     def _log(self, method: str, path: str, status: int) -> None:
         with self._lock:
