@@ -8,6 +8,7 @@ The attacks the audit found refused and other files already prove are listed in 
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import re
@@ -19,7 +20,9 @@ import pytest
 
 from tests.conftest import make_qcow2, run, run_diskkit, run_launcher
 from tests.faultproxy import Fault
+from tests.fileserver import FileServer
 from tests.imagecraft import Member, dir_, write_layout
+from tests.test_dv_import import Claims, dv
 
 NOREG = "--tls-verify=false"
 
@@ -236,3 +239,73 @@ def test_an_oversize_gzip_layer_is_refused_at_its_descriptor_size(cache, registr
     # the byte past the descriptor's size is refused; were it not, the bytes within it fail the digest
     assert re.search(r"is longer than its descriptor's \d+ bytes|does not match its digest", line), line
 
+
+
+# ------------------------------------------------------------------ DataVolume http imports: a lying web server
+
+@pytest.fixture(scope="module")
+def data_files(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("www")
+    with open(root / "data.img", "wb") as f:
+        f.write(b"\xcd" * (1 << 20))
+        f.truncate(4 << 20)
+    return root
+
+
+def test_a_datavolume_import_redirected_to_a_file_url_reads_nothing(tmp_path, data_files, fault_proxy):
+    """Attack: the http source of a DataVolume redirects to file:// on the node (the spec itself refuses any URL that
+    is not http:// or https://, tests/test_datavolume.py). Nothing is read and the claim keeps no disk."""
+    secret = tmp_path / "host-secret.img"
+    secret.write_bytes(b"host secret " * 1000)
+    claims = Claims(tmp_path)
+    with FileServer(data_files) as www:
+        proxy = fault_proxy(www)
+        proxy.add(Fault("GET", "/data.img", "redirect", times=10, arg=302, location=f"file://{secret}"))
+        claims.add(dv("redirected", {"http": {"url": proxy.url("/data.img")}}, "8Mi"))
+        result = claims.run("import", "redirected")
+    assert result.code == 1, result.out
+    assert "host secret" not in result.out + result.err
+    last = result.err.strip().splitlines()[-1]  # the line before it is the progress line naming the import
+    assert last.startswith("launcher: DataVolume default/redirected: ") and f"file://{secret}" in last, result.err
+    claims.assert_untouched("redirected")
+
+
+def test_a_datavolume_secret_is_not_sent_to_the_host_an_import_is_redirected_to(tmp_path, data_files, fault_proxy):
+    """Attack: the http source given basic auth from a Secret (secretRef) redirects to another host, hoping the node
+    sends that host the Secret's credentials. The other host serves the file, so the import succeeds."""
+    claims = Claims(tmp_path)
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "endpoint"},
+              "data": {"accessKeyId": base64.b64encode(b"importer").decode(), "secretKey": base64.b64encode(b"s3cret").decode()}}
+    with FileServer(data_files, credentials="importer:s3cret") as private, FileServer(data_files) as public:
+        liar, elsewhere = fault_proxy(private), fault_proxy(public)
+        liar.add(Fault("GET", "/data.img", "redirect", times=10, arg=302, location=elsewhere.url("/data.img")))
+        claims.add(secret, dv("moved", {"http": {"url": liar.url("/data.img"), "secretRef": "endpoint"}}, "8Mi"))
+        result = claims.run("import", "moved")
+    assert result.code == 0, result.err
+    assert liar.credentials and elsewhere.credentials == [], (liar.credentials, elsewhere.credentials)
+    assert [p for _, p, _ in elsewhere.log if p == "/data.img"], elsewhere.log
+    assert (claims.dirs["moved"] / "disk.img").read_bytes()[: 1 << 20] == b"\xcd" * (1 << 20)
+
+
+# ------------------------------------------------------------------ hostile VMI input
+
+def test_a_secret_name_with_slashes_is_a_name_never_a_host_path(tmp_path):
+    """Attack: a Secret volume naming `../../../etc/shadow` (and an absolute path), hoping the launcher reads a host
+    file as the Secret. Names are looked up among the manifests' objects, never joined to a path."""
+    layout = tmp_path / "layout"
+    assert run_diskkit("build", make_qcow2(tmp_path / "g.qcow2", size="16M"), "-t", f"oci:{layout}:v1").code == 0
+    manifests = tmp_path / "k8s"
+    manifests.mkdir()
+    (manifests / "secret.json").write_text(json.dumps({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "shadow"}, "data": {}}))
+    for name in ("../../../etc/shadow", "/etc/shadow"):
+        vmi = tmp_path / "vmi.json"
+        vmi.write_text(json.dumps({
+            "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance", "metadata": {"name": "vm"},
+            "spec": {"domain": {"resources": {"requests": {"memory": "64Mi"}},
+                                "devices": {"disks": [{"name": "root", "disk": {"bus": "virtio"}}, {"name": "sec", "disk": {"bus": "virtio"}}]}},
+                     "volumes": [{"name": "root", "containerDisk": {"image": f"oci:{layout}:v1"}},
+                                 {"name": "sec", "secret": {"secretName": name}}]}}))
+        result = run_launcher("domain", "--manifests", manifests, vmi, env={"DISKKIT_CACHE": str(tmp_path / "cache")})
+        assert result.code == 1, result.out
+        assert result.err.strip() == f'launcher: spec.volumes[1].secret: secrets "{name}" not found in namespace default', result.err
+        assert result.out == ""
