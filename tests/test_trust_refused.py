@@ -14,6 +14,7 @@ import json
 import re
 import struct
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,8 @@ import pytest
 from tests.conftest import make_qcow2, run, run_diskkit, run_launcher
 from tests.faultproxy import Fault
 from tests.fileserver import FileServer
+from tests.lazyhost import control, disk_server
+from tests.vmhost import qemu_scratch
 from tests.imagecraft import Member, dir_, write_layout
 from tests.test_dv_import import Claims, dv
 
@@ -309,3 +312,58 @@ def test_a_secret_name_with_slashes_is_a_name_never_a_host_path(tmp_path):
         assert result.code == 1, result.out
         assert result.err.strip() == f'launcher: spec.volumes[1].secret: secrets "{name}" not found in namespace default', result.err
         assert result.out == ""
+
+
+# ------------------------------------------------------------------ another local user
+
+NOBODY = 65534
+
+
+def as_nobody(*cmd) -> subprocess.CompletedProcess:
+    # through a shell: setpriv alone was seen to exec a path in another user's 0700 directory
+    return subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--",
+                           "/bin/sh", "-c", '"$@"', "sh", *map(str, cmd)], capture_output=True, text=True)
+
+
+@pytest.fixture
+def scratch():
+    with qemu_scratch("diskkit-trust-") as root:
+        yield root
+
+
+def listing(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def test_another_user_cannot_pull_into_or_collect_the_nodes_cache(scratch, tmp_path):
+    """Attack: a local user pulls its own image into root's node cache (to be found there by digest or tag
+    later), or runs gc on it to take disks running VMs use. The cache is root's: both are refused in one line
+    and the cache is as it was."""
+    layout = scratch / "layout"
+    assert run_diskkit("build", make_qcow2(tmp_path / "g.qcow2", size="16M"), "-t", f"oci:{layout}:v1").code == 0
+    layout.chmod(0o755)
+    cache = scratch / "cache"
+    assert run_launcher("pull", "--cache-dir", cache, f"oci:{layout}:v1").code == 0
+    before = listing(cache)
+    python = Path(sys.executable)
+    for args, rule in ((["pull", "--cache-dir", cache, f"oci:{layout}:v1"], "cache directory is not writable"),
+                       (["gc", "--cache-dir", cache], "cache directory is not writable")):
+        result = as_nobody(python, "-m", "launcher", *args)
+        assert result.returncode != 0, result.stdout
+        assert result.stderr.strip() == f"launcher: {cache}: {rule}", result.stderr
+    assert listing(cache) == before
+
+
+def test_another_user_cannot_ask_a_root_disk_server_for_an_export(scratch, registry):
+    """Attack: a local user outside the control socket's group asks root's disk server to open an image (with the
+    node's credentials) or to say what it serves. The socket refuses the connection: Permission denied."""
+    cache = scratch / "cache"
+    cache.mkdir()
+    ref = f"{registry.host}/trust/refused:v1"
+    code = ("import json, sys, pathlib; from launcher.diskserver.control import request; "
+            "print(json.dumps(request(pathlib.Path(sys.argv[1]), json.loads(sys.argv[2]), 10)))")
+    with disk_server(cache):
+        for req in ({"op": "status"}, {"op": "open", "image": ref, "registry": {"tls_verify": False}, "clients": 0}):
+            result = as_nobody(sys.executable, "-c", code, cache / "serve" / "control.sock", json.dumps(req))
+            assert result.returncode != 0 and "PermissionError" in result.stderr and result.stdout == "", (result.stdout, result.stderr)
+        assert control(cache, {"op": "status"}).get("ok")  # the server itself answers its own users
