@@ -209,21 +209,39 @@ def test_a_disk_twice_in_one_layer_is_the_last_one_for_every_reader(cache, regis
     assert Path(result.out.strip()).read_bytes() == b"\1" * 4096
 
 
-def _qcow2_with_l1_size(tmp_path: Path, l1_size: int) -> bytes:
-    disk = make_qcow2(tmp_path / "l1.qcow2", size="16M")
+def _qcow2_header(tmp_path: Path, *fields: tuple[int, str, int]) -> bytes:
+    disk = make_qcow2(tmp_path / "hostile.qcow2", size="16M")
     data = bytearray(disk.read_bytes())
-    data[36:40] = struct.pack(">I", l1_size)  # QCowHeader.l1_size
-    data[24:32] = struct.pack(">Q", 1 << 55)  # QCowHeader.size: a virtual size that needs that table
+    for offset, fmt, value in fields:  # QCowHeader fields, big-endian
+        struct.pack_into(fmt, data, offset, value)
     return bytes(data)
 
 
-def test_a_qcow2_with_a_huge_l1_table_is_refused_under_qemu_img_limits(cache, registry, tmp_path):
-    """Attack: a qcow2 whose header asks for a 256 MiB L1 table and a 32 PiB virtual size, to exhaust the node in
-    qemu-img info."""
-    members = [dir_("disk"), Member("disk/d.qcow2", _qcow2_with_l1_size(tmp_path, 1 << 25))]
-    ref = f"{registry.host}/trust/l1bomb:v1"
-    skopeo_copy(f"oci:{write_layout(tmp_path / 'l1', [members])}:t", ref)
-    assert_refused(pull(cache, ref), "/disk/d.qcow2", cache=cache)
+def _qcow2_with_data_file(tmp_path: Path) -> bytes:
+    disk = tmp_path / "hostile.qcow2"
+    run("qemu-img", "create", "-q", "-f", "qcow2", "-o", "data_file=/etc/passwd,data_file_raw=on", disk, "16M")
+    return disk.read_bytes()
+
+
+QCOW2_BOMBS = {
+    # a 32 PiB disk whose 256 MiB L1 table qemu-img would allocate to open it
+    "l1-table": (lambda t: _qcow2_header(t, (24, ">Q", 1 << 55), (36, ">I", 1 << 25)), "Active L1 table too large"),
+    # a refcount table of 2^31 clusters, to be read in full by qemu-img info
+    "refcount-table": (lambda t: _qcow2_header(t, (56, ">I", 1 << 31)), "Reference count table too large"),
+    # the guest's writes to go to a host file (KubeVirt refuses data files as it refuses backing files)
+    "data-file": (_qcow2_with_data_file, "data file"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(QCOW2_BOMBS))
+def test_a_hostile_qcow2_in_an_image_is_refused_under_qemu_img_limits(cache, registry, tmp_path, case):
+    """Attack: a registry image whose /disk qcow2 has a huge L1 table, a refcount table bomb or an external data
+    file, to exhaust the node in qemu-img info or to have the guest reach a host file."""
+    make, rule = QCOW2_BOMBS[case]
+    members = [dir_("disk"), Member("disk/d.qcow2", make(tmp_path))]
+    ref = f"{registry.host}/trust/qcow2-{case}:v1"
+    skopeo_copy(f"oci:{write_layout(tmp_path / 'l', [members])}:t", ref)
+    assert_refused(pull(cache, ref), "/disk/d.qcow2", rule, cache=cache)
 
 
 def test_an_oversize_gzip_layer_is_refused_at_its_descriptor_size(cache, registry, source_disk, tmp_path):
