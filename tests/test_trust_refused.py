@@ -147,6 +147,42 @@ def test_credentials_are_not_sent_to_the_host_a_blob_is_redirected_to(cache, aut
     assert elsewhere.credentials == []
 
 
+def _redirect_loop(registry, pushed, fault_proxy) -> str:
+    proxy = fault_proxy(registry)
+    repo = pushed.split("/", 1)[1].split(":")[0]
+    proxy.add(Fault("GET", "/manifests/", "redirect", times=100, arg=302, location=proxy.url(f"/v2/{repo}/manifests/v1")))
+    return pushed.replace(registry.host, proxy.host)
+
+
+def test_a_manifest_redirected_to_itself_ends(cache, registry, pushed, fault_proxy):
+    """Attack: the registry redirects a manifest request to itself without end, to hold the node forever. The client
+    gives up after a bounded number of redirects; nothing is kept."""
+    result = pull(cache, _redirect_loop(registry, pushed, fault_proxy))
+    assert result.code != 0, result.out
+    held = cache_entries(cache)
+    assert held["disks"] == [] and held["refs"] == [] and held["tmp"] == [], held
+
+
+@pytest.mark.xfail(strict=True, reason="issue 29 item 7: ends, but as a TooManyRedirects traceback; the one-line "
+                                       "answer to hostile registries is branch sec-d's (drop this mark once merged)")
+def test_a_manifest_redirected_to_itself_is_refused_in_one_line(cache, registry, pushed, fault_proxy):
+    """Attack: as above; the refusal must be one line naming the image and the rule."""
+    assert_refused(pull(cache, _redirect_loop(registry, pushed, fault_proxy)), "redirect", cache=cache)
+
+
+@pytest.mark.parametrize("ref, rule", [
+    ("../../etc/x:v1", "not an image reference"),
+    ("{host}/../x:v1", "repository must be lowercase [a-z0-9._-] components"),
+    ("{host}/a/..%2f..:v1", "repository must be lowercase [a-z0-9._-] components"),
+    ("{host}/a/b:../../c", "invalid image reference"),
+])
+def test_image_names_with_dot_dot_are_refused(cache, registry, ref, rule):
+    """Attack: an image name with `..` components or an encoded slash, to reach another repository's (or a host)
+    path through the registry's URL or the cache's directories."""
+    ref = ref.format(host=registry.host)
+    assert_refused(pull(cache, ref), ref, rule, cache=cache)
+
+
 # ------------------------------------------------------------------ hostile images pushed to the real registry
 
 def _layout_with_config(tmp_path: Path, name: str, members: list[Member], edit) -> Path:
