@@ -254,8 +254,10 @@ def _qcow2_header(tmp_path: Path, *fields: tuple[int, str, int]) -> bytes:
 
 
 def _qcow2_with_data_file(tmp_path: Path) -> bytes:
+    # Made against a scratch file: qemu-img create sizes (zeroes) the data file it names, so never a host file
+    # here; the header names it all the same, and that is what must be refused.
     disk = tmp_path / "hostile.qcow2"
-    run("qemu-img", "create", "-q", "-f", "qcow2", "-o", "data_file=/etc/passwd,data_file_raw=on", disk, "16M")
+    run("qemu-img", "create", "-q", "-f", "qcow2", "-o", f"data_file={tmp_path / 'data.raw'},data_file_raw=on", disk, "16M")
     return disk.read_bytes()
 
 
