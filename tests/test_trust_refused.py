@@ -130,9 +130,9 @@ def test_a_blob_redirected_to_a_file_url_is_refused_in_one_line(cache, registry,
 
 def test_credentials_are_not_sent_to_the_host_a_blob_is_redirected_to(cache, auth_registry, registry, source_disk, fault_proxy):
     """Attack: a private registry's answer redirects a layer to another host, hoping the node sends that host its
-    credentials (as a blob store behind a registry; requests drops Authorization on a change of host, as Go's
-    net/http client does for the containers/image client). The other host serves the same bytes, so the pull
-    succeeds and only what that host received is in question."""
+    credentials (as a blob store behind a registry). requests drops Authorization on a change of host, as Go's
+    net/http does (src/net/http/client.go, shouldCopyHeaderOnRedirect) for containers/image's docker client. The
+    other host serves the same bytes, so the pull succeeds and only what that host received is in question."""
     creds = f"{auth_registry.username}:{auth_registry.password}"
     private, public = f"{auth_registry.host}/trust/private:v1", f"{registry.host}/trust/private:v1"
     for ref, extra in ((private, ["--creds", creds]), (public, [])):
