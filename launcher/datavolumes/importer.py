@@ -290,6 +290,8 @@ def download(url: str, dest: Path, progress: Progress, auth: tuple[str, str] | N
                 else:
                     problem = f"cannot connect ({_reason(exc)})"
                 continue
+            except requests.exceptions.RequestException as exc:  # a redirect to file://, a bad URL, a redirect loop
+                raise DiskkitError(shown, f"the request failed ({type(exc).__name__}: {_reason(exc)})") from None
             if total is not None and have != total:
                 problem = f"the connection closed after {have} of {total} bytes"
                 continue
@@ -424,8 +426,7 @@ def fill(target: Target, store: Storage, registry: RegistryOptions | None, say: 
             dvstate.record(target, phase=dvm.PENDING, message="interrupted; the next importer starts again", pid=None)
             raise
         finally:
-            work.close()
-            claim.remove(work_name)
+            claim.discard(work, work_name)
             dvstate.remove_scratch(target)
     dvstate.record(target, phase=dvm.SUCCEEDED, progress="100.0%", message="Import Complete" if dv.source.kind != "pvc" else "Clone Complete", pid=None)
     return notes

@@ -261,8 +261,7 @@ class UploadServer:
             try:
                 return self._finish(up, claim, work, size, digest)
             finally:
-                work.close()
-                claim.remove(work_name)
+                claim.discard(work, work_name)
 
     def _finish(self, up: _Upload, claim: Dir, work: Dir, size: int, digest: str | None) -> dict:
         claim.rename(dvstate.UPLOAD_PART, work, PART)

@@ -13,6 +13,7 @@ directory as /proc/PID/fd/N, which a rename or a planted link of the directory's
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -204,6 +205,19 @@ class Dir:
             shutil.rmtree(name, dir_fd=self.fd, ignore_errors=True)  # fd-based: links inside are unlinked, not followed
         else:
             self.unlink(name)
+
+    def discard(self, child: Dir, name: str) -> None:
+        """Empty `child` (through its fd, wherever its name went) and remove it, or whatever now has its
+        name: a directory of ours the claim's owner renamed away is left empty, not full."""
+        for entry in child.names():
+            child.remove(entry)
+        st, mine = self.lstat(name), os.fstat(child.fd)
+        child.close()
+        if st is not None and (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
+            with contextlib.suppress(OSError):
+                os.rmdir(name, dir_fd=self.fd)
+        else:
+            self.remove(name)  # a link or anything else put under the name: the name goes, nothing it names
 
     def fsync(self) -> None:
         os.fsync(self.fd)
