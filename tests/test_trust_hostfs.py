@@ -435,3 +435,31 @@ def test_url_credentials_are_never_printed_or_recorded(claims, area):
     from launcher.spec.datavolume import shown_url
 
     assert shown_url(url) == f"http://{www.host}/data.img"
+
+
+def test_an_upload_larger_than_the_claim_is_refused_before_it_is_stored(area, claims):
+    """Attack: an upload client (holding a valid token) offers 3000 MiB for a 16Mi claim; the server wrote
+    whatever it was sent into the claim directory. Now the offer is refused by its size, in one line."""
+    claims.add(dv("big", {"upload": {}}, "16Mi"))
+    host = f"127.0.0.1:{free_port()}"
+    cache = area / "cache"
+    proc = subprocess.Popen(launcher_command("serve", "--no-disks", "--upload-listen", host, "--cache-dir", cache, *claims.args()),
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(300):
+            try:
+                requests.get(f"http://{host}/", timeout=1)
+                break
+            except requests.ConnectionError:
+                time.sleep(0.1)
+        token = run_launcher("dv", "token", "big", "--cache-dir", cache).out.strip()
+        body = bytes(MIB)
+        put = requests.put(f"http://{host}/diskkit/v1/uploads/default/big", data=body, timeout=30,
+                           headers={"Authorization": f"Bearer {token}", "Content-Range": f"bytes 0-{len(body) - 1}/{3000 * MIB}"})
+        assert put.status_code == 413, put.text
+        message = put.json()["message"]
+        assert "\n" not in message and "more than the claim holds" in message and "A larger PVC is required" in message, message
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert not (claims.dirs["big"] / ".diskkit-upload.part").exists()

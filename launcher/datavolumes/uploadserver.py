@@ -213,6 +213,11 @@ class UploadServer:
         """Append `length` body bytes at `start`; returns the new offset. A body cut short keeps what
         arrived (the client resumes from it) and raises ConnectionError."""
         self._admit(up)
+        limit = importer.fetch_limit(up.target)
+        if max(total or 0, start + length) > limit:
+            # as an http import: no more than the claim holds, however many bytes the client offers
+            raise _Refused(413, f"{max(total or 0, start + length)} bytes are more than the claim holds (its size and qcow2"
+                                f" overhead, {limit} bytes). A larger PVC is required")
         with _working(up), up.target.claim() as claim:
             offset = up.target.part_size()
             if start == 0 and offset and total is None:
