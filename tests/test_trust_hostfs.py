@@ -179,6 +179,18 @@ def test_a_state_file_link_is_not_read(claims, victim):
     assert not (claims.dirs["blank"] / "datavolume.json").is_symlink()  # replaced by a file of ours, not written through
 
 
+def test_a_clone_from_a_claim_whose_disk_img_is_a_link_is_refused(claims, victim):
+    """Attack: the owner of a source claim makes its disk.img a link to a root-only file and clones it into
+    a claim of theirs; the importer (root) copied the root file into the new disk.img for their VM to read."""
+    nobody_claim(claims, dv("src", {"blank": {}}, "16Mi"), dv("copy", {"pvc": {"name": "src"}}, "16Mi"))
+    plant(claims.dirs["src"], "disk.img", victim.file)
+    result = claims.run("import", "copy")
+    assert result.code != 0, result.out
+    assert one_line(result.err).endswith(f"{claims.dirs['src'] / 'disk.img'}: {NOFOLLOW}"), result.err
+    assert not (claims.dirs["copy"] / "disk.img").exists()
+    victim.assert_untouched()
+
+
 # ---------------------------------------------------------------- the importer's work files, raced
 
 ATTACKER = r"""

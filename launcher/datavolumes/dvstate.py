@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Iterator
 
 from diskkit.errors import DiskkitError
+from launcher.hostfs.dirfd import Dir, give
 from launcher.spec import datavolume as dvm
 from launcher.spec.datavolume import DataVolume, Status
 from launcher.spec.k8s import Objects, resolve_claim
-from launcher.hostfs.dirfd import Dir, give
 from launcher.volumes.files import KUBEVIRT_QEMU, is_block
 from launcher.volumes.storage import LocalClaim, Storage, pv_path
 

@@ -8,7 +8,6 @@ streams in 1 MiB pieces (zero runs become holes), so memory stays flat whatever 
 
 from __future__ import annotations
 
-import contextlib
 import lzma
 import os
 import secrets
@@ -25,11 +24,11 @@ from diskkit.registry.options import RegistryOptions
 from diskkit.streams.sparse import SparseWriter
 from launcher.datavolumes import archive, dvstate
 from launcher.datavolumes.dvstate import Target
+from launcher.hostfs.dirfd import Dir, give
 from launcher.spec import datavolume as dvm
 from launcher.spec.datavolume import shown_url
 from launcher.spec.k8s import Objects, read_secret
 from launcher.volumes import sizing
-from launcher.hostfs.dirfd import Dir, give
 from launcher.volumes.files import KUBEVIRT_QEMU, free_bytes
 from launcher.volumes.storage import Storage
 
@@ -39,7 +38,7 @@ HTTP_TIMEOUT = (30, 300)  # connect, and between two reads
 PROGRESS_EVERY = 1.0  # seconds between state file updates
 ACCESS_KEY, SECRET_KEY = "accessKeyId", "secretKey"  # CDI's endpoint secret keys
 DISK = "disk.img"
-QCOW2_SLACK = 4 << 20
+QCOW2_SLACK = 4 << 20  # qcow2's header, L1 and refcount tables beyond its per-cluster metadata
 
 
 class Progress:

@@ -42,9 +42,9 @@ from diskkit.errors import DiskkitError
 from diskkit.streams.sparse import SparseWriter
 from launcher.datavolumes import archive, dvstate, importer
 from launcher.datavolumes.dvstate import Target
+from launcher.hostfs.dirfd import Dir
 from launcher.spec import datavolume as dvm
 from launcher.spec.datavolume import DataVolume
-from launcher.hostfs.dirfd import Dir
 from launcher.volumes.files import KUBEVIRT_QEMU
 from launcher.volumes.storage import Storage
 

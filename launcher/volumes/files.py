@@ -20,7 +20,7 @@ from launcher.render.domain import ResolvedDisk
 def direct_io_supported(path: Path) -> bool:
     """KubeVirt's probe: can the file be opened with O_DIRECT (tmpfs and some FUSE mounts say EINVAL)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_NONBLOCK)  # a FIFO swapped in cannot hang the probe
     except OSError as exc:
         if exc.errno == errno.EINVAL:
             return False
