@@ -327,18 +327,23 @@ def test_an_upload_part_link_is_refused_not_appended_to(area, claims, victim):
 
 # ---------------------------------------------------------------- launcher serve --socket-dir
 
-@pytest.mark.parametrize("planted", ["link", "other-users-dir"])
+@pytest.mark.parametrize("planted", ["link", "other-users-dir", "other-users-parent"])
 def test_a_socket_dir_planted_by_another_user_is_refused(area, victim, planted):
     """Attack: another user plants the --socket-dir path as a link to a root directory (the root server
-    chmodded its target 0755), or owns the directory (and can swap it under the server)."""
+    chmodded its target 0755), or owns the directory or a parent of it (and can swap it for a link under
+    the server, which then chowns and chmods its sockets through it)."""
     where = area / "public"
     where.mkdir(mode=0o777)
     where.chmod(0o1777)
     sockets = where / "sockets"
     if planted == "link":
         as_nobody("ln", "-s", victim.dir, sockets)
-    else:
+    elif planted == "other-users-dir":
         as_nobody("mkdir", sockets)
+    else:
+        as_nobody("mkdir", where / "theirs")
+        sockets = where / "theirs" / "sockets"
+        sockets.mkdir()  # root's own directory, in a directory of theirs
     cache = area / "cache"
     proc = subprocess.Popen(launcher_command("serve", "--socket-dir", sockets, "--cache-dir", cache, "--exit-when-idle", "1"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -349,7 +354,8 @@ def test_a_socket_dir_planted_by_another_user_is_refused(area, victim, planted):
             proc.kill()
             proc.wait()
     assert proc.returncode != 0, err
-    rule = NOFOLLOW if planted == "link" else f"belongs to uid {NOBODY.pw_uid}"
+    rule = {"link": NOFOLLOW, "other-users-dir": f"belongs to uid {NOBODY.pw_uid}",
+            "other-users-parent": f"is inside {where / 'theirs'}, which another user can write (uid {NOBODY.pw_uid}"}[planted]
     assert rule in one_line(err) and f"--socket-dir {sockets}" in err, err
     victim.assert_untouched()
     assert not (victim.dir / "control.sock").exists()

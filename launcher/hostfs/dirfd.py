@@ -254,8 +254,9 @@ def give(fd: int, owner: tuple[int, int] | None, mode: int | None = None) -> Non
 
 def own_directory(path: Path, what: str, root_mode: int) -> None:
     """Check the directory `path` that root puts sockets in and give it `root_mode` (when root): the
-    directory itself (a link to one is refused, its target is never chmodded) and, as root, root's own
-    (another user's could be swapped for a link under root's feet)."""
+    directory itself (a link to one is refused, its target is never chmodded) and, as root, root's own,
+    under directories only root can rename things in (as sshd's StrictModes): otherwise another user
+    could swap it, or a parent, for a link under root's feet."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC)
     except OSError as exc:
@@ -267,6 +268,11 @@ def own_directory(path: Path, what: str, root_mode: int) -> None:
             owner = os.fstat(fd).st_uid
             if owner != 0:
                 raise DiskkitError(f"{what} {path}", f"belongs to uid {owner}; a root disk server puts its sockets only in root's directories")
+            for parent in Path(os.path.abspath(path)).parents:
+                st = os.stat(parent)
+                if st.st_uid != 0 or (st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX):
+                    raise DiskkitError(f"{what} {path}", f"is inside {parent}, which another user can write (uid {st.st_uid},"
+                                                         f" mode {stat.S_IMODE(st.st_mode):o}); it could be swapped for a link")
             os.fchmod(fd, root_mode)
     finally:
         os.close(fd)
