@@ -10,6 +10,7 @@ hostile HTTP source on loopback: an endless body, a 3000 MiB body for a 64Mi cla
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import io
 import json
@@ -38,6 +39,7 @@ MIB = 1 << 20
 SECRET = b"root:only:0600\n"
 NOBODY = pwd.getpwnam("nobody")
 NOFOLLOW = "is a symbolic link; root never follows a link in a directory others can write"
+NOT_REGULAR = "is not a regular file (a FIFO, device, socket or directory); only regular files are used here"
 
 
 @pytest.fixture(autouse=True)
@@ -291,11 +293,9 @@ def test_a_claim_owner_swapping_the_work_files_for_links_redirects_nothing(claim
 
 # ---------------------------------------------------------------- the upload server
 
-def test_an_upload_part_link_is_refused_not_appended_to(area, claims, victim):
-    """Attack: `.diskkit-upload.part` planted as a link to a root file (a crontab, say); the server told the
-    client the target's size as its offset, and the next PUT appended the client's bytes to the root file."""
-    nobody_claim(claims, dv("up", {"upload": {}}, "16Mi"))
-    plant(claims.dirs["up"], ".diskkit-upload.part", victim.file)
+@contextlib.contextmanager
+def upload_server(area: Path, claims: Claims, name: str):
+    """`launcher serve --upload-listen` as root; yields the DataVolume's upload URL and its auth header."""
     host = f"127.0.0.1:{free_port()}"
     cache = area / "cache"
     proc = subprocess.Popen(launcher_command("serve", "--no-disks", "--upload-listen", host, "--cache-dir", cache, *claims.args()),
@@ -307,9 +307,19 @@ def test_an_upload_part_link_is_refused_not_appended_to(area, claims, victim):
                 break
             except requests.ConnectionError:
                 time.sleep(0.1)
-        token = run_launcher("dv", "token", "up", "--cache-dir", cache).out.strip()
-        auth = {"Authorization": f"Bearer {token}"}
-        url = f"http://{host}/diskkit/v1/uploads/default/up"
+        token = run_launcher("dv", "token", name, "--cache-dir", cache).out.strip()
+        yield f"http://{host}/diskkit/v1/uploads/default/{name}", {"Authorization": f"Bearer {token}"}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_an_upload_part_link_is_refused_not_appended_to(area, claims, victim):
+    """Attack: `.diskkit-upload.part` planted as a link to a root file (a crontab, say); the server told the
+    client the target's size as its offset, and the next PUT appended the client's bytes to the root file."""
+    nobody_claim(claims, dv("up", {"upload": {}}, "16Mi"))
+    plant(claims.dirs["up"], ".diskkit-upload.part", victim.file)
+    with upload_server(area, claims, "up") as (url, auth):
         status = requests.get(url, headers=auth, timeout=10)
         assert str(len(SECRET)) not in status.text or status.status_code != 200, status.text
         body = b"* * * * * root sh -c 'id > /tmp/pwned'\n"
@@ -319,10 +329,37 @@ def test_an_upload_part_link_is_refused_not_appended_to(area, claims, victim):
         assert put.status_code >= 400, put.text
         message = put.json()["message"]
         assert "\n" not in message and message.endswith(NOFOLLOW), message
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
     victim.assert_untouched()
+
+
+def test_an_upload_part_fifo_is_refused_not_opened(area, claims):
+    """Attack: `.diskkit-upload.part` planted as a FIFO; the server's open for writing blocked for ever,
+    holding the DataVolume's work lock (every later request: 503)."""
+    nobody_claim(claims, dv("up", {"upload": {}}, "16Mi"))
+    as_nobody("mkfifo", claims.dirs["up"] / ".diskkit-upload.part")
+    with upload_server(area, claims, "up") as (url, auth):
+        body = bytes(4096)
+        try:
+            put = requests.put(url, headers={**auth, "Content-Range": f"bytes 0-{len(body) - 1}/{len(body)}"}, data=body, timeout=20)
+        except requests.exceptions.ReadTimeout:
+            pytest.fail("the upload server hung opening the FIFO")
+        assert put.status_code >= 400, put.text
+        message = put.json()["message"]
+        assert "\n" not in message and message.endswith(f".diskkit-upload.part: {NOT_REGULAR}"), message
+    assert stat.S_ISFIFO(os.lstat(claims.dirs["up"] / ".diskkit-upload.part").st_mode)
+
+
+def test_an_upload_larger_than_the_claim_is_refused_before_it_is_stored(area, claims):
+    """Attack: an upload client (holding a valid token) offers 3000 MiB for a 16Mi claim; the server wrote
+    whatever it was sent into the claim directory. Now the offer is refused by its size, in one line."""
+    claims.add(dv("big", {"upload": {}}, "16Mi"))
+    with upload_server(area, claims, "big") as (url, auth):
+        body = bytes(MIB)
+        put = requests.put(url, data=body, timeout=30, headers={**auth, "Content-Range": f"bytes 0-{len(body) - 1}/{3000 * MIB}"})
+        assert put.status_code == 413, put.text
+        message = put.json()["message"]
+        assert "\n" not in message and "more than the claim holds" in message and "A larger PVC is required" in message, message
+    assert not (claims.dirs["big"] / ".diskkit-upload.part").exists()
 
 
 # ---------------------------------------------------------------- launcher serve --socket-dir
@@ -456,31 +493,3 @@ def test_url_credentials_are_never_printed_or_recorded(claims, area):
     from launcher.spec.datavolume import shown_url
 
     assert shown_url(url) == f"http://{www.host}/data.img"
-
-
-def test_an_upload_larger_than_the_claim_is_refused_before_it_is_stored(area, claims):
-    """Attack: an upload client (holding a valid token) offers 3000 MiB for a 16Mi claim; the server wrote
-    whatever it was sent into the claim directory. Now the offer is refused by its size, in one line."""
-    claims.add(dv("big", {"upload": {}}, "16Mi"))
-    host = f"127.0.0.1:{free_port()}"
-    cache = area / "cache"
-    proc = subprocess.Popen(launcher_command("serve", "--no-disks", "--upload-listen", host, "--cache-dir", cache, *claims.args()),
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        for _ in range(300):
-            try:
-                requests.get(f"http://{host}/", timeout=1)
-                break
-            except requests.ConnectionError:
-                time.sleep(0.1)
-        token = run_launcher("dv", "token", "big", "--cache-dir", cache).out.strip()
-        body = bytes(MIB)
-        put = requests.put(f"http://{host}/diskkit/v1/uploads/default/big", data=body, timeout=30,
-                           headers={"Authorization": f"Bearer {token}", "Content-Range": f"bytes 0-{len(body) - 1}/{3000 * MIB}"})
-        assert put.status_code == 413, put.text
-        message = put.json()["message"]
-        assert "\n" not in message and "more than the claim holds" in message and "A larger PVC is required" in message, message
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-    assert not (claims.dirs["big"] / ".diskkit-upload.part").exists()
