@@ -457,7 +457,9 @@ def hostile():
 def test_an_import_stops_at_the_claims_size(claims, hostile, path, what):
     """Attack: a source that never ends, one of 3000 MiB for a 64Mi claim, a gzip bomb. The importer wrote
     (or inflated) all of it before the size check; now it stops at the claim's size plus qcow2 overhead,
-    in one line, with nothing left in the claim."""
+    in one line, with nothing left in the claim. CDI's importer is bounded the same way, by a scratch
+    volume the claim's size (pkg/importer/http-datasource.go Transfer), and refuses with the words of
+    pkg/image/qemu.go ErrLargerPVCRequired, "A larger PVC is required"."""
     claims.add(dv("bounded", {"http": {"url": hostile + path}}, "64Mi"))
     SENT.pop(path, None)
     result = claims.run("import", "bounded")
