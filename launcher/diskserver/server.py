@@ -67,6 +67,7 @@ from launcher.diskserver.lazydisk import (
 )
 from launcher.diskserver.lazyfiles import take_files
 from launcher.diskserver.qemuid import system_qemu_gid
+from launcher.hostfs.dirfd import own_directory
 from launcher.node.cache import Cache
 from launcher.node.pull import image_key, remember
 
@@ -118,6 +119,7 @@ class DiskServer:
         self.opts = opts
         self.dir = serve_dir(cache, opts.socket_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
+        own_directory(self.dir, "--socket-dir", root_mode=0o755)  # refused before anything is made in it
         self.nbd_path = socket_path(self.dir, NBD_SOCKET)
         self.control_path = socket_path(self.dir, CONTROL_SOCKET)
         self._lock_fd = self._take_lock()
@@ -133,7 +135,6 @@ class DiskServer:
         self.root = os.geteuid() == 0
         self.mode, self.group = (0o660, QEMU_GID) if self.root else (0o600, None)
         if self.root:
-            os.chmod(self.dir, 0o755)
             self.nbd = nbd.Server(self.nbd_path, self, 0o660, system_qemu_gid())
         else:
             self.nbd = nbd.Server(self.nbd_path, self, 0o600)
