@@ -232,7 +232,7 @@ class _Copier:
             digest = hashlib.sha256()
             size = 0
             with self.source.blob(desc) as reader, self.dest.blob_writer(target) as writer:
-                plain = decompressing_reader(reader, have)
+                plain = decompressing_reader(reader, have, f"{self.source.where}: layer {desc.digest[:19]}")
                 with self.reporter.task(f"layer {desc.digest[7:19]}", desc.size) as task:
                     while True:
                         chunk = plain.read(COPY_CHUNK)
@@ -263,7 +263,7 @@ class _Copier:
         plain = []
         for desc, diff_id in zip(layers, diff_ids):
             with self.source.blob(desc) as reader, self.dest.blob_writer(mt.DOCKER_LAYER) as writer:
-                unpacked = HashingReader(decompressing_reader(reader, mt.layer_compression(desc.media_type) or "none"))
+                unpacked = HashingReader(decompressing_reader(reader, mt.layer_compression(desc.media_type) or "none", f"{self.source.where}: layer {desc.digest[:19]}"))
                 with self.reporter.task(f"layer {desc.digest[7:19]}", desc.size) as task:
                     while chunk := unpacked.read(COPY_CHUNK):
                         writer.write(chunk)

@@ -17,6 +17,8 @@ from diskkit.oci.image import (
 )
 from diskkit.streams.digestio import VerifyingReader, read_verified
 
+SMALL_BLOB_LIMIT = 4 << 20
+
 
 class Destination:
     """Receives blobs, then manifests, then commit(); abort() leaves nothing behind.
@@ -121,7 +123,8 @@ class Source:
     def read_small(self, desc: Descriptor) -> bytes:
         raw = self.open_blob(desc)
         try:
-            return read_verified(raw, desc.digest, desc.size, self.where)
+            # containers/image's MaxManifestBodySize and MaxConfigBodySize (internal/iolimits): 4 MiB each
+            return read_verified(raw, desc.digest, desc.size, self.where, SMALL_BLOB_LIMIT)
         finally:
             raw.close()
 

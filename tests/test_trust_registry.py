@@ -1,0 +1,227 @@
+"""The registry side of the node's trust boundary (issue 29): the registry is trusted only through
+digests and signatures, so what a lying one sends is bounded, refused in one line and never kept for
+a later pull of the genuine image. A real registry throughout; the lies come from the fault proxy
+in front of it (tests/faultproxy.py).
+
+The size limits are containers/image's (internal/iolimits/iolimits.go: MaxManifestBodySize and
+MaxConfigBodySize 4 MiB, MaxAuthTokenBodySize and MaxErrorBodySize 1 MiB, read with ReadAtMost,
+as docker/docker_client.go fetchManifest and the config readers do).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run, run_diskkit, run_launcher
+from tests.faultproxy import Fault
+from tests.lazyhost import random_disk
+
+NOREG = "--tls-verify=false"
+FAST = [NOREG, "--retry-delay", "0.05"]
+MIB = 1 << 20
+
+
+def one_line(result) -> str:
+    """The whole of stderr: one line, no traceback."""
+    lines = result.err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.err, result.err
+    return lines[0]
+
+
+def layers_of(ref: str) -> list[dict]:
+    return json.loads(run("skopeo", "inspect", "--raw", NOREG, f"docker://{ref}").stdout)["layers"]
+
+
+@pytest.fixture(scope="module")
+def image(registry, tmp_path_factory) -> tuple[str, Path, str, int]:
+    """16 MiB of random bytes in one gzip layer (over MIN_SIZE, so pulls keep partial downloads)."""
+    disk = random_disk(tmp_path_factory.mktemp("trust") / "disk.img", 16 * MIB, seed=29)
+    ref = f"{registry.host}/trust/genuine:v1"
+    result = run_diskkit("build", NOREG, disk, "-t", ref)
+    assert result.code == 0, result.err
+    (layer,) = layers_of(ref)
+    return ref, disk, layer["digest"], layer["size"]
+
+
+def nothing_cached(cache: Path) -> bool:
+    return not list((cache / "disks" / "sha256").iterdir()) and not list((cache / "refs").iterdir())
+
+
+# --- size limits --------------------------------------------------------------------------------
+
+
+def test_an_endless_manifest_by_tag_is_refused_at_4_mib(registry, fault_proxy, image, tmp_path):
+    """Attack: a registry answers GET manifest (by tag) with a body that never ends; the launcher
+    read it whole (23.7 GB until the OOM killer). Now at most 4 MiB + 1 byte is read."""
+    ref = image[0]
+    proxy = fault_proxy(registry)
+    proxy.add(Fault("GET", "/manifests/v1", "endless", arg=256 * MIB))
+    cache = tmp_path / "cache"
+    result = run_launcher("pull", "--cache-dir", cache, NOREG, ref.replace(registry.host, proxy.host))
+    # What the proxy managed to send: the limit plus what loopback's socket buffers took, not the 256 MiB.
+    assert proxy.sent.get("/v2/trust/genuine/manifests/v1", 0) < 64 * MIB, proxy.sent
+    assert result.code == 1
+    line = one_line(result)
+    assert "manifest v1 is larger than 4 MiB (4194304 bytes)" in line and proxy.host in line, line
+    assert nothing_cached(cache)
+
+
+def push_raw(host: str, repository: str, tag: str, config: bytes) -> str:
+    """An image put into the registry with the plain API (skopeo and diskkit refuse to write it)."""
+    import hashlib
+
+    import requests
+
+    def put_blob(data: bytes) -> dict:
+        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        start = requests.post(f"http://{host}/v2/{repository}/blobs/uploads/", timeout=30)
+        location = start.headers["Location"]
+        location = location if location.startswith("http") else f"http://{host}{location}"
+        sep = "&" if "?" in location else "?"
+        done = requests.put(f"{location}{sep}digest={digest}", data=data, headers={"Content-Type": "application/octet-stream"}, timeout=30)
+        assert done.status_code == 201, done.text
+        return {"digest": digest, "size": len(data)}
+
+    manifest = json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                           "config": {"mediaType": "application/vnd.oci.image.config.v1+json", **put_blob(config)},
+                           "layers": []}).encode()
+    done = requests.put(f"http://{host}/v2/{repository}/manifests/{tag}", data=manifest,
+                        headers={"Content-Type": "application/vnd.oci.image.manifest.v1+json"}, timeout=30)
+    assert done.status_code == 201, done.text
+    return "sha256:" + hashlib.sha256(config).hexdigest()
+
+
+def test_a_config_over_4_mib_is_refused(registry, tmp_path):
+    """Attack: a manifest names a config blob of 5 MiB (MaxConfigBodySize is 4 MiB); it was read whole,
+    up to 64 MiB."""
+    config = json.dumps({"architecture": "amd64", "os": "linux", "config": {"Labels": {"pad": "x" * (5 * MIB)}},
+                         "rootfs": {"type": "layers", "diff_ids": []}}).encode()
+    digest = push_raw(registry.host, "trust/bigconfig", "v1", config)
+    ref = f"{registry.host}/trust/bigconfig:v1"
+    cache = tmp_path / "cache"
+    result = run_launcher("pull", "--cache-dir", cache, NOREG, ref)
+    assert result.code == 1
+    line = one_line(result)
+    assert "over 4194304 bytes are refused" in line and digest in line, line
+    result = run_diskkit("inspect", NOREG, ref)
+    assert result.code == 1 and "over 4194304 bytes are refused" in one_line(result)
+
+
+# --- hostile answers: one line, never a traceback ------------------------------------------------
+
+
+def test_a_redirect_to_a_file_url_is_one_line(registry, fault_proxy, image, tmp_path):
+    """Attack: the blob GET is redirected to file:///etc/shadow (requests' InvalidSchema, a traceback)."""
+    ref, _, layer, _ = image
+    proxy = fault_proxy(registry)
+    proxy.add(Fault("GET", f"/blobs/{layer}", "redirect", arg="file:///etc/shadow", times=20))
+    out = tmp_path / "out"
+    out.mkdir()
+    result = run_diskkit("copy", *FAST, f"docker://{ref.replace(registry.host, proxy.host)}", f"oci:{out / 'l'}:x")
+    assert result.code == 1
+    line = one_line(result)
+    assert "not http(s); refused" in line and proxy.host in line, line
+    assert os.listdir(out) == []
+    cache = tmp_path / "cache"
+    result = run_launcher("pull", "--cache-dir", cache, *FAST, ref.replace(registry.host, proxy.host))
+    assert result.code == 1 and "not http(s); refused" in one_line(result)
+    assert nothing_cached(cache)
+
+
+def test_a_manifest_cut_mid_body_is_one_line(registry, fault_proxy, image, tmp_path):
+    """Attack: the manifest's body ends before its Content-Length (requests' ChunkedEncodingError)."""
+    ref = image[0]
+    proxy = fault_proxy(registry)
+    proxy.add(Fault("GET", "/manifests/", "truncate", arg=100, times=50))
+    out = tmp_path / "out"
+    out.mkdir()
+    result = run_diskkit("copy", *FAST, f"docker://{ref.replace(registry.host, proxy.host)}", f"oci:{out / 'l'}:x")
+    assert result.code == 1
+    line = one_line(result)
+    assert "body was cut short" in line and "manifest" in line, line
+    assert os.listdir(out) == []
+
+
+def invalid_deflate_at(host: str, repository: str, layer: str) -> int:
+    """A byte of the layer whose flipped bit makes ISA-L find an invalid deflate block (IsalError)."""
+    import io
+
+    import requests
+    from isal import igzip, isal_zlib
+
+    head = requests.get(f"http://{host}/v2/{repository}/blobs/{layer}", headers={"Range": "bytes=0-262143"}, timeout=30).content
+    for at in range(10, 4096):
+        bad = bytearray(head)
+        bad[at] ^= 1
+        try:
+            igzip.IGzipFile(fileobj=io.BytesIO(bytes(bad))).read(1 << 20)
+        except isal_zlib.error:
+            return at
+        except (OSError, EOFError):
+            continue
+    raise AssertionError("no bit of the first 4 KiB makes an invalid deflate block")
+
+
+def test_a_corrupt_gzip_layer_is_one_line(registry, fault_proxy, image, tmp_path):
+    """Attack: a flipped bit early in the layer's deflate stream (ISA-L's IsalError, a traceback)."""
+    ref, _, layer, _ = image
+    proxy = fault_proxy(registry)
+    proxy.add(Fault("GET", f"/blobs/{layer}", "flip", arg=invalid_deflate_at(registry.host, "trust/genuine", layer), times=20))
+    cache = tmp_path / "cache"
+    result = run_launcher("pull", "--cache-dir", cache, *FAST, ref.replace(registry.host, proxy.host))
+    assert result.code == 1
+    line = one_line(result)
+    assert "gzip stream cannot be decompressed" in line and layer[:19] in line, line
+    assert nothing_cached(cache)
+
+
+# --- partial downloads are tied to their source --------------------------------------------------
+
+
+def lie_then_cut(proxy, layer: str, size: int) -> None:
+    """The liar: serves the layer with one bit wrong, and stops half way."""
+    proxy.add(Fault("GET", f"/blobs/{layer}", "flip", arg=size // 2 - 100, stop_at=size // 2))
+
+
+def pulled_by_liar(cache: Path, proxy, ref: str, layer: str, size: int) -> None:
+    result = run_launcher("pull", "--cache-dir", cache, NOREG, "--retry-times", "0", ref)
+    assert result.code == 1, result.err
+    kept = cache / "partial" / f"{layer.replace(':', '-')}.part"
+    assert kept.stat().st_size > size // 2 - 100, "the liar's bytes (with the wrong one) are kept"
+
+
+def test_a_liars_partial_is_not_resumed_by_the_genuine_registry(registry, fault_proxy, image, tmp_path):
+    """Attack: a liar serves wrong bytes under the genuine layer's digest and is cut off; the
+    `partial/<digest>.part` it left was resumed by every later pull of the genuine image, which
+    failed (with a traceback) until gc. A partial is now resumed only from the source it came from."""
+    ref, disk, layer, size = image
+    proxy = fault_proxy(registry)
+    lie_then_cut(proxy, layer, size)
+    cache = tmp_path / "cache"
+    pulled_by_liar(cache, proxy, ref.replace(registry.host, proxy.host), layer, size)
+    pulled = run_launcher("pull", "--cache-dir", cache, NOREG, "--json", ref)
+    assert pulled.code == 0, pulled.err
+    assert Path(json.loads(pulled.out)["path"]).read_bytes() == disk.read_bytes()
+    assert list((cache / "partial").iterdir()) == []
+
+
+def test_a_resumed_blob_that_fails_its_digest_restarts_from_zero_once(registry, fault_proxy, image, tmp_path):
+    """Attack: the same source lies, is cut off, then answers honestly: the resumed blob fails its
+    digest. The kept bytes are discarded and the pull starts again from byte 0, and succeeds."""
+    ref, disk, layer, size = image
+    proxy = fault_proxy(registry)
+    via = ref.replace(registry.host, proxy.host)
+    lie_then_cut(proxy, layer, size)
+    cache = tmp_path / "cache"
+    pulled_by_liar(cache, proxy, via, layer, size)
+    before = len(proxy.log)
+    pulled = run_launcher("pull", "--cache-dir", cache, NOREG, "--json", via)
+    assert pulled.code == 0, pulled.err
+    assert Path(json.loads(pulled.out)["path"]).read_bytes() == disk.read_bytes()
+    gets = [status for method, path, status in proxy.log[before:] if method == "GET" and path.endswith(f"/blobs/{layer}")]
+    assert gets == [206, 200], gets  # the rest after the kept bytes, then the whole blob once
+    assert list((cache / "partial").iterdir()) == []
