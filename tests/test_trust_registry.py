@@ -225,3 +225,101 @@ def test_a_resumed_blob_that_fails_its_digest_restarts_from_zero_once(registry, 
     gets = [status for method, path, status in proxy.log[before:] if method == "GET" and path.endswith(f"/blobs/{layer}")]
     assert gets == [206, 200], gets  # the rest after the kept bytes, then the whole blob once
     assert list((cache / "partial").iterdir()) == []
+
+
+# --- private caches (issue 26 item 2) ------------------------------------------------------------
+
+NOBODY = 65534
+READ_ALL = ("import os, sys\n"
+            "for path in sys.argv[1:]:\n"
+            "    try:\n"
+            "        os.close(os.open(path, os.O_RDONLY)); print(path)\n"
+            "    except OSError:\n"
+            "        pass\n")
+
+
+def readable_by(uid: int, gid: int, files: list[Path], groups: str = "--clear-groups") -> list[str]:
+    """Which of `files` the user can open, tried by a process of that user (setpriv)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={gid}", groups, sys.executable, "-c", READ_ALL, *map(str, files)],
+                          capture_output=True, text=True, check=True)
+    return done.stdout.split()
+
+
+def cache_files(cache: Path) -> list[Path]:
+    return [p for p in cache.rglob("*") if p.is_file()]
+
+
+@pytest.fixture
+def scratch():
+    from tests.vmhost import qemu_scratch
+
+    with qemu_scratch("diskkit-trust-") as root:  # world-traversable, as /var/lib is
+        yield root
+
+
+def test_a_root_cache_is_private_to_root_and_qemu(registry, fault_proxy, image, scratch):
+    """Attack: another local user reads the disks root pulled (0444 files in 0755 directories) and
+    the partial download of a private image. Now a cache root makes is closed to them; qemu, as
+    libvirt's system daemon runs it or as KubeVirt's 107 on a session daemon, still reads the disks."""
+    import grp
+    import pwd
+
+    ref, disk, layer, size = image
+    cache = scratch / "var-lib-diskkit"
+    pulled = run_launcher("pull", "--cache-dir", cache, NOREG, "--json", ref)
+    assert pulled.code == 0, pulled.err
+    path = Path(json.loads(pulled.out)["path"])
+    # A second image's download, cut half way: its partial stays.
+    second = random_disk(scratch / "second.img", 16 * MIB, seed=30)
+    assert run_diskkit("build", NOREG, second, "-t", f"{registry.host}/trust/second:v1").code == 0
+    (other,) = layers_of(f"{registry.host}/trust/second:v1")
+    proxy = fault_proxy(registry)
+    proxy.add(Fault("GET", f"/blobs/{other['digest']}", "truncate", arg=other["size"] // 2))
+    cut = run_launcher("pull", "--cache-dir", cache, NOREG, "--retry-times", "0", f"{proxy.host}/trust/second:v1")
+    assert cut.code == 1, cut.err
+    files = cache_files(cache)
+    assert path in files and any(p.suffix == ".part" for p in files), files
+    assert readable_by(NOBODY, NOBODY, files) == []
+    qemu = pwd.getpwnam("libvirt-qemu")
+    assert readable_by(qemu.pw_uid, grp.getgrnam("libvirt-qemu").gr_gid, [path], "--init-groups") == [str(path)]
+    assert readable_by(107, pwd.getpwuid(107).pw_gid, [path]) == [str(path)]
+    assert oct(cache.stat().st_mode & 0o777) == "0o711"
+    assert run_launcher("ls", "--cache-dir", cache).err == ""  # a fresh cache: no warning
+
+
+def test_a_users_cache_is_private_to_that_user(registry, image, scratch):
+    """Attack: another local user reads what an unprivileged user pulled into ~/.cache/diskkit."""
+    import pwd
+
+    ref, _, _, _ = image
+    home = scratch / "home"
+    home.mkdir()
+    gid = pwd.getpwuid(107).pw_gid
+    os.chown(home, 107, gid)
+    cache = home / ".cache" / "diskkit"
+    pulled = run_launcher("pull", NOREG, "--json", ref, user="107",
+                          env={"HOME": str(home), "XDG_CACHE_HOME": "", "DISKKIT_CACHE": ""})
+    assert pulled.code == 0, pulled.err
+    path = Path(json.loads(pulled.out)["path"])
+    assert path.is_relative_to(cache)
+    files = cache_files(cache)
+    assert path in files
+    assert readable_by(NOBODY, NOBODY, files) == []
+    assert readable_by(107, gid, [path]) == [str(path)]
+    assert oct(cache.stat().st_mode & 0o777) == "0o700"
+
+
+def test_an_existing_open_cache_gets_a_warning(scratch):
+    """A cache made before caches were private (0755 throughout) is named by `ls` and `gc`, once."""
+    cache = scratch / "old"
+    for sub in ("", "disks", "blobs", "partial"):
+        (cache / sub).mkdir(exist_ok=True)
+        (cache / sub).chmod(0o755)
+    for command in ("ls", "gc"):
+        result = run_launcher(command, "--cache-dir", cache)
+        assert result.code == 0, result.err
+        line = one_line(result)
+        assert "warning" in line and f"{cache}," in line and f"{cache / 'disks'}" in line and "other local users" in line, line

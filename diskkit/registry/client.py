@@ -306,14 +306,18 @@ class Registry:
             if response.status_code in (401, 403):
                 creds = self.credentials()
                 who = f"user {creds.username}" if creds else "anonymous access"
-                _read_into(response, MAX_ERROR_BYTES, self.host, what or method)
+                if method != "HEAD":
+                    _read_into(response, MAX_ERROR_BYTES, self.host, what or method)
                 raise AuthError(self.host, f"{what or method} denied for {who} (scope {scope}): HTTP {response.status_code}{_api_error(response)}")
             if response.status_code in RETRY_STATUS and attempt < self.opts.retries:
                 time.sleep(retry_after(response, attempt, self.opts))
                 response.close()
                 attempt += 1
                 continue
-            if not stream or response.status_code not in (200, 206):
+            if method == "HEAD" or response.status_code in (204, 304):
+                response._content = b""  # no body, whatever Content-Length says (the blob's, for HEAD)
+                response.close()
+            elif not stream or response.status_code not in (200, 206):
                 # Error answers of streamed requests too: callers read their `errors` (_api_error).
                 _read_into(response, limit if not stream else MAX_ERROR_BYTES, self.host, what or method)
             return response  # callers decide what 404 and other answers mean
