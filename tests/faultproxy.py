@@ -23,8 +23,8 @@ Actions (``Fault.action``):
                 the client connection and close the upstream one (the server sees a body cut short,
                 as when a connection drops mid-upload). Logged with status 0.
 ``redirect``    answer 307 with ``Location: arg`` (a string: another scheme, say), not forwarded.
-``endless``     answer 200 with a chunked body of ``arg`` bytes of JSON-looking filler (0: without end),
-                not forwarded: a manifest, token or error body that never stops.
+``endless``     answer ``Fault.status`` (200) with a chunked body of ``arg`` bytes of JSON-looking filler
+                (0: without end), not forwarded: a manifest, token or error body that never stops.
 
 ``Fault.stop_at``: with ``flip``, the body also ends after that many bytes, as with ``truncate``
 (a liar that serves wrong bytes for a digest and is cut off half way).
@@ -72,6 +72,7 @@ class Fault:
     header: tuple[str, str] | None = None
     skip: int = 0
     stop_at: int | None = None
+    status: int = 200
 
     def __post_init__(self):
         if self.action not in ACTIONS:
@@ -295,7 +296,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return
         if action == "endless":
             self._drain(kind, length)
-            self._endless(int(fault.arg))
+            self._endless(int(fault.arg), fault.status)
             return
         if action == "stall":
             if proxy._closing.wait(min(max(float(fault.arg), 0.0), MAX_STALL)):
@@ -339,12 +340,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         finally:
             conn.close()
 
-    def _endless(self, total: int) -> None:
-        self.send_response_only(200)
+    def _endless(self, total: int, status: int) -> None:
+        self.send_response_only(status)
         self.send_header("Content-Type", "application/vnd.oci.image.manifest.v1+json")
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
-        self.server.proxy._log(self.command, self.path, 200)
+        self.server.proxy._log(self.command, self.path, status)
         filler = b'{"a":"' + b"x" * (CHUNK - 8) + b'",'
         sent = 0
         try:

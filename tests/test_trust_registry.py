@@ -95,6 +95,17 @@ def push_raw(host: str, repository: str, tag: str, config: bytes) -> str:
     return "sha256:" + hashlib.sha256(config).hexdigest()
 
 
+def test_an_endless_error_body_is_refused_at_1_mib(registry, fault_proxy, image, tmp_path):
+    """Attack: a 404 whose body never ends (MaxErrorBodySize is 1 MiB); it was read whole."""
+    ref = image[0]
+    proxy = fault_proxy(registry)
+    proxy.add(Fault("GET", "/manifests/v1", "endless", arg=256 * MIB, status=404))
+    result = run_diskkit("inspect", NOREG, ref.replace(registry.host, proxy.host))
+    assert proxy.sent.get("/v2/trust/genuine/manifests/v1", 0) < 64 * MIB, proxy.sent
+    assert result.code == 1
+    assert "GET manifest is larger than 1 MiB (1048576 bytes)" in one_line(result), result.err
+
+
 def test_a_config_over_4_mib_is_refused(registry, tmp_path):
     """Attack: a manifest names a config blob of 5 MiB (MaxConfigBodySize is 4 MiB); it was read whole,
     up to 64 MiB."""
@@ -144,6 +155,28 @@ def test_a_manifest_cut_mid_body_is_one_line(registry, fault_proxy, image, tmp_p
     line = one_line(result)
     assert "body was cut short" in line and "manifest" in line, line
     assert os.listdir(out) == []
+
+
+@pytest.mark.parametrize("fault", [
+    Fault("GET", "/manifests/", "status", arg=200, times=50),  # `{"errors": []}` as the manifest: a KeyError
+    Fault("GET", "/manifests/", "redirect", arg="http://[::1", times=50),  # urllib's ValueError
+], ids=["json-without-config", "redirect-to-a-bad-url"])
+def test_a_hostile_manifest_answer_is_one_line(registry, fault_proxy, image, tmp_path, fault):
+    """Attacks: answers the proxy makes up in place of the manifest ended in tracebacks."""
+    ref = image[0]
+    proxy = fault_proxy(registry)
+    proxy.add(fault)
+    out = tmp_path / "out"
+    out.mkdir()
+    via = ref.replace(registry.host, proxy.host)
+    result = run_diskkit("copy", *FAST, f"docker://{via}", f"oci:{out / 'l'}:x")
+    assert result.code == 1
+    assert proxy.host in one_line(result)
+    assert os.listdir(out) == []
+    cache = tmp_path / "cache"
+    result = run_launcher("pull", "--cache-dir", cache, *FAST, via)
+    assert result.code == 1 and proxy.host in one_line(result)
+    assert nothing_cached(cache)
 
 
 def invalid_deflate_at(host: str, repository: str, layer: str) -> int:

@@ -155,8 +155,11 @@ class _Copier:
             self.rewriting("an OCI manifest becomes a Docker schema2 manifest")
             manifest = oci_to_docker(manifest, self.source.where)
             data, media = canonical_json(manifest), mt.DOCKER_MANIFEST
-        config = Descriptor.from_json(manifest["config"], self.source.where)
-        layers = [Descriptor.from_json(layer, self.source.where) for layer in manifest.get("layers") or []]
+        try:
+            config = Descriptor.from_json(manifest["config"], self.source.where)
+            layers = [Descriptor.from_json(layer, self.source.where) for layer in manifest.get("layers") or []]
+        except (KeyError, TypeError, AttributeError):
+            raise DiskkitError(self.source.where, "manifest has no config descriptor") from None
         if self.dest.layer_compression == "none" and any(mt.layer_compression(l.media_type) != "none" for l in layers):
             self.rewriting("its layers must be stored uncompressed")
             return self._into_plain_layers(config, layers, platform)

@@ -289,6 +289,8 @@ class Registry:
                 raise RegistryError(self.host, f"TLS error ({failure_reason(exc)})") from None
             except (requests.exceptions.InvalidSchema, requests.exceptions.InvalidURL, requests.exceptions.TooManyRedirects) as exc:
                 raise RegistryError(self.host, f"{what or method}: {refusal(exc)}") from None
+            except ValueError:  # urllib's own parsing of a Location requests could not make sense of
+                raise RegistryError(self.host, f"{what or method}: redirected to an invalid URL; refused") from None
             except (requests.exceptions.ConnectionError, requests.exceptions.Timeout, urllib3.exceptions.HTTPError) as exc:
                 if attempt >= self.opts.retries:
                     raise RegistryError(self.host, f"{what or method} failed after {attempt + 1} attempts ({failure_reason(exc)})") from None
