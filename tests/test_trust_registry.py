@@ -356,3 +356,31 @@ def test_an_existing_open_cache_gets_a_warning(scratch):
         assert result.code == 0, result.err
         line = one_line(result)
         assert "warning" in line and f"{cache}," in line and f"{cache / 'disks'}" in line and "other local users" in line, line
+
+
+def test_a_root_caches_lazy_exports_are_private_and_its_sockets_reachable(registry, scratch):
+    """Attack: another local user reads lazy/*/disk.img and members.gz of what the root disk server
+    serves. They are closed to it now, while the server's sockets in serve/ stay reachable to
+    other users' launchers (a control request as KubeVirt's qemu, 107, gets its own NBD socket)."""
+    import subprocess
+    import sys
+
+    from tests.lazyhost import control, disk_server
+
+    ref = f"{registry.host}/trust/lazy:toc"
+    assert run_diskkit("build", NOREG, "--lazy", random_disk(scratch / "lazy.img", 4 * MIB, seed=31), "-t", ref).code == 0
+    cache = scratch / "served"
+    with disk_server(cache):
+        opened = control(cache, {"op": "open", "image": ref, "registry": {"tls_verify": False}, "clients": 0})
+        assert opened.get("ok"), opened
+        files = cache_files(cache / "lazy")
+        assert any(p.name == "disk.img" for p in files), files
+        assert readable_by(NOBODY, NOBODY, cache_files(cache)) == []
+        code = ("import json, sys; from pathlib import Path; from launcher.diskserver.control import request; "
+                "print(json.dumps(request(Path(sys.argv[1]), json.loads(sys.argv[2]))))")
+        req = {"op": "open", "image": ref, "registry": {"tls_verify": False}, "clients": 0}
+        # As tests/test_lazy_access.py asks: 107:107, the control socket's group today.
+        asked = subprocess.run(["setpriv", "--reuid=107", "--regid=107", "--clear-groups", sys.executable, "-c", code,
+                                str(cache / "serve" / "control.sock"), json.dumps(req)], capture_output=True, text=True)
+        assert asked.returncode == 0, asked.stderr
+        assert json.loads(asked.stdout)["socket"] == str(cache / "serve" / "nbd-107.sock")
