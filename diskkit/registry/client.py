@@ -36,7 +36,6 @@ RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 # How much of a small answer is read before it is refused: containers/image's limits
 # (internal/iolimits/iolimits.go, ReadAtMost), which an endless or huge body would otherwise defeat.
 MAX_MANIFEST_BYTES = 4 << 20  # MaxManifestBodySize, the limit distribution itself puts on a manifest
-MAX_CONFIG_BYTES = 4 << 20  # MaxConfigBodySize
 MAX_SIGNATURE_BYTES = 4 << 20  # MaxSignatureBodySize and MaxSignatureListBodySize
 MAX_TOKEN_BYTES = 1 << 20  # MaxAuthTokenBodySize
 MAX_ERROR_BYTES = 1 << 20  # MaxErrorBodySize: every other answer (errors, upload status, /v2/) is read up to this
@@ -273,11 +272,11 @@ class Registry:
         stream: bool = False,
         what: str = "",
         retry: bool = True,
-        limit: int = MAX_ERROR_BYTES,
     ) -> requests.Response:
         """One API call, with auth and retries. `body`, if it is to be retried, must be bytes or a factory.
 
-        Unless `stream`, the answer's body is read here, at most `limit` bytes of it (refused beyond)."""
+        Unless `stream`, the answer's body is read here, up to MAX_ERROR_BYTES (refused beyond);
+        callers that expect more (manifests) stream it and read it with their own limit (read_body)."""
         url = path if path.startswith(("http://", "https://")) else self.base() + path
         authed_again = False
         attempt = 0 if retry else self.opts.retries
@@ -321,7 +320,7 @@ class Registry:
                 response.close()
             elif not stream or response.status_code not in (200, 206):
                 # Error answers of streamed requests too: callers read their `errors` (_api_error).
-                _read_into(response, limit if not stream else MAX_ERROR_BYTES, self.host, what or method)
+                _read_into(response, MAX_ERROR_BYTES, self.host, what or method)
             return response  # callers decide what 404 and other answers mean
 
     def resolve(self, location: str) -> str:
@@ -411,7 +410,7 @@ def _api_error(response: requests.Response) -> str:
     try:
         errors = response.json().get("errors") or []
         if errors:
-            return " ".join(f" ({errors[0].get('code')}: {errors[0].get('message')})".split())[:300]
+            return f" ({errors[0].get('code')}: {errors[0].get('message')})"[:300]
     except (ValueError, AttributeError, TypeError):
         pass
     return ""

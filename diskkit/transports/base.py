@@ -17,6 +17,7 @@ from diskkit.oci.image import (
 )
 from diskkit.streams.digestio import VerifyingReader, read_verified
 
+# containers/image's MaxManifestBodySize and MaxConfigBodySize (internal/iolimits/iolimits.go)
 SMALL_BLOB_LIMIT = 4 << 20
 
 
@@ -123,7 +124,6 @@ class Source:
     def read_small(self, desc: Descriptor) -> bytes:
         raw = self.open_blob(desc)
         try:
-            # containers/image's MaxManifestBodySize and MaxConfigBodySize (internal/iolimits): 4 MiB each
             return read_verified(raw, desc.digest, desc.size, self.where, SMALL_BLOB_LIMIT)
         finally:
             raw.close()

@@ -132,19 +132,24 @@ class RemoteSource(Source):
         raw = self.open_blob(desc)
         received = ReadAhead(raw)
         hashed = ReadAhead(VerifyingReader(received, desc.digest, desc.size, f"{self.where}: blob {desc.digest[:19]}"))
+        suspect: DiskkitError | None = None
         try:
             yield hashed
         except DiskkitError as exc:
             # Bytes an earlier download kept are covered by the digest only at the end: when a blob
             # resumed from them fails (its digest, or the decompressor before it), they are suspect.
             # A registry failure says nothing against them; they stay for the next attempt.
-            if isinstance(raw, ResumableBlob) and raw.resumed and not isinstance(exc, RegistryError):
-                raw.discard()
-                raise ResumeFailed(self.where, f"blob {desc.digest[:19]} resumed from {raw.resumed} bytes kept by an earlier download failed ({exc.rule}); those bytes are discarded") from None
-            raise
+            if not (isinstance(raw, ResumableBlob) and raw.resumed and not isinstance(exc, RegistryError)):
+                raise
+            suspect = exc
         finally:
-            for stage in (hashed, received, raw):
-                stage.close()
+            for stage in (hashed, received):
+                stage.close()  # their threads are done with `raw` once closed
+            if suspect is not None:
+                raw.discard()
+            raw.close()
+        if suspect is not None:
+            raise ResumeFailed(self.where, f"blob {desc.digest[:19]} resumed from {raw.resumed} bytes kept by an earlier download failed ({suspect.rule}); those bytes are discarded")
 
 
 class _Upload:
