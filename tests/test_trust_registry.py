@@ -106,6 +106,28 @@ def test_an_endless_error_body_is_refused_at_1_mib(registry, fault_proxy, image,
     assert "GET manifest is larger than 1 MiB (1048576 bytes)" in one_line(result), result.err
 
 
+def test_an_endless_signature_attachment_is_refused_at_4_mib(registry, fault_proxy, image, tmp_path):
+    """Attack: under a policy that requires signatures, the sigstore attachment manifest never ends
+    (MaxSignatureListBodySize is 4 MiB); it was read whole before its size was checked."""
+    ref = image[0]
+    proxy = fault_proxy(registry)
+    proxy.add(Fault("GET", r"/manifests/sha256-[0-9a-f]{64}\.sig", "endless", arg=256 * MIB))
+    key = tmp_path / "a"
+    (tmp_path / "pass").write_text("pw\n")
+    assert run_diskkit("generate-sigstore-key", "--output-prefix", key, "--passphrase-file", tmp_path / "pass").code == 0
+    regd = tmp_path / "registries.d"
+    regd.mkdir()
+    (regd / "default.yaml").write_text("default-docker:\n  use-sigstore-attachments: true\n")
+    policy = tmp_path / "policy.json"
+    policy.write_text(json.dumps({"default": [{"type": "reject"}], "transports": {"docker": {
+        proxy.host: [{"type": "sigstoreSigned", "keyPath": f"{key}.pub"}]}}}))
+    result = run_diskkit("inspect", NOREG, "--signature-policy", policy, "--registries.d", regd, ref.replace(registry.host, proxy.host))
+    sent = sum(n for path, n in proxy.sent.items() if path.endswith(".sig"))
+    assert 0 < sent < 64 * MIB, proxy.sent
+    assert result.code == 1
+    assert "attachment manifest is larger than 4 MiB (4194304 bytes)" in one_line(result), result.err
+
+
 def test_a_config_over_4_mib_is_refused(registry, tmp_path):
     """Attack: a manifest names a config blob of 5 MiB (MaxConfigBodySize is 4 MiB); it was read whole,
     up to 64 MiB."""
