@@ -22,6 +22,12 @@ Actions (``Fault.action``):
 ``cut``         requests with a body: forward the request and the first ``arg`` body bytes, then reset
                 the client connection and close the upstream one (the server sees a body cut short,
                 as when a connection drops mid-upload). Logged with status 0.
+``redirect``    answer 307 with ``Location: arg`` (a string: another scheme, say), not forwarded.
+``endless``     answer ``Fault.status`` (200) with a chunked body of ``arg`` bytes of JSON-looking filler
+                (0: without end), not forwarded: a manifest, token or error body that never stops.
+
+``Fault.stop_at``: with ``flip``, the body also ends after that many bytes, as with ``truncate``
+(a liar that serves wrong bytes for a digest and is cut off half way).
 
 Faults are tried in the order added; the first live one whose method (or ``"*"``) equals the
 request method and whose ``path`` regex is found (``re.search``) in the request target — path plus
@@ -48,7 +54,7 @@ CLIENT_TIMEOUT = 60.0
 MAX_CONNECTIONS = 64
 MAX_STALL = 120.0
 
-ACTIONS = ("drop", "status", "retry_after", "flip", "truncate", "stall", "cut")
+ACTIONS = ("drop", "status", "retry_after", "flip", "truncate", "stall", "cut", "redirect", "endless")
 # Hop-by-hop headers, never forwarded in either direction (RFC 9110 section 7.6.1), plus Expect (answered here).
 HOP_BY_HOP = {
     "connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization", "te", "trailer",
@@ -65,6 +71,8 @@ class Fault:
     arg: float = 0
     header: tuple[str, str] | None = None
     skip: int = 0
+    stop_at: int | None = None
+    status: int = 200
 
     def __post_init__(self):
         if self.action not in ACTIONS:
@@ -277,6 +285,19 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self._reply(429, {"errors": [{"code": "TOOMANYREQUESTS", "message": "injected", "detail": None}]},
                             {"Retry-After": str(int(fault.arg))})
             return
+        if action == "redirect":
+            self._drain(kind, length)
+            self.send_response_only(307)
+            self.send_header("Location", str(fault.arg))
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            self.wfile.flush()
+            self.server.proxy._log(self.command, self.path, 307)
+            return
+        if action == "endless":
+            self._drain(kind, length)
+            self._endless(int(fault.arg), fault.status)
+            return
         if action == "stall":
             if proxy._closing.wait(min(max(float(fault.arg), 0.0), MAX_STALL)):
                 self._reset()
@@ -319,6 +340,26 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         finally:
             conn.close()
 
+    def _endless(self, total: int, status: int) -> None:
+        self.send_response_only(status)
+        self.send_header("Content-Type", "application/vnd.oci.image.manifest.v1+json")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        self.server.proxy._log(self.command, self.path, status)
+        filler = b'{"a":"' + b"x" * (CHUNK - 8) + b'",'
+        sent = 0
+        try:
+            while not total or sent < total:
+                piece = filler[: total - sent] if total else filler
+                self._write(piece, True)
+                sent += len(piece)
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+        except OSError:
+            raise _Abort() from None  # the client stopped reading: what is tested
+        finally:
+            self.server.proxy._count(self.path, sent)
+
     def _cut(self, pieces, keep: int):
         """The body's first `keep` bytes; then both connections go (raising _Abort closes upstream)."""
         sent = 0
@@ -355,6 +396,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         limit = None
         if action in ("drop", "truncate"):
             limit = int(fault.arg)
+        elif fault is not None and fault.stop_at is not None:
+            limit = fault.stop_at
         flip_at = int(fault.arg) if action == "flip" else -1
         sent = 0
         if not no_body:

@@ -164,7 +164,9 @@ class DiskServer:
         path = _lock_path(self.cache)
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            # Another user who could open it could hold a shared lock on it, and no server would start.
+            os.fchmod(fd, 0o600)
         except OSError as exc:
             raise DiskkitError(path, f"cannot be opened ({exc.strerror})") from None
         try:
