@@ -124,7 +124,7 @@ class DiskServer:
         self._reclaim_staging()
         self.exports: dict[str, LazyDisk | InstalledDisk] = {}
         self.lock = threading.Lock()
-        self.open_lock = threading.Lock()  # opening fetches headers and TOCs: one at a time
+        self.setup_locks: dict[str, threading.Lock] = {}  # export name -> held while that export is made
         self.small_blobs = SmallBlobs()
         self.last_activity = time.monotonic()
         self.awaiting: dict[str, list[tuple[float, int]]] = {}  # export -> (deadline, asking pid) per announced NBD client
@@ -221,34 +221,47 @@ class DiskServer:
 
     def _reopen(self, name: str):
         """An export known from an earlier run of the server (a VM reconnecting after a restart)."""
-        if "/" in name or name.startswith("."):
+        if not _is_export_name(name):
             return None
         source = self.cache.read_json(self.cache.root / "lazy" / name / "source.json")
         if source is None:
             return None
-        with self.open_lock:
+        try:
             layout = Layout.from_json(source["layout"])
-            try:
-                return self._export(layout, registry_for(layout.registry, self.opts.registry))
-            except DiskkitError as exc:
-                log.warning("export %s cannot be reopened: %s", name, exc.line())
-                return None
+        except (KeyError, TypeError, ValueError):
+            log.warning("export %s cannot be reopened: its source.json is not one this server wrote", name)
+            return None
+        if layout.name != name:
+            # Written for another identity (or by an older server, keyed by less): never served under this name.
+            log.warning("export %s cannot be reopened: its source.json describes another export", name)
+            return None
+        try:
+            return self._export(layout, registry_for(layout.registry, self.opts.registry))
+        except DiskkitError as exc:
+            log.warning("export %s cannot be reopened: %s", name, exc.line())
+            return None
 
     def _export(self, layout: Layout, registry, found: Found | None = None) -> LazyDisk | InstalledDisk:
-        """The export for `layout`, made once: later VMs booting the same disk share it."""
+        """The export for `layout`'s identity, made once: later VMs booting the same bytes share it.
+        Set up under a lock of its own: an open of another image never waits for this one's registry."""
+        name = layout.name
         with self.lock:
-            if layout.name in self.exports:
-                return self.exports[layout.name]
-        installed = self.cache.disk_dir(layout.layer, layout.member) / "disk.img"
-        if installed.is_file():
-            export = InstalledDisk(layout.name, installed, f"{layout.layer} /{layout.member}")
-        else:
-            ranges = BlobRanges(registry, layout.repository, layout.layer, layout.layer_size)
-            head, tail = (found.head, found.tail) if found is not None else (None, None)
-            export = LazyDisk(self.cache, layout, ranges, self.opts.lazy, head=head, tail=tail).start()
-        with self.lock:
-            self.exports[layout.name] = export
-        log.info("exporting %s (%s)", layout.name, "complete" if isinstance(export, InstalledDisk) else "lazy")
+            setting_up = self.setup_locks.setdefault(name, threading.Lock())
+        with setting_up:
+            with self.lock:
+                if name in self.exports:
+                    return self.exports[name]
+            # Verified against the blob digest before it was installed: the layer and member pin it.
+            installed = self.cache.disk_dir(layout.layer, layout.member) / "disk.img"
+            if installed.is_file():
+                export = InstalledDisk(name, installed, f"{layout.layer} /{layout.member}")
+            else:
+                ranges = BlobRanges(registry, layout.repository, layout.layer, layout.layer_size)
+                head, tail = (found.head, found.tail) if found is not None else (None, None)
+                export = LazyDisk(self.cache, layout, ranges, self.opts.lazy, head=head, tail=tail).start()
+            with self.lock:
+                self.exports[name] = export
+        log.info("exporting %s (%s)", name, "complete" if isinstance(export, InstalledDisk) else "lazy")
         return export
 
     # --- control requests -----------------------------------------------------------------------
@@ -322,7 +335,7 @@ class DiskServer:
         when it cannot be read at offsets, or (`marked`) does not say it should be."""
         if parse_ref(shown).transport != "docker":
             raise NotSeekable(shown, "lazy reads need a registry image (docker://)")
-        with self.open_lock, open_source(shown, registry) as source:
+        with open_source(shown, registry) as source:
             assert isinstance(source, RemoteSource)
             enforce_source(source, TrustOptions.of(registry), registry, platform)
             image = source.image(platform)
@@ -335,7 +348,10 @@ class DiskServer:
         the disk's lookup, is not fetched again."""
         ranges = BlobRanges(source.registry, source.name.repository, desc.digest, desc.size)
         for export in self.listing():
-            if isinstance(export, LazyDisk) and export.layout.layer == desc.digest:
+            lay = export.layout if isinstance(export, LazyDisk) else None
+            # Only from an export reading the same repository: another image naming this layer
+            # digest may hold other bytes around its disk until its blob digest says so.
+            if lay is not None and (lay.layer, lay.registry, lay.repository) == (desc.digest, source.registry.host, source.name.repository):
                 return self.small_blobs.ranges(KnownRanges(ranges, export.known()))
         return self.small_blobs.ranges(ranges)
 
@@ -483,6 +499,11 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         pass
     return True
+
+
+def _is_export_name(name: str) -> bool:
+    """A name ExportId.name could be: a hex sha256, nothing that leads elsewhere in the cache."""
+    return len(name) == 64 and all(c in "0123456789abcdef" for c in name)
 
 
 def _header_problems(export) -> list[str]:
