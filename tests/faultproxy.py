@@ -22,6 +22,8 @@ Actions (``Fault.action``):
 ``cut``         requests with a body: forward the request and the first ``arg`` body bytes, then reset
                 the client connection and close the upstream one (the server sees a body cut short,
                 as when a connection drops mid-upload). Logged with status 0.
+``rewrite``     forward to ``re.sub(path, to, target)`` instead: a registry that answers one blob
+                with another's bytes (a liar naming another image's layer digest).
 
 Faults are tried in the order added; the first live one whose method (or ``"*"``) equals the
 request method and whose ``path`` regex is found (``re.search``) in the request target — path plus
@@ -48,7 +50,7 @@ CLIENT_TIMEOUT = 60.0
 MAX_CONNECTIONS = 64
 MAX_STALL = 120.0
 
-ACTIONS = ("drop", "status", "retry_after", "flip", "truncate", "stall", "cut")
+ACTIONS = ("drop", "status", "retry_after", "flip", "truncate", "stall", "cut", "rewrite")
 # Hop-by-hop headers, never forwarded in either direction (RFC 9110 section 7.6.1), plus Expect (answered here).
 HOP_BY_HOP = {
     "connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization", "te", "trailer",
@@ -65,6 +67,7 @@ class Fault:
     arg: float = 0
     header: tuple[str, str] | None = None
     skip: int = 0
+    to: str | None = None  # rewrite: the replacement for `path` in the request target
 
     def __post_init__(self):
         if self.action not in ACTIONS:
@@ -78,6 +81,9 @@ class Fault:
             if value is None or self._header[1].search(value) is None:
                 return False
         return self.times > 0 and self.method in ("*", method) and self._regex.search(target) is not None
+
+    def rewritten(self, target: str) -> str:
+        return self._regex.sub(self.to or "", target, count=1)
 
 
 class _Abort(Exception):
@@ -233,11 +239,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             headers.append(("Host", self.server.proxy.host))
         return headers
 
-    def _send_upstream(self, method: str, headers: list[tuple[str, str]], body, length: int | None, chunked: bool):
+    def _send_upstream(self, method: str, headers: list[tuple[str, str]], body, length: int | None, chunked: bool,
+                       target: str | None = None):
         proxy = self.server.proxy
         conn = http.client.HTTPConnection(proxy.upstream_host, proxy.upstream_port, timeout=UPSTREAM_TIMEOUT)
         try:
-            conn.putrequest(method, self.path, skip_host=True, skip_accept_encoding=True)
+            conn.putrequest(method, target or self.path, skip_host=True, skip_accept_encoding=True)
             for k, v in headers:
                 conn.putheader(k, v)
             if chunked:
@@ -305,7 +312,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             conn, resp = self._send_upstream(
                 self.command, self._upstream_headers(), body,
                 length if kind == "length" else (0 if self.command in ("POST", "PUT", "PATCH") else None),
-                kind == "chunked",
+                kind == "chunked", fault.rewritten(self.path) if action == "rewrite" else None,
             )
         except _Abort:
             raise

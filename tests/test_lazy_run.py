@@ -7,6 +7,7 @@ range response, a registry restart mid-boot and a server started by `run` itself
 
 from __future__ import annotations
 
+import grp
 import json
 import subprocess
 import time
@@ -233,7 +234,9 @@ def test_a_short_name_boots_lazily_through_the_runs_registries_conf(qemu_user, l
     (confs / "server.conf").write_text("")
     cache = qemu_user.cache
     assert qemu_user.launcher("ls").code == 0  # the cache's layout made by its owner, before root's server uses it
-    with disk_server(cache, "--prefetch-rate", "8M", env={"CONTAINERS_REGISTRIES_CONF": str(confs / "server.conf"), "HOME": str(confs)}):
+    # The run below is KubeVirt's 107:107 (setpriv, no other groups): the server takes requests from that group.
+    with disk_server(cache, "--prefetch-rate", "8M", "--socket-group", grp.getgrgid(QEMU_UID).gr_name,
+                     env={"CONTAINERS_REGISTRIES_CONF": str(confs / "server.conf"), "HOME": str(confs)}):
         vmi = qemu_user.write_vmi("lazy-short", "shortguest:short")
         result = run_launcher("run", NOREG, "--lazy", "--console", "--timeout", "300", vmi, user=str(QEMU_UID),
                               env={**qemu_user.env, "CONTAINERS_REGISTRIES_CONF": str(confs / "client.conf")})

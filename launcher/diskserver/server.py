@@ -7,8 +7,9 @@ One process per node cache. It exports each lazily read disk over NBD on `<cache
 Registry options (TLS, auth file, credentials) come with each request, so every VM's pull secret
 is used for its own image; the server's own flags serve exports it reopens after a restart.
 
-Who may connect: run as root, the control socket is mode 0660, group 107 (KubeVirt's qemu group,
-the launcher users' here); `nbd.sock` is mode 0660 in the group libvirt's system daemon runs qemu
+Who may connect: run as root, the control socket is mode 0660 in the launcher users' group
+(`--socket-group`, else the group of KubeVirt's qemu user: launcher.diskserver.qemuid.launcher_group),
+or 0600 where there is none; `nbd.sock` is mode 0660 in the group libvirt's system daemon runs qemu
 as (launcher.diskserver.qemuid: qemu.conf's `group`, else libvirt's built-in one), for VMs that
 root starts on qemu:///system; a VM of another user runs on that user's qemu:///session as that
 user, so its launcher is answered with `nbd-<uid>.sock`, owned by it, mode 0600. Not run as root,
@@ -46,6 +47,7 @@ from launcher.diskserver.control import (
     CONTROL_SOCKET,
     NBD_SOCKET,
     REQUEST_TIMEOUT,
+    credentials_from_wire,
     recv_line,
     serve_dir,
     socket_path,
@@ -66,13 +68,12 @@ from launcher.diskserver.lazydisk import (
     record,
 )
 from launcher.diskserver.lazyfiles import take_files
-from launcher.diskserver.qemuid import system_qemu_gid
+from launcher.diskserver.qemuid import launcher_group, system_qemu_gid
 from launcher.node.cache import Cache
 from launcher.node.pull import image_key, remember
 
 log = logging.getLogger("launcher.serve")
 
-QEMU_GID = 107
 MAX_REQUEST = 1 << 20
 HOLD = 600.0  # an opened export waits this long at most for the VMs announced with it to connect
 SWITCH_INTERVAL = 0.0005
@@ -85,6 +86,7 @@ class ServeOptions:
     registry: RegistryOptions = field(default_factory=RegistryOptions)
     lazy: Options = field(default_factory=Options)
     exit_when_idle: float | None = None  # seconds with no VM connected and nothing left to fetch
+    socket_group: str | None = None  # who may send requests (root only); None: launcher_group's default
 
 
 def _lock_path(cache: Cache) -> Path:
@@ -116,6 +118,13 @@ class DiskServer:
     def __init__(self, cache: Cache, opts: ServeOptions):
         self.cache = cache
         self.opts = opts
+        self.root = os.geteuid() == 0
+        if not self.root and opts.socket_group is not None:
+            raise DiskkitError(f"--socket-group {opts.socket_group}", "only a disk server run as root opens its control socket to a group")
+        group = launcher_group(opts.socket_group) if self.root else None
+        if self.root and group is None:
+            log.info("no qemu user or group here: the control socket is root's alone (--socket-group opens it to one)")
+        self.mode, self.group = (0o660, group) if group is not None else (0o600, None)
         self.dir = serve_dir(cache, opts.socket_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.nbd_path = socket_path(self.dir, NBD_SOCKET)
@@ -130,25 +139,26 @@ class DiskServer:
         self.awaiting: dict[str, list[tuple[float, int]]] = {}  # export -> (deadline, asking pid) per announced NBD client
         self.served = False  # some NBD client connected: when the last one leaves, the work is done
         self.stopping = threading.Event()
-        self.root = os.geteuid() == 0
-        self.mode, self.group = (0o660, QEMU_GID) if self.root else (0o600, None)
         if self.root:
             os.chmod(self.dir, 0o755)
             self.nbd = nbd.Server(self.nbd_path, self, 0o660, system_qemu_gid())
         else:
             self.nbd = nbd.Server(self.nbd_path, self, 0o600)
         self.user_nbd: dict[int, nbd.Server] = {}  # uid -> the socket of that user's session VMs
+        self.granted: dict[int, set[str]] = {}  # uid -> the exports its opens were answered with: all its socket serves
         self.control = self._listen(self.control_path)
 
-    def _nbd_for(self, peer_uid: int | None) -> nbd.Server:
-        """The NBD socket the VM of the launcher at the other end of a control request can reach."""
+    def _nbd_for(self, peer_uid: int | None, name: str) -> nbd.Server:
+        """The NBD socket the VM of the launcher at the other end of a control request can reach,
+        `name` now served on it."""
         if not self.root or peer_uid in (None, 0):
             return self.nbd
         with self.lock:
+            self.granted.setdefault(peer_uid, set()).add(name)
             server = self.user_nbd.get(peer_uid)
             if server is None:
                 path = socket_path(self.dir, f"nbd-{peer_uid}.sock")
-                server = nbd.Server(path, self, 0o600, owner=peer_uid).start()
+                server = nbd.Server(path, _Granted(self, peer_uid), 0o600, owner=peer_uid).start()
                 self.user_nbd[peer_uid] = server
         return server
 
@@ -272,7 +282,7 @@ class DiskServer:
             raise DiskkitError("open", "needs an image reference")
         path = request.get("path")
         platform = Platform.parse(request["platform"]) if request.get("platform") else None
-        registry = self._registry_options(request.get("registry"), peer_uid)
+        registry = self._registry_options(request, peer_uid)
         shown = str(parse_ref(ref))
         try:
             with self._lazy_image(shown, registry, platform, request.get("marked")) as (source, image):
@@ -286,10 +296,10 @@ class DiskServer:
                 remember(self.cache, shown, platform, image)
         except NotSeekable as exc:
             return {"ok": False, "seekable": False, "reason": exc.line()}
-        listener = self._nbd_for(peer_uid)
         clients = request.get("clients", 1)
         if not isinstance(clients, int) or not 0 <= clients <= 16:
             raise DiskkitError("open", "clients must be a number of NBD connections from 0 to 16")
+        listener = self._nbd_for(peer_uid, layout.name)
         with self.lock:
             # Held while the run that asked lives (a run that failed before its VM started frees it), at most HOLD.
             self.awaiting.setdefault(layout.name, []).extend([(time.monotonic() + HOLD, peer_pid)] * clients)
@@ -320,7 +330,7 @@ class DiskServer:
         if not 0 < len(paths) <= 2:
             raise DiskkitError("files", "takes a kernel and an initrd: one or two paths")
         platform = Platform.parse(request["platform"]) if request.get("platform") else None
-        registry = self._registry_options(request.get("registry"), peer_uid)
+        registry = self._registry_options(request, peer_uid)
         shown = str(parse_ref(ref))
         try:
             with self._lazy_image(shown, registry, platform, request.get("marked")) as (source, image):
@@ -355,17 +365,29 @@ class DiskServer:
                 return self.small_blobs.ranges(KnownRanges(ranges, export.known()))
         return self.small_blobs.ranges(ranges)
 
-    def _registry_options(self, asked: dict | None, peer_uid: int | None) -> RegistryOptions:
-        """The request's options; files it names are read only for a client as privileged as this server,
-        so a client in the qemu group cannot make a root server read (or use) another user's auth file,
-        nor trade the node's signature policy for its own."""
-        if not asked:
-            return self.opts.registry
-        options, own = RegistryOptions(**asked), self.opts.registry
+    def _registry_options(self, request: dict, peer_uid: int | None) -> RegistryOptions:
+        """The request's options. Credentials: the node's serve only the node's own user (as kubelet's
+        "ensure secret pulled images", KEP-2535): a client with another uid is fetched for with the
+        credentials it sent inline, or anonymously, and the manifest fetch with them is what lets it
+        have an export. Files it names are read only for a client as privileged as this server, so a
+        client in the socket group cannot make a root server read another user's files, nor trade
+        the node's signature policy for its own."""
+        asked, own = request.get("registry"), self.opts.registry
+        if asked is not None and not isinstance(asked, dict):
+            raise DiskkitError("control", "registry must be an object of registry options")
+        options = RegistryOptions(**{k: v for k, v in asked.items() if k != "inline_credentials"}) if asked else own
+        sent = credentials_from_wire(request.get("credentials"))
         if peer_uid not in (0, os.geteuid()):
-            return replace(options, authfile=own.authfile, cert_dir=own.cert_dir, signature_policy=own.signature_policy, registries_d=own.registries_d)
+            return replace(options, authfile=None, creds=None, inline_credentials=sent, cert_dir=own.cert_dir,
+                           signature_policy=own.signature_policy, registries_d=own.registries_d)
         # A policy this server was started with holds for every request that names none.
-        return replace(options, signature_policy=options.signature_policy or own.signature_policy, registries_d=options.registries_d or own.registries_d)
+        options = replace(options, signature_policy=options.signature_policy or own.signature_policy,
+                          registries_d=options.registries_d or own.registries_d)
+        if sent:
+            return replace(options, inline_credentials=sent)
+        if options.authfile is None and options.creds is None:
+            return replace(options, authfile=own.authfile, creds=own.creds)
+        return options
 
     def status(self) -> dict:
         return {"ok": True, "pid": os.getpid(), "socket": str(self.nbd_path), "connections": self.connections,
@@ -478,6 +500,26 @@ class DiskServer:
             with contextlib.suppress(Exception):
                 export.close()
         os.close(self._lock_fd)
+
+
+class _Granted:
+    """What one user's NBD socket serves: the exports that user's own opens were answered with (its
+    credentials passed the manifest fetch), never one it could merely name: names are hashes of
+    what any manifest tells."""
+
+    def __init__(self, server: DiskServer, uid: int):
+        self.server, self.uid = server, uid
+
+    def _names(self) -> set[str]:
+        with self.server.lock:
+            return set(self.server.granted.get(self.uid, ()))
+
+    def lookup(self, name: str):
+        return self.server.lookup(name) if name in self._names() else None
+
+    def listing(self) -> list:
+        names = self._names()
+        return [export for export in self.server.listing() if export.name in names]
 
 
 def _peer(conn: socket.socket) -> tuple[int, int | None]:
