@@ -57,8 +57,11 @@ def genuine_and_liar(registry, fault_proxy, scratch: Path, kind: str) -> dict:
     """The genuine image (pinned by digest) and a liar that names its layer digest in a manifest of
     its own, with its own size, lazy TOC annotations and config: the liar's registry (a proxy in front
     of the real one) answers that digest with the bytes of the liar's own layer."""
-    genuine_disk = random_disk(scratch / f"genuine-{kind}.img", 4 * MIB, seed=41)
-    liar_disk = random_disk(scratch / f"liar-{kind}.img", 4 * MIB, seed=42)
+    (scratch / "genuine").mkdir()
+    (scratch / "liar").mkdir()
+    # The same member path (/disk/disk.img): only the bytes differ.
+    genuine_disk = random_disk(scratch / "genuine" / "disk.img", 4 * MIB, seed=41)
+    liar_disk = random_disk(scratch / "liar" / "disk.img", 4 * MIB, seed=42)
     genuine_repo, liar_repo = f"trust/genuine-{kind}", f"trust/liar-{kind}"
     for disk, repo in ((genuine_disk, genuine_repo), (liar_disk, liar_repo)):
         built = run_diskkit("build", NOREG, *KINDS[kind], disk, "-t", f"{registry.host}/{repo}:own")
@@ -100,7 +103,7 @@ def test_an_image_naming_another_images_layer_digest_never_answers_for_it(tmp_pa
     cache.mkdir()
     with disk_server(cache, "--prefetch-rate", "1K"):  # nothing prefetched: the liar's blob never completes
         lie = open_export(cache, images["liar"])
-        assert lie["layer"] == images["layer"]
+        assert (lie["layer"], lie["member"]) == (images["layer"], "disk/disk.img")
         assert nbd_head(lie["url"], tmp_path / "lie.img") == images["liar_disk"][:MIB]  # its chunks passed its own TOC
         true = open_export(cache, images["genuine"])
         assert true["layer"] == images["layer"] and true["export"] != lie["export"]
