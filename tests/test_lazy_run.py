@@ -90,14 +90,15 @@ def finish(proc, seen: str) -> dict:
 
 
 def test_boots_before_the_blob_has_arrived_and_a_corrupt_chunk_is_fetched_again(qemu_user, lazy_registry, padded_image, fault_proxy):
-    """The node's server runs as root; qemu, as UID 107, reaches its socket through the qemu group."""
+    """The node's server runs as root; qemu, as UID 107, reaches its socket through the qemu group.
+    The run is KubeVirt's 107:107 (setpriv, no other groups): the server takes requests from that group."""
     ref, _ = padded_image
     proxy = fault_proxy(lazy_registry)
     # One bit flipped in the first range response that carries disk data: the first chunk's gzip member (TOC v2).
     proxy.add(Fault("GET", r"/blobs/sha256:", "flip", times=1, arg=300, header=("Range", rf"^bytes={first_chunk_at(lazy_registry, ref)}-")))
     cache = qemu_user.cache
     assert qemu_user.launcher("ls").code == 0  # the cache's layout made by its owner, before root's server uses it
-    with disk_server(cache, "--prefetch-rate", "4M"):
+    with disk_server(cache, "--prefetch-rate", "4M", "--socket-group", grp.getgrgid(QEMU_UID).gr_name):
         vmi = qemu_user.write_vmi("lazy-early", ref.replace(lazy_registry.host, proxy.host))
         proc = qemu_user.popen("run", NOREG, "--lazy", "--console", "--timeout", "300", vmi)
         seen = follow(proc, READY)

@@ -93,7 +93,7 @@ def is_system_uri(uri: str) -> bool:
     return parts.scheme.split("+")[0] == "qemu" and not parts.netloc and parts.path.rstrip("/") == "/system"
 
 
-KUBEVIRT_QEMU_ID = 107  # virt-launcher's qemu user and group
+KUBEVIRT_QEMU_ID = 107  # virt-launcher's qemu user (KubeVirt's pkg/util/util.go: NonRootUID, NonRootUserString "qemu")
 KUBEVIRT_GROUP_NAMES = ("qemu", "kvm")  # what 107 is named where it is KubeVirt's group
 
 

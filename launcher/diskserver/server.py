@@ -1,11 +1,15 @@
 """`launcher serve`: the node's disk server.
 
 One process per node cache. It exports each lazily read disk over NBD on `<cache>/serve/nbd.sock`
-(one export per layer digest and disk, shared by every VM on the node) and takes requests on
-`<cache>/serve/control.sock` (launcher.diskserver.control has the protocol).
+(one export per identity, launcher.diskserver.exportid: everything that pins its bytes, shared by
+every VM on the node that opens an image pinning the same ones) and takes requests on
+`<cache>/serve/control.sock` (launcher.diskserver.control has the protocol). Exports are set up
+under a lock each: a registry that trickles holds up only the opens of what it serves.
 
-Registry options (TLS, auth file, credentials) come with each request, so every VM's pull secret
-is used for its own image; the server's own flags serve exports it reopens after a restart.
+Registry options come with each request, so every VM's pull secret is used for its own image. The
+server's own auth file serves only its own user and root (and exports it reopens after a restart);
+a client of another uid sends its own credentials inline, or is anonymous, and the manifest fetch
+with them decides whether it gets an export, on an NBD socket that serves it nothing else.
 
 Who may connect: run as root, the control socket is mode 0660 in the launcher users' group
 (`--socket-group`, else the group of KubeVirt's qemu user: launcher.diskserver.qemuid.launcher_group),
@@ -312,6 +316,7 @@ class DiskServer:
         return {
             "ok": True,
             "export": layout.name,
+            "identity": layout.identity.to_json(),
             "socket": str(listener.path),
             "url": f"nbd+unix:///{layout.name}?socket={listener.path}",
             "image": shown,
@@ -367,7 +372,7 @@ class DiskServer:
 
     def _registry_options(self, request: dict, peer_uid: int | None) -> RegistryOptions:
         """The request's options. Credentials: the node's serve only the node's own user (as kubelet's
-        "ensure secret pulled images", KEP-2535): a client with another uid is fetched for with the
+        "ensure secret pulled images", keps/sig-node/2535-ensure-secret-pulled-images): a client with another uid is fetched for with the
         credentials it sent inline, or anonymously, and the manifest fetch with them is what lets it
         have an export. Files it names are read only for a client as privileged as this server, so a
         client in the socket group cannot make a root server read another user's files, nor trade
