@@ -23,6 +23,7 @@ from launcher.diskserver.exportid import ExportId
 from launcher.diskserver.qemuid import KUBEVIRT_QEMU_ID, launcher_group
 from tests.conftest import launcher_command, run, run_diskkit
 from tests.faultproxy import Fault
+from tests.imagecraft import Member, add_layer, dir_
 from tests.lazyhost import control, disk_server, export_status, open_export, random_disk, wait_for
 from tests.vmhost import qemu_scratch
 
@@ -130,6 +131,30 @@ def test_a_liar_that_completes_first_does_not_deny_the_genuine_image(tmp_path, r
         assert (tmp_path / "true.img").read_bytes() == images["genuine_disk"]
         status = wait_for(lambda: (s := export_status(cache, true["export"]))["installed"] and s, 120, "the genuine disk to be installed")
         assert Path(status["installed"]).read_bytes() == images["genuine_disk"]
+
+
+def test_a_liars_small_layer_under_the_genuine_digest_does_not_deny_the_genuine_image(tmp_path, registry, fault_proxy):
+    """Attack: small layers read whole are remembered for the next lookup. A registry answered the
+    genuine image's small upper layer digest with other bytes; they were remembered before their digest
+    was checked, and the genuine image, opened next, was refused ("does not match its digest")."""
+    layout = tmp_path / "layout"
+    assert run_diskkit("build", "--lazy", random_disk(tmp_path / "d.img", 2 * MIB, seed=48), "-t", f"oci:{layout}:base").code == 0
+    add_layer(layout, "base", "two", [dir_("etc"), Member("etc/motd", b"hello\n")])
+    genuine, liar = f"{registry.host}/trust/small:two", f"{registry.host}/trust/small-liar:two"
+    for ref in (genuine, liar):
+        pushed = run_diskkit("push", NOREG, f"oci:{layout}:two", ref)
+        assert pushed.code == 0, pushed.err
+    upper = json.loads(run_diskkit("inspect", NOREG, "--json", genuine).out)["layers"][-1]
+    other = _push_blob(registry, "trust/small-liar", os.urandom(upper["size"] + 100))
+    proxy = fault_proxy(registry)
+    proxy.add(Fault("GET", rf"^/v2/trust/small-liar/blobs/{upper['digest']}$", "rewrite", times=10**6, to=f"/v2/trust/small-liar/blobs/{other['digest']}"))
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with disk_server(cache, "--prefetch-rate", "1K"):
+        lie = control(cache, {"op": "open", "image": liar.replace(registry.host, proxy.host), "registry": {"tls_verify": False}})
+        assert not lie["ok"] and "does not match its digest" in lie["error"], lie
+        true = open_export(cache, genuine)
+        assert true["ok"]
 
 
 def test_an_export_directory_recording_another_identity_is_never_served(tmp_path, registry):
