@@ -114,6 +114,21 @@ def test_an_image_naming_another_images_layer_digest_never_answers_for_it(tmp_pa
         assert not export_status(cache, lie["export"])["verified"]
 
 
+def test_a_user_in_the_socket_group_cannot_poison_an_export_through_the_control_protocol(shared, registry, fault_proxy):
+    """Attack: export poisoning through the control protocol. Another local user in the socket group
+    runs the lying registry and asks the root server to open its image first; root's VM of the genuine
+    image must still read the genuine bytes."""
+    images = genuine_and_liar(registry, fault_proxy, shared, "v2")
+    cache = shared / "cache"
+    cache.mkdir()
+    with disk_server(cache, "--prefetch-rate", "1K"):
+        lie = _as_other_user(cache, {"op": "open", "image": images["liar"], "registry": {"tls_verify": False}, "clients": 0})
+        assert lie["ok"] and lie["layer"] == images["layer"], lie
+        true = open_export(cache, images["genuine"])
+        assert true["export"] != lie["export"]
+        assert nbd_head(true["url"], shared / "true.img") == images["genuine_disk"][:MIB]
+
+
 @pytest.mark.parametrize("kind", ["v2", "v1"])
 def test_a_liar_that_completes_first_does_not_deny_the_genuine_image(tmp_path, registry, fault_proxy, kind):
     """Attack: a liar naming the genuine layer digest completes fast, so its export fails its blob
