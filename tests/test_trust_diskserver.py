@@ -403,3 +403,26 @@ def test_launcher_group_rules():
         launcher_group("108", no_user, by_name, by_gid)
     with pytest.raises(DiskkitError, match="names no group on this host"):
         launcher_group("sgx", no_user, by_name, by_gid)
+
+
+def test_an_export_identity_holds_everything_that_pins_its_bytes():
+    """What differs between two opens of one layer digest makes two exports (pure)."""
+    from dataclasses import replace
+
+    from launcher.diskserver.lazydisk import Layout
+
+    pinned = Layout("reg.example", "a/b", "sha256:" + "1" * 64, 10 << 20, "disk/disk.img", 1536, 4 << 20, 1 << 20,
+                    tuple("a" * 64 for _ in range(4)), toc="sha256:" + "2" * 64, around="sha256:" + "3" * 64)
+    assert replace(pinned).name == pinned.name and len(pinned.name) == 64
+    assert pinned.identity.source is None  # pinned chunks: the same bytes from any registry
+    assert replace(pinned, registry="other.example", repository="c/d").name == pinned.name
+    for change in ({"chunks": tuple("b" * 64 for _ in range(4))}, {"toc": "sha256:" + "4" * 64}, {"around": "sha256:" + "5" * 64},
+                   {"layer_size": 11 << 20}, {"member": "disk/other.img"}, {"offset": 2048}, {"chunk_size": 2 << 20},
+                   {"diff_id": "sha256:" + "6" * 64}):
+        assert replace(pinned, **change).name != pinned.name, change
+    plain = replace(pinned, chunks=None, toc=None)
+    assert plain.identity.source == ("reg.example", "a/b")  # nothing checks its chunks: tied to where they come from
+    assert replace(plain, repository="c/d").name != plain.name and replace(plain, registry="other.example").name != plain.name
+    assert ExportId.from_json(pinned.identity.to_json()) == pinned.identity
+    with pytest.raises(ValueError):
+        ExportId.from_json({**pinned.identity.to_json(), "extra": 1})
