@@ -286,7 +286,8 @@ def test_another_user_with_its_own_credentials_gets_the_export(shared, auth_regi
 
 def test_a_user_reads_no_export_it_was_not_answered_with(tmp_path, shared, registry, auth_registry, private_image):
     """Attack: export names are hashes of what any manifest tells. A user with a socket of its own
-    (from an open of a public image) asked it for the private export root opened; it was served."""
+    (from an open of a public image) asked it for the private export root opened; it was served. Its
+    status listed every export of the node's other users too."""
     ref, data, node_auth = private_image
     public = f"{registry.host}/trust/public:v2"
     assert run_diskkit("build", NOREG, "--lazy", random_disk(tmp_path / "public.img", MIB, seed=45), "-t", public).code == 0
@@ -304,6 +305,10 @@ def test_a_user_reads_no_export_it_was_not_answered_with(tmp_path, shared, regis
         own = subprocess.run(["setpriv", f"--reuid={NOBODY.pw_uid}", f"--regid={NOBODY.pw_gid}", "--clear-groups", "qemu-img", "info", mine["url"]],
                              capture_output=True, text=True)
         assert own.returncode == 0, own.stderr
+        # Nor is it told what root's VMs read: its status lists its own export alone.
+        listed = _as_other_user(cache, {"op": "status"})["exports"]
+        assert [e["export"] for e in listed] == [mine["export"]], listed
+        assert {e["export"] for e in control(cache, {"op": "status"})["exports"]} == {mine["export"], private["export"]}
 
 
 # --- per-image locks --------------------------------------------------------------------------------

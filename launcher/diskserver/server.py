@@ -394,9 +394,15 @@ class DiskServer:
             return replace(options, authfile=own.authfile, creds=own.creds)
         return options
 
-    def status(self) -> dict:
+    def status(self, peer_uid: int | None = 0) -> dict:
+        """What the server exports; to a client of another uid, only what its own opens were answered with."""
+        exports = self.listing()
+        if self.root and peer_uid != 0:
+            with self.lock:
+                mine = set(self.granted.get(peer_uid, ())) if peer_uid is not None else set()
+            exports = [export for export in exports if export.name in mine]
         return {"ok": True, "pid": os.getpid(), "socket": str(self.nbd_path), "connections": self.connections,
-                "exports": [export.status() for export in self.listing()]}
+                "exports": [export.status() for export in exports]}
 
     def _handle(self, conn: socket.socket) -> None:
         with conn:
@@ -411,7 +417,7 @@ class DiskServer:
                 elif op == "files":
                     answer = self.files(request, _peer(conn)[1])
                 elif op == "status":
-                    answer = self.status()
+                    answer = self.status(_peer(conn)[1])
                 else:
                     answer = {"ok": False, "error": f"control: unknown op {op!r} (open, files, status)"}
             except DiskkitError as exc:
