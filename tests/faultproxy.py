@@ -25,6 +25,8 @@ Actions (``Fault.action``):
 ``redirect``    answer 307 with ``Location: arg`` (a string: another scheme, say), not forwarded.
 ``endless``     answer ``Fault.status`` (200) with a chunked body of ``arg`` bytes of JSON-looking filler
                 (0: without end), not forwarded: a manifest, token or error body that never stops.
+``rewrite``     forward to ``re.sub(path, to, target)`` instead: a registry that answers one blob
+                with another's bytes (a liar naming another image's layer digest).
 
 ``Fault.stop_at``: with ``flip``, the body also ends after that many bytes, as with ``truncate``
 (a liar that serves wrong bytes for a digest and is cut off half way).
@@ -54,7 +56,7 @@ CLIENT_TIMEOUT = 60.0
 MAX_CONNECTIONS = 64
 MAX_STALL = 120.0
 
-ACTIONS = ("drop", "status", "retry_after", "flip", "truncate", "stall", "cut", "redirect", "endless")
+ACTIONS = ("drop", "status", "retry_after", "flip", "truncate", "stall", "cut", "redirect", "endless", "rewrite")
 # Hop-by-hop headers, never forwarded in either direction (RFC 9110 section 7.6.1), plus Expect (answered here).
 HOP_BY_HOP = {
     "connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization", "te", "trailer",
@@ -73,6 +75,7 @@ class Fault:
     skip: int = 0
     stop_at: int | None = None
     status: int = 200
+    to: str | None = None  # rewrite: the replacement for `path` in the request target
 
     def __post_init__(self):
         if self.action not in ACTIONS:
@@ -86,6 +89,9 @@ class Fault:
             if value is None or self._header[1].search(value) is None:
                 return False
         return self.times > 0 and self.method in ("*", method) and self._regex.search(target) is not None
+
+    def rewritten(self, target: str) -> str:
+        return self._regex.sub(self.to or "", target, count=1)
 
 
 class _Abort(Exception):
@@ -241,11 +247,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             headers.append(("Host", self.server.proxy.host))
         return headers
 
-    def _send_upstream(self, method: str, headers: list[tuple[str, str]], body, length: int | None, chunked: bool):
+    def _send_upstream(self, method: str, headers: list[tuple[str, str]], body, length: int | None, chunked: bool,
+                       target: str | None = None):
         proxy = self.server.proxy
         conn = http.client.HTTPConnection(proxy.upstream_host, proxy.upstream_port, timeout=UPSTREAM_TIMEOUT)
         try:
-            conn.putrequest(method, self.path, skip_host=True, skip_accept_encoding=True)
+            conn.putrequest(method, target or self.path, skip_host=True, skip_accept_encoding=True)
             for k, v in headers:
                 conn.putheader(k, v)
             if chunked:
@@ -326,7 +333,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             conn, resp = self._send_upstream(
                 self.command, self._upstream_headers(), body,
                 length if kind == "length" else (0 if self.command in ("POST", "PUT", "PATCH") else None),
-                kind == "chunked",
+                kind == "chunked", fault.rewritten(self.path) if action == "rewrite" else None,
             )
         except _Abort:
             raise

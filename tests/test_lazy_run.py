@@ -7,6 +7,7 @@ range response, a registry restart mid-boot and a server started by `run` itself
 
 from __future__ import annotations
 
+import grp
 import json
 import subprocess
 import time
@@ -89,14 +90,15 @@ def finish(proc, seen: str) -> dict:
 
 
 def test_boots_before_the_blob_has_arrived_and_a_corrupt_chunk_is_fetched_again(qemu_user, lazy_registry, padded_image, fault_proxy):
-    """The node's server runs as root; qemu, as UID 107, reaches its socket through the qemu group."""
+    """The node's server runs as root; qemu, as UID 107, reaches its socket through the qemu group.
+    The run is KubeVirt's 107:107 (setpriv, no other groups): the server takes requests from that group."""
     ref, _ = padded_image
     proxy = fault_proxy(lazy_registry)
     # One bit flipped in the first range response that carries disk data: the first chunk's gzip member (TOC v2).
     proxy.add(Fault("GET", r"/blobs/sha256:", "flip", times=1, arg=300, header=("Range", rf"^bytes={first_chunk_at(lazy_registry, ref)}-")))
     cache = qemu_user.cache
     assert qemu_user.launcher("ls").code == 0  # the cache's layout made by its owner, before root's server uses it
-    with disk_server(cache, "--prefetch-rate", "4M"):
+    with disk_server(cache, "--prefetch-rate", "4M", "--socket-group", grp.getgrgid(QEMU_UID).gr_name):
         vmi = qemu_user.write_vmi("lazy-early", ref.replace(lazy_registry.host, proxy.host))
         proc = qemu_user.popen("run", NOREG, "--lazy", "--console", "--timeout", "300", vmi)
         seen = follow(proc, READY)
@@ -233,7 +235,9 @@ def test_a_short_name_boots_lazily_through_the_runs_registries_conf(qemu_user, l
     (confs / "server.conf").write_text("")
     cache = qemu_user.cache
     assert qemu_user.launcher("ls").code == 0  # the cache's layout made by its owner, before root's server uses it
-    with disk_server(cache, "--prefetch-rate", "8M", env={"CONTAINERS_REGISTRIES_CONF": str(confs / "server.conf"), "HOME": str(confs)}):
+    # The run below is KubeVirt's 107:107 (setpriv, no other groups): the server takes requests from that group.
+    with disk_server(cache, "--prefetch-rate", "8M", "--socket-group", grp.getgrgid(QEMU_UID).gr_name,
+                     env={"CONTAINERS_REGISTRIES_CONF": str(confs / "server.conf"), "HOME": str(confs)}):
         vmi = qemu_user.write_vmi("lazy-short", "shortguest:short")
         result = run_launcher("run", NOREG, "--lazy", "--console", "--timeout", "300", vmi, user=str(QEMU_UID),
                               env={**qemu_user.env, "CONTAINERS_REGISTRIES_CONF": str(confs / "client.conf")})

@@ -182,7 +182,10 @@ class Registry:
 
     def credentials(self) -> authfile.Credentials | None:
         if self._creds is False:
-            self._creds = authfile.lookup(self.host, self.opts.creds, self.opts.authfile)
+            if self.opts.inline_credentials is not None:
+                self._creds = dict(self.opts.inline_credentials).get(self.host)
+            else:
+                self._creds = authfile.lookup(self.host, self.opts.creds, self.opts.authfile)
         return self._creds  # type: ignore[return-value]
 
     def _auth_header(self, scope: str) -> dict[str, str]:

@@ -135,6 +135,7 @@ Examples:
 """)
 @click.option("--disks/--no-disks", default=True, show_default=True, help="Run the disk server (lazy images over NBD).")
 @click.option("--socket-dir", type=click.Path(file_okay=False), help="Where nbd.sock and control.sock live (default: <cache>/serve).")
+@click.option("--socket-group", metavar="NAME", help="Run as root: the group whose members may send the disk server requests (default: the group of user qemu, KubeVirt's; else 107 where it is named qemu or kvm; else none).")
 @click.option("--strict", is_flag=True, help="Serve only verified bytes: images without chunk digests are read once the whole blob is verified.")
 @click.option("--prefetch-rate", metavar="SIZE", help="Prefetch at most SIZE bytes a second (e.g. 50M); reads a VM waits for are never held back.")
 @click.option("--prefetch-threads", type=click.IntRange(1, 16), default=2, show_default=True, help="Parallel range requests prefetching the rest of each disk.")
@@ -184,14 +185,14 @@ def serve(cache_dir, registry: RegistryOptions, disks, upload_listen, upload_tls
             uploads.close()
 
 
-def _serve_disks(cache: Cache, registry: RegistryOptions, socket_dir, strict, prefetch_rate, prefetch_threads, fetch_timeout,
+def _serve_disks(cache: Cache, registry: RegistryOptions, socket_dir, socket_group, strict, prefetch_rate, prefetch_threads, fetch_timeout,
                  exit_when_idle, show_status, as_json) -> None:
     from launcher.diskserver.lazydisk import Options
     from launcher.diskserver.server import ServeOptions, serve
 
     rate = parse_size(prefetch_rate, f"--prefetch-rate {prefetch_rate}") if prefetch_rate else 0
     lazy = Options(strict=strict, prefetch_threads=prefetch_threads, fetch_timeout=fetch_timeout, prefetch_rate=rate)
-    serve(cache, ServeOptions(Path(socket_dir) if socket_dir else None, registry, lazy, exit_when_idle))
+    serve(cache, ServeOptions(Path(socket_dir) if socket_dir else None, registry, lazy, exit_when_idle, socket_group))
 
 
 def _serve_status(cache: Cache, socket_dir: str | None, as_json: bool) -> None:
