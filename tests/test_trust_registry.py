@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 from pathlib import Path
 
 import pytest
@@ -401,8 +402,9 @@ def test_a_root_caches_lazy_exports_are_private_and_its_sockets_reachable(regist
         code = ("import json, sys; from pathlib import Path; from launcher.diskserver.control import request; "
                 "print(json.dumps(request(Path(sys.argv[1]), json.loads(sys.argv[2]))))")
         req = {"op": "open", "image": ref, "registry": {"tls_verify": False}, "clients": 0}
-        # As tests/test_lazy_access.py asks: 107:107, the control socket's group today.
-        asked = subprocess.run(["setpriv", "--reuid=107", "--regid=107", "--clear-groups", sys.executable, "-c", code,
+        # KubeVirt's qemu user in its own group, which the control socket is open to (launcher serve --socket-group's default).
+        qemu_gid = pwd.getpwuid(107).pw_gid
+        asked = subprocess.run(["setpriv", "--reuid=107", f"--regid={qemu_gid}", "--clear-groups", sys.executable, "-c", code,
                                 str(cache / "serve" / "control.sock"), json.dumps(req)], capture_output=True, text=True)
         assert asked.returncode == 0, asked.stderr
         assert json.loads(asked.stdout)["socket"] == str(cache / "serve" / "nbd-107.sock")
