@@ -27,3 +27,8 @@ class AuthError(RegistryError):
 
 class UploadLost(RegistryError):
     """The upload session cannot be resumed; the blob must be sent again from its first byte."""
+
+
+class ResumeFailed(DiskkitError):
+    """A blob resumed from bytes an earlier download kept failed its checks; those bytes are
+    gone, and the blob read again from its first byte may pass."""

@@ -19,11 +19,17 @@ Actions (``Fault.action``):
 ``flip``        forward; flip the lowest bit of response-body byte ``int(arg)``.
 ``truncate``    forward; send only ``int(arg)`` body bytes (Content-Length unchanged), then close.
 ``stall``       wait ``arg`` seconds, then forward normally.
-``redirect``    answer ``int(arg)`` (a 3xx) with ``Location: location``, not forwarded: a registry sending the
-                client elsewhere (another host, a ``file://`` URL).
 ``cut``         requests with a body: forward the request and the first ``arg`` body bytes, then reset
                 the client connection and close the upstream one (the server sees a body cut short,
                 as when a connection drops mid-upload). Logged with status 0.
+``redirect``    answer 307 with ``Location: arg`` (a string: another scheme, say), not forwarded.
+``endless``     answer ``Fault.status`` (200) with a chunked body of ``arg`` bytes of JSON-looking filler
+                (0: without end), not forwarded: a manifest, token or error body that never stops.
+``rewrite``     forward to ``re.sub(path, to, target)`` instead: a registry that answers one blob
+                with another's bytes (a liar naming another image's layer digest).
+
+``Fault.stop_at``: with ``flip``, the body also ends after that many bytes, as with ``truncate``
+(a liar that serves wrong bytes for a digest and is cut off half way).
 
 Faults are tried in the order added; the first live one whose method (or ``"*"``) equals the
 request method and whose ``path`` regex is found (``re.search``) in the request target — path plus
@@ -50,7 +56,7 @@ CLIENT_TIMEOUT = 60.0
 MAX_CONNECTIONS = 64
 MAX_STALL = 120.0
 
-ACTIONS = ("drop", "status", "retry_after", "flip", "truncate", "stall", "cut", "redirect")
+ACTIONS = ("drop", "status", "retry_after", "flip", "truncate", "stall", "cut", "redirect", "endless", "rewrite")
 # Hop-by-hop headers, never forwarded in either direction (RFC 9110 section 7.6.1), plus Expect (answered here).
 HOP_BY_HOP = {
     "connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization", "te", "trailer",
@@ -67,7 +73,9 @@ class Fault:
     arg: float = 0
     header: tuple[str, str] | None = None
     skip: int = 0
-    location: str = ""
+    stop_at: int | None = None
+    status: int = 200
+    to: str | None = None  # rewrite: the replacement for `path` in the request target
 
     def __post_init__(self):
         if self.action not in ACTIONS:
@@ -81,6 +89,9 @@ class Fault:
             if value is None or self._header[1].search(value) is None:
                 return False
         return self.times > 0 and self.method in ("*", method) and self._regex.search(target) is not None
+
+    def rewritten(self, target: str) -> str:
+        return self._regex.sub(self.to or "", target, count=1)
 
 
 class _Abort(Exception):
@@ -236,11 +247,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             headers.append(("Host", self.server.proxy.host))
         return headers
 
-    def _send_upstream(self, method: str, headers: list[tuple[str, str]], body, length: int | None, chunked: bool):
+    def _send_upstream(self, method: str, headers: list[tuple[str, str]], body, length: int | None, chunked: bool,
+                       target: str | None = None):
         proxy = self.server.proxy
         conn = http.client.HTTPConnection(proxy.upstream_host, proxy.upstream_port, timeout=UPSTREAM_TIMEOUT)
         try:
-            conn.putrequest(method, self.path, skip_host=True, skip_accept_encoding=True)
+            conn.putrequest(method, target or self.path, skip_host=True, skip_accept_encoding=True)
             for k, v in headers:
                 conn.putheader(k, v)
             if chunked:
@@ -274,11 +286,6 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         fault = proxy._take(self.command, self.path, self.headers)
         action = fault.action if fault else None
 
-        if action == "redirect":
-            self._drain(kind, length)
-            self._reply(int(fault.arg), {"errors": []}, {"Location": fault.location})
-            return
-
         if action == "status" or action == "retry_after":
             self._drain(kind, length)
             if action == "status":
@@ -286,6 +293,19 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             else:
                 self._reply(429, {"errors": [{"code": "TOOMANYREQUESTS", "message": "injected", "detail": None}]},
                             {"Retry-After": str(int(fault.arg))})
+            return
+        if action == "redirect":
+            self._drain(kind, length)
+            self.send_response_only(307)
+            self.send_header("Location", str(fault.arg))
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            self.wfile.flush()
+            self.server.proxy._log(self.command, self.path, 307)
+            return
+        if action == "endless":
+            self._drain(kind, length)
+            self._endless(int(fault.arg), fault.status)
             return
         if action == "stall":
             if proxy._closing.wait(min(max(float(fault.arg), 0.0), MAX_STALL)):
@@ -315,7 +335,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             conn, resp = self._send_upstream(
                 self.command, self._upstream_headers(), body,
                 length if kind == "length" else (0 if self.command in ("POST", "PUT", "PATCH") else None),
-                kind == "chunked",
+                kind == "chunked", fault.rewritten(self.path) if action == "rewrite" else None,
             )
         except _Abort:
             raise
@@ -328,6 +348,26 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._relay(resp, fault)
         finally:
             conn.close()
+
+    def _endless(self, total: int, status: int) -> None:
+        self.send_response_only(status)
+        self.send_header("Content-Type", "application/vnd.oci.image.manifest.v1+json")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        self.server.proxy._log(self.command, self.path, status)
+        filler = b'{"a":"' + b"x" * (CHUNK - 8) + b'",'
+        sent = 0
+        try:
+            while not total or sent < total:
+                piece = filler[: total - sent] if total else filler
+                self._write(piece, True)
+                sent += len(piece)
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+        except OSError:
+            raise _Abort() from None  # the client stopped reading: what is tested
+        finally:
+            self.server.proxy._count(self.path, sent)
 
     def _cut(self, pieces, keep: int):
         """The body's first `keep` bytes; then both connections go (raising _Abort closes upstream)."""
@@ -365,6 +405,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         limit = None
         if action in ("drop", "truncate"):
             limit = int(fault.arg)
+        elif fault is not None and fault.stop_at is not None:
+            limit = fault.stop_at
         flip_at = int(fault.arg) if action == "flip" else -1
         sent = 0
         if not no_body:

@@ -17,6 +17,7 @@ import yaml
 from diskkit.disk import qemuimg
 from launcher.datavolumes import dvstate
 from launcher.datavolumes.importer import install
+from launcher.hostfs.dirfd import Dir
 from launcher.spec.datavolume import parse_data_volume
 from launcher.volumes.storage import LocalClaim, Storage
 from tests.conftest import make_qcow2, run_diskkit, run_launcher
@@ -151,12 +152,13 @@ def test_conversion_progress_comes_from_qemu_img(tmp_path, files):
     claim.mkdir()
     target = dvstate.resolve(parse_data_volume(dv("guest", {"http": {"url": "http://unused/x"}}), "DataVolume"),
                              Storage({"guest": LocalClaim(claim)}))
-    staged = claim / ".diskkit-download-test"
-    staged.write_bytes((files / "guest.qcow2").read_bytes())
     seen: list[float] = []
-    install(target, staged, "guest.qcow2", seen.append, tolerance=10)
+    with Dir.open(claim) as into, into.mkdir(".diskkit-work-test") as work:
+        (work.proc / "download").write_bytes((files / "guest.qcow2").read_bytes())
+        install(target, into, work, "download", "guest.qcow2", seen.append, tolerance=10)
+        assert work.names() == []
     assert seen and seen[-1] == 100.0 and seen == sorted(seen), seen
-    assert not staged.exists() and (claim / "disk.img").stat().st_size == 80 * MIB
+    assert (claim / "disk.img").stat().st_size == 80 * MIB
 
 
 def test_bad_sources_fail_the_datavolume_and_leave_the_claim_alone(claims, www, files):

@@ -1,6 +1,8 @@
 """Who can reach a root disk server's NBD socket: qemu as libvirt's system daemon runs it (the user
 and group of /etc/libvirt/qemu.conf, else libvirt's built-in ones), and each unprivileged user's
-session qemu on a socket of its own; checked with qemu-img run under exactly those identities."""
+session qemu on a socket of its own; checked with qemu-img run under exactly those identities.
+Its control socket is open to the group of KubeVirt's qemu user (the launchers' group) or the one
+--socket-group names, never to whatever group 107 is on the host."""
 
 from __future__ import annotations
 
@@ -69,6 +71,8 @@ def test_system_qemu_and_session_users_each_reach_their_socket(scratch, lazy_ima
     with disk_server(cache):
         # As root (qemu:///system): nbd.sock, in libvirt's qemu group, which qemu-img as that user reaches.
         system = open_as(0, 0, cache, lazy_image)
+        control = os.stat(cache / "serve" / "control.sock")
+        assert (control.st_gid, stat.S_IMODE(control.st_mode)) == (pwd.getpwnam("qemu").pw_gid, 0o660)
         sock = os.stat(system["socket"])
         assert system["socket"] == str(cache / "serve" / "nbd.sock")
         assert (sock.st_gid, stat.S_IMODE(sock.st_mode)) == (libvirt_group, 0o660)
@@ -79,7 +83,8 @@ def test_system_qemu_and_session_users_each_reach_their_socket(scratch, lazy_ima
         assert refused.returncode != 0 and "Permission denied" in refused.stderr, refused.stderr
 
         # ... and its own launcher gets a socket of its own, which only it reaches.
-        session = open_as(QEMU_UID, QEMU_UID, cache, lazy_image)
+        # Its launcher runs in the qemu user's own group, the control socket's.
+        session = open_as(QEMU_UID, pwd.getpwuid(QEMU_UID).pw_gid, cache, lazy_image)
         assert session["socket"] == str(cache / "serve" / f"nbd-{QEMU_UID}.sock")
         sock = os.stat(session["socket"])
         assert (sock.st_uid, stat.S_IMODE(sock.st_mode)) == (QEMU_UID, 0o600)

@@ -89,14 +89,15 @@ def finish(proc, seen: str) -> dict:
 
 
 def test_boots_before_the_blob_has_arrived_and_a_corrupt_chunk_is_fetched_again(qemu_user, lazy_registry, padded_image, fault_proxy):
-    """The node's server runs as root; qemu, as UID 107, reaches its socket through the qemu group."""
+    """The node's server runs as the cache's owner, KubeVirt's 107, as its launchers do (a root server
+    refuses a cache another user owns: test_a_root_server_refuses_a_cache_another_user_owns)."""
     ref, _ = padded_image
     proxy = fault_proxy(lazy_registry)
     # One bit flipped in the first range response that carries disk data: the first chunk's gzip member (TOC v2).
     proxy.add(Fault("GET", r"/blobs/sha256:", "flip", times=1, arg=300, header=("Range", rf"^bytes={first_chunk_at(lazy_registry, ref)}-")))
     cache = qemu_user.cache
-    assert qemu_user.launcher("ls").code == 0  # the cache's layout made by its owner, before root's server uses it
-    with disk_server(cache, "--prefetch-rate", "4M"):
+    assert qemu_user.launcher("ls").code == 0
+    with disk_server(cache, "--prefetch-rate", "4M", user=QEMU_UID, env=qemu_user.env):
         vmi = qemu_user.write_vmi("lazy-early", ref.replace(lazy_registry.host, proxy.host))
         proc = qemu_user.popen("run", NOREG, "--lazy", "--console", "--timeout", "300", vmi)
         seen = follow(proc, READY)
@@ -107,8 +108,20 @@ def test_boots_before_the_blob_has_arrived_and_a_corrupt_chunk_is_fetched_again(
         export = only_export(cache)
         assert export["stats"]["corrupt_chunks"] == 1 and not proxy.pending, export
         assert not export["verified"]  # still prefetching: the VM never waited for the whole blob
-    run("chown", "-R", f"{QEMU_UID}:{QEMU_UID}", cache)  # what root's server wrote goes back to the cache's owner
     assert_clean(qemu_user, "default_lazy-early")
+
+
+def test_a_root_server_refuses_a_cache_another_user_owns(qemu_user):
+    """The attack: the cache's owner swaps serve/ or lazy/ for a link while a root server works there,
+    and root chmods, binds or writes where the link points. Refused before anything is made."""
+    cache = qemu_user.cache
+    assert qemu_user.launcher("ls").code == 0
+    before = sorted(p.name for p in cache.iterdir())
+    result = run_launcher("serve", "--cache-dir", cache, "--exit-when-idle", "1")
+    assert result.code == 1
+    assert result.err.strip() == (f"launcher: {cache}: belongs to uid {QEMU_UID}; a disk server run as root serves only a cache of root's"
+                                  f" (run it as uid {QEMU_UID}, or give it a cache root owns)"), result.err
+    assert sorted(p.name for p in cache.iterdir()) == before
 
 
 def test_registry_restart_during_the_boot(qemu_user, lazy_registry):
@@ -223,7 +236,7 @@ def test_two_vms_on_one_export_fetch_each_chunk_once(qemu_user, lazy_registry, f
 
 
 def test_a_short_name_boots_lazily_through_the_runs_registries_conf(qemu_user, lazy_registry):
-    """The node's server (root, as a node service) knows no alias; the run's registries.conf maps the
+    """The node's server (a process of its own, with its own files) knows no alias; the run's registries.conf maps the
     short name to the loopback registry, as for `launcher pull`, and the VM boots from the export."""
     ref, _ = push_padded(lazy_registry, qemu_user.root, "short", 5)
     layer = json.loads(run_diskkit("inspect", NOREG, "--json", ref).out)["layers"][0]["digest"]
@@ -232,8 +245,9 @@ def test_a_short_name_boots_lazily_through_the_runs_registries_conf(qemu_user, l
     (confs / "client.conf").write_text(f'[aliases]\n"shortguest" = "{lazy_registry.host}/lazy/guest"\n')
     (confs / "server.conf").write_text("")
     cache = qemu_user.cache
-    assert qemu_user.launcher("ls").code == 0  # the cache's layout made by its owner, before root's server uses it
-    with disk_server(cache, "--prefetch-rate", "8M", env={"CONTAINERS_REGISTRIES_CONF": str(confs / "server.conf"), "HOME": str(confs)}):
+    assert qemu_user.launcher("ls").code == 0
+    with disk_server(cache, "--prefetch-rate", "8M", user=QEMU_UID,
+                     env={**qemu_user.env, "CONTAINERS_REGISTRIES_CONF": str(confs / "server.conf"), "HOME": str(confs)}):
         vmi = qemu_user.write_vmi("lazy-short", "shortguest:short")
         result = run_launcher("run", NOREG, "--lazy", "--console", "--timeout", "300", vmi, user=str(QEMU_UID),
                               env={**qemu_user.env, "CONTAINERS_REGISTRIES_CONF": str(confs / "client.conf")})
@@ -241,5 +255,4 @@ def test_a_short_name_boots_lazily_through_the_runs_registries_conf(qemu_user, l
         console = parse_console(result.out)
         assert console["done"] and console["disks"]["vda"]["size"] == PADDED, result.out
         assert layer in [e["layer"] for e in control(cache, {"op": "status"})["exports"] if "layer" in e]
-    run("chown", "-R", f"{QEMU_UID}:{QEMU_UID}", cache)  # what root's server wrote goes back to the cache's owner
     assert_clean(qemu_user, "default_lazy-short")

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 MIB = 1 << 20
 DIGEST = "sha256:" + "ab" * 32
+SOURCE = f"registry.example/repo@{DIGEST} {64 * MIB}"
 
 
 def pieces(count: int) -> list[bytes]:
@@ -24,13 +25,13 @@ def pieces(count: int) -> list[bytes]:
 
 def test_kept_bytes_are_all_written_and_are_the_next_ones_head_start(tmp_path):
     data = pieces(24)
-    first = PartialBlob(tmp_path, DIGEST)
+    first = PartialBlob(tmp_path, DIGEST, SOURCE)
     assert first.length == 0
     for piece in data:
         first.append(piece)
     first.keep()  # returns once the writer has written and synced everything queued
 
-    again = PartialBlob(tmp_path, DIGEST)
+    again = PartialBlob(tmp_path, DIGEST, SOURCE)
     try:
         assert again.length == len(data) * MIB
         assert int((tmp_path / f"{DIGEST.replace(':', '-')}.synced").read_text()) == again.length
@@ -40,7 +41,7 @@ def test_kept_bytes_are_all_written_and_are_the_next_ones_head_start(tmp_path):
 
 
 def test_sync_moves_the_resume_point_to_everything_appended(tmp_path):
-    blob = PartialBlob(tmp_path, DIGEST)
+    blob = PartialBlob(tmp_path, DIGEST, SOURCE)
     mark = tmp_path / f"{DIGEST.replace(':', '-')}.synced"
     try:
         for piece in pieces(5):
@@ -53,7 +54,7 @@ def test_sync_moves_the_resume_point_to_everything_appended(tmp_path):
 
 
 def test_a_dropped_copy_leaves_nothing(tmp_path):
-    blob = PartialBlob(tmp_path, DIGEST)
+    blob = PartialBlob(tmp_path, DIGEST, SOURCE)
     for piece in pieces(8):
         blob.append(piece)
     blob.sync()
@@ -69,7 +70,7 @@ def test_a_disk_that_refuses_writes_ends_the_copy_not_the_download(tmp_path):
         from pathlib import Path
         from diskkit.registry.partial import PartialBlob
         resource.setrlimit(resource.RLIMIT_FSIZE, (3 << 20, 3 << 20))
-        blob = PartialBlob(Path(sys.argv[1]), {DIGEST!r})
+        blob = PartialBlob(Path(sys.argv[1]), {DIGEST!r}, {SOURCE!r})
         for _ in range(3):
             blob.append(os.urandom(1 << 20))
         blob.sync()
@@ -84,3 +85,22 @@ def test_a_disk_that_refuses_writes_ends_the_copy_not_the_download(tmp_path):
     appended, synced = map(int, done.stdout.split())
     assert appended == 9 * MIB and synced == 3 * MIB
     assert int((tmp_path / f"{DIGEST.replace(':', '-')}.synced").read_text()) == 3 * MIB
+
+
+def test_kept_bytes_are_resumed_only_from_their_own_source(tmp_path):
+    """Attack: a liar's kept bytes, under the digest of a genuine blob, offered to the genuine pull."""
+    first = PartialBlob(tmp_path, DIGEST, SOURCE)
+    for piece in pieces(3):
+        first.append(piece)
+    first.keep()
+    other = PartialBlob(tmp_path, DIGEST, SOURCE.replace("registry.example", "liar.example"))
+    try:
+        assert other.length == 0 and (tmp_path / f"{DIGEST.replace(':', '-')}.part").stat().st_size == 0
+    finally:
+        other.keep()
+    again = PartialBlob(tmp_path, DIGEST, SOURCE)  # the liar's source is recorded now: nothing for this one
+    try:
+        assert again.length == 0
+    finally:
+        again.drop()
+    assert list(tmp_path.iterdir()) == []

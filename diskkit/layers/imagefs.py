@@ -189,7 +189,7 @@ def walk(
             # Four stages, each on its own thread: fetch+blob digest | decompress | diffID | tar+write.
             tap = (taps or {}).get(index)
             fetched = ReadAhead(tap(verified) if tap else verified)
-            decompressed = ReadAhead(decompressing_reader(fetched, kind))
+            decompressed = ReadAhead(decompressing_reader(fetched, kind, f"{image.where}: layer {index} ({desc.digest[:19]})"))
             hashed = HashingReader(decompressed)
             unpacked = ReadAhead(hashed)
             cursor = Cursor(unpacked)

@@ -155,8 +155,11 @@ class _Copier:
             self.rewriting("an OCI manifest becomes a Docker schema2 manifest")
             manifest = oci_to_docker(manifest, self.source.where)
             data, media = canonical_json(manifest), mt.DOCKER_MANIFEST
-        config = Descriptor.from_json(manifest["config"], self.source.where)
-        layers = [Descriptor.from_json(layer, self.source.where) for layer in manifest.get("layers") or []]
+        try:
+            config = Descriptor.from_json(manifest["config"], self.source.where)
+            layers = [Descriptor.from_json(layer, self.source.where) for layer in manifest.get("layers") or []]
+        except (KeyError, TypeError, AttributeError):
+            raise DiskkitError(self.source.where, "manifest has no config descriptor") from None
         if self.dest.layer_compression == "none" and any(mt.layer_compression(l.media_type) != "none" for l in layers):
             self.rewriting("its layers must be stored uncompressed")
             return self._into_plain_layers(config, layers, platform)
@@ -232,7 +235,7 @@ class _Copier:
             digest = hashlib.sha256()
             size = 0
             with self.source.blob(desc) as reader, self.dest.blob_writer(target) as writer:
-                plain = decompressing_reader(reader, have)
+                plain = decompressing_reader(reader, have, f"{self.source.where}: layer {desc.digest[:19]}")
                 with self.reporter.task(f"layer {desc.digest[7:19]}", desc.size) as task:
                     while True:
                         chunk = plain.read(COPY_CHUNK)
@@ -263,7 +266,7 @@ class _Copier:
         plain = []
         for desc, diff_id in zip(layers, diff_ids):
             with self.source.blob(desc) as reader, self.dest.blob_writer(mt.DOCKER_LAYER) as writer:
-                unpacked = HashingReader(decompressing_reader(reader, mt.layer_compression(desc.media_type) or "none"))
+                unpacked = HashingReader(decompressing_reader(reader, mt.layer_compression(desc.media_type) or "none", f"{self.source.where}: layer {desc.digest[:19]}"))
                 with self.reporter.task(f"layer {desc.digest[7:19]}", desc.size) as task:
                     while chunk := unpacked.read(COPY_CHUNK):
                         writer.write(chunk)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import email.utils
 import io
+import json
 import random
 import re
 import ssl
@@ -26,12 +27,18 @@ from urllib.parse import urljoin
 import requests
 import urllib3
 
-from diskkit.errors import AuthError, RegistryError
+from diskkit.errors import AuthError, DiskkitError, RegistryError
 from diskkit.registry import authfile
 from diskkit.registry.options import RegistryOptions
 from diskkit.registry.partial import MIN_SIZE, Busy, PartialBlob
 
 RETRY_STATUS = {408, 429, 500, 502, 503, 504}
+# How much of a small answer is read before it is refused: containers/image's limits
+# (internal/iolimits/iolimits.go, ReadAtMost), which an endless or huge body would otherwise defeat.
+MAX_MANIFEST_BYTES = 4 << 20  # MaxManifestBodySize, the limit distribution itself puts on a manifest
+MAX_SIGNATURE_BYTES = 4 << 20  # MaxSignatureBodySize and MaxSignatureListBodySize
+MAX_TOKEN_BYTES = 1 << 20  # MaxAuthTokenBodySize
+MAX_ERROR_BYTES = 1 << 20  # MaxErrorBodySize: every other answer (errors, upload status, /v2/) is read up to this
 USER_AGENT = "diskkit/0.1"
 _CHALLENGE_PARAM = re.compile(r'(\w+)="([^"]*)"|(\w+)=([^\s,]+)')
 
@@ -148,7 +155,7 @@ class Registry:
         last: Exception | None = None
         for scheme in schemes:
             try:
-                response = self._send("GET", f"{scheme}://{self.host}/v2/", {}, None, False)
+                response = self._send("GET", f"{scheme}://{self.host}/v2/", {}, None)
             except requests.exceptions.SSLError as exc:
                 last = exc
                 if self.opts.tls_verify:
@@ -160,6 +167,9 @@ class Registry:
             except requests.exceptions.ConnectionError as exc:
                 last = exc
                 continue
+            except requests.exceptions.RequestException as exc:
+                raise RegistryError(self.host, f"GET /v2/: {refusal(exc)}") from None
+            response.close()  # only the status and headers are wanted
             if response.status_code == 401 and "WWW-Authenticate" in response.headers:
                 self.challenge = parse_challenge(response.headers["WWW-Authenticate"])
             elif response.status_code not in (200, 401):
@@ -172,7 +182,10 @@ class Registry:
 
     def credentials(self) -> authfile.Credentials | None:
         if self._creds is False:
-            self._creds = authfile.lookup(self.host, self.opts.creds, self.opts.authfile)
+            if self.opts.inline_credentials is not None:
+                self._creds = dict(self.opts.inline_credentials).get(self.host)
+            else:
+                self._creds = authfile.lookup(self.host, self.opts.creds, self.opts.authfile)
         return self._creds  # type: ignore[return-value]
 
     def _auth_header(self, scope: str) -> dict[str, str]:
@@ -208,39 +221,47 @@ class Registry:
                         data={**query, "grant_type": "refresh_token", "refresh_token": creds.identity_token, "client_id": "diskkit"},
                         timeout=self.opts.timeout,
                         verify=self.session.verify,
+                        stream=True,
                     )
                 else:
                     auth = (creds.username, creds.password) if creds else None
-                    response = self.session.get(realm, params=query, auth=auth, timeout=self.opts.timeout, verify=self.session.verify)
+                    response = self.session.get(realm, params=query, auth=auth, timeout=self.opts.timeout, verify=self.session.verify, stream=True)
+            except (requests.exceptions.InvalidSchema, requests.exceptions.InvalidURL, requests.exceptions.TooManyRedirects) as exc:
+                raise RegistryError(self.host, f"token service {realm}: {refusal(exc)}") from None
             except requests.exceptions.RequestException as exc:
                 if attempt == self.opts.retries:
                     raise RegistryError(self.host, f"token service {realm} unreachable ({failure_reason(exc)})") from None
                 time.sleep(retry_after(None, attempt, self.opts))
                 continue
             if response.status_code in RETRY_STATUS and attempt < self.opts.retries:
+                response.close()
                 time.sleep(retry_after(response, attempt, self.opts))
                 continue
             break
+        data = read_body(response, MAX_TOKEN_BYTES, self.host, f"token service {realm} answer")
         if response.status_code in (401, 403):
             who = f"as {creds.username}" if creds else "anonymously"
             raise AuthError(self.host, f"token service refused {who} for scope {scope or '(none)'}; check --creds or the auth file")
         if response.status_code != 200:
             raise AuthError(self.host, f"token service answered HTTP {response.status_code} for scope {scope}")
         try:
-            body = response.json()
-        except ValueError:
-            raise AuthError(self.host, "token service answered something other than JSON") from None
-        value = body.get("token") or body.get("access_token") or ""
-        lifetime = int(body.get("expires_in") or 60)
+            body = json.loads(data)
+            value = body.get("token") or body.get("access_token") or ""
+            lifetime = int(body.get("expires_in") or 60)
+        except (ValueError, TypeError, AttributeError):
+            raise AuthError(self.host, "token service answered something other than a JSON token") from None
+        if not isinstance(value, str):
+            raise AuthError(self.host, "token service answered something other than a JSON token")
         return _Token(value, time.time() + max(lifetime - 10, 5))
 
     # --- requests -----------------------------------------------------------------------------
 
-    def _send(self, method: str, url: str, headers: dict, body: Body, stream: bool) -> requests.Response:
+    def _send(self, method: str, url: str, headers: dict, body: Body) -> requests.Response:
         data = body() if callable(body) else body
         # verify= is passed on every call: requests lets REQUESTS_CA_BUNDLE override a session's setting.
+        # Always streamed: requests would otherwise read a whole body, however large, before returning.
         return self.session.request(
-            method, url, headers=headers, data=data, stream=stream, timeout=self.opts.timeout, allow_redirects=True,
+            method, url, headers=headers, data=data, stream=True, timeout=self.opts.timeout, allow_redirects=True,
             verify=self.session.verify,
         )
 
@@ -255,16 +276,23 @@ class Registry:
         what: str = "",
         retry: bool = True,
     ) -> requests.Response:
-        """One API call, with auth and retries. `body`, if it is to be retried, must be bytes or a factory."""
+        """One API call, with auth and retries. `body`, if it is to be retried, must be bytes or a factory.
+
+        Unless `stream`, the answer's body is read here, up to MAX_ERROR_BYTES (refused beyond);
+        callers that expect more (manifests) stream it and read it with their own limit (read_body)."""
         url = path if path.startswith(("http://", "https://")) else self.base() + path
         authed_again = False
         attempt = 0 if retry else self.opts.retries
         while True:
             all_headers = {**self._auth_header(scope), **(headers or {})}
             try:
-                response = self._send(method, url, all_headers, body, stream)
+                response = self._send(method, url, all_headers, body)
             except requests.exceptions.SSLError as exc:
                 raise RegistryError(self.host, f"TLS error ({failure_reason(exc)})") from None
+            except (requests.exceptions.InvalidSchema, requests.exceptions.InvalidURL, requests.exceptions.TooManyRedirects) as exc:
+                raise RegistryError(self.host, f"{what or method}: {refusal(exc)}") from None
+            except ValueError:  # urllib's own parsing of a Location requests could not make sense of
+                raise RegistryError(self.host, f"{what or method}: redirected to an invalid URL; refused") from None
             except (requests.exceptions.ConnectionError, requests.exceptions.Timeout, urllib3.exceptions.HTTPError) as exc:
                 if attempt >= self.opts.retries:
                     raise RegistryError(self.host, f"{what or method} failed after {attempt + 1} attempts ({failure_reason(exc)})") from None
@@ -275,18 +303,27 @@ class Registry:
                 authed_again = True
                 challenge = response.headers.get("WWW-Authenticate")
                 if challenge:
+                    response.close()
                     self.challenge = parse_challenge(challenge)
                     self._tokens.pop(scope, None)
                     continue
             if response.status_code in (401, 403):
                 creds = self.credentials()
                 who = f"user {creds.username}" if creds else "anonymous access"
+                if method != "HEAD":
+                    _read_into(response, MAX_ERROR_BYTES, self.host, what or method)
                 raise AuthError(self.host, f"{what or method} denied for {who} (scope {scope}): HTTP {response.status_code}{_api_error(response)}")
             if response.status_code in RETRY_STATUS and attempt < self.opts.retries:
                 time.sleep(retry_after(response, attempt, self.opts))
                 response.close()
                 attempt += 1
                 continue
+            if method == "HEAD" or response.status_code in (204, 304):
+                response._content = b""  # no body, whatever Content-Length says (the blob's, for HEAD)
+                response.close()
+            elif not stream or response.status_code not in (200, 206):
+                # Error answers of streamed requests too: callers read their `errors` (_api_error).
+                _read_into(response, MAX_ERROR_BYTES, self.host, what or method)
             return response  # callers decide what 404 and other answers mean
 
     def resolve(self, location: str) -> str:
@@ -312,6 +349,56 @@ def failure_reason(exc: BaseException | None) -> str:
     return text.strip("()'\" ")[:200]
 
 
+def refusal(exc: BaseException) -> str:
+    """The rule a hostile or broken answer broke, in words, for the exceptions requests raises."""
+    if isinstance(exc, requests.exceptions.InvalidSchema):
+        return "redirected to a location that is not http(s); refused"
+    if isinstance(exc, requests.exceptions.InvalidURL):
+        return "redirected to an invalid URL; refused"
+    if isinstance(exc, requests.exceptions.TooManyRedirects):
+        return "too many redirects; refused"
+    if isinstance(exc, (requests.exceptions.ChunkedEncodingError, urllib3.exceptions.ProtocolError)):
+        return f"the answer's body was cut short ({failure_reason(exc)})"
+    if isinstance(exc, (requests.exceptions.ContentDecodingError, urllib3.exceptions.DecodeError)):
+        return "the answer's body cannot be decoded (bad Content-Encoding)"
+    return failure_reason(exc)
+
+
+def read_body(response: requests.Response, limit: int, where: str, what: str) -> bytes:
+    """At most `limit` bytes of a streamed answer's body, as containers/image's ReadAtMost: one byte
+    more is read to tell a body at the limit from a larger one, which is refused; memory stays
+    bounded whatever the registry sends (an endless manifest grew a launcher to 23.7 GB)."""
+    try:
+        declared = int(response.headers.get("Content-Length", ""))
+    except ValueError:
+        declared = -1
+    data = bytearray()
+    try:
+        if declared <= limit:
+            while len(data) <= limit:
+                # decode_content: a Content-Encoding is undone piece by piece, bounded the same way
+                piece = response.raw.read(min(1 << 20, limit + 1 - len(data)), decode_content=True)
+                if not piece:
+                    break
+                data += piece
+    except (urllib3.exceptions.HTTPError, requests.exceptions.RequestException, OSError) as exc:
+        raise RegistryError(where, f"{what}: {refusal(exc)}") from None
+    finally:
+        response.close()
+    if declared > limit or len(data) > limit:
+        raise RegistryError(where, f"{what} is larger than {_size(limit)}, the limit for it; refused")
+    return bytes(data)
+
+
+def _read_into(response: requests.Response, limit: int, where: str, what: str) -> None:
+    """Reads the body (read_body) into the response, where .content and .json() find it."""
+    response._content = read_body(response, limit, where, what)  # requests' own cache of the body
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB ({n} bytes)" if n >= 1 << 20 else f"{n} bytes"
+
+
 def tls_reason(exc: BaseException) -> str:
     """OpenSSL's reason, without the layers of exception reprs around it."""
     import re
@@ -321,11 +408,13 @@ def tls_reason(exc: BaseException) -> str:
 
 
 def _api_error(response: requests.Response) -> str:
+    if response._content is False:  # a streamed answer whose body is not read: not read for this either
+        return ""
     try:
         errors = response.json().get("errors") or []
         if errors:
-            return f" ({errors[0].get('code')}: {errors[0].get('message')})"
-    except ValueError:
+            return f" ({errors[0].get('code')}: {errors[0].get('message')})"[:300]
+    except (ValueError, AttributeError, TypeError):
         pass
     return ""
 
@@ -350,7 +439,10 @@ def get_blob(registry: Registry, repository: str, digest: str, first: int = 0, l
         if response.status_code == 200:
             skip = first
             while skip:
-                piece = response.raw.read(min(skip, 1 << 20))
+                try:
+                    piece = response.raw.read(min(skip, 1 << 20))
+                except (urllib3.exceptions.HTTPError, OSError) as exc:
+                    raise RegistryError(registry.host, f"blob {digest[:19]}: {refusal(exc)}") from None
                 if not piece:
                     raise RegistryError(registry.host, f"blob {digest[:19]} ended before byte {first}")
                 skip -= len(piece)
@@ -381,10 +473,11 @@ class ResumableBlob(io.RawIOBase):
         self.partial: PartialBlob | None = None
         if partial_dir is not None and size >= MIN_SIZE:
             try:
-                self.partial = PartialBlob(partial_dir, digest)
-            except (Busy, OSError):
+                self.partial = PartialBlob(partial_dir, digest, f"{registry.host}/{repository}@{digest} {size}")
+            except (Busy, OSError, DiskkitError):
                 pass  # another process downloads it now (or the directory is unusable): no head start
-        if self.partial is None or not self.partial.length:
+        self.resumed = self.partial.length if self.partial is not None else 0  # bytes taken from an earlier download
+        if not self.resumed:
             self._open()
 
     def readable(self) -> bool:
@@ -441,6 +534,12 @@ class ResumableBlob(io.RawIOBase):
             time.sleep(retry_after(None, self.resumes, self.registry.opts))
             self.resumes += 1
             self._open()
+
+    def discard(self) -> None:
+        """The blob failed its checks: what was kept of it is not offered to any later download."""
+        if self.partial is not None:
+            self.partial.drop()
+            self.partial = None
 
     def close(self) -> None:
         if self._response is not None:

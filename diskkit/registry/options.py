@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from diskkit.registry.authfile import Credentials
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,10 @@ class RegistryOptions:
     # options so that every read of a command, a disk server's included, answers to the same policy.
     signature_policy: str | None = None
     registries_d: str | None = None
+    # Credentials given inline per registry host, as a node's disk server gets them from a client of
+    # another user: when set, the only ones used (never --creds, an auth file or this process's
+    # environment); () is anonymous.
+    inline_credentials: tuple[tuple[str, Credentials], ...] | None = None
 
     def for_endpoint(self, insecure: bool = False) -> "RegistryOptions":
         """The options for one registry endpoint, `tls_verify` settled: registries.conf's `insecure`

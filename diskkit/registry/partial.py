@@ -5,6 +5,7 @@ SIGKILL) resumes from there with one range request instead of starting over.
     <dir>/<hex>.synced   how many of them are on disk (written after fdatasync): the resume point,
                          moved every few seconds and on every failure (by time, not bytes: a fast
                          pull does not pay for syncing data it deletes a moment later)
+    <dir>/<hex>.source   where the bytes came from: registry, repository, digest and size
 
 The copy is a second write of every byte received, so a thread of its own makes it (and its
 fdatasyncs) while the download goes on; the queue between them is bounded, so memory stays flat
@@ -12,10 +13,13 @@ and a disk slower than the link holds the download back rather than falling behi
 best effort: a failed write ends the copy (the resume point stays where it was), not the download.
 
 hashlib's state cannot be saved, so the bytes kept are not trusted on their own: they are read
-back into the reader's stream, and the consumer's digest check covers them with the rest. A
-download read to its end drops its partial file, whether the digest then matched or not, so bad
-bytes are never offered twice. One process at a time holds a partial file (flock); gc takes those
-no one holds.
+back into the reader's stream, and the consumer's digest check covers them with the rest. Nor
+is a digest in the name enough to share them: a registry that lied about a digest (and cut its
+answer short) would have its bytes served to the pull of the genuine image. So a partial file is
+resumed only by a download from the same source; any other starts it afresh. A download read to
+its end drops its partial file, whether the digest then matched or not, and one whose resumed
+bytes failed (discard) too, so bad bytes are never offered twice. One process at a time holds a
+partial file (flock); gc takes those no one holds.
 """
 
 from __future__ import annotations
@@ -40,12 +44,15 @@ class Busy(Exception):
 
 
 class PartialBlob:
-    def __init__(self, directory: Path, digest: str):
-        directory.mkdir(parents=True, exist_ok=True)
+    def __init__(self, directory: Path, digest: str, source: str):
+        """`source` names where the bytes come from (registry, repository, digest, size): kept
+        bytes from any other source are not resumed from."""
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         name = digest.replace(":", "-")
         self.path = directory / f"{name}.part"
         self.mark = directory / f"{name}.synced"
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self.origin = directory / f"{name}.source"
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -53,8 +60,14 @@ class PartialBlob:
             raise Busy(self.path) from None
         try:
             synced = int(self.mark.read_text())
+            if self.origin.read_text() != source:
+                synced = 0
         except (OSError, ValueError):
             synced = 0
+        if not synced:
+            # Recorded before any byte is kept: a kill at any point leaves the bytes with their source.
+            self.mark.unlink(missing_ok=True)
+            write_atomic(self.origin, source.encode())
         # Bytes after the resume point may be torn by the kill: they are fetched again.
         self.length = self.synced = self.written = max(0, min(synced, os.fstat(self.fd).st_size))
         os.ftruncate(self.fd, self.length)
@@ -122,6 +135,7 @@ class PartialBlob:
         self._stop(keep=False)  # what is still queued is not written
         self.mark.unlink(missing_ok=True)
         self.path.unlink(missing_ok=True)
+        self.origin.unlink(missing_ok=True)
 
 
 def abandoned(directory: Path) -> list[Path]:

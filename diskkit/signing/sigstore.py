@@ -12,13 +12,11 @@ from diskkit.errors import DiskkitError, RegistryError
 from diskkit.oci import mediatypes as mt
 from diskkit.oci.image import Descriptor, sha256_digest
 from diskkit.oci.reference import DockerName, ImageRef
-from diskkit.registry.client import check_status, get_blob, scope
+from diskkit.registry.client import MAX_SIGNATURE_BYTES, check_status, get_blob, read_body, scope
 from diskkit.registry.options import RegistryOptions
 from diskkit.signing import keys
 from diskkit.signing.payload import MIME_TYPE, SIGNATURE_ANNOTATION, make_payload
 from diskkit.transports.remote import RemoteDestination, registry_for
-
-MAX_SIGNATURE_BYTES = 4 << 20  # containers/image iolimits.MaxSignatureBodySize
 
 
 @dataclass(frozen=True)
@@ -42,15 +40,15 @@ def _attachment_manifest(name: DockerName, digest: str, opts: RegistryOptions, a
     tag = attachment_tag(digest)
     response = registry.request(
         "GET", f"/v2/{name.repository}/manifests/{tag}", scope(name.repository, actions),
-        headers={"Accept": mt.OCI_MANIFEST}, what="GET sigstore attachment",
+        headers={"Accept": mt.OCI_MANIFEST}, stream=True, what="GET sigstore attachment",
     )
     if response.status_code == 404:
+        response.close()
         return None
     check_status(response, (200,), registry.host, f"GET manifest {tag}")
-    if len(response.content) > MAX_SIGNATURE_BYTES:
-        raise RegistryError(f"{name.registry}/{name.repository}:{tag}", "attachment manifest larger than 4 MiB refused")
+    data = read_body(response, MAX_SIGNATURE_BYTES, f"{name.registry}/{name.repository}:{tag}", "attachment manifest")
     try:
-        manifest = json.loads(response.content)
+        manifest = json.loads(data)
     except ValueError:
         raise RegistryError(f"{name.registry}/{name.repository}:{tag}", "attachment manifest is not JSON") from None
     if manifest.get("mediaType", mt.OCI_MANIFEST) != mt.OCI_MANIFEST or not isinstance(manifest.get("layers", []), list):
@@ -63,7 +61,7 @@ def _small_blob(name: DockerName, desc: Descriptor, opts: RegistryOptions) -> by
     if desc.size > MAX_SIGNATURE_BYTES:
         raise RegistryError(where, "signature larger than 4 MiB refused")
     response = get_blob(registry_for(name.registry, opts), name.repository, desc.digest)
-    data = response.content
+    data = read_body(response, MAX_SIGNATURE_BYTES, where, "signature")
     if len(data) != desc.size or sha256_digest(data) != desc.digest:
         raise RegistryError(where, "signature blob does not match its digest")
     return data

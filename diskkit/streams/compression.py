@@ -7,6 +7,7 @@ the thread count), so builds are reproducible.
 
 from __future__ import annotations
 
+import io
 from typing import BinaryIO, Protocol
 
 from isal import igzip, isal_zlib
@@ -116,14 +117,47 @@ def sniff(head: bytes) -> str:
     return "none"
 
 
-def decompressing_reader(raw: BinaryIO, kind: str) -> BinaryIO:
-    """A readable stream of the uncompressed bytes; multi-member gzip and multi-frame zstd included."""
+def decompressing_reader(raw: BinaryIO, kind: str, where: str = "layer") -> BinaryIO:
+    """A readable stream of the uncompressed bytes; multi-member gzip and multi-frame zstd included.
+    A corrupt stream ends in one DiskkitError naming `where`, whichever library found it."""
     if kind == "gzip":
-        return igzip.IGzipFile(fileobj=raw, mode="rb")
+        return _Checked(igzip.IGzipFile(fileobj=raw, mode="rb"), kind, where, (isal_zlib.error,))
     if kind == "zstd":
         import zstandard
 
-        return zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True, closefd=False)
+        return _Checked(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True, closefd=False), kind, where, (zstandard.ZstdError,))
     if kind == "none":
         return raw
     raise DiskkitError(kind, "unknown layer compression")
+
+
+class _Checked(io.RawIOBase):
+    """The decompressor's own errors (ISA-L's IsalError, zstandard's ZstdError, gzip's
+    BadGzipFile, a stream ending early) as the one-line error users read; errors of the stream
+    under it (a digest or a registry failure) pass unchanged."""
+
+    def __init__(self, inner, kind: str, where: str, errors: tuple[type[BaseException], ...]):
+        self._inner, self._kind, self._where = inner, kind, where
+        self._errors = (*errors, OSError, EOFError, ValueError)
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int = -1) -> bytes:
+        try:
+            return self._inner.read(size)
+        except DiskkitError:
+            raise
+        except self._errors as exc:
+            raise DiskkitError(self._where, f"{self._kind} stream cannot be decompressed ({exc or type(exc).__name__}); refused") from None
+
+    def readinto(self, buf) -> int:
+        data = self.read(len(buf))
+        buf[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        try:
+            self._inner.close()
+        finally:
+            super().close()

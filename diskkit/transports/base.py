@@ -17,6 +17,9 @@ from diskkit.oci.image import (
 )
 from diskkit.streams.digestio import VerifyingReader, read_verified
 
+# containers/image's MaxManifestBodySize and MaxConfigBodySize (internal/iolimits/iolimits.go)
+SMALL_BLOB_LIMIT = 4 << 20
+
 
 class Destination:
     """Receives blobs, then manifests, then commit(); abort() leaves nothing behind.
@@ -121,7 +124,7 @@ class Source:
     def read_small(self, desc: Descriptor) -> bytes:
         raw = self.open_blob(desc)
         try:
-            return read_verified(raw, desc.digest, desc.size, self.where)
+            return read_verified(raw, desc.digest, desc.size, self.where, SMALL_BLOB_LIMIT)
         finally:
             raw.close()
 

@@ -10,17 +10,22 @@ import time
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
-from diskkit.errors import AuthError, DiskkitError, RegistryError, UploadLost
+import urllib3
+
+from diskkit.errors import AuthError, DiskkitError, RegistryError, ResumeFailed, UploadLost
 from diskkit.oci import mediatypes as mt
 from diskkit.oci.image import Descriptor, sha256_digest
 from diskkit.oci.reference import DockerName, ImageRef
 from diskkit.registry import registriesconf
 from diskkit.registry.client import (
+    MAX_MANIFEST_BYTES,
     RETRY_STATUS,
     Registry,
     ResumableBlob,
     check_status,
     get_blob,
+    read_body,
+    refusal,
     retry_after,
     scope,
 )
@@ -70,13 +75,11 @@ class RemoteSource(Source):
 
     def _get_manifest(self, reference: str) -> tuple[bytes, str | None]:
         path = f"/v2/{self.name.repository}/manifests/{reference}"
-        response = self.registry.request("GET", path, self.pull_scope, headers={"Accept": ACCEPT}, what="GET manifest")
+        response = self.registry.request("GET", path, self.pull_scope, headers={"Accept": ACCEPT}, stream=True, what="GET manifest")
         if response.status_code == 404:
             raise RegistryError(self.where, f"manifest {reference} not found (HTTP 404)")
         check_status(response, (200,), self.registry.host, f"GET manifest {reference}")
-        data = response.content
-        if len(data) > 4 << 20:
-            raise RegistryError(self.where, "manifest larger than 4 MiB refused")
+        data = read_body(response, MAX_MANIFEST_BYTES, self.where, f"manifest {reference}")
         if reference.startswith("sha256:") and sha256_digest(data) != reference:
             raise RegistryError(self.where, f"manifest does not match the digest it was fetched by ({reference})")
         header = response.headers.get("Docker-Content-Digest")
@@ -112,7 +115,10 @@ class RemoteSource(Source):
     def read_range(self, desc: Descriptor, offset: int, size: int) -> bytes:
         response = get_blob(self.registry, self.name.repository, desc.digest, offset, offset + size - 1)
         with response:
-            data = response.raw.read(size)
+            try:
+                data = response.raw.read(size)
+            except (urllib3.exceptions.HTTPError, OSError) as exc:
+                raise RegistryError(self.where, f"blob {desc.digest[:19]} bytes {offset}-{offset + size - 1}: {refusal(exc)}") from None
         if len(data) != size:
             raise DiskkitError(self.where, f"blob {desc.digest[:19]} ends before byte {offset + size}")
         return data
@@ -126,11 +132,24 @@ class RemoteSource(Source):
         raw = self.open_blob(desc)
         received = ReadAhead(raw)
         hashed = ReadAhead(VerifyingReader(received, desc.digest, desc.size, f"{self.where}: blob {desc.digest[:19]}"))
+        suspect: DiskkitError | None = None
         try:
             yield hashed
+        except DiskkitError as exc:
+            # Bytes an earlier download kept are covered by the digest only at the end: when a blob
+            # resumed from them fails (its digest, or the decompressor before it), they are suspect.
+            # A registry failure says nothing against them; they stay for the next attempt.
+            if not (isinstance(raw, ResumableBlob) and raw.resumed and not isinstance(exc, RegistryError)):
+                raise
+            suspect = exc
         finally:
-            for stage in (hashed, received, raw):
-                stage.close()
+            for stage in (hashed, received):
+                stage.close()  # their threads are done with `raw` once closed
+            if suspect is not None:
+                raw.discard()
+            raw.close()
+        if suspect is not None:
+            raise ResumeFailed(self.where, f"blob {desc.digest[:19]} resumed from {raw.resumed} bytes kept by an earlier download failed ({suspect.rule}); those bytes are discarded")
 
 
 class _Upload:

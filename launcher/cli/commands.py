@@ -13,7 +13,7 @@ from diskkit.cli.shell import platform as platform_of
 from diskkit.cli.shell import registry_options, run_main
 from diskkit.registry.options import RegistryOptions
 from launcher.cli.dv import dv
-from launcher.cli.options import cache_option, ignore_unsupported_option, load_vmi_file, parse_size, say, storage_options, trust_options
+from launcher.cli.options import cache_option, ignore_unsupported_option, load_vmi_file, node_cache, parse_size, say, storage_options, trust_options, warn_if_open
 from launcher.node.cache import Cache, tree_size
 
 
@@ -50,7 +50,7 @@ def pull(ref, image_path, platform, pull_policy, as_json, cache_dir, registry: R
     """
     from launcher.node.pull import pull as do_pull
 
-    pulled = do_pull(Cache(cache_dir), ref, image_path, platform_of(platform), registry, pull_policy)
+    pulled = do_pull(node_cache(cache_dir), ref, image_path, platform_of(platform), registry, pull_policy)
     click.echo(json.dumps(pulled.to_json(), indent=2) if as_json else str(pulled.path))
 
 
@@ -75,7 +75,7 @@ def domain(vmi_file, platform, accel, lazy, ignore_unsupported, cache_dir, store
 
     vmi = load_vmi_file(vmi_file, ignore_unsupported, store.objects)
     opts = RunOptions(platform=platform_of(platform), registry=registry, storage=store, lazy={None: "auto", True: "on", False: "off"}[lazy])
-    _, xml = plan(vmi, Cache(cache_dir), opts, create=False, domain_type=None if accel == "auto" else accel)
+    _, xml = plan(vmi, node_cache(cache_dir), opts, create=False, domain_type=None if accel == "auto" else accel)
     click.echo(xml, nl=not xml.endswith("\n"))
 
 
@@ -116,13 +116,13 @@ def run(vmi_file, uri, console, wait_for, timeout, platform, lazy, grace_period,
         from launcher.diskserver.spawn import start_server
 
         # --lazy will need the node's disk server: started now, its start overlaps the run's own.
-        start_server(Cache(cache_dir), registry)
+        start_server(node_cache(cache_dir), registry)
     from launcher.runtime.vms import RunOptions
     from launcher.runtime.vms import run as do_run
 
     opts = RunOptions(uri=uri, platform=platform_of(platform), registry=registry, console=console, wait_for=wait_for, timeout=timeout, storage=store,
                       lazy={None: "auto", True: "on", False: "off"}[lazy], grace_period=grace_period)
-    sys.exit(do_run(vmi, Cache(cache_dir), opts, say))
+    sys.exit(do_run(vmi, node_cache(cache_dir), opts, say))
 
 
 @cli.command(epilog="""\b
@@ -135,6 +135,7 @@ Examples:
 """)
 @click.option("--disks/--no-disks", default=True, show_default=True, help="Run the disk server (lazy images over NBD).")
 @click.option("--socket-dir", type=click.Path(file_okay=False), help="Where nbd.sock and control.sock live (default: <cache>/serve).")
+@click.option("--socket-group", metavar="NAME", help="Run as root: the group whose members may send the disk server requests (default: the group of user qemu, KubeVirt's; else 107 where it is named qemu or kvm; else none).")
 @click.option("--strict", is_flag=True, help="Serve only verified bytes: images without chunk digests are read once the whole blob is verified.")
 @click.option("--prefetch-rate", metavar="SIZE", help="Prefetch at most SIZE bytes a second (e.g. 50M); reads a VM waits for are never held back.")
 @click.option("--prefetch-threads", type=click.IntRange(1, 16), default=2, show_default=True, help="Parallel range requests prefetching the rest of each disk.")
@@ -165,7 +166,7 @@ def serve(cache_dir, registry: RegistryOptions, disks, upload_listen, upload_tls
     stopped, and the disk is checked and converted to raw in its claim as an import is.
     """
     if options["show_status"]:
-        _serve_status(Cache(cache_dir), options["socket_dir"], options["as_json"])
+        _serve_status(node_cache(cache_dir), options["socket_dir"], options["as_json"])
         return
     if not disks and not upload_listen:
         raise click.UsageError("nothing to serve: --no-disks without --upload-listen")
@@ -176,7 +177,7 @@ def serve(cache_dir, registry: RegistryOptions, disks, upload_listen, upload_tls
         uploads = start_uploads(upload_listen, upload_tls_cert, upload_tls_key, vmi_files, cache_dir, store)
     try:
         if disks:
-            _serve_disks(Cache(cache_dir), registry, **options)
+            _serve_disks(node_cache(cache_dir), registry, **options)
         else:
             uploads.wait()
     finally:
@@ -184,14 +185,14 @@ def serve(cache_dir, registry: RegistryOptions, disks, upload_listen, upload_tls
             uploads.close()
 
 
-def _serve_disks(cache: Cache, registry: RegistryOptions, socket_dir, strict, prefetch_rate, prefetch_threads, fetch_timeout,
+def _serve_disks(cache: Cache, registry: RegistryOptions, socket_dir, socket_group, strict, prefetch_rate, prefetch_threads, fetch_timeout,
                  exit_when_idle, show_status, as_json) -> None:
     from launcher.diskserver.lazydisk import Options
     from launcher.diskserver.server import ServeOptions, serve
 
     rate = parse_size(prefetch_rate, f"--prefetch-rate {prefetch_rate}") if prefetch_rate else 0
     lazy = Options(strict=strict, prefetch_threads=prefetch_threads, fetch_timeout=fetch_timeout, prefetch_rate=rate)
-    serve(cache, ServeOptions(Path(socket_dir) if socket_dir else None, registry, lazy, exit_when_idle))
+    serve(cache, ServeOptions(Path(socket_dir) if socket_dir else None, registry, lazy, exit_when_idle, socket_group))
 
 
 def _serve_status(cache: Cache, socket_dir: str | None, as_json: bool) -> None:
@@ -229,7 +230,7 @@ def stop(name, cache_dir) -> None:
     """Destroy a VM started by `launcher run` and remove its overlays (NAME, NAMESPACE/NAME or domain name)."""
     from launcher.runtime.vms import stop as do_stop
 
-    click.echo(do_stop(Cache(cache_dir), name))
+    click.echo(do_stop(node_cache(cache_dir), name))
 
 
 @cli.command(epilog="""\b
@@ -248,7 +249,7 @@ def status(name, cache_dir) -> None:
     from diskkit.errors import DiskkitError
     from launcher.runtime.vms import find_record, state
 
-    record = find_record(Cache(cache_dir), name)
+    record = find_record(node_cache(cache_dir), name)
     if record is None:
         raise DiskkitError(name, "no VM of this name was started from this cache (yet)")
     now = state(record)
@@ -268,7 +269,8 @@ def ls(as_json, cache_dir) -> None:
     """List the VMs started from this cache and the disks it holds."""
     from launcher.runtime.vms import state
 
-    cache = Cache(cache_dir)
+    cache = node_cache(cache_dir)
+    warn_if_open(cache)
     vms = [{**record, "state": state(record)} for record in cache.vm_records()]
     disks = []
     for entry in cache.disks():
@@ -298,7 +300,9 @@ def gc(max_size, as_json, cache_dir) -> None:
     """Remove cached disks no running VM uses (all of them, or the oldest until under --max-size)."""
     from launcher.runtime.gc import collect
 
-    result = collect(Cache(cache_dir), parse_size(max_size, f"--max-size {max_size}") if max_size else None)
+    cache = node_cache(cache_dir)
+    warn_if_open(cache)
+    result = collect(cache, parse_size(max_size, f"--max-size {max_size}") if max_size else None)
     if as_json:
         click.echo(json.dumps(result.__dict__, indent=2))
         return

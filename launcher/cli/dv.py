@@ -9,8 +9,7 @@ import click
 from diskkit.cli.shell import registry_options
 from diskkit.errors import DiskkitError
 from diskkit.registry.options import RegistryOptions
-from launcher.cli.options import cache_option, say, storage_options, trust_options
-from launcher.node.cache import Cache
+from launcher.cli.options import cache_option, node_cache, say, storage_options, trust_options
 
 
 def _known(store, vmi_files: tuple[str, ...]):
@@ -156,7 +155,7 @@ def token(name, namespace, ttl, cache_dir) -> None:
     from launcher.datavolumes.uploadserver import issue_token, node_key
 
     namespace, _, plain = name.rpartition("/") if "/" in name else (namespace, "", name)
-    click.echo(issue_token(node_key(Cache(cache_dir).root), namespace, plain, ttl))
+    click.echo(issue_token(node_key(node_cache(cache_dir).root), namespace, plain, ttl))
 
 
 def start_uploads(listen: str, tls_cert: str | None, tls_key: str | None, vmi_files: tuple[str, ...], cache_dir, store):
@@ -165,7 +164,7 @@ def start_uploads(listen: str, tls_cert: str | None, tls_key: str | None, vmi_fi
 
     if (tls_cert is None) != (tls_key is None):
         raise DiskkitError("--upload-tls-cert", "needs --upload-tls-key, and the other way round")
-    server = UploadServer(listen, store, list(_known(store, vmi_files).values()), node_key(Cache(cache_dir).root), say,
+    server = UploadServer(listen, store, list(_known(store, vmi_files).values()), node_key(node_cache(cache_dir).root), say,
                           (tls_cert, tls_key) if tls_cert else None)
     if not server.uploads:
         say("note: no upload DataVolume in --manifests or --vmi; every upload will be refused")

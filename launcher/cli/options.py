@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
 import click
 
 from diskkit.errors import DiskkitError
+from launcher.diskserver.qemuid import system_qemu_gid
+from launcher.node.cache import Cache
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -18,6 +21,19 @@ def parse_size(text: str, option: str) -> int:
     if not match:
         raise DiskkitError(option, "must be a size such as 500M, 10G or 1.5Ti")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def node_cache(cache_dir: str | None) -> Cache:
+    """The node cache; one root makes opens its disks to the group qemu runs as (qemu.conf's)."""
+    return Cache(cache_dir, system_qemu_gid() if os.geteuid() == 0 else None)
+
+
+def warn_if_open(cache: Cache) -> None:
+    """One line on stderr for a cache made before caches were private (issue 26)."""
+    wide = cache.too_open()
+    if wide:
+        click.echo(f"launcher: warning: {', '.join(wide)}: readable by other local users; "
+                   f"a new cache is private (chmod go-rwx, as root 0711 for the top and 0750 for disks/ and run/)", err=True)
 
 
 CACHE_HELP = "Node cache (default: $DISKKIT_CACHE, else /var/lib/diskkit as root, else ~/.cache/diskkit)."

@@ -16,9 +16,10 @@ import tarfile
 from pathlib import Path
 
 from diskkit.errors import DiskkitError
-from diskkit.streams.fsutil import fsync_dir
+from launcher.hostfs.dirfd import Dir, give
 
 CHUNK = 1 << 20
+TREE = "tree"  # the unpacked files, in the work directory, until all are there
 
 
 def _clean(name: str) -> str:
@@ -41,9 +42,10 @@ def _member_problem(member: tarfile.TarInfo) -> str | None:
     return None
 
 
-def unpack(staged: Path, into: Path, staging: Path, limit: int | None, shown: str, finish) -> list[str]:
-    """Unpack the tar at `staged` into the directory `into` (through `staging`, a fresh directory beside
-    it); `finish(path)` hands each new file to the VM's user. Returns the top-level names placed."""
+def unpack(staged: Path, into: Dir, work: Dir, limit: int | None, shown: str, owner: tuple[int, int]) -> list[str]:
+    """Unpack the tar at `staged` into the claim directory `into`, through a fresh directory in `work`
+    (root's, where the claim's owner cannot plant links); each new file and directory is given to
+    `owner`, the VM's user, through its fd. Returns the top-level names placed."""
     with open(staged, "rb") as f:
         header = f.read(512)
     # CDI knows a tar by the ustar magic of its first header (pkg/image/filefmt.go); so does this check:
@@ -51,7 +53,7 @@ def unpack(staged: Path, into: Path, staging: Path, limit: int | None, shown: st
     if header[257:262] != b"ustar":
         raise DiskkitError(shown, "cannot process a non tar file as an archive")
     total = 0
-    with tarfile.open(staged, "r:") as tar:
+    with work.mkdir(TREE, 0o755) as staging, tarfile.open(staged, "r:") as tar:
         for member in tar:
             problem = _member_problem(member)
             if problem:
@@ -59,29 +61,31 @@ def unpack(staged: Path, into: Path, staging: Path, limit: int | None, shown: st
             name = _clean(member.name)
             if name == ".":
                 continue
-            path = staging / name
             if member.isdir():
-                path.mkdir(parents=True, exist_ok=True)
+                staging.makedirs(name, 0o755).close()
                 continue
             total += member.size
             if limit is not None and total > limit:
                 raise DiskkitError(shown, f"unpacks to more than the claim's {limit} bytes. A larger PVC is required")
-            path.parent.mkdir(parents=True, exist_ok=True)
-            source = tar.extractfile(member)
-            with open(path, "xb") as out:
-                shutil.copyfileobj(source, out, CHUNK)
-                os.fsync(out.fileno())
-            os.chmod(path, member.mode & 0o755)  # never setuid, setgid or world-writable
-            finish(path)
-    placed = sorted(p.name for p in staging.iterdir())
-    clashes = [name for name in placed if (into / name).exists()]
-    if clashes:
-        raise DiskkitError(f"{shown}: {clashes[0]}", f"already exists in the claim {into}")
-    for root, dirs, _ in os.walk(staging):
-        for d in dirs:
-            finish(Path(root) / d)
-        fsync_dir(Path(root))
-    for name in placed:
-        os.rename(staging / name, into / name)
-    fsync_dir(into)
+            parent, _, base = name.rpartition("/")
+            with staging.makedirs(parent, 0o755) as where:
+                fd = where.create(base, 0o600)
+                try:
+                    with os.fdopen(fd, "wb", closefd=False) as out:
+                        shutil.copyfileobj(tar.extractfile(member), out, CHUNK)
+                        out.flush()
+                        os.fsync(fd)
+                    give(fd, owner, member.mode & 0o755)  # never setuid, setgid or world-writable
+                finally:
+                    os.close(fd)
+        placed = staging.names()
+        clashes = [name for name in placed if into.lstat(name) is not None]
+        if clashes:
+            raise DiskkitError(f"{shown}: {clashes[0]}", f"already exists in the claim {into.path}")
+        for fd in staging.walk_dirs():
+            give(fd, owner)
+            os.fsync(fd)
+        for name in placed:
+            staging.rename(name, into, name)
+    into.fsync()
     return placed

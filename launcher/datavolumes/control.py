@@ -78,7 +78,7 @@ def fill_now(target: Target, store: Storage, registry: RegistryOptions | None, s
         if target.filled(dvstate.read_status(target)):
             return True
         source = target.dv.source
-        what = source.url or (f"claim {source.claim_namespace}/{source.claim}" if source.kind == "pvc" else source.kind)
+        what = dvm.shown_url(source.url) if source.url else (f"claim {source.claim_namespace}/{source.claim}" if source.kind == "pvc" else source.kind)
         say(f"DataVolume {target.dv.key}: {source.kind} import from {what} into {target.directory}")
         for note in importer.fill(target, store, registry, say):
             say(f"note: {note}")

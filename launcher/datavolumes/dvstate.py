@@ -12,18 +12,17 @@ import contextlib
 import fcntl
 import json
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 from diskkit.errors import DiskkitError
-from diskkit.streams.fsutil import write_atomic
+from launcher.hostfs.dirfd import Dir, give
 from launcher.spec import datavolume as dvm
 from launcher.spec.datavolume import DataVolume, Status
 from launcher.spec.k8s import Objects, resolve_claim
-from launcher.volumes.files import give_to_qemu, is_block
+from launcher.volumes.files import KUBEVIRT_QEMU, is_block
 from launcher.volumes.storage import LocalClaim, Storage, pv_path
 
 STATE_FILE = "datavolume.json"
@@ -48,15 +47,22 @@ class Target:
 
     def filled(self, status: Status) -> bool:
         """Succeeded, with its content in place: disk.img, or for an archive the files it unpacked."""
-        return status.phase == dvm.SUCCEEDED and (self.dv.content_type == "archive" or self.disk.exists())
+        return status.phase == dvm.SUCCEEDED and (self.dv.content_type == "archive" or self.disk_stat() is not None)
 
-    @property
-    def state_path(self) -> Path:
-        return self.directory / STATE_FILE
+    def claim(self) -> Dir:
+        """The claim directory, held open: its owner writes it, so every name in it is looked up through this."""
+        return Dir.open(self.directory)
 
-    @property
-    def upload_part(self) -> Path:
-        return self.directory / UPLOAD_PART
+    def disk_stat(self) -> os.stat_result | None:
+        """disk.img's stat when it is there (a link or device under that name is refused)."""
+        with self.claim() as claim:
+            return claim.regular("disk.img")
+
+    def part_size(self) -> int:
+        """The bytes an upload holds so far (a link or device under the part's name is refused)."""
+        with self.claim() as claim:
+            st = claim.regular(UPLOAD_PART)
+        return st.st_size if st is not None else 0
 
 
 
@@ -136,27 +142,34 @@ def resolve(dv: DataVolume, store: Storage, volume_name: str | None = None) -> T
 
 # ---------------------------------------------------------------- state file
 
-def read_status(target: Target) -> Status:
+STATE_LIMIT = 1 << 20  # the state file is a few hundred bytes; a bigger one is not ours
+
+
+def _read_state(claim: Dir) -> dict:
     try:
-        return Status.from_json(json.loads(target.state_path.read_bytes()))
-    except (OSError, ValueError):
-        return Status()
+        data = claim.read_bytes(STATE_FILE, STATE_LIMIT)
+        current = json.loads(data) if data is not None else {}
+    except (OSError, ValueError, DiskkitError):
+        return {}
+    return current if isinstance(current, dict) else {}
+
+
+def read_status(target: Target) -> Status:
+    with target.claim() as claim:
+        return Status.from_json(_read_state(claim))
 
 
 def record(target: Target, **changes) -> Status:
     """Update the state file (read, change, replace atomically) under its own short lock, so a server
     marking UploadReady and a VM recording itself as consumer never lose each other's change."""
-    with _flock(target.directory / STATE_LOCK_FILE, wait=True):
-        try:
-            current = json.loads(target.state_path.read_bytes())
-        except (OSError, ValueError):
-            current = {}
+    with target.claim() as claim, _flock(claim, STATE_LOCK_FILE, wait=True):
+        current = _read_state(claim)
         current.update({k: v for k, v in changes.items()})
         current.update({
             "apiVersion": dvm.API_VERSION, "kind": dvm.KIND, "name": target.dv.name, "namespace": target.dv.namespace,
             "source": target.dv.source.kind, "updated": time.time(),
         })
-        write_atomic(target.state_path, json.dumps(current, indent=2, sort_keys=True).encode() + b"\n")
+        claim.replace(STATE_FILE, json.dumps(current, indent=2, sort_keys=True).encode() + b"\n")
     return Status.from_json(current)
 
 
@@ -168,24 +181,27 @@ def current_phase(target: Target, status: Status | None = None) -> str:
 def describe(target: Target) -> dict:
     """`launcher dv status --json`: the DataVolume's status, as CDI's object shows it, and where it lives."""
     status = read_status(target)
-    disk = target.disk
+    disk = target.disk if target.disk_stat() is not None else None
+    uploaded = target.part_size()
     return {
         "name": target.dv.name, "namespace": target.dv.namespace, "source": target.dv.source.kind,
         "phase": current_phase(target, status), "progress": status.progress or "N/A", "message": status.message,
         "consumer": status.consumer, "claim": str(target.directory), "storageClass": target.storage_class,
-        "size": target.size, "disk": str(disk) if disk.exists() else None, "origin": target.dv.origin,
-        **({"uploaded": target.upload_part.stat().st_size} if target.upload_part.exists() else {}),
+        "size": target.size, "disk": str(disk) if disk else None, "origin": target.dv.origin,
+        **({"uploaded": uploaded} if uploaded else {}),
     }
 
 
 # ---------------------------------------------------------------- locks
 
 @contextlib.contextmanager
-def _flock(path: Path, wait: bool, timeout: float | None = None) -> Iterator[bool]:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+def _flock(claim: Dir, name: str, wait: bool, timeout: float | None = None) -> Iterator[bool]:
+    # A lock file planted as a link (to a root file) is refused, not opened, and never chowned.
+    fd = claim.open_file(name, os.O_RDWR, create=0o644)
     try:
-        with contextlib.suppress(OSError):
-            give_to_qemu(path)  # a worker running as root must not lock the qemu user out
+        if os.fstat(fd).st_uid == os.geteuid():
+            with contextlib.suppress(OSError):
+                give(fd, KUBEVIRT_QEMU)  # a worker running as root must not lock the qemu user out
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             try:
@@ -201,26 +217,24 @@ def _flock(path: Path, wait: bool, timeout: float | None = None) -> Iterator[boo
         os.close(fd)
 
 
-def work_lock(target: Target, wait: bool = False, timeout: float | None = None):
+@contextlib.contextmanager
+def work_lock(target: Target, wait: bool = False, timeout: float | None = None) -> Iterator[bool]:
     """Held while importing, cloning or receiving an upload. Yields False when another worker has it."""
-    return _flock(target.directory / LOCK_FILE, wait, timeout)
+    with target.claim() as claim, _flock(claim, LOCK_FILE, wait, timeout) as got:
+        yield got
 
 
 def worker_alive(target: Target) -> bool:
-    path = target.directory / LOCK_FILE
-    if not path.exists():
-        return False
-    with _flock(path, wait=False) as got:
-        return not got
+    with target.claim() as claim:
+        if claim.lstat(LOCK_FILE) is None:
+            return False
+        with _flock(claim, LOCK_FILE, wait=False) as got:
+            return not got
 
 
 def remove_scratch(target: Target, keep_upload: bool = True) -> None:
-    """What a killed worker left behind (call with the work lock held)."""
-    for path in target.directory.glob(f"{TEMP_PREFIX}*"):
-        if keep_upload and path.name == UPLOAD_PART:
-            continue
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            with contextlib.suppress(OSError):
-                path.unlink()
+    """What a killed worker left behind (call with the work lock held); links are removed, never followed."""
+    with target.claim() as claim:
+        for name in claim.names():
+            if name.startswith(TEMP_PREFIX) and not (keep_upload and name == UPLOAD_PART):
+                claim.remove(name)

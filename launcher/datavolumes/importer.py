@@ -8,30 +8,28 @@ streams in 1 MiB pieces (zero runs become holes), so memory stays flat whatever 
 
 from __future__ import annotations
 
-import contextlib
 import lzma
 import os
 import secrets
-import shutil
 import ssl
 import time
 import zlib
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
-from urllib.parse import urlsplit, urlunsplit
 
 from diskkit.disk import diskheader, qemuimg
 from diskkit.errors import DiskkitError
 from diskkit.registry.options import RegistryOptions
-from diskkit.streams.fsutil import fsync_dir
 from diskkit.streams.sparse import SparseWriter
 from launcher.datavolumes import archive, dvstate
 from launcher.datavolumes.dvstate import Target
+from launcher.hostfs.dirfd import Dir, give
 from launcher.spec import datavolume as dvm
+from launcher.spec.datavolume import shown_url
 from launcher.spec.k8s import Objects, read_secret
 from launcher.volumes import sizing
-from launcher.volumes.files import free_bytes, give_to_qemu
+from launcher.volumes.files import KUBEVIRT_QEMU, free_bytes
 from launcher.volumes.storage import Storage
 
 CHUNK = 1 << 20
@@ -39,6 +37,8 @@ HTTP_ATTEMPTS = 3  # a dropped download is tried again (with Range when the serv
 HTTP_TIMEOUT = (30, 300)  # connect, and between two reads
 PROGRESS_EVERY = 1.0  # seconds between state file updates
 ACCESS_KEY, SECRET_KEY = "accessKeyId", "secretKey"  # CDI's endpoint secret keys
+DISK = "disk.img"
+QCOW2_SLACK = 4 << 20  # qcow2's header, L1 and refcount tables beyond its per-cluster metadata
 
 
 class Progress:
@@ -64,8 +64,9 @@ class Progress:
             self._quarter = 0  # a new stage (the conversion after the download) counts again
 
 
-def scratch(target: Target, what: str) -> Path:
-    return target.directory / f"{dvstate.TEMP_PREFIX}{what}-{secrets.token_hex(4)}"
+def scratch(what: str) -> str:
+    """A fresh work name in the claim directory (remove_scratch clears what a killed worker left)."""
+    return f"{dvstate.TEMP_PREFIX}{what}-{secrets.token_hex(4)}"
 
 
 # ---------------------------------------------------------------- checks
@@ -110,48 +111,55 @@ def disk_size(target: Target, virtual_size: int, reclaimable: int, tolerance: in
     return fitted.size, fitted.note
 
 
-def install(target: Target, staged: Path, shown: str, progress: Progress, tolerance: int, consume: bool = True) -> list[str]:
-    """Check `staged`, write it as raw disk.img sized to the claim, atomically. Returns notes.
+def install(target: Target, claim: Dir, work: Dir, source: str | Path, shown: str, progress: Progress, tolerance: int) -> list[str]:
+    """Check the source, write it as raw disk.img sized to the claim, atomically. Returns notes.
 
-    With `consume` a raw source is renamed into place (it already is the sparse raw image);
-    anything else goes through `qemu-img convert -O raw`, whose progress is recorded.
+    `source` is either a name in `work` (a root-made directory in the claim), consumed: a raw one is
+    renamed into place, as it already is the sparse raw image; or a path read as it stands (a clone's
+    source, given as its open fd). Anything but raw goes through `qemu-img convert -O raw`, whose
+    progress is recorded. qemu-img gets `work` as /proc/PID/fd/N: the claim's owner cannot swap it.
     """
-    info = check_source(staged, shown)
-    reclaimable = staged.stat().st_blocks * 512 if consume else 0
+    consume = isinstance(source, str)
+    path = work.proc / source if consume else source
+    info = check_source(path, shown)
+    reclaimable = work.regular(source).st_blocks * 512 if consume else 0
     size, note = disk_size(target, info.virtual_size, reclaimable, tolerance)
     if consume and info.format == "raw":
-        out = staged
+        out = source
     else:
-        out = scratch(target, "disk")
-        qemuimg.convert(staged, out, info.format, "raw", progress=progress)
+        out = scratch("disk")
+        qemuimg.convert(path, work.proc / out, info.format, "raw", progress=progress)
         if consume:
-            staged.unlink()
+            work.unlink(source)
     try:
-        with open(out, "r+b") as f:
-            if f.seek(0, os.SEEK_END) < size:
-                f.truncate(size)  # CDI resizes the image to the claim, so the guest sees all of it
-            os.fsync(f.fileno())
-        os.chmod(out, 0o660)
-        give_to_qemu(out)
-        os.rename(out, target.disk)
-        fsync_dir(target.directory)
+        fd = work.open_file(out, os.O_RDWR)
+        try:
+            if os.fstat(fd).st_size < size:
+                os.ftruncate(fd, size)  # CDI resizes the image to the claim, so the guest sees all of it
+            os.fsync(fd)
+            give(fd, KUBEVIRT_QEMU, 0o660)
+        finally:
+            os.close(fd)
+        work.rename(out, claim, DISK)  # a link planted at disk.img is replaced, never followed
+        claim.fsync()
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            out.unlink()
+        work.unlink(out)
         raise DiskkitError(target.disk, f"cannot be written ({exc.strerror})") from None
     return [note] if note else []
 
 
+def fetch_limit(target: Target) -> int:
+    """How many bytes a source may bring, compressed or inflated: the claim's size plus what qcow2 can
+    add around it (L2 tables and refcounts, under 1/32 of the virtual size even with 512-byte clusters,
+    and a few MiB of header, L1 and refcount table). CDI's importer is bounded by its scratch volume,
+    sized as the claim (pkg/importer/http-datasource.go Transfer: GetAvailableSpace, then
+    StreamDataToFile into the scratch space); with no size, the claim's free space is the bound."""
+    if target.size is None:
+        return free_bytes(target.directory)
+    return target.size + target.size // 32 + QCOW2_SLACK
+
+
 # ---------------------------------------------------------------- sources
-
-def _shown_url(url: str) -> str:
-    """The URL without credentials or query (where tokens tend to live)."""
-    parts = urlsplit(url)
-    netloc = parts.hostname or ""
-    if parts.port:
-        netloc += f":{parts.port}"
-    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
-
 
 def _ca_bundle(objects: Objects | None, namespace: str, name: str, where: str, into: Path) -> Path:
     """The system's CAs plus every value of the ConfigMap (CDI mounts them as files and adds them all)."""
@@ -223,13 +231,14 @@ class _Unpacker:
             raise DiskkitError(shown, f"the {self.kind} stream ends before its end marker (truncated)")
 
 
-def download(url: str, dest: Path, progress: Progress, auth: tuple[str, str] | None, verify: str | bool) -> None:
+def download(url: str, dest: Path, progress: Progress, auth: tuple[str, str] | None, verify: str | bool, limit: int) -> None:
     """GET `url` into `dest` (sparse; gzip and xz decompressed on the way). A body cut short is fetched
     again: from where it stopped when the server honours Range (and the body is not compressed),
-    else from the start; after HTTP_ATTEMPTS tries the import fails."""
+    else from the start; after HTTP_ATTEMPTS tries the import fails. More than `limit` bytes, on the
+    wire or inflated, stops the import there: an endless body or a gzip bomb never fills the host."""
     import requests
 
-    shown = _shown_url(url)
+    shown = shown_url(url)
     have, total, problem = 0, None, ""
     unpacker: _Unpacker | None = None
     session = requests.Session()
@@ -255,12 +264,18 @@ def download(url: str, dest: Path, progress: Progress, auth: tuple[str, str] | N
                         raise DiskkitError(shown, _http_error(resp.status_code, resp.reason))
                     length = resp.headers.get("Content-Length")
                     total = have + int(length) if length and length.isdigit() else None
+                    if total is not None and total > limit:
+                        raise DiskkitError(shown, _too_large(f"is {total} bytes", limit))
                     for chunk in resp.iter_content(CHUNK):
                         if have == 0:
                             unpacker = _Unpacker.detect(chunk)
                         have += len(chunk)
+                        if have > limit:
+                            raise DiskkitError(shown, _too_large(f"sent more than {limit} bytes", limit))
                         for piece in unpacker.feed(chunk) if unpacker is not None else (chunk,):
                             writer.write(piece)
+                            if out.tell() > limit:
+                                raise DiskkitError(shown, _too_large(f"inflates to more than {limit} bytes", limit))
                         if total:
                             progress(100.0 * have / total)
             except requests.exceptions.SSLError as exc:
@@ -274,6 +289,8 @@ def download(url: str, dest: Path, progress: Progress, auth: tuple[str, str] | N
                 else:
                     problem = f"cannot connect ({_reason(exc)})"
                 continue
+            except requests.exceptions.RequestException as exc:  # a redirect to file://, a bad URL, a redirect loop
+                raise DiskkitError(shown, f"the request failed ({type(exc).__name__}: {_reason(exc)})") from None
             if total is not None and have != total:
                 problem = f"the connection closed after {have} of {total} bytes"
                 continue
@@ -286,24 +303,28 @@ def download(url: str, dest: Path, progress: Progress, auth: tuple[str, str] | N
     raise DiskkitError(shown, f"{problem} ({HTTP_ATTEMPTS} attempts)")
 
 
+def _too_large(what: str, limit: int) -> str:
+    return f"the source {what}, more than the claim holds (its size and qcow2 overhead, {limit} bytes); the import stopped there. A larger PVC is required"
+
+
 def _reason(exc: BaseException) -> str:
     text = str(exc.args[0] if exc.args else exc)
     return text.split(": ")[-1].strip("()'\" ")[:160] or type(exc).__name__
 
 
-def _http(target: Target, store: Storage, progress: Progress, work: Path) -> tuple[Path, str]:
+def _http(target: Target, store: Storage, progress: Progress, work: Dir) -> tuple[str, str]:
     source, dv = target.dv.source, target.dv
     where = f"DataVolume {dv.key}"
     auth = _endpoint_secret(store.objects, dv.namespace, source.secret_ref, where) if source.secret_ref else None
     verify: str | bool = True
     if source.cert_config_map:
-        verify = str(_ca_bundle(store.objects, dv.namespace, source.cert_config_map, where, work))
-    staged = scratch(target, "download")
-    download(source.url, staged, progress, auth if auth and all(auth) else None, verify)
-    return staged, _shown_url(source.url)
+        verify = str(_ca_bundle(store.objects, dv.namespace, source.cert_config_map, where, work.proc))
+    staged = "download"
+    download(source.url, work.proc / staged, progress, auth if auth and all(auth) else None, verify, fetch_limit(target))
+    return staged, shown_url(source.url)
 
 
-def _registry(target: Target, store: Storage, registry: RegistryOptions, work: Path) -> tuple[Path, str]:
+def _registry(target: Target, store: Storage, registry: RegistryOptions, work: Dir) -> tuple[str, str]:
     from diskkit.ops.verify import scan_image
     from diskkit.signing.options import TrustOptions
     from diskkit.signing.trust import enforce_source
@@ -315,13 +336,13 @@ def _registry(target: Target, store: Storage, registry: RegistryOptions, work: P
     ref = rest if scheme == "docker" else f"oci-archive:{rest}"
     opts = registry
     if source.cert_config_map:
-        certs = work / "certs"
+        certs = work.proc / "certs"
         _ca_bundle(store.objects, dv.namespace, source.cert_config_map, where, certs)
         opts = replace(opts, cert_dir=str(certs), tls_verify=True)
     if source.secret_ref:
         user, password = _endpoint_secret(store.objects, dv.namespace, source.secret_ref, where)
         opts = replace(opts, creds=f"{user}:{password}")
-    spool = work / "spool"
+    spool = work.proc / "spool"
     spool.mkdir()
     with open_source(ref, opts) as src:
         enforce_source(src, TrustOptions.of(opts), opts, None)  # as every pull: before any layer is read
@@ -329,26 +350,27 @@ def _registry(target: Target, store: Storage, registry: RegistryOptions, work: P
         tree, found, staged = scan_image(src, image, None, spool)
         blocking = tree.findings + [p for p in found.problems if p not in found.access]
         if found.node is None or staged is None or blocking:
-            raise DiskkitError(source.url, "; ".join(blocking) or f"{found.shown}: not found in the image")
-    return staged, source.url
+            raise DiskkitError(shown_url(source.url), "; ".join(blocking) or f"{found.shown}: not found in the image")
+    return str(Path(staged).relative_to(work.proc)), shown_url(source.url)
 
 
-def _blank(target: Target, tolerance: int) -> list[str]:
+def _blank(target: Target, claim: Dir, work: Dir, tolerance: int) -> list[str]:
     if target.size is None:
         raise DiskkitError(f"DataVolume {target.dv.key}", "a blank DataVolume needs a size (spec.storage.resources.requests.storage or --pvc NAME=DIR:SIZE)")
     size, note = disk_size(target, 0, 0, tolerance)
-    out = scratch(target, "blank")
-    with open(out, "wb") as f:
-        f.truncate(size)
-        os.fsync(f.fileno())
-    os.chmod(out, 0o660)
-    give_to_qemu(out)
-    os.rename(out, target.disk)
-    fsync_dir(target.directory)
+    fd = work.create(DISK, 0o660)
+    try:
+        os.ftruncate(fd, size)
+        os.fsync(fd)
+        give(fd, KUBEVIRT_QEMU, 0o660)
+    finally:
+        os.close(fd)
+    work.rename(DISK, claim, DISK)
+    claim.fsync()
     return [note] if note else []
 
 
-def _clone(target: Target, store: Storage, progress: Progress, tolerance: int) -> list[str]:
+def _clone(target: Target, into: Dir, work: Dir, store: Storage, progress: Progress, tolerance: int) -> list[str]:
     source = target.dv.source
     origin = dvm.DataVolume(source.claim, source.claim_namespace, dvm.Source("blank"), None, None, None, target.dv.origin)
     try:
@@ -357,11 +379,17 @@ def _clone(target: Target, store: Storage, progress: Progress, tolerance: int) -
         raise DiskkitError(f"DataVolume {target.dv.key}", f"source claim {origin.key}: {exc.rule}") from None
     if claim.directory.resolve() == target.directory.resolve():
         raise DiskkitError(f"DataVolume {target.dv.key}", "the source claim is the target claim")
-    if not claim.disk.is_file():
-        raise DiskkitError(f"DataVolume {target.dv.key}", f"source claim {origin.key} holds no disk.img yet")
-    if target.size is not None and target.size < claim.disk.stat().st_size:
-        raise DiskkitError(f"DataVolume {target.dv.key}", "target resources requests storage size is smaller than the source")
-    return install(target, claim.disk, f"claim {origin.key}", progress, tolerance, consume=False)
+    # The source's disk.img is opened here (no link followed) and qemu-img reads that open file.
+    with claim.claim() as source_dir:
+        if source_dir.regular(DISK) is None:
+            raise DiskkitError(f"DataVolume {target.dv.key}", f"source claim {origin.key} holds no disk.img yet")
+        fd = source_dir.open_file(DISK)
+    try:
+        if target.size is not None and target.size < os.fstat(fd).st_size:
+            raise DiskkitError(f"DataVolume {target.dv.key}", "target resources requests storage size is smaller than the source")
+        return install(target, into, work, Path(f"/proc/{os.getpid()}/fd/{fd}"), f"claim {origin.key}", progress, tolerance)
+    finally:
+        os.close(fd)
 
 
 # ---------------------------------------------------------------- the whole job
@@ -372,43 +400,49 @@ def fill(target: Target, store: Storage, registry: RegistryOptions | None, say: 
     Returns notes (KubeVirt's ToleratedSmallPV text when the claim is short of space).
     """
     dv = target.dv
-    if target.disk.exists():
-        raise DiskkitError(f"DataVolume {dv.key}", f"claim {dv.name} already holds {target.disk} that this DataVolume did not"
-                                                   " write; remove it to import again")
-    dvstate.remove_scratch(target)
-    dvstate.record(target, phase=dv.running_phase, progress="0.00%", message=None, pid=os.getpid())
-    progress = Progress(target, say)
-    work = scratch(target, "work")
-    work.mkdir()
-    try:
-        if dv.source.kind == "blank":
-            notes = _blank(target, store.tolerance)
-        elif dv.source.kind == "pvc":
-            notes = _clone(target, store, progress, store.tolerance)
-        else:
-            if dv.source.kind == "http":
-                staged, shown = _http(target, store, progress, work)
-            else:
-                staged, shown = _registry(target, store, registry or RegistryOptions(), work)
-            if dv.content_type == "archive":
-                archive.unpack(staged, target.directory, work, target.size, shown, give_to_qemu)
-                notes = []
-            else:
-                progress(0.0, force=True)
-                notes = install(target, staged, shown, progress, store.tolerance)
-    except DiskkitError as exc:
-        failure = exc if (exc.subject or "").startswith("DataVolume") else DiskkitError(f"DataVolume {dv.key}", exc.line())
-        dvstate.record(target, phase=dvm.FAILED, message=failure.line(), pid=None)
-        raise failure from None
-    except OSError as exc:  # the claim ran out of space, or went away
-        failure = DiskkitError(f"DataVolume {dv.key}", f"writing to claim {dv.name} failed ({exc.strerror or exc})")
-        dvstate.record(target, phase=dvm.FAILED, message=failure.line(), pid=None)
-        raise failure from None
-    except BaseException:
-        dvstate.record(target, phase=dvm.PENDING, message="interrupted; the next importer starts again", pid=None)
-        raise
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    with target.claim() as claim:
+        if claim.lstat(DISK) is not None:
+            raise DiskkitError(f"DataVolume {dv.key}", f"claim {dv.name} already holds {target.disk} that this DataVolume did not"
+                                                       " write; remove it to import again")
         dvstate.remove_scratch(target)
+        dvstate.record(target, phase=dv.running_phase, progress="0.00%", message=None, pid=os.getpid())
+        progress = Progress(target, say)
+        work_name = scratch("work")
+        # The claim's owner can write the claim directory, not this one (root's, 0700): what is staged
+        # here, and the paths qemu-img and the registry client are given into it, stay ours.
+        work = claim.mkdir(work_name, 0o700)
+        try:
+            notes = _fill(target, claim, work, store, registry, progress)
+        except DiskkitError as exc:
+            failure = exc if (exc.subject or "").startswith("DataVolume") else DiskkitError(f"DataVolume {dv.key}", exc.line())
+            dvstate.record(target, phase=dvm.FAILED, message=failure.line(), pid=None)
+            raise failure from None
+        except OSError as exc:  # the claim ran out of space, or went away
+            failure = DiskkitError(f"DataVolume {dv.key}", f"writing to claim {dv.name} failed ({exc.strerror or exc})")
+            dvstate.record(target, phase=dvm.FAILED, message=failure.line(), pid=None)
+            raise failure from None
+        except BaseException:
+            dvstate.record(target, phase=dvm.PENDING, message="interrupted; the next importer starts again", pid=None)
+            raise
+        finally:
+            claim.discard(work, work_name)
+            dvstate.remove_scratch(target)
     dvstate.record(target, phase=dvm.SUCCEEDED, progress="100.0%", message="Import Complete" if dv.source.kind != "pvc" else "Clone Complete", pid=None)
     return notes
+
+
+def _fill(target: Target, claim: Dir, work: Dir, store: Storage, registry: RegistryOptions | None, progress: Progress) -> list[str]:
+    dv = target.dv
+    if dv.source.kind == "blank":
+        return _blank(target, claim, work, store.tolerance)
+    if dv.source.kind == "pvc":
+        return _clone(target, claim, work, store, progress, store.tolerance)
+    if dv.source.kind == "http":
+        staged, shown = _http(target, store, progress, work)
+    else:
+        staged, shown = _registry(target, store, registry or RegistryOptions(), work)
+    if dv.content_type == "archive":
+        archive.unpack(work.proc / staged, claim, work, target.size, shown, KUBEVIRT_QEMU)
+        return []
+    progress(0.0, force=True)
+    return install(target, claim, work, staged, shown, progress, store.tolerance)

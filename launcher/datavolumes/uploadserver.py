@@ -29,7 +29,6 @@ import json
 import os
 import re
 import secrets
-import shutil
 import socketserver
 import ssl
 import threading
@@ -43,9 +42,10 @@ from diskkit.errors import DiskkitError
 from diskkit.streams.sparse import SparseWriter
 from launcher.datavolumes import archive, dvstate, importer
 from launcher.datavolumes.dvstate import Target
+from launcher.hostfs.dirfd import Dir
 from launcher.spec import datavolume as dvm
 from launcher.spec.datavolume import DataVolume
-from launcher.volumes.files import give_to_qemu
+from launcher.volumes.files import KUBEVIRT_QEMU
 from launcher.volumes.storage import Storage
 
 PREFIX = "/diskkit/v1/uploads/"
@@ -55,6 +55,7 @@ LOCK_WAIT = 10.0  # a dropped connection's handler may still be finishing its wr
 CLIENT_TIMEOUT = 120.0  # a client silent this long is gone; its handler lets go of the DataVolume
 DEFAULT_TTL = 3600
 BUSY = "another upload to this DataVolume is in progress"  # 503: the client retries
+PART = "upload"  # the part's name once moved into the work directory
 _RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
 
 Say = Callable[[str], None]
@@ -199,9 +200,8 @@ class UploadServer:
     def status(self, up: _Upload) -> dict:
         phase = self._ready(up.target)
         status = dvstate.read_status(up.target)
-        part = up.target.upload_part
         return {"name": up.dv.name, "namespace": up.dv.namespace, "phase": phase,
-                "offset": part.stat().st_size if part.exists() else 0,
+                "offset": up.target.part_size(),
                 "progress": status.progress, "message": status.message}
 
     def _admit(self, up: _Upload) -> None:
@@ -213,15 +213,20 @@ class UploadServer:
         """Append `length` body bytes at `start`; returns the new offset. A body cut short keeps what
         arrived (the client resumes from it) and raises ConnectionError."""
         self._admit(up)
-        with _working(up):
-            part = up.target.upload_part
-            offset = part.stat().st_size if part.exists() else 0
+        limit = importer.fetch_limit(up.target)
+        if max(total or 0, start + length) > limit:
+            # as an http import: no more than the claim holds, however many bytes the client offers
+            raise _Refused(413, f"{max(total or 0, start + length)} bytes are more than the claim holds (its size and qcow2"
+                                f" overhead, {limit} bytes). A larger PVC is required")
+        with _working(up), up.target.claim() as claim:
+            offset = up.target.part_size()
             if start == 0 and offset and total is None:
                 offset = 0  # virtctl's one-shot POST always starts over
             if start != offset:
                 raise _Refused(409, f"the server holds {offset} bytes; continue from there", offset=offset)
             received = 0
-            fd = os.open(part, os.O_WRONLY | os.O_CREAT, 0o640)
+            # A part planted as a link (to a root file, say a crontab) is refused, never appended to.
+            fd = claim.open_file(dvstate.UPLOAD_PART, os.O_RDWR, create=0o640)
             with os.fdopen(fd, "r+b") as out:
                 out.truncate(offset)
                 out.seek(offset)
@@ -250,48 +255,54 @@ class UploadServer:
         """Check what arrived against the client's size and sha256, then validate and convert it
         (formats, no backing file, `A larger PVC is required`) into disk.img, as an import is."""
         self._admit(up)
-        with _working(up):
-            part = up.target.upload_part
-            held = part.stat().st_size if part.exists() else 0
+        with _working(up), up.target.claim() as claim:
+            held = up.target.part_size()
             if held != size:
                 raise _Refused(409, f"the server holds {held} of {size} bytes; send the rest first", offset=held)
-            if digest is not None:
-                actual = _sha256(part)
-                if actual != digest:
-                    part.unlink()
-                    raise _Refused(422, f"sha256 of the received data is {actual}, the client sent {digest}; the upload starts over", offset=0)
-            shown = f"upload to DataVolume {up.dv.key}"
-            self.say(f"DataVolume {up.dv.key}: received {size} bytes, converting")
+            # What arrived moves into a directory of root's before anything reads it: the claim's owner
+            # cannot swap the file between the checks and the conversion.
+            work_name = importer.scratch("work")
+            work = claim.mkdir(work_name, 0o700)
             try:
-                notes = self._install(up, part, shown)
-            except DiskkitError as exc:
-                part.unlink(missing_ok=True)  # resuming cannot fix a bad image
-                dvstate.remove_scratch(up.target)
-                dvstate.record(up.target, message=exc.line())
-                raise _Refused(400, exc.line(), offset=0) from None
-            except BaseException:
-                dvstate.remove_scratch(up.target)
-                raise
-            dvstate.record(up.target, phase=dvm.SUCCEEDED, progress="100.0%", message="Upload Complete")
-            self.say(f"DataVolume {up.dv.key}: Succeeded")
-            return {"name": up.dv.name, "namespace": up.dv.namespace, "phase": dvm.SUCCEEDED,
-                    "size": up.target.disk.stat().st_size if up.target.disk.exists() else size, "sha256": digest, "notes": notes}
+                return self._finish(up, claim, work, size, digest)
+            finally:
+                claim.discard(work, work_name)
 
-    def _install(self, up: _Upload, part: Path, shown: str) -> list[str]:
-        if up.dv.content_type != "archive":
-            return importer.install(up.target, part, shown, importer.Progress(up.target), self.store.tolerance)
-        work = importer.scratch(up.target, "work")
-        work.mkdir()
+    def _finish(self, up: _Upload, claim: Dir, work: Dir, size: int, digest: str | None) -> dict:
+        claim.rename(dvstate.UPLOAD_PART, work, PART)
+        work.regular(PART)
+        if digest is not None:
+            actual = _sha256(work, PART)
+            if actual != digest:
+                raise _Refused(422, f"sha256 of the received data is {actual}, the client sent {digest}; the upload starts over", offset=0)
+        shown = f"upload to DataVolume {up.dv.key}"
+        self.say(f"DataVolume {up.dv.key}: received {size} bytes, converting")
         try:
-            archive.unpack(part, up.target.directory, work, up.target.size, shown, give_to_qemu)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-        part.unlink()
+            notes = self._install(up, claim, work, shown)
+        except DiskkitError as exc:
+            dvstate.remove_scratch(up.target)  # resuming cannot fix a bad image: the part goes too
+            dvstate.record(up.target, message=exc.line())
+            raise _Refused(400, exc.line(), offset=0) from None
+        except BaseException:
+            if work.lstat(PART) is not None:
+                work.rename(PART, claim, dvstate.UPLOAD_PART)  # interrupted: the upload can resume
+            dvstate.remove_scratch(up.target)
+            raise
+        dvstate.record(up.target, phase=dvm.SUCCEEDED, progress="100.0%", message="Upload Complete")
+        self.say(f"DataVolume {up.dv.key}: Succeeded")
+        disk = up.target.disk_stat()
+        return {"name": up.dv.name, "namespace": up.dv.namespace, "phase": dvm.SUCCEEDED,
+                "size": disk.st_size if disk is not None else size, "sha256": digest, "notes": notes}
+
+    def _install(self, up: _Upload, claim: Dir, work: Dir, shown: str) -> list[str]:
+        if up.dv.content_type != "archive":
+            return importer.install(up.target, claim, work, PART, shown, importer.Progress(up.target), self.store.tolerance)
+        archive.unpack(work.proc / PART, claim, work, up.target.size, shown, KUBEVIRT_QEMU)
         return []
 
     def discard(self, up: _Upload) -> dict:
-        with _working(up):
-            up.target.upload_part.unlink(missing_ok=True)
+        with _working(up), up.target.claim() as claim:
+            claim.unlink(dvstate.UPLOAD_PART)
         return {"offset": 0}
 
 
@@ -304,8 +315,8 @@ def _working(up: _Upload) -> Iterator[None]:
         yield
 
 
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
+def _sha256(work: Dir, name: str) -> str:
+    with os.fdopen(work.open_file(name), "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 

@@ -12,10 +12,10 @@ from diskkit.errors import DiskkitError
 from diskkit.layers import lazytoc
 from diskkit.oci.image import Platform
 from diskkit.oci.reference import parse_ref
-from diskkit.registry import registriesconf
+from diskkit.registry import authfile, registriesconf
 from diskkit.registry.options import RegistryOptions
 from diskkit.transports import open_source
-from launcher.diskserver.control import CONTROL_SOCKET, request, serve_dir, socket_path
+from launcher.diskserver.control import CONTROL_SOCKET, credentials_to_wire, request, serve_dir, socket_path
 from launcher.diskserver.spawn import ensure_server
 from launcher.node.cache import Cache
 from launcher.node.pull import Pulled, cached
@@ -51,7 +51,7 @@ def attach(cache: Cache, ref: str, path: str | None, platform: Platform | None, 
         return None
     answer = _ask(cache, registry, notes, {
         "op": "open", "image": str(parsed), "path": path, "platform": str(platform) if platform else None,
-        "registry": asdict(registry) if registry else None, "marked": mode == "auto",
+        **registry_request(str(parsed), registry), "marked": mode == "auto",
         "clients": 2 if vm else 1})  # the probe below, then the VM's qemu: the server waits for both
     if answer is None:
         return None
@@ -78,10 +78,27 @@ def files(cache: Cache, ref: str, paths: list[str], platform: Platform | None, r
         return None
     answer = _ask(cache, registry, notes, {
         "op": "files", "image": str(parsed), "paths": paths, "platform": str(platform) if platform else None,
-        "registry": asdict(registry) if registry else None, "marked": mode == "auto"})
+        **registry_request(str(parsed), registry), "marked": mode == "auto"})
     if answer is None:
         return None
     return {path: Pulled(**{**got, "path": Path(got["path"])}) for path, got in answer["files"].items()}
+
+
+def registry_request(ref: str, registry: RegistryOptions | None) -> dict:
+    """The registry part of a request: the options without credentials or auth file paths, and this
+    user's own credentials for every host the image may be read from (its mirrors too), looked up as a
+    pull looks them up. The node's server may be another user: it uses these or none, never its own."""
+    opts = registry or RegistryOptions()
+    name = parse_ref(ref).name
+    found = []
+    for host in dict.fromkeys(source.name.registry for source in registriesconf.load().pull_sources(name)):
+        creds = authfile.lookup(host, opts.creds, opts.authfile)
+        if creds is not None:
+            found.append((host, creds))
+    options = None
+    if registry is not None:
+        options = {k: v for k, v in asdict(registry).items() if k not in ("creds", "authfile", "inline_credentials")}
+    return {"registry": options, "credentials": credentials_to_wire(found)}
 
 
 def _marked(ref: str, registry: RegistryOptions | None, platform: Platform | None) -> bool:

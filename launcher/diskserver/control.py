@@ -1,6 +1,7 @@
 """Where the node's disk server listens and how it is spoken to: one JSON object per line, each way.
 
     {"op": "open", "image": REF, "path": P, "platform": "linux/amd64", "registry": {...}, "marked": true,
+     "credentials": [{"registry": HOST, "username": U, "password": P, "identityToken": T}, ...],
      "clients": 2}   NBD connections to expect (default 1): a server exiting when idle waits for them
         -> {"ok": true, "export": NAME, "socket": NBD_SOCKET, "url": "nbd+unix:///NAME?socket=...", ...}
         -> {"ok": false, "seekable": false, "reason": "..."}   (pull it whole instead)
@@ -9,6 +10,10 @@
         -> {"ok": true, "files": {P: {"path": FILE_IN_THE_CACHE, ...}}}   (as `launcher pull` records them)
         -> {"ok": false, "seekable": false, "reason": "..."}              (pull them whole instead)
     {"op": "status"} -> {"ok": true, "pid": N, "exports": [...]}
+
+`registry` holds the client's options without credentials or auth file paths: a client sends its
+own user's credentials for the hosts the image may come from, looked up as a pull would, and a
+server run by another user uses those or none, never its own.
 """
 
 from __future__ import annotations
@@ -48,6 +53,28 @@ def recv_line(sock: socket.socket, limit: int | None = None) -> bytes:
         if limit is not None and len(data) > limit:
             raise DiskkitError("control", "request too large")
     return data
+
+
+def credentials_to_wire(found) -> list[dict]:
+    """(host, Credentials) pairs as a request carries them."""
+    return [{"registry": host, "username": c.username, "password": c.password, "identityToken": c.identity_token} for host, c in found]
+
+
+def credentials_from_wire(sent) -> tuple:
+    """A request's credentials as RegistryOptions.inline_credentials takes them; () when none were sent."""
+    from diskkit.registry.authfile import Credentials  # here: `launcher run` imports this module before any registry code
+
+    if sent is None:
+        return ()
+    if not isinstance(sent, list) or not all(isinstance(c, dict) for c in sent):
+        raise DiskkitError("control", "credentials must be a list of {registry, username, password, identityToken}")
+    out = []
+    for entry in sent:
+        host, user, password, token = (entry.get(k) for k in ("registry", "username", "password", "identityToken"))
+        if not all(isinstance(v, str) for v in (host, user, password)) or not isinstance(token, (str, type(None))):
+            raise DiskkitError("control", "credentials must be a list of {registry, username, password, identityToken}")
+        out.append((host, Credentials(user, password, token)))
+    return tuple(out)
 
 
 def request(control: Path, obj: dict, timeout: float = REQUEST_TIMEOUT) -> dict:

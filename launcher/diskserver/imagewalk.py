@@ -244,10 +244,7 @@ def _whole(ranges: Ranges, layer: Descriptor, kind: str, diff_id: str, where: st
     blob = ranges.read(0, layer.size)
     if "sha256:" + hashlib.sha256(blob).hexdigest() != layer.digest:
         raise DiskkitError(where, "does not match its digest")
-    try:
-        tar = decompressing_reader(io.BytesIO(blob), kind).read(MAX_SMALL_TAR + 1)
-    except (OSError, EOFError, ValueError) as exc:
-        raise DiskkitError(where, f"cannot be decompressed: {exc}") from None
+    tar = decompressing_reader(io.BytesIO(blob), kind, where).read(MAX_SMALL_TAR + 1)
     if len(tar) > MAX_SMALL_TAR:
         raise NotSeekable(where, f"inflates to more than {MAX_SMALL_TAR} bytes")
     if "sha256:" + hashlib.sha256(tar).hexdigest() != diff_id:

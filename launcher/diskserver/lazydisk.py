@@ -37,6 +37,7 @@ import shutil
 import threading
 import time
 from dataclasses import asdict, dataclass, fields
+from functools import cached_property
 from pathlib import Path
 
 import requests
@@ -51,9 +52,10 @@ from diskkit.ops.verify import DiskFacts, disk_problems
 from diskkit.registry.client import Registry, failure_reason, get_blob, retry_after
 from diskkit.streams.fsutil import write_atomic
 from launcher.diskserver import imagewalk
+from launcher.diskserver.exportid import ExportId, around_digest, pins_digest
 from launcher.diskserver.imagewalk import NotSeekable, inflate_all
 from launcher.diskserver.nbd import NbdError
-from launcher.node.cache import Cache, key
+from launcher.node.cache import Cache
 
 log = logging.getLogger("launcher.lazydisk")
 
@@ -70,11 +72,6 @@ GUEST_BUSY = 3.0  # a guest that read this recently is working: the rest of the 
 BOOT_HOLD = 20.0  # ... as it does for this long after a VM was announced or connected (a kernel boots without reading)
 SAVE_INTERVAL = 1.0
 VERIFY_ATTEMPTS = 3
-
-
-def export_name(layer: str, member: str) -> str:
-    """One export per (layer digest, disk member): every VM on the node booting that disk shares it."""
-    return f"{layer.removeprefix('sha256:')}-{key(member)[:8]}"
 
 
 # --- range reads ---------------------------------------------------------------------------------
@@ -150,7 +147,7 @@ class KnownRanges:
 class SmallBlobs:
     """The last small blobs read whole (the layers imagewalk verifies and uses at once), so that a VM's
     disk and its kernelBoot files, looked up one after the other in the same image, fetch them once.
-    Kept as fetched: whoever uses them checks their digest and diffID again, as for a fresh read."""
+    Only blobs that match their digest are kept; whoever uses them checks digest and diffID again."""
 
     def __init__(self, limit: int = imagewalk.MAX_SMALL_LAYER // 2):
         self.limit = limit
@@ -187,7 +184,10 @@ class RememberedRanges:
         data = self.small.get(self.digest)
         if data is None or len(data) != length:
             data = self.ranges.read(start, length)
-            self.small.put(self.digest, data)
+            # Kept only when it is the blob its digest names: what one image's registry answered
+            # under another image's layer digest must not be what that image is then answered with.
+            if "sha256:" + hashlib.sha256(data).hexdigest() == self.digest:
+                self.small.put(self.digest, data)
         return data
 
 
@@ -210,15 +210,29 @@ class Layout:
     diff_id: str | None = None  # v2: the config's diffID, checked once the disk is complete (v1: the blob is its own)
     member_digests: tuple[str, ...] | None = None  # v2: digest per chunk's gzip member as stored; then `chunks` is None
     member_hash: str = "sha256"  # which hash member_digests are (lazytoc.MEMBER_PINS); source.json written before it held sha256
+    toc: str | None = None  # the lazy TOC's digest, from the layer's annotation
+    around: str | None = None  # digest of the blob's bytes before and after the chunks (exportid.around_digest)
 
     @property
     def pinned(self) -> bool:
         """Each chunk has a digest of its own in the TOC, checked before it is served."""
         return self.chunks is not None or self.member_digests is not None
 
+    @cached_property
+    def identity(self) -> ExportId:
+        """What the export serves is pinned by (launcher.diskserver.exportid): opens share it only when they agree on it all."""
+        if self.member_digests is not None:
+            pins = pins_digest(f"member-{self.member_hash}", self.member_digests)
+        elif self.chunks is not None:
+            pins = pins_digest("chunk-sha256", self.chunks)
+        else:
+            pins = None
+        return ExportId(self.layer, self.layer_size, self.member, self.offset, self.size, self.chunk_size, self.toc, pins,
+                        self.diff_id, self.around or "", None if pins is not None else (self.registry, self.repository))
+
     @property
     def name(self) -> str:
-        return export_name(self.layer, self.member)
+        return self.identity.name
 
     def chunk_range(self, index: int) -> tuple[int, int]:
         """Disk byte range [start, end) of chunk `index`."""
@@ -299,12 +313,21 @@ def find_layout(image: Image, ranges_for, registry_host: str, repository: str, p
             raise DiskkitError(where, f"the lazy TOC describes /{toc.disk} at {toc.offset}+{toc.size}, but the layer holds /{member} at {offset}+{size}")
         chunk_size, chunks, pins, pin_hash = toc.chunk_size, toc.chunks, toc.member_digests, toc.member_hash
     v2 = lazy is not None
-    layout = Layout(registry_host, repository, layer.digest, layer.size, member, offset, size, chunk_size, chunks,
-                    toc.members if v2 else None, image.diff_ids[index] if v2 else None, pins, pin_hash)
-    besides = layer.size - (layout.data_end - layout.data_start)
+    data_start, data_end = (toc.members[0][0], sum(toc.members[-1])) if v2 else (offset, offset + size)
+    besides = layer.size - (data_end - data_start)
     if besides > imagewalk.MAX_HEAD_TAIL:
         raise NotSeekable(shown, f"its layer holds {besides} bytes besides the disk")
-    return Found(layout, lazy.head if v2 else None, lazy.tail if v2 else None)
+    if v2:
+        head, tail = lazy.head, lazy.tail
+    else:
+        # Fetched now, not when the export is made: their digest is part of what the export is.
+        ranges = ranges_for(layer)
+        head, tail = ranges.read(0, data_start), ranges.read(data_end, layer.size - data_end)
+    loc = lazytoc.location(layer, where) if toc is not None else None
+    layout = Layout(registry_host, repository, layer.digest, layer.size, member, offset, size, chunk_size, chunks,
+                    toc.members if v2 else None, image.diff_ids[index] if v2 else None, pins, pin_hash,
+                    loc.digest if loc is not None else None, around_digest(head, tail))
+    return Found(layout, head, tail)
 
 
 def _lazy_capable(layer) -> bool:
@@ -429,7 +452,8 @@ class LazyDisk:
         """The state directory: reused when it describes this layout, else made afresh (atomically);
         `head` and `tail`, the blob's bytes around the chunks, when the caller has them already."""
         current = self.cache.read_json(self.dir / "source.json")
-        if current is not None and current.get("layout") == self.layout.to_json() and (self.dir / "disk.img").is_file():
+        if (current is not None and current.get("identity") == self.layout.identity.to_json()
+                and current.get("layout") == self.layout.to_json() and (self.dir / "disk.img").is_file()):
             return
         self.dir.parent.mkdir(parents=True, exist_ok=True)
         staging = self.dir.parent / f".{self.name}.{secrets.token_hex(4)}"
@@ -440,6 +464,8 @@ class LazyDisk:
                 head = self.ranges.read(0, lay.data_start)
             if tail is None or len(tail) != lay.layer_size - lay.data_end:
                 tail = self.ranges.read(lay.data_end, lay.layer_size - lay.data_end)
+            if around_digest(head, tail) != lay.around:
+                raise DiskkitError(self.name, "the registry's bytes around the disk are not those the export was opened with")
             (staging / "head").write_bytes(head)
             (staging / "tail").write_bytes(tail)
             with open(staging / "disk.img", "wb") as f:
@@ -448,13 +474,17 @@ class LazyDisk:
                 with open(staging / "members.gz", "wb") as f:
                     f.truncate(lay.data_end - lay.data_start)
             (staging / "bitmap").write_bytes(bytes((lay.count + 7) // 8))
-            write_atomic(staging / "source.json", json.dumps({"layout": lay.to_json()}, separators=(",", ":")).encode())
+            write_atomic(staging / "source.json", json.dumps(self._source(), separators=(",", ":")).encode())
             if self.dir.exists():
                 shutil.rmtree(self.dir)  # another layout under the same name: a stale or foreign entry
             staging.rename(self.dir)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
+
+    def _source(self) -> dict:
+        """source.json: the identity the directory is named by, and the layout to read the disk with."""
+        return {"identity": self.layout.identity.to_json(), "layout": self.layout.to_json()}
 
     def start(self) -> "LazyDisk":
         self.saver.start()
@@ -823,7 +853,7 @@ class LazyDisk:
             refs = list(self.refs.values())
         for ref in refs:
             record(self.cache, ref, final)
-        write_atomic(self.dir / "source.json", json.dumps({"layout": lay.to_json(), "installed": str(final)}, indent=2).encode())
+        write_atomic(self.dir / "source.json", json.dumps({**self._source(), "installed": str(final)}, indent=2).encode())
         for leftover in ("head", "tail", "bitmap", "disk.img", "members.gz", "refs.json"):
             (self.dir / leftover).unlink(missing_ok=True)
         log.info("%s: installed as %s", self.name, final)

@@ -1,6 +1,7 @@
 """Who qemu runs as under libvirt's system daemon (`qemu:///system`): the group a root disk server
 gives its NBD socket to, and the owner a root launcher gives a VM's run directory to, so that
-qemu, never root there, can reach them.
+qemu, never root there, can reach them. Also the group of KubeVirt's qemu user, whose launchers
+a root disk server takes requests from (its control socket's group).
 
 libvirt reads `user` and `group` from /etc/libvirt/qemu.conf ("NAME", "+ID", or a number naming
 no one), and without them uses the ones it was built with: `libvirt-qemu` on Debian and Ubuntu,
@@ -90,3 +91,28 @@ def is_system_uri(uri: str) -> bool:
     """A local URI of libvirt's system daemon (qemu:///system, qemu+unix:///system?socket=...)."""
     parts = urlsplit(uri)
     return parts.scheme.split("+")[0] == "qemu" and not parts.netloc and parts.path.rstrip("/") == "/system"
+
+
+KUBEVIRT_QEMU_ID = 107  # virt-launcher's qemu user (KubeVirt's pkg/util/util.go: NonRootUID, NonRootUserString "qemu")
+KUBEVIRT_GROUP_NAMES = ("qemu", "kvm")  # what 107 is named where it is KubeVirt's group
+
+
+def launcher_group(name: str | None, user=pwd.getpwnam, group=grp.getgrnam, gid_entry=grp.getgrgid) -> int | None:
+    """The group a root disk server's control socket is opened to. `name` (`--socket-group`), which
+    must name a group here; else the group of user `qemu` (KubeVirt's qemu user, as whom launchers
+    run VMs on their session daemon), else 107 where that is a group named qemu or kvm; None when
+    there is none of these: the socket stays root's. Never a bare 107, whatever group that is."""
+    if name is not None:
+        try:
+            return gid_entry(int(name)).gr_gid if name.isdigit() else group(name).gr_gid
+        except (KeyError, OverflowError):
+            raise DiskkitError(f"--socket-group {name}", "names no group on this host") from None
+    try:
+        return user("qemu").pw_gid
+    except KeyError:
+        pass
+    try:
+        entry = gid_entry(KUBEVIRT_QEMU_ID)
+    except KeyError:
+        return None
+    return entry.gr_gid if entry.gr_name in KUBEVIRT_GROUP_NAMES else None

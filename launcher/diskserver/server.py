@@ -1,14 +1,19 @@
 """`launcher serve`: the node's disk server.
 
 One process per node cache. It exports each lazily read disk over NBD on `<cache>/serve/nbd.sock`
-(one export per layer digest and disk, shared by every VM on the node) and takes requests on
-`<cache>/serve/control.sock` (launcher.diskserver.control has the protocol).
+(one export per identity, launcher.diskserver.exportid: everything that pins its bytes, shared by
+every VM on the node that opens an image pinning the same ones) and takes requests on
+`<cache>/serve/control.sock` (launcher.diskserver.control has the protocol). Exports are set up
+under a lock each: a registry that trickles holds up only the opens of what it serves.
 
-Registry options (TLS, auth file, credentials) come with each request, so every VM's pull secret
-is used for its own image; the server's own flags serve exports it reopens after a restart.
+Registry options come with each request, so every VM's pull secret is used for its own image. The
+server's own auth file serves only its own user and root (and exports it reopens after a restart);
+a client of another uid sends its own credentials inline, or is anonymous, and the manifest fetch
+with them decides whether it gets an export, on an NBD socket that serves it nothing else.
 
-Who may connect: run as root, the control socket is mode 0660, group 107 (KubeVirt's qemu group,
-the launcher users' here); `nbd.sock` is mode 0660 in the group libvirt's system daemon runs qemu
+Who may connect: run as root, the control socket is mode 0660 in the launcher users' group
+(`--socket-group`, else the group of KubeVirt's qemu user: launcher.diskserver.qemuid.launcher_group),
+or 0600 where there is none; `nbd.sock` is mode 0660 in the group libvirt's system daemon runs qemu
 as (launcher.diskserver.qemuid: qemu.conf's `group`, else libvirt's built-in one), for VMs that
 root starts on qemu:///system; a VM of another user runs on that user's qemu:///session as that
 user, so its launcher is answered with `nbd-<uid>.sock`, owned by it, mode 0600. Not run as root,
@@ -46,6 +51,7 @@ from launcher.diskserver.control import (
     CONTROL_SOCKET,
     NBD_SOCKET,
     REQUEST_TIMEOUT,
+    credentials_from_wire,
     recv_line,
     serve_dir,
     socket_path,
@@ -66,13 +72,13 @@ from launcher.diskserver.lazydisk import (
     record,
 )
 from launcher.diskserver.lazyfiles import take_files
-from launcher.diskserver.qemuid import system_qemu_gid
+from launcher.diskserver.qemuid import launcher_group, system_qemu_gid
+from launcher.hostfs.dirfd import own_directory
 from launcher.node.cache import Cache
 from launcher.node.pull import image_key, remember
 
 log = logging.getLogger("launcher.serve")
 
-QEMU_GID = 107
 MAX_REQUEST = 1 << 20
 HOLD = 600.0  # an opened export waits this long at most for the VMs announced with it to connect
 SWITCH_INTERVAL = 0.0005
@@ -85,6 +91,7 @@ class ServeOptions:
     registry: RegistryOptions = field(default_factory=RegistryOptions)
     lazy: Options = field(default_factory=Options)
     exit_when_idle: float | None = None  # seconds with no VM connected and nothing left to fetch
+    socket_group: str | None = None  # who may send requests (root only); None: launcher_group's default
 
 
 def _lock_path(cache: Cache) -> Path:
@@ -116,39 +123,50 @@ class DiskServer:
     def __init__(self, cache: Cache, opts: ServeOptions):
         self.cache = cache
         self.opts = opts
+        self.root = os.geteuid() == 0
+        if not self.root and opts.socket_group is not None:
+            raise DiskkitError(f"--socket-group {opts.socket_group}", "only a disk server run as root opens its control socket to a group")
+        group = launcher_group(opts.socket_group) if self.root else None
+        if self.root and group is None:
+            log.info("no qemu user or group here: the control socket is root's alone (--socket-group opens it to one)")
+        self.mode, self.group = (0o660, group) if group is not None else (0o600, None)
+        if self.root:
+            _refuse_foreign_cache(cache)
         self.dir = serve_dir(cache, opts.socket_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
+        # Refused before anything is made in it.
+        own_directory(self.dir, "--socket-dir" if opts.socket_dir else "socket directory", root_mode=0o755)
         self.nbd_path = socket_path(self.dir, NBD_SOCKET)
         self.control_path = socket_path(self.dir, CONTROL_SOCKET)
         self._lock_fd = self._take_lock()
         self._reclaim_staging()
         self.exports: dict[str, LazyDisk | InstalledDisk] = {}
         self.lock = threading.Lock()
-        self.open_lock = threading.Lock()  # opening fetches headers and TOCs: one at a time
+        self.setup_locks: dict[str, threading.Lock] = {}  # export name -> held while that export is made
         self.small_blobs = SmallBlobs()
         self.last_activity = time.monotonic()
         self.awaiting: dict[str, list[tuple[float, int]]] = {}  # export -> (deadline, asking pid) per announced NBD client
         self.served = False  # some NBD client connected: when the last one leaves, the work is done
         self.stopping = threading.Event()
-        self.root = os.geteuid() == 0
-        self.mode, self.group = (0o660, QEMU_GID) if self.root else (0o600, None)
         if self.root:
-            os.chmod(self.dir, 0o755)
             self.nbd = nbd.Server(self.nbd_path, self, 0o660, system_qemu_gid())
         else:
             self.nbd = nbd.Server(self.nbd_path, self, 0o600)
         self.user_nbd: dict[int, nbd.Server] = {}  # uid -> the socket of that user's session VMs
+        self.granted: dict[int, set[str]] = {}  # uid -> the exports its opens were answered with: all its socket serves
         self.control = self._listen(self.control_path)
 
-    def _nbd_for(self, peer_uid: int | None) -> nbd.Server:
-        """The NBD socket the VM of the launcher at the other end of a control request can reach."""
+    def _nbd_for(self, peer_uid: int | None, name: str) -> nbd.Server:
+        """The NBD socket the VM of the launcher at the other end of a control request can reach,
+        `name` now served on it."""
         if not self.root or peer_uid in (None, 0):
             return self.nbd
         with self.lock:
+            self.granted.setdefault(peer_uid, set()).add(name)
             server = self.user_nbd.get(peer_uid)
             if server is None:
                 path = socket_path(self.dir, f"nbd-{peer_uid}.sock")
-                server = nbd.Server(path, self, 0o600, owner=peer_uid).start()
+                server = nbd.Server(path, _Granted(self, peer_uid), 0o600, owner=peer_uid).start()
                 self.user_nbd[peer_uid] = server
         return server
 
@@ -163,7 +181,9 @@ class DiskServer:
         path = _lock_path(self.cache)
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            # Another user who could open it could hold a shared lock on it, and no server would start.
+            os.fchmod(fd, 0o600)
         except OSError as exc:
             raise DiskkitError(path, f"cannot be opened ({exc.strerror})") from None
         try:
@@ -221,34 +241,47 @@ class DiskServer:
 
     def _reopen(self, name: str):
         """An export known from an earlier run of the server (a VM reconnecting after a restart)."""
-        if "/" in name or name.startswith("."):
+        if not _is_export_name(name):
             return None
         source = self.cache.read_json(self.cache.root / "lazy" / name / "source.json")
         if source is None:
             return None
-        with self.open_lock:
+        try:
             layout = Layout.from_json(source["layout"])
-            try:
-                return self._export(layout, registry_for(layout.registry, self.opts.registry))
-            except DiskkitError as exc:
-                log.warning("export %s cannot be reopened: %s", name, exc.line())
-                return None
+        except (KeyError, TypeError, ValueError):
+            log.warning("export %s cannot be reopened: its source.json is not one this server wrote", name)
+            return None
+        if layout.name != name:
+            # Written for another identity (or by an older server, keyed by less): never served under this name.
+            log.warning("export %s cannot be reopened: its source.json describes another export", name)
+            return None
+        try:
+            return self._export(layout, registry_for(layout.registry, self.opts.registry))
+        except DiskkitError as exc:
+            log.warning("export %s cannot be reopened: %s", name, exc.line())
+            return None
 
     def _export(self, layout: Layout, registry, found: Found | None = None) -> LazyDisk | InstalledDisk:
-        """The export for `layout`, made once: later VMs booting the same disk share it."""
+        """The export for `layout`'s identity, made once: later VMs booting the same bytes share it.
+        Set up under a lock of its own: an open of another image never waits for this one's registry."""
+        name = layout.name
         with self.lock:
-            if layout.name in self.exports:
-                return self.exports[layout.name]
-        installed = self.cache.disk_dir(layout.layer, layout.member) / "disk.img"
-        if installed.is_file():
-            export = InstalledDisk(layout.name, installed, f"{layout.layer} /{layout.member}")
-        else:
-            ranges = BlobRanges(registry, layout.repository, layout.layer, layout.layer_size)
-            head, tail = (found.head, found.tail) if found is not None else (None, None)
-            export = LazyDisk(self.cache, layout, ranges, self.opts.lazy, head=head, tail=tail).start()
-        with self.lock:
-            self.exports[layout.name] = export
-        log.info("exporting %s (%s)", layout.name, "complete" if isinstance(export, InstalledDisk) else "lazy")
+            setting_up = self.setup_locks.setdefault(name, threading.Lock())
+        with setting_up:
+            with self.lock:
+                if name in self.exports:
+                    return self.exports[name]
+            # Verified against the blob digest before it was installed: the layer and member pin it.
+            installed = self.cache.disk_dir(layout.layer, layout.member) / "disk.img"
+            if installed.is_file():
+                export = InstalledDisk(name, installed, f"{layout.layer} /{layout.member}")
+            else:
+                ranges = BlobRanges(registry, layout.repository, layout.layer, layout.layer_size)
+                head, tail = (found.head, found.tail) if found is not None else (None, None)
+                export = LazyDisk(self.cache, layout, ranges, self.opts.lazy, head=head, tail=tail).start()
+            with self.lock:
+                self.exports[name] = export
+        log.info("exporting %s (%s)", name, "complete" if isinstance(export, InstalledDisk) else "lazy")
         return export
 
     # --- control requests -----------------------------------------------------------------------
@@ -259,7 +292,7 @@ class DiskServer:
             raise DiskkitError("open", "needs an image reference")
         path = request.get("path")
         platform = Platform.parse(request["platform"]) if request.get("platform") else None
-        registry = self._registry_options(request.get("registry"), peer_uid)
+        registry = self._registry_options(request, peer_uid)
         shown = str(parse_ref(ref))
         try:
             with self._lazy_image(shown, registry, platform, request.get("marked")) as (source, image):
@@ -273,10 +306,10 @@ class DiskServer:
                 remember(self.cache, shown, platform, image)
         except NotSeekable as exc:
             return {"ok": False, "seekable": False, "reason": exc.line()}
-        listener = self._nbd_for(peer_uid)
         clients = request.get("clients", 1)
         if not isinstance(clients, int) or not 0 <= clients <= 16:
             raise DiskkitError("open", "clients must be a number of NBD connections from 0 to 16")
+        listener = self._nbd_for(peer_uid, layout.name)
         with self.lock:
             # Held while the run that asked lives (a run that failed before its VM started frees it), at most HOLD.
             self.awaiting.setdefault(layout.name, []).extend([(time.monotonic() + HOLD, peer_pid)] * clients)
@@ -289,6 +322,7 @@ class DiskServer:
         return {
             "ok": True,
             "export": layout.name,
+            "identity": layout.identity.to_json(),
             "socket": str(listener.path),
             "url": f"nbd+unix:///{layout.name}?socket={listener.path}",
             "image": shown,
@@ -307,7 +341,7 @@ class DiskServer:
         if not 0 < len(paths) <= 2:
             raise DiskkitError("files", "takes a kernel and an initrd: one or two paths")
         platform = Platform.parse(request["platform"]) if request.get("platform") else None
-        registry = self._registry_options(request.get("registry"), peer_uid)
+        registry = self._registry_options(request, peer_uid)
         shown = str(parse_ref(ref))
         try:
             with self._lazy_image(shown, registry, platform, request.get("marked")) as (source, image):
@@ -322,7 +356,7 @@ class DiskServer:
         when it cannot be read at offsets, or (`marked`) does not say it should be."""
         if parse_ref(shown).transport != "docker":
             raise NotSeekable(shown, "lazy reads need a registry image (docker://)")
-        with self.open_lock, open_source(shown, registry) as source:
+        with open_source(shown, registry) as source:
             assert isinstance(source, RemoteSource)
             enforce_source(source, TrustOptions.of(registry), registry, platform)
             image = source.image(platform)
@@ -335,25 +369,46 @@ class DiskServer:
         the disk's lookup, is not fetched again."""
         ranges = BlobRanges(source.registry, source.name.repository, desc.digest, desc.size)
         for export in self.listing():
-            if isinstance(export, LazyDisk) and export.layout.layer == desc.digest:
+            lay = export.layout if isinstance(export, LazyDisk) else None
+            # Only from an export reading the same repository: another image naming this layer
+            # digest may hold other bytes around its disk until its blob digest says so.
+            if lay is not None and (lay.layer, lay.registry, lay.repository) == (desc.digest, source.registry.host, source.name.repository):
                 return self.small_blobs.ranges(KnownRanges(ranges, export.known()))
         return self.small_blobs.ranges(ranges)
 
-    def _registry_options(self, asked: dict | None, peer_uid: int | None) -> RegistryOptions:
-        """The request's options; files it names are read only for a client as privileged as this server,
-        so a client in the qemu group cannot make a root server read (or use) another user's auth file,
-        nor trade the node's signature policy for its own."""
-        if not asked:
-            return self.opts.registry
-        options, own = RegistryOptions(**asked), self.opts.registry
+    def _registry_options(self, request: dict, peer_uid: int | None) -> RegistryOptions:
+        """The request's options. Credentials: the node's serve only the node's own user (as kubelet's
+        "ensure secret pulled images", keps/sig-node/2535-ensure-secret-pulled-images): a client with another uid is fetched for with the
+        credentials it sent inline, or anonymously, and the manifest fetch with them is what lets it
+        have an export. Files it names are read only for a client as privileged as this server, so a
+        client in the socket group cannot make a root server read another user's files, nor trade
+        the node's signature policy for its own."""
+        asked, own = request.get("registry"), self.opts.registry
+        if asked is not None and not isinstance(asked, dict):
+            raise DiskkitError("control", "registry must be an object of registry options")
+        options = RegistryOptions(**{k: v for k, v in asked.items() if k != "inline_credentials"}) if asked else own
+        sent = credentials_from_wire(request.get("credentials"))
         if peer_uid not in (0, os.geteuid()):
-            return replace(options, authfile=own.authfile, cert_dir=own.cert_dir, signature_policy=own.signature_policy, registries_d=own.registries_d)
+            return replace(options, authfile=None, creds=None, inline_credentials=sent, cert_dir=own.cert_dir,
+                           signature_policy=own.signature_policy, registries_d=own.registries_d)
         # A policy this server was started with holds for every request that names none.
-        return replace(options, signature_policy=options.signature_policy or own.signature_policy, registries_d=options.registries_d or own.registries_d)
+        options = replace(options, signature_policy=options.signature_policy or own.signature_policy,
+                          registries_d=options.registries_d or own.registries_d)
+        if sent:
+            return replace(options, inline_credentials=sent)
+        if options.authfile is None and options.creds is None:
+            return replace(options, authfile=own.authfile, creds=own.creds)
+        return options
 
-    def status(self) -> dict:
+    def status(self, peer_uid: int | None = 0) -> dict:
+        """What the server exports; to a client of another uid, only what its own opens were answered with."""
+        exports = self.listing()
+        if self.root and peer_uid != 0:
+            with self.lock:
+                mine = set(self.granted.get(peer_uid, ())) if peer_uid is not None else set()
+            exports = [export for export in exports if export.name in mine]
         return {"ok": True, "pid": os.getpid(), "socket": str(self.nbd_path), "connections": self.connections,
-                "exports": [export.status() for export in self.listing()]}
+                "exports": [export.status() for export in exports]}
 
     def _handle(self, conn: socket.socket) -> None:
         with conn:
@@ -368,7 +423,7 @@ class DiskServer:
                 elif op == "files":
                     answer = self.files(request, _peer(conn)[1])
                 elif op == "status":
-                    answer = self.status()
+                    answer = self.status(_peer(conn)[1])
                 else:
                     answer = {"ok": False, "error": f"control: unknown op {op!r} (open, files, status)"}
             except DiskkitError as exc:
@@ -464,6 +519,35 @@ class DiskServer:
         os.close(self._lock_fd)
 
 
+class _Granted:
+    """What one user's NBD socket serves: the exports that user's own opens were answered with (its
+    credentials passed the manifest fetch), never one it could merely name: names are hashes of
+    what any manifest tells."""
+
+    def __init__(self, server: DiskServer, uid: int):
+        self.server, self.uid = server, uid
+
+    def _names(self) -> set[str]:
+        with self.server.lock:
+            return set(self.server.granted.get(self.uid, ()))
+
+    def lookup(self, name: str):
+        return self.server.lookup(name) if name in self._names() else None
+
+    def listing(self) -> list:
+        names = self._names()
+        return [export for export in self.server.listing() if export.name in names]
+
+
+def _refuse_foreign_cache(cache: Cache) -> None:
+    """Root writes exports, state and sockets in the cache: in a cache another user owns, that user
+    could swap any directory there for a link to one of root's between two of root's steps."""
+    owner = os.stat(cache.root).st_uid
+    if owner != 0:
+        raise DiskkitError(cache.root, f"belongs to uid {owner}; a disk server run as root serves only a cache of root's"
+                                       f" (run it as uid {owner}, or give it a cache root owns)")
+
+
 def _peer(conn: socket.socket) -> tuple[int, int | None]:
     """The pid (0 when outside this PID namespace) and uid of a control client."""
     try:
@@ -483,6 +567,11 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         pass
     return True
+
+
+def _is_export_name(name: str) -> bool:
+    """A name ExportId.name could be: a hex sha256, nothing that leads elsewhere in the cache."""
+    return len(name) == 64 and all(c in "0123456789abcdef" for c in name)
 
 
 def _header_problems(export) -> list[str]:

@@ -7,7 +7,16 @@
     <root>/vms/<domain>.json, <root>/run/<domain>/  records and overlays of VMs started from here
                                                     (long domains: head + hash, see entry_name)
     <root>/locks/, <root>/tmp/                      flock files; staging on the same filesystem
-    <root>/partial/<digest>.part, .synced           blobs being downloaded, kept for resuming after a kill
+    <root>/partial/<digest>.part, .synced, .source  blobs being downloaded, kept for resuming after a kill
+    <root>/lazy/, <root>/serve/                     the disk server's exports and sockets
+
+What a cache holds is private (issue 26): pulled disks are images other users may not be entitled
+to, and what is being downloaded or served comes from private registries. So the directories
+carry it, not every file's mode: a user's cache is 0700 throughout; as root only what qemu must
+reach is opened to it (disks/ and run/, 0750 to the group qemu runs as, plus KubeVirt's qemu
+user 107 by an ACL for session daemons), the top is 0711 (other users' launchers reach the root
+disk server's sockets in serve/, which list nothing else), and the rest is 0700. Caches made
+before keep their modes; `too_open` names what is wider, for a warning.
 
 Disks are keyed by the layer that holds them and the member's path, so two images sharing a
 layer share one file. Layer blobs themselves are not kept: the disk is what VMs use, and a second
@@ -24,6 +33,8 @@ import json
 import os
 import secrets
 import shutil
+import stat
+import struct
 from pathlib import Path
 from typing import Iterator
 
@@ -90,16 +101,78 @@ def private_dirs(top: Path, path: Path) -> Path:
     return path
 
 
+SUBDIRS = ("blobs", "disks", "refs", "tags", "vms", "run", "locks", "tmp", "partial", "lazy")
+QEMU_READS = ("disks", "run")  # what qemu opens itself: base disks and kernels, a VM's run directory
+
+
+def layout_modes(privileged: bool) -> dict[str, int]:
+    """The mode of the cache's top ("") and of each directory in it, for a cache root makes
+    (`privileged`) or a user does."""
+    if not privileged:
+        return {"": 0o700, **{sub: 0o700 for sub in SUBDIRS}}
+    return {"": 0o711, **{sub: 0o750 if sub in QEMU_READS else 0o700 for sub in SUBDIRS}}
+
+
+def posix_acl(mode: int, users: tuple[int, ...]) -> bytes:
+    """A POSIX access ACL (the system.posix_acl_access xattr) granting `users` what `mode` grants
+    the group, on top of `mode`: the owner, group and other entries, the users, and a mask."""
+    header, undefined = struct.pack("<I", 2), 0xFFFFFFFF
+    owner, group, other = (mode >> 6) & 7, (mode >> 3) & 7, mode & 7
+    entries = [(0x01, owner, undefined), *((0x02, group, uid) for uid in sorted(users)), (0x04, group, undefined),
+               (0x10, group, undefined), (0x20, other, undefined)]
+    return header + b"".join(struct.pack("<HHI", *entry) for entry in entries)
+
+
+def too_open(modes: dict[str, int], want: dict[str, int]) -> list[str]:
+    """The directories (keys of `modes`, their present modes) that grant more than `want` does."""
+    return [name for name, mode in modes.items() if name in want and mode & 0o077 & ~want[name]]
+
+
 class Cache:
-    def __init__(self, root: Path | str | None = None):
+    def __init__(self, root: Path | str | None = None, qemu_group: int | None = None):
+        """`qemu_group`: as root, the group qemu runs as under libvirt's system daemon
+        (launcher.diskserver.qemuid); disks/ and run/ are opened to it."""
         self.root = Path(root) if root else default_root()
+        self.privileged = os.geteuid() == 0
+        self.modes = layout_modes(self.privileged)
         try:
-            for sub in ("blobs/sha256", "disks/sha256", "refs", "tags", "vms", "run", "locks", "tmp"):
-                (self.root / sub).mkdir(parents=True, exist_ok=True)
+            self._make("", qemu_group)
+            for sub in SUBDIRS:
+                self._make(sub, qemu_group)
+            for sub in ("blobs/sha256", "disks/sha256"):
+                (self.root / sub).mkdir(exist_ok=True)
         except OSError as exc:
             raise DiskkitError(self.root, f"cache directory cannot be created ({exc.strerror})") from None
         if not os.access(self.root, os.W_OK | os.X_OK):
             raise DiskkitError(self.root, "cache directory is not writable")
+
+    def _make(self, sub: str, qemu_group: int | None) -> None:
+        """Creates one of the cache's directories with its mode (an existing one is left alone)."""
+        path = self.root / sub if sub else self.root
+        try:
+            path.mkdir(mode=0o700, parents=not sub)
+        except FileExistsError:
+            return
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            mode = self.modes[sub]
+            if self.privileged and sub in QEMU_READS:
+                os.fchown(fd, 0, qemu_group if qemu_group is not None else 0)
+                os.fchmod(fd, mode)
+                with contextlib.suppress(OSError):  # a filesystem without ACLs: the group alone
+                    os.setxattr(fd, "system.posix_acl_access", posix_acl(mode, (QEMU_ID,)))
+            else:
+                os.fchmod(fd, mode)  # whatever the umask
+        finally:
+            os.close(fd)
+
+    def too_open(self) -> list[str]:
+        """The cache's directories that other local users may read more of than a new cache allows."""
+        present = {}
+        for sub in ("", *SUBDIRS):
+            with contextlib.suppress(OSError):
+                present[sub] = stat.S_IMODE(os.lstat(self.root / sub if sub else self.root).st_mode)
+        return [str(self.root / sub if sub else self.root) for sub in too_open(present, self.modes)]
 
     def vanished(self) -> bool:
         """The cache directory was deleted under us: what failed with it is told in one line, not a traceback."""

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from diskkit.disk.containerdisk import path_problem
-from diskkit.errors import DiskkitError
+from diskkit.errors import DiskkitError, ResumeFailed
 from diskkit.oci.image import Platform
 from diskkit.oci.reference import parse_ref
 from diskkit.ops.verify import DiskFacts, disk_problems, scan_image
@@ -83,7 +83,11 @@ def pull(
         with cache.lock(ref_key):
             hit = _cached(cache, ref_key)
             if hit is None:
-                hit = _extract(cache, source, image, shown, path, disk, ref_key)
+                try:
+                    hit = _extract(cache, source, image, shown, path, disk, ref_key)
+                except ResumeFailed:
+                    # The kept bytes are gone with the failure: once more, every byte from the registry.
+                    hit = _extract(cache, source, image, shown, path, disk, ref_key)
         remember(cache, shown, platform, image)
     return hit
 

@@ -80,11 +80,22 @@ class DataVolume:
         return {"upload": UPLOAD_READY, "pvc": CLONE_IN_PROGRESS}.get(self.source.kind, IMPORT_IN_PROGRESS)
 
 
+def shown_url(url: str) -> str:
+    """A source URL as it may be printed or recorded: without `user:pass@` or the query (where tokens
+    tend to live). Every message, progress line and state file naming a DataVolume's URL uses this."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url.split("?")[0].split("#")[0]
+    end = min([i for i in (rest.find(c) for c in "/?#") if i >= 0], default=len(rest))
+    path = rest[end:].split("?")[0].split("#")[0]
+    return f"{scheme}://{rest[:end].rpartition('@')[2]}{path}"
+
+
 def _http(doc: dict, at: str) -> Source:
     url = get_str(doc, "url", at, required=True)
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise SpecError(f"{at}.url", f"{url} is not an http:// or https:// URL")
+        raise SpecError(f"{at}.url", f"{shown_url(url)} is not an http:// or https:// URL")
     # CDI's DataVolumeSourceHTTP fields the importer does not implement, refused rather than ignored:
     # they change what is fetched or whether it is checked
     for key in ("extraHeaders", "secretExtraHeaders", "checksum", "insecureSkipVerify"):
@@ -108,7 +119,7 @@ def _registry(doc: dict, at: str) -> Source:
         raise SpecError(f"{at}.pullMethod", "only pullMethod pod is supported by the launcher")
     scheme = urlsplit(url).scheme
     if scheme not in ("docker", "oci-archive"):
-        raise SpecError(f"{at}.url", f"illegal registry source URL scheme {url}")
+        raise SpecError(f"{at}.url", f"illegal registry source URL scheme {shown_url(url)}")
     return Source("registry", url, get_str(doc, "secretRef", at), get_str(doc, "certConfigMap", at))
 
 

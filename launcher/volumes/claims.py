@@ -16,6 +16,7 @@ from launcher.spec.vmi import Volume
 from launcher.volumes import sizing
 from launcher.volumes.context import Context
 from launcher.volumes.files import (
+    claim_image,
     create_sparse,
     file_disk,
     free_bytes,
@@ -72,7 +73,8 @@ def claim_disk(ctx: Context, volume: Volume, claim_name: str, where: str, as_bas
     if not local.path.is_dir():
         raise DiskkitError(where, f"claim {claim_name}: {local.path} is neither a directory nor a block device")
     image = local.path / "disk.img"
-    if not image.exists() and not as_base:
+    found = claim_image(image)
+    if not found and not as_base:
         size = local.size or sizing.image_size(claim.request if claim else None, claim.capacity if claim else None)
         if size is None:
             raise DiskkitError(where, f"claim {claim_name}: {image} does not exist and no size is known (--pvc {claim_name}=DIR:SIZE)")
@@ -80,6 +82,6 @@ def claim_disk(ctx: Context, volume: Volume, claim_name: str, where: str, as_bas
             fitted = sizing.fit(size, free_bytes(local.path), volume.name, store.tolerance)
             ctx.note(fitted.note)
             create_sparse(image, fitted.size)
-    elif not image.exists():
+    elif not found:
         raise DiskkitError(where, f"claim {claim_name}: {image} does not exist; an ephemeral volume needs a filled claim")
     return file_disk(image, "raw")

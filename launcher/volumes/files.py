@@ -12,6 +12,7 @@ from pathlib import Path
 from diskkit.disk import qemuimg
 from diskkit.errors import DiskkitError
 from launcher.diskserver.qemuid import is_system_uri, system_qemu_ids
+from launcher.hostfs.dirfd import Dir, give
 from launcher.node.cache import QEMU_ID
 from launcher.render.domain import ResolvedDisk
 
@@ -19,7 +20,7 @@ from launcher.render.domain import ResolvedDisk
 def direct_io_supported(path: Path) -> bool:
     """KubeVirt's probe: can the file be opened with O_DIRECT (tmpfs and some FUSE mounts say EINVAL)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_NONBLOCK)  # a FIFO swapped in cannot hang the probe
     except OSError as exc:
         if exc.errno == errno.EINVAL:
             return False
@@ -66,17 +67,33 @@ def give_tree_to_qemu(root: Path, owner: tuple[int, int] = KUBEVIRT_QEMU) -> Non
 
 
 def create_sparse(path: Path, size: int) -> None:
-    """A raw image of `size` bytes holding nothing yet, appearing complete or not at all."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.truncate(size)
-            os.fsync(f.fileno())
-        give_to_qemu(tmp)
-        os.rename(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise DiskkitError(path, f"cannot be created ({exc.strerror})") from None
+    """A raw image of `size` bytes holding nothing yet, appearing complete or not at all. Its directory may
+    be a claim its user writes: the staging name is made fresh (a planted one is refused, never truncated)
+    and the image is given to qemu through its fd."""
+    with Dir.open(path.parent) as parent:
+        if parent.lstat(path.name) is not None:
+            parent.regular(path.name)  # a link or device under the image's name is refused, not replaced
+        tmp = f".{path.name}.tmp"
+        parent.unlink(tmp)  # a killed run's, or a planted link: the name goes, what it named is untouched
+        fd = parent.create(tmp, 0o644)
+        try:
+            os.ftruncate(fd, size)
+            os.fsync(fd)
+            give(fd, KUBEVIRT_QEMU)
+            parent.rename(tmp, parent, path.name)
+        except (OSError, DiskkitError) as exc:
+            parent.unlink(tmp)
+            raise DiskkitError(path, f"cannot be created ({getattr(exc, 'strerror', None) or exc})") from None
+        finally:
+            os.close(fd)
+
+
+def claim_image(path: Path) -> bool:
+    """Whether `path` (a claim's disk.img) exists; anything but a regular file there is refused. Whoever
+    owns the claim directory may have put a link there: its target, perhaps a root-only file, is never
+    attached."""
+    with Dir.open(path.parent) as parent:
+        return parent.regular(path.name) is not None
 
 
 def free_bytes(directory: Path) -> int:

@@ -1,0 +1,497 @@
+"""Root never follows a path it did not make; DataVolume imports are bounded by their claim.
+
+Each test is an attack by another local user (`nobody`) who owns a claim directory (or could plant a
+socket directory): links planted under the names the launcher uses, pointing at a root-only 0600 file,
+and a claim owner who swaps the importer's work files for links while an import runs. The launcher,
+importer and upload server run for real, as root; the victim must come out untouched (content, owner,
+mode) and the refusal must be one line naming the file and the rule. The bounded-import tests serve a
+hostile HTTP source on loopback: an endless body, a 3000 MiB body for a 64Mi claim, a gzip bomb.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.server
+import io
+import json
+import os
+import pwd
+import stat
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+import requests
+
+from launcher.volumes.files import create_sparse
+from tests.conftest import launcher_command, run_launcher
+from tests.distribution import free_port
+from tests.fileserver import FileServer
+from tests.test_dv_import import Claims, dv
+from tests.vmhost import qemu_scratch
+
+MIB = 1 << 20
+SECRET = b"root:only:0600\n"
+NOBODY = pwd.getpwnam("nobody")
+NOFOLLOW = "is a symbolic link; root never follows a link in a directory others can write"
+NOT_REGULAR = "is not a regular file (a FIFO, device, socket or directory); only regular files are used here"
+
+
+@pytest.fixture(autouse=True)
+def _as_root():
+    if os.geteuid() != 0:
+        pytest.fail("these attacks are on a root launcher: run the suite as root (CI does)")
+
+
+@pytest.fixture
+def area():
+    """A world-traversable scratch directory (pytest's are root's only), where `nobody` reaches its claims."""
+    with qemu_scratch("diskkit-hostfs-") as root:
+        yield root
+
+
+class Victim:
+    """A root-owned 0600 file and a root-owned 0700 directory the attacker points links at."""
+
+    def __init__(self, root: Path):
+        self.dir = root / "rootonly"
+        self.dir.mkdir(mode=0o700)
+        self.file = self.dir / "secret"
+        self.file.write_bytes(SECRET)
+        self.file.chmod(0o600)
+        self.before = self.state()
+
+    def state(self):
+        st, dst = os.lstat(self.file), os.lstat(self.dir)
+        return (self.file.read_bytes(), st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode),
+                sorted(p.name for p in self.dir.iterdir()), dst.st_uid, stat.S_IMODE(dst.st_mode))
+
+    def assert_untouched(self) -> None:
+        assert self.state() == self.before
+
+
+@pytest.fixture
+def victim(area) -> Victim:
+    return Victim(area)
+
+
+def as_nobody(*cmd: str | os.PathLike) -> None:
+    proc = subprocess.run(["setpriv", f"--reuid={NOBODY.pw_uid}", f"--regid={NOBODY.pw_gid}", "--clear-groups", *map(str, cmd)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def nobodys(path: Path) -> Path:
+    os.chown(path, NOBODY.pw_uid, NOBODY.pw_gid)
+    return path
+
+
+def plant(directory: Path, name: str, target: Path) -> None:
+    """The claim's owner, not root, makes the link (as an attacker would)."""
+    as_nobody("ln", "-s", target, directory / name)
+    assert (directory / name).is_symlink()
+
+
+def one_line(err: str) -> str:
+    """The refusal: the last line of stderr (progress lines may come before it), with no traceback."""
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines and "Traceback" not in err, err
+    return lines[-1]
+
+
+@pytest.fixture
+def claims(area) -> Claims:
+    """DataVolume claims of `nobody` (the manifests stay root's)."""
+    root = area / "k8s-root"
+    root.mkdir()
+    return Claims(root)
+
+
+def nobody_claim(claims: Claims, *docs: dict) -> None:
+    claims.add(*docs)
+    for doc in docs:
+        if doc["kind"] == "DataVolume":
+            nobodys(claims.dirs[doc["metadata"]["name"]])
+
+
+# ---------------------------------------------------------------- claims of VMs
+
+def test_a_disk_img_link_in_a_claim_is_refused_not_attached(area, victim):
+    """Attack: the claim's owner makes disk.img a link to a root-only file; the VM would attach it read-write."""
+    claim = area / "claim"
+    claim.mkdir()
+    nobodys(claim)
+    plant(claim, "disk.img", victim.file)
+    vmi = area / "vmi.json"
+    vmi.write_text(json.dumps({
+        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance", "metadata": {"name": "linked"},
+        "spec": {"domain": {"devices": {"disks": [{"name": "data", "disk": {"bus": "virtio"}}]}, "resources": {"requests": {"memory": "64Mi"}}},
+                 "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}]}}))
+    result = run_launcher("domain", "--pvc", f"data={claim}:40Mi", vmi)
+    assert result.code != 0, result.out
+    assert one_line(result.err).endswith(f"{claim / 'disk.img'}: {NOFOLLOW}"), result.err
+    assert str(victim.file) not in result.out
+    victim.assert_untouched()
+
+
+def test_a_planted_staging_link_is_not_truncated_when_the_claim_image_is_created(area, victim):
+    """Attack: `.disk.img.tmp` planted as a link to a root file; creating the claim's sparse image truncated
+    and zeroed the target, chowned it to qemu, then attached it. The link is removed, never followed."""
+    claim = area / "claim"
+    claim.mkdir()
+    nobodys(claim)
+    plant(claim, ".disk.img.tmp", victim.file)
+    create_sparse(claim / "disk.img", 8 * MIB)  # what claims.claim_disk calls for a claim without disk.img
+    victim.assert_untouched()
+    st = os.lstat(claim / "disk.img")
+    assert stat.S_ISREG(st.st_mode) and st.st_size == 8 * MIB and (st.st_uid, st.st_gid) == (107, 107)
+    assert sorted(p.name for p in claim.iterdir()) == ["disk.img"]
+
+
+# ---------------------------------------------------------------- DataVolume state and locks
+
+@pytest.mark.parametrize("name", [".datavolume.lock", ".datavolume.state.lock"])
+def test_planted_lock_links_are_refused_not_chowned(claims, victim, name):
+    """Attack: a lock file planted as a link to a root file; the importer chowned the target to 107 (qemu)."""
+    nobody_claim(claims, dv("blank", {"blank": {}}, "16Mi"))
+    plant(claims.dirs["blank"], name, victim.file)
+    result = claims.run("import", "blank")
+    assert result.code != 0, result.out
+    assert one_line(result.err).endswith(f"{claims.dirs['blank'] / name}: {NOFOLLOW}"), result.err
+    victim.assert_untouched()
+    assert not (claims.dirs["blank"] / "disk.img").exists()
+
+
+def test_a_state_file_link_is_not_read(claims, victim):
+    """Attack: datavolume.json planted as a link to a root-only JSON file; `dv status` printed its message."""
+    victim.file.write_text(json.dumps({"phase": "Failed", "message": "root-only-words"}))
+    victim.before = victim.state()
+    nobody_claim(claims, dv("blank", {"blank": {}}, "16Mi"))
+    plant(claims.dirs["blank"], "datavolume.json", victim.file)
+    status = claims.run("status", "blank", "--json")
+    assert "root-only-words" not in status.out + status.err
+    result = claims.run("import", "blank")
+    assert result.code == 0, result.err
+    victim.assert_untouched()
+    assert not (claims.dirs["blank"] / "datavolume.json").is_symlink()  # replaced by a file of ours, not written through
+
+
+def test_a_clone_from_a_claim_whose_disk_img_is_a_link_is_refused(claims, victim):
+    """Attack: the owner of a source claim makes its disk.img a link to a root-only file and clones it into
+    a claim of theirs; the importer (root) copied the root file into the new disk.img for their VM to read."""
+    nobody_claim(claims, dv("src", {"blank": {}}, "16Mi"), dv("copy", {"pvc": {"name": "src"}}, "16Mi"))
+    plant(claims.dirs["src"], "disk.img", victim.file)
+    result = claims.run("import", "copy")
+    assert result.code != 0, result.out
+    assert one_line(result.err).endswith(f"{claims.dirs['src'] / 'disk.img'}: {NOFOLLOW}"), result.err
+    assert not (claims.dirs["copy"] / "disk.img").exists()
+    victim.assert_untouched()
+
+
+# ---------------------------------------------------------------- the importer's work files, raced
+
+ATTACKER = r"""
+import os, sys, time
+claim, victim_file, victim_dir, seconds, dirs_only = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4]), sys.argv[5] == "dirs"
+done, end = set(), time.monotonic() + seconds
+while time.monotonic() < end:
+    for name in os.listdir(claim):
+        if name.startswith(".diskkit-") and not name.endswith(".moved") and name not in done:
+            path = os.path.join(claim, name)
+            try:
+                is_dir = os.path.isdir(path) and not os.path.islink(path)
+                if dirs_only and not is_dir:
+                    continue
+                os.rename(path, path + ".moved")
+                os.symlink(victim_dir if is_dir else victim_file, path)
+                done.add(name)
+            except OSError:
+                pass
+    time.sleep(0.005)
+print(" ".join(sorted(done)))
+"""
+
+
+class Trickle(http.server.BaseHTTPRequestHandler):
+    """Serves a file a piece at a time: an import that lasts long enough for the claim's owner to act."""
+
+    data = b""
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(self.data)))
+        self.end_headers()
+        for at in range(0, len(self.data), 256 * 1024):
+            self.wfile.write(self.data[at:at + 256 * 1024])
+            time.sleep(0.1)
+
+
+def serve(handler) -> http.server.ThreadingHTTPServer:
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd
+
+
+def small_tar() -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, data in (("planted-by-root", b"x" * (3 * MIB)),):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("content", ["kubevirt", "archive"])
+def test_a_claim_owner_swapping_the_work_files_for_links_redirects_nothing(claims, victim, content):
+    """Attack: while an http import runs, the claim's owner renames each `.diskkit-*` work file and
+    directory away and puts a link to a root file (or root directory) under its name. qemu-img then read
+    the root file as the source, and the importer truncated it to the claim's size, chmodded it 0660,
+    chowned it to qemu and renamed the link to disk.img; an archive was unpacked into the root directory.
+    (For the archive only directories are swapped: a swapped download fails the old importer before it unpacks.)
+    The importer works in a directory of root's through its fd; the links redirect nothing."""
+    Trickle.data = small_tar() if content == "archive" else b"\xab" * (4 * MIB)
+    httpd = serve(Trickle)
+    try:
+        source = {"http": {"url": f"http://127.0.0.1:{httpd.server_address[1]}/data"}}
+        doc = dv("raced", source, "16Mi")
+        doc["spec"]["contentType"] = content
+        nobody_claim(claims, doc)
+        claim = claims.dirs["raced"]
+        attacker = subprocess.Popen(["setpriv", f"--reuid={NOBODY.pw_uid}", f"--regid={NOBODY.pw_gid}", "--clear-groups",
+                                     sys.executable, "-c", ATTACKER, claim, victim.file, victim.dir, "8",
+                                     "dirs" if content == "archive" else "all"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(0.5)  # the attacker is watching before the import starts
+        result = claims.run("import", "raced")
+        out, err = attacker.communicate(timeout=30)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert attacker.returncode == 0, err
+    assert out.strip(), "the attacker never saw a work file: the race was not run"
+    victim.assert_untouched()
+    # The links redirected nothing, so the import itself went through, into the claim.
+    assert result.code == 0, result.err
+    if content == "kubevirt":
+        disk = claim / "disk.img"
+        assert not disk.is_symlink() and disk.read_bytes()[:4 * MIB] == Trickle.data
+    else:
+        assert (claim / "planted-by-root").read_bytes() == b"x" * (3 * MIB)
+    assert not any(p.name.startswith(".diskkit-") and p.is_dir() and not p.is_symlink() and any(p.iterdir())
+                   for p in claim.iterdir()), "a work directory of root's was left full in the claim"
+
+
+# ---------------------------------------------------------------- the upload server
+
+@contextlib.contextmanager
+def upload_server(area: Path, claims: Claims, name: str):
+    """`launcher serve --upload-listen` as root; yields the DataVolume's upload URL and its auth header."""
+    host = f"127.0.0.1:{free_port()}"
+    cache = area / "cache"
+    proc = subprocess.Popen(launcher_command("serve", "--no-disks", "--upload-listen", host, "--cache-dir", cache, *claims.args()),
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(300):
+            try:
+                requests.get(f"http://{host}/", timeout=1)
+                break
+            except requests.ConnectionError:
+                time.sleep(0.1)
+        token = run_launcher("dv", "token", name, "--cache-dir", cache).out.strip()
+        yield f"http://{host}/diskkit/v1/uploads/default/{name}", {"Authorization": f"Bearer {token}"}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_an_upload_part_link_is_refused_not_appended_to(area, claims, victim):
+    """Attack: `.diskkit-upload.part` planted as a link to a root file (a crontab, say); the server told the
+    client the target's size as its offset, and the next PUT appended the client's bytes to the root file."""
+    nobody_claim(claims, dv("up", {"upload": {}}, "16Mi"))
+    plant(claims.dirs["up"], ".diskkit-upload.part", victim.file)
+    with upload_server(area, claims, "up") as (url, auth):
+        status = requests.get(url, headers=auth, timeout=10)
+        assert str(len(SECRET)) not in status.text or status.status_code != 200, status.text
+        body = b"* * * * * root sh -c 'id > /tmp/pwned'\n"
+        start = len(SECRET)
+        put = requests.put(url, headers={**auth, "Content-Range": f"bytes {start}-{start + len(body) - 1}/{start + len(body)}"},
+                           data=body, timeout=10)
+        assert put.status_code >= 400, put.text
+        message = put.json()["message"]
+        assert "\n" not in message and message.endswith(NOFOLLOW), message
+    victim.assert_untouched()
+
+
+def test_an_upload_part_fifo_is_refused_not_opened(area, claims):
+    """Attack: `.diskkit-upload.part` planted as a FIFO; the server's open for writing blocked for ever,
+    holding the DataVolume's work lock (every later request: 503)."""
+    nobody_claim(claims, dv("up", {"upload": {}}, "16Mi"))
+    as_nobody("mkfifo", claims.dirs["up"] / ".diskkit-upload.part")
+    with upload_server(area, claims, "up") as (url, auth):
+        body = bytes(4096)
+        try:
+            put = requests.put(url, headers={**auth, "Content-Range": f"bytes 0-{len(body) - 1}/{len(body)}"}, data=body, timeout=20)
+        except requests.exceptions.ReadTimeout:
+            pytest.fail("the upload server hung opening the FIFO")
+        assert put.status_code >= 400, put.text
+        message = put.json()["message"]
+        assert "\n" not in message and message.endswith(f".diskkit-upload.part: {NOT_REGULAR}"), message
+    assert stat.S_ISFIFO(os.lstat(claims.dirs["up"] / ".diskkit-upload.part").st_mode)
+
+
+def test_an_upload_larger_than_the_claim_is_refused_before_it_is_stored(area, claims):
+    """Attack: an upload client (holding a valid token) offers 3000 MiB for a 16Mi claim; the server wrote
+    whatever it was sent into the claim directory. Now the offer is refused by its size, in one line."""
+    claims.add(dv("big", {"upload": {}}, "16Mi"))
+    with upload_server(area, claims, "big") as (url, auth):
+        body = bytes(MIB)
+        put = requests.put(url, data=body, timeout=30, headers={**auth, "Content-Range": f"bytes 0-{len(body) - 1}/{3000 * MIB}"})
+        assert put.status_code == 413, put.text
+        message = put.json()["message"]
+        assert "\n" not in message and "more than the claim holds" in message and "A larger PVC is required" in message, message
+    assert not (claims.dirs["big"] / ".diskkit-upload.part").exists()
+
+
+# ---------------------------------------------------------------- launcher serve --socket-dir
+
+@pytest.mark.parametrize("planted", ["link", "other-users-dir", "other-users-parent"])
+def test_a_socket_dir_planted_by_another_user_is_refused(area, victim, planted):
+    """Attack: another user plants the --socket-dir path as a link to a root directory (the root server
+    chmodded its target 0755), or owns the directory or a parent of it (and can swap it for a link under
+    the server, which then chowns and chmods its sockets through it)."""
+    where = area / "public"
+    where.mkdir(mode=0o777)
+    where.chmod(0o1777)
+    sockets = where / "sockets"
+    if planted == "link":
+        as_nobody("ln", "-s", victim.dir, sockets)
+    elif planted == "other-users-dir":
+        as_nobody("mkdir", sockets)
+    else:
+        as_nobody("mkdir", where / "theirs")
+        sockets = where / "theirs" / "sockets"
+        sockets.mkdir()  # root's own directory, in a directory of theirs
+    cache = area / "cache"
+    proc = subprocess.Popen(launcher_command("serve", "--socket-dir", sockets, "--cache-dir", cache, "--exit-when-idle", "1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0, err
+    rule = {"link": NOFOLLOW, "other-users-dir": f"belongs to uid {NOBODY.pw_uid}",
+            "other-users-parent": f"is inside {where / 'theirs'}, which another user can write (uid {NOBODY.pw_uid}"}[planted]
+    assert rule in one_line(err) and f"--socket-dir {sockets}" in err, err
+    victim.assert_untouched()
+    assert not (victim.dir / "control.sock").exists()
+
+
+# ---------------------------------------------------------------- bounded imports
+
+SENT: dict[str, int] = {}
+CAP = 1024 * MIB  # what the hostile source gives at most, so the old importer finishes (sparse zeros)
+
+
+class Hostile(http.server.BaseHTTPRequestHandler):
+    """/endless: zeros with no length; /huge: Content-Length 3000 MiB; /bomb.gz: a gzip of 1 GiB of zeros."""
+
+    bomb = b""
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        self.send_response(200)
+        if self.path == "/bomb.gz":
+            self.send_header("Content-Length", str(len(self.bomb)))
+            self.end_headers()
+            self._send(self.bomb)
+            return
+        if self.path == "/huge":
+            self.send_header("Content-Length", str(3000 * MIB))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        zeros = bytes(MIB)
+        for _ in range(CAP // MIB):
+            if not self._send(zeros):
+                return
+
+    def _send(self, data: bytes) -> bool:
+        try:
+            self.wfile.write(data)
+        except OSError:
+            return False
+        SENT[self.path] = SENT.get(self.path, 0) + len(data)
+        return True
+
+
+@pytest.fixture(scope="module")
+def hostile():
+    z = zlib.compressobj(9, zlib.DEFLATED, 31)
+    zeros = bytes(16 * MIB)
+    Hostile.bomb = b"".join(z.compress(zeros) for _ in range(CAP // len(zeros))) + z.flush()
+    assert len(Hostile.bomb) < 2 * MIB
+    httpd = serve(Hostile)
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+@pytest.mark.parametrize("path, what", [
+    ("/endless", "sent more than"),
+    ("/huge", f"is {3000 * MIB} bytes"),
+    ("/bomb.gz", "inflates to more than"),
+])
+def test_an_import_stops_at_the_claims_size(claims, hostile, path, what):
+    """Attack: a source that never ends, one of 3000 MiB for a 64Mi claim, a gzip bomb. The importer wrote
+    (or inflated) all of it before the size check; now it stops at the claim's size plus qcow2 overhead,
+    in one line, with nothing left in the claim. CDI's importer is bounded the same way, by a scratch
+    volume the claim's size (pkg/importer/http-datasource.go Transfer), and refuses with the words of
+    pkg/image/qemu.go ErrLargerPVCRequired, "A larger PVC is required"."""
+    claims.add(dv("bounded", {"http": {"url": hostile + path}}, "64Mi"))
+    SENT.pop(path, None)
+    result = claims.run("import", "bounded")
+    assert result.code != 0, result.out
+    line = one_line(result.err)
+    limit = 64 * MIB + 2 * MIB + 4 * MIB
+    assert f"the source {what}" in line and f"{limit} bytes)" in line and "A larger PVC is required" in line, line
+    # what the source got to send: the limit at most, plus what sockets buffer (never the whole body)
+    assert SENT.get(path, 0) <= limit + 32 * MIB, SENT
+    claims.assert_untouched("bounded")
+
+
+# ---------------------------------------------------------------- URL credentials
+
+def test_url_credentials_are_never_printed_or_recorded(claims, area):
+    """Attack surface: a DataVolume URL's `user:pass@` (and ?token=) was printed in the progress line."""
+    files = area / "www"
+    files.mkdir()
+    (files / "data.img").write_bytes(b"\xcd" * MIB)
+    with FileServer(files, credentials="alice:s3cret-pw") as www:
+        url = f"http://alice:s3cret-pw@{www.host}/data.img?token=t0ken-value"
+        claims.add(dv("creds", {"http": {"url": url}}, "16Mi"))
+        result = claims.run("import", "creds")
+        assert result.code == 0, result.err
+        missing = dv("gone", {"http": {"url": f"http://alice:s3cret-pw@{www.host}/missing.img?token=t0ken-value"}}, "16Mi")
+        claims.add(missing)
+        failed = claims.run("import", "gone")
+        assert failed.code != 0
+    recorded = "".join(p.read_text() for p in claims.root.glob("claim-*/datavolume.json"))
+    for text in (result.out, result.err, failed.out, failed.err, recorded):
+        assert "s3cret-pw" not in text and "t0ken-value" not in text, text
+    assert f"http://{www.host}/data.img" in result.err, result.err
+    from launcher.spec.datavolume import shown_url
+
+    assert shown_url(url) == f"http://{www.host}/data.img"
