@@ -246,7 +246,7 @@ def test_a_hostile_qcow2_in_an_image_is_refused_under_qemu_img_limits(cache, reg
     assert_refused(pull(cache, ref), "/disk/d.qcow2", rule, cache=cache)
 
 
-def test_an_oversize_gzip_layer_is_refused_at_its_descriptor_size(cache, registry, source_disk, tmp_path):
+def test_an_oversize_gzip_layer_is_refused_at_its_descriptor_size(cache, source_disk, tmp_path):
     """Attack: a layer blob longer than its descriptor's size (a registry that sends more than it pinned)."""
     layout = write_layout(tmp_path / "big", [[dir_("disk"), Member("disk/d.qcow2", source_disk.read_bytes())]])
     blobs = layout / "blobs" / "sha256"
