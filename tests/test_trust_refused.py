@@ -387,3 +387,28 @@ def test_another_user_cannot_ask_a_root_disk_server_for_an_export(scratch, regis
             result = as_nobody(sys.executable, "-c", code, cache / "serve" / "control.sock", json.dumps(req))
             assert result.returncode != 0 and "PermissionError" in result.stderr and result.stdout == "", (result.stdout, result.stderr)
         assert control(cache, {"op": "status"}).get("ok")  # the server itself answers its own users
+
+
+@pytest.mark.parametrize("case", ["backing-file", "data-file"])
+def test_the_disk_server_refuses_a_qcow2_that_reaches_outside_as_pull_does(tmp_path, registry, case):
+    """Attack: an image whose qcow2 names a backing file (/etc/passwd) or an external data file, opened through the
+    node's disk server rather than `launcher pull`, hoping that path skips the header check."""
+    if case == "backing-file":
+        disk = tmp_path / "backed.qcow2"
+        run("qemu-img", "create", "-q", "-f", "qcow2", "-b", "/etc/passwd", "-F", "raw", disk)
+        data, rule = disk.read_bytes(), "expected no backing file, but found /etc/passwd"
+    else:
+        data, rule = _qcow2_with_data_file(tmp_path), "data file"
+    ref = f"{registry.host}/trust/server-{case}:v1"
+    # uncompressed, so the server reads the disk at offsets itself instead of sending the caller to pull
+    layout = write_layout(tmp_path / "l", [[dir_("disk"), Member("disk/d.qcow2", data)]], gzipped=False)
+    pushed = run_diskkit("push", NOREG, f"oci:{layout}:t", ref)
+    assert pushed.code == 0, pushed.err
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with disk_server(cache):
+        answer = control(cache, {"op": "open", "image": ref, "registry": {"tls_verify": False}})
+    assert not answer["ok"], answer
+    assert answer["error"].startswith(f"docker://{ref}: /disk/d.qcow2") and rule in answer["error"], answer
+    assert "\n" not in answer["error"]
+    assert [p for area in ("disks", "lazy") for p in (cache / area).rglob("*") if p.is_file()] == []
