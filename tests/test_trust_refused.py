@@ -421,8 +421,6 @@ def test_the_disk_server_refuses_a_qcow2_that_reaches_outside_as_pull_does(tmp_p
     assert [p for p in (cache / "disks").rglob("*") if p.is_file()] == []
 
 
-@pytest.mark.xfail(strict=True, reason="the refused open leaves lazy/<export>/ (the header and tail it fetched, a "
-                                       "bitmap, state) until gc; the disk server is branch sec-a's")
 def test_the_disk_server_leaves_nothing_of_a_refused_qcow2(tmp_path, registry):
     """Attack: as above; a refusal must leave nothing half-written in the cache."""
     cache, answers, _, _ = _server_refusal(tmp_path, registry, "backing-file")

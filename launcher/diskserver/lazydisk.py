@@ -417,6 +417,7 @@ class LazyDisk:
         self.refs: dict[str, Ref] = {}
         self.lock = threading.Lock()
         self.save_lock = threading.Lock()
+        self.discarded = False  # refused: nothing of it may be written or installed any more
         self.inflight: dict[int, threading.Event] = {}
         self.closing = ranges.stop  # one event: a stopping export ends its retries too
         self.verified = threading.Event()
@@ -508,6 +509,14 @@ class LazyDisk:
             os.close(self.fd)  # else a stuck fetcher may still write to it: it goes with the process
             if self.members_fd is not None:
                 os.close(self.members_fd)
+
+    def discard(self) -> None:
+        """Stop and remove everything this export wrote: it was refused. A fetch or a save finishing
+        meanwhile writes nothing (the flag is set under the save lock, which every write of state holds)."""
+        self.close()
+        with self.save_lock:
+            self.discarded = True
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     def known(self) -> dict[tuple[int, int], Path]:
         """The blob's ranges this export holds in the cache: (start, length) -> file."""
@@ -840,6 +849,8 @@ class LazyDisk:
 
     def _install(self) -> None:
         """Into the extracted-disk store, after the checks a pull makes, so `launcher pull` finds it."""
+        if self.discarded:
+            return
         lay = self.layout
         facts = DiskFacts()
         problems = disk_problems(self.dir / "disk.img", f"/{lay.member}", facts)
@@ -874,6 +885,8 @@ class LazyDisk:
         if (not force and not self.dirty) or self.installed is not None:
             return
         with self.save_lock:
+            if self.discarded:
+                return
             with self.lock:
                 packed = _pack(self.present)
                 self.dirty = False

@@ -284,6 +284,15 @@ class DiskServer:
         log.info("exporting %s (%s)", name, "complete" if isinstance(export, InstalledDisk) else "lazy")
         return export
 
+    def _discard(self, export) -> None:
+        """A refused export goes, its directory too: what it fetched must not wait in the cache for gc.
+        Every open of the same identity reads the same header, so none of them is using it."""
+        with self.lock:
+            if self.exports.get(export.name) is export:
+                del self.exports[export.name]
+        if isinstance(export, LazyDisk):
+            export.discard()
+
     # --- control requests -----------------------------------------------------------------------
 
     def open(self, request: dict, peer_uid: int | None = None, peer_pid: int = 0) -> dict:
@@ -302,6 +311,7 @@ class DiskServer:
                 export = self._export(layout, source.registry, found)
                 unsafe = _header_problems(export)
                 if unsafe:
+                    self._discard(export)
                     raise DiskkitError(shown, "; ".join(f"/{layout.member}: {p}" for p in unsafe))
                 remember(self.cache, shown, platform, image)
         except NotSeekable as exc:
