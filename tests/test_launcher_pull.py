@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import launcher_command, make_qcow2, run, run_diskkit, run_launcher
+from tests.refusals import assert_refused, cache_entries
 from tests.faultproxy import Fault
 from tests.imagecraft import Member, dir_, layer_blob_paths, write_layout
 
@@ -26,25 +27,6 @@ def cache(tmp_path) -> Path:
 
 def pull(cache: Path, ref: str, *extra: str):
     return run_launcher("pull", "--cache-dir", cache, *extra, ref)
-
-
-def cache_entries(cache: Path) -> dict[str, list[str]]:
-    """What the cache holds, by area; `tmp` and `disks` must be empty after any refusal."""
-    out = {}
-    for area in ("disks", "refs", "tmp"):
-        root = cache / area
-        out[area] = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()) if root.exists() else []
-    return out
-
-
-def assert_refused(result, *expected: str, cache: Path) -> None:
-    assert result.code != 0, result.out
-    lines = result.err.strip().splitlines()
-    assert len(lines) == 1, result.err  # one line, naming the image and the rule
-    for text in expected:
-        assert text in lines[0], lines[0]
-    held = cache_entries(cache)
-    assert held["disks"] == [] and held["refs"] == [] and held["tmp"] == [], held
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import make_qcow2, run, run_diskkit, run_launcher
+from tests.refusals import assert_refused
 from tests.faultproxy import Fault
 from tests.fileserver import FileServer
 from tests.lazyhost import control, disk_server
@@ -28,25 +29,6 @@ from tests.imagecraft import Member, dir_, write_layout
 from tests.test_dv_import import Claims, dv
 
 NOREG = "--tls-verify=false"
-
-
-def cache_entries(cache: Path) -> dict[str, list[str]]:
-    out = {}
-    for area in ("disks", "refs", "tmp", "partial"):
-        root = cache / area
-        out[area] = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()) if root.exists() else []
-    return out
-
-
-def assert_refused(result, *expected: str, cache: Path) -> str:
-    assert result.code != 0, result.out
-    lines = result.err.strip().splitlines()
-    assert len(lines) == 1, result.err  # one line, naming the image and the rule
-    for text in expected:
-        assert text in lines[0], lines[0]
-    held = cache_entries(cache)
-    assert held["disks"] == [] and held["refs"] == [] and held["tmp"] == [], held
-    return lines[0]
 
 
 def pull(cache: Path, ref: str, *extra: str):
