@@ -109,7 +109,9 @@ def write_tree(target: Path, files: dict[str, bytes], modes: dict[str, int]) -> 
                 os.fsync(f.fileno())
             os.chmod(path, modes.get(rel, 0o644))
         tmp.mkdir(parents=True, exist_ok=True)  # an empty (optional, missing) object is an empty directory
-        # Owned by the qemu user (the pod's fsGroup), not root: virtiofsd runs as that user.
+        os.chmod(tmp, 0o700)  # its files may be a Secret's: the run directory lets qemu's group pass through
+        # Owned by the qemu user (the pod's fsGroup), not root: virtiofsd runs as that user. Written in the
+        # run directory while it is root's alone, so nothing in it is anyone else's link.
         for parent, dirs, names in os.walk(tmp):
             for entry in (*dirs, *names):
                 give_to_qemu(Path(parent) / entry)
