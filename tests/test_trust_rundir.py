@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from diskkit.errors import DiskkitError
+from launcher.runtime import rundir
 from launcher.volumes.files import give_to_qemu
 from tests.conftest import run_launcher
 from tests.vmhost import NOREG, QEMU_UID
@@ -144,3 +145,40 @@ def test_the_qemu_user_plants_nothing_in_a_root_run_directory(qemu_user, guest_i
     assert stopped.code == 0, stopped.err
     assert not run_dir.exists()
     assert victim_state(victim) == before
+
+
+def test_a_run_directory_is_always_made_afresh(tmp_path):
+    """Attack: a run directory name left taken (a killed launcher's the cleanup could not remove, or the
+    qemu user's, with links in it) is never reused: refused in one line, nothing written in it."""
+    left = tmp_path / "default_vm"
+    left.mkdir()
+    os.chown(left, QEMU_UID, QEMU_UID)
+    (left / "domain.xml").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(DiskkitError) as err:
+        rundir.create(left)
+    assert str(err.value) == f"{left}: cannot be made afresh (File exists); a VM's run directory is always new"
+    assert [p.name for p in left.iterdir()] == ["domain.xml"] and not (tmp_path / "elsewhere").exists()
+
+
+def test_handing_over_gives_qemu_files_never_directories(tmp_path):
+    """What open_to_qemu leaves: root's directories qemu's group traverses, qemu's owner-only files,
+    a fresh console log of qemu's, and a share tree written for virtiofsd left as it was."""
+    run_dir = rundir.create(tmp_path / "default_vm")
+    (run_dir / "root").mkdir()
+    (run_dir / "root" / "disk.qcow2").write_bytes(b"overlay")  # 0644, as qemu-img makes it
+    share = run_dir / "virtiofs-shares" / "fs0"
+    share.mkdir(parents=True, mode=0o700)
+    (share / "greeting").write_bytes(b"hi")
+    for path in (share, share / "greeting"):
+        os.chown(path, QEMU_UID, QEMU_UID)
+    rundir.open_to_qemu(run_dir, (QEMU_UID, QEMU_UID))
+    for directory in (run_dir, run_dir / "root", run_dir / "virtiofs-shares"):
+        st = directory.lstat()
+        assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (0, QEMU_UID, 0o710), directory
+    for path in (run_dir / "root" / "disk.qcow2", run_dir / "console.log"):
+        st = path.lstat()
+        assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (QEMU_UID, QEMU_UID, 0o600), path
+    assert (run_dir / "console.log").read_bytes() == b""
+    assert stat.S_IMODE((share / "greeting").stat().st_mode) == 0o644  # its modes are the guest's to see
+    with pytest.raises(DiskkitError, match="console.log: cannot be created"):
+        rundir.open_to_qemu(run_dir, (QEMU_UID, QEMU_UID))  # a log already there is never taken over

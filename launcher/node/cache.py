@@ -219,12 +219,6 @@ class Cache:
     def run_dir(self, domain: str) -> Path:
         return within(self.root / "run", entry_name(domain))
 
-    def create_run_dir(self, domain: str) -> Path:
-        """A fresh run directory that no other user can enter (see private_dirs)."""
-        path = self.run_dir(domain)
-        private_dirs(self.root / "run", path)
-        return path
-
     def vm_records(self) -> list[dict]:
         records = []
         for path in sorted((self.root / "vms").glob("*.json")):

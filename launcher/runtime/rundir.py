@@ -8,7 +8,7 @@ itself; then any process of that uid (another VM's qemu after a guest escape, a 
 root write, truncate or chown the file of its choosing. Instead:
 
 - while the VM is prepared the run directory and everything in it is root's, 0700, made by root
-  (Cache.create_run_dir, private_dirs): no one else can reach it, let alone put a name in it;
+  (`create`, private_dirs): no one else can reach it, let alone put a name in it;
 - `open_to_qemu` then makes each of root's directories root:<qemu's group> 0710 (qemu traverses, never
   lists, creates, renames or removes an entry) and gives the files in them to the qemu user, 0600,
   each through an fd opened without following links (sockets, which cannot be opened, by lchown).
@@ -36,6 +36,21 @@ from launcher.hostfs.dirfd import NOFOLLOW
 TRAVERSE = 0o710  # root's directories: qemu's group may pass through, nothing more
 CONSOLE_LOG = "console.log"
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def create(run_dir: Path) -> Path:
+    """A fresh run directory of our own, 0700: whatever is left under its name (a killed launcher's,
+    removed just before) is refused, never reused."""
+    try:
+        os.mkdir(run_dir, 0o700)
+        fd = os.open(run_dir, _DIR_FLAGS)
+    except OSError as exc:
+        raise DiskkitError(run_dir, f"cannot be made afresh ({exc.strerror}); a VM's run directory is always new") from None
+    try:
+        os.fchmod(fd, 0o700)  # whatever the umask
+    finally:
+        os.close(fd)
+    return run_dir
 
 
 def open_to_qemu(run_dir: Path, owner: tuple[int, int]) -> None:

@@ -97,7 +97,7 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
             raise DiskkitError(name, f"a domain of this name already exists on {lv.uri}; stop it first (launcher stop {vmi.name})")
         _remove_run_dir(cache, name)  # leftovers of a launcher that was killed
         # The console log lives here even with no overlay. Root's alone until prepared (rundir).
-        cache.create_run_dir(name)
+        rundir.create(cache.run_dir(name))
         daemons: list[dict] = []
         alarm = _Alarm()
         try:
