@@ -64,19 +64,24 @@ def open_to_qemu(run_dir: Path, owner: tuple[int, int]) -> None:
     try:
         _console_log(fd, run_dir, owner)
         _hand_over(fd, run_dir, owner)
+    except OSError as exc:
+        raise DiskkitError(run_dir, f"cannot be handed to uid {owner[0]} ({exc.strerror})") from None
     finally:
         os.close(fd)
 
 
 def traversable_dir(path: Path, owner: tuple[int, int]) -> Path:
     """A directory root adds to a handed-over run directory (the virtiofs sockets'): root's, TRAVERSE."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if os.geteuid() == 0:
-        fd = os.open(path, _DIR_FLAGS)
-        try:
-            _root_dir(fd, path, owner)
-        finally:
-            os.close(fd)
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if os.geteuid() == 0:
+            fd = os.open(path, _DIR_FLAGS)
+            try:
+                _root_dir(fd, path, owner)
+            finally:
+                os.close(fd)
+    except OSError as exc:
+        raise DiskkitError(path, f"cannot be made for uid {owner[0]} to pass through ({exc.strerror})") from None
     return path
 
 

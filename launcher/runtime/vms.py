@@ -20,8 +20,8 @@ from typing import Callable, Iterator
 
 from diskkit.errors import DiskkitError
 from diskkit.oci.image import Platform
-from diskkit.streams.fsutil import write_atomic
 from diskkit.registry.options import RegistryOptions
+from diskkit.streams.fsutil import write_atomic
 from launcher.diskserver.client import last_failure
 from launcher.node.cache import Cache
 from launcher.render.domain import Host, render, secret_xml
