@@ -162,23 +162,24 @@ def test_a_run_directory_is_always_made_afresh(tmp_path):
 
 def test_handing_over_gives_qemu_files_never_directories(tmp_path):
     """What open_to_qemu leaves: root's directories qemu's group traverses, qemu's owner-only files,
-    a fresh console log of qemu's, and a share tree written for virtiofsd left as it was."""
+    a fresh console log of qemu's, and a config volume's share tree all qemu's (virtiofsd serves it as
+    that user; the system daemon's qemu user here, not 107), its files' modes as the guest sees them."""
+    owner = (64055, 64055)
     run_dir = rundir.create(tmp_path / "default_vm")
     (run_dir / "root").mkdir()
     (run_dir / "root" / "disk.qcow2").write_bytes(b"overlay")  # 0644, as qemu-img makes it
     share = run_dir / "virtiofs-shares" / "fs0"
-    share.mkdir(parents=True, mode=0o700)
-    (share / "greeting").write_bytes(b"hi")
-    for path in (share, share / "greeting"):
-        os.chown(path, QEMU_UID, QEMU_UID)
-    rundir.open_to_qemu(run_dir, (QEMU_UID, QEMU_UID))
+    (share / "sub").mkdir(parents=True)
+    (share / "sub" / "greeting").write_bytes(b"hi")
+    rundir.open_to_qemu(run_dir, owner)
     for directory in (run_dir, run_dir / "root", run_dir / "virtiofs-shares"):
         st = directory.lstat()
-        assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (0, QEMU_UID, 0o710), directory
+        assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (0, owner[1], 0o710), directory
     for path in (run_dir / "root" / "disk.qcow2", run_dir / "console.log"):
         st = path.lstat()
-        assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (QEMU_UID, QEMU_UID, 0o600), path
+        assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (*owner, 0o600), path
     assert (run_dir / "console.log").read_bytes() == b""
-    assert stat.S_IMODE((share / "greeting").stat().st_mode) == 0o644  # its modes are the guest's to see
+    assert [(p.lstat().st_uid, p.lstat().st_gid, stat.S_IMODE(p.lstat().st_mode)) for p in (share, share / "sub", share / "sub" / "greeting")] \
+        == [(*owner, 0o700), (*owner, 0o755), (*owner, 0o644)]
     with pytest.raises(DiskkitError, match="console.log: cannot be created"):
-        rundir.open_to_qemu(run_dir, (QEMU_UID, QEMU_UID))  # a log already there is never taken over
+        rundir.open_to_qemu(run_dir, owner)  # a log already there is never taken over

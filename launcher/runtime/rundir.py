@@ -11,12 +11,13 @@ root write, truncate or chown the file of its choosing. Instead:
   (`create`, private_dirs): no one else can reach it, let alone put a name in it;
 - `open_to_qemu` then makes each of root's directories root:<qemu's group> 0710 (qemu traverses, never
   lists, creates, renames or removes an entry) and gives the files in them to the qemu user, 0600,
-  each through an fd opened without following links (sockets, which cannot be opened, by lchown).
+  each entry itself (lchown, so never a link's target; the directory is root's, so none is there);
+  a config volume's share tree (virtiofs-shares/NAME) goes to the qemu user whole, as virtiofsd
+  serves it as that user.
   The console log is made for qemu first: its log daemon (virtlogd of the session daemon runs as
   qemu's user) could not create it;
 - what root adds later (domain.xml, the virtiofs sockets) goes into directories only root can
-  write, so plain paths are safe there, and a share tree written for virtiofsd (its own, 0700) is
-  left as it is.
+  write, so plain paths are safe there.
 
 Opening every write relative to a directory fd (launcher.hostfs.dirfd) would guard each writer on its
 own, but the writers here are qemu-img, the ISO and metrics-disk writers and libvirt, all of which take
@@ -32,6 +33,7 @@ from pathlib import Path
 
 from diskkit.errors import DiskkitError
 from launcher.hostfs.dirfd import NOFOLLOW
+from launcher.volumes.filesystems import SHARES_DIR
 
 TRAVERSE = 0o710  # root's directories: qemu's group may pass through, nothing more
 CONSOLE_LOG = "console.log"
@@ -107,22 +109,45 @@ def _hand_over(dirfd: int, path: Path, owner: tuple[int, int]) -> None:
     _root_dir(dirfd, path, owner)
     for name in sorted(os.listdir(dirfd)):
         st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
-        if stat.S_ISLNK(st.st_mode):
-            raise DiskkitError(path / name, NOFOLLOW)
         if stat.S_ISDIR(st.st_mode):
-            if owner[0] != 0 and st.st_uid == owner[0]:
-                continue  # a share tree written for virtiofsd: the qemu user's already, 0700
             child = os.open(name, _DIR_FLAGS, dir_fd=dirfd)
             try:
-                _hand_over(child, path / name, owner)
+                if path.name == SHARES_DIR:
+                    _give_share_tree(child, path / name, owner)
+                else:
+                    _hand_over(child, path / name, owner)
             finally:
                 os.close(child)
-        elif stat.S_ISREG(st.st_mode):
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dirfd)
-            try:
-                os.fchown(fd, *owner)
-                os.fchmod(fd, stat.S_IMODE(os.fstat(fd).st_mode) & 0o700)  # qemu opens it as its owner
-            finally:
-                os.close(fd)
         else:
-            os.chown(name, *owner, dir_fd=dirfd, follow_symlinks=False)  # a socket: never a link's target
+            _give(dirfd, name, path, st, owner)
+            if stat.S_ISREG(st.st_mode):
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dirfd)
+                try:
+                    os.fchmod(fd, stat.S_IMODE(os.fstat(fd).st_mode) & 0o700)  # qemu opens it as its owner
+                finally:
+                    os.close(fd)
+
+
+def _give_share_tree(dirfd: int, path: Path, owner: tuple[int, int], top: bool = True) -> None:
+    """A config volume's files for virtiofsd, which serves them as the qemu user: all of it that user's,
+    the modes the guest sees kept, the top 0700 (its files may be a Secret's)."""
+    os.fchown(dirfd, *owner)
+    if top:
+        os.fchmod(dirfd, 0o700)
+    for name in sorted(os.listdir(dirfd)):
+        st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+        if stat.S_ISDIR(st.st_mode):
+            child = os.open(name, _DIR_FLAGS, dir_fd=dirfd)
+            try:
+                _give_share_tree(child, path / name, owner, top=False)
+            finally:
+                os.close(child)
+        else:
+            _give(dirfd, name, path, st, owner)
+
+
+def _give(dirfd: int, name: str, path: Path, st: os.stat_result, owner: tuple[int, int]) -> None:
+    """A file root made in its own directory, given to qemu; a link is refused (none of root's making)."""
+    if stat.S_ISLNK(st.st_mode):
+        raise DiskkitError(path / name, NOFOLLOW)
+    os.chown(name, *owner, dir_fd=dirfd, follow_symlinks=False)  # the entry itself (a socket cannot be opened)
