@@ -10,12 +10,12 @@ root write, truncate or chown the file of its choosing. Instead:
 - while the VM is prepared the run directory and everything in it is root's, 0700, made by root
   (`create`, private_dirs): no one else can reach it, let alone put a name in it;
 - `open_to_qemu` then makes each of root's directories root:<qemu's group> 0710 (qemu traverses, never
-  lists, creates, renames or removes an entry) and gives the files in them to the qemu user, 0600,
-  each entry itself (lchown, so never a link's target; the directory is root's, so none is there);
+  lists, creates, renames or removes an entry) and gives the files in them to the qemu user with
+  owner-only modes, each entry itself (lchown, so never a link's target; the directory is root's, so none is there);
   a config volume's share tree (virtiofs-shares/NAME) goes to the qemu user whole, as virtiofsd
-  serves it as that user.
-  The console log is made for qemu first: its log daemon (virtlogd of the session daemon runs as
-  qemu's user) could not create it;
+  serves it as that user. The console log is made for qemu first: its log daemon (virtlogd of a
+  session daemon runs as qemu's user) could not create it, and it is rendered append="on" so that
+  daemon never deletes it (it cannot rotate it either: past virtlogd's max_size the log stops);
 - what root adds later (domain.xml, the virtiofs sockets) goes into directories only root can
   write, so plain paths are safe there.
 
