@@ -480,8 +480,12 @@ def test_a_hostile_guest_stays_in_its_shares(qemu_user, guest_image, root_side):
         shares = run_dir / "virtiofs-shares"
         assert {name: entry[3] for name, entry in tree(shares / "fs1").items()} == {"greeting": b"hi over virtiofs"}
         assert {name: entry[3] for name, entry in tree(shares / "fs3").items()} == {"token": b"s3cret\n"}
-        # The config shares live in the VM's run directory: the qemu user's, 0700.
-        assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700 and run_dir.stat().st_uid == QEMU_UID
+        # The config shares live in the VM's run directory (root's, which qemu's group only traverses),
+        # each the qemu user's, 0700.
+        st = run_dir.stat()
+        assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (0, QEMU_UID, 0o710)
+        st = (shares / "fs3").stat()
+        assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (QEMU_UID, 0o700)
         assert as_nobody("cat", shares / "fs3" / "token").returncode != 0
     finally:
         stopped = root_launcher(cache, "stop", "hostile")

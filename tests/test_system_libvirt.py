@@ -125,17 +125,20 @@ def test_pulled_container_disk_boots_as_root_through_the_system_daemon(daemon, c
     assert console["isos"]["vdb"]["files"]["/user-data"] == user_data  # qemu, as libvirt-qemu, read the ISO
     assert console["filesystems"]["fs0"]["files"]["/greeting"] == "hi over virtiofs\n"  # and reached virtiofsd's socket
 
-    # Everything in the run directory is qemu.conf's user and group's (Debian's built-in libvirt-qemu), and
-    # the directory stays 0700: the ISO with the password is no one else's to read, not even KubeVirt's qemu (107).
+    # Every file in the run directory is qemu.conf's user and group's (Debian's built-in libvirt-qemu); its
+    # directories are root's, which that group only traverses (launcher.runtime.rundir): the ISO with the
+    # password is no one else's to read, not even KubeVirt's qemu (107).
     run_dir = cache / "run" / "default_sys-pulled"
     owner = (pwd.getpwnam("libvirt-qemu").pw_uid, grp.getgrnam("libvirt-qemu").gr_gid)
-    assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
     tree = [run_dir, *run_dir.rglob("*")]
-    # The console log is virtlogd's (root's) to write; virtiofsd's directory is made after (root's, and
-    # open: qemu only needs its socket), the socket given to qemu's user.
     sockets = run_dir / SOCKETS_DIR
-    prepared = [p for p in tree if p.name != "console.log" and sockets not in (p, *p.parents)]
-    strangers = {str(p.relative_to(run_dir)): (p.stat().st_uid, p.stat().st_gid) for p in prepared if (p.stat().st_uid, p.stat().st_gid) != owner}
+    shares = run_dir / "virtiofs-shares"  # the ConfigMap's files, the qemu user's as virtiofsd serves them as it
+    root_dirs = [p for p in tree if p.is_dir() and shares not in p.parents]
+    assert {str(p.relative_to(run_dir)): (p.stat().st_uid, p.stat().st_gid, stat.S_IMODE(p.stat().st_mode)) for p in root_dirs} \
+        == {str(p.relative_to(run_dir)): (0, owner[1], 0o710) for p in root_dirs}
+    # virtiofsd's log is root's, and domain.xml (libvirt is given the XML, not the file)
+    given = [p for p in tree if p not in root_dirs and p.parent != sockets and p != run_dir / "domain.xml"]
+    strangers = {str(p.relative_to(run_dir)): (p.stat().st_uid, p.stat().st_gid) for p in given if (p.stat().st_uid, p.stat().st_gid) != owner}
     assert not strangers, f"not {owner}: {strangers}"
     sock = (sockets / "fs0.sock").stat()
     assert (sock.st_uid, sock.st_gid) == owner

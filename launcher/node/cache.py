@@ -85,19 +85,17 @@ QEMU_ID = 107  # KubeVirt's qemu user and group
 
 
 def private_dirs(top: Path, path: Path) -> Path:
-    """Create `path` and every missing directory between `top` (which exists) and it, open to
-    their owner and the VM's qemu only: they hold secrets (cloud-init passwords, Secret volumes,
-    service account tokens): 0700, and as root owned by KubeVirt's qemu user (107), which the disks
-    in them are given to. Unprivileged, qemu runs as us (qemu:///session)."""
+    """Create `path` and every missing directory between `top` (which exists) and it, open to their
+    owner only, 0700: they hold secrets (cloud-init passwords, Secret volumes, service account tokens).
+    As root they stay root's while the VM is prepared, so no other user can put a name in them that
+    root then writes through; launcher.runtime.rundir lets qemu in afterwards."""
     missing, at = [], path
-    while at != top and not at.exists():
+    while at != top and not os.path.lexists(at):
         missing.append(at)
         at = at.parent
     for directory in reversed(missing):
         directory.mkdir(mode=0o700)
-        os.chmod(directory, 0o700)  # whatever the umask
-        if os.geteuid() == 0:
-            os.chown(directory, QEMU_ID, QEMU_ID)
+        os.chmod(directory, 0o700)  # whatever the umask; just made, in a directory only we write
     return path
 
 
@@ -293,12 +291,6 @@ class Cache:
 
     def run_dir(self, domain: str) -> Path:
         return within(self.root / "run", entry_name(domain))
-
-    def create_run_dir(self, domain: str) -> Path:
-        """A fresh run directory that no other user can enter (see private_dirs)."""
-        path = self.run_dir(domain)
-        private_dirs(self.root / "run", path)
-        return path
 
     def vm_records(self) -> list[dict]:
         records = []

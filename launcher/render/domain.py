@@ -445,7 +445,9 @@ def render(vmi: VMI, disks: dict[str, ResolvedDisk], host: Host) -> str:
     if vmi.domain.devices.autoattach_serial_console:
         serial = ET.SubElement(devices, "serial", type="pty")
         if host.serial_log:
-            ET.SubElement(serial, "log", file=host.serial_log, append="off")
+            # append="on", as KubeVirt's converter/compute/console.go: the log is made fresh for each run
+            # (launcher.runtime.rundir), and the log daemon, qemu's user, could not delete it to truncate.
+            ET.SubElement(serial, "log", file=host.serial_log, append="on")
         ET.SubElement(serial, "target", port="0")
         console = ET.SubElement(devices, "console", type="pty")
         ET.SubElement(console, "target", type="serial", port="0")

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from diskkit.errors import DiskkitError
+from launcher.runtime import rundir
 from launcher.spec.vmi import VMI
 from launcher.volumes.context import Share
 from launcher.volumes.files import KUBEVIRT_QEMU, give_to_qemu
@@ -105,7 +106,6 @@ def start(vmi: VMI, shares: dict[str, Share], run_dir: Path, owner: tuple[int, i
 
 
 def _listen(sock: Path, owner: tuple[int, int]) -> socket.socket:
-    sock.parent.mkdir(parents=True, exist_ok=True)
     sock.unlink(missing_ok=True)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -119,9 +119,9 @@ def _listen(sock: Path, owner: tuple[int, int]) -> socket.socket:
 
 
 def _start_one(share: Share, sock: Path, at: str, owner: tuple[int, int]) -> dict:
-    target = mount_point(sock)
-    target.mkdir(parents=True, exist_ok=True)
-    give_to_qemu(target, owner)
+    # In the handed-over run directory: root's directories, which qemu and virtiofsd only traverse.
+    rundir.traversable_dir(sock.parent, owner)
+    target = rundir.traversable_dir(mount_point(sock), owner)
     log_path = sock.with_suffix(".log")
     with _listen(sock, owner) as listener, open(log_path, "wb") as log:
         # Its own session: a Ctrl-C meant for the launcher must not end it before the domain is gone.

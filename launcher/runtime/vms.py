@@ -21,16 +21,17 @@ from typing import Callable, Iterator
 from diskkit.errors import DiskkitError
 from diskkit.oci.image import Platform
 from diskkit.registry.options import RegistryOptions
+from diskkit.streams.fsutil import write_atomic
 from launcher.diskserver.client import last_failure
 from launcher.node.cache import Cache
 from launcher.render.domain import Host, render, secret_xml
-from launcher.runtime import accel, hostcpus, virtiofs
+from launcher.runtime import accel, hostcpus, rundir, virtiofs
 from launcher.runtime.console import follow
 from launcher.runtime.iopause import PauseWatch
 from launcher.runtime.runner import Libvirt
 from launcher.spec.vmi import VMI
 from launcher.volumes import vhostmd
-from launcher.volumes.files import give_to_qemu, give_tree_to_qemu, qemu_owner
+from launcher.volumes.files import qemu_owner
 from launcher.volumes.prepare import admit, prepare
 from launcher.volumes.storage import Storage
 
@@ -89,15 +90,14 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
     lv = Libvirt(opts.uri)
     # As root, qemu must reach the run directory: it runs as the qemu user of the session daemon
     # connected to (107) or as qemu.conf's user under the system daemon, which chowns the disks it
-    # opens but not the 0700 directories they are in.
+    # opens but not the directories they are in (see rundir: it traverses root's, never writes them).
     owner = qemu_owner(lv.uri)
     with cache.lock(f"vm-{name}"):
         if lv.exists(name):
             raise DiskkitError(name, f"a domain of this name already exists on {lv.uri}; stop it first (launcher stop {vmi.name})")
         _remove_run_dir(cache, name)  # leftovers of a launcher that was killed
-        # The console log lives here even with no overlay. Given to qemu's user before any secret is
-        # written in it: made for KubeVirt's 107, it would be open to that user until the end of prepare.
-        give_to_qemu(cache.create_run_dir(name), owner)
+        # The console log lives here even with no overlay. Root's alone until prepared (rundir).
+        rundir.create(cache.run_dir(name))
         daemons: list[dict] = []
         alarm = _Alarm()
         try:
@@ -111,8 +111,8 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
             with cache.lock("gc", shared=True):  # gc must not take the bases between pull and record
                 prepared, xml = plan(vmi, cache, opts, create=True)
                 run_dir = cache.run_dir(name)
-                (run_dir / "domain.xml").write_text(xml)
-                give_tree_to_qemu(run_dir, owner)
+                rundir.open_to_qemu(run_dir, owner)
+                write_atomic(run_dir / "domain.xml", xml.encode(), 0o600)  # root's: libvirt is given the XML, not the file
                 daemons = virtiofs.start(vmi, prepared.shares, run_dir, owner)
                 cache.write_json(cache.vm_record_path(name), {
                     "domain": name,

@@ -12,7 +12,7 @@ from pathlib import Path
 from diskkit.disk import qemuimg
 from diskkit.errors import DiskkitError
 from launcher.diskserver.qemuid import is_system_uri, system_qemu_ids
-from launcher.hostfs.dirfd import Dir, give
+from launcher.hostfs.dirfd import NOFOLLOW, Dir, give
 from launcher.node.cache import QEMU_ID
 from launcher.render.domain import ResolvedDisk
 
@@ -50,20 +50,17 @@ def qemu_owner(uri: str) -> tuple[int, int]:
 
 
 def give_to_qemu(path: Path, owner: tuple[int, int] = KUBEVIRT_QEMU) -> None:
-    # As root (virt-handler's role) new images go to the qemu user; unprivileged, they are ours already.
-    if os.geteuid() == 0:
-        os.chown(path, *owner)
-
-
-def give_tree_to_qemu(root: Path, owner: tuple[int, int] = KUBEVIRT_QEMU) -> None:
-    """give_to_qemu for a directory and everything in it (a VM's run directory): its modes stay
-    (0700 directories, as it holds secrets), so only that user (and root) reaches what is inside."""
+    """As root (virt-handler's role) a new image goes to the qemu user; unprivileged, it is ours already.
+    The entry itself is chowned: a link is refused, and one swapped in after the check is what lchown
+    changes, never its target."""
     if os.geteuid() != 0:
         return
-    give_to_qemu(root, owner)
-    for parent, dirs, files in os.walk(root):
-        for entry in (*dirs, *files):
-            os.chown(os.path.join(parent, entry), *owner, follow_symlinks=False)
+    try:
+        if stat.S_ISLNK(os.lstat(path).st_mode):
+            raise DiskkitError(path, NOFOLLOW)
+        os.chown(path, *owner, follow_symlinks=False)
+    except OSError as exc:
+        raise DiskkitError(path, f"cannot be given to uid {owner[0]} ({exc.strerror})") from None
 
 
 def create_sparse(path: Path, size: int) -> None:

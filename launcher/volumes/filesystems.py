@@ -24,7 +24,7 @@ from launcher.spec.k8s import network_disk, resolve_claim
 from launcher.spec.vmi import Volume
 from launcher.volumes import gendisks
 from launcher.volumes.context import Context, Share
-from launcher.volumes.files import give_to_qemu, is_block
+from launcher.volumes.files import is_block
 from launcher.volumes.storage import pv_path
 
 SHARES_DIR = "virtiofs-shares"  # under the VM's run directory: the config volumes' files
@@ -109,11 +109,8 @@ def write_tree(target: Path, files: dict[str, bytes], modes: dict[str, int]) -> 
                 os.fsync(f.fileno())
             os.chmod(path, modes.get(rel, 0o644))
         tmp.mkdir(parents=True, exist_ok=True)  # an empty (optional, missing) object is an empty directory
-        # Owned by the qemu user (the pod's fsGroup), not root: virtiofsd runs as that user.
-        for parent, dirs, names in os.walk(tmp):
-            for entry in (*dirs, *names):
-                give_to_qemu(Path(parent) / entry)
-        give_to_qemu(tmp)
+        # Written while the run directory is root's alone; launcher.runtime.rundir gives the tree to the
+        # qemu user (the pod's fsGroup) afterwards, as virtiofsd runs as that user.
         shutil.rmtree(target, ignore_errors=True)
         os.rename(tmp, target)
     except OSError as exc:

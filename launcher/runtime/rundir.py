@@ -1,0 +1,153 @@
+"""A VM's run directory (`<cache>/run/<domain>/`) as a root launcher hands it to qemu: root's own, so
+that root never creates, writes or chowns through a name the qemu user could have replaced.
+
+qemu (KubeVirt's 107 on a session daemon, qemu.conf's user under the system daemon) must open the
+overlays, generated ISOs, console log and virtiofs sockets in it. It used to get the directory
+itself; then any process of that uid (another VM's qemu after a guest escape, a launcher user who is
+107) could plant a link under a name root was about to write (domain.xml, an ISO, a socket) and have
+root write, truncate or chown the file of its choosing. Instead:
+
+- while the VM is prepared the run directory and everything in it is root's, 0700, made by root
+  (`create`, private_dirs): no one else can reach it, let alone put a name in it;
+- `open_to_qemu` then makes each of root's directories root:<qemu's group> 0710 (qemu traverses, never
+  lists, creates, renames or removes an entry) and gives the files in them to the qemu user with
+  owner-only modes, each entry itself (lchown, so never a link's target; the directory is root's, so none is there);
+  a config volume's share tree (virtiofs-shares/NAME) goes to the qemu user whole, as virtiofsd
+  serves it as that user. The console log is made for qemu first: its log daemon (virtlogd of a
+  session daemon runs as qemu's user) could not create it, and it is rendered append="on" so that
+  daemon never deletes it (it cannot rotate it either: past virtlogd's max_size the log stops);
+- what root adds later (domain.xml, the virtiofs sockets) goes into directories only root can
+  write, so plain paths are safe there.
+
+Opening every write relative to a directory fd (launcher.hostfs.dirfd) would guard each writer on its
+own, but the writers here are qemu-img, the ISO and metrics-disk writers and libvirt, all of which take
+paths; taking the qemu user's write access to the directory away guards them all, and any added later.
+An unprivileged launcher is unaffected: everything is its own, and qemu runs as it.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from diskkit.errors import DiskkitError
+from launcher.hostfs.dirfd import NOFOLLOW
+from launcher.volumes.filesystems import SHARES_DIR
+
+TRAVERSE = 0o710  # root's directories: qemu's group may pass through, nothing more
+CONSOLE_LOG = "console.log"
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def create(run_dir: Path) -> Path:
+    """A fresh run directory of our own, 0700: whatever is left under its name (a killed launcher's,
+    removed just before) is refused, never reused."""
+    try:
+        os.mkdir(run_dir, 0o700)
+        fd = os.open(run_dir, _DIR_FLAGS)
+    except OSError as exc:
+        raise DiskkitError(run_dir, f"cannot be made afresh ({exc.strerror}); a VM's run directory is always new") from None
+    try:
+        os.fchmod(fd, 0o700)  # whatever the umask
+    finally:
+        os.close(fd)
+    return run_dir
+
+
+def open_to_qemu(run_dir: Path, owner: tuple[int, int]) -> None:
+    """Hand the prepared run directory to qemu (see the module's docstring); nothing as unprivileged."""
+    if os.geteuid() != 0:
+        return
+    try:
+        fd = os.open(run_dir, _DIR_FLAGS)
+    except OSError as exc:
+        raise DiskkitError(run_dir, f"cannot be opened as a directory ({exc.strerror}; a symbolic link is not followed)") from None
+    try:
+        _console_log(fd, run_dir, owner)
+        _hand_over(fd, run_dir, owner)
+    except OSError as exc:
+        raise DiskkitError(run_dir, f"cannot be handed to uid {owner[0]} ({exc.strerror})") from None
+    finally:
+        os.close(fd)
+
+
+def traversable_dir(path: Path, owner: tuple[int, int]) -> Path:
+    """A directory root adds to a handed-over run directory (the virtiofs sockets'): root's, TRAVERSE."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if os.geteuid() == 0:
+            fd = os.open(path, _DIR_FLAGS)
+            try:
+                _root_dir(fd, path, owner)
+            finally:
+                os.close(fd)
+    except OSError as exc:
+        raise DiskkitError(path, f"cannot be made for uid {owner[0]} to pass through ({exc.strerror})") from None
+    return path
+
+
+def _root_dir(fd: int, path: Path, owner: tuple[int, int]) -> None:
+    if os.fstat(fd).st_uid != 0:
+        raise DiskkitError(path, "is not root's; a root launcher's run directory holds only directories it made")
+    os.fchown(fd, 0, owner[1])
+    os.fchmod(fd, TRAVERSE)
+
+
+def _console_log(dirfd: int, run_dir: Path, owner: tuple[int, int]) -> None:
+    try:
+        fd = os.open(CONSOLE_LOG, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dirfd)
+    except OSError as exc:
+        raise DiskkitError(run_dir / CONSOLE_LOG, f"cannot be created ({exc.strerror})") from None
+    try:
+        os.fchown(fd, *owner)
+    finally:
+        os.close(fd)
+
+
+def _hand_over(dirfd: int, path: Path, owner: tuple[int, int]) -> None:
+    _root_dir(dirfd, path, owner)
+    for name in sorted(os.listdir(dirfd)):
+        st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+        if stat.S_ISDIR(st.st_mode):
+            child = os.open(name, _DIR_FLAGS, dir_fd=dirfd)
+            try:
+                if path.name == SHARES_DIR:
+                    _give_share_tree(child, path / name, owner)
+                else:
+                    _hand_over(child, path / name, owner)
+            finally:
+                os.close(child)
+        else:
+            _give(dirfd, name, path, st, owner)
+            if stat.S_ISREG(st.st_mode):
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dirfd)
+                try:
+                    os.fchmod(fd, stat.S_IMODE(os.fstat(fd).st_mode) & 0o700)  # qemu opens it as its owner
+                finally:
+                    os.close(fd)
+
+
+def _give_share_tree(dirfd: int, path: Path, owner: tuple[int, int], top: bool = True) -> None:
+    """A config volume's files for virtiofsd, which serves them as the qemu user: all of it that user's,
+    the modes the guest sees kept, the top 0700 (its files may be a Secret's)."""
+    os.fchown(dirfd, *owner)
+    if top:
+        os.fchmod(dirfd, 0o700)
+    for name in sorted(os.listdir(dirfd)):
+        st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+        if stat.S_ISDIR(st.st_mode):
+            child = os.open(name, _DIR_FLAGS, dir_fd=dirfd)
+            try:
+                _give_share_tree(child, path / name, owner, top=False)
+            finally:
+                os.close(child)
+        else:
+            _give(dirfd, name, path, st, owner)
+
+
+def _give(dirfd: int, name: str, path: Path, st: os.stat_result, owner: tuple[int, int]) -> None:
+    """A file root made in its own directory, given to qemu; a link is refused (none of root's making)."""
+    if stat.S_ISLNK(st.st_mode):
+        raise DiskkitError(path / name, NOFOLLOW)
+    os.chown(name, *owner, dir_fd=dirfd, follow_symlinks=False)  # the entry itself (a socket cannot be opened)
