@@ -109,4 +109,4 @@ def fault_proxy():
 
 # Fixtures defined beside the helpers they use; imported last, as those modules import this one.
 from tests.tgt import iscsi_target  # noqa: E402,F401
-from tests.vmhost import guest_image, qemu_user  # noqa: E402,F401
+from tests.vmhost import guest_image, qemu_user, root_side  # noqa: E402,F401

@@ -100,18 +100,6 @@ def virtiofsd_pids(under: Path) -> list[int]:
     return found
 
 
-@pytest.fixture
-def root_side(qemu_user, tmp_path_factory):
-    """A root launcher's cache and the URI of the qemu user's session daemon."""
-    qemu_user.virsh("list")  # starts the session daemon
-    sock = qemu_user.home / ".cache" / "libvirt" / "libvirt-sock"
-    assert sock.exists(), "the qemu user's libvirt session daemon did not start"
-    cache = qemu_user.root / "root-cache"
-    cache.mkdir(exist_ok=True)
-    cache.chmod(0o755)
-    return cache, f"qemu+unix:///session?socket={sock}"
-
-
 def write_shared_vmi(qemu_user, guest_image, name: str, hold: int = 0) -> tuple[Path, Path, Path]:
     claim = qemu_user.root / f"{name}-claim"
     claim.mkdir()

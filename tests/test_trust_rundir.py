@@ -45,18 +45,6 @@ def victim(tmp_path) -> Path:
     return path
 
 
-@pytest.fixture
-def root_side(qemu_user):
-    """A root launcher's cache and the URI of the qemu user's session daemon (qemu runs as 107)."""
-    qemu_user.virsh("list")  # starts the session daemon
-    sock = qemu_user.home / ".cache" / "libvirt" / "libvirt-sock"
-    assert sock.exists(), "the qemu user's libvirt session daemon did not start"
-    cache = qemu_user.root / "root-cache"
-    cache.mkdir(exist_ok=True)
-    cache.chmod(0o755)
-    return cache, f"qemu+unix:///session?socket={sock}"
-
-
 def test_give_to_qemu_never_follows_a_link(tmp_path, victim):
     """Attack: a link where root gives a file to qemu (a virtiofs socket swapped between bind and chown):
     give_to_qemu chowned the link's target, a root-only file, to 107. Now: refused in one line, the

@@ -96,6 +96,20 @@ def qemu_user():
         yield QemuUser(root)
 
 
+
+@pytest.fixture
+def root_side(qemu_user) -> tuple[Path, str]:
+    """A root launcher's cache and the URI of the qemu user's session daemon (qemu runs as 107, fast;
+    `qemu:///session` as root would be the system daemon)."""
+    qemu_user.virsh("list")  # starts the session daemon
+    sock = qemu_user.home / ".cache" / "libvirt" / "libvirt-sock"
+    assert sock.exists(), "the qemu user's libvirt session daemon did not start"
+    cache = qemu_user.root / "root-cache"
+    cache.mkdir(exist_ok=True)
+    cache.chmod(0o755)
+    return cache, f"qemu+unix:///session?socket={sock}"
+
+
 @pytest.fixture(scope="module")
 def guest_image(registry) -> str:
     ref = f"{registry.host}/launcher/guest:v1"

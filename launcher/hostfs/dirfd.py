@@ -27,6 +27,7 @@ NOFOLLOW = "is a symbolic link; root never follows a link in a directory others 
 NOT_REGULAR = "is not a regular file (a FIFO, device, socket or directory); only regular files are used here"
 LINKED = "has other hard links; a file linked from elsewhere is never written or chowned"
 _CLOEXEC = os.O_CLOEXEC
+DIR_NOFOLLOW = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC  # a directory itself, never a link to one
 
 
 class Dir:
@@ -49,7 +50,7 @@ class Dir:
 
     def subdir(self, name: str) -> Dir:
         try:
-            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC, dir_fd=self.fd)
+            fd = os.open(name, DIR_NOFOLLOW, dir_fd=self.fd)
         except OSError as exc:
             raise self._refusal(name, exc) from None
         return Dir(fd, self.path / name)
@@ -258,7 +259,7 @@ def own_directory(path: Path, what: str, root_mode: int) -> None:
     under directories only root can rename things in (as sshd's StrictModes): otherwise another user
     could swap it, or a parent, for a link under root's feet."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC)
+        fd = os.open(path, DIR_NOFOLLOW)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(path):
             raise DiskkitError(f"{what} {path}", NOFOLLOW) from None

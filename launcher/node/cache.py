@@ -40,6 +40,7 @@ from typing import Iterator
 
 from diskkit.errors import DiskkitError
 from diskkit.streams.fsutil import fsync_dir, write_atomic
+from launcher.hostfs.dirfd import DIR_NOFOLLOW
 
 
 def default_root() -> Path:
@@ -151,7 +152,7 @@ class Cache:
             path.mkdir(mode=0o700, parents=not sub)
         except FileExistsError:
             return
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        fd = os.open(path, DIR_NOFOLLOW)
         try:
             mode = self.modes[sub]
             if self.privileged and sub in QEMU_READS:

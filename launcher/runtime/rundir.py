@@ -32,12 +32,11 @@ import stat
 from pathlib import Path
 
 from diskkit.errors import DiskkitError
-from launcher.hostfs.dirfd import NOFOLLOW
+from launcher.hostfs.dirfd import DIR_NOFOLLOW, NOFOLLOW
 from launcher.volumes.filesystems import SHARES_DIR
 
 TRAVERSE = 0o710  # root's directories: qemu's group may pass through, nothing more
 CONSOLE_LOG = "console.log"
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def create(run_dir: Path) -> Path:
@@ -45,7 +44,7 @@ def create(run_dir: Path) -> Path:
     removed just before) is refused, never reused."""
     try:
         os.mkdir(run_dir, 0o700)
-        fd = os.open(run_dir, _DIR_FLAGS)
+        fd = os.open(run_dir, DIR_NOFOLLOW)
     except OSError as exc:
         raise DiskkitError(run_dir, f"cannot be made afresh ({exc.strerror}); a VM's run directory is always new") from None
     try:
@@ -60,7 +59,7 @@ def open_to_qemu(run_dir: Path, owner: tuple[int, int]) -> None:
     if os.geteuid() != 0:
         return
     try:
-        fd = os.open(run_dir, _DIR_FLAGS)
+        fd = os.open(run_dir, DIR_NOFOLLOW)
     except OSError as exc:
         raise DiskkitError(run_dir, f"cannot be opened as a directory ({exc.strerror}; a symbolic link is not followed)") from None
     try:
@@ -77,7 +76,7 @@ def traversable_dir(path: Path, owner: tuple[int, int]) -> Path:
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
         if os.geteuid() == 0:
-            fd = os.open(path, _DIR_FLAGS)
+            fd = os.open(path, DIR_NOFOLLOW)
             try:
                 _root_dir(fd, path, owner)
             finally:
@@ -110,7 +109,7 @@ def _hand_over(dirfd: int, path: Path, owner: tuple[int, int]) -> None:
     for name in sorted(os.listdir(dirfd)):
         st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
         if stat.S_ISDIR(st.st_mode):
-            child = os.open(name, _DIR_FLAGS, dir_fd=dirfd)
+            child = os.open(name, DIR_NOFOLLOW, dir_fd=dirfd)
             try:
                 if path.name == SHARES_DIR:
                     _give_share_tree(child, path / name, owner)
@@ -137,7 +136,7 @@ def _give_share_tree(dirfd: int, path: Path, owner: tuple[int, int], top: bool =
     for name in sorted(os.listdir(dirfd)):
         st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
         if stat.S_ISDIR(st.st_mode):
-            child = os.open(name, _DIR_FLAGS, dir_fd=dirfd)
+            child = os.open(name, DIR_NOFOLLOW, dir_fd=dirfd)
             try:
                 _give_share_tree(child, path / name, owner, top=False)
             finally:

@@ -20,6 +20,7 @@ import stat
 from pathlib import Path
 
 from diskkit.errors import DiskkitError
+from launcher.hostfs.dirfd import DIR_NOFOLLOW, give
 from launcher.spec.k8s import network_disk, resolve_claim
 from launcher.spec.vmi import Volume
 from launcher.volumes import gendisks
@@ -78,7 +79,7 @@ def give_share(path: Path, owner: tuple[int, int], where: str) -> None:
     directory of root's, as KubeVirt's fsGroup does a claim), mode SHARE_MODE. Another user's
     directory is refused: virtiofsd, which sees the guest's memory, runs as the qemu user only."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, DIR_NOFOLLOW)
     except OSError as exc:
         raise DiskkitError(where, f"shared directory {path} cannot be opened ({exc.strerror}; a symbolic link is not followed)") from None
     try:
@@ -87,9 +88,7 @@ def give_share(path: Path, owner: tuple[int, int], where: str) -> None:
             if st.st_uid != 0 or os.geteuid() != 0:
                 raise DiskkitError(where, f"shared directory {path} belongs to uid {st.st_uid}; virtiofsd serves it as uid {owner[0]}"
                                           " (the qemu user), so it must belong to that user" + (" or to root" if os.geteuid() == 0 else ""))
-            os.fchown(fd, *owner)
-        if stat.S_IMODE(st.st_mode) != SHARE_MODE:
-            os.fchmod(fd, SHARE_MODE)
+        give(fd, owner if st.st_uid != owner[0] else None, SHARE_MODE if stat.S_IMODE(st.st_mode) != SHARE_MODE else None)
     except OSError as exc:
         raise DiskkitError(where, f"shared directory {path} cannot be given to uid {owner[0]} ({exc.strerror})") from None
     finally:
