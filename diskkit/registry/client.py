@@ -39,6 +39,8 @@ MAX_MANIFEST_BYTES = 4 << 20  # MaxManifestBodySize, the limit distribution itse
 MAX_SIGNATURE_BYTES = 4 << 20  # MaxSignatureBodySize and MaxSignatureListBodySize
 MAX_TOKEN_BYTES = 1 << 20  # MaxAuthTokenBodySize
 MAX_ERROR_BYTES = 1 << 20  # MaxErrorBodySize: every other answer (errors, upload status, /v2/) is read up to this
+# A redirect requests will not follow (another scheme, a malformed or endless one): never retried.
+REDIRECT_REFUSALS = (requests.exceptions.InvalidSchema, requests.exceptions.InvalidURL, requests.exceptions.TooManyRedirects)
 USER_AGENT = "diskkit/0.1"
 _CHALLENGE_PARAM = re.compile(r'(\w+)="([^"]*)"|(\w+)=([^\s,]+)')
 
@@ -226,7 +228,7 @@ class Registry:
                 else:
                     auth = (creds.username, creds.password) if creds else None
                     response = self.session.get(realm, params=query, auth=auth, timeout=self.opts.timeout, verify=self.session.verify, stream=True)
-            except (requests.exceptions.InvalidSchema, requests.exceptions.InvalidURL, requests.exceptions.TooManyRedirects) as exc:
+            except REDIRECT_REFUSALS as exc:
                 raise RegistryError(self.host, f"token service {realm}: {refusal(exc)}") from None
             except requests.exceptions.RequestException as exc:
                 if attempt == self.opts.retries:
@@ -289,7 +291,7 @@ class Registry:
                 response = self._send(method, url, all_headers, body)
             except requests.exceptions.SSLError as exc:
                 raise RegistryError(self.host, f"TLS error ({failure_reason(exc)})") from None
-            except (requests.exceptions.InvalidSchema, requests.exceptions.InvalidURL, requests.exceptions.TooManyRedirects) as exc:
+            except REDIRECT_REFUSALS as exc:
                 raise RegistryError(self.host, f"{what or method}: {refusal(exc)}") from None
             except ValueError:  # urllib's own parsing of a Location requests could not make sense of
                 raise RegistryError(self.host, f"{what or method}: redirected to an invalid URL; refused") from None
