@@ -144,17 +144,19 @@ class _Checked(io.RawIOBase):
         return True
 
     def read(self, size: int = -1) -> bytes:
+        return self._checked(self._inner.read, size)
+
+    def readinto(self, buf) -> int:
+        # Straight into the caller's buffer, as the decompressor would without this wrapper: no copy added.
+        return self._checked(self._inner.readinto, buf)
+
+    def _checked(self, call, arg):
         try:
-            return self._inner.read(size)
+            return call(arg)
         except DiskkitError:
             raise
         except self._errors as exc:
             raise DiskkitError(self._where, f"{self._kind} stream cannot be decompressed ({exc or type(exc).__name__}); refused") from None
-
-    def readinto(self, buf) -> int:
-        data = self.read(len(buf))
-        buf[: len(data)] = data
-        return len(data)
 
     def close(self) -> None:
         try:
