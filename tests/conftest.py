@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import shutil
 import subprocess
@@ -29,6 +30,21 @@ def pytest_sessionstart(session):
     missing = [tool for tool in REQUIRED_TOOLS if shutil.which(tool) is None]
     if missing:
         raise pytest.UsageError(f"tools missing for the test suite: {', '.join(missing)} (run .ci/run or scripts/setup.sh)")
+
+
+# Tests that boot a guest (qemu under TCG, through libvirt or not) are the slow part of the suite:
+# `-m 'not vm'` runs the rest in a few minutes. A test is one when it asks for a fixture that gives it
+# a VM host, or calls qemu itself.
+VM_FIXTURES = {"qemu_user", "session_user", "root_side", "daemon", "pod_image"}
+VM_CALLS = ("boot_qemu(",)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        function = getattr(item, "function", None)
+        source = inspect.getsource(function) if function is not None else ""
+        if VM_FIXTURES & set(getattr(item, "fixturenames", ())) or any(call in source for call in VM_CALLS):
+            item.add_marker(pytest.mark.vm)
 
 
 @dataclass
