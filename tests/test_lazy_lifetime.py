@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run, run_diskkit
+from tests.distribution import start_registry
 from tests.faultproxy import Fault
 from tests.lazyhost import QEMU_UID, control, disk_server, export_status, open_export, random_disk, wait_for
 
@@ -186,7 +187,7 @@ def test_an_announced_client_is_not_waited_for_once_the_run_that_announced_it_is
         assert opener.returncode == 0, opener.stderr
         code = server.wait(timeout=120)  # once the disk is fetched: nothing holds it
     assert code == 0
-    assert "idle for 1 s with nothing left to fetch: exiting" in server_log(cache), server_log(cache)
+    assert "idle for 1 s and nothing is left to fetch: exiting" in server_log(cache), server_log(cache)
 
 
 def test_run_timeout_holds_while_the_registry_keeps_it_preparing(registry, fault_proxy, guest_image, qemu_user):
@@ -198,3 +199,36 @@ def test_run_timeout_holds_while_the_registry_keeps_it_preparing(registry, fault
     assert result.err.strip() == ("launcher: default_stuck-prep: not started within --timeout 8 s (pulling, serving or starting it); "
                                   "nothing was left"), result.err
     assert not (qemu_user.cache / "run" / "default_stuck-prep").exists()
+
+
+@pytest.mark.parametrize("gone", ["stopped", "503"])
+def test_an_idle_server_gives_up_a_fill_whose_registry_is_gone_and_exits(tmp_path, fault_proxy, gone):
+    """The registry goes away while the background fill is half done and no VM reads: the server
+    records why in the export's state.json and exits within its fetch timeout (plus one fetch's
+    retries) and its idle time. Before, it retried forever (found alive 15 minutes later,
+    `lastFailure: null` in its state)."""
+    own = start_registry(tmp_path / "registry")  # this test stops it
+    try:
+        guest_raw = random_disk(tmp_path / "guest-32m.img", 32 * MIB, seed=11)
+        image = f"{own.host}/lifetime/guest:gone"
+        assert run_diskkit("build", NOREG, "--lazy", guest_raw, "-t", image).code == 0
+        proxy = fault_proxy(own)
+        cache = tmp_path / "cache"
+        cache.mkdir()
+        with disk_server(cache, "--exit-when-idle", "1", "--prefetch-rate", "1M", "--fetch-timeout", "6") as server:
+            answer = open_export(cache, image.replace(own.host, proxy.host))
+            run("qemu-io", "-r", "-f", "raw", "-c", "read 0 1M", answer["url"])  # the VM that came and went
+            wait_for(lambda: export_status(cache, answer["export"])["present"] >= 2, 60, "the fill to start")
+            if gone == "stopped":
+                own.stop()
+            else:
+                proxy.add(Fault("GET", r"/blobs/sha256:", "status", times=100000, arg=503))
+            code = server.wait(timeout=120)
+    finally:
+        own.stop()
+    assert code == 0, server_log(cache)
+    state = json.loads((cache / "lazy" / answer["export"] / "state.json").read_text())
+    assert not state["installed"] and state["present"] < state["chunks"]
+    assert "giving up the rest" in state["abandoned"], state
+    assert "no VM is reading and the fill has not moved for" in server_log(cache)
+    assert "its last VM is gone and the rest of a disk was given up: exiting" in server_log(cache), server_log(cache)

@@ -423,6 +423,10 @@ class LazyDisk:
         self.verified = threading.Event()
         self.failed: str | None = None
         self.last_failure: str | None = None  # the registry's last refusal, while it lasts: told to VMs that pause
+        self.progress_at = time.monotonic()  # the last fetch that brought chunks
+        # Why an idle server stopped waiting for the rest (no VM reading, the registry failing for a
+        # whole fetch timeout): the fill is not busy any more, so the server may go; a VM connecting clears it.
+        self.abandoned: str | None = None
         self.installed: Path | None = None
         self.cursor = 0
         self.demand_active = 0  # fetches a reader waits for: prefetching stands back meanwhile
@@ -540,6 +544,20 @@ class LazyDisk:
     def touch(self) -> None:
         """A client connected: a VM is starting, and its boot needs the CPU more than the prefetch."""
         self.last_touch = self.last_read = time.monotonic()
+        self.abandoned = None
+
+    def stalled_for(self) -> float:
+        """Seconds since a fetch last brought chunks (or since the export opened)."""
+        return time.monotonic() - self.progress_at
+
+    def abandon(self, reason: str) -> None:
+        """An idle server gives up on the rest: recorded in state.json, and the export no longer holds it."""
+        self.abandoned = reason
+        log.warning("%s: %s", self.name, reason)
+        try:
+            self._save(force=True)
+        except (OSError, DiskkitError) as exc:
+            log.warning("%s: state not saved: %s", self.name, exc)
 
     def _window(self) -> tuple[tuple[int, int], ...]:
         """The chunk ranges [start, end) prefetching may claim now, in order: all of them from the
@@ -670,9 +688,11 @@ class LazyDisk:
         except DiskkitError as exc:
             self.stats.failed_fetches += 1
             self.last_failure = exc.line()
+            self.dirty = True  # state.json tells why the fill is not moving
             log.warning("%s: chunks %d-%d not fetched: %s", self.name, first, end - 1, exc.line())
             return False
         self.last_failure = None
+        self.progress_at = time.monotonic()
         view = memoryview(data)
         good: list[int] = []
         bad: list[int] = []
@@ -913,13 +933,15 @@ class LazyDisk:
             "installed": str(self.installed) if self.installed else None,
             "failed": self.failed,
             "lastFailure": self.last_failure,
+            "abandoned": self.abandoned,
             "stats": asdict(self.stats),
         }
 
     @property
     def busy(self) -> bool:
         """Still fetching or verifying: a server waiting to exit when idle waits for this too."""
-        return self.failed is None and self.installed is None and (not self.verified.is_set() or self._completing)
+        return (self.failed is None and self.abandoned is None and self.installed is None
+                and (not self.verified.is_set() or self._completing))
 
 
 def record(cache: Cache, ref: Ref, final: Path) -> None:

@@ -467,20 +467,32 @@ class DiskServer:
         if self.connections:
             self.last_activity = now
             return None
-        if any(getattr(export, "busy", False) for export in self.listing()):
-            return None
         with self.lock:
             for name in list(self.awaiting):
                 self.awaiting[name] = [(d, pid) for d, pid in self.awaiting[name] if d > now and _alive(pid)]
             if any(self.awaiting.values()):
                 return None
             served = self.served
+        for export in self.listing():
+            if not getattr(export, "busy", False):
+                continue
+            # With no VM reading, a fill that has not moved for a whole fetch timeout is given up (a VM's
+            # read would have failed by then too): a server whose registry is gone is not held by
+            # retries forever, and outlives its last VM by at most that plus its idle time. The next
+            # open starts the fill again.
+            stalled = export.stalled_for()
+            if stalled < export.opts.fetch_timeout:
+                return None
+            export.abandon(f"no VM is reading and the fill has not moved for {stalled:.0f} s "
+                           f"({export.last_failure or 'the registry does not answer'}): giving up the rest")
         limit = self.opts.exit_when_idle or 0
         if served:
             limit = min(limit, GRACE)  # the VMs it was started for came and went: no need to linger
         if now - self.last_activity < limit:
             return None
-        return "its last VM is gone and nothing is left to fetch" if served else f"idle for {limit:g} s with nothing left to fetch"
+        rest = ("the rest of a disk was given up" if any(getattr(e, "abandoned", None) for e in self.listing())
+                else "nothing is left to fetch")
+        return f"its last VM is gone and {rest}" if served else f"idle for {limit:g} s and {rest}"
 
     def cache_gone(self) -> bool:
         """The cache directory was deleted (or replaced) under the server: nothing it holds is reachable."""
