@@ -209,7 +209,7 @@ def test_kernel_boot_and_a_custom_path_from_a_three_layer_lazy_image(tmp_path, q
     fetched = proxy.sent[f"/v2/layers/boot/blobs/{lazy_layer['digest']}"]
     assert fetched < lazy_layer["size"] // 2, (fetched, lazy_layer["size"])
     # Read whole once by the server, for the disk (its headers are part of the image's filesystem), and
-    # kept for both files (launcher.diskserver.lazydisk.SmallBlobs).
+    # kept for both files (launcher.diskserver.blobranges.SmallBlobs).
     assert proxy.sent[f"/v2/layers/boot/blobs/{kernel_blob['digest']}"] == kernel_blob["size"]
     # In the cache where a pull installs it: the file of the layer that holds it, keyed (layer, member).
     installed = Cache(cache).disk_dir(kernel_blob["digest"], "boot/vmlinuz") / "disk.img"
@@ -290,7 +290,7 @@ def test_a_kernel_no_toc_digest_pins_is_pulled_whole(tmp_path, registry, fault_p
 
 
 def test_small_blobs_keep_the_latest_within_their_bound():
-    from launcher.diskserver.lazydisk import SmallBlobs
+    from launcher.diskserver.blobranges import SmallBlobs
 
     small = SmallBlobs(limit=10)
     small.put("sha256:a", b"aaaa")

@@ -414,7 +414,7 @@ def test_an_export_identity_holds_everything_that_pins_its_bytes():
     """What differs between two opens of one layer digest makes two exports (pure)."""
     from dataclasses import replace
 
-    from launcher.diskserver.lazydisk import Layout
+    from launcher.diskserver.layout import Layout
 
     pinned = Layout("reg.example", "a/b", "sha256:" + "1" * 64, 10 << 20, "disk/disk.img", 1536, 4 << 20, 1 << 20,
                     tuple("a" * 64 for _ in range(4)), toc="sha256:" + "2" * 64, around="sha256:" + "3" * 64)

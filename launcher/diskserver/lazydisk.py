@@ -1,8 +1,8 @@
 """A containerDisk read at offsets straight from its registry blob: the chunk store behind a lazy export.
 
 The disk of a seekable image (found in the image's layers by imagewalk) lies in its layer's blob at
-a fixed offset (v1, uncompressed) or as one gzip member per chunk (v2, see diskkit.lazytoc). Reads fetch the chunks they touch with HTTP
-range requests, through the registry client (auth, TLS, retries), inflating v2 members one by one;
+a fixed offset (v1, uncompressed) or as one gzip member per chunk (v2, see diskkit.lazytoc). Reads fetch the chunks they touch from the
+blob's ranges (launcher.diskserver.blobranges; where they lie: launcher.diskserver.layout), inflating v2 members one by one;
 background threads prefetch the rest. Each chunk lands in a sparse
 file in the node cache and is marked in a bitmap that is persisted after the data is synced, so a
 restarted server resumes where it stopped.
@@ -36,24 +36,18 @@ import secrets
 import shutil
 import threading
 import time
-from dataclasses import asdict, dataclass, fields
-from functools import cached_property
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import requests
-import urllib3
-
-from diskkit.disk.containerdisk import locate
-from diskkit.errors import AuthError, DiskkitError, RegistryError
+from diskkit.errors import DiskkitError
 from diskkit.layers import lazytoc
-from diskkit.oci.image import Image
-from diskkit.oci.mediatypes import layer_compression
 from diskkit.ops.verify import DiskFacts, disk_problems
-from diskkit.registry.client import Registry, failure_reason, get_blob, retry_after
 from diskkit.streams.fsutil import write_atomic
 from launcher.diskserver import imagewalk
-from launcher.diskserver.exportid import ExportId, around_digest, pins_digest
-from launcher.diskserver.imagewalk import NotSeekable, inflate_all
+from launcher.diskserver.blobranges import BlobRanges
+from launcher.diskserver.exportid import around_digest
+from launcher.diskserver.imagewalk import inflate_all
+from launcher.diskserver.layout import Layout
 from launcher.diskserver.nbd import NbdError
 from launcher.node.cache import Cache
 
@@ -72,268 +66,6 @@ GUEST_BUSY = 3.0  # a guest that read this recently is working: the rest of the 
 BOOT_HOLD = 20.0  # ... as it does for this long after a VM was announced or connected (a kernel boots without reading)
 SAVE_INTERVAL = 1.0
 VERIFY_ATTEMPTS = 3
-
-
-# --- range reads ---------------------------------------------------------------------------------
-
-class BlobRanges:
-    """Byte ranges of one registry blob, resumed after dropped connections as ResumableBlob does."""
-
-    def __init__(self, registry: Registry, repository: str, digest: str, size: int):
-        self.registry = registry
-        self.repository = repository
-        self.digest = digest
-        self.size = size
-        self.requests = 0
-        self.stop = threading.Event()  # set when the server stops: no more waiting between retries
-
-    def read(self, start: int, length: int) -> bytes:
-        if start < 0 or start + length > self.size:
-            raise ValueError(f"range {start}+{length} outside a {self.size}-byte blob")
-        buf = bytearray(length)
-        view = memoryview(buf)
-        got = 0
-        failures = 0
-        while got < length:
-            try:
-                got = self._read_into(view, start, got, length)
-            except AuthError:
-                raise
-            except (RegistryError, requests.exceptions.RequestException, urllib3.exceptions.HTTPError, OSError) as exc:
-                if failures >= self.registry.opts.retries:
-                    if isinstance(exc, RegistryError):
-                        raise
-                    raise RegistryError(self.registry.host, f"blob {self.digest[:19]} range at {start + got} kept failing ({failure_reason(exc)})") from None
-                if self.stop.wait(retry_after(None, failures, self.registry.opts)):
-                    raise RegistryError(self.registry.host, f"blob {self.digest[:19]}: the server is stopping") from None
-                failures += 1
-        return bytes(buf)
-
-    def _read_into(self, view: memoryview, start: int, got: int, length: int) -> int:
-        first, last = start + got, start + length - 1
-        self.requests += 1
-        response = get_blob(self.registry, self.repository, self.digest, first, last)
-        try:
-            while got < length:
-                piece = response.raw.read(min(length - got, 1 << 20))
-                if not piece:
-                    raise RegistryError(self.registry.host, f"blob {self.digest[:19]} range ended early at byte {start + got}")
-                view[got : got + len(piece)] = piece
-                got += len(piece)
-            return got
-        finally:
-            response.close()
-
-
-class KnownRanges:
-    """A blob's ranges, some already in the node cache (an export's head and tail): those are read
-    from there, not fetched again. Exact pieces only, as imagewalk asks for them."""
-
-    def __init__(self, ranges: BlobRanges, known: dict[tuple[int, int], Path]):
-        self.ranges, self.size, self.known = ranges, ranges.size, known
-
-    def read(self, start: int, length: int) -> bytes:
-        path = self.known.get((start, length))
-        if path is not None:
-            try:
-                data = path.read_bytes()
-            except OSError:
-                data = b""  # installed meanwhile: its head and tail are gone
-            if len(data) == length:
-                return data
-        return self.ranges.read(start, length)
-
-
-class SmallBlobs:
-    """The last small blobs read whole (the layers imagewalk verifies and uses at once), so that a VM's
-    disk and its kernelBoot files, looked up one after the other in the same image, fetch them once.
-    Only blobs that match their digest are kept; whoever uses them checks digest and diffID again."""
-
-    def __init__(self, limit: int = imagewalk.MAX_SMALL_LAYER // 2):
-        self.limit = limit
-        self.blobs: dict[str, bytes] = {}  # insertion order: the oldest goes first
-        self.lock = threading.Lock()
-
-    def ranges(self, ranges: BlobRanges | KnownRanges) -> "RememberedRanges":
-        return RememberedRanges(ranges, self)
-
-    def get(self, digest: str) -> bytes | None:
-        with self.lock:
-            return self.blobs.get(digest)
-
-    def put(self, digest: str, data: bytes) -> None:
-        if len(data) > self.limit:
-            return
-        with self.lock:
-            self.blobs.pop(digest, None)
-            self.blobs[digest] = data
-            while sum(map(len, self.blobs.values())) > self.limit:
-                del self.blobs[next(iter(self.blobs))]
-
-
-class RememberedRanges:
-    """A blob's ranges where a read of the whole blob is answered from, and kept in, SmallBlobs."""
-
-    def __init__(self, ranges: BlobRanges | KnownRanges, small: SmallBlobs):
-        self.ranges, self.small, self.size = ranges, small, ranges.size
-        self.digest = ranges.ranges.digest if isinstance(ranges, KnownRanges) else ranges.digest
-
-    def read(self, start: int, length: int) -> bytes:
-        if (start, length) != (0, self.size):
-            return self.ranges.read(start, length)
-        data = self.small.get(self.digest)
-        if data is None or len(data) != length:
-            data = self.ranges.read(start, length)
-            # Kept only when it is the blob its digest names: what one image's registry answered
-            # under another image's layer digest must not be what that image is then answered with.
-            if "sha256:" + hashlib.sha256(data).hexdigest() == self.digest:
-                self.small.put(self.digest, data)
-        return data
-
-
-# --- where the disk is -----------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Layout:
-    """Where a disk lies in its layer blob, and how its chunks are checked."""
-
-    registry: str
-    repository: str
-    layer: str
-    layer_size: int
-    member: str
-    offset: int
-    size: int
-    chunk_size: int
-    chunks: tuple[str, ...] | None  # sha256 per chunk from the TOC; None: only the blob digest checks
-    members: tuple[tuple[int, int], ...] | None = None  # v2: each chunk's gzip member in the blob; `offset` is then in the tar
-    diff_id: str | None = None  # v2: the config's diffID, checked once the disk is complete (v1: the blob is its own)
-    member_digests: tuple[str, ...] | None = None  # v2: digest per chunk's gzip member as stored; then `chunks` is None
-    member_hash: str = "sha256"  # which hash member_digests are (lazytoc.MEMBER_PINS); source.json written before it held sha256
-    toc: str | None = None  # the lazy TOC's digest, from the layer's annotation
-    around: str | None = None  # digest of the blob's bytes before and after the chunks (exportid.around_digest)
-
-    @property
-    def pinned(self) -> bool:
-        """Each chunk has a digest of its own in the TOC, checked before it is served."""
-        return self.chunks is not None or self.member_digests is not None
-
-    @cached_property
-    def identity(self) -> ExportId:
-        """What the export serves is pinned by (launcher.diskserver.exportid): opens share it only when they agree on it all."""
-        if self.member_digests is not None:
-            pins = pins_digest(f"member-{self.member_hash}", self.member_digests)
-        elif self.chunks is not None:
-            pins = pins_digest("chunk-sha256", self.chunks)
-        else:
-            pins = None
-        return ExportId(self.layer, self.layer_size, self.member, self.offset, self.size, self.chunk_size, self.toc, pins,
-                        self.diff_id, self.around or "", None if pins is not None else (self.registry, self.repository))
-
-    @property
-    def name(self) -> str:
-        return self.identity.name
-
-    def chunk_range(self, index: int) -> tuple[int, int]:
-        """Disk byte range [start, end) of chunk `index`."""
-        start = index * self.chunk_size
-        return start, min(start + self.chunk_size, self.size)
-
-    @property
-    def data_start(self) -> int:
-        """Where the chunks' bytes begin in the blob; head is the blob before, tail after data_end."""
-        return self.members[0][0] if self.members else self.offset
-
-    @property
-    def data_end(self) -> int:
-        return sum(self.members[-1]) if self.members else self.offset + self.size
-
-    @property
-    def count(self) -> int:
-        return -(-self.size // self.chunk_size)
-
-    def to_json(self) -> dict:
-        # Not asdict: its deep copy of thousands of members and digests cost a VM's start 8 ms.
-        return {**{f.name: getattr(self, f.name) for f in fields(self)}, "chunks": list(self.chunks) if self.chunks is not None else None,
-                "members": [list(m) for m in self.members] if self.members is not None else None,
-                "member_digests": list(self.member_digests) if self.member_digests is not None else None}
-
-    @classmethod
-    def from_json(cls, obj: dict) -> "Layout":
-        chunks, members, pins = obj.get("chunks"), obj.get("members"), obj.get("member_digests")
-        return cls(**{**obj, "chunks": tuple(chunks) if chunks is not None else None,
-                      "members": tuple((int(o), int(n)) for o, n in members) if members is not None else None,
-                      "member_digests": tuple(pins) if pins is not None else None})
-
-
-@dataclass(frozen=True)
-class Found:
-    """A disk located for lazy reads, and (v2) the blob's bytes around its chunks, already fetched."""
-
-    layout: Layout
-    head: bytes | None = None
-    tail: bytes | None = None
-
-
-def find_layout(image: Image, ranges_for, registry_host: str, repository: str, path: str | None, shown: str) -> Found:
-    """Locate the disk with KubeVirt's rules in the image's final filesystem (every layer applied,
-    whiteouts included) and where its layer holds it; `ranges_for(descriptor)` reads a blob's bytes.
-
-    Raises NotSeekable for images that must be pulled whole, DiskkitError for images `launcher pull`
-    would refuse too, with its words."""
-    if not image.layers:
-        raise NotSeekable(shown, "has no layers")
-    if not any(_lazy_capable(layer) for layer in image.layers):
-        kinds = sorted({layer_compression(layer.media_type) or layer.media_type for layer in image.layers})
-        raise NotSeekable(shown, f"its layer{'s are' if len(image.layers) > 1 else ' is'} {'/'.join(kinds)}-compressed; build it with --lazy or --compression none")
-    walked = imagewalk.walk(image, ranges_for, shown)
-    found = locate(walked.tree, path, allow_root_file=path is None)
-    # UID 107's access included, as `launcher pull` and `diskkit verify` (diskkit.disk.containerdisk):
-    # qemu in virt-launcher would fail on the file with Permission denied.
-    blocking = walked.tree.findings + found.problems
-    if found.node is None or blocking:
-        raise DiskkitError(shown, "; ".join(blocking) or f"{found.shown}: not found in the image")
-    index, member = found.node.layer, found.node.path
-    layer = image.layers[index]
-    if walked.verified(index):
-        raise NotSeekable(shown, f"the disk {found.shown} is in layer {index}, which is neither lazy nor uncompressed")
-    unverified = sorted((walked.ranged | set(walked.lazy)) - {index})
-    if unverified:
-        # Their headers shaped the tree KubeVirt's rules just read, and nothing will ever check them.
-        raise NotSeekable(shown, f"layer {unverified[0]} is read at offsets but does not hold the disk (layer {index} does)")
-    offset, size = walked.data_at[(index, member)]
-    if size == 0:
-        raise DiskkitError(shown, f"{found.shown} is empty")
-    where = f"{shown}: layer {layer.digest[:19]}"
-    lazy = walked.lazy.get(index)
-    toc = walked.tocs.get(index)
-    chunk_size, chunks, pins, pin_hash = lazytoc.chunk_size_for(size), None, None, "sha256"
-    if toc is not None:
-        if (toc.disk, toc.offset, toc.size) != (member, offset, size):
-            raise DiskkitError(where, f"the lazy TOC describes /{toc.disk} at {toc.offset}+{toc.size}, but the layer holds /{member} at {offset}+{size}")
-        chunk_size, chunks, pins, pin_hash = toc.chunk_size, toc.chunks, toc.member_digests, toc.member_hash
-    v2 = lazy is not None
-    data_start, data_end = (toc.members[0][0], sum(toc.members[-1])) if v2 else (offset, offset + size)
-    besides = layer.size - (data_end - data_start)
-    if besides > imagewalk.MAX_HEAD_TAIL:
-        raise NotSeekable(shown, f"its layer holds {besides} bytes besides the disk")
-    if v2:
-        head, tail = lazy.head, lazy.tail
-    else:
-        # Fetched now, not when the export is made: their digest is part of what the export is.
-        ranges = ranges_for(layer)
-        head, tail = ranges.read(0, data_start), ranges.read(data_end, layer.size - data_end)
-    loc = lazytoc.location(layer, where) if toc is not None else None
-    layout = Layout(registry_host, repository, layer.digest, layer.size, member, offset, size, chunk_size, chunks,
-                    toc.members if v2 else None, image.diff_ids[index] if v2 else None, pins, pin_hash,
-                    loc.digest if loc is not None else None, around_digest(head, tail))
-    return Found(layout, head, tail)
-
-
-def _lazy_capable(layer) -> bool:
-    """A layer whose disk could be read at offsets: lazy gzip (a TOC) or uncompressed."""
-    kind = layer_compression(layer.media_type)
-    return kind == "none" or (kind == "gzip" and lazytoc.ANNOTATION_TOC_DIGEST in (layer.annotations or {}))
 
 
 # --- the chunk store -------------------------------------------------------------------------------

@@ -56,21 +56,10 @@ from launcher.diskserver.control import (
     serve_dir,
     socket_path,
 )
-from launcher.diskserver.lazydisk import (
-    BlobRanges,
-    Found,
-    InstalledDisk,
-    KnownRanges,
-    Layout,
-    LazyDisk,
-    NotSeekable,
-    Options,
-    Ref,
-    RememberedRanges,
-    SmallBlobs,
-    find_layout,
-    record,
-)
+from launcher.diskserver.blobranges import BlobRanges, KnownRanges, RememberedRanges, SmallBlobs
+from launcher.diskserver.imagewalk import NotSeekable
+from launcher.diskserver.layout import Found, Layout, find_layout
+from launcher.diskserver.lazydisk import InstalledDisk, LazyDisk, Options, Ref, record
 from launcher.diskserver.lazyfiles import take_files
 from launcher.diskserver.qemuid import launcher_group, system_qemu_gid
 from launcher.hostfs.dirfd import own_directory

@@ -1,0 +1,134 @@
+"""Byte ranges of a registry blob, the source every lazy export's chunks come from: fetched with HTTP
+range requests through the registry client (auth, TLS, retries, resumed after dropped connections),
+pieces the node already holds read from the cache, and small blobs remembered for the next export
+of the same image. What the bytes must hash to is the export's business (launcher.diskserver.lazydisk),
+not this module's."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from pathlib import Path
+
+import requests
+import urllib3
+
+from diskkit.errors import AuthError, RegistryError
+from diskkit.registry.client import Registry, failure_reason, get_blob, retry_after
+from launcher.diskserver import imagewalk
+
+
+class BlobRanges:
+    """Byte ranges of one registry blob, resumed after dropped connections as ResumableBlob does."""
+
+    def __init__(self, registry: Registry, repository: str, digest: str, size: int):
+        self.registry = registry
+        self.repository = repository
+        self.digest = digest
+        self.size = size
+        self.requests = 0
+        self.stop = threading.Event()  # set when the server stops: no more waiting between retries
+
+    def read(self, start: int, length: int) -> bytes:
+        if start < 0 or start + length > self.size:
+            raise ValueError(f"range {start}+{length} outside a {self.size}-byte blob")
+        buf = bytearray(length)
+        view = memoryview(buf)
+        got = 0
+        failures = 0
+        while got < length:
+            try:
+                got = self._read_into(view, start, got, length)
+            except AuthError:
+                raise
+            except (RegistryError, requests.exceptions.RequestException, urllib3.exceptions.HTTPError, OSError) as exc:
+                if failures >= self.registry.opts.retries:
+                    if isinstance(exc, RegistryError):
+                        raise
+                    raise RegistryError(self.registry.host, f"blob {self.digest[:19]} range at {start + got} kept failing ({failure_reason(exc)})") from None
+                if self.stop.wait(retry_after(None, failures, self.registry.opts)):
+                    raise RegistryError(self.registry.host, f"blob {self.digest[:19]}: the server is stopping") from None
+                failures += 1
+        return bytes(buf)
+
+    def _read_into(self, view: memoryview, start: int, got: int, length: int) -> int:
+        first, last = start + got, start + length - 1
+        self.requests += 1
+        response = get_blob(self.registry, self.repository, self.digest, first, last)
+        try:
+            while got < length:
+                piece = response.raw.read(min(length - got, 1 << 20))
+                if not piece:
+                    raise RegistryError(self.registry.host, f"blob {self.digest[:19]} range ended early at byte {start + got}")
+                view[got : got + len(piece)] = piece
+                got += len(piece)
+            return got
+        finally:
+            response.close()
+
+
+class KnownRanges:
+    """A blob's ranges, some already in the node cache (an export's head and tail): those are read
+    from there, not fetched again. Exact pieces only, as imagewalk asks for them."""
+
+    def __init__(self, ranges: BlobRanges, known: dict[tuple[int, int], Path]):
+        self.ranges, self.size, self.known = ranges, ranges.size, known
+
+    def read(self, start: int, length: int) -> bytes:
+        path = self.known.get((start, length))
+        if path is not None:
+            try:
+                data = path.read_bytes()
+            except OSError:
+                data = b""  # installed meanwhile: its head and tail are gone
+            if len(data) == length:
+                return data
+        return self.ranges.read(start, length)
+
+
+class SmallBlobs:
+    """The last small blobs read whole (the layers imagewalk verifies and uses at once), so that a VM's
+    disk and its kernelBoot files, looked up one after the other in the same image, fetch them once.
+    Only blobs that match their digest are kept; whoever uses them checks digest and diffID again."""
+
+    def __init__(self, limit: int = imagewalk.MAX_SMALL_LAYER // 2):
+        self.limit = limit
+        self.blobs: dict[str, bytes] = {}  # insertion order: the oldest goes first
+        self.lock = threading.Lock()
+
+    def ranges(self, ranges: BlobRanges | KnownRanges) -> "RememberedRanges":
+        return RememberedRanges(ranges, self)
+
+    def get(self, digest: str) -> bytes | None:
+        with self.lock:
+            return self.blobs.get(digest)
+
+    def put(self, digest: str, data: bytes) -> None:
+        if len(data) > self.limit:
+            return
+        with self.lock:
+            self.blobs.pop(digest, None)
+            self.blobs[digest] = data
+            while sum(map(len, self.blobs.values())) > self.limit:
+                del self.blobs[next(iter(self.blobs))]
+
+
+class RememberedRanges:
+    """A blob's ranges where a read of the whole blob is answered from, and kept in, SmallBlobs."""
+
+    def __init__(self, ranges: BlobRanges | KnownRanges, small: SmallBlobs):
+        self.ranges, self.small, self.size = ranges, small, ranges.size
+        self.digest = ranges.ranges.digest if isinstance(ranges, KnownRanges) else ranges.digest
+
+    def read(self, start: int, length: int) -> bytes:
+        if (start, length) != (0, self.size):
+            return self.ranges.read(start, length)
+        data = self.small.get(self.digest)
+        if data is None or len(data) != length:
+            data = self.ranges.read(start, length)
+            # Kept only when it is the blob its digest names: what one image's registry answered
+            # under another image's layer digest must not be what that image is then answered with.
+            if "sha256:" + hashlib.sha256(data).hexdigest() == self.digest:
+                self.small.put(self.digest, data)
+        return data
+
