@@ -29,6 +29,10 @@ class UploadLost(RegistryError):
     """The upload session cannot be resumed; the blob must be sent again from its first byte."""
 
 
+class NoSpace(DiskkitError):
+    """The filesystem being written to is full (or the user's quota is): nothing of the write is kept."""
+
+
 class ResumeFailed(DiskkitError):
     """A blob resumed from bytes an earlier download kept failed its checks; those bytes are
     gone, and the blob read again from its first byte may pass."""

@@ -8,6 +8,8 @@ common case reads each layer once.
 
 from __future__ import annotations
 
+import errno
+import os
 import posixpath
 import shutil
 import tarfile
@@ -15,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterable
 
-from diskkit.errors import DiskkitError
+from diskkit.errors import DiskkitError, NoSpace
 from diskkit.oci.image import Image
 from diskkit.oci.mediatypes import layer_compression
 from diskkit.streams.compression import decompressing_reader
@@ -204,6 +206,9 @@ def walk(
             except (OSError, EOFError, ValueError) as exc:
                 if isinstance(exc, DiskkitError):
                     raise
+                if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    # Not the layer's fault: said as what it is, so the fix (space) is the one tried.
+                    raise NoSpace(image.where, f"layer {index} ({desc.digest[:19]}): {os.strerror(exc.errno)} writing its files") from None
                 raise DiskkitError(image.where, f"layer {index} ({desc.digest[:19]}) cannot be decompressed: {exc}") from None
             finally:
                 for stage in (unpacked, decompressed, fetched):

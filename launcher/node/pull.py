@@ -14,11 +14,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from diskkit.disk.containerdisk import path_problem
-from diskkit.errors import DiskkitError, ResumeFailed
+from diskkit.errors import DiskkitError, NoSpace, ResumeFailed
 from diskkit.oci.image import Platform
 from diskkit.oci.reference import parse_ref
 from diskkit.ops.verify import DiskFacts, disk_problems, scan_image
 from diskkit.registry.options import RegistryOptions
+from diskkit.registry.partial import abandoned
 from diskkit.signing.options import TrustOptions
 from diskkit.signing.trust import enforce_source
 from diskkit.transports import open_source
@@ -85,6 +86,13 @@ def pull(
             if hit is None:
                 try:
                     hit = _extract(cache, source, image, shown, path, disk, ref_key)
+                except NoSpace as exc:
+                    # The bytes kept for a resume are what filled the filesystem: they go too, and the
+                    # user is told what to do rather than that a layer is broken.
+                    for leftover in abandoned(cache.partial_dir):
+                        leftover.unlink(missing_ok=True)
+                    raise NoSpace(exc.subject, f"{exc.rule} to the cache {cache.root}; nothing was kept: "
+                                                "free space there (launcher gc) and pull again") from None
                 except ResumeFailed:
                     # The kept bytes are gone with the failure: once more, every byte from the registry.
                     hit = _extract(cache, source, image, shown, path, disk, ref_key)
