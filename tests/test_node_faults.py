@@ -7,12 +7,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import launcher_command, run_diskkit
-from tests.lazyhost import random_disk
+from tests.distribution import start_registry
+from tests.faultproxy import Fault
+from tests.lazyhost import random_disk, wait_for
 
 NOREG = "--tls-verify=false"
 MIB = 1 << 20
@@ -50,3 +53,27 @@ def test_a_pull_into_a_full_cache_fails_in_one_line_and_keeps_nothing(tmp_path, 
     assert "No space left on device writing its files to the cache" in err and "free space there (launcher gc) and pull again" in err, err
     # Locks are empty files that cost nothing; no disk, staging or partial download is left.
     assert [f for f in left if not f.startswith("locks/")] == [], left
+
+
+def test_a_pull_rides_out_a_registry_restart(tmp_path, fault_proxy):
+    """The registry process stops while a pull waits on its layer and comes back seconds later (a
+    rolling update of the registry): the pull retries through it and installs the genuine disk."""
+    own = start_registry(tmp_path / "registry")
+    try:
+        disk = random_disk(tmp_path / "disk.img", 24 * MIB, seed=9)
+        image = f"{own.host}/faults/restart:v1"
+        assert run_diskkit("build", NOREG, "--no-lazy", disk, "-t", image).code == 0
+        proxy = fault_proxy(own)
+        proxy.add(Fault("GET", r"/blobs/sha256:", "stall", times=1, arg=3))  # the layer's request waits here
+        cache = tmp_path / "cache"
+        pull = subprocess.Popen(launcher_command("pull", NOREG, "--cache-dir", cache, image.replace(own.host, proxy.host)),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        wait_for(lambda: not proxy.pending, 60, "the pull to ask for its layer")
+        own.stop()
+        time.sleep(6)  # down past the stall: the proxy finds no registry behind it
+        own.start()
+        out, err = pull.communicate(timeout=120)
+    finally:
+        own.stop()
+    assert pull.returncode == 0, err
+    assert Path(out.strip().splitlines()[-1]).read_bytes() == disk.read_bytes()
