@@ -2,9 +2,12 @@
 
 Where no libvirtd runs as root (no systemd, socket activation off, a container), a root launcher runs
 its VMs the way the launcher pod does: through a libvirt session daemon of the qemu user (107),
-which starts qemu as that user. The daemon's HOME is the cache's `libvirt/` directory (its sockets,
-config and logs under .cache/ and .config/ there), so every later verb on the same cache (stop,
-status, console, logs, ls, gc) finds it again by its socket, and starts it again when it has gone.
+which starts qemu as that user. The daemon's HOME (its sockets, config and logs under .cache/ and
+.config/) is named after the cache, /run/diskkit/libvirt-<hash of the cache's path>, so every later
+verb on the same cache (stop, status, console, logs, ls, gc) finds it again by its socket, and
+starts it again when it has gone. Not in the cache itself: qemu's monitor socket lies five levels
+below that HOME, and a unix socket's path is 107 bytes at most. Under /run it goes with a reboot,
+as the VMs do.
 It is started on demand with --timeout: a session daemon exits once idle, and libvirt keeps it
 alive while one of its domains runs.
 """
@@ -20,7 +23,7 @@ import time
 from pathlib import Path
 
 from diskkit.errors import DiskkitError
-from launcher.node.cache import Cache
+from launcher.node.cache import Cache, key
 from launcher.volumes.files import KUBEVIRT_QEMU
 
 # Where a system daemon listens: the monolithic libvirtd's socket, and virtqemud's where the
@@ -50,8 +53,11 @@ def system_daemon_answers() -> bool:
     return any(_answers(path) for path in SYSTEM_SOCKETS)
 
 
+RUN_DIR = Path("/run/diskkit")
+
+
 def home(cache: Cache) -> Path:
-    return cache.root / "libvirt"
+    return RUN_DIR / f"libvirt-{key(str(cache.root.resolve()))[:16]}"
 
 
 def socket_path(cache: Cache) -> Path:
@@ -82,9 +88,16 @@ def ensure(cache: Cache) -> str:
 
 
 def _home_dir(cache: Cache) -> Path:
-    """The daemon's HOME: made by root in the root-owned cache, then the qemu user's alone. One found
-    there already must be a directory of root's or qemu's, not a link (the cache top is root's: only
-    root could have put anything there)."""
+    """The daemon's HOME: made by root in root's /run/diskkit, then the qemu user's alone. One found
+    there already must be a directory of root's or qemu's, not a link (only root can write
+    /run/diskkit)."""
+    try:
+        os.mkdir(RUN_DIR, 0o755)
+    except FileExistsError:
+        pass
+    st = os.lstat(RUN_DIR)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
+        raise DiskkitError(RUN_DIR, "must be a directory root alone may write (the session daemons' homes are made there)")
     path = home(cache)
     try:
         os.mkdir(path, 0o700)
