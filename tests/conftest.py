@@ -13,6 +13,7 @@ import pytest
 
 from tests.distribution import auth_registry, registry, tls_registry, token_registry  # noqa: F401  (fixtures)
 from tests.engines import dockerd, engine, podman  # noqa: F401  (fixtures)
+from tests import leftovers
 from tests.faultproxy import FaultProxy
 
 REQUIRED_TOOLS = (
@@ -25,10 +26,15 @@ REQUIRED_TOOLS = (
 
 
 def pytest_sessionstart(session):
+    leftovers.install_handlers()  # SIGTERM/SIGHUP run the teardowns, as Ctrl-C does
     # A missing peer must fail the run loudly, never turn into a silent skip.
     missing = [tool for tool in REQUIRED_TOOLS if shutil.which(tool) is None]
     if missing:
         raise pytest.UsageError(f"tools missing for the test suite: {', '.join(missing)} (run .ci/run or scripts/setup.sh)")
+
+
+def pytest_unconfigure(config):
+    leftovers.sweep()  # scratch directories whose fixture never reached its cleanup
 
 
 @dataclass
