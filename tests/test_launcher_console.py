@@ -80,6 +80,13 @@ def test_root_with_no_system_daemon_boots_attaches_follows_and_stops(qemu_user, 
         assert os.stat(f"/proc/{daemon}").st_uid == QEMU_UID  # the qemu user's daemon, not root's
         status = root_launcher(cache, "status", "embedded")
         assert (status.returncode, status.stdout.strip()) == (0, "running"), status.stderr
+        # ls names the disk by the image it came from, not by a cut path.
+        listed = root_launcher(cache, "ls")
+        assert listed.returncode == 0, listed.stderr
+        [row] = [line for line in listed.stdout.splitlines() if "default_embedded" in line and "Mi" in line]
+        assert row.split()[0] == f"docker://{guest_image}" and str(cache) not in listed.stdout, listed.stdout
+        [disk] = json.loads(root_launcher(cache, "ls", "--json").stdout)["disks"]
+        assert disk["images"] == [f"docker://{guest_image}"] and disk["usedBy"] == ["default_embedded"]
 
         # console: the guest's output, and a line typed reaches the guest (it answers ECHO <line>).
         attached = popen(cache, "console", "embedded", stdin=subprocess.PIPE)
@@ -144,3 +151,12 @@ def test_gc_removes_lock_files_no_process_holds(tmp_path):
                 pass
         finally:
             os.close(fd)
+
+
+def test_connect_still_wins_over_the_embedded_default(qemu_user):
+    cache = qemu_user.root / "connect-cache"
+    vmi = qemu_user.write_vmi("chosen", "127.0.0.1:1/none:v1")
+    refused = root_launcher(cache, "run", "--connect", "qemu:///system", vmi)
+    assert refused.returncode != 0
+    assert refused.stderr.startswith("launcher: qemu:///system: cannot connect to libvirt") and refused.stderr.count("\n") == 1, refused.stderr
+    assert session_daemon_pids(cache) == [] and not sessiond.home(Cache(cache)).exists()
