@@ -12,13 +12,15 @@ import os
 import select
 import shutil
 import signal
+import stat
 import subprocess
 import time
 from pathlib import Path
 
 from launcher.node.cache import Cache
 from launcher.runtime import sessiond
-from tests.conftest import launcher_command, run_launcher
+from tests.conftest import launcher_command, run_diskkit, run_launcher
+from tests.testguest import ensure_testguest
 from tests.vmhost import DONE, NOREG, QEMU_UID
 
 # A host with no system daemon: whatever this machine runs, the launcher is started in a mount
@@ -62,6 +64,13 @@ def session_daemon_pids(cache: Path) -> list[int]:
     except (OSError, ValueError):
         return []
     return [pid] if Path(f"/proc/{pid}").exists() else []
+
+
+def end_session_daemon(cache: Path) -> None:
+    """The session daemon outlives a test by its --timeout; its HOME is under /run, not the scratch directory."""
+    for pid in session_daemon_pids(cache):
+        os.kill(pid, signal.SIGTERM)
+    shutil.rmtree(sessiond.home(Cache(cache)), ignore_errors=True)
 
 
 def test_root_with_no_system_daemon_boots_attaches_follows_and_stops(qemu_user, guest_image):
@@ -115,9 +124,7 @@ def test_root_with_no_system_daemon_boots_attaches_follows_and_stops(qemu_user, 
         assert following.wait(timeout=60) == 0  # -f ends with the VM
     finally:
         root_launcher(cache, "stop", "embedded")
-        for pid in session_daemon_pids(cache):
-            os.kill(pid, signal.SIGTERM)
-        shutil.rmtree(sessiond.home(Cache(cache)), ignore_errors=True)
+        end_session_daemon(cache)
     again = root_launcher(cache, "stop", "embedded")
     assert (again.returncode, again.stdout.strip()) == (0, "VM embedded is not running"), again.stderr
     assert not (cache / "run" / "default_embedded").exists()
@@ -160,3 +167,23 @@ def test_connect_still_wins_over_the_embedded_default(qemu_user):
     assert refused.returncode != 0
     assert refused.stderr.startswith("launcher: qemu:///system: cannot connect to libvirt") and refused.stderr.count("\n") == 1, refused.stderr
     assert session_daemon_pids(cache) == [] and not sessiond.home(Cache(cache)).exists()
+
+
+def test_a_lazy_image_boots_through_the_embedded_daemon(qemu_user, registry):
+    """qemu runs as the session daemon's user (107), outside the group of the root disk server's
+    nbd.sock: the root launcher asks for the socket of that user instead."""
+    ref = f"{registry.host}/embedded/lazy:v1"
+    built = run_diskkit("build", NOREG, ensure_testguest() / "testguest.qcow2", "-t", ref)  # lazy by default
+    assert built.code == 0, built.err
+    cache = qemu_user.root / "lazy-cache"
+    vmi = qemu_user.write_vmi("lazy-embedded", ref)
+    try:
+        booted = root_launcher(cache, "run", NOREG, "--console", "--timeout", "300", vmi)
+        assert booted.returncode == 0, booted.stderr
+        assert "no libvirt system daemon answers here" in booted.stderr
+        assert DONE in booted.stdout, booted.stdout[-2000:]
+        served = cache / "serve" / "nbd-107.sock"
+        assert stat.S_ISSOCK(served.lstat().st_mode) and served.lstat().st_uid == QEMU_UID
+    finally:
+        root_launcher(cache, "stop", "lazy-embedded")
+        end_session_daemon(cache)

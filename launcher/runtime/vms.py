@@ -23,6 +23,7 @@ from diskkit.oci.image import Platform
 from diskkit.registry.options import RegistryOptions
 from diskkit.streams.fsutil import write_atomic
 from launcher.diskserver.client import last_failure
+from launcher.diskserver.qemuid import is_system_uri
 from launcher.node.cache import Cache
 from launcher.render.domain import Host, render, secret_xml
 from launcher.runtime import accel, hostcpus, rundir, sessiond, virtiofs
@@ -86,10 +87,10 @@ def connect(cache: Cache, uri: str) -> Libvirt:
     return Libvirt(uri)
 
 
-def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, domain_type: str | None = None):
+def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, domain_type: str | None = None, qemu_uid: int | None = None):
     """Pull what the VMI needs and render its domain; with `create`, the overlays are made too."""
     run_dir = cache.run_dir(vmi.domain_name)
-    prepared = prepare(vmi, cache, run_dir, opts.registry, opts.platform, create=create, store=opts.storage, lazy=opts.lazy)
+    prepared = prepare(vmi, cache, run_dir, opts.registry, opts.platform, create=create, store=opts.storage, lazy=opts.lazy, qemu_uid=qemu_uid)
     host = Host(
         domain_type=domain_type or accel.domain_type(cache.root),
         serial_log=str(run_dir / "console.log"),
@@ -128,7 +129,9 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
             if opts.timeout is not None:
                 alarm.arm(opts.timeout - (time.monotonic() - began))
             with cache.lock("gc", shared=True):  # gc must not take the bases between pull and record
-                prepared, xml = plan(vmi, cache, opts, create=True)
+                # qemu on a session daemon runs as its user, which a root disk server's group socket does not admit.
+                session_uid = owner[0] if os.geteuid() == 0 and not is_system_uri(lv.uri) else None
+                prepared, xml = plan(vmi, cache, opts, create=True, qemu_uid=session_uid)
                 run_dir = cache.run_dir(name)
                 rundir.open_to_qemu(run_dir, owner)
                 write_atomic(run_dir / "domain.xml", xml.encode(), 0o600)  # root's: libvirt is given the XML, not the file
