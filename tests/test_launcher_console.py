@@ -187,3 +187,11 @@ def test_a_lazy_image_boots_through_the_embedded_daemon(qemu_user, registry):
     finally:
         root_launcher(cache, "stop", "lazy-embedded")
         end_session_daemon(cache)
+
+
+def test_kvm_for_the_qemu_user_is_what_it_may_open_not_what_root_may():
+    kvm = 1000
+    assert not sessiond.qemu_user_has_kvm(0o20600, 0, ())  # root's alone (this machine's): TCG, though root may probe KVM
+    assert not sessiond.qemu_user_has_kvm(0o20660, kvm, ())  # the kvm group's, a daemon without it
+    assert sessiond.qemu_user_has_kvm(0o20660, kvm, (kvm,))  # the embedded daemon is given /dev/kvm's group
+    assert sessiond.qemu_user_has_kvm(0o20666, 0, ())

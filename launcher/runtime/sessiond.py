@@ -34,6 +34,7 @@ IDLE_TIMEOUT = 120
 START_TIMEOUT = 60
 # sockaddr_un.sun_path, less its terminating NUL.
 MAX_SOCKET_PATH = 107
+KVM_DEVICE = Path("/dev/kvm")
 
 
 def _answers(path: str | Path) -> bool:
@@ -46,6 +47,34 @@ def _answers(path: str | Path) -> bool:
         return False
     finally:
         sock.close()
+
+
+def kvm_group() -> int | None:
+    """/dev/kvm's group where the device is open to it (Debian's kvm, 0660): the daemon, and the qemu
+    it starts, get that group, as a KubeVirt device plugin hands a pod /dev/kvm."""
+    try:
+        st = os.stat(KVM_DEVICE)
+    except OSError:
+        return None
+    return st.st_gid if st.st_gid != 0 and st.st_mode & 0o060 == 0o060 else None
+
+
+def qemu_user_has_kvm(mode: int, gid: int, groups: tuple[int, ...]) -> bool:
+    """Whether qemu as the qemu user, with supplementary `groups`, opens a /dev/kvm of this mode and
+    group read-write. Root's own access proves nothing here: root probes KVM, 107 runs qemu."""
+    return mode & 0o006 == 0o006 or (gid in groups and mode & 0o060 == 0o060)
+
+
+def kvm_for(connect_uri: str, cache: Cache) -> bool:
+    """Whether a root launcher's VM on a session daemon may be a KVM domain: with this cache's own
+    daemon, /dev/kvm's group counts (the daemon has it); with another session daemon only what any
+    user may open does."""
+    try:
+        st = os.stat(KVM_DEVICE)
+    except OSError:
+        return False
+    group = kvm_group() if is_ours(cache, connect_uri) else None
+    return qemu_user_has_kvm(st.st_mode, st.st_gid, () if group is None else (group,))
 
 
 def system_daemon_answers() -> bool:
@@ -125,8 +154,9 @@ def _start(cache: Cache) -> None:
     env = {"HOME": str(where), "PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "LC_ALL": "C"}
     # --daemon: the parent returns once the daemon is ready (or has failed), and the daemon,
     # in a session of its own, outlives this launcher.
+    group = kvm_group()
     proc = subprocess.run([libvirtd, "--daemon", f"--timeout={IDLE_TIMEOUT}"], env=env, cwd=where, user=KUBEVIRT_QEMU[0],
-                          group=KUBEVIRT_QEMU[1], extra_groups=[], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          group=KUBEVIRT_QEMU[1], extra_groups=[] if group is None else [group], stdin=subprocess.DEVNULL, capture_output=True, text=True,
                           timeout=START_TIMEOUT)
     deadline = time.monotonic() + START_TIMEOUT
     while not _answers(socket_path(cache)):

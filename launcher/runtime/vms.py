@@ -131,7 +131,9 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
             with cache.lock("gc", shared=True):  # gc must not take the bases between pull and record
                 # qemu on a session daemon runs as its user, which a root disk server's group socket does not admit.
                 session_uid = owner[0] if os.geteuid() == 0 and not is_system_uri(lv.uri) else None
-                prepared, xml = plan(vmi, cache, opts, create=True, qemu_uid=session_uid)
+                # Nor may it open a /dev/kvm root can: then the domain is TCG's.
+                tcg = session_uid is not None and not sessiond.kvm_for(lv.uri, cache)
+                prepared, xml = plan(vmi, cache, opts, create=True, domain_type="qemu" if tcg else None, qemu_uid=session_uid)
                 run_dir = cache.run_dir(name)
                 rundir.open_to_qemu(run_dir, owner)
                 write_atomic(run_dir / "domain.xml", xml.encode(), 0o600)  # root's: libvirt is given the XML, not the file
