@@ -26,7 +26,7 @@ def _running_record(cache, name: str) -> dict:
 Examples:
   launcher console testvm              # detach with Ctrl-]
   launcher console default/testvm
-  echo root | launcher console testvm  # type a line into the guest's serial console
+  printf 'root\\n' | launcher console testvm   # a line to the guest's serial port; the end of input detaches
 """)
 @click.argument("name")
 @cache_option
