@@ -112,7 +112,10 @@ def ensure(cache: Cache) -> str:
         return uri(cache)
     with cache.lock("libvirtd"):  # two launchers starting at once start one daemon
         if not _answers(sock):
-            _start(cache)
+            try:
+                _start(cache)
+            except OSError as exc:
+                raise DiskkitError(home(cache), f"cannot start the qemu user's session daemon here: {exc.strerror or exc}") from None
     return uri(cache)
 
 
