@@ -114,8 +114,8 @@ def ensure(cache: Cache) -> str:
         if not _answers(sock):
             try:
                 _start(cache)
-            except OSError as exc:
-                raise DiskkitError(home(cache), f"cannot start the qemu user's session daemon here: {exc.strerror or exc}") from None
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                raise DiskkitError(home(cache), f"cannot start the qemu user's session daemon here: {getattr(exc, 'strerror', None) or exc}") from None
     return uri(cache)
 
 
