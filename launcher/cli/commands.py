@@ -92,7 +92,7 @@ Examples:
   launcher run vmi.yaml --feature-gates HostDisk --host-disk-dir /srv/vm-disks   # hostDisk volumes, only under that directory
 """)
 @click.argument("vmi_file", type=click.Path(dir_okay=False, exists=True))
-@click.option("--connect", "uri", metavar="URI", help="libvirt URI (default: qemu:///system as root, else qemu:///session; as root where no system daemon answers, the qemu user's own session daemon, kept in the cache).")
+@click.option("--connect", "uri", metavar="URI", help="libvirt URI (default: qemu:///system as root, else qemu:///session; as root where no system daemon answers, the qemu user's own session daemon for this cache, started on demand).")
 @click.option("--console", is_flag=True, help="Stream the guest's serial console to stdout.")
 @click.option("--wait-for", metavar="TEXT", help="Exit 0 as soon as TEXT appears on the console (the VM keeps running).")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS", help="Give up (and destroy the VM) after this long.")
