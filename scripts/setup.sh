@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Install everything diskkit and its test suite need on a fresh Debian 12 machine:
-# the real peers (qemu, skopeo, umoci, ...), a .venv with the project, and the test guest disk.
+# Install what diskkit needs on a fresh Debian 12 machine, a .venv with the project, and the test guest disk.
+#   setup.sh          the test suite's set: every real peer the tests drive (qemu, skopeo, umoci, podman, ...)
+#   setup.sh demo     what scripts/demo.sh needs: qemu, libvirt's daemon (no system service), a registry, skopeo
 set -euo pipefail
 cd "$(dirname "$0")/.."
+SET=${1:-test}
+case $SET in demo|test) ;; *) echo "usage: $0 [demo|test]" >&2; exit 2 ;; esac
 
 APT_PACKAGES=(
     python3-venv python3-dev gcc
@@ -14,19 +17,37 @@ APT_PACKAGES=(
     docker.io podman catatonit mmdebstrap
     golang-go golang-golang-x-crypto-dev openssl
 )
+# The demo's set: build and boot the test guest, a registry to push it to, skopeo to read it back.
+# libvirt-daemon, not -system: a root launcher starts the qemu user's session daemon itself, and
+# the demo has no use for a system service (nor docker.io, golang, tgt, mmdebstrap, ovmf...).
+DEMO_PACKAGES=(
+    python3-venv python3-dev gcc pkg-config libvirt-dev
+    qemu-utils qemu-system-x86 libvirt-daemon
+    skopeo docker-registry
+    busybox-static cpio kmod fdisk dosfstools mtools syslinux syslinux-common zstd
+)
+if [ "$SET" = demo ]; then
+    WANTED=("${DEMO_PACKAGES[@]}")
+    EXTRA=launcher
+else
+    WANTED=("${APT_PACKAGES[@]}")
+    EXTRA=test
+fi
+# Wait for another apt or dpkg (unattended-upgrades, a desktop updater) rather than fail at once.
+APT=(apt-get -o DPkg::Lock::Timeout=600)
 
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 
 missing=()
-for pkg in "${APT_PACKAGES[@]}"; do
+for pkg in "${WANTED[@]}"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
 done
 # The test guest's kernel comes from the archive, so the package lists must be current either way.
-$SUDO apt-get update -qq
+$SUDO "${APT[@]}" update -qq
 if [ ${#missing[@]} -gt 0 ]; then
     echo "setup: installing ${missing[*]}" >&2
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    $SUDO env DEBIAN_FRONTEND=noninteractive "${APT[@]}" install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
 # The launcher runs VMs as KubeVirt's qemu user (UID 107) through libvirt's session daemon;
@@ -40,7 +61,7 @@ PYTHON=${PYTHON:-/usr/bin/python3}
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
-.venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
+.venv/bin/pip install -q --disable-pip-version-check -e ".[$EXTRA]"
 
 bash images/testguest/build.sh build/testguest >&2
 echo "setup: ready (.venv, build/testguest)" >&2

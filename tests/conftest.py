@@ -14,6 +14,7 @@ import pytest
 
 from tests.distribution import auth_registry, registry, tls_registry, token_registry  # noqa: F401  (fixtures)
 from tests.engines import dockerd, engine, podman  # noqa: F401  (fixtures)
+from tests import leftovers
 from tests.faultproxy import FaultProxy
 
 REQUIRED_TOOLS = (
@@ -26,6 +27,7 @@ REQUIRED_TOOLS = (
 
 
 def pytest_sessionstart(session):
+    leftovers.install_handlers()  # SIGTERM/SIGHUP run the teardowns, as Ctrl-C does
     # A missing peer must fail the run loudly, never turn into a silent skip.
     missing = [tool for tool in REQUIRED_TOOLS if shutil.which(tool) is None]
     if missing:
@@ -45,6 +47,10 @@ def pytest_collection_modifyitems(config, items):
         source = inspect.getsource(function) if function is not None else ""
         if VM_FIXTURES & set(getattr(item, "fixturenames", ())) or any(call in source for call in VM_CALLS):
             item.add_marker(pytest.mark.vm)
+
+
+def pytest_unconfigure(config):
+    leftovers.sweep()  # scratch directories whose fixture never reached its cleanup
 
 
 @dataclass

@@ -66,7 +66,7 @@ def test_without_the_reaper_orphans_stay_zombies():
 
 
 def test_launcher_entry_point_as_pid1_keeps_its_exit_status_and_error(tmp_path):
-    proc = subprocess.run(in_pid_namespace(*launcher_command("stop", "nosuch", "--cache-dir", tmp_path)),
+    proc = subprocess.run(in_pid_namespace(*launcher_command("status", "nosuch", "--cache-dir", tmp_path)),
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode not in (0, 3), proc
     assert "nosuch" in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr

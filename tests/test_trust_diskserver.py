@@ -311,6 +311,23 @@ def test_a_user_reads_no_export_it_was_not_answered_with(tmp_path, shared, regis
         assert {e["export"] for e in control(cache, {"op": "status"})["exports"]} == {mine["export"], private["export"]}
 
 
+def test_only_root_names_the_user_its_qemu_runs_as(tmp_path, shared, registry):
+    """A root launcher on the qemu user's session daemon (launcher.runtime.sessiond) is answered with
+    that user's NBD socket (`qemu_uid`); another user naming a uid not its own gets its own socket."""
+    public = f"{registry.host}/trust/for-qemu:v2"
+    assert run_diskkit("build", NOREG, "--lazy", random_disk(tmp_path / "public.img", MIB, seed=46), "-t", public).code == 0
+    cache = shared / "cache"
+    cache.mkdir()
+    with disk_server(cache):
+        for_qemu = control(cache, {"op": "open", "image": public, "clients": 0, "qemu_uid": KUBEVIRT_QEMU_ID})
+        assert for_qemu["ok"] and for_qemu["socket"].endswith(f"nbd-{KUBEVIRT_QEMU_ID}.sock"), for_qemu
+        assert Path(for_qemu["socket"]).lstat().st_uid == KUBEVIRT_QEMU_ID
+        assert control(cache, {"op": "open", "image": public, "clients": 0})["socket"].endswith("/nbd.sock")
+        claimed = _as_other_user(cache, {"op": "open", "image": public, "registry": {"tls_verify": False}, "clients": 0,
+                                         "qemu_uid": KUBEVIRT_QEMU_ID})
+        assert claimed["ok"] and claimed["socket"].endswith(f"nbd-{NOBODY.pw_uid}.sock"), claimed
+
+
 # --- per-image locks --------------------------------------------------------------------------------
 
 def test_a_trickling_registry_holds_up_no_other_images_open(tmp_path, registry, fault_proxy):

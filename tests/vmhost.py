@@ -7,8 +7,6 @@ import contextlib
 import json
 import os
 import pwd
-import shutil
-import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -16,6 +14,7 @@ from typing import Iterator
 
 import pytest
 
+from tests import leftovers
 from tests.conftest import launcher_command, run_diskkit, run_launcher
 from tests.testguest import ensure_testguest
 
@@ -80,14 +79,13 @@ def qemu_scratch(prefix: str) -> Iterator[Path]:
     except KeyError:
         pytest.fail("no user with UID 107 (scripts/setup.sh creates `qemu`)")
     root = Path(tempfile.mkdtemp(prefix=prefix))
+    leftovers.scratch_made(root)
     root.chmod(0o755)
     try:
         yield root
     finally:
-        for pidfile in root.glob("**/.cache/libvirt/*.pid"):
-            with contextlib.suppress(OSError, ValueError):
-                os.kill(int(pidfile.read_text().strip()), signal.SIGTERM)
-        shutil.rmtree(root, ignore_errors=True)
+        # The session daemons with their HOME here, and qemu and virtiofsd processes they left.
+        leftovers.remove_scratch(root)
 
 
 @pytest.fixture(scope="module")

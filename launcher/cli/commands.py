@@ -12,6 +12,7 @@ from diskkit import __version__
 from diskkit.cli.shell import platform as platform_of
 from diskkit.cli.shell import registry_options, run_main
 from diskkit.registry.options import RegistryOptions
+from launcher.cli.consoles import console, logs
 from launcher.cli.dv import dv
 from launcher.cli.options import cache_option, ignore_unsupported_option, load_vmi_file, node_cache, parse_size, say, storage_options, trust_options, warn_if_open
 from launcher.node.cache import Cache, tree_size
@@ -91,7 +92,7 @@ Examples:
   launcher run vmi.yaml --feature-gates HostDisk --host-disk-dir /srv/vm-disks   # hostDisk volumes, only under that directory
 """)
 @click.argument("vmi_file", type=click.Path(dir_okay=False, exists=True))
-@click.option("--connect", "uri", metavar="URI", help="libvirt URI (default: qemu:///system as root, else qemu:///session).")
+@click.option("--connect", "uri", metavar="URI", help="libvirt URI (default: qemu:///system as root, else qemu:///session; as root where no system daemon answers, the qemu user's own session daemon for this cache, started on demand).")
 @click.option("--console", is_flag=True, help="Stream the guest's serial console to stdout.")
 @click.option("--wait-for", metavar="TEXT", help="Exit 0 as soon as TEXT appears on the console (the VM keeps running).")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS", help="Give up (and destroy the VM) after this long.")
@@ -222,15 +223,23 @@ def _serve_status(cache: Cache, socket_dir: str | None, as_json: bool) -> None:
 @cli.command(epilog="""\b
 Examples:
   launcher stop testvm
-  launcher stop default/testvm
+  launcher stop default/testvm other/vm2
 """)
-@click.argument("name")
+@click.argument("names", nargs=-1, required=True, metavar="NAME...")
 @cache_option
-def stop(name, cache_dir) -> None:
-    """Destroy a VM started by `launcher run` and remove its overlays (NAME, NAMESPACE/NAME or domain name)."""
+def stop(names, cache_dir) -> None:
+    """Destroy VMs started by `launcher run` and remove their overlays (NAME, NAMESPACE/NAME or domain name).
+
+    A VM that is not running (stopped already, or never started from this cache) is said so, and
+    is no error.
+    """
     from launcher.runtime.vms import stop as do_stop
 
-    click.echo(do_stop(node_cache(cache_dir), name))
+    cache = node_cache(cache_dir)
+    for name in names:
+        stopped = do_stop(cache, name)
+        # KubeVirt's words: "VM is not running" (its stop subresource's conflict), "VM NAME was scheduled to stop" (virtctl).
+        click.echo(f"VM {name} was stopped" if stopped else f"VM {name} is not running")
 
 
 @cli.command(epilog="""\b
@@ -249,10 +258,11 @@ def status(name, cache_dir) -> None:
     from diskkit.errors import DiskkitError
     from launcher.runtime.vms import find_record, state
 
-    record = find_record(node_cache(cache_dir), name)
+    cache = node_cache(cache_dir)
+    record = find_record(cache, name)
     if record is None:
         raise DiskkitError(name, "no VM of this name was started from this cache (yet)")
-    now = state(record)
+    now = state(record, cache)
     click.echo(now)
     if now != "running":
         sys.exit(1)
@@ -271,21 +281,26 @@ def ls(as_json, cache_dir) -> None:
 
     cache = node_cache(cache_dir)
     warn_if_open(cache)
-    vms = [{**record, "state": state(record)} for record in cache.vm_records()]
+    vms = [{**record, "state": state(record, cache)} for record in cache.vm_records()]
     disks = []
+    images = cache.images_by_disk()
     for entry in cache.disks():
         meta = cache.read_json(entry / "meta.json") or {}
         users = [vm["domain"] for vm in vms if str(entry) in vm.get("entries", [])]
-        disks.append({"path": str(entry / "disk.img"), "size": tree_size(entry), "format": meta.get("format"), "layer": meta.get("layer"), "usedBy": users})
+        disks.append({"path": str(entry / "disk.img"), "images": images.get(str(entry), []), "size": tree_size(entry),
+                      "format": meta.get("format"), "layer": meta.get("layer"), "usedBy": users})
     if as_json:
         click.echo(json.dumps({"vms": vms, "disks": disks}, indent=2))
         return
     click.echo(f"{'VM':32} {'STATE':8} IMAGES")
     for vm in vms:
         click.echo(f"{vm['domain']:32} {vm['state']:8} {' '.join(vm['images'])}")
-    click.echo(f"\n{'DISK':72} {'SIZE':>10}  USED BY")
+    click.echo(f"\n{'IMAGE':56} {'SIZE':>10}  USED BY")
     for disk in disks:
-        click.echo(f"{disk['path'][-72:]:72} {disk['size'] / (1 << 20):>8.1f}Mi  {','.join(disk['usedBy']) or '-'}")
+        # The image a disk came from is what users know it by; a disk no pull names any more (its
+        # reference was pulled again elsewhere) shows its layer. Paths are in --json.
+        shown = ",".join(disk["images"]) or f"(layer {(disk['layer'] or '?')[:19]})"
+        click.echo(f"{shown:56} {disk['size'] / (1 << 20):>8.1f}Mi  {','.join(disk['usedBy']) or '-'}")
 
 
 @cli.command(epilog="""\b
@@ -310,10 +325,14 @@ def gc(max_size, as_json, cache_dir) -> None:
         click.echo(f"cleaned up stopped VM {domain_name}")
     for entry in result.removed:
         click.echo(f"removed {entry}")
+    if result.locks_removed:
+        click.echo(f"removed {len(result.locks_removed)} stale VM lock files")
     click.echo(f"freed {result.freed / (1 << 20):.1f} MiB; cache holds {result.kept / (1 << 20):.1f} MiB of disks")
 
 
 cli.add_command(dv)
+cli.add_command(console)
+cli.add_command(logs)
 
 
 def main() -> None:

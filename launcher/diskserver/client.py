@@ -34,11 +34,12 @@ class Attached:
 
 
 def attach(cache: Cache, ref: str, path: str | None, platform: Platform | None, registry: RegistryOptions | None,
-           mode: str, policy: str, notes: list[str], vm: bool = True) -> Attached | None:
+           mode: str, policy: str, notes: list[str], vm: bool = True, qemu_uid: int | None = None) -> Attached | None:
     """Serve `ref`'s disk lazily when `mode` ("on", or "auto" for images marked lazy) allows; None: pull it whole.
 
     The disk is checked as a pull checks it (KubeVirt's qemu-img info rules), read through the export.
-    Without `vm` (a dry run) the server is not told to wait for a VM's qemu."""
+    Without `vm` (a dry run) the server is not told to wait for a VM's qemu. `qemu_uid`: a root
+    launcher's qemu runs as that user (a session daemon's), whose own NBD socket it is given."""
     parsed = parse_ref(ref)
     if mode == "off" or parsed.transport != "docker":
         if mode == "on":
@@ -52,7 +53,7 @@ def attach(cache: Cache, ref: str, path: str | None, platform: Platform | None, 
     answer = _ask(cache, registry, notes, {
         "op": "open", "image": str(parsed), "path": path, "platform": str(platform) if platform else None,
         **registry_request(str(parsed), registry), "marked": mode == "auto",
-        "clients": 2 if vm else 1})  # the probe below, then the VM's qemu: the server waits for both
+        "clients": 2 if vm else 1, **({"qemu_uid": qemu_uid} if qemu_uid is not None else {})})  # the probe below, then the VM's qemu: the server waits for both
     if answer is None:
         return None
     info = qemuimg.info(answer["url"])  # probes the format through the export, under qemu-img's limits

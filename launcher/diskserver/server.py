@@ -308,7 +308,7 @@ class DiskServer:
         clients = request.get("clients", 1)
         if not isinstance(clients, int) or not 0 <= clients <= 16:
             raise DiskkitError("open", "clients must be a number of NBD connections from 0 to 16")
-        listener = self._nbd_for(peer_uid, layout.name)
+        listener = self._nbd_for(_qemu_uid(request, peer_uid), layout.name)
         with self.lock:
             # Held while the run that asked lives (a run that failed before its VM started frees it), at most HOLD.
             self.awaiting.setdefault(layout.name, []).extend([(time.monotonic() + HOLD, peer_pid)] * clients)
@@ -604,3 +604,13 @@ def serve(cache: Cache, opts: ServeOptions) -> None:
     DiskServer(cache, opts).run()
 
 
+
+
+def _qemu_uid(request: dict, peer_uid: int | None) -> int | None:
+    """Whose NBD socket an open is answered with: the asking launcher's; a root launcher may name the
+    user its qemu runs as instead (KubeVirt's qemu user on a session daemon, launcher.runtime.sessiond),
+    who then reaches what root opened for it, as it already reads the disks root pulled (node.cache)."""
+    wanted = request.get("qemu_uid")
+    if peer_uid == 0 and isinstance(wanted, int) and not isinstance(wanted, bool) and wanted > 0:
+        return wanted
+    return peer_uid

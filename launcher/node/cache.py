@@ -180,12 +180,42 @@ class Cache:
     @contextlib.contextmanager
     def lock(self, name: str, shared: bool = False) -> Iterator[None]:
         """A cross-process lock (flock): concurrent pulls of one image on a node download once."""
-        fd = os.open(within(self.root / "locks", f"{entry_name(name)}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
-        try:
+        path = within(self.root / "locks", f"{entry_name(name)}.lock")
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
             fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+            # gc removes lock files no one holds (remove_stale_locks): one removed while we waited for it
+            # locks nothing any more, so take the file now under the name.
+            try:
+                if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        try:
             yield
         finally:
             os.close(fd)  # closing releases the lock
+
+    def remove_stale_locks(self, prefix: str) -> list[Path]:
+        """Remove the lock files named `prefix`* that no process holds (a free non-blocking flock),
+        each while holding it, so a waiter that gets it after sees it gone (see lock)."""
+        removed = []
+        for path in sorted((self.root / "locks").glob(f"{prefix}*.lock")):
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                    path.unlink()
+                    removed.append(path)
+            except (BlockingIOError, FileNotFoundError):
+                pass  # held: its VM is being started or stopped
+            finally:
+                os.close(fd)
+        return removed
 
     @contextlib.contextmanager
     def staging(self) -> Iterator[Path]:
@@ -292,6 +322,15 @@ class Cache:
 
     def run_dir(self, domain: str) -> Path:
         return within(self.root / "run", entry_name(domain))
+
+    def images_by_disk(self) -> dict[str, list[str]]:
+        """Each disk entry's directory -> the image references pulls resolved to it (for `launcher ls`)."""
+        found: dict[str, set[str]] = {}
+        for path in sorted((self.root / "refs").glob("*.json")):
+            record = self.read_json(path)
+            if record and record.get("path") and record.get("image"):
+                found.setdefault(str(Path(record["path"]).parent), set()).add(record["image"])
+        return {entry: sorted(images) for entry, images in found.items()}
 
     def vm_records(self) -> list[dict]:
         records = []

@@ -11,8 +11,7 @@ from diskkit.errors import DiskkitError
 from diskkit.registry.partial import abandoned
 from launcher.diskserver.server import lazy_leftovers
 from launcher.node.cache import Cache, tree_size
-from launcher.runtime.runner import Libvirt
-from launcher.runtime.vms import cleanup, state
+from launcher.runtime.vms import cleanup, connect, state
 
 
 @dataclass
@@ -21,6 +20,7 @@ class Collected:
     freed: int = 0
     kept: int = 0
     vms_cleaned: list[str] = field(default_factory=list)
+    locks_removed: list[str] = field(default_factory=list)
 
 
 def collect(cache: Cache, max_size: int | None = None) -> Collected:
@@ -29,11 +29,11 @@ def collect(cache: Cache, max_size: int | None = None) -> Collected:
     with cache.lock("gc"):
         in_use: set[str] = set()
         for record in cache.vm_records():
-            if state(record) in ("running", "unknown"):
+            if state(record, cache) in ("running", "unknown"):
                 in_use.update(record.get("entries", []))
                 continue
             try:
-                lv = Libvirt(record["uri"])
+                lv = connect(cache, record["uri"])
             except DiskkitError:
                 lv = None
             cleanup(cache, lv, record["domain"])
@@ -59,6 +59,8 @@ def collect(cache: Cache, max_size: int | None = None) -> Collected:
             out.freed += size
             total -= size
         out.kept = total
+        # A VM's lock outlives the VM (one file per name ever run): those no launcher holds go.
+        out.locks_removed = [str(path) for path in cache.remove_stale_locks("vm-")]
     return out
 
 

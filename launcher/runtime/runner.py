@@ -89,6 +89,19 @@ class Libvirt:
         except self.lv.libvirtError:
             pass  # stopped or resumed meanwhile: the next look tells
 
+    def open_console(self, name: str):
+        """A stream to the running domain's serial console (virDomainOpenConsole), taken over from
+        any other client attached to it, as `virsh console --force` does."""
+        domain = self._lookup(name)
+        try:
+            if domain is None or not domain.isActive():
+                raise DiskkitError(name, "VM is not running")
+            stream = self.conn.newStream(0)
+            domain.openConsole(None, stream, self.lv.VIR_DOMAIN_CONSOLE_FORCE)
+        except self.lv.libvirtError as exc:
+            raise DiskkitError(name, f"cannot open the serial console: {_message(exc)}") from None
+        return stream
+
     def exists(self, name: str) -> bool:
         return self._lookup(name) is not None
 

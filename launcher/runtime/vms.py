@@ -23,12 +23,13 @@ from diskkit.oci.image import Platform
 from diskkit.registry.options import RegistryOptions
 from diskkit.streams.fsutil import write_atomic
 from launcher.diskserver.client import last_failure
+from launcher.diskserver.qemuid import is_system_uri
 from launcher.node.cache import Cache
 from launcher.render.domain import Host, render, secret_xml
-from launcher.runtime import accel, hostcpus, rundir, virtiofs
+from launcher.runtime import accel, hostcpus, rundir, sessiond, virtiofs
 from launcher.runtime.console import follow
 from launcher.runtime.iopause import PauseWatch
-from launcher.runtime.runner import Libvirt
+from launcher.runtime.runner import Libvirt, default_uri
 from launcher.spec.vmi import VMI
 from launcher.volumes import vhostmd
 from launcher.volumes.files import qemu_owner
@@ -67,10 +68,29 @@ def grace_period_of(vmi: VMI, opts: RunOptions) -> float:
     return DEFAULT_GRACE_PERIOD if vmi.grace_period is None else vmi.grace_period
 
 
-def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, domain_type: str | None = None):
+def _default_uri(cache: Cache, say: Callable[[str], None]) -> str:
+    """libvirt's default for this user, except as root where no system daemon answers: then the VM
+    runs as the launcher pod runs it, through the qemu user's session daemon of this cache."""
+    if os.geteuid() != 0 or sessiond.system_daemon_answers():
+        return default_uri()
+    uri = sessiond.ensure(cache)
+    say(f"no libvirt system daemon answers here ({sessiond.SYSTEM_SOCKETS[-1]}); running the VM as the qemu user"
+        f" through its own session daemon, as the launcher pod does ({uri}; --connect chooses another)")
+    return uri
+
+
+def connect(cache: Cache, uri: str) -> Libvirt:
+    """libvirt at a record's URI; the cache's own session daemon is started again if it has exited
+    (idle, or killed: it finds the domains still running and their qemu processes)."""
+    if sessiond.is_ours(cache, uri):
+        sessiond.ensure(cache)
+    return Libvirt(uri)
+
+
+def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, domain_type: str | None = None, qemu_uid: int | None = None):
     """Pull what the VMI needs and render its domain; with `create`, the overlays are made too."""
     run_dir = cache.run_dir(vmi.domain_name)
-    prepared = prepare(vmi, cache, run_dir, opts.registry, opts.platform, create=create, store=opts.storage, lazy=opts.lazy)
+    prepared = prepare(vmi, cache, run_dir, opts.registry, opts.platform, create=create, store=opts.storage, lazy=opts.lazy, qemu_uid=qemu_uid)
     host = Host(
         domain_type=domain_type or accel.domain_type(cache.root),
         serial_log=str(run_dir / "console.log"),
@@ -87,7 +107,7 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
     """Start the VM and stay with it: until --wait-for text, the guest's own stop, a timeout or a signal."""
     name = vmi.domain_name
     began = time.monotonic()  # --timeout counts from here: pulls, the disk server and libvirt's start included
-    lv = Libvirt(opts.uri)
+    lv = Libvirt(opts.uri or _default_uri(cache, say))
     # As root, qemu must reach the run directory: it runs as the qemu user of the session daemon
     # connected to (107) or as qemu.conf's user under the system daemon, which chowns the disks it
     # opens but not the directories they are in (see rundir: it traverses root's, never writes them).
@@ -109,7 +129,11 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
             if opts.timeout is not None:
                 alarm.arm(opts.timeout - (time.monotonic() - began))
             with cache.lock("gc", shared=True):  # gc must not take the bases between pull and record
-                prepared, xml = plan(vmi, cache, opts, create=True)
+                # qemu on a session daemon runs as its user, which a root disk server's group socket does not admit.
+                session_uid = owner[0] if os.geteuid() == 0 and not is_system_uri(lv.uri) else None
+                # Nor may it open a /dev/kvm root can: then the domain is TCG's.
+                tcg = session_uid is not None and not sessiond.kvm_for(lv.uri, cache)
+                prepared, xml = plan(vmi, cache, opts, create=True, domain_type="qemu" if tcg else None, qemu_uid=session_uid)
                 run_dir = cache.run_dir(name)
                 rundir.open_to_qemu(run_dir, owner)
                 write_atomic(run_dir / "domain.xml", xml.encode(), 0o600)  # root's: libvirt is given the XML, not the file
@@ -144,6 +168,11 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
             raise
     console_log = run_dir / "console.log"
     echo = Echo() if opts.console else None
+    if not opts.console:
+        shown = vmi.name if vmi.namespace == "default" else f"{vmi.namespace}/{vmi.name}"
+        say(f"{name} is running; its console: launcher console {shown} (detach with Ctrl-]); what it printed: launcher logs {shown}"
+            f" ({console_log})")
+        say(f"stop it with: launcher stop {shown}{'' if opts.wait_for else ', or Ctrl-C here'}")
     metrics = None
     try:
         try:
@@ -310,21 +339,24 @@ def find_record(cache: Cache, name: str) -> dict | None:
     return by_name[0] if by_name else None
 
 
-def stop(cache: Cache, name: str) -> str:
+def stop(cache: Cache, name: str) -> str | None:
+    """Destroy the VM and remove its files; its domain name, or None when no VM of this name runs
+    from this cache (never started, stopped already, or its guest powered off)."""
     record = find_record(cache, name)
     if record is None:
-        raise DiskkitError(name, f"no VM of this name was started from the cache {cache.root}")
+        return None
     try:
-        lv = Libvirt(record["uri"])
+        lv = connect(cache, record["uri"])
     except DiskkitError:
         lv = None  # the daemon is gone, and the domain with it; still remove the files
-    cleanup(cache, lv, record["domain"])
-    return record["domain"]
+    had = cleanup(cache, lv, record["domain"])
+    return record["domain"] if had or lv is None else None
 
 
-def state(record: dict) -> str:
+def state(record: dict, cache: Cache | None = None) -> str:
+    """running, stopped (defined, not running), gone (no such domain) or unknown (libvirt unreachable)."""
     try:
-        lv = Libvirt(record["uri"])
+        lv = Libvirt(record["uri"]) if cache is None else connect(cache, record["uri"])
     except DiskkitError:
         return "unknown"
     try:

@@ -19,7 +19,7 @@ def container_disk(ctx: Context, volume: Volume, where: str) -> ResolvedDisk:
     if ctx.lazy != "off":
         policy = source.image_pull_policy or default_policy(source.image)
         attached = attach(ctx.cache, source.image, source.path, ctx.platform, ctx.registry, ctx.lazy, policy, ctx.out.notes,
-                          vm=ctx.create)
+                          vm=ctx.create, qemu_uid=ctx.qemu_uid)
         if attached is not None:
             ctx.out.pulled.append(attached.pulled)
             return _nbd_overlay(ctx, volume, attached)

@@ -44,6 +44,7 @@ class Context:
     create: bool  # False for the dry run of `launcher domain`: paths are planned, not made
     store: Storage
     lazy: str = "off"
+    qemu_uid: int | None = None  # a root launcher's qemu on a session daemon runs as this user
     out: Prepared = field(default_factory=Prepared)
 
     def note(self, text: str | None) -> None:

@@ -68,13 +68,14 @@ def prepare(
     create: bool = True,
     store: Storage | None = None,
     lazy: str = "off",
+    qemu_uid: int | None = None,
 ) -> Prepared:
     """Resolve every volume; with `create`, make the overlays and images under `run_dir` and in claims.
 
     Without `create` (the dry run of `launcher domain`) paths are planned, not made; images are
     pulled, or opened on the node's disk server when lazy, so the domain shows what a run would use.
     """
-    ctx = Context(vmi, cache, run_dir, registry, platform, create, store or Storage(), lazy)
+    ctx = Context(vmi, cache, run_dir, registry, platform, create, store or Storage(), lazy, qemu_uid)
     admit(vmi, ctx.store)
     shared = {fs.name for fs in vmi.domain.devices.filesystems}
     for volume in vmi.volumes:
