@@ -83,6 +83,7 @@ def domain(vmi_file, platform, accel, lazy, ignore_unsupported, cache_dir, store
 @cli.command(epilog="""\b
 Examples:
   launcher run vmi.yaml --console
+  launcher run vmi.yaml --detach                                     # returns once it runs: launcher console/logs/stop NAME
   launcher run vmi.yaml --console --wait-for 'login:' --timeout 300
   launcher run --connect qemu:///system --tls-verify=false vmi.yaml
   launcher run vmi.yaml --pvc data=/srv/vm-data:10Gi --console      # filesystem claim: /srv/vm-data/disk.img
@@ -94,6 +95,7 @@ Examples:
 @click.argument("vmi_file", type=click.Path(dir_okay=False, exists=True))
 @click.option("--connect", "uri", metavar="URI", help="libvirt URI (default: qemu:///system as root, else qemu:///session; as root where no system daemon answers, the qemu user's own session daemon for this cache, started on demand).")
 @click.option("--console", is_flag=True, help="Stream the guest's serial console to stdout.")
+@click.option("-d", "--detach", is_flag=True, help="Return once the VM has started (after --wait-for TEXT, if given); it keeps running.")
 @click.option("--wait-for", metavar="TEXT", help="Exit 0 as soon as TEXT appears on the console (the VM keeps running).")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS", help="Give up (and destroy the VM) after this long.")
 @click.option("--platform", help="OS/ARCH of the images (default: this host's).")
@@ -104,14 +106,16 @@ Examples:
 @storage_options
 @registry_options
 @trust_options
-def run(vmi_file, uri, console, wait_for, timeout, platform, lazy, grace_period, ignore_unsupported, cache_dir, store, registry: RegistryOptions) -> None:
+def run(vmi_file, uri, console, detach, wait_for, timeout, platform, lazy, grace_period, ignore_unsupported, cache_dir, store, registry: RegistryOptions) -> None:
     """Prepare every volume of a VirtualMachineInstance, define and start its domain, stay with it.
 
     Each containerDisk is pulled once per node and gets a qcow2 overlay of its own, so the VM
     starts clean every time. The command returns when the guest stops, when --wait-for text
-    appears, or at --timeout; Ctrl-C or SIGTERM shuts the guest down (destroyed after --grace-period)
+    appears, once it runs with --detach, or at --timeout; Ctrl-C or SIGTERM shuts the guest down (destroyed after --grace-period)
     and removes its overlays.
     """
+    if detach and console:
+        raise click.UsageError("--detach and --console exclude each other: attach later with `launcher console NAME`")
     vmi = load_vmi_file(vmi_file, ignore_unsupported, store.objects)
     if lazy and any(volume.kind == "containerDisk" for volume in vmi.volumes):
         from launcher.diskserver.spawn import start_server
@@ -122,7 +126,7 @@ def run(vmi_file, uri, console, wait_for, timeout, platform, lazy, grace_period,
     from launcher.runtime.vms import run as do_run
 
     opts = RunOptions(uri=uri, platform=platform_of(platform), registry=registry, console=console, wait_for=wait_for, timeout=timeout, storage=store,
-                      lazy={None: "auto", True: "on", False: "off"}[lazy], grace_period=grace_period)
+                      lazy={None: "auto", True: "on", False: "off"}[lazy], grace_period=grace_period, detach=detach)
     sys.exit(do_run(vmi, node_cache(cache_dir), opts, say))
 
 

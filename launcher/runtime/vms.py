@@ -50,6 +50,9 @@ class RunOptions:
     # After SIGTERM the guest has this long to power off before the domain is destroyed; None: the VMI's
     # terminationGracePeriodSeconds (see grace_period_of).
     grace_period: float | None = None
+    # Return once the domain has started; the VM keeps running, as after --wait-for, and `launcher
+    # console/logs/stop` reach it (virtctl start's habit: the command does not hold the VM).
+    detach: bool = False
 
 
 # KubeVirt's default VMI terminationGracePeriodSeconds (staging/src/kubevirt.io/api/core/v1/types.go,
@@ -172,7 +175,9 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
         shown = vmi.name if vmi.namespace == "default" else f"{vmi.namespace}/{vmi.name}"
         say(f"{name} is running; its console: launcher console {shown} (detach with Ctrl-]); what it printed: launcher logs {shown}"
             f" ({console_log})")
-        say(f"stop it with: launcher stop {shown}{'' if opts.wait_for else ', or Ctrl-C here'}")
+        say(f"stop it with: launcher stop {shown}{'' if opts.wait_for or opts.detach else ', or Ctrl-C here'}")
+    if opts.detach and not opts.wait_for:
+        return 0
     metrics = None
     try:
         try:
