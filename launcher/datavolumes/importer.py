@@ -24,6 +24,7 @@ from diskkit.registry.options import RegistryOptions
 from diskkit.streams.sparse import SparseWriter
 from launcher.datavolumes import archive, dvstate
 from launcher.datavolumes.dvstate import Target
+from launcher.hostfs import asowner
 from launcher.hostfs.dirfd import Dir, give
 from launcher.spec import datavolume as dvm
 from launcher.spec.datavolume import shown_url
@@ -62,6 +63,20 @@ class Progress:
             self.say(f"DataVolume {self.target.dv.key}: {self.target.dv.running_phase} {quarter * 25}%")
         elif percent == 0:
             self._quarter = 0  # a new stage (the conversion after the download) counts again
+
+
+class Relay:
+    """Progress of work done as a claim's owner, sent to the parent that records it (a few times a second)."""
+
+    def __init__(self, send: Callable[[dict], None]):
+        self.send = send
+        self._last = 0.0
+
+    def __call__(self, percent: float, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._last >= PROGRESS_EVERY / 4:
+            self._last = now
+            self.send({"progress": percent, "force": force})
 
 
 def scratch(what: str) -> str:
@@ -111,7 +126,7 @@ def disk_size(target: Target, virtual_size: int, reclaimable: int, tolerance: in
     return fitted.size, fitted.note
 
 
-def install(target: Target, claim: Dir, work: Dir, source: str | Path, shown: str, progress: Progress, tolerance: int) -> list[str]:
+def install(target: Target, claim: Dir, work: Dir, source: str | Path, shown: str, progress: Progress | Relay, tolerance: int) -> list[str]:
     """Check the source, write it as raw disk.img sized to the claim, atomically. Returns notes.
 
     `source` is either a name in `work` (a root-made directory in the claim), consumed: a raw one is
@@ -231,7 +246,7 @@ class _Unpacker:
             raise DiskkitError(shown, f"the {self.kind} stream ends before its end marker (truncated)")
 
 
-def download(url: str, dest: Path, progress: Progress, auth: tuple[str, str] | None, verify: str | bool, limit: int) -> None:
+def download(url: str, dest: Path, progress: Progress | Relay, auth: tuple[str, str] | None, verify: str | bool, limit: int) -> None:
     """GET `url` into `dest` (sparse; gzip and xz decompressed on the way). A body cut short is fetched
     again: from where it stopped when the server honours Range (and the body is not compressed),
     else from the start; after HTTP_ATTEMPTS tries the import fails. More than `limit` bytes, on the
@@ -312,7 +327,7 @@ def _reason(exc: BaseException) -> str:
     return text.split(": ")[-1].strip("()'\" ")[:160] or type(exc).__name__
 
 
-def _http(target: Target, store: Storage, progress: Progress, work: Dir) -> tuple[str, str]:
+def _http(target: Target, store: Storage, progress: Progress | Relay, work: Dir) -> tuple[str, str]:
     source, dv = target.dv.source, target.dv
     where = f"DataVolume {dv.key}"
     auth = _endpoint_secret(store.objects, dv.namespace, source.secret_ref, where) if source.secret_ref else None
@@ -370,7 +385,7 @@ def _blank(target: Target, claim: Dir, work: Dir, tolerance: int) -> list[str]:
     return [note] if note else []
 
 
-def _clone(target: Target, into: Dir, work: Dir, store: Storage, progress: Progress, tolerance: int) -> list[str]:
+def _clone(target: Target, into: Dir, work: Dir, store: Storage, progress: Progress | Relay, tolerance: int) -> list[str]:
     source = target.dv.source
     origin = dvm.DataVolume(source.claim, source.claim_namespace, dvm.Source("blank"), None, None, None, target.dv.origin)
     try:
@@ -384,10 +399,11 @@ def _clone(target: Target, into: Dir, work: Dir, store: Storage, progress: Progr
         if source_dir.regular(DISK) is None:
             raise DiskkitError(f"DataVolume {target.dv.key}", f"source claim {origin.key} holds no disk.img yet")
         fd = source_dir.open_file(DISK)
+        source = source_dir.file_path(DISK, fd)
     try:
         if target.size is not None and target.size < os.fstat(fd).st_size:
             raise DiskkitError(f"DataVolume {target.dv.key}", "target resources requests storage size is smaller than the source")
-        return install(target, into, work, Path(f"/proc/{os.getpid()}/fd/{fd}"), f"claim {origin.key}", progress, tolerance)
+        return install(target, into, work, source, f"claim {origin.key}", progress, tolerance)
     finally:
         os.close(fd)
 
@@ -407,12 +423,15 @@ def fill(target: Target, store: Storage, registry: RegistryOptions | None, say: 
         dvstate.remove_scratch(target)
         dvstate.record(target, phase=dv.running_phase, progress="0.00%", message=None, pid=os.getpid())
         progress = Progress(target, say)
-        work_name = scratch("work")
-        # The claim's owner can write the claim directory, not this one (root's, 0700): what is staged
-        # here, and the paths qemu-img and the registry client are given into it, stay ours.
-        work = claim.mkdir(work_name, 0o700)
+        owner = asowner.owner_of(claim)
         try:
-            notes = _fill(target, claim, work, store, registry, progress)
+            if owner is None:
+                notes = _fill_in_work(target, claim, store, registry, progress)
+            else:
+                # A claim of a user's: its owner does the work, so a link it planted leads nowhere it
+                # could not go itself. The state file stays ours: progress comes back as messages.
+                notes = asowner.run_as(owner, lambda send: {"notes": _fill_in_work(target, claim, store, registry, Relay(send))},
+                                       lambda m: progress(m["progress"], m["force"]))["notes"]
         except DiskkitError as exc:
             failure = exc if (exc.subject or "").startswith("DataVolume") else DiskkitError(f"DataVolume {dv.key}", exc.line())
             dvstate.record(target, phase=dvm.FAILED, message=failure.line(), pid=None)
@@ -425,13 +444,23 @@ def fill(target: Target, store: Storage, registry: RegistryOptions | None, say: 
             dvstate.record(target, phase=dvm.PENDING, message="interrupted; the next importer starts again", pid=None)
             raise
         finally:
-            claim.discard(work, work_name)
             dvstate.remove_scratch(target)
     dvstate.record(target, phase=dvm.SUCCEEDED, progress="100.0%", message="Import Complete" if dv.source.kind != "pvc" else "Clone Complete", pid=None)
     return notes
 
 
-def _fill(target: Target, claim: Dir, work: Dir, store: Storage, registry: RegistryOptions | None, progress: Progress) -> list[str]:
+def _fill_in_work(target: Target, claim: Dir, store: Storage, registry: RegistryOptions | None, progress: Progress | Relay) -> list[str]:
+    work_name = scratch("work")
+    # The claim's owner can write the claim directory, not this one (0700, made by whoever works here:
+    # root, or the owner itself): what is staged here, and the paths tools are given into it, stay ours.
+    work = claim.mkdir(work_name, 0o700)
+    try:
+        return _fill(target, claim, work, store, registry, progress)
+    finally:
+        claim.discard(work, work_name)
+
+
+def _fill(target: Target, claim: Dir, work: Dir, store: Storage, registry: RegistryOptions | None, progress: Progress | Relay) -> list[str]:
     dv = target.dv
     if dv.source.kind == "blank":
         return _blank(target, claim, work, store.tolerance)
