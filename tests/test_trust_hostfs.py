@@ -410,6 +410,38 @@ def test_an_upload_part_link_is_refused_not_appended_to(area, claims, victim):
     victim.assert_untouched()
 
 
+def test_an_upload_into_a_users_claim_is_stored_and_converted_as_that_user(area, claims, victim):
+    """Issue 29 item 3, for the upload server: in a user's claim the user opens the part file (the server
+    writes through that fd) and a child as the user checks and converts it. The part and disk.img are the
+    user's; before, root created both and gave disk.img to uid 107."""
+    nobody_claim(claims, dv("up", {"upload": {}}, "16Mi"))
+    claim = claims.dirs["up"]
+    plant(claim, "planted", victim.file)
+    files = area / "files"
+    files.mkdir()
+    qcow2_of(files / "disk.qcow2", b"\xee" * MIB)
+    body = (files / "disk.qcow2").read_bytes()
+    with upload_server(area, claims, "up") as (url, auth):
+        half = len(body) // 2
+        put = requests.put(url, headers={**auth, "Content-Range": f"bytes 0-{half - 1}/{len(body)}"}, data=body[:half], timeout=30)
+        assert put.status_code == 200, put.text
+        part = os.lstat(claim / ".diskkit-upload.part")
+        assert (part.st_uid, part.st_gid) == (NOBODY.pw_uid, NOBODY.pw_gid)
+        put = requests.put(url, headers={**auth, "Content-Range": f"bytes {half}-{len(body) - 1}/{len(body)}"}, data=body[half:], timeout=30)
+        assert put.status_code == 200, put.text
+        import hashlib
+
+        done = requests.post(f"{url}/complete", headers=auth, timeout=60, json={"size": len(body), "sha256": hashlib.sha256(body).hexdigest()})
+        assert done.status_code == 200, done.text
+        assert done.json()["phase"] == "Succeeded"
+    disk = claim / "disk.img"
+    st = os.lstat(disk)
+    assert (st.st_uid, st.st_gid) == (NOBODY.pw_uid, NOBODY.pw_gid) and stat.S_ISREG(st.st_mode)
+    assert disk.read_bytes()[:MIB] == b"\xee" * MIB and st.st_size == 16 * MIB
+    assert not any(p.name.startswith(".diskkit-") for p in claim.iterdir())
+    victim.assert_untouched()
+
+
 def test_an_upload_part_fifo_is_refused_not_opened(area, claims):
     """Attack: `.diskkit-upload.part` planted as a FIFO; the server's open for writing blocked for ever,
     holding the DataVolume's work lock (every later request: 503)."""
