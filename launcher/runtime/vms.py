@@ -26,7 +26,7 @@ from launcher.diskserver.client import last_failure
 from launcher.node.cache import Cache
 from launcher.render.domain import Host, render, secret_xml
 from launcher.runtime import accel, hostcpus, rundir, virtiofs
-from launcher.runtime.console import follow
+from launcher.runtime.console import ConsoleLog, follow
 from launcher.runtime.iopause import PauseWatch
 from launcher.runtime.runner import Libvirt
 from launcher.spec.vmi import VMI
@@ -73,7 +73,7 @@ def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, domain_type: st
     prepared = prepare(vmi, cache, run_dir, opts.registry, opts.platform, create=create, store=opts.storage, lazy=opts.lazy)
     host = Host(
         domain_type=domain_type or accel.domain_type(cache.root),
-        serial_log=str(run_dir / "console.log"),
+        serial_log=str(rundir.console_log(run_dir)),
         kernel=prepared.kernel,
         initrd=prepared.initrd,
         virtiofs_sockets=virtiofs.sockets(vmi, run_dir),
@@ -142,7 +142,7 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
             if isinstance(exc, OSError) and cache.vanished():
                 raise DiskkitError(cache.root, "the cache directory disappeared while the VM was being prepared") from None
             raise
-    console_log = run_dir / "console.log"
+    console_log = ConsoleLog(rundir.console_log(run_dir))
     echo = Echo() if opts.console else None
     metrics = None
     try:
@@ -158,14 +158,17 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
                 if metrics.error is not None:
                     say(f"note: the downwardMetrics disk was not always refreshed: {metrics.error}")
     except BaseException:
+        console_log.close()
         cleanup(cache, lv, name)
         raise
     if outcome == "interrupted":
         try:
             _shut_down(lv, name, grace_period_of(vmi, opts), say, console_log, echo)
         finally:
+            console_log.close()
             cleanup(cache, lv, name)
         raise KeyboardInterrupt
+    console_log.close()
     if outcome == "found":
         say(f"{name} is running (saw {opts.wait_for!r}); stop it with: launcher stop {vmi.name}")
         return 0
@@ -179,7 +182,7 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
     return 0
 
 
-def _shut_down(lv: Libvirt, name: str, grace: float, say: Callable[[str], None], console_log: Path, echo: Echo | None) -> None:
+def _shut_down(lv: Libvirt, name: str, grace: float, say: Callable[[str], None], console_log: ConsoleLog, echo: Echo | None) -> None:
     """virt-launcher's graceful shutdown: the ACPI power button, then up to `grace` seconds for the
     guest to stop by itself, and what is still running is killed (pkg/virt-launcher/monitor.go,
     the graceful and final shutdown callbacks of cmd/virt-launcher/virt-launcher.go). The console
@@ -190,9 +193,8 @@ def _shut_down(lv: Libvirt, name: str, grace: float, say: Callable[[str], None],
     deadline = time.monotonic() + grace
     with _signals_set(threading.Event()):  # a second SIGTERM must not cut the grace period short
         while True:
-            offset = echo.shown if echo else _size(console_log)
             left = deadline - time.monotonic()
-            outcome = follow(console_log, lambda: lv.active(name), timeout=min(PRESS_AGAIN, left), echo=echo, offset=offset)
+            outcome = follow(console_log, lambda: lv.active(name), timeout=min(PRESS_AGAIN, left), echo=echo)
             if outcome == "stopped" or time.monotonic() >= deadline:
                 break
             lv.shutdown(name)
@@ -201,12 +203,6 @@ def _shut_down(lv: Libvirt, name: str, grace: float, say: Callable[[str], None],
     else:
         say(f"{name}: still running after {grace:g} s; destroying it")
 
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except FileNotFoundError:
-        return 0
 
 
 def _metrics_refresher(vmi: VMI, prepared, lv: Libvirt) -> vhostmd.Refresher | None:
@@ -263,15 +259,11 @@ class _Alarm:
 
 
 class Echo:
-    """The console to stdout, counting what was shown so that following can resume after it."""
-
-    def __init__(self) -> None:
-        self.shown = 0
+    """The console to stdout."""
 
     def __call__(self, data: bytes) -> None:
         sys.stdout.buffer.write(data)
         sys.stdout.buffer.flush()
-        self.shown += len(data)
 
 
 def _remove_run_dir(cache: Cache, name: str) -> None:
