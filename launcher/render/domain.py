@@ -40,6 +40,10 @@ class ResolvedDisk:
     # (logical, physical, discard granularity) of the backend as the caller found them: ioctls for a block
     # device, the filesystem's block size for a file (storage/disk.go getOptimalBlockIO); blockSize.matchVolume
     block_io: tuple[int, int, int] | None = None
+    # False for a file the launcher gave qemu itself, through its fd (a claim's disk.img): libvirt's DAC
+    # driver would chown it by path, after the check, through whatever link the claim's owner swapped in.
+    relabel: bool = True
+    backing_relabel: bool = True
 
 
 @dataclass(frozen=True)
@@ -57,12 +61,18 @@ class Host:
     virtiofs_sockets: tuple[tuple[str, str], ...] = ()
 
 
-def _file_source(parent: ET.Element, path: str) -> None:
-    ET.SubElement(parent, "source", file=path)
+def _file_source(parent: ET.Element, path: str) -> ET.Element:
+    return ET.SubElement(parent, "source", file=path)
 
 
-def _block_source(parent: ET.Element, path: str) -> None:
-    ET.SubElement(parent, "source", dev=path)
+def _block_source(parent: ET.Element, path: str) -> ET.Element:
+    return ET.SubElement(parent, "source", dev=path)
+
+
+def _no_relabel(source: ET.Element) -> None:
+    # libvirt's src/security/security_dac.c (virSecurityDACSetImageLabelInternal and the restore): a DAC
+    # seclabel with relabel='no' on the source and the image is neither chowned nor given back.
+    ET.SubElement(source, "seclabel", model="dac", relabel="no")
 
 
 _SOURCES = {"file": _file_source, "block": _block_source}
@@ -228,7 +238,9 @@ def _disk(vmi: VMI, disk: Disk, volume: Volume, resolved: ResolvedDisk, target: 
     if resolved.type == "network":
         _network_source(element, resolved.network)
     else:
-        _SOURCES[resolved.type](element, resolved.path)
+        source = _SOURCES[resolved.type](element, resolved.path)
+        if not resolved.relabel:
+            _no_relabel(source)
     if resolved.backing is not None:
         base, base_format = resolved.backing
         if resolved.backing_type == "network":
@@ -244,7 +256,9 @@ def _disk(vmi: VMI, disk: Disk, volume: Volume, resolved: ResolvedDisk, target: 
             # The chain ends at the export: nothing a header inside it names is ever opened.
             ET.SubElement(store, "backingStore")
         else:
-            _SOURCES[resolved.backing_type](store, base)
+            source = _SOURCES[resolved.backing_type](store, base)
+            if not resolved.backing_relabel:
+                _no_relabel(source)
 
     target_attrs = {"dev": target, "bus": disk.bus}
     if disk.device == "cdrom":

@@ -31,7 +31,7 @@ from launcher.runtime.iopause import PauseWatch
 from launcher.runtime.runner import Libvirt
 from launcher.spec.vmi import VMI
 from launcher.volumes import vhostmd
-from launcher.volumes.files import qemu_owner
+from launcher.volumes.files import KUBEVIRT_QEMU, qemu_owner
 from launcher.volumes.prepare import admit, prepare
 from launcher.volumes.storage import Storage
 
@@ -67,10 +67,11 @@ def grace_period_of(vmi: VMI, opts: RunOptions) -> float:
     return DEFAULT_GRACE_PERIOD if vmi.grace_period is None else vmi.grace_period
 
 
-def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, domain_type: str | None = None):
-    """Pull what the VMI needs and render its domain; with `create`, the overlays are made too."""
+def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, domain_type: str | None = None, qemu: tuple[int, int] = KUBEVIRT_QEMU):
+    """Pull what the VMI needs and render its domain; with `create`, the overlays are made too (and what
+    qemu opens in claims is given to `qemu`)."""
     run_dir = cache.run_dir(vmi.domain_name)
-    prepared = prepare(vmi, cache, run_dir, opts.registry, opts.platform, create=create, store=opts.storage, lazy=opts.lazy)
+    prepared = prepare(vmi, cache, run_dir, opts.registry, opts.platform, create=create, store=opts.storage, lazy=opts.lazy, qemu=qemu)
     host = Host(
         domain_type=domain_type or accel.domain_type(cache.root),
         serial_log=str(rundir.console_log(run_dir)),
@@ -109,7 +110,7 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
             if opts.timeout is not None:
                 alarm.arm(opts.timeout - (time.monotonic() - began))
             with cache.lock("gc", shared=True):  # gc must not take the bases between pull and record
-                prepared, xml = plan(vmi, cache, opts, create=True)
+                prepared, xml = plan(vmi, cache, opts, create=True, qemu=owner)
                 run_dir = cache.run_dir(name)
                 rundir.open_to_qemu(run_dir, owner)
                 write_atomic(run_dir / "domain.xml", xml.encode(), 0o600)  # root's: libvirt is given the XML, not the file
