@@ -10,6 +10,7 @@ import grp
 import json
 import os
 import pwd
+import re
 import stat
 import subprocess
 import sys
@@ -230,16 +231,19 @@ def test_a_users_claim_is_given_to_qemu_by_the_launcher(daemon, cache, guest_ima
         os.chown(path, nobody.pw_uid, nobody.pw_gid)
     disk.chmod(0o600)
     inode = disk.stat().st_ino
-    vmi = write_vmi(daemon.root, "sys-claim", guest_image)
+    vmi = write_vmi(daemon.root, "sys-claim", guest_image, hold=600)  # held: its live XML is looked at
     doc = json.loads(vmi.read_text())
     doc["spec"]["domain"]["devices"]["disks"].append({"name": "data", "disk": {"bus": "virtio"}})
     doc["spec"]["volumes"].append({"name": "data", "persistentVolumeClaim": {"claimName": "data"}})
     vmi.write_text(json.dumps(doc))
-    shown = daemon.launcher("domain", NOREG, vmi, "--pvc", f"data={claim}", env={"DISKKIT_CACHE": str(cache)})
-    assert shown.code == 0, shown.err
-    assert f'<source file="{disk}">\n        <seclabel model="dac" relabel="no" />' in shown.out, shown.out
-    console = boot(daemon, cache, vmi, "--pvc", f"data={claim}")
-    assert console["disks"]["vdb"]["head"].startswith("5a5a5a5a"), console
-    st = disk.stat()
-    assert st.st_ino == inode and (st.st_uid, st.st_gid) == system_qemu_ids() and stat.S_IMODE(st.st_mode) == 0o660
+    console = boot(daemon, cache, vmi, "--wait-for", DONE, "--pvc", f"data={claim}")
+    try:
+        assert console["disks"]["vdb"]["head"].startswith("5a5a5a5a"), console
+        live = daemon.virsh("dumpxml", "default_sys-claim")
+        assert re.search(rf"<source file='{re.escape(str(disk))}'[^>]*>\s*<seclabel model='dac' relabel='no'/>", live), live
+        st = disk.stat()
+        assert st.st_ino == inode and (st.st_uid, st.st_gid) == system_qemu_ids() and stat.S_IMODE(st.st_mode) == 0o660
+    finally:
+        stopped = daemon.launcher("stop", "sys-claim", env={"DISKKIT_CACHE": str(cache)})
+    assert stopped.code == 0, stopped.err
     assert_gone(daemon, cache, "default_sys-claim")

@@ -59,6 +59,10 @@ class Host:
     cpuset: tuple[int, ...] = ()
     # (filesystem name, vhost-user socket of the virtiofsd the caller starts for it)
     virtiofs_sockets: tuple[tuple[str, str], ...] = ()
+    # A system daemon's DAC driver would chown files for qemu, and a root launcher gives claim files to
+    # qemu itself: their sources say relabel='no'. A session daemon has no DAC driver (it refuses the
+    # seclabel), and an unprivileged launcher on the system daemon leaves the chown to libvirt.
+    dac: bool = False
 
 
 def _file_source(parent: ET.Element, path: str) -> ET.Element:
@@ -196,7 +200,7 @@ def _io_mode(disk: Disk, resolved: ResolvedDisk, cache: str, at: str) -> str | N
 
 
 def _disk(vmi: VMI, disk: Disk, volume: Volume, resolved: ResolvedDisk, target: str, unit: int,
-          iothread: int | None) -> ET.Element:
+          iothread: int | None, dac: bool) -> ET.Element:
     at = _disk_at(vmi, disk)
     if disk.device == "lun" and resolved.type == "file":
         raise SpecError(at, f"device {disk.name} is of type lun. Not compatible with a file based disk")
@@ -239,7 +243,7 @@ def _disk(vmi: VMI, disk: Disk, volume: Volume, resolved: ResolvedDisk, target: 
         _network_source(element, resolved.network)
     else:
         source = _SOURCES[resolved.type](element, resolved.path)
-        if not resolved.relabel:
+        if dac and not resolved.relabel:
             _no_relabel(source)
     if resolved.backing is not None:
         base, base_format = resolved.backing
@@ -257,7 +261,7 @@ def _disk(vmi: VMI, disk: Disk, volume: Volume, resolved: ResolvedDisk, target: 
             ET.SubElement(store, "backingStore")
         else:
             source = _SOURCES[resolved.backing_type](store, base)
-            if not resolved.backing_relabel:
+            if dac and not resolved.backing_relabel:
                 _no_relabel(source)
 
     target_attrs = {"dev": target, "bus": disk.bus}
@@ -302,7 +306,7 @@ def _block_io(disk: Disk, resolved: ResolvedDisk, at: str) -> tuple[int, int, in
     return resolved.block_io
 
 
-def _disks(vmi: VMI, resolved: dict[str, ResolvedDisk], devices: ET.Element) -> None:
+def _disks(vmi: VMI, resolved: dict[str, ResolvedDisk], devices: ET.Element, dac: bool) -> None:
     total, shared = io_threads(vmi)
     next_shared, next_dedicated = 1, shared + 1
     counters = {"vd": 0, "sd": 0}
@@ -319,7 +323,7 @@ def _disks(vmi: VMI, resolved: dict[str, ResolvedDisk], devices: ET.Element) -> 
                 iothread, next_dedicated = next_dedicated, next_dedicated + 1
             else:
                 iothread, next_shared = next_shared, next_shared % shared + 1
-        devices.append(_disk(vmi, disk, volume, resolved[disk.name], _device_name(prefix, unit), unit, iothread))
+        devices.append(_disk(vmi, disk, volume, resolved[disk.name], _device_name(prefix, unit), unit, iothread, dac))
 
 
 def _os(vmi: VMI, host: Host) -> ET.Element:
@@ -440,7 +444,7 @@ def render(vmi: VMI, disks: dict[str, ResolvedDisk], host: Host) -> str:
     devices = ET.SubElement(domain, "devices")
     if host.emulator:
         _text(devices, "emulator", host.emulator)
-    _disks(vmi, disks, devices)
+    _disks(vmi, disks, devices, host.dac)
     _filesystems(vmi, host, devices)
     disks = vmi.domain.devices.disks
     # model none keeps libvirt from adding a USB controller nobody asked for (compute/controllers.go);

@@ -23,6 +23,7 @@ from diskkit.oci.image import Platform
 from diskkit.registry.options import RegistryOptions
 from diskkit.streams.fsutil import write_atomic
 from launcher.diskserver.client import last_failure
+from launcher.diskserver.qemuid import is_system_uri
 from launcher.node.cache import Cache
 from launcher.render.domain import Host, render, secret_xml
 from launcher.runtime import accel, hostcpus, rundir, virtiofs
@@ -67,7 +68,8 @@ def grace_period_of(vmi: VMI, opts: RunOptions) -> float:
     return DEFAULT_GRACE_PERIOD if vmi.grace_period is None else vmi.grace_period
 
 
-def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, domain_type: str | None = None, qemu: tuple[int, int] = KUBEVIRT_QEMU):
+def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, domain_type: str | None = None, qemu: tuple[int, int] = KUBEVIRT_QEMU,
+         dac: bool = False):
     """Pull what the VMI needs and render its domain; with `create`, the overlays are made too (and what
     qemu opens in claims is given to `qemu`)."""
     run_dir = cache.run_dir(vmi.domain_name)
@@ -78,6 +80,7 @@ def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, domain_type: st
         kernel=prepared.kernel,
         initrd=prepared.initrd,
         virtiofs_sockets=virtiofs.sockets(vmi, run_dir),
+        dac=dac,
     )
     if vmi.domain.cpu.dedicated_cpu_placement:
         host = replace(host, topology=hostcpus.read_topology(), cpuset=hostcpus.pod_cpuset())
@@ -110,7 +113,7 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
             if opts.timeout is not None:
                 alarm.arm(opts.timeout - (time.monotonic() - began))
             with cache.lock("gc", shared=True):  # gc must not take the bases between pull and record
-                prepared, xml = plan(vmi, cache, opts, create=True, qemu=owner)
+                prepared, xml = plan(vmi, cache, opts, create=True, qemu=owner, dac=os.geteuid() == 0 and is_system_uri(lv.uri))
                 run_dir = cache.run_dir(name)
                 rundir.open_to_qemu(run_dir, owner)
                 write_atomic(run_dir / "domain.xml", xml.encode(), 0o600)  # root's: libvirt is given the XML, not the file
