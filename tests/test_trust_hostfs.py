@@ -344,6 +344,29 @@ def test_an_import_into_a_users_claim_is_done_as_that_user(claims, area, victim,
     assert sorted(p.name for p in claim.iterdir() if p.name.startswith(".diskkit-")) == []
 
 
+def test_a_registry_import_into_a_users_claim_uses_the_launchers_credentials(claims, area, auth_registry, tmp_path):
+    """The worker that runs as the claim's owner cannot read the launcher's (root's) auth file: the
+    credentials for the DataVolume's registry are looked up before it starts and handed to it alone."""
+    disk = tmp_path / "data.qcow2"
+    qcow2_of(disk, b"\xab" * MIB)
+    ref = f"{auth_registry.host}/dv/private:v1"
+    creds = f"{auth_registry.username}:{auth_registry.password}"
+    from tests.conftest import run_diskkit
+
+    assert run_diskkit("build", "--tls-verify=false", "--creds", creds, disk, "-t", ref).code == 0
+    auth = area / "root-only-auth.json"
+    import base64
+
+    auth.write_text(json.dumps({"auths": {auth_registry.host: {"auth": base64.b64encode(creds.encode()).decode()}}}))
+    auth.chmod(0o600)
+    nobody_claim(claims, dv("private", {"registry": {"url": f"docker://{ref}"}}, "16Mi"))
+    result = claims.run("import", "--tls-verify=false", "--authfile", auth, "private")
+    assert result.code == 0, result.err
+    image = claims.dirs["private"] / "disk.img"
+    st = image.stat()
+    assert (st.st_uid, image.read_bytes()[:MIB]) == (NOBODY.pw_uid, b"\xab" * MIB)
+
+
 def test_an_import_as_the_owner_cannot_write_where_the_owner_cannot(claims, area, victim):
     """The attack the owner is left with: make the importer's own names lead into a root-only directory.
     As the owner, the importer is refused there by the kernel (one line), and nothing of root's changes.

@@ -8,6 +8,7 @@ streams in 1 MiB pieces (zero runs become holes), so memory stays flat whatever 
 
 from __future__ import annotations
 
+import contextlib
 import lzma
 import os
 import secrets
@@ -16,7 +17,7 @@ import time
 import zlib
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from diskkit.disk import diskheader, qemuimg
 from diskkit.errors import DiskkitError
@@ -430,14 +431,13 @@ def fill(target: Target, store: Storage, registry: RegistryOptions | None, say: 
             else:
                 # A claim of a user's: its owner does the work, so a link it planted leads nowhere it
                 # could not go itself. The state file stays ours: progress comes back as messages.
-                notes = asowner.run_as(owner, lambda send: {"notes": _fill_in_work(target, claim, store, registry, Relay(send))},
-                                       lambda m: progress(m["progress"], m["force"]))["notes"]
+                notes = _fill_as(owner, target, claim, store, registry, progress)
         except DiskkitError as exc:
             failure = exc if (exc.subject or "").startswith("DataVolume") else DiskkitError(f"DataVolume {dv.key}", exc.line())
             dvstate.record(target, phase=dvm.FAILED, message=failure.line(), pid=None)
             raise failure from None
         except OSError as exc:  # the claim ran out of space, or went away
-            failure = DiskkitError(f"DataVolume {dv.key}", f"writing to claim {dv.name} failed ({exc.strerror or exc})")
+            failure = DiskkitError(f"DataVolume {dv.key}", f"writing to claim {dv.name} failed ({exc.strerror or exc}{f': {exc.filename}' if exc.filename else ''})")
             dvstate.record(target, phase=dvm.FAILED, message=failure.line(), pid=None)
             raise failure from None
         except BaseException:
@@ -449,24 +449,66 @@ def fill(target: Target, store: Storage, registry: RegistryOptions | None, say: 
     return notes
 
 
-def _fill_in_work(target: Target, claim: Dir, store: Storage, registry: RegistryOptions | None, progress: Progress | Relay) -> list[str]:
+def _fill_as(owner: asowner.Owner, target: Target, claim: Dir, store: Storage, registry: RegistryOptions | None, progress: Progress) -> list[str]:
+    fetched = None
+    if target.dv.source.kind == "registry":
+        # The registry configuration, policy and credentials are the launcher's user's, which the claim's
+        # owner cannot read: the image is fetched here, in a work directory of ours, and the worker gets
+        # the disk as an open file (its name is gone from the claim by then).
+        with _work(claim) as work:
+            staged, shown = _registry(target, store, registry or RegistryOptions(), work)
+            fetched = (work.open_file(staged), shown)
+    try:
+        return asowner.run_as(owner, lambda send: {"notes": _fill_in_work(target, claim, store, registry, Relay(send), fetched)},
+                              lambda m: progress(m["progress"], m["force"]))["notes"]
+    finally:
+        if fetched is not None:
+            os.close(fetched[0])
+
+
+@contextlib.contextmanager
+def _work(claim: Dir) -> Iterator[Dir]:
     work_name = scratch("work")
     # The claim's owner can write the claim directory, not this one (0700, made by whoever works here:
     # root, or the owner itself): what is staged here, and the paths tools are given into it, stay ours.
     work = claim.mkdir(work_name, 0o700)
     try:
-        return _fill(target, claim, work, store, registry, progress)
+        yield work
     finally:
         claim.discard(work, work_name)
 
 
-def _fill(target: Target, claim: Dir, work: Dir, store: Storage, registry: RegistryOptions | None, progress: Progress | Relay) -> list[str]:
+def _fill_in_work(target: Target, claim: Dir, store: Storage, registry: RegistryOptions | None, progress: Progress | Relay,
+                  fetched: tuple[int, str] | None = None) -> list[str]:
+    with _work(claim) as work:
+        return _fill(target, claim, work, store, registry, progress, fetched)
+
+
+def _copy_in(fd: int, work: Dir) -> str:
+    """The source the parent fetched (an open file), copied into our work directory (sparse)."""
+    name = "source"
+    out = work.create(name, 0o600)
+    with os.fdopen(out, "wb") as f:
+        writer, offset = SparseWriter(f), 0
+        while chunk := os.pread(fd, CHUNK, offset):
+            writer.write(chunk)
+            offset += len(chunk)
+        f.truncate(f.tell())
+        f.flush()
+        os.fsync(f.fileno())
+    return name
+
+
+def _fill(target: Target, claim: Dir, work: Dir, store: Storage, registry: RegistryOptions | None, progress: Progress | Relay,
+          fetched: tuple[int, str] | None = None) -> list[str]:
     dv = target.dv
     if dv.source.kind == "blank":
         return _blank(target, claim, work, store.tolerance)
     if dv.source.kind == "pvc":
         return _clone(target, claim, work, store, progress, store.tolerance)
-    if dv.source.kind == "http":
+    if fetched is not None:
+        staged, shown = _copy_in(fetched[0], work), fetched[1]
+    elif dv.source.kind == "http":
         staged, shown = _http(target, store, progress, work)
     else:
         staged, shown = _registry(target, store, registry or RegistryOptions(), work)

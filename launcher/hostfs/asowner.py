@@ -116,7 +116,7 @@ def _child(sock: socket.socket, owner: Owner, job: Callable[[socket.socket], dic
         _send(sock, {"diskkit": [exc.subject, exc.rule]})
         return 1
     except OSError as exc:
-        _send(sock, {"oserror": [exc.errno or 0, exc.strerror or str(exc)]})
+        _send(sock, {"oserror": [exc.errno or 0, exc.strerror or str(exc), *([str(exc.filename)] if exc.filename else [])]})
         return 1
     except KeyboardInterrupt:
         return 130
