@@ -302,6 +302,28 @@ def qcow2_of(path: Path, data: bytes) -> None:
     raw.unlink()
 
 
+def test_the_worker_as_a_claims_owner_has_that_users_ids_and_nothing_more():
+    """launcher.hostfs.asowner: the forked worker has the owner's uid and gid (real, effective, saved), no
+    groups, no capability in any set, no_new_privs, and is not dumpable (so the owner cannot ptrace it
+    and read the copy of root's memory it was forked with). A worker that dies says so in one line."""
+    from diskkit.errors import DiskkitError
+    from launcher.hostfs import asowner
+
+    def look(send):
+        status = dict(line.rstrip("\n").split(":\t", 1) for line in open("/proc/self/status") if ":\t" in line)
+        import ctypes
+
+        dumpable = ctypes.CDLL(None).prctl(3, 0, 0, 0, 0)  # PR_GET_DUMPABLE
+        return {"uids": os.getresuid(), "gids": os.getresgid(), "groups": os.getgroups(), "dumpable": dumpable,
+                **{k: status[k] for k in ("CapInh", "CapPrm", "CapEff", "CapAmb", "NoNewPrivs")}}
+
+    seen = asowner.run_as((NOBODY.pw_uid, NOBODY.pw_gid), look)
+    assert seen == {"uids": [NOBODY.pw_uid] * 3, "gids": [NOBODY.pw_gid] * 3, "groups": [], "dumpable": 0,
+                    "CapInh": "0" * 16, "CapPrm": "0" * 16, "CapEff": "0" * 16, "CapAmb": "0" * 16, "NoNewPrivs": "1"}
+    with pytest.raises(DiskkitError, match=f"worker as uid {NOBODY.pw_uid}: ended without an answer \\(exit status 3\\)"):
+        asowner.run_as((NOBODY.pw_uid, NOBODY.pw_gid), lambda send: os._exit(3))
+
+
 @pytest.mark.parametrize("source", ["raw", "qcow2", "archive", "clone"])
 def test_an_import_into_a_users_claim_is_done_as_that_user(claims, area, victim, source):
     """Issue 29 item 3: where a claim belongs to a user, the importer works as that user (uid and gid of the

@@ -147,9 +147,12 @@ def _fork(owner: Owner, job: Callable[[socket.socket], dict], on_message: Callab
             while True:
                 data, fds, _, _ = socket.recv_fds(parent_sock, MESSAGE, 4)
                 if not data:
-                    raise DiskkitError(f"worker as uid {owner[0]}", f"ended without an answer ({_status(_wait(pid))})")
+                    status, pid = _wait(pid), 0
+                    raise DiskkitError(f"worker as uid {owner[0]}", f"ended without an answer ({_status(status)})")
                 reply = json.loads(data)
                 if "message" in reply:
+                    for fd in fds:
+                        os.close(fd)
                     on_message(reply["message"])
                     continue
                 _wait(pid)
