@@ -283,7 +283,7 @@ def test_a_claim_owner_swapping_the_work_files_for_links_redirects_nothing(claim
     # Working as `nobody`, the import either went through (the links came too late, or were swapped
     # for our work directory's fd) or stopped at nobody's own permissions, in one line.
     if result.code != 0:
-        assert one_line(result.err).endswith("(Permission denied)"), result.err
+        assert "writing to claim raced failed (Permission denied: " in one_line(result.err), result.err
     elif content == "kubevirt":
         disk = claim / "disk.img"
         assert not disk.is_symlink() and disk.read_bytes()[:4 * MIB] == Trickle.data
@@ -409,7 +409,8 @@ def test_an_import_as_the_owner_cannot_write_where_the_owner_cannot(claims, area
         httpd.server_close()
     assert attacker.returncode == 0 and out.strip(), err
     assert result.code != 0
-    assert one_line(result.err) == "launcher: DataVolume default/raced: writing to claim raced failed (Permission denied)", result.err
+    line = one_line(result.err)
+    assert line.startswith(f"launcher: DataVolume default/raced: writing to claim raced failed (Permission denied: {claim}/.diskkit-"), line
     victim.assert_untouched()
     assert not (claim / "disk.img").exists()
 
