@@ -22,6 +22,7 @@ import subprocess
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -345,7 +346,10 @@ class RunningRegistry:
         self._start()
 
 
-def start_registry(workdir: Path, auth: str = "none", tls: bool = False, token_ttl: int = 300) -> RunningRegistry:
+def start_registry(workdir: Path, auth: str = "none", tls: bool = False, token_ttl: int = 300,
+                   realm_via: Callable[[str], str] | None = None) -> RunningRegistry:
+    """`realm_via(issuer's host:port)`, when given, is the token realm the registry names instead of the
+    issuer's own (a fault proxy in front of it)."""
     if auth not in ("none", "htpasswd", "token"):
         raise ValueError(f"unknown auth mode {auth!r}")
     if shutil.which(REGISTRY_BINARY) is None:
@@ -383,7 +387,7 @@ def start_registry(workdir: Path, auth: str = "none", tls: bool = False, token_t
     elif auth == "token":
         issuer = TokenIssuer(workdir, username, password, token_ttl)
         config["auth"] = {"token": {
-            "realm": issuer.realm, "service": TOKEN_SERVICE, "issuer": TOKEN_ISSUER,
+            "realm": issuer.realm if realm_via is None else realm_via(f"127.0.0.1:{issuer.port}"), "service": TOKEN_SERVICE, "issuer": TOKEN_ISSUER,
             "rootcertbundle": str(issuer.bundle),
         }}
     config_path = workdir / "config.yml"

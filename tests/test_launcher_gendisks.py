@@ -215,7 +215,7 @@ def test_long_names_run_and_secrets_are_private_while_the_vm_runs(qemu_user, gue
             assert (stat.S_IMODE(st.st_mode), st.st_uid) == (0o600, QEMU_UID), iso
             assert stat.S_IMODE(iso.parent.stat().st_mode) == 0o700, iso.parent
             assert _unreadable_by_nobody(iso)
-        assert _unreadable_by_nobody(run_dir / "console.log")
+        assert _unreadable_by_nobody(run_dir / "console" / "console.log")
         out, err = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:

@@ -433,7 +433,7 @@ def test_a_hostile_guest_stays_in_its_shares(qemu_user, guest_image, root_side):
     assert started.code == 0, started.err
     run_dir = cache / "run" / "default_hostile"
     try:
-        console = parse_console((run_dir / "console.log").read_text(errors="replace"))
+        console = parse_console((run_dir / "console" / "console.log").read_text(errors="replace"))
         attacks = console["attacks"]
 
         # The writable claim: the guest writes, but only as the qemu user, and nobody else gets in.

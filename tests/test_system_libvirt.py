@@ -10,6 +10,7 @@ import grp
 import json
 import os
 import pwd
+import re
 import stat
 import subprocess
 import sys
@@ -133,7 +134,8 @@ def test_pulled_container_disk_boots_as_root_through_the_system_daemon(daemon, c
     tree = [run_dir, *run_dir.rglob("*")]
     sockets = run_dir / SOCKETS_DIR
     shares = run_dir / "virtiofs-shares"  # the ConfigMap's files, the qemu user's as virtiofsd serves them as it
-    root_dirs = [p for p in tree if p.is_dir() and shares not in p.parents]
+    log_dir = run_dir / "console"  # qemu's user's own, 0700: its log daemon rotates the console log there
+    root_dirs = [p for p in tree if p.is_dir() and shares not in p.parents and p != log_dir]
     assert {str(p.relative_to(run_dir)): (p.stat().st_uid, p.stat().st_gid, stat.S_IMODE(p.stat().st_mode)) for p in root_dirs} \
         == {str(p.relative_to(run_dir)): (0, owner[1], 0o710) for p in root_dirs}
     # virtiofsd's log is root's, and domain.xml (libvirt is given the XML, not the file)
@@ -166,3 +168,83 @@ def test_lazy_container_disk_boots_as_root_through_the_system_daemon(daemon, cac
     finally:
         stop_spawned_server(cache)
     assert_gone(daemon, cache, "default_sys-lazy")
+
+
+# ---------------------------------------------------------------- claims: given to qemu by fd, never relabelled by path
+
+MINIMAL_DOMAIN = """<domain type="qemu">
+  <name>{name}</name>
+  <memory unit="MiB">64</memory>
+  <os><type arch="x86_64" machine="q35">hvm</type></os>
+  <devices>
+    <disk type="file" device="disk">
+      <driver name="qemu" type="raw"/>
+      <source file="{path}">{seclabel}</source>
+      <target dev="vda" bus="virtio"/>
+    </disk>
+  </devices>
+</domain>
+"""
+
+
+@pytest.mark.parametrize("relabel", [True, False])
+def test_libvirt_chowns_through_a_swapped_link_unless_told_not_to_relabel(daemon, relabel):
+    """What <seclabel model='dac' relabel='no'/> on a disk's source buys under the system daemon
+    (libvirt's src/security/security_dac.c: virSecurityDACSetImageLabelInternal returns before any chown
+    when the source's DAC seclabel has relabel off). The attack: a claim's owner swaps disk.img for a
+    link to a root-only file after the launcher checked it. Without the seclabel, libvirt chowns the
+    target to qemu's user by path (and qemu would read and write it); with it, the target keeps its owner
+    and qemu, as libvirt-qemu, is refused it."""
+    victim = daemon.root / f"root-only-{relabel}"
+    victim.write_bytes(b"root's own\n" + bytes(1 << 20))
+    victim.chmod(0o600)
+    claim = daemon.root / f"claim-{relabel}"
+    claim.mkdir()
+    (claim / "disk.img").symlink_to(victim)
+    name = f"relabel-{str(relabel).lower()}"
+    xml = daemon.root / f"{name}.xml"
+    xml.write_text(MINIMAL_DOMAIN.format(name=name, path=claim / "disk.img",
+                                         seclabel="" if relabel else '<seclabel model="dac" relabel="no"/>'))
+    started = subprocess.run(daemon.command("virsh", "-c", "qemu:///system", "create", xml), capture_output=True, text=True, timeout=300)
+    try:
+        st = victim.stat()
+        if relabel:
+            assert started.returncode == 0, started.stderr
+            assert (st.st_uid, st.st_gid) == (pwd.getpwnam("libvirt-qemu").pw_uid, grp.getgrnam("libvirt-qemu").gr_gid)
+        else:
+            assert started.returncode != 0 and "Permission denied" in started.stderr, started
+            assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (0, 0, 0o600)
+    finally:
+        if started.returncode == 0:
+            daemon.virsh("destroy", name)
+
+
+def test_a_users_claim_is_given_to_qemu_by_the_launcher(daemon, cache, guest_image):
+    """Issue 29 item 3 under qemu:///system: a claim of another user's boots; its disk.img (checked: a
+    regular file with one link, never a link) is given to qemu.conf's user through its fd by the launcher,
+    the domain says relabel='no' so libvirt chowns nothing by path, and the guest reads that very file."""
+    claim = daemon.root / "users-claim"
+    claim.mkdir()
+    nobody = pwd.getpwnam("nobody")
+    disk = claim / "disk.img"
+    disk.write_bytes(b"\x5a" * 512 + bytes((16 << 20) - 512))
+    for path in (claim, disk):
+        os.chown(path, nobody.pw_uid, nobody.pw_gid)
+    disk.chmod(0o600)
+    inode = disk.stat().st_ino
+    vmi = write_vmi(daemon.root, "sys-claim", guest_image, hold=600)  # held: its live XML is looked at
+    doc = json.loads(vmi.read_text())
+    doc["spec"]["domain"]["devices"]["disks"].append({"name": "data", "disk": {"bus": "virtio"}})
+    doc["spec"]["volumes"].append({"name": "data", "persistentVolumeClaim": {"claimName": "data"}})
+    vmi.write_text(json.dumps(doc))
+    console = boot(daemon, cache, vmi, "--wait-for", DONE, "--pvc", f"data={claim}")
+    try:
+        assert console["disks"]["vdb"]["head"].startswith("5a5a5a5a"), console
+        live = daemon.virsh("dumpxml", "default_sys-claim")
+        assert re.search(rf"<source file='{re.escape(str(disk))}'[^>]*>\s*<seclabel model='dac' relabel='no'/>", live), live
+        st = disk.stat()
+        assert st.st_ino == inode and (st.st_uid, st.st_gid) == system_qemu_ids() and stat.S_IMODE(st.st_mode) == 0o660
+    finally:
+        stopped = daemon.launcher("stop", "sys-claim", env={"DISKKIT_CACHE": str(cache)})
+    assert stopped.code == 0, stopped.err
+    assert_gone(daemon, cache, "default_sys-claim")

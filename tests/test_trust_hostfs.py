@@ -258,7 +258,7 @@ def test_a_claim_owner_swapping_the_work_files_for_links_redirects_nothing(claim
     the root file as the source, and the importer truncated it to the claim's size, chmodded it 0660,
     chowned it to qemu and renamed the link to disk.img; an archive was unpacked into the root directory.
     (For the archive only directories are swapped: a swapped download fails the old importer before it unpacks.)
-    The importer works in a directory of root's through its fd; the links redirect nothing."""
+    The importer now works as the claim's owner: a link leads it only where the owner could go itself."""
     Trickle.data = small_tar() if content == "archive" else b"\xab" * (4 * MIB)
     httpd = serve(Trickle)
     try:
@@ -280,15 +280,139 @@ def test_a_claim_owner_swapping_the_work_files_for_links_redirects_nothing(claim
     assert attacker.returncode == 0, err
     assert out.strip(), "the attacker never saw a work file: the race was not run"
     victim.assert_untouched()
-    # The links redirected nothing, so the import itself went through, into the claim.
-    assert result.code == 0, result.err
-    if content == "kubevirt":
+    # Working as `nobody`, the import either went through (the links came too late, or were swapped
+    # for our work directory's fd) or stopped at nobody's own permissions, in one line.
+    if result.code != 0:
+        assert "writing to claim raced failed (Permission denied: " in one_line(result.err), result.err
+    elif content == "kubevirt":
         disk = claim / "disk.img"
         assert not disk.is_symlink() and disk.read_bytes()[:4 * MIB] == Trickle.data
+        assert disk.stat().st_uid == NOBODY.pw_uid
     else:
         assert (claim / "planted-by-root").read_bytes() == b"x" * (3 * MIB)
-    assert not any(p.name.startswith(".diskkit-") and p.is_dir() and not p.is_symlink() and any(p.iterdir())
-                   for p in claim.iterdir()), "a work directory of root's was left full in the claim"
+    assert not any(p.name.startswith(".diskkit-") and not p.is_symlink() for p in claim.iterdir()), sorted(claim.iterdir())
+
+
+# ---------------------------------------------------------------- work in a user's claim is done as that user
+
+def qcow2_of(path: Path, data: bytes) -> None:
+    raw = path.with_suffix(".tmp")
+    raw.write_bytes(data)
+    subprocess.run(["qemu-img", "convert", "-f", "raw", "-O", "qcow2", raw, path], check=True, capture_output=True)
+    raw.unlink()
+
+
+def test_the_worker_as_a_claims_owner_has_that_users_ids_and_nothing_more():
+    """launcher.hostfs.asowner: the forked worker has the owner's uid and gid (real, effective, saved), no
+    groups, no capability in any set, no_new_privs, and is not dumpable (so the owner cannot ptrace it
+    and read the copy of root's memory it was forked with). A worker that dies says so in one line."""
+    from diskkit.errors import DiskkitError
+    from launcher.hostfs import asowner
+
+    def look(send):
+        status = dict(line.rstrip("\n").split(":\t", 1) for line in open("/proc/self/status") if ":\t" in line)
+        import ctypes
+
+        dumpable = ctypes.CDLL(None).prctl(3, 0, 0, 0, 0)  # PR_GET_DUMPABLE
+        return {"uids": os.getresuid(), "gids": os.getresgid(), "groups": os.getgroups(), "dumpable": dumpable,
+                **{k: status[k] for k in ("CapInh", "CapPrm", "CapEff", "CapAmb", "NoNewPrivs")}}
+
+    seen = asowner.run_as((NOBODY.pw_uid, NOBODY.pw_gid), look)
+    assert seen == {"uids": [NOBODY.pw_uid] * 3, "gids": [NOBODY.pw_gid] * 3, "groups": [], "dumpable": 0,
+                    "CapInh": "0" * 16, "CapPrm": "0" * 16, "CapEff": "0" * 16, "CapAmb": "0" * 16, "NoNewPrivs": "1"}
+    with pytest.raises(DiskkitError, match=f"worker as uid {NOBODY.pw_uid}: ended without an answer \\(exit status 3\\)"):
+        asowner.run_as((NOBODY.pw_uid, NOBODY.pw_gid), lambda send: os._exit(3))
+
+
+@pytest.mark.parametrize("source", ["raw", "qcow2", "archive", "clone"])
+def test_an_import_into_a_users_claim_is_done_as_that_user(claims, area, victim, source):
+    """Issue 29 item 3: where a claim belongs to a user, the importer works as that user (uid and gid of the
+    claim directory, no groups, no capabilities), so nothing in the claim is written with root's rights.
+    What it writes is that user's; qemu-img ran as the user on paths by name (a qcow2 is checked and
+    converted). Before, disk.img and unpacked files were written by root and given to uid 107."""
+    files = area / "www"
+    files.mkdir()
+    data = b"\xab" * (2 * MIB) + b"\x00" * MIB + b"\xcd" * MIB
+    (files / "disk.raw").write_bytes(data)
+    qcow2_of(files / "disk.qcow2", data)
+    (files / "files.tar").write_bytes(small_tar())
+    with FileServer(files) as www:
+        docs = {
+            "raw": [dv("mine", {"http": {"url": www.url("disk.raw")}}, "16Mi")],
+            "qcow2": [dv("mine", {"http": {"url": www.url("disk.qcow2")}}, "16Mi")],
+            "archive": [{**dv("mine", {"http": {"url": www.url("files.tar")}}, "16Mi")}],
+            "clone": [dv("src", {"http": {"url": www.url("disk.qcow2")}}, "16Mi"), dv("mine", {"pvc": {"name": "src"}}, "16Mi")],
+        }[source]
+        if source == "archive":
+            docs[0]["spec"]["contentType"] = "archive"
+        nobody_claim(claims, *docs)
+        claim = claims.dirs["mine"]
+        # the owner's own link, to a root-only file, under a name the owner may choose: it is never read
+        plant(claim, "planted", victim.file)
+        if source == "clone":
+            assert claims.run("import", "src").code == 0
+        result = claims.run("import", "mine")
+    assert result.code == 0, result.err
+    victim.assert_untouched()
+    if source == "archive":
+        made = claim / "planted-by-root"
+        assert made.read_bytes() == b"x" * (3 * MIB)
+    else:
+        made = claim / "disk.img"
+        assert made.read_bytes()[:len(data)] == data and made.stat().st_size == 16 * MIB
+    st = made.stat()
+    assert (st.st_uid, st.st_gid) == (NOBODY.pw_uid, NOBODY.pw_gid), (st.st_uid, st.st_gid)
+    assert claims.status("mine")["phase"] == "Succeeded"
+    assert sorted(p.name for p in claim.iterdir() if p.name.startswith(".diskkit-")) == []
+
+
+def test_a_registry_import_into_a_users_claim_uses_the_launchers_credentials(claims, area, auth_registry, tmp_path):
+    """The worker that runs as the claim's owner cannot read the launcher's (root's) auth file: the
+    credentials for the DataVolume's registry are looked up before it starts and handed to it alone."""
+    disk = tmp_path / "data.qcow2"
+    qcow2_of(disk, b"\xab" * MIB)
+    ref = f"{auth_registry.host}/dv/private:v1"
+    creds = f"{auth_registry.username}:{auth_registry.password}"
+    from tests.conftest import run_diskkit
+
+    assert run_diskkit("build", "--tls-verify=false", "--creds", creds, disk, "-t", ref).code == 0
+    auth = area / "root-only-auth.json"
+    import base64
+
+    auth.write_text(json.dumps({"auths": {auth_registry.host: {"auth": base64.b64encode(creds.encode()).decode()}}}))
+    auth.chmod(0o600)
+    nobody_claim(claims, dv("private", {"registry": {"url": f"docker://{ref}"}}, "16Mi"))
+    result = claims.run("import", "--tls-verify=false", "--authfile", auth, "private")
+    assert result.code == 0, result.err
+    image = claims.dirs["private"] / "disk.img"
+    st = image.stat()
+    assert (st.st_uid, image.read_bytes()[:MIB]) == (NOBODY.pw_uid, b"\xab" * MIB)
+
+
+def test_an_import_as_the_owner_cannot_write_where_the_owner_cannot(claims, area, victim):
+    """The attack the owner is left with: make the importer's own names lead into a root-only directory.
+    As the owner, the importer is refused there by the kernel (one line), and nothing of root's changes.
+    The work directory is swapped for a link to the root-only directory before the download lands in it."""
+    Trickle.data = b"\xab" * (4 * MIB)
+    httpd = serve(Trickle)
+    try:
+        nobody_claim(claims, dv("raced", {"http": {"url": f"http://127.0.0.1:{httpd.server_address[1]}/data"}}, "16Mi"))
+        claim = claims.dirs["raced"]
+        attacker = subprocess.Popen(["setpriv", f"--reuid={NOBODY.pw_uid}", f"--regid={NOBODY.pw_gid}", "--clear-groups",
+                                     sys.executable, "-c", ATTACKER, claim, victim.file, victim.dir, "8", "dirs"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(0.5)
+        result = claims.run("import", "raced")
+        out, err = attacker.communicate(timeout=30)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert attacker.returncode == 0 and out.strip(), err
+    assert result.code != 0
+    line = one_line(result.err)
+    assert line.startswith(f"launcher: DataVolume default/raced: writing to claim raced failed (Permission denied: {claim}/.diskkit-"), line
+    victim.assert_untouched()
+    assert not (claim / "disk.img").exists()
 
 
 # ---------------------------------------------------------------- the upload server
@@ -329,6 +453,38 @@ def test_an_upload_part_link_is_refused_not_appended_to(area, claims, victim):
         assert put.status_code >= 400, put.text
         message = put.json()["message"]
         assert "\n" not in message and message.endswith(NOFOLLOW), message
+    victim.assert_untouched()
+
+
+def test_an_upload_into_a_users_claim_is_stored_and_converted_as_that_user(area, claims, victim):
+    """Issue 29 item 3, for the upload server: in a user's claim the user opens the part file (the server
+    writes through that fd) and a child as the user checks and converts it. The part and disk.img are the
+    user's; before, root created both and gave disk.img to uid 107."""
+    nobody_claim(claims, dv("up", {"upload": {}}, "16Mi"))
+    claim = claims.dirs["up"]
+    plant(claim, "planted", victim.file)
+    files = area / "files"
+    files.mkdir()
+    qcow2_of(files / "disk.qcow2", b"\xee" * MIB)
+    body = (files / "disk.qcow2").read_bytes()
+    with upload_server(area, claims, "up") as (url, auth):
+        half = len(body) // 2
+        put = requests.put(url, headers={**auth, "Content-Range": f"bytes 0-{half - 1}/{len(body)}"}, data=body[:half], timeout=30)
+        assert put.status_code == 200, put.text
+        part = os.lstat(claim / ".diskkit-upload.part")
+        assert (part.st_uid, part.st_gid) == (NOBODY.pw_uid, NOBODY.pw_gid)
+        put = requests.put(url, headers={**auth, "Content-Range": f"bytes {half}-{len(body) - 1}/{len(body)}"}, data=body[half:], timeout=30)
+        assert put.status_code == 200, put.text
+        import hashlib
+
+        done = requests.post(f"{url}/complete", headers=auth, timeout=60, json={"size": len(body), "sha256": hashlib.sha256(body).hexdigest()})
+        assert done.status_code == 200, done.text
+        assert done.json()["phase"] == "Succeeded"
+    disk = claim / "disk.img"
+    st = os.lstat(disk)
+    assert (st.st_uid, st.st_gid) == (NOBODY.pw_uid, NOBODY.pw_gid) and stat.S_ISREG(st.st_mode)
+    assert disk.read_bytes()[:MIB] == b"\xee" * MIB and st.st_size == 16 * MIB
+    assert not any(p.name.startswith(".diskkit-") for p in claim.iterdir())
     victim.assert_untouched()
 
 

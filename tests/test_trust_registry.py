@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run, run_diskkit, run_launcher
-from tests.faultproxy import Fault
+from tests.distribution import start_registry
+from tests.faultproxy import Fault, FaultProxy
 from tests.lazyhost import random_disk
 
 NOREG = "--tls-verify=false"
@@ -408,3 +409,28 @@ def test_a_root_caches_lazy_exports_are_private_and_its_sockets_reachable(regist
                                 str(cache / "serve" / "control.sock"), json.dumps(req)], capture_output=True, text=True)
         assert asked.returncode == 0, asked.stderr
         assert json.loads(asked.stdout)["socket"] == str(cache / "serve" / "nbd-107.sock")
+
+
+def test_an_endless_token_answer_is_refused_at_1_mib(tmp_path):
+    """Attack: the token service a registry names answers with a body that never ends
+    (MaxAuthTokenBodySize is 1 MiB, containers/image internal/iolimits/iolimits.go); it was read whole.
+    The real registry names a realm behind the lying proxy, in front of the real token issuer."""
+    proxies: list[FaultProxy] = []
+
+    def via(issuer: str) -> str:
+        proxies.append(FaultProxy(issuer))
+        return proxies[-1].url("/token")
+
+    registry = start_registry(tmp_path / "registry", auth="token", realm_via=via)
+    [proxy] = proxies
+    try:
+        proxy.add(Fault("GET", "/token", "endless", arg=256 * MIB))
+        result = run_diskkit("inspect", NOREG, "--creds", f"{registry.username}:{registry.password}", f"{registry.host}/trust/any:v1")
+        sent = sum(n for path, n in proxy.sent.items() if path.startswith("/token"))
+        assert 0 < sent < 64 * MIB, proxy.sent
+        assert result.code == 1
+        line = one_line(result)
+        assert f"token service {proxy.url('/token')} answer is larger than 1 MiB (1048576 bytes)" in line, line
+    finally:
+        registry.stop()
+        proxy.close()

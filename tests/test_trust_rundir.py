@@ -9,6 +9,7 @@ a real root launcher runs a real VM on the qemu user's libvirt session daemon wh
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import subprocess
@@ -18,9 +19,11 @@ import pytest
 
 from diskkit.errors import DiskkitError
 from launcher.runtime import rundir
+from launcher.runtime.console import ConsoleLog
 from launcher.volumes.files import give_to_qemu
 from tests.conftest import run_launcher
-from tests.vmhost import NOREG, QEMU_UID
+from tests.testguest import parse_console
+from tests.vmhost import NOREG, QEMU_UID, QemuUser, qemu_scratch
 
 NOBODY = 65534
 VICTIM_TEXT = b"root's own, 0600: no one else writes, truncates or chowns this\n"
@@ -104,24 +107,27 @@ def test_the_qemu_user_plants_nothing_in_a_root_run_directory(qemu_user, guest_i
         # The running VM's directory: root's, qemu's group passes through, nothing more.
         st = run_dir.stat()
         assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (0, QEMU_UID, 0o710)
-        directories = [run_dir] + [Path(top) / d for top, dirs, _ in os.walk(run_dir) for d in dirs]
+        console = run_dir / "console"  # qemu's own: its log daemon rotates console.log in it
+        st = console.lstat()
+        assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (QEMU_UID, QEMU_UID, 0o700)
+        directories = [run_dir] + [Path(top) / d for top, dirs, _ in os.walk(run_dir) for d in dirs if Path(top) / d != console]
         assert len(directories) >= 4, directories  # the overlay's, the empty disk's, cloud-init's
         for directory in directories:
             st = directory.lstat()
             assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o710), directory
             planted = as_user(QEMU_UID, "ln", "-s", "/etc/shadow", directory / "x")
             assert planted.returncode != 0 and "Permission denied" in planted.stderr, (directory, planted.stderr)
-        for cmd in (["mv", run_dir / "console.log", run_dir / "moved"], ["rm", "-f", run_dir / "domain.xml"],
+        for cmd in (["mv", console, run_dir / "moved"], ["rm", "-f", run_dir / "domain.xml"],
                     ["mkdir", run_dir / "new"], ["mv", run_dir / "root", run_dir / "gone"]):
             tried = as_user(QEMU_UID, *cmd)
             assert tried.returncode != 0 and "Permission denied" in tried.stderr, (cmd, tried.stderr)
 
         # What qemu opens is qemu's, open to it alone; domain.xml is root's.
         iso = run_dir / "cloud-init-data" / "default" / name / "noCloud.iso"
-        for path in (run_dir / "console.log", run_dir / "root" / "disk.qcow2", run_dir / "empty-disks" / "hold.qcow2", iso):
+        for path in (console / "console.log", run_dir / "root" / "disk.qcow2", run_dir / "empty-disks" / "hold.qcow2", iso):
             st = path.lstat()
             assert stat.S_ISREG(st.st_mode) and st.st_uid == QEMU_UID and not st.st_mode & 0o077, (path, oct(st.st_mode), st.st_uid)
-        assert b"DISKKIT-TESTGUEST DONE" in (run_dir / "console.log").read_bytes()
+        assert b"DISKKIT-TESTGUEST DONE" in (console / "console.log").read_bytes()
         st = (run_dir / "domain.xml").lstat()
         assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o600)
 
@@ -163,11 +169,94 @@ def test_handing_over_gives_qemu_files_never_directories(tmp_path):
     for directory in (run_dir, run_dir / "root", run_dir / "virtiofs-shares"):
         st = directory.lstat()
         assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (0, owner[1], 0o710), directory
-    for path in (run_dir / "root" / "disk.qcow2", run_dir / "console.log"):
+    for path in (run_dir / "root" / "disk.qcow2", rundir.console_log(run_dir)):
         st = path.lstat()
         assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (*owner, 0o600), path
-    assert (run_dir / "console.log").read_bytes() == b""
+    assert rundir.console_log(run_dir).read_bytes() == b""
+    st = (run_dir / "console").lstat()  # qemu's own, so that its log daemon can rotate the log in it
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (*owner, 0o700)
     assert [(p.lstat().st_uid, p.lstat().st_gid, stat.S_IMODE(p.lstat().st_mode)) for p in (share, share / "sub", share / "sub" / "greeting")] \
         == [(*owner, 0o700), (*owner, 0o755), (*owner, 0o644)]
-    with pytest.raises(DiskkitError, match="console.log: cannot be created"):
-        rundir.open_to_qemu(run_dir, owner)  # a log already there is never taken over
+    with pytest.raises(DiskkitError, match="console: is not root's"):
+        rundir.open_to_qemu(run_dir, owner)  # a log directory already given away is never taken over
+
+
+# ---------------------------------------------------------------- the console log, rotated by qemu's log daemon
+
+@pytest.fixture
+def qemus_console_dir() -> Path:
+    """A console directory as open_to_qemu leaves it: qemu's, 0700, in a run directory qemu traverses."""
+    with qemu_scratch("diskkit-console-") as root:
+        run_dir = rundir.create(root / "default_vm")
+        rundir.open_to_qemu(run_dir, (QEMU_UID, QEMU_UID))
+        yield run_dir / rundir.CONSOLE_DIR
+
+
+def test_the_console_is_followed_across_rotations(qemus_console_dir):
+    """virtlogd rotates the log as qemu's user: renames console.log to console.log.0 and starts a new one.
+    What the old file got before the rename, and the new file from its start, are read in order."""
+    log = ConsoleLog(qemus_console_dir / rundir.CONSOLE_LOG)
+    got = []
+    as_user(QEMU_UID, "sh", "-c", f"printf one >> {log.log}", check=True)
+    got.append(log.read())
+    as_user(QEMU_UID, "sh", "-c", f"printf two >> {log.log}; mv {log.log} {log.log}.0; printf three > {log.log}", check=True)
+    got += [log.read(), log.read(), log.read()]
+    as_user(QEMU_UID, "sh", "-c", f"mv {log.log} {log.log}.0; printf four > {log.log}", check=True)
+    got += [log.read(), log.read()]
+    log.close()
+    assert b"".join(got) == b"onetwothreefour", got
+
+
+def test_a_link_planted_in_the_console_directory_is_not_followed(qemus_console_dir, victim):
+    """Attack: the console directory is qemu's (its log daemon must rotate there), so uid 107 may put a link
+    to a root-only file under console.log, or swap one in as a rotation; root following the console
+    would read the file to the launcher's stdout. The link is refused in one line; nothing of it is read."""
+    console = qemus_console_dir
+    log = ConsoleLog(console / rundir.CONSOLE_LOG)
+    as_user(QEMU_UID, "sh", "-c", f"printf booting > {log.log}", check=True)
+    assert log.read() == b"booting"
+    as_user(QEMU_UID, "sh", "-c", f"mv {log.log} {log.log}.0; ln -s {victim} {log.log}", check=True)
+    with pytest.raises(DiskkitError) as err:
+        log.read()
+    assert str(err.value) == f"{log.log}: is a symbolic link; root never follows a link in a directory others can write"
+    log.close()
+    fresh = ConsoleLog(console / rundir.CONSOLE_LOG)
+    with pytest.raises(DiskkitError, match="is a symbolic link"):
+        fresh.read()
+    assert victim_state(victim)[3] == VICTIM_TEXT
+
+
+LINES, WIDTH, KEYS = 50, 190, 12  # the guest prints 50 lines of each file of an ISO: ~115 KiB in all
+MAX_SIZE = 16384
+
+
+def test_a_console_past_virtlogds_limit_keeps_being_logged(guest_image, tmp_path):
+    """Regression: under a root launcher on 107's session daemon, virtlogd (uid 107) could not rotate
+    console.log in root's run directory, so past its max_size the console stopped being logged and
+    the launcher never saw the guest finish. virtlogd's max_size is set to 16 KiB here (virtlogd.conf
+    under the session daemon's HOME) and the guest prints ~115 KiB: every line arrives, across rotations."""
+    with qemu_scratch("diskkit-rotate-") as root:
+        user = QemuUser(root)
+        config = user.home / ".config" / "libvirt"
+        config.mkdir(parents=True)
+        (config / "virtlogd.conf").write_text(f"max_size = {MAX_SIZE}\nmax_backups = 2\n")
+        for d in (user.home / ".config", config):
+            os.chown(d, QEMU_UID, QEMU_UID)
+        user.virsh("list")  # starts the session daemon, whose virtlogd reads that file
+        sock = user.home / ".cache" / "libvirt" / "libvirt-sock"
+        cache = root / "root-cache"
+        cache.mkdir()
+        files = {f"key{k:02d}": "".join(f"{k:02d}-{i:02d} {'x' * WIDTH}\n" for i in range(LINES)) for k in range(KEYS)}
+        manifests = root / "manifests"
+        manifests.mkdir()
+        (manifests / "cm.json").write_text(json.dumps({"apiVersion": "v1", "kind": "ConfigMap",
+                                                       "metadata": {"name": "big", "namespace": "default"}, "data": files}))
+        vmi = user.write_vmi("chatty", guest_image, extra=[({"name": "cm", "disk": {"bus": "virtio"}}, {"name": "cm", "configMap": {"name": "big"}})])
+        result = run_launcher("run", NOREG, "--console", "--timeout", "600", "--connect", f"qemu+unix:///session?socket={sock}",
+                              "--manifests", manifests, vmi, env={"DISKKIT_CACHE": str(cache)}, timeout=700)
+        assert result.code == 0, result.err
+        console = parse_console(result.out)
+        assert console["done"], result.out[-2000:]
+        [iso] = console["isos"].values()
+        assert iso["files"] == {f"/{k}": v for k, v in files.items()}
+        assert len(result.out) > 4 * MAX_SIZE

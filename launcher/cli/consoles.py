@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 
@@ -57,29 +56,32 @@ Examples:
 @cache_option
 def logs(name, follow, cache_dir) -> None:
     """Print a running VM's serial console log (everything the guest printed since it started)."""
+    from launcher.runtime import rundir
+    from launcher.runtime.console import ConsoleLog
     from launcher.runtime.console import follow as follow_log
     from launcher.runtime.vms import connect
 
     cache = node_cache(cache_dir)
     record = _running_record(cache, name)
-    log = Path(record["run_dir"]) / "console.log"
-    if not follow:
-        try:
-            with open(log, "rb") as f:
-                shutil.copyfileobj(f, sys.stdout.buffer)
-        except FileNotFoundError:
-            pass  # qemu has not written a byte yet
-        sys.stdout.buffer.flush()
-        return
-    lv = connect(cache, record["uri"])
+    # Read as the launcher follows it: through the console directory's fd, never through a link
+    # the qemu user (who owns that directory) may have put there, across virtlogd's rotations.
+    log = ConsoleLog(rundir.console_log(Path(record["run_dir"])))
 
     def echo(data: bytes) -> None:
         sys.stdout.buffer.write(data)
         sys.stdout.buffer.flush()
 
     try:
-        follow_log(log, lambda: lv.active(record["domain"]), echo=echo)
-    except KeyboardInterrupt:
-        pass
+        if not follow:
+            while data := log.read():
+                echo(data)
+            return
+        lv = connect(cache, record["uri"])
+        try:
+            follow_log(log, lambda: lv.active(record["domain"]), echo=echo)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            lv.close()
     finally:
-        lv.close()
+        log.close()

@@ -8,6 +8,7 @@ streams in 1 MiB pieces (zero runs become holes), so memory stays flat whatever 
 
 from __future__ import annotations
 
+import contextlib
 import lzma
 import os
 import secrets
@@ -16,7 +17,7 @@ import time
 import zlib
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from diskkit.disk import diskheader, qemuimg
 from diskkit.errors import DiskkitError
@@ -24,6 +25,7 @@ from diskkit.registry.options import RegistryOptions
 from diskkit.streams.sparse import SparseWriter
 from launcher.datavolumes import archive, dvstate
 from launcher.datavolumes.dvstate import Target
+from launcher.hostfs import asowner
 from launcher.hostfs.dirfd import Dir, give
 from launcher.spec import datavolume as dvm
 from launcher.spec.datavolume import shown_url
@@ -62,6 +64,20 @@ class Progress:
             self.say(f"DataVolume {self.target.dv.key}: {self.target.dv.running_phase} {quarter * 25}%")
         elif percent == 0:
             self._quarter = 0  # a new stage (the conversion after the download) counts again
+
+
+class Relay:
+    """Progress of work done as a claim's owner, sent to the parent that records it (a few times a second)."""
+
+    def __init__(self, send: Callable[[dict], None]):
+        self.send = send
+        self._last = 0.0
+
+    def __call__(self, percent: float, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._last >= PROGRESS_EVERY / 4:
+            self._last = now
+            self.send({"progress": percent, "force": force})
 
 
 def scratch(what: str) -> str:
@@ -111,7 +127,7 @@ def disk_size(target: Target, virtual_size: int, reclaimable: int, tolerance: in
     return fitted.size, fitted.note
 
 
-def install(target: Target, claim: Dir, work: Dir, source: str | Path, shown: str, progress: Progress, tolerance: int) -> list[str]:
+def install(target: Target, claim: Dir, work: Dir, source: str | Path, shown: str, progress: Progress | Relay, tolerance: int) -> list[str]:
     """Check the source, write it as raw disk.img sized to the claim, atomically. Returns notes.
 
     `source` is either a name in `work` (a root-made directory in the claim), consumed: a raw one is
@@ -231,7 +247,7 @@ class _Unpacker:
             raise DiskkitError(shown, f"the {self.kind} stream ends before its end marker (truncated)")
 
 
-def download(url: str, dest: Path, progress: Progress, auth: tuple[str, str] | None, verify: str | bool, limit: int) -> None:
+def download(url: str, dest: Path, progress: Progress | Relay, auth: tuple[str, str] | None, verify: str | bool, limit: int) -> None:
     """GET `url` into `dest` (sparse; gzip and xz decompressed on the way). A body cut short is fetched
     again: from where it stopped when the server honours Range (and the body is not compressed),
     else from the start; after HTTP_ATTEMPTS tries the import fails. More than `limit` bytes, on the
@@ -312,7 +328,7 @@ def _reason(exc: BaseException) -> str:
     return text.split(": ")[-1].strip("()'\" ")[:160] or type(exc).__name__
 
 
-def _http(target: Target, store: Storage, progress: Progress, work: Dir) -> tuple[str, str]:
+def _http(target: Target, store: Storage, progress: Progress | Relay, work: Dir) -> tuple[str, str]:
     source, dv = target.dv.source, target.dv
     where = f"DataVolume {dv.key}"
     auth = _endpoint_secret(store.objects, dv.namespace, source.secret_ref, where) if source.secret_ref else None
@@ -370,7 +386,7 @@ def _blank(target: Target, claim: Dir, work: Dir, tolerance: int) -> list[str]:
     return [note] if note else []
 
 
-def _clone(target: Target, into: Dir, work: Dir, store: Storage, progress: Progress, tolerance: int) -> list[str]:
+def _clone(target: Target, into: Dir, work: Dir, store: Storage, progress: Progress | Relay, tolerance: int) -> list[str]:
     source = target.dv.source
     origin = dvm.DataVolume(source.claim, source.claim_namespace, dvm.Source("blank"), None, None, None, target.dv.origin)
     try:
@@ -384,10 +400,11 @@ def _clone(target: Target, into: Dir, work: Dir, store: Storage, progress: Progr
         if source_dir.regular(DISK) is None:
             raise DiskkitError(f"DataVolume {target.dv.key}", f"source claim {origin.key} holds no disk.img yet")
         fd = source_dir.open_file(DISK)
+        source = source_dir.file_path(DISK, fd)
     try:
         if target.size is not None and target.size < os.fstat(fd).st_size:
             raise DiskkitError(f"DataVolume {target.dv.key}", "target resources requests storage size is smaller than the source")
-        return install(target, into, work, Path(f"/proc/{os.getpid()}/fd/{fd}"), f"claim {origin.key}", progress, tolerance)
+        return install(target, into, work, source, f"claim {origin.key}", progress, tolerance)
     finally:
         os.close(fd)
 
@@ -407,37 +424,91 @@ def fill(target: Target, store: Storage, registry: RegistryOptions | None, say: 
         dvstate.remove_scratch(target)
         dvstate.record(target, phase=dv.running_phase, progress="0.00%", message=None, pid=os.getpid())
         progress = Progress(target, say)
-        work_name = scratch("work")
-        # The claim's owner can write the claim directory, not this one (root's, 0700): what is staged
-        # here, and the paths qemu-img and the registry client are given into it, stay ours.
-        work = claim.mkdir(work_name, 0o700)
+        owner = asowner.owner_of(claim)
         try:
-            notes = _fill(target, claim, work, store, registry, progress)
+            if owner is None:
+                notes = _fill_in_work(target, claim, store, registry, progress)
+            else:
+                # A claim of a user's: its owner does the work, so a link it planted leads nowhere it
+                # could not go itself. The state file stays ours: progress comes back as messages.
+                notes = _fill_as(owner, target, claim, store, registry, progress)
         except DiskkitError as exc:
             failure = exc if (exc.subject or "").startswith("DataVolume") else DiskkitError(f"DataVolume {dv.key}", exc.line())
             dvstate.record(target, phase=dvm.FAILED, message=failure.line(), pid=None)
             raise failure from None
         except OSError as exc:  # the claim ran out of space, or went away
-            failure = DiskkitError(f"DataVolume {dv.key}", f"writing to claim {dv.name} failed ({exc.strerror or exc})")
+            failure = DiskkitError(f"DataVolume {dv.key}", f"writing to claim {dv.name} failed ({exc.strerror or exc}{f': {exc.filename}' if exc.filename else ''})")
             dvstate.record(target, phase=dvm.FAILED, message=failure.line(), pid=None)
             raise failure from None
         except BaseException:
             dvstate.record(target, phase=dvm.PENDING, message="interrupted; the next importer starts again", pid=None)
             raise
         finally:
-            claim.discard(work, work_name)
             dvstate.remove_scratch(target)
     dvstate.record(target, phase=dvm.SUCCEEDED, progress="100.0%", message="Import Complete" if dv.source.kind != "pvc" else "Clone Complete", pid=None)
     return notes
 
 
-def _fill(target: Target, claim: Dir, work: Dir, store: Storage, registry: RegistryOptions | None, progress: Progress) -> list[str]:
+def _fill_as(owner: asowner.Owner, target: Target, claim: Dir, store: Storage, registry: RegistryOptions | None, progress: Progress) -> list[str]:
+    fetched = None
+    if target.dv.source.kind == "registry":
+        # The registry configuration, policy and credentials are the launcher's user's, which the claim's
+        # owner cannot read: the image is fetched here, in a work directory of ours, and the worker gets
+        # the disk as an open file (its name is gone from the claim by then).
+        with _work(claim) as work:
+            staged, shown = _registry(target, store, registry or RegistryOptions(), work)
+            fetched = (work.open_file(staged), shown)
+    try:
+        return asowner.run_as(owner, lambda send: {"notes": _fill_in_work(target, claim, store, registry, Relay(send), fetched)},
+                              lambda m: progress(m["progress"], m["force"]))["notes"]
+    finally:
+        if fetched is not None:
+            os.close(fetched[0])
+
+
+@contextlib.contextmanager
+def _work(claim: Dir) -> Iterator[Dir]:
+    work_name = scratch("work")
+    # The claim's owner can write the claim directory, not this one (0700, made by whoever works here:
+    # root, or the owner itself): what is staged here, and the paths tools are given into it, stay ours.
+    work = claim.mkdir(work_name, 0o700)
+    try:
+        yield work
+    finally:
+        claim.discard(work, work_name)
+
+
+def _fill_in_work(target: Target, claim: Dir, store: Storage, registry: RegistryOptions | None, progress: Progress | Relay,
+                  fetched: tuple[int, str] | None = None) -> list[str]:
+    with _work(claim) as work:
+        return _fill(target, claim, work, store, registry, progress, fetched)
+
+
+def _copy_in(fd: int, work: Dir) -> str:
+    """The source the parent fetched (an open file), copied into our work directory (sparse)."""
+    name = "source"
+    out = work.create(name, 0o600)
+    with os.fdopen(out, "wb") as f:
+        writer, offset = SparseWriter(f), 0
+        while chunk := os.pread(fd, CHUNK, offset):
+            writer.write(chunk)
+            offset += len(chunk)
+        f.truncate(f.tell())
+        f.flush()
+        os.fsync(f.fileno())
+    return name
+
+
+def _fill(target: Target, claim: Dir, work: Dir, store: Storage, registry: RegistryOptions | None, progress: Progress | Relay,
+          fetched: tuple[int, str] | None = None) -> list[str]:
     dv = target.dv
     if dv.source.kind == "blank":
         return _blank(target, claim, work, store.tolerance)
     if dv.source.kind == "pvc":
         return _clone(target, claim, work, store, progress, store.tolerance)
-    if dv.source.kind == "http":
+    if fetched is not None:
+        staged, shown = _copy_in(fetched[0], work), fetched[1]
+    elif dv.source.kind == "http":
         staged, shown = _http(target, store, progress, work)
     else:
         staged, shown = _registry(target, store, registry or RegistryOptions(), work)

@@ -42,6 +42,7 @@ from diskkit.errors import DiskkitError
 from diskkit.streams.sparse import SparseWriter
 from launcher.datavolumes import archive, dvstate, importer
 from launcher.datavolumes.dvstate import Target
+from launcher.hostfs import asowner
 from launcher.hostfs.dirfd import Dir
 from launcher.spec import datavolume as dvm
 from launcher.spec.datavolume import DataVolume
@@ -225,8 +226,13 @@ class UploadServer:
             if start != offset:
                 raise _Refused(409, f"the server holds {offset} bytes; continue from there", offset=offset)
             received = 0
-            # A part planted as a link (to a root file, say a crontab) is refused, never appended to.
-            fd = claim.open_file(dvstate.UPLOAD_PART, os.O_RDWR, create=0o640)
+            # A part planted as a link (to a root file, say a crontab) is refused, never appended to; in a
+            # user's claim the user opens it, so even a link would lead only to a file of the user's.
+            owner = asowner.owner_of(claim)
+            if owner is None:
+                fd = claim.open_file(dvstate.UPLOAD_PART, os.O_RDWR, create=0o640)
+            else:
+                fd = asowner.open_as(owner, claim, dvstate.UPLOAD_PART, os.O_RDWR, create=0o640)
             with os.fdopen(fd, "r+b") as out:
                 out.truncate(offset)
                 out.seek(offset)
@@ -259,44 +265,60 @@ class UploadServer:
             held = up.target.part_size()
             if held != size:
                 raise _Refused(409, f"the server holds {held} of {size} bytes; send the rest first", offset=held)
-            # What arrived moves into a directory of root's before anything reads it: the claim's owner
-            # cannot swap the file between the checks and the conversion.
-            work_name = importer.scratch("work")
-            work = claim.mkdir(work_name, 0o700)
+            shown = f"upload to DataVolume {up.dv.key}"
+            self.say(f"DataVolume {up.dv.key}: received {size} bytes, converting")
+            progress = importer.Progress(up.target)
+            owner = asowner.owner_of(claim)
             try:
-                return self._finish(up, claim, work, size, digest)
-            finally:
-                claim.discard(work, work_name)
-
-    def _finish(self, up: _Upload, claim: Dir, work: Dir, size: int, digest: str | None) -> dict:
-        claim.rename(dvstate.UPLOAD_PART, work, PART)
-        work.regular(PART)
-        if digest is not None:
-            actual = _sha256(work, PART)
-            if actual != digest:
-                raise _Refused(422, f"sha256 of the received data is {actual}, the client sent {digest}; the upload starts over", offset=0)
-        shown = f"upload to DataVolume {up.dv.key}"
-        self.say(f"DataVolume {up.dv.key}: received {size} bytes, converting")
-        try:
-            notes = self._install(up, claim, work, shown)
-        except DiskkitError as exc:
-            dvstate.remove_scratch(up.target)  # resuming cannot fix a bad image: the part goes too
-            dvstate.record(up.target, message=exc.line())
-            raise _Refused(400, exc.line(), offset=0) from None
-        except BaseException:
-            if work.lstat(PART) is not None:
-                work.rename(PART, claim, dvstate.UPLOAD_PART)  # interrupted: the upload can resume
-            dvstate.remove_scratch(up.target)
-            raise
+                if owner is None:
+                    done = self._convert(up, claim, digest, shown, progress)
+                else:
+                    # In a user's claim the user checks and converts what it uploaded (see importer.fill).
+                    done = asowner.run_as(owner, lambda send: self._convert(up, claim, digest, shown, importer.Relay(send)),
+                                          lambda m: progress(m["progress"], m["force"]))
+            except DiskkitError as exc:
+                dvstate.remove_scratch(up.target)  # resuming cannot fix a bad image: the part goes too
+                dvstate.record(up.target, message=exc.line())
+                raise _Refused(400, exc.line(), offset=0) from None
+            except BaseException:
+                dvstate.remove_scratch(up.target)
+                raise
+        if "sha256" in done:
+            raise _Refused(422, f"sha256 of the received data is {done['sha256']}, the client sent {digest}; the upload starts over", offset=0)
         dvstate.record(up.target, phase=dvm.SUCCEEDED, progress="100.0%", message="Upload Complete")
         self.say(f"DataVolume {up.dv.key}: Succeeded")
         disk = up.target.disk_stat()
         return {"name": up.dv.name, "namespace": up.dv.namespace, "phase": dvm.SUCCEEDED,
-                "size": disk.st_size if disk is not None else size, "sha256": digest, "notes": notes}
+                "size": disk.st_size if disk is not None else size, "sha256": digest, "notes": done["notes"]}
 
-    def _install(self, up: _Upload, claim: Dir, work: Dir, shown: str) -> list[str]:
+    def _convert(self, up: _Upload, claim: Dir, digest: str | None, shown: str, progress) -> dict:
+        """Check the part against the client's sha256 and install it: {"notes"}, or {"sha256"} (what
+        it is) when it is not what the client sent (the part is gone then; the upload starts over).
+        What arrived first moves into a directory of our own, which the claim's owner cannot write
+        (unless we are the owner): it cannot be swapped between the checks and the conversion."""
+        work_name = importer.scratch("work")
+        work = claim.mkdir(work_name, 0o700)
+        try:
+            claim.rename(dvstate.UPLOAD_PART, work, PART)
+            work.regular(PART)
+            if digest is not None:
+                actual = _sha256(work, PART)
+                if actual != digest:
+                    return {"sha256": actual}
+            try:
+                return {"notes": self._install(up, claim, work, shown, progress)}
+            except DiskkitError:
+                raise
+            except BaseException:
+                if work.lstat(PART) is not None:
+                    work.rename(PART, claim, dvstate.UPLOAD_PART)  # interrupted: the upload can resume
+                raise
+        finally:
+            claim.discard(work, work_name)
+
+    def _install(self, up: _Upload, claim: Dir, work: Dir, shown: str, progress) -> list[str]:
         if up.dv.content_type != "archive":
-            return importer.install(up.target, claim, work, PART, shown, importer.Progress(up.target), self.store.tolerance)
+            return importer.install(up.target, claim, work, PART, shown, progress, self.store.tolerance)
         archive.unpack(work.proc / PART, claim, work, up.target.size, shown, KUBEVIRT_QEMU)
         return []
 

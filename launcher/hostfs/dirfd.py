@@ -9,6 +9,9 @@ writing through /proc/self/fd, which names that inode and no other.
 
 Code that needs a path (qemu-img, tarfile, the registry client) is given `Dir.proc`: the held
 directory as /proc/PID/fd/N, which a rename or a planted link of the directory's name cannot redirect.
+In a process working as a directory's owner (`launcher.hostfs.asowner`) it is the directory's name:
+such a process is not dumpable, so the tools it starts could not open its /proc/PID/fd, and whatever
+the name leads to, the owner could reach anyway.
 """
 
 from __future__ import annotations
@@ -28,6 +31,14 @@ NOT_REGULAR = "is not a regular file (a FIFO, device, socket or directory); only
 LINKED = "has other hard links; a file linked from elsewhere is never written or chowned"
 _CLOEXEC = os.O_CLOEXEC
 DIR_NOFOLLOW = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC  # a directory itself, never a link to one
+_by_name = False  # set for good in a process that works as the directories' owner
+
+
+def name_paths() -> None:
+    """From now on (in this process, which works as the owner of the directories it holds), tools are
+    given names, not /proc/PID/fd paths."""
+    global _by_name
+    _by_name = True
 
 
 class Dir:
@@ -97,8 +108,14 @@ class Dir:
 
     @property
     def proc(self) -> Path:
-        """This directory as a path that stays this directory whatever happens to its name."""
-        return Path(f"/proc/{os.getpid()}/fd/{self.fd}")
+        """This directory as a path that stays this directory whatever happens to its name (see the module
+        doc for a process that works as the directory's owner)."""
+        return self.path if _by_name else Path(f"/proc/{os.getpid()}/fd/{self.fd}")
+
+    def file_path(self, name: str, fd: int) -> Path:
+        """The open file `fd`, named `name` here, as a path for a tool: /proc/PID/fd/FD, or its name (as
+        `proc`)."""
+        return self.path / name if _by_name else Path(f"/proc/{os.getpid()}/fd/{fd}")
 
     # --- looking ---------------------------------------------------------------------------------
 

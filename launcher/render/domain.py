@@ -40,6 +40,10 @@ class ResolvedDisk:
     # (logical, physical, discard granularity) of the backend as the caller found them: ioctls for a block
     # device, the filesystem's block size for a file (storage/disk.go getOptimalBlockIO); blockSize.matchVolume
     block_io: tuple[int, int, int] | None = None
+    # False for a file the launcher gave qemu itself, through its fd (a claim's disk.img): libvirt's DAC
+    # driver would chown it by path, after the check, through whatever link the claim's owner swapped in.
+    relabel: bool = True
+    backing_relabel: bool = True
 
 
 @dataclass(frozen=True)
@@ -55,14 +59,24 @@ class Host:
     cpuset: tuple[int, ...] = ()
     # (filesystem name, vhost-user socket of the virtiofsd the caller starts for it)
     virtiofs_sockets: tuple[tuple[str, str], ...] = ()
+    # A system daemon's DAC driver would chown files for qemu, and a root launcher gives claim files to
+    # qemu itself: their sources say relabel='no'. A session daemon has no DAC driver (it refuses the
+    # seclabel), and an unprivileged launcher on the system daemon leaves the chown to libvirt.
+    dac: bool = False
 
 
-def _file_source(parent: ET.Element, path: str) -> None:
-    ET.SubElement(parent, "source", file=path)
+def _file_source(parent: ET.Element, path: str) -> ET.Element:
+    return ET.SubElement(parent, "source", file=path)
 
 
-def _block_source(parent: ET.Element, path: str) -> None:
-    ET.SubElement(parent, "source", dev=path)
+def _block_source(parent: ET.Element, path: str) -> ET.Element:
+    return ET.SubElement(parent, "source", dev=path)
+
+
+def _no_relabel(source: ET.Element) -> None:
+    # libvirt's src/security/security_dac.c (virSecurityDACSetImageLabelInternal and the restore): a DAC
+    # seclabel with relabel='no' on the source and the image is neither chowned nor given back.
+    ET.SubElement(source, "seclabel", model="dac", relabel="no")
 
 
 _SOURCES = {"file": _file_source, "block": _block_source}
@@ -186,7 +200,7 @@ def _io_mode(disk: Disk, resolved: ResolvedDisk, cache: str, at: str) -> str | N
 
 
 def _disk(vmi: VMI, disk: Disk, volume: Volume, resolved: ResolvedDisk, target: str, unit: int,
-          iothread: int | None) -> ET.Element:
+          iothread: int | None, dac: bool) -> ET.Element:
     at = _disk_at(vmi, disk)
     if disk.device == "lun" and resolved.type == "file":
         raise SpecError(at, f"device {disk.name} is of type lun. Not compatible with a file based disk")
@@ -228,7 +242,9 @@ def _disk(vmi: VMI, disk: Disk, volume: Volume, resolved: ResolvedDisk, target: 
     if resolved.type == "network":
         _network_source(element, resolved.network)
     else:
-        _SOURCES[resolved.type](element, resolved.path)
+        source = _SOURCES[resolved.type](element, resolved.path)
+        if dac and not resolved.relabel:
+            _no_relabel(source)
     if resolved.backing is not None:
         base, base_format = resolved.backing
         if resolved.backing_type == "network":
@@ -244,7 +260,9 @@ def _disk(vmi: VMI, disk: Disk, volume: Volume, resolved: ResolvedDisk, target: 
             # The chain ends at the export: nothing a header inside it names is ever opened.
             ET.SubElement(store, "backingStore")
         else:
-            _SOURCES[resolved.backing_type](store, base)
+            source = _SOURCES[resolved.backing_type](store, base)
+            if dac and not resolved.backing_relabel:
+                _no_relabel(source)
 
     target_attrs = {"dev": target, "bus": disk.bus}
     if disk.device == "cdrom":
@@ -288,7 +306,7 @@ def _block_io(disk: Disk, resolved: ResolvedDisk, at: str) -> tuple[int, int, in
     return resolved.block_io
 
 
-def _disks(vmi: VMI, resolved: dict[str, ResolvedDisk], devices: ET.Element) -> None:
+def _disks(vmi: VMI, resolved: dict[str, ResolvedDisk], devices: ET.Element, dac: bool) -> None:
     total, shared = io_threads(vmi)
     next_shared, next_dedicated = 1, shared + 1
     counters = {"vd": 0, "sd": 0}
@@ -305,7 +323,7 @@ def _disks(vmi: VMI, resolved: dict[str, ResolvedDisk], devices: ET.Element) -> 
                 iothread, next_dedicated = next_dedicated, next_dedicated + 1
             else:
                 iothread, next_shared = next_shared, next_shared % shared + 1
-        devices.append(_disk(vmi, disk, volume, resolved[disk.name], _device_name(prefix, unit), unit, iothread))
+        devices.append(_disk(vmi, disk, volume, resolved[disk.name], _device_name(prefix, unit), unit, iothread, dac))
 
 
 def _os(vmi: VMI, host: Host) -> ET.Element:
@@ -426,7 +444,7 @@ def render(vmi: VMI, disks: dict[str, ResolvedDisk], host: Host) -> str:
     devices = ET.SubElement(domain, "devices")
     if host.emulator:
         _text(devices, "emulator", host.emulator)
-    _disks(vmi, disks, devices)
+    _disks(vmi, disks, devices, host.dac)
     _filesystems(vmi, host, devices)
     disks = vmi.domain.devices.disks
     # model none keeps libvirt from adding a USB controller nobody asked for (compute/controllers.go);

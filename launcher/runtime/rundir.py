@@ -13,9 +13,11 @@ root write, truncate or chown the file of its choosing. Instead:
   lists, creates, renames or removes an entry) and gives the files in them to the qemu user with
   owner-only modes, each entry itself (lchown, so never a link's target; the directory is root's, so none is there);
   a config volume's share tree (virtiofs-shares/NAME) goes to the qemu user whole, as virtiofsd
-  serves it as that user. The console log is made for qemu first: its log daemon (virtlogd of a
-  session daemon runs as qemu's user) could not create it, and it is rendered append="on" so that
-  daemon never deletes it (it cannot rotate it either: past virtlogd's max_size the log stops);
+  serves it as that user. The console log is the exception: its log daemon (virtlogd of a session
+  daemon runs as qemu's user) must create and rename files to rotate it past its max_size, so it
+  lives in a directory of qemu's own, `console/` (0700), made by root and given to qemu by fd with an
+  empty console.log in it; the launcher reads it through that directory's fd, never following a link
+  (launcher.runtime.console);
 - what root adds later (domain.xml, the virtiofs sockets) goes into directories only root can
   write, so plain paths are safe there.
 
@@ -36,7 +38,12 @@ from launcher.hostfs.dirfd import DIR_NOFOLLOW, NOFOLLOW
 from launcher.volumes.filesystems import SHARES_DIR
 
 TRAVERSE = 0o710  # root's directories: qemu's group may pass through, nothing more
+CONSOLE_DIR = "console"  # qemu's: its log daemon rotates the log in it
 CONSOLE_LOG = "console.log"
+
+
+def console_log(run_dir: Path) -> Path:
+    return run_dir / CONSOLE_DIR / CONSOLE_LOG
 
 
 def create(run_dir: Path) -> Path:
@@ -49,6 +56,9 @@ def create(run_dir: Path) -> Path:
         raise DiskkitError(run_dir, f"cannot be made afresh ({exc.strerror}); a VM's run directory is always new") from None
     try:
         os.fchmod(fd, 0o700)  # whatever the umask
+        os.mkdir(CONSOLE_DIR, 0o700, dir_fd=fd)
+    except OSError as exc:
+        raise DiskkitError(run_dir, f"cannot be made afresh ({exc.strerror})") from None
     finally:
         os.close(fd)
     return run_dir
@@ -63,8 +73,8 @@ def open_to_qemu(run_dir: Path, owner: tuple[int, int]) -> None:
     except OSError as exc:
         raise DiskkitError(run_dir, f"cannot be opened as a directory ({exc.strerror}; a symbolic link is not followed)") from None
     try:
-        _console_log(fd, run_dir, owner)
         _hand_over(fd, run_dir, owner)
+        _console_dir(fd, run_dir, owner)
     except OSError as exc:
         raise DiskkitError(run_dir, f"cannot be handed to uid {owner[0]} ({exc.strerror})") from None
     finally:
@@ -93,20 +103,32 @@ def _root_dir(fd: int, path: Path, owner: tuple[int, int]) -> None:
     os.fchmod(fd, TRAVERSE)
 
 
-def _console_log(dirfd: int, run_dir: Path, owner: tuple[int, int]) -> None:
+def _console_dir(dirfd: int, run_dir: Path, owner: tuple[int, int]) -> None:
+    """The console directory (root's, made with the run directory) becomes qemu's, with an empty log."""
+    path = run_dir / CONSOLE_DIR
+    fd = os.open(CONSOLE_DIR, DIR_NOFOLLOW, dir_fd=dirfd)
     try:
-        fd = os.open(CONSOLE_LOG, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dirfd)
-    except OSError as exc:
-        raise DiskkitError(run_dir / CONSOLE_LOG, f"cannot be created ({exc.strerror})") from None
-    try:
+        if os.fstat(fd).st_uid != 0:
+            raise DiskkitError(path, "is not root's; a root launcher's run directory holds only directories it made")
+        try:
+            log = os.open(CONSOLE_LOG, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=fd)
+        except OSError as exc:
+            raise DiskkitError(path / CONSOLE_LOG, f"cannot be created ({exc.strerror})") from None
+        try:
+            os.fchown(log, *owner)
+        finally:
+            os.close(log)
         os.fchown(fd, *owner)
+        os.fchmod(fd, 0o700)
     finally:
         os.close(fd)
 
 
-def _hand_over(dirfd: int, path: Path, owner: tuple[int, int]) -> None:
+def _hand_over(dirfd: int, path: Path, owner: tuple[int, int], top: bool = True) -> None:
     _root_dir(dirfd, path, owner)
     for name in sorted(os.listdir(dirfd)):
+        if top and name == CONSOLE_DIR:
+            continue  # qemu's own (_console_dir)
         st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
         if stat.S_ISDIR(st.st_mode):
             child = os.open(name, DIR_NOFOLLOW, dir_fd=dirfd)
@@ -114,7 +136,7 @@ def _hand_over(dirfd: int, path: Path, owner: tuple[int, int]) -> None:
                 if path.name == SHARES_DIR:
                     _give_share_tree(child, path / name, owner)
                 else:
-                    _hand_over(child, path / name, owner)
+                    _hand_over(child, path / name, owner, top=False)
             finally:
                 os.close(child)
         else:

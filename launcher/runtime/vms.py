@@ -27,12 +27,12 @@ from launcher.diskserver.qemuid import is_system_uri
 from launcher.node.cache import Cache
 from launcher.render.domain import Host, render, secret_xml
 from launcher.runtime import accel, hostcpus, rundir, sessiond, virtiofs
-from launcher.runtime.console import follow
+from launcher.runtime.console import ConsoleLog, follow
 from launcher.runtime.iopause import PauseWatch
 from launcher.runtime.runner import Libvirt, default_uri
 from launcher.spec.vmi import VMI
 from launcher.volumes import vhostmd
-from launcher.volumes.files import qemu_owner
+from launcher.volumes.files import KUBEVIRT_QEMU, qemu_owner
 from launcher.volumes.prepare import admit, prepare
 from launcher.volumes.storage import Storage
 
@@ -90,16 +90,20 @@ def connect(cache: Cache, uri: str) -> Libvirt:
     return Libvirt(uri)
 
 
-def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, domain_type: str | None = None, qemu_uid: int | None = None):
-    """Pull what the VMI needs and render its domain; with `create`, the overlays are made too."""
+def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, domain_type: str | None = None, qemu: tuple[int, int] = KUBEVIRT_QEMU,
+         dac: bool = False, qemu_uid: int | None = None):
+    """Pull what the VMI needs and render its domain; with `create`, the overlays are made too (and what
+    qemu opens in claims is given to `qemu`)."""
     run_dir = cache.run_dir(vmi.domain_name)
-    prepared = prepare(vmi, cache, run_dir, opts.registry, opts.platform, create=create, store=opts.storage, lazy=opts.lazy, qemu_uid=qemu_uid)
+    prepared = prepare(vmi, cache, run_dir, opts.registry, opts.platform, create=create, store=opts.storage, lazy=opts.lazy,
+                       qemu=qemu, qemu_uid=qemu_uid)
     host = Host(
         domain_type=domain_type or accel.domain_type(cache.root),
-        serial_log=str(run_dir / "console.log"),
+        serial_log=str(rundir.console_log(run_dir)),
         kernel=prepared.kernel,
         initrd=prepared.initrd,
         virtiofs_sockets=virtiofs.sockets(vmi, run_dir),
+        dac=dac,
     )
     if vmi.domain.cpu.dedicated_cpu_placement:
         host = replace(host, topology=hostcpus.read_topology(), cpuset=hostcpus.pod_cpuset())
@@ -136,7 +140,8 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
                 session_uid = owner[0] if os.geteuid() == 0 and not is_system_uri(lv.uri) else None
                 # Nor may it open a /dev/kvm root can: then the domain is TCG's.
                 tcg = session_uid is not None and not sessiond.kvm_for(lv.uri, cache)
-                prepared, xml = plan(vmi, cache, opts, create=True, domain_type="qemu" if tcg else None, qemu_uid=session_uid)
+                prepared, xml = plan(vmi, cache, opts, create=True, domain_type="qemu" if tcg else None, qemu=owner,
+                                     dac=os.geteuid() == 0 and is_system_uri(lv.uri), qemu_uid=session_uid)
                 run_dir = cache.run_dir(name)
                 rundir.open_to_qemu(run_dir, owner)
                 write_atomic(run_dir / "domain.xml", xml.encode(), 0o600)  # root's: libvirt is given the XML, not the file
@@ -169,15 +174,15 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
             if isinstance(exc, OSError) and cache.vanished():
                 raise DiskkitError(cache.root, "the cache directory disappeared while the VM was being prepared") from None
             raise
-    console_log = run_dir / "console.log"
-    echo = Echo() if opts.console else None
     if not opts.console:
         shown = vmi.name if vmi.namespace == "default" else f"{vmi.namespace}/{vmi.name}"
         say(f"{name} is running; its console: launcher console {shown} (detach with Ctrl-]); what it printed: launcher logs {shown}"
-            f" ({console_log})")
+            f" ({rundir.console_log(run_dir)})")
         say(f"stop it with: launcher stop {shown}{'' if opts.wait_for or opts.detach else ', or Ctrl-C here'}")
     if opts.detach and not opts.wait_for:
         return 0
+    console_log = ConsoleLog(rundir.console_log(run_dir))
+    echo = Echo() if opts.console else None
     metrics = None
     try:
         try:
@@ -192,14 +197,17 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
                 if metrics.error is not None:
                     say(f"note: the downwardMetrics disk was not always refreshed: {metrics.error}")
     except BaseException:
+        console_log.close()
         cleanup(cache, lv, name)
         raise
     if outcome == "interrupted":
         try:
             _shut_down(lv, name, grace_period_of(vmi, opts), say, console_log, echo)
         finally:
+            console_log.close()
             cleanup(cache, lv, name)
         raise KeyboardInterrupt
+    console_log.close()
     if outcome == "found":
         say(f"{name} is running (saw {opts.wait_for!r}); stop it with: launcher stop {vmi.name}")
         return 0
@@ -213,7 +221,7 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
     return 0
 
 
-def _shut_down(lv: Libvirt, name: str, grace: float, say: Callable[[str], None], console_log: Path, echo: Echo | None) -> None:
+def _shut_down(lv: Libvirt, name: str, grace: float, say: Callable[[str], None], console_log: ConsoleLog, echo: Echo | None) -> None:
     """virt-launcher's graceful shutdown: the ACPI power button, then up to `grace` seconds for the
     guest to stop by itself, and what is still running is killed (pkg/virt-launcher/monitor.go,
     the graceful and final shutdown callbacks of cmd/virt-launcher/virt-launcher.go). The console
@@ -224,9 +232,8 @@ def _shut_down(lv: Libvirt, name: str, grace: float, say: Callable[[str], None],
     deadline = time.monotonic() + grace
     with _signals_set(threading.Event()):  # a second SIGTERM must not cut the grace period short
         while True:
-            offset = echo.shown if echo else _size(console_log)
             left = deadline - time.monotonic()
-            outcome = follow(console_log, lambda: lv.active(name), timeout=min(PRESS_AGAIN, left), echo=echo, offset=offset)
+            outcome = follow(console_log, lambda: lv.active(name), timeout=min(PRESS_AGAIN, left), echo=echo)
             if outcome == "stopped" or time.monotonic() >= deadline:
                 break
             lv.shutdown(name)
@@ -235,12 +242,6 @@ def _shut_down(lv: Libvirt, name: str, grace: float, say: Callable[[str], None],
     else:
         say(f"{name}: still running after {grace:g} s; destroying it")
 
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except FileNotFoundError:
-        return 0
 
 
 def _metrics_refresher(vmi: VMI, prepared, lv: Libvirt) -> vhostmd.Refresher | None:
@@ -297,15 +298,11 @@ class _Alarm:
 
 
 class Echo:
-    """The console to stdout, counting what was shown so that following can resume after it."""
-
-    def __init__(self) -> None:
-        self.shown = 0
+    """The console to stdout."""
 
     def __call__(self, data: bytes) -> None:
         sys.stdout.buffer.write(data)
         sys.stdout.buffer.flush()
-        self.shown += len(data)
 
 
 def _remove_run_dir(cache: Cache, name: str) -> None:

@@ -6,6 +6,7 @@ block device, or, with manifests, a bound iSCSI or RBD PersistentVolume that qem
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from diskkit.errors import DiskkitError
@@ -20,6 +21,7 @@ from launcher.volumes.files import (
     create_sparse,
     file_disk,
     free_bytes,
+    give_claim_image,
     is_block,
     overlay,
 )
@@ -42,7 +44,8 @@ def ephemeral(ctx: Context, volume: Volume, where: str) -> ResolvedDisk:
     base = claim_disk(ctx, volume, volume.source.claim_name, where, as_base=True)
     if base.type == "network":
         raise DiskkitError(where, "an ephemeral volume over a network (iSCSI/RBD) claim is not supported")
-    return overlay(within(ctx.run_dir, volume.name, "disk.qcow2"), Path(base.path), "raw", ctx.create)
+    disk = overlay(within(ctx.run_dir, volume.name, "disk.qcow2"), Path(base.path), "raw", ctx.create)
+    return replace(disk, backing_relabel=base.relabel)
 
 
 def claim_disk(ctx: Context, volume: Volume, claim_name: str, where: str, as_base: bool = False) -> ResolvedDisk:
@@ -84,4 +87,6 @@ def claim_disk(ctx: Context, volume: Volume, claim_name: str, where: str, as_bas
             create_sparse(image, fitted.size)
     elif not found:
         raise DiskkitError(where, f"claim {claim_name}: {image} does not exist; an ephemeral volume needs a filled claim")
-    return file_disk(image, "raw")
+    if ctx.create:
+        give_claim_image(image, ctx.qemu)
+    return file_disk(image, "raw", relabel=False)

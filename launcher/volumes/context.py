@@ -7,7 +7,7 @@ from pathlib import Path
 
 from diskkit.oci.image import Platform
 from diskkit.registry.options import RegistryOptions
-from launcher.node.cache import Cache
+from launcher.node.cache import QEMU_ID, Cache
 from launcher.node.pull import Pulled
 from launcher.render.domain import ResolvedDisk
 from launcher.spec.k8s import NetworkSource
@@ -45,6 +45,7 @@ class Context:
     store: Storage
     lazy: str = "off"
     qemu_uid: int | None = None  # a root launcher's qemu on a session daemon runs as this user
+    qemu: tuple[int, int] = (QEMU_ID, QEMU_ID)  # whom qemu runs as: what the launcher gives it is that user's
     out: Prepared = field(default_factory=Prepared)
 
     def note(self, text: str | None) -> None:

@@ -85,6 +85,22 @@ def create_sparse(path: Path, size: int) -> None:
             os.close(fd)
 
 
+def give_claim_image(path: Path, owner: tuple[int, int]) -> None:
+    """A claim's disk.img handed to qemu's user by its fd, as virt-handler makes a claim's image the
+    non-root qemu's: the file checked (regular, one link, no link followed) is the file chowned, and the
+    domain tells libvirt not to chown it again by path. Unprivileged, it is ours already."""
+    if os.geteuid() != 0:
+        return
+    with Dir.open(path.parent) as parent:
+        fd = parent.open_file(path.name)
+        try:
+            give(fd, owner, 0o660)
+        except OSError as exc:
+            raise DiskkitError(path, f"cannot be given to uid {owner[0]} ({exc.strerror})") from None
+        finally:
+            os.close(fd)
+
+
 def claim_image(path: Path) -> bool:
     """Whether `path` (a claim's disk.img) exists; anything but a regular file there is refused. Whoever
     owns the claim directory may have put a link there: its target, perhaps a root-only file, is never

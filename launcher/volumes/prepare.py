@@ -21,7 +21,7 @@ from launcher.spec.vmi import VMI, Volume
 from launcher.volumes import claims, filesystems, gendisks, localdisks
 from launcher.volumes.containerdisk import container_disk, kernel_boot
 from launcher.volumes.context import Context, Prepared
-from launcher.volumes.files import file_disk, give_to_qemu
+from launcher.volumes.files import KUBEVIRT_QEMU, file_disk, give_to_qemu
 from launcher.volumes.storage import Storage
 
 Handler = Callable[[Context, Volume, str], ResolvedDisk]
@@ -69,13 +69,14 @@ def prepare(
     store: Storage | None = None,
     lazy: str = "off",
     qemu_uid: int | None = None,
+    qemu: tuple[int, int] = KUBEVIRT_QEMU,
 ) -> Prepared:
     """Resolve every volume; with `create`, make the overlays and images under `run_dir` and in claims.
 
     Without `create` (the dry run of `launcher domain`) paths are planned, not made; images are
     pulled, or opened on the node's disk server when lazy, so the domain shows what a run would use.
     """
-    ctx = Context(vmi, cache, run_dir, registry, platform, create, store or Storage(), lazy, qemu_uid)
+    ctx = Context(vmi, cache, run_dir, registry, platform, create, store or Storage(), lazy, qemu_uid, qemu)
     admit(vmi, ctx.store)
     shared = {fs.name for fs in vmi.domain.devices.filesystems}
     for volume in vmi.volumes:
