@@ -165,7 +165,7 @@ def build_cmd(src, dest, image_path, disk_format, compression, level, lazy, kern
         platforms=[(Platform.parse(p.split("=", 1)[0]), Path(p.split("=", 1)[1])) for p in per_platform],
     )
     signer = _signer(dest, sign)
-    result = build(opts, reporter_for(as_json), registry)
+    result = build(opts, reporter_for(as_json), registry, _before_manifest(signer))
     signed = _sign(dest, result.digest, signer, registry)
     if as_json:
         click.echo(json.dumps({**result.to_json(), **signed}, indent=2))
@@ -177,17 +177,29 @@ cli.add_command(build_cmd, "build")
 
 
 def _signer(dest: str, sign):
-    """(destination, decrypted key) when signing, checked before anything is pushed; else None."""
+    """(destination, decrypted key) for sigstore, a SimpleSigner for GPG; checked before anything is
+    pushed; else None."""
     if sign is None:
         return None
+    if sign.sign_by:
+        from diskkit.signing.simple import SimpleSigner
+
+        return SimpleSigner(parse_ref(dest), sign)
     from diskkit.signing.trust import check_signable, load_signer
 
     return check_signable(dest, sign), load_signer(sign)
 
 
+def _before_manifest(signer):
+    """GPG signatures are made before each manifest is stored; sigstore ones after the push."""
+    return signer if signer is not None and not isinstance(signer, tuple) else None
+
+
 def _sign(dest: str, digest: str, signer, registry: RegistryOptions, instances: bool = True) -> dict:
     if signer is None:
         return {}
+    if not isinstance(signer, tuple):
+        return {"signed": signer.signed}
     from diskkit.signing.trust import sign_pushed
 
     return {"signed": sign_pushed(signer[0], digest, signer[1], registry, instances)}
@@ -395,7 +407,8 @@ def push_cmd(src, dest, platform, all_platforms, multi_arch, preserve_digests, d
     enforce_ref(src, trust, src_opts, platform_of(platform), {"system": "selected", "all": "every", "index-only": "none"}[multi_arch])
     signer = _signer(dest, sign)
     result = copy_image(src, dest, src_opts, reporter_for(as_json), platform_of(platform), multi_arch, dest_opts, preserve_digests,
-                        manifest_format, dest_compress_format or ("gzip" if dest_compress else None), dest_compress_level, dest_compress)
+                        manifest_format, dest_compress_format or ("gzip" if dest_compress else None), dest_compress_level, dest_compress,
+                        _before_manifest(signer))
     signed = _sign(dest, result.digest, signer, dest_opts, instances=multi_arch != "index-only")
     click.echo(json.dumps({**result.to_json(), **signed}, indent=2) if as_json else result.digest)
 

@@ -63,6 +63,7 @@ def copy_image(
     compress_format: str | None = None,
     compress_level: int | None = None,
     dest_compress: bool = False,
+    before_manifest=None,
 ) -> CopyResult:
     """`opts` reach the source registry, `dest_opts` (default: the same) the destination's, as
     skopeo's --src-*/--dest-* flags do. `multi_arch` says what becomes of an index, as skopeo's
@@ -79,6 +80,7 @@ def copy_image(
     with open_source(src_ref, opts) as source:
         data, media, _ = source.manifest_descriptors()
         with open_destination(dest_ref, 0, dest_opts or opts) as destination:
+            destination.before_manifest = before_manifest  # a signer: signs each manifest before it is stored
             copier = _Copier(source, destination, src_ref, dest_ref, reporter, statuses, preserve_digests, manifest_format, compress_format, compress_level, dest_compress)
             if media in mt.INDEXES and multi_arch != "system":
                 if destination.docker_manifest:

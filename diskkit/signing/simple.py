@@ -1,0 +1,46 @@
+"""GPG simple signing of what diskkit writes, as skopeo copy --sign-by does, but in the right order:
+each manifest's signature is made and stored before the manifest itself is (so a tag never
+points at an image left unsigned by a failed signing), and the key is tried on a probe first, so a
+wrong passphrase or a missing key refuses before any byte moves."""
+
+from __future__ import annotations
+
+from diskkit.errors import DiskkitError
+from diskkit.oci.reference import ImageRef
+from diskkit.signing import lookaside, openpgp, policy, registriesd
+from diskkit.signing.keys import read_passphrase
+from diskkit.signing.options import SignOptions
+from diskkit.signing.payload import ATOMIC_TYPE, make_payload
+
+
+def sign_payload(opts: SignOptions, passphrase: bytes | None, docker_reference: str, digest: str) -> bytes:
+    return openpgp.sign(make_payload(docker_reference, digest, kind=ATOMIC_TYPE), opts.sign_by, passphrase)
+
+
+def read_sign_passphrase(opts: SignOptions) -> bytes | None:
+    """The --sign-passphrase-file's first line; without the flag gpg-agent asks (or knows) it."""
+    return read_passphrase(opts.passphrase_file, "") if opts.passphrase_file is not None else None
+
+
+class SimpleSigner:
+    """before_manifest for a destination: signs each manifest's digest as the destination's
+    reference and stores the signature in the lookaside (registries) or the image (dir:)."""
+
+    def __init__(self, dest: ImageRef, opts: SignOptions):
+        if dest.transport != "docker":
+            # copy/sign.go: the signed identity is the destination's Docker reference; others have none.
+            raise DiskkitError(str(dest), "Cannot determine canonical Docker reference for destination (sign a docker:// destination, or use standalone-sign)")
+        self.dest, self.opts = dest, opts
+        self.reference = policy.identity_of(dest.name)
+        identity, namespaces = policy.identity_of(dest.name), policy.namespaces_of(dest.name)
+        self.base = registriesd.lookaside_base(registriesd.load(opts.registries_d), identity, namespaces, dest.name.repository, write=True)
+        lookaside.writable_dir(self.base, "sha256:" + "0" * 64)  # refuse an http(s) lookaside before anything moves
+        self.passphrase = read_sign_passphrase(opts)
+        # The probe: the key exists, the passphrase opens it, the agent answers, before any byte moves.
+        sign_payload(opts, self.passphrase, self.reference, "sha256:" + "0" * 64)
+        self.signed: list[str] = []
+
+    def __call__(self, destination, digest: str, child: bool) -> None:
+        blob = sign_payload(self.opts, self.passphrase, self.reference, digest)
+        lookaside.append(self.base, digest, [blob])
+        self.signed.append(digest)

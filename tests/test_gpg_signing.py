@@ -1,0 +1,233 @@
+"""GPG simple signing in a lookaside store, both ways with the real peers: Debian's skopeo 1.9 and
+podman 4.3 (built with gpgme), gpg with a private GNUPGHOME made here, a distribution registry and
+a file:// lookaside named by a registries.d directory.
+
+Refusal words are containers/image's: signature/policy_eval_signedby.go, simple.go,
+mechanism_gpgme.go and internal/signature/signature.go (FromBlob), docker/registries_d.go.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from diskkit.signing import openpgp
+from diskkit.signing.payload import ATOMIC_TYPE, make_payload
+from tests.conftest import make_qcow2, run_diskkit, run_launcher
+
+NOREG = "--tls-verify=false"
+
+
+def gpg(home: Path, *args: str, data: bytes | None = None) -> bytes:
+    proc = subprocess.run(["gpg", "--homedir", str(home), "--batch", "--no-tty", *args], input=data, capture_output=True, check=False)
+    assert proc.returncode == 0, proc.stderr.decode()
+    return proc.stdout
+
+
+def new_key(home: Path, uid: str, passphrase: str = "") -> str:
+    gpg(home, "--pinentry-mode", "loopback", "--passphrase", passphrase, "--quick-gen-key", uid, "ed25519", "sign", "never")
+    lines = gpg(home, "--with-colons", "--list-secret-keys", uid).decode().splitlines()
+    return next(l.split(":")[9] for l in lines if l.startswith("fpr:"))
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    """A GNUPGHOME with keys a, b and a passphrase-protected p; their public keyrings (binary and
+    armoured); a registries.d whose default-docker lookaside is a file:// directory."""
+    if shutil.which("gpg") is None:
+        pytest.fail("gpg is not installed (scripts/setup.sh installs gnupg)")
+    d = tmp_path_factory.mktemp("gpg")
+    home = d / "home"
+    home.mkdir(mode=0o700)
+    out = {"home": home, "dir": d}
+    for name, phrase in (("a", ""), ("b", ""), ("p", "sesame")):
+        fpr = new_key(home, f"{name} <{name}@diskkit.test>", phrase)
+        out[name] = fpr
+        (d / f"{name}.gpg").write_bytes(gpg(home, "--export", fpr))
+        (d / f"{name}.asc").write_bytes(gpg(home, "--armor", "--export", fpr))
+    (d / "pass").write_text("sesame\n")
+    (d / "wrong").write_text("not it\n")
+    out["lookaside"] = d / "lookaside"
+    regd = d / "registries.d"
+    regd.mkdir()
+    (regd / "default.yaml").write_text(f"default-docker:\n  lookaside: file://{out['lookaside']}\n")
+    out["regd"] = regd
+    old = os.environ.get("GNUPGHOME")
+    os.environ["GNUPGHOME"] = str(home)  # every diskkit, skopeo and podman run here signs from it
+    yield out
+    subprocess.run(["gpgconf", "--homedir", str(home), "--kill", "gpg-agent"], check=False)
+    if old is None:
+        os.environ.pop("GNUPGHOME", None)
+    else:
+        os.environ["GNUPGHOME"] = old
+
+
+@pytest.fixture(scope="module")
+def disk(tmp_path_factory) -> Path:
+    return make_qcow2(tmp_path_factory.mktemp("disk") / "gpg.qcow2", size="16M", pattern=0x5A)
+
+
+def policy(path: Path, scope: str, requirement: dict) -> Path:
+    path.write_text(json.dumps({"default": [{"type": "reject"}], "transports": {"docker": {scope: [requirement]}}}))
+    return path
+
+
+def signed_by(keys: dict, *names: str, armoured: bool = False, **extra) -> dict:
+    files = [str(keys["dir"] / f"{n}.{'asc' if armoured else 'gpg'}") for n in names]
+    return {"type": "signedBy", "keyType": "GPGKeys", **({"keyPath": files[0]} if len(files) == 1 else {"keyPaths": files}), **extra}
+
+
+def build(disk: Path, ref: str, *flags) -> str:
+    r = run_diskkit("build", NOREG, "--no-lazy", disk, "-t", ref, *map(str, flags))
+    assert r.code == 0, r.err
+    return r.last_line
+
+
+def sig_dir(keys: dict, ref: str, digest: str) -> Path:
+    repo = ref.split("/", 1)[1].rsplit(":", 1)[0]
+    return keys["lookaside"] / f"{repo}@sha256={digest.split(':')[1]}"
+
+
+def skopeo_copy(keys: dict, pol: Path, ref: str, dest: str, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["skopeo", "--policy", str(pol), "--registries.d", str(keys["regd"]), "copy", "--src-tls-verify=false",
+                           *extra, f"docker://{ref}", dest], capture_output=True, text=True, check=False)
+
+
+def inspect(keys: dict, pol: Path, ref: str):
+    return run_diskkit("inspect", NOREG, "--signature-policy", pol, "--registries.d", keys["regd"], ref)
+
+
+def one_line(r) -> str:
+    lines = r.err.strip().splitlines()
+    assert r.code != 0 and len(lines) == 1, r.err
+    return lines[0]
+
+
+def test_diskkit_signs_and_skopeo_accepts_only_that_key(registry, keys, disk, tmp_path):
+    ref = f"{registry.host}/gpg/mine:v1"
+    digest = build(disk, ref, "--registries.d", keys["regd"], "--sign-by", keys["a"])
+    assert sorted(p.name for p in sig_dir(keys, ref, digest).iterdir()) == ["signature-1"]
+    good = policy(tmp_path / "a.json", f"{registry.host}/gpg", signed_by(keys, "a"))
+    ok = skopeo_copy(keys, good, ref, f"dir:{tmp_path}/out")
+    assert ok.returncode == 0, ok.stderr
+    assert (tmp_path / "out/signature-1").read_bytes() == (sig_dir(keys, ref, digest) / "signature-1").read_bytes()  # dir: keeps it
+    bad = policy(tmp_path / "b.json", f"{registry.host}/gpg", signed_by(keys, "b"))
+    refused = skopeo_copy(keys, bad, ref, f"dir:{tmp_path}/out2")
+    assert refused.returncode != 0 and "Source image rejected" in refused.stderr, refused.stderr
+    assert not (tmp_path / "out2/manifest.json").exists()  # skopeo makes the directory, but copies nothing
+    # diskkit itself, with the key as binary keyring, armoured keyring and keyData, and both keys.
+    for req in (signed_by(keys, "a"), signed_by(keys, "a", armoured=True), signed_by(keys, "b", "a"),
+                {"type": "signedBy", "keyType": "GPGKeys", "keyData": base64.b64encode((keys["dir"] / "a.gpg").read_bytes()).decode()}):
+        r = inspect(keys, policy(tmp_path / "p.json", f"{registry.host}/gpg", req), ref)
+        assert r.code == 0, (req, r.err)
+    line = one_line(inspect(keys, bad, ref))
+    assert ref in line and "Invalid GPG signature: No public key" in line, line
+
+
+def test_a_second_signature_is_appended_and_any_one_suffices(registry, keys, disk, tmp_path):
+    ref = f"{registry.host}/gpg/twice:v1"
+    digest = build(disk, ref, "--registries.d", keys["regd"], "--sign-by", keys["b"])
+    again = run_diskkit("copy", NOREG, "--registries.d", keys["regd"], "--sign-by", keys["a"], f"docker://{ref}", f"docker://{ref}")
+    assert again.code == 0, again.err
+    assert sorted(p.name for p in sig_dir(keys, ref, digest).iterdir()) == ["signature-1", "signature-2"]
+    assert inspect(keys, policy(tmp_path / "a.json", f"{registry.host}/gpg", signed_by(keys, "a")), ref).code == 0
+    assert inspect(keys, policy(tmp_path / "b.json", f"{registry.host}/gpg", signed_by(keys, "b")), ref).code == 0
+    # Two requirements: both must hold; p signed neither.
+    both = tmp_path / "both.json"
+    both.write_text(json.dumps({"default": [{"type": "reject"}], "transports": {"docker": {
+        f"{registry.host}/gpg": [signed_by(keys, "a"), signed_by(keys, "p")]}}}))
+    line = one_line(inspect(keys, both, ref))
+    assert "None of the signatures were accepted, reasons:" in line, line
+
+
+def test_skopeo_signs_and_diskkit_and_the_launcher_accept(registry, keys, disk, tmp_path):
+    plain = f"{registry.host}/gpg/plain:v1"
+    build(disk, plain)
+    ref = f"{registry.host}/gpg/byskopeo:v1"
+    anything = tmp_path / "any.json"
+    anything.write_text(json.dumps({"default": [{"type": "insecureAcceptAnything"}]}))
+    proc = subprocess.run(["skopeo", "--policy", str(anything), "--registries.d", str(keys["regd"]), "copy", "--src-tls-verify=false",
+                           "--dest-tls-verify=false", "--sign-by", keys["a"], f"docker://{plain}", f"docker://{ref}"],
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    pol = policy(tmp_path / "a.json", f"{registry.host}/gpg", signed_by(keys, "a"))
+    assert inspect(keys, pol, ref).code == 0
+    cache = tmp_path / "cache"
+    home = tmp_path / "home"
+    (home / ".config/containers").mkdir(parents=True)
+    shutil.copytree(keys["regd"], home / ".config/containers/registries.d")
+    shutil.copy(pol, home / ".config/containers/policy.json")
+    pulled = run_launcher("pull", NOREG, "--cache-dir", cache, ref, env={"HOME": str(home)})
+    assert pulled.code == 0, pulled.err
+    refused = run_launcher("pull", NOREG, "--cache-dir", tmp_path / "cache2", plain, env={"HOME": str(home)})
+    assert "A signature was required, but no signature exists" in one_line(refused)
+
+
+def _sign_as(keys, key: str, reference: str, digest: str) -> bytes:
+    return openpgp.sign(make_payload(reference, digest, kind=ATOMIC_TYPE), keys[key])
+
+
+def test_the_negative_matrix_is_refused_in_one_line_with_nothing_cached(registry, keys, disk, tmp_path):
+    ref = f"{registry.host}/gpg/matrix:v1"
+    digest = build(disk, ref)
+    other = build(make_qcow2(tmp_path / "o.qcow2", size="16M", pattern=0x11), f"{registry.host}/gpg/other:v1")
+    where = sig_dir(keys, ref, digest)
+    good = _sign_as(keys, "a", ref, digest)
+    flipped = bytearray(good)
+    flipped[len(flipped) // 2] ^= 0x01
+    # Uncompressed, so one byte of the signed payload itself can be changed.
+    plain = gpg(keys["home"], "--compress-algo", "none", "--local-user", keys["a"], "--sign", data=make_payload(ref, digest, kind=ATOMIC_TYPE))
+    tampered = plain.replace(b"matrix", b"mAtrix", 1)
+    assert tampered != plain
+    armour = gpg(keys["home"], "--armor", "--local-user", keys["a"], "--sign", data=make_payload(ref, digest, kind=ATOMIC_TYPE))
+    cases = {
+        "unsigned": (None, "A signature was required, but no signature exists"),
+        "another key": (_sign_as(keys, "b", ref, digest), "Invalid GPG signature: No public key"),
+        "tampered payload": (tampered, "Invalid GPG signature: Bad signature"),
+        "bit-flipped": (bytes(flipped), "Invalid GPG signature"),
+        "another digest": (_sign_as(keys, "a", ref, other), f"Signature for digest {other} does not match"),
+        "another repository": (_sign_as(keys, "a", f"{registry.host}/gpg/other:v1", digest), f'Signature for identity "{registry.host}/gpg/other:v1" is not accepted'),
+        "garbage": (b"\x99garbage", "unrecognized signature format, starting with binary 0x99"),
+        "ascii armour": (armour, "unrecognized signature format, starting with binary 0x2d"),
+    }
+    pol = policy(tmp_path / "a.json", f"{registry.host}/gpg", signed_by(keys, "a"))
+    home = tmp_path / "home"
+    (home / ".config/containers").mkdir(parents=True)
+    shutil.copytree(keys["regd"], home / ".config/containers/registries.d")
+    shutil.copy(pol, home / ".config/containers/policy.json")
+    for case, (blob, words) in cases.items():
+        shutil.rmtree(where, ignore_errors=True)
+        if blob is not None:
+            where.mkdir(parents=True)
+            (where / "signature-1").write_bytes(blob)
+        line = one_line(inspect(keys, pol, ref))
+        assert words in line, (case, line)
+        cache = tmp_path / f"cache-{case.replace(' ', '-')}"
+        pulled = run_launcher("pull", NOREG, "--cache-dir", cache, ref, env={"HOME": str(home)})
+        assert words in one_line(pulled), (case, pulled.err)
+        assert [p for p in cache.rglob("*") if p.is_file()] == [] if cache.exists() else True, case
+        skopeo = skopeo_copy(keys, pol, ref, f"dir:{tmp_path}/sk")
+        assert skopeo.returncode != 0, (case, skopeo.stderr)  # the peer refuses each one too
+    shutil.rmtree(where)
+
+
+def test_a_passphrase_key_signs_and_a_wrong_passphrase_moves_nothing(registry, keys, disk, tmp_path):
+    ref = f"{registry.host}/gpg/phrase:v1"
+    base = ["--registries.d", keys["regd"], "--sign-by", keys["p"]]
+    # First the wrong one, while gpg-agent has not cached the right one.
+    subprocess.run(["gpgconf", "--homedir", str(keys["home"]), "--kill", "gpg-agent"], check=False)
+    r = run_diskkit("build", NOREG, "--no-lazy", disk, "-t", ref, *base, "--sign-passphrase-file", keys["dir"] / "wrong")
+    line = one_line(r)
+    assert keys["p"] in line and "Bad passphrase" in line, line
+    missing = run_diskkit("inspect", NOREG, f"docker://{ref}")
+    assert missing.code != 0, "the tag appeared although signing failed"
+    digest = build(disk, ref, *base, "--sign-passphrase-file", keys["dir"] / "pass")
+    pol = policy(tmp_path / "p.json", f"{registry.host}/gpg", signed_by(keys, "p"))
+    assert inspect(keys, pol, ref).code == 0
+    assert (sig_dir(keys, ref, digest) / "signature-1").is_file()
