@@ -231,3 +231,36 @@ def test_a_passphrase_key_signs_and_a_wrong_passphrase_moves_nothing(registry, k
     pol = policy(tmp_path / "p.json", f"{registry.host}/gpg", signed_by(keys, "p"))
     assert inspect(keys, pol, ref).code == 0
     assert (sig_dir(keys, ref, digest) / "signature-1").is_file()
+
+
+def test_standalone_signatures_verify_both_ways_with_skopeo(registry, keys, disk, tmp_path):
+    ref = f"{registry.host}/gpg/alone:v1"
+    build(disk, ref)
+    manifest = tmp_path / "manifest.json"
+    manifest.write_bytes(subprocess.run(["skopeo", "inspect", "--raw", "--tls-verify=false", f"docker://{ref}"], capture_output=True, check=True).stdout)
+    mine, theirs = tmp_path / "by-diskkit", tmp_path / "by-skopeo"
+    r = run_diskkit("standalone-sign", manifest, ref, keys["p"], "-o", mine, "--passphrase-file", keys["dir"] / "pass")
+    assert r.code == 0, r.err
+    proc = subprocess.run(["skopeo", "standalone-sign", str(manifest), ref, keys["a"], "-o", str(theirs)], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    digest = "sha256:" + __import__("hashlib").sha256(manifest.read_bytes()).hexdigest()
+    for sig, key in ((mine, "p"), (theirs, "a")):
+        # skopeo 1.9 has no --public-key-file: it verifies with the keyring of $GNUPGHOME.
+        proc = subprocess.run(["skopeo", "standalone-verify", str(manifest), ref, keys[key], str(sig)], capture_output=True, text=True, check=False)
+        r = run_diskkit("standalone-verify", "--public-key-file", keys["dir"] / f"{key}.gpg", manifest, ref, keys[key], sig)
+        assert proc.stdout.startswith("Signature verified") and f"digest {digest}" in proc.stdout, (sig, proc.stderr)  # 1.9's words
+        assert f"Signature verified using fingerprint {keys[key]}, digest {digest}" in r.out, (sig, r.err)  # today's skopeo's
+        # "any" key of the file; and the user's own keyring without a file.
+        assert run_diskkit("standalone-verify", "--public-key-file", keys["dir"] / f"{key}.asc", manifest, ref, "any", sig).code == 0
+        assert run_diskkit("standalone-verify", manifest, ref, keys[key], sig).code == 0
+    refusals = [
+        (["--public-key-file", keys["dir"] / "b.gpg", manifest, ref, "any", mine], "Invalid GPG signature: No public key"),
+        (["--public-key-file", keys["dir"] / "a.gpg", manifest, ref, keys["b"], theirs], f"Signature by key {keys['a']} is not accepted"),
+        (["--public-key-file", keys["dir"] / "a.gpg", manifest, f"{registry.host}/gpg/else:v1", "any", theirs], "does not match"),
+        ([manifest, ref, "any", theirs], "Cannot use any fingerprint without a public key file"),
+    ]
+    other = tmp_path / "other.json"
+    other.write_bytes(manifest.read_bytes() + b"\n")
+    refusals.append((["--public-key-file", keys["dir"] / "a.gpg", other, ref, "any", theirs], f'Signature for docker digest "{digest}" does not match'))
+    for args, words in refusals:
+        assert words in one_line(run_diskkit("standalone-verify", *args)), (args, words)

@@ -11,6 +11,7 @@ import click
 from diskkit import __version__
 from diskkit.cli.shell import platform as platform_of
 from diskkit.cli.shell import registry_options, run_main
+from diskkit.cli.standalone import standalone_sign, standalone_verify
 from diskkit.cli.trustflags import signature_options
 from diskkit.errors import DiskkitError
 from diskkit.oci.image import Platform
@@ -467,6 +468,10 @@ def upload_cmd(datavolume, file, url, token, token_file, namespace, ca_cert, ins
     opts = UploadOptions(url, token, False if insecure else (ca_cert or True), retry_times, wait)
     result = upload(opts, namespace, name, file, reporter_for(as_json))
     click.echo(json.dumps(result, indent=2) if as_json else f"{namespace}/{name}: {result['phase']}")
+
+
+cli.add_command(standalone_sign)
+cli.add_command(standalone_verify)
 
 
 def main() -> None:

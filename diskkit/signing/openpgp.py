@@ -68,11 +68,13 @@ def sign(payload: bytes, fingerprint: str, passphrase: bytes | None = None) -> b
 class Keyring:
     """The keys of a policy requirement, imported into a throw-away GnuPG home (binary or armoured
     keyrings, as gpgme imports them). Use as a context manager; `fingerprints` are the primary keys
-    imported."""
+    imported. With blobs None: the user's own keyring ($GNUPGHOME), as skopeo standalone-verify
+    without --public-key-file."""
 
-    def __init__(self, blobs: list[bytes]):
-        self.home = Path(tempfile.mkdtemp(prefix="diskkit-ephemeral-gpg-"))
+    def __init__(self, blobs: list[bytes] | None):
+        self.home = Path(tempfile.mkdtemp(prefix="diskkit-ephemeral-gpg-")) if blobs is not None else None
         self.fingerprints: list[str] = []
+        blobs = blobs or []
         try:
             for blob in blobs:
                 done = self._run(["--import"], blob)
@@ -83,12 +85,13 @@ class Keyring:
 
     def _run(self, args: list[str], data: bytes) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [_gpg(), "--homedir", str(self.home), "--batch", "--no-tty", "--no-autostart", "--status-fd", "2", *args],
+            [_gpg(), *(["--homedir", str(self.home)] if self.home else []), "--batch", "--no-tty", "--no-autostart", "--status-fd", "2", *args],
             input=data, capture_output=True, timeout=60,
         )
 
-    def verify(self, signature: bytes) -> tuple[bytes, str]:
-        """(signed payload, primary key fingerprint) or InvalidSignature."""
+    def verify(self, signature: bytes, accepted: list[str] | None = None) -> tuple[bytes, str]:
+        """(signed payload, the accepted fingerprint) or InvalidSignature; the key must be one of
+        `accepted` (default: those imported), by its own or its primary key's fingerprint."""
         done = self._run(["--output", "-", "--decrypt"], signature)
         status = _status(done.stderr)
         codes = [s[0] for s in status]
@@ -106,13 +109,15 @@ class Keyring:
             raise InvalidSignature("Invalid GPG signature: " + _complaint(done.stderr))
         if len(done.stdout) > MAX_PAYLOAD:
             raise InvalidSignature("signed payload larger than 4 MiB")
-        primary = valid[0][-1].upper()
-        if primary not in self.fingerprints:
-            raise InvalidSignature(f"Signature by key {primary} is not accepted")
-        return done.stdout, primary
+        signing, primary = valid[0][1].upper(), valid[0][-1].upper()
+        wanted = [f.upper() for f in (self.fingerprints if accepted is None else accepted)]
+        if signing not in wanted and primary not in wanted:
+            raise InvalidSignature(f"Signature by key {signing} is not accepted" if signing == primary else f"Signature by key {signing} of {primary} is not accepted")
+        return done.stdout, signing if signing in wanted else primary
 
     def close(self) -> None:
-        shutil.rmtree(self.home, ignore_errors=True)
+        if self.home is not None:
+            shutil.rmtree(self.home, ignore_errors=True)
 
     def __enter__(self) -> "Keyring":
         return self

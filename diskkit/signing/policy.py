@@ -209,7 +209,7 @@ def requirements_for(policy: Policy, transport: str, identity: str, namespaces: 
 # --- evaluation ---------------------------------------------------------------------------------
 
 
-def _as_written(text: str, what: str) -> DockerName:
+def as_written(text: str, what: str) -> DockerName:
     """A reference as given: unlike an image to pull, a signed name without a tag stays without one
     (reference.ParseNormalizedNamed), so it never equals NAME:latest."""
     name = parse_docker_name(text, what)
@@ -232,7 +232,7 @@ def _repo_digest_or_exact(intended: DockerName, signed: DockerName) -> bool:
 
 def identity_matches(identity: dict, intended: DockerName, signed_text: str) -> bool:
     try:
-        signed = _as_written(signed_text, "signed docker-reference")
+        signed = as_written(signed_text, "signed docker-reference")
     except DiskkitError:
         return False
     kind = identity["type"]
@@ -244,7 +244,7 @@ def identity_matches(identity: dict, intended: DockerName, signed_text: str) -> 
         return _repo(signed) == _repo(intended)
     if kind == "exactReference":
         try:
-            wanted = _as_written(identity["dockerReference"], "signedIdentity.dockerReference")
+            wanted = as_written(identity["dockerReference"], "signedIdentity.dockerReference")
         except DiskkitError:
             return False
         return bool(wanted.tag or wanted.digest) and str(signed) == str(wanted)

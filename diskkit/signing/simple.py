@@ -6,11 +6,12 @@ wrong passphrase or a missing key refuses before any byte moves."""
 from __future__ import annotations
 
 from diskkit.errors import DiskkitError
+from diskkit.oci.image import sha256_digest
 from diskkit.oci.reference import ImageRef
 from diskkit.signing import lookaside, openpgp, policy, registriesd
 from diskkit.signing.keys import read_passphrase
 from diskkit.signing.options import SignOptions
-from diskkit.signing.payload import ATOMIC_TYPE, make_payload
+from diskkit.signing.payload import ATOMIC_TYPE, InvalidPayload, make_payload, parse_payload
 
 
 def sign_payload(opts: SignOptions, passphrase: bytes | None, docker_reference: str, digest: str) -> bytes:
@@ -44,3 +45,33 @@ class SimpleSigner:
         blob = sign_payload(self.opts, self.passphrase, self.reference, digest)
         lookaside.append(self.base, digest, [blob])
         self.signed.append(digest)
+
+
+def standalone_sign(manifest: bytes, docker_reference: str, fingerprint: str, passphrase: bytes | None) -> bytes:
+    """skopeo standalone-sign: a signature of the manifest's digest as `docker_reference` (as given)."""
+    if passphrase is not None and b"\n" in passphrase:
+        raise DiskkitError("--passphrase-file", "invalid passphrase: must not contain a line break")
+    return openpgp.sign(make_payload(docker_reference, sha256_digest(manifest), kind=ATOMIC_TYPE), fingerprint, passphrase)
+
+
+def standalone_verify(manifest: bytes, docker_reference: str, fingerprints: list[str], signature: bytes, public_keys: bytes | None) -> tuple[str, str]:
+    """skopeo standalone-verify (signature/docker.go VerifyImageManifestSignatureUsingKeyIdentityList):
+    (the accepting fingerprint, the signed digest), or InvalidSignature in containers/image's words.
+    Fingerprints ["any"] with public keys: any key in them."""
+    expected = policy.as_written(docker_reference, "DOCKER-REFERENCE")
+    with openpgp.Keyring([public_keys] if public_keys is not None else None) as ring:
+        accepted = ring.fingerprints if fingerprints == ["any"] else fingerprints
+        signed, fingerprint = ring.verify(signature, accepted)
+    try:
+        signed_ref, signed_digest = parse_payload(signed, ATOMIC_TYPE)
+    except InvalidPayload as exc:
+        raise openpgp.InvalidSignature(str(exc)) from None
+    if signed_digest != sha256_digest(manifest):
+        raise openpgp.InvalidSignature(f'Signature for docker digest "{signed_digest}" does not match')
+    try:
+        matches = str(policy.as_written(signed_ref, "signed docker-reference")) == str(expected)
+    except DiskkitError:
+        raise openpgp.InvalidSignature(f'Invalid docker reference "{signed_ref}" in signature') from None
+    if not matches:
+        raise openpgp.InvalidSignature(f'Docker reference "{signed_ref}" does not match "{docker_reference}"')
+    return fingerprint, signed_digest
