@@ -264,3 +264,35 @@ def test_standalone_signatures_verify_both_ways_with_skopeo(registry, keys, disk
     refusals.append((["--public-key-file", keys["dir"] / "a.gpg", other, ref, "any", theirs], f'Signature for docker digest "{digest}" does not match'))
     for args, words in refusals:
         assert words in one_line(run_diskkit("standalone-verify", *args)), (args, words)
+
+
+def test_podman_pulls_under_the_policy_and_signs_what_diskkit_accepts(registry, keys, disk, tmp_path):
+    from tests.engines import podman_env
+
+    ref = f"{registry.host}/gpg/forpodman:v1"
+    build(disk, ref, "--registries.d", keys["regd"], "--sign-by", keys["a"])
+    root = tmp_path / "podman"
+    root.mkdir()
+    # podman takes no --registries.d: it reads $HOME/.config/containers/registries.d when that exists.
+    home = tmp_path / "home"
+    (home / ".config/containers").mkdir(parents=True)
+    shutil.copytree(keys["regd"], home / ".config/containers/registries.d")
+    env = {**os.environ, **podman_env(root), "HOME": str(home)}
+
+    def podman(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["podman", *args], capture_output=True, text=True, env=env, check=False)
+
+    good = policy(tmp_path / "a.json", f"{registry.host}/gpg", signed_by(keys, "a"))
+    bad = policy(tmp_path / "b.json", f"{registry.host}/gpg", signed_by(keys, "b"))
+    refused = podman("pull", "--tls-verify=false", "--signature-policy", str(bad), f"docker://{ref}")
+    assert refused.returncode != 0 and "Source image rejected" in refused.stderr, refused.stderr
+    pulled = podman("pull", "--tls-verify=false", "--signature-policy", str(good), f"docker://{ref}")
+    assert pulled.returncode == 0, pulled.stderr
+    # podman signs on push; diskkit and the launcher's policy accept it.
+    pushed_ref = f"{registry.host}/gpg/bypodman:v1"
+    # --remove-signatures: the pulled copy carries a's signature, which the recompressed push would invalidate.
+    pushed = podman("push", "--tls-verify=false", "--remove-signatures", "--sign-by", keys["b"], ref, f"docker://{pushed_ref}")
+    assert pushed.returncode == 0, pushed.stderr
+    assert inspect(keys, policy(tmp_path / "pb.json", f"{registry.host}/gpg", signed_by(keys, "b")), pushed_ref).code == 0
+    line = one_line(inspect(keys, good, pushed_ref))
+    assert "Invalid GPG signature: No public key" in line, line
