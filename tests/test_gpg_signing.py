@@ -296,3 +296,41 @@ def test_podman_pulls_under_the_policy_and_signs_what_diskkit_accepts(registry, 
     assert inspect(keys, policy(tmp_path / "pb.json", f"{registry.host}/gpg", signed_by(keys, "b")), pushed_ref).code == 0
     line = one_line(inspect(keys, good, pushed_ref))
     assert "Invalid GPG signature: No public key" in line, line
+
+
+def test_vm_boots_a_gpg_signed_image_and_an_unsigned_one_is_refused_before_caching(registry, keys, qemu_user, tmp_path):
+    """The node reads the lookaside over http:// (tests/fileserver.py), as a site's signature server."""
+    from tests.fileserver import FileServer
+    from tests.testguest import ensure_testguest, parse_console
+    from tests.vmhost import QEMU_UID, assert_clean
+
+    guest = ensure_testguest() / "testguest.qcow2"
+    signed = f"{registry.host}/gpgvm/guest:v1"
+    build(guest, signed, "--registries.d", keys["regd"], "--sign-by", keys["a"])
+    unsigned = f"{registry.host}/gpgvmu/guest:v1"
+    build(guest, unsigned)
+    served = FileServer(keys["lookaside"])
+    try:
+        conf = qemu_user.home / ".config/containers"
+        (conf / "registries.d").mkdir(parents=True)
+        (conf / "registries.d/site.yaml").write_text(f"default-docker:\n  lookaside: {served.base}\n")
+        key_data = base64.b64encode((keys["dir"] / "a.gpg").read_bytes()).decode()  # the qemu user cannot read our files
+        (conf / "policy.json").write_text(json.dumps({"default": [{"type": "reject"}], "transports": {"docker": {
+            registry.host: [{"type": "signedBy", "keyType": "GPGKeys", "keyData": key_data}]}}}))
+        for path in [qemu_user.home / ".config", *(qemu_user.home / ".config").rglob("*")]:
+            os.chown(path, QEMU_UID, QEMU_UID)
+
+        refused = qemu_user.launcher("run", NOREG, "--console", "--timeout", "180", qemu_user.write_vmi("unsigned", unsigned))
+        line = one_line(refused)
+        assert unsigned in line and "A signature was required, but no signature exists" in line, line
+        cache = qemu_user.cache
+        assert not cache.exists() or [p for a in ("disks", "refs", "tmp") for p in (cache / a).rglob("*") if p.is_file()] == []
+        assert_clean(qemu_user, "default_unsigned")
+
+        booted = qemu_user.launcher("run", NOREG, "--console", "--timeout", "180", qemu_user.write_vmi("signed", signed))
+        assert booted.code == 0, booted.err
+        console = parse_console(booted.out)
+        assert console["ready"] and console["done"], booted.out
+        assert_clean(qemu_user, "default_signed")
+    finally:
+        served.close()
