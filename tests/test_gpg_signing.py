@@ -334,3 +334,52 @@ def test_vm_boots_a_gpg_signed_image_and_an_unsigned_one_is_refused_before_cachi
         assert_clean(qemu_user, "default_signed")
     finally:
         served.close()
+
+
+def test_a_signature_that_cannot_be_stored_leaves_no_tag(registry, keys, disk, tmp_path):
+    """The signature is stored before the manifest is PUT (skopeo PUTs first): when the store fails
+    after the key worked, the tag never appears. Also: lookaside-staging is where signatures are
+    written, lookaside where they are read."""
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file where the staging directory would be\n")
+    regd = tmp_path / "registries.d"
+    regd.mkdir()
+    (regd / "gpg.yaml").write_text(f"docker:\n  {registry.host}/gpg:\n    lookaside: file://{keys['lookaside']}\n"
+                                   f"    lookaside-staging: file://{blocker}\n")
+    ref = f"{registry.host}/gpg/unstored:v1"
+    line = one_line(run_diskkit("build", NOREG, "--no-lazy", disk, "-t", ref, "--registries.d", regd, "--sign-by", keys["a"]))
+    assert str(blocker) in line and "cannot store the signature" in line, line
+    assert run_diskkit("inspect", NOREG, f"docker://{ref}").code != 0, "the tag appeared although its signature was not stored"
+    staging = tmp_path / "staging"
+    (regd / "gpg.yaml").write_text(f"docker:\n  {registry.host}/gpg:\n    sigstore: file://{keys['lookaside']}\n"
+                                   f"    sigstore-staging: file://{staging}\n")  # the older names
+    digest = build(disk, ref, "--registries.d", regd, "--sign-by", keys["a"])
+    assert (staging / f"gpg/unstored@sha256={digest.split(':')[1]}/signature-1").is_file()
+    pol = policy(tmp_path / "a.json", f"{registry.host}/gpg", signed_by(keys, "a"))
+    assert "no signature exists" in one_line(run_diskkit("inspect", NOREG, "--signature-policy", pol, "--registries.d", regd, ref))
+    shutil.copytree(staging / "gpg", keys["lookaside"] / "gpg", dirs_exist_ok=True)  # what a site's publishing step does
+    assert run_diskkit("inspect", NOREG, "--signature-policy", pol, "--registries.d", regd, ref).code == 0
+
+
+def test_registries_d_lookaside_longest_prefix_and_layout(tmp_path):
+    from diskkit.oci.reference import parse_docker_name
+    from diskkit.signing import lookaside, registriesd
+    from diskkit.signing.policy import identity_of, namespaces_of
+
+    (tmp_path / "a.yaml").write_text("default-docker:\n  lookaside: https://sigs.example/default\n"
+                                     "docker:\n  reg.example/ns:\n    lookaside: https://sigs.example/ns\n"
+                                     "  reg.example/ns/img:\n    use-sigstore-attachments: true\n"
+                                     "  reg.example/ns/img:v2:\n    sigstore: file:///exact\n")
+    config = registriesd.load(tmp_path)
+
+    def base(text: str, write: bool = False) -> str:
+        name = parse_docker_name(text)
+        return registriesd.lookaside_base(config, identity_of(name), namespaces_of(name), name.repository, write)
+
+    assert base("reg.example/ns/img:v1") == "https://sigs.example/ns/ns/img"  # img sets no lookaside: ns does
+    assert base("reg.example/ns/img:v2") == "file:///exact/ns/img"
+    assert base("other.example/x/y:1") == "https://sigs.example/default/x/y"
+    digest = "sha256:" + "ab" * 32
+    assert lookaside.signature_url(base("reg.example/ns/img:v1"), digest, 0) == f"https://sigs.example/ns/ns/img@sha256={'ab' * 32}/signature-1"
+    with pytest.raises(Exception, match="Writing directly to a https lookaside is not supported"):
+        lookaside.writable_dir(base("reg.example/ns/img:v1", write=True), digest)

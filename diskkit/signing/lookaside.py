@@ -110,14 +110,17 @@ def writable_dir(base: str, digest: str) -> Path:
 def append(base: str, digest: str, signatures: list[bytes]) -> list[Path]:
     """Store signatures after the ones already there (signature-N+1, ...), each written atomically."""
     directory = writable_dir(base, digest)
-    directory.mkdir(parents=True, exist_ok=True, mode=0o755)
-    count = len(read(base, digest))
-    written = []
-    for offset, blob in enumerate(signatures):
-        path = directory / f"signature-{count + offset + 1}"
-        write_atomic(path, blob)
-        written.append(path)
-    fsync_dir(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True, mode=0o755)
+        count = len(read(base, digest))
+        written = []
+        for offset, blob in enumerate(signatures):
+            path = directory / f"signature-{count + offset + 1}"
+            write_atomic(path, blob)
+            written.append(path)
+        fsync_dir(directory)
+    except OSError as exc:
+        raise DiskkitError(directory, f"cannot store the signature: {exc.strerror}") from None
     return written
 
 
