@@ -383,3 +383,35 @@ def test_registries_d_lookaside_longest_prefix_and_layout(tmp_path):
     assert lookaside.signature_url(base("reg.example/ns/img:v1"), digest, 0) == f"https://sigs.example/ns/ns/img@sha256={'ab' * 32}/signature-1"
     with pytest.raises(Exception, match="Writing directly to a https lookaside is not supported"):
         lookaside.writable_dir(base("reg.example/ns/img:v1", write=True), digest)
+
+
+def test_copy_carries_signatures_as_skopeo_and_remove_signatures_drops_them(registry, keys, disk, tmp_path):
+    ref = f"{registry.host}/gpg/carried:v1"
+    digest = build(disk, ref, "--registries.d", keys["regd"], "--sign-by", keys["a"])
+    regd = ["--registries.d", keys["regd"]]
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    assert run_diskkit("copy", NOREG, *regd, f"docker://{ref}", f"dir:{ours}").code == 0
+    anything = tmp_path / "any.json"
+    anything.write_text(json.dumps({"default": [{"type": "insecureAcceptAnything"}]}))
+    assert skopeo_copy(keys, anything, ref, f"dir:{theirs}").returncode == 0
+    assert (ours / "signature-1").read_bytes() == (theirs / "signature-1").read_bytes()
+    assert not (ours / "signature-2").exists() and not (theirs / "signature-2").exists()
+    # From dir: to another repository: the signature follows the digest into that repository's lookaside.
+    moved = f"{registry.host}/gpg/moved:v1"
+    pushed = run_diskkit("copy", NOREG, *regd, f"dir:{ours}", f"docker://{moved}")
+    assert pushed.code == 0, pushed.err
+    assert (sig_dir(keys, moved, digest) / "signature-1").read_bytes() == (ours / "signature-1").read_bytes()
+    pinned = policy(tmp_path / "pinned.json", f"{registry.host}/gpg/moved",
+                    signed_by(keys, "a", signedIdentity={"type": "exactRepository", "dockerRepository": f"{registry.host}/gpg/carried"}))
+    assert skopeo_copy(keys, pinned, moved, f"dir:{tmp_path}/peer").returncode == 0
+    assert inspect(keys, pinned, moved).code == 0
+    # A copy onto itself adds nothing; a destination that keeps no signatures is refused, unless asked.
+    assert run_diskkit("copy", NOREG, *regd, f"docker://{ref}", f"docker://{ref}").code == 0
+    assert sorted(p.name for p in sig_dir(keys, ref, digest).iterdir()) == ["signature-1"]
+    refused = one_line(run_diskkit("copy", NOREG, *regd, f"docker://{ref}", f"oci:{tmp_path}/layout:v1"))
+    assert "Can not copy signatures" in refused and "--remove-signatures" in refused, refused
+    assert not (tmp_path / "layout").exists()
+    assert run_diskkit("copy", NOREG, *regd, "--remove-signatures", f"docker://{ref}", f"oci:{tmp_path}/layout:v1").code == 0
+    bare = tmp_path / "bare"
+    assert run_diskkit("copy", NOREG, *regd, "--remove-signatures", f"docker://{ref}", f"dir:{bare}").code == 0
+    assert not (bare / "signature-1").exists()

@@ -196,6 +196,20 @@ def _before_manifest(signer):
     return signer if signer is not None and not isinstance(signer, tuple) else None
 
 
+def _signature_copier(src: str, dest: str, src_opts: RegistryOptions, trust, signer):
+    """(before_manifest, whether the source's manifest has GPG signatures to carry over)."""
+    from diskkit.oci.image import sha256_digest
+    from diskkit.signing.simple import SignatureCopier
+    from diskkit.transports import open_source
+
+    copier = SignatureCopier(parse_ref(src), parse_ref(dest), trust.registries_d, signer)
+    with open_source(src, src_opts) as source:
+        data, _, desc = source.manifest_descriptors()
+    carried = copier.of_source(desc.digest if desc else sha256_digest(data), True)
+    copier.check_destination(carried)
+    return copier, bool(carried)
+
+
 def _sign(dest: str, digest: str, signer, registry: RegistryOptions, instances: bool = True) -> dict:
     if signer is None:
         return {}
@@ -371,6 +385,7 @@ Examples:
 @click.option("--dest-compress-format", type=click.Choice(["gzip", "zstd"]), help="Re-encode layers not already in this compression (registries, OCI layouts; dir: with --dest-compress).")
 @click.option("--dest-compress-level", type=int, help="Its level (gzip 0-3, zstd 1-19; as diskkit build --level).")
 @click.option("--format", "manifest_format", type=click.Choice(["oci", "v2s2"]), help="Restate manifests as OCI or Docker schema2, as skopeo copy --format.")
+@click.option("--remove-signatures", is_flag=True, help="Do not copy the source's GPG signatures (lookaside, dir: signature-N), as skopeo.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object; events as JSON lines on stderr.")
 @click.option("--src-tls-verify", type=click.BOOL, metavar="BOOL", help="--tls-verify for the source registry only.")
 @click.option("--dest-tls-verify", type=click.BOOL, metavar="BOOL", help="--tls-verify for the destination registry only.")
@@ -383,7 +398,7 @@ Examples:
 @registry_options
 @signature_options()
 def push_cmd(src, dest, platform, all_platforms, multi_arch, preserve_digests, dest_compress, dest_compress_format, dest_compress_level,
-             manifest_format, as_json, registry: RegistryOptions, trust, sign, **sides) -> None:
+             manifest_format, remove_signatures, as_json, registry: RegistryOptions, trust, sign, **sides) -> None:
     """Copy an image from any transport to any transport, as `skopeo copy` does (`copy` is the same command).
 
     Blobs the destination already has are skipped, blobs in another repository of the same
@@ -407,9 +422,14 @@ def push_cmd(src, dest, platform, all_platforms, multi_arch, preserve_digests, d
     dest_opts = replace(registry, **{f: sides[f"dest_{k}"] for k, f in fields.items() if sides[f"dest_{k}"] is not None})
     enforce_ref(src, trust, src_opts, platform_of(platform), {"system": "selected", "all": "every", "index-only": "none"}[multi_arch])
     signer = _signer(dest, sign)
+    hook = _before_manifest(signer)
+    if not remove_signatures and parse_ref(src).transport in ("docker", "dir"):
+        hook, carried = _signature_copier(src, dest, src_opts, trust, hook)
+        # containers/image copy: signatures are kept only on the very bytes they sign.
+        preserve_digests = preserve_digests or carried
     result = copy_image(src, dest, src_opts, reporter_for(as_json), platform_of(platform), multi_arch, dest_opts, preserve_digests,
                         manifest_format, dest_compress_format or ("gzip" if dest_compress else None), dest_compress_level, dest_compress,
-                        _before_manifest(signer))
+                        hook)
     signed = _sign(dest, result.digest, signer, dest_opts, instances=multi_arch != "index-only")
     click.echo(json.dumps({**result.to_json(), **signed}, indent=2) if as_json else result.digest)
 

@@ -41,9 +41,11 @@ class SimpleSigner:
         sign_payload(opts, self.passphrase, self.reference, "sha256:" + "0" * 64)
         self.signed: list[str] = []
 
+    def signature(self, digest: str) -> bytes:
+        return sign_payload(self.opts, self.passphrase, self.reference, digest)
+
     def __call__(self, destination, digest: str, child: bool) -> None:
-        blob = sign_payload(self.opts, self.passphrase, self.reference, digest)
-        lookaside.append(self.base, digest, [blob])
+        lookaside.append(self.base, digest, [self.signature(digest)])
         self.signed.append(digest)
 
 
@@ -75,3 +77,52 @@ def standalone_verify(manifest: bytes, docker_reference: str, fingerprints: list
     if not matches:
         raise openpgp.InvalidSignature(f'Docker reference "{signed_ref}" does not match "{docker_reference}"')
     return fingerprint, signed_digest
+
+
+class SignatureCopier:
+    """before_manifest for a copy: the source's simple signatures of each manifest copied (from its
+    lookaside, or a dir: image's signature-N files), then a new one when signing, stored where the
+    destination keeps them, as containers/image copy does unless --remove-signatures."""
+
+    def __init__(self, src: ImageRef, dest: ImageRef, registries_d, signer: SimpleSigner | None):
+        from pathlib import Path
+
+        self.src, self.dest, self.signer = src, dest, signer
+        config = registriesd.load(registries_d)
+        self.src_base = None
+        self.src_dir = Path(src.path) if src.transport == "dir" else None
+        if src.transport == "docker":
+            self.src_base = registriesd.lookaside_base(config, policy.identity_of(src.name), policy.namespaces_of(src.name), src.name.repository, write=False)
+        self.dest_base = None
+        if dest.transport == "docker":
+            self.dest_base = registriesd.lookaside_base(config, policy.identity_of(dest.name), policy.namespaces_of(dest.name), dest.name.repository, write=True)
+
+    def of_source(self, digest: str, top: bool) -> list[bytes]:
+        if self.src_base is not None:
+            return lookaside.read(self.src_base, digest)
+        if self.src_dir is not None and top:
+            return lookaside.read_dir(self.src_dir, str(self.src))
+        return []
+
+    def check_destination(self, carried: list[bytes]) -> None:
+        """Refuse before anything moves when the destination cannot keep the signatures (copy.go)."""
+        if carried and self.dest.transport not in ("docker", "dir"):
+            raise DiskkitError(str(self.dest), "Can not copy signatures: Pushing signatures to this destination is not supported (copy with --remove-signatures)")
+        if carried and self.dest_base is not None:
+            lookaside.writable_dir(self.dest_base, "sha256:" + "0" * 64)
+
+    def __call__(self, destination, digest: str, child: bool) -> None:
+        carried = self.of_source(digest, not child)
+        self.check_destination(carried)
+        if self.dest.transport == "dir":
+            if not child:
+                # dir: keeps its manifest.json's signatures; a new one is made only for registries.
+                destination.signatures = carried
+            return
+        have = set(lookaside.read(self.dest_base, digest)) if carried else set()
+        new = [blob for blob in carried if blob not in have]  # a copy onto itself adds nothing twice
+        if self.signer is not None:
+            new.append(self.signer.signature(digest))
+            self.signer.signed.append(digest)
+        if new:
+            lookaside.append(self.dest_base, digest, new)
