@@ -415,3 +415,27 @@ def test_copy_carries_signatures_as_skopeo_and_remove_signatures_drops_them(regi
     bare = tmp_path / "bare"
     assert run_diskkit("copy", NOREG, *regd, "--remove-signatures", f"docker://{ref}", f"dir:{bare}").code == 0
     assert not (bare / "signature-1").exists()
+
+
+def test_the_lazy_disk_server_checks_gpg_signatures_before_serving(registry, keys, disk, tmp_path):
+    from tests.lazyhost import control, disk_server
+
+    signed = f"{registry.host}/gpglazy/signed:v1"
+    r = run_diskkit("build", NOREG, "--lazy", disk, "-t", signed, "--registries.d", keys["regd"], "--sign-by", keys["a"])
+    assert r.code == 0, r.err
+    unsigned = f"{registry.host}/gpglazy/unsigned:v1"
+    assert run_diskkit("build", NOREG, "--lazy", make_qcow2(tmp_path / "u.qcow2", size="16M", pattern=0x22), "-t", unsigned).code == 0
+    home = tmp_path / "home"
+    (home / ".config/containers").mkdir(parents=True)
+    shutil.copytree(keys["regd"], home / ".config/containers/registries.d")
+    policy(home / ".config/containers/policy.json", f"{registry.host}/gpglazy", signed_by(keys, "a"))
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with disk_server(cache, env={"HOME": str(home)}):
+        ask = {"op": "open", "path": None, "registry": {"tls_verify": False}}
+        refused = control(cache, {**ask, "image": unsigned})
+        assert refused["ok"] is False and "A signature was required, but no signature exists" in refused["error"], refused
+        lazy = cache / "lazy"
+        assert not lazy.exists() or [p for p in lazy.rglob("*") if p.is_file()] == [], "the refused image left lazy files"
+        opened = control(cache, {**ask, "image": signed})
+        assert opened["ok"], opened
