@@ -439,3 +439,31 @@ def test_the_lazy_disk_server_checks_gpg_signatures_before_serving(registry, key
         assert not lazy.exists() or [p for p in lazy.rglob("*") if p.is_file()] == [], "the refused image left lazy files"
         opened = control(cache, {**ask, "image": signed})
         assert opened["ok"], opened
+
+
+def test_a_datavolume_registry_import_needs_the_gpg_signature(registry, keys, disk, tmp_path):
+    import yaml
+
+    signed = f"{registry.host}/gpgdv/signed:v1"
+    build(disk, signed, "--registries.d", keys["regd"], "--sign-by", keys["a"])
+    unsigned = f"{registry.host}/gpgdv/unsigned:v1"
+    build(disk, unsigned)
+    home = tmp_path / "home"
+    (home / ".config/containers").mkdir(parents=True)
+    shutil.copytree(keys["regd"], home / ".config/containers/registries.d")
+    policy(home / ".config/containers/policy.json", f"{registry.host}/gpgdv", signed_by(keys, "a"))
+    manifests = tmp_path / "k8s"
+    manifests.mkdir()
+    args = ["--manifests", str(manifests)]
+    for name, ref in (("signed", signed), ("unsigned", unsigned)):
+        doc = {"apiVersion": "cdi.kubevirt.io/v1beta1", "kind": "DataVolume", "metadata": {"name": name},
+               "spec": {"source": {"registry": {"url": f"docker://{ref}"}}, "storage": {"resources": {"requests": {"storage": "24Mi"}}}}}
+        (manifests / f"datavolume-{name}.yaml").write_text(yaml.safe_dump(doc))
+        (tmp_path / f"claim-{name}").mkdir()
+        args += ["--pvc", f"{name}={tmp_path / f'claim-{name}'}"]
+    refused = run_launcher("dv", "import", NOREG, "unsigned", *args, env={"HOME": str(home)})
+    assert refused.code != 0 and "A signature was required, but no signature exists" in refused.err, refused.err
+    assert not (tmp_path / "claim-unsigned/disk.img").exists()
+    imported = run_launcher("dv", "import", NOREG, "signed", *args, env={"HOME": str(home)})
+    assert imported.code == 0, imported.err
+    assert (tmp_path / "claim-signed/disk.img").is_file()
