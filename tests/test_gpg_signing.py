@@ -179,18 +179,18 @@ def test_the_negative_matrix_is_refused_in_one_line_with_nothing_cached(registry
     other = build(make_qcow2(tmp_path / "o.qcow2", size="16M", pattern=0x11), f"{registry.host}/gpg/other:v1")
     where = sig_dir(keys, ref, digest)
     good = _sign_as(keys, "a", ref, digest)
-    flipped = bytearray(good)
-    flipped[len(flipped) // 2] ^= 0x01
     # Uncompressed, so one byte of the signed payload itself can be changed.
     plain = gpg(keys["home"], "--compress-algo", "none", "--local-user", keys["a"], "--sign", data=make_payload(ref, digest, kind=ATOMIC_TYPE))
     tampered = plain.replace(b"matrix", b"mAtrix", 1)
     assert tampered != plain
+    flipped = bytearray(plain)
+    flipped[-3] ^= 0x01  # in the signature value itself (the last packet), not in a packet header
     armour = gpg(keys["home"], "--armor", "--local-user", keys["a"], "--sign", data=make_payload(ref, digest, kind=ATOMIC_TYPE))
     cases = {
         "unsigned": (None, "A signature was required, but no signature exists"),
         "another key": (_sign_as(keys, "b", ref, digest), "Invalid GPG signature: No public key"),
         "tampered payload": (tampered, "Invalid GPG signature: Bad signature"),
-        "bit-flipped": (bytes(flipped), "Invalid GPG signature"),
+        "bit-flipped": (bytes(flipped), "Invalid GPG signature: Bad signature"),
         "another digest": (_sign_as(keys, "a", ref, other), f"Signature for digest {other} does not match"),
         "another repository": (_sign_as(keys, "a", f"{registry.host}/gpg/other:v1", digest), f'Signature for identity "{registry.host}/gpg/other:v1" is not accepted'),
         "garbage": (b"\x99garbage", "unrecognized signature format, starting with binary 0x99"),
