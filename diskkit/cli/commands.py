@@ -112,6 +112,7 @@ Examples:
   diskkit build --platform linux/amd64=x86.qcow2 --platform linux/arm64=arm.qcow2 -t quay.io/me/fedora:40
   SOURCE_DATE_EPOCH=1700000000 diskkit build disk.qcow2 -t oci:./layout --json
   diskkit build disk.qcow2 -t quay.io/me/fedora:40 --sign-by-sigstore-private-key ci.private --sign-passphrase-file pass
+  diskkit build disk.qcow2 -t quay.io/me/fedora:40 --sign-by 3F1A...C0DE      # GPG, into the registries.d lookaside
 """
 )
 @click.argument("src", type=click.Path(path_type=Path, readable=False), required=False)
@@ -374,6 +375,8 @@ Examples:
   DOCKER_HOST=unix:///run/podman/podman.sock diskkit push docker-daemon:quay.io/me/fedora:40 oci:./layout:f40
   diskkit push --sign-by-sigstore-private-key ci.private --sign-passphrase-file pass oci:./layout:40 quay.io/me/fedora:40
   diskkit push --signature-policy policy.json quay.io/me/fedora:40 oci:./mirror:40
+  diskkit copy --sign-by 3F1A...C0DE --sign-passphrase-file pass docker://quay.io/me/f:40 docker://registry.local/me/f:40
+  diskkit copy --remove-signatures docker://quay.io/me/f:40 oci:./mirror:40   # a layout keeps no GPG signatures
 """)
 @click.argument("src")
 @click.argument("dest")

@@ -1,7 +1,8 @@
 """containers-policy.json: which requirements apply to an image and whether its signatures meet them.
 
-Pure: loading reads the file and its keys; evaluation gets the signatures from a callable, so the
-registry I/O stays in diskkit.signing.trust. Rules and refusal words follow containers/image
+Pure but for gpg: loading reads the file and its keys; evaluation gets the signatures from a
+callable, so the registry and lookaside I/O stays in diskkit.signing.trust; signedBy's signatures
+are checked by gpg in a throw-away home (diskkit.signing.openpgp.Keyring). Rules and refusal words follow containers/image
 signature/policy_config.go, policy_eval.go, policy_eval_simple.go, policy_eval_sigstore.go,
 policy_eval_signedby.go, simple.go and policy_reference_match.go; scopes follow docker/policyconfiguration/naming.go.
 """
