@@ -467,3 +467,18 @@ def test_a_datavolume_registry_import_needs_the_gpg_signature(registry, keys, di
     imported = run_launcher("dv", "import", NOREG, "signed", *args, env={"HOME": str(home)})
     assert imported.code == 0, imported.err
     assert (tmp_path / "claim-signed/disk.img").is_file()
+
+
+def test_an_index_and_each_of_its_images_are_signed(registry, keys, disk, tmp_path):
+    ref = f"{registry.host}/gpg/multi:v1"
+    r = run_diskkit("build", NOREG, "--no-lazy", "--platform", f"linux/amd64={disk}", "--platform", f"linux/arm64={disk}", "-t", ref,
+                    "--registries.d", keys["regd"], "--sign-by", keys["a"], "--json")
+    assert r.code == 0, r.err
+    out = json.loads(r.out)
+    assert len(out["signed"]) == 3 and out["signed"][-1] == out["digest"], out["signed"]
+    for digest in out["signed"]:
+        assert (sig_dir(keys, ref, digest) / "signature-1").is_file()
+    pol = policy(tmp_path / "a.json", f"{registry.host}/gpg", signed_by(keys, "a"))
+    proc = skopeo_copy(keys, pol, ref, f"dir:{tmp_path}/all", "--all")
+    assert proc.returncode == 0, proc.stderr
+    assert run_diskkit("copy", NOREG, "--registries.d", keys["regd"], "--signature-policy", pol, "--all", f"docker://{ref}", f"dir:{tmp_path}/ours").code == 0
