@@ -412,6 +412,9 @@ def test_copy_carries_signatures_as_skopeo_and_remove_signatures_drops_them(regi
     assert "Can not copy signatures" in refused and "--remove-signatures" in refused, refused
     assert not (tmp_path / "layout").exists()
     assert run_diskkit("copy", NOREG, *regd, "--remove-signatures", f"docker://{ref}", f"oci:{tmp_path}/layout:v1").code == 0
+    # A copy that would rewrite the signed manifest is refused, as skopeo refuses it.
+    rewrite = one_line(run_diskkit("copy", NOREG, *regd, "--format", "v2s2", f"docker://{ref}", f"dir:{tmp_path}/v2s2"))
+    assert "Would invalidate signatures" in rewrite, rewrite
     bare = tmp_path / "bare"
     assert run_diskkit("copy", NOREG, *regd, "--remove-signatures", f"docker://{ref}", f"dir:{bare}").code == 0
     assert not (bare / "signature-1").exists()

@@ -429,7 +429,8 @@ def push_cmd(src, dest, platform, all_platforms, multi_arch, preserve_digests, d
     if not remove_signatures and parse_ref(src).transport in ("docker", "dir"):
         hook, carried = _signature_copier(src, dest, src_opts, trust, hook)
         # containers/image copy: signatures are kept only on the very bytes they sign.
-        preserve_digests = preserve_digests or carried
+        if carried and not preserve_digests:
+            preserve_digests = "Would invalidate signatures (copy with --remove-signatures)"
     result = copy_image(src, dest, src_opts, reporter_for(as_json), platform_of(platform), multi_arch, dest_opts, preserve_digests,
                         manifest_format, dest_compress_format or ("gzip" if dest_compress else None), dest_compress_level, dest_compress,
                         hook)

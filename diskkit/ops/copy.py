@@ -58,7 +58,7 @@ def copy_image(
     platform: Platform | None = None,
     multi_arch: str = "system",
     dest_opts: RegistryOptions | None = None,
-    preserve_digests: bool = False,
+    preserve_digests: bool | str = False,
     manifest_format: str | None = None,
     compress_format: str | None = None,
     compress_level: int | None = None,
@@ -189,7 +189,9 @@ class _Copier:
 
     def rewriting(self, why: str) -> None:
         if self.preserve_digests:
-            raise DiskkitError(str(self.dest_ref), f"--preserve-digests: the manifest would change digest ({why} here)")
+            # A string says why digests must stay (skopeo's words when signatures would be lost).
+            flag = self.preserve_digests if isinstance(self.preserve_digests, str) else "--preserve-digests"
+            raise DiskkitError(str(self.dest_ref), f"{flag}: the manifest would change digest ({why} here)")
 
     def blob(self, desc: Descriptor) -> None:
         if self.dest.has_blob(desc):
