@@ -195,6 +195,8 @@ def test_the_negative_matrix_is_refused_in_one_line_with_nothing_cached(registry
         "another repository": (_sign_as(keys, "a", f"{registry.host}/gpg/other:v1", digest), f'Signature for identity "{registry.host}/gpg/other:v1" is not accepted'),
         "garbage": (b"\x99garbage", "unrecognized signature format, starting with binary 0x99"),
         "ascii armour": (armour, "unrecognized signature format, starting with binary 0x2d"),
+        # Some KiB of compressed packets that expand to 8 MiB: read no further than the limit.
+        "payload bomb": (gpg(keys["home"], "--compress-level", "9", "--local-user", keys["a"], "--sign", data=bytes(8 << 20)), "signed payload larger than 4 MiB"),
     }
     pol = policy(tmp_path / "a.json", f"{registry.host}/gpg", signed_by(keys, "a"))
     home = tmp_path / "home"

@@ -92,7 +92,7 @@ class Keyring:
     def verify(self, signature: bytes, accepted: list[str] | None = None) -> tuple[bytes, str]:
         """(signed payload, the accepted fingerprint) or InvalidSignature; the key must be one of
         `accepted` (default: those imported), by its own or its primary key's fingerprint."""
-        done = self._run(["--output", "-", "--decrypt"], signature)
+        done = self._decrypt(signature)
         status = _status(done.stderr)
         codes = [s[0] for s in status]
         if codes.count("NEWSIG") != 1:
@@ -107,13 +107,36 @@ class Keyring:
         valid = [s for s in status if s[0] == "VALIDSIG"]
         if done.returncode != 0 or "GOODSIG" not in codes or len(valid) != 1:
             raise InvalidSignature("Invalid GPG signature: " + _complaint(done.stderr))
-        if len(done.stdout) > MAX_PAYLOAD:
-            raise InvalidSignature("signed payload larger than 4 MiB")
         signing, primary = valid[0][1].upper(), valid[0][-1].upper()
         wanted = [f.upper() for f in (self.fingerprints if accepted is None else accepted)]
         if signing not in wanted and primary not in wanted:
             raise InvalidSignature(f"Signature by key {signing} is not accepted" if signing == primary else f"Signature by key {signing} of {primary} is not accepted")
         return done.stdout, signing if signing in wanted else primary
+
+    def _decrypt(self, signature: bytes) -> subprocess.CompletedProcess:
+        """gpg --decrypt with the payload read to at most 4 MiB: a few KiB of compressed packets
+        could expand without bound, and memory stays flat whatever a lookaside serves."""
+        with tempfile.TemporaryDirectory(prefix="diskkit-sig-") as scratch:
+            path = Path(scratch) / "signature"
+            path.write_bytes(signature)
+            with open(Path(scratch) / "status", "w+b") as err:
+                proc = subprocess.Popen(
+                    [_gpg(), *(["--homedir", str(self.home)] if self.home else []), "--batch", "--no-tty", "--no-autostart",
+                     "--status-fd", "2", "--output", "-", "--decrypt", str(path)],
+                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err,
+                )
+                try:
+                    payload = proc.stdout.read(MAX_PAYLOAD + 1)
+                    if len(payload) > MAX_PAYLOAD:
+                        raise InvalidSignature("signed payload larger than 4 MiB")
+                    proc.wait(timeout=60)
+                finally:
+                    proc.stdout.close()
+                    if proc.poll() is None:
+                        proc.kill()
+                        proc.wait()
+                err.seek(0)
+                return subprocess.CompletedProcess(proc.args, proc.returncode, payload, err.read())
 
     def close(self) -> None:
         if self.home is not None:
