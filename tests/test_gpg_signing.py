@@ -487,3 +487,20 @@ def test_an_index_and_each_of_its_images_are_signed(registry, keys, disk, tmp_pa
     proc = skopeo_copy(keys, pol, ref, f"dir:{tmp_path}/all", "--all")
     assert proc.returncode == 0, proc.stderr
     assert run_diskkit("copy", NOREG, "--registries.d", keys["regd"], "--signature-policy", pol, "--all", f"docker://{ref}", f"dir:{tmp_path}/ours").code == 0
+
+
+def test_the_atomic_payload_is_read_as_strictly_as_containers_image(keys, tmp_path):
+    from diskkit.signing.payload import InvalidPayload, parse_payload
+
+    digest = "sha256:" + "1" * 64
+    made = make_payload("reg.example/a/b:1", digest, timestamp=5, kind=ATOMIC_TYPE)
+    assert parse_payload(made, ATOMIC_TYPE) == ("reg.example/a/b:1", digest)
+    doc = json.loads(made)
+    for broken, words in (({**doc, "optional": {"timestamp": 1.5}}, "Field optional.timestamp is not an integer"),
+                          ({**doc, "extra": 1}, "unexpected field extra"),
+                          ({**doc, "critical": {**doc["critical"], "type": "cosign container image signature"}}, "Unrecognized signature type")):
+        with pytest.raises(InvalidPayload, match=words):
+            parse_payload(json.dumps(broken).encode(), ATOMIC_TYPE)
+    # A keyring with no public key in it accepts nothing (policy_eval_signedby.go).
+    with pytest.raises(openpgp.InvalidSignature, match="No public keys imported"):
+        openpgp.verify(_sign_as(keys, "a", "reg.example/a/b:1", digest), [b"not a keyring"])
