@@ -137,10 +137,3 @@ def read_dir(root: Path, where: str) -> list[bytes]:
             raise DiskkitError(path, f"cannot read the signature: {exc.strerror}") from None
         found.append(from_blob(data, f"{where}/signature-{i}"))
     return found
-
-
-def write_dir(root: Path, signatures: list[bytes]) -> None:
-    for i, blob in enumerate(signatures, 1):
-        write_atomic(root / f"signature-{i}", blob)
-    if signatures:
-        fsync_dir(root)

@@ -5,6 +5,8 @@ wrong passphrase or a missing key refuses before any byte moves."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from diskkit.errors import DiskkitError
 from diskkit.oci.image import sha256_digest
 from diskkit.oci.reference import ImageRef
@@ -85,8 +87,6 @@ class SignatureCopier:
     destination keeps them, as containers/image copy does unless --remove-signatures."""
 
     def __init__(self, src: ImageRef, dest: ImageRef, registries_d, signer: SimpleSigner | None):
-        from pathlib import Path
-
         self.src, self.dest, self.signer = src, dest, signer
         config = registriesd.load(registries_d)
         self.src_base = None
