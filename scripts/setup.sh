@@ -16,6 +16,7 @@ APT_PACKAGES=(
     libvirt-daemon-system libvirt-clients libvirt-dev pkg-config libxml2-utils ovmf tgt
     docker.io podman catatonit mmdebstrap
     golang-go golang-golang-x-crypto-dev openssl
+    gnupg
 )
 # The demo's set: build and boot the test guest, a registry to push it to, skopeo to read it back.
 # libvirt-daemon, not -system: a root launcher starts the qemu user's session daemon itself, and

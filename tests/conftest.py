@@ -20,7 +20,7 @@ from tests.faultproxy import FaultProxy
 REQUIRED_TOOLS = (
     "qemu-img", "qemu-io", "skopeo", "umoci", "buildah", "docker-registry", "qemu-system-x86_64", "xorriso",
     "virsh", "virt-xml-validate", "xmllint", "tgtd", "tgtadm", "setpriv", "losetup", "isoinfo", "nbdinfo", "nbdcopy",
-    "go", "openssl",
+    "go", "openssl", "gpg", "gpgconf",
     "podman", "mmdebstrap", "catatonit", "unshare", "flock",
     "libvirtd", "virtlogd", "nsenter",
 )

@@ -317,7 +317,9 @@ def test_scope_precedence_and_namespaces(tmp_path):
 @pytest.mark.parametrize("doc, words", [
     ({"default": []}, "must not be empty"),
     ({"transports": {}}, "Policy.Default is missing"),
-    ({"default": [{"type": "signedBy", "keyType": "GPGKeys", "keyPath": "/k"}]}, "signedBy is not implemented"),
+    ({"default": [{"type": "signedBaseLayer", "baseLayerIdentity": {}}]}, "signedBaseLayer is not implemented"),
+    ({"default": [{"type": "signedBy", "keyType": "GPGKeys"}]}, "Exactly one of keyPath, keyPaths and keyData must be specified"),
+    ({"default": [{"type": "signedBy", "keyType": "X509Certificates", "keyData": ""}]}, "Unimplemented \"keyType\" value"),
     ({"default": [{"type": "sigstoreSigned", "fulcio": {}}]}, "fulcio"),
     ({"default": [{"type": "nonsense"}]}, 'Unknown policy requirement type "nonsense"'),
     ({"default": [{"type": "reject"}], "extra": 1}, 'unknown key "extra"'),

@@ -11,6 +11,7 @@ import click
 from diskkit import __version__
 from diskkit.cli.shell import platform as platform_of
 from diskkit.cli.shell import registry_options, run_main
+from diskkit.cli.standalone import standalone_sign, standalone_verify
 from diskkit.cli.trustflags import signature_options
 from diskkit.errors import DiskkitError
 from diskkit.oci.image import Platform
@@ -111,6 +112,7 @@ Examples:
   diskkit build --platform linux/amd64=x86.qcow2 --platform linux/arm64=arm.qcow2 -t quay.io/me/fedora:40
   SOURCE_DATE_EPOCH=1700000000 diskkit build disk.qcow2 -t oci:./layout --json
   diskkit build disk.qcow2 -t quay.io/me/fedora:40 --sign-by-sigstore-private-key ci.private --sign-passphrase-file pass
+  diskkit build disk.qcow2 -t quay.io/me/fedora:40 --sign-by 3F1A...C0DE      # GPG, into the registries.d lookaside
 """
 )
 @click.argument("src", type=click.Path(path_type=Path, readable=False), required=False)
@@ -165,7 +167,7 @@ def build_cmd(src, dest, image_path, disk_format, compression, level, lazy, kern
         platforms=[(Platform.parse(p.split("=", 1)[0]), Path(p.split("=", 1)[1])) for p in per_platform],
     )
     signer = _signer(dest, sign)
-    result = build(opts, reporter_for(as_json), registry)
+    result = build(opts, reporter_for(as_json), registry, _before_manifest(signer))
     signed = _sign(dest, result.digest, signer, registry)
     if as_json:
         click.echo(json.dumps({**result.to_json(), **signed}, indent=2))
@@ -177,17 +179,43 @@ cli.add_command(build_cmd, "build")
 
 
 def _signer(dest: str, sign):
-    """(destination, decrypted key) when signing, checked before anything is pushed; else None."""
+    """(destination, decrypted key) for sigstore, a SimpleSigner for GPG; checked before anything is
+    pushed; else None."""
     if sign is None:
         return None
+    if sign.sign_by:
+        from diskkit.signing.simple import SimpleSigner
+
+        return SimpleSigner(parse_ref(dest), sign)
     from diskkit.signing.trust import check_signable, load_signer
 
     return check_signable(dest, sign), load_signer(sign)
 
 
+def _before_manifest(signer):
+    """GPG signatures are made before each manifest is stored; sigstore ones after the push."""
+    return signer if signer is not None and not isinstance(signer, tuple) else None
+
+
+def _signature_copier(src: str, dest: str, src_opts: RegistryOptions, trust, signer):
+    """(before_manifest, whether the source's manifest has GPG signatures to carry over)."""
+    from diskkit.oci.image import sha256_digest
+    from diskkit.signing.simple import SignatureCopier
+    from diskkit.transports import open_source
+
+    copier = SignatureCopier(parse_ref(src), parse_ref(dest), trust.registries_d, signer)
+    with open_source(src, src_opts) as source:
+        data, _, desc = source.manifest_descriptors()
+    carried = copier.of_source(desc.digest if desc else sha256_digest(data), True)
+    copier.check_destination(carried)
+    return copier, bool(carried)
+
+
 def _sign(dest: str, digest: str, signer, registry: RegistryOptions, instances: bool = True) -> dict:
     if signer is None:
         return {}
+    if not isinstance(signer, tuple):
+        return {"signed": signer.signed}
     from diskkit.signing.trust import sign_pushed
 
     return {"signed": sign_pushed(signer[0], digest, signer[1], registry, instances)}
@@ -347,6 +375,8 @@ Examples:
   DOCKER_HOST=unix:///run/podman/podman.sock diskkit push docker-daemon:quay.io/me/fedora:40 oci:./layout:f40
   diskkit push --sign-by-sigstore-private-key ci.private --sign-passphrase-file pass oci:./layout:40 quay.io/me/fedora:40
   diskkit push --signature-policy policy.json quay.io/me/fedora:40 oci:./mirror:40
+  diskkit copy --sign-by 3F1A...C0DE --sign-passphrase-file pass docker://quay.io/me/f:40 docker://registry.local/me/f:40
+  diskkit copy --remove-signatures docker://quay.io/me/f:40 oci:./mirror:40   # a layout keeps no GPG signatures
 """)
 @click.argument("src")
 @click.argument("dest")
@@ -358,6 +388,7 @@ Examples:
 @click.option("--dest-compress-format", type=click.Choice(["gzip", "zstd"]), help="Re-encode layers not already in this compression (registries, OCI layouts; dir: with --dest-compress).")
 @click.option("--dest-compress-level", type=int, help="Its level (gzip 0-3, zstd 1-19; as diskkit build --level).")
 @click.option("--format", "manifest_format", type=click.Choice(["oci", "v2s2"]), help="Restate manifests as OCI or Docker schema2, as skopeo copy --format.")
+@click.option("--remove-signatures", is_flag=True, help="Do not copy the source's GPG signatures (lookaside, dir: signature-N), as skopeo.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object; events as JSON lines on stderr.")
 @click.option("--src-tls-verify", type=click.BOOL, metavar="BOOL", help="--tls-verify for the source registry only.")
 @click.option("--dest-tls-verify", type=click.BOOL, metavar="BOOL", help="--tls-verify for the destination registry only.")
@@ -370,7 +401,7 @@ Examples:
 @registry_options
 @signature_options()
 def push_cmd(src, dest, platform, all_platforms, multi_arch, preserve_digests, dest_compress, dest_compress_format, dest_compress_level,
-             manifest_format, as_json, registry: RegistryOptions, trust, sign, **sides) -> None:
+             manifest_format, remove_signatures, as_json, registry: RegistryOptions, trust, sign, **sides) -> None:
     """Copy an image from any transport to any transport, as `skopeo copy` does (`copy` is the same command).
 
     Blobs the destination already has are skipped, blobs in another repository of the same
@@ -394,8 +425,15 @@ def push_cmd(src, dest, platform, all_platforms, multi_arch, preserve_digests, d
     dest_opts = replace(registry, **{f: sides[f"dest_{k}"] for k, f in fields.items() if sides[f"dest_{k}"] is not None})
     enforce_ref(src, trust, src_opts, platform_of(platform), {"system": "selected", "all": "every", "index-only": "none"}[multi_arch])
     signer = _signer(dest, sign)
+    hook = _before_manifest(signer)
+    if not remove_signatures and parse_ref(src).transport in ("docker", "dir"):
+        hook, carried = _signature_copier(src, dest, src_opts, trust, hook)
+        # containers/image copy: signatures are kept only on the very bytes they sign.
+        if carried and not preserve_digests:
+            preserve_digests = "Would invalidate signatures (copy with --remove-signatures)"
     result = copy_image(src, dest, src_opts, reporter_for(as_json), platform_of(platform), multi_arch, dest_opts, preserve_digests,
-                        manifest_format, dest_compress_format or ("gzip" if dest_compress else None), dest_compress_level, dest_compress)
+                        manifest_format, dest_compress_format or ("gzip" if dest_compress else None), dest_compress_level, dest_compress,
+                        hook)
     signed = _sign(dest, result.digest, signer, dest_opts, instances=multi_arch != "index-only")
     click.echo(json.dumps({**result.to_json(), **signed}, indent=2) if as_json else result.digest)
 
@@ -454,6 +492,10 @@ def upload_cmd(datavolume, file, url, token, token_file, namespace, ca_cert, ins
     opts = UploadOptions(url, token, False if insecure else (ca_cert or True), retry_times, wait)
     result = upload(opts, namespace, name, file, reporter_for(as_json))
     click.echo(json.dumps(result, indent=2) if as_json else f"{namespace}/{name}: {result['phase']}")
+
+
+cli.add_command(standalone_sign)
+cli.add_command(standalone_verify)
 
 
 def main() -> None:

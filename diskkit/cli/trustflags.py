@@ -17,20 +17,24 @@ def signature_options(policy: bool = True, sign: bool = True):
 
     def decorate(command):
         @functools.wraps(command)
-        def wrapper(*args, registries_d, signature_policy=None, sign_by_sigstore_private_key=None, sign_passphrase_file=None, **kwargs):
+        def wrapper(*args, registries_d, signature_policy=None, sign_by_sigstore_private_key=None, sign_by=None, sign_passphrase_file=None, **kwargs):
             if policy:
                 kwargs["trust"] = TrustOptions(signature_policy, registries_d)
             if sign:
-                if sign_passphrase_file and not sign_by_sigstore_private_key:
-                    raise click.UsageError("--sign-passphrase-file needs --sign-by-sigstore-private-key")
-                kwargs["sign"] = SignOptions(sign_by_sigstore_private_key, sign_passphrase_file, registries_d) if sign_by_sigstore_private_key else None
+                if sign_passphrase_file and not (sign_by_sigstore_private_key or sign_by):
+                    raise click.UsageError("--sign-passphrase-file needs --sign-by or --sign-by-sigstore-private-key")
+                if sign_by and sign_by_sigstore_private_key:  # skopeo copy.go: one signature format at a time
+                    raise click.UsageError("Only one of --sign-by and sign-by-sigstore-private-key can be used with sign-passphrase-file")
+                signs = sign_by_sigstore_private_key or sign_by
+                kwargs["sign"] = SignOptions(sign_by_sigstore_private_key, sign_passphrase_file, registries_d, sign_by) if signs else None
             return command(*args, **kwargs)
 
-        options = [click.option("--registries.d", "registries_d", type=click.Path(file_okay=False, path_type=Path), help="registries.d directory: where use-sigstore-attachments is set (default: ~/.config/containers/registries.d, else /etc/containers/registries.d).")]
+        options = [click.option("--registries.d", "registries_d", type=click.Path(file_okay=False, path_type=Path), help="registries.d directory: lookaside stores and use-sigstore-attachments (default: ~/.config/containers/registries.d, else /etc/containers/registries.d).")]
         if policy:
             options.append(click.option("--signature-policy", type=_FILE, help="policy.json to enforce (default: ~/.config/containers/policy.json, else /etc/containers/policy.json; with neither, everything is accepted)."))
         if sign:
             options.append(click.option("--sign-passphrase-file", type=_FILE, help="Read the key's passphrase from this file (else it is asked on the terminal)."))
+            options.append(click.option("--sign-by", metavar="FINGERPRINT", help="Sign with this key of your GnuPG keyring ($GNUPGHOME) as a GPG simple signature in the registries.d lookaside store."))
             options.append(click.option("--sign-by-sigstore-private-key", type=_FILE, metavar="FILE", help="Sign the pushed image (and each manifest of an index) with this sigstore key."))
         for option in options:
             wrapper = option(wrapper)

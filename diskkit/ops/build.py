@@ -169,8 +169,9 @@ def split_artifact(value: str, default_path: str, flag: str) -> tuple[str, Path]
     return image_path, Path(local)
 
 
-def build(opts: BuildOptions, reporter: Reporter, registry: RegistryOptions | None = None) -> BuildResult:
-    """Build one image, or with `opts.platforms` one image per platform under an OCI index."""
+def build(opts: BuildOptions, reporter: Reporter, registry: RegistryOptions | None = None, before_manifest=None) -> BuildResult:
+    """Build one image, or with `opts.platforms` one image per platform under an OCI index.
+    `before_manifest` (a signer) sees each manifest's digest before it is stored."""
     dest_ref = parse_ref(opts.dest)
     if opts.disk_format not in DISK_FORMATS:
         raise DiskkitError("--format", f"must be one of {', '.join(DISK_FORMATS)}")
@@ -192,6 +193,7 @@ def build(opts: BuildOptions, reporter: Reporter, registry: RegistryOptions | No
     workdir = Path(tempfile.mkdtemp(prefix="diskkit-build-"))
     try:
         with open_destination(dest_ref, opts.created, registry) as dest:
+            dest.before_manifest = before_manifest
             if opts.platforms and dest.docker_manifest:
                 raise DiskkitError(str(dest_ref), "docker-archive holds a single image; build one platform at a time")
             holds_toc = not dest.docker_manifest and (dest.layer_compression or opts.compression) == opts.compression

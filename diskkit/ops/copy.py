@@ -58,11 +58,12 @@ def copy_image(
     platform: Platform | None = None,
     multi_arch: str = "system",
     dest_opts: RegistryOptions | None = None,
-    preserve_digests: bool = False,
+    preserve_digests: bool | str = False,
     manifest_format: str | None = None,
     compress_format: str | None = None,
     compress_level: int | None = None,
     dest_compress: bool = False,
+    before_manifest=None,
 ) -> CopyResult:
     """`opts` reach the source registry, `dest_opts` (default: the same) the destination's, as
     skopeo's --src-*/--dest-* flags do. `multi_arch` says what becomes of an index, as skopeo's
@@ -79,6 +80,7 @@ def copy_image(
     with open_source(src_ref, opts) as source:
         data, media, _ = source.manifest_descriptors()
         with open_destination(dest_ref, 0, dest_opts or opts) as destination:
+            destination.before_manifest = before_manifest  # a signer: signs each manifest before it is stored
             copier = _Copier(source, destination, src_ref, dest_ref, reporter, statuses, preserve_digests, manifest_format, compress_format, compress_level, dest_compress)
             if media in mt.INDEXES and multi_arch != "system":
                 if destination.docker_manifest:
@@ -187,7 +189,9 @@ class _Copier:
 
     def rewriting(self, why: str) -> None:
         if self.preserve_digests:
-            raise DiskkitError(str(self.dest_ref), f"--preserve-digests: the manifest would change digest ({why} here)")
+            # A string says why digests must stay (skopeo's words when signatures would be lost).
+            flag = self.preserve_digests if isinstance(self.preserve_digests, str) else "--preserve-digests"
+            raise DiskkitError(str(self.dest_ref), f"{flag}: the manifest would change digest ({why} here)")
 
     def blob(self, desc: Descriptor) -> None:
         if self.dest.has_blob(desc):

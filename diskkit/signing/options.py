@@ -27,8 +27,10 @@ class TrustOptions:
 
 @dataclass(frozen=True)
 class SignOptions:
-    """--sign-by-sigstore-private-key, --sign-passphrase-file and where attachments may be written."""
+    """--sign-by-sigstore-private-key or --sign-by (a GnuPG key's fingerprint), --sign-passphrase-file
+    and the registries.d that says where attachments and lookaside signatures may be written."""
 
-    key: Path
+    key: Path | None
     passphrase_file: Path | None = None
     registries_d: Path | None = None
+    sign_by: str | None = None

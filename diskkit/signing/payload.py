@@ -1,5 +1,6 @@
-"""The simple-signing payload a sigstore signature covers (containers/image
-signature/internal/sigstore_payload.go): what it says and how strictly it is read back."""
+"""The simple-signing payload both signature formats cover: a sigstore signature's (containers/image
+signature/internal/sigstore_payload.go, type "cosign container image signature") and a GPG one's
+(signature/simple.go, the "atomic container signature"): what it says and how strictly it is read back."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 from diskkit import __version__
 
 SIGNATURE_TYPE = "cosign container image signature"
+ATOMIC_TYPE = "atomic container signature"
 MIME_TYPE = "application/vnd.dev.cosign.simplesigning.v1+json"
 SIGNATURE_ANNOTATION = "dev.cosignproject.cosign/signature"
 _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$|^sha512:[0-9a-f]{128}$")
@@ -19,13 +21,13 @@ class InvalidPayload(ValueError):
     pass
 
 
-def make_payload(docker_reference: str, manifest_digest: str, timestamp: int | None = None) -> bytes:
+def make_payload(docker_reference: str, manifest_digest: str, timestamp: int | None = None, kind: str = SIGNATURE_TYPE) -> bytes:
     """Bytes as Go's json.Marshal writes them (sorted keys, no spaces): cosign and skopeo verify these."""
     body = {
         "critical": {
             "identity": {"docker-reference": docker_reference},
             "image": {"docker-manifest-digest": manifest_digest},
-            "type": SIGNATURE_TYPE,
+            "type": kind,
         },
         "optional": {"creator": f"diskkit {__version__}", "timestamp": int(time.time()) if timestamp is None else timestamp},
     }
@@ -41,7 +43,7 @@ def _exact(obj, fields: set[str], what: str) -> dict:
     return obj
 
 
-def parse_payload(data: bytes) -> tuple[str, str]:
+def parse_payload(data: bytes, kind: str = SIGNATURE_TYPE) -> tuple[str, str]:
     """(docker-reference, docker-manifest-digest); exactly the fields the format has, as containers/image insists."""
     try:
         obj = json.loads(data)
@@ -50,8 +52,11 @@ def parse_payload(data: bytes) -> tuple[str, str]:
     top = _exact(obj, {"critical", "optional"}, "payload")
     if top["optional"] is not None and not isinstance(top["optional"], dict):
         raise InvalidPayload("optional is not a JSON object")
+    stamp = (top["optional"] or {}).get("timestamp")
+    if stamp is not None and (not isinstance(stamp, (int, float)) or isinstance(stamp, bool) or int(stamp) != stamp):
+        raise InvalidPayload("Field optional.timestamp is not an integer")
     critical = _exact(top["critical"], {"type", "image", "identity"}, "critical")
-    if critical["type"] != SIGNATURE_TYPE:
+    if critical["type"] != kind:
         raise InvalidPayload(f"Unrecognized signature type {critical['type']}")
     digest = _exact(critical["image"], {"docker-manifest-digest"}, "critical.image")["docker-manifest-digest"]
     if not isinstance(digest, str) or not _DIGEST.match(digest):

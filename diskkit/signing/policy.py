@@ -1,9 +1,10 @@
 """containers-policy.json: which requirements apply to an image and whether its signatures meet them.
 
-Pure: loading reads the file and its keys; evaluation gets the signatures from a callable, so the
-registry I/O stays in diskkit.signing.trust. Rules and refusal words follow containers/image
-signature/policy_config.go, policy_eval.go, policy_eval_simple.go, policy_eval_sigstore.go and
-policy_reference_match.go; scopes follow docker/policyconfiguration/naming.go.
+Pure but for gpg: loading reads the file and its keys; evaluation gets the signatures from a
+callable, so the registry and lookaside I/O stays in diskkit.signing.trust; signedBy's signatures
+are checked by gpg in a throw-away home (diskkit.signing.openpgp.Keyring). Rules and refusal words follow containers/image
+signature/policy_config.go, policy_eval.go, policy_eval_simple.go, policy_eval_sigstore.go,
+policy_eval_signedby.go, simple.go and policy_reference_match.go; scopes follow docker/policyconfiguration/naming.go.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 from diskkit.errors import DiskkitError
 from diskkit.oci.reference import DockerName, parse_docker_name
 from diskkit.signing.payload import (
+    ATOMIC_TYPE,
     MIME_TYPE,
     SIGNATURE_ANNOTATION,
     InvalidPayload,
@@ -30,6 +32,11 @@ KEY_FIELDS = ("keyPath", "keyPaths", "keyData", "keyDatas")
 UNSUPPORTED_SIGSTORE = ("fulcio", "pki", "rekorPublicKeyPath", "rekorPublicKeyPaths", "rekorPublicKeyData", "rekorPublicKeyDatas")
 
 
+GPG_KEY_FIELDS = ("keyPath", "keyPaths", "keyData")
+# policy_config.go accepts these keyType values; only GPGKeys is evaluated (policy_eval_signedby.go).
+KEY_TYPES = ("GPGKeys", "signedByGPGKeys", "X509Certificates", "signedByX509CAs")
+
+
 class Rejected(Exception):
     """A requirement said no; the message is containers/image's words."""
 
@@ -37,7 +44,7 @@ class Rejected(Exception):
 @dataclass
 class Requirement:
     type: str
-    keys: list = field(default_factory=list)
+    keys: list = field(default_factory=list)  # sigstoreSigned: public keys; signedBy: keyring blobs
     identity: dict = field(default_factory=lambda: {"type": "matchRepoDigestOrExact"})
 
 
@@ -94,8 +101,10 @@ def _requirement(obj, where: str) -> Requirement:
         if set(obj) != {"type"}:
             raise DiskkitError(where, f"{kind} takes no other fields")
         return Requirement(kind)
-    if kind in ("signedBy", "signedBaseLayer"):
-        raise DiskkitError(where, f"policy requirement {kind} is not implemented by diskkit (only sigstoreSigned, insecureAcceptAnything, reject)")
+    if kind == "signedBaseLayer":
+        raise DiskkitError(where, f"policy requirement {kind} is not implemented by diskkit (only signedBy, sigstoreSigned, insecureAcceptAnything, reject)")
+    if kind == "signedBy":
+        return _signed_by(obj, where)
     if kind != "sigstoreSigned":
         raise DiskkitError(where, f'Unknown policy requirement type "{kind}"')
     for name in obj:
@@ -106,8 +115,17 @@ def _requirement(obj, where: str) -> Requirement:
     given = [k for k in KEY_FIELDS if k in obj]
     if len(given) != 1:
         raise DiskkitError(where, 'exactly one of "keyPath", "keyPaths", "keyData" and "keyDatas" must be specified')
+    pems = _key_sources(obj, given[0], where)
+    from diskkit.signing import keys  # cryptography: only when a policy names keys
+    public = [k for data, origin in pems for k in keys.load_public_keys(data, origin)]
+    identity = obj.get("signedIdentity", {"type": "matchRepoDigestOrExact"})
+    _check_identity(identity, f"{where}.signedIdentity")
+    return Requirement(kind, public, identity)
+
+
+def _key_sources(obj: dict, name: str, where: str) -> list[tuple[bytes, str]]:
+    """(bytes, origin) of each key file or base64 keyData the field names."""
     pems: list[tuple[bytes, str]] = []
-    name = given[0]
     values = obj[name] if name.endswith("s") else [obj[name]]
     if not isinstance(values, list) or not values or not all(isinstance(v, str) for v in values):
         raise DiskkitError(f"{where}.{name}", "must be a string (or a non-empty list of strings)")
@@ -123,11 +141,26 @@ def _requirement(obj, where: str) -> Requirement:
                 pems.append((base64.b64decode(value, validate=True), f"{where}.{name}"))
             except ValueError:
                 raise DiskkitError(f"{where}.{name}", "is not base64") from None
-    from diskkit.signing import keys  # cryptography: only when a policy names keys
-    public = [k for data, origin in pems for k in keys.load_public_keys(data, origin)]
+    return pems
+
+
+def _signed_by(obj: dict, where: str) -> Requirement:
+    """signedBy (policy_config.go prSignedBy.UnmarshalJSON): a keyType, exactly one key source."""
+    for name in obj:
+        if name not in ("type", "keyType", "signedIdentity", *GPG_KEY_FIELDS):
+            raise DiskkitError(where, f'invalid policy: unknown key "{name}"')
+    if obj.get("keyType") not in KEY_TYPES:
+        raise DiskkitError(f"{where}.keyType", f'invalid keyType {obj.get("keyType", "")!r}')
+    if obj["keyType"] != "GPGKeys":
+        raise DiskkitError(f"{where}.keyType", f'Unimplemented "keyType" value {obj["keyType"]!r}')
+    given = [k for k in GPG_KEY_FIELDS if k in obj]
+    if not given:
+        raise DiskkitError(where, "Exactly one of keyPath, keyPaths and keyData must be specified, none of them present")
+    if len(given) > 1:
+        raise DiskkitError(where, "Exactly one of keyPath, keyPaths and keyData must be specified, more than one present")
     identity = obj.get("signedIdentity", {"type": "matchRepoDigestOrExact"})
     _check_identity(identity, f"{where}.signedIdentity")
-    return Requirement(kind, public, identity)
+    return Requirement("signedBy", [data for data, _ in _key_sources(obj, given[0], where)], identity)
 
 
 def _check_identity(identity, where: str) -> None:
@@ -177,7 +210,7 @@ def requirements_for(policy: Policy, transport: str, identity: str, namespaces: 
 # --- evaluation ---------------------------------------------------------------------------------
 
 
-def _as_written(text: str, what: str) -> DockerName:
+def as_written(text: str, what: str) -> DockerName:
     """A reference as given: unlike an image to pull, a signed name without a tag stays without one
     (reference.ParseNormalizedNamed), so it never equals NAME:latest."""
     name = parse_docker_name(text, what)
@@ -200,7 +233,7 @@ def _repo_digest_or_exact(intended: DockerName, signed: DockerName) -> bool:
 
 def identity_matches(identity: dict, intended: DockerName, signed_text: str) -> bool:
     try:
-        signed = _as_written(signed_text, "signed docker-reference")
+        signed = as_written(signed_text, "signed docker-reference")
     except DiskkitError:
         return False
     kind = identity["type"]
@@ -212,7 +245,7 @@ def identity_matches(identity: dict, intended: DockerName, signed_text: str) -> 
         return _repo(signed) == _repo(intended)
     if kind == "exactReference":
         try:
-            wanted = _as_written(identity["dockerReference"], "signedIdentity.dockerReference")
+            wanted = as_written(identity["dockerReference"], "signedIdentity.dockerReference")
         except DiskkitError:
             return False
         return bool(wanted.tag or wanted.digest) and str(signed) == str(wanted)
@@ -256,22 +289,58 @@ def _accepts(req: Requirement, sig, intended: DockerName, digest: str) -> None:
         raise Rejected(f'Signature for identity "{signed_ref}" is not accepted')
 
 
-def check(requirements: list[Requirement], image: str, intended: DockerName | None, digest: str, signatures: Callable[[], list]) -> None:
-    """Raise Rejected unless every requirement allows running the image (all must, as policy_eval.go)."""
+def _accepts_gpg(keyring, req: Requirement, blob: bytes, intended: DockerName, digest: str) -> None:
+    """One simple signature against a signedBy requirement, in verifyAndExtractSignature's order:
+    the key, then the payload, then the digest, then the identity (signature/simple.go)."""
+    from diskkit.signing.openpgp import InvalidSignature
+    try:
+        signed, _ = keyring.verify(blob)
+    except InvalidSignature as exc:
+        raise Rejected(str(exc)) from None
+    try:
+        signed_ref, signed_digest = parse_payload(signed, ATOMIC_TYPE)
+    except InvalidPayload as exc:
+        raise Rejected(str(exc)) from None
+    if signed_digest != digest:
+        raise Rejected(f"Signature for digest {signed_digest} does not match")
+    if not identity_matches(req.identity, intended, signed_ref):
+        raise Rejected(f'Signature for identity "{signed_ref}" is not accepted')
+
+
+def check(requirements: list[Requirement], image: str, intended: DockerName | None, digest: str, signatures: Callable[[str], list]) -> None:
+    """Raise Rejected unless every requirement allows running the image (all must, as policy_eval.go).
+    `signatures(kind)` gives the image's sigstore attachments ("sigstoreSigned") or simple
+    signature blobs ("signedBy")."""
     for req in requirements:
         if req.type == "insecureAcceptAnything":
             continue
         if req.type == "reject":
             raise Rejected(f"Running image {image} is rejected by policy.")
-        sigs = signatures() if intended is not None else []
+        sigs = signatures(req.type) if intended is not None else []
         if not sigs:
             raise Rejected("A signature was required, but no signature exists")
+        if req.type == "signedBy":
+            _any_accepted(sigs, lambda blob, ring: _accepts_gpg(ring, req, blob, intended, digest), req.keys)
+        else:
+            _any_accepted(sigs, lambda sig, _: _accepts(req, sig, intended, digest), None)
+
+
+def _any_accepted(sigs: list, accepts: Callable, gpg_keys: list[bytes] | None) -> None:
+    ring = None
+    if gpg_keys is not None:
+        from diskkit.signing.openpgp import Keyring
+        ring = Keyring(gpg_keys)
+    try:
+        if ring is not None and not ring.fingerprints:
+            raise Rejected("No public keys imported")
         reasons = []
         for sig in sigs:
             try:
-                _accepts(req, sig, intended, digest)
-                break
+                accepts(sig, ring)
+                return
             except Rejected as exc:
                 reasons.append(str(exc))
-        else:
-            raise Rejected(reasons[0] if len(reasons) == 1 else "None of the signatures were accepted, reasons: " + "; ".join(reasons))
+        raise Rejected(reasons[0] if len(reasons) == 1 else "None of the signatures were accepted, reasons: " + "; ".join(reasons))
+    finally:
+        if ring is not None:
+            ring.close()

@@ -1,6 +1,5 @@
-"""registries.d: which repositories keep sigstore signatures as attachments
-(containers/image docker/registries_d.go). Only `use-sigstore-attachments` is read; lookaside
-(`sigstore:`/`lookaside:`) URLs are for GPG signatures, which diskkit does not handle."""
+"""registries.d: which repositories keep sigstore signatures as attachments and where the lookaside
+store of their GPG simple signatures is (containers/image docker/registries_d.go)."""
 
 from __future__ import annotations
 
@@ -51,3 +50,27 @@ def uses_attachments(config: dict, identity: str, namespaces: list[str]) -> bool
         if "use-sigstore-attachments" in entry:
             return bool(entry["use-sigstore-attachments"])
     return bool((config["default-docker"] or {}).get("use-sigstore-attachments", False))
+
+
+def _top_level(entry: dict | None, write: bool) -> str:
+    """The entry's lookaside URL: for writing the staging one first; the older sigstore* names after."""
+    entry = entry or {}
+    names = ("lookaside-staging", "sigstore-staging", "lookaside", "sigstore") if write else ("lookaside", "sigstore")
+    return next((str(entry[n]) for n in names if entry.get(n)), "")
+
+
+def lookaside_base(config: dict, identity: str, namespaces: list[str], repository: str, write: bool) -> str:
+    """The lookaside URL of a repository: the most specific entry naming one (the reference, its
+    namespaces, default-docker), else the built-in local store; the repository path (without the
+    registry host) appended, as lookasideStorageBaseURL does."""
+    top = ""
+    for scope in [identity, *namespaces]:
+        top = _top_level(config["docker"].get(scope), write)
+        if top:
+            break
+    else:
+        top = _top_level(config["default-docker"], write)
+    if not top:
+        home = Path(os.environ.get("HOME", "/"))
+        top = "file:///var/lib/containers/sigstore" if os.geteuid() == 0 else (home / ".local/share/containers/sigstore").as_uri()
+    return top.rstrip("/") + "/" + repository

@@ -74,17 +74,30 @@ def enforce_source(source: Source, trust: TrustOptions, registry: RegistryOption
             digests += [child["digest"] for child in index.get("manifests") or []]
         elif instances == "selected":
             digests.append(select_platform(index, platform or Platform.host(), source.where).digest)
-    from diskkit.signing import registriesd, sigstore
+    from diskkit.signing import registriesd
     intended = ref.name if ref.transport == "docker" else None
-    attachments = intended is not None and registriesd.uses_attachments(registriesd.load(trust.registries_d), identity, namespaces)
+    config = registriesd.load(trust.registries_d) if intended is not None else None
     for digest in dict.fromkeys(digests):
-        def signatures(digest=digest):
-            return sigstore.read_signatures(intended, digest, registry or RegistryOptions()) if attachments else []
+        def signatures(kind, digest=digest):
+            return _signatures(kind, intended, digest, config, identity, namespaces, registry)
 
         try:
             policy.check(requirements, str(ref), intended, digest, signatures)
         except policy.Rejected as exc:
             raise DiskkitError(str(ref), f"rejected by {loaded.source} {entry} ({digest[:19]}): {exc}") from None
+
+
+def _signatures(kind: str, name: DockerName, digest: str, config: dict, identity: str, namespaces: list[str], registry: RegistryOptions | None) -> list:
+    """The image's sigstore attachments (when registries.d says it uses them) or its simple
+    signatures from the lookaside store registries.d names."""
+    from diskkit.signing import registriesd
+    if kind == "signedBy":
+        from diskkit.signing import lookaside
+        return lookaside.read(registriesd.lookaside_base(config, identity, namespaces, name.repository, write=False), digest)
+    if not registriesd.uses_attachments(config, identity, namespaces):
+        return []
+    from diskkit.signing import sigstore
+    return sigstore.read_signatures(name, digest, registry or RegistryOptions())
 
 
 def enforce_ref(ref: str, trust: TrustOptions, registry: RegistryOptions | None, platform: Platform | None = None, instances: str = "selected") -> None:

@@ -33,6 +33,9 @@ class Destination:
     concurrent_blobs = False  # tar-stream destinations take one blob at a time
     oci_only = False  # OCI layouts index OCI media types only
     compresses_plain_layers = False  # registries and OCI layouts: skopeo gzips plain layers for them
+    # Called as before_manifest(destination, digest, child) before a manifest is stored where a
+    # signature can follow it (registries, dir:), so a signature exists before the tag moves.
+    before_manifest = None
 
     def has_blob(self, desc: Descriptor) -> bool:
         return False

@@ -61,6 +61,7 @@ class DirDestination(Destination):
         self.blobs.mkdir()
         self.added: list[Path] = []
         self.top: bytes | None = None
+        self.signatures: list[bytes] = []  # the top manifest's, written as signature-N at commit
 
     def blob_writer(self, media_type: str) -> contextlib.AbstractContextManager[PendingFile]:
         return pending_blob(self)
@@ -70,6 +71,8 @@ class DirDestination(Destination):
 
     def put_manifest(self, data: bytes, media_type: str, platform: dict | None = None, child: bool = False) -> Descriptor:
         digest = sha256_digest(data)
+        if self.before_manifest is not None:
+            self.before_manifest(self, digest, child)
         if child:
             fsutil.write_atomic(self.blobs / f"{digest.split(':')[1]}.manifest.json", data)
         else:
@@ -81,6 +84,8 @@ class DirDestination(Destination):
             raise DiskkitError(self.final, "no manifest was written")
         fsutil.write_atomic(self.blobs / "manifest.json", self.top)
         fsutil.write_atomic(self.blobs / "version", VERSION)
+        for i, blob in enumerate(self.signatures, 1):
+            fsutil.write_atomic(self.blobs / f"signature-{i}", blob)
         fsutil.fsync_tree(self.blobs)
         old = None
         if self.final.exists():

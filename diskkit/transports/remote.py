@@ -406,6 +406,8 @@ class RemoteDestination(Destination):
             reference = digest
         else:
             reference = name.tag
+        if self.before_manifest is not None:
+            self.before_manifest(self, digest, child)
         response = self.registry.request(
             "PUT", f"/v2/{self.repository}/manifests/{reference}", self.push_scope,
             headers={"Content-Type": media_type}, body=data, what="PUT manifest",

@@ -1,0 +1,139 @@
+"""GPG simple signatures kept beside an image: a registries.d lookaside store
+(`<base>/<repo>@sha256=<hex>/signature-N`, containers/image docker/docker_image_src.go and
+docker_image_dest.go), and the `signature-N` files of a dir: image (directory/directory_src.go).
+
+file:// is read and written, http(s):// only read (skopeo writes there only through a
+lookaside-staging file:// location). The registry signature API (X-Registry-Supports-Signatures)
+is not spoken: only OpenShift's integrated registry offers it, and the distribution registry the
+tests run does not.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+from diskkit.errors import DiskkitError
+from diskkit.streams.fsutil import fsync_dir, write_atomic
+
+MAX_SIGNATURES = 128  # docker_image_src.go maxLookasideSignatures
+MAX_SIGNATURE_BYTES = 4 << 20  # iolimits.MaxSignatureBodySize
+_DIGEST = re.compile(r"^(sha256|sha512):([0-9a-f]+)$")
+# The first byte of a binary OpenPGP message: compressed data, one-pass signature or signature
+# packet, old or new format (internal/signature/signature.go FromBlob).
+_OPENPGP_FIRST = {0xA0, 0xA1, 0xA2, 0xA3, 0xC8, 0x90, 0x91, 0x92, 0x3D, 0xC4, 0x88, 0x89, 0x8A, 0x8B, 0xC2}
+_PREFIX = b"\x00simple-signing\n"
+
+
+def from_blob(blob: bytes, where: str) -> bytes:
+    """The OpenPGP message of a stored simple signature, refused as FromBlob refuses anything else
+    (ASCII armour included: it starts with "-")."""
+    if not blob:
+        raise DiskkitError(where, "parsing signature: empty signature blob")
+    if blob.startswith(_PREFIX):
+        return blob[len(_PREFIX):]
+    if blob[0] == 0:
+        raise DiskkitError(where, "parsing signature: not a simple signature (another format)")
+    if blob[0] not in _OPENPGP_FIRST:
+        raise DiskkitError(where, f"parsing signature: unrecognized signature format, starting with binary {blob[0]:#x}")
+    return blob
+
+
+def signature_url(base: str, digest: str, index: int) -> str:
+    """`<base>@<algorithm>=<hex>/signature-<index+1>` (lookasideStorageURL)."""
+    match = _DIGEST.match(digest)
+    if not match:
+        raise DiskkitError(digest, "invalid manifest digest for a signature location")
+    return f"{base}@{match.group(1)}={match.group(2)}/signature-{index + 1}"
+
+
+def _file_path(url: str) -> Path:
+    return Path(unquote(urlsplit(url).path))
+
+
+def _get(url: str) -> bytes | None:
+    scheme = urlsplit(url).scheme
+    if scheme == "file":
+        path = _file_path(url)
+        try:
+            with open(path, "rb") as f:
+                data = f.read(MAX_SIGNATURE_BYTES + 1)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise DiskkitError(path, f"cannot read the signature: {exc.strerror}") from None
+    elif scheme in ("http", "https"):
+        import requests
+
+        try:
+            with requests.get(url, timeout=60, stream=True) as response:
+                if response.status_code == 404:
+                    return None
+                if response.status_code != 200:
+                    raise DiskkitError(url, f"reading signature: HTTP {response.status_code}")
+                data = response.raw.read(MAX_SIGNATURE_BYTES + 1, decode_content=True)
+        except requests.RequestException as exc:
+            raise DiskkitError(url, f"reading signature: {type(exc).__name__}") from None
+    else:
+        raise DiskkitError(url, "Unsupported scheme when reading signature")
+    if len(data) > MAX_SIGNATURE_BYTES:
+        raise DiskkitError(url, "signature larger than 4 MiB refused")
+    return data
+
+
+def read(base: str, digest: str) -> list[bytes]:
+    """signature-1, -2, ... until the first missing one (their OpenPGP messages, untrusted)."""
+    found = []
+    for i in range(MAX_SIGNATURES + 1):
+        if i == MAX_SIGNATURES:
+            raise DiskkitError(base, f"server provided {MAX_SIGNATURES} signatures, assuming that's unreasonable and a server error")
+        url = signature_url(base, digest, i)
+        blob = _get(url)
+        if blob is None:
+            break
+        found.append(from_blob(blob, url))
+    return found
+
+
+def writable_dir(base: str, digest: str) -> Path:
+    """The directory the signatures of `digest` are written to; refused before anything moves unless file://."""
+    url = signature_url(base, digest, 0)
+    scheme = urlsplit(url).scheme
+    if scheme in ("http", "https"):
+        raise DiskkitError(base, f"Writing directly to a {scheme} lookaside is not supported. Configure a lookaside-staging: location")
+    if scheme != "file":
+        raise DiskkitError(base, "Unsupported scheme when writing signature")
+    return _file_path(url).parent
+
+
+def append(base: str, digest: str, signatures: list[bytes]) -> list[Path]:
+    """Store signatures after the ones already there (signature-N+1, ...), each written atomically."""
+    directory = writable_dir(base, digest)
+    try:
+        directory.mkdir(parents=True, exist_ok=True, mode=0o755)
+        count = len(read(base, digest))
+        written = []
+        for offset, blob in enumerate(signatures):
+            path = directory / f"signature-{count + offset + 1}"
+            write_atomic(path, blob)
+            written.append(path)
+        fsync_dir(directory)
+    except OSError as exc:
+        raise DiskkitError(directory, f"cannot store the signature: {exc.strerror}") from None
+    return written
+
+
+def read_dir(root: Path, where: str) -> list[bytes]:
+    """A dir: image's signature-1, -2, ... (directory_src.go reads until the first missing)."""
+    found = []
+    for i in range(1, MAX_SIGNATURES + 1):
+        path = root / f"signature-{i}"
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            break
+        except OSError as exc:
+            raise DiskkitError(path, f"cannot read the signature: {exc.strerror}") from None
+        found.append(from_blob(data, f"{where}/signature-{i}"))
+    return found
