@@ -101,6 +101,7 @@ def convert(src: Path, dest: Path, out_format: str, compress: bool) -> None:
 Examples:
   diskkit build fedora.qcow2 -t oci:./layout:fedora-40
   diskkit build fedora.qcow2 -t quay.io/me/fedora:40                 # streams straight to the registry
+  diskkit build fedora.qcow2 -t quay.io/me/fedora:40-2611251200 -t quay.io/me/fedora:40 -t quay.io/me/fedora:latest
   diskkit build disk.img --format qcow2 -t oci-archive:fedora.tar
   diskkit build disk.qcow2 -t docker-archive:fedora.tar:quay.io/me/fedora:40   # then: podman load -i fedora.tar
   diskkit build disk.qcow2 -t docker-daemon:quay.io/me/fedora:40     # into dockerd (or podman: DOCKER_HOST)
@@ -114,7 +115,7 @@ Examples:
 """
 )
 @click.argument("src", type=click.Path(path_type=Path, readable=False), required=False)
-@click.option("-t", "--tag", "dest", required=True, metavar="DEST", help="Where to write: docker://HOST/REPO:TAG (or bare HOST/REPO:TAG), oci:DIR[:TAG], oci-archive:FILE[:TAG], docker-archive:FILE[:REF], docker-daemon:NAME:TAG.")
+@click.option("-t", "--tag", "dests", required=True, multiple=True, metavar="DEST", help="Where to write: docker://HOST/REPO:TAG (or bare HOST/REPO:TAG), oci:DIR[:TAG], oci-archive:FILE[:TAG], docker-archive:FILE[:REF], docker-daemon:NAME:TAG. Repeat for more tags: blobs go up once, every registry is checked before the first push, each destination is reported.")
 @click.option("--path", "image_path", metavar="/DIR/NAME", help="Put the disk here instead of /disk/<name> (containerDisk.path).")
 @click.option("--format", "disk_format", type=click.Choice(["keep", "qcow2", "raw"]), default="keep", show_default=True, help="Disk format inside the image.")
 @click.option("--compression", type=click.Choice(list(KINDS)), default="gzip", show_default=True, help="Layer compression.")
@@ -129,7 +130,7 @@ Examples:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the digest; progress as JSON lines on stderr.")
 @registry_options
 @signature_options(policy=False)
-def build_cmd(src, dest, image_path, disk_format, compression, level, lazy, kernel, initrd, platforms, label, annotation, env, as_json, registry: RegistryOptions, sign) -> None:
+def build_cmd(src, dests, image_path, disk_format, compression, level, lazy, kernel, initrd, platforms, label, annotation, env, as_json, registry: RegistryOptions, sign) -> None:
     """Package disk SRC as a scratch-based containerDisk image.
 
     One layer holds /disk/ (0555) and /disk/<name> (0440), both owned by qemu (107:107), as KubeVirt
@@ -147,9 +148,11 @@ def build_cmd(src, dest, image_path, disk_format, compression, level, lazy, kern
         raise DiskkitError("SRC", "missing: give a disk file (or --platform OS/ARCH=FILE for each platform)")
     if len(platforms) > 1 and not per_platform:
         raise DiskkitError("--platform", "several platforms need a file each: --platform OS/ARCH=FILE")
+    dest = dests[0]
     opts = BuildOptions(
         source=src,
         dest=dest,
+        also=list(dests[1:]),
         path=image_path,
         kernel=split_artifact(kernel, "/boot/vmlinuz", "--kernel") if kernel else None,
         initrd=split_artifact(initrd, "/boot/initrd.img", "--initrd") if initrd else None,
@@ -164,9 +167,11 @@ def build_cmd(src, dest, image_path, disk_format, compression, level, lazy, kern
         created=source_epoch(),
         platforms=[(Platform.parse(p.split("=", 1)[0]), Path(p.split("=", 1)[1])) for p in per_platform],
     )
-    signer = _signer(dest, sign)
+    signers = [_signer(d, sign) for d in dests]
     result = build(opts, reporter_for(as_json), registry)
-    signed = _sign(dest, result.digest, signer, registry)
+    signed = {}
+    for d, signer, written in zip(dests, signers, result.written or [{"digest": result.digest}]):
+        signed = _sign(d, written["digest"], signer, registry) or signed
     if as_json:
         click.echo(json.dumps({**result.to_json(), **signed}, indent=2))
     else:

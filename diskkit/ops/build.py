@@ -63,6 +63,7 @@ class BuildOptions:
     env: list[str] = field(default_factory=list)
     created: int = 0
     platforms: list[tuple[Platform, Path]] = field(default_factory=list)  # one source per platform, for an index
+    also: list[str] = field(default_factory=list)  # more destinations (-t repeated), given the same image
 
 
 @dataclass
@@ -77,6 +78,7 @@ class BuildResult:
     virtual_size: int
     images: list["BuildResult"] = field(default_factory=list)
     descriptor: Descriptor | None = None
+    written: list[dict] = field(default_factory=list)  # every destination: {"reference", "digest", "status"}
 
     def to_json(self) -> dict:
         out = {
@@ -90,6 +92,8 @@ class BuildResult:
             ],
             "disk": {"path": self.disk_path, "format": self.disk_format, "virtualSize": self.virtual_size},
         }
+        if self.written:
+            out["destinations"] = self.written
         if self.images:
             out["manifests"] = [{"platform": i.descriptor.platform, **i.to_json()} for i in self.images]
         return out
@@ -170,8 +174,55 @@ def split_artifact(value: str, default_path: str, flag: str) -> tuple[str, Path]
 
 
 def build(opts: BuildOptions, reporter: Reporter, registry: RegistryOptions | None = None) -> BuildResult:
-    """Build one image, or with `opts.platforms` one image per platform under an OCI index."""
+    """Build one image, or with `opts.platforms` one image per platform under an OCI index; with
+    `opts.also`, give the same image to every further destination after the first."""
     dest_ref = parse_ref(opts.dest)
+    others = check_destinations([dest_ref, *(parse_ref(d) for d in opts.also)], registry or RegistryOptions())[1:]
+    result = _build(opts, dest_ref, reporter, registry)
+    if not others:
+        return result
+    result.written.append({"reference": str(dest_ref), "digest": result.digest, "status": "pushed"})
+    for ref in others:
+        result.written.append(_give(dest_ref, ref, result, reporter, registry or RegistryOptions(), bool(opts.platforms)))
+    return result
+
+
+def check_destinations(refs: list, registry: RegistryOptions) -> list:
+    """Refuse a destination named twice, and find every registry unreachable or refusing the push
+    before any manifest is written: a repeated -t is all or nothing as far as a registry can tell."""
+    seen = set()
+    for ref in refs:
+        if str(ref) in seen:
+            raise DiskkitError(f"-t {ref}", "named twice")
+        seen.add(str(ref))
+    if len(refs) > 1:
+        repositories = {(r.name.registry, r.name.repository): r for r in refs if r.transport == "docker"}
+        for ref in repositories.values():  # local destinations are only opened to be written
+            open_destination(ref, 0, registry).check_writable()
+    return refs
+
+
+def _give(first, ref, built: BuildResult, reporter: Reporter, registry: RegistryOptions, index: bool) -> dict:
+    """The image already written to `first`, given to `ref`: a second tag in the same repository is
+    one manifest PUT; elsewhere the image is copied from `first` (blobs a registry holds are mounted)."""
+    if ref.transport == first.transport == "docker" and (ref.name.registry, ref.name.repository) == (first.name.registry, first.name.repository):
+        from diskkit.transports import open_source
+
+        with open_source(first, registry) as source:
+            data, media, _ = source.top_manifest()
+        with open_destination(ref, 0, registry) as dest:
+            desc = dest.put_manifest(data, media or built.media_type)
+        status = "tagged"
+    else:
+        from diskkit.ops.copy import copy_image
+
+        desc = copy_image(first, ref, registry, reporter, multi_arch="all" if index else "system")
+        status = "copied"
+    reporter.note(f"{ref}: {status} {desc.digest}")
+    return {"reference": str(ref), "digest": desc.digest, "status": status}
+
+
+def _build(opts: BuildOptions, dest_ref, reporter: Reporter, registry: RegistryOptions | None) -> BuildResult:
     if opts.disk_format not in DISK_FORMATS:
         raise DiskkitError("--format", f"must be one of {', '.join(DISK_FORMATS)}")
     if opts.path is not None and (problem := path_problem(opts.path)):

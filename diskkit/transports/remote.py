@@ -332,6 +332,14 @@ class RemoteDestination(Destination):
         response = self.registry.request("HEAD", f"/v2/{self.repository}/blobs/{desc.digest}", self.push_scope, what="HEAD blob")
         return response.status_code == 200
 
+    def check_writable(self) -> None:
+        """An upload session opened and cancelled: the registry is reachable and takes pushes from us."""
+        start = self.registry.request("POST", f"/v2/{self.repository}/blobs/uploads/", self.push_scope, headers={"Content-Length": "0"}, what="start upload")
+        check_status(start, (202,), self.registry.host, f"start blob upload to {self.repository}")
+        if "Location" in start.headers:
+            with contextlib.suppress(DiskkitError):
+                self.registry.request("DELETE", self.registry.resolve(start.headers["Location"]), self.push_scope, retry=False)
+
     def mount(self, desc: Descriptor, from_repository: str) -> bool:
         """Cross-repository mount: the registry links a blob it already holds, nothing is sent."""
         both = f"{self.push_scope} {scope(from_repository, 'pull')}"
