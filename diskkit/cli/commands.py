@@ -19,6 +19,7 @@ from diskkit.ops.build import (
     BuildOptions,
     build,
     examine_disk,
+    input_disk,
     source_epoch,
     split_artifact,
 )
@@ -60,6 +61,7 @@ Examples:
   diskkit convert fedora.vmdk fedora.qcow2
   diskkit convert -O qcow2 -c disk.raw disk.qcow2
   diskkit convert -O raw disk.qcow2 disk.img
+  diskkit convert Fedora-Cloud.qcow2.xz fedora.qcow2            # xz, gzip, zstd, bzip2 and tar unwrapped first
 """
 )
 @click.argument("src", type=click.Path(path_type=Path, readable=False))
@@ -69,18 +71,24 @@ Examples:
 def convert(src: Path, dest: Path, out_format: str, compress: bool) -> None:
     """Convert a raw, qcow2, vmdk, vdi, vpc or vhdx disk to qcow2 or raw with qemu-img.
 
+    A disk compressed with xz, gzip, zstd or bzip2, or alone in a tar archive, is unwrapped first.
     The input is checked first (qemu-img info and check, under CPU and memory limits); the output
     is written under a temporary name and renamed only when complete.
     """
+    import shutil
+    import tempfile
+
     from diskkit.disk import qemuimg
     from diskkit.streams import fsutil
 
-    info = examine_disk(src)
     if dest.resolve() == src.resolve():
         raise DiskkitError(dest, "destination is the source; choose another file")
-    tmp = fsutil.staging_file(dest)
     reporter = reporter_for()
+    workdir = Path(tempfile.mkdtemp(prefix="diskkit-convert-"))
+    tmp = fsutil.staging_file(dest)
     try:
+        disk = input_disk(src, workdir, reporter.note)
+        info = examine_disk(disk.path)
         with reporter.task(f"converting {src.name}", 100) as task:
             done = [0.0]
 
@@ -88,11 +96,13 @@ def convert(src: Path, dest: Path, out_format: str, compress: bool) -> None:
                 task.advance(percent - done[0])
                 done[0] = percent
 
-            qemuimg.convert(src, tmp, info.format, out_format, compress, advance)
+            qemuimg.convert(disk.path, tmp, info.format, out_format, compress, advance)
         tmp.replace(dest)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
     click.echo(str(dest))
 
 
@@ -100,6 +110,7 @@ def convert(src: Path, dest: Path, out_format: str, compress: bool) -> None:
     epilog="""\b
 Examples:
   diskkit build fedora.qcow2 -t oci:./layout:fedora-40
+  diskkit build Fedora-Cloud.qcow2.xz -t oci:./layout:fedora-40     # decompressed first: /disk/Fedora-Cloud.qcow2
   diskkit build fedora.qcow2 -t quay.io/me/fedora:40                 # streams straight to the registry
   diskkit build fedora.qcow2 -t quay.io/me/fedora:40-2611251200 -t quay.io/me/fedora:40 -t quay.io/me/fedora:latest
   diskkit build disk.img --format qcow2 -t oci-archive:fedora.tar

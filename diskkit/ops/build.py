@@ -9,7 +9,7 @@ import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from diskkit.disk import diskheader, diskrules, qemuimg
+from diskkit.disk import diskheader, diskrules, payload, qemuimg
 from diskkit.disk.containerdisk import (
     ANNOTATION_FORMAT,
     ANNOTATION_PATH,
@@ -129,6 +129,13 @@ def check_input_file(path: Path, what: str = "source disk") -> None:
         raise DiskkitError(path, f"{what} cannot be read ({exc.strerror})") from None
 
 
+def input_disk(path: Path, workdir: Path, note=None) -> payload.Unwrapped:
+    """The disk an input file holds (decompressed or taken out of its archive into `workdir`);
+    text, executables and files too small to be disks refused."""
+    check_input_file(path)
+    return payload.unwrap(path, workdir, note)
+
+
 def examine_disk(path: Path) -> qemuimg.DiskInfo:
     """Everything we refuse before packaging: unreadable, empty, unsafe or corrupt disks."""
     check_input_file(path)
@@ -239,9 +246,11 @@ def _build(opts: BuildOptions, dest_ref, reporter: Reporter, registry: RegistryO
     if opts.lazy and opts.compression not in ("gzip", "none"):
         raise DiskkitError("--lazy", f"writes a gzip or an uncompressed layer (read at offsets), not a {opts.compression} one")
     sources = opts.platforms or [(opts.platform, opts.source)]
-    infos = [examine_disk(source) for _, source in sources]  # refuse any bad input before writing anything
     workdir = Path(tempfile.mkdtemp(prefix="diskkit-build-"))
     try:
+        # Any bad input is refused before anything is written: what each file holds, then its disk.
+        disks = [input_disk(source, workdir / f"in{i}", reporter.note) for i, (_, source) in enumerate(sources)]
+        infos = [examine_disk(disk.path) for disk in disks]
         with open_destination(dest_ref, opts.created, registry) as dest:
             if opts.platforms and dest.docker_manifest:
                 raise DiskkitError(str(dest_ref), "docker-archive holds a single image; build one platform at a time")
@@ -251,8 +260,8 @@ def _build(opts: BuildOptions, dest_ref, reporter: Reporter, registry: RegistryO
             if opts.lazy and not holds_toc:
                 raise DiskkitError(str(dest_ref), f"--lazy needs OCI manifests with annotations and a {opts.compression} layer; use oci:, oci-archive: or a registry")
             built = [
-                _build_one(opts, dest, plat, source, info, workdir / str(i), reporter, child=bool(opts.platforms))
-                for i, ((plat, source), info) in enumerate(zip(sources, infos))
+                _build_one(opts, dest, plat, source, disk, info, workdir / str(i), reporter, child=bool(opts.platforms))
+                for i, ((plat, source), disk, info) in enumerate(zip(sources, disks, infos))
             ]
             if not opts.platforms:
                 return built[0]
@@ -267,10 +276,10 @@ def _build(opts: BuildOptions, dest_ref, reporter: Reporter, registry: RegistryO
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _build_one(opts, dest, plat: Platform, source: Path, info, workdir: Path, reporter: Reporter, child: bool) -> BuildResult:
+def _build_one(opts, dest, plat: Platform, source: Path, disk: payload.Unwrapped, info, workdir: Path, reporter: Reporter, child: bool) -> BuildResult:
     workdir.mkdir(parents=True)
-    disk_file, disk_format = _prepare_format(opts, source, info, workdir, reporter)
-    image_disk_path = opts.path or f"/disk/{_disk_name(source, disk_file, disk_format)}"
+    disk_file, disk_format = _prepare_format(opts, source, disk.path, info, workdir, reporter)
+    image_disk_path = opts.path or f"/disk/{_disk_name(disk, disk_file, disk_format)}"
     files = [(image_disk_path, disk_file)]
     files += [a for a in (opts.kernel, opts.initrd) if a]
     entries = entries_for(files)
@@ -311,18 +320,18 @@ def _build_one(opts, dest, plat: Platform, source: Path, info, workdir: Path, re
     )
 
 
-def _prepare_format(opts: BuildOptions, source: Path, info: qemuimg.DiskInfo, workdir: Path, reporter: Reporter):
+def _prepare_format(opts: BuildOptions, shown: Path, source: Path, info: qemuimg.DiskInfo, workdir: Path, reporter: Reporter):
     wanted = opts.disk_format
     if wanted == "keep":
         if info.format in diskrules.ACCEPTED_FORMATS:
             if info.format == "raw":
                 reporter.note(
-                    f"{source}: raw disk packaged as is; --format qcow2 usually makes a much smaller image "
+                    f"{shown}: raw disk packaged as is; --format qcow2 usually makes a much smaller image "
                     "(container layers cannot hold sparse files)"
                 )
             return source, info.format
         wanted = "qcow2"
-        reporter.note(f"{source}: converting {info.format} to qcow2 (KubeVirt boots only raw and qcow2)")
+        reporter.note(f"{shown}: converting {info.format} to qcow2 (KubeVirt boots only raw and qcow2)")
     if wanted == info.format:
         return source, info.format
     out = workdir / f"disk.{'qcow2' if wanted == 'qcow2' else 'img'}"
@@ -337,8 +346,8 @@ def _prepare_format(opts: BuildOptions, source: Path, info: qemuimg.DiskInfo, wo
     return out, wanted
 
 
-def _disk_name(source: Path, disk_file: Path, disk_format: str) -> str:
-    if disk_file == source:
-        return source.name
-    stem = source.name.rsplit(".", 1)[0] if "." in source.name else source.name
+def _disk_name(disk: payload.Unwrapped, disk_file: Path, disk_format: str) -> str:
+    if disk_file == disk.path:
+        return disk.name
+    stem = disk.name.rsplit(".", 1)[0] if "." in disk.name else disk.name
     return f"{stem}.{'qcow2' if disk_format == 'qcow2' else 'img'}"
