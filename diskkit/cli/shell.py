@@ -28,7 +28,7 @@ def registry_options(command):
 
     options = [
         click.option("--creds", metavar="USER:PASS", help="Registry credentials (else the auth file is used)."),
-        click.option("--authfile", type=click.Path(dir_okay=False), help="Auth file (default: $REGISTRY_AUTH_FILE, then ${XDG_RUNTIME_DIR}/containers/auth.json, then ~/.docker/config.json)."),
+        click.option("--authfile", type=click.Path(dir_okay=False), help="Auth file (default: $REGISTRY_AUTH_FILE, else ${XDG_RUNTIME_DIR}/containers/auth.json or /run/containers/$UID/auth.json, then ~/.config/containers/auth.json, ~/.docker/config.json, ~/.dockercfg)."),
         click.option("--cert-dir", type=click.Path(file_okay=False), help="Directory of *.crt CAs and *.cert/*.key client certificates for the registry."),
         click.option("--retry-times", type=click.IntRange(0, 20), default=5, show_default=True, help="Retries on connection errors, 408, 429 and 5xx."),
         click.option("--retry-delay", type=click.FloatRange(0, 60), default=0.5, show_default=True, metavar="SECONDS", help="First backoff delay; doubles per retry, with jitter (Retry-After wins)."),
