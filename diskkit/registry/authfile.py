@@ -82,6 +82,18 @@ def _decode(entry: dict, source: Path) -> Credentials | None:
     return None
 
 
+def in_config(data: dict, registry: str, source: object) -> Credentials | None:
+    """The inline `auths` entry for `registry` of a docker config (a pull Secret's, say); no helpers."""
+    auths = data.get("auths") if isinstance(data.get("auths"), dict) else {}
+    for key in _host_keys(registry):
+        entry = auths.get(key)
+        if isinstance(entry, dict):
+            found = _decode(entry, source)
+            if found:
+                return found
+    return None
+
+
 def helper_credentials(helper: str, registry: str) -> Credentials | None:
     """`docker-credential-<helper> get`, given the server URL on stdin, answering JSON."""
     program = f"docker-credential-{helper}"

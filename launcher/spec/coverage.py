@@ -45,7 +45,7 @@ CLAIM = {"claimName": HANDLED, "readOnly": HANDLED, "hotpluggable": INERT}
 VOLUME = {
     "name": HANDLED,
     "containerDisk": {"image": HANDLED, "path": HANDLED, "imagePullPolicy": HANDLED,
-                      "imagePullSecret": INERT},  # the launcher pulls with the node's credentials
+                      "imagePullSecret": HANDLED},  # the Secret in --manifests, for that image's pulls
     "persistentVolumeClaim": CLAIM,
     "dataVolume": {"name": HANDLED, "hotpluggable": INERT},
     "ephemeral": {"persistentVolumeClaim": CLAIM},
@@ -102,7 +102,7 @@ DOMAIN = {
                  "bootloader": {"bios": {"useSerial": HANDLED}, "efi": {"secureBoot": HANDLED, "persistent": UNLESS_FALSE}},
                  "kernelBoot": {"kernelArgs": HANDLED,
                                 "container": {"image": HANDLED, "kernelPath": HANDLED, "initrdPath": HANDLED,
-                                              "imagePullPolicy": HANDLED, "imagePullSecret": INERT}},
+                                              "imagePullPolicy": HANDLED, "imagePullSecret": HANDLED}},
                  "acpi": UNSUPPORTED},
     "clock": {"utc": {"offsetSeconds": UNSUPPORTED}, "timezone": UNSUPPORTED, "timer": UNSUPPORTED},  # utc is the default
     "features": {"acpi": {"enabled": HANDLED}, "apic": {"enabled": HANDLED, "endOfInterrupt": UNLESS_FALSE},

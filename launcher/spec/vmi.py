@@ -94,6 +94,7 @@ class ContainerDiskSource:
     image: str
     path: str | None = None
     image_pull_policy: str | None = None  # as written; see pull_policy for the effective one
+    image_pull_secret: str | None = None  # a kubernetes.io/dockerconfigjson or dockercfg Secret's name
 
     @property
     def pull_policy(self) -> str:
@@ -380,7 +381,7 @@ def _volume_source(kind: str, doc: dict, at: str) -> VolumeSource:
             _path(path, f"{at}.path")
         policy = get_str(doc, "imagePullPolicy", at)
         check_one_of(policy, PULL_POLICIES, f"{at}.imagePullPolicy")
-        return ContainerDiskSource(image, path, policy)
+        return ContainerDiskSource(image, path, policy, get_str(doc, "imagePullSecret", at) or None)
     if kind == "persistentVolumeClaim":
         return PersistentVolumeClaimSource(get_str(doc, "claimName", at, required=True),
                                            get_bool(doc, "readOnly", at), get_bool(doc, "hotpluggable", at))
