@@ -59,8 +59,13 @@ def classify(head: bytes, size: int) -> str:
     return "raw"
 
 
+_CONTROL = bytes(c for c in range(32) if c not in b"\t\n\r\f") + b"\x7f"
+
+
 def _is_text(head: bytes) -> bool:
-    if b"\x00" in head:
+    """Printable UTF-8 with no control characters: what a manifest, script or note is, and no disk's
+    first sectors are (boot code, partition tables and superblocks hold zeros and binary fields)."""
+    if any(c in head for c in _CONTROL):
         return False
     try:
         head.decode("utf-8")

@@ -29,6 +29,7 @@ from launcher.spec.fields import (
     as_map,
     check_dns_label,
     check_one_of,
+    did_you_mean,
     dns_label_problems,
     dns_subdomain_problems,
     field_error,
@@ -558,7 +559,7 @@ def _disk(doc: dict, idx: int, at: str) -> Disk:
     if bus == "ide":
         raise SpecError(f"{tat}.bus", "IDE bus is not supported")
     if bus is not None and bus not in BUSES:
-        raise field_error(f"{tat}.bus", f"{dat} is set with an unrecognized bus {bus}, must be one of: [{' '.join(BUSES)}]")
+        raise field_error(f"{tat}.bus", f"{dat} is set with an unrecognized bus {bus}, must be one of: [{' '.join(BUSES)}]{did_you_mean(bus, BUSES)}")
     if device == "cdrom" and bus == "virtio":
         raise SpecError(f"{tat}.bus", "Bus type virtio is invalid for CD-ROM device")
 
