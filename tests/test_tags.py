@@ -78,3 +78,25 @@ def test_a_repeated_single_value_option_is_an_error_on_both_clis(diskkit, qcow2,
     assert waits.err.strip().startswith("launcher: --wait-for: given more than once")
     nested = run_launcher("dv", "token", "--namespace", "a", "--namespace", "b", "x")
     assert nested.code == 2 and "--namespace: given more than once" in nested.err, nested.err
+
+
+def test_each_tag_of_a_signed_build_carries_a_signature_for_its_reference(diskkit, registry, qcow2, tmp_path):
+    from tests.test_signing import attachment, blob
+
+    keys = tmp_path / "ci"
+    (tmp_path / "pass").write_text("pw\n")
+    assert diskkit("generate-sigstore-key", "--output-prefix", keys, "--passphrase-file", tmp_path / "pass").code == 0
+    regd = tmp_path / "registries.d"
+    regd.mkdir()
+    (regd / "default.yaml").write_text("default-docker:\n  use-sigstore-attachments: true\n")
+    name = repo(registry).split("/", 1)[1]
+    tags = [f"{registry.host}/{name}:{t}" for t in ("a", "b")]
+    result = diskkit("build", qcow2, "-t", tags[0], "-t", tags[1], INSECURE, "--registries.d", regd, "--sign-by-sigstore-private-key", f"{keys}.private",
+                     "--sign-passphrase-file", tmp_path / "pass")
+    assert result.code == 0, result.err
+    manifest = attachment(registry, name, result.last_line)
+    identities = sorted(json.loads(blob(registry, name, layer["digest"]))["critical"]["identity"]["docker-reference"] for layer in manifest["layers"])
+    assert identities == sorted(tags)
+    for tag in tags:
+        checked = diskkit("verify", INSECURE, "--key", f"{keys}.pub", tag)
+        assert checked.code == 0 and "signed by" in checked.out, checked.err

@@ -147,7 +147,8 @@ def build_cmd(src, dests, image_path, disk_format, compression, level, lazy, ker
     One layer holds /disk/ (0555) and /disk/<name> (0440), both owned by qemu (107:107), as KubeVirt
     expects. The disk is read once: tar framing, compression, both digests and the upload happen in
     one pass. The same input and flags always give the same digest (timestamps from
-    SOURCE_DATE_EPOCH, else 1970). Prints the manifest digest last.
+    SOURCE_DATE_EPOCH, else 1970). Prints the manifest digest last. SRC may be compressed (xz,
+    gzip, zstd, bzip2) or a tar holding one disk: it is unwrapped into a sparse temporary file first.
     """
     for value in env:
         if "=" not in value:
@@ -180,9 +181,11 @@ def build_cmd(src, dests, image_path, disk_format, compression, level, lazy, ker
     )
     signers = [_signer(d, sign) for d in dests]
     result = build(opts, reporter_for(as_json), registry)
-    signed = {}
+    signed: dict = {}
     for d, signer, written in zip(dests, signers, result.written or [{"digest": result.digest}]):
-        signed = _sign(d, written["digest"], signer, registry) or signed
+        # One signature per destination, each naming its own reference, as a skopeo copy to each would.
+        for digest in _sign(d, written["digest"], signer, registry).get("signed", []):
+            signed.setdefault("signed", []).append(digest)
     if as_json:
         click.echo(json.dumps({**result.to_json(), **signed}, indent=2))
     else:
