@@ -138,6 +138,8 @@ def test_verify_flags_an_image_that_holds_no_disk(diskkit, qcow2, tmp_path, what
     result = diskkit("verify", f"oci:{layout}:t")
     assert result.code == 1
     assert f"/disk/guest.img: {rule}" in result.err, result.err
+    inspected = diskkit("inspect", f"oci:{layout}:t")
+    assert inspected.code == 1 and f"Problem:      /disk/guest.img: {rule}" in inspected.out, inspected.out
 
 
 def test_classify_knows_cdis_magic_numbers():

@@ -283,6 +283,9 @@ def inspect(ref: str, platform: Platform | None = None, registry: RegistryOption
             report.disk.format = diskheader.probe_format(head)
             header = diskheader.parse(head)
             report.disk.virtual_size = header.virtual_size if header else (report.disk.size if report.disk.format == "raw" else None)
+            not_disk = payload_problem(head, report.disk.size or len(head)) if report.disk.format == "raw" else None
+            if not_disk:
+                report.problems.append(f"{found.shown}: {not_disk}")
         return report
     finally:
         shutil.rmtree(spool, ignore_errors=True)
