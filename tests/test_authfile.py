@@ -68,3 +68,23 @@ def test_bad_inputs(homes, tmp_path):
     helper.write_text(json.dumps({"credHelpers": {"r.example": "nonexistent-helper-xyz"}}))
     with pytest.raises(DiskkitError, match="credential helper for r.example is not installed"):
         authfile.lookup("r.example", authfile=str(helper))
+
+
+def test_xdg_config_home_comes_after_the_runtime_file_and_before_docker(homes, tmp_path, monkeypatch):
+    home, runtime = homes
+    config_home = tmp_path / "config"
+    (config_home / "containers").mkdir(parents=True)
+    (home / ".docker" / "config.json").write_text(json.dumps({"auths": {"r.example": _auth("docker", "d")}}))
+    (config_home / "containers" / "auth.json").write_text(json.dumps({"auths": {"r.example": _auth("xdgconfig", "c")}}))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(config_home))
+    assert authfile.lookup("r.example").username == "xdgconfig"
+    monkeypatch.delenv("XDG_CONFIG_HOME")
+    (home / ".config" / "containers").mkdir(parents=True)
+    (home / ".config" / "containers" / "auth.json").write_text(json.dumps({"auths": {"r.example": _auth("dotconfig", "c")}}))
+    assert authfile.lookup("r.example").username == "dotconfig"  # ~/.config when XDG_CONFIG_HOME is unset
+    (runtime / "containers" / "auth.json").write_text(json.dumps({"auths": {"r.example": _auth("runtime", "r")}}))
+    assert authfile.lookup("r.example").username == "runtime"
+    # containers/image pkg/docker/config/config.go: without XDG_RUNTIME_DIR the per-UID file under /run
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    assert authfile.candidate_files(None)[:2] == [
+        authfile.Path(f"/run/containers/{__import__('os').getuid()}/auth.json"), home / ".config" / "containers" / "auth.json"]

@@ -270,7 +270,7 @@ def test_kernel_paths_are_checked_like_container_disk_paths():
     [
         ({"disk": {"bus": "ide"}}, "spec.domain.devices.disks[0].disk.bus: IDE bus is not supported"),
         ({"disk": {"bus": "pata"}}, "spec.domain.devices.disks[0].disk.bus: spec.domain.devices.disks[0] is set with an"
-                                    " unrecognized bus pata, must be one of: [virtio scsi sata usb]"),
+                                    " unrecognized bus pata, must be one of: [virtio scsi sata usb]; did you mean \"sata\"?"),
         ({"cdrom": {"bus": "virtio"}}, "spec.domain.devices.disks[0].cdrom.bus: Bus type virtio is invalid for CD-ROM device"),
         ({"disk": {"readonly": True}}, "spec.domain.devices.disks[0].disk.bus: sata hard-disks do not support read-only."),
         ({"disk": {}, "dedicatedIOThread": True}, "spec.domain.devices.disks[0]: IOThreads are not supported for disks on a sata bus"),
@@ -308,7 +308,7 @@ def test_duplicate_boot_order():
     "volume,message",
     [
         ({"containerDisk": {"image": "x:1"}, "emptyDisk": {"capacity": "1Gi"}}, "spec.volumes[0]: must have exactly one source type set"),
-        ({"contianerDisk": {"image": "x:1"}}, "spec.volumes[0].contianerDisk: unknown field: not in KubeVirt's schema,"
+        ({"contianerDisk": {"image": "x:1"}}, "spec.volumes[0].contianerDisk: unknown field (did you mean \"containerDisk\"?): not in KubeVirt's schema,"
                                               " so its API server would drop it; --ignore-unsupported runs without it"),
         ({"sysprep": {}}, "spec.volumes[0].sysprep: not supported by the launcher, and it changes what the guest sees;"
                           " --ignore-unsupported runs without it"),

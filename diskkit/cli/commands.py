@@ -20,6 +20,7 @@ from diskkit.ops.build import (
     BuildOptions,
     build,
     examine_disk,
+    input_disk,
     source_epoch,
     split_artifact,
 )
@@ -61,6 +62,7 @@ Examples:
   diskkit convert fedora.vmdk fedora.qcow2
   diskkit convert -O qcow2 -c disk.raw disk.qcow2
   diskkit convert -O raw disk.qcow2 disk.img
+  diskkit convert Fedora-Cloud.qcow2.xz fedora.qcow2            # xz, gzip, zstd, bzip2 and tar unwrapped first
 """
 )
 @click.argument("src", type=click.Path(path_type=Path, readable=False))
@@ -70,18 +72,24 @@ Examples:
 def convert(src: Path, dest: Path, out_format: str, compress: bool) -> None:
     """Convert a raw, qcow2, vmdk, vdi, vpc or vhdx disk to qcow2 or raw with qemu-img.
 
+    A disk compressed with xz, gzip, zstd or bzip2, or alone in a tar archive, is unwrapped first.
     The input is checked first (qemu-img info and check, under CPU and memory limits); the output
     is written under a temporary name and renamed only when complete.
     """
+    import shutil
+    import tempfile
+
     from diskkit.disk import qemuimg
     from diskkit.streams import fsutil
 
-    info = examine_disk(src)
     if dest.resolve() == src.resolve():
         raise DiskkitError(dest, "destination is the source; choose another file")
-    tmp = fsutil.staging_file(dest)
     reporter = reporter_for()
+    workdir = Path(tempfile.mkdtemp(prefix="diskkit-convert-"))
+    tmp = fsutil.staging_file(dest)
     try:
+        disk = input_disk(src, workdir, reporter.note)
+        info = examine_disk(disk.path)
         with reporter.task(f"converting {src.name}", 100) as task:
             done = [0.0]
 
@@ -89,11 +97,13 @@ def convert(src: Path, dest: Path, out_format: str, compress: bool) -> None:
                 task.advance(percent - done[0])
                 done[0] = percent
 
-            qemuimg.convert(src, tmp, info.format, out_format, compress, advance)
+            qemuimg.convert(disk.path, tmp, info.format, out_format, compress, advance)
         tmp.replace(dest)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
     click.echo(str(dest))
 
 
@@ -101,7 +111,9 @@ def convert(src: Path, dest: Path, out_format: str, compress: bool) -> None:
     epilog="""\b
 Examples:
   diskkit build fedora.qcow2 -t oci:./layout:fedora-40
+  diskkit build Fedora-Cloud.qcow2.xz -t oci:./layout:fedora-40     # decompressed first: /disk/Fedora-Cloud.qcow2
   diskkit build fedora.qcow2 -t quay.io/me/fedora:40                 # streams straight to the registry
+  diskkit build fedora.qcow2 -t quay.io/me/fedora:40-2611251200 -t quay.io/me/fedora:40 -t quay.io/me/fedora:latest
   diskkit build disk.img --format qcow2 -t oci-archive:fedora.tar
   diskkit build disk.qcow2 -t docker-archive:fedora.tar:quay.io/me/fedora:40   # then: podman load -i fedora.tar
   diskkit build disk.qcow2 -t docker-daemon:quay.io/me/fedora:40     # into dockerd (or podman: DOCKER_HOST)
@@ -116,7 +128,7 @@ Examples:
 """
 )
 @click.argument("src", type=click.Path(path_type=Path, readable=False), required=False)
-@click.option("-t", "--tag", "dest", required=True, metavar="DEST", help="Where to write: docker://HOST/REPO:TAG (or bare HOST/REPO:TAG), oci:DIR[:TAG], oci-archive:FILE[:TAG], docker-archive:FILE[:REF], docker-daemon:NAME:TAG.")
+@click.option("-t", "--tag", "dests", required=True, multiple=True, metavar="DEST", help="Where to write: docker://HOST/REPO:TAG (or bare HOST/REPO:TAG), oci:DIR[:TAG], oci-archive:FILE[:TAG], docker-archive:FILE[:REF], docker-daemon:NAME:TAG. Repeat for more tags: blobs go up once, every registry is checked before the first push, each destination is reported.")
 @click.option("--path", "image_path", metavar="/DIR/NAME", help="Put the disk here instead of /disk/<name> (containerDisk.path).")
 @click.option("--format", "disk_format", type=click.Choice(["keep", "qcow2", "raw"]), default="keep", show_default=True, help="Disk format inside the image.")
 @click.option("--compression", type=click.Choice(list(KINDS)), default="gzip", show_default=True, help="Layer compression.")
@@ -131,13 +143,14 @@ Examples:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the digest; progress as JSON lines on stderr.")
 @registry_options
 @signature_options(policy=False)
-def build_cmd(src, dest, image_path, disk_format, compression, level, lazy, kernel, initrd, platforms, label, annotation, env, as_json, registry: RegistryOptions, sign) -> None:
+def build_cmd(src, dests, image_path, disk_format, compression, level, lazy, kernel, initrd, platforms, label, annotation, env, as_json, registry: RegistryOptions, sign) -> None:
     """Package disk SRC as a scratch-based containerDisk image.
 
     One layer holds /disk/ (0555) and /disk/<name> (0440), both owned by qemu (107:107), as KubeVirt
     expects. The disk is read once: tar framing, compression, both digests and the upload happen in
     one pass. The same input and flags always give the same digest (timestamps from
-    SOURCE_DATE_EPOCH, else 1970). Prints the manifest digest last.
+    SOURCE_DATE_EPOCH, else 1970). Prints the manifest digest last. SRC may be compressed (xz,
+    gzip, zstd, bzip2) or a tar holding one disk: it is unwrapped into a sparse temporary file first.
     """
     for value in env:
         if "=" not in value:
@@ -149,9 +162,11 @@ def build_cmd(src, dest, image_path, disk_format, compression, level, lazy, kern
         raise DiskkitError("SRC", "missing: give a disk file (or --platform OS/ARCH=FILE for each platform)")
     if len(platforms) > 1 and not per_platform:
         raise DiskkitError("--platform", "several platforms need a file each: --platform OS/ARCH=FILE")
+    dest = dests[0]
     opts = BuildOptions(
         source=src,
         dest=dest,
+        also=list(dests[1:]),
         path=image_path,
         kernel=split_artifact(kernel, "/boot/vmlinuz", "--kernel") if kernel else None,
         initrd=split_artifact(initrd, "/boot/initrd.img", "--initrd") if initrd else None,
@@ -166,9 +181,14 @@ def build_cmd(src, dest, image_path, disk_format, compression, level, lazy, kern
         created=source_epoch(),
         platforms=[(Platform.parse(p.split("=", 1)[0]), Path(p.split("=", 1)[1])) for p in per_platform],
     )
-    signer = _signer(dest, sign)
-    result = build(opts, reporter_for(as_json), registry, _before_manifest(signer))
-    signed = _sign(dest, result.digest, signer, registry)
+    signers = [_signer(d, sign) for d in dests]
+    hooks = {str(parse_ref(d)): _before_manifest(s) for d, s in zip(dests, signers)}
+    result = build(opts, reporter_for(as_json), registry, lambda ref: hooks.get(str(ref)))
+    signed: dict = {}
+    for d, signer, written in zip(dests, signers, result.written or [{"digest": result.digest}]):
+        # One signature per destination, each naming its own reference, as a skopeo copy to each would.
+        for digest in _sign(d, written["digest"], signer, registry).get("signed", []):
+            signed.setdefault("signed", []).append(digest)
     if as_json:
         click.echo(json.dumps({**result.to_json(), **signed}, indent=2))
     else:

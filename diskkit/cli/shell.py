@@ -28,7 +28,7 @@ def registry_options(command):
 
     options = [
         click.option("--creds", metavar="USER:PASS", help="Registry credentials (else the auth file is used)."),
-        click.option("--authfile", type=click.Path(dir_okay=False), help="Auth file (default: $REGISTRY_AUTH_FILE, then ${XDG_RUNTIME_DIR}/containers/auth.json, then ~/.docker/config.json)."),
+        click.option("--authfile", type=click.Path(dir_okay=False), help="Auth file (default: $REGISTRY_AUTH_FILE, else ${XDG_RUNTIME_DIR}/containers/auth.json or /run/containers/$UID/auth.json, then ~/.config/containers/auth.json, ~/.docker/config.json, ~/.dockercfg)."),
         click.option("--cert-dir", type=click.Path(file_okay=False), help="Directory of *.crt CAs and *.cert/*.key client certificates for the registry."),
         click.option("--retry-times", type=click.IntRange(0, 20), default=5, show_default=True, help="Retries on connection errors, 408, 429 and 5xx."),
         click.option("--retry-delay", type=click.FloatRange(0, 60), default=0.5, show_default=True, metavar="SECONDS", help="First backoff delay; doubles per retry, with jitter (Retry-After wins)."),
@@ -78,12 +78,47 @@ def _keep_large_buffers() -> None:
         pass  # not glibc: its allocator decides
 
 
+def refuse_repeats(command: click.Command, args: list[str], parent: click.Context | None = None) -> None:
+    """Refuse an option that takes one value given more than once, on every command of both CLIs.
+
+    click (like pflag) keeps the last value, so `-t A -t B` silently drops A; options meant to be
+    repeated are declared `multiple` and pass. Parse errors are left to the real parse, which reports them.
+    """
+    ctx = click.Context(command, parent=parent, info_name=command.name, resilient_parsing=True)
+    try:
+        _, rest, order = command.make_parser(ctx).parse_args(list(args))
+    except click.UsageError:
+        return
+    seen: set[str] = set()
+    for param in order:
+        if not isinstance(param, click.Option) or param.multiple or param.count or param.is_flag:
+            continue
+        if param.name in seen:
+            name = max(param.opts, key=len)
+            error = DiskkitError(name, f"given more than once; it takes one value (the last one would silently win){_REPEAT_HINTS.get(name, '')}")
+            error.exit_code = 2  # a usage error, as click's own
+            raise error
+        seen.add(param.name)
+    if isinstance(command, click.Group) and rest:
+        sub = command.get_command(ctx, rest[0])
+        if sub is not None:
+            refuse_repeats(sub, rest[1:], ctx)
+
+
+_REPEAT_HINTS = {
+    # virtctl has no such flag; waiting for texts in order is an expect script's job, so one text: the last one the guest prints.
+    "--wait-for": "; give the text the guest prints last",
+}
+
+
 def run_main(cli: click.Group, prog: str) -> None:
     """Run a click group with one-line errors (`prog: subject: rule`) and exit codes users can test."""
     _keep_large_buffers()
     signal.signal(signal.SIGTERM, _terminate)
     try:
-        cli.main(args=skopeo_args(sys.argv[1:]), prog_name=prog, standalone_mode=False)
+        args = skopeo_args(sys.argv[1:])
+        refuse_repeats(cli, args)
+        cli.main(args=args, prog_name=prog, standalone_mode=False)
         # Everything still alive is freed by exit anyway: frozen, the interpreter's last collections
         # skip scanning it, 20-25 ms of every command's exit (measured with the registry client loaded).
         gc.freeze()

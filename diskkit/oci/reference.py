@@ -145,6 +145,15 @@ def parse_ref(text: str) -> ImageRef:
         return ImageRef("dir", path=rest)
     if sep and transport in ("ostree", "sif"):
         raise DiskkitError(text, f"transport {transport}: is not supported; use oci:, oci-archive:, docker-archive:, dir:, docker-daemon:, containers-storage: or docker://")
+    unknown = re.match(r"^([a-z][a-z0-9-]*):(//)?([^/]*)/", text)
+    if unknown and unknown.group(1) not in TRANSPORTS and (unknown.group(2) or not unknown.group(3).isdigit()):
+        # HOST:PORT/REPO is a bare registry reference; NAME://... or NAME:word/... names a transport
+        # (containers/image transports/alltransports/alltransports.go, in its words).
+        import difflib
+
+        close = difflib.get_close_matches(unknown.group(1), TRANSPORTS, n=1, cutoff=0.6)
+        hint = f'; did you mean "{close[0]}{"://" if close[0] == "docker" else ":"}"?' if close else f"; known transports: {', '.join(TRANSPORTS)}"
+        raise DiskkitError(f'Invalid image name "{text}", unknown transport "{unknown.group(1)}"{hint}')
     if "/" in text and not text.startswith(("/", ".")) or re.match(r"^[a-z0-9][a-z0-9._-]*(?::[\w][\w.-]*|@sha256:[0-9a-f]{64})$", text):
         name = parse_docker_name(text)
         first = text.partition("/")[0]

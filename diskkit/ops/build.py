@@ -9,7 +9,7 @@ import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from diskkit.disk import diskheader, diskrules, qemuimg
+from diskkit.disk import diskheader, diskrules, payload, qemuimg
 from diskkit.disk.containerdisk import (
     ANNOTATION_FORMAT,
     ANNOTATION_PATH,
@@ -63,6 +63,7 @@ class BuildOptions:
     env: list[str] = field(default_factory=list)
     created: int = 0
     platforms: list[tuple[Platform, Path]] = field(default_factory=list)  # one source per platform, for an index
+    also: list[str] = field(default_factory=list)  # more destinations (-t repeated), given the same image
 
 
 @dataclass
@@ -77,6 +78,7 @@ class BuildResult:
     virtual_size: int
     images: list["BuildResult"] = field(default_factory=list)
     descriptor: Descriptor | None = None
+    written: list[dict] = field(default_factory=list)  # every destination: {"reference", "digest", "status"}
 
     def to_json(self) -> dict:
         out = {
@@ -90,6 +92,8 @@ class BuildResult:
             ],
             "disk": {"path": self.disk_path, "format": self.disk_format, "virtualSize": self.virtual_size},
         }
+        if self.written:
+            out["destinations"] = self.written
         if self.images:
             out["manifests"] = [{"platform": i.descriptor.platform, **i.to_json()} for i in self.images]
         return out
@@ -123,6 +127,13 @@ def check_input_file(path: Path, what: str = "source disk") -> None:
             f.read(1)
     except OSError as exc:
         raise DiskkitError(path, f"{what} cannot be read ({exc.strerror})") from None
+
+
+def input_disk(path: Path, workdir: Path, note=None) -> payload.Unwrapped:
+    """The disk an input file holds (decompressed or taken out of its archive into `workdir`);
+    text, executables and files too small to be disks refused."""
+    check_input_file(path)
+    return payload.unwrap(path, workdir, note)
 
 
 def examine_disk(path: Path) -> qemuimg.DiskInfo:
@@ -170,9 +181,59 @@ def split_artifact(value: str, default_path: str, flag: str) -> tuple[str, Path]
 
 
 def build(opts: BuildOptions, reporter: Reporter, registry: RegistryOptions | None = None, before_manifest=None) -> BuildResult:
-    """Build one image, or with `opts.platforms` one image per platform under an OCI index.
-    `before_manifest` (a signer) sees each manifest's digest before it is stored."""
+    """Build one image, or with `opts.platforms` one image per platform under an OCI index; with
+    `opts.also`, give the same image to every further destination after the first.
+    `before_manifest(ref)` gives the hook (a signer) that sees each manifest's digest before it is
+    stored at that destination, or None."""
     dest_ref = parse_ref(opts.dest)
+    others = check_destinations([dest_ref, *(parse_ref(d) for d in opts.also)], registry or RegistryOptions())[1:]
+    hook = before_manifest or (lambda ref: None)
+    result = _build(opts, dest_ref, reporter, registry, hook(dest_ref))
+    if not others:
+        return result
+    result.written.append({"reference": str(dest_ref), "digest": result.digest, "status": "pushed"})
+    for ref in others:
+        result.written.append(_give(dest_ref, ref, result, reporter, registry or RegistryOptions(), bool(opts.platforms), hook(ref)))
+    return result
+
+
+def check_destinations(refs: list, registry: RegistryOptions) -> list:
+    """Refuse a destination named twice, and find every registry unreachable or refusing the push
+    before any manifest is written: a repeated -t is all or nothing as far as a registry can tell."""
+    seen = set()
+    for ref in refs:
+        if str(ref) in seen:
+            raise DiskkitError(f"-t {ref}", "named twice")
+        seen.add(str(ref))
+    if len(refs) > 1:
+        repositories = {(r.name.registry, r.name.repository): r for r in refs if r.transport == "docker"}
+        for ref in repositories.values():  # local destinations are only opened to be written
+            open_destination(ref, 0, registry).check_writable()
+    return refs
+
+
+def _give(first, ref, built: BuildResult, reporter: Reporter, registry: RegistryOptions, index: bool, before_manifest=None) -> dict:
+    """The image already written to `first`, given to `ref`: a second tag in the same repository is
+    one manifest PUT; elsewhere the image is copied from `first` (blobs a registry holds are mounted)."""
+    if ref.transport == first.transport == "docker" and (ref.name.registry, ref.name.repository) == (first.name.registry, first.name.repository):
+        from diskkit.transports import open_source
+
+        with open_source(first, registry) as source:
+            data, media, _ = source.top_manifest()
+        with open_destination(ref, 0, registry) as dest:
+            dest.before_manifest = before_manifest
+            desc = dest.put_manifest(data, media or built.media_type)
+        status = "tagged"
+    else:
+        from diskkit.ops.copy import copy_image
+
+        desc = copy_image(first, ref, registry, reporter, multi_arch="all" if index else "system", before_manifest=before_manifest)
+        status = "copied"
+    reporter.note(f"{ref}: {status} {desc.digest}")
+    return {"reference": str(ref), "digest": desc.digest, "status": status}
+
+
+def _build(opts: BuildOptions, dest_ref, reporter: Reporter, registry: RegistryOptions | None, before_manifest=None) -> BuildResult:
     if opts.disk_format not in DISK_FORMATS:
         raise DiskkitError("--format", f"must be one of {', '.join(DISK_FORMATS)}")
     if opts.path is not None and (problem := path_problem(opts.path)):
@@ -189,9 +250,11 @@ def build(opts: BuildOptions, reporter: Reporter, registry: RegistryOptions | No
     if opts.lazy and opts.compression not in ("gzip", "none"):
         raise DiskkitError("--lazy", f"writes a gzip or an uncompressed layer (read at offsets), not a {opts.compression} one")
     sources = opts.platforms or [(opts.platform, opts.source)]
-    infos = [examine_disk(source) for _, source in sources]  # refuse any bad input before writing anything
     workdir = Path(tempfile.mkdtemp(prefix="diskkit-build-"))
     try:
+        # Any bad input is refused before anything is written: what each file holds, then its disk.
+        disks = [input_disk(source, workdir / f"in{i}", reporter.note) for i, (_, source) in enumerate(sources)]
+        infos = [examine_disk(disk.path) for disk in disks]
         with open_destination(dest_ref, opts.created, registry) as dest:
             dest.before_manifest = before_manifest
             if opts.platforms and dest.docker_manifest:
@@ -202,8 +265,8 @@ def build(opts: BuildOptions, reporter: Reporter, registry: RegistryOptions | No
             if opts.lazy and not holds_toc:
                 raise DiskkitError(str(dest_ref), f"--lazy needs OCI manifests with annotations and a {opts.compression} layer; use oci:, oci-archive: or a registry")
             built = [
-                _build_one(opts, dest, plat, source, info, workdir / str(i), reporter, child=bool(opts.platforms))
-                for i, ((plat, source), info) in enumerate(zip(sources, infos))
+                _build_one(opts, dest, plat, source, disk, info, workdir / str(i), reporter, child=bool(opts.platforms))
+                for i, ((plat, source), disk, info) in enumerate(zip(sources, disks, infos))
             ]
             if not opts.platforms:
                 return built[0]
@@ -218,10 +281,10 @@ def build(opts: BuildOptions, reporter: Reporter, registry: RegistryOptions | No
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _build_one(opts, dest, plat: Platform, source: Path, info, workdir: Path, reporter: Reporter, child: bool) -> BuildResult:
+def _build_one(opts, dest, plat: Platform, source: Path, disk: payload.Unwrapped, info, workdir: Path, reporter: Reporter, child: bool) -> BuildResult:
     workdir.mkdir(parents=True)
-    disk_file, disk_format = _prepare_format(opts, source, info, workdir, reporter)
-    image_disk_path = opts.path or f"/disk/{_disk_name(source, disk_file, disk_format)}"
+    disk_file, disk_format = _prepare_format(opts, source, disk.path, info, workdir, reporter)
+    image_disk_path = opts.path or f"/disk/{_disk_name(disk, disk_file, disk_format)}"
     files = [(image_disk_path, disk_file)]
     files += [a for a in (opts.kernel, opts.initrd) if a]
     entries = entries_for(files)
@@ -262,18 +325,18 @@ def _build_one(opts, dest, plat: Platform, source: Path, info, workdir: Path, re
     )
 
 
-def _prepare_format(opts: BuildOptions, source: Path, info: qemuimg.DiskInfo, workdir: Path, reporter: Reporter):
+def _prepare_format(opts: BuildOptions, shown: Path, source: Path, info: qemuimg.DiskInfo, workdir: Path, reporter: Reporter):
     wanted = opts.disk_format
     if wanted == "keep":
         if info.format in diskrules.ACCEPTED_FORMATS:
             if info.format == "raw":
                 reporter.note(
-                    f"{source}: raw disk packaged as is; --format qcow2 usually makes a much smaller image "
+                    f"{shown}: raw disk packaged as is; --format qcow2 usually makes a much smaller image "
                     "(container layers cannot hold sparse files)"
                 )
             return source, info.format
         wanted = "qcow2"
-        reporter.note(f"{source}: converting {info.format} to qcow2 (KubeVirt boots only raw and qcow2)")
+        reporter.note(f"{shown}: converting {info.format} to qcow2 (KubeVirt boots only raw and qcow2)")
     if wanted == info.format:
         return source, info.format
     out = workdir / f"disk.{'qcow2' if wanted == 'qcow2' else 'img'}"
@@ -288,8 +351,8 @@ def _prepare_format(opts: BuildOptions, source: Path, info: qemuimg.DiskInfo, wo
     return out, wanted
 
 
-def _disk_name(source: Path, disk_file: Path, disk_format: str) -> str:
-    if disk_file == source:
-        return source.name
-    stem = source.name.rsplit(".", 1)[0] if "." in source.name else source.name
+def _disk_name(disk: payload.Unwrapped, disk_file: Path, disk_format: str) -> str:
+    if disk_file == disk.path:
+        return disk.name
+    stem = disk.name.rsplit(".", 1)[0] if "." in disk.name else disk.name
     return f"{stem}.{'qcow2' if disk_format == 'qcow2' else 'img'}"

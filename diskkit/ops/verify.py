@@ -8,7 +8,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from diskkit.disk import diskheader, diskrules, qemuimg
+from diskkit.disk import diskheader, diskrules, payload, qemuimg
 from diskkit.disk.containerdisk import (
     ANNOTATION_FORMAT,
     ANNOTATION_PATH,
@@ -223,6 +223,11 @@ def disk_problems(disk_file: Path, shown: str, disk: DiskFacts) -> list[str]:
         unsafe = diskheader.safety_violations(header)
         if unsafe:  # never hand qemu-img an image that names host files
             return [f"{shown}: {p}" for p in unsafe]
+    else:
+        # qemu-img calls anything it does not know raw, so a packaged .xz or YAML would boot as a blank disk
+        not_disk = payload_problem(head, disk_file.stat().st_size)
+        if not_disk:
+            return [f"{shown}: {not_disk}"]
     try:
         info = qemuimg.info(disk_file)
     except DiskkitError as exc:
@@ -235,6 +240,15 @@ def disk_problems(disk_file: Path, shown: str, disk: DiskFacts) -> list[str]:
         except DiskkitError as exc:
             problems.append(f"{shown}: {exc.rule}")
     return problems
+
+
+def payload_problem(head: bytes, size: int) -> str | None:
+    """What a file in /disk/ that is not a disk is, and what to do about it."""
+    kind = payload.classify(head[: payload.HEAD_BYTES], size)
+    if kind in payload.COMPRESSIONS or kind == "tar":
+        what = "a tar archive" if kind == "tar" else f"{kind}-compressed data"
+        return f"is {what}, not a disk: KubeVirt would boot it as a raw disk of those bytes; build the image from the file itself (diskkit build unwraps {kind})"
+    return payload.refusal(kind, head, size)
 
 
 def inspect(ref: str, platform: Platform | None = None, registry: RegistryOptions | None = None, path: str | None = None) -> Report:
@@ -269,6 +283,9 @@ def inspect(ref: str, platform: Platform | None = None, registry: RegistryOption
             report.disk.format = diskheader.probe_format(head)
             header = diskheader.parse(head)
             report.disk.virtual_size = header.virtual_size if header else (report.disk.size if report.disk.format == "raw" else None)
+            not_disk = payload_problem(head, report.disk.size or len(head)) if report.disk.format == "raw" else None
+            if not_disk:
+                report.problems.append(f"{found.shown}: {not_disk}")
         return report
     finally:
         shutil.rmtree(spool, ignore_errors=True)

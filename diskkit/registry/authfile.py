@@ -1,7 +1,8 @@
 """Registry credentials found where skopeo and podman look, in the same order.
 
-`--creds` first, then `--authfile` or `$REGISTRY_AUTH_FILE`, `${XDG_RUNTIME_DIR}/containers/auth.json`,
-`~/.docker/config.json` (and the legacy `~/.dockercfg`). In each file `credHelpers[host]` wins over
+`--creds` first, then `--authfile` or `$REGISTRY_AUTH_FILE` (alone), else `${XDG_RUNTIME_DIR}/containers/auth.json`
+(`/run/containers/$UID/auth.json` when XDG_RUNTIME_DIR is unset), `${XDG_CONFIG_HOME:-~/.config}/containers/auth.json`,
+`$DOCKER_CONFIG/config.json` or `~/.docker/config.json`, and the legacy `~/.dockercfg`. In each file `credHelpers[host]` wins over
 `auths`, and `credsStore` serves hosts without an inline entry, through the
 `docker-credential-<name> get` protocol.
 """
@@ -41,11 +42,16 @@ def candidate_files(authfile: str | None) -> list[Path]:
     env = os.environ.get("REGISTRY_AUTH_FILE")
     if env:
         return [Path(env)]
+    # containers/image pkg/docker/config/config.go: getPathToAuthWithOS, then getAuthFilePaths
     files = []
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if runtime:
         files.append(Path(runtime) / "containers" / "auth.json")
+    else:  # where `skopeo login` writes as root with no session (sudo, su, a container, cron)
+        files.append(Path(f"/run/containers/{os.getuid()}/auth.json"))
     home = Path(os.path.expanduser("~"))
+    config_home = os.environ.get("XDG_CONFIG_HOME")
+    files.append((Path(config_home) if config_home else home / ".config") / "containers" / "auth.json")
     docker_config = os.environ.get("DOCKER_CONFIG")
     files.append(Path(docker_config) / "config.json" if docker_config else home / ".docker" / "config.json")
     files.append(home / ".dockercfg")
@@ -73,6 +79,18 @@ def _decode(entry: dict, source: Path) -> Credentials | None:
         return Credentials(user, password)
     if entry.get("username"):
         return Credentials(entry["username"], entry.get("password", ""))
+    return None
+
+
+def in_config(data: dict, registry: str, source: object) -> Credentials | None:
+    """The inline `auths` entry for `registry` of a docker config (a pull Secret's, say); no helpers."""
+    auths = data.get("auths") if isinstance(data.get("auths"), dict) else {}
+    for key in _host_keys(registry):
+        entry = auths.get(key)
+        if isinstance(entry, dict):
+            found = _decode(entry, source)
+            if found:
+                return found
     return None
 
 
@@ -104,7 +122,11 @@ def lookup(registry: str, creds: str | None = None, authfile: str | None = None)
     if creds:
         return parse_creds(creds)
     for path in candidate_files(authfile):
-        if not path.is_file():
+        try:
+            present = path.is_file()
+        except PermissionError:  # another user's runtime or home directory: not ours to read
+            present = False
+        if not present:
             if authfile:
                 raise DiskkitError(path, "auth file does not exist")
             continue

@@ -243,7 +243,7 @@ class Registry:
         data = read_body(response, MAX_TOKEN_BYTES, self.host, f"token service {realm} answer")
         if response.status_code in (401, 403):
             who = f"as {creds.username}" if creds else "anonymously"
-            raise AuthError(self.host, f"token service refused {who} for scope {scope or '(none)'}; check --creds or the auth file")
+            raise AuthError(self.host, f"token service refused {who} for scope {scope or '(none)'}{credentials_hint(creds is not None)}")
         if response.status_code != 200:
             raise AuthError(self.host, f"token service answered HTTP {response.status_code} for scope {scope}")
         try:
@@ -314,7 +314,8 @@ class Registry:
                 who = f"user {creds.username}" if creds else "anonymous access"
                 if method != "HEAD":
                     _read_into(response, MAX_ERROR_BYTES, self.host, what or method)
-                raise AuthError(self.host, f"{what or method} denied for {who} (scope {scope}): HTTP {response.status_code}{_api_error(response)}")
+                hint = credentials_hint(creds is not None) if response.status_code == 401 else ""
+                raise AuthError(self.host, f"{what or method} denied for {who} (scope {scope}): HTTP {response.status_code}{_api_error(response)}{hint}")
             if response.status_code in RETRY_STATUS and attempt < self.opts.retries:
                 time.sleep(retry_after(response, attempt, self.opts))
                 response.close()
@@ -335,6 +336,13 @@ class Registry:
         self.session.close()
         if self._bundle is not None:
             self._bundle.close()
+
+
+def credentials_hint(had_credentials: bool) -> str:
+    """How to give credentials, in the words of the flags and files this tool reads (authfile.py)."""
+    if had_credentials:
+        return "; the credentials were refused: check --creds, --authfile or the auth file found (authfile search: $REGISTRY_AUTH_FILE, $XDG_RUNTIME_DIR/containers/auth.json, ~/.docker/config.json)"
+    return "; give credentials with --creds USER:PASS, --authfile FILE or $REGISTRY_AUTH_FILE, or log in with `skopeo login` / `podman login` (read from their auth.json)"
 
 
 def scope(repository: str, actions: str) -> str:

@@ -126,6 +126,14 @@ def decompressing_reader(raw: BinaryIO, kind: str, where: str = "layer") -> Bina
         import zstandard
 
         return _Checked(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True, closefd=False), kind, where, (zstandard.ZstdError,))
+    if kind == "xz":  # disk sources only (cloud images ship as .xz and .bz2); never a layer
+        import lzma
+
+        return _Checked(lzma.LZMAFile(raw), kind, where, (lzma.LZMAError,))
+    if kind == "bzip2":
+        import bz2
+
+        return _Checked(bz2.BZ2File(raw), kind, where, ())
     if kind == "none":
         return raw
     raise DiskkitError(kind, "unknown layer compression")

@@ -40,6 +40,9 @@ class Destination:
     def has_blob(self, desc: Descriptor) -> bool:
         return False
 
+    def check_writable(self) -> None:
+        """Raise if nothing could be written here; checked before the first write of a multi-destination build."""
+
     def blob_writer(self, media_type: str) -> contextlib.AbstractContextManager["PendingBlob"]:
         raise NotImplementedError
 

@@ -51,6 +51,37 @@ def registry_for(host: str, opts: RegistryOptions) -> Registry:
     return _registries[key]
 
 
+def _error_codes(response) -> set[str]:
+    try:
+        return {e.get("code") for e in response.json().get("errors") or [] if isinstance(e, dict)}
+    except (ValueError, AttributeError, TypeError):
+        return set()
+
+
+def not_found_reason(registry: Registry, scope_: str, response, repository: str, reference: str) -> str:
+    """A missing repository told from a missing tag, by the registry's error codes: NAME_UNKNOWN, or a
+    MANIFEST_UNKNOWN (distribution answers it for both) followed by the repository's tag list, which
+    only an existing repository has."""
+    codes = _error_codes(response)
+    if "NAME_UNKNOWN" not in codes:
+        try:
+            probe = registry.request("GET", f"/v2/{repository}/tags/list?n=1", scope_, what="GET tags", retry=False)
+        except DiskkitError:
+            probe = None  # the 404 is the news; a failed probe only leaves it less precise
+        if probe is None:
+            pass
+        elif probe.status_code == 404 and "NAME_UNKNOWN" in _error_codes(probe):
+            codes.add("NAME_UNKNOWN")
+        elif probe.status_code == 200:
+            codes.add("MANIFEST_UNKNOWN")
+    if "NAME_UNKNOWN" in codes:
+        return f": repository {repository} does not exist (NAME_UNKNOWN); check the repository's name"
+    if "MANIFEST_UNKNOWN" in codes:
+        what = "manifest" if reference.startswith("sha256:") else "tag"
+        return f": repository {repository} exists, {what} {reference} does not (MANIFEST_UNKNOWN)"
+    return " (HTTP 404)"
+
+
 class RemoteSource(Source):
     """Reads from the first of registries.conf's pull sources that has the image: a short name's
     candidates in order, each one's mirrors in order, then the registry itself."""
@@ -77,7 +108,7 @@ class RemoteSource(Source):
         path = f"/v2/{self.name.repository}/manifests/{reference}"
         response = self.registry.request("GET", path, self.pull_scope, headers={"Accept": ACCEPT}, stream=True, what="GET manifest")
         if response.status_code == 404:
-            raise RegistryError(self.where, f"manifest {reference} not found (HTTP 404)")
+            raise RegistryError(self.where, f"manifest {reference} not found{not_found_reason(self.registry, self.pull_scope, response, self.name.repository, reference)}")
         check_status(response, (200,), self.registry.host, f"GET manifest {reference}")
         data = read_body(response, MAX_MANIFEST_BYTES, self.where, f"manifest {reference}")
         if reference.startswith("sha256:") and sha256_digest(data) != reference:
@@ -331,6 +362,14 @@ class RemoteDestination(Destination):
     def has_blob(self, desc: Descriptor) -> bool:
         response = self.registry.request("HEAD", f"/v2/{self.repository}/blobs/{desc.digest}", self.push_scope, what="HEAD blob")
         return response.status_code == 200
+
+    def check_writable(self) -> None:
+        """An upload session opened and cancelled: the registry is reachable and takes pushes from us."""
+        start = self.registry.request("POST", f"/v2/{self.repository}/blobs/uploads/", self.push_scope, headers={"Content-Length": "0"}, what="start upload")
+        check_status(start, (202,), self.registry.host, f"start blob upload to {self.repository}")
+        if "Location" in start.headers:
+            with contextlib.suppress(DiskkitError):
+                self.registry.request("DELETE", self.registry.resolve(start.headers["Location"]), self.push_scope, retry=False)
 
     def mount(self, desc: Descriptor, from_repository: str) -> bool:
         """Cross-repository mount: the registry links a blob it already holds, nothing is sent."""

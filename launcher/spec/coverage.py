@@ -19,6 +19,8 @@ import copy
 import re
 from typing import Any
 
+from launcher.spec.fields import did_you_mean
+
 HANDLED, INERT, UNSUPPORTED = "handled", "inert", "unsupported"
 # A flag whose false or absent value is what the launcher does anyway; only a true value is refused.
 UNLESS_FALSE = "unsupported unless false"
@@ -45,7 +47,7 @@ CLAIM = {"claimName": HANDLED, "readOnly": HANDLED, "hotpluggable": INERT}
 VOLUME = {
     "name": HANDLED,
     "containerDisk": {"image": HANDLED, "path": HANDLED, "imagePullPolicy": HANDLED,
-                      "imagePullSecret": INERT},  # the launcher pulls with the node's credentials
+                      "imagePullSecret": HANDLED},  # the Secret in --manifests, for that image's pulls
     "persistentVolumeClaim": CLAIM,
     "dataVolume": {"name": HANDLED, "hotpluggable": INERT},
     "ephemeral": {"persistentVolumeClaim": CLAIM},
@@ -102,7 +104,7 @@ DOMAIN = {
                  "bootloader": {"bios": {"useSerial": HANDLED}, "efi": {"secureBoot": HANDLED, "persistent": UNLESS_FALSE}},
                  "kernelBoot": {"kernelArgs": HANDLED,
                                 "container": {"image": HANDLED, "kernelPath": HANDLED, "initrdPath": HANDLED,
-                                              "imagePullPolicy": HANDLED, "imagePullSecret": INERT}},
+                                              "imagePullPolicy": HANDLED, "imagePullSecret": HANDLED}},
                  "acpi": UNSUPPORTED},
     "clock": {"utc": {"offsetSeconds": UNSUPPORTED}, "timezone": UNSUPPORTED, "timer": UNSUPPORTED},  # utc is the default
     "features": {"acpi": {"enabled": HANDLED}, "apic": {"enabled": HANDLED, "endOfInterrupt": UNLESS_FALSE},
@@ -136,6 +138,7 @@ UNSUPPORTED_ANNOTATIONS = ("hooks.kubevirt.io/hookSidecars",)
 
 UNSUPPORTED_RULE = "not supported by the launcher, and it changes what the guest sees; --ignore-unsupported runs without it"
 UNKNOWN_RULE = "unknown field: not in KubeVirt's schema, so its API server would drop it; --ignore-unsupported runs without it"
+VM_SPEC_RULE = "not a VirtualMachine field: a VirtualMachine's VirtualMachineInstance spec belongs under spec.template.spec"
 
 
 def _walk(value: Any, shape: Any, path: str, found: list[tuple[str, str]]) -> None:
@@ -150,7 +153,8 @@ def _walk(value: Any, shape: Any, path: str, found: list[tuple[str, str]]) -> No
         where = f"{path}.{key}" if path else str(key)
         rule = shape.get(key)
         if rule is None:
-            found.append((where, UNKNOWN_RULE))
+            hint = did_you_mean(key, shape)
+            found.append((where, f"unknown field{hint.replace('; ', ' (', 1) + ')' if hint else ''}: {UNKNOWN_RULE.removeprefix('unknown field: ')}"))
         elif rule == UNSUPPORTED or (rule == UNLESS_FALSE and child not in (None, False)):
             found.append((where, UNSUPPORTED_RULE))
         else:
@@ -182,6 +186,9 @@ def unsupported_fields(doc: Any) -> list[tuple[str, str]]:
     vm_spec = doc.get("spec")
     template = (vm_spec.get("template") if isinstance(vm_spec, dict) else None) if vm else doc
     spec, prefix = template.get("spec") if isinstance(template, dict) else None, "spec.template.spec" if vm else "spec"
+    if vm:  # the commonest VirtualMachine mistake: the VMI's spec one level too high
+        found = [(path, VM_SPEC_RULE if rule.startswith("unknown field") and path.startswith("spec.") and path[5:] in VMI_SPEC else rule)
+                 for path, rule in found]
     if isinstance(spec, dict) and _default_network_only(spec):
         found = [f for f in found if f[0] not in (f"{prefix}.networks", f"{prefix}.domain.devices.interfaces")]
     meta = template.get("metadata") if isinstance(template, dict) else None

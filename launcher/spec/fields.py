@@ -125,10 +125,22 @@ def get_quantity(doc: dict, key: str, at: str) -> Fraction | None:
     return None if value is None else parse_quantity(value, f"{at}.{key}")
 
 
+def did_you_mean(value: object, choices) -> str:
+    """"; did you mean "X"?" for the closest of `choices` to a typo'd `value` (case first), else ""."""
+    if not isinstance(value, str):
+        return ""
+    choices = [c for c in choices if isinstance(c, str)]
+    same_case = [c for c in choices if c.lower() == value.lower()]
+    import difflib
+
+    close = same_case or difflib.get_close_matches(value, choices, n=1, cutoff=0.6)
+    return f'; did you mean "{close[0]}"?' if close else ""
+
+
 def check_one_of(value: str | None, allowed: tuple[str, ...], at: str) -> None:
     if value is not None and value not in allowed:
         supported = ", ".join(f'"{a}"' for a in allowed)
-        raise SpecError(at, f'Unsupported value: "{value}": supported values: {supported}')
+        raise SpecError(at, f'Unsupported value: "{value}": supported values: {supported}{did_you_mean(value, allowed)}')
 
 
 def dns_label_problems(name: str) -> list[str]:

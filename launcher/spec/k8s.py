@@ -384,3 +384,30 @@ def network_disk(objects: Objects, claim: Claim, where: str, *, required: bool =
         raise DiskkitError(where, f"persistentvolumes {pv_name} (of claim {claim.name}) has volume type {pv_type(claim.pv)};"
                                   " only iscsi and rbd volumes can be attached as network disks")
     return None
+
+
+DOCKER_CONFIG_JSON = ("kubernetes.io/dockerconfigjson", ".dockerconfigjson")
+DOCKER_CFG = ("kubernetes.io/dockercfg", ".dockercfg")
+
+
+def pull_secret_config(objects: Objects | None, namespace: str, name: str, at: str) -> tuple[dict | None, str | None]:
+    """The docker config an image pull Secret holds, or (None, why not) where the kubelet would warn and
+    pull without it (kubernetes pkg/credentialprovider/secrets: a Secret of another type is skipped)."""
+    secret = objects.get("Secret", namespace, name) if objects is not None else None
+    if secret is None:
+        where = "in --manifests" if objects is not None else "(no --manifests given)"
+        return None, f'{at}: secrets "{name}" not found in namespace {namespace} {where}; pulling with this node\'s credentials'
+    kind = secret.get("type")
+    _, data = read_secret(objects, {"name": name, "namespace": namespace}, namespace, f"secret {namespace}/{name}", at)
+    for secret_type, key in (DOCKER_CONFIG_JSON, DOCKER_CFG):
+        if kind == secret_type and data.get(key):
+            import json
+
+            try:
+                config = json.loads(data[key])
+            except ValueError:
+                raise DiskkitError(f"secret {namespace}/{name}", f"data.{key} is not JSON") from None
+            if not isinstance(config, dict):
+                raise DiskkitError(f"secret {namespace}/{name}", f"data.{key} is not a JSON object")
+            return (config if key == ".dockerconfigjson" else {"auths": config}), None
+    return None, f"{at}: secret {namespace}/{name} is not of type kubernetes.io/dockerconfigjson (data .dockerconfigjson) or kubernetes.io/dockercfg (data .dockercfg); ignored, as the kubelet does"

@@ -29,6 +29,7 @@ from launcher.spec.fields import (
     as_map,
     check_dns_label,
     check_one_of,
+    did_you_mean,
     dns_label_problems,
     dns_subdomain_problems,
     field_error,
@@ -94,6 +95,7 @@ class ContainerDiskSource:
     image: str
     path: str | None = None
     image_pull_policy: str | None = None  # as written; see pull_policy for the effective one
+    image_pull_secret: str | None = None  # a kubernetes.io/dockerconfigjson or dockercfg Secret's name
 
     @property
     def pull_policy(self) -> str:
@@ -380,7 +382,7 @@ def _volume_source(kind: str, doc: dict, at: str) -> VolumeSource:
             _path(path, f"{at}.path")
         policy = get_str(doc, "imagePullPolicy", at)
         check_one_of(policy, PULL_POLICIES, f"{at}.imagePullPolicy")
-        return ContainerDiskSource(image, path, policy)
+        return ContainerDiskSource(image, path, policy, get_str(doc, "imagePullSecret", at) or None)
     if kind == "persistentVolumeClaim":
         return PersistentVolumeClaimSource(get_str(doc, "claimName", at, required=True),
                                            get_bool(doc, "readOnly", at), get_bool(doc, "hotpluggable", at))
@@ -557,7 +559,7 @@ def _disk(doc: dict, idx: int, at: str) -> Disk:
     if bus == "ide":
         raise SpecError(f"{tat}.bus", "IDE bus is not supported")
     if bus is not None and bus not in BUSES:
-        raise field_error(f"{tat}.bus", f"{dat} is set with an unrecognized bus {bus}, must be one of: [{' '.join(BUSES)}]")
+        raise field_error(f"{tat}.bus", f"{dat} is set with an unrecognized bus {bus}, must be one of: [{' '.join(BUSES)}]{did_you_mean(bus, BUSES)}")
     if device == "cdrom" and bus == "virtio":
         raise SpecError(f"{tat}.bus", "Bus type virtio is invalid for CD-ROM device")
 

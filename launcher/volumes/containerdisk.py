@@ -3,12 +3,20 @@ disk server, and given to each VM through its own qcow2 overlay (N VMs cost one 
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import replace
+from typing import Iterator
+
 from diskkit.disk import qemuimg
+from diskkit.errors import AuthError, DiskkitError
+from diskkit.oci.reference import parse_ref
+from diskkit.registry.authfile import in_config
+from diskkit.registry.options import RegistryOptions
 from launcher.diskserver.client import Attached, attach, files
 from launcher.node.cache import within
 from launcher.node.pull import default_policy, pull
 from launcher.render.domain import ResolvedDisk
-from launcher.spec.k8s import NetworkSource
+from launcher.spec.k8s import NetworkSource, pull_secret_config
 from launcher.spec.vmi import Volume
 from launcher.volumes.context import Context
 from launcher.volumes.files import block_io, direct_io_supported, overlay
@@ -16,16 +24,50 @@ from launcher.volumes.files import block_io, direct_io_supported, overlay
 
 def container_disk(ctx: Context, volume: Volume, where: str) -> ResolvedDisk:
     source = volume.source
-    if ctx.lazy != "off":
-        policy = source.image_pull_policy or default_policy(source.image)
-        attached = attach(ctx.cache, source.image, source.path, ctx.platform, ctx.registry, ctx.lazy, policy, ctx.out.notes,
-                          vm=ctx.create, qemu_uid=ctx.qemu_uid)
-        if attached is not None:
-            ctx.out.pulled.append(attached.pulled)
-            return _nbd_overlay(ctx, volume, attached)
-    base = pull(ctx.cache, source.image, source.path, ctx.platform, ctx.registry, source.image_pull_policy)
+    registry, why_not = pull_options(ctx, source.image, source.image_pull_secret, f"{where}.imagePullSecret")
+    with image_field(f"{where}.image", why_not):
+        if ctx.lazy != "off":
+            policy = source.image_pull_policy or default_policy(source.image)
+            attached = attach(ctx.cache, source.image, source.path, ctx.platform, registry, ctx.lazy, policy, ctx.out.notes,
+                              vm=ctx.create, qemu_uid=ctx.qemu_uid)
+            if attached is not None:
+                ctx.out.pulled.append(attached.pulled)
+                return _nbd_overlay(ctx, volume, attached)
+        base = pull(ctx.cache, source.image, source.path, ctx.platform, registry, source.image_pull_policy)
     ctx.out.pulled.append(base)
     return overlay(within(ctx.run_dir, volume.name, "disk.qcow2"), base.path, base.format, ctx.create)
+
+
+@contextlib.contextmanager
+def image_field(at: str, why_not: str | None = None) -> Iterator[None]:
+    """A pull's error names the VMI field of the image first (`spec.volumes[0].containerDisk.image: ...`),
+    and a refused pull says why the pull secret gave no credentials."""
+    try:
+        yield
+    except DiskkitError as exc:
+        exc.subject = f"{at}: {exc.subject}" if exc.subject else at
+        if why_not and isinstance(exc, AuthError):
+            exc.rule = f"{exc.rule}; {why_not}"
+        exc.args = (exc.line(),)
+        raise
+
+
+def pull_options(ctx: Context, image: str, secret: str | None, at: str) -> tuple[RegistryOptions | None, str | None]:
+    """The registry options of one image's pulls: with an imagePullSecret that has an entry for the
+    image's registry, that entry alone (the kubelet tries the pod's pull secrets before the node's
+    credentials); without one, the node's. KubeVirt puts each volume's secret on its pod
+    (pkg/virt-controller/services/rendervolumes.go); here it serves that volume's image only."""
+    if not secret:
+        return ctx.registry, None
+    config, why_not = pull_secret_config(ctx.store.objects, ctx.vmi.namespace, secret, at)
+    ctx.note(why_not)
+    ref = parse_ref(image)
+    if config is None or ref.transport != "docker" or ref.name is None:
+        return ctx.registry, why_not
+    creds = in_config(config, ref.name.registry, f"secret {ctx.vmi.namespace}/{secret}")
+    if creds is None:
+        return ctx.registry, f"{at}: secret {ctx.vmi.namespace}/{secret} has no entry for {ref.name.registry}"
+    return replace(ctx.registry or RegistryOptions(), inline_credentials=((ref.name.registry, creds),)), None
 
 
 def _nbd_overlay(ctx: Context, volume: Volume, attached: Attached) -> ResolvedDisk:
@@ -51,13 +93,20 @@ def kernel_boot(ctx: Context) -> None:
     if boot is None or boot.container is None:
         return
     container = boot.container
+    at = "spec.domain.firmware.kernelBoot.container"
+    registry, why_not = pull_options(ctx, container.image, container.image_pull_secret, f"{at}.imagePullSecret")
+    with image_field(f"{at}.image", why_not):
+        _kernel_boot_files(ctx, container, registry)
+
+
+def _kernel_boot_files(ctx: Context, container, registry) -> None:
     wanted = [(attr, path) for attr, path in (("kernel", container.kernel_path), ("initrd", container.initrd_path)) if path]
     fetched = None
     if ctx.lazy != "off":
         policy = container.image_pull_policy or default_policy(container.image)
-        fetched = files(ctx.cache, container.image, [path for _, path in wanted], ctx.platform, ctx.registry, ctx.lazy, policy, ctx.out.notes)
+        fetched = files(ctx.cache, container.image, [path for _, path in wanted], ctx.platform, registry, ctx.lazy, policy, ctx.out.notes)
     for attr, file_path in wanted:
-        pulled = fetched[file_path] if fetched else pull(ctx.cache, container.image, file_path, ctx.platform, ctx.registry,
+        pulled = fetched[file_path] if fetched else pull(ctx.cache, container.image, file_path, ctx.platform, registry,
                                                          container.image_pull_policy, disk=False)
         ctx.out.pulled.append(pulled)
         setattr(ctx.out, attr, str(pulled.path))

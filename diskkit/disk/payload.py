@@ -1,0 +1,166 @@
+"""What a file handed to build, convert or verify really holds: a disk, a compressed or archived disk
+(unwrapped as CDI's importer does), or something that is no disk at all (refused with what to do).
+
+CDI's importer (containerized-data-importer pkg/image/filefmt.go, pkg/importer/format-readers.go)
+knows gz, xz and zst streams and tar archives by their magic numbers and peels them off before it
+looks for a disk format; bzip2, which cloud images are also published in, is peeled the same way.
+From a tar it takes the one regular file (pkg/importer/transport.go takes the first non-directory
+member under disk/ of a containerDisk layer; an archive of several files is ambiguous here, so refused).
+"""
+
+from __future__ import annotations
+
+import os
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from diskkit.disk.diskheader import probe_format
+from diskkit.errors import DiskkitError
+from diskkit.streams.compression import decompressing_reader
+from diskkit.streams.sparse import SparseWriter
+
+HEAD_BYTES = 4096
+SECTOR = 512  # nothing smaller is a disk: qemu and KubeVirt count disks in sectors
+CHUNK = 1 << 20
+MAX_LAYERS = 4  # a .tar.xz of a .qcow2.gz is already unusual; deeper nesting is refused
+
+COMPRESSIONS = ("xz", "gzip", "zstd", "bzip2")
+SUFFIXES = {"xz": (".xz",), "gzip": (".gz", ".tgz"), "zstd": (".zst", ".zstd"), "bzip2": (".bz2", ".tbz2")}
+DISK_FORMATS = ("qcow2", "vmdk", "vdi", "vhdx", "vpc")
+
+
+def classify(head: bytes, size: int) -> str:
+    """The kind of a file from its first bytes and size: a compression, "tar", a disk format,
+    "raw", or what it is when it is no disk: "elf", "text", "small"."""
+    if head.startswith(b"\xfd7zXZ\x00"):
+        return "xz"
+    if head.startswith(b"\x1f\x8b"):
+        return "gzip"
+    if head.startswith(b"\x28\xb5\x2f\xfd"):
+        return "zstd"
+    # "BZh" and the block size, then a block's or the stream end's magic (pi or sqrt(pi) in BCD)
+    if head[:3] == b"BZh" and head[3:4] in b"123456789" and head[4:10] in (b"\x31\x41\x59\x26\x53\x59", b"\x17\x72\x45\x38\x50\x90"):
+        return "bzip2"
+    if head[257:262] == b"ustar":
+        return "tar"
+    fmt = probe_format(head)
+    if fmt != "raw" and head[:21] != b"# Disk DescriptorFile":
+        return fmt
+    if head.startswith(b"\x7fELF"):
+        return "elf"
+    if head[:21] == b"# Disk DescriptorFile":
+        return "vmdk"  # a text vmdk descriptor; qemu-img and the disk rules judge its extents
+    if _is_text(head):
+        return "text"
+    if size < SECTOR:
+        return "small"
+    return "raw"
+
+
+_CONTROL = bytes(c for c in range(32) if c not in b"\t\n\r\f") + b"\x7f"
+
+
+def _is_text(head: bytes) -> bool:
+    """Printable UTF-8 with no control characters: what a manifest, script or note is, and no disk's
+    first sectors are (boot code, partition tables and superblocks hold zeros and binary fields)."""
+    if any(c in head for c in _CONTROL):
+        return False
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return exc.start >= len(head) - 3  # a character cut by the end of the sample
+    return True
+
+
+def refusal(kind: str, head: bytes, size: int) -> str | None:
+    """The one line said about a file that is no disk; None for anything that may be one."""
+    if kind == "elf":
+        return "is an ELF executable, not a disk image; give a disk (raw, qcow2, vmdk, vdi, vpc or vhdx), and a kernel with --kernel"
+    if kind == "small":
+        return f"is {size} bytes, less than one {SECTOR}-byte sector: not a disk image; give the disk file itself"
+    if kind == "text":
+        first = head.split(b"\n", 1)[0][:40].decode("utf-8", "replace")
+        return f"is a text file (it starts {first!r}), not a disk image; give the disk file itself (raw, qcow2, vmdk, vdi, vpc or vhdx)"
+    return None
+
+
+def logical_name(name: str, kind: str) -> str:
+    """`fedora.qcow2.xz` holds `fedora.qcow2`; a `.tgz` holds a tar."""
+    for suffix in SUFFIXES.get(kind, ()):
+        if name.endswith(suffix) and len(name) > len(suffix):
+            stem = name[: -len(suffix)]
+            return stem + ".tar" if suffix.startswith(".t") and suffix != ".tar" else stem
+    return name
+
+
+@dataclass(frozen=True)
+class Unwrapped:
+    path: Path  # the disk file: the input itself, or one written under the work directory
+    name: str  # the disk's own name (the archive member's, or the input's without its compression suffix)
+    layers: tuple[str, ...] = ()  # what was peeled off, outermost first: ("xz",), ("gzip", "tar")
+
+
+def unwrap(source: Path, workdir: Path, note: Callable[[str], None] | None = None) -> Unwrapped:
+    """The disk `source` holds: `source` itself, or decompressed / taken out of its archive into
+    `workdir` (sparse, flat memory); a file that is no disk is refused, naming `source`."""
+    path, name, layers = source, source.name, []
+    while True:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(HEAD_BYTES)
+        kind = classify(head, size)
+        problem = refusal(kind, head, size)
+        if problem:
+            raise DiskkitError(f"{source} (unwrapped {'+'.join(layers)}: {name})" if layers else source, problem)
+        if kind not in COMPRESSIONS and kind != "tar":
+            if layers and note:
+                note(f"{source}: {'+'.join(layers)} unwrapped: the disk is {name} ({kind})")
+            return Unwrapped(path, name, tuple(layers))
+        if len(layers) == MAX_LAYERS:
+            raise DiskkitError(source, f"is wrapped more than {MAX_LAYERS} times ({'+'.join(layers)}+{kind}); unpack it first")
+        workdir.mkdir(parents=True, exist_ok=True)
+        if kind == "tar":
+            path, name = _take_member(path, source, workdir / f"unwrapped{len(layers)}")
+        else:
+            name = logical_name(name, kind)
+            out = workdir / f"unwrapped{len(layers)}"
+            with open(path, "rb") as raw, decompressing_reader(raw, kind, str(source)) as stream:
+                _copy_sparse(stream, out)
+            path = out
+        layers.append(kind)
+
+
+def _copy_sparse(stream, out: Path) -> int:
+    with open(out, "wb") as f:
+        writer = SparseWriter(f)
+        buf = bytearray(CHUNK)
+        view = memoryview(buf)
+        while n := stream.readinto(view):
+            writer.write(view[:n])
+        total = f.tell()
+        f.truncate(total)
+    return total
+
+
+def _take_member(archive: Path, source: Path, out: Path) -> tuple[Path, str]:
+    try:
+        with tarfile.open(archive, "r:") as tar:
+            files = []
+            for member in tar:
+                if member.isfile():
+                    files.append(member)
+                elif not member.isdir():
+                    raise DiskkitError(f"{source}: {member.name}", "the archive holds something other than files and directories; give the disk file itself")
+            if len(files) != 1:
+                names = ", ".join(m.name for m in files[:4]) + (", ..." if len(files) > 4 else "")
+                raise DiskkitError(source, f"the archive holds {len(files)} files ({names or 'none'}), not one disk; unpack it and give the disk file")
+            member = files[0]
+            extracted = tar.extractfile(member)
+            assert extracted is not None
+            with extracted:
+                _copy_sparse(extracted, out)
+    except tarfile.TarError as exc:
+        raise DiskkitError(source, f"tar archive cannot be read ({exc}); refused") from None
+    return out, os.path.basename(member.name.rstrip("/")) or "disk"
