@@ -504,3 +504,20 @@ def test_the_atomic_payload_is_read_as_strictly_as_containers_image(keys, tmp_pa
     # A keyring with no public key in it accepts nothing (policy_eval_signedby.go).
     with pytest.raises(openpgp.InvalidSignature, match="No public keys imported"):
         openpgp.verify(_sign_as(keys, "a", "reg.example/a/b:1", digest), [b"not a keyring"])
+
+
+def test_every_tag_of_a_build_is_signed_as_itself(registry, keys, disk, tmp_path):
+    """Three -t of one build, two in one repository: each tag gets a signature naming it, stored before
+    its manifest is put, and skopeo pulls each tag under a signedBy policy (matchRepoDigestOrExact needs
+    the exact tag in the signature's identity)."""
+    first, second, other = (f"{registry.host}/gpg/tags:a", f"{registry.host}/gpg/tags:b", f"{registry.host}/gpg/elsewhere:c")
+    result = run_diskkit("build", NOREG, "--no-lazy", "--registries.d", keys["regd"], "--sign-by", keys["a"], disk,
+                         "-t", first, "-t", second, "-t", other)
+    assert result.code == 0, result.err
+    digest = result.last_line
+    assert sorted(p.name for p in sig_dir(keys, first, digest).iterdir()) == ["signature-1", "signature-2"]
+    assert sorted(p.name for p in sig_dir(keys, other, digest).iterdir()) == ["signature-1"]
+    good = policy(tmp_path / "a.json", f"{registry.host}/gpg", signed_by(keys, "a"))
+    for n, ref in enumerate((first, second, other)):
+        ok = skopeo_copy(keys, good, ref, f"dir:{tmp_path}/out{n}")
+        assert ok.returncode == 0, (ref, ok.stderr)
