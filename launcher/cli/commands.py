@@ -14,6 +14,7 @@ from diskkit.cli.shell import registry_options, run_main
 from diskkit.registry.options import RegistryOptions
 from launcher.cli.dv import dv
 from launcher.cli.options import cache_option, ignore_unsupported_option, load_vmi_file, node_cache, parse_size, say, storage_options, trust_options, warn_if_open
+from launcher.cli.portforward import port_forward
 from launcher.node.cache import Cache, tree_size
 
 
@@ -314,6 +315,7 @@ def gc(max_size, as_json, cache_dir) -> None:
 
 
 cli.add_command(dv)
+cli.add_command(port_forward)
 
 
 def main() -> None:
