@@ -110,14 +110,16 @@ def test_masquerade_lease_and_page_through_port_forward(qemu_user, guest_image):
 
 def test_default_interface_without_interfaces_and_none_when_autoattach_is_false(qemu_user, guest_image):
     # pkg/network/vmispec/defaults.go: no networks, no interfaces -> the default pod interface
-    vmi = net_vmi(qemu_user, "dflt", guest_image, hold="hold-0")
-    result = qemu_user.launcher("run", NOREG, "--console", "--timeout", "240", vmi)
-    assert result.code == 0, result.err
-    assert LEASE.search(result.out), result.out
+    start(qemu_user, net_vmi(qemu_user, "dflt", guest_image), wait_for="NET-LEASE")
+    try:
+        text = console(qemu_user, "default_dflt")
+        assert "NET-NIC iface=eth0" in text and LEASE.search(text), text
+    finally:
+        assert qemu_user.launcher("stop", "dflt").code == 0
     vmi = net_vmi(qemu_user, "nonic", guest_image, devices={"autoattachPodInterface": False}, hold="hold-0")
     result = qemu_user.launcher("run", NOREG, "--console", "--timeout", "240", vmi)
     assert result.code == 0, result.err
-    assert parse_console(result.out)["done"] and "NET-LEASE" not in result.out, result.out
+    assert parse_console(result.out)["done"] and "NET-NIC none" in result.out, result.out
 
 
 def test_two_vms_each_answer_on_their_own_forward(qemu_user, guest_image):
