@@ -93,6 +93,8 @@ def test_masquerade_lease_and_page_through_port_forward(qemu_user, guest_image):
         local = free_port()
         with forwarding(qemu_user, "vmi/masq", f"{local}:80"):
             assert "DISKKIT-TESTGUEST vm=vm-masq" in fetch(local)
+            taken = qemu_user.launcher("port-forward", "masq", f"{local}:80", timeout=60)  # qemu's own refusal, one line
+            assert taken.code == 1 and "cannot forward to guest port 80" in taken.err and len(taken.err.strip().splitlines()) == 1, taken.err
         # the forward is gone with the command
         with pytest.raises(OSError):
             fetch(local)
@@ -143,3 +145,21 @@ def test_port_forward_refusals(qemu_user):
                         (("nosuchvm", "80"), "no VM of this name")):
         result = qemu_user.launcher("port-forward", *args)
         assert result.code == 1 and words in result.err and len(result.err.strip().splitlines()) == 1, result.err
+
+
+def test_root_launcher_forwards_too(qemu_user, guest_image, root_side):
+    # A root launcher with qemu as the qemu user: the forward is qemu's socket, added through libvirt.
+    cache, uri = root_side
+    env = {**os.environ, "CI": "true", "DISKKIT_CACHE": str(cache)}
+    vmi = net_vmi(qemu_user, "rooted", guest_image)
+    started = subprocess.run(launcher_command("run", NOREG, "--wait-for", HTTPD, "--timeout", "240", "--connect", uri, str(vmi)),
+                             env=env, capture_output=True, text=True, timeout=300)
+    assert started.returncode == 0, started.stderr
+    try:
+        proc = subprocess.run(launcher_command("port-forward", "--stdio", "vmi/rooted", "80"), input="GET / HTTP/1.0\r\n\r\n",
+                              env=env, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0 and "vm=vm-rooted" in proc.stdout, (proc.stdout, proc.stderr)
+    finally:
+        stopped = subprocess.run(launcher_command("stop", "rooted"), env=env, capture_output=True, text=True, timeout=120)
+        assert stopped.returncode == 0, stopped.stderr
+    assert "default_rooted" not in qemu_user.virsh("list", "--all", "--name").split()
