@@ -122,6 +122,12 @@ def test_default_interface_without_interfaces_and_none_when_autoattach_is_false(
     result = qemu_user.launcher("run", NOREG, "--console", "--timeout", "240", vmi)
     assert result.code == 0, result.err
     assert parse_console(result.out)["done"] and "NET-NIC none" in result.out, result.out
+    # after the guest's own poweroff as after a stop: nothing of the network left
+    vmi = net_vmi(qemu_user, "gone", guest_image, hold="hold-0")
+    result = qemu_user.launcher("run", NOREG, "--console", "--timeout", "240", vmi)
+    assert result.code == 0 and "NET-NIC iface=eth0" in result.out, result.err
+    assert_clean(qemu_user, "default_gone")
+    assert helpers_of(qemu_user) == []
 
 
 def test_two_vms_each_answer_on_their_own_forward(qemu_user, guest_image):

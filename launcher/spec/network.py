@@ -56,6 +56,7 @@ class Interface:
     pci_address: str | None = None
     boot_order: int | None = None
     ports: tuple[Port, ...] = ()
+    link_down: bool = False  # state: down (admit.go InterfaceStateLinkDown)
 
 
 def _mac(value: str) -> str | None:
@@ -234,13 +235,11 @@ def parse_interfaces(spec: dict, devices: dict, root: str, disk_boot_orders: fro
                 raise field_error(f"{fat}.bootOrder", f"Boot order for {fat}.bootOrder already set for a different device.")
             boot_orders.add(boot)
         state = get_str(doc, "state", fat)
-        if state is not None and state not in ("up",):
-            if state not in ("absent", "down"):
-                raise field_error(f"{fat}.state", f"logical {names[i]} interface state value is unsupported: {state}")
-            if state == "absent" and bindings[i] != "bridge":
-                raise field_error(f"{fat}.state", f'"{names[i]}" interface\'s state "absent" is supported only for bridge binding')
-            if state == "absent":
-                raise field_error(f"{fat}.state", f'"{names[i]}" interface\'s state "absent" is not supported on default networks')
-            raise field_error(f"{fat}.state", "a link set down is not supported by the launcher")
-        interfaces.append(Interface(names[i], i, bindings[i], pods[names[i]][1], model, normal, pci, boot, ports))
+        if state not in (None, "up", "down", "absent"):
+            raise field_error(f"{fat}.state", f"logical {names[i]} interface state value is unsupported: {state}")
+        if state == "absent" and bindings[i] != "bridge":
+            raise field_error(f"{fat}.state", f'"{names[i]}" interface\'s state "absent" is supported only for bridge binding')
+        if state == "absent":  # the pod network is always the default network (vmispec.LookUpDefaultNetwork)
+            raise field_error(f"{fat}.state", f'"{names[i]}" interface\'s state "absent" is not supported on default networks')
+        interfaces.append(Interface(names[i], i, bindings[i], pods[names[i]][1], model, normal, pci, boot, ports, state == "down"))
     return tuple(interfaces)
