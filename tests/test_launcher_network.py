@@ -5,6 +5,7 @@ network mode (udhcpc lease, busybox httpd serving its SMBIOS serial) reached thr
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -24,14 +25,14 @@ LEASE = re.compile(r"NET-LEASE iface=eth0 ip=(\S+) mask=(\S+) router=(\S+) dns=(
 def net_vmi(user, name, image, interfaces=None, networks=None, devices=None, hold="hold-300"):
     domain = {"firmware": {"serial": f"vm-{name}"}}
     path = user.write_vmi(name, image, serial=hold, domain=domain)
-    doc = __import__("json").loads(path.read_text())
+    doc = json.loads(path.read_text())
     devs = doc["spec"]["domain"]["devices"]
     devs.update(devices or {})
     if interfaces is not None:
         devs["interfaces"] = interfaces
     if networks is not None:
         doc["spec"]["networks"] = networks
-    path.write_text(__import__("json").dumps(doc))
+    path.write_text(json.dumps(doc))
     return path
 
 
@@ -169,3 +170,27 @@ def test_root_launcher_forwards_too(qemu_user, guest_image, root_side):
         stopped = subprocess.run(launcher_command("stop", "rooted"), env=env, capture_output=True, text=True, timeout=120)
         assert stopped.returncode == 0, stopped.stderr
     assert "default_rooted" not in qemu_user.virsh("list", "--all", "--name").split()
+
+
+def test_declared_ports_are_published_and_only_they(qemu_user, guest_image):
+    # KubeVirt's masquerade: traffic to the pod's IP on a declared port reaches the guest. Here the
+    # address is the caller's (--publish-address; 0.0.0.0 in a pod), loopback in the test. The guest
+    # serves its page on both ports (disk serials http-N); only the declared one is published.
+    declared, undeclared = free_port(), free_port()
+    vmi = net_vmi(qemu_user, "pub", guest_image, [{"name": "pod", "masquerade": {}, "ports": [{"name": "web", "port": declared}]}],
+                  [{"name": "pod", "pod": {}}])
+    doc = json.loads(vmi.read_text())
+    for i, port in enumerate((declared, undeclared)):
+        doc["spec"]["domain"]["devices"]["disks"].append({"name": f"p{i}", "serial": f"http-{port}", "disk": {"bus": "virtio"}})
+        doc["spec"]["volumes"].append({"name": f"p{i}", "emptyDisk": {"capacity": "1Mi"}})
+    vmi.write_text(json.dumps(doc))
+    result = qemu_user.launcher("run", NOREG, "--publish-address", "127.0.0.1", "--wait-for", f"NET-HTTPD port={undeclared}",
+                                "--timeout", "240", vmi)
+    assert result.code == 0, result.err
+    try:
+        assert f"127.0.0.1:{declared}/TCP -> pod port {declared}" in result.err, result.err
+        assert "vm=vm-pub " in fetch(declared)
+        with pytest.raises(OSError):
+            fetch(undeclared)
+    finally:
+        assert qemu_user.launcher("stop", "pub").code == 0
