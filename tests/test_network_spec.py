@@ -120,6 +120,10 @@ def test_passt_binding_plugin():
     ([{"name": "pod", "bridge": {}, "state": "gone"}], POD, f"{IFACES}[0].state: logical pod interface state value is unsupported: gone"),
     ([{"name": "pod", "masquerade": {}, "state": "absent"}], POD, f'{IFACES}[0].state: "pod" interface\'s state "absent" is supported only for bridge binding'),
     ([{"name": "pod", "bridge": {}, "state": "absent"}], POD, f'{IFACES}[0].state: "pod" interface\'s state "absent" is not supported on default networks'),
+    ([{"name": "pod", "masquerade": {}}], [{"name": "pod", "pod": {"vmNetworkCIDR": "10.0.2.0/29"}}],
+     "spec.networks[0].pod.vmNetworkCIDR: 10.0.2.0/29 is too small for the launcher's user-mode network (a /27 at least: the guest gets the 15th address)"),
+    ([{"name": "pod", "masquerade": {}}], [{"name": "pod", "pod": {"vmNetworkCIDR": "10.0.2/24"}}],
+     "spec.networks[0].pod.vmNetworkCIDR: invalid IPv4 CIDR 10.0.2/24"),
     # Multus and SR-IOV: one line naming the field
     ([{"name": "m", "bridge": {}}], [{"name": "m", "multus": {"networkName": "x"}}],
      "spec.networks[0].multus: multus networks need a cluster's CNI: not supported by the launcher"),

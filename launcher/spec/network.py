@@ -152,8 +152,8 @@ def _networks(items: list, at: str) -> dict[str, tuple[int, str]]:
             net = ipaddress.IPv4Network(cidr, strict=False)
         except ValueError:
             raise field_error(f"{nat}.pod.vmNetworkCIDR", f"invalid IPv4 CIDR {cidr}") from None
-        if net.prefixlen > 30:  # the guest, its gateway and DNS need addresses in it
-            raise field_error(f"{nat}.pod.vmNetworkCIDR", f"{cidr} is too small: the guest, its gateway and DNS need a /30 at least")
+        if net.prefixlen > 27:  # qemu's user-mode stack puts the gateway at .2, DNS at .3 and the guest at .15
+            raise field_error(f"{nat}.pod.vmNetworkCIDR", f"{cidr} is too small for the launcher's user-mode network (a /27 at least: the guest gets the 15th address)")
         pods[name] = (i, str(net))
     return pods
 
