@@ -82,15 +82,16 @@ def free_port() -> int:
 
 
 def test_masquerade_lease_and_page_through_port_forward(qemu_user, guest_image):
-    vmi = net_vmi(qemu_user, "masq", guest_image, [{"name": "pod", "masquerade": {}, "ports": [{"name": "http", "port": 80}]}],
+    vmi = net_vmi(qemu_user, "masq", guest_image, [{"name": "pod", "masquerade": {}, "macAddress": "02:00:00:AA:BB:CC",
+                                                    "ports": [{"name": "http", "port": 80}]}],
                   [{"name": "pod", "pod": {}}])
     start(qemu_user, vmi)
     try:
         lease = LEASE.search(console(qemu_user, "default_masq"))
         assert lease, console(qemu_user, "default_masq")
-        ip, mask, router, dns, _mac = lease.groups()
-        # qemu's user-mode stack on KubeVirt's masquerade subnet 10.0.2.0/24
-        assert ip.startswith("10.0.2.") and mask == "255.255.255.0" and router.startswith("10.0.2."), lease.group(0)
+        # qemu's user-mode stack on KubeVirt's masquerade subnet 10.0.2.0/24: the guest at .15, the
+        # gateway at .2, a DNS proxy to the host's resolv.conf at .3; the MAC the spec asked for
+        assert lease.groups() == ("10.0.2.15", "255.255.255.0", "10.0.2.2", "10.0.2.3", "02:00:00:aa:bb:cc"), lease.group(0)
         local = free_port()
         with forwarding(qemu_user, "vmi/masq", f"{local}:80"):
             assert "DISKKIT-TESTGUEST vm=vm-masq" in fetch(local)
