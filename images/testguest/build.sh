@@ -43,6 +43,7 @@ WANTED_MODULES=(
     fuse virtiofs
     button evdev
     virtio_rng
+    failover net_failover virtio_net
 )
 CMDLINE="console=ttyS0 quiet panic=-1 scsi_mod.scan=sync"
 export SOURCE_DATE_EPOCH=${SOURCE_DATE_EPOCH:-1700000000}
