@@ -43,7 +43,7 @@ def start(user, vmi, wait_for=HTTPD):
 
 
 def console(user, domain) -> str:
-    return (user.cache / "run" / domain / "console.log").read_text(errors="replace")
+    return (user.cache / "run" / domain / "console" / "console.log").read_text(errors="replace")
 
 
 @contextlib.contextmanager
