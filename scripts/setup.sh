@@ -13,6 +13,7 @@ APT_PACKAGES=(
     libvirt-daemon-system libvirt-clients libvirt-dev pkg-config libxml2-utils ovmf tgt
     docker.io podman catatonit mmdebstrap
     golang-go golang-golang-x-crypto-dev openssl
+    dropbear-bin openssh-client
 )
 
 SUDO=""
