@@ -13,6 +13,8 @@ from diskkit.cli.shell import platform as platform_of
 from diskkit.cli.shell import registry_options, run_main
 from diskkit.registry.options import RegistryOptions
 from launcher.cli.dv import dv
+from launcher.cli.smoketest import smoke_test
+from launcher.cli.ssh import ssh
 from launcher.cli.options import cache_option, ignore_unsupported_option, load_vmi_file, node_cache, parse_size, say, storage_options, trust_options, warn_if_open
 from launcher.node.cache import Cache, tree_size
 
@@ -314,6 +316,8 @@ def gc(max_size, as_json, cache_dir) -> None:
 
 
 cli.add_command(dv)
+cli.add_command(ssh)
+cli.add_command(smoke_test)
 
 
 def main() -> None:
