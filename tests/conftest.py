@@ -21,6 +21,7 @@ REQUIRED_TOOLS = (
     "go", "openssl",
     "podman", "mmdebstrap", "catatonit", "unshare", "flock",
     "libvirtd", "virtlogd", "nsenter",
+    "ssh", "ssh-keygen", "dropbear",
 )
 
 

@@ -114,7 +114,7 @@ Examples:
 @click.option("-p", "--port", type=click.IntRange(1, 65535), default=22, show_default=True, help="The guest's ssh port.")
 @click.option("-l", "--username", metavar="USER", help="Log in as USER (default: USER@ in the target, else $USER, as virtctl).")
 @click.option("-c", "--command", metavar="COMMAND", help="Run COMMAND in the guest (or give it after --).")
-@click.option("-t", "--local-ssh-opts", multiple=True, metavar="OPTS", help="More options for the local ssh, e.g. \"-o StrictHostKeyChecking=no\"; repeatable.")
+@click.option("-t", "--local-ssh-opts", "local_opts", multiple=True, metavar="OPTS", help="More options for the local ssh, e.g. \"-o StrictHostKeyChecking=no\"; repeatable.")
 @click.option("--cache-dir", type=click.Path(file_okay=False), help="The node cache the VM was started from.")
 def ssh(target, remote, identity_file, port, username, command, local_opts, cache_dir) -> None:
     """Open an ssh connection to a VM started by `launcher run` ([USER@]vmi/NAME[/NAMESPACE] or NAME).
