@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.testguest import parse_console
 from tests.vmhost import NOREG, QEMU_UID, assert_clean
 
 
@@ -28,7 +29,7 @@ def keypair(directory: Path, name: str) -> tuple[Path, str]:
 def credential_vmi(qemu_user, name: str, image: str, method: str) -> Path:
     """The test guest with a cloud-init disk of `method`'s kind and the Secret `keys` as its access credential."""
     kind = {"noCloud": "cloudInitNoCloud", "configDrive": "cloudInitConfigDrive"}[method]
-    path = qemu_user.write_vmi(name, image, extra=[({"name": "ci", "cdrom": {"bus": "sata"}},
+    path = qemu_user.write_vmi(name, image, extra=[({"name": "ci", "disk": {"bus": "virtio"}},
                                                     {"name": "ci", kind: {"userData": "#cloud-config\n"}})])
     doc = json.loads(path.read_text())
     doc["spec"]["accessCredentials"] = [{"sshPublicKey": {"source": {"secret": {"secretName": "keys"}},
@@ -44,6 +45,20 @@ def manifests(qemu_user, public_key: str) -> Path:
         "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "keys", "namespace": "default"},
         "data": {"ed25519": base64.b64encode(public_key.encode()).decode()}}))
     return directory
+
+
+@pytest.mark.parametrize("method, path", [("noCloud", "/meta-data"), ("configDrive", "/openstack/latest/meta_data.json")])
+def test_access_credentials_reach_the_guests_cloud_init_disk(qemu_user, guest_image, method, path):
+    _, public = keypair(qemu_user.root, f"seen-{method}")
+    name = f"seen-{method.lower()}"
+    vmi = credential_vmi(qemu_user, name, guest_image, method)
+    result = qemu_user.launcher("run", NOREG, "--manifests", manifests(qemu_user, public), "--console", "--timeout", "240", vmi)
+    assert result.code == 0, result.err
+    isos = parse_console(result.out)["isos"]
+    meta = next(iso["files"][path] for iso in isos.values() if path in iso["files"])
+    key = "public-keys" if method == "noCloud" else "public_keys"
+    assert json.loads(meta)[key] == {"0": public}
+    assert_clean(qemu_user, f"default_{name}")
 
 
 @pytest.mark.parametrize("method", ["noCloud", "configDrive"])
