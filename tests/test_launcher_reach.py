@@ -52,7 +52,10 @@ def test_access_credentials_reach_the_guests_cloud_init_disk(qemu_user, guest_im
     _, public = keypair(qemu_user.root, f"seen-{method}")
     name = f"seen-{method.lower()}"
     vmi = credential_vmi(qemu_user, name, guest_image, method)
-    result = qemu_user.launcher("run", NOREG, "--manifests", manifests(qemu_user, public), "--console", "--timeout", "240", vmi)
+    # DONE: the guest has reported its disks (with a NIC it then stays up serving ssh, so it is stopped)
+    result = qemu_user.launcher("run", NOREG, "--manifests", manifests(qemu_user, public), "--console", "--wait-for",
+                                "DISKKIT-TESTGUEST DONE", "--timeout", "240", vmi)
+    qemu_user.launcher("stop", name)
     assert result.code == 0, result.err
     isos = parse_console(result.out)["isos"]
     meta = next(iso["files"][path] for iso in isos.values() if path in iso["files"])
