@@ -74,7 +74,6 @@ CASES = [
      "spec.accessCredentials[0].sshPublicKey.propagationMethod.qemuGuestAgent", UNSUPPORTED),
     (("spec", "accessCredentials"), [{"userPassword": {}}], "spec.accessCredentials[0].userPassword", UNSUPPORTED),
     (("spec", "startStrategy"), "Paused", "spec.startStrategy", UNSUPPORTED),
-    (("spec", "networks"), [{"name": "n", "multus": {"networkName": "x"}}], "spec.networks", UNSUPPORTED),
     (("metadata", "annotations"), {"hooks.kubevirt.io/hookSidecars": "[]"}, "metadata.annotations[hooks.kubevirt.io/hookSidecars]", UNSUPPORTED),
     # the schema spells it "readonly" (schema.go DiskTarget); KubeVirt's API server drops "readOnly"
     (("spec", "domain", "devices", "disks"), [{"name": "root", "disk": {"readOnly": True}}], "spec.domain.devices.disks[0].disk.readOnly", UNKNOWN),
@@ -111,15 +110,6 @@ def test_inert_fields_change_nothing():
                        readinessProbe={"exec": {"command": ["true"]}})
     doc["spec"]["domain"]["devices"]["disks"] = [{"name": "root", "tag": "boot", "disk": {"bus": "virtio"}}]
     assert parse_vmi(doc).ignored == ()
-
-
-def test_kubevirts_default_pod_network_is_the_launchers_documented_default():
-    # The same VM either way: KubeVirt adds exactly this to a VMI without networks (the launcher attaches none).
-    doc = vmi(interfaces=[{"name": "default", "masquerade": {}}])
-    doc["spec"]["networks"] = [{"name": "default", "pod": {}}]
-    assert parse_vmi(doc).ignored == ()
-    doc["spec"]["domain"]["devices"]["interfaces"] = [{"name": "default", "masquerade": {}, "macAddress": "02:00:00:00:00:01"}]
-    assert refusal(doc) == f"spec.domain.devices.interfaces: {UNSUPPORTED}"
 
 
 def test_a_virtual_machines_template_is_walked_too():

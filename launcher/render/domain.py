@@ -2,8 +2,8 @@
 
 Follows pkg/virt-launcher/virtwrap/converter (storage/, compute/, iothreads/, converter.go) for disks,
 cache and io modes, iothreads, queues and CPU topology. Deliberate differences, all for a launcher
-that runs outside a pod: the serial console is a pty logged to a file, there is no graphics, network,
-balloon or guest-agent channel, and the caller probes KVM and O_DIRECT and passes the results in.
+that runs outside a pod: the serial console is a pty logged to a file, the pod network is qemu's
+user-mode stack (launcher.render.interfaces), there is no graphics, balloon or guest-agent channel, and the caller probes KVM and O_DIRECT and passes the results in.
 iSCSI and RBD PersistentVolumes become network disks qemu connects to itself (launcher.k8s resolves
 them), as KubeVirt's 2017 proposal for PV-backed disks had it. A lazily pulled containerDisk is an
 overlay whose backing store is an NBD export of the node's disk server, on a unix socket.
@@ -15,7 +15,7 @@ import uuid
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 
-from launcher.render import cpupin
+from launcher.render import cpupin, interfaces
 from launcher.render.cpupin import Topology
 from launcher.spec.k8s import NetworkSource
 from launcher.spec.vmi import VMI, Disk, SpecError, Volume
@@ -428,6 +428,9 @@ def render(vmi: VMI, disks: dict[str, ResolvedDisk], host: Host) -> str:
         _text(devices, "emulator", host.emulator)
     _disks(vmi, disks, devices)
     _filesystems(vmi, host, devices)
+    model = "virtio-transitional" if vmi.domain.devices.use_virtio_transitional else "virtio-non-transitional"
+    for iface in vmi.domain.devices.interfaces:
+        interfaces.render(iface, model, devices)
     disks = vmi.domain.devices.disks
     # model none keeps libvirt from adding a USB controller nobody asked for (compute/controllers.go);
     # arch/amd64.go IsUSBNeeded counts disk devices on usb, not cdroms.

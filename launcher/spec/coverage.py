@@ -76,18 +76,31 @@ DISK = {
     "shareable": HANDLED, "errorPolicy": HANDLED,
     "changedBlockTracking": INERT,
 }
+# launcher.spec.network parses these, refusing SR-IOV, Multus and KubeVirt's discontinued bindings in
+# their own words; portRanges and dhcpOptions too (a feature gate, KubeVirt's in-pod DHCP server).
+INTERFACE = {
+    **dict.fromkeys(("name", "model", "bridge", "masquerade", "sriov", "slirp", "passt", "macvtap", "passtBinding",
+                     "macAddress", "bootOrder", "pciAddress", "portRanges", "dhcpOptions", "state"), HANDLED),
+    "binding": {"name": HANDLED},
+    "ports": ListOf({"name": HANDLED, "protocol": HANDLED, "port": HANDLED}),
+    "tag": INERT,  # as a disk's tag: only KubeVirt's metadata service shows it
+    "acpiIndex": UNSUPPORTED,
+}
+NETWORK = {"name": HANDLED, "pod": {"vmNetworkCIDR": HANDLED, "vmIPv6NetworkCIDR": UNSUPPORTED},
+           "multus": HANDLED, "resourceClaim": HANDLED}
 DEVICES = {
     "disks": ListOf(DISK),
     "useVirtioTransitional": HANDLED, "disableHotplug": HANDLED, "autoattachSerialConsole": HANDLED,
     "filesystems": ListOf({"name": HANDLED, "virtiofs": {}}),
     "blockMultiQueue": HANDLED,
-    # The launcher never adds a NIC, graphics, balloon or input device (README, "deliberate differences"):
+    "interfaces": ListOf(INTERFACE), "autoattachPodInterface": HANDLED,
+    # The launcher never adds a graphics, balloon or input device (README, "deliberate differences"):
     # turning them off asks for what it does anyway.
-    **dict.fromkeys(("autoattachPodInterface", "autoattachGraphicsDevice", "autoattachMemBalloon",
+    **dict.fromkeys(("autoattachGraphicsDevice", "autoattachMemBalloon",
                      "autoattachInputDevice", "logSerialConsole", "networkInterfaceMultiqueue"), INERT),
     "autoattachVSOCK": UNLESS_FALSE,
     "rng": {},
-    **dict.fromkeys(("watchdog", "interfaces", "inputs", "gpus", "downwardMetrics", "panicDevices",
+    **dict.fromkeys(("watchdog", "inputs", "gpus", "downwardMetrics", "panicDevices",
                      "hostDevices", "clientPassthrough", "sound", "tpm", "video"), UNSUPPORTED),
 }
 QUANTITIES = HANDLED  # requests/limits: the parser reads cpu and memory; other resources only schedule
@@ -120,12 +133,13 @@ VMI_SPEC = {
     **dict.fromkeys(("priorityClassName", "nodeSelector", "affinity", "schedulerName", "serviceAccountName",
                      "tolerations", "topologySpreadConstraints", "evictionStrategy",
                      "livenessProbe", "readinessProbe", "subdomain", "dnsPolicy", "dnsConfig"), INERT),
+    "networks": ListOf(NETWORK),
     # launcher.spec.credentials; the guest-agent propagation and passwords need an agent the launcher does not attach
     "accessCredentials": ListOf({"sshPublicKey": {"source": {"secret": {"secretName": HANDLED}},
                                                   "propagationMethod": {"noCloud": {}, "configDrive": {},
                                                                         "qemuGuestAgent": UNSUPPORTED}},
                                  "userPassword": UNSUPPORTED}),
-    **dict.fromkeys(("networks", "startStrategy", "resourceClaims", "utilityVolumes"), UNSUPPORTED),
+    **dict.fromkeys(("startStrategy", "resourceClaims", "utilityVolumes"), UNSUPPORTED),
 }
 TEMPLATE = {"metadata": METADATA, "spec": VMI_SPEC}
 VM_SPEC = {
@@ -162,20 +176,6 @@ def _walk(value: Any, shape: Any, path: str, found: list[tuple[str, str]]) -> No
             _walk(child, rule, where, found)
 
 
-def _default_network_only(spec: dict) -> bool:
-    """One pod network with one masquerade or bridge interface is KubeVirt's own default (what it adds to a
-    VMI without networks), which the launcher documents as not attached: the same VM either way."""
-    networks = spec.get("networks")
-    domain = spec.get("domain")
-    devices = domain.get("devices") if isinstance(domain, dict) else None
-    interfaces = devices.get("interfaces") if isinstance(devices, dict) else None
-    if not (isinstance(networks, list) and isinstance(interfaces, list) and len(networks) == len(interfaces) == 1):
-        return False
-    net, nic = networks[0], interfaces[0]
-    return (isinstance(net, dict) and isinstance(nic, dict) and set(net) == {"name", "pod"} and not net["pod"]
-            and nic.get("name") == net.get("name") and set(nic) - {"name"} in ({"masquerade"}, {"bridge"}))
-
-
 def unsupported_fields(doc: Any) -> list[tuple[str, str]]:
     """(field path, rule) of every field of a VM or VMI document the launcher would not honour."""
     if not isinstance(doc, dict):
@@ -186,9 +186,6 @@ def unsupported_fields(doc: Any) -> list[tuple[str, str]]:
     _walk(doc, shape, "", found)
     vm_spec = doc.get("spec")
     template = (vm_spec.get("template") if isinstance(vm_spec, dict) else None) if vm else doc
-    spec, prefix = template.get("spec") if isinstance(template, dict) else None, "spec.template.spec" if vm else "spec"
-    if isinstance(spec, dict) and _default_network_only(spec):
-        found = [f for f in found if f[0] not in (f"{prefix}.networks", f"{prefix}.domain.devices.interfaces")]
     meta = template.get("metadata") if isinstance(template, dict) else None
     annotations = meta.get("annotations") if isinstance(meta, dict) else None
     for key in UNSUPPORTED_ANNOTATIONS:

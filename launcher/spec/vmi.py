@@ -49,6 +49,7 @@ from launcher.spec.meta import (
     domain_name,
     load_documents,
 )
+from launcher.spec.network import Interface, parse_interfaces
 
 API_VERSION = "kubevirt.io/v1"
 # v1alpha3 is deprecated but still served, with the same schema (CDI's examples use it).
@@ -288,6 +289,7 @@ class Devices:
     disable_hotplug: bool = False  # KubeVirt adds a SCSI controller for hotplugged volumes unless this is set
     filesystems: tuple[Filesystem, ...] = ()
     rng: bool = False  # devices.rng: {} gives the guest a virtio RNG fed by the host's /dev/urandom
+    interfaces: tuple[Interface, ...] = ()  # launcher.spec.network: the pod network's NICs, defaulted
 
 
 @dataclass(frozen=True)
@@ -972,6 +974,10 @@ def parse_vmi(doc: dict, ignore_unsupported: bool = False, *, objects: ObjectSou
         raise SpecError(f"{root}.architecture", f"{architecture} is not supported by the launcher (amd64 only)")
     volumes = _volumes(as_list(spec.get("volumes"), f"{root}.volumes"), f"{root}.volumes")
     domain = _domain(as_map(spec.get("domain"), f"{root}.domain"), root, volumes)
+    devices_doc = as_map(as_map(spec.get("domain"), f"{root}.domain").get("devices"), f"{root}.domain.devices")
+    boot_orders = frozenset(d.boot_order for d in domain.devices.disks if d.boot_order is not None)
+    interfaces = parse_interfaces(spec, devices_doc, root, boot_orders)
+    domain = replace(domain, devices=replace(domain.devices, interfaces=interfaces))
     hostname = _check_names(spec, volumes, root)
     check_dns(spec, root)
     data_volumes = templates(templates_doc, "spec.dataVolumeTemplates", namespace)

@@ -1,0 +1,246 @@
+"""spec.networks and spec.domain.devices.interfaces: KubeVirt's defaulting and admission (pure).
+
+Only the pod network exists here. Its bindings (masquerade, bridge, the passt binding plugin) all
+become one user-mode NIC (launcher.render.interfaces): outside a pod there is no pod interface to
+bridge, and the guest reaches the host's network through the launcher's user-mode stack either way.
+Multus and SR-IOV need a cluster's CNI and a host's VFs: refused, naming the field.
+
+Defaulting follows pkg/network/vmispec/defaults.go SetDefaultNetworkInterface with KubeVirt's default
+cluster config (pkg/virt-config/virt-config.go DefaultNetworkInterface "bridge",
+permitBridgeInterfaceOnPodNetwork true): no networks and no interfaces give one pod network
+"default" with a bridge interface "default", unless autoattachPodInterface is false.
+Admission follows pkg/network/admitter (validator.go runs the checks in this order) and
+vmi-create-admitter.go validateInterfaceBootOrder, with their words.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from dataclasses import dataclass
+
+from launcher.spec.fields import as_list, as_map, field_error, get_bool, get_str
+
+DEFAULT_NAME = "default"  # staging/src/kubevirt.io/api/core/v1/defaults.go DefaultPodNetwork
+DEFAULT_BINDING = "bridge"  # pkg/virt-config/virt-config.go DefaultNetworkInterface
+# pkg/network/link/mac.go StaticMasqueradeBridgeMAC: the in-pod bridge's own address
+RESERVED_MAC = "02:00:00:00:00:00"
+# pkg/network/admitter/netiface.go validInterfaceModels
+MODELS = ("e1000", "e1000e", "igb", "ne2k_pci", "pcnet", "rtl8139", "virtio")
+# pkg/network/istio / masquerade: the guest's subnet when vmNetworkCIDR is unset
+DEFAULT_CIDR = "10.0.2.0/24"
+# binding plugins the launcher implements (KubeVirt's come from the cluster's config)
+PLUGINS = ("passt",)
+PCI_ADDRESS = re.compile(r"([0-9a-fA-F]{4}):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])")
+_INTERFACE_NAME = re.compile(r"[A-Za-z0-9-_]+")
+_PORT_NAME = re.compile(r"[-a-z0-9]+")
+_MAC_COLON = re.compile(r"[0-9a-fA-F]{2}(?P<sep>[:-])[0-9a-fA-F]{2}(?:(?P=sep)[0-9a-fA-F]{2})*")
+_MAC_DOT = re.compile(r"[0-9a-fA-F]{4}(?:\.[0-9a-fA-F]{4})+")
+
+
+@dataclass(frozen=True)
+class Port:
+    port: int
+    protocol: str = "TCP"
+    name: str | None = None
+
+
+@dataclass(frozen=True)
+class Interface:
+    name: str
+    index: int  # in spec.domain.devices.interfaces; -1 for the defaulted one
+    binding: str  # "masquerade" | "bridge" | "passt"
+    cidr: str = DEFAULT_CIDR  # the pod network's vmNetworkCIDR
+    model: str = "virtio"
+    mac: str | None = None  # normalised: lower case, colons
+    pci_address: str | None = None
+    boot_order: int | None = None
+    ports: tuple[Port, ...] = ()
+
+
+def _mac(value: str) -> str | None:
+    """Go's net.ParseMAC forms (6, 8 or 20 bytes); the normalised address, or None if malformed."""
+    if _MAC_COLON.fullmatch(value):
+        octets = re.split("[:-]", value)
+    elif _MAC_DOT.fullmatch(value):
+        octets = [g[i:i + 2] for g in value.split(".") for i in (0, 2)]
+    else:
+        return None
+    return ":".join(o.lower() for o in octets) if len(octets) in (6, 8, 20) else None
+
+
+def _port_name_ok(name: str) -> bool:
+    # k8s.io/apimachinery validation.IsValidPortName (IANA_SVC_NAME)
+    return (len(name) <= 15 and bool(_PORT_NAME.fullmatch(name)) and re.search("[a-z]", name) is not None
+            and "--" not in name and not name.startswith("-") and not name.endswith("-"))
+
+
+def _ports(items: list, at: str) -> tuple[Port, ...]:
+    """netiface.go validatePortConfiguration: names unique and IANA service names, port set and in range,
+    protocol TCP or UDP (default TCP)."""
+    ports, names = [], set()
+    for i, item in enumerate(items):
+        pat = f"{at}[{i}]"
+        doc = as_map(item, pat)
+        name = get_str(doc, "name", pat)
+        if name is not None:
+            if name in names:
+                raise field_error(f"{pat}.name", f"Duplicate name of the port: {name}")
+            if not _port_name_ok(name):
+                raise field_error(f"{pat}.name", f"Invalid name of the port: {name}")
+            names.add(name)
+        port = doc.get("port")
+        if port is None or port == 0:
+            raise field_error(f"{pat}.port", "Port field is mandatory.")
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+            raise field_error(f"{pat}.port", "Port field must be in range 0 < x < 65536.")
+        protocol = get_str(doc, "protocol", pat) or "TCP"
+        if protocol not in ("TCP", "UDP"):
+            raise field_error(f"{pat}.protocol", "Unknown protocol, only TCP or UDP allowed")
+        ports.append(Port(port, protocol, name))
+    return tuple(ports)
+
+
+def _binding(doc: dict, at: str) -> str:
+    """binding.go validateInterfaceBindingExists: one binding each."""
+    name = doc.get("name")
+    found = [key for key in ("bridge", "masquerade", "sriov", "passtBinding", "binding") if doc.get(key) is not None]
+    if len(found) != 1:
+        raise field_error(at, f"logical {name} interface must have exactly one binding method or binding plugin")
+    kind = found[0]
+    if kind == "sriov":
+        raise field_error(f"{at}.sriov", "SR-IOV needs a host's virtual functions: not supported by the launcher")
+    if kind == "passtBinding":
+        # binding.go validatePasstBinding: the core passt binding sits behind a gate the launcher does not offer
+        raise field_error(f"{at}.name", "PasstBinding feature gate is not enabled")
+    if kind == "binding":
+        plugin = get_str(as_map(doc["binding"], f"{at}.binding"), "name", f"{at}.binding", required=True)
+        if plugin not in PLUGINS:
+            raise field_error(f"{at}.binding.name", f"binding plugin {plugin} is not known to the launcher (it knows {', '.join(PLUGINS)})")
+        return plugin
+    as_map(doc[kind], f"{at}.{kind}")
+    return kind
+
+
+def _networks(items: list, at: str) -> dict[str, tuple[int, str]]:
+    """name -> (index, vmNetworkCIDR) of each pod network, after netsource.go's checks."""
+    pods: dict[str, tuple[int, str]] = {}
+    seen = set()
+    pod_count = 0
+    for i, item in enumerate(items):
+        nat = f"{at}[{i}]"
+        doc = as_map(item, nat)
+        name = get_str(doc, "name", nat, required=True)
+        kinds = [k for k in ("pod", "multus", "resourceClaim") if doc.get(k) is not None]
+        if not kinds:
+            raise field_error(nat, "should have a network type")
+        if len(kinds) > 1:
+            raise field_error(nat, "should have only one network type")
+        if kinds[0] != "pod":
+            raise field_error(f"{nat}.{kinds[0]}", f"{kinds[0]} networks need a cluster's CNI: not supported by the launcher")
+        pod_count += 1
+        if pod_count > 1:
+            raise field_error(f"{at.rsplit('.', 1)[0]}.interfaces",
+                            f"more than one interface is connected to a pod network in {at.rsplit('.', 1)[0]}.interfaces")
+        if name in seen:
+            raise field_error(f"{nat}.name", f'Network with name "{name}" already exists, every network must have a unique name')
+        seen.add(name)
+        pod = as_map(doc["pod"], f"{nat}.pod")
+        cidr = get_str(pod, "vmNetworkCIDR", f"{nat}.pod") or DEFAULT_CIDR
+        try:
+            net = ipaddress.IPv4Network(cidr, strict=False)
+        except ValueError:
+            raise field_error(f"{nat}.pod.vmNetworkCIDR", f"invalid IPv4 CIDR {cidr}") from None
+        if net.prefixlen > 30:  # the guest, its gateway and DNS need addresses in it
+            raise field_error(f"{nat}.pod.vmNetworkCIDR", f"{cidr} is too small: the guest, its gateway and DNS need a /30 at least")
+        pods[name] = (i, str(net))
+    return pods
+
+
+def parse_interfaces(spec: dict, devices: dict, root: str, disk_boot_orders: frozenset[int] = frozenset()) -> tuple[Interface, ...]:
+    """The VMI's NICs, defaulted and admitted as KubeVirt's webhooks do; `root` is the spec's path,
+    `disk_boot_orders` the boot orders the disks already took."""
+    dat = f"{root}.domain.devices"
+    net_items = as_list(spec.get("networks"), f"{root}.networks")
+    iface_items = as_list(devices.get("interfaces"), f"{dat}.interfaces")
+    autoattach = get_bool(devices, "autoattachPodInterface", dat, default=None)
+    if not net_items and not iface_items:
+        if autoattach is False:
+            return ()
+        return (Interface(DEFAULT_NAME, -1, DEFAULT_BINDING),)
+    iat = f"{dat}.interfaces"
+    for i, item in enumerate(iface_items):
+        # discontinued.go: ValidateCreation runs before the rest
+        doc = as_map(item, f"{iat}[{i}]")
+        for key, message in (("slirp", "Slirp interface support has been discontinued since v1.3"),
+                             ("passt", "Passt network binding has been discontinued since v1.3"),
+                             ("macvtap", "Macvtap network binding has been discontinued since v1.3")):
+            if doc.get(key) is not None:
+                raise field_error(f"{iat}[{i}].{key}", message)
+    pods = _networks(net_items, f"{root}.networks")
+    docs = [as_map(item, f"{iat}[{i}]") for i, item in enumerate(iface_items)]
+    names = [get_str(doc, "name", f"{iat}[{i}]", required=True) for i, doc in enumerate(docs)]
+    bindings = []
+    for i, doc in enumerate(docs):
+        fat = f"{iat}[{i}]"
+        binding = _binding(doc, fat)
+        if binding == "masquerade" and names[i] not in pods:
+            raise field_error(f"{fat}.name", "Masquerade interface only implemented with pod network")
+        if binding == "masquerade" and doc.get("macAddress") == RESERVED_MAC:
+            raise field_error(f"{fat}.macAddress", "The requested MAC address is reserved for the in-pod bridge. Please choose another one.")
+        bindings.append(binding)
+    for i, item in enumerate(net_items):
+        name = item["name"]
+        if name not in names:
+            raise field_error(f"{root}.networks[{i}].name", f"{root}.networks[{i}].name '{name}' not found.")
+    seen = set()
+    for i, name in enumerate(names):
+        if name in seen:
+            raise field_error(f"{iat}[{i}].name", "Only one interface can be connected to one specific network")
+        seen.add(name)
+    for i, name in enumerate(names):
+        if name not in pods:
+            raise field_error(f"{iat}[{i}].name", f"{iat}[{i}].name '{name}' not found.")
+    interfaces = []
+    boot_orders = set(disk_boot_orders)
+    for i, doc in enumerate(docs):
+        fat = f"{iat}[{i}]"
+        if not _INTERFACE_NAME.fullmatch(names[i]):
+            raise field_error(f"{fat}.name", "Network interface name can only contain alphabetical characters, numbers, dashes (-) or underscores (_)")
+        model = get_str(doc, "model", fat) or "virtio"
+        if model not in MODELS:
+            raise field_error(f"{fat}.model", f"interface {fat}.name uses model {model} that is not supported.")
+        mac = get_str(doc, "macAddress", fat)
+        normal = _mac(mac) if mac is not None else None
+        if mac is not None and normal is None:
+            raise field_error(f"{fat}.macAddress", f"interface {fat}.name has malformed MAC address ({mac}).")
+        if normal is not None and len(normal) > 17:
+            raise field_error(f"{fat}.macAddress", f"interface {fat}.name has too long MAC address ({mac}).")
+        pci = get_str(doc, "pciAddress", fat)
+        if pci is not None and not PCI_ADDRESS.fullmatch(pci):
+            raise field_error(f"{fat}.pciAddress", f"interface {fat}.name has malformed PCI address ({pci}).")
+        ports = _ports(as_list(doc.get("ports"), f"{fat}.ports"), f"{fat}.ports")
+        if doc.get("portRanges") is not None:
+            raise field_error(f"{fat}.name", "portRanges is specified on interface but the PortRangesSpec feature gate is not enabled")
+        if doc.get("dhcpOptions") is not None:
+            raise field_error(f"{fat}.dhcpOptions", "DHCP options need KubeVirt's in-pod DHCP server: not supported by the launcher")
+        boot = doc.get("bootOrder")
+        if boot is not None:
+            if isinstance(boot, bool) or not isinstance(boot, int):
+                raise field_error(f"{fat}.bootOrder", "must be a non-negative integer")
+            if boot < 1:
+                raise field_error(f"{fat}.bootOrder", f"{iat}[{i}] must have a boot order > 0, if supplied")
+            if boot in boot_orders:
+                raise field_error(f"{fat}.bootOrder", f"Boot order for {fat}.bootOrder already set for a different device.")
+            boot_orders.add(boot)
+        state = get_str(doc, "state", fat)
+        if state is not None and state not in ("up",):
+            if state not in ("absent", "down"):
+                raise field_error(f"{fat}.state", f"logical {names[i]} interface state value is unsupported: {state}")
+            if state == "absent" and bindings[i] != "bridge":
+                raise field_error(f"{fat}.state", f'"{names[i]}" interface\'s state "absent" is supported only for bridge binding')
+            if state == "absent":
+                raise field_error(f"{fat}.state", f'"{names[i]}" interface\'s state "absent" is not supported on default networks')
+            raise field_error(f"{fat}.state", "a link set down is not supported by the launcher")
+        interfaces.append(Interface(names[i], i, bindings[i], pods[names[i]][1], model, normal, pci, boot, ports))
+    return tuple(interfaces)
