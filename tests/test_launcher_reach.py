@@ -69,10 +69,10 @@ def test_ssh_with_a_key_from_access_credentials(qemu_user, guest_image, method):
     key, public = keypair(qemu_user.root, f"key-{method}")
     name = f"ssh-{method.lower()}"
     vmi = credential_vmi(qemu_user, name, guest_image, method)
-    started = qemu_user.launcher("run", NOREG, "--manifests", manifests(qemu_user, public), "--wait-for", "SSH keys=1 started",
+    started = qemu_user.launcher("run", NOREG, "--manifests", manifests(qemu_user, public), "--console", "--wait-for", "SSH keys=1 started",
                                  "--timeout", "240", vmi)
     try:
-        assert started.code == 0, started.err
+        assert started.code == 0, started.out[-1500:] + started.err
         hello = qemu_user.launcher("ssh", "-i", key, "-t", "-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null",
                                    f"root@vmi/{name}", "--", "echo", "hello")
         assert (hello.code, hello.out) == (0, "hello\n"), hello.err

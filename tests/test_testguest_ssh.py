@@ -70,7 +70,7 @@ def test_nocloud_keys_from_meta_data_and_user_data(guest_dir, tmp_path):
     meta_key, meta_pub = keypair(tmp_path, "meta")
     user_key, user_pub = keypair(tmp_path, "user")
     seed = iso(tmp_path, "cidata", {
-        "meta-data": json.dumps({"instance-id": "i", "public-keys": {"0": meta_pub + "\n"}}, separators=(",", ":")),
+        "meta-data": json.dumps({"instance-id": "i", "local-hostname": "ssh-host", "public-keys": {"0": meta_pub + "\n"}}, separators=(",", ":")),
         "user-data": f"#cloud-config\nhostname: g\nssh_authorized_keys:\n  - {user_pub}\nruncmd: []\n",
     })
     vm, port = boot(guest_dir, tmp_path, seed)
