@@ -43,7 +43,7 @@ WANTED_MODULES=(
     fuse virtiofs
     button evdev
     virtio_rng
-    virtio_net
+    failover net_failover virtio_net
 )
 # The ssh server (dropbear-bin), copied with the libraries it links and its loader.
 DROPBEAR=/usr/sbin/dropbear

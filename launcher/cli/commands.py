@@ -16,6 +16,7 @@ from launcher.cli.dv import dv
 from launcher.cli.smoketest import smoke_test
 from launcher.cli.ssh import ssh
 from launcher.cli.options import cache_option, ignore_unsupported_option, load_vmi_file, node_cache, parse_size, say, storage_options, trust_options, warn_if_open
+from launcher.cli.portforward import port_forward
 from launcher.node.cache import Cache, tree_size
 
 
@@ -316,6 +317,7 @@ def gc(max_size, as_json, cache_dir) -> None:
 
 
 cli.add_command(dv)
+cli.add_command(port_forward)
 cli.add_command(ssh)
 cli.add_command(smoke_test)
 

@@ -25,6 +25,7 @@ from diskkit.streams.fsutil import write_atomic
 from launcher.diskserver.client import last_failure
 from launcher.node.cache import Cache
 from launcher.render.domain import Host, render, secret_xml
+from launcher.render.interfaces import netdev_id
 from launcher.runtime import accel, hostcpus, rundir, virtiofs
 from launcher.runtime.console import follow
 from launcher.runtime.iopause import PauseWatch
@@ -126,6 +127,8 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
                     "pid": os.getpid(),
                     "secrets": [source.secret_usage for source, _ in prepared.secrets],
                     "virtiofsd": daemons,
+                    # what `launcher port-forward` adds its forwards to
+                    "network": [{"interface": i.name, "netdev": netdev_id(i), "cidr": i.cidr} for i in vmi.domain.devices.interfaces],
                 })
             for note in prepared.notes:
                 say(f"note: {note}")

@@ -1,0 +1,65 @@
+"""`launcher port-forward`: virtctl port-forward for VMs the launcher runs."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+
+import click
+
+from launcher.cli.options import cache_option, node_cache
+
+
+@click.command("port-forward", epilog="""\b
+Examples:
+  launcher port-forward vmi/testvm 8080:80          # 127.0.0.1:8080 -> the guest's port 80, until Ctrl-C
+  launcher port-forward testvm 2222:22 8080:80 udp/5353:53
+  launcher port-forward vmi/testvm/myns 8080:80     # virtctl's TYPE/NAME/NAMESPACE
+  launcher port-forward --address 0.0.0.0 vmi/testvm 8080:80
+  ssh -o ProxyCommand='launcher port-forward --stdio vmi/testvm 22' root@testvm
+""")
+@click.argument("target")
+@click.argument("ports", nargs=-1, required=True)
+@click.option("--address", default="127.0.0.1", show_default=True, help="Local address the ports are opened on.")
+@click.option("--stdio", is_flag=True, help="Carry one TCP connection to the guest's port over stdin/stdout (one port only).")
+@cache_option
+def port_forward(target, ports, address, stdio, cache_dir) -> None:
+    """Forward local ports to a running VM's guest ports ([PROTOCOL/]LOCAL[:REMOTE]; LOCAL 0 picks one).
+
+    TARGET is vmi/NAME, vm/NAME, TYPE/NAME/NAMESPACE or a bare NAME. Any guest port can be reached,
+    declared in the interface's `ports` or not.
+    """
+    from diskkit.errors import DiskkitError
+    from launcher.runtime.portforward import Forwarder, netdev_of, parse_port, parse_target, pump_stdio
+    from launcher.runtime.runner import Libvirt
+    from launcher.runtime.vms import find_record
+
+    name = parse_target(target)
+    forwards = [parse_port(p) for p in ports]
+    record = find_record(node_cache(cache_dir), name)
+    if record is None:
+        raise DiskkitError(name, "no VM of this name was started from this cache")
+    lv = Libvirt(record["uri"])
+    if not lv.active(record["domain"]):
+        raise DiskkitError(name, "is not running")
+    forwarder = Forwarder(lambda command: lv.monitor(record["domain"], command), netdev_of(record), address)
+    if stdio:
+        if len(forwards) != 1 or forwards[0].protocol != "tcp":
+            raise DiskkitError("--stdio", "only one port supported when forwarding to stdout (TCP)")
+        pump_stdio(forwarder, forwards[0].remote)
+        return
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: done.set())
+    try:
+        for forward in forwards:
+            added = forwarder.add(forward)
+            click.echo(f"Forwarding from {address}:{added.local} -> {added.remote} ({added.protocol})")
+        sys.stdout.flush()
+        # until Ctrl-C, or the VM goes (its forwards with it)
+        while not done.wait(1.0):
+            if not lv.active(record["domain"]):
+                raise DiskkitError(name, "stopped; its forwards went with it")
+    finally:
+        forwarder.close()
