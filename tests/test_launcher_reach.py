@@ -91,14 +91,14 @@ def test_ssh_to_a_vm_that_is_not_there(qemu_user):
 
 
 def test_launcher_test_passes_on_the_test_guest(qemu_user, guest_image):
-    result = qemu_user.launcher("test", NOREG, "--json", "--timeout", "300", "--memory", "128Mi", guest_image)
+    result = qemu_user.launcher("test", NOREG, "--json", "--timeout", "240", "--memory", "128Mi", guest_image)
     assert result.code == 0, result.err
     out = json.loads(result.out)
     assert out["result"] == "pass" and out["exitStatus"] == 0 and out["stdout"] == "hello\n", out
     assert out["command"] == "echo hello" and out["bootToSshSeconds"] > 0
     assert out["images"][guest_image].startswith("sha256:")
     assert_clean(qemu_user, out["vmi"].replace("/", "_"))
-    failed = qemu_user.launcher("test", NOREG, "--timeout", "300", "--memory", "128Mi", guest_image, "--", "exit", "5")
+    failed = qemu_user.launcher("test", NOREG, "--timeout", "240", "--memory", "128Mi", guest_image, "--", "exit", "5")
     assert failed.code == 1, failed.err
     assert failed.err.strip().splitlines()[-1].endswith(": the command exited with 5")
 
@@ -112,7 +112,7 @@ def no_ssh_vmi(qemu_user, name, image, *serials):
 def test_launcher_test_fails_on_a_guest_without_ssh(qemu_user, guest_image):
     # the test guest with dropbear off powers off by itself: the VM stopped before ssh answered
     vmi = no_ssh_vmi(qemu_user, "nossh", guest_image, "no-ssh")
-    result = qemu_user.launcher("test", NOREG, "--timeout", "300", vmi)
+    result = qemu_user.launcher("test", NOREG, "--timeout", "240", vmi)
     assert result.code == 3, result.err
     assert result.err.strip().splitlines()[-1] == "launcher: FAIL default/nossh: the VM stopped before ssh answered"
     assert_clean(qemu_user, "default_nossh")

@@ -62,9 +62,12 @@ class Result:
 # ---------------------------------------------------------------- the VMI (pure)
 
 def generated_vmi(name: str, image: str, memory: str) -> dict:
-    """A containerDisk VMI with a NoCloud disk and no interfaces: KubeVirt's default pod interface."""
+    """A containerDisk VMI with a NoCloud disk, both virtio as kubevirt/containerdisks' test VMs have
+    them, and no interfaces: KubeVirt's default pod interface."""
     return {"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance", "metadata": {"name": name},
-            "spec": {"domain": {"resources": {"requests": {"memory": memory}}, "devices": {}},
+            "spec": {"domain": {"resources": {"requests": {"memory": memory}},
+                                "devices": {"disks": [{"name": "containerdisk", "disk": {"bus": "virtio"}},
+                                                      {"name": "cloudinitdisk", "disk": {"bus": "virtio"}}]}},
                      "volumes": [{"name": "containerdisk", "containerDisk": {"image": image}},
                                  {"name": "cloudinitdisk", "cloudInitNoCloud": {"userData": USER_DATA}}]}}
 
