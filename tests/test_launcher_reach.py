@@ -17,6 +17,19 @@ from tests.testguest import parse_console
 from tests.vmhost import NOREG, QEMU_UID, assert_clean
 
 
+def no_forwards_left() -> None:
+    """No `launcher port-forward` (ssh's ProxyCommand) outlives the ssh it served."""
+    left = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if proc.name.isdigit() and b"port-forward" in cmdline and b"--stdio" in cmdline:
+            left.append(b" ".join(cmdline).decode())
+    assert not left, left
+
+
 def keypair(directory: Path, name: str) -> tuple[Path, str]:
     key = directory / name
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", name, "-f", str(key)], check=True)
@@ -82,6 +95,7 @@ def test_ssh_with_a_key_from_access_credentials(qemu_user, guest_image, method):
     finally:
         qemu_user.launcher("stop", name)
     assert_clean(qemu_user, f"default_{name}")
+    no_forwards_left()
 
 
 def test_ssh_to_a_vm_that_is_not_there(qemu_user):
@@ -101,6 +115,7 @@ def test_launcher_test_passes_on_the_test_guest(qemu_user, guest_image):
     failed = qemu_user.launcher("test", NOREG, "--timeout", "240", "--memory", "128Mi", guest_image, "--", "exit", "5")
     assert failed.code == 1, failed.err
     assert failed.err.strip().splitlines()[-1].endswith(": the command exited with 5")
+    no_forwards_left()
 
 
 def no_ssh_vmi(qemu_user, name, image, *serials):
