@@ -107,7 +107,7 @@ Examples:
   launcher ssh -i ~/.ssh/id_ed25519 root@vmi/testvm -- uname -a
   launcher ssh -l fedora -c 'sudo dmesg' vm/web/prod # NAMESPACE after the name, as virtctl
   launcher ssh -t "-o StrictHostKeyChecking=no" root@testvm -c true
-""", context_settings={"ignore_unknown_options": False})
+""")
 @click.argument("target")
 @click.argument("remote", nargs=-1, type=click.UNPROCESSED)
 @click.option("-i", "--identity-file", metavar="FILE", help="The private key (default: ssh's own, or the agent's).")
