@@ -5,6 +5,7 @@ network mode (udhcpc lease, busybox httpd serving its SMBIOS serial) reached thr
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -24,14 +25,14 @@ LEASE = re.compile(r"NET-LEASE iface=eth0 ip=(\S+) mask=(\S+) router=(\S+) dns=(
 def net_vmi(user, name, image, interfaces=None, networks=None, devices=None, hold="hold-300"):
     domain = {"firmware": {"serial": f"vm-{name}"}}
     path = user.write_vmi(name, image, serial=hold, domain=domain)
-    doc = __import__("json").loads(path.read_text())
+    doc = json.loads(path.read_text())
     devs = doc["spec"]["domain"]["devices"]
     devs.update(devices or {})
     if interfaces is not None:
         devs["interfaces"] = interfaces
     if networks is not None:
         doc["spec"]["networks"] = networks
-    path.write_text(__import__("json").dumps(doc))
+    path.write_text(json.dumps(doc))
     return path
 
 
@@ -81,18 +82,21 @@ def free_port() -> int:
 
 
 def test_masquerade_lease_and_page_through_port_forward(qemu_user, guest_image):
-    vmi = net_vmi(qemu_user, "masq", guest_image, [{"name": "pod", "masquerade": {}, "ports": [{"name": "http", "port": 80}]}],
+    vmi = net_vmi(qemu_user, "masq", guest_image, [{"name": "pod", "masquerade": {}, "macAddress": "02:00:00:AA:BB:CC",
+                                                    "ports": [{"name": "http", "port": 80}]}],
                   [{"name": "pod", "pod": {}}])
     start(qemu_user, vmi)
     try:
         lease = LEASE.search(console(qemu_user, "default_masq"))
         assert lease, console(qemu_user, "default_masq")
-        ip, mask, router, dns, _mac = lease.groups()
-        # qemu's user-mode stack on KubeVirt's masquerade subnet 10.0.2.0/24
-        assert ip.startswith("10.0.2.") and mask == "255.255.255.0" and router.startswith("10.0.2."), lease.group(0)
+        # qemu's user-mode stack on KubeVirt's masquerade subnet 10.0.2.0/24: the guest at .15, the
+        # gateway at .2, a DNS proxy to the host's resolv.conf at .3; the MAC the spec asked for
+        assert lease.groups() == ("10.0.2.15", "255.255.255.0", "10.0.2.2", "10.0.2.3", "02:00:00:aa:bb:cc"), lease.group(0)
         local = free_port()
         with forwarding(qemu_user, "vmi/masq", f"{local}:80"):
             assert "DISKKIT-TESTGUEST vm=vm-masq" in fetch(local)
+            taken = qemu_user.launcher("port-forward", "masq", f"{local}:80", timeout=60)  # qemu's own refusal, one line
+            assert taken.code == 1 and "cannot forward to guest port 80" in taken.err and len(taken.err.strip().splitlines()) == 1, taken.err
         # the forward is gone with the command
         with pytest.raises(OSError):
             fetch(local)
@@ -120,6 +124,12 @@ def test_default_interface_without_interfaces_and_none_when_autoattach_is_false(
     result = qemu_user.launcher("run", NOREG, "--console", "--timeout", "240", vmi)
     assert result.code == 0, result.err
     assert parse_console(result.out)["done"] and "NET-NIC none" in result.out, result.out
+    # after the guest's own poweroff as after a stop: nothing of the network left
+    vmi = net_vmi(qemu_user, "gone", guest_image, hold="hold-0")
+    result = qemu_user.launcher("run", NOREG, "--console", "--timeout", "240", vmi)
+    assert result.code == 0 and "NET-NIC iface=eth0" in result.out, result.err
+    assert_clean(qemu_user, "default_gone")
+    assert helpers_of(qemu_user) == []
 
 
 def test_two_vms_each_answer_on_their_own_forward(qemu_user, guest_image):
@@ -143,3 +153,45 @@ def test_port_forward_refusals(qemu_user):
                         (("nosuchvm", "80"), "no VM of this name")):
         result = qemu_user.launcher("port-forward", *args)
         assert result.code == 1 and words in result.err and len(result.err.strip().splitlines()) == 1, result.err
+
+
+def test_root_launcher_forwards_too(qemu_user, guest_image, root_side):
+    # A root launcher with qemu as the qemu user: the forward is qemu's socket, added through libvirt.
+    cache, uri = root_side
+    env = {**os.environ, "CI": "true", "DISKKIT_CACHE": str(cache)}
+    vmi = net_vmi(qemu_user, "rooted", guest_image)
+    started = subprocess.run(launcher_command("run", NOREG, "--wait-for", HTTPD, "--timeout", "240", "--connect", uri, str(vmi)),
+                             env=env, capture_output=True, text=True, timeout=300)
+    assert started.returncode == 0, started.stderr
+    try:
+        proc = subprocess.run(launcher_command("port-forward", "--stdio", "vmi/rooted", "80"), input="GET / HTTP/1.0\r\n\r\n",
+                              env=env, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0 and "vm=vm-rooted" in proc.stdout, (proc.stdout, proc.stderr)
+    finally:
+        stopped = subprocess.run(launcher_command("stop", "rooted"), env=env, capture_output=True, text=True, timeout=120)
+        assert stopped.returncode == 0, stopped.stderr
+    assert "default_rooted" not in qemu_user.virsh("list", "--all", "--name").split()
+
+
+def test_declared_ports_are_published_and_only_they(qemu_user, guest_image):
+    # KubeVirt's masquerade: traffic to the pod's IP on a declared port reaches the guest. Here the
+    # address is the caller's (--publish-address; 0.0.0.0 in a pod), loopback in the test. The guest
+    # serves its page on both ports (disk serials http-N); only the declared one is published.
+    declared, undeclared = free_port(), free_port()
+    vmi = net_vmi(qemu_user, "pub", guest_image, [{"name": "pod", "masquerade": {}, "ports": [{"name": "web", "port": declared}]}],
+                  [{"name": "pod", "pod": {}}])
+    doc = json.loads(vmi.read_text())
+    for i, port in enumerate((declared, undeclared)):
+        doc["spec"]["domain"]["devices"]["disks"].append({"name": f"p{i}", "serial": f"http-{port}", "disk": {"bus": "virtio"}})
+        doc["spec"]["volumes"].append({"name": f"p{i}", "emptyDisk": {"capacity": "1Mi"}})
+    vmi.write_text(json.dumps(doc))
+    result = qemu_user.launcher("run", NOREG, "--publish-address", "127.0.0.1", "--wait-for", f"NET-HTTPD port={undeclared}",
+                                "--timeout", "240", vmi)
+    assert result.code == 0, result.err
+    try:
+        assert f"127.0.0.1:{declared}/TCP -> pod port {declared}" in result.err, result.err
+        assert "vm=vm-pub " in fetch(declared)
+        with pytest.raises(OSError):
+            fetch(undeclared)
+    finally:
+        assert qemu_user.launcher("stop", "pub").code == 0

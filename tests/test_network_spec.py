@@ -60,6 +60,15 @@ def test_masquerade_with_everything():
                              (Port(80, "TCP", "http"), Port(53, "UDP"))),)
 
 
+def test_link_down():
+    assert nics(vmi([{"name": "pod", "bridge": {}, "state": "down"}], POD))[0].link_down
+
+
+def test_ipv6_cidr_is_named_as_unsupported():
+    doc = vmi([{"name": "pod", "masquerade": {}}], [{"name": "pod", "pod": {"vmIPv6NetworkCIDR": "fd10:0:2::/120"}}])
+    assert refusal(doc).startswith("spec.networks[0].pod.vmIPv6NetworkCIDR: not supported by the launcher")
+
+
 def test_passt_binding_plugin():
     assert nics(vmi([{"name": "pod", "binding": {"name": "passt"}}], POD))[0].binding == "passt"
 
@@ -109,6 +118,12 @@ def test_passt_binding_plugin():
     ([{"name": "pod", "bridge": {}, "bootOrder": 0}], POD, f"{IFACES}[0].bootOrder: {IFACES}[0] must have a boot order > 0, if supplied"),
     # admit.go validateInterfaceStateValue
     ([{"name": "pod", "bridge": {}, "state": "gone"}], POD, f"{IFACES}[0].state: logical pod interface state value is unsupported: gone"),
+    ([{"name": "pod", "masquerade": {}, "state": "absent"}], POD, f'{IFACES}[0].state: "pod" interface\'s state "absent" is supported only for bridge binding'),
+    ([{"name": "pod", "bridge": {}, "state": "absent"}], POD, f'{IFACES}[0].state: "pod" interface\'s state "absent" is not supported on default networks'),
+    ([{"name": "pod", "masquerade": {}}], [{"name": "pod", "pod": {"vmNetworkCIDR": "10.0.2.0/29"}}],
+     "spec.networks[0].pod.vmNetworkCIDR: 10.0.2.0/29 is too small for the launcher's user-mode network (a /27 at least: the guest gets the 15th address)"),
+    ([{"name": "pod", "masquerade": {}}], [{"name": "pod", "pod": {"vmNetworkCIDR": "10.0.2/24"}}],
+     "spec.networks[0].pod.vmNetworkCIDR: invalid IPv4 CIDR 10.0.2/24"),
     # Multus and SR-IOV: one line naming the field
     ([{"name": "m", "bridge": {}}], [{"name": "m", "multus": {"networkName": "x"}}],
      "spec.networks[0].multus: multus networks need a cluster's CNI: not supported by the launcher"),

@@ -92,6 +92,7 @@ Examples:
   launcher run --lazy vmi.yaml --console                             # boot while the image streams in
   launcher run vmi.yaml --pvc shared=/srv/shared --console           # a claim shared as a virtiofs filesystem
   launcher run vmi.yaml --feature-gates HostDisk --host-disk-dir /srv/vm-disks   # hostDisk volumes, only under that directory
+  launcher run vmi.yaml --publish-address 0.0.0.0                    # in a pod: the pod's IP on each declared port reaches the guest
 """)
 @click.argument("vmi_file", type=click.Path(dir_okay=False, exists=True))
 @click.option("--connect", "uri", metavar="URI", help="libvirt URI (default: qemu:///system as root, else qemu:///session).")
@@ -101,12 +102,13 @@ Examples:
 @click.option("--platform", help="OS/ARCH of the images (default: this host's).")
 @click.option("--lazy/--no-lazy", default=None, help="Boot containerDisks before they have arrived, through the node's disk server (default: for images built with --lazy).")
 @click.option("--grace-period", type=click.FloatRange(min=0), metavar="SECONDS", help="After SIGTERM or Ctrl-C, how long the guest has to power off (ACPI) before it is destroyed; 0: at once.  [default: the VMI's terminationGracePeriodSeconds, else 30]")
+@click.option("--publish-address", metavar="ADDRESS", help="Forward ADDRESS:PORT to the guest for every port the interfaces declare (KubeVirt's masquerade; 0.0.0.0 in a pod).")
 @ignore_unsupported_option
 @cache_option
 @storage_options
 @registry_options
 @trust_options
-def run(vmi_file, uri, console, wait_for, timeout, platform, lazy, grace_period, ignore_unsupported, cache_dir, store, registry: RegistryOptions) -> None:
+def run(vmi_file, uri, console, wait_for, timeout, platform, lazy, grace_period, publish_address, ignore_unsupported, cache_dir, store, registry: RegistryOptions) -> None:
     """Prepare every volume of a VirtualMachineInstance, define and start its domain, stay with it.
 
     Each containerDisk is pulled once per node and gets a qcow2 overlay of its own, so the VM
@@ -124,7 +126,7 @@ def run(vmi_file, uri, console, wait_for, timeout, platform, lazy, grace_period,
     from launcher.runtime.vms import run as do_run
 
     opts = RunOptions(uri=uri, platform=platform_of(platform), registry=registry, console=console, wait_for=wait_for, timeout=timeout, storage=store,
-                      lazy={None: "auto", True: "on", False: "off"}[lazy], grace_period=grace_period)
+                      lazy={None: "auto", True: "on", False: "off"}[lazy], grace_period=grace_period, publish_address=publish_address)
     sys.exit(do_run(vmi, node_cache(cache_dir), opts, say))
 
 

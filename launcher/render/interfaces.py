@@ -38,6 +38,8 @@ def render(iface: Interface, virtio_model: str, devices: ET.Element) -> None:
         ET.SubElement(element, "boot", order=str(iface.boot_order))
     else:
         ET.SubElement(element, "rom", enabled="no")
+    if iface.link_down:
+        ET.SubElement(element, "link", state="down")  # builder.go withLinkStateDown
     if iface.pci_address:
         domain_, bus, rest = iface.pci_address.split(":")
         slot, function = rest.split(".")

@@ -118,6 +118,8 @@ def pump_stdio(forwarder: Forwarder, remote: int, stdin: int = 0, stdout: int = 
     rule = forwarder.add(Forward("tcp", 0, remote))
     try:
         conn = socket.create_connection((forwarder.address, rule.local), timeout=30)
+    except OSError as exc:
+        raise DiskkitError(f"{forwarder.address}:{rule.local}", f"cannot connect to the forward to guest port {remote}: {exc.strerror or exc}") from None
     finally:
         forwarder.remove(rule)  # the listener goes; the accepted connection stays
     conn.settimeout(None)

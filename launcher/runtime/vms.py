@@ -29,6 +29,7 @@ from launcher.render.interfaces import netdev_id
 from launcher.runtime import accel, hostcpus, rundir, virtiofs
 from launcher.runtime.console import follow
 from launcher.runtime.iopause import PauseWatch
+from launcher.runtime.portforward import Forward, Forwarder
 from launcher.runtime.runner import Libvirt
 from launcher.spec.vmi import VMI
 from launcher.volumes import vhostmd
@@ -50,6 +51,9 @@ class RunOptions:
     # After SIGTERM the guest has this long to power off before the domain is destroyed; None: the VMI's
     # terminationGracePeriodSeconds (see grace_period_of).
     grace_period: float | None = None
+    # Where the interfaces' declared ports are published (KubeVirt's masquerade forwards them from the
+    # pod's IP); None: nowhere, `launcher port-forward` reaches any port.
+    publish_address: str | None = None
 
 
 # KubeVirt's default VMI terminationGracePeriodSeconds (staging/src/kubevirt.io/api/core/v1/types.go,
@@ -135,6 +139,7 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
             for source, value in prepared.secrets:
                 lv.define_secret(secret_xml(source), value, source.secret_usage)
             lv.start(name, xml)
+            _publish(vmi, lv, opts.publish_address, say)
             alarm.disarm()
         except BaseException as exc:
             alarm.disarm()
@@ -180,6 +185,21 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
         raise DiskkitError(name, f"the guest stopped before {opts.wait_for!r} appeared on the console")
     say(f"{name} stopped")
     return 0
+
+
+def _publish(vmi: VMI, lv: Libvirt, address: str | None, say: Callable[[str], None]) -> None:
+    """The declared ports from `address`, as KubeVirt's masquerade forwards them from the pod's IP; the
+    rules live in qemu and go with it."""
+    if address is None:
+        return
+    for iface in vmi.domain.devices.interfaces:
+        forwarder = Forwarder(lambda command: lv.monitor(vmi.domain_name, command), netdev_id(iface), address)
+        if not iface.ports:
+            # KubeVirt forwards every port then; qemu's user-mode stack takes one rule per port.
+            say(f"note: interface {iface.name} declares no ports; none is published (launcher port-forward reaches any)")
+        for port in iface.ports:
+            forwarder.add(Forward(port.protocol.lower(), port.port, port.port))
+            say(f"{address}:{port.port}/{port.protocol} -> {iface.name} port {port.port}")
 
 
 def _shut_down(lv: Libvirt, name: str, grace: float, say: Callable[[str], None], console_log: Path, echo: Echo | None) -> None:

@@ -56,6 +56,7 @@ class Interface:
     pci_address: str | None = None
     boot_order: int | None = None
     ports: tuple[Port, ...] = ()
+    link_down: bool = False  # state: down (admit.go InterfaceStateLinkDown)
 
 
 def _mac(value: str) -> str | None:
@@ -122,9 +123,11 @@ def _binding(doc: dict, at: str) -> str:
     return kind
 
 
-def _networks(items: list, at: str) -> dict[str, tuple[int, str]]:
-    """name -> (index, vmNetworkCIDR) of each pod network, after netsource.go's checks."""
+def _networks(items: list, at: str) -> tuple[dict[str, tuple[int, str]], list[str]]:
+    """name -> (index, vmNetworkCIDR) of each pod network, after netsource.go's checks, and the fields of
+    the networks the launcher cannot give (refused once KubeVirt's own checks had their say)."""
     pods: dict[str, tuple[int, str]] = {}
+    others: list[str] = []
     seen = set()
     pod_count = 0
     for i, item in enumerate(items):
@@ -136,25 +139,26 @@ def _networks(items: list, at: str) -> dict[str, tuple[int, str]]:
             raise field_error(nat, "should have a network type")
         if len(kinds) > 1:
             raise field_error(nat, "should have only one network type")
+        if name in seen:
+            raise field_error(f"{nat}.name", f'Network with name "{name}" already exists, every network must have a unique name')
+        seen.add(name)
         if kinds[0] != "pod":
-            raise field_error(f"{nat}.{kinds[0]}", f"{kinds[0]} networks need a cluster's CNI: not supported by the launcher")
+            others.append(f"{nat}.{kinds[0]}")
+            continue
         pod_count += 1
         if pod_count > 1:
             raise field_error(f"{at.rsplit('.', 1)[0]}.interfaces",
                             f"more than one interface is connected to a pod network in {at.rsplit('.', 1)[0]}.interfaces")
-        if name in seen:
-            raise field_error(f"{nat}.name", f'Network with name "{name}" already exists, every network must have a unique name')
-        seen.add(name)
         pod = as_map(doc["pod"], f"{nat}.pod")
         cidr = get_str(pod, "vmNetworkCIDR", f"{nat}.pod") or DEFAULT_CIDR
         try:
             net = ipaddress.IPv4Network(cidr, strict=False)
         except ValueError:
             raise field_error(f"{nat}.pod.vmNetworkCIDR", f"invalid IPv4 CIDR {cidr}") from None
-        if net.prefixlen > 30:  # the guest, its gateway and DNS need addresses in it
-            raise field_error(f"{nat}.pod.vmNetworkCIDR", f"{cidr} is too small: the guest, its gateway and DNS need a /30 at least")
+        if net.prefixlen > 27:  # qemu's user-mode stack puts the gateway at .2, DNS at .3 and the guest at .15
+            raise field_error(f"{nat}.pod.vmNetworkCIDR", f"{cidr} is too small for the launcher's user-mode network (a /27 at least: the guest gets the 15th address)")
         pods[name] = (i, str(net))
-    return pods
+    return pods, others
 
 
 def parse_interfaces(spec: dict, devices: dict, root: str, disk_boot_orders: frozenset[int] = frozenset()) -> tuple[Interface, ...]:
@@ -177,7 +181,8 @@ def parse_interfaces(spec: dict, devices: dict, root: str, disk_boot_orders: fro
                              ("macvtap", "Macvtap network binding has been discontinued since v1.3")):
             if doc.get(key) is not None:
                 raise field_error(f"{iat}[{i}].{key}", message)
-    pods = _networks(net_items, f"{root}.networks")
+    pods, others = _networks(net_items, f"{root}.networks")
+    network_names = {item["name"] for item in net_items}
     docs = [as_map(item, f"{iat}[{i}]") for i, item in enumerate(iface_items)]
     names = [get_str(doc, "name", f"{iat}[{i}]", required=True) for i, doc in enumerate(docs)]
     bindings = []
@@ -199,8 +204,11 @@ def parse_interfaces(spec: dict, devices: dict, root: str, disk_boot_orders: fro
             raise field_error(f"{iat}[{i}].name", "Only one interface can be connected to one specific network")
         seen.add(name)
     for i, name in enumerate(names):
-        if name not in pods:
+        if name not in network_names:
             raise field_error(f"{iat}[{i}].name", f"{iat}[{i}].name '{name}' not found.")
+    for where in others:
+        kind = where.rsplit(".", 1)[1]
+        raise field_error(where, f"{kind} networks need a cluster's CNI: not supported by the launcher")
     interfaces = []
     boot_orders = set(disk_boot_orders)
     for i, doc in enumerate(docs):
@@ -234,13 +242,11 @@ def parse_interfaces(spec: dict, devices: dict, root: str, disk_boot_orders: fro
                 raise field_error(f"{fat}.bootOrder", f"Boot order for {fat}.bootOrder already set for a different device.")
             boot_orders.add(boot)
         state = get_str(doc, "state", fat)
-        if state is not None and state not in ("up",):
-            if state not in ("absent", "down"):
-                raise field_error(f"{fat}.state", f"logical {names[i]} interface state value is unsupported: {state}")
-            if state == "absent" and bindings[i] != "bridge":
-                raise field_error(f"{fat}.state", f'"{names[i]}" interface\'s state "absent" is supported only for bridge binding')
-            if state == "absent":
-                raise field_error(f"{fat}.state", f'"{names[i]}" interface\'s state "absent" is not supported on default networks')
-            raise field_error(f"{fat}.state", "a link set down is not supported by the launcher")
-        interfaces.append(Interface(names[i], i, bindings[i], pods[names[i]][1], model, normal, pci, boot, ports))
+        if state not in (None, "up", "down", "absent"):
+            raise field_error(f"{fat}.state", f"logical {names[i]} interface state value is unsupported: {state}")
+        if state == "absent" and bindings[i] != "bridge":
+            raise field_error(f"{fat}.state", f'"{names[i]}" interface\'s state "absent" is supported only for bridge binding')
+        if state == "absent":  # the pod network is always the default network (vmispec.LookUpDefaultNetwork)
+            raise field_error(f"{fat}.state", f'"{names[i]}" interface\'s state "absent" is not supported on default networks')
+        interfaces.append(Interface(names[i], i, bindings[i], pods[names[i]][1], model, normal, pci, boot, ports, state == "down"))
     return tuple(interfaces)
