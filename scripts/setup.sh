@@ -17,6 +17,7 @@ APT_PACKAGES=(
     docker.io podman catatonit mmdebstrap
     golang-go golang-golang-x-crypto-dev openssl
     gnupg
+    dropbear-bin openssh-client
 )
 # The demo's set: build and boot the test guest, a registry to push it to, skopeo to read it back.
 # libvirt-daemon, not -system: a root launcher starts the qemu user's session daemon itself, and
@@ -25,7 +26,7 @@ DEMO_PACKAGES=(
     python3-venv python3-dev gcc pkg-config libvirt-dev
     qemu-utils qemu-system-x86 libvirt-daemon
     skopeo docker-registry
-    busybox-static cpio kmod fdisk dosfstools mtools syslinux syslinux-common zstd
+    busybox-static cpio kmod fdisk dosfstools mtools syslinux syslinux-common zstd dropbear-bin
 )
 if [ "$SET" = demo ]; then
     WANTED=("${DEMO_PACKAGES[@]}")

@@ -23,6 +23,7 @@ REQUIRED_TOOLS = (
     "go", "openssl", "gpg", "gpgconf",
     "podman", "mmdebstrap", "catatonit", "unshare", "flock",
     "libvirtd", "virtlogd", "nsenter",
+    "ssh", "ssh-keygen", "dropbear",
 )
 
 

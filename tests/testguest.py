@@ -95,6 +95,7 @@ _FS = re.compile(r"FS tag=(\S+) files=(\d+)$")
 _FS_FILE = re.compile(r"FS-FILE tag=(\S+) path=(.*) size=(\d+)$")
 _FS_DATA = re.compile(r"FS-DATA tag=(\S+) path=(.*?) \|(?: (.*))?$")
 _FS_WROTE = re.compile(r"FS-WROTE tag=(\S+) (ok|failed)$")
+_SSH = re.compile(r"SSH keys=(\d+) (started|off)(?: (.*))?$")
 _ATTACK = re.compile(r"ATTACK tag=(\S+) uid=(\d+) what=(\S+) (ok|failed)(?:: (.*))?$")
 
 
@@ -111,6 +112,7 @@ def parse_console(text: str) -> dict[str, Any]:
      "rng": str,  (the kernel's current hardware RNG: virtio_rng.0, or none)
      "attacks": {(tag, uid, what): succeeded},  (a disk with serial attack-fs: what the hostile guest tried on its shares)
      "attack_errors": {(tag, uid, what): reason},  (why a failed one failed, e.g. "Read-only file system")
+     "ssh": {"keys": int, "started": bool, "why": str} | None,  (a guest with a NIC: dropbear on port 22, or why not)
      "warnings": [str]}
 
     File content is rebuilt from the ISO-DATA lines, each terminated by "\\n"
@@ -119,7 +121,7 @@ def parse_console(text: str) -> dict[str, Any]:
     """
     res: dict[str, Any] = {"ready": False, "done": False, "disks": {}, "isos": {},
                            "stamps": {}, "cpus": None, "mem_kib": None, "filesystems": {}, "warnings": [], "acpi_poweroff": False, "rng": None,
-                           "attacks": {}, "attack_errors": {}}
+                           "attacks": {}, "attack_errors": {}, "ssh": None}
     for raw in text.splitlines():
         line = raw.rstrip("\r")
         if "DISKKIT-TESTGUEST v1 READY" in line:
@@ -161,6 +163,8 @@ def parse_console(text: str) -> dict[str, Any]:
             res["attacks"][(m[1], int(m[2]), m[3])] = m[4] == "ok"
             if m[4] == "failed":
                 res["attack_errors"][(m[1], int(m[2]), m[3])] = m[5] or ""
+        elif m := _SSH.match(line):
+            res["ssh"] = {"keys": int(m[1]), "started": m[2] == "started", "why": m[3] or ""}
         elif m := _CPUS.match(line):
             res["cpus"], res["mem_kib"] = int(m[1]), int(m[2])
         elif line.startswith("WARN "):
@@ -305,3 +309,39 @@ def boot_qemu(
             f"qemu exited with {proc.returncode}: {' '.join(args)}\n"
             f"stderr:\n{b''.join(errs).decode('utf-8', 'replace')}\nconsole:\n{text()}")
     return text()
+
+
+class Running:
+    """A test guest that stays up (ssh, hold-N): its console so far, and a wait for a line."""
+
+    def __init__(self, args: list[str]):
+        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self._chunks: list[bytes] = []
+        self._reader = threading.Thread(target=self._pump, daemon=True)
+        self._reader.start()
+
+    def _pump(self) -> None:
+        for chunk in iter(lambda: self.proc.stdout.read1(65536), b""):
+            self._chunks.append(chunk)
+
+    def text(self) -> str:
+        return b"".join(self._chunks).decode("utf-8", "replace")
+
+    def wait_for(self, marker: str, timeout: float = 180) -> str:
+        deadline = time.monotonic() + timeout
+        while marker not in self.text():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise TimeoutError(f"no {marker!r} from the test guest (qemu exit {self.proc.poll()}); console:\n{self.text()}")
+            time.sleep(0.1)
+        return self.text()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self._reader.join(timeout=5)
+
+
+def start_qemu(disks: Sequence[tuple[os.PathLike | str, dict]], **kwargs: Any) -> Running:
+    """Boot the test guest as boot_qemu does, but return at once; stop() it when done."""
+    return Running(qemu_args(disks, **kwargs))

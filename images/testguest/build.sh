@@ -12,7 +12,7 @@
 # `apt-get download` + `dpkg -x`, the FAT file system is filled with mtools and
 # `syslinux --install`, the partition table is written with sfdisk into a file.
 # Needs: apt-get, dpkg, depmod (kmod), busybox-static, cpio, gzip, dosfstools,
-# mtools, syslinux, syslinux-common, fdisk, qemu-utils, xz/zstd (only if the
+# mtools, syslinux, syslinux-common, fdisk, qemu-utils, dropbear-bin, xz/zstd (only if the
 # kernel's modules are compressed).
 #
 # Environment: TESTGUEST_KERNEL_FLAVOR (default cloud-amd64; e.g. "amd64" gives a
@@ -45,6 +45,8 @@ WANTED_MODULES=(
     virtio_rng
     failover net_failover virtio_net
 )
+# The ssh server (dropbear-bin), copied with the libraries it links and its loader.
+DROPBEAR=/usr/sbin/dropbear
 CMDLINE="console=ttyS0 quiet panic=-1 scsi_mod.scan=sync"
 export SOURCE_DATE_EPOCH=${SOURCE_DATE_EPOCH:-1700000000}
 export LC_ALL=C TZ=UTC MTOOLS_SKIP_CHECK=1
@@ -58,7 +60,7 @@ CACHE=$OUT/cache
 for tool in apt-get dpkg depmod cpio gzip mkfs.vfat mcopy syslinux sfdisk qemu-img; do
     command -v "$tool" >/dev/null || { log "missing tool: $tool"; exit 1; }
 done
-for f in "$BUSYBOX" "$MBR_BIN" "$INIT_SRC"; do
+for f in "$BUSYBOX" "$MBR_BIN" "$INIT_SRC" "$DROPBEAR"; do
     [[ -f $f ]] || { log "missing file: $f"; exit 1; }
 done
 
@@ -147,6 +149,11 @@ ROOT=$WORK/initramfs
 mkdir -p "$ROOT"/{bin,dev,proc,sys,mnt,tmp,lib/modules}
 cp "$BUSYBOX" "$ROOT/bin/busybox"
 install -m 0755 "$INIT_SRC" "$ROOT/init"
+cp "$DROPBEAR" "$ROOT/bin/dropbear"
+for lib in $(ldd "$DROPBEAR" | awk '$2 == "=>" && $3 ~ /^\// {print $3} $1 ~ /^\// {print $1}'); do
+    mkdir -p "$ROOT$(dirname "$lib")"
+    cp -L "$lib" "$ROOT$lib"
+done
 : >"$ROOT/lib/modules/load.list"
 for rel in "${LOAD_ORDER[@]}"; do
     src=$MODDIR/$rel name=$(norm "$rel").ko

@@ -14,6 +14,8 @@ from diskkit.cli.shell import registry_options, run_main
 from diskkit.registry.options import RegistryOptions
 from launcher.cli.consoles import console, logs
 from launcher.cli.dv import dv
+from launcher.cli.smoketest import smoke_test
+from launcher.cli.ssh import ssh
 from launcher.cli.options import cache_option, ignore_unsupported_option, load_vmi_file, node_cache, parse_size, say, storage_options, trust_options, warn_if_open
 from launcher.cli.portforward import port_forward
 from launcher.node.cache import Cache, tree_size
@@ -342,6 +344,8 @@ cli.add_command(dv)
 cli.add_command(console)
 cli.add_command(logs)
 cli.add_command(port_forward)
+cli.add_command(ssh)
+cli.add_command(smoke_test)
 
 
 def main() -> None:

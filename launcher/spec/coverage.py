@@ -136,7 +136,12 @@ VMI_SPEC = {
                      "tolerations", "topologySpreadConstraints", "evictionStrategy",
                      "livenessProbe", "readinessProbe", "subdomain", "dnsPolicy", "dnsConfig"), INERT),
     "networks": ListOf(NETWORK),
-    **dict.fromkeys(("startStrategy", "accessCredentials", "resourceClaims", "utilityVolumes"), UNSUPPORTED),
+    # launcher.spec.credentials; the guest-agent propagation and passwords need an agent the launcher does not attach
+    "accessCredentials": ListOf({"sshPublicKey": {"source": {"secret": {"secretName": HANDLED}},
+                                                  "propagationMethod": {"noCloud": {}, "configDrive": {},
+                                                                        "qemuGuestAgent": UNSUPPORTED}},
+                                 "userPassword": UNSUPPORTED}),
+    **dict.fromkeys(("startStrategy", "resourceClaims", "utilityVolumes"), UNSUPPORTED),
 }
 TEMPLATE = {"metadata": METADATA, "spec": VMI_SPEC}
 VM_SPEC = {
@@ -197,6 +202,7 @@ def unsupported_fields(doc: Any) -> list[tuple[str, str]]:
 
 
 _VOLUME_SOURCE = re.compile(r"(.*)\.volumes\[(\d+)\]\.([A-Za-z]+)")
+_CREDENTIAL_PART = re.compile(r"(.*)\.accessCredentials\[(\d+)\]\..*")
 
 
 def without(doc: dict, paths: list[str]) -> dict:
@@ -204,10 +210,14 @@ def without(doc: dict, paths: list[str]) -> dict:
 
     A volume whose source is dropped goes whole, with the disks and filesystems that use it: a volume
     without a source is one KubeVirt refuses, and a disk without its volume too. So do the volumes of
-    dropped filesystems."""
+    dropped filesystems. An access credential loses nothing but goes whole: one without its type or
+    propagation method is one KubeVirt refuses."""
     out = copy.deepcopy(doc)
-    volumes = []
+    volumes, credentials = [], []
     for path in paths:
+        if match := _CREDENTIAL_PART.fullmatch(path):
+            credentials.append((match.group(1), int(match.group(2))))
+            continue
         match = _VOLUME_SOURCE.fullmatch(path)
         if match and match.group(3) in VOLUME:
             volumes.append((match.group(1), int(match.group(2))))
@@ -226,6 +236,10 @@ def without(doc: dict, paths: list[str]) -> dict:
             for index, volume in enumerate(listed if isinstance(listed, list) else []):
                 if isinstance(volume, dict) and isinstance(volume.get("name"), str) and volume["name"] in names:
                     volumes.append((spec_path, index))
+    for spec_path, index in sorted(set(credentials), reverse=True):
+        spec, _ = _locate(out, f"{spec_path}.accessCredentials")
+        if spec is not None and isinstance(spec.get("accessCredentials"), list) and index < len(spec["accessCredentials"]):
+            spec["accessCredentials"].pop(index)
     for spec_path, index in sorted(set(volumes), reverse=True):
         spec, _ = _locate(out, f"{spec_path}.volumes")
         if spec is None or not isinstance(spec.get("volumes"), list) or index >= len(spec["volumes"]):

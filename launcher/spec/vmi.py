@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Iterator
 
 from diskkit.disk.containerdisk import path_problem
-from launcher.spec import coverage
+from launcher.spec import coverage, credentials
 from launcher.spec.datavolume import templates
 from launcher.spec.dns import check_dns
 from launcher.spec.fields import (
@@ -342,6 +342,7 @@ class VMI:
     grace_period: int | None = None
     data_volume_templates: tuple = ()  # launcher.datavolume.DataVolume, from spec.dataVolumeTemplates
     ignored: tuple[tuple[str, str], ...] = ()  # (field, why) dropped because the user asked to go on without them
+    access_credentials: tuple[credentials.SSHPublicKey, ...] = ()  # spec.accessCredentials
 
     @property
     def domain_name(self) -> str:
@@ -988,8 +989,9 @@ def parse_vmi(doc: dict, ignore_unsupported: bool = False, *, objects: ObjectSou
         if dv.name not in claims:  # storage/admitters/data-volume-template.go ValidateDataVolumeTemplate
             raise SpecError(f"spec.dataVolumeTemplates[{i}]", f"DataVolumeTemplate entry spec.dataVolumeTemplates[{i}] must be"
                                                               " referenced in the VMI template's 'volumes' list")
+    access = credentials.parse(spec.get("accessCredentials"), (v.kind for v in volumes), f"{root}.accessCredentials")
     return VMI(name, namespace, get_str(metadata, "uid", "metadata"), labels, annotations, domain, volumes,
-               hostname, get_int(spec, "terminationGracePeriodSeconds", root), data_volumes, tuple(unsupported))
+               hostname, get_int(spec, "terminationGracePeriodSeconds", root), data_volumes, tuple(unsupported), access)
 
 
 def load_vmi(path: str | Path, ignore_unsupported: bool = False, *, objects: ObjectSource | None = None) -> VMI:

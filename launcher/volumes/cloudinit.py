@@ -3,7 +3,9 @@
 Follows pkg/cloud-init/cloud-init.go: meta-data is JSON (valid YAML), its instance-id the firmware
 UUID for NoCloud and `<name>.<namespace>` for ConfigDrive; the hostname is spec.hostname, else the
 VMI name up to its first dot, cut to 63 characters (pkg/util/net/dns SanitizeHostname); user-data is
-always written, network-config only when there is network data.
+always written, network-config only when there is network data. spec.accessCredentials' ssh keys go
+into the meta data (`public-keys` for NoCloud, `public_keys` for ConfigDrive), a map Go writes sorted
+by key.
 """
 
 from __future__ import annotations
@@ -76,25 +78,33 @@ def resolve(volume_name: str, source: CloudInitSource, user_secret: Mapping[str,
     return CloudInitData(user or b"", network or b"")
 
 
-def nocloud_files(vmi: VMI, data: CloudInitData) -> dict[str, bytes]:
+def _go_map(keys: Mapping[str, str]) -> dict[str, str]:
+    return dict(sorted(keys.items()))
+
+
+def nocloud_files(vmi: VMI, data: CloudInitData, keys: Mapping[str, str] | None = None) -> dict[str, bytes]:
     meta = {}
     if instance_type(vmi):
         meta["instance-type"] = instance_type(vmi)
     meta["instance-id"] = vmi.uuid
     meta["local-hostname"] = hostname(vmi)
+    if keys:
+        meta["public-keys"] = _go_map(keys)
     files = {"meta-data": go_json(meta), "user-data": data.user_data}
     if data.network_data:
         files["network-config"] = data.network_data
     return files
 
 
-def configdrive_files(vmi: VMI, data: CloudInitData) -> dict[str, bytes]:
+def configdrive_files(vmi: VMI, data: CloudInitData, keys: Mapping[str, str] | None = None) -> dict[str, bytes]:
     meta = {}
     if instance_type(vmi):
         meta["instance_type"] = instance_type(vmi)
     meta["instance_id"] = f"{vmi.name}.{vmi.namespace}"
     meta["hostname"] = hostname(vmi)
     meta["uuid"] = vmi.uuid
+    if keys:
+        meta["public_keys"] = _go_map(keys)
     base = "openstack/latest"
     files = {f"{base}/meta_data.json": go_json(meta), f"{base}/user_data": data.user_data}
     if data.network_data:
@@ -102,5 +112,5 @@ def configdrive_files(vmi: VMI, data: CloudInitData) -> dict[str, bytes]:
     return files
 
 
-def files_for(kind: str, vmi: VMI, data: CloudInitData) -> dict[str, bytes]:
-    return nocloud_files(vmi, data) if kind == NOCLOUD else configdrive_files(vmi, data)
+def files_for(kind: str, vmi: VMI, data: CloudInitData, keys: Mapping[str, str] | None = None) -> dict[str, bytes]:
+    return nocloud_files(vmi, data, keys) if kind == NOCLOUD else configdrive_files(vmi, data, keys)

@@ -14,6 +14,7 @@ from typing import Callable
 
 from diskkit.errors import DiskkitError
 from launcher.node.cache import private_dirs, within
+from launcher.spec import credentials
 from launcher.spec.k8s import Objects
 from launcher.spec.vmi import VMI, Volume
 from launcher.volumes import cloudinit, configdisks, iso, vhostmd
@@ -95,7 +96,19 @@ class Generator:
         except DiskkitError as err:
             raise DiskkitError(where, err.rule) from None
         path = within(self.run_dir, "cloud-init-data", self.vmi.namespace, self.vmi.name, cloudinit.ISO_NAMES[kind])
-        return Planned(path, cloudinit.VOLUME_IDS[kind], cloudinit.files_for(kind, self.vmi, data))
+        return Planned(path, cloudinit.VOLUME_IDS[kind], cloudinit.files_for(kind, self.vmi, data, self._ssh_keys(kind)))
+
+    def _ssh_keys(self, kind: str) -> dict[str, str]:
+        """spec.accessCredentials' keys for this cloud-init kind; virt-launcher reads each Secret where its
+        pod mounts it, <secretName>-access-cred (pkg/cloud-init/cloud-init.go resolveSSHPublicKeys)."""
+        method = next(m for m, k in credentials.VOLUME_KINDS.items() if k == kind)
+        secrets = {}
+        for idx, cred in enumerate(self.vmi.access_credentials):
+            if cred.method == method and cred.secret_name and cred.secret_name not in secrets:
+                mount = self.sources.pod_config / configdisks.SOURCE_DIRS["secret"] / f"{cred.secret_name}-access-cred"
+                secrets[cred.secret_name] = self._object("secret", cred.secret_name, mount, False,
+                                                         f"spec.accessCredentials[{idx}].sshPublicKey.source.secret")
+        return credentials.public_keys(self.vmi.access_credentials, method, secrets)
 
     def config(self, volume: Volume, where: str) -> Planned:
         kind, source = volume.kind, volume.source

@@ -1,0 +1,240 @@
+"""`launcher test`: the boot smoke test kubevirt/containerdisks runs on every image it publishes, on one
+machine: boot the image with a fresh ed25519 key, wait for ssh, run a command, stop and clean up.
+
+The key reaches the guest as KubeVirt's accessCredentials put it (noCloud propagation: the NoCloud
+meta-data's `public-keys`, which cloud-init installs for the default user), from a Secret the command
+makes in memory; `disable_root: false` in the user data lets cloud-init give it to root too. The VM runs
+in this process (launcher.runtime.vms.run, on the main thread for its signal handling); a second thread
+waits for ssh through `launcher port-forward --stdio`, runs the command and stops the VM.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import click
+
+from diskkit.cli.shell import platform as platform_of
+from diskkit.cli.shell import registry_options
+from diskkit.errors import DiskkitError
+from diskkit.registry.options import RegistryOptions
+from launcher.cli.options import cache_option, node_cache, say, trust_options
+from launcher.cli.ssh import Target, launcher_argv, ssh_command
+
+# Exit statuses, distinct so CI can tell a broken image from a broken command.
+PASSED, COMMAND_FAILED, NOT_BOOTED, NO_SSH = 0, 1, 3, 4
+KEY_SECRET = "launcher-test-ssh-key"
+USER_DATA = "#cloud-config\ndisable_root: false\n"
+# ssh as a probe: no questions, no state kept, no user configuration in the way.
+SSH_OPTS = ("-F /dev/null", "-o BatchMode=yes", "-o IdentitiesOnly=yes", "-o StrictHostKeyChecking=no",
+            "-o UserKnownHostsFile=/dev/null", "-o LogLevel=ERROR", "-o ConnectTimeout=20")
+
+
+@dataclass
+class Result:
+    vmi: str
+    images: dict = field(default_factory=dict)  # containerDisk image -> manifest digest
+    command: str = ""
+    exit_status: int | None = None  # the command's, None when it never ran
+    boot_to_ssh_seconds: float | None = None  # from the domain's start to the first ssh login
+    passed: bool = False
+    reason: str = ""
+    stdout: str = ""
+    stderr: str = ""
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        return {"vmi": out["vmi"], "images": out["images"], "command": out["command"], "exitStatus": out["exit_status"],
+                "bootToSshSeconds": out["boot_to_ssh_seconds"], "result": "pass" if self.passed else "fail",
+                "reason": out["reason"], "stdout": out["stdout"], "stderr": out["stderr"]}
+
+
+# ---------------------------------------------------------------- the VMI (pure)
+
+def generated_vmi(name: str, image: str, memory: str) -> dict:
+    """A containerDisk VMI with a NoCloud disk, both virtio as kubevirt/containerdisks' test VMs have
+    them, and no interfaces: KubeVirt's default pod interface."""
+    return {"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance", "metadata": {"name": name},
+            "spec": {"domain": {"resources": {"requests": {"memory": memory}},
+                                "devices": {"disks": [{"name": "containerdisk", "disk": {"bus": "virtio"}},
+                                                      {"name": "cloudinitdisk", "disk": {"bus": "virtio"}}]}},
+                     "volumes": [{"name": "containerdisk", "containerDisk": {"image": image}},
+                                 {"name": "cloudinitdisk", "cloudInitNoCloud": {"userData": USER_DATA}}]}}
+
+
+def with_key(doc: dict) -> dict:
+    """`doc` (a VMI or VM) with an accessCredential for the test key, and a NoCloud disk if it has none."""
+    doc = copy.deepcopy(doc)
+    spec = doc.setdefault("spec", {})
+    if doc.get("kind") == "VirtualMachine":
+        spec = spec.setdefault("template", {}).setdefault("spec", {})
+    volumes = spec.setdefault("volumes", [])
+    if not any(isinstance(v, dict) and "cloudInitNoCloud" in v for v in volumes):
+        volumes.append({"name": "launcher-test-cloudinit", "cloudInitNoCloud": {"userData": USER_DATA}})
+    spec.setdefault("accessCredentials", []).append(
+        {"sshPublicKey": {"source": {"secret": {"secretName": KEY_SECRET}}, "propagationMethod": {"noCloud": {}}}})
+    return doc
+
+
+def key_secret(namespace: str, public_key: str) -> dict:
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": KEY_SECRET, "namespace": namespace},
+            "stringData": {"key": public_key}}
+
+
+# ---------------------------------------------------------------- the shell
+
+class _Reach(threading.Thread):
+    """Wait for the VM's record, then for ssh; run the command; stop the VM whatever happened."""
+
+    def __init__(self, cache, cache_dir, target: Target, port: int, key: Path, command: tuple[str, ...], deadline: float, result: Result, capture: bool):
+        super().__init__(daemon=True)
+        self.cache, self.target, self.deadline, self.result, self.capture = cache, target, deadline, result, capture
+        self.vm_gone = threading.Event()  # set when vms.run returned or raised
+        common = dict(identity=str(key), local_opts=SSH_OPTS, cache_dir=cache_dir)
+        self.probe = ssh_command(target, port, launcher_argv(), command=("true",), **common)
+        self.run_it = ssh_command(target, port, launcher_argv(), command=command, **common)
+        self.outcome: int | None = None
+
+    def run(self) -> None:
+        from launcher.runtime.vms import find_record, stop
+
+        try:
+            self.outcome = self._reach(find_record)
+        finally:
+            if not self.vm_gone.is_set():
+                try:
+                    stop(self.cache, self.target.vm)
+                except DiskkitError:
+                    pass  # it went by itself meanwhile
+
+    def _reach(self, find_record) -> int:
+        while find_record(self.cache, self.target.vm) is None:
+            if self.vm_gone.wait(0.2):
+                return NOT_BOOTED
+            if time.monotonic() > self.deadline:
+                self.result.reason = "the VM did not start within --timeout"
+                return NO_SSH
+        started = time.monotonic()
+        while True:
+            probe = subprocess.run(self.probe, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+            if probe.returncode == 0:
+                break
+            if self.vm_gone.is_set():
+                self.result.reason = "the VM stopped before ssh answered"
+                return NOT_BOOTED
+            if time.monotonic() > self.deadline:
+                last = (probe.stderr.strip().splitlines() or ["no answer"])[-1]
+                self.result.reason = f"no ssh login within --timeout (last try: {last})"
+                return NO_SSH
+            self.vm_gone.wait(1)
+        self.result.boot_to_ssh_seconds = round(time.monotonic() - started, 1)
+        if not self.capture:
+            say(f"{self.target.forward}: ssh answered {self.result.boot_to_ssh_seconds:.1f} s after the VM started")
+        done = subprocess.run(self.run_it, stdin=subprocess.DEVNULL, capture_output=self.capture, text=True)
+        self.result.exit_status = done.returncode
+        if self.capture:
+            self.result.stdout, self.result.stderr = done.stdout, done.stderr
+        if done.returncode != 0:
+            self.result.reason = f"the command exited with {done.returncode}"
+            return COMMAND_FAILED
+        self.result.passed = True
+        return PASSED
+
+
+def _load(path: str) -> dict:
+    """A VMI or VM file's one document, within the API server's limits."""
+    from launcher.spec.meta import load_documents
+
+    docs = [d for d in load_documents(path) if d is not None]
+    if len(docs) != 1:
+        raise DiskkitError(path, f"must hold one VirtualMachineInstance or VirtualMachine document, not {len(docs)}")
+    return docs[0]
+
+
+@click.command("test", epilog="""\b
+Examples:
+  launcher test quay.io/containerdisks/fedora:40 --user fedora
+  launcher test registry.local/debian:12 --user debian -- systemctl is-system-running --wait
+  launcher test --json --timeout 600 oci:./layout:v1 > result.json
+  launcher test vmi.yaml -- cat /etc/os-release     # a VMI file: the key is added to it
+\b
+Exit status: 0 the command succeeded; 1 it failed; 3 the VM did not boot (refused, pull
+failed, or it stopped before ssh answered); 4 no ssh login within --timeout.
+""")
+@click.argument("ref")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+@click.option("--user", default="root", show_default=True, help="Log in as this user (a cloud image's default user, e.g. fedora).")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=300, show_default=True, metavar="SECONDS", help="Give up waiting for ssh after this long (pull and boot included).")
+@click.option("--port", type=click.IntRange(1, 65535), default=22, show_default=True, help="The guest's ssh port.")
+@click.option("--memory", default="1Gi", show_default=True, help="Guest memory of the generated VMI.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON result object (the command's output inside it).")
+@click.option("--connect", "uri", metavar="URI", help="libvirt URI (default: qemu:///system as root, else qemu:///session).")
+@click.option("--platform", help="OS/ARCH of the image (default: this host's).")
+@cache_option
+@registry_options
+@trust_options
+def smoke_test(ref, command, user, timeout, port, memory, as_json, uri, platform, cache_dir, registry: RegistryOptions) -> None:
+    """Boot REF (an image, or a VMI file) with a fresh ssh key, run COMMAND over ssh (default: echo hello),
+    print the boot-to-ssh time, stop and remove the VM; exit 0 only if the command succeeded."""
+    from launcher.node.pull import pull
+    from launcher.runtime.vms import RunOptions, run
+    from launcher.spec.k8s import Objects
+    from launcher.spec.vmi import parse_vmi
+    from launcher.volumes.storage import Storage
+
+    began = time.monotonic()
+    command = command or ("echo", "hello")
+    doc = _load(ref) if Path(ref).is_file() else generated_vmi(f"launcher-test-{secrets.token_hex(3)}", ref, memory)
+    cache = node_cache(cache_dir)
+    keys = Path(tempfile.mkdtemp(prefix="launcher-test-"))  # 0700: the private key never leaves it
+    result = Result(vmi="", command=" ".join(command))
+    code = NOT_BOOTED
+    try:
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "launcher-test", "-f", str(keys / "key")],
+                       check=True, stdin=subprocess.DEVNULL)
+        public = (keys / "key.pub").read_text().strip()
+        try:
+            vmi = parse_vmi(with_key(doc))
+            result.vmi = f"{vmi.namespace}/{vmi.name}"
+            plat = platform_of(platform)
+            for volume in vmi.volumes:
+                if volume.kind == "containerDisk":
+                    src = volume.source
+                    result.images[src.image] = pull(cache, src.image, src.path, plat, registry, src.image_pull_policy).digest
+        except DiskkitError as err:
+            result.reason = str(err)
+            return
+        target = Target("vmi", vmi.name, vmi.namespace, user)
+        reach = _Reach(cache, cache_dir, target, port, keys / "key", command, began + timeout, result, as_json)
+        reach.start()
+        try:
+            run(vmi, cache, RunOptions(uri=uri, platform=plat, registry=registry, storage=Storage(objects=Objects([key_secret(vmi.namespace, public)])),
+                                       grace_period=0), say)
+        except DiskkitError as err:
+            if not result.reason:
+                result.reason = str(err)
+        finally:
+            reach.vm_gone.set()
+            reach.join()
+        code = reach.outcome if reach.outcome is not None else NOT_BOOTED
+        if code == NOT_BOOTED and not result.reason:
+            result.reason = "the VM stopped before ssh answered"
+    finally:
+        shutil.rmtree(keys, ignore_errors=True)
+        if as_json:
+            click.echo(json.dumps(result.to_json(), indent=2))
+        elif result.passed:
+            say(f"PASS {result.vmi or ref}: {result.command!r} succeeded, ssh {result.boot_to_ssh_seconds:.1f} s after boot")
+        else:
+            say(f"FAIL {result.vmi or ref}: {result.reason}")
+    sys.exit(code)

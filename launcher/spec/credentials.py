@@ -1,0 +1,70 @@
+"""spec.accessCredentials (pure): the ssh public keys KubeVirt puts on a VMI's cloud-init disk.
+
+Parsed and refused as pkg/virt-api/webhooks/validating-webhook/admitters/vmi-create-admitter.go
+(validateAccessCredentials) does. Only sshPublicKey with the noCloud or configDrive propagation is
+implemented; qemuGuestAgent and userPassword need the guest agent, which the launcher does not
+attach, so launcher.spec.coverage refuses them before they get here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+from launcher.spec.fields import SpecError, as_list, as_map, get_str
+
+NOCLOUD, CONFIGDRIVE = "noCloud", "configDrive"
+# The volume kind each propagation method writes its keys to.
+VOLUME_KINDS = {NOCLOUD: "cloudInitNoCloud", CONFIGDRIVE: "cloudInitConfigDrive"}
+
+
+@dataclass(frozen=True)
+class SSHPublicKey:
+    secret_name: str | None  # None: a source without a secret, which KubeVirt skips
+    method: str  # NOCLOUD | CONFIGDRIVE
+
+
+def parse(items: object, volume_kinds: Iterable[str], at: str) -> tuple[SSHPublicKey, ...]:
+    kinds = set(volume_kinds)
+    found = []
+    for idx, item in enumerate(as_list(items, at)):
+        here = f"{at}[{idx}]"
+        item = as_map(item, here)
+        ssh = item.get("sshPublicKey")
+        if ssh is not None:
+            doc = as_map(ssh, f"{here}.sshPublicKey")
+            source = as_map(doc.get("source"), f"{here}.sshPublicKey.source")
+            methods_doc = as_map(doc.get("propagationMethod"), f"{here}.sshPublicKey.propagationMethod")
+            methods = [m for m in (NOCLOUD, CONFIGDRIVE) if methods_doc.get(m) is not None]
+            for method in methods:
+                if VOLUME_KINDS[method] not in kinds:
+                    raise SpecError(f"{here}.sshPublicKey.propagationMethod",
+                                    f"{here} requires a {method} volume to exist when the {method} propagationMethod is in use.")
+            if source.get("secret") is None:
+                raise SpecError(f"{here}.sshPublicKey.source", f"{here} must have exactly one source set")
+            if len(methods) != 1:
+                raise SpecError(f"{here}.sshPublicKey.propagationMethod", f"{here} must have exactly one propagationMethod set")
+        if (ssh is not None) + (item.get("userPassword") is not None) != 1:
+            raise SpecError(here, f"{here} must have exactly one access credential type set")
+        if ssh is None:
+            continue  # userPassword: refused by launcher.spec.coverage, or dropped with --ignore-unsupported
+        secret = as_map(source["secret"], f"{here}.sshPublicKey.source.secret")
+        found.append(SSHPublicKey(get_str(secret, "secretName", f"{here}.sshPublicKey.source.secret"), methods[0]))
+    return tuple(found)
+
+
+def public_keys(credentials: Iterable[SSHPublicKey], method: str, secrets: Mapping[str, Mapping[str, bytes]]) -> dict[str, str]:
+    """The keys of one propagation method, numbered from "0" as pkg/cloud-init/cloud-init.go
+    resolveSSHPublicKeys numbers them: every non-empty value of each Secret, in the order the kubelet's
+    mount lists its files (by key), and the count running on across credentials. `secrets` maps a
+    Secret's name to its data."""
+    keys: dict[str, str] = {}
+    for cred in credentials:
+        if cred.method != method or not cred.secret_name:
+            continue
+        data = secrets[cred.secret_name]
+        for name in sorted(data):
+            if name.startswith("..") or not data[name]:
+                continue
+            keys[str(len(keys))] = data[name].decode("utf-8", "replace")
+    return keys

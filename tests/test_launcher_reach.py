@@ -1,0 +1,143 @@
+"""Reaching a running guest as virtctl users do, end to end as the qemu user (UID 107): `launcher ssh`
+with a key from spec.accessCredentials (pkg/cloud-init/cloud-init.go puts it in the cloud-init meta
+data; the test guest's dropbear reads it there), and `launcher test`, the boot smoke test."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import pwd
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.testguest import parse_console
+from tests.vmhost import NOREG, QEMU_UID, assert_clean
+
+
+def no_forwards_left() -> None:
+    """No `launcher port-forward` (ssh's ProxyCommand) outlives the ssh it served."""
+    left = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if proc.name.isdigit() and b"port-forward" in cmdline and b"--stdio" in cmdline:
+            left.append(b" ".join(cmdline).decode())
+    assert not left, left
+
+
+def keypair(directory: Path, name: str) -> tuple[Path, str]:
+    key = directory / name
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", name, "-f", str(key)], check=True)
+    gid = pwd.getpwuid(QEMU_UID).pw_gid
+    for path in (key, directory / f"{name}.pub"):
+        os.chown(path, QEMU_UID, gid)  # ssh takes a private key only from its owner
+    return key, (directory / f"{name}.pub").read_text().strip()
+
+
+def credential_vmi(qemu_user, name: str, image: str, method: str) -> Path:
+    """The test guest with a cloud-init disk of `method`'s kind and the Secret `keys` as its access credential."""
+    kind = {"noCloud": "cloudInitNoCloud", "configDrive": "cloudInitConfigDrive"}[method]
+    path = qemu_user.write_vmi(name, image, extra=[({"name": "ci", "disk": {"bus": "virtio"}},
+                                                    {"name": "ci", kind: {"userData": "#cloud-config\n"}})])
+    doc = json.loads(path.read_text())
+    doc["spec"]["accessCredentials"] = [{"sshPublicKey": {"source": {"secret": {"secretName": "keys"}},
+                                                          "propagationMethod": {method: {}}}}]
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def manifests(qemu_user, public_key: str) -> Path:
+    directory = qemu_user.root / "manifests"
+    directory.mkdir(exist_ok=True)
+    (directory / "secret.yaml").write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "keys", "namespace": "default"},
+        "data": {"ed25519": base64.b64encode(public_key.encode()).decode()}}))
+    return directory
+
+
+@pytest.mark.parametrize("method, path", [("noCloud", "/meta-data"), ("configDrive", "/openstack/latest/meta_data.json")])
+def test_access_credentials_reach_the_guests_cloud_init_disk(qemu_user, guest_image, method, path):
+    _, public = keypair(qemu_user.root, f"seen-{method}")
+    name = f"seen-{method.lower()}"
+    vmi = credential_vmi(qemu_user, name, guest_image, method)
+    # DONE: the guest has reported its disks (with a NIC it then stays up serving ssh, so it is stopped)
+    result = qemu_user.launcher("run", NOREG, "--manifests", manifests(qemu_user, public), "--console", "--wait-for",
+                                "DISKKIT-TESTGUEST DONE", "--timeout", "240", vmi)
+    qemu_user.launcher("stop", name)
+    assert result.code == 0, result.err
+    isos = parse_console(result.out)["isos"]
+    meta = next(iso["files"][path] for iso in isos.values() if path in iso["files"])
+    key = "public-keys" if method == "noCloud" else "public_keys"
+    assert json.loads(meta)[key] == {"0": public}
+    assert_clean(qemu_user, f"default_{name}")
+
+
+@pytest.mark.parametrize("method", ["noCloud", "configDrive"])
+def test_ssh_with_a_key_from_access_credentials(qemu_user, guest_image, method):
+    key, public = keypair(qemu_user.root, f"key-{method}")
+    name = f"ssh-{method.lower()}"
+    vmi = credential_vmi(qemu_user, name, guest_image, method)
+    started = qemu_user.launcher("run", NOREG, "--manifests", manifests(qemu_user, public), "--console", "--wait-for", "SSH keys=1 started",
+                                 "--timeout", "240", vmi)
+    try:
+        assert started.code == 0, started.out[-1500:] + started.err
+        hello = qemu_user.launcher("ssh", "-i", key, "-t", "-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null",
+                                   f"root@vmi/{name}", "--", "echo", "hello")
+        assert (hello.code, hello.out) == (0, "hello\n"), hello.err
+        status = qemu_user.launcher("ssh", "-i", key, "-t", "-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null",
+                                    "-l", "root", "-c", "exit 7", name)
+        assert status.code == 7, status.err
+    finally:
+        qemu_user.launcher("stop", name)
+    assert_clean(qemu_user, f"default_{name}")
+    no_forwards_left()
+
+
+def test_ssh_to_a_vm_that_is_not_there(qemu_user):
+    result = qemu_user.launcher("ssh", "root@vmi/nowhere", "--", "true")
+    assert result.code != 0
+    assert result.err.strip().splitlines() == ["launcher: nowhere: no VM of this name was started from this cache (yet)"]
+
+
+def test_launcher_test_passes_on_the_test_guest(qemu_user, guest_image):
+    result = qemu_user.launcher("test", NOREG, "--json", "--timeout", "240", "--memory", "128Mi", guest_image)
+    assert result.code == 0, result.err
+    out = json.loads(result.out)
+    assert out["result"] == "pass" and out["exitStatus"] == 0 and out["stdout"] == "hello\n", out
+    assert out["command"] == "echo hello" and out["bootToSshSeconds"] > 0
+    assert out["images"][guest_image].startswith("sha256:")
+    assert_clean(qemu_user, out["vmi"].replace("/", "_"))
+    failed = qemu_user.launcher("test", NOREG, "--timeout", "240", "--memory", "128Mi", guest_image, "--", "exit", "5")
+    assert failed.code == 1, failed.err
+    assert failed.err.strip().splitlines()[-1].endswith(": the command exited with 5")
+    no_forwards_left()
+
+
+def no_ssh_vmi(qemu_user, name, image, *serials):
+    extra = [({"name": f"d{i}", "serial": serial, "disk": {"bus": "virtio"}}, {"name": f"d{i}", "emptyDisk": {"capacity": "1Mi"}})
+             for i, serial in enumerate(serials)]
+    return qemu_user.write_vmi(name, image, extra=extra)
+
+
+def test_launcher_test_fails_on_a_guest_without_ssh(qemu_user, guest_image):
+    # the test guest with dropbear off powers off by itself: the VM stopped before ssh answered
+    vmi = no_ssh_vmi(qemu_user, "nossh", guest_image, "no-ssh")
+    result = qemu_user.launcher("test", NOREG, "--timeout", "240", vmi)
+    assert result.code == 3, result.err
+    assert result.err.strip().splitlines()[-1] == "launcher: FAIL default/nossh: the VM stopped before ssh answered"
+    assert_clean(qemu_user, "default_nossh")
+
+
+def test_launcher_test_times_out_on_a_guest_that_stays_up_without_ssh(qemu_user, guest_image):
+    vmi = no_ssh_vmi(qemu_user, "silent", guest_image, "no-ssh", "hold-600")
+    result = qemu_user.launcher("test", NOREG, "--json", "--timeout", "45", vmi)
+    assert result.code == 4, result.err
+    out = json.loads(result.out)
+    assert out["result"] == "fail" and out["exitStatus"] is None, out
+    assert out["reason"].startswith(("no ssh login within --timeout", "the VM did not start within --timeout")), out
+    assert_clean(qemu_user, "default_silent")
