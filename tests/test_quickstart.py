@@ -47,3 +47,6 @@ def _run_quickstart(script: str, scratch: Path) -> None:
     done = subprocess.run(["bash", "-c", wrapped], cwd=work, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
     assert "VM mine was stopped" in done.stdout, done.stdout
+    assert f"Linux {os.uname().nodename} " not in done.stdout  # uname -a ran in the guest, not here
+    assert re.search(r"^Linux \S+ \S+", done.stdout, re.M), done.stdout
+    assert "testguest login:" in done.stdout, done.stdout  # launcher logs showed the console
