@@ -22,6 +22,7 @@ from diskkit.signing.payload import (
     ATOMIC_TYPE,
     MIME_TYPE,
     SIGNATURE_ANNOTATION,
+    SIGNATURE_TYPE,
     InvalidPayload,
     parse_payload,
 )
@@ -265,6 +266,19 @@ def identity_matches(identity: dict, intended: DockerName, signed_text: str) -> 
     return _repo_digest_or_exact(intended, signed)
 
 
+def _claims_match(payload: bytes, kind: str, req: Requirement, intended: DockerName, digest: str) -> None:
+    """What a cryptographically valid signature claims, in containers/image's order: the payload's
+    form, then the manifest digest, then the identity under the requirement's signedIdentity."""
+    try:
+        signed_ref, signed_digest = parse_payload(payload, kind)
+    except InvalidPayload as exc:
+        raise Rejected(str(exc)) from None
+    if signed_digest != digest:
+        raise Rejected(f"Signature for digest {signed_digest} does not match")
+    if not identity_matches(req.identity, intended, signed_ref):
+        raise Rejected(f'Signature for identity "{signed_ref}" is not accepted')
+
+
 def _accepts(req: Requirement, sig, intended: DockerName, digest: str) -> None:
     """Raise Rejected unless this one signature satisfies the requirement."""
     if sig.media_type != MIME_TYPE:
@@ -279,14 +293,7 @@ def _accepts(req: Requirement, sig, intended: DockerName, digest: str) -> None:
     from diskkit.signing import keys
     if not any(keys.verifies(k, sig.payload, raw) for k in req.keys):
         raise Rejected("cryptographic signature verification failed: not signed by any of the policy's keys")
-    try:
-        signed_ref, signed_digest = parse_payload(sig.payload)
-    except InvalidPayload as exc:
-        raise Rejected(str(exc)) from None
-    if signed_digest != digest:
-        raise Rejected(f"Signature for digest {signed_digest} does not match")
-    if not identity_matches(req.identity, intended, signed_ref):
-        raise Rejected(f'Signature for identity "{signed_ref}" is not accepted')
+    _claims_match(sig.payload, SIGNATURE_TYPE, req, intended, digest)
 
 
 def _accepts_gpg(keyring, req: Requirement, blob: bytes, intended: DockerName, digest: str) -> None:
@@ -297,14 +304,7 @@ def _accepts_gpg(keyring, req: Requirement, blob: bytes, intended: DockerName, d
         signed, _ = keyring.verify(blob)
     except InvalidSignature as exc:
         raise Rejected(str(exc)) from None
-    try:
-        signed_ref, signed_digest = parse_payload(signed, ATOMIC_TYPE)
-    except InvalidPayload as exc:
-        raise Rejected(str(exc)) from None
-    if signed_digest != digest:
-        raise Rejected(f"Signature for digest {signed_digest} does not match")
-    if not identity_matches(req.identity, intended, signed_ref):
-        raise Rejected(f'Signature for identity "{signed_ref}" is not accepted')
+    _claims_match(signed, ATOMIC_TYPE, req, intended, digest)
 
 
 def check(requirements: list[Requirement], image: str, intended: DockerName | None, digest: str, signatures: Callable[[str], list]) -> None:

@@ -202,19 +202,10 @@ class Cache:
         each while holding it, so a waiter that gets it after sees it gone (see lock)."""
         removed = []
         for path in sorted((self.root / "locks").glob(f"{prefix}*.lock")):
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-            except OSError:
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                if os.stat(path).st_ino == os.fstat(fd).st_ino:
+            with _unheld(path, os.O_RDWR | os.O_NOFOLLOW) as fd:  # a held one: its VM is being started or stopped
+                if fd is not None and _same_file(path, fd):
                     path.unlink()
                     removed.append(path)
-            except (BlockingIOError, FileNotFoundError):
-                pass  # held: its VM is being started or stopped
-            finally:
-                os.close(fd)
         return removed
 
     @contextlib.contextmanager
@@ -234,17 +225,9 @@ class Cache:
         """Staging directories whose pull died (their lock is free)."""
         stale = []
         for path in (self.root / "tmp").iterdir():
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-            except OSError:
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                stale.append(path)
-            except BlockingIOError:
-                pass
-            finally:
-                os.close(fd)
+            with _unheld(path, os.O_RDONLY | os.O_DIRECTORY) as fd:
+                if fd is not None:
+                    stale.append(path)
         return stale
 
     def reclaim_staging(self) -> list[Path]:
@@ -349,3 +332,29 @@ def tree_size(path: Path) -> int:
             with contextlib.suppress(OSError):
                 total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
     return total
+
+
+@contextlib.contextmanager
+def _unheld(path: Path, flags: int) -> Iterator[int | None]:
+    """`path` opened and locked when no process holds its lock (its owner died or let go), else None."""
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        yield None
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield None
+            return
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _same_file(path: Path, fd: int) -> bool:
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
