@@ -1,4 +1,4 @@
-"""`diskkit tags`, `tag` and `delete`: a repository's tags as things to list, add and remove safely."""
+"""`diskkit tags`, `tag`, `delete` and `prune`: a repository's tags as things to list, add and remove safely."""
 
 from __future__ import annotations
 
@@ -81,4 +81,36 @@ def delete_cmd(ref, force, ignore_missing, as_json, registry: RegistryOptions) -
         click.echo(result.digest)
 
 
-TAG_COMMANDS = (tags_cmd, tag_cmd, delete_cmd)
+@click.command("prune", epilog="""\b
+Examples:
+  diskkit prune --tls-verify=false localhost:5000/disks/fedora --match '40-[0-9]{10}' --keep 3 --dry-run
+  diskkit prune --json quay.io/me/fedora --match '40-.*' --keep 5
+""")
+@click.argument("repository", metavar="REPOSITORY")
+@click.option("--match", "pattern", required=True, metavar="REGEX", help="Tags to prune: those the whole of REGEX matches (Python syntax).")
+@click.option("--keep", type=click.IntRange(0), required=True, metavar="N", help="How many matching tags to keep, newest first by the image config's created time.")
+@click.option("--dry-run", is_flag=True, help="Say what would be deleted; delete nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: the digests deleted with their tags, and the tags kept with why.")
+@registry_options
+def prune_cmd(repository, pattern, keep, dry_run, as_json, registry: RegistryOptions) -> None:
+    """Delete the older tags matching REGEX, keeping the newest N.
+
+    Newest is by the image's created time (an index's: its newest platform image's). A manifest is
+    deleted by digest, taking every tag on it, so a digest that a tag being kept still points at
+    (one not matching REGEX, or one of the newest N), or that a kept index lists, is never deleted.
+    A tag whose config has no created time is kept.
+    """
+    from diskkit.ops.prune import prune
+
+    plan = prune(repository, pattern, keep, registry, dry_run=dry_run)
+    if as_json:
+        click.echo(json.dumps({"dry_run": dry_run, **plan.to_json()}, indent=2))
+        return
+    verb = "would delete" if dry_run else "deleted"
+    for digest, tags in plan.delete.items():
+        click.echo(f"{verb} {digest} ({', '.join(tags)})")
+    for tag, why in plan.keep.items():
+        click.echo(f"kept {tag}: {why}")
+
+
+TAG_COMMANDS = (tags_cmd, tag_cmd, delete_cmd, prune_cmd)

@@ -111,6 +111,26 @@ def tags_on(repo: Repo, digest: str, tags: list[str]) -> list[str]:
     return sorted(tag for tag in tags if tag_digest(repo, tag) == digest)
 
 
+def get_manifest(repo: Repo, reference: str, where: str) -> tuple[bytes, str]:
+    """A manifest's bytes and media type, checked against the digest it was asked by and the one the
+    registry names."""
+    response = repo.registry.request("GET", f"/v2/{repo.name.repository}/manifests/{reference}", repo.scope, headers={"Accept": ACCEPT}, stream=True, what="GET manifest")
+    if response.status_code == 404:
+        raise RegistryError(where, "no such manifest" if reference.startswith("sha256:") else "no such tag")
+    check_status(response, (200,), repo.registry.host, f"GET manifest {reference}")
+    data = read_body(response, MAX_MANIFEST_BYTES, where, "manifest")
+    media_type = (response.headers.get("Content-Type") or "").split(";")[0].strip()
+    digest = sha256_digest(data)
+    if reference.startswith("sha256:") and reference != digest:
+        raise RegistryError(where, f"manifest hashes to {digest}, not the digest it was fetched by")
+    header = response.headers.get("Docker-Content-Digest")
+    if header and header != digest:
+        raise RegistryError(where, f"manifest hashes to {digest}, not the registry's Docker-Content-Digest {header}")
+    if not media_type:
+        raise RegistryError(where, "registry gave the manifest no Content-Type")
+    return data, media_type
+
+
 @dataclass
 class Deletion:
     reference: str
@@ -159,20 +179,8 @@ def add_tags(ref: str, new_tags: tuple[str, ...], opts: RegistryOptions) -> tupl
         if not TAG.fullmatch(tag):
             raise DiskkitError(tag, "not a valid tag ([A-Za-z0-9_][A-Za-z0-9_.-]{0,127})")
     repo = open_repo(name, opts, "pull,push")
-    response = repo.registry.request("GET", f"/v2/{name.repository}/manifests/{name.reference}", repo.scope, headers={"Accept": ACCEPT}, stream=True, what="GET manifest")
-    if response.status_code == 404:
-        raise RegistryError(ref, "no such manifest" if name.digest else "no such tag")
-    check_status(response, (200,), repo.registry.host, f"GET manifest {name.reference}")
-    data = read_body(response, MAX_MANIFEST_BYTES, ref, "manifest")
-    media_type = (response.headers.get("Content-Type") or "").split(";")[0].strip()
+    data, media_type = get_manifest(repo, name.reference, ref)
     digest = sha256_digest(data)
-    if name.digest and name.digest != digest:
-        raise RegistryError(ref, f"manifest hashes to {digest}, not the digest it was fetched by")
-    header = response.headers.get("Docker-Content-Digest")
-    if header and header != digest:
-        raise RegistryError(ref, f"manifest hashes to {digest}, not the registry's Docker-Content-Digest {header}")
-    if not media_type:
-        raise RegistryError(ref, "registry gave the manifest no Content-Type; it cannot be stored again as it is")
     for tag in new_tags:
         put = repo.registry.request("PUT", f"/v2/{name.repository}/manifests/{tag}", repo.scope, headers={"Content-Type": media_type}, body=data, what="PUT manifest")
         check_status(put, (201, 200, 202), repo.registry.host, f"PUT manifest {tag}")
