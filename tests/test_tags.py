@@ -78,8 +78,8 @@ def test_tags_lists_every_tag_as_text_and_json(diskkit, image):
     assert sorted(text.out.split()) == ["a", "b", "v1"]
     as_json = json.loads(diskkit("tags", INSECURE, "--json", repo).out)
     assert as_json["Repository"] == repo and sorted(as_json["Tags"]) == ["a", "b", "v1"]
-    # skopeo list-tags agrees
-    assert sorted(json.loads(run("skopeo", "list-tags", "--tls-verify=false", f"docker://{repo}").stdout)["Tags"]) == ["a", "b", "v1"]
+    # skopeo list-tags prints the same object
+    assert as_json == json.loads(run("skopeo", "list-tags", "--tls-verify=false", f"docker://{repo}").stdout)
 
 
 def test_tags_refuses_a_tag_and_names_a_missing_repository(diskkit, registry):
