@@ -16,6 +16,7 @@ from diskkit.errors import DiskkitError
 from diskkit.ops.tags import list_tags, next_page, open_repo, repository_only
 from diskkit.registry.options import RegistryOptions
 from tests.conftest import make_qcow2, run
+from tests.faultproxy import Fault
 
 INSECURE = "--tls-verify=false"
 
@@ -201,3 +202,14 @@ def test_delete_by_digest_names_the_tags_it_took(diskkit, image):
     assert json.loads(result.out)["tags_removed"] == ["40", "v1"]
     again = diskkit("delete", INSECURE, f"{repo}@{digest}")
     assert again.code != 0 and f"no such manifest {digest}" in again.err
+
+
+def test_tag_refuses_a_registry_that_stores_another_digest(diskkit, image, registry, fault_proxy, tmp_path):
+    repo, digest = image
+    other = diskkit("build", make_qcow2(tmp_path / "o.qcow2", pattern=5), "-t", f"{repo}:other", INSECURE).last_line
+    proxy = fault_proxy(registry)
+    # a lying registry: the new tag, read back, answers with another image
+    proxy.add(Fault("HEAD", r"/manifests/promoted$", "rewrite", to="/manifests/other"))
+    lied = diskkit("tag", INSECURE, f"{repo.replace(registry.host, proxy.host)}@{digest}", "promoted")
+    assert lied.code != 0
+    assert f":promoted: registry stored {other}, not the source's {digest}" in lied.err

@@ -17,7 +17,7 @@ from diskkit.registry.options import RegistryOptions
 from diskkit.transports.remote import ACCEPT, registry_for
 
 # distribution's reference grammar for a tag (distribution/reference/regexp.go: tag)
-TAG = re.compile(r"[\w][\w.-]{0,127}")
+TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 LINK_NEXT = re.compile(r'<([^>]*)>\s*;\s*rel="?next"?')
 
 
