@@ -213,3 +213,18 @@ def test_tag_refuses_a_registry_that_stores_another_digest(diskkit, image, regis
     lied = diskkit("tag", INSECURE, f"{repo.replace(registry.host, proxy.host)}@{digest}", "promoted")
     assert lied.code != 0
     assert f":promoted: registry stored {other}, not the source's {digest}" in lied.err
+
+
+def test_tag_tags_and_delete_through_token_auth(diskkit, token_registry, qcow2):
+    repo = new_repo(token_registry)
+    creds = f"--creds={token_registry.username}:{token_registry.password}"
+    digest = diskkit("build", qcow2, "-t", f"{repo}:v1", INSECURE, creds).last_line
+    assert diskkit("tag", INSECURE, creds, f"{repo}@{digest}", "40").code == 0
+    listed = diskkit("tags", INSECURE, creds, repo)
+    assert listed.code == 0 and sorted(listed.out.split()) == ["40", "v1"], listed.err
+    refused = diskkit("delete", INSECURE, creds, f"{repo}:40")
+    assert refused.code != 0 and "also tagged v1" in refused.err
+    forced = diskkit("delete", INSECURE, creds, "--force", f"{repo}:40")
+    assert forced.code == 0 and forced.last_line == digest, forced.err
+    gone = diskkit("tag", INSECURE, creds, f"{repo}:v1", "x")  # v1 went with the digest
+    assert gone.code != 0 and f"{repo}:v1: no such tag" in gone.err
