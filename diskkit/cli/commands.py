@@ -12,6 +12,7 @@ from diskkit import __version__
 from diskkit.cli.shell import platform as platform_of
 from diskkit.cli.shell import registry_options, run_main
 from diskkit.cli.standalone import standalone_sign, standalone_verify
+from diskkit.cli.tagcmds import TAG_COMMANDS
 from diskkit.cli.trustflags import signature_options
 from diskkit.errors import DiskkitError
 from diskkit.oci.image import Platform
@@ -461,22 +462,6 @@ def push_cmd(src, dest, platform, all_platforms, multi_arch, preserve_digests, d
 cli.add_command(push_cmd, "copy")
 
 
-@cli.command("delete", epilog="""\b
-Example:
-  diskkit delete --tls-verify=false docker://localhost:5000/disks/test:old
-""")
-@click.argument("ref")
-@registry_options
-def delete_cmd(ref, registry: RegistryOptions) -> None:
-    """Delete an image's manifest from a registry (the registry must allow deletes)."""
-    from diskkit.transports.remote import delete
-
-    parsed = parse_ref(ref)
-    if parsed.transport != "docker":
-        raise DiskkitError(ref, "delete works on registry references (docker://)")
-    click.echo(delete(parsed, registry))
-
-
 @cli.command("upload", epilog="""\b
 Examples:
   diskkit upload fedora fedora.qcow2 --url https://node:8443 --token "$(launcher dv token fedora)"
@@ -516,6 +501,8 @@ def upload_cmd(datavolume, file, url, token, token_file, namespace, ca_cert, ins
 
 cli.add_command(standalone_sign)
 cli.add_command(standalone_verify)
+for command in TAG_COMMANDS:
+    cli.add_command(command)
 
 
 def main() -> None:

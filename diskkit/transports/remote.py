@@ -460,20 +460,3 @@ class RemoteDestination(Destination):
     def abort(self) -> None:
         pass
 
-
-def delete(ref: ImageRef, opts: RegistryOptions) -> str:
-    """Delete a manifest by digest (resolving a tag first), as `skopeo delete` does."""
-    assert ref.name is not None
-    # registries.conf's insecure and blocked, as for a push (containers/image docker/docker_client.go: newDockerClient)
-    registry = registry_for(ref.name.registry, opts.for_endpoint(registriesconf.load().push_target(ref.name).insecure))
-    repo_scope = scope(ref.name.repository, "pull,push,delete")
-    digest = ref.name.digest
-    if not digest:
-        response = registry.request("HEAD", f"/v2/{ref.name.repository}/manifests/{ref.name.tag}", repo_scope, headers={"Accept": ACCEPT}, what="HEAD manifest")
-        check_status(response, (200,), registry.host, f"find {ref.name.tag}")
-        digest = response.headers.get("Docker-Content-Digest")
-        if not digest:
-            raise RegistryError(registry.host, "registry did not say which digest the tag points to")
-    response = registry.request("DELETE", f"/v2/{ref.name.repository}/manifests/{digest}", repo_scope, what="DELETE manifest")
-    check_status(response, (202, 200), registry.host, f"delete {digest}")
-    return digest
