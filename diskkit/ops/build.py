@@ -19,6 +19,7 @@ from diskkit.disk.containerdisk import (
 from diskkit.errors import DiskkitError
 from diskkit.layers import lazygzip, lazytoc
 from diskkit.layers.layer import LayerResult, entries_for, write_layer
+from diskkit.ops import buildrecord
 from diskkit.oci.image import (
     Descriptor,
     Platform,
@@ -304,8 +305,22 @@ def _build_one(opts, dest, plat: Platform, source: Path, disk: payload.Unwrapped
             pending.commit(result.digest, result.size)
         return result
 
-    layer = with_restarts(send, reporter, f"layer {image_disk_path}")
-    reporter.event({"event": "blob", "digest": layer.digest, "size": layer.size, "status": "uploaded"})
+    record = buildrecord.key(
+        [(image_disk_path, source), *((a[0], a[1]) for a in (opts.kernel, opts.initrd) if a)],
+        {"diskFormat": disk_format, "inputFormat": info.format, "compression": compression, "level": opts.level,
+         "lazy": bool(opts.lazy), "created": opts.created, "mediaType": layer_media},
+    )
+    layer = buildrecord.lookup(record)
+    if layer is not None and dest.has_blob(Descriptor(layer_media, layer.digest, layer.size)):
+        # The same input gives the same bytes: the destination already holds what streaming would send.
+        status = "exists"
+        reporter.note(f"{label}: layer {layer.digest} already at the destination (unchanged input); not sent")
+    else:
+        layer = with_restarts(send, reporter, f"layer {image_disk_path}")
+        status = "uploaded"
+        if problem := buildrecord.store(record, layer):
+            reporter.note(problem)
+    reporter.event({"event": "blob", "digest": layer.digest, "size": layer.size, "status": status})
     layer_desc = Descriptor(layer_media, layer.digest, layer.size, layer.toc.annotations() if layer.toc else {})
     config = make_config(plat, [layer.diff_id], opts.created, opts.labels, opts.env, "diskkit build")
     config_desc = dest.put_blob(canonical_json(config), DOCKER_CONFIG if docker else OCI_CONFIG)

@@ -1,0 +1,129 @@
+"""Skip what is there: an unchanged rebuild sends no layer, and `--skip-if-label` does nothing at all.
+
+The registry is real; the fault proxy only counts requests (no fault is injected).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+
+import pytest
+import requests
+
+from tests.conftest import make_qcow2
+
+FAST = ["--tls-verify=false", "--retry-delay", "0.05"]
+
+
+@pytest.fixture
+def cache_env(tmp_path):
+    return {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+
+
+@pytest.fixture
+def disk(tmp_path):
+    return make_qcow2(tmp_path / "guest.qcow2", size="32M", pattern=0x5A)
+
+
+def _build(diskkit, disk, target, env, *extra):
+    result = diskkit("build", disk, "-t", target, "--json", *FAST, *extra, env=env)
+    assert result.code == 0, result.err
+    out = json.loads(result.out)
+    blobs = [json.loads(line) for line in result.err.splitlines() if line.startswith("{") and '"event": "blob"' in line]
+    return out, blobs
+
+
+def _uploads(proxy):
+    return [(method, path) for method, path, _ in proxy.log if "/blobs/uploads/" in path and method in ("POST", "PATCH", "PUT")]
+
+
+def _target(proxy):
+    return f"{proxy.host}/skip-{uuid.uuid4().hex[:8]}:v1"
+
+
+def test_unchanged_rebuild_sends_no_layer(diskkit, registry, fault_proxy, disk, cache_env):
+    proxy = fault_proxy(registry)
+    target = _target(proxy)
+    first, blobs = _build(diskkit, disk, target, cache_env)
+    assert [b["status"] for b in blobs] == ["uploaded"]
+    assert _uploads(proxy)  # the first build does stream the layer
+    proxy.log.clear()
+    second, blobs = _build(diskkit, disk, target, cache_env)
+    layer = first["layers"][0]["digest"]
+    assert [b["status"] for b in blobs] == ["exists"]
+    assert _uploads(proxy) == []
+    assert ("HEAD", f"/v2/{target.split('/', 1)[1].split(':')[0]}/blobs/{layer}") in [(m, p) for m, p, _ in proxy.log]
+    assert second["digest"] == first["digest"]
+    assert second["layers"] == first["layers"]
+    assert diskkit("verify", *FAST, target).code == 0
+
+
+def test_touched_source_builds_normally(diskkit, registry, fault_proxy, disk, cache_env):
+    proxy = fault_proxy(registry)
+    target = _target(proxy)
+    first, _ = _build(diskkit, disk, target, cache_env)
+    st = disk.stat()
+    os.utime(disk, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    proxy.log.clear()
+    second, blobs = _build(diskkit, disk, target, cache_env)
+    assert [b["status"] for b in blobs] == ["uploaded"]
+    assert any(method == "PUT" for method, _ in _uploads(proxy))
+    assert second["digest"] == first["digest"]  # same bytes, same image: only the shortcut was refused
+
+
+def test_stale_record_uploads_again(diskkit, registry, fault_proxy, disk, cache_env):
+    proxy = fault_proxy(registry)
+    target = _target(proxy)
+    first, _ = _build(diskkit, disk, target, cache_env)
+    repo = target.split("/", 1)[1].split(":")[0]
+    layer = first["layers"][0]["digest"]
+    gone = requests.delete(registry.url(f"/v2/{repo}/blobs/{layer}"), timeout=30)
+    assert gone.status_code == 202, gone.text
+    assert requests.head(registry.url(f"/v2/{repo}/blobs/{layer}"), timeout=30).status_code == 404
+    proxy.log.clear()
+    second, blobs = _build(diskkit, disk, target, cache_env)
+    assert [b["status"] for b in blobs] == ["uploaded"]
+    assert any(method == "PUT" for method, _ in _uploads(proxy))
+    assert second["digest"] == first["digest"]
+    assert requests.head(registry.url(f"/v2/{repo}/blobs/{layer}"), timeout=30).status_code == 200
+    assert diskkit("verify", *FAST, target).code == 0
+
+
+def test_corrupt_record_is_ignored(diskkit, registry, fault_proxy, disk, cache_env, tmp_path):
+    proxy = fault_proxy(registry)
+    target = _target(proxy)
+    first, _ = _build(diskkit, disk, target, cache_env)
+    records = list((tmp_path / "cache/diskkit/builds").glob("*.json"))
+    assert len(records) == 1
+    records[0].write_text("{not json")
+    second, blobs = _build(diskkit, disk, target, cache_env)
+    assert [b["status"] for b in blobs] == ["uploaded"]
+    assert second["digest"] == first["digest"]
+
+
+def test_skip_if_label_both_ways(diskkit, registry, fault_proxy, disk, cache_env):
+    proxy = fault_proxy(registry)
+    target = _target(proxy)
+    # The tag does not exist yet: the check says build.
+    first, _ = _build(diskkit, disk, target, cache_env, "--label", "shasum=aaa", "--skip-if-label", "shasum=aaa")
+    proxy.log.clear()
+    same = diskkit("build", disk, "-t", target, *FAST, "--label", "shasum=aaa", "--skip-if-label", "shasum=aaa", env=cache_env)
+    assert same.code == 0, same.err
+    assert "nothing done" in same.out and "shasum=aaa" in same.out
+    assert len(same.out.strip().splitlines()) == 1
+    assert not [m for m, p, _ in proxy.log if m in ("PUT", "POST", "PATCH")]  # nothing written at all
+    changed, _ = _build(diskkit, disk, target, cache_env, "--label", "shasum=bbb", "--skip-if-label", "shasum=bbb")
+    assert changed["digest"] != first["digest"]
+    as_json = diskkit("build", disk, "-t", target, *FAST, "--json", "--label", "shasum=bbb", "--skip-if-label", "shasum=bbb", env=cache_env)
+    assert as_json.code == 0, as_json.err
+    assert json.loads(as_json.out)["skipped"] is True
+
+
+def test_skip_if_label_refusals(diskkit, tmp_path, disk):
+    bad = diskkit("build", disk, "-t", f"oci:{tmp_path / 'l'}:x", "--skip-if-label", "k=v")
+    assert bad.code != 0 and len(bad.err.strip().splitlines()) == 1
+    assert "--skip-if-label" in bad.err and "registry" in bad.err
+    bad = diskkit("build", disk, "-t", "127.0.0.1:1/x:y", "--skip-if-label", "novalue")
+    assert bad.code != 0 and "must be KEY=VALUE" in bad.err
