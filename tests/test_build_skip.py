@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import uuid
 
 import pytest
 import requests
 
+from diskkit.ops import buildrecord
 from tests.conftest import make_qcow2
 
 FAST = ["--tls-verify=false", "--retry-delay", "0.05"]
@@ -24,7 +26,9 @@ def cache_env(tmp_path):
 
 @pytest.fixture
 def disk(tmp_path):
-    return make_qcow2(tmp_path / "guest.qcow2", size="32M", pattern=0x5A)
+    path = make_qcow2(tmp_path / "guest.qcow2", size="32M", pattern=0x5A)
+    time.sleep(1.1)  # past buildrecord.SETTLE_NS: a file changed this recently is built but not recorded
+    return path
 
 
 def _build(diskkit, disk, target, env, *extra):
@@ -101,6 +105,31 @@ def test_corrupt_record_is_ignored(diskkit, registry, fault_proxy, disk, cache_e
     second, blobs = _build(diskkit, disk, target, cache_env)
     assert [b["status"] for b in blobs] == ["uploaded"]
     assert second["digest"] == first["digest"]
+
+
+def test_a_file_changed_just_now_is_not_recorded(tmp_path):
+    # Another write in the same timestamp tick would keep the pin with other bytes: no record for it.
+    path = tmp_path / "fresh.img"
+    path.write_bytes(b"x" * 4096)
+    name, settled = buildrecord.key([("/disk/fresh.img", path)], {"compression": "gzip"})
+    assert not settled
+    old = time.time_ns() - 2 * buildrecord.SETTLE_NS
+    os.utime(path, ns=(old, old))  # moves mtime; ctime stays now: still not settled
+    again, settled = buildrecord.key([("/disk/fresh.img", path)], {"compression": "gzip"})
+    assert not settled and again != name  # and the pin moved with mtime
+
+
+def test_every_setting_is_in_the_key(tmp_path):
+    path = tmp_path / "disk.img"
+    path.write_bytes(b"x" * 4096)
+    files = [("/disk/disk.img", path)]
+    base = {"compression": "gzip", "level": None, "lazy": True, "created": 0}
+    names = {buildrecord.key(files, base)[0]}
+    for change in ({"level": 1}, {"lazy": False}, {"created": 1}, {"compression": "zstd"}):
+        names.add(buildrecord.key(files, {**base, **change})[0])
+    names.add(buildrecord.key([("/images/disk.img", path)], base)[0])
+    assert len(names) == 6
+    assert buildrecord.key(files, dict(base))[0] in names
 
 
 def test_skip_if_label_both_ways(diskkit, registry, fault_proxy, disk, cache_env):

@@ -305,7 +305,7 @@ def _build_one(opts, dest, plat: Platform, source: Path, disk: payload.Unwrapped
             pending.commit(result.digest, result.size)
         return result
 
-    record = buildrecord.key(
+    record, settled = buildrecord.key(
         [(image_disk_path, source), *((a[0], a[1]) for a in (opts.kernel, opts.initrd) if a)],
         {"diskFormat": disk_format, "inputFormat": info.format, "compression": compression, "level": opts.level,
          "lazy": bool(opts.lazy), "created": opts.created, "mediaType": layer_media},
@@ -318,7 +318,7 @@ def _build_one(opts, dest, plat: Platform, source: Path, disk: payload.Unwrapped
     else:
         layer = with_restarts(send, reporter, f"layer {image_disk_path}")
         status = "uploaded"
-        if problem := buildrecord.store(record, layer):
+        if settled and (problem := buildrecord.store(record, layer)):
             reporter.note(problem)
     reporter.event({"event": "blob", "digest": layer.digest, "size": layer.size, "status": status})
     layer_desc = Descriptor(layer_media, layer.digest, layer.size, layer.toc.annotations() if layer.toc else {})

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import tempfile
+import time
 from pathlib import Path
 
 from diskkit import __version__
@@ -23,6 +24,7 @@ from diskkit.layers.layer import LayerResult
 
 DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 FORMAT = 1
+SETTLE_NS = 1_000_000_000  # coarser than the timestamps of every Linux filesystem but FAT's
 
 
 def records_dir() -> Path:
@@ -37,15 +39,18 @@ def pin(path: Path) -> list[int]:
     return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
-def key(files: list[tuple[str, Path]], settings: dict) -> str:
-    """The record's name: every (image path, input file) pinned by its inode and times, plus the settings."""
-    what = {
-        "format": FORMAT,
-        "diskkit": __version__,
-        "files": [[image_path, str(Path(local).absolute()), pin(Path(local))] for image_path, local in files],
-        "settings": settings,
-    }
-    return hashlib.sha256(json.dumps(what, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+def key(files: list[tuple[str, Path]], settings: dict) -> tuple[str, bool]:
+    """The record's name (every (image path, input file) pinned by its inode and times, plus the
+    settings), and whether a record may be written under it.
+
+    A file changed again within its filesystem's timestamp granularity of the moment it was pinned
+    would keep the same pin with other bytes, so only pins whose ctime lies SETTLE seconds in the
+    past are recorded: any later change then gives a different ctime."""
+    now = time.time_ns()
+    pins = [[image_path, str(Path(local).absolute()), pin(Path(local))] for image_path, local in files]
+    what = {"format": FORMAT, "diskkit": __version__, "files": pins, "settings": settings}
+    settled = all(now - p[2][4] >= SETTLE_NS for p in pins)
+    return hashlib.sha256(json.dumps(what, sort_keys=True, separators=(",", ":")).encode()).hexdigest(), settled
 
 
 def lookup(name: str) -> LayerResult | None:
