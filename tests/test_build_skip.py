@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 import uuid
 
@@ -156,3 +157,34 @@ def test_skip_if_label_refusals(diskkit, tmp_path, disk):
     assert "--skip-if-label" in bad.err and "registry" in bad.err
     bad = diskkit("build", disk, "-t", "127.0.0.1:1/x:y", "--skip-if-label", "novalue")
     assert bad.code != 0 and "must be KEY=VALUE" in bad.err
+
+
+def _logging_qemu_img(tmp_path):
+    """PATH with a qemu-img that notes its subcommand and runs the real one."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    real = shutil.which("qemu-img")
+    assert real, "qemu-img is needed"
+    (bin_dir / "qemu-img").write_text(f'#!/bin/sh\necho "$1" >> {tmp_path / "qemu-img.log"}\nexec {real} "$@"\n')
+    (bin_dir / "qemu-img").chmod(0o755)
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}"}, tmp_path / "qemu-img.log"
+
+
+def test_unchanged_rebuild_of_a_converted_disk(diskkit, registry, fault_proxy, raw_disk, cache_env, tmp_path):
+    # raw in, qcow2 in the image: the rebuild neither converts nor sends, and names the disk the same.
+    time.sleep(1.1)  # past buildrecord.SETTLE_NS
+    path_env, calls = _logging_qemu_img(tmp_path)
+    cache_env = {**cache_env, **path_env}
+    proxy = fault_proxy(registry)
+    target = _target(proxy)
+    first, _ = _build(diskkit, raw_disk, target, cache_env, "--format", "qcow2")
+    assert first["disk"] == {"path": "/disk/disk.qcow2", "format": "qcow2", "virtualSize": 32 << 20}
+    assert "convert" in calls.read_text().split()
+    calls.unlink()
+    proxy.log.clear()
+    second = diskkit("build", raw_disk, "-t", target, "--json", *FAST, "--format", "qcow2", env=cache_env)
+    assert second.code == 0, second.err
+    assert '"status": "exists"' in second.err
+    assert "convert" not in calls.read_text().split()  # info ran (the disk is still examined), convert did not
+    assert _uploads(proxy) == []
+    assert json.loads(second.out) == first

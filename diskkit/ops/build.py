@@ -284,18 +284,22 @@ def _build(opts: BuildOptions, dest_ref, reporter: Reporter, registry: RegistryO
 
 def _build_one(opts, dest, plat: Platform, source: Path, disk: payload.Unwrapped, info, workdir: Path, reporter: Reporter, child: bool) -> BuildResult:
     workdir.mkdir(parents=True)
-    disk_file, disk_format = _prepare_format(opts, source, disk.path, info, workdir, reporter)
-    image_disk_path = opts.path or f"/disk/{_disk_name(disk, disk_file, disk_format)}"
-    files = [(image_disk_path, disk_file)]
-    files += [a for a in (opts.kernel, opts.initrd) if a]
-    entries = entries_for(files)
+    disk_format = _target_format(opts.disk_format, info.format)
+    image_disk_path = opts.path or f"/disk/{_disk_name(disk, disk_format != info.format, disk_format)}"
     compression = dest.layer_compression or opts.compression
     docker = dest.docker_manifest
     layer_media = docker_layer(compression) if docker else oci_layer(compression)
-    total = sum(e.size for e in entries)
     label = f"{plat} {image_disk_path}" if child else image_disk_path
 
+    prepared: list[Path] = []
+
     def send() -> LayerResult:
+        # Converted (when asked) only here, once: an unchanged rebuild the destination holds needs no disk.
+        if not prepared:
+            prepared.append(_prepare_format(opts, source, disk.path, info, workdir, reporter)[0])
+        files = [(image_disk_path, prepared[0]), *(a for a in (opts.kernel, opts.initrd) if a)]
+        entries = entries_for(files)
+        total = sum(e.size for e in entries)
         with dest.blob_writer(layer_media) as pending, reporter.task(label, total) as task:
             if opts.lazy and compression == "gzip":
                 result = lazygzip.write_layer(entries, pending, opts.level, opts.created, task.advance, image_disk_path.lstrip("/"))
@@ -340,6 +344,13 @@ def _build_one(opts, dest, plat: Platform, source: Path, disk: payload.Unwrapped
     )
 
 
+def _target_format(wanted: str, found: str) -> str:
+    """The disk's format in the image: `keep` keeps what KubeVirt boots, and makes anything else qcow2."""
+    if wanted == "keep":
+        return found if found in diskrules.ACCEPTED_FORMATS else "qcow2"
+    return wanted
+
+
 def _prepare_format(opts: BuildOptions, shown: Path, source: Path, info: qemuimg.DiskInfo, workdir: Path, reporter: Reporter):
     wanted = opts.disk_format
     if wanted == "keep":
@@ -366,8 +377,8 @@ def _prepare_format(opts: BuildOptions, shown: Path, source: Path, info: qemuimg
     return out, wanted
 
 
-def _disk_name(disk: payload.Unwrapped, disk_file: Path, disk_format: str) -> str:
-    if disk_file == disk.path:
+def _disk_name(disk: payload.Unwrapped, converted: bool, disk_format: str) -> str:
+    if not converted:
         return disk.name
     stem = disk.name.rsplit(".", 1)[0] if "." in disk.name else disk.name
     return f"{stem}.{'qcow2' if disk_format == 'qcow2' else 'img'}"
