@@ -188,3 +188,19 @@ def test_unchanged_rebuild_of_a_converted_disk(diskkit, registry, fault_proxy, r
     assert "convert" not in calls.read_text().split()  # info ran (the disk is still examined), convert did not
     assert _uploads(proxy) == []
     assert json.loads(second.out) == first
+
+
+def test_a_new_repository_mounts_the_recorded_layer(diskkit, registry, fault_proxy, disk, cache_env):
+    # Built to A, then to B on the same registry: B's HEAD misses, the record names A, the registry
+    # links the blob from A (a cross-repository mount), nothing is streamed.
+    proxy = fault_proxy(registry)
+    first, _ = _build(diskkit, disk, _target(proxy), cache_env)
+    proxy.log.clear()
+    other = _target(proxy)
+    second, blobs = _build(diskkit, disk, other, cache_env)
+    assert [b["status"] for b in blobs] == ["mounted"]
+    layer = first["layers"][0]["digest"]
+    assert not [m for m, p, _ in proxy.log if m == "PATCH" or (m == "PUT" and layer in p)]  # the new config alone is PUT
+    assert [s for m, p, s in proxy.log if m == "POST" and "mount=" in p] == [201]
+    assert second["digest"] == first["digest"]
+    assert diskkit("verify", *FAST, other).code == 0

@@ -315,15 +315,16 @@ def _build_one(opts, dest, plat: Platform, source: Path, disk: payload.Unwrapped
          "lazy": bool(opts.lazy), "created": opts.created, "mediaType": layer_media},
     )
     layer = buildrecord.lookup(record)
-    if layer is not None and dest.has_blob(Descriptor(layer_media, layer.digest, layer.size)):
+    place, recorded = _place(dest), buildrecord.places(record)
+    status = _held(dest, place, Descriptor(layer_media, layer.digest, layer.size), recorded) if layer else None
+    if status:
         # The same input gives the same bytes: the destination already holds what streaming would send.
-        status = "exists"
-        reporter.note(f"{label}: layer {layer.digest} already at the destination (unchanged input); not sent")
+        reporter.note(f"{label}: layer {layer.digest} {status} at the destination (unchanged input); not sent")
     else:
         layer = with_restarts(send, reporter, f"layer {image_disk_path}")
         status = "uploaded"
-        if settled and (problem := buildrecord.store(record, layer)):
-            reporter.note(problem)
+    if settled and (status != "exists" or recorded[:1] != [place]) and (problem := buildrecord.store(record, layer, place)):
+        reporter.note(problem)
     reporter.event({"event": "blob", "digest": layer.digest, "size": layer.size, "status": status})
     layer_desc = Descriptor(layer_media, layer.digest, layer.size, layer.toc.annotations() if layer.toc else {})
     config = make_config(plat, [layer.diff_id], opts.created, opts.labels, opts.env, "diskkit build")
@@ -342,6 +343,25 @@ def _build_one(opts, dest, plat: Platform, source: Path, disk: payload.Unwrapped
         opts.dest, desc.digest, manifest["mediaType"], desc.size, [layer], image_disk_path, disk_format, info.virtual_size,
         descriptor=Descriptor(manifest["mediaType"], desc.digest, desc.size, platform=plat.to_json()),
     )
+
+
+def _place(dest) -> str | None:
+    """"HOST/REPO" for a registry destination (where a later build may mount the layer from), else None."""
+    ref = getattr(dest, "ref", None)
+    return f"{ref.name.registry}/{ref.name.repository}" if getattr(ref, "transport", None) == "docker" else None
+
+
+def _held(dest, place: str | None, desc: Descriptor, recorded: list[str]) -> str | None:
+    """"exists" when the destination answers a HEAD for the recorded blob, "mounted" when the registry
+    links it from another repository it was pushed to; None when the layer must be sent."""
+    if dest.has_blob(desc):
+        return "exists"
+    host = place.split("/", 1)[0] if place else None
+    for other in recorded:
+        other_host, _, repository = other.partition("/")
+        if host is not None and other != place and other_host == host and dest.mount(desc, repository):
+            return "mounted"
+    return None
 
 
 def _target_format(wanted: str, found: str) -> str:

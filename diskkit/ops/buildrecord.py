@@ -24,6 +24,7 @@ from diskkit.layers.layer import LayerResult
 
 DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 FORMAT = 1
+MAX_PLACES = 8
 SETTLE_NS = 1_000_000_000  # coarser than the timestamps of every Linux filesystem but FAT's
 
 
@@ -72,10 +73,26 @@ def lookup(name: str) -> LayerResult | None:
     return layer
 
 
-def store(name: str, layer: LayerResult) -> str | None:
-    """Write the record (temp name, fsync, rename); a cache that cannot be written only costs the next
-    rebuild its shortcut, so the reason is returned for a note instead of failing the build."""
+def places(name: str) -> list[str]:
+    """The registry repositories ("HOST/REPO") this record's layer was last pushed to, newest first."""
+    try:
+        with open(records_dir() / f"{name}.json", "rb") as f:
+            at = json.loads(f.read(64 << 10)).get("at") or []
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [p for p in at if isinstance(p, str) and "/" in p][:MAX_PLACES]
+
+
+def store(name: str, layer: LayerResult, place: str | None = None) -> str | None:
+    """Write the record (temp name, fsync, rename), with `place` first among where the layer is; a
+    cache that cannot be written only costs the next rebuild its shortcut, so the reason is returned
+    for a note instead of failing the build."""
     obj = {"format": FORMAT, "digest": layer.digest, "size": layer.size, "diffID": layer.diff_id, "compression": layer.compression}
+    known = lookup(name)
+    earlier = places(name) if known is not None and known.digest == layer.digest else []
+    at = [p for p in [place, *earlier] if p]
+    if at:
+        obj["at"] = list(dict.fromkeys(at))[:MAX_PLACES]
     if layer.toc is not None:
         obj["toc"] = {"offset": layer.toc.offset, "size": layer.toc.size, "digest": layer.toc.digest}
     directory = records_dir()
