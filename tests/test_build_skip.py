@@ -204,3 +204,24 @@ def test_a_new_repository_mounts_the_recorded_layer(diskkit, registry, fault_pro
     assert [s for m, p, s in proxy.log if m == "POST" and "mount=" in p] == [201]
     assert second["digest"] == first["digest"]
     assert diskkit("verify", *FAST, other).code == 0
+
+
+def test_a_record_others_can_write_is_not_used(diskkit, registry, fault_proxy, disk, cache_env, tmp_path):
+    # A record in a directory another user could write might name their blob for our input.
+    proxy = fault_proxy(registry)
+    target = _target(proxy)
+    first, _ = _build(diskkit, disk, target, cache_env)
+    builds = tmp_path / "cache/diskkit/builds"
+    assert builds.stat().st_mode & 0o777 == 0o700
+    builds.chmod(0o777)
+    second, blobs = _build(diskkit, disk, target, cache_env)
+    assert [b["status"] for b in blobs] == ["uploaded"]
+    builds.chmod(0o700)
+    record = next(builds.glob("*.json"))
+    record.chmod(0o666)
+    third, blobs = _build(diskkit, disk, target, cache_env)
+    assert [b["status"] for b in blobs] == ["uploaded"]
+    record.chmod(0o600)
+    fourth, blobs = _build(diskkit, disk, target, cache_env)
+    assert [b["status"] for b in blobs] == ["exists"]
+    assert first["digest"] == second["digest"] == third["digest"] == fourth["digest"]

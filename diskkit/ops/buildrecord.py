@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -54,11 +55,25 @@ def key(files: list[tuple[str, Path]], settings: dict) -> tuple[str, bool]:
     return hashlib.sha256(json.dumps(what, sort_keys=True, separators=(",", ":")).encode()).hexdigest(), settled
 
 
+def _read(name: str) -> dict:
+    """The record's JSON, only from a directory and file this user owns and nobody else can write: a
+    record someone else planted would name their blob for our input (the HEAD cannot tell)."""
+    directory = records_dir()
+    st = os.stat(directory, follow_symlinks=False)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise PermissionError(f"{directory} is not this user's alone")
+    fd = os.open(directory / f"{name}.json", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            raise PermissionError(f"{name}.json is not this user's alone")
+        return json.loads(f.read(64 << 10))
+
+
 def lookup(name: str) -> LayerResult | None:
     """The layer recorded under `name`, or None when there is none or it is not one we wrote."""
     try:
-        with open(records_dir() / f"{name}.json", "rb") as f:
-            obj = json.loads(f.read(64 << 10))
+        obj = _read(name)
         toc = obj.get("toc")
         layer = LayerResult(
             obj["digest"], int(obj["size"]), obj["diffID"], obj["compression"],
@@ -76,8 +91,7 @@ def lookup(name: str) -> LayerResult | None:
 def places(name: str) -> list[str]:
     """The registry repositories ("HOST/REPO") this record's layer was last pushed to, newest first."""
     try:
-        with open(records_dir() / f"{name}.json", "rb") as f:
-            at = json.loads(f.read(64 << 10)).get("at") or []
+        at = _read(name).get("at") or []
     except (OSError, ValueError, AttributeError):
         return []
     return [p for p in at if isinstance(p, str) and "/" in p][:MAX_PLACES]
