@@ -225,3 +225,19 @@ def test_a_record_others_can_write_is_not_used(diskkit, registry, fault_proxy, d
     fourth, blobs = _build(diskkit, disk, target, cache_env)
     assert [b["status"] for b in blobs] == ["exists"]
     assert first["digest"] == second["digest"] == third["digest"] == fourth["digest"]
+
+
+def test_skip_if_label_needs_every_platform(diskkit, registry, fault_proxy, disk, tmp_path, cache_env):
+    # medius compares each architecture it would build: one missing from the index means build.
+    arm = make_qcow2(tmp_path / "arm.qcow2", size="32M", pattern=0x22)
+    proxy = fault_proxy(registry)
+    target = _target(proxy)
+    amd_only = diskkit("build", disk, "--platform", "linux/amd64", "-t", target, *FAST, "--label", "v=1", env=cache_env)
+    assert amd_only.code == 0, amd_only.err
+    both = ["--platform", f"linux/amd64={disk}", "--platform", f"linux/arm64={arm}", "-t", target, *FAST, "--label", "v=1", "--skip-if-label", "v=1"]
+    built = diskkit("build", *both, env=cache_env)
+    assert built.code == 0, built.err
+    assert "nothing done" not in built.out and built.last_line.startswith("sha256:")
+    again = diskkit("build", *both, env=cache_env)
+    assert again.code == 0, again.err
+    assert "nothing done" in again.out
