@@ -124,6 +124,7 @@ Examples:
   diskkit build disk.qcow2 --kernel ./vmlinuz --initrd /boot/initrd.img=./initrd -t oci:./layout:kb
   diskkit build --platform linux/amd64=x86.qcow2 --platform linux/arm64=arm.qcow2 -t quay.io/me/fedora:40
   SOURCE_DATE_EPOCH=1700000000 diskkit build disk.qcow2 -t oci:./layout --json
+  diskkit build disk.qcow2 -t quay.io/me/fedora:40 --label shasum=$SUM --skip-if-label shasum=$SUM   # exit 0, nothing done when unchanged
   diskkit build disk.qcow2 -t quay.io/me/fedora:40 --sign-by-sigstore-private-key ci.private --sign-passphrase-file pass
   diskkit build disk.qcow2 -t quay.io/me/fedora:40 --sign-by 3F1A...C0DE      # GPG, into the registries.d lookaside
 """
@@ -141,10 +142,11 @@ Examples:
 @click.option("--label", multiple=True, metavar="KEY=VALUE", help="Config label (repeatable).")
 @click.option("--annotation", multiple=True, metavar="KEY=VALUE", help="Manifest annotation, e.g. org.opencontainers.image.source=URL.")
 @click.option("--env", multiple=True, metavar="KEY=VALUE", help="Config environment variable (repeatable).")
+@click.option("--skip-if-label", "skip_if_label", multiple=True, metavar="KEY=VALUE", help="Do nothing (exit 0) when the first destination's image already carries this label, for every platform built (repeatable: all must match); a missing tag, repository or platform builds.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the digest; progress as JSON lines on stderr.")
 @registry_options
 @signature_options(policy=False)
-def build_cmd(src, dests, image_path, disk_format, compression, level, lazy, kernel, initrd, platforms, label, annotation, env, as_json, registry: RegistryOptions, sign) -> None:
+def build_cmd(src, dests, image_path, disk_format, compression, level, lazy, kernel, initrd, platforms, label, annotation, env, skip_if_label, as_json, registry: RegistryOptions, sign) -> None:
     """Package disk SRC as a scratch-based containerDisk image.
 
     One layer holds /disk/ (0555) and /disk/<name> (0440), both owned by qemu (107:107), as KubeVirt
@@ -182,6 +184,8 @@ def build_cmd(src, dests, image_path, disk_format, compression, level, lazy, ker
         created=source_epoch(),
         platforms=[(Platform.parse(p.split("=", 1)[0]), Path(p.split("=", 1)[1])) for p in per_platform],
     )
+    if skip_if_label and _nothing_to_do(opts, skip_if_label, registry, as_json):
+        return
     signers = [_signer(d, sign) for d in dests]
     hooks = {str(parse_ref(d)): _before_manifest(s) for d, s in zip(dests, signers)}
     result = build(opts, reporter_for(as_json), registry, lambda ref: hooks.get(str(ref)))
@@ -197,6 +201,15 @@ def build_cmd(src, dests, image_path, disk_format, compression, level, lazy, ker
 
 
 cli.add_command(build_cmd, "build")
+
+
+def _nothing_to_do(opts: BuildOptions, pairs, registry: RegistryOptions, as_json: bool) -> bool:
+    from diskkit.ops.labelcheck import already_there, parse_pairs
+
+    why = already_there(opts.dest, [p for p, _ in opts.platforms] or [opts.platform], parse_pairs(pairs), registry)
+    if why is not None:
+        click.echo(json.dumps({"reference": opts.dest, "skipped": True, "reason": why}, indent=2) if as_json else why)
+    return why is not None
 
 
 def _signer(dest: str, sign):

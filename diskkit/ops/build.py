@@ -19,6 +19,7 @@ from diskkit.disk.containerdisk import (
 from diskkit.errors import DiskkitError
 from diskkit.layers import lazygzip, lazytoc
 from diskkit.layers.layer import LayerResult, entries_for, write_layer
+from diskkit.ops import buildrecord
 from diskkit.oci.image import (
     Descriptor,
     Platform,
@@ -283,18 +284,22 @@ def _build(opts: BuildOptions, dest_ref, reporter: Reporter, registry: RegistryO
 
 def _build_one(opts, dest, plat: Platform, source: Path, disk: payload.Unwrapped, info, workdir: Path, reporter: Reporter, child: bool) -> BuildResult:
     workdir.mkdir(parents=True)
-    disk_file, disk_format = _prepare_format(opts, source, disk.path, info, workdir, reporter)
-    image_disk_path = opts.path or f"/disk/{_disk_name(disk, disk_file, disk_format)}"
-    files = [(image_disk_path, disk_file)]
-    files += [a for a in (opts.kernel, opts.initrd) if a]
-    entries = entries_for(files)
+    disk_format = _target_format(opts.disk_format, info.format)
+    image_disk_path = opts.path or f"/disk/{_disk_name(disk, disk_format != info.format, disk_format)}"
     compression = dest.layer_compression or opts.compression
     docker = dest.docker_manifest
     layer_media = docker_layer(compression) if docker else oci_layer(compression)
-    total = sum(e.size for e in entries)
     label = f"{plat} {image_disk_path}" if child else image_disk_path
 
+    prepared: list[Path] = []
+
     def send() -> LayerResult:
+        # Converted (when asked) only here, once: an unchanged rebuild the destination holds needs no disk.
+        if not prepared:
+            prepared.append(_prepare_format(opts, source, disk.path, info, workdir, reporter)[0])
+        files = [(image_disk_path, prepared[0]), *(a for a in (opts.kernel, opts.initrd) if a)]
+        entries = entries_for(files)
+        total = sum(e.size for e in entries)
         with dest.blob_writer(layer_media) as pending, reporter.task(label, total) as task:
             if opts.lazy and compression == "gzip":
                 result = lazygzip.write_layer(entries, pending, opts.level, opts.created, task.advance, image_disk_path.lstrip("/"))
@@ -304,8 +309,23 @@ def _build_one(opts, dest, plat: Platform, source: Path, disk: payload.Unwrapped
             pending.commit(result.digest, result.size)
         return result
 
-    layer = with_restarts(send, reporter, f"layer {image_disk_path}")
-    reporter.event({"event": "blob", "digest": layer.digest, "size": layer.size, "status": "uploaded"})
+    record, settled = buildrecord.key(
+        [(image_disk_path, source), *((a[0], a[1]) for a in (opts.kernel, opts.initrd) if a)],
+        {"diskFormat": disk_format, "inputFormat": info.format, "compression": compression, "level": opts.level,
+         "lazy": bool(opts.lazy), "created": opts.created, "mediaType": layer_media},
+    )
+    layer = buildrecord.lookup(record)
+    place, recorded = _place(dest), buildrecord.places(record)
+    status = _held(dest, place, Descriptor(layer_media, layer.digest, layer.size), recorded) if layer else None
+    if status:
+        # The same input gives the same bytes: the destination already holds what streaming would send.
+        reporter.note(f"{label}: layer {layer.digest} {status} at the destination (unchanged input); not sent")
+    else:
+        layer = with_restarts(send, reporter, f"layer {image_disk_path}")
+        status = "uploaded"
+    if settled and (status != "exists" or recorded[:1] != [place]) and (problem := buildrecord.store(record, layer, place)):
+        reporter.note(problem)
+    reporter.event({"event": "blob", "digest": layer.digest, "size": layer.size, "status": status})
     layer_desc = Descriptor(layer_media, layer.digest, layer.size, layer.toc.annotations() if layer.toc else {})
     config = make_config(plat, [layer.diff_id], opts.created, opts.labels, opts.env, "diskkit build")
     config_desc = dest.put_blob(canonical_json(config), DOCKER_CONFIG if docker else OCI_CONFIG)
@@ -323,6 +343,32 @@ def _build_one(opts, dest, plat: Platform, source: Path, disk: payload.Unwrapped
         opts.dest, desc.digest, manifest["mediaType"], desc.size, [layer], image_disk_path, disk_format, info.virtual_size,
         descriptor=Descriptor(manifest["mediaType"], desc.digest, desc.size, platform=plat.to_json()),
     )
+
+
+def _place(dest) -> str | None:
+    """"HOST/REPO" for a registry destination (where a later build may mount the layer from), else None."""
+    ref = getattr(dest, "ref", None)
+    return f"{ref.name.registry}/{ref.name.repository}" if getattr(ref, "transport", None) == "docker" else None
+
+
+def _held(dest, place: str | None, desc: Descriptor, recorded: list[str]) -> str | None:
+    """"exists" when the destination answers a HEAD for the recorded blob, "mounted" when the registry
+    links it from another repository it was pushed to; None when the layer must be sent."""
+    if dest.has_blob(desc):
+        return "exists"
+    host = place.split("/", 1)[0] if place else None
+    for other in recorded:
+        other_host, _, repository = other.partition("/")
+        if host is not None and other != place and other_host == host and dest.mount(desc, repository):
+            return "mounted"
+    return None
+
+
+def _target_format(wanted: str, found: str) -> str:
+    """The disk's format in the image: `keep` keeps what KubeVirt boots, and makes anything else qcow2."""
+    if wanted == "keep":
+        return found if found in diskrules.ACCEPTED_FORMATS else "qcow2"
+    return wanted
 
 
 def _prepare_format(opts: BuildOptions, shown: Path, source: Path, info: qemuimg.DiskInfo, workdir: Path, reporter: Reporter):
@@ -351,8 +397,8 @@ def _prepare_format(opts: BuildOptions, shown: Path, source: Path, info: qemuimg
     return out, wanted
 
 
-def _disk_name(disk: payload.Unwrapped, disk_file: Path, disk_format: str) -> str:
-    if disk_file == disk.path:
+def _disk_name(disk: payload.Unwrapped, converted: bool, disk_format: str) -> str:
+    if not converted:
         return disk.name
     stem = disk.name.rsplit(".", 1)[0] if "." in disk.name else disk.name
     return f"{stem}.{'qcow2' if disk_format == 'qcow2' else 'img'}"
