@@ -262,7 +262,7 @@ def test_a_kernel_that_does_not_match_its_toc_digest_is_refused(tmp_path, regist
     with disk_server(cache):
         out = run_launcher("domain", "--accel", "qemu", "--cache-dir", cache, NOREG, "--lazy", vmi)
     assert out.code != 0
-    assert out.err.strip().splitlines()[-1] == f"launcher: docker://{ref}: layer 0: /boot/vmlinuz does not match its digest in the lazy TOC", out.err
+    assert out.err.strip().splitlines()[-1] == f"launcher: spec.domain.firmware.kernelBoot.container.image: docker://{ref}: layer 0: /boot/vmlinuz does not match its digest in the lazy TOC", out.err
     assert not Cache(cache).disk_dir(doc["layers"][0]["digest"], "boot/vmlinuz").exists()  # nothing installed
 
 
