@@ -155,4 +155,5 @@ def test_classify_knows_cdis_magic_numbers():
     assert payload.classify(b"# Disk DescriptorFile\n" + b"x" * 600, 1 << 20) == "vmdk"
     assert payload.classify(b"BZh9" + bytes(600), 1 << 20) == "raw"  # "BZh" alone is not bzip2
     assert payload.classify(b"apiVersion: v1\n" * 300, 1 << 20) == "text"
+    assert payload.classify(b"gnhl pc hde " * 400, 1 << 20) == "raw"  # words but no lines: a raw disk may hold any bytes
     assert payload.classify(b"\x11" * 4096, 1 << 20) == "raw"  # control bytes: a pattern-filled disk, not text

@@ -63,9 +63,10 @@ _CONTROL = bytes(c for c in range(32) if c not in b"\t\n\r\f") + b"\x7f"
 
 
 def _is_text(head: bytes) -> bool:
-    """Printable UTF-8 with no control characters: what a manifest, script or note is, and no disk's
-    first sectors are (boot code, partition tables and superblocks hold zeros and binary fields)."""
-    if any(c in head for c in _CONTROL):
+    """Printable UTF-8 in lines, with no control characters: what a manifest, script or note is, and
+    no disk's first sectors are (boot code, partition tables and superblocks hold zeros and binary
+    fields). Without a line break it is not called text: a raw disk may hold any bytes, words too."""
+    if any(c in head for c in _CONTROL) or b"\n" not in head:
         return False
     try:
         head.decode("utf-8")
