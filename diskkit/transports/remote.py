@@ -361,7 +361,9 @@ class RemoteDestination(Destination):
 
     def has_blob(self, desc: Descriptor) -> bool:
         response = self.registry.request("HEAD", f"/v2/{self.repository}/blobs/{desc.digest}", self.push_scope, what="HEAD blob")
-        return response.status_code == 200
+        # The size too, where the registry says it: a build record's layer is trusted no further than this.
+        length = response.headers.get("Content-Length")
+        return response.status_code == 200 and (length is None or not length.isdigit() or int(length) == desc.size)
 
     def check_writable(self) -> None:
         """An upload session opened and cancelled: the registry is reachable and takes pushes from us."""
