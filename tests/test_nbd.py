@@ -5,6 +5,7 @@ read-only export (writes, the old EXPORT_NAME option, reads past the end)."""
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import socket
 import struct
@@ -188,14 +189,26 @@ def test_reads_of_bytes_here_pass_reads_that_wait(served):
         assert nbd._recv_exact(sock, 4096) == data[6 << 20 : (6 << 20) + 4096]
 
 
+def uncached_disk(path: Path, size: int) -> Path:
+    """Random bytes written with O_DIRECT, so none of them sits in the page cache afterwards.
+    fadvise(DONTNEED) alone is not enough: pages still in another CPU's LRU batch stay cached."""
+    buf = mmap.mmap(-1, size)  # page-aligned, as O_DIRECT needs
+    buf.write(os.urandom(size))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+    try:
+        assert os.write(fd, buf) == size
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        buf.close()
+    return path
+
+
 def test_a_complete_disk_answers_here_only_from_the_page_cache(tmp_path):
     """launcher/diskserver/lazydisk.InstalledDisk: bytes the page cache holds are returned by
     read_ready (answered on the connection's thread); bytes that would wait for the device are not
     (preadv RWF_NOWAIT), so the pool reads them and the connection's other reads go on meanwhile."""
-    disk = random_disk(tmp_path / "disk.img", 8 << 20)
-    with open(disk, "rb") as f:
-        os.fsync(f.fileno())
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages: dropped from the cache
+    disk = uncached_disk(tmp_path / "disk.img", 8 << 20)
     export = InstalledDisk("disk", disk)
     try:
         assert export.read_ready(4 << 20, 65536) is None
