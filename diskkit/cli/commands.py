@@ -25,6 +25,7 @@ from diskkit.ops.build import (
     source_epoch,
     split_artifact,
 )
+from diskkit.ops.buildmeta import parse as parse_metadata
 from diskkit.ops.verify import describe, inspect, verify
 from diskkit.progress import reporter_for
 from diskkit.registry.options import RegistryOptions
@@ -34,16 +35,6 @@ from diskkit.streams.compression import KINDS
 def _given(name: str) -> bool:
     """Whether the user set option `name` rather than leaving its default."""
     return click.get_current_context().get_parameter_source(name) is not click.core.ParameterSource.DEFAULT
-
-
-def _pairs(values: tuple[str, ...], flag: str) -> dict[str, str]:
-    out = {}
-    for value in values:
-        key, sep, val = value.partition("=")
-        if not sep or not key:
-            raise DiskkitError(f"{flag} {value}", "must be KEY=VALUE")
-        out[key] = val
-    return out
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -123,6 +114,9 @@ Examples:
   diskkit build disk.qcow2 --no-lazy -t quay.io/me/fedora:40         # one plain gzip stream
   diskkit build disk.qcow2 --kernel ./vmlinuz --initrd /boot/initrd.img=./initrd -t oci:./layout:kb
   diskkit build --platform linux/amd64=x86.qcow2 --platform linux/arm64=arm.qcow2 -t quay.io/me/fedora:40
+  diskkit build --platform linux/amd64=x86.qcow2 --platform linux/arm64=arm.qcow2 -t quay.io/me/fedora:40 \\
+      --default-instancetype u1.medium --default-preference linux/amd64:fedora --default-preference linux/arm64:fedora.arm64 \\
+      --annotation index,manifest:org.opencontainers.image.version=40
   SOURCE_DATE_EPOCH=1700000000 diskkit build disk.qcow2 -t oci:./layout --json
   diskkit build disk.qcow2 -t quay.io/me/fedora:40 --label shasum=$SUM --skip-if-label shasum=$SUM   # exit 0, nothing done when unchanged
   diskkit build disk.qcow2 -t quay.io/me/fedora:40 --sign-by-sigstore-private-key ci.private --sign-passphrase-file pass
@@ -139,14 +133,17 @@ Examples:
 @click.option("--kernel", metavar="[/PATH=]FILE", help="Add a kernel for kernelBoot (default path /boot/vmlinuz).")
 @click.option("--initrd", metavar="[/PATH=]FILE", help="Add an initrd for kernelBoot (default path /boot/initrd.img).")
 @click.option("--platform", "platforms", multiple=True, metavar="OS/ARCH[=FILE]", help="Guest platform (default linux/amd64); repeat as OS/ARCH=FILE for a multi-platform index.")
-@click.option("--label", multiple=True, metavar="KEY=VALUE", help="Config label (repeatable).")
-@click.option("--annotation", multiple=True, metavar="KEY=VALUE", help="Manifest annotation, e.g. org.opencontainers.image.source=URL.")
-@click.option("--env", multiple=True, metavar="KEY=VALUE", help="Config environment variable (repeatable).")
+@click.option("--label", multiple=True, metavar="[OS/ARCH:]KEY=VALUE", help="Config label (repeatable); with OS/ARCH: only that platform's image.")
+@click.option("--annotation", multiple=True, metavar="[TYPE[,TYPE][[OS/ARCH]]:]KEY=VALUE", help="Annotation, as docker buildx: TYPE manifest (default), index, or manifest-descriptor (the index's entry), e.g. index:org.opencontainers.image.source=URL or manifest[linux/arm64]:KEY=VALUE.")
+@click.option("--env", multiple=True, metavar="[OS/ARCH:]KEY=VALUE", help="Config environment variable (repeatable); with OS/ARCH: only that platform's image.")
+@click.option("--default-instancetype", "default_instancetype", multiple=True, metavar="[OS/ARCH:]NAME[:KIND]", help="The instance type a VM inferring from this image gets: the instancetype.kubevirt.io/default-instancetype(-kind) labels and the INSTANCETYPE_KUBEVIRT_IO_DEFAULT_INSTANCETYPE(_KIND) ENV CDI reads.")
+@click.option("--default-preference", "default_preference", multiple=True, metavar="[OS/ARCH:]NAME[:KIND]", help="The preference likewise (instancetype.kubevirt.io/default-preference(-kind), INSTANCETYPE_KUBEVIRT_IO_DEFAULT_PREFERENCE(_KIND)).")
 @click.option("--skip-if-label", "skip_if_label", multiple=True, metavar="KEY=VALUE", help="Do nothing (exit 0) when the first destination's image already carries this label, for every platform built (repeatable: all must match); a missing tag, repository or platform builds.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the digest; progress as JSON lines on stderr.")
 @registry_options
 @signature_options(policy=False)
-def build_cmd(src, dests, image_path, disk_format, compression, level, lazy, kernel, initrd, platforms, label, annotation, env, skip_if_label, as_json, registry: RegistryOptions, sign) -> None:
+def build_cmd(src, dests, image_path, disk_format, compression, level, lazy, kernel, initrd, platforms, label, annotation, env, default_instancetype,
+              default_preference, skip_if_label, as_json, registry: RegistryOptions, sign) -> None:
     """Package disk SRC as a scratch-based containerDisk image.
 
     One layer holds /disk/ (0555) and /disk/<name> (0440), both owned by qemu (107:107), as KubeVirt
@@ -155,9 +152,6 @@ def build_cmd(src, dests, image_path, disk_format, compression, level, lazy, ker
     SOURCE_DATE_EPOCH, else 1970). Prints the manifest digest last. SRC may be compressed (xz,
     gzip, zstd, bzip2) or a tar holding one disk: it is unwrapped into a sparse temporary file first.
     """
-    for value in env:
-        if "=" not in value:
-            raise DiskkitError(f"--env {value}", "must be KEY=VALUE")
     per_platform = [p for p in platforms if "=" in p]
     if per_platform and (len(per_platform) != len(platforms) or src is not None):
         raise DiskkitError("--platform", "give either SRC with one --platform OS/ARCH, or only --platform OS/ARCH=FILE options")
@@ -178,12 +172,11 @@ def build_cmd(src, dests, image_path, disk_format, compression, level, lazy, ker
         lazy=lazy,
         disk_format=disk_format,
         platform=Platform.parse(platforms[0]) if platforms and not per_platform else Platform("linux", "amd64"),
-        labels=_pairs(label, "--label"),
-        annotations=_pairs(annotation, "--annotation"),
-        env=list(env),
         created=source_epoch(),
         platforms=[(Platform.parse(p.split("=", 1)[0]), Path(p.split("=", 1)[1])) for p in per_platform],
     )
+    opts.metadata = parse_metadata([p for p, _ in opts.platforms] or [opts.platform], bool(opts.platforms), label, env, annotation,
+                                   default_instancetype, default_preference)
     if skip_if_label and _nothing_to_do(opts, skip_if_label, registry, as_json):
         return
     signers = [_signer(d, sign) for d in dests]

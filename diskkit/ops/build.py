@@ -20,6 +20,7 @@ from diskkit.errors import DiskkitError
 from diskkit.layers import lazygzip, lazytoc
 from diskkit.layers.layer import LayerResult, entries_for, write_layer
 from diskkit.ops import buildrecord
+from diskkit.ops.buildmeta import Metadata
 from diskkit.oci.image import (
     Descriptor,
     Platform,
@@ -65,6 +66,8 @@ class BuildOptions:
     created: int = 0
     platforms: list[tuple[Platform, Path]] = field(default_factory=list)  # one source per platform, for an index
     also: list[str] = field(default_factory=list)  # more destinations (-t repeated), given the same image
+    # Per-platform labels/env and annotations for each level (index, manifests, their descriptors).
+    metadata: Metadata = field(default_factory=Metadata)
 
 
 @dataclass
@@ -271,7 +274,7 @@ def _build(opts: BuildOptions, dest_ref, reporter: Reporter, registry: RegistryO
             ]
             if not opts.platforms:
                 return built[0]
-            index = make_index([b.descriptor for b in built], {"org.opencontainers.image.created": rfc3339(opts.created)})
+            index = make_index([b.descriptor for b in built], {"org.opencontainers.image.created": rfc3339(opts.created), **opts.metadata.index_annotations})
             desc = dest.put_manifest(canonical_json(index), OCI_INDEX)
         first = built[0]
         return BuildResult(
@@ -327,7 +330,8 @@ def _build_one(opts, dest, plat: Platform, source: Path, disk: payload.Unwrapped
         reporter.note(problem)
     reporter.event({"event": "blob", "digest": layer.digest, "size": layer.size, "status": status})
     layer_desc = Descriptor(layer_media, layer.digest, layer.size, layer.toc.annotations() if layer.toc else {})
-    config = make_config(plat, [layer.diff_id], opts.created, opts.labels, opts.env, "diskkit build")
+    env = Metadata(env={"": [*opts.env, *opts.metadata.env_for(plat)]}).env_for(plat)
+    config = make_config(plat, [layer.diff_id], opts.created, {**opts.labels, **opts.metadata.labels_for(plat)}, env, "diskkit build")
     config_desc = dest.put_blob(canonical_json(config), DOCKER_CONFIG if docker else OCI_CONFIG)
     annotations = {
         "org.opencontainers.image.created": rfc3339(opts.created),
@@ -336,12 +340,13 @@ def _build_one(opts, dest, plat: Platform, source: Path, disk: payload.Unwrapped
         ANNOTATION_VIRTUAL_SIZE: str(info.virtual_size),
         **({lazytoc.ANNOTATION_LAZY: lazytoc.LAZY_VALUE_GZIP if compression == "gzip" else lazytoc.LAZY_VALUE} if layer.toc else {}),
         **opts.annotations,
+        **opts.metadata.annotations_for(plat),
     }
     manifest = make_manifest(config_desc, [layer_desc], annotations, docker)
     desc = dest.put_manifest(canonical_json(manifest), manifest["mediaType"], plat.to_json(), child=child)
     return BuildResult(
         opts.dest, desc.digest, manifest["mediaType"], desc.size, [layer], image_disk_path, disk_format, info.virtual_size,
-        descriptor=Descriptor(manifest["mediaType"], desc.digest, desc.size, platform=plat.to_json()),
+        descriptor=Descriptor(manifest["mediaType"], desc.digest, desc.size, opts.metadata.descriptor_for(plat), platform=plat.to_json()),
     )
 
 
