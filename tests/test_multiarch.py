@@ -108,3 +108,100 @@ def test_refusals_on_the_command_line(diskkit, disks, tmp_path):
     foreign = diskkit("build", disks[0], "-t", f"oci:{layout}:x", "--label", "linux/arm64:k=v")
     assert foreign.code != 0 and "linux/arm64 is not a platform this build makes (linux/amd64)" in foreign.err
     assert not layout.exists()
+
+
+# ---------------------------------------------------------------- the launcher: hints and platforms
+
+V1B1 = "instancetype.kubevirt.io/v1beta1"
+TYPES = [
+    {"apiVersion": V1B1, "kind": "VirtualMachineClusterInstancetype", "metadata": {"name": "tiny.2c"},
+     "spec": {"cpu": {"guest": 2}, "memory": {"guest": "320Mi"}}},
+    {"apiVersion": V1B1, "kind": "VirtualMachineClusterPreference", "metadata": {"name": "virtio-amd"},
+     "spec": {"devices": {"preferredDiskBus": "virtio"}}},
+    {"apiVersion": V1B1, "kind": "VirtualMachinePreference", "metadata": {"name": "sata-arm", "namespace": "default"},
+     "spec": {"devices": {"preferredDiskBus": "sata"}}},
+]
+
+
+def _vm(tmp_path, image: str, policy: str | None = None, memory: str | None = None) -> str:
+    infer = {"inferFromVolume": "root", **({"inferFromVolumeFailurePolicy": policy} if policy else {})}
+    doc = {"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachine", "metadata": {"name": "inferred"},
+           "spec": {"instancetype": infer, "preference": dict(infer),
+                    "template": {"spec": {"domain": {"devices": {"disks": [{"name": "root"}]},
+                                                     **({"resources": {"requests": {"memory": memory}}} if memory else {})},
+                                          "volumes": [{"name": "root", "containerDisk": {"image": image}}]}}}}
+    path = tmp_path / f"vm-{uuid.uuid4().hex[:6]}.json"
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+@pytest.fixture
+def manifests(tmp_path):
+    import yaml
+
+    where = tmp_path / "manifests"
+    where.mkdir()
+    (where / "types.yaml").write_text(yaml.safe_dump_all(TYPES))
+    return where
+
+
+@pytest.fixture
+def two_arch(diskkit, disks, tmp_path):
+    """An index whose amd64 image names tiny.2c and virtio-amd, its arm64 one sata-arm (namespaced)."""
+    ref = f"oci:{tmp_path / 'two'}:40"
+    result = diskkit("build", "--platform", f"linux/amd64={disks[0]}", "--platform", f"linux/arm64={disks[1]}", "-t", ref,
+                     "--default-instancetype", "tiny.2c", "--default-preference", "linux/amd64:virtio-amd",
+                     "--default-preference", "linux/arm64:sata-arm:VirtualMachinePreference")
+    assert result.code == 0, result.err
+    return ref
+
+
+def _domain(tmp_path, *args):
+    from tests.conftest import run_launcher
+
+    return run_launcher("domain", "--accel", "qemu", "--cache-dir", tmp_path / "cache", *args)
+
+
+def test_instancetype_inferred_from_a_containerdisk_image(two_arch, manifests, tmp_path):
+    import xml.etree.ElementTree as ET
+
+    result = _domain(tmp_path, "--manifests", manifests, _vm(tmp_path, two_arch))
+    assert result.code == 0, result.err
+    xml = ET.fromstring(result.out)
+    # tiny.2c from the amd64 image's hints, and its preference's virtio bus.
+    assert (xml.findtext("vcpu"), xml.findtext("memory")) == ("2", str(320 << 20))
+    assert [t.get("bus") for t in xml.findall("devices/disk/target")] == ["virtio"]
+
+
+def test_inference_failures_from_an_image(diskkit, disks, manifests, tmp_path):
+    plain = f"oci:{tmp_path / 'plain'}:1"
+    assert diskkit("build", disks[0], "-t", plain).code == 0
+    refused = _domain(tmp_path, "--manifests", manifests, _vm(tmp_path, plain))
+    assert refused.code != 0
+    assert ("spec.instancetype.inferFromVolume: unable to find required instancetype.kubevirt.io/default-instancetype label"
+            f" on the volume (containerDisk image {plain})") in refused.err
+    # Under Ignore the matchers go (infer/handler.go) and the VM runs with its own sizing.
+    ignored = _domain(tmp_path, "--manifests", manifests, _vm(tmp_path, plain, "Ignore", "96Mi"))
+    assert ignored.code == 0, ignored.err
+
+
+def test_a_foreign_architecture_is_refused(diskkit, disks, two_arch, manifests, tmp_path):
+    arm = f"oci:{tmp_path / 'arm'}:1"
+    assert diskkit("build", disks[1], "--platform", "linux/arm64", "-t", arm).code == 0
+    vmi = tmp_path / "vmi.json"
+    vmi.write_text(json.dumps({"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance", "metadata": {"name": "arm"},
+                               "spec": {"domain": {"devices": {}, "resources": {"requests": {"memory": "64Mi"}}},
+                                        "volumes": [{"name": "root", "containerDisk": {"image": arm}}]}}))
+    # A single-platform arm64 image: an x86_64 q35 domain cannot run it (issue 32 trap 7).
+    refused = _domain(tmp_path, vmi)
+    assert refused.code != 0
+    line = refused.err.strip().splitlines()[-1]
+    assert f"{arm}: image platform linux/arm64 is not the guest's linux/amd64: this host runs linux/amd64 guests" in line
+    assert "qemu-system-aarch64" in line
+    # --platform naming another architecture: refused before anything is read.
+    early = _domain(tmp_path, "--platform", "linux/arm64", "--manifests", manifests, _vm(tmp_path, two_arch))
+    assert early.code != 0
+    assert "--platform linux/arm64: cannot boot an image for linux/arm64: this host runs linux/amd64 guests" in early.err
+    # --platform linux/amd64 picks the amd64 image of the index.
+    picked = _domain(tmp_path, "--platform", "linux/amd64", "--manifests", manifests, _vm(tmp_path, two_arch))
+    assert picked.code == 0, picked.err

@@ -19,6 +19,7 @@ from launcher.cli.ssh import ssh
 from launcher.cli.options import cache_option, ignore_unsupported_option, load_vmi_file, node_cache, parse_size, say, storage_options, trust_options, warn_if_open
 from launcher.cli.portforward import port_forward
 from launcher.node.cache import Cache, tree_size
+from launcher.node.imagehints import ImageHints
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -77,7 +78,7 @@ def domain(vmi_file, platform, accel, lazy, ignore_unsupported, cache_dir, store
     """Print the libvirt domain XML `launcher run` would start (a dry run: images are pulled or, lazy, opened on the node's disk server; nothing started)."""
     from launcher.runtime.vms import RunOptions, plan
 
-    vmi = load_vmi_file(vmi_file, ignore_unsupported, store.objects)
+    vmi = load_vmi_file(vmi_file, ignore_unsupported, ImageHints(store.objects, registry, platform_of(platform)))
     opts = RunOptions(platform=platform_of(platform), registry=registry, storage=store, lazy={None: "auto", True: "on", False: "off"}[lazy])
     _, xml = plan(vmi, node_cache(cache_dir), opts, create=False, domain_type=None if accel == "auto" else accel)
     click.echo(xml, nl=not xml.endswith("\n"))
@@ -121,7 +122,7 @@ def run(vmi_file, uri, console, detach, wait_for, timeout, platform, lazy, grace
     """
     if detach and console:
         raise click.UsageError("--detach and --console exclude each other: attach later with `launcher console NAME`")
-    vmi = load_vmi_file(vmi_file, ignore_unsupported, store.objects)
+    vmi = load_vmi_file(vmi_file, ignore_unsupported, ImageHints(store.objects, registry, platform_of(platform)))
     if lazy and any(volume.kind == "containerDisk" for volume in vmi.volumes):
         from launcher.diskserver.spawn import start_server
 

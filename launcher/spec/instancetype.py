@@ -60,6 +60,10 @@ _BASE = "spec.template.spec"
 class ObjectSource(Protocol):
     def get(self, kind: str, namespace: str | None, name: str) -> dict | None: ...
 
+    # Optional: the hint labels of a containerDisk's image (diskkit.oci.hints.from_config of its
+    # config), for inference from a containerDisk volume; a source without it infers as KubeVirt does.
+    # def image_labels(self, image: str) -> dict[str, str]: ...
+
 
 @dataclass(frozen=True)
 class Selected:
@@ -155,10 +159,21 @@ def _from_dv_spec(objects: ObjectSource | None, spec: Any, namespace: str, what:
 
 def _from_volume(vm: dict, objects: ObjectSource | None, volume_name: str, namespace: str, what: str) -> tuple[str, str]:
     """infer/volume.go fromVolumes: PVCs and DataVolumes (template first, then the object); any other
-    volume type, containerDisk included, is 'not supported' there."""
+    volume type, containerDisk included, is 'not supported' there.
+
+    A difference from KubeVirt: a containerDisk is read from too when the caller can read images
+    (`image_labels`): its config's labels, or its ENV as CDI reads it (diskkit.oci.hints), which is what
+    a DataVolume imported from the same image would carry on its claim."""
     for volume in as_list(dig(vm, "spec", "template", "spec", "volumes"), f"{_BASE}.volumes"):
         if not isinstance(volume, dict) or volume.get("name") != volume_name:
             continue
+        image = dig(volume, "containerDisk", "image")
+        read = getattr(objects, "image_labels", None)
+        if isinstance(image, str) and image and read is not None:
+            try:
+                return _from_labels(read(image), what)
+            except _Ignorable as err:
+                raise _Ignorable(f"{err} (containerDisk image {image})") from None
         if isinstance(volume.get("persistentVolumeClaim"), dict):
             return _from_pvc(objects, str(volume["persistentVolumeClaim"].get("claimName")), namespace, what)
         if isinstance(volume.get("dataVolume"), dict):

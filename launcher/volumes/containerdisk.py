@@ -20,6 +20,7 @@ from launcher.spec.k8s import NetworkSource, pull_secret_config
 from launcher.spec.vmi import Volume
 from launcher.volumes.context import Context
 from launcher.volumes.files import block_io, direct_io_supported, overlay
+from launcher.volumes.guestplatform import check_image
 
 
 def container_disk(ctx: Context, volume: Volume, where: str) -> ResolvedDisk:
@@ -31,9 +32,11 @@ def container_disk(ctx: Context, volume: Volume, where: str) -> ResolvedDisk:
             attached = attach(ctx.cache, source.image, source.path, ctx.platform, registry, ctx.lazy, policy, ctx.out.notes,
                               vm=ctx.create, qemu_uid=ctx.qemu_uid)
             if attached is not None:
+                check_image(ctx.cache, attached.pulled)
                 ctx.out.pulled.append(attached.pulled)
                 return _nbd_overlay(ctx, volume, attached)
         base = pull(ctx.cache, source.image, source.path, ctx.platform, registry, source.image_pull_policy)
+        check_image(ctx.cache, base)
     ctx.out.pulled.append(base)
     return overlay(within(ctx.run_dir, volume.name, "disk.qcow2"), base.path, base.format, ctx.create)
 

@@ -22,6 +22,7 @@ from launcher.volumes import claims, filesystems, gendisks, localdisks
 from launcher.volumes.containerdisk import container_disk, kernel_boot
 from launcher.volumes.context import Context, Prepared
 from launcher.volumes.files import KUBEVIRT_QEMU, file_disk, give_to_qemu
+from launcher.volumes.guestplatform import check_requested
 from launcher.volumes.storage import Storage
 
 Handler = Callable[[Context, Volume, str], ResolvedDisk]
@@ -76,6 +77,7 @@ def prepare(
     Without `create` (the dry run of `launcher domain`) paths are planned, not made; images are
     pulled, or opened on the node's disk server when lazy, so the domain shows what a run would use.
     """
+    check_requested(platform)
     ctx = Context(vmi, cache, run_dir, registry, platform, create, store or Storage(), lazy, qemu_uid, qemu)
     admit(vmi, ctx.store)
     shared = {fs.name for fs in vmi.domain.devices.filesystems}
