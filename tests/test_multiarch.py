@@ -6,6 +6,7 @@ skopeo reads what was written (a peer, not our own reader)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
 
@@ -205,3 +206,86 @@ def test_a_foreign_architecture_is_refused(diskkit, disks, two_arch, manifests, 
     # --platform linux/amd64 picks the amd64 image of the index.
     picked = _domain(tmp_path, "--platform", "linux/amd64", "--manifests", manifests, _vm(tmp_path, two_arch))
     assert picked.code == 0, picked.err
+
+
+# ---------------------------------------------------------------- an index from separate jobs
+
+def _job(diskkit, disk, plat: str, target: str) -> str:
+    """One CI job: one architecture's image, pushed on its own."""
+    result = diskkit("build", disk, "--platform", plat, "-t", target, *FAST, "--json")
+    assert result.code == 0, result.err
+    return json.loads(result.out)["digest"]
+
+
+def test_index_from_images_pushed_in_separate_jobs(diskkit, registry, disks, tmp_path):
+    base = f"{registry.host}/multi-{uuid.uuid4().hex[:6]}"
+    amd = _job(diskkit, disks[0], "linux/amd64", f"{base}/x86:40")
+    arm = _job(diskkit, disks[1], "linux/arm64", f"{base}/arm:40")
+    created = diskkit("index", "create", *FAST, "--json", f"{base}/fedora:40", f"{base}/x86:40", f"{base}/arm:40",
+                      "--annotation", "index:org.opencontainers.image.version=40")
+    assert created.code == 0, created.err
+    out = json.loads(created.out)
+    # Another repository of the same registry: the blobs are mounted, not sent again.
+    assert set(out["blobs"].values()) == {"mounted"}
+    index = skopeo("inspect", "--raw", "--tls-verify=false", f"docker://{base}/fedora:40")
+    assert index["annotations"] == {"org.opencontainers.image.version": "40"}
+    assert {(m["platform"]["architecture"], m["digest"]) for m in index["manifests"]} == {("amd64", amd), ("arm64", arm)}
+    raw = run("skopeo", "inspect", "--raw", "--tls-verify=false", f"docker://{base}/fedora:40").stdout.encode()
+    assert out["digest"] == "sha256:" + hashlib.sha256(raw).hexdigest()
+    # Every blob is in the new repository: skopeo copies the whole index out of it.
+    run("skopeo", "copy", "--all", "--src-tls-verify=false", f"docker://{base}/fedora:40", f"oci:{tmp_path / 'out'}:40")
+
+    # A second amd64 image is refused before anything is written.
+    twice = diskkit("index", "create", *FAST, f"{base}/other:40", f"{base}/x86:40", f"{base}/x86:40")
+    assert twice.code != 0 and f"{base}/x86:40: platform linux/amd64 is already in the index (from {base}/x86:40)" in twice.err
+    tags = diskkit("tags", *FAST, f"{base}/other")
+    assert tags.code != 0 and "40" not in tags.out  # the repository was never made
+
+    # The arm64 job runs again with a new disk: append refuses it, --replace swaps it in, amd64 stays.
+    newer = make_qcow2(tmp_path / "arm2.qcow2", size="16M", pattern=0x33)
+    arm2 = _job(diskkit, newer, "linux/arm64", f"{base}/arm:41")
+    refused = diskkit("index", "append", *FAST, f"{base}/fedora:40", f"{base}/arm:41")
+    assert refused.code != 0 and "platform linux/arm64 is already in the index" in refused.err and "--replace" in refused.err
+    replaced = diskkit("index", "append", *FAST, "--replace", "--json", f"{base}/fedora:40", f"{base}/arm:41")
+    assert replaced.code == 0, replaced.err
+    assert json.loads(replaced.out)["replaced"] == [arm]
+    index = skopeo("inspect", "--raw", "--tls-verify=false", f"docker://{base}/fedora:40")
+    assert {(m["platform"]["architecture"], m["digest"]) for m in index["manifests"]} == {("amd64", amd), ("arm64", arm2)}
+    assert index["annotations"] == {"org.opencontainers.image.version": "40"}  # kept by append
+
+    verified = diskkit("verify", *FAST, "--all-platforms", "--json", f"{base}/fedora:40")
+    assert verified.code == 0, verified.err
+    report = json.loads(verified.out)
+    assert [(p["platform"], p["ok"], p["digest"]) for p in report["platforms"]] == [("linux/amd64", True, amd), ("linux/arm64", True, arm2)]
+
+
+def test_append_needs_an_index(diskkit, disks, tmp_path):
+    single = f"oci:{tmp_path / 'one'}:1"
+    assert diskkit("build", disks[0], "-t", single).code == 0
+    other = f"oci:{tmp_path / 'two'}:1"
+    assert diskkit("build", disks[1], "--platform", "linux/arm64", "-t", other).code == 0
+    refused = diskkit("index", "append", single, other)
+    assert refused.code != 0 and f"{single}: is an image, not an index" in refused.err
+    missing = diskkit("index", "append", f"oci:{tmp_path / 'one'}:nope", other)
+    assert missing.code != 0
+
+
+def test_verify_all_platforms_finds_a_mislabelled_entry(diskkit, disks, tmp_path):
+    from diskkit.oci.image import canonical_json, sha256_digest
+
+    layout = tmp_path / "layout"
+    assert diskkit("build", "--platform", f"linux/amd64={disks[0]}", "--platform", f"linux/arm64={disks[1]}", "-t", f"oci:{layout}:40").code == 0
+    assert diskkit("verify", "--all-platforms", f"oci:{layout}:40").code == 0
+    # The index says the amd64 image is for s390x: a node of that kind would pull it.
+    top = json.loads((layout / "index.json").read_text())
+    digest = top["manifests"][0]["digest"]
+    index = json.loads((layout / "blobs/sha256" / digest[7:]).read_bytes())
+    index["manifests"][0]["platform"] = {"architecture": "s390x", "os": "linux"}
+    data = canonical_json(index)
+    (layout / "blobs/sha256" / sha256_digest(data)[7:]).write_bytes(data)
+    top["manifests"][0].update(digest=sha256_digest(data), size=len(data))
+    (layout / "index.json").write_text(json.dumps(top))
+    result = diskkit("verify", "--all-platforms", f"oci:{layout}:40")
+    assert result.code == 1
+    assert f"oci:{layout}:40 [linux/s390x]: the index lists sha256:" in result.err and "as linux/s390x, its config says linux/amd64" in result.err
+    assert f"OK oci:{layout}:40 [linux/arm64]" in result.out

@@ -11,6 +11,7 @@ import click
 from diskkit import __version__
 from diskkit.cli.shell import platform as platform_of
 from diskkit.cli.shell import registry_options, run_main
+from diskkit.cli.indexcmds import index_group
 from diskkit.cli.standalone import standalone_sign, standalone_verify
 from diskkit.cli.tagcmds import TAG_COMMANDS
 from diskkit.cli.trustflags import signature_options
@@ -351,20 +352,27 @@ Examples:
   diskkit verify --path /images/root.qcow2 oci-archive:custom.tar
   diskkit verify --tls-verify=false localhost:5000/disks/fedora:40
   diskkit verify --key ci.pub --key old.pub quay.io/me/fedora:40
+  diskkit verify --all-platforms quay.io/me/fedora:40                 # every image of the index
 """)
 @click.argument("ref")
 @click.option("--path", "image_path", metavar="/DIR/NAME", help="The containerDisk.path the VMI will use (default: the one file in /disk).")
 @click.option("--platform", help="OS/ARCH to pick from a multi-platform index (default: this host's).")
+@click.option("--all-platforms", "all_platforms", is_flag=True, help="Verify every platform an index lists (and that each entry's config is for the platform the index says); exit 1 if any fails.")
 @click.option("--key", "keys", multiple=True, type=click.Path(dir_okay=False, path_type=Path), metavar="FILE", help="Also report whether the image is signed by this sigstore public key (repeatable); none of them: exit 1.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @registry_options
-def verify_cmd(ref: str, image_path: str | None, platform: str | None, keys: tuple[Path, ...], as_json: bool, registry: RegistryOptions) -> None:
+def verify_cmd(ref: str, image_path: str | None, platform: str | None, all_platforms: bool, keys: tuple[Path, ...], as_json: bool, registry: RegistryOptions) -> None:
     """Check an image (ours or anyone's) the way KubeVirt consumes it; exit 1 listing every violation.
 
     Checks every blob digest and diffID, finds the disk as KubeVirt does (exactly one entry in
     /disk, or --path resolved inside the image), that UID 107 can read it, and that it is raw or
     qcow2 with no backing file, no external data file and no corruption.
     """
+    if all_platforms:
+        if platform:
+            raise DiskkitError("--all-platforms", "give either --platform or --all-platforms")
+        _verify_all(ref, image_path, keys, as_json, registry)
+        return
     report = verify(ref, image_path, platform_of(platform), registry)
     signature = _signature_report(ref, keys, registry, report.problems) if keys else {}
     if as_json:
@@ -378,6 +386,29 @@ def verify_cmd(ref: str, image_path: str | None, platform: str | None, keys: tup
         for problem in report.problems:
             click.echo(f"{ref}: {problem}", err=True)
     sys.exit(0 if report.ok else 1)
+
+
+def _verify_all(ref: str, image_path: str | None, keys: tuple[Path, ...], as_json: bool, registry: RegistryOptions) -> None:
+    from diskkit.ops.verify import verify_all
+
+    results = verify_all(ref, image_path, registry)
+    problems: list[str] = []
+    signature = _signature_report(ref, keys, registry, problems) if keys else {}
+    ok = not problems and all(report.ok for _, report in results)
+    if as_json:
+        platforms = [{"platform": str(plat) if plat else None, **describe(report), "ok": report.ok} for plat, report in results]
+        click.echo(json.dumps({"reference": ref, "platforms": platforms, **signature, "problems": problems, "ok": ok}, indent=2))
+        sys.exit(0 if ok else 1)
+    for plat, report in results:
+        shown = f"{ref} [{plat}]" if plat else ref
+        if report.ok:
+            disk = report.disk
+            click.echo(f"OK {shown}: {disk.path} is {disk.format}, virtual size {disk.virtual_size} bytes, readable by UID 107")
+        for problem in report.problems:
+            click.echo(f"{shown}: {problem}", err=True)
+    for problem in problems:
+        click.echo(f"{ref}: {problem}", err=True)
+    sys.exit(0 if ok else 1)
 
 
 def _signature_report(ref: str, keys: tuple[Path, ...], registry: RegistryOptions, problems: list[str]) -> dict:
@@ -509,6 +540,7 @@ cli.add_command(standalone_sign)
 cli.add_command(standalone_verify)
 for command in TAG_COMMANDS:
     cli.add_command(command)
+cli.add_command(index_group)
 
 
 def main() -> None:

@@ -115,6 +115,19 @@ def copy_image(
     return CopyResult(str(dest_ref), top.digest, top.media_type, statuses)
 
 
+def copy_instance(source: Source, destination: Destination, src_ref: ImageRef, dest_ref: ImageRef, reporter: Reporter, statuses: dict,
+                  data: bytes, media: str, platform: dict | None) -> Descriptor:
+    """One image manifest, its bytes kept, and its blobs into `destination` as an index's instance
+    (blobs the destination holds are skipped, those in another repository of its registry mounted)."""
+    copier = _Copier(source, destination, src_ref, dest_ref, reporter, statuses, "an index lists the source's manifest by digest")
+    return copier.image(data, media, platform, child=True)
+
+
+def read_instance(source: Source, desc: Descriptor) -> bytes:
+    """An index entry's manifest, checked against its digest."""
+    return _child_manifest(source, desc)
+
+
 def _typed_as(converted: dict, children: list[dict], multi_arch: str) -> dict:
     """A converted list whose descriptors keep the types of instances left uncopied: a list
     conversion changes the list's own type only (containers/image manifest/docker_schema2_list.go:

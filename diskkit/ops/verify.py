@@ -20,7 +20,8 @@ from diskkit.errors import DiskkitError
 from diskkit.layers import lazytoc
 from diskkit.layers.imagefs import Spooled, extract_one, walk
 from diskkit.layers.lazycheck import MemberCheck
-from diskkit.oci.image import Image, Platform
+from diskkit.oci import mediatypes as mt
+from diskkit.oci.image import Image, Platform, parse_json
 from diskkit.oci.reference import parse_ref
 from diskkit.registry.options import RegistryOptions
 from diskkit.transports import open_source
@@ -124,6 +125,36 @@ def verify(ref: str, path: str | None = None, platform: Platform | None = None, 
         return report
     finally:
         shutil.rmtree(spool, ignore_errors=True)
+
+
+def verify_all(ref: str, path: str | None = None, registry: RegistryOptions | None = None) -> list[tuple[Platform | None, Report]]:
+    """`verify` of every platform an index lists (entries without a platform, such as attestations, are
+    not images to boot); a single image is verified as it is. An entry whose config names another
+    platform than the index does is a problem: a node would pull it for the wrong machine."""
+    with open_source(ref, registry) as source:
+        data, media, _ = source.top_manifest()
+        obj = parse_json(data, source.where)
+    if (media or obj.get("mediaType")) not in mt.INDEXES and "manifests" not in obj:
+        return [(None, verify(ref, path, None, registry))]
+    platforms = []
+    for entry in obj.get("manifests") or []:
+        spec = entry.get("platform") if isinstance(entry, dict) else None
+        if isinstance(spec, dict) and spec.get("os") and spec.get("architecture"):
+            platforms.append(Platform(str(spec["os"]), str(spec["architecture"]), spec.get("variant") or None))
+    if not platforms:
+        report = Report(ref)
+        report.problems.append("the index lists no platform image")
+        return [(None, report)]
+    out = []
+    for plat in platforms:
+        report = verify(ref, path, plat, registry)
+        if report.image is not None:
+            config = report.image.config
+            said = Platform(str(config.get("os")), str(config.get("architecture")), config.get("variant") or None)
+            if (said.os, said.architecture) != (plat.os, plat.architecture) or (plat.variant and said.variant and said.variant != plat.variant):
+                report.problems.append(f"the index lists {report.image.digest} as {plat}, its config says {said}")
+        out.append((plat, report))
+    return out
 
 
 def _where(image: Image, index: int) -> str:
