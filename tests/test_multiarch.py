@@ -199,6 +199,8 @@ def test_a_foreign_architecture_is_refused(diskkit, disks, two_arch, manifests, 
     line = refused.err.strip().splitlines()[-1]
     assert f"{arm}: image platform linux/arm64 is not the guest's linux/amd64: this host runs linux/amd64 guests" in line
     assert "qemu-system-aarch64" in line
+    # Refused on its config: no layer was read into the cache.
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file() and "disks" in p.parts]
     # --platform naming another architecture: refused before anything is read.
     early = _domain(tmp_path, "--platform", "linux/arm64", "--manifests", manifests, _vm(tmp_path, two_arch))
     assert early.code != 0

@@ -61,8 +61,10 @@ def pull(
     registry: RegistryOptions | None = None,
     policy: str | None = None,
     disk: bool = True,
+    accept=None,
 ) -> Pulled:
-    """The cached disk (or, with disk=False, plain file) that `ref` holds at `path` (default: /disk)."""
+    """The cached disk (or, with disk=False, plain file) that `ref` holds at `path` (default: /disk);
+    `accept(config)` may refuse the image by its config before any layer is read."""
     if path is not None and (problem := path_problem(path)):
         raise DiskkitError(f"{ref}: path {path}", problem)
     policy = policy or default_policy(ref)
@@ -80,6 +82,8 @@ def pull(
         if isinstance(source, RemoteSource):
             source.partial_dir = cache.partial_dir  # a pull killed half way resumes from what it had
         image = source.image(platform)
+        if accept is not None:
+            accept(image.config)
         ref_key = image_key(image.digest, path, platform, disk)
         with cache.lock(ref_key):
             hit = _cached(cache, ref_key)

@@ -20,7 +20,7 @@ from launcher.spec.k8s import NetworkSource, pull_secret_config
 from launcher.spec.vmi import Volume
 from launcher.volumes.context import Context
 from launcher.volumes.files import block_io, direct_io_supported, overlay
-from launcher.volumes.guestplatform import check_image
+from launcher.volumes.guestplatform import check_config, check_image
 
 
 def container_disk(ctx: Context, volume: Volume, where: str) -> ResolvedDisk:
@@ -35,8 +35,9 @@ def container_disk(ctx: Context, volume: Volume, where: str) -> ResolvedDisk:
                 check_image(ctx.cache, attached.pulled)
                 ctx.out.pulled.append(attached.pulled)
                 return _nbd_overlay(ctx, volume, attached)
-        base = pull(ctx.cache, source.image, source.path, ctx.platform, registry, source.image_pull_policy)
-        check_image(ctx.cache, base)
+        base = pull(ctx.cache, source.image, source.path, ctx.platform, registry, source.image_pull_policy,
+                    accept=check_config(str(parse_ref(source.image))))
+        check_image(ctx.cache, base)  # a disk the cache already held
     ctx.out.pulled.append(base)
     return overlay(within(ctx.run_dir, volume.name, "disk.qcow2"), base.path, base.format, ctx.create)
 

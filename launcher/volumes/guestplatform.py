@@ -39,19 +39,31 @@ def check_requested(platform: Platform | None) -> None:
         raise DiskkitError(f"--platform {platform}", f"cannot boot an image for {platform}: {_why(platform)}")
 
 
-def image_platform(cache: Cache, pulled: Pulled) -> Platform | None:
-    """The os/architecture of the image a pull resolved to, from the manifest and config it remembered."""
-    try:
-        manifest = json.loads(cache.blob_path(pulled.digest).read_bytes())
-        config = json.loads(cache.blob_path(manifest["config"]["digest"]).read_bytes())
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+def config_platform(config: dict) -> Platform | None:
     if not isinstance(config, dict) or not config.get("architecture"):
         return None
     return Platform(str(config.get("os") or "linux"), str(config["architecture"]), config.get("variant"))
 
 
-def check_image(cache: Cache, pulled: Pulled) -> None:
-    plat = image_platform(cache, pulled)
+def image_platform(cache: Cache, pulled: Pulled) -> Platform | None:
+    """The os/architecture of the image a pull resolved to, from the manifest and config it remembered."""
+    try:
+        manifest = json.loads(cache.blob_path(pulled.digest).read_bytes())
+        return config_platform(json.loads(cache.blob_path(manifest["config"]["digest"]).read_bytes()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def check_platform(plat: Platform | None, image: str) -> None:
     if plat is not None and (plat.os, plat.architecture) != (guest().os, guest().architecture):
-        raise DiskkitError(pulled.image, f"image platform {plat} is not the guest's {guest()}: {_why(plat)}")
+        raise DiskkitError(image, f"image platform {plat} is not the guest's {guest()}: {_why(plat)}")
+
+
+def check_config(image: str):
+    """For a pull: the check made on the image's config before any layer is read."""
+    return lambda config: check_platform(config_platform(config), image)
+
+
+def check_image(cache: Cache, pulled: Pulled) -> None:
+    """After a pull or a lazy attach (a cached disk, or one the disk server opened)."""
+    check_platform(image_platform(cache, pulled), pulled.image)
