@@ -291,3 +291,33 @@ def test_verify_all_platforms_finds_a_mislabelled_entry(diskkit, disks, tmp_path
     assert result.code == 1
     assert f"oci:{layout}:40 [linux/s390x]: the index lists sha256:" in result.err and "as linux/s390x, its config says linux/amd64" in result.err
     assert f"OK oci:{layout}:40 [linux/arm64]" in result.out
+
+
+def test_vm_boots_with_the_instancetype_its_image_names(qemu_user, registry):
+    """One boot: a VirtualMachine naming no instance type gets the one its containerDisk's image hints."""
+    import yaml
+
+    from tests.conftest import run_diskkit
+    from tests.testguest import ensure_testguest, parse_console
+
+    ref = f"{registry.host}/launcher/hinted:v1"
+    built = run_diskkit("build", "--tls-verify=false", "--no-lazy", ensure_testguest() / "testguest.qcow2", "-t", ref,
+                        "--default-instancetype", "tiny.2c", "--default-preference", "virtio-cores:VirtualMachinePreference")
+    assert built.code == 0, built.err
+    manifests = qemu_user.root / "hint-manifests"
+    manifests.mkdir()
+    (manifests / "types.yaml").write_text(yaml.safe_dump_all([
+        {"apiVersion": V1B1, "kind": "VirtualMachineClusterInstancetype", "metadata": {"name": "tiny.2c"},
+         "spec": {"cpu": {"guest": 2}, "memory": {"guest": "320Mi"}}},
+        {"apiVersion": V1B1, "kind": "VirtualMachinePreference", "metadata": {"name": "virtio-cores", "namespace": "default"},
+         "spec": {"cpu": {"preferredCPUTopology": "cores"}, "devices": {"preferredDiskBus": "virtio"}}},
+    ]))
+    manifests.chmod(0o755)
+    path = _vm(qemu_user.root, ref)
+    result = qemu_user.launcher("run", "--tls-verify=false", "--console", "--timeout", "240", "--manifests", manifests, path)
+    assert result.code == 0, result.err
+    console = parse_console(result.out)
+    assert console["ready"] and console["done"], result.out
+    assert console["cpus"] == 2
+    assert 256 * 1024 < console["mem_kib"] <= 320 * 1024, console["mem_kib"]
+    assert "vda" in console["disks"], console["disks"]  # the preference's virtio bus
