@@ -321,3 +321,22 @@ def test_vm_boots_with_the_instancetype_its_image_names(qemu_user, registry):
     assert console["cpus"] == 2
     assert 256 * 1024 < console["mem_kib"] <= 320 * 1024, console["mem_kib"]
     assert "vda" in console["disks"], console["disks"]  # the preference's virtio bus
+
+
+def test_a_lazy_foreign_image_is_refused_too(tmp_path, registry, disks):
+    """Through the node's disk server (a lazy image from a registry), the same one line."""
+    from tests.conftest import run_diskkit
+    from tests.lazyhost import stop_spawned_server
+
+    arm = f"{registry.host}/multi/arm-lazy:v1"
+    assert run_diskkit("build", "--tls-verify=false", "--lazy", "--platform", "linux/arm64", disks[1], "-t", arm).code == 0
+    vmi = tmp_path / "vmi.json"
+    vmi.write_text(json.dumps({"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance", "metadata": {"name": "arm"},
+                               "spec": {"domain": {"devices": {}, "resources": {"requests": {"memory": "64Mi"}}},
+                                        "volumes": [{"name": "root", "containerDisk": {"image": arm}}]}}))
+    try:
+        refused = _domain(tmp_path, "--tls-verify=false", "--lazy", vmi)
+        assert refused.code != 0
+        assert "image platform linux/arm64 is not the guest's linux/amd64" in refused.err.strip().splitlines()[-1]
+    finally:
+        stop_spawned_server(tmp_path / "cache")
