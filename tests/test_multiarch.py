@@ -340,3 +340,21 @@ def test_a_lazy_foreign_image_is_refused_too(tmp_path, registry, disks):
         assert "image platform linux/arm64 is not the guest's linux/amd64" in refused.err.strip().splitlines()[-1]
     finally:
         stop_spawned_server(tmp_path / "cache")
+
+
+def test_skip_if_label_per_platform(diskkit, registry, disks):
+    """medius's rebuild check compares each architecture's own checksum label."""
+    target = f"{registry.host}/multi/skip-{uuid.uuid4().hex[:6]}:40"
+    both = ["--platform", f"linux/amd64={disks[0]}", "--platform", f"linux/arm64={disks[1]}", "-t", target, *FAST]
+    sums = ["--label", "linux/amd64:shasum=aaa", "--label", "linux/arm64:shasum=bbb"]
+    assert diskkit("build", *both, *sums).code == 0
+    same = diskkit("build", *both, *sums, "--skip-if-label", "linux/amd64:shasum=aaa", "--skip-if-label", "linux/arm64:shasum=bbb")
+    assert same.code == 0, same.err
+    assert same.out.strip() == f"{target}: nothing done, its image already carries linux/amd64:shasum=aaa, linux/arm64:shasum=bbb"
+    # One architecture's upstream changed: the build runs.
+    changed = diskkit("build", *both, "--label", "linux/amd64:shasum=aaa", "--label", "linux/arm64:shasum=ccc",
+                      "--skip-if-label", "linux/amd64:shasum=aaa", "--skip-if-label", "linux/arm64:shasum=ccc")
+    assert changed.code == 0, changed.err
+    assert changed.last_line.startswith("sha256:")
+    arm = skopeo("inspect", "--config", "--tls-verify=false", "--override-arch", "arm64", f"docker://{target}")
+    assert arm["config"]["Labels"] == {"shasum": "ccc"}

@@ -139,7 +139,7 @@ Examples:
 @click.option("--env", multiple=True, metavar="[OS/ARCH:]KEY=VALUE", help="Config environment variable (repeatable); with OS/ARCH: only that platform's image.")
 @click.option("--default-instancetype", "default_instancetype", multiple=True, metavar="[OS/ARCH:]NAME[:KIND]", help="The instance type a VM inferring from this image gets: the instancetype.kubevirt.io/default-instancetype(-kind) labels and the INSTANCETYPE_KUBEVIRT_IO_DEFAULT_INSTANCETYPE(_KIND) ENV CDI reads.")
 @click.option("--default-preference", "default_preference", multiple=True, metavar="[OS/ARCH:]NAME[:KIND]", help="The preference likewise (instancetype.kubevirt.io/default-preference(-kind), INSTANCETYPE_KUBEVIRT_IO_DEFAULT_PREFERENCE(_KIND)).")
-@click.option("--skip-if-label", "skip_if_label", multiple=True, metavar="KEY=VALUE", help="Do nothing (exit 0) when the first destination's image already carries this label, for every platform built (repeatable: all must match); a missing tag, repository or platform builds.")
+@click.option("--skip-if-label", "skip_if_label", multiple=True, metavar="[OS/ARCH:]KEY=VALUE", help="Do nothing (exit 0) when the first destination's image already carries this label, for every platform built or, with OS/ARCH:, for that one (repeatable: all must match); a missing tag, repository or platform builds.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the digest; progress as JSON lines on stderr.")
 @registry_options
 @signature_options(policy=False)
@@ -200,7 +200,8 @@ cli.add_command(build_cmd, "build")
 def _nothing_to_do(opts: BuildOptions, pairs, registry: RegistryOptions, as_json: bool) -> bool:
     from diskkit.ops.labelcheck import already_there, parse_pairs
 
-    why = already_there(opts.dest, [p for p, _ in opts.platforms] or [opts.platform], parse_pairs(pairs), registry)
+    platforms = [p for p, _ in opts.platforms] or [opts.platform]
+    why = already_there(opts.dest, platforms, parse_pairs(pairs, platforms), registry)
     if why is not None:
         click.echo(json.dumps({"reference": opts.dest, "skipped": True, "reason": why}, indent=2) if as_json else why)
     return why is not None

@@ -51,8 +51,9 @@ class Metadata:
         return {**self.descriptor_annotations.get("", {}), **self.descriptor_annotations.get(str(plat), {})}
 
 
-def _platform_prefix(value: str, flag: str, built: list[Platform]) -> tuple[str, str]:
-    """("" or the platform's text, the rest) for a value with an optional OS/ARCH: prefix."""
+def platform_prefix(value: str, flag: str, built: list[Platform]) -> tuple[str, str]:
+    """("" or the platform's text, the rest) for a value with an optional OS/ARCH: prefix; a platform
+    not in `built` is refused."""
     head, sep, rest = value.partition(":")
     if not sep or "/" not in head or "=" in head:
         return "", value
@@ -76,16 +77,16 @@ def parse(built: list[Platform], index: bool, labels=(), env=(), annotations=(),
     """The build's metadata flags, checked against the platforms it makes (`index`: it writes an index)."""
     out = Metadata()
     for value in labels:
-        where, rest = _platform_prefix(value, "--label", built)
+        where, rest = platform_prefix(value, "--label", built)
         key, val = _pair(rest, f"--label {value}")
         out.labels.setdefault(where, {})[key] = val
     for value in env:
-        where, rest = _platform_prefix(value, "--env", built)
+        where, rest = platform_prefix(value, "--env", built)
         _pair(rest, f"--env {value}")
         out.env.setdefault(where, []).append(rest)
     for what, flag, values in (("instancetype", "--default-instancetype", instancetype), ("preference", "--default-preference", preference)):
         for value in values:
-            where, rest = _platform_prefix(value, flag, built)
+            where, rest = platform_prefix(value, flag, built)
             pairs = hints.hint_pairs(what, rest, f"{flag} {value}")
             out.labels.setdefault(where, {}).update(pairs)
             out.env.setdefault(where, []).extend(f"{hints.env_name(k)}={v}" for k, v in pairs.items())

@@ -15,15 +15,21 @@ from diskkit.oci.reference import parse_ref
 from diskkit.registry.options import RegistryOptions
 
 
-def parse_pairs(values: tuple[str, ...] | list[str]) -> dict[str, str]:
-    wanted: dict[str, str] = {}
+def parse_pairs(values: tuple[str, ...] | list[str], platforms: list[Platform]) -> dict[str, dict[str, str]]:
+    """KEY=VALUE for every platform, OS/ARCH:KEY=VALUE for one (as --label takes them): platform text
+    ("" for all) -> the labels its image must carry."""
+    from diskkit.ops.buildmeta import platform_prefix
+
+    wanted: dict[str, dict[str, str]] = {}
     for value in values:
-        key, sep, val = value.partition("=")
+        where, rest = platform_prefix(value, "--skip-if-label", platforms)
+        key, sep, val = rest.partition("=")
         if not sep or not key:
-            raise DiskkitError(f"--skip-if-label {value}", "must be KEY=VALUE")
-        if key in wanted and wanted[key] != val:
+            raise DiskkitError(f"--skip-if-label {value}", "must be KEY=VALUE (or OS/ARCH:KEY=VALUE)")
+        scope = wanted.setdefault(where, {})
+        if key in scope and scope[key] != val:
             raise DiskkitError(f"--skip-if-label {key}", "given twice with different values")
-        wanted[key] = val
+        scope[key] = val
     return wanted
 
 
@@ -33,8 +39,9 @@ def _missing(exc: DiskkitError) -> bool:
     return (rule.startswith("manifest ") and " not found" in rule) or rule.startswith("no image for platform")
 
 
-def already_there(dest: str, platforms: list[Platform], wanted: dict[str, str], registry: RegistryOptions | None) -> str | None:
-    """Why nothing needs doing (every platform's image at `dest` carries every wanted label), or None."""
+def already_there(dest: str, platforms: list[Platform], wanted: dict[str, dict[str, str]], registry: RegistryOptions | None) -> str | None:
+    """Why nothing needs doing (every platform's image at `dest` carries every label wanted of it:
+    `wanted` as parse_pairs gives it), or None."""
     from diskkit.transports import open_source
 
     ref = parse_ref(dest)
@@ -56,7 +63,8 @@ def already_there(dest: str, platforms: list[Platform], wanted: dict[str, str], 
                 same_platform = platform.matches({"os": config.get("os"), "architecture": config.get("architecture"), "variant": config.get("variant")})
             except (ValueError, AttributeError):
                 raise DiskkitError(f"{dest}", "image config is not a JSON object") from None
-            if not same_platform or any(labels.get(k) != v for k, v in wanted.items()):
+            expected = {**wanted.get("", {}), **wanted.get(str(platform), {})}
+            if not same_platform or any(labels.get(k) != v for k, v in expected.items()):
                 return None
-    shown = ", ".join(f"{k}={v}" for k, v in wanted.items())
+    shown = ", ".join(f"{where + ':' if where else ''}{k}={v}" for where, pairs in wanted.items() for k, v in pairs.items())
     return f"{dest}: nothing done, its image already carries {shown}"
