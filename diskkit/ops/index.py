@@ -26,7 +26,7 @@ from diskkit.transports import open_destination, open_source
 class Entry:
     source: str
     descriptor: Descriptor
-    copied: bool = True  # False: already an entry of the destination's index
+    existing: bool = False  # an entry the destination's index had before append
 
     def to_json(self) -> dict:
         return {"source": self.source, "digest": self.descriptor.digest, "mediaType": self.descriptor.media_type,
@@ -85,8 +85,8 @@ def assemble(dest: str, sources: list[str], registry: RegistryOptions, reporter:
             clash = [e for e in entries if _key(e.descriptor.platform) == _key(platform)]
             if clash:
                 old = clash[0]
-                if not (replace and not old.copied):
-                    hint = "; --replace puts this one in its place" if not old.copied else ""
+                if not (replace and old.existing):
+                    hint = "; --replace puts this one in its place" if old.existing else ""
                     raise DiskkitError(src, f"platform {platform_text(platform)} is already in the index (from {old.source}){hint}")
                 entries.remove(old)
                 result.replaced.append(old.descriptor.digest)
@@ -110,7 +110,7 @@ def _existing(dest: str, registry: RegistryOptions) -> tuple[list[Entry], dict[s
         media = media or obj.get("mediaType")
         if media not in mt.INDEXES and "manifests" not in obj:
             raise DiskkitError(dest, "is an image, not an index; `diskkit index create` makes one from it and the others")
-        entries = [Entry(dest, Descriptor.from_json(m, source.where), copied=False) for m in obj.get("manifests") or []]
+        entries = [Entry(dest, Descriptor.from_json(m, source.where), existing=True) for m in obj.get("manifests") or []]
         return entries, dict(obj.get("annotations") or {})
 
 
