@@ -261,16 +261,22 @@ def _file_layer(source: Source, image: Image, index: int, as_file: artifact.File
             fetched.close()
     if not path:
         return  # CRI-O leaves a layer without a title out of the volume: "not mountable"
+    forget(path)
+    node = add_file(tree, index, path, size)
+    if dest is not None:
+        spooled[path] = Spooled(dest, node, head_limit is None or size <= head_limit)
+
+
+def add_file(tree: Tree, index: int, path: str, size: int) -> Node:
+    """An artifact's file layer applied to the tree: a regular file, root's and 0644, in directories
+    0755, as CRI-O writes them into the image volume (os.WriteFile, os.MkdirAll)."""
     parent = posixpath.dirname(path)
     while parent and parent not in tree.nodes:
         tree.nodes[parent] = Node(parent, "dir", 0o755, 0, 0, 0, "", index)
         parent = posixpath.dirname(parent)
-    if path in tree.nodes:
-        tree.remove(path)
-        forget(path)
+    tree.remove(path)
     tree.nodes[path] = Node(path, "file", 0o644, 0, 0, size, "", index)
-    if dest is not None:
-        spooled[path] = Spooled(dest, tree.nodes[path], head_limit is None or size <= head_limit)
+    return tree.nodes[path]
 
 
 def _apply(tree, index, member, member_data, want, spool_dir, head_limit, spooled, forget) -> None:
