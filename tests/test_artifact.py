@@ -18,7 +18,9 @@ import zstandard
 
 from tests.conftest import run, run_diskkit, run_launcher
 from tests.imagecraft import Member, dir_, write_layout
-from tests.lazyhost import disk_server, export_status, open_export, random_disk, wait_for
+from tests.lazyhost import control, disk_server, export_status, open_export, random_disk, stop_spawned_server, wait_for
+from tests.testguest import ensure_testguest, parse_console
+from tests.vmhost import assert_clean
 
 NOREG = "--tls-verify=false"
 MIB = 1 << 20
@@ -222,3 +224,37 @@ def test_built_artifact_goes_through_a_registry(tmp_path, registry, disk):
     copied = run_diskkit("copy", NOREG, ref, f"oci:{tmp_path / 'copy'}:v1")
     assert copied.code == 0, copied.err
     assert run_diskkit("verify", f"oci:{tmp_path / 'copy'}:v1").code == 0
+
+
+def test_launcher_run_boots_the_test_guest_from_a_built_artifact(qemu_user, registry):
+    ref = f"{registry.host}/artifact/guest:qcow2"
+    built = run_diskkit("build", NOREG, "--artifact", ensure_testguest() / "testguest.qcow2", "-t", ref)
+    assert built.code == 0, built.err
+    vmi = qemu_user.write_vmi("artifact", ref)
+    result = qemu_user.launcher("run", NOREG, "--console", "--timeout", "240", vmi)
+    assert result.code == 0, result.err
+    console = parse_console(result.out)
+    assert console["done"], result.out
+    assert console["disks"]["vda"]["size"] == 64 << 20
+    assert console["disks"]["vda"]["head"].startswith("33c0")  # the guest's own MBR
+    assert_clean(qemu_user, "default_artifact")
+
+
+def test_launcher_run_boots_an_oras_style_artifact_lazily(qemu_user, registry, tmp_path):
+    raw = tmp_path / "guest.img"
+    run("qemu-img", "convert", "-O", "raw", ensure_testguest() / "testguest.qcow2", raw)
+    layout = oras_layout(tmp_path / "oras", [("guest.img", raw.read_bytes(), "application/vnd.kubevirt.disk.raw")])
+    ref = f"{registry.host}/artifact/guest:oras"
+    run("skopeo", "copy", "--dest-tls-verify=false", f"oci:{layout}:t", f"docker://{ref}")
+    vmi = qemu_user.write_vmi("oras", ref)
+    try:
+        result = qemu_user.launcher("run", NOREG, "--lazy", "--console", "--timeout", "300", vmi)
+        assert result.code == 0, result.err
+        console = parse_console(result.out)
+        assert console["done"], result.out
+        assert console["disks"]["vda"]["size"] == 64 << 20 and console["disks"]["vda"]["head"].startswith("33c0")
+        exports = control(qemu_user.cache, {"op": "status"})["exports"]
+        assert [e["member"] for e in exports] == ["guest.img"], exports  # served by the disk server, not pulled
+    finally:
+        stop_spawned_server(qemu_user.cache)
+    assert_clean(qemu_user, "default_oras")
