@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,15 @@ def test_artifact_is_an_oci_1_1_artifact_with_the_disk_as_its_one_blob(tmp_path,
     # Reproducible as every build.
     again = run_diskkit("build", "--artifact", disk, "-t", f"oci:{tmp_path / 'again'}:v1")
     assert again.last_line == json.loads(built.out)["digest"]
+
+    # No Docker schema2 form: refused as skopeo refuses it (containers/image internal/manifest/errors.go).
+    words = 'creating an updated image manifest: unsupported image-specific operation on artifact with type "application/vnd.oci.empty.v1+json"'
+    peer = subprocess.run(["skopeo", "copy", f"oci:{layout}:v1", f"docker-archive:{tmp_path / 'peer.tar'}:a/b:c"], capture_output=True, text=True)
+    assert peer.returncode != 0 and words.replace('"', '\\"') in peer.stderr
+    for dest in [f"docker-archive:{tmp_path / 'd.tar'}:a/b:c", f"dir:{tmp_path / 'v2s2'}"]:
+        refused = run_diskkit("copy", *(["--format", "v2s2"] if dest.startswith("dir:") else []), f"oci:{layout}:v1", dest)
+        assert refused.code != 0 and words in refused.err, refused.err
+    assert not (tmp_path / "d.tar").exists()
 
 
 @pytest.mark.parametrize("kind", ["gzip", "zstd"])
