@@ -27,13 +27,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import sibling
