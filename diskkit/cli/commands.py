@@ -122,6 +122,7 @@ Examples:
   diskkit build disk.qcow2 -t quay.io/me/fedora:40 --label shasum=$SUM --skip-if-label shasum=$SUM   # exit 0, nothing done when unchanged
   diskkit build disk.qcow2 -t quay.io/me/fedora:40 --sign-by-sigstore-private-key ci.private --sign-passphrase-file pass
   diskkit build disk.qcow2 -t quay.io/me/fedora:40 --sign-by 3F1A...C0DE      # GPG, into the registries.d lookaside
+  diskkit build --artifact disk.img -t quay.io/me/fedora:40-artifact   # OCI artifact: the disk as one file layer, as ORAS pushes it
 """
 )
 @click.argument("src", type=click.Path(path_type=Path, readable=False), required=False)
@@ -140,11 +141,12 @@ Examples:
 @click.option("--default-instancetype", "default_instancetype", multiple=True, metavar="[OS/ARCH:]NAME[:KIND]", help="The instance type a VM inferring from this image gets: the instancetype.kubevirt.io/default-instancetype(-kind) labels and the INSTANCETYPE_KUBEVIRT_IO_DEFAULT_INSTANCETYPE(_KIND) ENV CDI reads.")
 @click.option("--default-preference", "default_preference", multiple=True, metavar="[OS/ARCH:]NAME[:KIND]", help="The preference likewise (instancetype.kubevirt.io/default-preference(-kind), INSTANCETYPE_KUBEVIRT_IO_DEFAULT_PREFERENCE(_KIND)).")
 @click.option("--skip-if-label", "skip_if_label", multiple=True, metavar="[OS/ARCH:]KEY=VALUE", help="Do nothing (exit 0) when the first destination's image already carries this label, for every platform built or, with OS/ARCH:, for that one (repeatable: all must match); a missing tag, repository or platform builds.")
+@click.option("--artifact", is_flag=True, help="Write an OCI 1.1 artifact, as `oras push` of the disk file: artifactType, an empty config, the disk as one blob (no tar) titled with its file name, and kubevirt.io/image-volume-skip-digest-resolution; KubeVirt boots it through an image volume. Uncompressed unless --compression says otherwise (CRI-O mounts the blob as it is).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the digest; progress as JSON lines on stderr.")
 @registry_options
 @signature_options(policy=False)
 def build_cmd(src, dests, image_path, disk_format, compression, level, lazy, kernel, initrd, platforms, label, annotation, env, default_instancetype,
-              default_preference, skip_if_label, as_json, registry: RegistryOptions, sign) -> None:
+              default_preference, skip_if_label, artifact, as_json, registry: RegistryOptions, sign) -> None:
     """Package disk SRC as a scratch-based containerDisk image.
 
     One layer holds /disk/ (0555) and /disk/<name> (0440), both owned by qemu (107:107), as KubeVirt
@@ -168,13 +170,14 @@ def build_cmd(src, dests, image_path, disk_format, compression, level, lazy, ker
         path=image_path,
         kernel=split_artifact(kernel, "/boot/vmlinuz", "--kernel") if kernel else None,
         initrd=split_artifact(initrd, "/boot/initrd.img", "--initrd") if initrd else None,
-        compression=compression,
+        compression="none" if artifact and not _given("compression") else compression,
         level=level,
         lazy=lazy,
         disk_format=disk_format,
         platform=Platform.parse(platforms[0]) if platforms and not per_platform else Platform("linux", "amd64"),
         created=source_epoch(),
         platforms=[(Platform.parse(p.split("=", 1)[0]), Path(p.split("=", 1)[1])) for p in per_platform],
+        artifact=artifact,
     )
     opts.metadata = parse_metadata([p for p, _ in opts.platforms] or [opts.platform], bool(opts.platforms), label, env, annotation,
                                    default_instancetype, default_preference)
@@ -320,6 +323,7 @@ def inspect_cmd(ref: str, platform: str | None, as_json: bool, image_path: str |
         f"Reference:    {data['reference']}",
         f"Digest:       {data['digest']}",
         f"MediaType:    {data['mediaType']}",
+        *([f"ArtifactType: {data['artifactType']}"] if data.get("artifactType") else []),
         f"Platform:     {data['os']}/{data['architecture']}",
     ]
     if data["created"]:
@@ -376,6 +380,8 @@ def verify_cmd(ref: str, image_path: str | None, platform: str | None, all_platf
         return
     report = verify(ref, image_path, platform_of(platform), registry)
     signature = _signature_report(ref, keys, registry, report.problems) if keys else {}
+    for note in report.notes if not as_json else ():
+        click.echo(f"note: {ref}: {note}", err=True)
     if as_json:
         click.echo(json.dumps({**describe(report), **signature, "ok": report.ok}, indent=2))
     elif report.ok:

@@ -37,8 +37,9 @@ class Located:
 def locate(tree: Tree, path: str | None, allow_root_file: bool = False) -> Located:
     """The disk KubeVirt would boot: `path` resolved inside the root, or the single entry of /disk.
 
-    With `allow_root_file` (Kubernetes ImageVolume mode) a single non-directory file at the image
-    root is preferred, as for ORAS-style artifacts.
+    With `allow_root_file` (Kubernetes ImageVolume mode) the root's only entry is the disk when it is
+    not a directory, as for ORAS-style artifacts; a root holding more falls back to /disk
+    (kubevirt pkg/virt-launcher/virtwrap/manager.go, findDiskFileInImageVolume).
     """
     if path is not None:
         problem = path_problem(path)
@@ -46,9 +47,9 @@ def locate(tree: Tree, path: str | None, allow_root_file: bool = False) -> Locat
             return Located(None, path, [f"path {path}: {problem}"])
         return _resolved(tree, path.strip("/"), path)
     if allow_root_file:
-        files = [n for n in tree.children("") if n.kind != "dir"]
-        if len(files) == 1:
-            return _resolved(tree, files[0].path, "/" + files[0].path)
+        entries = tree.children("")
+        if len(entries) == 1 and entries[0].kind != "dir":
+            return _resolved(tree, entries[0].path, "/" + entries[0].path)
     folder = tree.nodes.get(DISK_DIR)
     if folder is None or folder.kind != "dir":
         return Located(None, "/disk", ["failed to check /disk for disks: no such file or directory"])

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import BinaryIO, Callable, Iterable
 
 from diskkit.errors import DiskkitError, NoSpace
+from diskkit.oci import artifact
 from diskkit.oci.image import Image
 from diskkit.oci.mediatypes import layer_compression
 from diskkit.streams.compression import decompressing_reader
@@ -173,7 +174,8 @@ def walk(
     tree = Tree()
     spooled: dict[str, Spooled] = {}
     diff_ids = image.diff_ids
-    if len(diff_ids) != len(image.layers):
+    manifest = image.manifest
+    if len(diff_ids) != len(image.layers) and not artifact.is_artifact(manifest, image.config_descriptor.media_type):
         tree.findings.append(f"config lists {len(diff_ids)} diff_ids for {len(image.layers)} layers")
 
     def forget(path: str) -> None:
@@ -183,6 +185,10 @@ def walk(
 
     for index, desc in enumerate(image.layers):
         if only_layer is not None and index != only_layer:
+            continue
+        as_file = artifact.file_layer(manifest, image.config_descriptor.media_type, desc.media_type, desc.annotations)
+        if as_file is not None:
+            _file_layer(source, image, index, as_file, tree, want, spool_dir, head_limit, spooled, forget, (taps or {}).get(index))
             continue
         kind = layer_compression(desc.media_type)
         if kind is None:
@@ -216,6 +222,61 @@ def walk(
         if index < len(diff_ids) and hashed.digest != diff_ids[index]:
             raise DiskkitError(image.where, f"layer {index} does not match its diffID {diff_ids[index]} (content hashes to {hashed.digest})")
     return tree, spooled
+
+
+def _file_layer(source: Source, image: Image, index: int, as_file: artifact.FileLayer, tree: Tree, want, spool_dir, head_limit,
+                spooled: dict[str, Spooled], forget, tap) -> None:
+    """An artifact's file layer: the blob (decompressed per its media type's suffix) is one regular
+    file at its title, root's and 0644 as CRI-O writes it; digest checked as it streams."""
+    desc = image.layers[index]
+    where = f"{image.where}: layer {index} ({desc.digest[:19]})"
+    path = clean_member_name(as_file.title) if as_file.title else None
+    if as_file.title and not path:
+        tree.findings.append(f"layer {index}'s title {as_file.title!r} escapes the image root")
+    dest = spool_dir / f"{index}-{len(spooled)}" if path and spool_dir is not None and want(path) else None
+    size = 0
+    with source.blob(desc) as verified:
+        fetched = ReadAhead(tap(verified) if tap else verified)
+        try:
+            data = decompressing_reader(fetched, as_file.compression, where)
+            out = open(dest, "wb") if dest is not None else None
+            try:
+                writer = SparseWriter(out) if out is not None else None
+                limit = head_limit if head_limit is not None else -1
+                while piece := data.read(COPY_CHUNK):
+                    if writer is not None and (limit < 0 or size < limit):
+                        writer.write(piece if limit < 0 else piece[: limit - size])
+                    size += len(piece)
+                if out is not None:
+                    out.truncate()
+            finally:
+                if out is not None:
+                    out.close()
+            fetched.drain()
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise NoSpace(image.where, f"layer {index} ({desc.digest[:19]}): {os.strerror(exc.errno)} writing its file") from None
+            raise DiskkitError(where, f"cannot be read: {exc}") from None
+        finally:
+            fetched.close()
+    if not path:
+        return  # CRI-O leaves a layer without a title out of the volume: "not mountable"
+    forget(path)
+    node = add_file(tree, index, path, size)
+    if dest is not None:
+        spooled[path] = Spooled(dest, node, head_limit is None or size <= head_limit)
+
+
+def add_file(tree: Tree, index: int, path: str, size: int) -> Node:
+    """An artifact's file layer applied to the tree: a regular file, root's and 0644, in directories
+    0755, as CRI-O writes them into the image volume (os.WriteFile, os.MkdirAll)."""
+    parent = posixpath.dirname(path)
+    while parent and parent not in tree.nodes:
+        tree.nodes[parent] = Node(parent, "dir", 0o755, 0, 0, 0, "", index)
+        parent = posixpath.dirname(parent)
+    tree.remove(path)
+    tree.nodes[path] = Node(path, "file", 0o644, 0, 0, size, "", index)
+    return tree.nodes[path]
 
 
 def _apply(tree, index, member, member_data, want, spool_dir, head_limit, spooled, forget) -> None:

@@ -19,7 +19,7 @@ from diskkit.disk.containerdisk import (
 from diskkit.errors import DiskkitError
 from diskkit.layers import lazygzip, lazytoc
 from diskkit.layers.layer import LayerResult, entries_for, write_layer
-from diskkit.ops import buildrecord
+from diskkit.ops import artifactbuild, buildrecord
 from diskkit.ops.buildmeta import Metadata
 from diskkit.oci.image import (
     Descriptor,
@@ -34,6 +34,7 @@ from diskkit.oci.mediatypes import (
     DOCKER_CONFIG,
     OCI_CONFIG,
     OCI_INDEX,
+    OCI_MANIFEST,
     docker_layer,
     oci_layer,
 )
@@ -68,6 +69,7 @@ class BuildOptions:
     also: list[str] = field(default_factory=list)  # more destinations (-t repeated), given the same image
     # Per-platform labels/env and annotations for each level (index, manifests, their descriptors).
     metadata: Metadata = field(default_factory=Metadata)
+    artifact: bool = False  # an OCI 1.1 artifact: the disk as one file layer named by its title (diskkit.oci.artifact)
 
 
 @dataclass
@@ -248,6 +250,8 @@ def _build(opts: BuildOptions, dest_ref, reporter: Reporter, registry: RegistryO
     for artifact in (opts.kernel, opts.initrd):
         if artifact:
             check_input_file(artifact[1], "kernel-boot file")
+    if opts.artifact:
+        opts = _artifact_options(opts)
     auto_lazy = opts.lazy is None
     if auto_lazy:
         opts = replace(opts, lazy=opts.compression == "gzip")
@@ -261,6 +265,8 @@ def _build(opts: BuildOptions, dest_ref, reporter: Reporter, registry: RegistryO
         infos = [examine_disk(disk.path) for disk in disks]
         with open_destination(dest_ref, opts.created, registry) as dest:
             dest.before_manifest = before_manifest
+            if opts.artifact and dest.docker_manifest:
+                raise DiskkitError(str(dest_ref), "--artifact needs OCI manifests (artifactType, annotations); use oci:, oci-archive: or a registry")
             if opts.platforms and dest.docker_manifest:
                 raise DiskkitError(str(dest_ref), "docker-archive holds a single image; build one platform at a time")
             holds_toc = not dest.docker_manifest and (dest.layer_compression or opts.compression) == opts.compression
@@ -285,9 +291,32 @@ def _build(opts: BuildOptions, dest_ref, reporter: Reporter, registry: RegistryO
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def _artifact_options(opts: BuildOptions) -> BuildOptions:
+    """An artifact holds the disk and nothing else: the flags that would add to it are refused."""
+    given = [flag for flag, value in (("--platform OS/ARCH=FILE", opts.platforms), ("--kernel", opts.kernel), ("--initrd", opts.initrd),
+                                      ("--path", opts.path), ("--label", any(opts.metadata.labels.values())), ("--env", any(opts.metadata.env.values())),
+                                      ("--annotation index:", opts.metadata.index_annotations), ("--lazy", opts.lazy)) if value]
+    if given:
+        why = {"--path": "the disk is the layer's title, its file's name",
+               "--label": "its config is empty ({}); use --annotation", "--env": "its config is empty ({})",
+               "--lazy": "an uncompressed artifact is read at offsets as it is"}.get(given[0], "an artifact holds the disk alone")
+        raise DiskkitError(f"--artifact {given[0]}", f"not with an artifact: {why}")
+    return replace(opts, lazy=False)
+
+
 def _build_one(opts, dest, plat: Platform, source: Path, disk: payload.Unwrapped, info, workdir: Path, reporter: Reporter, child: bool) -> BuildResult:
     workdir.mkdir(parents=True)
     disk_format = _target_format(opts.disk_format, info.format)
+    if opts.artifact:
+        title = _disk_name(disk, disk_format != info.format, disk_format)
+        compression = dest.layer_compression or opts.compression
+        if note := artifactbuild.compressed_note(compression):
+            reporter.note(note)
+        made = artifactbuild.write(dest, title, disk_format, info.virtual_size,
+                                   lambda: _prepare_format(opts, source, disk.path, info, workdir, reporter)[0],
+                                   compression, opts.level, opts.created, opts.metadata.annotations_for(plat), reporter)
+        return BuildResult(opts.dest, made.digest, OCI_MANIFEST, made.size, [made.layer], f"/{title}", disk_format, info.virtual_size,
+                           descriptor=Descriptor(OCI_MANIFEST, made.digest, made.size))
     image_disk_path = opts.path or f"/disk/{_disk_name(disk, disk_format != info.format, disk_format)}"
     compression = dest.layer_compression or opts.compression
     docker = dest.docker_manifest

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from diskkit.errors import DiskkitError
 from diskkit.layers import lazytoc
+from diskkit.oci import artifact
 from diskkit.oci import mediatypes as mt
 from diskkit.oci.image import (
     Descriptor,
@@ -162,6 +163,10 @@ class _Copier:
 
     def image(self, data: bytes, media: str, platform: dict | None, child: bool = False) -> Descriptor:
         manifest = parse_json(data, self.source.where)
+        config_media = manifest["config"].get("mediaType", "") if isinstance(manifest.get("config"), dict) else ""
+        if artifact.is_artifact(manifest, config_media) and (self.dest.layer_compression == "none" or self.manifest_format == "v2s2"):
+            # An artifact has no Docker schema2 form; containers/image's words (internal/manifest/errors.go, NonImageArtifactError).
+            raise DiskkitError(self.source.where, f'creating an updated image manifest: unsupported image-specific operation on artifact with type "{config_media}"')
         if (self.dest.oci_only or self.manifest_format == "oci") and media == mt.DOCKER_MANIFEST:
             self.rewriting("a Docker schema2 manifest becomes an OCI manifest")
             manifest = docker_to_oci(manifest)

@@ -20,6 +20,7 @@ from diskkit.errors import DiskkitError
 from diskkit.layers import lazytoc
 from diskkit.layers.imagefs import Spooled, extract_one, walk
 from diskkit.layers.lazycheck import MemberCheck
+from diskkit.oci import artifact
 from diskkit.oci import mediatypes as mt
 from diskkit.oci.image import Image, Platform, parse_json
 from diskkit.oci.reference import parse_ref
@@ -57,6 +58,7 @@ class Report:
     image: Image | None = None
     disk: DiskFacts = field(default_factory=DiskFacts)
     problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what KubeVirt would do differently, short of refusing
 
     @property
     def ok(self) -> bool:
@@ -79,7 +81,10 @@ def scan_image(source: Source, image: Image, path: str | None, spool: Path, head
                kept: dict[str, Spooled] | None = None, keep: frozenset[str] = frozenset(), taps: dict | None = None):
     """The tree, the located disk and its spooled file (None when it is missing or only partly kept).
 
-    With `kept`, the files at `keep` are spooled too and put there; `taps` as imagefs.walk's."""
+    With `kept`, the files at `keep` are spooled too and put there; `taps` as imagefs.walk's. An
+    artifact boots only through an image volume, so the image volume's rule (a lone file at the root)
+    applies to it whatever `allow_root_file` says."""
+    allow_root_file = allow_root_file or is_artifact(image)
     disk_candidate = wanted(path, allow_root_file)
     want = disk_candidate if not keep else (lambda p: disk_candidate(p) or p in keep)
     tree, spooled = walk(source, image, want, spool, head_limit, taps=taps)
@@ -118,6 +123,7 @@ def verify(ref: str, path: str | None = None, platform: Platform | None = None, 
             return report
         report.image = image
         report.problems += tree.findings + found.problems
+        report.notes += artifact_notes(image, found)
         fill(report.disk, found)
         if disk_file is not None:
             report.problems += disk_problems(disk_file, found.shown, report.disk)
@@ -155,6 +161,22 @@ def verify_all(ref: str, path: str | None = None, registry: RegistryOptions | No
                 report.problems.append(f"the index lists {report.image.digest} as {plat}, its config says {said}")
         out.append((plat, report))
     return out
+
+
+def is_artifact(image: Image) -> bool:
+    return artifact.is_artifact(image.manifest, image.config_descriptor.media_type)
+
+
+def artifact_notes(image: Image, found) -> list[str]:
+    """A compressed file layer holding the disk: accepted here, but CRI-O mounts its bytes as they are."""
+    if found.node is None:
+        return []
+    layer = image.layers[found.node.layer]
+    as_file = artifact.file_layer(image.manifest, image.config_descriptor.media_type, layer.media_type, layer.annotations)
+    if as_file is None or as_file.compression == "none":
+        return []
+    return [f"{found.shown} is {as_file.compression}-compressed in its layer ({layer.media_type}): CRI-O puts an artifact's blob "
+            "in the image volume as it is, so KubeVirt would boot the compressed bytes; diskkit and launcher decompress it"]
 
 
 def _where(image: Image, index: int) -> str:
@@ -344,8 +366,12 @@ def describe(report: Report) -> dict:
                 ],
             }
         )
+        if image.manifest.get("artifactType"):
+            out["artifactType"] = image.manifest["artifactType"]
     out["disk"] = report.disk.to_json()
     out["problems"] = report.problems
+    if report.notes:
+        out["notes"] = report.notes
     return out
 
 

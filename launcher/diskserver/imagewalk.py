@@ -7,7 +7,9 @@ that is still honest about where its bytes come from:
   the disk's data is a hole nobody reads here;
 - an uncompressed layer: its tar headers walked with range requests (v1 lazy, or plain);
 - any other layer: read whole when it is small (MAX_SMALL_LAYER), its digest and diffID checked,
-  so its files (a kernel, an initrd, whiteouts) can be used at once.
+  so its files (a kernel, an initrd, whiteouts) can be used at once;
+- an artifact's file layer (diskkit.oci.artifact): uncompressed, the blob is the file, its data at
+  offset 0 and nothing to read here; compressed, it cannot be read at offsets.
 
 Only the disk's own layer may be read without its digest checked first: its chunks are checked
 against the TOC as they arrive and the blob digest once it is complete. Every other layer decides
@@ -25,7 +27,8 @@ from typing import Callable, Protocol
 
 from diskkit.errors import DiskkitError
 from diskkit.layers import lazytoc
-from diskkit.layers.imagefs import Tree, add_member, clean_member_name
+from diskkit.layers.imagefs import Tree, add_file, add_member, clean_member_name
+from diskkit.oci import artifact
 from diskkit.oci.image import Descriptor, Image
 from diskkit.oci.mediatypes import layer_compression
 from diskkit.streams.compression import decompressing_reader
@@ -181,11 +184,16 @@ class Walked:
 
 def walk(image: Image, ranges_for: Callable[[Descriptor], Ranges], shown: str) -> Walked:
     """Every layer's headers applied in order, as imagefs.walk builds the tree from whole layers."""
-    if len(image.diff_ids) != len(image.layers):
+    manifest, config_media = image.manifest, image.config_descriptor.media_type
+    if len(image.diff_ids) != len(image.layers) and not artifact.is_artifact(manifest, config_media):
         raise DiskkitError(shown, f"config lists {len(image.diff_ids)} diff_ids for {len(image.layers)} layers")
     walked = Walked(Tree())
     count = 0
     for index, layer in enumerate(image.layers):
+        as_file = artifact.file_layer(manifest, config_media, layer.media_type, layer.annotations)
+        if as_file is not None:
+            _file_layer(walked, index, layer, as_file, shown)
+            continue
         fileobj = _reader(walked, index, layer, image.diff_ids[index], ranges_for(layer), shown, len(image.layers) == 1)
         try:
             with tarfile.open(fileobj=fileobj, mode="r:", errorlevel=2) as tar:
@@ -200,6 +208,20 @@ def walk(image: Image, ranges_for: Callable[[Descriptor], Ranges], shown: str) -
         except tarfile.TarError as exc:
             raise DiskkitError(shown, f"layer {index} ({layer.digest[:19]}) is not a valid tar: {exc}") from None
     return walked
+
+
+def _file_layer(walked: Walked, index: int, layer: Descriptor, as_file: artifact.FileLayer, shown: str) -> None:
+    """An artifact's file at its title, as imagefs applies it; checked by the blob digest once complete."""
+    path = clean_member_name(as_file.title) if as_file.title else None
+    if as_file.title and not path:
+        walked.tree.findings.append(f"layer {index}'s title {as_file.title!r} escapes the image root")
+    if not path:
+        return
+    if as_file.compression != "none":
+        raise NotSeekable(shown, f"its file layer /{path} is {as_file.compression}-compressed; build it with --artifact --compression none")
+    add_file(walked.tree, index, path, layer.size)
+    walked.data_at[(index, path)] = (0, layer.size)
+    walked.ranged.add(index)
 
 
 def _reader(walked: Walked, index: int, layer: Descriptor, diff_id: str, ranges: Ranges, shown: str, alone: bool) -> io.RawIOBase:

@@ -10,6 +10,7 @@ from functools import cached_property
 from diskkit.disk.containerdisk import locate
 from diskkit.errors import DiskkitError
 from diskkit.layers import lazytoc
+from diskkit.oci import artifact
 from diskkit.oci.image import Image
 from diskkit.oci.mediatypes import layer_compression
 from launcher.diskserver import imagewalk
@@ -107,7 +108,7 @@ def find_layout(image: Image, ranges_for, registry_host: str, repository: str, p
     would refuse too, with its words."""
     if not image.layers:
         raise NotSeekable(shown, "has no layers")
-    if not any(_lazy_capable(layer) for layer in image.layers):
+    if not any(_lazy_capable(image, layer) for layer in image.layers):
         kinds = sorted({layer_compression(layer.media_type) or layer.media_type for layer in image.layers})
         raise NotSeekable(shown, f"its layer{'s are' if len(image.layers) > 1 else ' is'} {'/'.join(kinds)}-compressed; build it with --lazy or --compression none")
     walked = imagewalk.walk(image, ranges_for, shown)
@@ -154,8 +155,12 @@ def find_layout(image: Image, ranges_for, registry_host: str, repository: str, p
     return Found(layout, head, tail)
 
 
-def _lazy_capable(layer) -> bool:
-    """A layer whose disk could be read at offsets: lazy gzip (a TOC) or uncompressed."""
+def _lazy_capable(image: Image, layer) -> bool:
+    """A layer whose disk could be read at offsets: lazy gzip (a TOC) or uncompressed (a tar, or an
+    artifact's file layer, whose blob is the file)."""
+    as_file = artifact.file_layer(image.manifest, image.config_descriptor.media_type, layer.media_type, layer.annotations)
+    if as_file is not None:
+        return as_file.compression == "none"
     kind = layer_compression(layer.media_type)
     return kind == "none" or (kind == "gzip" and lazytoc.ANNOTATION_TOC_DIGEST in (layer.annotations or {}))
 

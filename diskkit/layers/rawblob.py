@@ -1,0 +1,85 @@
+"""Write one file as a blob of its own (an OCI artifact's layer: no tar), in one streaming pass.
+
+The same three stages as layer.write_layer on two cores: read + hash of the plain bytes | compress |
+hash of the blob + write, joined by bounded queues, so memory stays flat whatever the disk size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import queue
+import threading
+from pathlib import Path
+from typing import Callable
+
+from diskkit.errors import DiskkitError
+from diskkit.layers.layer import CHUNK, QUEUE_DEPTH, BlobSink, BlobWriter, LayerResult
+from diskkit.streams.compression import compressor
+
+
+def _produce(source: Path, size: int, out: queue.Queue, plain: "hashlib._Hash", stop: threading.Event) -> None:
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                out.put(item, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    try:
+        copied = 0
+        with open(source, "rb") as src:
+            os.posix_fadvise(src.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            while True:
+                buf = bytearray(CHUNK)
+                n = src.readinto(buf)
+                if not n:
+                    break
+                copied += n
+                if copied > size:
+                    break
+                view = memoryview(buf)[:n]
+                plain.update(view)
+                if not put(view):
+                    return
+        if copied != size:
+            raise DiskkitError(source, f"changed while being read ({size} bytes expected, {copied} read)")
+        put(None)
+    except BaseException as exc:  # handed to the consumer, which re-raises it in the caller's thread
+        put(exc)
+
+
+def write_blob(source: Path, sink: BlobSink, compression: str, level: int | None = None,
+               advance: Callable[[int], None] | None = None) -> LayerResult:
+    """`source`'s bytes, compressed as asked, into `sink`; `diff_id` is the digest of the plain bytes."""
+    comp = compressor(compression, level)
+    size = source.stat().st_size
+    plain = hashlib.sha256()
+    chunks: queue.Queue = queue.Queue(QUEUE_DEPTH)
+    stop = threading.Event()
+    reader = threading.Thread(target=_produce, args=(source, size, chunks, plain, stop), daemon=True)
+    writer = BlobWriter(sink, hashed=compression != "none")
+    reader.start()
+    writer.start()
+    try:
+        while True:
+            item = chunks.get()
+            if item is None:
+                break
+            if isinstance(item, BaseException):
+                raise item
+            writer.put(comp.compress(item))
+            if advance:
+                advance(len(item))
+        writer.put(comp.flush())
+    finally:
+        stop.set()
+        reader.join()
+        writer.queue.put(None)
+        writer.join()
+    if writer.error is not None:
+        raise writer.error
+    blob = writer.hash or plain
+    return LayerResult("sha256:" + blob.hexdigest(), writer.size, "sha256:" + plain.hexdigest(), compression)
