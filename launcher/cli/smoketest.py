@@ -29,7 +29,8 @@ from diskkit.cli.shell import registry_options
 from diskkit.errors import DiskkitError
 from diskkit.registry.options import RegistryOptions
 from launcher.cli.options import cache_option, node_cache, say, trust_options
-from launcher.cli.ssh import Target, launcher_argv, ssh_command
+from launcher.cli.ssh import Target, ssh_command
+from launcher.node.selfexec import launcher_argv
 
 # Exit statuses, distinct so CI can tell a broken image from a broken command.
 PASSED, COMMAND_FAILED, NOT_BOOTED, NO_SSH = 0, 1, 3, 4

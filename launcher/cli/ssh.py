@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import click
 
 from diskkit.errors import DiskkitError
+from launcher.node.selfexec import launcher_argv
 
 # pkg/virtctl/portforward/portforward.go normalizeKind: both name the VM the launcher runs as its VMI.
 KINDS = {"vm": ("vm", "vms", "virtualmachine", "virtualmachines"),
@@ -95,10 +96,6 @@ def ssh_command(target: Target, port: int, launcher: list[str], *, identity: str
     login = target.user or user
     args.append(f"{login}@{target.host}" if login else target.host)
     return args + list(command)
-
-
-def launcher_argv() -> list[str]:
-    return [sys.executable, "-m", "launcher"]
 
 
 @click.command("ssh", epilog="""\b
