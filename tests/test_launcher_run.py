@@ -123,7 +123,7 @@ def test_sigterm_presses_the_power_button_and_waits_the_vmis_grace_period(qemu_u
 def test_wait_for_text_that_never_comes_times_out_and_cleans_up(qemu_user, guest_image):
     vmi = qemu_user.write_vmi("never", guest_image, serial="hold-120")
     result = qemu_user.launcher("run", NOREG, "--wait-for", "login:", "--timeout", "25", vmi)
-    assert result.code == 1
+    assert result.code == 4  # Exit.TIMEOUT
     assert "'login:' did not appear on the console after 25 s; the domain was destroyed" in result.err
     assert_clean(qemu_user, "default_never")
 

@@ -14,7 +14,7 @@ from diskkit.cli.shell import registry_options, run_main
 from diskkit.cli.standalone import standalone_sign, standalone_verify
 from diskkit.cli.tagcmds import TAG_COMMANDS
 from diskkit.cli.trustflags import signature_options
-from diskkit.errors import DiskkitError
+from diskkit.errors import DiskkitError, Exit
 from diskkit.oci.image import Platform
 from diskkit.oci.reference import parse_ref
 from diskkit.ops.build import (
@@ -362,11 +362,11 @@ Examples:
 @click.argument("ref")
 @click.option("--path", "image_path", metavar="/DIR/NAME", help="The containerDisk.path the VMI will use (default: the one file in /disk).")
 @click.option("--platform", help="OS/ARCH to pick from a multi-platform index (default: this host's).")
-@click.option("--key", "keys", multiple=True, type=click.Path(dir_okay=False, path_type=Path), metavar="FILE", help="Also report whether the image is signed by this sigstore public key (repeatable); none of them: exit 1.")
+@click.option("--key", "keys", multiple=True, type=click.Path(dir_okay=False, path_type=Path), metavar="FILE", help="Also report whether the image is signed by this sigstore public key (repeatable); none of them: exit 8.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @registry_options
 def verify_cmd(ref: str, image_path: str | None, platform: str | None, keys: tuple[Path, ...], as_json: bool, registry: RegistryOptions) -> None:
-    """Check an image (ours or anyone's) the way KubeVirt consumes it; exit 1 listing every violation.
+    """Check an image (ours or anyone's) the way KubeVirt consumes it; exit 8 listing every violation.
 
     Checks every blob digest and diffID, finds the disk as KubeVirt does (exactly one entry in
     /disk, or --path resolved inside the image), that UID 107 can read it, and that it is raw or
@@ -384,7 +384,7 @@ def verify_cmd(ref: str, image_path: str | None, platform: str | None, keys: tup
     else:
         for problem in report.problems:
             click.echo(f"{ref}: {problem}", err=True)
-    sys.exit(0 if report.ok else 1)
+    sys.exit(report.exit_code)
 
 
 def _signature_report(ref: str, keys: tuple[Path, ...], registry: RegistryOptions, problems: list[str]) -> dict:

@@ -265,13 +265,13 @@ def status(name, cache_dir) -> None:
     Made for a pod's exec readiness and liveness probes: the answer comes from libvirt, so a
     launcher that is alive with a dead guest is reported as not running.
     """
-    from diskkit.errors import DiskkitError
+    from diskkit.errors import NotFound
     from launcher.runtime.vms import find_record, state
 
     cache = node_cache(cache_dir)
     record = find_record(cache, name)
     if record is None:
-        raise DiskkitError(name, "no VM of this name was started from this cache (yet)")
+        raise NotFound(name, "no VM of this name was started from this cache (yet)")
     now = state(record, cache)
     click.echo(now)
     if now != "running":
