@@ -236,20 +236,28 @@ Examples:
   launcher stop default/testvm other/vm2
 """)
 @click.argument("names", nargs=-1, required=True, metavar="NAME...")
+@click.option("--json", "as_json", is_flag=True, help='Print {"vms": [{"name", "stopped", "domain", "message"}]}.')
 @cache_option
-def stop(names, cache_dir) -> None:
+def stop(names, as_json, cache_dir) -> None:
     """Destroy VMs started by `launcher run` and remove their overlays (NAME, NAMESPACE/NAME or domain name).
 
     A VM that is not running (stopped already, or never started from this cache) is said so, and
-    is no error.
+    is no error: exit 0, so a cleanup step can always run.
     """
     from launcher.runtime.vms import stop as do_stop
 
     cache = node_cache(cache_dir)
+    done = []
     for name in names:
-        stopped = do_stop(cache, name)
-        # KubeVirt's words: "VM is not running" (its stop subresource's conflict), "VM NAME was scheduled to stop" (virtctl).
-        click.echo(f"VM {name} was stopped" if stopped else f"VM {name} is not running")
+        domain = do_stop(cache, name)
+        # KubeVirt's words: "VM is not running" (its stop subresource's conflict, pkg/virt-api/rest/lifecycle.go),
+        # "VM NAME was scheduled to stop" (virtctl, pkg/virtctl/vm/stop.go).
+        message = f"VM {name} was stopped" if domain else f"VM {name} is not running"
+        done.append({"name": name, "stopped": bool(domain), "domain": domain, "message": message})
+        if not as_json:
+            click.echo(message)
+    if as_json:
+        click.echo(json.dumps({"vms": done}, indent=2))
 
 
 @cli.command(epilog="""\b
