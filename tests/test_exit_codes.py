@@ -102,3 +102,43 @@ def test_launcher_not_found_and_stop_of_a_stopped_vm(tmp_path):
     stopped = run_launcher("stop", "--json", "--cache-dir", cache, "nosuchvm")
     assert stopped.code == 0, stopped.err
     assert json.loads(stopped.out) == {"vms": [{"name": "nosuchvm", "stopped": False, "domain": None, "message": "VM nosuchvm is not running"}]}
+
+
+# Their stdout is the guest's own stream (a console, a log, an ssh session, a forwarded connection):
+# no JSON can wrap it. Their failures still exit with the table's statuses.
+STREAMS = {"launcher console", "launcher logs", "launcher ssh", "launcher port-forward"}
+
+
+def test_every_command_of_both_clis_takes_json():
+    import click
+
+    from diskkit.cli.commands import cli as diskkit_cli
+    from launcher.cli.commands import cli as launcher_cli
+
+    def commands(group, prefix):
+        for name, command in group.commands.items():
+            if isinstance(command, click.Group):
+                yield from commands(command, f"{prefix} {name}")
+            else:
+                yield f"{prefix} {name}", command
+
+    without = {name for group, prog in ((diskkit_cli, "diskkit"), (launcher_cli, "launcher")) for name, command in commands(group, prog)
+               if not any("--json" in p.opts for p in command.params if isinstance(p, click.Option))}
+    assert without == STREAMS
+
+
+def test_json_of_the_local_commands(tmp_path, qcow2):
+    converted = run_diskkit("convert", "--json", "-O", "raw", qcow2, tmp_path / "d.img")
+    assert converted.code == 0, converted.err
+    assert json.loads(converted.out) == {"source": str(qcow2), "destination": str(tmp_path / "d.img"), "format": "raw", "inputFormat": "qcow2"}
+    (tmp_path / "pass").write_text("secret\n")
+    keys = run_diskkit("generate-sigstore-key", "--json", "--output-prefix", tmp_path / "ci", "--passphrase-file", tmp_path / "pass")
+    assert keys.code == 0 and json.loads(keys.out) == {"privateKey": f"{tmp_path}/ci.private", "publicKey": f"{tmp_path}/ci.pub"}, keys.err
+    again = run_diskkit("generate-sigstore-key", "--json", "--output-prefix", tmp_path / "ci", "--passphrase-file", tmp_path / "pass")
+    assert again.code == Exit.FAILED and "refusing to overwrite" in error_of(again)["message"]
+    token = run_launcher("dv", "token", "--json", "--cache-dir", tmp_path / "cache", "vms/root")
+    assert token.code == 0, token.err
+    out = json.loads(token.out)
+    assert (out["namespace"], out["name"]) == ("vms", "root") and out["token"]
+    missing = run_launcher("status", "--json", "--cache-dir", tmp_path / "cache", "nosuchvm")
+    assert missing.code == Exit.NOT_FOUND and error_of(missing)["kind"] == "not_found"

@@ -70,7 +70,8 @@ Examples:
 @click.argument("dest", type=click.Path(path_type=Path, readable=False))
 @click.option("-O", "out_format", type=click.Choice(["qcow2", "raw"]), default="qcow2", show_default=True, help="Output format.")
 @click.option("-c", "compress", is_flag=True, help="Compress qcow2 clusters (smaller, slower to read).")
-def convert(src: Path, dest: Path, out_format: str, compress: bool) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the destination's path.")
+def convert(src: Path, dest: Path, out_format: str, compress: bool, as_json: bool) -> None:
     """Convert a raw, qcow2, vmdk, vdi, vpc or vhdx disk to qcow2 or raw with qemu-img.
 
     A disk compressed with xz, gzip, zstd or bzip2, or alone in a tar archive, is unwrapped first.
@@ -105,7 +106,7 @@ def convert(src: Path, dest: Path, out_format: str, compress: bool) -> None:
         raise
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    click.echo(str(dest))
+    click.echo(json.dumps({"source": str(src), "destination": str(dest), "format": out_format, "inputFormat": info.format}, indent=2) if as_json else str(dest))
 
 
 @cli.command(
@@ -262,7 +263,8 @@ Examples:
 """)
 @click.option("--output-prefix", required=True, metavar="PREFIX", help="Write PREFIX.private and PREFIX.pub.")
 @click.option("--passphrase-file", type=click.Path(dir_okay=False, path_type=Path), help="Read the passphrase from this file (else it is asked on the terminal).")
-def generate_key_cmd(output_prefix: str, passphrase_file: Path | None) -> None:
+@click.option("--json", "as_json", is_flag=True, help='Print {"privateKey": ..., "publicKey": ...}.')
+def generate_key_cmd(output_prefix: str, passphrase_file: Path | None, as_json: bool) -> None:
     """Generate a sigstore key pair for --sign-by-sigstore-private-key, as `skopeo generate-sigstore-key`.
 
     PREFIX.private is the passphrase-encrypted ECDSA P-256 key (cosign's format); PREFIX.pub is the
@@ -275,7 +277,7 @@ def generate_key_cmd(output_prefix: str, passphrase_file: Path | None) -> None:
         if path.exists():
             raise DiskkitError(path, "refusing to overwrite an existing file")
     write_key_files(private_path, public_path, read_passphrase(passphrase_file, "Passphrase for the new key: ", confirm=True))
-    click.echo(f"Key written to {private_path} and {public_path}")
+    click.echo(json.dumps({"privateKey": str(private_path), "publicKey": str(public_path)}, indent=2) if as_json else f"Key written to {private_path} and {public_path}")
 
 
 @cli.command("inspect", epilog="""\b
