@@ -6,18 +6,33 @@ import enum
 
 class Exit(enum.IntEnum):
     """Exit statuses of every diskkit and launcher command. With --json a failure also prints
-    {"error": {...}} naming its kind (the lower-case name below) on stdout."""
+    {"error": {...}} on stdout, its "kind" the lower-case name below."""
 
     OK = 0
-    FAILED = 1  # anything not below; `inspect` found problems; `launcher test`: the command failed in the guest
-    USAGE = 2  # a bad option or argument (click's own status), an option given twice
-    GUEST_FAILED = 3  # the VM did not boot, or stopped before what was waited for (launcher run, launcher test)
-    TIMEOUT = 4  # --timeout passed (launcher run; launcher test: no ssh login in time)
-    NOT_FOUND = 5  # no such repository, tag, manifest or blob (HTTP 404), or VM
-    AUTH = 6  # the registry or its token service refused the credentials (HTTP 401, 403)
-    UNAVAILABLE = 7  # the registry cannot be reached, or answered 5xx, 429 or 408 after every retry: try again later
-    VERIFY_FAILED = 8  # `verify` found problems; a signature the policy requires is missing or wrong
-    INTERRUPTED = 130  # Ctrl-C or SIGTERM; everything begun was undone
+    FAILED = 1
+    USAGE = 2
+    GUEST_FAILED = 3
+    TIMEOUT = 4
+    NOT_FOUND = 5
+    AUTH = 6
+    UNAVAILABLE = 7
+    VERIFY_FAILED = 8
+    INTERRUPTED = 130
+
+
+# What each status means, for scripts and for the generated CLI reference.
+EXIT_MEANINGS = {
+    Exit.OK: "done (also: `launcher stop` of a VM that is not running, `delete --ignore-missing` of a missing tag, `build --skip-if-label` with nothing to do)",
+    Exit.FAILED: "any other failure; `inspect` listed problems; `launcher status`: the VM is not running; `launcher test`: the command failed in the guest",
+    Exit.USAGE: "a bad option or argument, or an option that takes one value given twice",
+    Exit.GUEST_FAILED: "the VM did not boot, or stopped before what was waited for (`launcher run --wait-for`, `launcher test`)",
+    Exit.TIMEOUT: "`--timeout` passed (`launcher run`; `launcher test`: no ssh login in time)",
+    Exit.NOT_FOUND: "no such repository, tag, manifest or blob (HTTP 404; `registryCode` NAME_UNKNOWN or MANIFEST_UNKNOWN), image in a layout, or VM",
+    Exit.AUTH: "the registry or its token service refused the credentials (HTTP 401 or 403)",
+    Exit.UNAVAILABLE: "the registry could not be reached, or answered 5xx, 429 or 408 after every retry: `retryable`, try again later",
+    Exit.VERIFY_FAILED: "`verify` found problems, an image failed the signature policy, or a signature does not verify",
+    Exit.INTERRUPTED: "Ctrl-C or SIGTERM; what was begun was undone",
+}
 
 
 class DiskkitError(Exception):

@@ -9,7 +9,7 @@ import json
 import socket
 import uuid
 
-from diskkit.errors import Exit
+from diskkit.errors import EXIT_MEANINGS, Exit
 from launcher.cli import smoketest
 from tests.conftest import run_diskkit, run_launcher
 from tests.faultproxy import Fault
@@ -36,6 +36,7 @@ def test_the_table_is_the_one_launcher_test_uses():
     assert (smoketest.PASSED, smoketest.COMMAND_FAILED, smoketest.NOT_BOOTED, smoketest.NO_SSH) == (
         Exit.OK, Exit.FAILED, Exit.GUEST_FAILED, Exit.TIMEOUT) == (0, 1, 3, 4)
     assert len(set(Exit)) == len(Exit.__members__)  # no two names share a status
+    assert set(EXIT_MEANINGS) == set(Exit)  # each one documented
 
 
 def test_no_registry_listening_is_unavailable_and_retryable():

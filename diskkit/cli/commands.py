@@ -10,7 +10,7 @@ import click
 
 from diskkit import __version__
 from diskkit.cli.shell import platform as platform_of
-from diskkit.cli.shell import registry_options, run_main
+from diskkit.cli.shell import EXIT_EPILOG, registry_options, run_main
 from diskkit.cli.standalone import standalone_sign, standalone_verify
 from diskkit.cli.tagcmds import TAG_COMMANDS
 from diskkit.cli.trustflags import signature_options
@@ -46,7 +46,7 @@ def _pairs(values: tuple[str, ...], flag: str) -> dict[str, str]:
     return out
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100}, epilog=EXIT_EPILOG)
 @click.version_option(__version__, prog_name="diskkit")
 def cli() -> None:
     """Package VM disks as OCI images that KubeVirt boots as containerDisks. No container engine needed.

@@ -112,6 +112,10 @@ _REPEAT_HINTS = {
 }
 
 
+EXIT_EPILOG = "\b\nExit statuses (both commands; --json failures print {\"error\": {...}}):\n  " + ", ".join(
+    f"{int(code)} {code.name.lower()}" for code in Exit) + "."
+
+
 def wants_json(args: list[str]) -> bool:
     """Whether the command line asks for JSON output (a --json before any `--`)."""
     return "--json" in (args[: args.index("--")] if "--" in args else args)

@@ -10,7 +10,7 @@ import click
 
 from diskkit import __version__
 from diskkit.cli.shell import platform as platform_of
-from diskkit.cli.shell import registry_options, run_main
+from diskkit.cli.shell import EXIT_EPILOG, registry_options, run_main
 from diskkit.registry.options import RegistryOptions
 from launcher.cli.consoles import console, logs
 from launcher.cli.dv import dv
@@ -21,7 +21,7 @@ from launcher.cli.portforward import port_forward
 from launcher.node.cache import Cache, tree_size
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100}, epilog=EXIT_EPILOG)
 @click.version_option(__version__, prog_name="launcher")
 def cli() -> None:
     """Boot KubeVirt-style VMs from containerDisk images, locally or as a pod's sidecar.
