@@ -50,7 +50,6 @@ class DiskkitError(Exception):
         # One line, always: multi-line tool output would hide the rule.
         return " ".join(text.split())
 
-
     def to_json(self) -> dict:
         """What a --json failure prints: the message, its kind and status, and whether trying the same
         command again later may succeed."""

@@ -14,7 +14,7 @@ from diskkit.cli.shell import EXIT_EPILOG, registry_options, run_main
 from diskkit.cli.standalone import standalone_sign, standalone_verify
 from diskkit.cli.tagcmds import TAG_COMMANDS
 from diskkit.cli.trustflags import signature_options
-from diskkit.errors import DiskkitError, Exit
+from diskkit.errors import DiskkitError
 from diskkit.oci.image import Platform
 from diskkit.oci.reference import parse_ref
 from diskkit.ops.build import (

@@ -130,7 +130,10 @@ def _fail(prog: str, as_json: bool, line: str, error: dict) -> None:
 
 
 def _plain_error(message: str, code: int) -> dict:
-    kind = Exit(code).name.lower() if code in Exit._value2member_map_ else "failed"
+    try:
+        kind = Exit(code).name.lower()
+    except ValueError:
+        kind = "failed"
     return {"message": message, "kind": kind, "exitCode": code, "retryable": False}
 
 
