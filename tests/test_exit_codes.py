@@ -66,6 +66,17 @@ def test_a_missing_repository_and_a_missing_tag_are_not_found_with_the_registry_
     assert gone.code == Exit.NOT_FOUND and error_of(gone)["registryCode"] == "NAME_UNKNOWN"
 
 
+def test_missing_from_every_mirror_and_the_registry_is_not_found(registry, tmp_path):
+    h = registry.host
+    conf = tmp_path / "registries.conf"
+    conf.write_text(f'[[registry]]\nprefix = "{h}/alias"\nlocation = "{h}/primary"\ninsecure = true\n'
+                    f'[[registry.mirror]]\nlocation = "{h}/mirror-{uuid.uuid4().hex[:8]}"\ninsecure = true\n')
+    result = run_diskkit("inspect", "--json", f"{h}/alias/x:v1", env={"CONTAINERS_REGISTRIES_CONF": str(conf), "HOME": str(tmp_path)})
+    assert result.code == Exit.NOT_FOUND, result.err
+    error = error_of(result)
+    assert error["httpStatus"] == 404 and "no pull source has it" in error["message"], error
+
+
 def test_refused_credentials_are_auth_failures(auth_registry):
     result = run_diskkit("inspect", "--json", INSECURE, f"{auth_registry.host}/private/img:v1",
                          env={"REGISTRY_AUTH_FILE": "/dev/null/none", "HOME": "/nonexistent"})

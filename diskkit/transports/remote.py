@@ -12,7 +12,7 @@ from typing import BinaryIO, Iterator
 
 import urllib3
 
-from diskkit.errors import AuthError, DiskkitError, RegistryError, ResumeFailed, UploadLost
+from diskkit.errors import AuthError, DiskkitError, Exit, RegistryError, ResumeFailed, UploadLost
 from diskkit.oci import mediatypes as mt
 from diskkit.oci.image import Descriptor, sha256_digest
 from diskkit.oci.reference import DockerName, ImageRef
@@ -127,7 +127,7 @@ class RemoteSource(Source):
         return data, (response.headers.get("Content-Type") or "").split(";")[0] or None
 
     def top_manifest(self):
-        failures = []
+        failures, statuses = [], set()
         for requested, source in self.sources:
             self._use(requested, source)
             try:
@@ -137,8 +137,11 @@ class RemoteSource(Source):
                 if len(self.sources) == 1:
                     raise
                 failures.append(f"{source.name}: {exc.rule}")
+                statuses.add(exc.exit_code)
         else:
-            raise RegistryError(self.where, "no pull source has it (" + "; ".join(failures) + ")")
+            # Not found everywhere is not found; any other mix stays a plain failure.
+            status = 404 if statuses == {Exit.NOT_FOUND} else None
+            raise RegistryError(self.where, "no pull source has it (" + "; ".join(failures) + ")", status=status)
         desc = None
         if self.name.digest:
             desc = Descriptor(media or mt.OCI_MANIFEST, self.name.digest, len(data))
