@@ -120,7 +120,7 @@ Examples:
   diskkit promote --dest-creds me:pw --json ci.local/fedora@sha256:4f5e... quay.io/me/fedora --tags 40 --tags latest
 """)
 @click.argument("source", metavar="REPOSITORY@DIGEST")
-@click.argument("dest", metavar="REPOSITORY")
+@click.argument("dest", metavar="DEST")
 @click.option("--tags", "tag_values", multiple=True, required=True, metavar="TAG[,TAG...]", help="The tags DEST gets (comma-separated, or --tags repeated); the first one is pushed with the image.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object; events as JSON lines on stderr.")
 @click.option("--src-tls-verify", type=click.BOOL, metavar="BOOL", help="--tls-verify for the source registry only.")
@@ -130,7 +130,7 @@ Examples:
 @registry_options
 @signature_options(sign=False)
 def promote_cmd(source, dest, tag_values, as_json, src_tls_verify, dest_tls_verify, src_creds, dest_creds, registry: RegistryOptions, trust) -> None:
-    """Publish a tested digest: copy REPOSITORY@DIGEST to DEST under every --tags tag and check them.
+    """Publish a tested digest: copy REPOSITORY@DIGEST to repository DEST under every --tags tag, checked.
 
     An index is copied whole, every platform's image with it (never narrowed to this host's);
     blobs DEST already has are skipped, blobs in another repository of the same registry mounted.
