@@ -55,7 +55,20 @@ def cli_page() -> str:
             if " " in path:
                 out.append(f"\n### `{path}`\n")
             out.append(f"\n```text\n{text.rstrip()}\n```\n")
+    out.append(exit_table())
     return "".join(out)
+
+
+def exit_table() -> str:
+    from diskkit.errors import EXIT_MEANINGS
+
+    rows = ["\n## Exit statuses (both commands)\n",
+            "With `--json`, a failure prints one object on stdout, besides its one line on stderr:",
+            '`{"error": {"message", "kind", "exitCode", "retryable"}}`, with `"httpStatus"` and `"registryCode"`',
+            "(the distribution API's error code) when a registry answered.\n",
+            "| status | kind | meaning |", "|---|---|---|"]
+    rows += [f"| {int(code)} | `{code.name.lower()}` | {meaning} |" for code, meaning in EXIT_MEANINGS.items()]
+    return "\n".join(rows) + "\n"
 
 
 def _fields(shape, prefix: str):

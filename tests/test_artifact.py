@@ -202,7 +202,7 @@ def test_kubevirts_rules_for_which_file_is_the_disk(tmp_path, disk):
     # A title leading out of the volume is refused, never followed.
     escaping = oras_layout(tmp_path / "esc", [("../fedora.img", data, "application/vnd.kubevirt.disk.raw")])
     bad = run_diskkit("verify", f"oci:{escaping}:t")
-    assert bad.code == 1 and "title '../fedora.img' escapes the image root" in bad.err
+    assert bad.code == 8 and "title '../fedora.img' escapes the image root" in bad.err
     # A corrupt blob fails its digest as it streams; nothing lands in the cache.
     corrupt = oras_layout(tmp_path / "corrupt", [("fedora.img", data, "application/vnd.kubevirt.disk.raw")])
     manifest, _ = top_manifest(corrupt, "t")

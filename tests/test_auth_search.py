@@ -28,7 +28,7 @@ def test_run_containers_uid_auth_json_is_read_without_xdg_runtime_dir(diskkit, a
         os.chown(home, QEMU_UID, -1)
         env = {"HOME": str(home), "XDG_RUNTIME_DIR": "", "REGISTRY_AUTH_FILE": ""}
         denied = diskkit("inspect", "--raw", INSECURE, target, user=str(QEMU_UID), env=env)
-        assert denied.code == 1
+        assert denied.code == 6  # Exit.AUTH
         assert denied.err.strip().endswith("give credentials with --creds USER:PASS, --authfile FILE or $REGISTRY_AUTH_FILE, or log in with `skopeo login` / `podman login` (read from their auth.json)"), denied.err
         base.mkdir(mode=0o755, exist_ok=True)
         per_uid.mkdir(mode=0o700)

@@ -137,7 +137,7 @@ def test_custom_path_and_kernel_boot_artifacts(diskkit, qcow2, tmp_path):
     assert diskkit("verify", "--path", "/images/root/vm.qcow2", f"oci:{layout}:kb").code == 0
     # Without --path KubeVirt would look in /disk, and so does verify.
     missing = diskkit("verify", f"oci:{layout}:kb")
-    assert missing.code == 1 and "failed to check /disk for disks" in missing.err
+    assert missing.code == 8 and "failed to check /disk for disks" in missing.err
 
 
 def test_config_labels_env_annotations_and_json(diskkit, qcow2, tmp_path):

@@ -246,7 +246,7 @@ def test_registry_imports_plain_and_with_credentials_from_a_secret(claims, regis
         with open(image, "rb") as f:
             assert f.read(MIB) == b"\xab" * MIB
     denied = claims.run("import", NOREG, "denied")
-    assert denied.code == 1 and "DataVolume default/denied" in denied.err, denied.err
+    assert denied.code == 6 and "DataVolume default/denied" in denied.err, denied.err
     claims.assert_untouched("denied")
 
 

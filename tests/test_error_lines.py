@@ -80,7 +80,7 @@ def test_foreign_image_in_a_registry_is_described_without_none(registry, tmp_pat
 def test_verify_names_the_reference_once(images):
     ref = images["plain"].replace(":v1", ":nope")
     result = run_diskkit("verify", ref)
-    assert result.code == 1
+    assert result.code == 5  # Exit.NOT_FOUND
     line = result.err.strip()
     assert line.count(ref) == 1 and "no image tagged 'nope'" in line, line
 

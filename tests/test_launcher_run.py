@@ -120,10 +120,21 @@ def test_sigterm_presses_the_power_button_and_waits_the_vmis_grace_period(qemu_u
     assert_clean(qemu_user, "default_acpi")
 
 
+def test_a_guest_that_stops_before_the_text_is_a_failed_guest_in_json_too(qemu_user, guest_image):
+    # The test guest powers off once its checks are done: what --wait-for waits for never comes.
+    vmi = qemu_user.write_vmi("gone", guest_image)
+    result = qemu_user.launcher("run", NOREG, "--json", "--wait-for", "NEVER-PRINTED", "--timeout", "300", vmi)
+    assert result.code == 3, result.err  # Exit.GUEST_FAILED, not the 4 of a timeout
+    error = json.loads(result.out)["error"]
+    assert (error["kind"], error["retryable"]) == ("guest_failed", False), error
+    assert error["message"] == "default_gone: the guest stopped before 'NEVER-PRINTED' appeared on the console", error
+    assert_clean(qemu_user, "default_gone")
+
+
 def test_wait_for_text_that_never_comes_times_out_and_cleans_up(qemu_user, guest_image):
     vmi = qemu_user.write_vmi("never", guest_image, serial="hold-120")
     result = qemu_user.launcher("run", NOREG, "--wait-for", "login:", "--timeout", "25", vmi)
-    assert result.code == 1
+    assert result.code == 4  # Exit.TIMEOUT
     assert "'login:' did not appear on the console after 25 s; the domain was destroyed" in result.err
     assert_clean(qemu_user, "default_never")
 

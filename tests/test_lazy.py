@@ -158,7 +158,7 @@ def test_a_disk_uid_107_cannot_read_is_refused_as_pull_and_verify_refuse_it(tmp_
     assert run_diskkit("push", NOREG, f"oci:{layout}:t", ref).code == 0
     rule = "/disk/locked.img is not readable by UID 107 (owner 0:0, mode 0600)"
     verified = run_diskkit("verify", NOREG, ref)
-    assert verified.code == 1 and rule in verified.err
+    assert verified.code == 8 and rule in verified.err
     pulled = run_launcher("pull", "--cache-dir", tmp_path / "pulled", NOREG, ref)
     assert pulled.code != 0 and rule in pulled.err
     cache = tmp_path / "cache"

@@ -195,7 +195,7 @@ def test_run_timeout_holds_while_the_registry_keeps_it_preparing(registry, fault
     proxy.add(Fault("GET", r"/manifests/", "stall", times=1, arg=45))
     vmi = qemu_user.write_vmi("stuck-prep", guest_image.replace(registry.host, proxy.host))
     result = qemu_user.launcher("run", NOREG, "--no-lazy", "--timeout", "8", vmi)
-    assert result.code != 0
+    assert result.code == 4  # Exit.TIMEOUT
     assert result.err.strip() == ("launcher: default_stuck-prep: not started within --timeout 8 s (pulling, serving or starting it); "
                                   "nothing was left"), result.err
     assert not (qemu_user.cache / "run" / "default_stuck-prep").exists()

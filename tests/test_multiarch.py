@@ -288,7 +288,7 @@ def test_verify_all_platforms_finds_a_mislabelled_entry(diskkit, disks, tmp_path
     top["manifests"][0].update(digest=sha256_digest(data), size=len(data))
     (layout / "index.json").write_text(json.dumps(top))
     result = diskkit("verify", "--all-platforms", f"oci:{layout}:40")
-    assert result.code == 1
+    assert result.code == 8  # Exit.VERIFY_FAILED
     assert f"oci:{layout}:40 [linux/s390x]: the index lists sha256:" in result.err and "as linux/s390x, its config says linux/amd64" in result.err
     assert f"OK oci:{layout}:40 [linux/arm64]" in result.out
 

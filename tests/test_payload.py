@@ -136,7 +136,7 @@ def test_verify_flags_an_image_that_holds_no_disk(diskkit, qcow2, tmp_path, what
         data, rule = (tmp_path / "d.tar").read_bytes(), "is a tar archive, not a disk"
     layout = write_layout(tmp_path / "l", [[dir_("disk"), Member("disk/guest.img", data, mode=0o444)]])
     result = diskkit("verify", f"oci:{layout}:t")
-    assert result.code == 1
+    assert result.code == 8
     assert f"/disk/guest.img: {rule}" in result.err, result.err
     inspected = diskkit("inspect", f"oci:{layout}:t")
     assert inspected.code == 1 and f"Problem:      /disk/guest.img: {rule}" in inspected.out, inspected.out

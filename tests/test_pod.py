@@ -264,5 +264,5 @@ def test_the_image_runs_as_107_and_carries_its_bill_of_materials(podman):
 def test_the_probe_command_fails_without_a_running_vm(tmp_path):
     # Before the launcher has recorded its VM (the pull) and after it is gone, probes fail.
     result = run_launcher("status", "testguest", "--cache-dir", tmp_path)
-    assert result.code == 1
+    assert result.code == 5  # Exit.NOT_FOUND; a probe only asks for non-zero
     assert result.err.strip() == "launcher: testguest: no VM of this name was started from this cache (yet)"

@@ -46,10 +46,10 @@ def test_image_pull_secret_from_manifests_is_used_for_that_image(diskkit, auth_r
 
     (tmp_path / "none.json").write_text("{}")
     denied = domain(None, "c0")
-    assert denied.code == 1 and "HTTP 401" in denied.err, denied.err
+    assert denied.code == 6 and "HTTP 401" in denied.err, denied.err  # Exit.AUTH
     (manifests / "wrong.yaml").write_text(yaml.safe_dump(_secret("wrong", reg.host, reg.username, "not-it")))
     refused = domain("wrong", "c1")
-    assert refused.code == 1 and "denied for user" in refused.err, refused.err
+    assert refused.code == 6 and "denied for user" in refused.err, refused.err
     (manifests / "pull.yaml").write_text(yaml.safe_dump(_secret("pull", reg.host, reg.username, reg.password)))
     pulled = domain("pull", "c2")
     assert pulled.code == 0, pulled.err
@@ -57,6 +57,6 @@ def test_image_pull_secret_from_manifests_is_used_for_that_image(diskkit, auth_r
     (manifests / "legacy.yaml").write_text(yaml.safe_dump(_secret("legacy", reg.host, reg.username, reg.password, "kubernetes.io/dockercfg")))
     assert domain("legacy", "c3").code == 0
     missing = domain("absent-" + uuid.uuid4().hex[:6], "c4")  # the kubelet warns and pulls without it
-    assert missing.code == 1 and "HTTP 401" in missing.err, missing.err
+    assert missing.code == 6 and "HTTP 401" in missing.err, missing.err
     assert missing.err.startswith("launcher: spec.volumes[0].containerDisk.image: ")
     assert missing.err.strip().endswith("in namespace vms in --manifests; pulling with this node's credentials"), missing.err

@@ -85,10 +85,10 @@ def test_basic_auth_from_creds_and_auth_files(diskkit, auth_registry, qcow2, tmp
     tls = ["--cert-dir", str(reg.ca_dir)] if reg.tls else [INSECURE]
     target = f"{repo(reg)}:v1"
     denied = diskkit("build", qcow2, "-t", target, *tls)
-    assert denied.code == 1
+    assert denied.code == 6  # Exit.AUTH
     assert reg.host in denied.err and "denied" in denied.err
     wrong = diskkit("build", qcow2, "-t", target, *tls, "--creds", f"{reg.username}:not-{reg.password}")
-    assert wrong.code == 1 and reg.password not in wrong.err and "not-" not in wrong.err
+    assert wrong.code == 6 and reg.password not in wrong.err and "not-" not in wrong.err
     ok = diskkit("build", qcow2, "-t", target, *tls, "--creds", f"{reg.username}:{reg.password}")
     assert ok.code == 0, ok.err
     auth = reg.auth_file(tmp_path / "auth.json")
@@ -129,7 +129,7 @@ def test_token_auth_scopes_and_reuse(diskkit, token_registry, qcow2):
     reg = token_registry
     target = f"{repo(reg)}:v1"
     anonymous = diskkit("build", qcow2, "-t", target, INSECURE)
-    assert anonymous.code == 1 and "denied" in anonymous.err
+    assert anonymous.code == 6 and "denied" in anonymous.err
     before = len(reg.token_requests)
     ok = diskkit("build", qcow2, "-t", target, INSECURE, "--creds", f"{reg.username}:{reg.password}")
     assert ok.code == 0, ok.err
@@ -217,4 +217,4 @@ def test_delete(diskkit, registry, qcow2):
     result = diskkit("delete", INSECURE, f"docker://{target}")
     assert result.code == 0 and result.last_line == digest
     missing = diskkit("inspect", INSECURE, target)
-    assert missing.code == 1 and "not found" in missing.err
+    assert missing.code == 5 and "not found" in missing.err  # Exit.NOT_FOUND

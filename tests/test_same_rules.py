@@ -16,7 +16,7 @@ def test_root_owned_0600_disk_is_refused_by_both(tmp_path):
         subprocess.run(["umoci", *map(str, args)], check=True, capture_output=True)
     rule = "/disk/vm.qcow2 is not readable by UID 107 (owner 0:0, mode 0600)"
     verified = run_diskkit("verify", f"oci:{layout}:t")
-    assert verified.code == 1 and rule in verified.err
+    assert verified.code == 8 and rule in verified.err
     pulled = run_launcher("pull", "--cache-dir", tmp_path / "cache", f"oci:{layout}:t")
     assert pulled.code == 1 and rule in pulled.err, pulled.out + pulled.err
     assert not list((tmp_path / "cache").glob("disks/*/*"))

@@ -50,7 +50,7 @@ def test_a_destination_that_refuses_the_push_stops_the_build_before_any_tag(disk
     tls = ["--cert-dir", str(auth_registry.ca_dir)] if auth_registry.tls else []
     closed_target = f"{repo(auth_registry)}:v1"
     result = diskkit("build", qcow2, "-t", open_target, "-t", closed_target, INSECURE if not tls else "--tls-verify=true", *tls)
-    assert result.code == 1
+    assert result.code == 6  # Exit.AUTH
     assert auth_registry.host in result.err and len(result.err.strip().splitlines()) == 1
     assert _digest(open_target) is None  # nothing was written to the reachable one either
 

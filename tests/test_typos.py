@@ -62,10 +62,10 @@ def test_a_missing_repository_and_a_missing_tag_are_told_apart(diskkit, registry
     assert diskkit("build", qcow2, "-t", f"{target}:v1", INSECURE).code == 0
     tag = diskkit("inspect", INSECURE, f"{target}:v2")
     path = target.split("/", 1)[1]
-    assert tag.code == 1
+    assert tag.code == 5  # Exit.NOT_FOUND
     assert tag.err.strip().endswith(f"manifest v2 not found: repository {path} exists, tag v2 does not (MANIFEST_UNKNOWN)"), tag.err
     name = diskkit("inspect", INSECURE, f"{target}-typo:v1")
-    assert name.code == 1
+    assert name.code == 5
     assert name.err.strip().endswith(f"manifest v1 not found: repository {path}-typo does not exist (NAME_UNKNOWN); check the repository's name"), name.err
 
 
@@ -76,7 +76,7 @@ def test_a_pull_error_names_the_vmi_field_of_the_image(registry, tmp_path):
     path = tmp_path / "vmi.yaml"
     path.write_text(yaml.safe_dump(doc))
     result = run_launcher("domain", "--cache-dir", tmp_path / "cache", "--no-lazy", INSECURE, path)
-    assert result.code == 1
+    assert result.code == 5  # Exit.NOT_FOUND
     assert result.err.startswith("launcher: spec.volumes[0].containerDisk.image: docker://"), result.err
     assert "does not exist (NAME_UNKNOWN)" in result.err
     doc["spec"]["volumes"][0]["containerDisk"]["image"] = "dokcer://quay.io/x/y:1"

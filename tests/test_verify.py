@@ -29,7 +29,7 @@ def test_umoci_built_image_with_root_owned_0600_disk_is_flagged(diskkit, tmp_pat
     run("umoci", "new", "--image", f"{layout}:t")
     run("umoci", "insert", "--image", f"{layout}:t", staging, "/disk")
     result = verify(diskkit, layout)
-    assert result.code == 1
+    assert result.code == 8  # Exit.VERIFY_FAILED
     assert "/disk/vm.qcow2 is not readable by UID 107 (owner 0:0, mode 0600)" in result.err
 
 
@@ -73,7 +73,7 @@ def test_hostile_members_are_reported_and_never_followed(diskkit, tmp_path, disk
     ]]
     layout = write_layout(tmp_path / "hostile", layers)
     result = verify(diskkit, layout)
-    assert result.code == 1
+    assert result.code == 8
     assert "'../escape.txt' in layer 0 escapes the image root" in result.err
     assert "'/abs/evil.txt' in layer 0 escapes the image root" in result.err
     assert "a symlink points outside the image root" in result.err
@@ -114,7 +114,7 @@ def test_corrupted_layer_byte_fails_digest_check(diskkit, tmp_path, disk_bytes):
     data[len(data) // 2] ^= 0x01
     blob.write_bytes(bytes(data))
     result = verify(diskkit, layout)
-    assert result.code == 1
+    assert result.code == 8
     assert "does not match its digest" in result.err
 
 

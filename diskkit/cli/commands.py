@@ -10,12 +10,12 @@ import click
 
 from diskkit import __version__
 from diskkit.cli.shell import platform as platform_of
-from diskkit.cli.shell import registry_options, run_main
+from diskkit.cli.shell import EXIT_EPILOG, registry_options, run_main
 from diskkit.cli.indexcmds import index_group
 from diskkit.cli.standalone import standalone_sign, standalone_verify
 from diskkit.cli.tagcmds import TAG_COMMANDS
 from diskkit.cli.trustflags import signature_options
-from diskkit.errors import DiskkitError
+from diskkit.errors import DiskkitError, Exit
 from diskkit.oci.image import Platform
 from diskkit.oci.reference import parse_ref
 from diskkit.ops.build import (
@@ -38,7 +38,7 @@ def _given(name: str) -> bool:
     return click.get_current_context().get_parameter_source(name) is not click.core.ParameterSource.DEFAULT
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100}, epilog=EXIT_EPILOG)
 @click.version_option(__version__, prog_name="diskkit")
 def cli() -> None:
     """Package VM disks as OCI images that KubeVirt boots as containerDisks. No container engine needed.
@@ -62,7 +62,8 @@ Examples:
 @click.argument("dest", type=click.Path(path_type=Path, readable=False))
 @click.option("-O", "out_format", type=click.Choice(["qcow2", "raw"]), default="qcow2", show_default=True, help="Output format.")
 @click.option("-c", "compress", is_flag=True, help="Compress qcow2 clusters (smaller, slower to read).")
-def convert(src: Path, dest: Path, out_format: str, compress: bool) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the destination's path.")
+def convert(src: Path, dest: Path, out_format: str, compress: bool, as_json: bool) -> None:
     """Convert a raw, qcow2, vmdk, vdi, vpc or vhdx disk to qcow2 or raw with qemu-img.
 
     A disk compressed with xz, gzip, zstd or bzip2, or alone in a tar archive, is unwrapped first.
@@ -97,7 +98,7 @@ def convert(src: Path, dest: Path, out_format: str, compress: bool) -> None:
         raise
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    click.echo(str(dest))
+    click.echo(json.dumps({"source": str(src), "destination": str(dest), "format": out_format, "inputFormat": info.format}, indent=2) if as_json else str(dest))
 
 
 @cli.command(
@@ -260,7 +261,8 @@ Examples:
 """)
 @click.option("--output-prefix", required=True, metavar="PREFIX", help="Write PREFIX.private and PREFIX.pub.")
 @click.option("--passphrase-file", type=click.Path(dir_okay=False, path_type=Path), help="Read the passphrase from this file (else it is asked on the terminal).")
-def generate_key_cmd(output_prefix: str, passphrase_file: Path | None) -> None:
+@click.option("--json", "as_json", is_flag=True, help='Print {"privateKey": ..., "publicKey": ...}.')
+def generate_key_cmd(output_prefix: str, passphrase_file: Path | None, as_json: bool) -> None:
     """Generate a sigstore key pair for --sign-by-sigstore-private-key, as `skopeo generate-sigstore-key`.
 
     PREFIX.private is the passphrase-encrypted ECDSA P-256 key (cosign's format); PREFIX.pub is the
@@ -273,7 +275,7 @@ def generate_key_cmd(output_prefix: str, passphrase_file: Path | None) -> None:
         if path.exists():
             raise DiskkitError(path, "refusing to overwrite an existing file")
     write_key_files(private_path, public_path, read_passphrase(passphrase_file, "Passphrase for the new key: ", confirm=True))
-    click.echo(f"Key written to {private_path} and {public_path}")
+    click.echo(json.dumps({"privateKey": str(private_path), "publicKey": str(public_path)}, indent=2) if as_json else f"Key written to {private_path} and {public_path}")
 
 
 @cli.command("inspect", epilog="""\b
@@ -362,12 +364,12 @@ Examples:
 @click.argument("ref")
 @click.option("--path", "image_path", metavar="/DIR/NAME", help="The containerDisk.path the VMI will use (default: the one file in /disk).")
 @click.option("--platform", help="OS/ARCH to pick from a multi-platform index (default: this host's).")
-@click.option("--all-platforms", "all_platforms", is_flag=True, help="Verify every platform an index lists (and that each entry's config is for the platform the index says); exit 1 if any fails.")
-@click.option("--key", "keys", multiple=True, type=click.Path(dir_okay=False, path_type=Path), metavar="FILE", help="Also report whether the image is signed by this sigstore public key (repeatable); none of them: exit 1.")
+@click.option("--all-platforms", "all_platforms", is_flag=True, help="Verify every platform an index lists (and that each entry's config is for the platform the index says); exit 8 if any fails.")
+@click.option("--key", "keys", multiple=True, type=click.Path(dir_okay=False, path_type=Path), metavar="FILE", help="Also report whether the image is signed by this sigstore public key (repeatable); none of them: exit 8.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @registry_options
 def verify_cmd(ref: str, image_path: str | None, platform: str | None, all_platforms: bool, keys: tuple[Path, ...], as_json: bool, registry: RegistryOptions) -> None:
-    """Check an image (ours or anyone's) the way KubeVirt consumes it; exit 1 listing every violation.
+    """Check an image (ours or anyone's) the way KubeVirt consumes it; exit 8 listing every violation.
 
     Checks every blob digest and diffID, finds the disk as KubeVirt does (exactly one entry in
     /disk, or --path resolved inside the image), that UID 107 can read it, and that it is raw or
@@ -392,7 +394,7 @@ def verify_cmd(ref: str, image_path: str | None, platform: str | None, all_platf
     else:
         for problem in report.problems:
             click.echo(f"{ref}: {problem}", err=True)
-    sys.exit(0 if report.ok else 1)
+    sys.exit(report.exit_code)
 
 
 def _verify_all(ref: str, image_path: str | None, keys: tuple[Path, ...], as_json: bool, registry: RegistryOptions) -> None:
@@ -402,10 +404,12 @@ def _verify_all(ref: str, image_path: str | None, keys: tuple[Path, ...], as_jso
     problems: list[str] = []
     signature = _signature_report(ref, keys, registry, problems) if keys else {}
     ok = not problems and all(report.ok for _, report in results)
+    # The first failing platform's own status (not found, auth, unreachable keep theirs); else a verification failure.
+    status = next((report.exit_code for _, report in results if not report.ok), Exit.VERIFY_FAILED if problems else Exit.OK)
     if as_json:
         platforms = [{"platform": str(plat) if plat else None, **describe(report), "ok": report.ok} for plat, report in results]
         click.echo(json.dumps({"reference": ref, "platforms": platforms, **signature, "problems": problems, "ok": ok}, indent=2))
-        sys.exit(0 if ok else 1)
+        sys.exit(status)
     for plat, report in results:
         shown = f"{ref} [{plat}]" if plat else ref
         if report.ok:
@@ -415,7 +419,7 @@ def _verify_all(ref: str, image_path: str | None, keys: tuple[Path, ...], as_jso
             click.echo(f"{shown}: {problem}", err=True)
     for problem in problems:
         click.echo(f"{ref}: {problem}", err=True)
-    sys.exit(0 if ok else 1)
+    sys.exit(status)
 
 
 def _signature_report(ref: str, keys: tuple[Path, ...], registry: RegistryOptions, problems: list[str]) -> dict:

@@ -3,11 +3,12 @@ with skopeo's arguments and output (skopeo cmd/skopeo/signing.go)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import click
 
-from diskkit.errors import DiskkitError
+from diskkit.errors import DiskkitError, VerifyFailed
 
 _FILE = click.Path(dir_okay=False, path_type=Path)
 
@@ -29,7 +30,8 @@ Examples:
 @click.argument("fingerprint")
 @click.option("-o", "--output", type=_FILE, required=True, metavar="SIGNATURE", help="Write the signature here.")
 @click.option("--passphrase-file", type=_FILE, help="File that contains a passphrase for the key.")
-def standalone_sign(manifest: Path, docker_reference: str, fingerprint: str, output: Path, passphrase_file: Path | None) -> None:
+@click.option("--json", "as_json", is_flag=True, help='Print {"signature": OUTPUT, "dockerReference": ..., "fingerprint": ...}.')
+def standalone_sign(manifest: Path, docker_reference: str, fingerprint: str, output: Path, passphrase_file: Path | None, as_json: bool) -> None:
     """Sign MANIFEST's digest as DOCKER-REFERENCE with the GnuPG key FINGERPRINT ($GNUPGHOME), as
     `skopeo standalone-sign`: the signature is the binary OpenPGP message a lookaside store holds."""
     from diskkit.signing.keys import read_passphrase
@@ -38,6 +40,8 @@ def standalone_sign(manifest: Path, docker_reference: str, fingerprint: str, out
 
     passphrase = read_passphrase(passphrase_file, "") if passphrase_file is not None else None
     write_atomic(output, sign(_read(manifest, "manifest"), docker_reference, fingerprint, passphrase))
+    if as_json:
+        click.echo(json.dumps({"signature": str(output), "dockerReference": docker_reference, "fingerprint": fingerprint}, indent=2))
 
 
 @click.command("standalone-verify", epilog="""\b
@@ -50,9 +54,10 @@ Examples:
 @click.argument("fingerprints")
 @click.argument("signature", type=_FILE)
 @click.option("--public-key-file", type=_FILE, help="File containing public keys. If not specified, will use local GPG keys.")
-def standalone_verify(manifest: Path, docker_reference: str, fingerprints: str, signature: Path, public_key_file: Path | None) -> None:
+@click.option("--json", "as_json", is_flag=True, help='Print {"fingerprint": ..., "digest": ...}.')
+def standalone_verify(manifest: Path, docker_reference: str, fingerprints: str, signature: Path, public_key_file: Path | None, as_json: bool) -> None:
     """Verify SIGNATURE of MANIFEST as DOCKER-REFERENCE by one of FINGERPRINTS (comma separated, or
-    "any" key of --public-key-file), as `skopeo standalone-verify`; exit 1 when it does not verify."""
+    "any" key of --public-key-file), as `skopeo standalone-verify`; exit 8 when it does not verify."""
     from diskkit.signing.openpgp import InvalidSignature
     from diskkit.signing.simple import standalone_verify as verify
 
@@ -63,5 +68,8 @@ def standalone_verify(manifest: Path, docker_reference: str, fingerprints: str, 
     try:
         fingerprint, digest = verify(_read(manifest, "manifest"), docker_reference, wanted, _read(signature, "signature"), keys)
     except InvalidSignature as exc:
-        raise DiskkitError(signature, f"Error verifying signature: {exc}") from None
-    click.echo(f"Signature verified using fingerprint {fingerprint}, digest {digest}")
+        raise VerifyFailed(signature, f"Error verifying signature: {exc}") from None
+    if as_json:
+        click.echo(json.dumps({"fingerprint": fingerprint, "digest": digest}, indent=2))
+    else:
+        click.echo(f"Signature verified using fingerprint {fingerprint}, digest {digest}")

@@ -1,4 +1,4 @@
-"""`diskkit tags`, `tag`, `delete` and `prune`: a repository's tags as things to list, add and remove safely."""
+"""`diskkit tags`, `tag`, `promote`, `delete` and `prune`: a repository's tags as things to list, add, publish and remove safely."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import click
 
 from diskkit.cli.shell import registry_options
+from diskkit.cli.trustflags import signature_options
 from diskkit.registry.options import RegistryOptions
 
 
@@ -113,4 +114,42 @@ def prune_cmd(repository, pattern, keep, dry_run, as_json, registry: RegistryOpt
         click.echo(f"kept {tag}: {why}")
 
 
-TAG_COMMANDS = (tags_cmd, tag_cmd, delete_cmd, prune_cmd)
+@click.command("promote", epilog="""\b
+Examples:
+  diskkit promote --tls-verify=false localhost:5000/ci/fedora@sha256:4f5e... localhost:5000/disks/fedora --tags 40-2611251200,40,latest
+  diskkit promote --dest-creds me:pw --json ci.local/fedora@sha256:4f5e... quay.io/me/fedora --tags 40 --tags latest
+""")
+@click.argument("source", metavar="REPOSITORY@DIGEST")
+@click.argument("dest", metavar="DEST")
+@click.option("--tags", "tag_values", multiple=True, required=True, metavar="TAG[,TAG...]", help="The tags DEST gets (comma-separated, or --tags repeated); the first one is pushed with the image.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object; events as JSON lines on stderr.")
+@click.option("--src-tls-verify", type=click.BOOL, metavar="BOOL", help="--tls-verify for the source registry only.")
+@click.option("--dest-tls-verify", type=click.BOOL, metavar="BOOL", help="--tls-verify for the destination registry only.")
+@click.option("--src-creds", metavar="USER:PASS", help="--creds for the source registry only.")
+@click.option("--dest-creds", metavar="USER:PASS", help="--creds for the destination registry only.")
+@registry_options
+@signature_options(sign=False)
+def promote_cmd(source, dest, tag_values, as_json, src_tls_verify, dest_tls_verify, src_creds, dest_creds, registry: RegistryOptions, trust) -> None:
+    """Publish a tested digest: copy REPOSITORY@DIGEST to repository DEST under every --tags tag, checked.
+
+    An index is copied whole, every platform's image with it (never narrowed to this host's);
+    blobs DEST already has are skipped, blobs in another repository of the same registry mounted.
+    The manifest keeps its bytes (a copy that would rewrite it is refused), and each DEST tag is
+    read back at the end: it must point at exactly DIGEST. The source must pass the signature
+    policy first. Prints the digest.
+    """
+    from dataclasses import replace
+
+    from diskkit.ops.promote import promote, split_tags
+    from diskkit.progress import reporter_for
+    from diskkit.signing.trust import enforce_ref
+
+    tags = split_tags(tag_values)
+    src_opts = replace(registry, **{k: v for k, v in (("tls_verify", src_tls_verify), ("creds", src_creds)) if v is not None})
+    dest_opts = replace(registry, **{k: v for k, v in (("tls_verify", dest_tls_verify), ("creds", dest_creds)) if v is not None})
+    enforce_ref(source, trust, src_opts, None, "every")
+    result = promote(source, dest, tags, src_opts, dest_opts, reporter_for(as_json))
+    click.echo(json.dumps(result.to_json(), indent=2) if as_json else result.digest)
+
+
+TAG_COMMANDS = (tags_cmd, tag_cmd, promote_cmd, delete_cmd, prune_cmd)

@@ -12,9 +12,9 @@ from diskkit.errors import DiskkitError, RegistryError
 from diskkit.oci.image import sha256_digest
 from diskkit.oci.reference import DockerName, ImageRef, parse_ref
 from diskkit.registry import registriesconf
-from diskkit.registry.client import MAX_MANIFEST_BYTES, Registry, check_status, read_body, scope
+from diskkit.registry.client import MAX_MANIFEST_BYTES, Registry, api_error_code, check_status, read_body, scope
 from diskkit.registry.options import RegistryOptions
-from diskkit.transports.remote import ACCEPT, registry_for
+from diskkit.transports.remote import ACCEPT, not_found_code, registry_for
 
 # distribution's reference grammar for a tag (distribution/reference/regexp.go: tag)
 TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
@@ -81,7 +81,7 @@ def list_tags(repo: Repo, page: int | None = None) -> list[str]:
         seen.add(path)
         response = repo.registry.request("GET", path, repo.scope, what="GET tags")
         if response.status_code == 404:
-            raise RegistryError(str(repo), "no such repository")
+            raise RegistryError(str(repo), "no such repository", status=404, code=api_error_code(response) or "NAME_UNKNOWN")
         check_status(response, (200,), repo.registry.host, "GET tags")
         try:
             body = response.json()
@@ -116,7 +116,9 @@ def get_manifest(repo: Repo, reference: str, where: str) -> tuple[bytes, str]:
     registry names."""
     response = repo.registry.request("GET", f"/v2/{repo.name.repository}/manifests/{reference}", repo.scope, headers={"Accept": ACCEPT}, stream=True, what="GET manifest")
     if response.status_code == 404:
-        raise RegistryError(where, "no such manifest" if reference.startswith("sha256:") else "no such tag")
+        code = not_found_code(repo.registry, repo.scope, response, repo.name.repository)
+        what = "no such repository" if code == "NAME_UNKNOWN" else "no such manifest" if reference.startswith("sha256:") else "no such tag"
+        raise RegistryError(where, what, status=404, code=code)
     check_status(response, (200,), repo.registry.host, f"GET manifest {reference}")
     data = read_body(response, MAX_MANIFEST_BYTES, where, "manifest")
     media_type = (response.headers.get("Content-Type") or "").split(";")[0].strip()
@@ -151,7 +153,8 @@ def delete(ref: str, opts: RegistryOptions, force: bool = False, ignore_missing:
     if digest is None:
         if ignore_missing:
             return Deletion(shown, None, False)
-        raise RegistryError(shown, "no such tag")
+        list_tags(repo)  # a missing repository is named as such (NAME_UNKNOWN), not as a missing tag
+        raise RegistryError(shown, "no such tag", status=404, code="MANIFEST_UNKNOWN")
     try:
         others = tags_on(repo, digest, list_tags(repo))
     except RegistryError:
@@ -166,7 +169,7 @@ def delete(ref: str, opts: RegistryOptions, force: bool = False, ignore_missing:
     if response.status_code == 404 and ignore_missing:
         return Deletion(shown, digest, False)
     if response.status_code == 404:
-        raise RegistryError(shown, f"no such manifest {digest}")
+        raise RegistryError(shown, f"no such manifest {digest}", status=404, code=api_error_code(response) or "MANIFEST_UNKNOWN")
     check_status(response, (202, 200), repo.registry.host, f"delete {digest}")
     return Deletion(shown, digest, True, others)
 

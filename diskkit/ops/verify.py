@@ -16,7 +16,7 @@ from diskkit.disk.containerdisk import (
     locate,
     wanted,
 )
-from diskkit.errors import DiskkitError
+from diskkit.errors import DiskkitError, Exit
 from diskkit.layers import lazytoc
 from diskkit.layers.imagefs import Spooled, extract_one, walk
 from diskkit.layers.lazycheck import MemberCheck
@@ -59,10 +59,19 @@ class Report:
     disk: DiskFacts = field(default_factory=DiskFacts)
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what KubeVirt would do differently, short of refusing
+    unread: int | None = None  # the exit status of why the image could not be read, if it could not
 
     @property
     def ok(self) -> bool:
         return not self.problems
+
+    @property
+    def exit_code(self) -> int:
+        """Exit.VERIFY_FAILED for a problem with the image; a missing image, refused credentials or an
+        unreachable registry keep their own status, so a script can tell them apart."""
+        if self.ok:
+            return Exit.OK
+        return self.unread if self.unread not in (None, Exit.FAILED) else Exit.VERIFY_FAILED
 
 
 def scan(ref: str, platform: Platform | None, path: str | None, spool: Path, head_limit: int | None, registry: RegistryOptions | None):
@@ -120,6 +129,7 @@ def verify(ref: str, path: str | None = None, platform: Platform | None = None, 
         except DiskkitError as exc:
             # Problems are printed after the reference already: naming it again says nothing.
             report.problems.append(exc.rule if exc.subject in _names(ref) else exc.line())
+            report.unread = exc.exit_code
             return report
         report.image = image
         report.problems += tree.findings + found.problems

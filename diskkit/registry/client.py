@@ -175,10 +175,10 @@ class Registry:
             if response.status_code == 401 and "WWW-Authenticate" in response.headers:
                 self.challenge = parse_challenge(response.headers["WWW-Authenticate"])
             elif response.status_code not in (200, 401):
-                raise RegistryError(self.host, f"/v2/ answered HTTP {response.status_code}; is this an OCI registry?")
+                raise RegistryError(self.host, f"/v2/ answered HTTP {response.status_code}; is this an OCI registry?", status=response.status_code)
             self.scheme = scheme
             return
-        raise RegistryError(self.host, f"cannot connect to the registry ({failure_reason(last)})")
+        raise RegistryError(self.host, f"cannot connect to the registry ({failure_reason(last)})", unreachable=True)
 
     # --- auth ---------------------------------------------------------------------------------
 
@@ -232,7 +232,7 @@ class Registry:
                 raise RegistryError(self.host, f"token service {realm}: {refusal(exc)}") from None
             except requests.exceptions.RequestException as exc:
                 if attempt == self.opts.retries:
-                    raise RegistryError(self.host, f"token service {realm} unreachable ({failure_reason(exc)})") from None
+                    raise RegistryError(self.host, f"token service {realm} unreachable ({failure_reason(exc)})", unreachable=True) from None
                 time.sleep(retry_after(None, attempt, self.opts))
                 continue
             if response.status_code in RETRY_STATUS and attempt < self.opts.retries:
@@ -243,9 +243,9 @@ class Registry:
         data = read_body(response, MAX_TOKEN_BYTES, self.host, f"token service {realm} answer")
         if response.status_code in (401, 403):
             who = f"as {creds.username}" if creds else "anonymously"
-            raise AuthError(self.host, f"token service refused {who} for scope {scope or '(none)'}{credentials_hint(creds is not None)}")
+            raise AuthError(self.host, f"token service refused {who} for scope {scope or '(none)'}{credentials_hint(creds is not None)}", status=response.status_code)
         if response.status_code != 200:
-            raise AuthError(self.host, f"token service answered HTTP {response.status_code} for scope {scope}")
+            raise AuthError(self.host, f"token service answered HTTP {response.status_code} for scope {scope}", status=response.status_code, unreachable=response.status_code >= 500)
         try:
             body = json.loads(data)
             value = body.get("token") or body.get("access_token") or ""
@@ -297,7 +297,7 @@ class Registry:
                 raise RegistryError(self.host, f"{what or method}: redirected to an invalid URL; refused") from None
             except (requests.exceptions.ConnectionError, requests.exceptions.Timeout, urllib3.exceptions.HTTPError) as exc:
                 if attempt >= self.opts.retries:
-                    raise RegistryError(self.host, f"{what or method} failed after {attempt + 1} attempts ({failure_reason(exc)})") from None
+                    raise RegistryError(self.host, f"{what or method} failed after {attempt + 1} attempts ({failure_reason(exc)})", unreachable=True) from None
                 time.sleep(retry_after(None, attempt, self.opts))
                 attempt += 1
                 continue
@@ -315,7 +315,8 @@ class Registry:
                 if method != "HEAD":
                     _read_into(response, MAX_ERROR_BYTES, self.host, what or method)
                 hint = credentials_hint(creds is not None) if response.status_code == 401 else ""
-                raise AuthError(self.host, f"{what or method} denied for {who} (scope {scope}): HTTP {response.status_code}{_api_error(response)}{hint}")
+                raise AuthError(self.host, f"{what or method} denied for {who} (scope {scope}): HTTP {response.status_code}{_api_error(response)}{hint}",
+                                status=response.status_code, code=api_error_code(response))
             if response.status_code in RETRY_STATUS and attempt < self.opts.retries:
                 time.sleep(retry_after(response, attempt, self.opts))
                 response.close()
@@ -417,21 +418,31 @@ def tls_reason(exc: BaseException) -> str:
     return found.group(1) if found else failure_reason(exc)
 
 
-def _api_error(response: requests.Response) -> str:
+def _api_errors(response: requests.Response) -> list:
     if response._content is False:  # a streamed answer whose body is not read: not read for this either
-        return ""
+        return []
     try:
         errors = response.json().get("errors") or []
-        if errors:
-            return f" ({errors[0].get('code')}: {errors[0].get('message')})"[:300]
+        return errors if isinstance(errors, list) and all(isinstance(e, dict) for e in errors) else []
     except (ValueError, AttributeError, TypeError):
-        pass
-    return ""
+        return []
+
+
+def _api_error(response: requests.Response) -> str:
+    errors = _api_errors(response)
+    return f" ({errors[0].get('code')}: {errors[0].get('message')})"[:300] if errors else ""
+
+
+def api_error_code(response: requests.Response) -> str | None:
+    """The distribution API's code for the answer's first error (NAME_UNKNOWN, DENIED...), if it names one."""
+    errors = _api_errors(response)
+    code = errors[0].get("code") if errors else None
+    return code[:100] if isinstance(code, str) else None
 
 
 def check_status(response: requests.Response, expect: tuple[int, ...], host: str, what: str) -> requests.Response:
     if response.status_code not in expect:
-        raise RegistryError(host, f"{what}: HTTP {response.status_code}{_api_error(response)}")
+        raise RegistryError(host, f"{what}: HTTP {response.status_code}{_api_error(response)}", status=response.status_code, code=api_error_code(response))
     return response
 
 
@@ -444,7 +455,7 @@ def get_blob(registry: Registry, repository: str, digest: str, first: int = 0, l
     response = registry.request("GET", f"/v2/{repository}/blobs/{digest}", scope(repository, "pull"), headers=headers, stream=True, what=what)
     try:
         if response.status_code == 404:
-            raise RegistryError(registry.host, f"blob {digest} not found (HTTP 404)")
+            raise RegistryError(registry.host, f"blob {digest} not found (HTTP 404)", status=404, code=api_error_code(response))
         check_status(response, (200, 206), registry.host, what)
         if response.status_code == 200:
             skip = first

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from diskkit.errors import DiskkitError
+from diskkit.errors import DiskkitError, VerifyFailed
 from diskkit.oci import mediatypes as mt
 from diskkit.oci.image import Platform, parse_json, select_platform, sha256_digest
 from diskkit.oci.reference import DockerName, ImageRef, parse_ref
@@ -84,7 +84,7 @@ def enforce_source(source: Source, trust: TrustOptions, registry: RegistryOption
         try:
             policy.check(requirements, str(ref), intended, digest, signatures)
         except policy.Rejected as exc:
-            raise DiskkitError(str(ref), f"rejected by {loaded.source} {entry} ({digest[:19]}): {exc}") from None
+            raise VerifyFailed(str(ref), f"rejected by {loaded.source} {entry} ({digest[:19]}): {exc}") from None
 
 
 def _signatures(kind: str, name: DockerName, digest: str, config: dict, identity: str, namespaces: list[str], registry: RegistryOptions | None) -> list:

@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
-from diskkit.errors import DiskkitError
+from diskkit.errors import DiskkitError, NotFound
 from diskkit.oci.image import Descriptor, canonical_json, check_digest, parse_json
 from diskkit.oci.reference import ImageRef
 from diskkit.streams import fsutil
@@ -50,7 +50,7 @@ def pick_manifest(index: dict, tag: str | None, where: str) -> Descriptor:
     if tag:
         named = [e for e in entries if e.annotations.get(REF_NAME) == tag]
         if not named:
-            raise DiskkitError(where, f"no image tagged {tag!r} in the layout")
+            raise NotFound(where, f"no image tagged {tag!r} in the layout")
         return named[-1]
     if len(entries) != 1:
         tags = sorted(e.annotations.get(REF_NAME, "") for e in entries)

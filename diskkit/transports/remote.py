@@ -12,7 +12,7 @@ from typing import BinaryIO, Iterator
 
 import urllib3
 
-from diskkit.errors import AuthError, DiskkitError, RegistryError, ResumeFailed, UploadLost
+from diskkit.errors import AuthError, DiskkitError, Exit, RegistryError, ResumeFailed, UploadLost
 from diskkit.oci import mediatypes as mt
 from diskkit.oci.image import Descriptor, sha256_digest
 from diskkit.oci.reference import DockerName, ImageRef
@@ -58,10 +58,10 @@ def _error_codes(response) -> set[str]:
         return set()
 
 
-def not_found_reason(registry: Registry, scope_: str, response, repository: str, reference: str) -> str:
+def not_found_code(registry: Registry, scope_: str, response, repository: str) -> str | None:
     """A missing repository told from a missing tag, by the registry's error codes: NAME_UNKNOWN, or a
     MANIFEST_UNKNOWN (distribution answers it for both) followed by the repository's tag list, which
-    only an existing repository has."""
+    only an existing repository has. None: the registry's answers do not tell."""
     codes = _error_codes(response)
     if "NAME_UNKNOWN" not in codes:
         try:
@@ -74,9 +74,16 @@ def not_found_reason(registry: Registry, scope_: str, response, repository: str,
             codes.add("NAME_UNKNOWN")
         elif probe.status_code == 200:
             codes.add("MANIFEST_UNKNOWN")
-    if "NAME_UNKNOWN" in codes:
+    for code in ("NAME_UNKNOWN", "MANIFEST_UNKNOWN"):
+        if code in codes:
+            return code
+    return None
+
+
+def not_found_reason(code: str | None, repository: str, reference: str) -> str:
+    if code == "NAME_UNKNOWN":
         return f": repository {repository} does not exist (NAME_UNKNOWN); check the repository's name"
-    if "MANIFEST_UNKNOWN" in codes:
+    if code == "MANIFEST_UNKNOWN":
         what = "manifest" if reference.startswith("sha256:") else "tag"
         return f": repository {repository} exists, {what} {reference} does not (MANIFEST_UNKNOWN)"
     return " (HTTP 404)"
@@ -108,7 +115,8 @@ class RemoteSource(Source):
         path = f"/v2/{self.name.repository}/manifests/{reference}"
         response = self.registry.request("GET", path, self.pull_scope, headers={"Accept": ACCEPT}, stream=True, what="GET manifest")
         if response.status_code == 404:
-            raise RegistryError(self.where, f"manifest {reference} not found{not_found_reason(self.registry, self.pull_scope, response, self.name.repository, reference)}")
+            code = not_found_code(self.registry, self.pull_scope, response, self.name.repository)
+            raise RegistryError(self.where, f"manifest {reference} not found{not_found_reason(code, self.name.repository, reference)}", status=404, code=code)
         check_status(response, (200,), self.registry.host, f"GET manifest {reference}")
         data = read_body(response, MAX_MANIFEST_BYTES, self.where, f"manifest {reference}")
         if reference.startswith("sha256:") and sha256_digest(data) != reference:
@@ -119,7 +127,7 @@ class RemoteSource(Source):
         return data, (response.headers.get("Content-Type") or "").split(";")[0] or None
 
     def top_manifest(self):
-        failures = []
+        failures, statuses = [], set()
         for requested, source in self.sources:
             self._use(requested, source)
             try:
@@ -129,8 +137,11 @@ class RemoteSource(Source):
                 if len(self.sources) == 1:
                     raise
                 failures.append(f"{source.name}: {exc.rule}")
+                statuses.add(exc.exit_code)
         else:
-            raise RegistryError(self.where, "no pull source has it (" + "; ".join(failures) + ")")
+            # Not found everywhere is not found; any other mix stays a plain failure.
+            status = 404 if statuses == {Exit.NOT_FOUND} else None
+            raise RegistryError(self.where, "no pull source has it (" + "; ".join(failures) + ")", status=status)
         desc = None
         if self.name.digest:
             desc = Descriptor(media or mt.OCI_MANIFEST, self.name.digest, len(data))

@@ -10,7 +10,7 @@ import click
 
 from diskkit import __version__
 from diskkit.cli.shell import platform as platform_of
-from diskkit.cli.shell import registry_options, run_main
+from diskkit.cli.shell import EXIT_EPILOG, registry_options, run_main
 from diskkit.registry.options import RegistryOptions
 from launcher.cli.consoles import console, logs
 from launcher.cli.dv import dv
@@ -22,7 +22,7 @@ from launcher.node.cache import Cache, tree_size
 from launcher.node.imagehints import ImageHints
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100}, epilog=EXIT_EPILOG)
 @click.version_option(__version__, prog_name="launcher")
 def cli() -> None:
     """Boot KubeVirt-style VMs from containerDisk images, locally or as a pod's sidecar.
@@ -71,17 +71,21 @@ Examples:
 @click.option("--lazy/--no-lazy", default=None, help="As `launcher run --lazy`: lazy containerDisks show the NBD export the VM would read.")
 @ignore_unsupported_option
 @cache_option
+@click.option("--json", "as_json", is_flag=True, help='Print {"domain": NAME, "xml": XML} instead of the XML.')
 @storage_options
 @registry_options
 @trust_options
-def domain(vmi_file, platform, accel, lazy, ignore_unsupported, cache_dir, store, registry: RegistryOptions) -> None:
+def domain(vmi_file, platform, accel, lazy, ignore_unsupported, as_json, cache_dir, store, registry: RegistryOptions) -> None:
     """Print the libvirt domain XML `launcher run` would start (a dry run: images are pulled or, lazy, opened on the node's disk server; nothing started)."""
     from launcher.runtime.vms import RunOptions, plan
 
     vmi = load_vmi_file(vmi_file, ignore_unsupported, ImageHints(store.objects, registry, platform_of(platform)))
     opts = RunOptions(platform=platform_of(platform), registry=registry, storage=store, lazy={None: "auto", True: "on", False: "off"}[lazy])
     _, xml = plan(vmi, node_cache(cache_dir), opts, create=False, domain_type=None if accel == "auto" else accel)
-    click.echo(xml, nl=not xml.endswith("\n"))
+    if as_json:
+        click.echo(json.dumps({"domain": vmi.domain_name, "xml": xml}, indent=2))
+    else:
+        click.echo(xml, nl=not xml.endswith("\n"))
 
 
 @cli.command(epilog="""\b
@@ -107,12 +111,13 @@ Examples:
 @click.option("--lazy/--no-lazy", default=None, help="Boot containerDisks before they have arrived, through the node's disk server (default: for images built with --lazy).")
 @click.option("--grace-period", type=click.FloatRange(min=0), metavar="SECONDS", help="After SIGTERM or Ctrl-C, how long the guest has to power off (ACPI) before it is destroyed; 0: at once.  [default: the VMI's terminationGracePeriodSeconds, else 30]")
 @click.option("--publish-address", metavar="ADDRESS", help="Forward ADDRESS:PORT to the guest for every port the interfaces declare (KubeVirt's masquerade; 0.0.0.0 in a pod).")
+@click.option("--json", "as_json", is_flag=True, help='When the command returns, print {"vmi": NAMESPACE/NAME, "domain": ..., "exitCode": 0}; not with --console.')
 @ignore_unsupported_option
 @cache_option
 @storage_options
 @registry_options
 @trust_options
-def run(vmi_file, uri, console, detach, wait_for, timeout, platform, lazy, grace_period, publish_address, ignore_unsupported, cache_dir, store, registry: RegistryOptions) -> None:
+def run(vmi_file, uri, console, detach, wait_for, timeout, platform, lazy, grace_period, publish_address, as_json, ignore_unsupported, cache_dir, store, registry: RegistryOptions) -> None:
     """Prepare every volume of a VirtualMachineInstance, define and start its domain, stay with it.
 
     Each containerDisk is pulled once per node and gets a qcow2 overlay of its own, so the VM
@@ -122,6 +127,8 @@ def run(vmi_file, uri, console, detach, wait_for, timeout, platform, lazy, grace
     """
     if detach and console:
         raise click.UsageError("--detach and --console exclude each other: attach later with `launcher console NAME`")
+    if as_json and console:
+        raise click.UsageError("--json and --console exclude each other: the console is what stdout carries")
     vmi = load_vmi_file(vmi_file, ignore_unsupported, ImageHints(store.objects, registry, platform_of(platform)))
     if lazy and any(volume.kind == "containerDisk" for volume in vmi.volumes):
         from launcher.diskserver.spawn import start_server
@@ -134,7 +141,10 @@ def run(vmi_file, uri, console, detach, wait_for, timeout, platform, lazy, grace
     opts = RunOptions(uri=uri, platform=platform_of(platform), registry=registry, console=console, wait_for=wait_for, timeout=timeout, storage=store,
                       lazy={None: "auto", True: "on", False: "off"}[lazy], grace_period=grace_period, detach=detach,
                       publish_address=publish_address)
-    sys.exit(do_run(vmi, node_cache(cache_dir), opts, say))
+    code = do_run(vmi, node_cache(cache_dir), opts, say)
+    if as_json:
+        click.echo(json.dumps({"vmi": f"{vmi.namespace}/{vmi.name}", "domain": vmi.domain_name, "exitCode": code}, indent=2))
+    sys.exit(code)
 
 
 @cli.command(epilog="""\b
@@ -237,20 +247,28 @@ Examples:
   launcher stop default/testvm other/vm2
 """)
 @click.argument("names", nargs=-1, required=True, metavar="NAME...")
+@click.option("--json", "as_json", is_flag=True, help='Print {"vms": [{"name", "stopped", "domain", "message"}]}.')
 @cache_option
-def stop(names, cache_dir) -> None:
+def stop(names, as_json, cache_dir) -> None:
     """Destroy VMs started by `launcher run` and remove their overlays (NAME, NAMESPACE/NAME or domain name).
 
     A VM that is not running (stopped already, or never started from this cache) is said so, and
-    is no error.
+    is no error: exit 0, so a cleanup step can always run.
     """
     from launcher.runtime.vms import stop as do_stop
 
     cache = node_cache(cache_dir)
+    done = []
     for name in names:
-        stopped = do_stop(cache, name)
-        # KubeVirt's words: "VM is not running" (its stop subresource's conflict), "VM NAME was scheduled to stop" (virtctl).
-        click.echo(f"VM {name} was stopped" if stopped else f"VM {name} is not running")
+        domain = do_stop(cache, name)
+        # KubeVirt's words: "VM is not running" (its stop subresource's conflict, pkg/virt-api/rest/lifecycle.go),
+        # "VM NAME was scheduled to stop" (virtctl, pkg/virtctl/vm/stop.go).
+        message = f"VM {name} was stopped" if domain else f"VM {name} is not running"
+        done.append({"name": name, "stopped": bool(domain), "domain": domain, "message": message})
+        if not as_json:
+            click.echo(message)
+    if as_json:
+        click.echo(json.dumps({"vms": done}, indent=2))
 
 
 @cli.command(epilog="""\b
@@ -259,22 +277,23 @@ Examples:
   (a pod's probe)  exec: {command: [launcher, status, testguest]}
 """)
 @click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help='Print {"name": ..., "domain": ..., "state": ...}.')
 @cache_option
-def status(name, cache_dir) -> None:
+def status(name, as_json, cache_dir) -> None:
     """Print a VM's state (running, stopped, gone, unknown); exit 0 only while it runs.
 
     Made for a pod's exec readiness and liveness probes: the answer comes from libvirt, so a
     launcher that is alive with a dead guest is reported as not running.
     """
-    from diskkit.errors import DiskkitError
+    from diskkit.errors import NotFound
     from launcher.runtime.vms import find_record, state
 
     cache = node_cache(cache_dir)
     record = find_record(cache, name)
     if record is None:
-        raise DiskkitError(name, "no VM of this name was started from this cache (yet)")
+        raise NotFound(name, "no VM of this name was started from this cache (yet)")
     now = state(record, cache)
-    click.echo(now)
+    click.echo(json.dumps({"name": name, "domain": record["domain"], "state": now}, indent=2) if as_json else now)
     if now != "running":
         sys.exit(1)
 

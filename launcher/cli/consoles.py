@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from diskkit.errors import DiskkitError
+from diskkit.errors import NotFound
 from launcher.cli.options import cache_option, node_cache
 
 
@@ -17,7 +17,7 @@ def _running_record(cache, name: str) -> dict:
 
     record = find_record(cache, name)
     if record is None:
-        raise DiskkitError(name, f"VM is not running (none of this name was started from the cache {cache.root})")
+        raise NotFound(name, f"VM is not running (none of this name was started from the cache {cache.root})")
     return record
 
 

@@ -149,13 +149,15 @@ Examples:
 @click.argument("name")
 @namespace_option
 @click.option("--ttl", type=click.FloatRange(min=1), default=3600, show_default=True, metavar="SECONDS", help="How long the token is valid.")
+@click.option("--json", "as_json", is_flag=True, help='Print {"namespace": ..., "name": ..., "token": ...}.')
 @cache_option
-def token(name, namespace, ttl, cache_dir) -> None:
+def token(name, namespace, ttl, as_json, cache_dir) -> None:
     """Print an upload token for DataVolume NAME, signed with this node's key (as an UploadTokenRequest)."""
     from launcher.datavolumes.uploadserver import issue_token, node_key
 
     namespace, _, plain = name.rpartition("/") if "/" in name else (namespace, "", name)
-    click.echo(issue_token(node_key(node_cache(cache_dir).root), namespace, plain, ttl))
+    issued = issue_token(node_key(node_cache(cache_dir).root), namespace, plain, ttl)
+    click.echo(json.dumps({"namespace": namespace, "name": plain, "token": issued, "ttlSeconds": ttl}, indent=2) if as_json else issued)
 
 
 def start_uploads(listen: str, tls_cert: str | None, tls_key: str | None, vmi_files: tuple[str, ...], cache_dir, store):

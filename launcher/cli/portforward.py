@@ -30,7 +30,7 @@ def port_forward(target, ports, address, stdio, cache_dir) -> None:
     TARGET is vmi/NAME, vm/NAME, TYPE/NAME/NAMESPACE or a bare NAME. Any guest port can be reached,
     declared in the interface's `ports` or not.
     """
-    from diskkit.errors import DiskkitError
+    from diskkit.errors import DiskkitError, NotFound
     from launcher.runtime.portforward import Forwarder, netdev_of, parse_port, parse_target, pump_stdio
     from launcher.runtime.runner import Libvirt
     from launcher.runtime.vms import find_record
@@ -39,7 +39,7 @@ def port_forward(target, ports, address, stdio, cache_dir) -> None:
     forwards = [parse_port(p) for p in ports]
     record = find_record(node_cache(cache_dir), name)
     if record is None:
-        raise DiskkitError(name, "no VM of this name was started from this cache")
+        raise NotFound(name, "no VM of this name was started from this cache")
     lv = Libvirt(record["uri"])
     if not lv.active(record["domain"]):
         raise DiskkitError(name, "is not running")

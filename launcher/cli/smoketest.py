@@ -26,13 +26,14 @@ import click
 
 from diskkit.cli.shell import platform as platform_of
 from diskkit.cli.shell import registry_options
-from diskkit.errors import DiskkitError
+from diskkit.errors import DiskkitError, Exit
 from diskkit.registry.options import RegistryOptions
 from launcher.cli.options import cache_option, node_cache, say, trust_options
-from launcher.cli.ssh import Target, launcher_argv, ssh_command
+from launcher.cli.ssh import Target, ssh_command
+from launcher.node.selfexec import launcher_argv
 
 # Exit statuses, distinct so CI can tell a broken image from a broken command.
-PASSED, COMMAND_FAILED, NOT_BOOTED, NO_SSH = 0, 1, 3, 4
+PASSED, COMMAND_FAILED, NOT_BOOTED, NO_SSH = Exit.OK, Exit.FAILED, Exit.GUEST_FAILED, Exit.TIMEOUT  # diskkit.errors.Exit, the table of both CLIs
 KEY_SECRET = "launcher-test-ssh-key"
 USER_DATA = "#cloud-config\ndisable_root: false\n"
 # ssh as a probe: no questions, no state kept, no user configuration in the way.

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import click
 
-from diskkit.errors import DiskkitError
+from diskkit.errors import DiskkitError, NotFound
+from launcher.node.selfexec import launcher_argv
 
 # pkg/virtctl/portforward/portforward.go normalizeKind: both name the VM the launcher runs as its VMI.
 KINDS = {"vm": ("vm", "vms", "virtualmachine", "virtualmachines"),
@@ -97,10 +98,6 @@ def ssh_command(target: Target, port: int, launcher: list[str], *, identity: str
     return args + list(command)
 
 
-def launcher_argv() -> list[str]:
-    return [sys.executable, "-m", "launcher"]
-
-
 @click.command("ssh", epilog="""\b
 Examples:
   launcher ssh root@vmi/testvm                       # a shell, with ~/.ssh's keys or the agent's
@@ -130,7 +127,7 @@ def ssh(target, remote, identity_file, port, username, command, local_opts, cach
         raise DiskkitError("ssh", "give the command with -c or after --, not both")
     parsed = parse_target(target)
     if find_record(node_cache(cache_dir), parsed.vm) is None:
-        raise DiskkitError(parsed.vm, "no VM of this name was started from this cache (yet)")
+        raise NotFound(parsed.vm, "no VM of this name was started from this cache (yet)")
     argv = ssh_command(parsed, port, launcher_argv(), identity=identity_file, user=username or default_user(),
                        local_opts=local_opts, command=(command,) if command else remote, cache_dir=cache_dir)
     sys.stdout.flush()

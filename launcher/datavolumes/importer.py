@@ -433,7 +433,10 @@ def fill(target: Target, store: Storage, registry: RegistryOptions | None, say: 
                 # could not go itself. The state file stays ours: progress comes back as messages.
                 notes = _fill_as(owner, target, claim, store, registry, progress)
         except DiskkitError as exc:
-            failure = exc if (exc.subject or "").startswith("DataVolume") else DiskkitError(f"DataVolume {dv.key}", exc.line())
+            failure = exc
+            if not (exc.subject or "").startswith("DataVolume"):
+                failure = DiskkitError(f"DataVolume {dv.key}", exc.line())
+                failure.exit_code = exc.exit_code  # named for the DataVolume, a registry's 404 or 401 keeps its status
             dvstate.record(target, phase=dvm.FAILED, message=failure.line(), pid=None)
             raise failure from None
         except OSError as exc:  # the claim ran out of space, or went away

@@ -11,7 +11,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from diskkit.errors import DiskkitError
 from diskkit.registry.options import RegistryOptions
 from launcher.diskserver.control import CONTROL_SOCKET, request, serve_dir, socket_path
 from launcher.node.cache import Cache
+from launcher.node.selfexec import launcher_argv
 
 START_TIMEOUT = 30.0
 FETCH_TIMEOUT = 30.0  # a spawned server's reads fail after this: the VM pauses and its launcher resumes it
@@ -61,7 +61,7 @@ def start_server(cache: Cache, registry: RegistryOptions | None = None, idle: fl
     if _answers(socket_path(directory, CONTROL_SOCKET)):
         return None
     directory.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "launcher", "serve", "--cache-dir", str(cache.root), "--exit-when-idle", str(idle),
+    command = [*launcher_argv(), "serve", "--cache-dir", str(cache.root), "--exit-when-idle", str(idle),
                "--fetch-timeout", str(FETCH_TIMEOUT),
                *_registry_flags(registry or RegistryOptions())]
     with open(directory / "server.log", "ab") as logfile:

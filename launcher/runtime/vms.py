@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
-from diskkit.errors import DiskkitError
+from diskkit.errors import DiskkitError, GuestFailed, TimedOut
 from diskkit.oci.image import Platform
 from diskkit.registry.options import RegistryOptions
 from diskkit.streams.fsutil import write_atomic
@@ -178,7 +178,7 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
             virtiofs.stop(daemons)  # started, maybe not recorded yet
             cleanup(cache, lv, name)
             if isinstance(exc, _OutOfTime):
-                raise DiskkitError(name, f"not started within --timeout {opts.timeout:g} s (pulling, serving or starting it); nothing was left") from None
+                raise TimedOut(name, f"not started within --timeout {opts.timeout:g} s (pulling, serving or starting it); nothing was left") from None
             if isinstance(exc, OSError) and cache.vanished():
                 raise DiskkitError(cache.root, "the cache directory disappeared while the VM was being prepared") from None
             raise
@@ -222,9 +222,9 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
     cleanup(cache, lv, name)
     if outcome == "timeout":
         what = f"{opts.wait_for!r} did not appear on the console" if opts.wait_for else "the VM was still running"
-        raise DiskkitError(name, f"{what} after {opts.timeout:g} s; the domain was destroyed")
+        raise TimedOut(name, f"{what} after {opts.timeout:g} s; the domain was destroyed")
     if opts.wait_for:
-        raise DiskkitError(name, f"the guest stopped before {opts.wait_for!r} appeared on the console")
+        raise GuestFailed(name, f"the guest stopped before {opts.wait_for!r} appeared on the console")
     say(f"{name} stopped")
     return 0
 
