@@ -11,6 +11,7 @@ import click
 from diskkit import __version__
 from diskkit.cli.shell import platform as platform_of
 from diskkit.cli.shell import registry_options, run_main
+from diskkit.cli.sourceflags import checksum_options, retry_options
 from diskkit.cli.standalone import standalone_sign, standalone_verify
 from diskkit.cli.tagcmds import TAG_COMMANDS
 from diskkit.cli.trustflags import signature_options
@@ -28,6 +29,7 @@ from diskkit.ops.build import (
 from diskkit.ops.verify import describe, inspect, verify
 from diskkit.progress import reporter_for
 from diskkit.registry.options import RegistryOptions
+from diskkit.source.fetch import is_stream
 from diskkit.streams.compression import KINDS
 
 
@@ -64,16 +66,21 @@ Examples:
   diskkit convert -O qcow2 -c disk.raw disk.qcow2
   diskkit convert -O raw disk.qcow2 disk.img
   diskkit convert Fedora-Cloud.qcow2.xz fedora.qcow2            # xz, gzip, zstd, bzip2 and tar unwrapped first
+  diskkit convert https://example.org/f40.qcow2.xz f40.qcow2 --checksum-file https://example.org/CHECKSUM
+  curl -sL https://example.org/f40.raw.xz | diskkit convert - f40.qcow2
 """
 )
-@click.argument("src", type=click.Path(path_type=Path, readable=False))
+@click.argument("src")
 @click.argument("dest", type=click.Path(path_type=Path, readable=False))
 @click.option("-O", "out_format", type=click.Choice(["qcow2", "raw"]), default="qcow2", show_default=True, help="Output format.")
 @click.option("-c", "compress", is_flag=True, help="Compress qcow2 clusters (smaller, slower to read).")
-def convert(src: Path, dest: Path, out_format: str, compress: bool) -> None:
+@checksum_options
+@retry_options
+def convert(src: str, dest: Path, out_format: str, compress: bool, checksum: str | None, checksum_file: str | None, registry: RegistryOptions) -> None:
     """Convert a raw, qcow2, vmdk, vdi, vpc or vhdx disk to qcow2 or raw with qemu-img.
 
     A disk compressed with xz, gzip, zstd or bzip2, or alone in a tar archive, is unwrapped first.
+    SRC may be an http(s) URL or - (stdin), read as `diskkit build` reads them.
     The input is checked first (qemu-img info and check, under CPU and memory limits); the output
     is written under a temporary name and renamed only when complete.
     """
@@ -83,15 +90,15 @@ def convert(src: Path, dest: Path, out_format: str, compress: bool) -> None:
     from diskkit.disk import qemuimg
     from diskkit.streams import fsutil
 
-    if dest.resolve() == src.resolve():
+    if not is_stream(src) and dest.resolve() == Path(src).resolve():
         raise DiskkitError(dest, "destination is the source; choose another file")
     reporter = reporter_for()
     workdir = Path(tempfile.mkdtemp(prefix="diskkit-convert-"))
     tmp = fsutil.staging_file(dest)
     try:
-        disk = input_disk(src, workdir, reporter.note)
+        disk = input_disk(src, workdir, reporter.note, checksum, checksum_file, registry)
         info = examine_disk(disk.path)
-        with reporter.task(f"converting {src.name}", 100) as task:
+        with reporter.task(f"converting {disk.name}", 100) as task:
             done = [0.0]
 
             def advance(percent: float) -> None:
@@ -123,13 +130,16 @@ Examples:
   diskkit build disk.qcow2 --no-lazy -t quay.io/me/fedora:40         # one plain gzip stream
   diskkit build disk.qcow2 --kernel ./vmlinuz --initrd /boot/initrd.img=./initrd -t oci:./layout:kb
   diskkit build --platform linux/amd64=x86.qcow2 --platform linux/arm64=arm.qcow2 -t quay.io/me/fedora:40
+  diskkit build https://example.org/f40.qcow2.xz --checksum-file https://example.org/CHECKSUM -t quay.io/me/fedora:40
+  diskkit build https://example.org/f40.qcow2 --checksum sha256:9f86d0...0f00a08 -t quay.io/me/fedora:40
+  curl -sL https://example.org/f40.qcow2.xz | diskkit build - --checksum sha256:... -t oci:./layout:40   # /disk/disk.qcow2
   SOURCE_DATE_EPOCH=1700000000 diskkit build disk.qcow2 -t oci:./layout --json
   diskkit build disk.qcow2 -t quay.io/me/fedora:40 --label shasum=$SUM --skip-if-label shasum=$SUM   # exit 0, nothing done when unchanged
   diskkit build disk.qcow2 -t quay.io/me/fedora:40 --sign-by-sigstore-private-key ci.private --sign-passphrase-file pass
   diskkit build disk.qcow2 -t quay.io/me/fedora:40 --sign-by 3F1A...C0DE      # GPG, into the registries.d lookaside
 """
 )
-@click.argument("src", type=click.Path(path_type=Path, readable=False), required=False)
+@click.argument("src", required=False)
 @click.option("-t", "--tag", "dests", required=True, multiple=True, metavar="DEST", help="Where to write: docker://HOST/REPO:TAG (or bare HOST/REPO:TAG), oci:DIR[:TAG], oci-archive:FILE[:TAG], docker-archive:FILE[:REF], docker-daemon:NAME:TAG. Repeat for more tags: blobs go up once, every registry is checked before the first push, each destination is reported.")
 @click.option("--path", "image_path", metavar="/DIR/NAME", help="Put the disk here instead of /disk/<name> (containerDisk.path).")
 @click.option("--format", "disk_format", type=click.Choice(["keep", "qcow2", "raw"]), default="keep", show_default=True, help="Disk format inside the image.")
@@ -142,11 +152,13 @@ Examples:
 @click.option("--label", multiple=True, metavar="KEY=VALUE", help="Config label (repeatable).")
 @click.option("--annotation", multiple=True, metavar="KEY=VALUE", help="Manifest annotation, e.g. org.opencontainers.image.source=URL.")
 @click.option("--env", multiple=True, metavar="KEY=VALUE", help="Config environment variable (repeatable).")
+@checksum_options
 @click.option("--skip-if-label", "skip_if_label", multiple=True, metavar="KEY=VALUE", help="Do nothing (exit 0) when the first destination's image already carries this label, for every platform built (repeatable: all must match); a missing tag, repository or platform builds.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the digest; progress as JSON lines on stderr.")
 @registry_options
 @signature_options(policy=False)
-def build_cmd(src, dests, image_path, disk_format, compression, level, lazy, kernel, initrd, platforms, label, annotation, env, skip_if_label, as_json, registry: RegistryOptions, sign) -> None:
+def build_cmd(src, dests, image_path, disk_format, compression, level, lazy, kernel, initrd, platforms, label, annotation, env, checksum,
+              checksum_file, skip_if_label, as_json, registry: RegistryOptions, sign) -> None:
     """Package disk SRC as a scratch-based containerDisk image.
 
     One layer holds /disk/ (0555) and /disk/<name> (0440), both owned by qemu (107:107), as KubeVirt
@@ -154,6 +166,11 @@ def build_cmd(src, dests, image_path, disk_format, compression, level, lazy, ker
     one pass. The same input and flags always give the same digest (timestamps from
     SOURCE_DATE_EPOCH, else 1970). Prints the manifest digest last. SRC may be compressed (xz,
     gzip, zstd, bzip2) or a tar holding one disk: it is unwrapped into a sparse temporary file first.
+
+    SRC may be an http(s) URL or - (stdin): it is hashed, unwrapped and written to that one
+    temporary file as it arrives; a dropped connection resumes where it stopped (Range, with
+    If-Range so a file changed meanwhile is read again from its start). With --checksum or
+    --checksum-file the bytes received must match before anything is written to a destination.
     """
     for value in env:
         if "=" not in value:
@@ -162,7 +179,7 @@ def build_cmd(src, dests, image_path, disk_format, compression, level, lazy, ker
     if per_platform and (len(per_platform) != len(platforms) or src is not None):
         raise DiskkitError("--platform", "give either SRC with one --platform OS/ARCH, or only --platform OS/ARCH=FILE options")
     if not per_platform and src is None:
-        raise DiskkitError("SRC", "missing: give a disk file (or --platform OS/ARCH=FILE for each platform)")
+        raise DiskkitError("SRC", "missing: give a disk file, an http(s) URL or - for stdin (or --platform OS/ARCH=FILE for each platform)")
     if len(platforms) > 1 and not per_platform:
         raise DiskkitError("--platform", "several platforms need a file each: --platform OS/ARCH=FILE")
     dest = dests[0]
@@ -182,7 +199,9 @@ def build_cmd(src, dests, image_path, disk_format, compression, level, lazy, ker
         annotations=_pairs(annotation, "--annotation"),
         env=list(env),
         created=source_epoch(),
-        platforms=[(Platform.parse(p.split("=", 1)[0]), Path(p.split("=", 1)[1])) for p in per_platform],
+        platforms=[(Platform.parse(p.split("=", 1)[0]), p.split("=", 1)[1]) for p in per_platform],
+        checksum=checksum,
+        checksum_file=checksum_file,
     )
     if skip_if_label and _nothing_to_do(opts, skip_if_label, registry, as_json):
         return

@@ -39,6 +39,7 @@ from diskkit.oci.mediatypes import (
 from diskkit.oci.reference import parse_ref
 from diskkit.progress import Reporter
 from diskkit.registry.options import RegistryOptions
+from diskkit.source import fetch
 from diskkit.transports import open_destination
 from diskkit.transports.base import with_restarts
 
@@ -47,7 +48,7 @@ DISK_FORMATS = ("keep", "qcow2", "raw")
 
 @dataclass
 class BuildOptions:
-    source: Path | None
+    source: str | Path | None  # a file, an http(s) URL, or "-" for stdin
     dest: str
     path: str | None = None
     kernel: tuple[str, Path] | None = None
@@ -63,8 +64,10 @@ class BuildOptions:
     annotations: dict[str, str] = field(default_factory=dict)
     env: list[str] = field(default_factory=list)
     created: int = 0
-    platforms: list[tuple[Platform, Path]] = field(default_factory=list)  # one source per platform, for an index
+    platforms: list[tuple[Platform, str | Path]] = field(default_factory=list)  # one source per platform, for an index
     also: list[str] = field(default_factory=list)  # more destinations (-t repeated), given the same image
+    checksum: str | None = None  # sha256:HEX or sha512:HEX the (single) input's bytes must hash to
+    checksum_file: str | None = None  # a GNU or BSD checksum file (URL or path) listing each input by name
 
 
 @dataclass
@@ -130,10 +133,19 @@ def check_input_file(path: Path, what: str = "source disk") -> None:
         raise DiskkitError(path, f"{what} cannot be read ({exc.strerror})") from None
 
 
-def input_disk(path: Path, workdir: Path, note=None) -> payload.Unwrapped:
-    """The disk an input file holds (decompressed or taken out of its archive into `workdir`);
-    text, executables and files too small to be disks refused."""
+def input_disk(src: str | Path, workdir: Path, note=None, checksum: str | None = None, checksum_file: str | None = None,
+               registry: RegistryOptions | None = None) -> payload.Unwrapped:
+    """The disk an input holds (a file, an http(s) URL or `-` for stdin; decompressed or taken out
+    of its archive into `workdir`), its bytes checked against the checksum given; text,
+    executables and files too small to be disks refused."""
+    registry = registry or RegistryOptions()
+    expected = fetch.expectations(src, checksum, checksum_file, registry)
+    if fetch.is_stream(src):
+        return fetch.download(str(src), workdir, expected, registry, note)
+    path = Path(src)
     check_input_file(path)
+    if expected:
+        fetch.check_file(path, expected)
     return payload.unwrap(path, workdir, note)
 
 
@@ -254,7 +266,10 @@ def _build(opts: BuildOptions, dest_ref, reporter: Reporter, registry: RegistryO
     workdir = Path(tempfile.mkdtemp(prefix="diskkit-build-"))
     try:
         # Any bad input is refused before anything is written: what each file holds, then its disk.
-        disks = [input_disk(source, workdir / f"in{i}", reporter.note) for i, (_, source) in enumerate(sources)]
+        if opts.checksum is not None and len(sources) > 1:
+            raise DiskkitError("--checksum", "names one input's digest; with several platforms give --checksum-file")
+        disks = [input_disk(source, workdir / f"in{i}", reporter.note, opts.checksum, opts.checksum_file, registry)
+                 for i, (_, source) in enumerate(sources)]
         infos = [examine_disk(disk.path) for disk in disks]
         with open_destination(dest_ref, opts.created, registry) as dest:
             dest.before_manifest = before_manifest
@@ -266,7 +281,8 @@ def _build(opts: BuildOptions, dest_ref, reporter: Reporter, registry: RegistryO
             if opts.lazy and not holds_toc:
                 raise DiskkitError(str(dest_ref), f"--lazy needs OCI manifests with annotations and a {opts.compression} layer; use oci:, oci-archive: or a registry")
             built = [
-                _build_one(opts, dest, plat, source, disk, info, workdir / str(i), reporter, child=bool(opts.platforms))
+                _build_one(opts, dest, plat, disk.path if fetch.is_stream(source) else Path(source), disk, info, workdir / str(i), reporter,
+                           child=bool(opts.platforms))
                 for i, ((plat, source), disk, info) in enumerate(zip(sources, disks, infos))
             ]
             if not opts.platforms:
