@@ -302,3 +302,15 @@ def test_checksum_values():
     for bad in ("md5:" + "a" * 32, "sha256:" + "a" * 63, "a" * 64, "sha512:" + "g" * 128):
         with pytest.raises(DiskkitError):
             checksum.parse_value(bad)
+
+
+def test_refusal_of_the_downloaded_disk_names_the_url(diskkit, site, tmp_path):
+    # What qemu-img finds wrong is said of the URL, not of the temporary file the disk was written to.
+    upstream, disk = site
+    run("qemu-img", "create", "-q", "-f", "qcow2", "-b", disk, "-F", "qcow2", disk.with_name("child.qcow2"))
+    url = upstream.url("child.qcow2")
+    result = diskkit("build", url, "-t", f"oci:{tmp_path / 'l'}:v1")
+    assert result.code == 1
+    line = result.err.strip().splitlines()[-1]
+    assert line.startswith(f"diskkit: {url}: ") and "backing file" in line, line
+    assert "diskkit-build-" not in result.err

@@ -21,7 +21,7 @@ from diskkit.oci.reference import parse_ref
 from diskkit.ops.build import (
     BuildOptions,
     build,
-    examine_disk,
+    examine_input,
     input_disk,
     source_epoch,
     split_artifact,
@@ -97,7 +97,7 @@ def convert(src: str, dest: Path, out_format: str, compress: bool, checksum: str
     tmp = fsutil.staging_file(dest)
     try:
         disk = input_disk(src, workdir, reporter.note, checksum, checksum_file, registry)
-        info = examine_disk(disk.path)
+        info = examine_input(disk, src)
         with reporter.task(f"converting {disk.name}", 100) as task:
             done = [0.0]
 

@@ -180,6 +180,17 @@ def examine_disk(path: Path) -> qemuimg.DiskInfo:
     return info
 
 
+def examine_input(disk: payload.Unwrapped, given: str | Path) -> qemuimg.DiskInfo:
+    """examine_disk of what an input held, its refusals naming the input (the URL, stdin, the
+    compressed file) instead of the temporary file it was unwrapped into."""
+    try:
+        return examine_disk(disk.path)
+    except DiskkitError as exc:
+        if disk.path == Path(given) or exc.subject != str(disk.path):
+            raise
+        raise DiskkitError(fetch.shown(given), exc.rule) from None
+
+
 def split_artifact(value: str, default_path: str, flag: str) -> tuple[str, Path]:
     """`--kernel FILE` or `--kernel /path/in/image=FILE`."""
     image_path, sep, local = value.partition("=")
@@ -270,7 +281,7 @@ def _build(opts: BuildOptions, dest_ref, reporter: Reporter, registry: RegistryO
             raise DiskkitError("--checksum", "names one input's digest; with several platforms give --checksum-file")
         disks = [input_disk(source, workdir / f"in{i}", reporter.note, opts.checksum, opts.checksum_file, registry)
                  for i, (_, source) in enumerate(sources)]
-        infos = [examine_disk(disk.path) for disk in disks]
+        infos = [examine_input(disk, source) for disk, (_, source) in zip(disks, sources)]
         with open_destination(dest_ref, opts.created, registry) as dest:
             dest.before_manifest = before_manifest
             if opts.platforms and dest.docker_manifest:
@@ -281,8 +292,7 @@ def _build(opts: BuildOptions, dest_ref, reporter: Reporter, registry: RegistryO
             if opts.lazy and not holds_toc:
                 raise DiskkitError(str(dest_ref), f"--lazy needs OCI manifests with annotations and a {opts.compression} layer; use oci:, oci-archive: or a registry")
             built = [
-                _build_one(opts, dest, plat, disk.path if fetch.is_stream(source) else Path(source), disk, info, workdir / str(i), reporter,
-                           child=bool(opts.platforms))
+                _build_one(opts, dest, plat, source, disk, info, workdir / str(i), reporter, child=bool(opts.platforms))
                 for i, ((plat, source), disk, info) in enumerate(zip(sources, disks, infos))
             ]
             if not opts.platforms:
@@ -298,8 +308,10 @@ def _build(opts: BuildOptions, dest_ref, reporter: Reporter, registry: RegistryO
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _build_one(opts, dest, plat: Platform, source: Path, disk: payload.Unwrapped, info, workdir: Path, reporter: Reporter, child: bool) -> BuildResult:
+def _build_one(opts, dest, plat: Platform, given: str | Path, disk: payload.Unwrapped, info, workdir: Path, reporter: Reporter, child: bool) -> BuildResult:
     workdir.mkdir(parents=True)
+    # A download's record would pin a temporary file (never settled, so never written): no shortcut for URLs.
+    source = disk.path if fetch.is_stream(given) else Path(given)
     disk_format = _target_format(opts.disk_format, info.format)
     image_disk_path = opts.path or f"/disk/{_disk_name(disk, disk_format != info.format, disk_format)}"
     compression = dest.layer_compression or opts.compression
@@ -312,7 +324,7 @@ def _build_one(opts, dest, plat: Platform, source: Path, disk: payload.Unwrapped
     def send() -> LayerResult:
         # Converted (when asked) only here, once: an unchanged rebuild the destination holds needs no disk.
         if not prepared:
-            prepared.append(_prepare_format(opts, source, disk.path, info, workdir, reporter)[0])
+            prepared.append(_prepare_format(opts, fetch.shown(given), disk.path, info, workdir, reporter)[0])
         files = [(image_disk_path, prepared[0]), *(a for a in (opts.kernel, opts.initrd) if a)]
         entries = entries_for(files)
         total = sum(e.size for e in entries)
@@ -387,7 +399,7 @@ def _target_format(wanted: str, found: str) -> str:
     return wanted
 
 
-def _prepare_format(opts: BuildOptions, shown: Path, source: Path, info: qemuimg.DiskInfo, workdir: Path, reporter: Reporter):
+def _prepare_format(opts: BuildOptions, shown: str, source: Path, info: qemuimg.DiskInfo, workdir: Path, reporter: Reporter):
     wanted = opts.disk_format
     if wanted == "keep":
         if info.format in diskrules.ACCEPTED_FORMATS:
