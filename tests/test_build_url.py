@@ -314,3 +314,65 @@ def test_refusal_of_the_downloaded_disk_names_the_url(diskkit, site, tmp_path):
     line = result.err.strip().splitlines()[-1]
     assert line.startswith(f"diskkit: {url}: ") and "backing file" in line, line
     assert "diskkit-build-" not in result.err
+
+
+def test_server_errors_are_retried_then_given_up(diskkit, site, tmp_path):
+    upstream, _ = site
+    proxy = FaultProxy(upstream.host)
+    try:
+        proxy.add(Fault("GET", r"/guest\.qcow2$", "status", arg=503, times=2))
+        url = f"http://{proxy.host}/guest.qcow2"
+        ok = diskkit("build", url, "-t", f"oci:{tmp_path / 'a'}:v1", "--retry-delay", "0.05")
+        assert ok.code == 0, ok.err
+        assert [name for name, _, _ in upstream.requests] == ["guest.qcow2"]  # the proxy answered the two 503s
+        proxy.add(Fault("GET", r"/guest\.qcow2$", "status", arg=503, times=3))
+        failed = diskkit("build", url, "-t", f"oci:{tmp_path / 'b'}:v1", "--retry-delay", "0.05", "--retry-times", "2")
+    finally:
+        proxy.close()
+    assert failed.code == 1
+    assert failed.err.strip() == f"diskkit: {url}: HTTP 503 Service Unavailable (3 attempts)"
+
+
+def test_platforms_from_urls_each_checked_by_name(diskkit, site, tmp_path):
+    upstream, disk = site
+    arm = make_qcow2(disk.with_name("arm.qcow2"), size="16M", pattern=0x77)
+    (disk.parent / "SHA256SUMS").write_text(f"{_sha(disk)}  guest.qcow2\n{_sha(arm)}  arm.qcow2\n")
+    result = diskkit("build", "--platform", f"linux/amd64={upstream.url('guest.qcow2')}", "--platform", f"linux/arm64={upstream.url('arm.qcow2')}",
+                     "--checksum-file", disk.parent / "SHA256SUMS", "-t", f"oci:{tmp_path / 'l'}:v1", "--json")
+    assert result.code == 0, result.err
+    assert [m["disk"]["path"] for m in json.loads(result.out)["manifests"]] == ["/disk/guest.qcow2", "/disk/arm.qcow2"]
+    assert result.err.count("verified over") == 2
+    both = diskkit("build", "--platform", f"linux/amd64={upstream.url('guest.qcow2')}", "--platform", f"linux/arm64={upstream.url('arm.qcow2')}",
+                   "--checksum", f"sha256:{_sha(disk)}", "-t", f"oci:{tmp_path / 'm'}:v1")
+    assert both.code == 1 and "--checksum: names one input's digest; with several platforms give --checksum-file" in both.err
+
+
+def test_local_file_checksum_and_pipe_without_a_name(diskkit, site, tmp_path):
+    _, disk = site
+    bad = diskkit("build", disk, "--checksum", f"sha512:{'0' * 128}", "-t", f"oci:{tmp_path / 'l'}:v1")
+    assert bad.code == 1
+    assert bad.err.strip() == f"diskkit: {disk}: Digest did not match, expected sha512:{'0' * 128}, got sha512:{_sha(disk, 'sha512')} (--checksum); nothing was built"
+    good = diskkit("build", disk, "--checksum", f"sha512:{_sha(disk, 'sha512')}", "-t", f"oci:{tmp_path / 'l'}:v1")
+    assert good.code == 0, good.err
+    sums = tmp_path / "SUMS"
+    sums.write_text(f"{_sha(disk)}  guest.qcow2\n")
+    with open(disk, "rb") as stdin:
+        proc = subprocess.run([sys.executable, "-m", "diskkit", "build", "-", "--checksum-file", sums, "-t", f"oci:{tmp_path / 'p'}:v1"],
+                              stdin=stdin, capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == f"diskkit: --checksum-file {sums}: stdin has no file name to look up; give --checksum sha256:HEX"
+
+
+@pytest.mark.parametrize("kind", ["xz", "gzip", "zstd", "bzip2"])
+def test_every_compression_unwraps_from_a_stream(tmp_path, kind):
+    from diskkit.disk import payload
+
+    disk = make_qcow2(tmp_path / "d.qcow2", size="8M", pattern=0x42)
+    tool = {"xz": ["xz", "-k"], "gzip": ["gzip", "-k"], "zstd": ["zstd", "-q", "-k"], "bzip2": ["bzip2", "-k"]}[kind]
+    suffix = {"xz": ".xz", "gzip": ".gz", "zstd": ".zst", "bzip2": ".bz2"}[kind]
+    assert shutil.which(tool[0]), f"{tool[0]} is needed by this test"
+    run(*tool, disk)
+    with open(f"{disk}{suffix}", "rb", buffering=0) as stream:
+        out = payload.unwrap_stream(stream, f"d.qcow2{suffix}", "stream", tmp_path / "out")
+    assert (out.name, out.layers) == ("d.qcow2", (kind,))
+    assert _sha(out.path) == _sha(disk)
