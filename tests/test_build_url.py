@@ -376,3 +376,20 @@ def test_every_compression_unwraps_from_a_stream(tmp_path, kind):
         out = payload.unwrap_stream(stream, f"d.qcow2{suffix}", "stream", tmp_path / "out")
     assert (out.name, out.layers) == ("d.qcow2", (kind,))
     assert _sha(out.path) == _sha(disk)
+
+
+def test_one_temporary_copy_however_deep_the_wrapping(site, tmp_path):
+    # A .tar.xz from a URL, and the same file on disk: the disk is written once, nothing else is kept.
+    from diskkit.disk import payload
+    from diskkit.registry.options import RegistryOptions
+    from diskkit.source import fetch
+
+    upstream, disk = site
+    run("tar", "-cf", disk.with_name("guest.tar"), "-C", disk.parent, "guest.qcow2")
+    packed = _xz(disk.with_name("guest.tar"))
+    fetched = fetch.download(upstream.url(packed.name), tmp_path / "fetched", [], RegistryOptions())
+    local = payload.unwrap(packed, tmp_path / "local")
+    for root, got in ((tmp_path / "fetched", fetched), (tmp_path / "local", local)):
+        assert [p for p in root.rglob("*") if p.is_file()] == [got.path]
+        assert (got.name, got.layers) == ("guest.qcow2", ("xz", "tar"))
+        assert _sha(got.path) == _sha(disk)

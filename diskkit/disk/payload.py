@@ -106,32 +106,20 @@ class Unwrapped:
 
 def unwrap(source: Path, workdir: Path, note: Callable[[str], None] | None = None) -> Unwrapped:
     """The disk `source` holds: `source` itself, or decompressed / taken out of its archive into
-    `workdir` (sparse, flat memory); a file that is no disk is refused, naming `source`."""
-    path, name, layers = source, source.name, []
-    while True:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(HEAD_BYTES)
+    `workdir` in one pass (sparse, flat memory, one file however deep the wrapping); a file that
+    is no disk is refused, naming `source`."""
+    size = source.stat().st_size
+    with open(source, "rb") as f:
+        head = f.read(HEAD_BYTES)
         kind = classify(head, size)
         problem = refusal(kind, head, size)
         if problem:
-            raise DiskkitError(f"{source} (unwrapped {'+'.join(layers)}: {name})" if layers else source, problem)
+            raise DiskkitError(source, problem)
         if kind not in COMPRESSIONS and kind != "tar":
-            if layers and note:
-                note(f"{source}: {'+'.join(layers)} unwrapped: the disk is {name} ({kind})")
-            return Unwrapped(path, name, tuple(layers))
-        if len(layers) == MAX_LAYERS:
-            raise DiskkitError(source, f"is wrapped more than {MAX_LAYERS} times ({'+'.join(layers)}+{kind}); unpack it first")
+            return Unwrapped(source, source.name)
         workdir.mkdir(parents=True, exist_ok=True)
-        if kind == "tar":
-            path, name = _take_member(path, source, workdir / f"unwrapped{len(layers)}")
-        else:
-            name = logical_name(name, kind)
-            out = workdir / f"unwrapped{len(layers)}"
-            with open(path, "rb") as raw, decompressing_reader(raw, kind, str(source)) as stream:
-                _copy_sparse(stream, out)
-            path = out
-        layers.append(kind)
+        f.seek(0)
+        return unwrap_stream(f, source.name, str(source), workdir / "unwrapped", note)
 
 
 def _copy_sparse(stream, out: Path) -> int:
@@ -144,28 +132,6 @@ def _copy_sparse(stream, out: Path) -> int:
         total = f.tell()
         f.truncate(total)
     return total
-
-
-def _take_member(archive: Path, source: Path, out: Path) -> tuple[Path, str]:
-    try:
-        with tarfile.open(archive, "r:") as tar:
-            files = []
-            for member in tar:
-                if member.isfile():
-                    files.append(member)
-                elif not member.isdir():
-                    raise DiskkitError(f"{source}: {member.name}", "the archive holds something other than files and directories; give the disk file itself")
-            if len(files) != 1:
-                names = ", ".join(m.name for m in files[:4]) + (", ..." if len(files) > 4 else "")
-                raise DiskkitError(source, f"the archive holds {len(files)} files ({names or 'none'}), not one disk; unpack it and give the disk file")
-            member = files[0]
-            extracted = tar.extractfile(member)
-            assert extracted is not None
-            with extracted:
-                _copy_sparse(extracted, out)
-    except tarfile.TarError as exc:
-        raise DiskkitError(source, f"tar archive cannot be read ({exc}); refused") from None
-    return out, os.path.basename(member.name.rstrip("/")) or "disk"
 
 
 _EXTENSIONS = {"raw": "img"}
@@ -227,11 +193,11 @@ def unwrap_stream(stream, name: str, shown: str, out: Path, note: Callable[[str]
             else:
                 if not name:
                     name = f"disk.{_EXTENSIONS.get(kind, kind)}"
-                if layers and note:
-                    note(f"{shown}: {'+'.join(layers)} unwrapped: the disk is {name} ({kind})")
                 _copy_sparse(stream, out)
                 for check in reversed(checks):
                     check()
+                if layers and note:
+                    note(f"{shown}: {'+'.join(layers)} unwrapped: the disk is {name} ({kind})")
                 return Unwrapped(out, name, tuple(layers))
             if len(layers) == MAX_LAYERS:
                 raise DiskkitError(shown, f"is wrapped more than {MAX_LAYERS} times ({'+'.join(layers)}+{kind}); unpack it first")
