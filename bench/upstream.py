@@ -10,6 +10,7 @@ process, with `sync` before each run:
             stream itself (none can: qemu-img checks a qcow2 before it is packaged, and a tar header
             states the disk's size before its first byte; a compressed download's size is known last)
   stream    diskkit.source.fetch.download: GET, sha256, decompress, sparse write: one pass, one file
+  serial    stream with fetching and hashing in the decompressing thread (no ReadAhead)
   two-pass  the same GET written to a file (fsync'd), then diskkit.disk.payload.unwrap into a second
   build     `diskkit build URL -t oci:DIR` whole (download and build), for scale
 
@@ -37,7 +38,7 @@ import requests
 
 from diskkit.disk import payload
 from diskkit.registry.options import RegistryOptions
-from diskkit.source import checksum, fetch
+from diskkit.source import checksum, fetch, httpfile
 from diskkit.streams.compression import decompressing_reader
 
 TOOLS = {"gzip": ["gzip", "-1"], "xz": ["xz", "-0", "-T2"], "zstd": ["zstd", "-q", "-3", "--rm"]}
@@ -94,6 +95,15 @@ def no_file(url: str, work: Path, sha: str) -> None:
     assert hashes.mismatch() is None
 
 
+def serial(url: str, work: Path, sha: str) -> None:
+    """What stream does, with fetching and hashing in the same thread as decompressing and writing."""
+    work.mkdir(parents=True)
+    hashes = checksum.Hashes([checksum.parse_value(f"sha256:{sha}")])
+    with httpfile.RemoteFile(url, RegistryOptions()) as raw:
+        payload.unwrap_stream(fetch.Hashing(raw, hashes), Path(url).name, url, work / "disk")
+    assert hashes.mismatch() is None
+
+
 def two_pass(url: str, work: Path, sha: str) -> None:
     work.mkdir(parents=True)
     hashes = checksum.Hashes([checksum.parse_value(f"sha256:{sha}")])
@@ -134,9 +144,9 @@ def main() -> None:
         sha = subprocess.run(["sha256sum", str(packed)], check=True, capture_output=True, text=True).stdout.split()[0]
         httpd = serve(site)
         url = f"http://127.0.0.1:{httpd.server_address[1]}/{packed.name}"
-        times: dict[str, list[float]] = {"no-file": [], "stream": [], "two-pass": [], "build": []}
+        times: dict[str, list[float]] = {"no-file": [], "stream": [], "serial": [], "two-pass": [], "build": []}
         for run in range(args.runs):
-            for name, fn in (("no-file", no_file), ("stream", stream), ("two-pass", two_pass), ("build", build)):
+            for name, fn in (("no-file", no_file), ("stream", stream), ("serial", serial), ("two-pass", two_pass), ("build", build)):
                 work = root / f"{name}-{run}"
                 subprocess.run(["sync"], check=True)
                 start = time.perf_counter()

@@ -14,7 +14,8 @@ from typing import BinaryIO, Callable
 from diskkit.disk import payload
 from diskkit.errors import DiskkitError
 from diskkit.registry.options import RegistryOptions
-from diskkit.source import checksum, http
+from diskkit.source import checksum, httpfile
+from diskkit.streams.readahead import ReadAhead
 
 STDIN = "-"
 CHUNK = 1 << 20
@@ -22,13 +23,13 @@ CHUNK = 1 << 20
 
 def is_stream(spec: str | Path) -> bool:
     """A URL or `-` (stdin), as opposed to a local file."""
-    return isinstance(spec, str) and (spec == STDIN or http.is_url(spec))
+    return isinstance(spec, str) and (spec == STDIN or httpfile.is_url(spec))
 
 
 def shown(spec: str | Path) -> str:
     if spec == STDIN:
         return "stdin"
-    return http.shown(spec) if isinstance(spec, str) and http.is_url(spec) else str(spec)
+    return httpfile.shown(spec) if isinstance(spec, str) and httpfile.is_url(spec) else str(spec)
 
 
 def expectations(spec: str | Path, value: str | None, sums: str | None, opts: RegistryOptions) -> list[checksum.Expected]:
@@ -41,19 +42,19 @@ def expectations(spec: str | Path, value: str | None, sums: str | None, opts: Re
         return [checksum.parse_value(value)]
     if sums is None:
         return []
-    name = http.file_name(spec) if isinstance(spec, str) and http.is_url(spec) else ("" if spec == STDIN else Path(spec).name)
+    name = httpfile.file_name(spec) if isinstance(spec, str) and httpfile.is_url(spec) else ("" if spec == STDIN else Path(spec).name)
     if not name:
         raise DiskkitError(f"--checksum-file {shown(sums)}", f"{shown(spec)} has no file name to look up; give --checksum sha256:HEX")
-    if http.is_url(sums):
-        text = http.read_small(sums, opts)
+    if httpfile.is_url(sums):
+        text = httpfile.read_small(sums, opts)
     else:
         try:
             with open(sums, "rb") as f:
-                text = f.read(http.SMALL_LIMIT + 1)
+                text = f.read(httpfile.SMALL_LIMIT + 1)
         except OSError as exc:
             raise DiskkitError(sums, f"checksum file cannot be read ({exc.strerror})") from None
-        if len(text) > http.SMALL_LIMIT:
-            raise DiskkitError(sums, f"is more than {http.SMALL_LIMIT} bytes; a checksum file that large is refused")
+        if len(text) > httpfile.SMALL_LIMIT:
+            raise DiskkitError(sums, f"is more than {httpfile.SMALL_LIMIT} bytes; a checksum file that large is refused")
     return checksum.lookup(text.decode("utf-8", "replace"), name, f"--checksum-file {shown(sums)}")
 
 
@@ -74,7 +75,7 @@ def check_file(path: Path, expected: list[checksum.Expected]) -> None:
     refuse_mismatch(path, hashes)
 
 
-class _Hashing(io.RawIOBase):
+class Hashing(io.RawIOBase):
     """The stream as read, every byte also fed to the hashes; `count` says how many went through."""
 
     def __init__(self, raw: BinaryIO, hashes: checksum.Hashes):
@@ -109,7 +110,7 @@ def download(spec: str, workdir: Path, expected: list[checksum.Expected], opts: 
         out_dir.mkdir(parents=True)
         try:
             return _download_once(spec, out_dir, expected, opts, note)
-        except http.SourceChanged as exc:
+        except httpfile.SourceChanged as exc:
             shutil.rmtree(out_dir, ignore_errors=True)
             if restarts >= opts.retries:
                 raise
@@ -125,16 +126,20 @@ def _download_once(spec: str, out_dir: Path, expected, opts: RegistryOptions, no
     if spec == STDIN:
         raw, name = sys.stdin.buffer.raw if hasattr(sys.stdin.buffer, "raw") else sys.stdin.buffer, ""
     else:
-        raw, name = http.RemoteFile(spec, opts, note), http.file_name(spec)
+        raw, name = httpfile.RemoteFile(spec, opts, note), httpfile.file_name(spec)
+    hashing = Hashing(raw, hashes)
+    # Fetching and hashing in a thread of their own, decompressing and writing in this one: hashlib,
+    # ISA-L and the lzma/bz2/zstd libraries release the GIL, so both cores work (bench/upstream.py).
+    ahead = ReadAhead(hashing)
     try:
-        stream = _Hashing(raw, hashes)
-        disk = payload.unwrap_stream(stream, name, shown(spec), out_dir / "disk", note)
-        stream.drain()
+        disk = payload.unwrap_stream(ahead, name, shown(spec), out_dir / "disk", note)
+        ahead.drain()
     finally:
+        ahead.close()
         if spec != STDIN:
             raw.close()
     if expected:
         refuse_mismatch(spec, hashes)
-        note(f"{shown(spec)}: {', '.join(str(e) for e in expected)} verified over {stream.count} bytes")
+        note(f"{shown(spec)}: {', '.join(str(e) for e in expected)} verified over {hashing.count} bytes")
     return disk
 
