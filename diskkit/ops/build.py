@@ -139,11 +139,12 @@ def input_disk(src: str | Path, workdir: Path, note=None, checksum: str | None =
     of its archive into `workdir`), its bytes checked against the checksum given; text,
     executables and files too small to be disks refused."""
     registry = registry or RegistryOptions()
+    if not fetch.is_stream(src):
+        check_input_file(Path(src))
     expected = fetch.expectations(src, checksum, checksum_file, registry)
     if fetch.is_stream(src):
         return fetch.download(str(src), workdir, expected, registry, note)
     path = Path(src)
-    check_input_file(path)
     if expected:
         fetch.check_file(path, expected)
     return payload.unwrap(path, workdir, note)

@@ -62,7 +62,6 @@ class RemoteFile(io.RawIOBase):
         self.total: int | None = None
         self.validator: str | None = None
         self.attempts = 0  # failures so far, each waited out and retried
-        self.resumes = 0
         self._session = requests.Session()
         self._session.headers["User-Agent"] = "diskkit"
         self._response: requests.Response | None = None
@@ -86,10 +85,7 @@ class RemoteFile(io.RawIOBase):
                 return len(data)
             if problem is None and (self.total is None or self.offset >= self.total):
                 return 0
-            if self.total is not None and self.offset > self.total:
-                raise DiskkitError(self.shown, f"sent more than the {self.total} bytes it announced; refused")
             self._failed(problem or f"the body ended after {self.offset} of {self.total} bytes")
-            self.resumes += 1
             self.note(f"{self.shown}: the connection dropped at byte {self.offset} of {self.total or '?'}; resuming from there")
             self._open()
 
