@@ -283,6 +283,11 @@ def test_convert_from_url(diskkit, site, tmp_path):
     raw = tmp_path / "expected.raw"
     run("qemu-img", "convert", "-O", "raw", disk, raw)
     assert _sha(out) == _sha(raw)
+    piped = tmp_path / "piped.raw"
+    with open(disk.with_name("guest.qcow2.xz"), "rb") as stdin:
+        proc = subprocess.run([sys.executable, "-m", "diskkit", "convert", "-O", "raw", "-", piped], stdin=stdin, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert _sha(piped) == _sha(raw)
 
 
 # The checksum files' formats, as upstreams write them (pure).
@@ -408,3 +413,23 @@ def test_one_temporary_copy_however_deep_the_wrapping(site, tmp_path):
         assert [p for p in root.rglob("*") if p.is_file()] == [got.path]
         assert (got.name, got.layers) == ("guest.qcow2", ("xz", "tar"))
         assert _sha(got.path) == _sha(disk)
+
+
+def test_https_with_credentials_in_the_url(diskkit, site, tmp_path):
+    # A private CA through REQUESTS_CA_BUNDLE; basic auth from the URL, never printed.
+    from tests.distribution import make_tls_files
+    from tests.fileserver import FileServer
+
+    _, disk = site
+    ca, cert, key = make_tls_files(tmp_path / "tls")
+    with FileServer(disk.parent, credentials="ci:s3cret", tls=(cert, key)) as server:
+        url = server.url("guest.qcow2.xz").replace("https://", "https://ci:s3cret@")
+        untrusted = diskkit("build", url, "-t", f"oci:{tmp_path / 'a'}:v1", "--retry-times", "0")
+        trusted = diskkit("build", url, "-t", f"oci:{tmp_path / 'b'}:v1", "--checksum", f"sha256:{_sha(disk.with_name('guest.qcow2.xz'))}",
+                          env={"REQUESTS_CA_BUNDLE": str(ca)})
+        wrong = diskkit("build", url.replace("s3cret", "nope"), "-t", f"oci:{tmp_path / 'c'}:v1", env={"REQUESTS_CA_BUNDLE": str(ca)})
+    assert untrusted.code == 1
+    assert untrusted.err.strip().startswith(f"diskkit: {server.url('guest.qcow2.xz')}: TLS verification failed")
+    assert trusted.code == 0, trusted.err
+    assert wrong.code == 1 and wrong.err.strip() == f"diskkit: {server.url('guest.qcow2.xz')}: expected status code 200, got 401 (Unauthorized)"
+    assert "s3cret" not in untrusted.err + trusted.err + wrong.err and "nope" not in wrong.err
