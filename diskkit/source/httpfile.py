@@ -65,7 +65,11 @@ class RemoteFile(io.RawIOBase):
         self._session = requests.Session()
         self._session.headers["User-Agent"] = "diskkit"
         self._response: requests.Response | None = None
-        self._open()
+        try:
+            self._open()
+        except BaseException:
+            self._session.close()
+            raise
 
     def readable(self) -> bool:
         return True
