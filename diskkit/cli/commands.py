@@ -12,6 +12,7 @@ from diskkit import __version__
 from diskkit.cli.shell import platform as platform_of
 from diskkit.cli.shell import EXIT_EPILOG, registry_options, run_main
 from diskkit.cli.indexcmds import index_group
+from diskkit.cli.sourceflags import checksum_options, retry_options
 from diskkit.cli.standalone import standalone_sign, standalone_verify
 from diskkit.cli.tagcmds import TAG_COMMANDS
 from diskkit.cli.trustflags import signature_options
@@ -21,7 +22,7 @@ from diskkit.oci.reference import parse_ref
 from diskkit.ops.build import (
     BuildOptions,
     build,
-    examine_disk,
+    examine_input,
     input_disk,
     source_epoch,
     split_artifact,
@@ -30,6 +31,7 @@ from diskkit.ops.buildmeta import parse as parse_metadata
 from diskkit.ops.verify import describe, inspect, verify
 from diskkit.progress import reporter_for
 from diskkit.registry.options import RegistryOptions
+from diskkit.source.fetch import is_stream
 from diskkit.streams.compression import KINDS
 
 
@@ -56,17 +58,23 @@ Examples:
   diskkit convert -O qcow2 -c disk.raw disk.qcow2
   diskkit convert -O raw disk.qcow2 disk.img
   diskkit convert Fedora-Cloud.qcow2.xz fedora.qcow2            # xz, gzip, zstd, bzip2 and tar unwrapped first
+  diskkit convert https://example.org/f40.qcow2.xz f40.qcow2 --checksum-file https://example.org/CHECKSUM
+  curl -sL https://example.org/f40.raw.xz | diskkit convert - f40.qcow2
 """
 )
-@click.argument("src", type=click.Path(path_type=Path, readable=False))
+@click.argument("src")
 @click.argument("dest", type=click.Path(path_type=Path, readable=False))
 @click.option("-O", "out_format", type=click.Choice(["qcow2", "raw"]), default="qcow2", show_default=True, help="Output format.")
 @click.option("-c", "compress", is_flag=True, help="Compress qcow2 clusters (smaller, slower to read).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the destination's path.")
-def convert(src: Path, dest: Path, out_format: str, compress: bool, as_json: bool) -> None:
+@checksum_options
+@retry_options
+def convert(src: str, dest: Path, out_format: str, compress: bool, checksum: str | None, checksum_file: str | None, registry: RegistryOptions,
+            as_json: bool) -> None:
     """Convert a raw, qcow2, vmdk, vdi, vpc or vhdx disk to qcow2 or raw with qemu-img.
 
     A disk compressed with xz, gzip, zstd or bzip2, or alone in a tar archive, is unwrapped first.
+    SRC may be an http(s) URL or - (stdin), read as `diskkit build` reads them.
     The input is checked first (qemu-img info and check, under CPU and memory limits); the output
     is written under a temporary name and renamed only when complete.
     """
@@ -76,15 +84,15 @@ def convert(src: Path, dest: Path, out_format: str, compress: bool, as_json: boo
     from diskkit.disk import qemuimg
     from diskkit.streams import fsutil
 
-    if dest.resolve() == src.resolve():
+    if not is_stream(src) and dest.resolve() == Path(src).resolve():
         raise DiskkitError(dest, "destination is the source; choose another file")
     reporter = reporter_for()
     workdir = Path(tempfile.mkdtemp(prefix="diskkit-convert-"))
     tmp = fsutil.staging_file(dest)
     try:
-        disk = input_disk(src, workdir, reporter.note)
-        info = examine_disk(disk.path)
-        with reporter.task(f"converting {src.name}", 100) as task:
+        disk = input_disk(src, workdir, reporter.note, checksum, checksum_file, registry)
+        info = examine_input(disk, src)
+        with reporter.task(f"converting {disk.name}", 100) as task:
             done = [0.0]
 
             def advance(percent: float) -> None:
@@ -119,6 +127,9 @@ Examples:
   diskkit build --platform linux/amd64=x86.qcow2 --platform linux/arm64=arm.qcow2 -t quay.io/me/fedora:40 \\
       --default-instancetype u1.medium --default-preference linux/amd64:fedora --default-preference linux/arm64:fedora.arm64 \\
       --annotation index,manifest:org.opencontainers.image.version=40
+  diskkit build https://example.org/f40.qcow2.xz --checksum-file https://example.org/CHECKSUM -t quay.io/me/fedora:40
+  diskkit build https://example.org/f40.qcow2 --checksum sha256:9f86d0...0f00a08 -t quay.io/me/fedora:40
+  curl -sL https://example.org/f40.qcow2.xz | diskkit build - --checksum sha256:... -t oci:./layout:40   # /disk/disk.qcow2
   SOURCE_DATE_EPOCH=1700000000 diskkit build disk.qcow2 -t oci:./layout --json
   diskkit build disk.qcow2 -t quay.io/me/fedora:40 --label shasum=$SUM --skip-if-label shasum=$SUM   # exit 0, nothing done when unchanged
   diskkit build disk.qcow2 -t quay.io/me/fedora:40 --sign-by-sigstore-private-key ci.private --sign-passphrase-file pass
@@ -126,7 +137,7 @@ Examples:
   diskkit build --artifact disk.img -t quay.io/me/fedora:40-artifact   # OCI artifact: the disk as one file layer, as ORAS pushes it
 """
 )
-@click.argument("src", type=click.Path(path_type=Path, readable=False), required=False)
+@click.argument("src", required=False)
 @click.option("-t", "--tag", "dests", required=True, multiple=True, metavar="DEST", help="Where to write: docker://HOST/REPO:TAG (or bare HOST/REPO:TAG), oci:DIR[:TAG], oci-archive:FILE[:TAG], docker-archive:FILE[:REF], docker-daemon:NAME:TAG. Repeat for more tags: blobs go up once, every registry is checked before the first push, each destination is reported.")
 @click.option("--path", "image_path", metavar="/DIR/NAME", help="Put the disk here instead of /disk/<name> (containerDisk.path).")
 @click.option("--format", "disk_format", type=click.Choice(["keep", "qcow2", "raw"]), default="keep", show_default=True, help="Disk format inside the image.")
@@ -141,13 +152,14 @@ Examples:
 @click.option("--env", multiple=True, metavar="[OS/ARCH:]KEY=VALUE", help="Config environment variable (repeatable); with OS/ARCH: only that platform's image.")
 @click.option("--default-instancetype", "default_instancetype", multiple=True, metavar="[OS/ARCH:]NAME[:KIND]", help="The instance type a VM inferring from this image gets: the instancetype.kubevirt.io/default-instancetype(-kind) labels and the INSTANCETYPE_KUBEVIRT_IO_DEFAULT_INSTANCETYPE(_KIND) ENV CDI reads.")
 @click.option("--default-preference", "default_preference", multiple=True, metavar="[OS/ARCH:]NAME[:KIND]", help="The preference likewise (instancetype.kubevirt.io/default-preference(-kind), INSTANCETYPE_KUBEVIRT_IO_DEFAULT_PREFERENCE(_KIND)).")
+@checksum_options
 @click.option("--skip-if-label", "skip_if_label", multiple=True, metavar="[OS/ARCH:]KEY=VALUE", help="Do nothing (exit 0) when the first destination's image already carries this label, for every platform built or, with OS/ARCH:, for that one (repeatable: all must match); a missing tag, repository or platform builds.")
 @click.option("--artifact", is_flag=True, help="Write an OCI 1.1 artifact, as `oras push` of the disk file: artifactType, an empty config, the disk as one blob (no tar) titled with its file name, and kubevirt.io/image-volume-skip-digest-resolution; KubeVirt boots it through an image volume. Uncompressed unless --compression says otherwise (CRI-O mounts the blob as it is).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the digest; progress as JSON lines on stderr.")
 @registry_options
 @signature_options(policy=False)
 def build_cmd(src, dests, image_path, disk_format, compression, level, lazy, kernel, initrd, platforms, label, annotation, env, default_instancetype,
-              default_preference, skip_if_label, artifact, as_json, registry: RegistryOptions, sign) -> None:
+              default_preference, checksum, checksum_file, skip_if_label, artifact, as_json, registry: RegistryOptions, sign) -> None:
     """Package disk SRC as a scratch-based containerDisk image.
 
     One layer holds /disk/ (0555) and /disk/<name> (0440), both owned by qemu (107:107), as KubeVirt
@@ -155,12 +167,17 @@ def build_cmd(src, dests, image_path, disk_format, compression, level, lazy, ker
     one pass. The same input and flags always give the same digest (timestamps from
     SOURCE_DATE_EPOCH, else 1970). Prints the manifest digest last. SRC may be compressed (xz,
     gzip, zstd, bzip2) or a tar holding one disk: it is unwrapped into a sparse temporary file first.
+
+    SRC may be an http(s) URL or - (stdin): it is hashed, unwrapped and written to that one
+    temporary file as it arrives; a dropped connection resumes where it stopped (Range, with
+    If-Range so a file changed meanwhile is read again from its start). With --checksum or
+    --checksum-file the bytes received must match before anything is written to a destination.
     """
     per_platform = [p for p in platforms if "=" in p]
     if per_platform and (len(per_platform) != len(platforms) or src is not None):
         raise DiskkitError("--platform", "give either SRC with one --platform OS/ARCH, or only --platform OS/ARCH=FILE options")
     if not per_platform and src is None:
-        raise DiskkitError("SRC", "missing: give a disk file (or --platform OS/ARCH=FILE for each platform)")
+        raise DiskkitError("SRC", "missing: give a disk file, an http(s) URL or - for stdin (or --platform OS/ARCH=FILE for each platform)")
     if len(platforms) > 1 and not per_platform:
         raise DiskkitError("--platform", "several platforms need a file each: --platform OS/ARCH=FILE")
     dest = dests[0]
@@ -177,8 +194,10 @@ def build_cmd(src, dests, image_path, disk_format, compression, level, lazy, ker
         disk_format=disk_format,
         platform=Platform.parse(platforms[0]) if platforms and not per_platform else Platform("linux", "amd64"),
         created=source_epoch(),
-        platforms=[(Platform.parse(p.split("=", 1)[0]), Path(p.split("=", 1)[1])) for p in per_platform],
+        platforms=[(Platform.parse(p.split("=", 1)[0]), p.split("=", 1)[1]) for p in per_platform],
         artifact=artifact,
+        checksum=checksum,
+        checksum_file=checksum_file,
     )
     opts.metadata = parse_metadata([p for p, _ in opts.platforms] or [opts.platform], bool(opts.platforms), label, env, annotation,
                                    default_instancetype, default_preference)

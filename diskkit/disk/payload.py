@@ -10,6 +10,7 @@ member under disk/ of a containerDisk layer; an archive of several files is ambi
 
 from __future__ import annotations
 
+import io
 import os
 import tarfile
 from dataclasses import dataclass
@@ -105,32 +106,20 @@ class Unwrapped:
 
 def unwrap(source: Path, workdir: Path, note: Callable[[str], None] | None = None) -> Unwrapped:
     """The disk `source` holds: `source` itself, or decompressed / taken out of its archive into
-    `workdir` (sparse, flat memory); a file that is no disk is refused, naming `source`."""
-    path, name, layers = source, source.name, []
-    while True:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(HEAD_BYTES)
+    `workdir` in one pass (sparse, flat memory, one file however deep the wrapping); a file that
+    is no disk is refused, naming `source`."""
+    size = source.stat().st_size
+    with open(source, "rb") as f:
+        head = f.read(HEAD_BYTES)
         kind = classify(head, size)
         problem = refusal(kind, head, size)
         if problem:
-            raise DiskkitError(f"{source} (unwrapped {'+'.join(layers)}: {name})" if layers else source, problem)
+            raise DiskkitError(source, problem)
         if kind not in COMPRESSIONS and kind != "tar":
-            if layers and note:
-                note(f"{source}: {'+'.join(layers)} unwrapped: the disk is {name} ({kind})")
-            return Unwrapped(path, name, tuple(layers))
-        if len(layers) == MAX_LAYERS:
-            raise DiskkitError(source, f"is wrapped more than {MAX_LAYERS} times ({'+'.join(layers)}+{kind}); unpack it first")
+            return Unwrapped(source, source.name)
         workdir.mkdir(parents=True, exist_ok=True)
-        if kind == "tar":
-            path, name = _take_member(path, source, workdir / f"unwrapped{len(layers)}")
-        else:
-            name = logical_name(name, kind)
-            out = workdir / f"unwrapped{len(layers)}"
-            with open(path, "rb") as raw, decompressing_reader(raw, kind, str(source)) as stream:
-                _copy_sparse(stream, out)
-            path = out
-        layers.append(kind)
+        f.seek(0)
+        return unwrap_stream(f, source.name, str(source), workdir / "unwrapped", note)
 
 
 def _copy_sparse(stream, out: Path) -> int:
@@ -145,23 +134,91 @@ def _copy_sparse(stream, out: Path) -> int:
     return total
 
 
-def _take_member(archive: Path, source: Path, out: Path) -> tuple[Path, str]:
+_EXTENSIONS = {"raw": "img"}
+
+
+class _Prefixed(io.RawIOBase):
+    """A stream whose first bytes were read to classify it, read again from its start."""
+
+    def __init__(self, head: bytes, rest):
+        self._head, self._rest = memoryview(head), rest
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        if self._head:
+            n = min(len(buf), len(self._head))
+            buf[:n] = self._head[:n]
+            self._head = self._head[n:]
+            return n
+        return self._rest.readinto(buf) or 0
+
+
+def _read_head(stream) -> bytes:
+    head = bytearray()
+    while len(head) < HEAD_BYTES:
+        piece = stream.read(HEAD_BYTES - len(head))
+        if not piece:
+            break
+        head += piece
+    return bytes(head)
+
+
+def unwrap_stream(stream, name: str, shown: str, out: Path, note: Callable[[str], None] | None = None) -> Unwrapped:
+    """The disk a stream (a download, a pipe) holds, written once, sparse, to `out`: compression
+    decompressed and a tar's one file taken out as the bytes pass, never an intermediate copy.
+    `name` is the stream's file name ("" for a pipe: the disk is then called disk.<format>)."""
+    layers: list[str] = []
+    checks: list[Callable[[], None]] = []  # run once the disk is out: a tar must hold nothing else
     try:
-        with tarfile.open(archive, "r:") as tar:
-            files = []
-            for member in tar:
-                if member.isfile():
-                    files.append(member)
-                elif not member.isdir():
-                    raise DiskkitError(f"{source}: {member.name}", "the archive holds something other than files and directories; give the disk file itself")
-            if len(files) != 1:
-                names = ", ".join(m.name for m in files[:4]) + (", ..." if len(files) > 4 else "")
-                raise DiskkitError(source, f"the archive holds {len(files)} files ({names or 'none'}), not one disk; unpack it and give the disk file")
-            member = files[0]
-            extracted = tar.extractfile(member)
-            assert extracted is not None
-            with extracted:
-                _copy_sparse(extracted, out)
+        while True:
+            head = _read_head(stream)
+            kind = classify(head, len(head) if len(head) < HEAD_BYTES else HEAD_BYTES)
+            stream = _Prefixed(head, stream)
+            problem = refusal(kind, head, len(head))
+            if problem:
+                raise DiskkitError(f"{shown} (unwrapped {'+'.join(layers)}: {name})" if layers else shown, problem)
+            if kind in COMPRESSIONS:
+                name = logical_name(name, kind)
+                stream = decompressing_reader(stream, kind, shown)
+            elif kind == "tar":
+                tar = tarfile.open(fileobj=stream, mode="r|")
+                member = _next_file(tar, shown)
+                if member is None:
+                    raise DiskkitError(shown, "the archive holds 0 files (none), not one disk; unpack it and give the disk file")
+                checks.append(lambda tar=tar, first=member.name: _only_file(tar, first, shown))
+                stream = tar.extractfile(member)
+                name = os.path.basename(member.name.rstrip("/")) or "disk"
+            else:
+                if not name:
+                    name = f"disk.{_EXTENSIONS.get(kind, kind)}"
+                _copy_sparse(stream, out)
+                for check in reversed(checks):
+                    check()
+                if layers and note:
+                    note(f"{shown}: {'+'.join(layers)} unwrapped: the disk is {name} ({kind})")
+                return Unwrapped(out, name, tuple(layers))
+            if len(layers) == MAX_LAYERS:
+                raise DiskkitError(shown, f"is wrapped more than {MAX_LAYERS} times ({'+'.join(layers)}+{kind}); unpack it first")
+            layers.append(kind)
     except tarfile.TarError as exc:
-        raise DiskkitError(source, f"tar archive cannot be read ({exc}); refused") from None
-    return out, os.path.basename(member.name.rstrip("/")) or "disk"
+        raise DiskkitError(shown, f"tar archive cannot be read ({exc}); refused") from None
+
+
+def _next_file(tar: tarfile.TarFile, shown: str) -> tarfile.TarInfo | None:
+    while (member := tar.next()) is not None:
+        if member.isfile():
+            return member
+        if not member.isdir():
+            raise DiskkitError(f"{shown}: {member.name}", "the archive holds something other than files and directories; give the disk file itself")
+    return None
+
+
+def _only_file(tar: tarfile.TarFile, first: str, shown: str) -> None:
+    names = [first]
+    while (member := _next_file(tar, shown)) is not None:
+        names.append(member.name)
+    if len(names) > 1:
+        listed = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+        raise DiskkitError(shown, f"the archive holds {len(names)} files ({listed}), not one disk; unpack it and give the disk file")

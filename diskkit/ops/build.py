@@ -41,6 +41,7 @@ from diskkit.oci.mediatypes import (
 from diskkit.oci.reference import parse_ref
 from diskkit.progress import Reporter
 from diskkit.registry.options import RegistryOptions
+from diskkit.source import fetch
 from diskkit.transports import open_destination
 from diskkit.transports.base import with_restarts
 
@@ -49,7 +50,7 @@ DISK_FORMATS = ("keep", "qcow2", "raw")
 
 @dataclass
 class BuildOptions:
-    source: Path | None
+    source: str | Path | None  # a file, an http(s) URL, or "-" for stdin
     dest: str
     path: str | None = None
     kernel: tuple[str, Path] | None = None
@@ -65,11 +66,13 @@ class BuildOptions:
     annotations: dict[str, str] = field(default_factory=dict)
     env: list[str] = field(default_factory=list)
     created: int = 0
-    platforms: list[tuple[Platform, Path]] = field(default_factory=list)  # one source per platform, for an index
+    platforms: list[tuple[Platform, str | Path]] = field(default_factory=list)  # one source per platform, for an index
     also: list[str] = field(default_factory=list)  # more destinations (-t repeated), given the same image
     # Per-platform labels/env and annotations for each level (index, manifests, their descriptors).
     metadata: Metadata = field(default_factory=Metadata)
     artifact: bool = False  # an OCI 1.1 artifact: the disk as one file layer named by its title (diskkit.oci.artifact)
+    checksum: str | None = None  # sha256:HEX or sha512:HEX the (single) input's bytes must hash to
+    checksum_file: str | None = None  # a GNU or BSD checksum file (URL or path) listing each input by name
 
 
 @dataclass
@@ -135,10 +138,20 @@ def check_input_file(path: Path, what: str = "source disk") -> None:
         raise DiskkitError(path, f"{what} cannot be read ({exc.strerror})") from None
 
 
-def input_disk(path: Path, workdir: Path, note=None) -> payload.Unwrapped:
-    """The disk an input file holds (decompressed or taken out of its archive into `workdir`);
-    text, executables and files too small to be disks refused."""
-    check_input_file(path)
+def input_disk(src: str | Path, workdir: Path, note=None, checksum: str | None = None, checksum_file: str | None = None,
+               registry: RegistryOptions | None = None) -> payload.Unwrapped:
+    """The disk an input holds (a file, an http(s) URL or `-` for stdin; decompressed or taken out
+    of its archive into `workdir`), its bytes checked against the checksum given; text,
+    executables and files too small to be disks refused."""
+    registry = registry or RegistryOptions()
+    if not fetch.is_stream(src):
+        check_input_file(Path(src))
+    expected = fetch.expectations(src, checksum, checksum_file, registry)
+    if fetch.is_stream(src):
+        return fetch.download(str(src), workdir, expected, registry, note)
+    path = Path(src)
+    if expected:
+        fetch.check_file(path, expected)
     return payload.unwrap(path, workdir, note)
 
 
@@ -171,6 +184,17 @@ def examine_disk(path: Path) -> qemuimg.DiskInfo:
             checking.kill()
             checking.communicate()
     return info
+
+
+def examine_input(disk: payload.Unwrapped, given: str | Path) -> qemuimg.DiskInfo:
+    """examine_disk of what an input held, its refusals naming the input (the URL, stdin, the
+    compressed file) instead of the temporary file it was unwrapped into."""
+    try:
+        return examine_disk(disk.path)
+    except DiskkitError as exc:
+        if disk.path == Path(given) or exc.subject != str(disk.path):
+            raise
+        raise DiskkitError(fetch.shown(given), exc.rule) from None
 
 
 def split_artifact(value: str, default_path: str, flag: str) -> tuple[str, Path]:
@@ -261,8 +285,11 @@ def _build(opts: BuildOptions, dest_ref, reporter: Reporter, registry: RegistryO
     workdir = Path(tempfile.mkdtemp(prefix="diskkit-build-"))
     try:
         # Any bad input is refused before anything is written: what each file holds, then its disk.
-        disks = [input_disk(source, workdir / f"in{i}", reporter.note) for i, (_, source) in enumerate(sources)]
-        infos = [examine_disk(disk.path) for disk in disks]
+        if opts.checksum is not None and len(sources) > 1:
+            raise DiskkitError("--checksum", "names one input's digest; with several platforms give --checksum-file")
+        disks = [input_disk(source, workdir / f"in{i}", reporter.note, opts.checksum, opts.checksum_file, registry)
+                 for i, (_, source) in enumerate(sources)]
+        infos = [examine_input(disk, source) for disk, (_, source) in zip(disks, sources)]
         with open_destination(dest_ref, opts.created, registry) as dest:
             dest.before_manifest = before_manifest
             if opts.artifact and dest.docker_manifest:
@@ -304,8 +331,10 @@ def _artifact_options(opts: BuildOptions) -> BuildOptions:
     return replace(opts, lazy=False)
 
 
-def _build_one(opts, dest, plat: Platform, source: Path, disk: payload.Unwrapped, info, workdir: Path, reporter: Reporter, child: bool) -> BuildResult:
+def _build_one(opts, dest, plat: Platform, given: str | Path, disk: payload.Unwrapped, info, workdir: Path, reporter: Reporter, child: bool) -> BuildResult:
     workdir.mkdir(parents=True)
+    # A download's record would pin a temporary file (never settled, so never written): no shortcut for URLs.
+    source = disk.path if fetch.is_stream(given) else Path(given)
     disk_format = _target_format(opts.disk_format, info.format)
     if opts.artifact:
         title = _disk_name(disk, disk_format != info.format, disk_format)
@@ -328,7 +357,7 @@ def _build_one(opts, dest, plat: Platform, source: Path, disk: payload.Unwrapped
     def send() -> LayerResult:
         # Converted (when asked) only here, once: an unchanged rebuild the destination holds needs no disk.
         if not prepared:
-            prepared.append(_prepare_format(opts, source, disk.path, info, workdir, reporter)[0])
+            prepared.append(_prepare_format(opts, fetch.shown(given), disk.path, info, workdir, reporter)[0])
         files = [(image_disk_path, prepared[0]), *(a for a in (opts.kernel, opts.initrd) if a)]
         entries = entries_for(files)
         total = sum(e.size for e in entries)
@@ -405,7 +434,7 @@ def _target_format(wanted: str, found: str) -> str:
     return wanted
 
 
-def _prepare_format(opts: BuildOptions, shown: Path, source: Path, info: qemuimg.DiskInfo, workdir: Path, reporter: Reporter):
+def _prepare_format(opts: BuildOptions, shown: str, source: Path, info: qemuimg.DiskInfo, workdir: Path, reporter: Reporter):
     wanted = opts.disk_format
     if wanted == "keep":
         if info.format in diskrules.ACCEPTED_FORMATS:
