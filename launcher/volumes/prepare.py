@@ -70,6 +70,9 @@ def prepare(
     lazy: str = "off",
     qemu_uid: int | None = None,
     qemu: tuple[int, int] = KUBEVIRT_QEMU,
+    pins: dict | None = None,
+    update: bool = False,
+    image_volumes: Path | None = None,
 ) -> Prepared:
     """Resolve every volume; with `create`, make the overlays and images under `run_dir` and in claims.
 
