@@ -78,8 +78,11 @@ def prepare(
 
     Without `create` (the dry run of `launcher domain`) paths are planned, not made; images are
     pulled, or opened on the node's disk server when lazy, so the domain shows what a run would use.
+    `pins` (a VirtualMachine's, launcher.node.pins) are booted unless `update`; `image_volumes` is the
+    directory where the pod mounts the containerDisks' images (launcher.volumes.imagevolume).
     """
-    ctx = Context(vmi, cache, run_dir, registry, platform, create, store or Storage(), lazy, qemu_uid, qemu)
+    ctx = Context(vmi, cache, run_dir, registry, platform, create, store or Storage(), lazy, qemu_uid, qemu, pins=pins, update=update,
+                  image_volumes=image_volumes)
     admit(vmi, ctx.store)
     shared = {fs.name for fs in vmi.domain.devices.filesystems}
     for volume in vmi.volumes:
