@@ -43,10 +43,12 @@ def _build(source, ref: str) -> str:
     return re.findall(r"sha256:[0-9a-f]{64}", result.out)[-1]
 
 
-def _vm(qemu_user, name: str, image: str):
+def _vm(qemu_user, name: str, image: str, policy: str | None = None):
     """A VirtualMachine (runStrategy Always) whose template is the test VMI booting `image`."""
     vmi = qemu_user.write_vmi(name, image)
     doc = json.loads(vmi.read_text())
+    if policy:
+        doc["spec"]["volumes"][0]["containerDisk"]["imagePullPolicy"] = policy
     vm = {"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachine", "metadata": {"name": name},
           "spec": {"runStrategy": "Always", "template": {"metadata": {}, "spec": doc["spec"]}}}
     vmi.write_text(json.dumps(vm, indent=2))
@@ -73,7 +75,9 @@ def test_a_moved_tag_boots_the_pinned_digest_until_update(qemu_user, registry, t
     run("qemu-img", "resize", bigger, "96M")
     tag = f"{registry.host}/pins/guest:t"
     first = _build(ensure_testguest() / "testguest.qcow2", tag)
-    vm = _vm(qemu_user, "pinned", tag)
+    # Always: without the pin each boot would ask the registry where the tag is (IfNotPresent would
+    # keep the node's first answer, pinned or not).
+    vm = _vm(qemu_user, "pinned", tag, policy="Always")
 
     booted = qemu_user.launcher("run", NOREG, "--console", "--timeout", "180", vm)
     assert booted.code == 0, booted.err
