@@ -131,3 +131,34 @@ def test_a_changed_image_in_the_spec_is_resolved_afresh(qemu_user, registry):
     assert with_update.code == 0, with_update.err
     # The pin file names another image: it stays as it was, a dry run writes none.
     assert json.loads((qemu_user.cache / "pins" / "default_respec.json").read_text())["volumes"]["root"]["digest"] == DIGEST
+
+
+def test_the_kernel_boot_image_is_pinned_too(qemu_user, registry, tmp_path):
+    # KubeVirt keys the kernelBoot container's image beside the containerDisks' (KernelBootVolumeName,
+    # pkg/container-disk/container-disk.go); the launcher pins it under that name.
+    other = tmp_path / "testguest.qcow2"  # the same name in /disk, other bytes
+    run("qemu-img", "convert", "-O", "qcow2", ensure_testguest() / "testguest.qcow2", other)
+    run("qemu-img", "resize", other, "80M")
+    tag = f"{registry.host}/pins/kernel:k"
+    first = _build(ensure_testguest() / "testguest.qcow2", tag)
+    _build(other, tag)
+    vm = _vm(qemu_user, "kernelpin", tag)
+    doc = json.loads(vm.read_text())
+    # Any file serves a dry run as the kernel: the domain shows which image's file it would boot.
+    doc["spec"]["template"]["spec"]["domain"]["firmware"] = {"kernelBoot": {"container": {"image": tag, "kernelPath": "/disk/testguest.qcow2"}}}
+    vm.write_text(json.dumps(doc))
+    assert qemu_user.launcher("ls").code == 0  # the cache and its pins/ directory, the qemu user's
+    (qemu_user.cache / "pins" / "default_kernelpin.json").write_text(json.dumps({"domain": "default_kernelpin", "volumes": {
+        "kernel-boot-volume": {"image": tag, "pinned": f"{registry.host}/pins/kernel@{first}", "digest": first,
+                               "platform": "linux/amd64", "since": 0}}}))
+
+    def kernel_and_root(*flags):
+        result = qemu_user.launcher("domain", NOREG, *flags, vm)
+        assert result.code == 0, result.err
+        xml = ET.fromstring(result.out)
+        return xml.find("./os/kernel").text, xml.find("./devices/disk/backingStore/source").get("file")
+
+    kernel, root = kernel_and_root()
+    assert kernel != root  # the root disk's tag (not pinned yet) is the second image; the kernel's pin the first
+    kernel, root = kernel_and_root("--update")
+    assert kernel == root  # one layer's file, whether pulled as the disk or as the kernel

@@ -25,17 +25,18 @@ from launcher.volumes.context import Context
 from launcher.volumes.files import block_io, direct_io_supported, overlay
 
 
+# The kernelBoot container's image is pinned under KubeVirt's name for its volume (KernelBootVolumeName
+# in pkg/container-disk/container-disk.go, which keys it beside the containerDisks' volumes too).
+KERNEL_BOOT_PIN = "kernel-boot-volume"
+
+
 def container_disk(ctx: Context, volume: Volume, where: str) -> ResolvedDisk:
     source = volume.source
     if ctx.image_volumes is not None:
         return image_volume_overlay(ctx, volume, where)
     registry, why_not = pull_options(ctx, source.image, source.image_pull_secret, f"{where}.imagePullSecret")
-    # The policy stays the one of the image as written (KubeVirt defaults it from the tag before the
-    # digest replaces it on a migration target's pod).
-    policy = source.image_pull_policy or default_policy(source.image)
+    policy = _policy(ctx, source.image, source.image_pull_policy)
     ref, pin = _pinned(ctx, volume.name, source.image)
-    if ctx.update and ctx.pins is not None and pinnable(source.image) and policy != "Never":
-        policy = "Always"  # --update asks the registry where the tag is now, not the node's memory of it
     with image_field(f"{where}.image", why_not), _pin_hint(pin):
         if ctx.lazy != "off":
             attached = attach(ctx.cache, ref, source.path, ctx.platform, registry, ctx.lazy, policy, ctx.out.notes,
@@ -48,6 +49,15 @@ def container_disk(ctx: Context, volume: Volume, where: str) -> ResolvedDisk:
     ctx.out.pulled.append(base)
     _record_pin(ctx, volume.name, source.image, base.digest, pin)
     return overlay(within(ctx.run_dir, volume.name, "disk.qcow2"), base.path, base.format, ctx.create)
+
+
+def _policy(ctx: Context, image: str, given: str | None) -> str:
+    """The pull policy of the image as written, also for its pinned digest (KubeVirt defaults it from
+    the tag before a migration target's pod gets the digest)."""
+    policy = given or default_policy(image)
+    if ctx.update and ctx.pins is not None and pinnable(image) and policy != "Never":
+        return "Always"  # --update asks the registry where the tag is now, not the node's memory of it
+    return policy
 
 
 def _platform_text(ctx: Context) -> str:
@@ -146,18 +156,19 @@ def kernel_boot(ctx: Context) -> None:
     container = boot.container
     at = "spec.domain.firmware.kernelBoot.container"
     registry, why_not = pull_options(ctx, container.image, container.image_pull_secret, f"{at}.imagePullSecret")
-    with image_field(f"{at}.image", why_not):
-        _kernel_boot_files(ctx, container, registry)
+    ref, pin = _pinned(ctx, KERNEL_BOOT_PIN, container.image)
+    with image_field(f"{at}.image", why_not), _pin_hint(pin):
+        _kernel_boot_files(ctx, container, ref, _policy(ctx, container.image, container.image_pull_policy), registry)
+    if ctx.out.kernel or ctx.out.initrd:
+        _record_pin(ctx, KERNEL_BOOT_PIN, container.image, ctx.out.pulled[-1].digest, pin)
 
 
-def _kernel_boot_files(ctx: Context, container, registry) -> None:
+def _kernel_boot_files(ctx: Context, container, ref: str, policy: str, registry) -> None:
     wanted = [(attr, path) for attr, path in (("kernel", container.kernel_path), ("initrd", container.initrd_path)) if path]
     fetched = None
     if ctx.lazy != "off":
-        policy = container.image_pull_policy or default_policy(container.image)
-        fetched = files(ctx.cache, container.image, [path for _, path in wanted], ctx.platform, registry, ctx.lazy, policy, ctx.out.notes)
+        fetched = files(ctx.cache, ref, [path for _, path in wanted], ctx.platform, registry, ctx.lazy, policy, ctx.out.notes)
     for attr, file_path in wanted:
-        pulled = fetched[file_path] if fetched else pull(ctx.cache, container.image, file_path, ctx.platform, registry,
-                                                         container.image_pull_policy, disk=False)
+        pulled = fetched[file_path] if fetched else pull(ctx.cache, ref, file_path, ctx.platform, registry, policy, disk=False)
         ctx.out.pulled.append(pulled)
         setattr(ctx.out, attr, str(pulled.path))
