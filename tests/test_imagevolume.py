@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import make_qcow2, run, run_diskkit
+from tests.conftest import make_qcow2, run, run_diskkit, run_launcher
 from tests.testguest import ensure_testguest, parse_console
 
 NOWHERE = "127.0.0.1:9/nowhere/guest:v1"  # no registry answers there: a pull would fail
@@ -130,6 +130,9 @@ def test_refusals_name_the_volume_and_kubevirts_rule(qemu_user, tmp_path):
     (root / "disk").mkdir()
     (root / "disk" / "disk.qcow2").symlink_to("../../../outside.qcow2")
     _refused(qemu_user, mounts, vmi, "leads out of the image volume")
+    # Root (the launcher of a pod without runAsUser, or of a node) follows it no further.
+    as_root = run_launcher("domain", "--container-disk-dir", mounts, vmi, env={"DISKKIT_CACHE": str(tmp_path / "root-cache")})
+    assert as_root.code != 0 and "leads out of the image volume" in as_root.err, as_root.err
     assert outside.exists()
     (root / "disk" / "disk.qcow2").unlink()
     (root / "disk" / "disk.qcow2").symlink_to("loop")
