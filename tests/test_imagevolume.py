@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import make_qcow2, run, run_diskkit, run_launcher
-from tests.testguest import ensure_testguest, parse_console
+from tests.testguest import KERNEL_CMDLINE, ensure_testguest, parse_console
 
 NOWHERE = "127.0.0.1:9/nowhere/guest:v1"  # no registry answers there: a pull would fail
 
@@ -62,10 +62,21 @@ def test_boot_from_the_pods_image_volumes_without_a_pull(qemu_user, guest_layout
     artifact.mkdir()
     data = artifact / "data.raw"
     data.write_bytes(b"IMAGEVOLUME-DATA" + bytes((8 << 20) - 16))
-    run("chmod", "-R", "a+rX", mounts)
-    vmi = qemu_user.write_vmi("imagevol", NOWHERE, extra=[({"name": "data", "disk": {"bus": "virtio"}},
-                                                           {"name": "data", "containerDisk": {"image": "127.0.0.1:9/nowhere/data:v1"}})])
-    result = qemu_user.launcher("run", "--container-disk-dir", mounts, "--console", "--timeout", "180", vmi)
+    # The kernelBoot container's image, mounted where KubeVirt mounts it (VirtKernelBootVolumeDir).
+    kernel_dir = qemu_user.root / "iv-kernel"
+    (kernel_dir / "boot").mkdir(parents=True)
+    for name in ("vmlinuz", "initrd.img"):
+        shutil.copy(ensure_testguest() / name, kernel_dir / "boot" / name)
+    run("chmod", "-R", "a+rX", mounts, kernel_dir)
+    firmware = {"kernelBoot": {"kernelArgs": KERNEL_CMDLINE, "container": {
+        "image": "127.0.0.1:9/nowhere/kernel:v1", "kernelPath": "/boot/vmlinuz", "initrdPath": "/boot/initrd.img"}}}
+    vmi = qemu_user.write_vmi("imagevol", NOWHERE, domain={"firmware": firmware},
+                              extra=[({"name": "data", "disk": {"bus": "virtio"}}, {"name": "data", "containerDisk": {"image": "127.0.0.1:9/nowhere/data:v1"}})])
+    planned = qemu_user.launcher("domain", "--container-disk-dir", mounts, "--kernel-boot-dir", kernel_dir, vmi)
+    assert planned.code == 0, planned.err
+    assert ET.fromstring(planned.out).find("./os/kernel").text == str(kernel_dir / "boot" / "vmlinuz")
+    assert ET.fromstring(planned.out).find("./os/initrd").text == str(kernel_dir / "boot" / "initrd.img")
+    result = qemu_user.launcher("run", "--container-disk-dir", mounts, "--kernel-boot-dir", kernel_dir, "--console", "--timeout", "180", vmi)
     assert result.code == 0, result.err
     console = parse_console(result.out)
     assert console["disks"]["vda"]["size"] == 64 << 20
@@ -150,5 +161,18 @@ def test_refusals_name_the_volume_and_kubevirts_rule(qemu_user, tmp_path):
     (root / "disk" / "disk.qcow2").unlink()
     os.mkfifo(root / "disk" / "disk.qcow2")
     _refused(qemu_user, mounts, vmi, "is not a regular file")
+    # A kernelBoot artifact behind a link out of its image: refused too.
+    kernel_dir = qemu_user.root / "iv-kernel-out"
+    kernel_dir.mkdir()
+    (kernel_dir / "vmlinuz").symlink_to("../outside.qcow2")
+    firmware = {"kernelBoot": {"container": {"image": NOWHERE, "kernelPath": "/vmlinuz"}}}
+    boot_vmi = qemu_user.write_vmi("refused-kernel", NOWHERE, domain={"firmware": firmware})
+    good = _mounts(qemu_user, "iv-kernel-disk")
+    (good / "disk_0" / "disk").mkdir(parents=True)
+    make_qcow2(good / "disk_0" / "disk" / "disk.qcow2", "16M")
+    refused = qemu_user.launcher("domain", "--kernel-boot-dir", kernel_dir, "--container-disk-dir", good, boot_vmi)
+    assert refused.code != 0
+    assert refused.err.startswith("launcher: spec.domain.firmware.kernelBoot.container.kernelPath: ") and "leads out" in refused.err, refused.err
+    assert "error getting kernel boot artifact path from ImageVolume" in refused.err
     # A bad containerDisk.path is refused as KubeVirt's admission does.
     _refused(qemu_user, mounts, qemu_user.write_vmi("refused-path", NOWHERE, path="/disk/../etc"), "relative components")

@@ -77,13 +77,13 @@ Examples:
 @storage_options
 @registry_options
 @trust_options
-def domain(vmi_file, platform, accel, lazy, update, container_disk_dir, ignore_unsupported, cache_dir, store, registry: RegistryOptions) -> None:
+def domain(vmi_file, platform, accel, lazy, update, container_disk_dir, kernel_boot_dir, ignore_unsupported, cache_dir, store, registry: RegistryOptions) -> None:
     """Print the libvirt domain XML `launcher run` would start (a dry run: images are pulled or, lazy, opened on the node's disk server; nothing started)."""
     from launcher.runtime.vms import RunOptions, plan
 
     vmi = load_vmi_file(vmi_file, ignore_unsupported, store.objects)
     opts = RunOptions(platform=platform_of(platform), registry=registry, storage=store, lazy={None: "auto", True: "on", False: "off"}[lazy],
-                      update=update, container_disk_dir=container_disk_dir)
+                      update=update, container_disk_dir=container_disk_dir, kernel_boot_dir=kernel_boot_dir)
     _, xml = plan(vmi, node_cache(cache_dir), opts, create=False, domain_type=None if accel == "auto" else accel)
     click.echo(xml, nl=not xml.endswith("\n"))
 
@@ -120,8 +120,8 @@ Examples:
 @storage_options
 @registry_options
 @trust_options
-def run(vmi_file, uri, console, detach, wait_for, timeout, platform, lazy, grace_period, publish_address, update, container_disk_dir, ignore_unsupported,
-        cache_dir, store, registry: RegistryOptions) -> None:
+def run(vmi_file, uri, console, detach, wait_for, timeout, platform, lazy, grace_period, publish_address, update, container_disk_dir, kernel_boot_dir,
+        ignore_unsupported, cache_dir, store, registry: RegistryOptions) -> None:
     """Prepare every volume of a VirtualMachineInstance, define and start its domain, stay with it.
 
     Each containerDisk is pulled once per node and gets a qcow2 overlay of its own, so the VM
@@ -145,7 +145,8 @@ def run(vmi_file, uri, console, detach, wait_for, timeout, platform, lazy, grace
 
     opts = RunOptions(uri=uri, platform=platform_of(platform), registry=registry, console=console, wait_for=wait_for, timeout=timeout, storage=store,
                       lazy={None: "auto", True: "on", False: "off"}[lazy], grace_period=grace_period, detach=detach,
-                      publish_address=publish_address, update=update, container_disk_dir=container_disk_dir)
+                      publish_address=publish_address, update=update, container_disk_dir=container_disk_dir,
+                      kernel_boot_dir=kernel_boot_dir)
     sys.exit(do_run(vmi, node_cache(cache_dir), opts, say))
 
 

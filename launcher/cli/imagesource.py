@@ -15,6 +15,9 @@ def update_option(command):
 
 
 def container_disk_dir_option(command):
+    command = click.option("--kernel-boot-dir", type=click.Path(file_okay=False, exists=True, path_type=Path), metavar="DIR",
+                           help="Take kernelBoot.container's kernelPath and initrdPath from the image the pod mounts at DIR"
+                                " (KubeVirt's layout: /var/run/kubevirt-kernel-boot) instead of pulling it.")(command)
     return click.option("--container-disk-dir", type=click.Path(file_okay=False, exists=True, path_type=Path), metavar="DIR",
                         help="Use the containerDisks the pod mounts as image volumes, DIR/disk_<index in spec.volumes>"
                              " (KubeVirt's layout: /var/run/kubevirt-image-volume), instead of pulling them.")(command)

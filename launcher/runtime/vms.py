@@ -65,6 +65,7 @@ class RunOptions:
     # Where the pod mounts each containerDisk's image (KubeVirt's /var/run/kubevirt-image-volume):
     # the disks are used from there, nothing is pulled (launcher.volumes.imagevolume).
     container_disk_dir: Path | None = None
+    kernel_boot_dir: Path | None = None  # likewise the kernelBoot container's (/var/run/kubevirt-kernel-boot)
 
 
 # KubeVirt's default VMI terminationGracePeriodSeconds (staging/src/kubevirt.io/api/core/v1/types.go,
@@ -109,7 +110,7 @@ def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, domain_type: st
     run_dir = cache.run_dir(vmi.domain_name)
     prepared = prepare(vmi, cache, run_dir, opts.registry, opts.platform, create=create, store=opts.storage, lazy=opts.lazy,
                        qemu=qemu, qemu_uid=qemu_uid, pins=pins.load(cache, vmi.domain_name) if vmi.from_vm else None,
-                       update=opts.update, image_volumes=opts.container_disk_dir)
+                       update=opts.update, image_volumes=opts.container_disk_dir, kernel_boot_dir=opts.kernel_boot_dir)
     host = Host(
         domain_type=domain_type or accel.domain_type(cache.root),
         serial_log=str(rundir.console_log(run_dir)),
@@ -180,7 +181,7 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
             for source, value in prepared.secrets:
                 lv.define_secret(secret_xml(source), value, source.secret_usage)
             lv.start(name, xml)
-            if vmi.from_vm and opts.container_disk_dir is None:  # booted: these are the digests its next runs boot
+            if vmi.from_vm and opts.container_disk_dir is None and opts.kernel_boot_dir is None:  # booted: what its next runs boot
                 pins.save(cache, name, prepared.pins)
             _publish(vmi, lv, opts.publish_address, say)
             alarm.disarm()

@@ -155,6 +155,12 @@ def kernel_boot(ctx: Context) -> None:
         return
     container = boot.container
     at = "spec.domain.firmware.kernelBoot.container"
+    if ctx.kernel_boot_dir is not None:  # the pod mounted the image: nothing to pull or pin
+        for attr, path in (("kernel", container.kernel_path), ("initrd", container.initrd_path)):
+            if path:
+                field = "kernelPath" if attr == "kernel" else "initrdPath"
+                setattr(ctx.out, attr, str(imagevolume.find_file(ctx.kernel_boot_dir, path, f"{at}.{field}")))
+        return
     registry, why_not = pull_options(ctx, container.image, container.image_pull_secret, f"{at}.imagePullSecret")
     ref, pin = _pinned(ctx, KERNEL_BOOT_PIN, container.image)
     with image_field(f"{at}.image", why_not), _pin_hint(pin):

@@ -51,6 +51,7 @@ class Context:
     pins: dict[str, Pin] | None = None  # a VirtualMachine's pins from its last run; None: a VMI, nothing is pinned
     update: bool = False  # resolve the tags again instead of booting the pinned digests
     image_volumes: Path | None = None  # where the pod mounts each containerDisk's image (launcher.volumes.imagevolume)
+    kernel_boot_dir: Path | None = None  # where the pod mounts the kernelBoot container's image
     out: Prepared = field(default_factory=Prepared)
 
     def note(self, text: str | None) -> None:

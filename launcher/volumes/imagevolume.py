@@ -29,7 +29,9 @@ from launcher.hostfs.dirfd import DIR_NOFOLLOW
 
 KUBEVIRT_DIR = "/var/run/kubevirt-image-volume"  # VirtImageVolumeDir: where a KubeVirt pod mounts them
 MAX_LINKS = 40  # the kernel's own limit on links in one lookup
-NOT_FOUND = "failed to find disk file from ImageVolume"  # KubeVirt's words, as virt-launcher logs them
+# KubeVirt's words, as virt-launcher logs them (linkImageVolumeFilePaths)
+NOT_FOUND = "failed to find disk file from ImageVolume"
+NO_KERNEL = "error getting kernel boot artifact path from ImageVolume"
 
 
 @dataclass(frozen=True)
@@ -47,10 +49,7 @@ def find_disk(root: Path | str, index: int, path: str | None, where: str) -> Fou
     """The disk of spec.volumes[index] in its image mounted under `root`, checked; refused in one line
     naming `where` (the volume's field) and the rule."""
     base = mount_of(root, index)
-    try:
-        top = os.open(base, DIR_NOFOLLOW)
-    except OSError as exc:
-        raise DiskkitError(where, f"{NOT_FOUND}: failed to read image volume directory {base}: {(exc.strerror or str(exc)).lower()}") from None
+    top = _open_mount(base, where)
     try:
         if path is not None:
             if problem := path_problem(path):
@@ -70,6 +69,29 @@ def find_disk(root: Path | str, index: int, path: str | None, where: str) -> Fou
     if problems:
         raise DiskkitError(where, "; ".join(problems))
     return Found(shown, facts.format, facts.virtual_size)
+
+
+def find_file(base: Path | str, path: str, where: str) -> Path:
+    """A kernelBoot artifact in the image mounted at `base` (KubeVirt's /var/run/kubevirt-kernel-boot:
+    getKernelBootArtifactPathFromImageVolumeView in pkg/virt-launcher/virtwrap/manager.go): its
+    link-free path, a regular file."""
+    base = Path(base)
+    if problem := path_problem(path):
+        raise DiskkitError(where, problem)
+    top = _open_mount(base, where, NO_KERNEL)
+    try:
+        fd, names = _resolve(top, path.strip("/"), base, where, prefix=NO_KERNEL)
+    finally:
+        os.close(top)
+    os.close(fd)
+    return base.joinpath(*names)
+
+
+def _open_mount(base: Path, where: str, prefix: str = NOT_FOUND) -> int:
+    try:
+        return os.open(base, DIR_NOFOLLOW)
+    except OSError as exc:
+        raise DiskkitError(where, f"{prefix}: failed to read image volume directory {base}: {(exc.strerror or str(exc)).lower()}") from None
 
 
 def _default_disk(top: int, base: Path, where: str) -> str:
@@ -94,7 +116,7 @@ def _default_disk(top: int, base: Path, where: str) -> str:
     return f"{DISK_DIR}/{files[0]}"
 
 
-def _resolve(top: int, rel: str, base: Path, where: str, directory: bool = False) -> tuple[int, list[str]]:
+def _resolve(top: int, rel: str, base: Path, where: str, directory: bool = False, prefix: str = NOT_FOUND) -> tuple[int, list[str]]:
     """`rel` under the directory `top`, links resolved inside it: an fd of the regular file (or, with
     `directory`, the directory) it names, read-only, and the real names leading to it."""
     parts = [p for p in rel.split("/") if p not in ("", ".")]
@@ -102,7 +124,7 @@ def _resolve(top: int, rel: str, base: Path, where: str, directory: bool = False
     links = 0
 
     def refuse(rule: str) -> DiskkitError:
-        return DiskkitError(where, f"{NOT_FOUND}: {base / rel}: {rule}")
+        return DiskkitError(where, f"{prefix}: {base / rel}: {rule}")
 
     try:
         while parts:
