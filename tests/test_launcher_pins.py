@@ -91,8 +91,12 @@ def test_a_moved_tag_boots_the_pinned_digest_until_update(qemu_user, registry, t
 
     moved = _build(bigger, tag)  # the tag moves while the VM is down
     assert moved != first
-    # What the next run boots: still the first image (the dry run resolves as the run does)...
-    assert _backing(qemu_user, vm) == base_first
+    # The next run boots the first image still, and says why.
+    again = qemu_user.launcher("run", NOREG, "--console", "--timeout", "180", vm)
+    assert again.code == 0, again.err
+    assert parse_console(again.out)["disks"]["vda"]["size"] == 64 << 20
+    assert f"note: {tag} boots {first}, the digest it named at this VirtualMachine's first run" in again.err, again.err
+    assert _backing(qemu_user, vm) == base_first  # the dry run resolves as the run does
     # ...where a VirtualMachineInstance of the same tag, which KubeVirt makes afresh, asks the registry.
     vmi = qemu_user.write_vmi("unpinned", tag)
     doc = json.loads(vmi.read_text())

@@ -72,6 +72,8 @@ def _pinned(ctx: Context, volume: str, image: str) -> tuple[str, Pin | None]:
     pin = ctx.pins.get(volume)
     if pin is None or ctx.update or (pin.image, pin.platform) != (image, _platform_text(ctx)):
         return image, None
+    # Said every time: whoever moved the tag expects the new image, and this is why it does not boot.
+    ctx.note(f"{image} boots {pin.digest}, the digest it named at this VirtualMachine's first run; launcher run --update resolves the tag again")
     return pin.pinned, pin
 
 
