@@ -181,8 +181,9 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
             for source, value in prepared.secrets:
                 lv.define_secret(secret_xml(source), value, source.secret_usage)
             lv.start(name, xml)
-            if vmi.from_vm and opts.container_disk_dir is None and opts.kernel_boot_dir is None:  # booted: what its next runs boot
-                pins.save(cache, name, prepared.pins)
+            if vmi.from_vm:  # booted: what its next runs boot. The kubelet resolved what the pod mounted: those pins stay.
+                mounted = opts.container_disk_dir is not None or opts.kernel_boot_dir is not None
+                pins.save(cache, name, {**(pins.load(cache, name) if mounted else {}), **prepared.pins})
             _publish(vmi, lv, opts.publish_address, say)
             alarm.disarm()
         except BaseException as exc:

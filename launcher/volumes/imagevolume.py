@@ -27,7 +27,6 @@ from diskkit.errors import DiskkitError
 from diskkit.ops.verify import DiskFacts, disk_problems
 from launcher.hostfs.dirfd import DIR_NOFOLLOW
 
-KUBEVIRT_DIR = "/var/run/kubevirt-image-volume"  # VirtImageVolumeDir: where a KubeVirt pod mounts them
 MAX_LINKS = 40  # the kernel's own limit on links in one lookup
 # KubeVirt's words, as virt-launcher logs them (linkImageVolumeFilePaths)
 NOT_FOUND = "failed to find disk file from ImageVolume"
