@@ -72,6 +72,17 @@ def test_boot_from_the_pods_image_volumes_without_a_pull(qemu_user, guest_layout
         "image": "127.0.0.1:9/nowhere/kernel:v1", "kernelPath": "/boot/vmlinuz", "initrdPath": "/boot/initrd.img"}}}
     vmi = qemu_user.write_vmi("imagevol", NOWHERE, domain={"firmware": firmware},
                               extra=[({"name": "data", "disk": {"bus": "virtio"}}, {"name": "data", "containerDisk": {"image": "127.0.0.1:9/nowhere/data:v1"}})])
+    # As a VirtualMachine with a pin from an earlier run: the kubelet resolved what the pod mounts, and
+    # the pin stays as it was for a run that pulls again.
+    doc = json.loads(vmi.read_text())
+    vmi.write_text(json.dumps({"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachine", "metadata": {"name": "imagevol"},
+                               "spec": {"runStrategy": "Always", "template": {"spec": doc["spec"]}}}))
+    assert qemu_user.launcher("ls").code == 0  # the cache and its pins/ directory, the qemu user's
+    pin_file = qemu_user.cache / "pins" / "default_imagevol.json"
+    pin_file.write_text(json.dumps({"domain": "default_imagevol", "volumes": {"root": {
+        "image": NOWHERE, "pinned": NOWHERE.replace(":v1", "@sha256:" + "cd" * 32), "digest": "sha256:" + "cd" * 32,
+        "platform": "linux/amd64", "since": 0}}}))
+    pinned = json.loads(pin_file.read_text())["volumes"]
     planned = qemu_user.launcher("domain", "--container-disk-dir", mounts, "--kernel-boot-dir", kernel_dir, vmi)
     assert planned.code == 0, planned.err
     assert ET.fromstring(planned.out).find("./os/kernel").text == str(kernel_dir / "boot" / "vmlinuz")
@@ -87,6 +98,7 @@ def test_boot_from_the_pods_image_volumes_without_a_pull(qemu_user, guest_layout
     assert data.read_bytes()[-512:] == bytes(512)  # ...never into the mounted image
     listing = json.loads(qemu_user.launcher("ls", "--json").out)
     assert listing["disks"] == []  # nothing was pulled into the cache
+    assert json.loads(pin_file.read_text())["volumes"] == pinned
 
 
 def test_the_disk_is_found_by_kubevirts_rules_and_links_stay_inside_the_image(qemu_user):
