@@ -18,8 +18,13 @@ DOCS = [(f"{path.name}#{i}", doc) for path in sorted(EXAMPLES.glob("*.yaml"))
         for i, doc in enumerate(yaml.safe_load_all(path.read_text())) if doc is not None]
 
 
-def the(kind: str) -> dict:
-    (doc,) = [doc for _, doc in DOCS if doc["kind"] == kind]
+# Another way to run the same VM: its documents are checked by their own tests.
+VARIANTS = ("pod-imagevolume.yaml#",)
+IMAGE_VOLUMES = "/var/run/kubevirt-image-volume"  # pkg/util/util.go VirtImageVolumeDir
+
+
+def the(kind: str, variant: str | None = None) -> dict:
+    (doc,) = [doc for name, doc in DOCS if doc["kind"] == kind and (name.startswith(variant) if variant else not name.startswith(VARIANTS))]
     return doc
 
 
@@ -46,8 +51,9 @@ def test_validator_rejects_broken_pod(breakage):
         kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
 
 
-def pod_problems(pod: dict) -> list[str]:
-    """What keeps the pod from running the launcher non-root as 107 with the agreed layout."""
+def pod_problems(pod: dict, command: tuple[str, ...] = ()) -> list[str]:
+    """What keeps the pod from running the launcher non-root as 107 with the agreed layout (`command`:
+    what follows the agreed one)."""
     problems = []
     spec = pod["spec"]
     sc = spec.get("securityContext", {})
@@ -70,7 +76,7 @@ def pod_problems(pod: dict) -> list[str]:
         mounts_by_volume.update({m["name"]: m["mountPath"] for m in c.get("volumeMounts", [])})
 
     (launcher,) = [c for c in spec["containers"] if c["name"] == "launcher"]
-    if launcher.get("command") != ["launcher", "run", "/etc/vmi/vmi.yaml", "--console"]:
+    if launcher.get("command") != ["launcher", "run", "/etc/vmi/vmi.yaml", "--console", *command]:
         problems.append(f"launcher command {launcher.get('command')}")
     limits = launcher.get("resources", {}).get("limits", {})
     if mebibytes(limits.get("memory", "0")) < 512:  # KubeVirt's 40M sidecar limit OOMs (#2603)
@@ -174,3 +180,46 @@ def test_vmi_check_catches_regressions(breakage):
         for mount in pod["spec"]["containers"][0]["volumeMounts"]:
             mount["mountPath"] = mount["mountPath"].replace("vmi-disks/data", "vmi-disks/root")
     assert vmi_problems(configmap, pod)
+
+
+def image_volume_problems(configmap: dict, pod: dict) -> list[str]:
+    """Each containerDisk of the VMI (spec.volumes[i]) is an image volume of the same image mounted
+    read-only at KubeVirt's path for it, disk_<i> (pkg/virt-controller/services/rendervolumes.go
+    addContainerDiskVolumeMount), where `launcher run --container-disk-dir` looks."""
+    problems = []
+    vmi = yaml.safe_load(configmap["data"]["vmi.yaml"])
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    mounts = {m["mountPath"]: m for c in pod["spec"]["containers"] for m in c.get("volumeMounts", [])}
+    disks = [(i, v) for i, v in enumerate(vmi["spec"]["volumes"]) if "containerDisk" in v]
+    if not disks:
+        problems.append("the VMI has no containerDisk")
+    for i, volume in disks:
+        mount = mounts.get(f"{IMAGE_VOLUMES}/disk_{i}")
+        if mount is None or not mount.get("readOnly"):
+            problems.append(f"no read-only mount at {IMAGE_VOLUMES}/disk_{i}")
+            continue
+        image = volumes.get(mount["name"], {}).get("image", {})
+        if image.get("reference") != volume["containerDisk"]["image"]:
+            problems.append(f"{IMAGE_VOLUMES}/disk_{i} mounts {image.get('reference')!r}, not {volume['containerDisk']['image']!r}")
+    return problems
+
+
+def test_the_image_volume_pod_mounts_each_containerdisk_where_kubevirt_does():
+    pod = the("Pod", "pod-imagevolume.yaml#")
+    assert pod_problems(pod, ("--container-disk-dir", IMAGE_VOLUMES)) == []
+    assert image_volume_problems(the("ConfigMap"), pod) == []
+    assert vmi_problems(the("ConfigMap"), pod) == []
+
+
+@pytest.mark.parametrize("breakage", ["index", "image", "writable"])
+def test_image_volume_check_catches_regressions(breakage):
+    pod = copy.deepcopy(the("Pod", "pod-imagevolume.yaml#"))
+    (mount,) = [m for m in pod["spec"]["containers"][0]["volumeMounts"] if m["mountPath"].startswith(IMAGE_VOLUMES)]
+    if breakage == "index":
+        mount["mountPath"] = f"{IMAGE_VOLUMES}/disk_1"
+    elif breakage == "image":
+        (volume,) = [v for v in pod["spec"]["volumes"] if "image" in v]
+        volume["image"]["reference"] = "registry.example.com/disks/other:v1"
+    else:
+        mount["readOnly"] = False
+    assert image_volume_problems(the("ConfigMap"), pod)

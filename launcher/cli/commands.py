@@ -17,6 +17,8 @@ from launcher.cli.dv import dv
 from launcher.cli.smoketest import smoke_test
 from launcher.cli.ssh import ssh
 from launcher.cli.options import cache_option, ignore_unsupported_option, load_vmi_file, node_cache, parse_size, say, storage_options, trust_options, warn_if_open
+from launcher.cli.imagesource import container_disk_dir_option, update_option
+from launcher.node.pins import every as pins_listing
 from launcher.cli.portforward import port_forward
 from launcher.node.cache import Cache, tree_size
 from launcher.node.imagehints import ImageHints
@@ -69,18 +71,21 @@ Examples:
 @click.option("--platform", help="OS/ARCH of the images (default: this host's).")
 @click.option("--accel", type=click.Choice(["auto", "kvm", "qemu"]), default="auto", show_default=True, help="Domain type; auto probes whether KVM makes progress here.")
 @click.option("--lazy/--no-lazy", default=None, help="As `launcher run --lazy`: lazy containerDisks show the NBD export the VM would read.")
+@update_option
+@container_disk_dir_option
 @ignore_unsupported_option
 @cache_option
 @click.option("--json", "as_json", is_flag=True, help='Print {"domain": NAME, "xml": XML} instead of the XML.')
 @storage_options
 @registry_options
 @trust_options
-def domain(vmi_file, platform, accel, lazy, ignore_unsupported, as_json, cache_dir, store, registry: RegistryOptions) -> None:
+def domain(vmi_file, platform, accel, lazy, update, container_disk_dir, kernel_boot_dir, ignore_unsupported, as_json, cache_dir, store, registry: RegistryOptions) -> None:
     """Print the libvirt domain XML `launcher run` would start (a dry run: images are pulled or, lazy, opened on the node's disk server; nothing started)."""
     from launcher.runtime.vms import RunOptions, plan
 
     vmi = load_vmi_file(vmi_file, ignore_unsupported, ImageHints(store.objects, registry, platform_of(platform)))
-    opts = RunOptions(platform=platform_of(platform), registry=registry, storage=store, lazy={None: "auto", True: "on", False: "off"}[lazy])
+    opts = RunOptions(platform=platform_of(platform), registry=registry, storage=store, lazy={None: "auto", True: "on", False: "off"}[lazy],
+                      update=update, container_disk_dir=container_disk_dir, kernel_boot_dir=kernel_boot_dir)
     _, xml = plan(vmi, node_cache(cache_dir), opts, create=False, domain_type=None if accel == "auto" else accel)
     if as_json:
         click.echo(json.dumps({"domain": vmi.domain_name, "xml": xml}, indent=2))
@@ -100,6 +105,8 @@ Examples:
   launcher run vmi.yaml --pvc shared=/srv/shared --console           # a claim shared as a virtiofs filesystem
   launcher run vmi.yaml --feature-gates HostDisk --host-disk-dir /srv/vm-disks   # hostDisk volumes, only under that directory
   launcher run vmi.yaml --publish-address 0.0.0.0                    # in a pod: the pod's IP on each declared port reaches the guest
+  launcher run vm.yaml --update --console                            # a VirtualMachine: boot what its tags name now, and pin that
+  launcher run vmi.yaml --container-disk-dir /var/run/kubevirt-image-volume   # the pod's image volumes: no pull
 """)
 @click.argument("vmi_file", type=click.Path(dir_okay=False, exists=True))
 @click.option("--connect", "uri", metavar="URI", help="libvirt URI (default: qemu:///system as root, else qemu:///session; as root where no system daemon answers, the qemu user's own session daemon for this cache, started on demand).")
@@ -112,25 +119,31 @@ Examples:
 @click.option("--grace-period", type=click.FloatRange(min=0), metavar="SECONDS", help="After SIGTERM or Ctrl-C, how long the guest has to power off (ACPI) before it is destroyed; 0: at once.  [default: the VMI's terminationGracePeriodSeconds, else 30]")
 @click.option("--publish-address", metavar="ADDRESS", help="Forward ADDRESS:PORT to the guest for every port the interfaces declare (KubeVirt's masquerade; 0.0.0.0 in a pod).")
 @click.option("--json", "as_json", is_flag=True, help='When the command returns, print {"vmi": NAMESPACE/NAME, "domain": ..., "exitCode": 0}; not with --console.')
+@update_option
+@container_disk_dir_option
 @ignore_unsupported_option
 @cache_option
 @storage_options
 @registry_options
 @trust_options
-def run(vmi_file, uri, console, detach, wait_for, timeout, platform, lazy, grace_period, publish_address, as_json, ignore_unsupported, cache_dir, store, registry: RegistryOptions) -> None:
+def run(vmi_file, uri, console, detach, wait_for, timeout, platform, lazy, grace_period, publish_address, update, container_disk_dir, kernel_boot_dir,
+        as_json, ignore_unsupported, cache_dir, store, registry: RegistryOptions) -> None:
     """Prepare every volume of a VirtualMachineInstance, define and start its domain, stay with it.
 
     Each containerDisk is pulled once per node and gets a qcow2 overlay of its own, so the VM
     starts clean every time. The command returns when the guest stops, when --wait-for text
     appears, once it runs with --detach, or at --timeout; Ctrl-C or SIGTERM shuts the guest down (destroyed after --grace-period)
     and removes its overlays.
+
+    A VirtualMachine's first run pins each containerDisk tag to the digest it resolved to; its later
+    runs boot those digests, however the tags move, until --update (`launcher ls` shows the pins).
     """
     if detach and console:
         raise click.UsageError("--detach and --console exclude each other: attach later with `launcher console NAME`")
     if as_json and console:
         raise click.UsageError("--json and --console exclude each other: the console is what stdout carries")
     vmi = load_vmi_file(vmi_file, ignore_unsupported, ImageHints(store.objects, registry, platform_of(platform)))
-    if lazy and any(volume.kind == "containerDisk" for volume in vmi.volumes):
+    if lazy and not container_disk_dir and any(volume.kind == "containerDisk" for volume in vmi.volumes):
         from launcher.diskserver.spawn import start_server
 
         # --lazy will need the node's disk server: started now, its start overlaps the run's own.
@@ -140,7 +153,8 @@ def run(vmi_file, uri, console, detach, wait_for, timeout, platform, lazy, grace
 
     opts = RunOptions(uri=uri, platform=platform_of(platform), registry=registry, console=console, wait_for=wait_for, timeout=timeout, storage=store,
                       lazy={None: "auto", True: "on", False: "off"}[lazy], grace_period=grace_period, detach=detach,
-                      publish_address=publish_address)
+                      publish_address=publish_address, update=update, container_disk_dir=container_disk_dir,
+                      kernel_boot_dir=kernel_boot_dir)
     code = do_run(vmi, node_cache(cache_dir), opts, say)
     if as_json:
         click.echo(json.dumps({"vmi": f"{vmi.namespace}/{vmi.name}", "domain": vmi.domain_name, "exitCode": code}, indent=2))
@@ -319,8 +333,9 @@ def ls(as_json, cache_dir) -> None:
         users = [vm["domain"] for vm in vms if str(entry) in vm.get("entries", [])]
         disks.append({"path": str(entry / "disk.img"), "images": images.get(str(entry), []), "size": tree_size(entry),
                       "format": meta.get("format"), "layer": meta.get("layer"), "usedBy": users})
+    pinned = pins_listing(cache)
     if as_json:
-        click.echo(json.dumps({"vms": vms, "disks": disks}, indent=2))
+        click.echo(json.dumps({"vms": vms, "disks": disks, "pins": pinned}, indent=2))
         return
     click.echo(f"{'VM':32} {'STATE':8} IMAGES")
     for vm in vms:
@@ -331,6 +346,10 @@ def ls(as_json, cache_dir) -> None:
         # reference was pulled again elsewhere) shows its layer. Paths are in --json.
         shown = ",".join(disk["images"]) or f"(layer {(disk['layer'] or '?')[:19]})"
         click.echo(f"{shown:56} {disk['size'] / (1 << 20):>8.1f}Mi  {','.join(disk['usedBy']) or '-'}")
+    if pinned:
+        click.echo(f"\n{'PINNED (launcher run --update moves them)':56} DIGEST")
+        for pin in pinned:
+            click.echo(f"{pin['vm'] + ' ' + pin['volume'] + ' ' + pin['image']:56} {pin['digest']}")
 
 
 @cli.command(epilog="""\b

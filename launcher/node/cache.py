@@ -6,6 +6,8 @@
     <root>/tags/<key>.json                          reference -> manifest digest, for IfNotPresent
     <root>/vms/<domain>.json, <root>/run/<domain>/  records and overlays of VMs started from here
                                                     (long domains: head + hash, see entry_name)
+    <root>/pins/<domain>.json                       the digests a VirtualMachine's tags were pinned to
+                                                    (launcher.node.pins); outlive its runs
     <root>/locks/, <root>/tmp/                      flock files; staging on the same filesystem
     <root>/partial/<digest>.part, .synced, .source  blobs being downloaded, kept for resuming after a kill
     <root>/lazy/, <root>/serve/                     the disk server's exports and sockets
@@ -100,7 +102,7 @@ def private_dirs(top: Path, path: Path) -> Path:
     return path
 
 
-SUBDIRS = ("blobs", "disks", "refs", "tags", "vms", "run", "locks", "tmp", "partial", "lazy")
+SUBDIRS = ("blobs", "disks", "refs", "tags", "vms", "run", "locks", "tmp", "partial", "lazy", "pins")
 QEMU_READS = ("disks", "run")  # what qemu opens itself: base disks and kernels, a VM's run directory
 
 
@@ -305,6 +307,9 @@ class Cache:
 
     def run_dir(self, domain: str) -> Path:
         return within(self.root / "run", entry_name(domain))
+
+    def pin_path(self, domain: str) -> Path:
+        return within(self.root / "pins", f"{entry_name(domain)}.json")
 
     def images_by_disk(self) -> dict[str, list[str]]:
         """Each disk entry's directory -> the image references pulls resolved to it (for `launcher ls`)."""

@@ -24,6 +24,7 @@ from diskkit.registry.options import RegistryOptions
 from diskkit.streams.fsutil import write_atomic
 from launcher.diskserver.client import last_failure
 from launcher.diskserver.qemuid import is_system_uri
+from launcher.node import pins
 from launcher.node.cache import Cache
 from launcher.render.domain import Host, render, secret_xml
 from launcher.render.interfaces import netdev_id
@@ -58,6 +59,13 @@ class RunOptions:
     # Where the interfaces' declared ports are published (KubeVirt's masquerade forwards them from the
     # pod's IP); None: nowhere, `launcher port-forward` reaches any port.
     publish_address: str | None = None
+    # A VirtualMachine's containerDisk tags are resolved again instead of booting the digests its
+    # earlier runs pinned (launcher.node.pins).
+    update: bool = False
+    # Where the pod mounts each containerDisk's image (KubeVirt's /var/run/kubevirt-image-volume):
+    # the disks are used from there, nothing is pulled (launcher.volumes.imagevolume).
+    container_disk_dir: Path | None = None
+    kernel_boot_dir: Path | None = None  # likewise the kernelBoot container's (/var/run/kubevirt-kernel-boot)
 
 
 # KubeVirt's default VMI terminationGracePeriodSeconds (staging/src/kubevirt.io/api/core/v1/types.go,
@@ -101,7 +109,8 @@ def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, domain_type: st
     qemu opens in claims is given to `qemu`)."""
     run_dir = cache.run_dir(vmi.domain_name)
     prepared = prepare(vmi, cache, run_dir, opts.registry, opts.platform, create=create, store=opts.storage, lazy=opts.lazy,
-                       qemu=qemu, qemu_uid=qemu_uid)
+                       qemu=qemu, qemu_uid=qemu_uid, pins=pins.load(cache, vmi.domain_name) if vmi.from_vm else None,
+                       update=opts.update, image_volumes=opts.container_disk_dir, kernel_boot_dir=opts.kernel_boot_dir)
     host = Host(
         domain_type=domain_type or accel.domain_type(cache.root),
         serial_log=str(rundir.console_log(run_dir)),
@@ -158,6 +167,7 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
                     "uri": lv.uri,
                     "run_dir": str(run_dir),
                     "images": sorted({p.image for p in prepared.pulled}),
+                    "pins": {volume: pin.pinned for volume, pin in sorted(prepared.pins.items())},
                     "entries": sorted({str(p.path.parent) for p in prepared.pulled}),
                     "started": int(time.time()),
                     "pid": os.getpid(),
@@ -171,6 +181,9 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
             for source, value in prepared.secrets:
                 lv.define_secret(secret_xml(source), value, source.secret_usage)
             lv.start(name, xml)
+            if vmi.from_vm:  # booted: what its next runs boot. The kubelet resolved what the pod mounted: those pins stay.
+                mounted = opts.container_disk_dir is not None or opts.kernel_boot_dir is not None
+                pins.save(cache, name, {**(pins.load(cache, name) if mounted else {}), **prepared.pins})
             _publish(vmi, lv, opts.publish_address, say)
             alarm.disarm()
         except BaseException as exc:

@@ -343,6 +343,7 @@ class VMI:
     data_volume_templates: tuple = ()  # launcher.datavolume.DataVolume, from spec.dataVolumeTemplates
     ignored: tuple[tuple[str, str], ...] = ()  # (field, why) dropped because the user asked to go on without them
     access_credentials: tuple[credentials.SSHPublicKey, ...] = ()  # spec.accessCredentials
+    from_vm: bool = False  # a VirtualMachine's: its restarts boot the digests its tags were pinned to
 
     @property
     def domain_name(self) -> str:
@@ -991,7 +992,8 @@ def parse_vmi(doc: dict, ignore_unsupported: bool = False, *, objects: ObjectSou
                                                               " referenced in the VMI template's 'volumes' list")
     access = credentials.parse(spec.get("accessCredentials"), (v.kind for v in volumes), f"{root}.accessCredentials")
     return VMI(name, namespace, get_str(metadata, "uid", "metadata"), labels, annotations, domain, volumes,
-               hostname, get_int(spec, "terminationGracePeriodSeconds", root), data_volumes, tuple(unsupported), access)
+               hostname, get_int(spec, "terminationGracePeriodSeconds", root), data_volumes, tuple(unsupported), access,
+               from_vm=kind == "VirtualMachine")
 
 
 def load_vmi(path: str | Path, ignore_unsupported: bool = False, *, objects: ObjectSource | None = None) -> VMI:

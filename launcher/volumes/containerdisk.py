@@ -9,37 +9,100 @@ from typing import Iterator
 
 from diskkit.disk import qemuimg
 from diskkit.errors import AuthError, DiskkitError
+from diskkit.oci.image import Platform
 from diskkit.oci.reference import parse_ref
 from diskkit.registry.authfile import in_config
 from diskkit.registry.options import RegistryOptions
 from launcher.diskserver.client import Attached, attach, files
 from launcher.node.cache import within
+from launcher.node.pins import Pin, pinnable, resolved
 from launcher.node.pull import default_policy, pull
 from launcher.render.domain import ResolvedDisk
 from launcher.spec.k8s import NetworkSource, pull_secret_config
 from launcher.spec.vmi import Volume
+from launcher.volumes import imagevolume
 from launcher.volumes.context import Context
 from launcher.volumes.files import block_io, direct_io_supported, overlay
 from launcher.volumes.guestplatform import check_config, check_image
 
 
+# The kernelBoot container's image is pinned under KubeVirt's name for its volume (KernelBootVolumeName
+# in pkg/container-disk/container-disk.go, which keys it beside the containerDisks' volumes too).
+KERNEL_BOOT_PIN = "kernel-boot-volume"
+
+
 def container_disk(ctx: Context, volume: Volume, where: str) -> ResolvedDisk:
     source = volume.source
+    if ctx.image_volumes is not None:
+        return image_volume_overlay(ctx, volume, where)
     registry, why_not = pull_options(ctx, source.image, source.image_pull_secret, f"{where}.imagePullSecret")
-    with image_field(f"{where}.image", why_not):
+    policy = _policy(ctx, source.image, source.image_pull_policy)
+    ref, pin = _pinned(ctx, volume.name, source.image)
+    with image_field(f"{where}.image", why_not), _pin_hint(pin):
         if ctx.lazy != "off":
-            policy = source.image_pull_policy or default_policy(source.image)
-            attached = attach(ctx.cache, source.image, source.path, ctx.platform, registry, ctx.lazy, policy, ctx.out.notes,
+            attached = attach(ctx.cache, ref, source.path, ctx.platform, registry, ctx.lazy, policy, ctx.out.notes,
                               vm=ctx.create, qemu_uid=ctx.qemu_uid)
             if attached is not None:
                 check_image(ctx.cache, attached.pulled)
                 ctx.out.pulled.append(attached.pulled)
+                _record_pin(ctx, volume.name, source.image, attached.pulled.digest, pin)
                 return _nbd_overlay(ctx, volume, attached)
-        base = pull(ctx.cache, source.image, source.path, ctx.platform, registry, source.image_pull_policy,
+        base = pull(ctx.cache, ref, source.path, ctx.platform, registry, policy,
                     accept=check_config(str(parse_ref(source.image))))
         check_image(ctx.cache, base)  # a disk the cache already held
     ctx.out.pulled.append(base)
+    _record_pin(ctx, volume.name, source.image, base.digest, pin)
     return overlay(within(ctx.run_dir, volume.name, "disk.qcow2"), base.path, base.format, ctx.create)
+
+
+def _policy(ctx: Context, image: str, given: str | None) -> str:
+    """The pull policy of the image as written, also for its pinned digest (KubeVirt defaults it from
+    the tag before a migration target's pod gets the digest)."""
+    policy = given or default_policy(image)
+    if ctx.update and ctx.pins is not None and pinnable(image) and policy != "Never":
+        return "Always"  # --update asks the registry where the tag is now, not the node's memory of it
+    return policy
+
+
+def _platform_text(ctx: Context) -> str:
+    return str(ctx.platform or Platform.host())
+
+
+def _pinned(ctx: Context, volume: str, image: str) -> tuple[str, Pin | None]:
+    """What to pull for a VirtualMachine's volume: the digest its tag was pinned to by an earlier run,
+    while the spec names the same image for the same platform and no --update asks for the tag."""
+    if ctx.pins is None or not pinnable(image):
+        return image, None
+    pin = ctx.pins.get(volume)
+    if pin is None or ctx.update or (pin.image, pin.platform) != (image, _platform_text(ctx)):
+        return image, None
+    # Said every time: whoever moved the tag expects the new image, and this is why it does not boot.
+    ctx.note(f"{image} boots {pin.digest}, the digest it named at this VirtualMachine's first run; launcher run --update resolves the tag again")
+    return pin.pinned, pin
+
+
+def _record_pin(ctx: Context, volume: str, image: str, digest: str, old: Pin | None) -> None:
+    if ctx.pins is not None and pinnable(image):
+        ctx.out.pins[volume] = resolved(old or ctx.pins.get(volume), image, digest, _platform_text(ctx))
+
+
+@contextlib.contextmanager
+def _pin_hint(pin: Pin | None) -> Iterator[None]:
+    """A pinned digest that cannot be had any more (deleted from the registry) says how to move on."""
+    try:
+        yield
+    except DiskkitError as exc:
+        if pin is not None:
+            exc.rule = f"{exc.rule}; {pin.image} was pinned to {pin.digest} by this VirtualMachine's first run: launcher run --update resolves the tag again"
+            exc.args = (exc.line(),)
+        raise
+
+
+def image_volume_overlay(ctx: Context, volume: Volume, where: str) -> ResolvedDisk:
+    """The disk of the image the pod mounted for this volume, as KubeVirt 1.9's virt-launcher finds it,
+    under the VM's own overlay: nothing is pulled."""
+    found = imagevolume.find_disk(ctx.image_volumes, volume.index, volume.source.path, where)
+    return overlay(within(ctx.run_dir, volume.name, "disk.qcow2"), found.path, found.format, ctx.create)
 
 
 @contextlib.contextmanager
@@ -98,19 +161,26 @@ def kernel_boot(ctx: Context) -> None:
         return
     container = boot.container
     at = "spec.domain.firmware.kernelBoot.container"
+    if ctx.kernel_boot_dir is not None:  # the pod mounted the image: nothing to pull or pin
+        for attr, path in (("kernel", container.kernel_path), ("initrd", container.initrd_path)):
+            if path:
+                field = "kernelPath" if attr == "kernel" else "initrdPath"
+                setattr(ctx.out, attr, str(imagevolume.find_file(ctx.kernel_boot_dir, path, f"{at}.{field}")))
+        return
     registry, why_not = pull_options(ctx, container.image, container.image_pull_secret, f"{at}.imagePullSecret")
-    with image_field(f"{at}.image", why_not):
-        _kernel_boot_files(ctx, container, registry)
+    ref, pin = _pinned(ctx, KERNEL_BOOT_PIN, container.image)
+    with image_field(f"{at}.image", why_not), _pin_hint(pin):
+        _kernel_boot_files(ctx, container, ref, _policy(ctx, container.image, container.image_pull_policy), registry)
+    if ctx.out.kernel or ctx.out.initrd:
+        _record_pin(ctx, KERNEL_BOOT_PIN, container.image, ctx.out.pulled[-1].digest, pin)
 
 
-def _kernel_boot_files(ctx: Context, container, registry) -> None:
+def _kernel_boot_files(ctx: Context, container, ref: str, policy: str, registry) -> None:
     wanted = [(attr, path) for attr, path in (("kernel", container.kernel_path), ("initrd", container.initrd_path)) if path]
     fetched = None
     if ctx.lazy != "off":
-        policy = container.image_pull_policy or default_policy(container.image)
-        fetched = files(ctx.cache, container.image, [path for _, path in wanted], ctx.platform, registry, ctx.lazy, policy, ctx.out.notes)
+        fetched = files(ctx.cache, ref, [path for _, path in wanted], ctx.platform, registry, ctx.lazy, policy, ctx.out.notes)
     for attr, file_path in wanted:
-        pulled = fetched[file_path] if fetched else pull(ctx.cache, container.image, file_path, ctx.platform, registry,
-                                                         container.image_pull_policy, disk=False)
+        pulled = fetched[file_path] if fetched else pull(ctx.cache, ref, file_path, ctx.platform, registry, policy, disk=False)
         ctx.out.pulled.append(pulled)
         setattr(ctx.out, attr, str(pulled.path))

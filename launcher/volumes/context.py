@@ -8,6 +8,7 @@ from pathlib import Path
 from diskkit.oci.image import Platform
 from diskkit.registry.options import RegistryOptions
 from launcher.node.cache import QEMU_ID, Cache
+from launcher.node.pins import Pin
 from launcher.node.pull import Pulled
 from launcher.render.domain import ResolvedDisk
 from launcher.spec.k8s import NetworkSource
@@ -32,6 +33,7 @@ class Prepared:
     pulled: list[Pulled] = field(default_factory=list)
     secrets: list[tuple[NetworkSource, bytes]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    pins: dict[str, Pin] = field(default_factory=dict)  # volume -> the digest its tag resolved to (a VirtualMachine's)
 
 
 @dataclass
@@ -46,6 +48,10 @@ class Context:
     lazy: str = "off"
     qemu_uid: int | None = None  # a root launcher's qemu on a session daemon runs as this user
     qemu: tuple[int, int] = (QEMU_ID, QEMU_ID)  # whom qemu runs as: what the launcher gives it is that user's
+    pins: dict[str, Pin] | None = None  # a VirtualMachine's pins from its last run; None: a VMI, nothing is pinned
+    update: bool = False  # resolve the tags again instead of booting the pinned digests
+    image_volumes: Path | None = None  # where the pod mounts each containerDisk's image (launcher.volumes.imagevolume)
+    kernel_boot_dir: Path | None = None  # where the pod mounts the kernelBoot container's image
     out: Prepared = field(default_factory=Prepared)
 
     def note(self, text: str | None) -> None:

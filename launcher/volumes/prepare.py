@@ -71,14 +71,22 @@ def prepare(
     lazy: str = "off",
     qemu_uid: int | None = None,
     qemu: tuple[int, int] = KUBEVIRT_QEMU,
+    pins: dict | None = None,
+    update: bool = False,
+    image_volumes: Path | None = None,
+    kernel_boot_dir: Path | None = None,
 ) -> Prepared:
     """Resolve every volume; with `create`, make the overlays and images under `run_dir` and in claims.
 
     Without `create` (the dry run of `launcher domain`) paths are planned, not made; images are
     pulled, or opened on the node's disk server when lazy, so the domain shows what a run would use.
+    `pins` (a VirtualMachine's, launcher.node.pins) are booted unless `update`; `image_volumes` and
+    `kernel_boot_dir` are where the pod mounts the containerDisks' and the kernelBoot container's
+    images (launcher.volumes.imagevolume).
     """
     check_requested(platform)
-    ctx = Context(vmi, cache, run_dir, registry, platform, create, store or Storage(), lazy, qemu_uid, qemu)
+    ctx = Context(vmi, cache, run_dir, registry, platform, create, store or Storage(), lazy, qemu_uid, qemu, pins=pins, update=update,
+                  image_volumes=image_volumes, kernel_boot_dir=kernel_boot_dir)
     admit(vmi, ctx.store)
     shared = {fs.name for fs in vmi.domain.devices.filesystems}
     for volume in vmi.volumes:

@@ -1,0 +1,23 @@
+"""Options saying where `launcher run` and `launcher domain` take containerDisk images from: the
+digests a VirtualMachine pinned or its tags anew, the registry or the pod's image volumes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+def update_option(command):
+    return click.option("--update", is_flag=True,
+                        help="A VirtualMachine's containerDisk tags are resolved again (and the new digests pinned) instead of"
+                             " booting the digests its earlier runs pinned.")(command)
+
+
+def container_disk_dir_option(command):
+    command = click.option("--kernel-boot-dir", type=click.Path(file_okay=False, exists=True, path_type=Path), metavar="DIR",
+                           help="Take kernelBoot.container's kernelPath and initrdPath from the image the pod mounts at DIR"
+                                " (KubeVirt's layout: /var/run/kubevirt-kernel-boot) instead of pulling it.")(command)
+    return click.option("--container-disk-dir", type=click.Path(file_okay=False, exists=True, path_type=Path), metavar="DIR",
+                        help="Use the containerDisks the pod mounts as image volumes, DIR/disk_<index in spec.volumes>"
+                             " (KubeVirt's layout: /var/run/kubevirt-image-volume), instead of pulling them.")(command)
