@@ -154,3 +154,13 @@ def test_json_of_the_local_commands(tmp_path, qcow2):
     assert (out["namespace"], out["name"]) == ("vms", "root") and out["token"]
     missing = run_launcher("status", "--json", "--cache-dir", tmp_path / "cache", "nosuchvm")
     assert missing.code == Exit.NOT_FOUND and error_of(missing)["kind"] == "not_found"
+
+
+def test_launcher_test_of_a_missing_image_fails_with_its_status(registry, tmp_path):
+    """launcher/cli/smoketest.py: a refusal before the boot (here the registry's 404) is the refusal's
+    status, never 0 with a FAIL line, and the --json result names why."""
+    missing = f"{registry.host}/codes-{uuid.uuid4().hex[:8]}:absent"
+    result = run_launcher("test", "--json", INSECURE, "--cache-dir", tmp_path / "cache", missing)
+    assert result.code == Exit.NOT_FOUND, (result.out, result.err)
+    doc = json.loads(result.out)
+    assert doc["result"] == "fail" and "absent" in doc["reason"]

@@ -208,6 +208,15 @@ def test_a_foreign_architecture_is_refused(diskkit, disks, two_arch, manifests, 
     # --platform linux/amd64 picks the amd64 image of the index.
     picked = _domain(tmp_path, "--platform", "linux/amd64", "--manifests", manifests, _vm(tmp_path, two_arch))
     assert picked.code == 0, picked.err
+    # The CI smoke test refuses it the same way, before the disk is downloaded.
+    from tests.conftest import run_launcher
+
+    smoke = run_launcher("test", "--cache-dir", tmp_path / "smoke", "--timeout", "60", arm)
+    assert smoke.code == 3  # Exit.GUEST_FAILED: launcher test's "did not boot"
+    assert f"{arm}: image platform linux/arm64 is not the guest's linux/amd64" in smoke.err + smoke.out
+    assert not [p for p in (tmp_path / "smoke").rglob("*") if p.is_file() and "disks" in p.parts]
+    early = run_launcher("test", "--cache-dir", tmp_path / "smoke", "--platform", "linux/arm64", arm)
+    assert early.code != 0 and "--platform linux/arm64: cannot boot an image for linux/arm64" in early.err + early.out
 
 
 # ---------------------------------------------------------------- an index from separate jobs

@@ -31,6 +31,7 @@ from diskkit.registry.options import RegistryOptions
 from launcher.cli.options import cache_option, node_cache, say, trust_options
 from launcher.cli.ssh import Target, ssh_command
 from launcher.node.selfexec import launcher_argv
+from launcher.volumes.guestplatform import check_config, check_requested
 
 # Exit statuses, distinct so CI can tell a broken image from a broken command.
 PASSED, COMMAND_FAILED, NOT_BOOTED, NO_SSH = Exit.OK, Exit.FAILED, Exit.GUEST_FAILED, Exit.TIMEOUT  # diskkit.errors.Exit, the table of both CLIs
@@ -208,28 +209,34 @@ def smoke_test(ref, command, user, timeout, port, memory, as_json, uri, platform
             vmi = parse_vmi(with_key(doc))
             result.vmi = f"{vmi.namespace}/{vmi.name}"
             plat = platform_of(platform)
+            check_requested(plat)
             for volume in vmi.volumes:
                 if volume.kind == "containerDisk":
                     src = volume.source
-                    result.images[src.image] = pull(cache, src.image, src.path, plat, registry, src.image_pull_policy).digest
+                    # A foreign image is refused on its config, before its disk is downloaded.
+                    result.images[src.image] = pull(cache, src.image, src.path, plat, registry, src.image_pull_policy,
+                                                    accept=check_config(src.image)).digest
         except DiskkitError as err:
+            # Refused before a boot (not found, foreign, unreadable): the refusal's own exit status.
             result.reason = str(err)
-            return
-        target = Target("vmi", vmi.name, vmi.namespace, user)
-        reach = _Reach(cache, cache_dir, target, port, keys / "key", command, began + timeout, result, as_json)
-        reach.start()
-        try:
-            run(vmi, cache, RunOptions(uri=uri, platform=plat, registry=registry, storage=Storage(objects=Objects([key_secret(vmi.namespace, public)])),
-                                       grace_period=0), say)
-        except DiskkitError as err:
-            if not result.reason:
-                result.reason = str(err)
-        finally:
-            reach.vm_gone.set()
-            reach.join()
-        code = reach.outcome if reach.outcome is not None else NOT_BOOTED
-        if code == NOT_BOOTED and not result.reason:
-            result.reason = "the VM stopped before ssh answered"
+            code = err.exit_code if err.exit_code != Exit.FAILED else NOT_BOOTED
+            vmi = None
+        if vmi is not None:
+            target = Target("vmi", vmi.name, vmi.namespace, user)
+            reach = _Reach(cache, cache_dir, target, port, keys / "key", command, began + timeout, result, as_json)
+            reach.start()
+            try:
+                run(vmi, cache, RunOptions(uri=uri, platform=plat, registry=registry, storage=Storage(objects=Objects([key_secret(vmi.namespace, public)])),
+                                           grace_period=0), say)
+            except DiskkitError as err:
+                if not result.reason:
+                    result.reason = str(err)
+            finally:
+                reach.vm_gone.set()
+                reach.join()
+            code = reach.outcome if reach.outcome is not None else NOT_BOOTED
+            if code == NOT_BOOTED and not result.reason:
+                result.reason = "the VM stopped before ssh answered"
     finally:
         shutil.rmtree(keys, ignore_errors=True)
         if as_json:
