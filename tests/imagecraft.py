@@ -40,7 +40,8 @@ def layer_tar(members: list[Member]) -> bytes:
     return buf.getvalue()
 
 
-def _put(blobs: Path, data: bytes) -> str:
+def put_blob(blobs: Path, data: bytes) -> str:
+    """`data` stored under its sha256 in a layout's blobs directory; its digest."""
     digest = hashlib.sha256(data).hexdigest()
     (blobs / digest).write_bytes(data)
     return "sha256:" + digest
@@ -58,17 +59,17 @@ def write_layout(root: Path, layers: list[list[Member] | bytes], tag: str = "t",
         blob = gzip.compress(raw, mtime=0) if gzipped else raw
         media = "application/vnd.docker.image.rootfs.diff.tar" if docker_types else "application/vnd.oci.image.layer.v1.tar"
         media += "+gzip" if gzipped and not docker_types else ".gzip" if gzipped else ""
-        descs.append({"mediaType": media, "digest": _put(blobs, blob), "size": len(blob)})
+        descs.append({"mediaType": media, "digest": put_blob(blobs, blob), "size": len(blob)})
     config = json.dumps({"architecture": "amd64", "os": "linux", "rootfs": {"type": "layers", "diff_ids": diff_ids}}).encode()
     config_media = "application/vnd.docker.container.image.v1+json" if docker_types else "application/vnd.oci.image.config.v1+json"
     manifest_media = "application/vnd.docker.distribution.manifest.v2+json" if docker_types else "application/vnd.oci.image.manifest.v1+json"
     manifest = json.dumps(
-        {"schemaVersion": 2, "mediaType": manifest_media, "config": {"mediaType": config_media, "digest": _put(blobs, config), "size": len(config)}, "layers": descs}
+        {"schemaVersion": 2, "mediaType": manifest_media, "config": {"mediaType": config_media, "digest": put_blob(blobs, config), "size": len(config)}, "layers": descs}
     ).encode()
     index = {
         "schemaVersion": 2,
         "manifests": [
-            {"mediaType": manifest_media, "digest": _put(blobs, manifest), "size": len(manifest), "annotations": {"org.opencontainers.image.ref.name": tag}}
+            {"mediaType": manifest_media, "digest": put_blob(blobs, manifest), "size": len(manifest), "annotations": {"org.opencontainers.image.ref.name": tag}}
         ],
     }
     (root / "index.json").write_text(json.dumps(index))
@@ -93,13 +94,13 @@ def add_layer(root: Path, tag: str, new_tag: str, members: list[Member], keep_an
     raw = layer_tar(members)
     config["rootfs"]["diff_ids"].append("sha256:" + hashlib.sha256(raw).hexdigest())
     blob = gzip.compress(raw, mtime=0)
-    manifest["layers"].append({"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": _put(blobs, blob), "size": len(blob)})
+    manifest["layers"].append({"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": put_blob(blobs, blob), "size": len(blob)})
     config_bytes = json.dumps(config).encode()
-    manifest["config"] = {**manifest["config"], "digest": _put(blobs, config_bytes), "size": len(config_bytes)}
+    manifest["config"] = {**manifest["config"], "digest": put_blob(blobs, config_bytes), "size": len(config_bytes)}
     if not keep_annotations:
         manifest.pop("annotations", None)
     manifest_bytes = json.dumps(manifest).encode()
-    index["manifests"].append({"mediaType": manifest["mediaType"], "digest": _put(blobs, manifest_bytes), "size": len(manifest_bytes),
+    index["manifests"].append({"mediaType": manifest["mediaType"], "digest": put_blob(blobs, manifest_bytes), "size": len(manifest_bytes),
                                "annotations": {"org.opencontainers.image.ref.name": new_tag}})
     (root / "index.json").write_text(json.dumps(index))
     return root

@@ -18,7 +18,7 @@ import pytest
 import zstandard
 
 from tests.conftest import run, run_diskkit, run_launcher
-from tests.imagecraft import Member, dir_, write_layout
+from tests.imagecraft import Member, dir_, put_blob, write_layout
 from tests.lazyhost import control, disk_server, export_status, open_export, random_disk, stop_spawned_server, wait_for
 from tests.testguest import ensure_testguest, parse_console
 from tests.vmhost import assert_clean
@@ -137,9 +137,7 @@ def oras_layout(root: Path, files: list[tuple[str, bytes, str]], tag: str = "t")
     blobs.mkdir(parents=True)
 
     def put(data: bytes) -> str:
-        digest = hashlib.sha256(data).hexdigest()
-        (blobs / digest).write_bytes(data)
-        return "sha256:" + digest
+        return put_blob(blobs, data)
 
     layers = [{"mediaType": media, "digest": put(data), "size": len(data), "annotations": {TITLE: name}} for name, data, media in files]
     manifest = {

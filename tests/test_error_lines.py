@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import make_qcow2, run_diskkit
+from tests.imagecraft import put_blob
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +44,7 @@ def foreign_layout(root: Path) -> str:
     blobs.mkdir(parents=True)
 
     def put(data: bytes) -> str:
-        digest = hashlib.sha256(data).hexdigest()
-        (blobs / digest).write_bytes(data)
-        return "sha256:" + digest
+        return put_blob(blobs, data)
 
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:

@@ -21,6 +21,7 @@ import requests
 
 from tests.distribution import decode_jwt_claims, start_registry
 from tests.faultproxy import Fault, FaultProxy
+from tests.imagecraft import put_blob
 
 MODES = ["registry", "auth_registry", "tls_registry", "token_registry"]
 
@@ -39,9 +40,7 @@ def layout(tmp_path_factory) -> dict:
     blobs.mkdir(parents=True)
 
     def put(data: bytes) -> str:
-        digest = sha256(data)
-        (blobs / digest[7:]).write_bytes(data)
-        return digest
+        return put_blob(blobs, data)
 
     raw = io.BytesIO()
     with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:

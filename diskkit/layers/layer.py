@@ -203,6 +203,34 @@ class BlobWriter(threading.Thread):
             self.queue.put(data)
 
 
+def pump(reader: threading.Thread, chunks: queue.Queue, stop: threading.Event, comp, writer: BlobWriter,
+         advance: Callable[[int], None] | None) -> BlobWriter:
+    """Run the stages: `reader` fills `chunks` (None at the end, an exception on failure, raised
+    here in the caller's thread), this thread compresses, `writer` hashes and writes the blob. On
+    any failure every thread is stopped and joined before the error goes on."""
+    reader.start()
+    writer.start()
+    try:
+        while True:
+            item = chunks.get()
+            if item is None:
+                break
+            if isinstance(item, BaseException):
+                raise item
+            writer.put(comp.compress(item))
+            if advance:
+                advance(len(item))
+        writer.put(comp.flush())
+    finally:
+        stop.set()
+        reader.join()
+        writer.queue.put(None)
+        writer.join()
+    if writer.error is not None:
+        raise writer.error
+    return writer
+
+
 def write_layer(
     entries: list[Entry],
     sink: BlobSink,
@@ -224,26 +252,6 @@ def write_layer(
     stop = threading.Event()
     toc_out: list[lazytoc.TocLocation] = []
     reader = threading.Thread(target=_produce, args=(entries, mtime, chunks, diff, stop, toc_for, toc_out), daemon=True)
-    writer = BlobWriter(sink, hashed=compression != "none")
-    reader.start()
-    writer.start()
-    try:
-        while True:
-            item = chunks.get()
-            if item is None:
-                break
-            if isinstance(item, BaseException):
-                raise item
-            writer.put(comp.compress(item))
-            if advance:
-                advance(len(item))
-        writer.put(comp.flush())
-    finally:
-        stop.set()
-        reader.join()
-        writer.queue.put(None)
-        writer.join()
-    if writer.error is not None:
-        raise writer.error
+    writer = pump(reader, chunks, stop, comp, BlobWriter(sink, hashed=compression != "none"), advance)
     blob = writer.hash or diff
     return LayerResult("sha256:" + blob.hexdigest(), writer.size, "sha256:" + diff.hexdigest(), compression, toc_out[0] if toc_out else None)

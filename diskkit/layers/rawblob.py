@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from diskkit.errors import DiskkitError
-from diskkit.layers.layer import CHUNK, QUEUE_DEPTH, BlobSink, BlobWriter, LayerResult
+from diskkit.layers.layer import CHUNK, QUEUE_DEPTH, BlobSink, BlobWriter, LayerResult, pump
 from diskkit.streams.compression import compressor
 
 
@@ -60,26 +60,6 @@ def write_blob(source: Path, sink: BlobSink, compression: str, level: int | None
     chunks: queue.Queue = queue.Queue(QUEUE_DEPTH)
     stop = threading.Event()
     reader = threading.Thread(target=_produce, args=(source, size, chunks, plain, stop), daemon=True)
-    writer = BlobWriter(sink, hashed=compression != "none")
-    reader.start()
-    writer.start()
-    try:
-        while True:
-            item = chunks.get()
-            if item is None:
-                break
-            if isinstance(item, BaseException):
-                raise item
-            writer.put(comp.compress(item))
-            if advance:
-                advance(len(item))
-        writer.put(comp.flush())
-    finally:
-        stop.set()
-        reader.join()
-        writer.queue.put(None)
-        writer.join()
-    if writer.error is not None:
-        raise writer.error
+    writer = pump(reader, chunks, stop, comp, BlobWriter(sink, hashed=compression != "none"), advance)
     blob = writer.hash or plain
     return LayerResult("sha256:" + blob.hexdigest(), writer.size, "sha256:" + plain.hexdigest(), compression)
