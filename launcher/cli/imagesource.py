@@ -10,8 +10,8 @@ import click
 
 def update_option(command):
     return click.option("--update", is_flag=True,
-                        help="A VirtualMachine's containerDisk tags are resolved again (and the new digests pinned) instead of"
-                             " booting the digests its earlier runs pinned.")(command)
+                        help="A VirtualMachine's containerDisk tags are resolved again instead of booting the digests its earlier"
+                             " runs pinned; `launcher run` pins the new ones once the VM starts (a dry run pins nothing).")(command)
 
 
 def container_disk_dir_option(command):
