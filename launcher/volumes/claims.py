@@ -78,9 +78,11 @@ def claim_disk(ctx: Context, volume: Volume, claim_name: str, where: str, as_bas
     image = local.path / "disk.img"
     found = claim_image(image)
     if not found and not as_base:
-        size = local.size or sizing.image_size(claim.request if claim else None, claim.capacity if claim else None)
-        if size is None:
+        # --pvc's SIZE is the claim's request; with manifests the claim says both.
+        request, capacity = (local.size, None) if local.size else (claim.request, claim.capacity) if claim else (None, None)
+        if not request and not capacity:
             raise DiskkitError(where, f"claim {claim_name}: {image} does not exist and no size is known (--pvc {claim_name}=DIR:SIZE)")
+        size = sizing.claim_image_size(request, capacity, volume.name)
         if ctx.create:
             fitted = sizing.fit(size, free_bytes(local.path), volume.name, store.tolerance)
             ctx.note(fitted.note)
