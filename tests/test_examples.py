@@ -1,0 +1,142 @@
+"""Every file under examples/ is used as shipped by a test: USED_BY names the test for each, and the
+tests here run the ones no other test runs.
+
+What a test may change in an example: the registry address or image reference only (the examples
+name registry.example.com and quay.io; the tests have a registry on loopback), and it says so where
+it does. Everything else runs as written: a test that needs more has found a broken example, and the
+example is what gets fixed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import run_diskkit, run_launcher
+from tests.testguest import ensure_testguest, parse_console
+from tests.vmhost import NOREG, QEMU_UID, assert_clean
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples"
+MIB = 1 << 20
+
+# example -> the test that uses it as shipped ("file::function")
+USED_BY = {
+    "examples/vmi-containerdisk.yaml": "tests/test_examples.py::test_the_ci_script_pushes_an_image_the_example_vmi_boots",
+    "examples/ci/build-and-push.sh": "tests/test_examples.py::test_the_ci_script_pushes_an_image_the_example_vmi_boots",
+    "examples/datavolumes/datavolumes.yaml": "tests/test_examples.py::test_the_datavolume_examples_import_and_wait_as_written",
+    "examples/datavolumes/vm.yaml": "tests/test_examples.py::test_the_datavolume_examples_import_and_wait_as_written",
+    "examples/instancetypes/vm.yaml": "tests/test_instancetype.py::test_the_example_parses",
+    "examples/instancetypes/types.yaml": "tests/test_instancetype.py::test_the_example_parses",
+    "examples/kubernetes/pod.yaml": "tests/test_pod.py::test_the_example_pod_boots_the_guest_reads_its_claim_and_leaves_nothing",
+    "examples/kubernetes/configmap.yaml": "tests/test_pod.py::test_the_example_pod_boots_the_guest_reads_its_claim_and_leaves_nothing",
+    "examples/kubernetes/pvc.yaml": "tests/test_pod.py::test_the_example_pod_boots_the_guest_reads_its_claim_and_leaves_nothing",
+    "examples/kubernetes/secret.yaml": "tests/test_pod.py::test_the_example_pod_boots_the_guest_reads_its_claim_and_leaves_nothing",
+}
+
+
+def test_every_example_is_used_by_a_test_that_exists():
+    # READMEs say how to use the rest; their commands need a cluster.
+    shipped = sorted(str(p.relative_to(REPO)) for p in EXAMPLES.rglob("*") if p.is_file() and p.name != "README.md")
+    assert shipped == sorted(USED_BY), "an example without a test (or a test of a removed example)"
+    for example, test in USED_BY.items():
+        path, _, function = test.partition("::")
+        source = (REPO / path).read_text()
+        assert f"def {function}(" in source, f"{example}: {test} does not exist"
+        # The test reaches the file: by its name, or its directory's (loaded whole).
+        assert Path(example).name in source or f'"{Path(example).parent.name}"' in source, f"{test} does not use {example}"
+
+
+def _insecure_registries_conf(path: Path, host: str) -> Path:
+    # The loopback registry speaks plain HTTP; the script's commands are left as written and told so
+    # the way skopeo and podman are, through registries.conf.
+    path.write_text(f'[[registry]]\nlocation = "{host}"\ninsecure = true\n')
+    path.chmod(0o644)
+    return path
+
+
+def test_the_ci_script_pushes_an_image_the_example_vmi_boots(qemu_user, auth_registry):
+    """examples/ci/build-and-push.sh as a CI job runs it (credentials from REGISTRY_AUTH_FILE, the
+    CI's revision in an annotation), then examples/vmi-containerdisk.yaml boots what it pushed, with
+    the image reference substituted (registry.example.com -> the test's registry on loopback)."""
+    work = qemu_user.root / "ci"
+    work.mkdir()
+    raw = work / "guest.img"  # a raw disk in, as the script's comment says it takes
+    subprocess.run(["qemu-img", "convert", "-O", "raw", ensure_testguest() / "testguest.qcow2", raw], check=True)
+    auth = auth_registry.auth_file(qemu_user.root / "auth.json")
+    auth.chmod(0o644)  # the qemu user pulls with it too
+    conf = _insecure_registries_conf(qemu_user.root / "registries.conf", auth_registry.host)
+    image = f"{auth_registry.host}/examples/testguest:v1"
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "CI": "true",
+           "REGISTRY_AUTH_FILE": str(auth), "CONTAINERS_REGISTRIES_CONF": str(conf),
+           "GITHUB_SERVER_URL": "https://github.example", "GITHUB_REPOSITORY": "me/disks", "GITHUB_SHA": "0123abc"}
+    script = subprocess.run(["bash", EXAMPLES / "ci" / "build-and-push.sh", raw, image], cwd=work, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert script.returncode == 0, script.stderr
+    built = json.loads((work / "build.json").read_text())
+    assert built["digest"].startswith("sha256:"), built
+    assert subprocess.run(["qemu-img", "info", "--output=json", work / "disk.qcow2"], capture_output=True,
+                          check=True, text=True).stdout.count('"format": "qcow2"') == 1
+    inspected = run_diskkit("inspect", "--raw", image, env={k: env[k] for k in ("REGISTRY_AUTH_FILE", "CONTAINERS_REGISTRIES_CONF")})
+    assert inspected.code == 0, inspected.err
+    annotations = json.loads(inspected.out).get("annotations", {})
+    assert annotations["org.opencontainers.image.revision"] == "0123abc", annotations
+    assert annotations["org.opencontainers.image.source"] == "https://github.example/me/disks", annotations
+
+    # The example VMI, its image reference the only change.
+    vmi = yaml.safe_load((EXAMPLES / "vmi-containerdisk.yaml").read_text())
+    (root,) = vmi["spec"]["volumes"]
+    assert root["containerDisk"]["image"] == "registry.example.com/disks/testguest:v1"
+    root["containerDisk"]["image"] = image
+    vmi_file = qemu_user.root / "vmi-containerdisk.yaml"
+    vmi_file.write_text(yaml.safe_dump(vmi))
+    run = run_launcher("run", "--console", "--timeout", "400", vmi_file, user=str(QEMU_UID), timeout=600,
+                       env={**qemu_user.env, "REGISTRY_AUTH_FILE": str(auth), "CONTAINERS_REGISTRIES_CONF": str(conf)})
+    assert run.code == 0, run.err
+    console = parse_console(run.out)
+    assert console["ready"] and console["done"], run.out
+    assert console["disks"]["vda"]["size"] == 64 * MIB and console["disks"]["vda"]["head"].startswith("33c0"), console["disks"]
+    # No interfaces written: KubeVirt attaches the default pod interface.
+    assert "NET-NIC iface=eth0" in run.out, run.out
+    assert_clean(qemu_user, "default_testguest")
+
+
+def test_the_datavolume_examples_import_and_wait_as_written(tmp_path, registry):
+    """examples/datavolumes as `--manifests`: `golden` imports its containerDisk (the registry URL
+    substituted: quay.io -> the test's registry on loopback) into a claim of the size it asks, and
+    `fedora-data`, on a WaitForFirstConsumer storage class, waits for its VM."""
+    image = f"{registry.host}/containerdisks/fedora:40"
+    built = run_diskkit("build", NOREG, "--no-lazy", ensure_testguest() / "testguest.qcow2", "-t", image)
+    assert built.code == 0, built.err
+    manifests = tmp_path / "datavolumes"
+    manifests.mkdir()
+    docs = list(yaml.safe_load_all((EXAMPLES / "datavolumes" / "datavolumes.yaml").read_text()))
+    (golden,) = [d for d in docs if d and d["metadata"]["name"] == "golden"]
+    assert golden["spec"]["source"]["registry"]["url"] == "docker://quay.io/containerdisks/fedora:40"
+    golden["spec"]["source"]["registry"]["url"] = f"docker://{image}"
+    (manifests / "datavolumes.yaml").write_text(yaml.safe_dump_all(docs))
+    shutil.copy(EXAMPLES / "datavolumes" / "vm.yaml", manifests / "vm.yaml")
+    claims = {name: tmp_path / name for name in ("golden", "fedora-data", "fedora-root")}
+    for path in claims.values():
+        path.mkdir()
+    args = ["--manifests", manifests, *(a for name, path in claims.items() for a in ("--pvc", f"{name}={path}"))]
+
+    imported = run_launcher("dv", "import", NOREG, "golden", *args)
+    assert imported.code == 0, imported.err
+    disk = claims["golden"] / "disk.img"
+    assert disk.stat().st_size == 10 << 30  # the DataVolume's storage request
+    same = subprocess.run(["qemu-img", "compare", "-q", "-f", "raw", "-F", "qcow2", disk, ensure_testguest() / "testguest.qcow2"])
+    assert same.returncode == 0
+    status = run_launcher("dv", "status", "golden", "--json", *args)
+    assert status.code == 0 and json.loads(status.out)["phase"] == "Succeeded", status.out + status.err
+
+    waiting = run_launcher("dv", "status", "fedora-data", "--json", *args)
+    assert waiting.code == 0, waiting.err
+    assert json.loads(waiting.out)["phase"] == "WaitForFirstConsumer", waiting.out
