@@ -9,6 +9,7 @@ example is what gets fixed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -19,7 +20,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import run_diskkit, run_launcher
+from tests.conftest import launcher_command, make_qcow2, run_diskkit, run_launcher
+from tests.distribution import free_port
+from tests.fileserver import FileServer
+from tests.test_launcher_datavolumes import Running
 from tests.testguest import ensure_testguest, parse_console
 from tests.vmhost import NOREG, QEMU_UID, assert_clean
 
@@ -32,7 +36,7 @@ USED_BY = {
     "examples/vmi-containerdisk.yaml": "tests/test_examples.py::test_the_ci_script_pushes_an_image_the_example_vmi_boots",
     "examples/ci/build-and-push.sh": "tests/test_examples.py::test_the_ci_script_pushes_an_image_the_example_vmi_boots",
     "examples/datavolumes/datavolumes.yaml": "tests/test_examples.py::test_the_datavolume_examples_import_and_wait_as_written",
-    "examples/datavolumes/vm.yaml": "tests/test_examples.py::test_the_datavolume_examples_import_and_wait_as_written",
+    "examples/datavolumes/vm.yaml": "tests/test_examples.py::test_the_datavolume_example_vm_imports_its_root_waits_for_the_upload_and_boots",
     "examples/instancetypes/vm.yaml": "tests/test_instancetype.py::test_the_example_parses",
     "examples/instancetypes/types.yaml": "tests/test_instancetype.py::test_the_example_parses",
     "examples/kubernetes/pod.yaml": "tests/test_pod.py::test_the_example_pod_boots_the_guest_reads_its_claim_and_leaves_nothing",
@@ -52,6 +56,18 @@ def test_every_example_is_used_by_a_test_that_exists():
         assert f"def {function}(" in source, f"{example}: {test} does not exist"
         # The test reaches the file: by its name, or its directory's (loaded whole).
         assert Path(example).name in source or f'"{Path(example).parent.name}"' in source, f"{test} does not use {example}"
+
+
+@contextlib.contextmanager
+def roomy(path: Path):
+    """A tmpfs for claims as large as the examples ask (10Gi, 20Gi): KubeVirt's sizing wants the free
+    space a sparse disk.img may grow to, whatever the runner's disk has; only what is written uses memory."""
+    path.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size=32g,mode=0755,uid={QEMU_UID},gid={QEMU_UID}", "tmpfs", path], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", path], check=True)
 
 
 def _insecure_registries_conf(path: Path, host: str) -> Path:
@@ -123,11 +139,15 @@ def test_the_datavolume_examples_import_and_wait_as_written(tmp_path, registry):
     golden["spec"]["source"]["registry"]["url"] = f"docker://{image}"
     (manifests / "datavolumes.yaml").write_text(yaml.safe_dump_all(docs))
     shutil.copy(EXAMPLES / "datavolumes" / "vm.yaml", manifests / "vm.yaml")
-    claims = {name: tmp_path / name for name in ("golden", "fedora-data", "fedora-root")}
-    for path in claims.values():
-        path.mkdir()
-    args = ["--manifests", manifests, *(a for name, path in claims.items() for a in ("--pvc", f"{name}={path}"))]
+    with roomy(tmp_path / "claims") as room:
+        claims = {name: room / name for name in ("golden", "fedora-data", "fedora-root")}
+        for path in claims.values():
+            path.mkdir()
+        check_golden_and_fedora_data(manifests, claims)
 
+
+def check_golden_and_fedora_data(manifests: Path, claims: dict[str, Path]) -> None:
+    args = ["--manifests", manifests, *(a for name, path in claims.items() for a in ("--pvc", f"{name}={path}"))]
     imported = run_launcher("dv", "import", NOREG, "golden", *args)
     assert imported.code == 0, imported.err
     disk = claims["golden"] / "disk.img"
@@ -140,3 +160,62 @@ def test_the_datavolume_examples_import_and_wait_as_written(tmp_path, registry):
     waiting = run_launcher("dv", "status", "fedora-data", "--json", *args)
     assert waiting.code == 0, waiting.err
     assert json.loads(waiting.out)["phase"] == "WaitForFirstConsumer", waiting.out
+
+
+def test_the_datavolume_example_vm_imports_its_root_waits_for_the_upload_and_boots(qemu_user, tmp_path):
+    """examples/datavolumes/vm.yaml run as its comment says, with examples/datavolumes as --manifests
+    (copied as shipped; `golden` is not the VM's and is left alone): the run imports the root disk
+    over HTTP (the download URL substituted: the test guest from a file server on loopback), waits
+    for fedora-data, which its first consumer has bound, until `diskkit upload` fills it through
+    `launcher serve --upload-listen`, then boots from both."""
+    www = tmp_path / "www"
+    www.mkdir()
+    shutil.copy(ensure_testguest() / "testguest.qcow2", www / "Fedora-Cloud-Base-Generic.x86_64-40-1.14.qcow2")
+    data = make_qcow2(tmp_path / "data.qcow2", "48M", pattern=0xAB)
+    manifests = qemu_user.root / "datavolumes"
+    manifests.mkdir()
+    shutil.copy(EXAMPLES / "datavolumes" / "datavolumes.yaml", manifests / "datavolumes.yaml")
+    with roomy(qemu_user.root / "claims") as room:
+        claims = {}
+        for name in ("fedora-root", "fedora-data"):
+            claims[name] = room / name
+            claims[name].mkdir()
+            os.chown(claims[name], QEMU_UID, QEMU_UID)
+        check_the_fedora_vm(qemu_user, tmp_path, www, data, manifests, claims)
+
+
+def check_the_fedora_vm(qemu_user, tmp_path: Path, www: Path, data: Path, manifests: Path, claims: dict[str, Path]) -> None:
+    storage = ["--manifests", manifests, *(a for name, path in claims.items() for a in ("--pvc", f"{name}={path}"))]
+    host = f"127.0.0.1:{free_port()}"
+    cache = tmp_path / "serve-cache"
+    with FileServer(www) as server:
+        vm = yaml.safe_load((EXAMPLES / "datavolumes" / "vm.yaml").read_text())
+        (template,) = vm["spec"]["dataVolumeTemplates"]
+        url = template["spec"]["source"]["http"]["url"]
+        template["spec"]["source"]["http"]["url"] = server.url(url.rsplit("/", 1)[1])
+        vm_file = qemu_user.root / "fedora-vm.yaml"
+        vm_file.write_text(yaml.safe_dump(vm))
+        serve = subprocess.Popen(launcher_command("serve", "--no-disks", "--upload-listen", host, "--cache-dir", cache, *map(str, storage)),
+                                 stderr=subprocess.DEVNULL)
+        try:
+            run = Running(qemu_user, "run", "--console", "--timeout", "400", *storage, vm_file)
+            run.wait_for("waiting for DataVolume default/fedora-data (UploadScheduled; upload it with: diskkit upload default/fedora-data FILE)", 300)
+            token = run_launcher("dv", "token", "fedora-data", "--cache-dir", cache)
+            assert token.code == 0, token.err
+            sent = run_diskkit("upload", "fedora-data", data, "--url", f"http://{host}", "--token", token.out.strip(), "--wait", "60")
+            assert sent.code == 0, sent.err
+            code, out, err = run.finish(400)
+        finally:
+            serve.terminate()
+            serve.wait(30)
+    assert code == 0, err
+    assert "DataVolume default/fedora-root: http import from" in err, err
+    console = parse_console(out)
+    assert console["ready"] and console["done"], out
+    disks = console["disks"]
+    # The sizes the example asks for; the guest booted from the imported root, and sees the upload.
+    assert disks["vda"]["size"] == 10 << 30 and disks["vda"]["head"].startswith("33c0"), disks
+    assert disks["vdb"]["size"] == 20 << 30 and disks["vdb"]["head"] == "ab" * 16, disks
+    for name in claims:
+        assert json.loads((claims[name] / "datavolume.json").read_text())["phase"] == "Succeeded"
+    assert_clean(qemu_user, "default_fedora")
