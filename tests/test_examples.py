@@ -37,8 +37,8 @@ USED_BY = {
     "examples/ci/build-and-push.sh": "tests/test_examples.py::test_the_ci_script_pushes_an_image_the_example_vmi_boots",
     "examples/datavolumes/datavolumes.yaml": "tests/test_examples.py::test_the_datavolume_examples_import_and_wait_as_written",
     "examples/datavolumes/vm.yaml": "tests/test_examples.py::test_the_datavolume_example_vm_imports_its_root_waits_for_the_upload_and_boots",
-    "examples/instancetypes/vm.yaml": "tests/test_instancetype.py::test_the_example_parses",
-    "examples/instancetypes/types.yaml": "tests/test_instancetype.py::test_the_example_parses",
+    "examples/instancetypes/vm.yaml": "tests/test_examples.py::test_the_instancetype_example_boots_sized_by_its_instancetype",
+    "examples/instancetypes/types.yaml": "tests/test_examples.py::test_the_instancetype_example_boots_sized_by_its_instancetype",
     "examples/kubernetes/pod.yaml": "tests/test_pod.py::test_the_example_pod_boots_the_guest_reads_its_claim_and_leaves_nothing",
     "examples/kubernetes/configmap.yaml": "tests/test_pod.py::test_the_example_pod_boots_the_guest_reads_its_claim_and_leaves_nothing",
     "examples/kubernetes/pvc.yaml": "tests/test_pod.py::test_the_example_pod_boots_the_guest_reads_its_claim_and_leaves_nothing",
@@ -219,3 +219,24 @@ def check_the_fedora_vm(qemu_user, tmp_path: Path, www: Path, data: Path, manife
     for name in claims:
         assert json.loads((claims[name] / "datavolume.json").read_text())["phase"] == "Succeeded"
     assert_clean(qemu_user, "default_fedora")
+
+
+def test_the_instancetype_example_boots_sized_by_its_instancetype(qemu_user, guest_image):
+    """examples/instancetypes/vm.yaml run as its comment says, with examples/instancetypes as
+    --manifests (types.yaml as shipped), the image reference substituted (quay.io -> the test's
+    registry on loopback): the guest has the instance type's 2 vCPUs and 4 GiB and its cloud-init."""
+    vm = yaml.safe_load((EXAMPLES / "instancetypes" / "vm.yaml").read_text())
+    (root,) = [v for v in vm["spec"]["template"]["spec"]["volumes"] if v["name"] == "root"]
+    assert root["containerDisk"]["image"] == "quay.io/containerdisks/fedora:40"
+    root["containerDisk"]["image"] = guest_image
+    vm_file = qemu_user.root / "sized.yaml"
+    vm_file.write_text(yaml.safe_dump(vm))
+    run = qemu_user.launcher("run", NOREG, "--console", "--timeout", "400", "--manifests", EXAMPLES / "instancetypes", vm_file, timeout=600)
+    assert run.code == 0, run.err
+    console = parse_console(run.out)
+    assert console["ready"] and console["done"], run.out
+    assert console["cpus"] == 2, run.out
+    assert 3 << 20 < console["mem_kib"] <= 4 << 20, console["mem_kib"]  # MemTotal: 4 GiB less the kernel's own
+    assert console["disks"]["vda"]["head"].startswith("33c0"), console["disks"]  # vdX: the preference's virtio bus
+    assert any("password: fedora" in "".join(iso["files"].values()) for iso in console["isos"].values()), console["isos"]
+    assert_clean(qemu_user, "default_sized")
