@@ -195,6 +195,9 @@ def podman(tmp_path) -> Podman:
     engine.close()
 
 
+# The launcher image is rebuilt (minutes) whenever its inputs changed, then a TCG boot in a pod and the
+# vfs storage's removal: more than the suite's 600 s on a busy machine.
+@pytest.mark.timeout(1800)
 def test_the_example_pod_boots_the_guest_reads_its_claim_and_leaves_nothing(tmp_path, podman, pod_image):
     guest_image = pod_image
     archive = launcher_image()
