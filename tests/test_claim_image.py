@@ -62,3 +62,28 @@ def test_without_a_size_nothing_is_created_and_the_refusal_says_how_to_give_one(
     assert err.value.rule == (f"claim testguest-data: {claim / 'disk.img'} does not exist and no size is known"
                               " (--pvc testguest-data=DIR:SIZE, or the claim in --manifests)")
     assert list(claim.iterdir()) == []
+
+
+NOBODY = 65534
+
+
+@pytest.mark.parametrize("mode", [0o755, 0o555])
+def test_root_makes_the_image_in_a_users_claim_as_that_user(tmp_path, mode):
+    """The trust rule of launcher.hostfs: in a claim a user owns, root works as that user. So the image
+    appears where its owner may write (then is qemu's), and nowhere its owner may not: root's own
+    rights make nothing there (before, a claim closed to its owner still got root's disk.img)."""
+    claim = tmp_path / "claim"
+    claim.mkdir()
+    os.chown(claim, NOBODY, NOBODY)
+    claim.chmod(mode)
+    store = Storage(pvcs={"testguest-data": LocalClaim(claim, 16 << 20)})
+    ctx, volume = _context(tmp_path, store)
+    if mode & 0o200:
+        claim_disk(ctx, volume, "testguest-data", "spec.volumes[1]")
+        image = os.stat(claim / "disk.img")
+        assert (image.st_size, image.st_uid, image.st_gid) == (16 << 20, 107, 107)
+    else:
+        with pytest.raises(DiskkitError) as err:
+            claim_disk(ctx, volume, "testguest-data", "spec.volumes[1]")
+        assert err.value.rule.endswith("(Permission denied)") and str(claim) in str(err.value.subject), err.value
+        assert list(claim.iterdir()) == []
