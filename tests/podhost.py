@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import os
 import subprocess
+import tempfile
 from pathlib import Path
+
+from tests import leftovers
 
 REPO = Path(__file__).resolve().parent.parent
 BUILD_SH = REPO / "images" / "launcher" / "build.sh"
@@ -64,16 +68,23 @@ def launcher_image() -> Path:
 class Podman:
     """Rootful podman with storage and state private to `root`."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, sysctls: dict[str, str] | None = None):
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
+        # slirp4netns's API socket lives in tmp_dir, under a name of 68 characters: a socket path has
+        # 107 at most, more than a pytest directory leaves.
+        self.tmp = Path(tempfile.mkdtemp(prefix="diskkit-e2e-pm-", dir="/tmp"))
+        leftovers.scratch_made(self.tmp)
         (root / "storage.conf").write_text(
             f'[storage]\ndriver = "vfs"\ngraphroot = "{root}/storage"\nrunroot = "{root}/run"\n')
+        # containers.conf's own default sysctl (ping_group_range) kept beside the ones asked for.
+        defaults = {"net.ipv4.ping_group_range": "0 0", **(sysctls or {})}
         # runc cannot raise rlimits here; no systemd to run cgroups or healthcheck timers.
         (root / "containers.conf").write_text(
             '[containers]\ndefault_ulimits = ["nofile=20000:20000", "nproc=32768:32768"]\n'
+            f'default_sysctls = {json.dumps([f"{k}={v}" for k, v in defaults.items()])}\n'
             f'[engine]\ncgroup_manager = "cgroupfs"\nevents_logger = "file"\nevents_logfile_path = "{root}/events.log"\n'
-            f'tmp_dir = "{root}/tmp"\n')
+            f'tmp_dir = "{self.tmp}"\n')
         self.env = {**os.environ, "CONTAINERS_STORAGE_CONF": str(root / "storage.conf"),
                     "CONTAINERS_CONF": str(root / "containers.conf")}
 
@@ -85,3 +96,7 @@ class Podman:
 
     def out(self, *args: str | os.PathLike) -> str:
         return self(*args).stdout.strip()
+
+    def close(self) -> None:
+        """The short temporary directory goes, with any process still naming it."""
+        leftovers.remove_scratch(self.tmp)

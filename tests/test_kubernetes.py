@@ -76,7 +76,8 @@ def pod_problems(pod: dict, command: tuple[str, ...] = ()) -> list[str]:
         mounts_by_volume.update({m["name"]: m["mountPath"] for m in c.get("volumeMounts", [])})
 
     (launcher,) = [c for c in spec["containers"] if c["name"] == "launcher"]
-    if launcher.get("command") != ["launcher", "run", "/etc/vmi/vmi.yaml", "--console", *command]:
+    words = launcher.get("command", [])
+    if words[:4] != ["launcher", "run", "/etc/vmi/vmi.yaml", "--console"] or any(w not in words for w in command):
         problems.append(f"launcher command {launcher.get('command')}")
     limits = launcher.get("resources", {}).get("limits", {})
     if mebibytes(limits.get("memory", "0")) < 512:  # KubeVirt's 40M sidecar limit OOMs (#2603)
@@ -160,6 +161,51 @@ def vmi_problems(configmap: dict, pod: dict) -> list[str]:
             problems.append(f"claim {claim} is not mounted at {VMI_DISKS}/{name}")
         if name not in disks:
             problems.append(f"volume {name} has no disk")
+        # The claim's size, for the disk.img the launcher creates in an empty claim (KubeVirt reads it
+        # from the claim: pkg/host-disk/host-disk.go replaceForHostDisk).
+        (pvc_size,) = [c["--pvc"][1] for c in _flags(spec) if c.get("--pvc", ("",))[0] == claim] or [None]
+        if pvc_size is None:
+            problems.append(f"the launcher is not told claim {claim}'s size (--pvc {claim}={VMI_DISKS}/{name}:SIZE)")
+    problems += network_problems(vmi, pod)
+    return problems
+
+
+def _flags(spec: dict) -> list[dict]:
+    """The launcher command's --pvc CLAIM=DIR:SIZE and --publish-address values, one dict per flag."""
+    (launcher,) = [c for c in spec["containers"] if c["name"] == "launcher"]
+    command = launcher.get("command", [])
+    found = []
+    for flag, value in zip(command, command[1:]):
+        if flag == "--pvc":
+            claim, _, rest = value.partition("=")
+            found.append({"--pvc": (claim, rest.rpartition(":")[2])})
+        elif flag == "--publish-address":
+            found.append({"--publish-address": value})
+    return found
+
+
+def network_problems(vmi: dict, pod: dict) -> list[str]:
+    """The pod network, as KubeVirt's masquerade binding serves it: no host network, every port the
+    VMI's interfaces declare is a container port of the same name and protocol, the launcher publishes
+    them on the pod's addresses, and qemu (107, no capability) may listen on the ones below 1024."""
+    problems = []
+    spec = pod["spec"]
+    if spec.get("hostNetwork"):
+        problems.append("hostNetwork: the VM's ports belong on the pod network")
+    declared = {(p.get("name"), p["port"], p.get("protocol", "TCP"))
+                for i in vmi["spec"]["domain"]["devices"].get("interfaces", []) for p in i.get("ports", [])}
+    if not declared:
+        problems.append("the VMI's interfaces declare no ports")
+    (launcher,) = [c for c in spec["containers"] if c["name"] == "launcher"]
+    exposed = {(p.get("name"), p["containerPort"], p.get("protocol", "TCP")) for p in launcher.get("ports", [])}
+    if declared != exposed:
+        problems.append(f"container ports {sorted(exposed)} are not the VMI's {sorted(declared)}")
+    if {"--publish-address": "0.0.0.0"} not in _flags(spec):
+        problems.append("the launcher does not publish the ports on the pod's addresses (--publish-address 0.0.0.0)")
+    sysctls = {s["name"]: s["value"] for s in spec.get("securityContext", {}).get("sysctls", [])}
+    low = [port for _, port, _ in declared if port < 1024]
+    if low and int(sysctls.get("net.ipv4.ip_unprivileged_port_start", 1024)) > min(low):
+        problems.append(f"port {min(low)} is privileged in the pod: net.ipv4.ip_unprivileged_port_start is not lowered")
     return problems
 
 
@@ -169,16 +215,29 @@ def test_configmap_holds_the_vmi_and_the_pod_mounts_its_claim():
     assert pvc["metadata"]["name"] in the("ConfigMap")["data"]["vmi.yaml"]
 
 
-@pytest.mark.parametrize("breakage", ["kind", "claim", "mount"])
+@pytest.mark.parametrize("breakage", ["kind", "claim", "mount", "size", "hostNetwork", "port", "publish", "sysctl"])
 def test_vmi_check_catches_regressions(breakage):
     configmap, pod = copy.deepcopy(the("ConfigMap")), copy.deepcopy(the("Pod"))
+    (launcher,) = pod["spec"]["containers"]
     if breakage == "kind":
         configmap["data"]["vmi.yaml"] = configmap["data"]["vmi.yaml"].replace("kind: VirtualMachineInstance", "kind: VirtualMachine")
     elif breakage == "claim":
         configmap["data"]["vmi.yaml"] = configmap["data"]["vmi.yaml"].replace("claimName: testguest-data", "claimName: other")
-    else:
+    elif breakage == "mount":
         for mount in pod["spec"]["containers"][0]["volumeMounts"]:
             mount["mountPath"] = mount["mountPath"].replace("vmi-disks/data", "vmi-disks/root")
+    elif breakage == "size":
+        at = launcher["command"].index("--pvc")
+        del launcher["command"][at:at + 2]
+    elif breakage == "hostNetwork":
+        pod["spec"]["hostNetwork"] = True
+    elif breakage == "port":
+        launcher["ports"][0]["containerPort"] = 8080
+    elif breakage == "publish":
+        at = launcher["command"].index("--publish-address")
+        del launcher["command"][at:at + 2]
+    else:
+        del pod["spec"]["securityContext"]["sysctls"]
     assert vmi_problems(configmap, pod)
 
 

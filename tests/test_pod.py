@@ -6,10 +6,18 @@ loopback and booted under TCG, its console read with `podman logs`, the pod torn
 Both a containerDisk pulled whole and a lazy one (booted through the disk server `launcher run`
 starts in the pod) are played.
 
+The pod is on its own network, as in a cluster: podman's slirp4netns (`podman kube play --network
+slirp4netns:...`), a user-mode stack that changes nothing on the host (no bridge, no firewall rule;
+podman's default bridge network would add both). The guest's web page is fetched from the host
+through the port the pod publishes, which reaches the guest as KubeVirt's masquerade does: the
+launcher forwards the VMI's declared port from the pod's addresses into the guest.
+
 What the test changes in the examples, and why: the containerDisk reference (the loopback
-registry, plain HTTP), the cache hostPath (a directory of the test's own), the data disk's serial
-(`hold-N` keeps the test guest up instead of powering off at once) and the kvm device limit (no
-/dev/kvm in tests).
+registry, plain HTTP, seen from the pod at slirp4netns's address for the host's loopback), the cache
+hostPath (a directory of the test's own), the data disk's serial (`hold-N` keeps the test guest up
+instead of powering off at once), the kvm device limit (no /dev/kvm in tests), and a hostPort on
+127.0.0.1 for the guest's container port (podman 4.3's kube play has no --publish: a hostPort is how
+it publishes a pod's port on the host).
 """
 
 from __future__ import annotations
@@ -18,16 +26,18 @@ import base64
 import copy
 import json
 import os
-import secrets
 import shutil
+import socket
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 
 from tests.conftest import run_diskkit, run_launcher
+from tests.leftovers import alive
 from tests.podhost import Podman, image_tag, launcher_image, version
 from tests.testguest import ensure_testguest, parse_console
 from tests.vmhost import NOREG
@@ -37,24 +47,33 @@ CONTAINER = "testguest-launcher"  # podman names a pod's container <pod>-<contai
 READY = "DISKKIT-TESTGUEST v1 READY"
 HOLD = 600
 GRACE = 30  # the VMI's: KubeVirt's default terminationGracePeriodSeconds, as the example leaves it
+# The pod's network: slirp4netns, which needs no bridge or firewall rule on the host. Its address for the
+# host's loopback (10.0.2.2, allow_host_loopback) reaches the test's registry; port_handler=slirp4netns
+# publishes the pod's hostPorts through slirp4netns itself, with no helper process of podman's.
+POD_NETWORK = "slirp4netns:allow_host_loopback=true,port_handler=slirp4netns"
+HOST_LOOPBACK_FROM_POD = "10.0.2.2"
 
 
 def docs(name: str) -> list[dict]:
     return [d for d in yaml.safe_load_all((EXAMPLES / name).read_text()) if d]
 
 
-def manifests(image: str, cache: Path) -> tuple[list[dict], dict]:
-    """The example PVC, ConfigMap and Pod, pointed at the test's registry and cache."""
+def manifests(image: str, cache: Path, host_port: int) -> tuple[list[dict], dict]:
+    """The example PVC, ConfigMap and Pod, pointed at the test's registry and cache, the guest's
+    http port published on the host's 127.0.0.1:`host_port`."""
     (pvc,), (configmap,), (pod,) = docs("pvc.yaml"), docs("configmap.yaml"), copy.deepcopy(docs("pod.yaml"))
     vmi = yaml.safe_load(configmap["data"]["vmi.yaml"])
     (root,) = [v for v in vmi["spec"]["volumes"] if v["name"] == "root"]
-    root["containerDisk"]["image"] = image
+    assert image.startswith("127.0.0.1:"), image
+    root["containerDisk"]["image"] = HOST_LOOPBACK_FROM_POD + image.removeprefix("127.0.0.1")
     (data,) = [d for d in vmi["spec"]["domain"]["devices"]["disks"] if d["name"] == "data"]
     data["serial"] = f"hold-{HOLD}"
     configmap["data"]["vmi.yaml"] = yaml.safe_dump(vmi)
     (container,) = pod["spec"]["containers"]
     container["command"] = [*container["command"], NOREG]
     del container["resources"]["limits"]["devices.kubevirt.io/kvm"]
+    (http,) = [p for p in container["ports"] if p["name"] == "http"]
+    http.update(hostPort=host_port, hostIP="127.0.0.1")
     (cache_volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == "cache"]
     cache_volume["hostPath"]["path"] = str(cache)
     return [pvc, configmap, *podman_secrets(pod), pod], pod
@@ -132,50 +151,93 @@ def pod_image(request, registry) -> str:
     return ref
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def slirp4netns_pids() -> set[int]:
+    return {int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _comm(p) == "slirp4netns"}
+
+
+def _comm(proc: Path) -> str:
+    try:
+        return (proc / "comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def fetch_page(port: int, timeout: float) -> str:
+    """The guest's web page through the pod's published port (slirp4netns -> the pod's IP -> qemu's
+    forward -> the guest); the first tries may meet a forward still being set up."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=30) as response:
+                return response.read().decode()
+        except OSError as exc:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the guest's page did not come through 127.0.0.1:{port}: {exc}") from None
+            time.sleep(2)
+
+
 @pytest.fixture
 def podman(tmp_path) -> Podman:
-    engine = Podman(tmp_path / "podman")
+    # podman 4.3's kube play ignores a pod's securityContext.sysctls: the same ones as the containers'
+    # defaults (a pod's containers share its network namespace, where these apply).
+    (pod,) = docs("pod.yaml")
+    sysctls = {s["name"]: s["value"] for s in pod["spec"]["securityContext"].get("sysctls", [])}
+    engine = Podman(tmp_path / "podman", sysctls=sysctls)
     yield engine
     # A copy of the image per test (vfs): give the disk back now, not when pytest prunes old runs.
     engine("rm", "--all", "--force", check=False)
     shutil.rmtree(engine.root / "storage", ignore_errors=True)
+    engine.close()
 
 
+# The launcher image is rebuilt (minutes) whenever its inputs changed, then a TCG boot in a pod and the
+# vfs storage's removal: more than the suite's 600 s on a busy machine.
+@pytest.mark.timeout(1800)
 def test_the_example_pod_boots_the_guest_reads_its_claim_and_leaves_nothing(tmp_path, podman, pod_image):
     guest_image = pod_image
     archive = launcher_image()
     podman("load", "--quiet", "-i", archive)
-    documents, pod = manifests(guest_image, tmp_path / "node-cache")
+    host_port = free_port()
+    documents, pod = manifests(guest_image, tmp_path / "node-cache", host_port)
     podman("tag", image_tag(), pod["spec"]["containers"][0]["image"])
 
     # The node's cache belongs to 107 (fsGroup does not reach a hostPath).
     cache = tmp_path / "node-cache"
     cache.mkdir()
     os.chown(cache, 107, 107)
-    # The claim's disk.img, with a header the guest must print back.
-    header = b"DISKKIT-PVC-" + secrets.token_bytes(4)
-    # The claim first, as a cluster binds it before the pod starts: podman makes it a named volume.
+    # The claim first, as a cluster binds it before the pod starts: podman makes it a named volume,
+    # empty, as a new claim is: the launcher creates its disk.img. fsGroup does not reach a podman
+    # volume; a cluster's would make it writable by 107.
     pvc_file = tmp_path / "pvc.yaml"
     pvc_file.write_text(yaml.safe_dump(documents[0]))
     podman("kube", "play", "--quiet", pvc_file)
     claim = Path(podman.out("volume", "inspect", "--format", "{{.Mountpoint}}", "testguest-data"))
-    with open(claim / "disk.img", "wb") as disk:
-        disk.write(header)
-        disk.truncate(32 << 20)
+    assert list(claim.iterdir()) == []
     os.chown(claim, 107, 107)
-    os.chown(claim / "disk.img", 107, 107)
 
     kube = tmp_path / "testguest.yaml"
     kube.write_text(yaml.safe_dump_all(documents[1:]))
+    slirps = slirp4netns_pids()
     try:
-        check_the_pod(podman, kube, pod, cache, claim, header, lazy="/guest-lazy:" in guest_image)
+        check_the_pod(podman, kube, pod, cache, claim, host_port, lazy="/guest-lazy:" in guest_image)
     finally:
         podman("kube", "down", kube, check=False)  # after a failure: no VM left running
+    # The pod's network goes with it (slirp4netns ends by itself once the pod's namespace is gone).
+    deadline = time.monotonic() + 60
+    while (left := {pid for pid in slirp4netns_pids() - slirps if alive(pid)}) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"slirp4netns still running: {left}"
 
 
-def check_the_pod(podman: Podman, kube: Path, pod: dict, cache: Path, claim: Path, header: bytes, lazy: bool) -> None:
+def check_the_pod(podman: Podman, kube: Path, pod: dict, cache: Path, claim: Path, host_port: int, lazy: bool) -> None:
     started = time.monotonic()
-    podman("kube", "play", "--quiet", kube, timeout=300)
+    podman("kube", "play", "--quiet", "--network", POD_NETWORK, kube, timeout=300)
     logs = wait_for_logs(podman, f"HOLD seconds={HOLD}", 600)
     booted = time.monotonic() - started
     print(f"pod played to guest ready in {booted:.1f} s")
@@ -184,9 +246,22 @@ def check_the_pod(podman: Podman, kube: Path, pod: dict, cache: Path, claim: Pat
     assert console["ready"], logs
     disks = console["disks"]
     assert disks["vda"]["size"] == 64 << 20 and disks["vda"]["head"].startswith("33c0"), disks  # the guest's MBR
-    assert disks["vdb"]["head"] == header.hex(), disks  # the claim's own bytes
-    assert disks["vdb"]["size"] == 32 << 20, disks
+    # The empty claim's disk.img, created by the launcher at the claim's request (pvc.yaml: 2Gi), sparse
+    # and qemu's (KubeVirt: pkg/host-disk/host-disk.go).
+    assert disks["vdb"]["size"] == 2 << 30 and set(disks["vdb"]["head"]) == {"0"}, disks
+    image = os.stat(claim / "disk.img")
+    assert (image.st_size, image.st_uid, image.st_gid) == (2 << 30, 107, 107)
+    assert image.st_blocks * 512 < 1 << 20  # sparse
     assert any("hostname: testguest" in "".join(iso["files"].values()) for iso in console["isos"].values()), console["isos"]
+
+    # The pod network: the declared port published on the pod's addresses, as KubeVirt's masquerade
+    # forwards it, and the guest's page fetched from the host through the pod's published port.
+    said = podman("logs", CONTAINER).stderr  # the launcher's own lines
+    assert "0.0.0.0:80/TCP -> default port 80" in said, said
+    logs = wait_for_logs(podman, "NET-HTTPD port=80", 300)
+    assert "NET-LEASE iface=eth0 ip=" in logs, logs
+    page = fetch_page(host_port, 120)
+    assert page.startswith("DISKKIT-TESTGUEST vm="), page
 
     # Identity and confinement as the manifest asks, read from the launcher's own /proc.
     status = podman.out("exec", CONTAINER, "cat", "/proc/1/status")
@@ -241,7 +316,7 @@ def check_the_pod(podman: Podman, kube: Path, pod: dict, cache: Path, claim: Pat
         check = subprocess.run(["flock", "--nonblock", "--exclusive", lock, "true"])
         assert check.returncode == 0, f"{lock} is still held"
     # The claim outlives the pod, as a PVC does.
-    assert (claim / "disk.img").read_bytes()[:16] == header
+    assert os.stat(claim / "disk.img").st_ino == image.st_ino
 
 
 def test_the_image_runs_as_107_and_carries_its_bill_of_materials(podman):

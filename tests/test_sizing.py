@@ -42,3 +42,20 @@ def test_empty_disk_rounds_down_and_refuses_nothing():
     with pytest.raises(DiskkitError) as err:
         sizing.empty_disk_size(MIB - 1, "scratch")
     assert err.value.rule == "the size for volume scratch is too low"
+
+
+# pkg/host-disk/host-disk.go replaceForHostDisk: the size of the disk.img a filesystem claim gets.
+def test_a_claim_image_is_the_request_unless_the_capacity_is_smaller_in_whole_mib():
+    assert sizing.claim_image_size(10 * MIB + 5, 20 * MIB, "data") == 10 * MIB  # the disk the user asked for
+    assert sizing.claim_image_size(20 * MIB, 10 * MIB + 5, "data") == 10 * MIB  # all the claim holds
+    assert sizing.claim_image_size(None, 7 * MIB + 1, "data") == 7 * MIB
+    assert sizing.claim_image_size(3 * MIB + 1, None, "data") == 3 * MIB  # --pvc DIR:SIZE: a request alone
+
+
+def test_a_claim_image_without_any_size_or_below_one_mib_is_refused_in_kubevirts_words():
+    with pytest.raises(DiskkitError) as err:
+        sizing.claim_image_size(None, None, "data")
+    assert err.value.rule == "unable to determine capacity of HostDisk from PVC that provides no storage capacity or requests"
+    with pytest.raises(DiskkitError) as err:
+        sizing.claim_image_size(MIB - 1, 10 * MIB, "data")
+    assert err.value.rule == "the size for volume data is too low, must be at least 1MiB"

@@ -162,6 +162,17 @@ def _bytes(value: Any, where: str, what: str) -> int | None:
         raise DiskkitError(where, f"{err.subject}: {err.rule}") from None
 
 
+def claim_sizes(objects: Objects, namespace: str, claim_name: str, where: str) -> tuple[int | None, int | None] | None:
+    """A claim object's spec.resources.requests.storage and status.capacity.storage, bound or not (a
+    claim mounted on this node is bound wherever it came from): what KubeVirt's
+    PersistentVolumeClaimInfo carries to size a disk.img. None when the manifests hold no such claim."""
+    pvc = objects.get("PersistentVolumeClaim", namespace, claim_name)
+    if pvc is None:
+        return None
+    return (_bytes(dig(pvc, "spec", "resources", "requests", "storage"), where, f"claim {claim_name} spec.resources.requests.storage"),
+            _bytes(dig(pvc, "status", "capacity", "storage"), where, f"claim {claim_name} status.capacity.storage"))
+
+
 def resolve_claim(objects: Objects, namespace: str, claim_name: str, where: str) -> Claim:
     """The claim `claim_name` and the PersistentVolume it is bound to; `where` is the field to blame."""
     pvc = objects.get("PersistentVolumeClaim", namespace, claim_name)

@@ -12,7 +12,7 @@ from pathlib import Path
 from diskkit.errors import DiskkitError
 from launcher.node.cache import within
 from launcher.render.domain import ResolvedDisk
-from launcher.spec.k8s import Claim, network_disk, resolve_claim
+from launcher.spec.k8s import Claim, claim_sizes, network_disk, resolve_claim
 from launcher.spec.vmi import Volume
 from launcher.volumes import sizing
 from launcher.volumes.context import Context
@@ -78,9 +78,14 @@ def claim_disk(ctx: Context, volume: Volume, claim_name: str, where: str, as_bas
     image = local.path / "disk.img"
     found = claim_image(image)
     if not found and not as_base:
-        size = local.size or sizing.image_size(claim.request if claim else None, claim.capacity if claim else None)
-        if size is None:
-            raise DiskkitError(where, f"claim {claim_name}: {image} does not exist and no size is known (--pvc {claim_name}=DIR:SIZE)")
+        # --pvc's SIZE is the claim's request; else the claim object says (bound, or found in --manifests
+        # beside a --pvc directory or a mount in the pod).
+        request, capacity = (local.size, None) if local.size else (claim.request, claim.capacity) if claim else (None, None)
+        if not request and not capacity and store.objects is not None:
+            request, capacity = claim_sizes(store.objects, ctx.vmi.namespace, claim_name, where) or (None, None)
+        if not request and not capacity:
+            raise DiskkitError(where, f"claim {claim_name}: {image} does not exist and no size is known (--pvc {claim_name}=DIR:SIZE, or the claim in --manifests)")
+        size = sizing.claim_image_size(request, capacity, volume.name)
         if ctx.create:
             fitted = sizing.fit(size, free_bytes(local.path), volume.name, store.tolerance)
             ctx.note(fitted.note)

@@ -12,6 +12,7 @@ from pathlib import Path
 from diskkit.disk import qemuimg
 from diskkit.errors import DiskkitError
 from launcher.diskserver.qemuid import is_system_uri, system_qemu_ids
+from launcher.hostfs import asowner
 from launcher.hostfs.dirfd import NOFOLLOW, Dir, give
 from launcher.node.cache import QEMU_ID
 from launcher.render.domain import ResolvedDisk
@@ -64,25 +65,42 @@ def give_to_qemu(path: Path, owner: tuple[int, int] = KUBEVIRT_QEMU) -> None:
 
 
 def create_sparse(path: Path, size: int) -> None:
-    """A raw image of `size` bytes holding nothing yet, appearing complete or not at all. Its directory may
-    be a claim its user writes: the staging name is made fresh (a planted one is refused, never truncated)
-    and the image is given to qemu through its fd."""
+    """A raw image of `size` bytes holding nothing yet, appearing complete or not at all, and qemu's. Its
+    directory may be a claim its user writes: root makes the image there as that user
+    (launcher.hostfs.asowner), as KubeVirt's non-root virt-launcher makes a claim's disk.img with no
+    rights beyond the pod's, then gives the file it finds (regular, one link, no link followed) to qemu.
+    The staging name is made fresh either way (a planted one is refused, never truncated)."""
     with Dir.open(path.parent) as parent:
-        if parent.lstat(path.name) is not None:
-            parent.regular(path.name)  # a link or device under the image's name is refused, not replaced
-        tmp = f".{path.name}.tmp"
-        parent.unlink(tmp)  # a killed run's, or a planted link: the name goes, what it named is untouched
-        fd = parent.create(tmp, 0o644)
+        owner = asowner.owner_of(parent)
+        if owner is None:
+            _create_sparse_at(parent, path, size)
+            return
+        asowner.run_as(owner, lambda send: _create_sparse_at(parent, path, size) or {})
+        fd = parent.open_file(path.name)
         try:
-            os.ftruncate(fd, size)
-            os.fsync(fd)
             give(fd, KUBEVIRT_QEMU)
-            parent.rename(tmp, parent, path.name)
-        except (OSError, DiskkitError) as exc:
-            parent.unlink(tmp)
-            raise DiskkitError(path, f"cannot be created ({getattr(exc, 'strerror', None) or exc})") from None
+        except OSError as exc:
+            raise DiskkitError(path, f"cannot be given to uid {KUBEVIRT_QEMU[0]} ({exc.strerror})") from None
         finally:
             os.close(fd)
+
+
+def _create_sparse_at(parent: Dir, path: Path, size: int) -> None:
+    if parent.lstat(path.name) is not None:
+        parent.regular(path.name)  # a link or device under the image's name is refused, not replaced
+    tmp = f".{path.name}.tmp"
+    parent.unlink(tmp)  # a killed run's, or a planted link: the name goes, what it named is untouched
+    fd = parent.create(tmp, 0o644)
+    try:
+        os.ftruncate(fd, size)
+        os.fsync(fd)
+        give(fd, KUBEVIRT_QEMU)  # as root in root's own directory; as anyone else, nothing
+        parent.rename(tmp, parent, path.name)
+    except (OSError, DiskkitError) as exc:
+        parent.unlink(tmp)
+        raise DiskkitError(path, f"cannot be created ({getattr(exc, 'strerror', None) or exc})") from None
+    finally:
+        os.close(fd)
 
 
 def give_claim_image(path: Path, owner: tuple[int, int]) -> None:

@@ -30,6 +30,21 @@ def image_size(request: int | None, capacity: int | None) -> int | None:
     return min(known) // MIB * MIB
 
 
+def claim_image_size(request: int | None, capacity: int | None, volume: str) -> int:
+    """The disk.img size for a filesystem claim without one, as pkg/host-disk/host-disk.go
+    replaceForHostDisk sizes it: the request when the capacity is larger or unknown (the disk the user
+    asked for), else the capacity, rounded down to whole MiB. KubeVirt's filesystem overhead
+    (PersistentVolumeClaimInfo.FilesystemOverhead) plays no part here: it only bounds the disk
+    expansion of ExpandDisks, which the launcher does not do."""
+    if not request and not capacity:
+        raise DiskkitError(volume, "unable to determine capacity of HostDisk from PVC that provides no storage capacity or requests")
+    wanted = request if request and (not capacity or capacity > request) else capacity
+    size = wanted // MIB * MIB
+    if size == 0:
+        raise DiskkitError(volume, f"the size for volume {volume} is too low, must be at least 1MiB")
+    return size
+
+
 @dataclass(frozen=True)
 class Fitted:
     size: int
