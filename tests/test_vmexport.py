@@ -167,9 +167,75 @@ def test_round_trip_export_push_run_and_the_guest_sees_the_same_disk(qemu_user, 
     assert disks["exported-root"]["size"] == (claim / "disk.img").stat().st_size
     assert disks["exported-root"]["head"].startswith("33c0")  # the guest's own boot sector: booted from the export
 
-    # the run's claim is the export's disk: the guest's stamp went there, and a second run keeps it
-    kept = list((qemu_user.cache / "exports").glob("*/claims/root-disk/disk.img"))
-    assert len(kept) == 1 and kept[0].read_bytes()[:512] == (claim / "disk.img").read_bytes()[:512]
+    # the run's claim is the export's disk, kept in the cache as a claim is: the guest's stamp went there
+    (kept,) = (qemu_user.cache / "exports").glob("*/claims/root-disk/disk.img")
+    original = (claim / "disk.img").read_bytes()
+    written = kept.read_bytes()
+    assert len(written) == len(original) and written[:512] == original[:512] and written[-512:] != original[-512:]
+
+
+def _kubevirt_tar(path: Path, config: dict, disks: list[tuple[str, bytes, str | None]]) -> Path:
+    """An export as KubeVirt's Builder writes it (pkg/storage/oci/oci.go WriteTar): oci-layout,
+    index.json, the manifest, the config, then each disk, as Go's encoding/json makes the JSON.
+    `disks`: (name, raw bytes, a size annotation to state instead of the true one)."""
+    import hashlib
+    import io
+
+    def digest(data: bytes) -> str:
+        return "sha256:" + hashlib.sha256(data).hexdigest()
+
+    config_data = layout.go_json(config)
+    blobs = [(zstandard.ZstdCompressor().compress(raw), name, raw, said) for name, raw, said in disks]
+    layers = [layout.descriptor(layout.MEDIA_TYPE_DISK_RAW_ZSTD, digest(blob), len(blob), {
+        "io.kubevirt.disk.name": name, "io.kubevirt.disk.size": said or layout.binary_quantity(len(raw)),
+        "org.opencontainers.image.title": f"{name}.raw.zst"}) for blob, name, raw, said in blobs]
+    manifest = layout.manifest(layout.descriptor(layout.MEDIA_TYPE_VM_CONFIG, digest(config_data), len(config_data)), layers)
+    index = layout.index(digest(manifest), len(manifest), "amd64", "2026-07-01T10:00:00Z")
+    entries = [("oci-layout", b'{"imageLayoutVersion":"1.0.0"}'), ("index.json", index),
+               ("blobs/sha256/" + digest(manifest)[7:], manifest), ("blobs/sha256/" + digest(config_data)[7:], config_data),
+               *(("blobs/sha256/" + digest(blob)[7:], blob) for blob, *_ in blobs)]
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in entries:
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = len(data), 0o644
+            tar.addfile(info, io.BytesIO(data))
+    os.chown(path, QEMU_UID, QEMU_UID)
+    return path
+
+
+def _go_vm_config(claim: str = "root.disk") -> dict:
+    """prepareVMConfig's output as Go marshals a VirtualMachine: null creationTimestamp, empty status."""
+    return {"kind": "VirtualMachine", "apiVersion": "kubevirt.io/v1", "metadata": {"name": "fromkubevirt", "creationTimestamp": None},
+            "spec": {"runStrategy": "Always", "template": {"metadata": {"creationTimestamp": None}, "spec": {
+                "domain": {"devices": {"disks": [{"name": "root", "serial": "kubevirt-root", "disk": {"bus": "virtio"}}]},
+                           "resources": {"requests": {"memory": "128Mi"}}},
+                "volumes": [{"name": "root", "persistentVolumeClaim": {"claimName": claim}}]}}},
+            "status": {}}
+
+
+def test_run_boots_an_export_tar_as_kubevirt_writes_it(qemu_user, tmp_path):
+    raw = (_claim_dir(tmp_path) / "disk.img").read_bytes()
+    tar = _kubevirt_tar(qemu_user.root / "kubevirt.oci.tar", _go_vm_config(), [("root-disk", raw, None)])
+    ran = qemu_user.launcher("run", "--console", "--timeout", "240", f"oci-archive:{tar}")
+    assert ran.code == 0, ran.err
+    console = parse_console(ran.out)
+    assert console["ready"] and console["done"], ran.out
+    (disk,) = console["disks"].values()
+    assert disk["serial"] == "kubevirt-root" and disk["size"] == len(raw) and disk["head"].startswith("33c0")
+
+
+def test_run_refuses_an_export_it_cannot_map_or_whose_disk_is_not_its_stated_size(qemu_user, tmp_path):
+    raw = b"\x01" * MIB
+    unmapped = _kubevirt_tar(qemu_user.root / "unmapped.oci.tar", _go_vm_config("data"), [("root-disk", raw, None)])
+    ran = qemu_user.launcher("run", f"oci-archive:{unmapped}")
+    assert ran.code != 0 and len(ran.err.strip().splitlines()) == 1, ran.err
+    assert "volume claim 'data' has no disk layer in the export (it has: root-disk)" in ran.err
+
+    lying = _kubevirt_tar(qemu_user.root / "lying.oci.tar", _go_vm_config(), [("root-disk", raw, "2Mi")])
+    ran = qemu_user.launcher("run", f"oci-archive:{lying}")
+    assert ran.code != 0 and len(ran.err.strip().splitlines()) == 1, ran.err
+    assert f"is {MIB} bytes; its io.kubevirt.disk.size annotation says 2Mi" in ran.err
+    assert not list((qemu_user.cache / "tmp").glob("*"))
 
 
 def test_run_refuses_a_tampered_export_disk_and_keeps_nothing(qemu_user, tmp_path):
