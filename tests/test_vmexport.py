@@ -146,6 +146,25 @@ def test_export_refuses_a_claim_without_a_disk_and_writes_nothing(tmp_path):
     assert not archive.exists() and not list(tmp_path.glob("*.tar*"))
 
 
+def test_export_takes_a_disk_file_and_refuses_a_claim_no_volume_uses(tmp_path):
+    disk = tmp_path / "root.img"
+    disk.write_bytes(b"\x5a" * MIB)
+    vm = _vm(tmp_path / "vm.yaml")
+    layout_dir = tmp_path / "out"
+    done = run_diskkit("export", vm, "--disk", f"root.disk={disk}", "-t", f"oci:{layout_dir}:v1", "--json")
+    assert done.code == 0, done.err
+    (row,) = json.loads(done.out)["disks"]
+    assert row["name"] == "root-disk" and row["diskSize"] == MIB
+    blob = (layout_dir / "blobs" / "sha256" / row["digest"][7:]).read_bytes()
+    assert zstandard.ZstdDecompressor().decompressobj().decompress(blob) == disk.read_bytes()
+    index = json.loads((layout_dir / "index.json").read_text())
+    assert index["manifests"][0]["annotations"] == {"org.opencontainers.image.ref.name": "v1"}
+
+    extra = run_diskkit("export", vm, "--disk", f"root.disk={disk}", "--disk", f"other={disk}", "-t", f"oci:{tmp_path / 'out2'}")
+    assert extra.code != 0 and f"--disk other: no volume of {vm} uses claim 'other'" in extra.err, extra.err
+    assert not (tmp_path / "out2").exists()
+
+
 # --- reading and running ----------------------------------------------------------------------------
 
 def test_round_trip_export_push_run_and_the_guest_sees_the_same_disk(qemu_user, registry, tmp_path):
@@ -224,12 +243,18 @@ def test_run_boots_an_export_tar_as_kubevirt_writes_it(qemu_user, tmp_path):
     assert disk["serial"] == "kubevirt-root" and disk["size"] == len(raw) and disk["head"].startswith("33c0")
 
 
-def test_run_refuses_an_export_it_cannot_map_or_whose_disk_is_not_its_stated_size(qemu_user, tmp_path):
+def test_run_refuses_an_export_it_cannot_map_or_whose_disk_is_not_its_stated_size(qemu_user, registry, tmp_path):
     raw = b"\x01" * MIB
     unmapped = _kubevirt_tar(qemu_user.root / "unmapped.oci.tar", _go_vm_config("data"), [("root-disk", raw, None)])
     ran = qemu_user.launcher("run", f"oci-archive:{unmapped}")
     assert ran.code != 0 and len(ran.err.strip().splitlines()) == 1, ran.err
     assert "volume claim 'data' has no disk layer in the export (it has: root-disk)" in ran.err
+    # pushed as hack/oci-import.sh says (skopeo copy of the tar): the tag names the manifest, no index
+    ref = f"{registry.host}/vms/unmapped:v1"
+    subprocess.run(["skopeo", "copy", "--multi-arch=all", "--dest-tls-verify=false", f"oci-archive:{unmapped}", f"docker://{ref}"],
+                   check=True, capture_output=True)
+    ran = qemu_user.launcher("run", NOREG, f"docker://{ref}")
+    assert ran.code != 0 and "volume claim 'data' has no disk layer in the export (it has: root-disk)" in ran.err, ran.err
 
     lying = _kubevirt_tar(qemu_user.root / "lying.oci.tar", _go_vm_config(), [("root-disk", raw, "2Mi")])
     ran = qemu_user.launcher("run", f"oci-archive:{lying}")
