@@ -243,6 +243,15 @@ def test_run_boots_an_export_tar_as_kubevirt_writes_it(qemu_user, tmp_path):
     assert disk["serial"] == "kubevirt-root" and disk["size"] == len(raw) and disk["head"].startswith("33c0")
 
 
+def test_domain_of_an_export_attaches_the_claims_made_from_its_disks(qemu_user):
+    tar = _kubevirt_tar(qemu_user.root / "small.oci.tar", _go_vm_config("data.v1"), [("data-v1", b"\x02" * MIB, None)])
+    shown = qemu_user.launcher("domain", "--json", f"oci-archive:{tar}")
+    assert shown.code == 0, shown.err
+    (claim,) = (qemu_user.cache / "exports").glob("*/claims/data-v1")
+    assert f"{claim}/disk.img" in json.loads(shown.out)["xml"]
+    assert (claim / "disk.img").read_bytes() == b"\x02" * MIB
+
+
 def test_run_refuses_an_export_it_cannot_map_or_whose_disk_is_not_its_stated_size(qemu_user, registry, tmp_path):
     raw = b"\x01" * MIB
     unmapped = _kubevirt_tar(qemu_user.root / "unmapped.oci.tar", _go_vm_config("data"), [("root-disk", raw, None)])

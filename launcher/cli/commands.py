@@ -67,8 +67,9 @@ Examples:
   launcher domain examples/vmi-containerdisk.yaml
   launcher domain --accel kvm vmi.yaml > domain.xml
   launcher domain --lazy vmi.yaml                  # the NBD export `launcher run --lazy` would boot from
+  launcher domain oci-archive:vm.oci.tar           # a KubeVirt VM export: its claims made from its disks first
 """)
-@click.argument("vmi_file", type=click.Path(dir_okay=False, exists=True))
+@click.argument("vmi_file", metavar="VMI_FILE|EXPORT")
 @click.option("--platform", help="OS/ARCH of the images (default: this host's).")
 @click.option("--accel", type=click.Choice(["auto", "kvm", "qemu"]), default="auto", show_default=True, help="Domain type; auto probes whether KVM makes progress here.")
 @click.option("--lazy/--no-lazy", default=None, help="As `launcher run --lazy`: lazy containerDisks show the NBD export the VM would read.")
@@ -84,6 +85,7 @@ def domain(vmi_file, platform, accel, lazy, update, container_disk_dir, kernel_b
     """Print the libvirt domain XML `launcher run` would start (a dry run: images are pulled or, lazy, opened on the node's disk server; nothing started)."""
     from launcher.runtime.vms import RunOptions, plan
 
+    vmi_file = export_vm_file(vmi_file, cache_dir, store, registry, platform_of(platform))
     vmi = load_vmi_file(vmi_file, ignore_unsupported, ImageHints(store.objects, registry, platform_of(platform)))
     opts = RunOptions(platform=platform_of(platform), registry=registry, storage=store, lazy={None: "auto", True: "on", False: "off"}[lazy],
                       update=update, container_disk_dir=container_disk_dir, kernel_boot_dir=kernel_boot_dir)
