@@ -146,6 +146,13 @@ def test_export_refuses_a_claim_without_a_disk_and_writes_nothing(tmp_path):
     assert not archive.exists() and not list(tmp_path.glob("*.tar*"))
 
 
+def test_export_refuses_a_vm_file_with_yaml_aliases(tmp_path):
+    vm = tmp_path / "vm.yaml"
+    vm.write_text("kind: VirtualMachine\nmetadata: &m {name: a}\nspec: {template: {metadata: *m}}\n")
+    done = run_diskkit("export", vm, "-t", f"oci-archive:{tmp_path / 'x.tar'}")
+    assert done.code != 0 and "uses a YAML alias (*name)" in done.err and len(done.err.strip().splitlines()) == 1, done.err
+
+
 def test_export_takes_a_disk_file_and_refuses_a_claim_no_volume_uses(tmp_path):
     disk = tmp_path / "root.img"
     disk.write_bytes(b"\x5a" * MIB)
@@ -160,6 +167,11 @@ def test_export_takes_a_disk_file_and_refuses_a_claim_no_volume_uses(tmp_path):
     index = json.loads((layout_dir / "index.json").read_text())
     assert index["manifests"][0]["annotations"] == {"org.opencontainers.image.ref.name": "v1"}
 
+    linked = tmp_path / "linked-claim"
+    linked.mkdir()
+    (linked / "disk.img").symlink_to(disk)  # a claim's writer cannot make root export another file
+    refused = run_diskkit("export", vm, "--pvc", f"root.disk={linked}", "-t", f"oci:{tmp_path / 'out2'}")
+    assert refused.code != 0 and "disk.img is not a regular file" in refused.err, refused.err
     extra = run_diskkit("export", vm, "--disk", f"root.disk={disk}", "--disk", f"other={disk}", "-t", f"oci:{tmp_path / 'out2'}")
     assert extra.code != 0 and f"--disk other: no volume of {vm} uses claim 'other'" in extra.err, extra.err
     assert not (tmp_path / "out2").exists()

@@ -49,6 +49,9 @@ def read_vm(path: Path) -> dict:
     if len(data) > MAX_VM_FILE:
         raise DiskkitError(path, "is larger than 3 MiB")
     try:
+        # the config is written out expanded: an alias would multiply it (a "billion laughs" file)
+        if any(isinstance(event, yaml.AliasEvent) for event in yaml.parse(data)):
+            raise DiskkitError(path, "uses a YAML alias (*name): write the VirtualMachine out in full")
         docs = [d for d in yaml.safe_load_all(data) if d is not None]
     except yaml.YAMLError as exc:
         raise DiskkitError(path, f"is not YAML ({str(exc).splitlines()[0]})") from None
@@ -61,7 +64,8 @@ def disk_file(claim: str, where: Path, kind: str) -> Path:
     """A claim's disk: a directory's disk.img (collectDiskInfo), or a file or block device itself."""
     path = where / "disk.img" if kind == "pvc" and where.is_dir() else where
     try:
-        mode = os.stat(path).st_mode
+        # whoever writes the claim may have put a link there: its target is not the claim's disk
+        mode = (os.lstat if path.name == "disk.img" and kind == "pvc" else os.stat)(path).st_mode
     except OSError as exc:
         raise DiskkitError(f"--{kind} {claim}={where}", f"{path} cannot be read ({exc.strerror})") from None
     if stat.S_ISBLK(mode):
