@@ -82,6 +82,20 @@ def _vm_json() -> str:
                        "spec": {"dataVolumeTemplates": [{}], "template": {"spec": {"volumes": [{"name": "root", "dataVolume": {"name": "root.disk"}}]}}}})
 
 
+GOLDEN = Path(__file__).parent / "golden" / "vmexport" / "manifest-and-index.json"
+
+
+def test_manifest_and_index_bytes_are_what_go_writes_for_kubevirts_builder():
+    # The golden file is Go 1.19's json.Marshal of ocispec.Manifest and ocispec.Index (image-spec
+    # v1.1.0 as KubeVirt vendors it), filled as pkg/storage/oci/oci.go buildManifest/buildIndex fill them
+    # for these descriptors: one line each.
+    layer = layout.disk_descriptor("root-disk", "sha256:" + "a" * 64, 10, 64 * MIB)
+    config = layout.descriptor(layout.MEDIA_TYPE_VM_CONFIG, "sha256:" + "b" * 64, 5)
+    manifest, index = GOLDEN.read_bytes().split(b"\n")
+    assert layout.manifest(config, [layer]) == manifest
+    assert layout.index("sha256:" + "a" * 64, 611, "amd64", "2026-07-01T10:00:00Z") == index
+
+
 def test_manifest_bytes_are_go_encoding_json_of_the_image_spec_structs():
     layer = layout.disk_descriptor("root-disk", "sha256:" + "a" * 64, 10, 64 * MIB)
     config = layout.descriptor(layout.MEDIA_TYPE_VM_CONFIG, "sha256:" + "b" * 64, 5)
