@@ -7,13 +7,12 @@ sparse as the bytes arrive, its digest checked before the directory is renamed i
 
 Keyed by the manifest's digest, which pins every byte: a second run of the same export finds its
 claims there and, as a claim does, keeps what the VM wrote to them (hack/oci-import.sh uploads each
-disk into a new claim once, too). `launcher gc --all`-style removal is left to the user: rm the
-directory to start from the export again.
+disk into a new claim once, too). `launcher gc` leaves them (they hold what the VM wrote): remove
+the directory to start from the export again.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,7 +102,7 @@ def materialize(cache: Cache, ref: str, registry: RegistryOptions | None, platfo
                     if expected is not None and expected != size:
                         raise DiskkitError(where, f"is {size} bytes; its {layout.ANNOTATION_DISK_SIZE} annotation says {said}")
                 with open(top / "vm.json", "xb") as f:
-                    f.write(json.dumps(vm).encode())
+                    f.write(image.config_bytes)
                 fsync_tree(top)
                 os.rename(top, final)
                 fsync_dir(final.parent)
