@@ -11,6 +11,7 @@ import click
 from diskkit import __version__
 from diskkit.cli.shell import platform as platform_of
 from diskkit.cli.shell import EXIT_EPILOG, registry_options, run_main
+from diskkit.cli.exportcmd import export_cmd
 from diskkit.cli.indexcmds import index_group
 from diskkit.cli.sourceflags import checksum_options, retry_options
 from diskkit.cli.standalone import standalone_sign, standalone_verify
@@ -571,6 +572,7 @@ cli.add_command(standalone_verify)
 for command in TAG_COMMANDS:
     cli.add_command(command)
 cli.add_command(index_group)
+cli.add_command(export_cmd)
 
 
 def main() -> None:

@@ -36,6 +36,8 @@ class Destination:
     # Called as before_manifest(destination, digest, child) before a manifest is stored where a
     # signature can follow it (registries, dir:), so a signature exists before the tag moves.
     before_manifest = None
+    # OCI layouts: index.json exactly as given (a KubeVirt VM export's), instead of one listing put_manifest's
+    layout_index: bytes | None = None
 
     def has_blob(self, desc: Descriptor) -> bool:
         return False

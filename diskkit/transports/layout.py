@@ -197,7 +197,7 @@ class LayoutDestination(Destination):
             index = updated_index(index, entry, self.tag)
         if not (self.root / "oci-layout").exists():
             fsutil.write_atomic(self.root / "oci-layout", OCI_LAYOUT)
-        fsutil.write_atomic(index_path, canonical_json(index))
+        fsutil.write_atomic(index_path, self.layout_index if self.layout_index is not None else canonical_json(index))
         if self.staging is not None:
             fsutil.fsync_tree(self.staging)
             try:

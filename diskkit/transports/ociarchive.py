@@ -96,6 +96,10 @@ class OciArchiveDestination(ArchiveWriter):
         return desc
 
     def commit(self) -> None:
+        if self.layout_index is not None:
+            self.tar.add_bytes("index.json", self.layout_index)
+            self.finish()
+            return
         index = None
         for entry in self.entries:
             index = updated_index(index, entry, self.ref.tag)

@@ -16,6 +16,7 @@ from launcher.cli.consoles import console, logs
 from launcher.cli.dv import dv
 from launcher.cli.smoketest import smoke_test
 from launcher.cli.ssh import ssh
+from launcher.cli.exportsource import vm_file as export_vm_file
 from launcher.cli.options import cache_option, ignore_unsupported_option, load_vmi_file, node_cache, parse_size, say, storage_options, trust_options, warn_if_open
 from launcher.cli.imagesource import container_disk_dir_option, update_option
 from launcher.node.pins import every as pins_listing
@@ -66,8 +67,9 @@ Examples:
   launcher domain examples/vmi-containerdisk.yaml
   launcher domain --accel kvm vmi.yaml > domain.xml
   launcher domain --lazy vmi.yaml                  # the NBD export `launcher run --lazy` would boot from
+  launcher domain oci-archive:vm.oci.tar           # a KubeVirt VM export: its claims made from its disks first
 """)
-@click.argument("vmi_file", type=click.Path(dir_okay=False, exists=True))
+@click.argument("vmi_file", metavar="VMI_FILE|EXPORT")
 @click.option("--platform", help="OS/ARCH of the images (default: this host's).")
 @click.option("--accel", type=click.Choice(["auto", "kvm", "qemu"]), default="auto", show_default=True, help="Domain type; auto probes whether KVM makes progress here.")
 @click.option("--lazy/--no-lazy", default=None, help="As `launcher run --lazy`: lazy containerDisks show the NBD export the VM would read.")
@@ -83,6 +85,7 @@ def domain(vmi_file, platform, accel, lazy, update, container_disk_dir, kernel_b
     """Print the libvirt domain XML `launcher run` would start (a dry run: images are pulled or, lazy, opened on the node's disk server; nothing started)."""
     from launcher.runtime.vms import RunOptions, plan
 
+    vmi_file = export_vm_file(vmi_file, cache_dir, store, registry, platform_of(platform))
     vmi = load_vmi_file(vmi_file, ignore_unsupported, ImageHints(store.objects, registry, platform_of(platform)))
     opts = RunOptions(platform=platform_of(platform), registry=registry, storage=store, lazy={None: "auto", True: "on", False: "off"}[lazy],
                       update=update, container_disk_dir=container_disk_dir, kernel_boot_dir=kernel_boot_dir)
@@ -107,8 +110,9 @@ Examples:
   launcher run vmi.yaml --publish-address 0.0.0.0                    # in a pod: the pod's IP on each declared port reaches the guest
   launcher run vm.yaml --update --console                            # a VirtualMachine: boot what its tags name now, and pin that
   launcher run vmi.yaml --container-disk-dir /var/run/kubevirt-image-volume   # the pod's image volumes: no pull
+  launcher run oci-archive:vm.oci.tar --console                      # a KubeVirt VM export (virtctl vmexport download --format=oci)
 """)
-@click.argument("vmi_file", type=click.Path(dir_okay=False, exists=True))
+@click.argument("vmi_file", metavar="VMI_FILE|EXPORT")
 @click.option("--connect", "uri", metavar="URI", help="libvirt URI (default: qemu:///system as root, else qemu:///session; as root where no system daemon answers, the qemu user's own session daemon for this cache, started on demand).")
 @click.option("--console", is_flag=True, help="Stream the guest's serial console to stdout.")
 @click.option("-d", "--detach", is_flag=True, help="Return once the VM has started (after --wait-for TEXT, if given); it keeps running.")
@@ -137,11 +141,16 @@ def run(vmi_file, uri, console, detach, wait_for, timeout, platform, lazy, grace
 
     A VirtualMachine's first run pins each containerDisk tag to the digest it resolved to; its later
     runs boot those digests, however the tags move, until --update (`launcher ls` shows the pins).
+
+    EXPORT (oci-archive:FILE, oci:DIR, docker://REF) is a KubeVirt VM export: its VirtualMachine
+    runs with each claim its volumes name made from the export's disk of that name, decompressed
+    and digest-checked into the cache once (kept, as a claim keeps what the VM writes).
     """
     if detach and console:
         raise click.UsageError("--detach and --console exclude each other: attach later with `launcher console NAME`")
     if as_json and console:
         raise click.UsageError("--json and --console exclude each other: the console is what stdout carries")
+    vmi_file = export_vm_file(vmi_file, cache_dir, store, registry, platform_of(platform))
     vmi = load_vmi_file(vmi_file, ignore_unsupported, ImageHints(store.objects, registry, platform_of(platform)))
     if lazy and not container_disk_dir and any(volume.kind == "containerDisk" for volume in vmi.volumes):
         from launcher.diskserver.spawn import start_server

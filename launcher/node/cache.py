@@ -11,6 +11,7 @@
     <root>/locks/, <root>/tmp/                      flock files; staging on the same filesystem
     <root>/partial/<digest>.part, .synced, .source  blobs being downloaded, kept for resuming after a kill
     <root>/lazy/, <root>/serve/                     the disk server's exports and sockets
+    <root>/exports/<manifest hex>/                  KubeVirt VM exports made runnable (launcher.node.vmexport)
 
 What a cache holds is private (issue 26): pulled disks are images other users may not be entitled
 to, and what is being downloaded or served comes from private registries. So the directories
@@ -102,8 +103,9 @@ def private_dirs(top: Path, path: Path) -> Path:
     return path
 
 
-SUBDIRS = ("blobs", "disks", "refs", "tags", "vms", "run", "locks", "tmp", "partial", "lazy", "pins")
-QEMU_READS = ("disks", "run")  # what qemu opens itself: base disks and kernels, a VM's run directory
+SUBDIRS = ("blobs", "disks", "refs", "tags", "vms", "run", "locks", "tmp", "partial", "lazy", "pins", "exports")
+# what qemu opens itself: base disks and kernels, a VM's run directory, the claims of VM exports
+QEMU_READS = ("disks", "run", "exports")
 
 
 def layout_modes(privileged: bool) -> dict[str, int]:

@@ -1,0 +1,109 @@
+"""A KubeVirt VM export (diskkit.oci.vmexport) made runnable on this node: its VirtualMachine and one
+claim-like directory per disk, each layer streamed from the source, zstd-decompressed and written
+sparse as the bytes arrive, its digest checked before the directory is renamed into place.
+
+    <cache>/exports/<manifest hex>/vm.json              the export's config, as it came
+    <cache>/exports/<manifest hex>/claims/<disk>/disk.img  one claim per disk layer
+
+Keyed by the manifest's digest, which pins every byte: a second run of the same export finds its
+claims there and, as a claim does, keeps what the VM wrote to them (hack/oci-import.sh uploads each
+disk into a new claim once, too). `launcher gc` leaves them (they hold what the VM wrote): remove
+the directory to start from the export again.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from diskkit.errors import DiskkitError
+from diskkit.oci import vmexport as layout
+from diskkit.oci.image import Descriptor, Platform, check_digest, parse_json
+from diskkit.registry.options import RegistryOptions
+from diskkit.signing.options import TrustOptions
+from diskkit.signing.trust import enforce_source
+from diskkit.streams.compression import decompressing_reader
+from diskkit.streams.fsutil import fsync_dir, fsync_tree
+from diskkit.streams.sparse import SparseWriter
+from diskkit.transports import open_source
+from launcher.node.cache import Cache
+
+CHUNK = 1 << 20
+_SUFFIXES = {"": 1, "k": 1000, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50, "Ei": 1 << 60}
+
+
+@dataclass(frozen=True)
+class Materialized:
+    vm_file: Path
+    claims: dict[str, Path]  # claim name -> its directory (disk.img inside)
+    digest: str
+
+
+def quantity_bytes(text: str) -> int | None:
+    """io.kubevirt.disk.size as KubeVirt writes it (diskkit.oci.vmexport.binary_quantity); None otherwise."""
+    number = text.rstrip("kKiMGTPE")
+    suffix = text[len(number):]
+    if not number.isdigit() or suffix not in _SUFFIXES:
+        return None
+    return int(number) * _SUFFIXES[suffix]
+
+
+def _write_disk(source, disk: layout.ExportDisk, target: Path, where: str) -> int:
+    desc = Descriptor.from_json(disk.layer, where)
+    written = 0
+    with source.blob(desc) as blob, open(target, "xb") as out:
+        plain = decompressing_reader(blob, "zstd", where)
+        sink = SparseWriter(out)
+        while chunk := plain.read(CHUNK):
+            sink.write(chunk)
+            written += len(chunk)
+        # read to its end, where the digest is checked: bytes after the last frame are the blob's too
+        while blob.read(CHUNK):
+            pass
+        out.truncate(written)
+        out.flush()
+        os.fsync(out.fileno())
+    return written
+
+
+def materialize(cache: Cache, ref: str, registry: RegistryOptions | None, platform: Platform | None) -> Materialized:
+    """The export at `ref` on this node; refused in one line when it is not one or cannot be mapped."""
+    with open_source(ref, registry) as source:
+        enforce_source(source, TrustOptions.of(registry), registry, platform)  # before any layer is read
+        image = source.image(platform)
+        manifest = parse_json(image.manifest_bytes, ref)
+        if not layout.is_vm_export(manifest):
+            raise DiskkitError(ref, f"is not a KubeVirt VM export (artifactType {manifest.get('artifactType')!r}, "
+                                    f"not {layout.ARTIFACT_TYPE_VM}): give it as a containerDisk in a VM instead")
+        disks = layout.export_disks(manifest, ref)
+        vm = parse_json(image.config_bytes, f"{ref}: config")
+        claims = layout.map_claims(vm, disks, ref)
+        hexpart = check_digest(image.digest, ref)
+        final = cache.root / "exports" / hexpart
+        used = {d.name for d in claims.values()}
+        result = Materialized(final / "vm.json", {claim: final / "claims" / d.name for claim, d in claims.items()}, image.digest)
+        with cache.lock(f"export-{hexpart}"):
+            if final.is_dir():
+                return result
+            with cache.staging() as staging:
+                top = staging / hexpart
+                top.mkdir(mode=0o711)
+                (top / "claims").mkdir(mode=0o711)
+                for disk in disks:
+                    if disk.name not in used:
+                        continue  # as hack/oci-import.sh, a disk no volume names is not a claim of this VM
+                    where = f"{ref}: disk {disk.name}"
+                    claim_dir = top / "claims" / disk.name
+                    claim_dir.mkdir(mode=0o711)
+                    size = _write_disk(source, disk, claim_dir / "disk.img", where)
+                    said = (disk.layer.get("annotations") or {}).get(layout.ANNOTATION_DISK_SIZE, "")
+                    expected = quantity_bytes(said)
+                    if expected is not None and expected != size:
+                        raise DiskkitError(where, f"is {size} bytes; its {layout.ANNOTATION_DISK_SIZE} annotation says {said}")
+                with open(top / "vm.json", "xb") as f:
+                    f.write(image.config_bytes)
+                fsync_tree(top)
+                os.rename(top, final)
+                fsync_dir(final.parent)
+        return result
