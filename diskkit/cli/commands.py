@@ -13,6 +13,7 @@ from diskkit.cli.shell import platform as platform_of
 from diskkit.cli.shell import EXIT_EPILOG, registry_options, run_main
 from diskkit.cli.indexcmds import index_group
 from diskkit.cli.sourceflags import checksum_options, retry_options
+from diskkit.cli.attestcmd import verify_attestation
 from diskkit.cli.standalone import standalone_sign, standalone_verify
 from diskkit.cli.tagcmds import TAG_COMMANDS
 from diskkit.cli.trustflags import signature_options
@@ -568,6 +569,7 @@ def upload_cmd(datavolume, file, url, token, token_file, namespace, ca_cert, ins
 
 cli.add_command(standalone_sign)
 cli.add_command(standalone_verify)
+cli.add_command(verify_attestation)
 for command in TAG_COMMANDS:
     cli.add_command(command)
 cli.add_command(index_group)
