@@ -37,17 +37,12 @@ PLAIN = RegistryOptions(tls_verify=False)
 
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory) -> dict:
-    """Cosign-format keys a and b (readable by the qemu user, who runs `launcher test`), and a
-    GNUPGHOME with GPG keys g and h."""
+    """Cosign-format keys a and b, and a GNUPGHOME with GPG keys g and h."""
     d = tmp_path_factory.mktemp("attest")
-    d.chmod(0o755)
     (d / "pass").write_text("open sesame\n")
     for name in ("a", "b"):
         r = run_diskkit("generate-sigstore-key", "--output-prefix", d / name, "--passphrase-file", d / "pass")
         assert r.code == 0, r.err
-    gid = pwd.getpwuid(QEMU_UID).pw_gid
-    for path in (d / "a.private", d / "pass"):
-        os.chown(path, QEMU_UID, gid)
     home = d / "gnupg"
     home.mkdir(mode=0o700)
     out = {"dir": d, "pass": d / "pass", "home": home}
@@ -62,6 +57,15 @@ def keys(tmp_path_factory) -> dict:
         os.environ.pop("GNUPGHOME", None)
     else:
         os.environ["GNUPGHOME"] = old
+
+
+def for_qemu(qemu_user, path: Path) -> Path:
+    """A copy the qemu user (who runs `launcher test`) can read."""
+    copy = qemu_user.root / path.name
+    copy.write_bytes(path.read_bytes())
+    os.chown(copy, QEMU_UID, pwd.getpwuid(QEMU_UID).pw_gid)
+    copy.chmod(0o600)
+    return copy
 
 
 def build(registry, tmp_path: Path, repo: str, pattern: int) -> tuple[str, str]:
@@ -132,7 +136,8 @@ def predicate(ref: str, digest: str, passed: bool = True) -> dict:
 def test_launcher_test_attaches_a_signed_statement_that_verifies(registry, keys, qemu_user, guest_image, tmp_path):
     """The one boot: the result, signed with a cosign-format key, as a referrer of the tested digest."""
     result = qemu_user.launcher("test", NOREG, "--json", "--timeout", "240", "--memory", "128Mi",
-                                "--attest-sigstore-private-key", keys["dir"] / "a.private", "--attest-passphrase-file", keys["pass"], guest_image)
+                                "--attest-sigstore-private-key", for_qemu(qemu_user, keys["dir"] / "a.private"),
+                                "--attest-passphrase-file", for_qemu(qemu_user, keys["pass"]), guest_image)
     assert result.code == 0, result.err
     out = json.loads(result.out)
     digest = out["images"][guest_image]
@@ -221,14 +226,14 @@ def test_tampered_moved_and_missing_attestations_are_refused(registry, keys, tmp
 
 def test_attesting_refuses_before_the_boot(keys, qemu_user, tmp_path):
     # not a registry image: refused before any pull or boot
-    r = qemu_user.launcher("test", NOREG, "--attest-sigstore-private-key", keys["dir"] / "a.private", "--attest-passphrase-file",
-                           keys["pass"], f"oci:{tmp_path}/nowhere:v1")
+    private, passphrase = for_qemu(qemu_user, keys["dir"] / "a.private"), for_qemu(qemu_user, keys["pass"])
+    r = qemu_user.launcher("test", NOREG, "--attest-sigstore-private-key", private, "--attest-passphrase-file", passphrase,
+                           f"oci:{tmp_path}/nowhere:v1")
     assert r.code == 3 and r.err.strip().splitlines()[-1].endswith("attestations are stored in a registry as referrers: attest a docker:// image"), r.err
     # a wrong passphrase: refused before anything
-    (keys["dir"] / "wrong").write_text("nope\n")
-    os.chown(keys["dir"] / "wrong", QEMU_UID, pwd.getpwuid(QEMU_UID).pw_gid)
-    r = qemu_user.launcher("test", NOREG, "--attest-sigstore-private-key", keys["dir"] / "a.private", "--attest-passphrase-file",
-                           keys["dir"] / "wrong", "localhost:1/never:v1")
-    assert r.code != 0 and r.err.strip().splitlines() == [f"launcher: {keys['dir'] / 'a.private'}: decrypt: wrong passphrase (or a damaged key file)"], r.err
-    r = qemu_user.launcher("test", "--attest-passphrase-file", keys["pass"], "localhost:1/never:v1")
+    (tmp_path / "wrong").write_text("nope\n")
+    r = qemu_user.launcher("test", NOREG, "--attest-sigstore-private-key", private, "--attest-passphrase-file",
+                           for_qemu(qemu_user, tmp_path / "wrong"), "localhost:1/never:v1")
+    assert r.code != 0 and r.err.strip().splitlines() == [f"launcher: {private}: decrypt: wrong passphrase (or a damaged key file)"], r.err
+    r = qemu_user.launcher("test", "--attest-passphrase-file", passphrase, "localhost:1/never:v1")
     assert r.code == 2 and "--attest-passphrase-file needs --attest-sign-by or --attest-sigstore-private-key" in r.err
