@@ -523,3 +523,39 @@ def test_every_tag_of_a_build_is_signed_as_itself(registry, keys, disk, tmp_path
     for n, ref in enumerate((first, second, other)):
         ok = skopeo_copy(keys, good, ref, f"dir:{tmp_path}/out{n}")
         assert ok.returncode == 0, (ref, ok.stderr)
+
+
+def test_a_dir_image_is_checked_on_its_signature_files_as_skopeo_does(registry, keys, disk, tmp_path):
+    """dir: keeps simple signatures as signature-N files (containers/image directory/directory_src.go);
+    a dir: image has no Docker reference, so only exactReference and exactRepository identities can
+    match it (signature/policy_reference_match.go parseImageAndDockerReference): skopeo and diskkit agree."""
+    ref = f"{registry.host}/gpg/indir:v1"
+    build(disk, ref, "--registries.d", keys["regd"], "--sign-by", keys["a"])
+    carried = skopeo_copy(keys, policy(tmp_path / "any.json", "", {"type": "insecureAcceptAnything"}), ref, f"dir:{tmp_path}/img")
+    assert carried.returncode == 0 and (tmp_path / "img/signature-1").is_file(), carried.stderr
+
+    def dir_policy(name: str, requirement: dict) -> Path:
+        path = tmp_path / name
+        path.write_text(json.dumps({"default": [{"type": "reject"}], "transports": {"dir": {"": [requirement]}}}))
+        return path
+
+    def both(pol: Path) -> tuple[bool, object]:
+        peer = subprocess.run(["skopeo", "--policy", str(pol), "copy", f"dir:{tmp_path}/img", f"dir:{tmp_path}/peer-{pol.stem}"],
+                              capture_output=True, text=True, check=False)
+        return peer.returncode == 0, run_diskkit("inspect", "--signature-policy", pol, f"dir:{tmp_path}/img")
+
+    exact = dir_policy("exact.json", signed_by(keys, "a", signedIdentity={"type": "exactReference", "dockerReference": ref}))
+    peer, ours = both(exact)
+    assert peer and ours.code == 0, ours.err
+    repo = dir_policy("repo.json", signed_by(keys, "a", signedIdentity={"type": "exactRepository", "dockerRepository": ref.rsplit(":", 1)[0]}))
+    peer, ours = both(repo)
+    assert peer and ours.code == 0, ours.err
+    default = dir_policy("default.json", signed_by(keys, "a"))  # matchRepoDigestOrExact: no name to match
+    peer, ours = both(default)
+    assert not peer and f'Signature for identity "{ref}" is not accepted' in one_line(ours)
+    other = dir_policy("other.json", signed_by(keys, "b", signedIdentity={"type": "exactReference", "dockerReference": ref}))
+    peer, ours = both(other)
+    assert not peer and "Invalid GPG signature: No public key" in one_line(ours)
+    (tmp_path / "img/signature-1").unlink()
+    peer, ours = both(exact)
+    assert not peer and "A signature was required, but no signature exists" in one_line(ours)

@@ -124,16 +124,23 @@ def append(base: str, digest: str, signatures: list[bytes]) -> list[Path]:
     return written
 
 
-def read_dir(root: Path, where: str) -> list[bytes]:
-    """A dir: image's signature-1, -2, ... (directory_src.go reads until the first missing)."""
+def read_dir(root: Path, where: str, instance: str | None = None) -> list[bytes]:
+    """A dir: image's signature-1, -2, ... (directory_src.go reads until the first missing), or
+    those of one instance of its index, `<hex>.signature-N`."""
     found = []
+    prefix = ""
+    if instance is not None:
+        match = _DIGEST.match(instance)
+        if not match:
+            raise DiskkitError(instance, "invalid manifest digest for a signature location")
+        prefix = match.group(2) + "."
     for i in range(1, MAX_SIGNATURES + 1):
-        path = root / f"signature-{i}"
+        path = root / f"{prefix}signature-{i}"
         try:
             data = path.read_bytes()
         except FileNotFoundError:
             break
         except OSError as exc:
             raise DiskkitError(path, f"cannot read the signature: {exc.strerror}") from None
-        found.append(from_blob(data, f"{where}/signature-{i}"))
+        found.append(from_blob(data, f"{where}/{prefix}signature-{i}"))
     return found
