@@ -256,7 +256,7 @@ def _signature_copier(src: str, dest: str, src_opts: RegistryOptions, trust, sig
     from diskkit.signing.simple import SignatureCopier
     from diskkit.transports import open_source
 
-    copier = SignatureCopier(parse_ref(src), parse_ref(dest), trust.registries_d, signer)
+    copier = SignatureCopier(parse_ref(src), parse_ref(dest), trust.registries_d, signer, src_opts)
     with open_source(src, src_opts) as source:
         data, _, desc = source.manifest_descriptors()
     carried = copier.of_source(desc.digest if desc else sha256_digest(data), True)

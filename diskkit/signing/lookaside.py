@@ -52,7 +52,7 @@ def _file_path(url: str) -> Path:
     return Path(unquote(urlsplit(url).path))
 
 
-def _get(url: str) -> bytes | None:
+def _get(url: str, session=None) -> bytes | None:
     scheme = urlsplit(url).scheme
     if scheme == "file":
         path = _file_path(url)
@@ -67,7 +67,12 @@ def _get(url: str) -> bytes | None:
         import requests
 
         try:
-            with requests.get(url, timeout=60, stream=True) as response:
+            # The registry's own client when given, as containers/image reads a lookaside with the
+            # registry's (docker_image_src.go getOneSignature: s.c.client): its certs.d / --cert-dir
+            # CAs and client certificate, and --tls-verify, hold for the lookaside too.
+            get = session.get if session is not None else requests.get
+            extra = {"verify": session.verify} if session is not None else {}  # REQUESTS_CA_BUNDLE must not override it
+            with get(url, timeout=60, stream=True, **extra) as response:
                 if response.status_code == 404:
                     return None
                 if response.status_code != 200:
@@ -82,14 +87,15 @@ def _get(url: str) -> bytes | None:
     return data
 
 
-def read(base: str, digest: str) -> list[bytes]:
-    """signature-1, -2, ... until the first missing one (their OpenPGP messages, untrusted)."""
+def read(base: str, digest: str, session=None) -> list[bytes]:
+    """signature-1, -2, ... until the first missing one (their OpenPGP messages, untrusted);
+    http(s) ones through `session` (a requests.Session, the registry's) when given."""
     found = []
     for i in range(MAX_SIGNATURES + 1):
         if i == MAX_SIGNATURES:
             raise DiskkitError(base, f"server provided {MAX_SIGNATURES} signatures, assuming that's unreasonable and a server error")
         url = signature_url(base, digest, i)
-        blob = _get(url)
+        blob = _get(url, session)
         if blob is None:
             break
         found.append(from_blob(blob, url))

@@ -97,7 +97,12 @@ def _signatures(kind: str, name: DockerName, digest: str, config: dict, identity
     from diskkit.signing import registriesd
     if kind == "signedBy":
         from diskkit.signing import lookaside
-        return lookaside.read(registriesd.lookaside_base(config, identity, namespaces, name.repository, write=False), digest)
+        base = registriesd.lookaside_base(config, identity, namespaces, name.repository, write=False)
+        session = None
+        if base.startswith("https://"):
+            from diskkit.transports.remote import registry_for
+            session = registry_for(name.registry, registry or RegistryOptions()).session
+        return lookaside.read(base, digest, session)
     if not registriesd.uses_attachments(config, identity, namespaces):
         return []
     from diskkit.signing import sigstore
