@@ -14,6 +14,7 @@ import base64
 import json
 import os
 import pwd
+import re
 import subprocess
 from pathlib import Path
 
@@ -237,3 +238,17 @@ def test_attesting_refuses_before_the_boot(keys, qemu_user, tmp_path):
     assert r.code != 0 and r.err.strip().splitlines() == [f"launcher: {private}: decrypt: wrong passphrase (or a damaged key file)"], r.err
     r = qemu_user.launcher("test", "--attest-passphrase-file", passphrase, "localhost:1/never:v1")
     assert r.code == 2 and "--attest-passphrase-file needs --attest-sign-by or --attest-sigstore-private-key" in r.err
+
+
+def test_pae_is_the_dsse_specs():
+    # the DSSE spec's own example (secure-systems-lab/dsse protocol.md)
+    assert at.pae("http://example.com/HelloWorld", b"hello world") == b"DSSEv1 29 http://example.com/HelloWorld 11 hello world"
+    env = at.envelope(b"{}", "k", b"sig")
+    assert pae_bytes(env) == at.pae(at.PAYLOAD_TYPE, b"{}")
+    # a bundle and a bare envelope read back to the same envelope; anything else is not accepted
+    assert at.read_envelope(at.BUNDLE_MEDIA_TYPE, at.stored(at.BUNDLE_MEDIA_TYPE, env, "h")) == env
+    assert at.read_envelope(at.DSSE_MEDIA_TYPE, at.stored(at.DSSE_MEDIA_TYPE, env, "h")) == env
+    for kind, data, words in ((at.BUNDLE_MEDIA_TYPE, b"[]", "holds no DSSE envelope"), (at.DSSE_MEDIA_TYPE, b"nope", "not JSON"),
+                              (at.DSSE_MEDIA_TYPE, json.dumps({**env, "payloadType": "text/plain"}).encode(), "is not application/vnd.in-toto+json")):
+        with pytest.raises(at.NotAccepted, match=re.escape(words)):
+            at.read_envelope(kind, data)

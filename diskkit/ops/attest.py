@@ -41,6 +41,7 @@ class Attester:
             self.passphrase = read_sign_passphrase(opts)
             openpgp.sign(b"probe", opts.sign_by, self.passphrase, detached=True)  # key, agent, passphrase: now, not after the boot
             self.artifact_type, self.keyid = at.DSSE_MEDIA_TYPE, opts.sign_by.upper()
+            self.hint = self.keyid
         else:
             from cryptography.hazmat.primitives import serialization
 
@@ -68,7 +69,7 @@ class Attester:
         subject = _manifest_descriptor(name, digest, registry)
         payload = at.statement(f"{name.registry}/{name.repository}", digest, predicate)
         env = at.envelope(payload, self.keyid, self.sign(at.pae(at.PAYLOAD_TYPE, payload)))
-        blob = at.stored(self.artifact_type, env, getattr(self, "hint", self.keyid))
+        blob = at.stored(self.artifact_type, env, self.hint)
         annotations = {at.CONTENT_ANNOTATION: "dsse-envelope", at.PREDICATE_ANNOTATION: at.PREDICATE_TYPE,
                        at.CREATED_ANNOTATION: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         desc, listed = referrers.push_referrer(name, subject, self.artifact_type, blob, annotations, registry)
