@@ -241,6 +241,7 @@ def smoke_test(ref, command, user, timeout, port, memory, as_json, uri, platform
     keys = Path(tempfile.mkdtemp(prefix="launcher-test-"))  # 0700: the private key never leaves it
     result = Result(vmi="", command=" ".join(command))
     code = NOT_BOOTED
+    attach_failed: DiskkitError | None = None
     try:
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "launcher-test", "-f", str(keys / "key")],
                        check=True, stdin=subprocess.DEVNULL)
@@ -285,8 +286,7 @@ def smoke_test(ref, command, user, timeout, port, memory, as_json, uri, platform
                 try:
                     _attest(attester, result, registry)
                 except DiskkitError as err:
-                    say(f"{err}")
-                    code = err.exit_code
+                    attach_failed, code = err, err.exit_code  # said last: the test's own line stays true
     finally:
         shutil.rmtree(keys, ignore_errors=True)
         if as_json:
@@ -295,4 +295,6 @@ def smoke_test(ref, command, user, timeout, port, memory, as_json, uri, platform
             say(f"PASS {result.vmi or ref}: {result.command!r} succeeded, ssh {result.boot_to_ssh_seconds:.1f} s after boot")
         else:
             say(f"FAIL {result.vmi or ref}: {result.reason}")
+        if attach_failed is not None:
+            say(f"not attested: {attach_failed}")
     sys.exit(code)
