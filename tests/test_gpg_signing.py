@@ -523,3 +523,77 @@ def test_every_tag_of_a_build_is_signed_as_itself(registry, keys, disk, tmp_path
     for n, ref in enumerate((first, second, other)):
         ok = skopeo_copy(keys, good, ref, f"dir:{tmp_path}/out{n}")
         assert ok.returncode == 0, (ref, ok.stderr)
+
+
+def test_a_dir_image_is_checked_on_its_signature_files_as_skopeo_does(registry, keys, disk, tmp_path):
+    """dir: keeps simple signatures as signature-N files (containers/image directory/directory_src.go);
+    a dir: image has no Docker reference, so only exactReference and exactRepository identities can
+    match it (signature/policy_reference_match.go parseImageAndDockerReference): skopeo and diskkit agree."""
+    ref = f"{registry.host}/gpg/indir:v1"
+    build(disk, ref, "--registries.d", keys["regd"], "--sign-by", keys["a"])
+    carried = skopeo_copy(keys, policy(tmp_path / "any.json", "", {"type": "insecureAcceptAnything"}), ref, f"dir:{tmp_path}/img")
+    assert carried.returncode == 0 and (tmp_path / "img/signature-1").is_file(), carried.stderr
+
+    def dir_policy(name: str, requirement: dict) -> Path:
+        path = tmp_path / name
+        path.write_text(json.dumps({"default": [{"type": "reject"}], "transports": {"dir": {"": [requirement]}}}))
+        return path
+
+    def both(pol: Path) -> tuple[bool, object]:
+        peer = subprocess.run(["skopeo", "--policy", str(pol), "copy", f"dir:{tmp_path}/img", f"dir:{tmp_path}/peer-{pol.stem}"],
+                              capture_output=True, text=True, check=False)
+        return peer.returncode == 0, run_diskkit("inspect", "--signature-policy", pol, f"dir:{tmp_path}/img")
+
+    exact = dir_policy("exact.json", signed_by(keys, "a", signedIdentity={"type": "exactReference", "dockerReference": ref}))
+    peer, ours = both(exact)
+    assert peer and ours.code == 0, ours.err
+    repo = dir_policy("repo.json", signed_by(keys, "a", signedIdentity={"type": "exactRepository", "dockerRepository": ref.rsplit(":", 1)[0]}))
+    peer, ours = both(repo)
+    assert peer and ours.code == 0, ours.err
+    default = dir_policy("default.json", signed_by(keys, "a"))  # matchRepoDigestOrExact: no name to match
+    peer, ours = both(default)
+    assert not peer and f'Signature for identity "{ref}" is not accepted' in one_line(ours)
+    other = dir_policy("other.json", signed_by(keys, "b", signedIdentity={"type": "exactReference", "dockerReference": ref}))
+    peer, ours = both(other)
+    assert not peer and "Invalid GPG signature: No public key" in one_line(ours)
+    (tmp_path / "img/signature-1").unlink()
+    peer, ours = both(exact)
+    assert not peer and "A signature was required, but no signature exists" in one_line(ours)
+
+
+def test_an_https_lookaside_is_read_with_the_registrys_tls_settings(tls_registry, keys, disk, tmp_path):
+    """containers/image reads an http(s) lookaside with the registry's own client (docker/
+    docker_image_src.go getOneSignature uses s.c.client): --cert-dir / certs.d of the registry hold
+    for its lookaside too. skopeo and diskkit both accept it with the CA given, and refuse a
+    lookaside whose certificate that CA did not sign."""
+    from tests.distribution import make_tls_files
+    from tests.fileserver import FileServer
+
+    ref = f"{tls_registry.host}/gpg/https:v1"
+    r = run_diskkit("build", "--cert-dir", tls_registry.ca_dir, "--no-lazy", disk, "-t", ref, "--registries.d", keys["regd"], "--sign-by", keys["a"])
+    assert r.code == 0, r.err
+    pol = policy(tmp_path / "a.json", f"{tls_registry.host}/gpg", signed_by(keys, "a"))
+    ca_dir = Path(tls_registry.ca_dir)
+    served = {"same-ca": (ca_dir.parent / "server.crt", ca_dir.parent / "server.key")}
+    _, cert, key = make_tls_files(tmp_path / "other-ca" / "ca")
+    served["other-ca"] = (cert, key)
+    for name, tls in served.items():
+        with FileServer(keys["lookaside"], tls=tls) as server:
+            regd = tmp_path / f"regd-{name}"
+            regd.mkdir()
+            (regd / "default.yaml").write_text(f"default-docker:\n  lookaside: {server.base}\n")
+            ours = run_diskkit("inspect", "--cert-dir", ca_dir, "--signature-policy", pol, "--registries.d", regd, ref)
+            peer = subprocess.run(["skopeo", "--policy", str(pol), "--registries.d", str(regd), "copy", "--src-cert-dir", str(ca_dir),
+                                   f"docker://{ref}", f"dir:{tmp_path}/peer-{name}"], capture_output=True, text=True, check=False)
+            if name == "same-ca":
+                assert ours.code == 0, ours.err
+                assert peer.returncode == 0, peer.stderr
+                # a copy carries the signature it read there
+                out = tmp_path / "copied"
+                copied = run_diskkit("copy", "--src-cert-dir", ca_dir, "--registries.d", regd, f"docker://{ref}", f"dir:{out}")
+                assert copied.code == 0, copied.err
+                assert (out / "signature-1").read_bytes() == (peer_dir := tmp_path / f"peer-{name}" / "signature-1").read_bytes(), peer_dir
+            else:
+                assert peer.returncode != 0 and "certificate" in peer.stderr, peer.stderr
+                line = one_line(ours)
+                assert server.base in line and "SSLError" in line, line

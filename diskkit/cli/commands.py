@@ -14,6 +14,7 @@ from diskkit.cli.shell import EXIT_EPILOG, registry_options, run_main
 from diskkit.cli.exportcmd import export_cmd
 from diskkit.cli.indexcmds import index_group
 from diskkit.cli.sourceflags import checksum_options, retry_options
+from diskkit.cli.attestcmd import verify_attestation
 from diskkit.cli.standalone import standalone_sign, standalone_verify
 from diskkit.cli.tagcmds import TAG_COMMANDS
 from diskkit.cli.trustflags import signature_options
@@ -256,7 +257,7 @@ def _signature_copier(src: str, dest: str, src_opts: RegistryOptions, trust, sig
     from diskkit.signing.simple import SignatureCopier
     from diskkit.transports import open_source
 
-    copier = SignatureCopier(parse_ref(src), parse_ref(dest), trust.registries_d, signer)
+    copier = SignatureCopier(parse_ref(src), parse_ref(dest), trust.registries_d, signer, src_opts)
     with open_source(src, src_opts) as source:
         data, _, desc = source.manifest_descriptors()
     carried = copier.of_source(desc.digest if desc else sha256_digest(data), True)
@@ -569,6 +570,7 @@ def upload_cmd(datavolume, file, url, token, token_file, namespace, ca_cert, ins
 
 cli.add_command(standalone_sign)
 cli.add_command(standalone_verify)
+cli.add_command(verify_attestation)
 for command in TAG_COMMANDS:
     cli.add_command(command)
 cli.add_command(index_group)

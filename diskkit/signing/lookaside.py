@@ -3,7 +3,8 @@
 docker_image_dest.go), and the `signature-N` files of a dir: image (directory/directory_src.go).
 
 file:// is read and written, http(s):// only read (skopeo writes there only through a
-lookaside-staging file:// location). The registry signature API (X-Registry-Supports-Signatures)
+lookaside-staging file:// location), over the registry's own TLS settings when the caller gives
+its session, as containers/image does. The registry signature API (X-Registry-Supports-Signatures)
 is not spoken: only OpenShift's integrated registry offers it, and the distribution registry the
 tests run does not.
 """
@@ -52,7 +53,7 @@ def _file_path(url: str) -> Path:
     return Path(unquote(urlsplit(url).path))
 
 
-def _get(url: str) -> bytes | None:
+def _get(url: str, session=None) -> bytes | None:
     scheme = urlsplit(url).scheme
     if scheme == "file":
         path = _file_path(url)
@@ -67,7 +68,12 @@ def _get(url: str) -> bytes | None:
         import requests
 
         try:
-            with requests.get(url, timeout=60, stream=True) as response:
+            # The registry's own client when given, as containers/image reads a lookaside with the
+            # registry's (docker_image_src.go getOneSignature: s.c.client): its certs.d / --cert-dir
+            # CAs and client certificate, and --tls-verify, hold for the lookaside too.
+            get = session.get if session is not None else requests.get
+            extra = {"verify": session.verify} if session is not None else {}  # REQUESTS_CA_BUNDLE must not override it
+            with get(url, timeout=60, stream=True, **extra) as response:
                 if response.status_code == 404:
                     return None
                 if response.status_code != 200:
@@ -82,14 +88,15 @@ def _get(url: str) -> bytes | None:
     return data
 
 
-def read(base: str, digest: str) -> list[bytes]:
-    """signature-1, -2, ... until the first missing one (their OpenPGP messages, untrusted)."""
+def read(base: str, digest: str, session=None) -> list[bytes]:
+    """signature-1, -2, ... until the first missing one (their OpenPGP messages, untrusted);
+    http(s) ones through `session` (a requests.Session, the registry's) when given."""
     found = []
     for i in range(MAX_SIGNATURES + 1):
         if i == MAX_SIGNATURES:
             raise DiskkitError(base, f"server provided {MAX_SIGNATURES} signatures, assuming that's unreasonable and a server error")
         url = signature_url(base, digest, i)
-        blob = _get(url)
+        blob = _get(url, session)
         if blob is None:
             break
         found.append(from_blob(blob, url))
@@ -124,16 +131,23 @@ def append(base: str, digest: str, signatures: list[bytes]) -> list[Path]:
     return written
 
 
-def read_dir(root: Path, where: str) -> list[bytes]:
-    """A dir: image's signature-1, -2, ... (directory_src.go reads until the first missing)."""
+def read_dir(root: Path, where: str, instance: str | None = None) -> list[bytes]:
+    """A dir: image's signature-1, -2, ... (directory_src.go reads until the first missing), or
+    those of one instance of its index, `<hex>.signature-N`."""
     found = []
+    prefix = ""
+    if instance is not None:
+        match = _DIGEST.match(instance)
+        if not match:
+            raise DiskkitError(instance, "invalid manifest digest for a signature location")
+        prefix = match.group(2) + "."
     for i in range(1, MAX_SIGNATURES + 1):
-        path = root / f"signature-{i}"
+        path = root / f"{prefix}signature-{i}"
         try:
             data = path.read_bytes()
         except FileNotFoundError:
             break
         except OSError as exc:
             raise DiskkitError(path, f"cannot read the signature: {exc.strerror}") from None
-        found.append(from_blob(data, f"{where}/signature-{i}"))
+        found.append(from_blob(data, f"{where}/{prefix}signature-{i}"))
     return found

@@ -44,11 +44,13 @@ def _complaint(stderr: bytes) -> str:
     return lines[-1][len("gpg: "):] if lines else "gpg failed"
 
 
-def sign(payload: bytes, fingerprint: str, passphrase: bytes | None = None) -> bytes:
+def sign(payload: bytes, fingerprint: str, passphrase: bytes | None = None, detached: bool = False) -> bytes:
     """A binary OpenPGP signed message holding `payload`, made with key `fingerprint` of the user's
     keyring ($GNUPGHOME honoured). With a passphrase, gpg's loopback pinentry is fed it as gpgme's
-    passphrase callback does for skopeo --sign-passphrase-file."""
-    cmd = [_gpg(), "--batch", "--no-tty", "--status-fd", "2", "--no-armor", "--local-user", fingerprint, "--output", "-", "--sign"]
+    passphrase callback does for skopeo --sign-passphrase-file. `detached`: the signature packet alone,
+    over bytes kept elsewhere (a DSSE envelope's pre-authentication encoding)."""
+    cmd = [_gpg(), "--batch", "--no-tty", "--status-fd", "2", "--no-armor", "--local-user", fingerprint, "--output", "-",
+           "--detach-sign" if detached else "--sign"]
     read_fd = None
     if passphrase is not None:
         read_fd, write_fd = os.pipe()
@@ -93,6 +95,18 @@ class Keyring:
         """(signed payload, the accepted fingerprint) or InvalidSignature; the key must be one of
         `accepted` (default: those imported), by its own or its primary key's fingerprint."""
         done = self._decrypt(signature)
+        return done.stdout, self._judge(done, accepted)
+
+    def verify_detached(self, signature: bytes, data: bytes, accepted: list[str] | None = None) -> str:
+        """The accepted fingerprint of a detached signature over `data`, or InvalidSignature."""
+        with tempfile.TemporaryDirectory(prefix="diskkit-sig-") as scratch:
+            sig = Path(scratch) / "signature"
+            sig.write_bytes(signature)
+            done = self._run(["--verify", str(sig), "-"], data)
+        return self._judge(done, accepted)
+
+    def _judge(self, done: subprocess.CompletedProcess, accepted: list[str] | None) -> str:
+        """The one good signature's accepted fingerprint, by gpg's status lines."""
         status = _status(done.stderr)
         codes = [s[0] for s in status]
         if codes.count("NEWSIG") != 1:
@@ -111,7 +125,7 @@ class Keyring:
         wanted = [f.upper() for f in (self.fingerprints if accepted is None else accepted)]
         if signing not in wanted and primary not in wanted:
             raise InvalidSignature(f"Signature by key {signing} is not accepted" if signing == primary else f"Signature by key {signing} of {primary} is not accepted")
-        return done.stdout, signing if signing in wanted else primary
+        return signing if signing in wanted else primary
 
     def _decrypt(self, signature: bytes) -> subprocess.CompletedProcess:
         """gpg --decrypt with the payload read to at most 4 MiB: a few KiB of compressed packets

@@ -232,12 +232,17 @@ def _repo_digest_or_exact(intended: DockerName, signed: DockerName) -> bool:
     return False
 
 
-def identity_matches(identity: dict, intended: DockerName, signed_text: str) -> bool:
+def identity_matches(identity: dict, intended: DockerName | None, signed_text: str) -> bool:
+    """Whether the signed reference is acceptable for the image. An image with no Docker reference
+    (dir:) matches only exactReference and exactRepository: the other rules compare with the image's
+    own name, and parseImageAndDockerReference fails for it (policy_reference_match.go)."""
     try:
         signed = as_written(signed_text, "signed docker-reference")
     except DiskkitError:
         return False
     kind = identity["type"]
+    if intended is None and kind not in ("exactReference", "exactRepository"):
+        return False
     if kind == "matchExact":
         return bool(intended.tag or intended.digest) and bool(signed.tag or signed.digest) and str(signed) == str(intended)
     if kind == "matchRepoDigestOrExact":
@@ -310,13 +315,13 @@ def _accepts_gpg(keyring, req: Requirement, blob: bytes, intended: DockerName, d
 def check(requirements: list[Requirement], image: str, intended: DockerName | None, digest: str, signatures: Callable[[str], list]) -> None:
     """Raise Rejected unless every requirement allows running the image (all must, as policy_eval.go).
     `signatures(kind)` gives the image's sigstore attachments ("sigstoreSigned") or simple
-    signature blobs ("signedBy")."""
+    signature blobs ("signedBy"); `intended` is None for an image with no Docker reference (dir:)."""
     for req in requirements:
         if req.type == "insecureAcceptAnything":
             continue
         if req.type == "reject":
             raise Rejected(f"Running image {image} is rejected by policy.")
-        sigs = signatures(req.type) if intended is not None else []
+        sigs = signatures(req.type)
         if not sigs:
             raise Rejected("A signature was required, but no signature exists")
         if req.type == "signedBy":

@@ -86,8 +86,8 @@ class SignatureCopier:
     lookaside, or a dir: image's signature-N files), then a new one when signing, stored where the
     destination keeps them, as containers/image copy does unless --remove-signatures."""
 
-    def __init__(self, src: ImageRef, dest: ImageRef, registries_d, signer: SimpleSigner | None):
-        self.src, self.dest, self.signer = src, dest, signer
+    def __init__(self, src: ImageRef, dest: ImageRef, registries_d, signer: SimpleSigner | None, src_registry=None):
+        self.src, self.dest, self.signer, self.src_registry = src, dest, signer, src_registry
         config = registriesd.load(registries_d)
         self.src_base = None
         self.src_dir = Path(src.path) if src.transport == "dir" else None
@@ -99,7 +99,12 @@ class SignatureCopier:
 
     def of_source(self, digest: str, top: bool) -> list[bytes]:
         if self.src_base is not None:
-            return lookaside.read(self.src_base, digest)
+            session = None
+            if self.src_base.startswith("https://"):  # the source registry's TLS settings, as trust.py reads it
+                from diskkit.registry.options import RegistryOptions
+                from diskkit.transports.remote import registry_for
+                session = registry_for(self.src.name.registry, self.src_registry or RegistryOptions()).session
+            return lookaside.read(self.src_base, digest, session)
         if self.src_dir is not None and top:
             return lookaside.read_dir(self.src_dir, str(self.src))
         return []

@@ -79,6 +79,10 @@ def enforce_source(source: Source, trust: TrustOptions, registry: RegistryOption
     config = registriesd.load(trust.registries_d) if intended is not None else None
     for digest in dict.fromkeys(digests):
         def signatures(kind, digest=digest):
+            if ref.transport == "dir":
+                return _dir_signatures(kind, ref, digest, top=digest == digests[0])
+            if intended is None:
+                return []
             return _signatures(kind, intended, digest, config, identity, namespaces, registry)
 
         try:
@@ -93,11 +97,25 @@ def _signatures(kind: str, name: DockerName, digest: str, config: dict, identity
     from diskkit.signing import registriesd
     if kind == "signedBy":
         from diskkit.signing import lookaside
-        return lookaside.read(registriesd.lookaside_base(config, identity, namespaces, name.repository, write=False), digest)
+        base = registriesd.lookaside_base(config, identity, namespaces, name.repository, write=False)
+        session = None
+        if base.startswith("https://"):
+            from diskkit.transports.remote import registry_for
+            session = registry_for(name.registry, registry or RegistryOptions()).session
+        return lookaside.read(base, digest, session)
     if not registriesd.uses_attachments(config, identity, namespaces):
         return []
     from diskkit.signing import sigstore
     return sigstore.read_signatures(name, digest, registry or RegistryOptions())
+
+
+def _dir_signatures(kind: str, ref: ImageRef, digest: str, top: bool) -> list:
+    """A dir: image's simple signatures: `signature-N` for its manifest, `<hex>.signature-N` for an
+    instance of its index (containers/image directory/directory_transport.go signaturePath)."""
+    if kind != "signedBy":
+        return []
+    from diskkit.signing import lookaside
+    return lookaside.read_dir(Path(ref.path or "."), str(ref), None if top else digest)
 
 
 def enforce_ref(ref: str, trust: TrustOptions, registry: RegistryOptions | None, platform: Platform | None = None, instances: str = "selected") -> None:

@@ -53,12 +53,14 @@ class Result:
     reason: str = ""
     stdout: str = ""
     stderr: str = ""
+    attestations: list = field(default_factory=list)  # what --attest-* pushed, one per image
 
     def to_json(self) -> dict:
         out = asdict(self)
         return {"vmi": out["vmi"], "images": out["images"], "command": out["command"], "exitStatus": out["exit_status"],
                 "bootToSshSeconds": out["boot_to_ssh_seconds"], "result": "pass" if self.passed else "fail",
-                "reason": out["reason"], "stdout": out["stdout"], "stderr": out["stderr"]}
+                "reason": out["reason"], "stdout": out["stdout"], "stderr": out["stderr"],
+                **({"attestations": out["attestations"]} if self.attestations else {})}
 
 
 # ---------------------------------------------------------------- the VMI (pure)
@@ -153,6 +155,34 @@ class _Reach(threading.Thread):
         return PASSED
 
 
+def _attester(sign_by: str | None, private_key: Path | None, passphrase_file: Path | None):
+    """The attestation key, opened before anything boots (a wrong passphrase costs no boot)."""
+    if sign_by and private_key:
+        raise click.UsageError("give one of --attest-sign-by and --attest-sigstore-private-key")
+    if passphrase_file and not (sign_by or private_key):
+        raise click.UsageError("--attest-passphrase-file needs --attest-sign-by or --attest-sigstore-private-key")
+    if not (sign_by or private_key):
+        return None
+    from diskkit.ops.attest import Attester
+    from diskkit.signing.options import SignOptions
+
+    return Attester(SignOptions(private_key, passphrase_file, sign_by=sign_by))
+
+
+def _attest(attester, result: Result, registry: RegistryOptions) -> None:
+    """One signed statement per containerDisk image the test booted."""
+    from diskkit import __version__
+    from diskkit.signing.attestation import boot_test_predicate
+
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    for image, digest in result.images.items():
+        predicate = boot_test_predicate(image, digest, result.command, result.boot_to_ssh_seconds, result.passed,
+                                        result.exit_status, result.reason, f"launcher {__version__}", stamp)
+        pushed = attester.attach(image, digest, predicate, registry)
+        result.attestations.append(pushed)
+        say(f"attested {image}@{digest[:19]}: {pushed['referrer']} ({pushed['listedBy']})")
+
+
 def _load(path: str) -> dict:
     """A VMI or VM file's one document, within the API server's limits."""
     from launcher.spec.meta import load_documents
@@ -166,12 +196,17 @@ def _load(path: str) -> dict:
 @click.command("test", epilog="""\b
 Examples:
   launcher test quay.io/containerdisks/fedora:40 --user fedora
+  launcher test registry.local/debian:12 --user debian --attest-sigstore-private-key ci.private --attest-passphrase-file pass
+  launcher test registry.local/debian:12 --user debian --attest-sign-by 3F1A...C0DE   # GPG, gpg-agent asks
   launcher test registry.local/debian:12 --user debian -- systemctl is-system-running --wait
   launcher test --json --timeout 600 oci:./layout:v1 > result.json
   launcher test vmi.yaml -- cat /etc/os-release     # a VMI file: the key is added to it
 \b
 Exit status: 0 the command succeeded; 1 it failed; 3 the VM did not boot (refused, pull
-failed, or it stopped before ssh answered); 4 no ssh login within --timeout.
+failed, or it stopped before ssh answered); 4 no ssh login within --timeout. With --attest-*,
+a test that ran (passed or failed) is attached to each containerDisk image as a signed in-toto
+statement (an OCI 1.1 referrer; `diskkit verify-attestation` checks it); a failure to attach
+exits with that failure's status.
 """)
 @click.argument("ref")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
@@ -182,10 +217,14 @@ failed, or it stopped before ssh answered); 4 no ssh login within --timeout.
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON result object (the command's output inside it).")
 @click.option("--connect", "uri", metavar="URI", help="libvirt URI (default: qemu:///system as root, else qemu:///session).")
 @click.option("--platform", help="OS/ARCH of the image (default: this host's).")
+@click.option("--attest-sign-by", metavar="FINGERPRINT", help="Attach the result, signed with this key of your GnuPG keyring ($GNUPGHOME), as an attestation of the image.")
+@click.option("--attest-sigstore-private-key", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE", help="Attach the result, signed with this sigstore (cosign-format) key, as an attestation of the image.")
+@click.option("--attest-passphrase-file", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE", help="The attestation key's passphrase (else asked on the terminal, or by gpg-agent).")
 @cache_option
 @registry_options
 @trust_options
-def smoke_test(ref, command, user, timeout, port, memory, as_json, uri, platform, cache_dir, registry: RegistryOptions) -> None:
+def smoke_test(ref, command, user, timeout, port, memory, as_json, uri, platform, attest_sign_by, attest_sigstore_private_key,
+               attest_passphrase_file, cache_dir, registry: RegistryOptions) -> None:
     """Boot REF (an image, or a VMI file) with a fresh ssh key, run COMMAND over ssh (default: echo hello),
     print the boot-to-ssh time, stop and remove the VM; exit 0 only if the command succeeded."""
     from launcher.node.pull import pull
@@ -196,11 +235,13 @@ def smoke_test(ref, command, user, timeout, port, memory, as_json, uri, platform
 
     began = time.monotonic()
     command = command or ("echo", "hello")
+    attester = _attester(attest_sign_by, attest_sigstore_private_key, attest_passphrase_file)
     doc = _load(ref) if Path(ref).is_file() else generated_vmi(f"launcher-test-{secrets.token_hex(3)}", ref, memory)
     cache = node_cache(cache_dir)
     keys = Path(tempfile.mkdtemp(prefix="launcher-test-"))  # 0700: the private key never leaves it
     result = Result(vmi="", command=" ".join(command))
     code = NOT_BOOTED
+    attach_failed: DiskkitError | None = None
     try:
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "launcher-test", "-f", str(keys / "key")],
                        check=True, stdin=subprocess.DEVNULL)
@@ -213,6 +254,10 @@ def smoke_test(ref, command, user, timeout, port, memory, as_json, uri, platform
             for volume in vmi.volumes:
                 if volume.kind == "containerDisk":
                     src = volume.source
+                    if attester is not None:
+                        from diskkit.ops.attest import registry_image
+
+                        registry_image(src.image)  # refused before the pull: attestations live in a registry
                     # A foreign image is refused on its config, before its disk is downloaded.
                     result.images[src.image] = pull(cache, src.image, src.path, plat, registry, src.image_pull_policy,
                                                     accept=check_config(src.image)).digest
@@ -237,6 +282,11 @@ def smoke_test(ref, command, user, timeout, port, memory, as_json, uri, platform
             code = reach.outcome if reach.outcome is not None else NOT_BOOTED
             if code == NOT_BOOTED and not result.reason:
                 result.reason = "the VM stopped before ssh answered"
+            if attester is not None:
+                try:
+                    _attest(attester, result, registry)
+                except DiskkitError as err:
+                    attach_failed, code = err, err.exit_code  # said last: the test's own line stays true
     finally:
         shutil.rmtree(keys, ignore_errors=True)
         if as_json:
@@ -245,4 +295,6 @@ def smoke_test(ref, command, user, timeout, port, memory, as_json, uri, platform
             say(f"PASS {result.vmi or ref}: {result.command!r} succeeded, ssh {result.boot_to_ssh_seconds:.1f} s after boot")
         else:
             say(f"FAIL {result.vmi or ref}: {result.reason}")
+        if attach_failed is not None:
+            say(f"not attested: {attach_failed}")
     sys.exit(code)
