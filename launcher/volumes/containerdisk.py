@@ -36,20 +36,22 @@ def container_disk(ctx: Context, volume: Volume, where: str) -> ResolvedDisk:
     if ctx.image_volumes is not None:
         return image_volume_overlay(ctx, volume, where)
     registry, why_not = pull_options(ctx, source.image, source.image_pull_secret, f"{where}.imagePullSecret")
-    policy = _policy(ctx, source.image, source.image_pull_policy)
-    ref, pin = _pinned(ctx, volume.name, source.image)
-    with image_field(f"{where}.image", why_not), _pin_hint(pin):
-        if ctx.lazy != "off":
-            attached = attach(ctx.cache, ref, source.path, ctx.platform, registry, ctx.lazy, policy, ctx.out.notes,
-                              vm=ctx.create, qemu_uid=ctx.qemu_uid)
-            if attached is not None:
-                check_image(ctx.cache, attached.pulled)
-                ctx.out.pulled.append(attached.pulled)
-                _record_pin(ctx, volume.name, source.image, attached.pulled.digest, pin)
-                return _nbd_overlay(ctx, volume, attached)
-        base = pull(ctx.cache, ref, source.path, ctx.platform, registry, policy,
-                    accept=check_config(str(parse_ref(source.image))))
-        check_image(ctx.cache, base)  # a disk the cache already held
+    # Every error about the image, its reference's own included, names the VMI field it came from.
+    with image_field(f"{where}.image", why_not):
+        policy = _policy(ctx, source.image, source.image_pull_policy)
+        ref, pin = _pinned(ctx, volume.name, source.image)
+        with _pin_hint(pin):
+            if ctx.lazy != "off":
+                attached = attach(ctx.cache, ref, source.path, ctx.platform, registry, ctx.lazy, policy, ctx.out.notes,
+                                  vm=ctx.create, qemu_uid=ctx.qemu_uid)
+                if attached is not None:
+                    check_image(ctx.cache, attached.pulled)
+                    ctx.out.pulled.append(attached.pulled)
+                    _record_pin(ctx, volume.name, source.image, attached.pulled.digest, pin)
+                    return _nbd_overlay(ctx, volume, attached)
+            base = pull(ctx.cache, ref, source.path, ctx.platform, registry, policy,
+                        accept=check_config(str(parse_ref(source.image))))
+            check_image(ctx.cache, base)  # a disk the cache already held
     ctx.out.pulled.append(base)
     _record_pin(ctx, volume.name, source.image, base.digest, pin)
     return overlay(within(ctx.run_dir, volume.name, "disk.qcow2"), base.path, base.format, ctx.create)
