@@ -99,12 +99,7 @@ def _verifier(key_paths: list[Path], gpg_keyrings: list[Path]):
     and GPG keyrings; and the GnuPG keyring to close afterwards."""
     from diskkit.signing import keys
 
-    loaded = []
-    for path in key_paths:
-        try:
-            loaded.append((str(path), keys.load_public_keys(Path(path).read_bytes(), str(path))))
-        except OSError as exc:
-            raise DiskkitError(path, f"cannot read the public key: {exc.strerror}") from None
+    loaded = keys.load_public_key_files(key_paths)
     ring = None
     if gpg_keyrings:
         from diskkit.signing import openpgp

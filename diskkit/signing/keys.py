@@ -114,6 +114,17 @@ def load_private_key(data: bytes, passphrase: bytes, where: str):
     return serialization.load_der_private_key(pkcs8, None)
 
 
+def load_public_key_files(paths) -> list[tuple[str, list]]:
+    """Each file's name and the public keys in it; an unreadable file is refused in one line."""
+    loaded = []
+    for path in paths:
+        try:
+            loaded.append((str(path), load_public_keys(Path(path).read_bytes(), str(path))))
+        except OSError as exc:
+            raise DiskkitError(str(path), f"cannot read the public key: {exc.strerror}") from None
+    return loaded
+
+
 def load_public_keys(data: bytes, where: str) -> list:
     """Every PUBLIC KEY block in a file (policy.json's keyPath/keyData may hold several)."""
     keys = []

@@ -178,12 +178,7 @@ def signers(ref: ImageRef | str, key_paths: list[Path], registry: RegistryOption
     ref = parse_ref(ref) if isinstance(ref, str) else ref
     if ref.transport != "docker":
         raise DiskkitError(str(ref), "signatures are read from a registry (docker://); local layouts and archives hold none")
-    loaded = []
-    for path in key_paths:
-        try:
-            loaded.append((str(path), keys.load_public_keys(Path(path).read_bytes(), str(path))))
-        except OSError as exc:
-            raise DiskkitError(path, f"cannot read the public key: {exc.strerror}") from None
+    loaded = keys.load_public_key_files(key_paths)
     with open_source(ref, registry) as source:
         data, _, desc = source.top_manifest()
     digest = desc.digest if desc else sha256_digest(data)
