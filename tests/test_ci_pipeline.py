@@ -137,10 +137,17 @@ def test_pipeline_publishes_skips_refuses_and_prunes(qemu_user, registry, site):
     assert tags(registry, "ci/guest") == live
     assert "3" not in tags(registry, "ci/guest-candidates")
 
-    # 5. version 1 rebuilt upstream: published, and prune (keep 0) removes the old dated tag, never a live one
+    # 5. version 1 rebuilt upstream, and a run stopped after its build (the candidate is in staging,
+    # labelled, never promoted): the next run tests and promotes that candidate instead of skipping;
+    # prune (keep 0) removes the old dated tag and never a live one
     publish(root, "1", changed, bsd=True)
+    staged = run_diskkit("build", NOREG, changed, "-t", f"{registry.host}/ci/guest-candidates:1",
+                         "--label", f"shasum=sha256:{hashlib.sha256(changed.read_bytes()).hexdigest()}", env={"SOURCE_DATE_EPOCH": str(T3)})
+    assert staged.code == 0, staged.err
     rebuilt = run_pipeline(qemu_user, upstream, registry, T3, keep=0)
     assert rebuilt.returncode == 0, rebuilt.stderr
+    assert "was never promoted: testing it" in rebuilt.stderr, rebuilt.stderr
+    assert rebuilt.stdout.strip() == f"{registry.host}/ci/guest:1@{staged.out.strip().splitlines()[-1]}"
     now = tags(registry, "ci/guest")
     assert set(now) == {f"1-{stamp(T3)}", "1", "latest"}, now
     assert now["1"] == now["latest"] == now[f"1-{stamp(T3)}"] != live["1"]

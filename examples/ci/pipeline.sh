@@ -76,12 +76,19 @@ SOURCE_DATE_EPOCH=$BUILD_TIME diskkit build "${tls[@]}" "$UPSTREAM/$artifact" --
     -t "$STAGING:$VERSION" --label "$LABEL_KEY=sha256:$sum" --skip-if-label "$LABEL_KEY=sha256:$sum" \
     --annotation "org.opencontainers.image.version=$VERSION" --annotation "org.opencontainers.image.source=$UPSTREAM/$artifact" \
     --json >"$WORKDIR/build.json"
-field() { python3 -c 'import json, sys; print(json.load(open(sys.argv[1])).get(sys.argv[2], ""))' "$@"; }
-if [[ $(field "$WORKDIR/build.json" skipped) == True ]]; then
-    step "upstream unchanged: $STAGING:$VERSION already carries $LABEL_KEY=sha256:$sum; nothing done"
-    exit 0
+field() { python3 -c 'import json, sys; print(json.load(sys.stdin).get(sys.argv[1], ""))' "$1"; }
+if [[ $(field skipped <"$WORKDIR/build.json") == True ]]; then
+    digest=$(diskkit inspect "${tls[@]}" --json "$STAGING:$VERSION" | field digest)
+    live=$(diskkit inspect "${tls[@]}" --json "$LIVE:$VERSION" 2>/dev/null | field digest) || live=
+    if [[ $digest == "$live" ]]; then
+        step "upstream unchanged: $LIVE:$VERSION already carries $LABEL_KEY=sha256:$sum; nothing done"
+        exit 0
+    fi
+    # A run stopped between its build and its promotion: that candidate is tested now, not rebuilt.
+    step "upstream unchanged, but its candidate $STAGING@$digest was never promoted: testing it"
+else
+    digest=$(field digest <"$WORKDIR/build.json")
 fi
-digest=$(field "$WORKDIR/build.json" digest)
 [[ -n $digest ]] || die "$WORKDIR/build.json: no digest"
 candidate=$STAGING@$digest
 
