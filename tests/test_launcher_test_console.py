@@ -11,7 +11,9 @@ import re
 import signal
 import time
 
+from launcher.cli.smoketest import with_key
 from launcher.runtime.consolewatch import Matcher, compile_patterns
+from launcher.spec.vmi import parse_vmi
 from tests.vmhost import NOREG, QEMU_UID, assert_clean
 
 BOOT = ("--timeout", "240", "--memory", "128Mi")
@@ -41,6 +43,16 @@ def test_the_last_line_counts_without_a_newline_once_the_console_ends():
     assert m.failed is None
     m.end()
     assert m.failed == ("Call Trace", " Call Trace")
+
+
+def test_a_vmi_file_without_cloud_init_gets_a_disk_for_the_key():
+    # without the disk the key's NoCloud volume never reached the guest: no ssh on any VMI file without cloud-init
+    doc = {"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance", "metadata": {"name": "v"},
+           "spec": {"domain": {"resources": {"requests": {"memory": "64Mi"}}, "devices": {"disks": [{"name": "root"}]}}, "volumes": [{"name": "root", "containerDisk": {"image": "r/i:1"}}]}}
+    spec = with_key(doc)["spec"]
+    assert [d["name"] for d in spec["domain"]["devices"]["disks"]] == ["root", "launcher-test-cloudinit"]
+    assert parse_vmi(with_key(doc)).volume("launcher-test-cloudinit") is not None
+    assert doc["spec"]["domain"]["devices"]["disks"] == [{"name": "root"}]
 
 
 def test_a_bad_pattern_is_refused_before_anything_runs(qemu_user):
@@ -105,3 +117,25 @@ def test_sigterm_cleans_up_domain_overlays_and_key(qemu_user, guest_image):
         assert list(tmp.iterdir()) == [], "the key's directory is removed"
     finally:
         del qemu_user.env["TMPDIR"]
+
+
+def test_a_vmi_file_with_claims_and_manifests_as_launcher_run_takes_them(qemu_user, guest_image):
+    # --pvc and --manifests reach the VMI's volumes; the guest's DISK lines (--expect) prove both disks arrived.
+    claim = qemu_user.root / "claim-ci"
+    claim.mkdir()
+    os.chown(claim, QEMU_UID, QEMU_UID)
+    manifests = qemu_user.root / "manifests-ci"
+    manifests.mkdir()
+    (manifests / "cm.json").write_text(json.dumps({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "app", "namespace": "default"},
+                                                   "data": {"greeting": "hello\n"}}))
+    extra = [({"name": "data", "serial": "pvc-data", "disk": {"bus": "virtio"}}, {"name": "data", "persistentVolumeClaim": {"claimName": "data"}}),
+             ({"name": "cm", "serial": "cm-app", "disk": {"bus": "virtio"}}, {"name": "cm", "configMap": {"name": "app"}})]
+    vmi = qemu_user.write_vmi("withclaims", guest_image, extra=extra)
+    result = qemu_user.launcher("test", NOREG, "--json", *BOOT, "--pvc", f"data={claim}:16Mi", "--manifests", manifests,
+                                "--expect", r"^DISK .* serial=pvc-data ", "--expect", r"^DISK .* serial=cm-app ", vmi)
+    assert result.code == 0, result.out
+    out = json.loads(result.out)
+    assert out["result"] == "pass" and out["vmi"] == "default/withclaims", out
+    assert f"size={16 * 1024 * 1024} " in out["expect"][r"^DISK .* serial=pvc-data "], out
+    assert all(out["expect"].values()), out
+    assert_clean(qemu_user, "default_withclaims")

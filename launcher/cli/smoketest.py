@@ -89,6 +89,10 @@ def with_key(doc: dict) -> dict:
     volumes = spec.setdefault("volumes", [])
     if not any(isinstance(v, dict) and "cloudInitNoCloud" in v for v in volumes):
         volumes.append({"name": "launcher-test-cloudinit", "cloudInitNoCloud": {"userData": USER_DATA}})
+        # KubeVirt's VMI defaults give a disk to each volume without one (SetDefaultVolumeDisk, run by
+        # virt-api's mutating webhook); the launcher renders only declared disks, so the disk is declared here.
+        devices = spec.setdefault("domain", {}).setdefault("devices", {})
+        devices.setdefault("disks", []).append({"name": "launcher-test-cloudinit", "disk": {"bus": "virtio"}})
     spec.setdefault("accessCredentials", []).append(
         {"sshPublicKey": {"source": {"secret": {"secretName": KEY_SECRET}}, "propagationMethod": {"noCloud": {}}}})
     return doc
