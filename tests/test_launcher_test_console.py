@@ -102,7 +102,7 @@ def test_sigterm_cleans_up_domain_overlays_and_key(qemu_user, guest_image):
     os.chown(tmp, QEMU_UID, pwd.getpwuid(QEMU_UID).pw_gid)
     qemu_user.env["TMPDIR"] = str(tmp)
     try:
-        proc = qemu_user.popen("test", NOREG, *BOOT, "--expect", "NEVER-PRINTED", guest_image)
+        proc = qemu_user.popen("test", NOREG, "--json", *BOOT, "--expect", "NEVER-PRINTED", guest_image)
         domain, deadline = None, time.monotonic() + 240
         while domain is None and time.monotonic() < deadline and proc.poll() is None:
             names = [n for n in qemu_user.virsh("list", "--name").split() if n.startswith("default_launcher-test-")]
@@ -111,8 +111,9 @@ def test_sigterm_cleans_up_domain_overlays_and_key(qemu_user, guest_image):
         assert domain is not None, proc.communicate()
         assert [p.name for p in tmp.iterdir()], "the key's directory is there while the test runs"
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=120)
+        out, err = proc.communicate(timeout=120)
         assert proc.returncode == 130, err
+        assert json.loads(out)["error"]["kind"] == "interrupted", out  # one JSON object: the interruption
         assert_clean(qemu_user, domain)
         assert list(tmp.iterdir()) == [], "the key's directory is removed"
     finally:

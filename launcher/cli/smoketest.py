@@ -249,6 +249,7 @@ def smoke_test(ref, command, user, timeout, port, memory, as_json, uri, platform
     keys = Path(tempfile.mkdtemp(prefix="launcher-test-"))  # 0700: the private key never leaves it
     result = Result(vmi="", command=" ".join(command))
     code = NOT_BOOTED
+    interrupted = False
     try:
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "launcher-test", "-f", str(keys / "key")],
                        check=True, stdin=subprocess.DEVNULL)
@@ -295,11 +296,16 @@ def smoke_test(ref, command, user, timeout, port, memory, as_json, uri, platform
                 result.reason = str(watch.error)
             if code == NOT_BOOTED and not result.reason:
                 result.reason = "the VM stopped before ssh answered"
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the VM is gone; the CLI reports it (--json: its one error object)
+        interrupted = True
+        raise
     finally:
         shutil.rmtree(keys, ignore_errors=True)
         result.expect = dict(matcher.seen)
         result.fail_on = {p.pattern: (matcher.failed[1] if matcher.failed and matcher.failed[0] == p.pattern else None) for p in matcher.fail_on}
-        if as_json:
+        if interrupted:
+            pass
+        elif as_json:
             click.echo(json.dumps(result.to_json(), indent=2))
         elif result.passed:
             say(f"PASS {result.vmi or ref}: {result.command!r} succeeded, ssh {result.boot_to_ssh_seconds:.1f} s after boot")
