@@ -19,7 +19,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import click
@@ -28,10 +28,13 @@ from diskkit.cli.shell import platform as platform_of
 from diskkit.cli.shell import registry_options
 from diskkit.errors import DiskkitError, Exit
 from diskkit.registry.options import RegistryOptions
-from launcher.cli.options import cache_option, node_cache, say, trust_options
+from launcher.cli.options import cache_option, node_cache, say, storage_options, trust_options
 from launcher.cli.ssh import Target, ssh_command
 from launcher.node.selfexec import launcher_argv
+from launcher.runtime.consolewatch import Matcher, Watch, compile_patterns
 from launcher.volumes.guestplatform import check_config, check_requested
+from launcher.spec.k8s import Objects
+from launcher.volumes.storage import Storage
 
 # Exit statuses, distinct so CI can tell a broken image from a broken command.
 PASSED, COMMAND_FAILED, NOT_BOOTED, NO_SSH = Exit.OK, Exit.FAILED, Exit.GUEST_FAILED, Exit.TIMEOUT  # diskkit.errors.Exit, the table of both CLIs
@@ -49,6 +52,8 @@ class Result:
     command: str = ""
     exit_status: int | None = None  # the command's, None when it never ran
     boot_to_ssh_seconds: float | None = None  # from the domain's start to the first ssh login
+    expect: dict = field(default_factory=dict)  # --expect pattern -> the first console line it matched, or None
+    fail_on: dict = field(default_factory=dict)  # --fail-on pattern -> the console line it matched, or None
     passed: bool = False
     reason: str = ""
     stdout: str = ""
@@ -58,7 +63,8 @@ class Result:
     def to_json(self) -> dict:
         out = asdict(self)
         return {"vmi": out["vmi"], "images": out["images"], "command": out["command"], "exitStatus": out["exit_status"],
-                "bootToSshSeconds": out["boot_to_ssh_seconds"], "result": "pass" if self.passed else "fail",
+                "bootToSshSeconds": out["boot_to_ssh_seconds"],
+                "expect": out["expect"], "failOn": out["fail_on"], "result": "pass" if self.passed else "fail",
                 "reason": out["reason"], "stdout": out["stdout"], "stderr": out["stderr"],
                 **({"attestations": out["attestations"]} if self.attestations else {})}
 
@@ -85,6 +91,10 @@ def with_key(doc: dict) -> dict:
     volumes = spec.setdefault("volumes", [])
     if not any(isinstance(v, dict) and "cloudInitNoCloud" in v for v in volumes):
         volumes.append({"name": "launcher-test-cloudinit", "cloudInitNoCloud": {"userData": USER_DATA}})
+        # KubeVirt's VMI defaults give a disk to each volume without one (SetDefaultVolumeDisk, run by
+        # virt-api's mutating webhook); the launcher renders only declared disks, so the disk is declared here.
+        devices = spec.setdefault("domain", {}).setdefault("devices", {})
+        devices.setdefault("disks", []).append({"name": "launcher-test-cloudinit", "disk": {"bus": "virtio"}})
     spec.setdefault("accessCredentials", []).append(
         {"sshPublicKey": {"source": {"secret": {"secretName": KEY_SECRET}}, "propagationMethod": {"noCloud": {}}}})
     return doc
@@ -100,9 +110,12 @@ def key_secret(namespace: str, public_key: str) -> dict:
 class _Reach(threading.Thread):
     """Wait for the VM's record, then for ssh; run the command; stop the VM whatever happened."""
 
-    def __init__(self, cache, cache_dir, target: Target, port: int, key: Path, command: tuple[str, ...], deadline: float, result: Result, capture: bool):
+    def __init__(self, cache, cache_dir, target: Target, port: int, key: Path, command: tuple[str, ...], deadline: float, result: Result, capture: bool,
+                 matcher: Matcher):
         super().__init__(daemon=True)
         self.cache, self.target, self.deadline, self.result, self.capture = cache, target, deadline, result, capture
+        self.matcher = matcher
+        self.console_changed = threading.Event()  # set by the console watch when it read new lines
         self.vm_gone = threading.Event()  # set when vms.run returned or raised
         common = dict(identity=str(key), local_opts=SSH_OPTS, cache_dir=cache_dir)
         self.probe = ssh_command(target, port, launcher_argv(), command=("true",), **common)
@@ -151,8 +164,33 @@ class _Reach(threading.Thread):
         if done.returncode != 0:
             self.result.reason = f"the command exited with {done.returncode}"
             return COMMAND_FAILED
+        # The command passed; what --expect waits for may still be on its way to the console.
+        while self.matcher.missing and self.matcher.failed is None:
+            if self.vm_gone.is_set():
+                self.result.reason = f"the VM stopped before --expect {self.matcher.missing[0]!r} appeared on the console"
+                return NOT_BOOTED
+            if time.monotonic() > self.deadline:
+                self.result.reason = f"--expect {self.matcher.missing[0]!r} did not appear on the console within --timeout"
+                return NO_SSH
+            self.console_changed.wait(0.5)
+            self.console_changed.clear()
+        if self.matcher.failed is not None:
+            return NOT_BOOTED
         self.result.passed = True
         return PASSED
+
+    def stop_now(self) -> None:
+        """A --fail-on line: stop the VM at once (once it has a record to stop it by)."""
+        from launcher.runtime.vms import find_record, stop
+
+        while not self.vm_gone.is_set():
+            if find_record(self.cache, self.target.vm) is not None:
+                try:
+                    stop(self.cache, self.target.vm)
+                except DiskkitError:
+                    pass  # it went by itself meanwhile
+                return
+            self.vm_gone.wait(0.2)
 
 
 def _attester(sign_by: str | None, private_key: Path | None, passphrase_file: Path | None):
@@ -201,9 +239,13 @@ Examples:
   launcher test registry.local/debian:12 --user debian -- systemctl is-system-running --wait
   launcher test --json --timeout 600 oci:./layout:v1 > result.json
   launcher test vmi.yaml -- cat /etc/os-release     # a VMI file: the key is added to it
+  launcher test vmi.yaml --manifests ./k8s --pvc data=/srv/data   # its claims and Secrets, as launcher run takes them
+  launcher test IMAGE --expect 'Reached target.*Multi-User' --fail-on 'Kernel panic' --fail-on 'Call Trace'
 \b
-Exit status: 0 the command succeeded; 1 it failed; 3 the VM did not boot (refused, pull
-failed, or it stopped before ssh answered); 4 no ssh login within --timeout. With --attest-*,
+Exit status: 0 the command succeeded and every --expect line appeared; 1 the command
+failed; 3 the VM did not boot (refused, pull failed, it stopped before ssh answered or
+before an --expect line, or a console line matched --fail-on: stopped at once);
+4 no ssh login, or an --expect line missing, within --timeout. With --attest-*,
 a test that ran (passed or failed) is attached to each containerDisk image as a signed in-toto
 statement (an OCI 1.1 referrer; `diskkit verify-attestation` checks it); a failure to attach
 exits with that failure's status.
@@ -220,28 +262,35 @@ exits with that failure's status.
 @click.option("--attest-sign-by", metavar="FINGERPRINT", help="Attach the result, signed with this key of your GnuPG keyring ($GNUPGHOME), as an attestation of the image.")
 @click.option("--attest-sigstore-private-key", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE", help="Attach the result, signed with this sigstore (cosign-format) key, as an attestation of the image.")
 @click.option("--attest-passphrase-file", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE", help="The attestation key's passphrase (else asked on the terminal, or by gpg-agent).")
+@click.option("--expect", multiple=True, metavar="REGEX", help="A console line that must appear (Python regex, searched in each line) before the test passes. Repeatable.")
+@click.option("--fail-on", multiple=True, metavar="REGEX", help="A console line that fails the test at once, e.g. 'Kernel panic' or 'Call Trace'. Repeatable.")
 @cache_option
+@storage_options
 @registry_options
 @trust_options
-def smoke_test(ref, command, user, timeout, port, memory, as_json, uri, platform, attest_sign_by, attest_sigstore_private_key,
-               attest_passphrase_file, cache_dir, registry: RegistryOptions) -> None:
+def smoke_test(ref, command, user, timeout, port, memory, as_json, uri, platform, expect, fail_on, attest_sign_by, attest_sigstore_private_key,
+               attest_passphrase_file, cache_dir, store: Storage, registry: RegistryOptions) -> None:
     """Boot REF (an image, or a VMI file) with a fresh ssh key, run COMMAND over ssh (default: echo hello),
     print the boot-to-ssh time, stop and remove the VM; exit 0 only if the command succeeded."""
     from launcher.node.pull import pull
     from launcher.runtime.vms import RunOptions, run
-    from launcher.spec.k8s import Objects
+    from launcher.runtime import rundir
+    from launcher.runtime.console import ConsoleLog
     from launcher.spec.vmi import parse_vmi
-    from launcher.volumes.storage import Storage
 
     began = time.monotonic()
     command = command or ("echo", "hello")
     attester = _attester(attest_sign_by, attest_sigstore_private_key, attest_passphrase_file)
+    matcher = Matcher(compile_patterns("--expect", expect), compile_patterns("--fail-on", fail_on))
+    if store.objects is not None and not isinstance(store.objects, Objects):
+        raise DiskkitError("--kube-api", "launcher test keeps its key Secret in memory: give the objects with --manifests")
     doc = _load(ref) if Path(ref).is_file() else generated_vmi(f"launcher-test-{secrets.token_hex(3)}", ref, memory)
     cache = node_cache(cache_dir)
     keys = Path(tempfile.mkdtemp(prefix="launcher-test-"))  # 0700: the private key never leaves it
     result = Result(vmi="", command=" ".join(command))
     code = NOT_BOOTED
     attach_failed: DiskkitError | None = None
+    interrupted = False
     try:
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "launcher-test", "-f", str(keys / "key")],
                        check=True, stdin=subprocess.DEVNULL)
@@ -268,18 +317,28 @@ def smoke_test(ref, command, user, timeout, port, memory, as_json, uri, platform
             vmi = None
         if vmi is not None:
             target = Target("vmi", vmi.name, vmi.namespace, user)
-            reach = _Reach(cache, cache_dir, target, port, keys / "key", command, began + timeout, result, as_json)
+            reach = _Reach(cache, cache_dir, target, port, keys / "key", command, began + timeout, result, as_json, matcher)
+            watch = Watch(ConsoleLog(rundir.console_log(cache.run_dir(vmi.domain_name))), matcher, reach.stop_now, reach.console_changed)
+            objects = store.objects if store.objects is not None else Objects()
+            objects.add(key_secret(vmi.namespace, public), "launcher test's key")
             reach.start()
+            watch.start()
             try:
-                run(vmi, cache, RunOptions(uri=uri, platform=plat, registry=registry, storage=Storage(objects=Objects([key_secret(vmi.namespace, public)])),
-                                           grace_period=0), say)
+                run(vmi, cache, RunOptions(uri=uri, platform=plat, registry=registry, storage=replace(store, objects=objects), grace_period=0), say)
             except DiskkitError as err:
                 if not result.reason:
                     result.reason = str(err)
             finally:
                 reach.vm_gone.set()
                 reach.join()
+                watch.done.set()
+                watch.join()
             code = reach.outcome if reach.outcome is not None else NOT_BOOTED
+            if matcher.failed is not None:
+                code, result.passed = NOT_BOOTED, False
+                result.reason = f"a console line matched --fail-on {matcher.failed[0]!r}: {matcher.failed[1]}"
+            elif watch.error is not None and not result.reason:
+                result.reason = str(watch.error)
             if code == NOT_BOOTED and not result.reason:
                 result.reason = "the VM stopped before ssh answered"
             if attester is not None:
@@ -287,9 +346,16 @@ def smoke_test(ref, command, user, timeout, port, memory, as_json, uri, platform
                     _attest(attester, result, registry)
                 except DiskkitError as err:
                     attach_failed, code = err, err.exit_code  # said last: the test's own line stays true
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the VM is gone; the CLI reports it (--json: its one error object)
+        interrupted = True
+        raise
     finally:
         shutil.rmtree(keys, ignore_errors=True)
-        if as_json:
+        result.expect = dict(matcher.seen)
+        result.fail_on = {p.pattern: (matcher.failed[1] if matcher.failed and matcher.failed[0] == p.pattern else None) for p in matcher.fail_on}
+        if interrupted:
+            pass
+        elif as_json:
             click.echo(json.dumps(result.to_json(), indent=2))
         elif result.passed:
             say(f"PASS {result.vmi or ref}: {result.command!r} succeeded, ssh {result.boot_to_ssh_seconds:.1f} s after boot")

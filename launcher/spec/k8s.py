@@ -77,6 +77,10 @@ class Objects:
                     objects._add(doc, f"{path} document {number}")
         return objects
 
+    def add(self, doc: dict, origin: str) -> None:
+        """One more object (one a command makes in memory, e.g. `launcher test`'s key Secret)."""
+        self._add(doc, origin)
+
     def _add(self, doc: Any, origin: str) -> None:
         if not isinstance(doc, dict):
             raise DiskkitError(origin, "a Kubernetes object must be a mapping")
