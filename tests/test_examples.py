@@ -33,6 +33,7 @@ MIB = 1 << 20
 
 # example -> the test that uses it as shipped ("file::function")
 USED_BY = {
+    "examples/ci/pipeline.sh": "tests/test_ci_pipeline.py::test_pipeline_publishes_skips_refuses_and_prunes",
     "examples/vmi-containerdisk.yaml": "tests/test_examples.py::test_the_ci_script_pushes_an_image_the_example_vmi_boots",
     "examples/ci/build-and-push.sh": "tests/test_examples.py::test_the_ci_script_pushes_an_image_the_example_vmi_boots",
     "examples/datavolumes/datavolumes.yaml": "tests/test_examples.py::test_the_datavolume_examples_import_and_wait_as_written",
