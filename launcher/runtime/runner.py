@@ -102,6 +102,15 @@ class Libvirt:
             raise DiskkitError(name, f"cannot open the serial console: {_message(exc)}") from None
         return stream
 
+    def shut_off_with_uuid(self, name: str, uuid: str) -> bool:
+        """The domain is defined, not running, and has `uuid`: the definition a launcher killed before it
+        started the domain (or before it undefined it) left, which libvirt may even complete after it died."""
+        domain = self._lookup(name)
+        try:
+            return domain is not None and not domain.isActive() and domain.UUIDString() == uuid
+        except self.lv.libvirtError:
+            return False  # vanished or changed meanwhile: the caller's next look tells
+
     def exists(self, name: str) -> bool:
         return self._lookup(name) is not None
 
