@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 from pathlib import Path
+from typing import Iterator
 
 from tests import leftovers
 from tests.faultproxy import Fault
@@ -35,11 +36,6 @@ def _daemon_pids(user: QemuUser) -> list[int]:
 
 def _domains(user: QemuUser, *flags: str) -> list[str]:
     return user.virsh("list", "--name", *flags).split()
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
 
 
 def _qemu_of_domain(user: QemuUser) -> list[int]:
@@ -73,83 +69,118 @@ def _the_truth_then_clean(user: QemuUser, stage: str) -> None:
     assert not list((cache / "disks").rglob("disk.img")), stage
 
 
+class Stages:
+    """Runs of one VMI, each held or seen at one stage and handed to the test there."""
+
+    def __init__(self, user: QemuUser, proxy, vmi: Path, *run_args: str):
+        self.user, self.proxy, self.vmi, self.run_args = user, proxy, vmi, run_args
+        self.run_dir = user.cache / "run" / DOMAIN
+        self.record = user.cache / "vms" / f"{DOMAIN}.json"
+        user.virsh("list")  # the session daemon is up before the first stage
+        self.daemons = _daemon_pids(user)
+        assert self.daemons, "no libvirt session daemon of the qemu user"
+
+    def _start(self) -> subprocess.Popen:
+        return self.user.popen("run", NOREG, "--no-lazy", "--console", *self.run_args, self.vmi)
+
+    @contextlib.contextmanager
+    def pull(self) -> Iterator[subprocess.Popen]:
+        """The layer's request waits at the proxy."""
+        self.proxy.add(Fault("GET", r"/blobs/sha256:", "stall", times=1, arg=120))
+        proc = self._start()
+        try:
+            wait_for(lambda: not self.proxy.pending or proc.poll() is not None, 120, "the run to ask for its layer")
+            assert proc.poll() is None, proc.stderr.read()
+            yield proc
+        finally:
+            self.proxy.clear()
+            _reap(proc)
+
+    @contextlib.contextmanager
+    def overlay(self) -> Iterator[tuple[subprocess.Popen, str]]:
+        """Pulled, the overlays made and the VM recorded; the libvirt daemon, stopped while the layer
+        was on its way (all the launcher asks libvirt before that is asked), holds the definition.
+        Yields the domain XML the launcher is giving libvirt; the daemon goes on when the block ends."""
+        self.proxy.add(Fault("GET", r"/blobs/sha256:", "stall", times=1, arg=2))
+        proc = self._start()
+        stopped = False
+        try:
+            wait_for(lambda: not self.proxy.pending or proc.poll() is not None, 120, "the run to ask for its layer")
+            for pid in self.daemons:
+                os.kill(pid, signal.SIGSTOP)
+            stopped = True
+            wait_for(lambda: proc.poll() is not None or self.record.exists(), 120, "the run's record")
+            assert proc.poll() is None, proc.stderr.read()
+            assert list((self.run_dir / "root").glob("*.qcow2")), list(self.run_dir.rglob("*"))
+            yield proc, (self.run_dir / "domain.xml").read_text()
+        finally:
+            self.proxy.clear()
+            if stopped:
+                for pid in self.daemons:
+                    os.kill(pid, signal.SIGCONT)
+            _reap(proc)
+
+    @contextlib.contextmanager
+    def boot(self) -> Iterator[subprocess.Popen]:
+        """The domain runs (libvirt lists it as running), the guest has not reached its console yet."""
+        proc = self._start()
+        try:
+            wait_for(lambda: proc.poll() is not None or DOMAIN in _domains(self.user), 180, "the domain to run")
+            assert proc.poll() is None, proc.stderr.read()
+            yield proc
+        finally:
+            _reap(proc)
+
+    @contextlib.contextmanager
+    def console(self) -> Iterator[subprocess.Popen]:
+        """The guest has printed what the launcher follows."""
+        proc = self._start()
+        try:
+            seen = ""
+            while "HOLD seconds=" not in seen:
+                line = proc.stdout.readline()
+                assert line, proc.stderr.read()
+                seen += line
+            yield proc
+        finally:
+            _reap(proc)
+
+
+def _reap(proc: subprocess.Popen) -> None:
+    """The launcher's end, however the block ended (it is killed if the test failed before)."""
+    try:
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+
+
 def test_a_run_killed_at_each_stage_leaves_the_truth_and_a_clean_node(qemu_user, registry, fault_proxy, guest_image):
     proxy = fault_proxy(registry)
     vmi = qemu_user.write_vmi(NAME, guest_image.replace(registry.host, proxy.host), serial="hold-600")
-    run_dir = qemu_user.cache / "run" / DOMAIN
-    record = qemu_user.cache / "vms" / f"{DOMAIN}.json"
-    qemu_user.virsh("list")  # the session daemon is up before the first stage
-
-    def start() -> subprocess.Popen:
-        return qemu_user.popen("run", NOREG, "--no-lazy", "--console", vmi)
-
-    # pull: the layer's request waits at the proxy.
-    proxy.add(Fault("GET", r"/blobs/sha256:", "stall", times=1, arg=120))
-    proc = start()
-    try:
-        wait_for(lambda: not proxy.pending or proc.poll() is not None, 120, "the run to ask for its layer")
-        assert proc.poll() is None, proc.stderr.read()
-        _kill(proc)
-    finally:
-        proxy.clear()
-        if proc.poll() is None:
-            proc.kill()
+    stages = Stages(qemu_user, proxy, vmi)
+    with stages.pull() as proc:
+        proc.kill()
     _the_truth_then_clean(qemu_user, "pull")
 
-    # overlay: pulled, the overlays made and the VM recorded; the libvirt daemon, stopped while the
-    # layer was on its way (all the launcher asks libvirt before then is asked), holds the definition.
-    daemons = _daemon_pids(qemu_user)
-    assert daemons, "no libvirt session daemon of the qemu user"
-    proxy.add(Fault("GET", r"/blobs/sha256:", "stall", times=1, arg=2))
-    proc = start()
-    stopped = False
-    try:
-        wait_for(lambda: not proxy.pending or proc.poll() is not None, 120, "the run to ask for its layer")
-        for pid in daemons:
-            os.kill(pid, signal.SIGSTOP)
-        stopped = True
-        wait_for(lambda: proc.poll() is not None or record.exists(), 120, "the run's record")
-        assert proc.poll() is None, proc.stderr.read()
-        assert list((run_dir / "root").glob("*.qcow2")), list(run_dir.rglob("*"))
-        # What libvirt would have been given; defined below as a daemon that finished the definition
-        # after its client died would have it.
-        xml = (run_dir / "domain.xml").read_text()
-        _kill(proc)
-    finally:
-        proxy.clear()
-        if stopped:
-            for pid in daemons:
-                os.kill(pid, signal.SIGCONT)
-        if proc.poll() is None:
-            proc.kill()
+    with stages.overlay() as (proc, xml):
+        proc.kill()
+    # As if the daemon completed a definition sent just before the kill: defined, never started.
+    late = qemu_user.root / "late.xml"
+    late.write_text(xml)
+    qemu_user.virsh("define", str(late))
     _the_truth_then_clean(qemu_user, "overlay")
-    (qemu_user.root / "late.xml").write_text(xml)
-    qemu_user.virsh("define", str(qemu_user.root / "late.xml"))
+    # And so left after `stop` removed the record (the definition landed late): the next run, of the
+    # same VMI (its UUID), replaces it.
+    qemu_user.virsh("define", str(late))
 
-    # boot: the domain runs (libvirt lists it as running), the guest has not reached its console yet.
-    # The run replaces the shut-off definition of its own VMI (its UUID) left above.
-    proc = start()
-    try:
-        wait_for(lambda: proc.poll() is not None or DOMAIN in _domains(qemu_user), 180, "the domain to run")
-        assert proc.poll() is None, proc.stderr.read()
-        _kill(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    with stages.boot() as proc:
+        proc.kill()
     _the_truth_then_clean(qemu_user, "boot")
 
-    # console: the guest has printed what the launcher follows.
-    proc = start()
-    try:
-        seen = ""
-        while "HOLD seconds=600" not in seen:
-            line = proc.stdout.readline()
-            assert line, proc.stderr.read()
-            seen += line
-        _kill(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    with stages.console() as proc:
+        proc.kill()
     _the_truth_then_clean(qemu_user, "console")
 
     # The next run of the same VMI boots and ends as ever.
@@ -157,3 +188,24 @@ def test_a_run_killed_at_each_stage_leaves_the_truth_and_a_clean_node(qemu_user,
     result = qemu_user.launcher("run", NOREG, "--no-lazy", "--console", plain)
     assert result.code == 0 and DONE in result.out, result.err
     assert_clean(qemu_user, DOMAIN)
+
+
+def test_a_run_terminated_at_each_stage_exits_clean(qemu_user, registry, fault_proxy, guest_image):
+    """SIGTERM (a pod's deletion) at each stage: exit 130 (interrupted), the guest shut down within
+    --grace-period, and nothing of the run left without a gc."""
+    proxy = fault_proxy(registry)
+    vmi = qemu_user.write_vmi(NAME, guest_image.replace(registry.host, proxy.host), serial="hold-600")
+    stages = Stages(qemu_user, proxy, vmi, "--grace-period", "5")
+
+    def terminated(stage: str, proc: subprocess.Popen) -> None:
+        assert proc.wait(timeout=120) == 130, (stage, proc.stderr.read())
+        assert_clean(qemu_user, DOMAIN)
+        assert not _qemu_of_domain(qemu_user), stage
+
+    for stage in (stages.pull, stages.boot, stages.console):
+        with stage() as proc:
+            proc.terminate()
+        terminated(stage.__name__, proc)
+    with stages.overlay() as (proc, _xml):
+        proc.terminate()  # blocked on the stopped daemon: the signal is handled once it answers
+    terminated("overlay", proc)
