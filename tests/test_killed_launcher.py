@@ -202,10 +202,13 @@ def test_a_run_terminated_at_each_stage_exits_clean(qemu_user, registry, fault_p
         assert_clean(qemu_user, DOMAIN)
         assert not _qemu_of_domain(qemu_user), stage
 
-    for stage in (stages.pull, stages.boot, stages.console):
+    with stages.pull() as proc:
+        proc.terminate()
+    terminated("pull", proc)
+    with stages.overlay() as (proc, _xml):  # pulls again: nothing was installed above
+        proc.terminate()  # blocked on the stopped daemon: the signal is handled once it answers
+    terminated("overlay", proc)
+    for stage in (stages.boot, stages.console):
         with stage() as proc:
             proc.terminate()
         terminated(stage.__name__, proc)
-    with stages.overlay() as (proc, _xml):
-        proc.terminate()  # blocked on the stopped daemon: the signal is handled once it answers
-    terminated("overlay", proc)
