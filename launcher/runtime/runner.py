@@ -74,12 +74,29 @@ class Libvirt:
         self.conn.close()
 
     def _lookup(self, name: str):
+        for again in (False, True):
+            try:
+                return self.conn.lookupByName(name)
+            except self.lv.libvirtError as exc:
+                if exc.get_error_code() == self.lv.VIR_ERR_NO_DOMAIN:
+                    return None
+                if again or not self._reconnected():
+                    raise DiskkitError(name, f"libvirt: {_message(exc)}") from None
+
+    def _reconnected(self) -> bool:
+        """A new connection when the daemon went away under this one (killed or restarted: a session
+        daemon is started anew on connect, and finds the domains whose qemu still runs), so a
+        launcher goes on following its VM rather than end with it still running (test_vm_faults)."""
         try:
-            return self.conn.lookupByName(name)
-        except self.lv.libvirtError as exc:
-            if exc.get_error_code() == self.lv.VIR_ERR_NO_DOMAIN:
-                return None
-            raise DiskkitError(name, f"libvirt: {_message(exc)}") from None
+            if self.conn.isAlive():
+                return False
+        except self.lv.libvirtError:
+            pass
+        try:
+            self.conn = self.lv.open(self.uri)
+        except self.lv.libvirtError:
+            return False
+        return True
 
     def start(self, name: str, xml: str) -> None:
         """Define, then start: the domain shows up in `virsh list --all` like any other."""
