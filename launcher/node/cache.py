@@ -201,6 +201,22 @@ class Cache:
         finally:
             os.close(fd)  # closing releases the lock
 
+    @contextlib.contextmanager
+    def lock_if_free(self, name: str) -> Iterator[bool]:
+        """The lock `name` taken at once when no process holds it (True), else nothing taken (False):
+        gc asks so, as it must not wait on a run that holds its VM's lock for a long pull."""
+        path = within(self.root / "locks", f"{entry_name(name)}.lock")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield False
+                return
+            yield _same_file(path, fd)
+        finally:
+            os.close(fd)
+
     def remove_stale_locks(self, prefix: str) -> list[Path]:
         """Remove the lock files named `prefix`* that no process holds (a free non-blocking flock),
         each while holding it, so a waiter that gets it after sees it gone (see lock)."""
@@ -309,6 +325,9 @@ class Cache:
 
     def run_dir(self, domain: str) -> Path:
         return within(self.root / "run", entry_name(domain))
+
+    def run_dirs(self) -> list[Path]:
+        return sorted(p for p in (self.root / "run").glob("*") if p.is_dir())
 
     def pin_path(self, domain: str) -> Path:
         return within(self.root / "pins", f"{entry_name(domain)}.json")

@@ -38,6 +38,7 @@ def collect(cache: Cache, max_size: int | None = None) -> Collected:
                 lv = None
             cleanup(cache, lv, record["domain"])
             out.vms_cleaned.append(record["domain"])
+        out.vms_cleaned += _unrecorded_runs(cache)
         cache.reclaim_staging()
         for partial in abandoned(cache.partial_dir):
             with contextlib.suppress(OSError):
@@ -62,6 +63,22 @@ def collect(cache: Cache, max_size: int | None = None) -> Collected:
         # A VM's lock outlives the VM (one file per name ever run): those no launcher holds go.
         out.locks_removed = [str(path) for path in cache.remove_stale_locks("vm-")]
     return out
+
+
+def _unrecorded_runs(cache: Cache) -> list[str]:
+    """Run directories no VM record names and no launcher holds: those of a run killed before it
+    recorded its VM (while pulling or making the overlays). Removed under the VM's lock, so a new
+    run of the same name, which takes it first, never loses the directory it is preparing."""
+    recorded = {cache.run_dir(record["domain"]) for record in cache.vm_records()}
+    removed = []
+    for run_dir in cache.run_dirs():
+        if run_dir in recorded:
+            continue
+        with cache.lock_if_free(f"vm-{run_dir.name}") as free:
+            if free and not cache.vm_record_path(run_dir.name).exists():
+                shutil.rmtree(run_dir, ignore_errors=True)
+                removed.append(run_dir.name)
+    return removed
 
 
 def _last_use(entry: Path) -> float:

@@ -134,6 +134,8 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
     # opens but not the directories they are in (see rundir: it traverses root's, never writes them).
     owner = qemu_owner(lv.uri)
     with cache.lock(f"vm-{name}"):
+        if lv.shut_off_with_uuid(name, vmi.uuid):
+            cleanup(cache, lv, name)  # this VMI's own, left by a killed launcher: nothing runs in it
         if lv.exists(name):
             raise DiskkitError(name, f"a domain of this name already exists on {lv.uri}; stop it first (launcher stop {vmi.name})")
         _remove_run_dir(cache, name)  # leftovers of a launcher that was killed
@@ -387,8 +389,10 @@ def stop(cache: Cache, name: str) -> str | None:
         lv = connect(cache, record["uri"])
     except DiskkitError:
         lv = None  # the daemon is gone, and the domain with it; still remove the files
-    had = cleanup(cache, lv, record["domain"])
-    return record["domain"] if had or lv is None else None
+    # A domain defined and never started (its launcher killed in between) or powered off is no running VM.
+    was_running = lv is not None and lv.active(record["domain"])
+    cleanup(cache, lv, record["domain"])
+    return record["domain"] if was_running or lv is None else None
 
 
 def state(record: dict, cache: Cache | None = None) -> str:
