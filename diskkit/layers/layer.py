@@ -15,7 +15,7 @@ import tarfile
 import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable, Iterator, Protocol
 
 from diskkit.errors import DiskkitError
 from diskkit.layers import lazytoc
@@ -124,24 +124,12 @@ def _produce(entries: list[Entry], mtime: int, out: queue.Queue, diff: "hashlib.
             chunks = lazytoc.ChunkHasher(lazytoc.chunk_size_for(entry.size)) if entry.path == toc_for else None
             digest = hashlib.sha256() if toc_for is not None and chunks is None else None
             data_offset = position
-            copied = 0
-            with open(entry.source, "rb") as src:
-                os.posix_fadvise(src.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-                while True:
-                    buf = bytearray(CHUNK)
-                    n = src.readinto(buf)
-                    if not n:
-                        break
-                    copied += n
-                    if copied > entry.size:
-                        break
-                    if chunks is not None:
-                        chunks.update(memoryview(buf)[:n])
-                    if digest is not None:
-                        digest.update(memoryview(buf)[:n])
-                    put(memoryview(buf)[:n])
-            if copied != entry.size:
-                raise DiskkitError(entry.source, f"changed while being read ({entry.size} bytes expected, {copied} read)")
+            for view in file_chunks(entry.source, entry.size):
+                if chunks is not None:
+                    chunks.update(view)
+                if digest is not None:
+                    digest.update(view)
+                put(view)
             if entry.size % 512:
                 put(bytes(512 - entry.size % 512))
             if chunks is not None:
@@ -164,6 +152,25 @@ def _produce(entries: list[Entry], mtime: int, out: queue.Queue, diff: "hashlib.
         pass
     except BaseException as exc:  # handed to the consumer, which re-raises it in the caller's thread
         out.put(exc)
+
+
+def file_chunks(path: Path, size: int) -> Iterator[memoryview]:
+    """`path`'s bytes in CHUNK-sized views, read sequentially once; a file that is no longer `size`
+    bytes long (it changed while being read) is refused rather than packed short or long."""
+    copied = 0
+    with open(path, "rb") as src:
+        os.posix_fadvise(src.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        while True:
+            buf = bytearray(CHUNK)
+            n = src.readinto(buf)
+            if not n:
+                break
+            copied += n
+            if copied > size:
+                break
+            yield memoryview(buf)[:n]
+    if copied != size:
+        raise DiskkitError(str(path), f"changed while being read ({size} bytes expected, {copied} read)")
 
 
 class Stopped(Exception):

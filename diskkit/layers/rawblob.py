@@ -7,14 +7,12 @@ hash of the blob + write, joined by bounded queues, so memory stays flat whateve
 from __future__ import annotations
 
 import hashlib
-import os
 import queue
 import threading
 from pathlib import Path
 from typing import Callable
 
-from diskkit.errors import DiskkitError
-from diskkit.layers.layer import CHUNK, QUEUE_DEPTH, BlobSink, BlobWriter, LayerResult, pump
+from diskkit.layers.layer import QUEUE_DEPTH, BlobSink, BlobWriter, LayerResult, file_chunks, pump
 from diskkit.streams.compression import compressor
 
 
@@ -29,23 +27,10 @@ def _produce(source: Path, size: int, out: queue.Queue, plain: "hashlib._Hash", 
         return False
 
     try:
-        copied = 0
-        with open(source, "rb") as src:
-            os.posix_fadvise(src.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            while True:
-                buf = bytearray(CHUNK)
-                n = src.readinto(buf)
-                if not n:
-                    break
-                copied += n
-                if copied > size:
-                    break
-                view = memoryview(buf)[:n]
-                plain.update(view)
-                if not put(view):
-                    return
-        if copied != size:
-            raise DiskkitError(source, f"changed while being read ({size} bytes expected, {copied} read)")
+        for view in file_chunks(source, size):
+            plain.update(view)
+            if not put(view):
+                return
         put(None)
     except BaseException as exc:  # handed to the consumer, which re-raises it in the caller's thread
         put(exc)
