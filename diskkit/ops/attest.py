@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-from diskkit.errors import DiskkitError, RegistryError, VerifyFailed
+from diskkit.errors import DiskkitError, RegistryError
 from diskkit.oci import mediatypes as mt
 from diskkit.oci.image import Descriptor, Platform, parse_json, select_platform, sha256_digest
 from diskkit.oci.reference import DockerName, ImageRef, parse_ref
 from diskkit.registry.options import RegistryOptions
 from diskkit.signing import attestation as at
+from diskkit.signing.boottest import Accepted, accepted
 from diskkit.signing.options import SignOptions
 from diskkit.transports import open_source
 
@@ -86,81 +86,14 @@ def _manifest_descriptor(name: DockerName, digest: str, registry: RegistryOption
     return Descriptor(media or mt.OCI_MANIFEST, digest, len(data))
 
 
-@dataclass(frozen=True)
-class Accepted:
-    digest: str
-    referrer: str
-    signer: str
-    predicate: dict
-
-
-def _verifier(key_paths: list[Path], gpg_keyrings: list[Path]):
-    """verifies(pae, keyid, sig) -> the signer's name or None, over the given sigstore public keys
-    and GPG keyrings; and the GnuPG keyring to close afterwards."""
-    from diskkit.signing import keys
-
-    loaded = keys.load_public_key_files(key_paths)
-    ring = None
-    if gpg_keyrings:
-        from diskkit.signing import openpgp
-
-        blobs = []
-        for path in gpg_keyrings:
-            try:
-                blobs.append(Path(path).read_bytes())
-            except OSError as exc:
-                raise DiskkitError(path, f"cannot read the GPG keyring: {exc.strerror}") from None
-        ring = openpgp.Keyring(blobs)
-        if not ring.fingerprints:
-            ring.close()
-            raise DiskkitError(gpg_keyrings[0], "No public keys imported")
-
-    def verifies(data: bytes, keyid: str, sig: bytes) -> str | None:
-        for where, pubs in loaded:
-            if any(keys.verifies(k, data, sig) for k in pubs):
-                return where
-        if ring is not None:
-            from diskkit.signing.openpgp import InvalidSignature
-
-            try:
-                return "GPG key " + ring.verify_detached(sig, data)
-            except InvalidSignature as exc:
-                raise at.NotAccepted(str(exc)) from None
-        return None
-
-    return verifies, ring
-
-
 def verify(ref: str, key_paths: list[Path], gpg_keyrings: list[Path], registry: RegistryOptions,
            platform: Platform | None = None, require_pass: bool = True) -> Accepted:
     """The first attestation of `ref`'s manifest (an index: the platform's) signed by one of the
     keys, about that digest, of our predicate type (and a passed test unless not required)."""
-    from diskkit.signing import referrers
-
     parsed = registry_image(ref)
     with open_source(ref, registry) as source:
         data, media, desc = source.top_manifest()
     digest = desc.digest if desc else sha256_digest(data)
     if media in mt.INDEXES:
         digest = select_platform(parse_json(data, ref), platform or Platform.host(), ref).digest
-    name = parsed.name
-    found = referrers.list_referrers(name, digest, registry, at.ARTIFACT_TYPES)
-    if not found:
-        raise VerifyFailed(ref, f"no attestation refers to {digest}")
-    verifies, ring = _verifier(key_paths, gpg_keyrings)
-    reasons = []
-    try:
-        for each in found:
-            try:
-                manifest, blob = referrers.read_artifact(name, each, digest, registry)
-                env = at.read_envelope(manifest.get("artifactType", ""), blob)
-                statement, signer = at.open_envelope(env, verifies)
-                predicate = at.check_statement(statement, digest, require_pass)
-            except (at.NotAccepted, RegistryError) as exc:
-                reasons.append(f"{each.digest[:19]}: {exc}")
-                continue
-            return Accepted(digest, f"{name.registry}/{name.repository}@{each.digest}", signer, predicate)
-    finally:
-        if ring is not None:
-            ring.close()
-    raise VerifyFailed(ref, f"no attestation of {digest} accepted: " + "; ".join(reasons))
+    return accepted(ref, parsed.name, digest, key_paths, gpg_keyrings, registry, require_pass)

@@ -29,6 +29,11 @@ class RegistryOptions:
     # options so that every read of a command, a disk server's included, answers to the same policy.
     signature_policy: str | None = None
     registries_d: str | None = None
+    # Public keys (sigstore PEM files, GnuPG keyrings) one of which must have signed a passed
+    # boot-test attestation of each manifest read (launcher test --attest-*). policy.json cannot say
+    # it: containers/image refuses requirement types it does not know.
+    boot_test_keys: tuple[str, ...] = ()
+    boot_test_gpg_keys: tuple[str, ...] = ()
     # Credentials given inline per registry host, as a node's disk server gets them from a client of
     # another user: when set, the only ones used (never --creds, an auth file or this process's
     # environment); () is anonymous.

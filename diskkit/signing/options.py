@@ -15,6 +15,8 @@ class TrustOptions:
 
     policy: Path | None = None
     registries_d: Path | None = None
+    boot_test_keys: tuple[str, ...] = ()
+    boot_test_gpg_keys: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, registry: RegistryOptions | None) -> "TrustOptions":
@@ -22,7 +24,8 @@ class TrustOptions:
         if registry is None:
             return cls()
         return cls(Path(registry.signature_policy) if registry.signature_policy else None,
-                   Path(registry.registries_d) if registry.registries_d else None)
+                   Path(registry.registries_d) if registry.registries_d else None,
+                   tuple(registry.boot_test_keys), tuple(registry.boot_test_gpg_keys))
 
 
 @dataclass(frozen=True)

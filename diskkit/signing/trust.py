@@ -47,12 +47,19 @@ def load_policy(trust: TrustOptions) -> policy.Policy | None:
 def enforce_source(source: Source, trust: TrustOptions, registry: RegistryOptions | None, platform: Platform | None = None, instances: str = "selected") -> None:
     """Raise DiskkitError (image, policy entry, reason) unless the policy allows the source's top
     manifest and, for an index, the instance `platform` selects (`instances="every"`: all of them;
-    "none": only the index, as a copy of the index alone checks it in containers/image copy/copy.go).
+    "none": only the index, as a copy of the index alone checks it in containers/image copy/copy.go),
+    then that each such manifest has a passed boot-test attestation when the options require one.
 
     The policy is read before the registry is asked anything, and an image whose scope accepts
     anything costs no request. With no policy file anywhere nothing is enforced (diskkit's
     behaviour before signatures existed; containers/image would refuse to run).
     """
+    _enforce_policy(source, trust, registry, platform, instances)
+    if trust.boot_test_keys or trust.boot_test_gpg_keys:
+        require_boot_test(source, trust, registry, platform, instances)
+
+
+def _enforce_policy(source: Source, trust: TrustOptions, registry: RegistryOptions | None, platform: Platform | None, instances: str) -> None:
     loaded = load_policy(trust)
     if loaded is None:
         return
@@ -89,6 +96,32 @@ def enforce_source(source: Source, trust: TrustOptions, registry: RegistryOption
             policy.check(requirements, str(ref), intended, digest, signatures)
         except policy.Rejected as exc:
             raise VerifyFailed(str(ref), f"rejected by {loaded.source} {entry} ({digest[:19]}): {exc}") from None
+
+
+def require_boot_test(source: Source, trust: TrustOptions, registry: RegistryOptions | None, platform: Platform | None = None, instances: str = "selected") -> None:
+    """VerifyFailed unless each manifest to be read (an index's: the platform's instance, or every
+    one) has a passed boot-test attestation signed by one of the trust options' keys, as
+    `diskkit verify-attestation` accepts one."""
+    from diskkit.signing.boottest import accepted
+
+    keys = [*trust.boot_test_keys, *trust.boot_test_gpg_keys]
+    wanted = f"no passed boot-test attestation of {{}} signed by {' or '.join(keys)} (launcher test --attest-*)"
+    if not isinstance(source, RemoteSource):
+        raise VerifyFailed(source.where, wanted.format("it") + ": attestations are read from a registry")
+    data, media, desc = source.top_manifest()
+    digests = [desc.digest if desc else sha256_digest(data)]
+    if media in mt.INDEXES and instances != "none":
+        index = parse_json(data, source.where)
+        if instances == "every":
+            digests = [child["digest"] for child in index.get("manifests") or []]
+        else:
+            digests = [select_platform(index, platform or Platform.host(), source.where).digest]
+    for digest in digests:
+        try:
+            accepted(source.where, source.name, digest, [Path(k) for k in trust.boot_test_keys],
+                     [Path(k) for k in trust.boot_test_gpg_keys], registry or RegistryOptions())
+        except VerifyFailed as exc:
+            raise VerifyFailed(source.where, f"{wanted.format(digest)}: {exc.rule}") from None
 
 
 def _signatures(kind: str, name: DockerName, digest: str, config: dict, identity: str, namespaces: list[str], registry: RegistryOptions | None) -> list:

@@ -86,17 +86,28 @@ def storage_options(command):
 
 
 def trust_options(command):
-    """--signature-policy and --registries.d, as skopeo takes them, folded into the `registry` options
-    that `registry_options` (above this decorator) made: every read of the command, the disk server's
-    included, answers to that policy."""
+    """--signature-policy and --registries.d, as skopeo takes them, and --require-boot-test-key /
+    --require-boot-test-gpg-key (verify-attestation's --key / --gpg-key), folded into the `registry`
+    options that `registry_options` (above this decorator) made: every read of the command, the disk
+    server's included, answers to that policy."""
     import functools
+    import os
     from dataclasses import replace
 
     @functools.wraps(command)
-    def wrapper(*args, registry, signature_policy, registries_d, **kwargs):
-        return command(*args, registry=replace(registry, signature_policy=signature_policy, registries_d=registries_d), **kwargs)
+    def wrapper(*args, registry, signature_policy, registries_d, require_boot_test_key, require_boot_test_gpg_key, **kwargs):
+        # Absolute: the disk server this command may start reads them from another directory.
+        keys = tuple(os.path.abspath(k) for k in require_boot_test_key)
+        gpg_keys = tuple(os.path.abspath(k) for k in require_boot_test_gpg_key)
+        return command(*args, registry=replace(registry, signature_policy=signature_policy, registries_d=registries_d,
+                                               boot_test_keys=keys, boot_test_gpg_keys=gpg_keys), **kwargs)
 
     options = [
+        click.option("--require-boot-test-gpg-key", multiple=True, type=click.Path(exists=True, dir_okay=False),
+                     help="As --require-boot-test-key, for an attestation signed with GnuPG: a keyring file (gpg --export) of accepted keys (repeatable)."),
+        click.option("--require-boot-test-key", multiple=True, type=click.Path(exists=True, dir_okay=False),
+                     help="Read only images with a passed boot-test attestation (launcher test --attest-*) of the exact manifest"
+                          " read, signed by this sigstore public key (repeatable: any one of them)."),
         click.option("--registries.d", "registries_d", type=click.Path(file_okay=False),
                      help="registries.d directory: where use-sigstore-attachments is set (default: ~/.config/containers/registries.d, else /etc/containers/registries.d)."),
         click.option("--signature-policy", type=click.Path(dir_okay=False),

@@ -385,14 +385,17 @@ class DiskServer:
         asked, own = request.get("registry"), self.opts.registry
         if asked is not None and not isinstance(asked, dict):
             raise DiskkitError("control", "registry must be an object of registry options")
-        options = RegistryOptions(**{k: v for k, v in asked.items() if k != "inline_credentials"}) if asked else own
+        options = RegistryOptions(**{k: tuple(v) if isinstance(v, list) else v for k, v in asked.items() if k != "inline_credentials"}) if asked else own
         sent = credentials_from_wire(request.get("credentials"))
         if peer_uid not in (0, os.geteuid()):
             return replace(options, authfile=None, creds=None, inline_credentials=sent, cert_dir=own.cert_dir,
-                           signature_policy=own.signature_policy, registries_d=own.registries_d)
-        # A policy this server was started with holds for every request that names none.
+                           signature_policy=own.signature_policy, registries_d=own.registries_d,
+                           boot_test_keys=own.boot_test_keys, boot_test_gpg_keys=own.boot_test_gpg_keys)
+        # A policy (and a boot-test requirement) this server was started with holds for every request that names none.
         options = replace(options, signature_policy=options.signature_policy or own.signature_policy,
-                          registries_d=options.registries_d or own.registries_d)
+                          registries_d=options.registries_d or own.registries_d,
+                          boot_test_keys=options.boot_test_keys or own.boot_test_keys,
+                          boot_test_gpg_keys=options.boot_test_gpg_keys or own.boot_test_gpg_keys)
         if sent:
             return replace(options, inline_credentials=sent)
         if options.authfile is None and options.creds is None:

@@ -36,6 +36,8 @@ def _registry_flags(opts: RegistryOptions) -> list[str]:
         flags.append(f"--signature-policy={opts.signature_policy}")
     if opts.registries_d:
         flags.append(f"--registries.d={opts.registries_d}")
+    flags += [f"--require-boot-test-key={key}" for key in opts.boot_test_keys]
+    flags += [f"--require-boot-test-gpg-key={key}" for key in opts.boot_test_gpg_keys]
     return flags  # credentials travel with each request, never on a command line
 
 
