@@ -27,7 +27,7 @@ from diskkit.ops.attest import Attester
 from diskkit.registry.options import RegistryOptions
 from diskkit.signing import attestation as at
 from diskkit.signing.options import SignOptions
-from tests.conftest import make_qcow2, run_diskkit
+from tests.conftest import make_qcow2, run_diskkit, run_launcher
 from tests.test_gpg_signing import gpg, new_key
 from tests.vmhost import NOREG, QEMU_UID
 
@@ -252,3 +252,86 @@ def test_pae_is_the_dsse_specs():
                               (at.DSSE_MEDIA_TYPE, json.dumps({**env, "payloadType": "text/plain"}).encode(), "is not application/vnd.in-toto+json")):
         with pytest.raises(at.NotAccepted, match=re.escape(words)):
             at.read_envelope(kind, data)
+
+
+def attested(registry, keys, tmp_path: Path, repo: str, pattern: int, signer: str | None, passed: bool = True, lazy: bool = False) -> tuple[str, str]:
+    """An image with a boot-test attestation attached without a boot (by cosign-format key `signer`,
+    or GPG key g when "g"; None: no attestation)."""
+    if lazy:
+        disk = make_qcow2(tmp_path / f"{repo.replace('/', '-')}-{pattern}.qcow2", size="8M", pattern=pattern)
+        ref = f"{registry.host}/{repo}:v1"
+        r = run_diskkit("build", NOREG, "--lazy", disk, "-t", ref)
+        assert r.code == 0, r.err
+        ref, digest = ref, r.last_line
+    else:
+        ref, digest = build(registry, tmp_path, repo, pattern)
+    if signer is not None:
+        opts = SignOptions(None, sign_by=keys["g"]) if signer == "g" else SignOptions(keys["dir"] / f"{signer}.private", keys["pass"])
+        Attester(opts).attach(ref, digest, predicate(ref, digest, passed), PLAIN)
+    return ref, digest
+
+
+def cached(cache: Path) -> list[str]:
+    return sorted(str(p.relative_to(cache)) for area in ("disks", "refs", "tmp", "lazy") for p in (cache / area).rglob("*") if p.is_file())
+
+
+def test_a_required_boot_test_is_enforced_before_a_pull_reads_a_layer(registry, keys, tmp_path):
+    """--require-boot-test-key / --require-boot-test-gpg-key: "a policy can require 'signed and
+    boot-tested'" (issue 25 item 5) without a policy.json requirement type containers/image would
+    refuse (signature/policy_config.go: "Unknown policy requirement type")."""
+    good, _ = attested(registry, keys, tmp_path, "require/good", 0x31, "a")
+    bare, bare_digest = attested(registry, keys, tmp_path, "require/bare", 0x32, None)
+    failed, failed_digest = attested(registry, keys, tmp_path, "require/failed", 0x33, "a", passed=False)
+    by_b, b_digest = attested(registry, keys, tmp_path, "require/byb", 0x34, "b")
+    moved, old_digest = attested(registry, keys, tmp_path, "require/moved", 0x35, "a")
+    (tmp_path / "rebuilt").mkdir()
+    moved, new_digest = build(registry, tmp_path / "rebuilt", "require/moved", 0x36)  # the tag moves past the attested digest
+    gpg_signed, _ = attested(registry, keys, tmp_path, "require/gpg", 0x37, "g")
+    a_pub, b_pub = keys["dir"] / "a.pub", keys["dir"] / "b.pub"
+
+    def pull(ref: str, *flags):
+        cache = tmp_path / f"cache-{ref.rsplit('/', 1)[1].replace(':', '-')}-{len(flags)}"
+        return run_launcher("pull", NOREG, *map(str, flags), "--cache-dir", cache, ref), cache
+
+    ok, cache = pull(good, "--require-boot-test-key", a_pub)
+    assert ok.code == 0, ok.err
+    assert cached(cache), "the accepted image was not pulled"
+    ok, _ = pull(gpg_signed, "--require-boot-test-gpg-key", keys["dir"] / "g.gpg")
+    assert ok.code == 0, ok.err
+    ok, _ = pull(by_b, "--require-boot-test-key", a_pub, "--require-boot-test-key", b_pub)  # any one of the keys
+    assert ok.code == 0, ok.err
+    for ref, digest, why in ((bare, bare_digest, f"no attestation refers to {bare_digest}"),
+                             (failed, failed_digest, "the boot test failed"),
+                             (by_b, b_digest, "the signature does not verify with the given keys"),
+                             (moved, new_digest, f"no attestation refers to {new_digest}")):
+        r, cache = pull(ref, "--require-boot-test-key", a_pub)
+        line = refusal(r)
+        assert line.startswith(f"launcher: docker://{ref}: no passed boot-test attestation of {digest} signed by {a_pub} (launcher test --attest-*): "), line
+        assert why in line, line
+        assert cached(cache) == [] if cache.exists() else True, f"{ref} refused but cached"
+    assert old_digest != new_digest
+    # without the requirement the same images pull as before
+    assert pull(bare)[0].code == 0
+
+
+def test_the_disk_server_requires_the_boot_test_it_was_started_with(registry, keys, tmp_path):
+    """`launcher domain --lazy` (as `launcher run --lazy`) passes the requirement to the disk server it
+    spawns; that server then refuses an unattested image even to a request that names no keys."""
+    from tests.lazyhost import control, stop_spawned_server
+    from tests.test_lazy_dryrun import write_vmi
+
+    good, _ = attested(registry, keys, tmp_path, "require/lazygood", 0x41, "a", lazy=True)
+    bare, bare_digest = attested(registry, keys, tmp_path, "require/lazybare", 0x42, None, lazy=True)
+    flags = ("--require-boot-test-key", keys["dir"] / "a.pub")
+    cache = tmp_path / "cache"
+    try:
+        out = run_launcher("domain", "--accel", "qemu", "--cache-dir", cache, NOREG, "--lazy", *flags, write_vmi(tmp_path / "good.json", good))
+        assert out.code == 0, out.err
+        refused = run_launcher("domain", "--accel", "qemu", "--cache-dir", cache, NOREG, "--lazy", *flags, write_vmi(tmp_path / "bare.json", bare))
+        assert "no passed boot-test attestation of" in refusal(refused)
+        answer = control(cache, {"op": "open", "path": None, "image": bare, "registry": {"tls_verify": False}})
+        assert answer["ok"] is False, answer
+        assert f"{bare}: no passed boot-test attestation of {bare_digest}" in answer["error"], answer
+        assert [p for p in (cache / "lazy").rglob("*") if p.is_file() and "lazybare" in str(p)] == [] if (cache / "lazy").exists() else True
+    finally:
+        stop_spawned_server(cache)

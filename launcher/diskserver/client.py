@@ -8,7 +8,7 @@ from pathlib import Path
 
 from diskkit.disk import qemuimg
 from diskkit.disk.diskrules import violations
-from diskkit.errors import DiskkitError
+from diskkit.errors import DiskkitError, Exit
 from diskkit.layers import lazytoc
 from diskkit.oci.image import Platform
 from diskkit.oci.reference import parse_ref
@@ -117,7 +117,10 @@ def _ask(cache: Cache, registry: RegistryOptions | None, notes: list[str], req: 
     if answer.get("seekable") is False:
         notes.append(f"{answer['reason']}; pulling it whole")
         return None
-    raise DiskkitError(answer.get("error") or "the disk server refused the image")
+    refused = DiskkitError(answer.get("error") or "the disk server refused the image")
+    if answer.get("exit") in set(Exit):
+        refused.exit_code = Exit(answer["exit"])
+    raise refused
 
 
 def qualified(ref: str, registry: RegistryOptions | None) -> str:

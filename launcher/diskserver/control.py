@@ -5,7 +5,7 @@
      "clients": 2}   NBD connections to expect (default 1): a server exiting when idle waits for them
         -> {"ok": true, "export": NAME, "socket": NBD_SOCKET, "url": "nbd+unix:///NAME?socket=...", ...}
         -> {"ok": false, "seekable": false, "reason": "..."}   (pull it whole instead)
-        -> {"ok": false, "error": "..."}                       (refused, as a pull would be)
+        -> {"ok": false, "error": "...", "exit": 8}            (refused, as a pull would be; its exit status)
     {"op": "files", "image": REF, "paths": [P, ...], "platform": ..., "registry": {...}, "marked": true}   kernelBoot files
         -> {"ok": true, "files": {P: {"path": FILE_IN_THE_CACHE, ...}}}   (as `launcher pull` records them)
         -> {"ok": false, "seekable": false, "reason": "..."}              (pull them whole instead)

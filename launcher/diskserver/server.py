@@ -429,7 +429,8 @@ class DiskServer:
                 else:
                     answer = {"ok": False, "error": f"control: unknown op {op!r} (open, files, status)"}
             except DiskkitError as exc:
-                answer = {"ok": False, "error": exc.line()}
+                # The exit status travels too: a client refused by policy exits as a pull refused by it would.
+                answer = {"ok": False, "error": exc.line(), "exit": int(exc.exit_code)}
             except (ValueError, TypeError) as exc:
                 answer = {"ok": False, "error": f"control: malformed request ({exc})"}
             except OSError:
