@@ -335,3 +335,17 @@ def test_the_disk_server_requires_the_boot_test_it_was_started_with(registry, ke
         assert [p for p in (cache / "lazy").rglob("*") if p.is_file() and "lazybare" in str(p)] == [] if (cache / "lazy").exists() else True
     finally:
         stop_spawned_server(cache)
+
+
+def test_diskkit_copy_and_inspect_require_the_boot_test_too(registry, keys, tmp_path):
+    good, _ = attested(registry, keys, tmp_path, "require/dkgood", 0x51, "a")
+    bare, bare_digest = attested(registry, keys, tmp_path, "require/dkbare", 0x52, None)
+    flags = ("--require-boot-test-key", keys["dir"] / "a.pub")
+    assert run_diskkit("inspect", NOREG, *map(str, flags), good).code == 0
+    copied = run_diskkit("copy", NOREG, *map(str, flags), f"docker://{good}", f"oci:{tmp_path / 'good-layout'}:v1")
+    assert copied.code == 0, copied.err
+    line = refusal(run_diskkit("inspect", NOREG, *map(str, flags), bare))
+    assert f"no passed boot-test attestation of {bare_digest}" in line, line
+    line = refusal(run_diskkit("copy", NOREG, *map(str, flags), f"docker://{bare}", f"oci:{tmp_path / 'bare-layout'}:v1"))
+    assert f"no passed boot-test attestation of {bare_digest}" in line, line
+    assert not (tmp_path / "bare-layout").exists(), "a refused copy wrote its destination"

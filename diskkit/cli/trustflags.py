@@ -17,9 +17,10 @@ def signature_options(policy: bool = True, sign: bool = True):
 
     def decorate(command):
         @functools.wraps(command)
-        def wrapper(*args, registries_d, signature_policy=None, sign_by_sigstore_private_key=None, sign_by=None, sign_passphrase_file=None, **kwargs):
+        def wrapper(*args, registries_d, signature_policy=None, sign_by_sigstore_private_key=None, sign_by=None, sign_passphrase_file=None,
+                    require_boot_test_key=(), require_boot_test_gpg_key=(), **kwargs):
             if policy:
-                kwargs["trust"] = TrustOptions(signature_policy, registries_d)
+                kwargs["trust"] = TrustOptions(signature_policy, registries_d, tuple(map(str, require_boot_test_key)), tuple(map(str, require_boot_test_gpg_key)))
             if sign:
                 if sign_passphrase_file and not (sign_by_sigstore_private_key or sign_by):
                     raise click.UsageError("--sign-passphrase-file needs --sign-by or --sign-by-sigstore-private-key")
@@ -32,6 +33,10 @@ def signature_options(policy: bool = True, sign: bool = True):
         options = [click.option("--registries.d", "registries_d", type=click.Path(file_okay=False, path_type=Path), help="registries.d directory: lookaside stores and use-sigstore-attachments (default: ~/.config/containers/registries.d, else /etc/containers/registries.d).")]
         if policy:
             options.append(click.option("--signature-policy", type=_FILE, help="policy.json to enforce (default: ~/.config/containers/policy.json, else /etc/containers/policy.json; with neither, everything is accepted)."))
+            options.append(click.option("--require-boot-test-key", type=click.Path(exists=True, dir_okay=False, path_type=Path), multiple=True,
+                                        help="Read only images with a passed boot-test attestation (launcher test --attest-*) of each manifest read, signed by this sigstore public key (repeatable: any one of them)."))
+            options.append(click.option("--require-boot-test-gpg-key", type=click.Path(exists=True, dir_okay=False, path_type=Path), multiple=True,
+                                        help="As --require-boot-test-key, for an attestation signed with GnuPG: a keyring file (gpg --export) of accepted keys (repeatable)."))
         if sign:
             options.append(click.option("--sign-passphrase-file", type=_FILE, help="Read the key's passphrase from this file (else it is asked on the terminal)."))
             options.append(click.option("--sign-by", metavar="FINGERPRINT", help="Sign with this key of your GnuPG keyring ($GNUPGHOME) as a GPG simple signature in the registries.d lookaside store."))
