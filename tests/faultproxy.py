@@ -36,6 +36,12 @@ request method and whose ``path`` regex is found (``re.search``) in the request 
 query string — applies and uses up one of its ``times``; with ``skip=N`` the first N requests it
 matches pass unharmed (the second PATCH of an upload, say). A fault with ``header=(NAME, REGEX)`` also
 needs that request header to match (e.g. ``("Range", r"^bytes=1536-")`` for one range request).
+
+Extensions a registry may have that distribution lacks: ``FaultProxy.headers`` is a list of
+``(PATH_REGEX, NAME, VALUE)`` added to every relayed answer whose target matches; ``FaultProxy.answer``,
+when set, is called as ``answer(method, target, read_body)`` before any fault and answers the request itself
+when it returns ``(status, json_body)``; it calls ``read_body()`` only then (None: not its request,
+forwarded as usual with its body unread).
 """
 
 from __future__ import annotations
@@ -283,6 +289,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         kind, length = self._body_kind()
         if self.headers.get("Authorization") is not None:
             proxy._credentials(self.path, self.headers["Authorization"])
+        if proxy.answer is not None:
+            local = proxy.answer(self.command, self.path, lambda: b"".join(self._body_pieces(kind, length)) if kind != "none" else b"")
+            if local is not None:
+                self._reply(local[0], local[1])
+                return
         fault = proxy._take(self.command, self.path, self.headers)
         action = fault.action if fault else None
 
@@ -391,6 +402,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         for k, v in resp.getheaders():
             if k.lower() not in hop:
                 self.send_header(k, v)
+        for pattern, name, value in self.server.proxy.headers:
+            if re.search(pattern, self.path):
+                self.send_header(name, value)
         rechunk = upstream_chunked and not no_body
         if self.close_connection:
             self.send_header("Connection", "close")
@@ -464,6 +478,8 @@ class FaultProxy:
         self.credentials: list[tuple[str, str]] = []  # (request target, Authorization) of every request that carried one
         self.sent: dict[str, int] = {}  # body bytes relayed per request path: what a client really fetched
         self._faults: list[Fault] = []
+        self.headers: list[tuple[str, str, str]] = []
+        self.answer = None
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._connections: set[socket.socket] = set()

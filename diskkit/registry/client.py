@@ -109,6 +109,7 @@ class Registry:
         self.session.headers["User-Agent"] = USER_AGENT
         self.scheme: str | None = None
         self.challenge: tuple[str, dict[str, str]] | None = None
+        self.supports_signatures = False  # the /v2/ answer's X-Registry-Supports-Signatures: 1 (OpenShift's)
         self._creds: authfile.Credentials | None | bool = False  # False: not looked up yet
         self._tokens: dict[str, _Token] = {}
         self._bundle: tempfile._TemporaryFileWrapper | None = None
@@ -177,6 +178,8 @@ class Registry:
             elif response.status_code not in (200, 401):
                 raise RegistryError(self.host, f"/v2/ answered HTTP {response.status_code}; is this an OCI registry?", status=response.status_code)
             self.scheme = scheme
+            # containers/image docker/docker_client.go detectPropertiesHelper: exactly "1".
+            self.supports_signatures = response.headers.get("X-Registry-Supports-Signatures") == "1"
             return
         raise RegistryError(self.host, f"cannot connect to the registry ({failure_reason(last)})", unreachable=True)
 

@@ -4,9 +4,8 @@ docker_image_dest.go), and the `signature-N` files of a dir: image (directory/di
 
 file:// is read and written, http(s):// only read (skopeo writes there only through a
 lookaside-staging file:// location), over the registry's own TLS settings when the caller gives
-its session, as containers/image does. The registry signature API (X-Registry-Supports-Signatures)
-is not spoken: only OpenShift's integrated registry offers it, and the distribution registry the
-tests run does not.
+its session, as containers/image does. A registry that offers the signature API
+(X-Registry-Supports-Signatures) keeps them itself instead: sigapi.py.
 """
 
 from __future__ import annotations

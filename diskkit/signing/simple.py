@@ -10,7 +10,7 @@ from pathlib import Path
 from diskkit.errors import DiskkitError
 from diskkit.oci.image import sha256_digest
 from diskkit.oci.reference import ImageRef
-from diskkit.signing import lookaside, openpgp, policy, registriesd
+from diskkit.signing import lookaside, openpgp, policy, registriesd, sigapi
 from diskkit.signing.keys import read_passphrase
 from diskkit.signing.options import SignOptions
 from diskkit.signing.payload import ATOMIC_TYPE, InvalidPayload, make_payload, parse_payload
@@ -27,7 +27,8 @@ def read_sign_passphrase(opts: SignOptions) -> bytes | None:
 
 class SimpleSigner:
     """before_manifest for a destination: signs each manifest's digest as the destination's
-    reference and stores the signature in the lookaside (registries) or the image (dir:)."""
+    reference and stores the signature through the registry's signature API when it offers one,
+    else in the lookaside (registries) or the image (dir:)."""
 
     def __init__(self, dest: ImageRef, opts: SignOptions):
         if dest.transport != "docker":
@@ -47,7 +48,11 @@ class SimpleSigner:
         return sign_payload(self.opts, self.passphrase, self.reference, digest)
 
     def __call__(self, destination, digest: str, child: bool) -> None:
-        lookaside.append(self.base, digest, [self.signature(digest)])
+        signature = self.signature(digest)
+        if sigapi.supported(destination.registry):  # before the lookaside, as PutSignaturesWithFormat
+            sigapi.append(destination.registry, destination.repository, digest, [signature])
+        else:
+            lookaside.append(self.base, digest, [signature])
         self.signed.append(digest)
 
 
@@ -99,12 +104,13 @@ class SignatureCopier:
 
     def of_source(self, digest: str, top: bool) -> list[bytes]:
         if self.src_base is not None:
-            session = None
-            if self.src_base.startswith("https://"):  # the source registry's TLS settings, as trust.py reads it
-                from diskkit.registry.options import RegistryOptions
-                from diskkit.transports.remote import registry_for
-                session = registry_for(self.src.name.registry, self.src_registry or RegistryOptions()).session
-            return lookaside.read(self.src_base, digest, session)
+            from diskkit.registry.options import RegistryOptions
+            from diskkit.transports.remote import registry_for
+            registry = registry_for(self.src.name.registry, self.src_registry or RegistryOptions())
+            if sigapi.supported(registry):
+                return sigapi.read(registry, self.src.name.repository, digest)
+            # The source registry's TLS settings for an https lookaside, as trust.py reads it.
+            return lookaside.read(self.src_base, digest, registry.session if self.src_base.startswith("https://") else None)
         if self.src_dir is not None and top:
             return lookaside.read_dir(self.src_dir, str(self.src))
         return []
@@ -118,6 +124,13 @@ class SignatureCopier:
 
     def __call__(self, destination, digest: str, child: bool) -> None:
         carried = self.of_source(digest, not child)
+        if self.dest.transport == "docker" and sigapi.supported(destination.registry):
+            # The API only adds, and skips what the registry already holds (putSignaturesToAPIExtension).
+            fresh = [self.signer.signature(digest)] if self.signer is not None else []
+            sigapi.append(destination.registry, destination.repository, digest, carried + fresh)
+            if self.signer is not None:
+                self.signer.signed.append(digest)
+            return
         self.check_destination(carried)
         if self.dest.transport == "dir":
             if not child:

@@ -84,13 +84,16 @@ def _enforce_policy(source: Source, trust: TrustOptions, registry: RegistryOptio
     from diskkit.signing import registriesd
     intended = ref.name if ref.transport == "docker" else None
     config = registriesd.load(trust.registries_d) if intended is not None else None
+    # The registry the image is read from (a mirror, say): where the signature API is asked, as
+    # containers/image asks its physicalRef.
+    physical = (source.registry, source.name.repository) if isinstance(source, RemoteSource) else None
     for digest in dict.fromkeys(digests):
         def signatures(kind, digest=digest):
             if ref.transport == "dir":
                 return _dir_signatures(kind, ref, digest, top=digest == digests[0])
             if intended is None:
                 return []
-            return _signatures(kind, intended, digest, config, identity, namespaces, registry)
+            return _signatures(kind, intended, digest, config, identity, namespaces, registry, physical)
 
         try:
             policy.check(requirements, str(ref), intended, digest, signatures)
@@ -124,12 +127,16 @@ def require_boot_test(source: Source, trust: TrustOptions, registry: RegistryOpt
             raise VerifyFailed(source.where, f"{wanted.format(digest)}: {exc.rule}") from None
 
 
-def _signatures(kind: str, name: DockerName, digest: str, config: dict, identity: str, namespaces: list[str], registry: RegistryOptions | None) -> list:
+def _signatures(kind: str, name: DockerName, digest: str, config: dict, identity: str, namespaces: list[str], registry: RegistryOptions | None,
+                physical=None) -> list:
     """The image's sigstore attachments (when registries.d says it uses them) or its simple
-    signatures from the lookaside store registries.d names."""
+    signatures: from the registry's signature API when `physical` (registry, repository) offers
+    it, else from the lookaside store registries.d names."""
     from diskkit.signing import registriesd
     if kind == "signedBy":
-        from diskkit.signing import lookaside
+        from diskkit.signing import lookaside, sigapi
+        if physical is not None and sigapi.supported(physical[0]):
+            return sigapi.read(*physical, digest)
         base = registriesd.lookaside_base(config, identity, namespaces, name.repository, write=False)
         session = None
         if base.startswith("https://"):
