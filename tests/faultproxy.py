@@ -39,7 +39,7 @@ needs that request header to match (e.g. ``("Range", r"^bytes=1536-")`` for one 
 
 Extensions a registry may have that distribution lacks: ``FaultProxy.headers`` is a list of
 ``(PATH_REGEX, NAME, VALUE)`` added to every relayed answer whose target matches; ``FaultProxy.answer``,
-when set, is called as ``answer(method, target, read_body)`` before any fault and answers the request itself
+when set, is called as ``answer(method, target, read_body)`` when no fault applies and answers the request itself
 when it returns ``(status, json_body)``; it calls ``read_body()`` only then (None: not its request,
 forwarded as usual with its body unread).
 """
@@ -289,13 +289,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         kind, length = self._body_kind()
         if self.headers.get("Authorization") is not None:
             proxy._credentials(self.path, self.headers["Authorization"])
-        if proxy.answer is not None:
+        fault = proxy._take(self.command, self.path, self.headers)
+        action = fault.action if fault else None
+        if fault is None and proxy.answer is not None:
             local = proxy.answer(self.command, self.path, lambda: b"".join(self._body_pieces(kind, length)) if kind != "none" else b"")
             if local is not None:
                 self._reply(local[0], local[1])
                 return
-        fault = proxy._take(self.command, self.path, self.headers)
-        action = fault.action if fault else None
 
         if action == "status" or action == "retry_after":
             self._drain(kind, length)

@@ -25,7 +25,7 @@ import pytest
 from diskkit.errors import DiskkitError
 from diskkit.signing import sigapi
 from tests.conftest import run_diskkit, run_launcher
-from tests.faultproxy import FaultProxy
+from tests.faultproxy import Fault, FaultProxy
 from tests.test_gpg_signing import NOREG, build, disk, inspect, keys, one_line, policy, sig_dir, signed_by  # noqa: F401 (fixtures)
 
 _ENDPOINT = re.compile(r"^/extensions/v2/(.+)/signatures/(sha256:[0-9a-f]{64})$")
@@ -166,6 +166,17 @@ def test_skopeo_signs_through_the_api_and_diskkit_accepts(api, keys, disk, tmp_p
     assert inspect(keys, policy(tmp_path / "a.json", f"{openshift.host}/sigapi", signed_by(keys, "a")), ref).code == 0
     line = one_line(inspect(keys, policy(tmp_path / "b.json", f"{openshift.host}/sigapi", signed_by(keys, "b")), ref))
     assert "Invalid GPG signature: No public key" in line, line
+
+
+def test_a_signature_the_api_refuses_leaves_no_tag(api, keys, disk, tmp_path):
+    openshift, store, _ = api
+    ref = f"{openshift.host}/sigapi/refused:v1"
+    openshift.add(Fault("PUT", r"^/extensions/", "status", arg=400, times=100))
+    r = run_diskkit("build", NOREG, "--no-lazy", disk, "-t", ref, "--registries.d", keys["regd"], "--sign-by", keys["a"])
+    line = one_line(r)
+    assert "uploading signature to /extensions/v2/sigapi/refused/signatures/sha256:" in line and "HTTP 400" in line, line
+    assert not any(m == "PUT" and "/manifests/" in p for m, p, _ in openshift.log), openshift.log
+    assert run_diskkit("inspect", NOREG, ref).code != 0  # no tag points at an unsigned image
 
 
 def test_the_signature_list_is_read_as_containers_image_reads_it():
