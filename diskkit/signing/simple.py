@@ -104,9 +104,12 @@ class SignatureCopier:
 
     def of_source(self, digest: str, top: bool) -> list[bytes]:
         if self.src_base is not None:
+            from diskkit.registry import registriesconf
             from diskkit.registry.options import RegistryOptions
             from diskkit.transports.remote import registry_for
-            registry = registry_for(self.src.name.registry, self.src_registry or RegistryOptions())
+            # The source registry itself (its registries.conf `insecure` too), as the destination's is found.
+            itself = registriesconf.load().push_target(self.src.name)
+            registry = registry_for(self.src.name.registry, (self.src_registry or RegistryOptions()).for_endpoint(itself.insecure))
             if sigapi.supported(registry):
                 return sigapi.read(registry, self.src.name.repository, digest)
             # The source registry's TLS settings for an https lookaside, as trust.py reads it.
