@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from diskkit.errors import DiskkitError
+from diskkit.errors import DiskkitError, Exit
 from diskkit.oci.image import sha256_digest
 from diskkit.oci.reference import ImageRef
 from diskkit.signing import lookaside, openpgp, policy, registriesd, sigapi
@@ -110,7 +110,13 @@ class SignatureCopier:
             # The source registry itself (its registries.conf `insecure` too), as the destination's is found.
             itself = registriesconf.load().push_target(self.src.name)
             registry = registry_for(self.src.name.registry, (self.src_registry or RegistryOptions()).for_endpoint(itself.insecure))
-            if sigapi.supported(registry):
+            try:
+                api = sigapi.supported(registry)
+            except DiskkitError as err:
+                if err.exit_code != Exit.UNAVAILABLE:
+                    raise
+                api = False  # reached only through a registries.conf mirror: its lookaside, as before the API was spoken
+            if api:
                 return sigapi.read(registry, self.src.name.repository, digest)
             # The source registry's TLS settings for an https lookaside, as trust.py reads it.
             return lookaside.read(self.src_base, digest, registry.session if self.src_base.startswith("https://") else None)
