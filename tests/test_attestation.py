@@ -28,7 +28,7 @@ from diskkit.registry.options import RegistryOptions
 from diskkit.signing import attestation as at
 from diskkit.signing.options import SignOptions
 from tests.conftest import make_qcow2, run_diskkit, run_launcher
-from tests.test_gpg_signing import gpg, new_key
+from tests.gnupg import gnupg_home, gpg, new_key
 from tests.vmhost import NOREG, QEMU_UID
 
 INDEX = "application/vnd.oci.image.index.v1+json"
@@ -50,14 +50,8 @@ def keys(tmp_path_factory) -> dict:
     for name in ("g", "h"):
         out[name] = new_key(home, f"{name} <{name}@diskkit.test>")
         (d / f"{name}.gpg").write_bytes(gpg(home, "--export", out[name]))
-    old = os.environ.get("GNUPGHOME")
-    os.environ["GNUPGHOME"] = str(home)
-    yield out
-    subprocess.run(["gpgconf", "--homedir", str(home), "--kill", "gpg-agent"], check=False)
-    if old is None:
-        os.environ.pop("GNUPGHOME", None)
-    else:
-        os.environ["GNUPGHOME"] = old
+    with gnupg_home(home):
+        yield out
 
 
 def for_qemu(qemu_user, path: Path) -> Path:

@@ -20,20 +20,9 @@ import pytest
 from diskkit.signing import openpgp
 from diskkit.signing.payload import ATOMIC_TYPE, make_payload
 from tests.conftest import make_qcow2, run_diskkit, run_launcher
+from tests.gnupg import gnupg_home, gpg, new_key
 
 NOREG = "--tls-verify=false"
-
-
-def gpg(home: Path, *args: str, data: bytes | None = None) -> bytes:
-    proc = subprocess.run(["gpg", "--homedir", str(home), "--batch", "--no-tty", *args], input=data, capture_output=True, check=False)
-    assert proc.returncode == 0, proc.stderr.decode()
-    return proc.stdout
-
-
-def new_key(home: Path, uid: str, passphrase: str = "") -> str:
-    gpg(home, "--pinentry-mode", "loopback", "--passphrase", passphrase, "--quick-gen-key", uid, "ed25519", "sign", "never")
-    lines = gpg(home, "--with-colons", "--list-secret-keys", uid).decode().splitlines()
-    return next(l.split(":")[9] for l in lines if l.startswith("fpr:"))
 
 
 @pytest.fixture(scope="module")
@@ -58,14 +47,8 @@ def keys(tmp_path_factory):
     regd.mkdir()
     (regd / "default.yaml").write_text(f"default-docker:\n  lookaside: file://{out['lookaside']}\n")
     out["regd"] = regd
-    old = os.environ.get("GNUPGHOME")
-    os.environ["GNUPGHOME"] = str(home)  # every diskkit, skopeo and podman run here signs from it
-    yield out
-    subprocess.run(["gpgconf", "--homedir", str(home), "--kill", "gpg-agent"], check=False)
-    if old is None:
-        os.environ.pop("GNUPGHOME", None)
-    else:
-        os.environ["GNUPGHOME"] = old
+    with gnupg_home(home):  # every diskkit, skopeo and podman run here signs from it
+        yield out
 
 
 @pytest.fixture(scope="module")
