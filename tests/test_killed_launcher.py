@@ -25,7 +25,7 @@ NAME = "killed"
 DOMAIN = f"default_{NAME}"
 
 
-def _daemon_pids(user: QemuUser) -> list[int]:
+def daemon_pids(user: QemuUser) -> list[int]:
     """The qemu user's libvirt session daemon (monolithic or modular)."""
     def comm(pid: int) -> str:
         with contextlib.suppress(OSError):
@@ -34,7 +34,7 @@ def _daemon_pids(user: QemuUser) -> list[int]:
     return [pid for pid in leftovers.processes_of(user.home) if comm(pid) in ("libvirtd", "virtqemud")]
 
 
-def _domains(user: QemuUser, *flags: str) -> list[str]:
+def domains(user: QemuUser, *flags: str) -> list[str]:
     return user.virsh("list", "--name", *flags).split()
 
 
@@ -45,8 +45,8 @@ def _qemu_of_domain(user: QemuUser) -> list[int]:
 
 def _the_truth_then_clean(user: QemuUser, stage: str) -> None:
     """What status, stop and gc say after the kill, and the node they leave."""
-    running = DOMAIN in _domains(user)
-    defined = DOMAIN in _domains(user, "--all")
+    running = DOMAIN in domains(user)
+    defined = DOMAIN in domains(user, "--all")
     status = user.launcher("status", NAME)
     if running:
         assert (status.code, status.out.strip()) == (0, "running"), (stage, status)
@@ -77,7 +77,7 @@ class Stages:
         self.run_dir = user.cache / "run" / DOMAIN
         self.record = user.cache / "vms" / f"{DOMAIN}.json"
         user.virsh("list")  # the session daemon is up before the first stage
-        self.daemons = _daemon_pids(user)
+        self.daemons = daemon_pids(user)
         assert self.daemons, "no libvirt session daemon of the qemu user"
 
     def _start(self) -> subprocess.Popen:
@@ -94,7 +94,7 @@ class Stages:
             yield proc
         finally:
             self.proxy.clear()
-            _reap(proc)
+            reap(proc)
 
     @contextlib.contextmanager
     def overlay(self) -> Iterator[tuple[subprocess.Popen, str]]:
@@ -118,18 +118,18 @@ class Stages:
             if stopped:
                 for pid in self.daemons:
                     os.kill(pid, signal.SIGCONT)
-            _reap(proc)
+            reap(proc)
 
     @contextlib.contextmanager
     def boot(self) -> Iterator[subprocess.Popen]:
         """The domain runs (libvirt lists it as running), the guest has not reached its console yet."""
         proc = self._start()
         try:
-            wait_for(lambda: proc.poll() is not None or DOMAIN in _domains(self.user), 180, "the domain to run")
+            wait_for(lambda: proc.poll() is not None or DOMAIN in domains(self.user), 180, "the domain to run")
             assert proc.poll() is None, proc.stderr.read()
             yield proc
         finally:
-            _reap(proc)
+            reap(proc)
 
     @contextlib.contextmanager
     def console(self) -> Iterator[subprocess.Popen]:
@@ -143,10 +143,10 @@ class Stages:
                 seen += line
             yield proc
         finally:
-            _reap(proc)
+            reap(proc)
 
 
-def _reap(proc: subprocess.Popen) -> None:
+def reap(proc: subprocess.Popen) -> None:
     """The launcher's end, however the block ended (it is killed if the test failed before)."""
     try:
         proc.wait(timeout=120)

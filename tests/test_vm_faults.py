@@ -8,7 +8,7 @@ import os
 import signal
 
 from tests.lazyhost import wait_for
-from tests.test_killed_launcher import _daemon_pids, _domains, _reap
+from tests.test_killed_launcher import daemon_pids, domains, reap
 from tests.vmhost import NOREG, assert_clean
 
 
@@ -45,7 +45,7 @@ def test_two_launchers_racing_on_one_vmi_one_wins_the_other_refuses_in_one_line(
         for proc in runs:
             if proc.poll() is None:
                 proc.kill()
-            _reap(proc)
+            reap(proc)
     assert_clean(qemu_user, "default_race")
 
 
@@ -59,13 +59,14 @@ def test_a_session_daemon_killed_under_a_running_vm(qemu_user, guest_image):
     proc = qemu_user.popen("run", NOREG, "--no-lazy", "--console", "--grace-period", "0", vmi)
     try:
         _until(proc, "HOLD seconds=600")
-        daemons = _daemon_pids(qemu_user)
+        daemons = daemon_pids(qemu_user)
         for pid in daemons:
             os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: not set(daemons) & set(_daemon_pids(qemu_user)), 30, "the daemon to die")
+        wait_for(lambda: not set(daemons) & set(daemon_pids(qemu_user)), 30, "the daemon to die")
         status = qemu_user.launcher("status", "orphan")
         assert (status.code, status.out.strip()) == (0, "running"), status
-        assert "default_orphan" in _domains(qemu_user)
+        # The new daemon reconnects to the running qemu in a thread of its own: listed once it has.
+        wait_for(lambda: "default_orphan" in domains(qemu_user), 60, "the new daemon to list the running VM")
         stopped = qemu_user.launcher("stop", "orphan")
         assert (stopped.code, stopped.out.strip()) == (0, "VM orphan was stopped"), stopped
         # The launcher that ran it sees its VM stopped, as when its guest powers off.
@@ -74,7 +75,7 @@ def test_a_session_daemon_killed_under_a_running_vm(qemu_user, guest_image):
     finally:
         if proc.poll() is None:
             proc.kill()
-        _reap(proc)
+        reap(proc)
     assert_clean(qemu_user, "default_orphan")
     plain = qemu_user.write_vmi("orphan", guest_image)
     result = qemu_user.launcher("run", NOREG, "--no-lazy", "--console", plain)
