@@ -80,7 +80,10 @@ def claim_disk(ctx: Context, volume: Volume, claim_name: str, where: str, as_bas
     if not found and not as_base:
         # --pvc's SIZE is the claim's request; else the claim object says (bound, or found in --manifests
         # beside a --pvc directory or a mount in the pod).
-        request, capacity = (local.size, None) if local.size else (claim.request, claim.capacity) if claim else (None, None)
+        if local.size:
+            request, capacity = local.size, None
+        else:
+            request, capacity = (claim.request, claim.capacity) if claim else (None, None)
         if not request and not capacity and store.objects is not None:
             request, capacity = claim_sizes(store.objects, ctx.vmi.namespace, claim_name, where) or (None, None)
         if not request and not capacity:

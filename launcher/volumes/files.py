@@ -76,13 +76,7 @@ def create_sparse(path: Path, size: int) -> None:
             _create_sparse_at(parent, path, size)
             return
         asowner.run_as(owner, lambda send: _create_sparse_at(parent, path, size) or {})
-        fd = parent.open_file(path.name)
-        try:
-            give(fd, KUBEVIRT_QEMU)
-        except OSError as exc:
-            raise DiskkitError(path, f"cannot be given to uid {KUBEVIRT_QEMU[0]} ({exc.strerror})") from None
-        finally:
-            os.close(fd)
+        _give_found(parent, path, KUBEVIRT_QEMU)
 
 
 def _create_sparse_at(parent: Dir, path: Path, size: int) -> None:
@@ -110,13 +104,18 @@ def give_claim_image(path: Path, owner: tuple[int, int]) -> None:
     if os.geteuid() != 0:
         return
     with Dir.open(path.parent) as parent:
-        fd = parent.open_file(path.name)
-        try:
-            give(fd, owner, 0o660)
-        except OSError as exc:
-            raise DiskkitError(path, f"cannot be given to uid {owner[0]} ({exc.strerror})") from None
-        finally:
-            os.close(fd)
+        _give_found(parent, path, owner, 0o660)
+
+
+def _give_found(parent: Dir, path: Path, owner: tuple[int, int], mode: int | None = None) -> None:
+    """The file found at `path` (regular, one link, no link followed) chowned through its fd."""
+    fd = parent.open_file(path.name)
+    try:
+        give(fd, owner, mode)
+    except OSError as exc:
+        raise DiskkitError(path, f"cannot be given to uid {owner[0]} ({exc.strerror})") from None
+    finally:
+        os.close(fd)
 
 
 def claim_image(path: Path) -> bool:
