@@ -10,6 +10,7 @@ examples/kubernetes --pvc testguest-data=DIR` would take them.
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -87,3 +88,29 @@ def test_root_makes_the_image_in_a_users_claim_as_that_user(tmp_path, mode):
             claim_disk(ctx, volume, "testguest-data", "spec.volumes[1]")
         assert err.value.rule.endswith("(Permission denied)") and str(claim) in str(err.value.subject), err.value
         assert list(claim.iterdir()) == []
+
+
+@pytest.mark.parametrize("planted", ["disk.img", ".disk.img.tmp"])
+def test_a_link_planted_in_a_users_claim_leads_nowhere(tmp_path, planted):
+    """launcher/volumes/files.create_sparse as the claim's owner: a link its owner planted under the
+    image's name is refused, one under the staging name is removed, and what either names (a file of
+    root's) is neither truncated nor given to qemu."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"root's own" * 100)
+    claim = tmp_path / "claim"
+    claim.mkdir()
+    os.chown(claim, NOBODY, NOBODY)
+    os.symlink(victim, claim / planted)
+    os.lchown(claim / planted, NOBODY, NOBODY)
+    store = Storage(pvcs={"testguest-data": LocalClaim(claim, 16 << 20)})
+    ctx, volume = _context(tmp_path, store)
+    if planted == "disk.img":
+        with pytest.raises(DiskkitError):
+            claim_disk(ctx, volume, "testguest-data", "spec.volumes[1]")
+    else:
+        claim_disk(ctx, volume, "testguest-data", "spec.volumes[1]")
+        image = os.lstat(claim / "disk.img")
+        assert stat.S_ISREG(image.st_mode) and (image.st_size, image.st_uid) == (16 << 20, 107)
+        assert not os.path.lexists(claim / planted)
+    kept = os.stat(victim)
+    assert (victim.read_bytes(), kept.st_uid) == (b"root's own" * 100, 0)
