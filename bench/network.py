@@ -10,7 +10,8 @@ Each run boots the test guest (build/testguest: kernel, initramfs, TCG) straight
          for attribute 'type' in element 'backend'"), so passt is driven here as libvirt would drive it.
 Measured from qemu's start, from the guest's serial console: boot (DISKKIT-TESTGUEST DONE), first
 packet (NET-LEASE: the DHCP exchange done), and the throughput of one 16 MiB HTTP fetch from the
-guest's busybox httpd through the forward (a disk with serial net-bench makes the guest write the file).
+guest's busybox httpd through the forward (a disk with serial net-bench makes the guest write the file,
+after DONE, so the 16 MiB of urandom it costs under TCG is not counted as the NIC's share of the boot).
 As root, qemu and passt run as the qemu user (UID 107), as the launcher's fast path does (passt as root
 drops to nobody and then passed no traffic here). Variants interleave run by run; medians are printed, and the NIC's share of the boot:
 (median boot with slirp - median boot without) / median boot without, target < 10 %.
