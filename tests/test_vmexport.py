@@ -390,3 +390,23 @@ def test_gc_keeps_the_export_a_running_vm_uses_and_removes_it_once_the_vm_stoppe
     collected = qemu_user.launcher("gc", "--json")
     assert collected.code == 0, collected.err
     assert str(export) in json.loads(collected.out)["removed"] and not export.exists()
+
+
+def test_gc_max_size_counts_exports_and_a_reused_export_is_the_last_to_go(qemu_user):
+    made = {}
+    for name, fill in (("old-data", b"\x05"), ("new-data", b"\x06")):
+        tar = _kubevirt_tar(qemu_user.root / f"{name}.oci.tar", _go_vm_config(name.replace("-", ".")), [(name, fill * (4 * MIB), None)])
+        assert qemu_user.launcher("domain", f"oci-archive:{tar}").code == 0
+        made[name] = (tar, qemu_user.cache / "exports" / _manifest_digest(tar).split(":")[1])
+    # both older than anything else in the cache; the one made first is used again now
+    os.utime(made["old-data"][1] / "vm.json", (2, 2))
+    os.utime(made["new-data"][1] / "vm.json", (1, 1))
+    assert qemu_user.launcher("domain", f"oci-archive:{made['new-data'][0]}").code == 0
+    # exports count toward --max-size as disks do: 2 MiB over it, the oldest goes (4 MiB), nothing more
+    shown = json.loads(qemu_user.launcher("ls", "--json").out)
+    total = sum(d["size"] for d in shown["disks"]) + sum(e["size"] for e in shown["exports"])
+    collected = qemu_user.launcher("gc", "--json", "--max-size", str(total - 2 * MIB))
+    assert collected.code == 0, collected.err
+    removed = json.loads(collected.out)["removed"]
+    assert str(made["old-data"][1]) in removed and str(made["new-data"][1]) not in removed, removed
+    assert made["new-data"][1].is_dir() and not made["old-data"][1].exists()
