@@ -354,6 +354,13 @@ def test_ls_lists_an_export_and_gc_removes_it_unless_a_launcher_holds_it_for_a_r
     assert listed["size"] >= MIB and listed["usedBy"] == []
     text = qemu_user.launcher("ls")
     assert text.code == 0 and f"fromkubevirt {digest[:19]}" in text.out, text.out
+    # a name no VM may have (the run refuses it after the claims were made) is not printed
+    config = _go_vm_config("gc.data")
+    config["metadata"]["name"] = "\x1b[2Jevil"
+    evil = _kubevirt_tar(qemu_user.root / "evil.oci.tar", config, [("gc-data", b"\x04" * MIB, None)])
+    assert qemu_user.launcher("domain", f"oci-archive:{evil}").code != 0
+    assert _exports_listed(qemu_user)[_manifest_digest(evil)]["vm"] is None
+    assert "\x1b" not in qemu_user.launcher("ls").out
 
     # a launcher that made (or found) the export and has not recorded its VM yet holds its use lock
     lock = os.open(qemu_user.cache / "locks" / f"export-use-{export.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)

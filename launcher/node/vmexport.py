@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from launcher.node.cache import Cache, tree_size
 # The use locks this process holds (see the docstring): released when it exits, with the VM recorded by then.
 _IN_USE = contextlib.ExitStack()
 CHUNK = 1 << 20
+_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")  # a DNS-1123 subdomain, as metadata.name
 _SUFFIXES = {"": 1, "k": 1000, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50, "Ei": 1 << 60}
 
 
@@ -123,9 +125,11 @@ def listing(cache: Cache, vms: list[dict]) -> list[dict]:
     for export in cache.exports():
         try:
             name = (json.loads((export / "vm.json").read_bytes()).get("metadata") or {}).get("name")
+            claims = sorted(p.name for p in (export / "claims").iterdir())
         except (OSError, ValueError, AttributeError):
-            name = None
-        found.append({"path": str(export), "manifest": f"sha256:{export.name}", "vm": name if isinstance(name, str) else None,
-                      "claims": sorted(p.name for p in (export / "claims").iterdir()), "size": tree_size(export),
-                      "usedBy": [vm["domain"] for vm in vms if str(export) in vm.get("entries", [])]})
+            continue  # removed by a gc meanwhile, or not one materialize made
+        # the name as the export states it, not yet validated: printed only when it is one a VM may have
+        shown = name if isinstance(name, str) and _NAME.fullmatch(name) else None
+        found.append({"path": str(export), "manifest": f"sha256:{export.name}", "vm": shown, "claims": claims,
+                      "size": tree_size(export), "usedBy": [vm["domain"] for vm in vms if str(export) in vm.get("entries", [])]})
     return found
