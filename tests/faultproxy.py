@@ -40,8 +40,8 @@ needs that request header to match (e.g. ``("Range", r"^bytes=1536-")`` for one 
 Extensions a registry may have that distribution lacks: ``FaultProxy.headers`` is a list of
 ``(PATH_REGEX, NAME, VALUE)`` added to every relayed answer whose target matches; ``FaultProxy.answer``,
 when set, is called as ``answer(method, target, read_body)`` when no fault applies and answers the request itself
-when it returns ``(status, json_body)``; it calls ``read_body()`` only then (None: not its request,
-forwarded as usual with its body unread).
+when it returns ``(status, json_body)`` or ``(status, json_body, headers)`` (a Content-Type there replaces
+the JSON one); it calls ``read_body()`` only then (None: not its request, forwarded as usual with its body unread).
 """
 
 from __future__ import annotations
@@ -214,7 +214,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _reply(self, status: int, body: dict, headers: dict | None = None, close: bool = False) -> None:
         data = json.dumps(body).encode()
         self.send_response_only(status)
-        self.send_header("Content-Type", "application/json; charset=utf-8")
+        if not any(k.lower() == "content-type" for k in headers or {}):
+            self.send_header("Content-Type", "application/json; charset=utf-8")
         self.send_header("Content-Length", str(len(data)))
         self.send_header("Docker-Distribution-Api-Version", "registry/2.0")
         for k, v in (headers or {}).items():
@@ -294,7 +295,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if fault is None and proxy.answer is not None:
             local = proxy.answer(self.command, self.path, lambda: b"".join(self._body_pieces(kind, length)) if kind != "none" else b"")
             if local is not None:
-                self._reply(local[0], local[1])
+                self._reply(*local)
                 return
 
         if action == "status" or action == "retry_after":

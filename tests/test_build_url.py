@@ -433,3 +433,47 @@ def test_https_with_credentials_in_the_url(diskkit, site, tmp_path):
     assert trusted.code == 0, trusted.err
     assert wrong.code == 1 and wrong.err.strip() == f"diskkit: {server.url('guest.qcow2.xz')}: expected status code 200, got 401 (Unauthorized)"
     assert "s3cret" not in untrusted.err + trusted.err + wrong.err and "nope" not in wrong.err
+
+
+def _blob_statuses(err: str) -> list[str]:
+    return [json.loads(line)["status"] for line in err.splitlines() if line.startswith("{") and '"event": "blob"' in line]
+
+
+def test_url_and_pipe_builds_record_their_layer_pinned_by_the_checksum_checked(diskkit, registry, fault_proxy, site, tmp_path):
+    # As a file build's record (diskkit/ops/buildrecord.py), keyed by the URL as shown (no credentials,
+    # no query) and the checksum its bytes were verified against: an unchanged rebuild sends no layer.
+    upstream, disk = site
+    packed = disk.with_name("guest.qcow2.xz")
+    digest = f"sha256:{_sha(packed)}"
+    proxy = fault_proxy(registry)
+    target = f"{proxy.host}/url-{uuid.uuid4().hex[:8]}:v1"
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    uploads = lambda: [p for m, p, _ in proxy.log if "/blobs/uploads/" in p and m in ("POST", "PATCH", "PUT")]  # noqa: E731
+
+    first = diskkit("build", upstream.url("guest.qcow2.xz") + "?token=first-secret", "--checksum", digest, "-t", target, "--json", *FAST, env=env)
+    assert first.code == 0, first.err
+    assert _blob_statuses(first.err) == ["uploaded"] and uploads()
+    records = list((tmp_path / "cache" / "diskkit" / "builds").glob("*.json"))
+    assert len(records) == 1 and "secret" not in records[0].read_text()
+
+    proxy.log.clear()
+    again = diskkit("build", upstream.url("guest.qcow2.xz") + "?token=other-secret", "--checksum", digest, "-t", target, "--json", *FAST, env=env)
+    assert again.code == 0, again.err
+    assert _blob_statuses(again.err) == ["exists"] and uploads() == []
+    assert json.loads(again.out)["digest"] == json.loads(first.out)["digest"]
+
+    # no checksum, nothing pins a URL's bytes: no record is read or written
+    unpinned = diskkit("build", upstream.url("guest.qcow2.xz"), "-t", target, "--json", *FAST, env=env)
+    assert unpinned.code == 0, unpinned.err
+    assert _blob_statuses(unpinned.err) == ["uploaded"]
+    assert len(list((tmp_path / "cache" / "diskkit" / "builds").glob("*.json"))) == 1
+
+    piped = []
+    for _ in range(2):
+        with open(packed, "rb") as stdin:
+            proc = subprocess.run([sys.executable, "-m", "diskkit", "build", "-", "--checksum", digest, "-t", target, "--json", *FAST],
+                                  stdin=stdin, capture_output=True, text=True, env={**os.environ, "CI": "true", **env})
+        assert proc.returncode == 0, proc.stderr
+        piped.append(_blob_statuses(proc.stderr))
+    assert piped == [["uploaded"], ["exists"]]
+    assert diskkit("verify", *FAST, target).code == 0

@@ -193,3 +193,44 @@ def test_the_signature_list_is_read_as_containers_image_reads_it():
     entry = sigapi.new_entry("sha256:" + "a" * 64, b"sig", set())
     assert re.fullmatch("sha256:" + "a" * 64 + "@[0-9a-f]{32}", entry["name"]) and entry["schemaVersion"] == 2 and entry["type"] == "atomic"
     assert base64.b64decode(entry["content"]) == b"sig"
+
+
+def test_an_http_lookaside_staging_is_passed_over_where_the_api_keeps_signatures_and_refused_where_not(api, keys, disk, tmp_path):
+    # docker_image_dest.go SupportsSignatures / PutSignaturesWithFormat: supportsSignatures is tried
+    # before signatureBase, so an http(s) staging (putOneSignature: "Writing directly to a https
+    # lookaside ... is not supported") is never written where the registry offers the API.
+    openshift, store, plain = api
+    regd = tmp_path / "regd"
+    regd.mkdir()
+    (regd / "default.yaml").write_text(f"default-docker:\n  lookaside: file://{keys['lookaside']}\n"
+                                       f"docker:\n  {openshift.host}:\n    lookaside-staging: https://sigs.invalid/staging\n"
+                                       f"  {plain.host}:\n    lookaside-staging: https://sigs.invalid/staging\n")
+    ref = f"{openshift.host}/sigapi/staged:v1"
+    digest = build(disk, ref, "--registries.d", regd, "--sign-by", keys["a"])
+    assert len(store.contents("sigapi/staged", digest)) == 1
+    assert inspect(keys, policy(tmp_path / "a.json", f"{openshift.host}/sigapi", signed_by(keys, "a")), ref).code == 0
+    # skopeo (containers/image) does the same with this registries.d
+    anything = tmp_path / "any.json"
+    anything.write_text(json.dumps({"default": [{"type": "insecureAcceptAnything"}]}))
+    proc = subprocess.run(["skopeo", "--policy", str(anything), "--registries.d", str(regd), "copy", "--src-tls-verify=false",
+                           "--dest-tls-verify=false", "--sign-by", keys["a"], f"docker://{ref}", f"docker://{openshift.host}/sigapi/staged-skopeo:v1"],
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+
+    # a copy carrying a lookaside signature into the API registry through the same registries.d
+    src = f"{plain.host}/sigapi/staged-src:v1"
+    assert build(disk, src, "--registries.d", keys["regd"], "--sign-by", keys["b"]) == digest
+    carried = run_diskkit("copy", NOREG, "--registries.d", regd, f"docker://{src}", f"docker://{openshift.host}/sigapi/staged-copy:v1")
+    assert carried.code == 0, carried.err
+    assert len(store.contents("sigapi/staged-copy", digest)) == 1
+
+    # the plain registry keeps no signatures itself: refused before anything moves, in one line
+    openshift.log.clear()
+    plain.log.clear()
+    refused = run_diskkit("build", NOREG, "--no-lazy", disk, "-t", f"{plain.host}/sigapi/unstaged:v1", "--registries.d", regd, "--sign-by", keys["a"])
+    line = one_line(refused)
+    assert "Writing directly to a https lookaside is not supported. Configure a lookaside-staging: location" in line, line
+    assert not any(m in ("PUT", "POST", "PATCH") for m, _, _ in plain.log), plain.log
+    refused = run_diskkit("copy", NOREG, "--registries.d", regd, f"docker://{src}", f"docker://{plain.host}/sigapi/unstaged-copy:v1")
+    assert "Writing directly to a https lookaside is not supported" in one_line(refused)
+    assert not any(m in ("PUT", "POST", "PATCH") for m, _, _ in plain.log), plain.log

@@ -328,3 +328,92 @@ def test_run_refuses_an_image_that_is_not_a_vm_export(qemu_user, tmp_path):
     ran = qemu_user.launcher("run", NOREG, f"oci:{image}")
     assert ran.code != 0
     assert "is not a KubeVirt VM export" in ran.err and len(ran.err.strip().splitlines()) == 1, ran.err
+
+
+# --- the node cache's exports: launcher ls and gc -----------------------------------------------------
+
+def _manifest_digest(tar: Path) -> str:
+    return json.loads(_tar_files(tar)["index.json"])["manifests"][0]["digest"]
+
+
+def _exports_listed(qemu_user) -> dict[str, dict]:
+    shown = qemu_user.launcher("ls", "--json")
+    assert shown.code == 0, shown.err
+    return {export["manifest"]: export for export in json.loads(shown.out)["exports"]}
+
+
+def test_ls_lists_an_export_and_gc_removes_it_unless_a_launcher_holds_it_for_a_run(qemu_user):
+    import fcntl
+
+    tar = _kubevirt_tar(qemu_user.root / "gc.oci.tar", _go_vm_config("gc.data"), [("gc-data", b"\x03" * MIB, None)])
+    digest = _manifest_digest(tar)
+    assert qemu_user.launcher("domain", f"oci-archive:{tar}").code == 0
+    export = qemu_user.cache / "exports" / digest.split(":")[1]
+    listed = _exports_listed(qemu_user)[digest]
+    assert listed["path"] == str(export) and listed["vm"] == "fromkubevirt" and listed["claims"] == ["gc-data"]
+    assert listed["size"] >= MIB and listed["usedBy"] == []
+    text = qemu_user.launcher("ls")
+    assert text.code == 0 and f"fromkubevirt {digest[:19]}" in text.out, text.out
+    # a name no VM may have (the run refuses it after the claims were made) is not printed
+    config = _go_vm_config("gc.data")
+    config["metadata"]["name"] = "\x1b[2Jevil"
+    evil = _kubevirt_tar(qemu_user.root / "evil.oci.tar", config, [("gc-data", b"\x04" * MIB, None)])
+    assert qemu_user.launcher("domain", f"oci-archive:{evil}").code != 0
+    assert _exports_listed(qemu_user)[_manifest_digest(evil)]["vm"] is None
+    assert "\x1b" not in qemu_user.launcher("ls").out
+
+    # a launcher that made (or found) the export and has not recorded its VM yet holds its use lock
+    lock = os.open(qemu_user.cache / "locks" / f"export-use-{export.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_SH)
+        kept = qemu_user.launcher("gc", "--json")
+        assert kept.code == 0, kept.err
+        assert str(export) not in json.loads(kept.out)["removed"] and (export / "claims" / "gc-data" / "disk.img").exists()
+    finally:
+        os.close(lock)
+
+    collected = qemu_user.launcher("gc", "--json")
+    assert collected.code == 0, collected.err
+    assert str(export) in json.loads(collected.out)["removed"] and not export.exists()
+    assert digest not in _exports_listed(qemu_user)
+    assert not list((qemu_user.cache / "exports").glob(".gone-*"))
+
+
+def test_gc_keeps_the_export_a_running_vm_uses_and_removes_it_once_the_vm_stopped(qemu_user, tmp_path):
+    raw = (_claim_dir(tmp_path) / "disk.img").read_bytes()
+    tar = _kubevirt_tar(qemu_user.root / "running.oci.tar", _go_vm_config("running.disk"), [("running-disk", raw, None)])
+    digest = _manifest_digest(tar)
+    export = qemu_user.cache / "exports" / digest.split(":")[1]
+    started = qemu_user.launcher("run", "--detach", "--timeout", "240", f"oci-archive:{tar}")
+    assert started.code == 0, started.err
+    try:
+        assert _exports_listed(qemu_user)[digest]["usedBy"] == ["default_fromkubevirt"]
+        kept = qemu_user.launcher("gc", "--json")
+        assert kept.code == 0, kept.err
+        assert str(export) not in json.loads(kept.out)["removed"] and export.is_dir()
+    finally:
+        stopped = qemu_user.launcher("stop", "fromkubevirt")
+    assert stopped.code == 0, stopped.err
+    collected = qemu_user.launcher("gc", "--json")
+    assert collected.code == 0, collected.err
+    assert str(export) in json.loads(collected.out)["removed"] and not export.exists()
+
+
+def test_gc_max_size_counts_exports_and_a_reused_export_is_the_last_to_go(qemu_user):
+    made = {}
+    for name, fill in (("old-data", b"\x05"), ("new-data", b"\x06")):
+        tar = _kubevirt_tar(qemu_user.root / f"{name}.oci.tar", _go_vm_config(name.replace("-", ".")), [(name, fill * (4 * MIB), None)])
+        assert qemu_user.launcher("domain", f"oci-archive:{tar}").code == 0
+        made[name] = (tar, qemu_user.cache / "exports" / _manifest_digest(tar).split(":")[1])
+    # both older than anything else in the cache; the one made first is used again now
+    os.utime(made["old-data"][1] / "vm.json", (2, 2))
+    os.utime(made["new-data"][1] / "vm.json", (1, 1))
+    assert qemu_user.launcher("domain", f"oci-archive:{made['new-data'][0]}").code == 0
+    # exports count toward --max-size as disks do: 2 MiB over it, the oldest goes (4 MiB), nothing more
+    shown = json.loads(qemu_user.launcher("ls", "--json").out)
+    total = sum(d["size"] for d in shown["disks"]) + sum(e["size"] for e in shown["exports"])
+    collected = qemu_user.launcher("gc", "--json", "--max-size", str(total - 2 * MIB))
+    assert collected.code == 0, collected.err
+    removed = json.loads(collected.out)["removed"]
+    assert str(made["old-data"][1]) in removed and str(made["new-data"][1]) not in removed, removed
+    assert made["new-data"][1].is_dir() and not made["old-data"][1].exists()

@@ -205,7 +205,7 @@ def build_cmd(src, dests, image_path, disk_format, compression, level, lazy, ker
                                    default_instancetype, default_preference)
     if skip_if_label and _nothing_to_do(opts, skip_if_label, registry, as_json):
         return
-    signers = [_signer(d, sign) for d in dests]
+    signers = [_signer(d, sign, registry) for d in dests]
     hooks = {str(parse_ref(d)): _before_manifest(s) for d, s in zip(dests, signers)}
     result = build(opts, reporter_for(as_json), registry, lambda ref: hooks.get(str(ref)))
     signed: dict = {}
@@ -232,7 +232,7 @@ def _nothing_to_do(opts: BuildOptions, pairs, registry: RegistryOptions, as_json
     return why is not None
 
 
-def _signer(dest: str, sign):
+def _signer(dest: str, sign, registry: RegistryOptions | None = None):
     """(destination, decrypted key) for sigstore, a SimpleSigner for GPG; checked before anything is
     pushed; else None."""
     if sign is None:
@@ -240,7 +240,7 @@ def _signer(dest: str, sign):
     if sign.sign_by:
         from diskkit.signing.simple import SimpleSigner
 
-        return SimpleSigner(parse_ref(dest), sign)
+        return SimpleSigner(parse_ref(dest), sign, registry)
     from diskkit.signing.trust import check_signable, load_signer
 
     return check_signable(dest, sign), load_signer(sign)
@@ -251,13 +251,13 @@ def _before_manifest(signer):
     return signer if signer is not None and not isinstance(signer, tuple) else None
 
 
-def _signature_copier(src: str, dest: str, src_opts: RegistryOptions, trust, signer):
+def _signature_copier(src: str, dest: str, src_opts: RegistryOptions, trust, signer, dest_opts: RegistryOptions | None = None):
     """(before_manifest, whether the source's manifest has GPG signatures to carry over)."""
     from diskkit.oci.image import sha256_digest
     from diskkit.signing.simple import SignatureCopier
     from diskkit.transports import open_source
 
-    copier = SignatureCopier(parse_ref(src), parse_ref(dest), trust.registries_d, signer, src_opts)
+    copier = SignatureCopier(parse_ref(src), parse_ref(dest), trust.registries_d, signer, src_opts, dest_opts)
     with open_source(src, src_opts) as source:
         data, _, desc = source.manifest_descriptors()
     carried = copier.of_source(desc.digest if desc else sha256_digest(data), True)
@@ -514,10 +514,10 @@ def push_cmd(src, dest, platform, all_platforms, multi_arch, preserve_digests, d
     src_opts = replace(registry, **{f: sides[f"src_{k}"] for k, f in fields.items() if sides[f"src_{k}"] is not None})
     dest_opts = replace(registry, **{f: sides[f"dest_{k}"] for k, f in fields.items() if sides[f"dest_{k}"] is not None})
     enforce_ref(src, trust, src_opts, platform_of(platform), {"system": "selected", "all": "every", "index-only": "none"}[multi_arch])
-    signer = _signer(dest, sign)
+    signer = _signer(dest, sign, dest_opts)
     hook = _before_manifest(signer)
     if not remove_signatures and parse_ref(src).transport in ("docker", "dir"):
-        hook, carried = _signature_copier(src, dest, src_opts, trust, hook)
+        hook, carried = _signature_copier(src, dest, src_opts, trust, hook, dest_opts)
         # containers/image copy: signatures are kept only on the very bytes they sign.
         if carried and not preserve_digests:
             preserve_digests = "Would invalidate signatures (copy with --remove-signatures)"

@@ -102,6 +102,7 @@ class Unwrapped:
     path: Path  # the disk file: the input itself, or one written under the work directory
     name: str  # the disk's own name (the archive member's, or the input's without its compression suffix)
     layers: tuple[str, ...] = ()  # what was peeled off, outermost first: ("xz",), ("gzip", "tar")
+    checked: tuple[str, ...] = ()  # "sha256:HEX"... a streamed source's bytes were verified against: all that pins them
 
 
 def unwrap(source: Path, workdir: Path, note: Callable[[str], None] | None = None) -> Unwrapped:

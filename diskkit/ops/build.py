@@ -333,8 +333,10 @@ def _artifact_options(opts: BuildOptions) -> BuildOptions:
 
 def _build_one(opts, dest, plat: Platform, given: str | Path, disk: payload.Unwrapped, info, workdir: Path, reporter: Reporter, child: bool) -> BuildResult:
     workdir.mkdir(parents=True)
-    # A download's record would pin a temporary file (never settled, so never written): no shortcut for URLs.
-    source = disk.path if fetch.is_stream(given) else Path(given)
+    # A download is pinned by the checksums its bytes were verified against (a URL's bytes may change
+    # under it, and its temporary copy is new each time): without one, no record and no shortcut.
+    streamed = fetch.is_stream(given)
+    source = disk.path if streamed else Path(given)
     disk_format = _target_format(opts.disk_format, info.format)
     if opts.artifact:
         title = _disk_name(disk, disk_format != info.format, disk_format)
@@ -370,12 +372,15 @@ def _build_one(opts, dest, plat: Platform, given: str | Path, disk: payload.Unwr
             pending.commit(result.digest, result.size)
         return result
 
+    recordable = not streamed or bool(disk.checked)
     record, settled = buildrecord.key(
-        [(image_disk_path, source), *((a[0], a[1]) for a in (opts.kernel, opts.initrd) if a)],
+        [*([] if streamed else [(image_disk_path, source)]), *((a[0], a[1]) for a in (opts.kernel, opts.initrd) if a)],
         {"diskFormat": disk_format, "inputFormat": info.format, "compression": compression, "level": opts.level,
          "lazy": bool(opts.lazy), "created": opts.created, "mediaType": layer_media},
+        [(image_disk_path, fetch.shown(given), disk.checked)] if streamed else [],
     )
-    layer = buildrecord.lookup(record)
+    settled = settled and recordable
+    layer = buildrecord.lookup(record) if recordable else None
     place, recorded = _place(dest), buildrecord.places(record)
     status = _held(dest, place, Descriptor(layer_media, layer.digest, layer.size), recorded) if layer else None
     if status:

@@ -41,16 +41,18 @@ def pin(path: Path) -> list[int]:
     return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
-def key(files: list[tuple[str, Path]], settings: dict) -> tuple[str, bool]:
-    """The record's name (every (image path, input file) pinned by its inode and times, plus the
-    settings), and whether a record may be written under it.
+def key(files: list[tuple[str, Path]], settings: dict, streamed: list[tuple[str, str, tuple[str, ...]]] = ()) -> tuple[str, bool]:
+    """The record's name (every (image path, input file) pinned by its inode and times, every
+    (image path, URL as shown, checksums verified) of a URL or pipe pinned by those checksums, plus
+    the settings), and whether a record may be written under it.
 
     A file changed again within its filesystem's timestamp granularity of the moment it was pinned
     would keep the same pin with other bytes, so only pins whose ctime lies SETTLE seconds in the
     past are recorded: any later change then gives a different ctime."""
     now = time.time_ns()
     pins = [[image_path, str(Path(local).absolute()), pin(Path(local))] for image_path, local in files]
-    what = {"format": FORMAT, "diskkit": __version__, "files": pins, "settings": settings}
+    sums = [[image_path, source, sorted(checked)] for image_path, source, checked in streamed]
+    what = {"format": FORMAT, "diskkit": __version__, "files": pins, "settings": settings, **({"streamed": sums} if sums else {})}
     settled = all(now - p[2][4] >= SETTLE_NS for p in pins)
     return hashlib.sha256(json.dumps(what, sort_keys=True, separators=(",", ":")).encode()).hexdigest(), settled
 

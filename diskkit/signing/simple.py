@@ -30,7 +30,8 @@ class SimpleSigner:
     reference and stores the signature through the registry's signature API when it offers one,
     else in the lookaside (registries) or the image (dir:)."""
 
-    def __init__(self, dest: ImageRef, opts: SignOptions):
+    def __init__(self, dest: ImageRef, opts: SignOptions, registry=None):
+        """`registry`: the destination's RegistryOptions, to ask whether it keeps signatures itself."""
         if dest.transport != "docker":
             # copy/sign.go: the signed identity is the destination's Docker reference; others have none.
             raise DiskkitError(str(dest), "Cannot determine canonical Docker reference for destination (sign a docker:// destination, or use standalone-sign)")
@@ -38,7 +39,7 @@ class SimpleSigner:
         self.reference = policy.identity_of(dest.name)
         identity, namespaces = policy.identity_of(dest.name), policy.namespaces_of(dest.name)
         self.base = registriesd.lookaside_base(registriesd.load(opts.registries_d), identity, namespaces, dest.name.repository, write=True)
-        lookaside.writable_dir(self.base, "sha256:" + "0" * 64)  # refuse an http(s) lookaside before anything moves
+        _check_writable(self.base, dest, registry)
         self.passphrase = read_sign_passphrase(opts)
         # The probe: the key exists, the passphrase opens it, the agent answers, before any byte moves.
         sign_payload(opts, self.passphrase, self.reference, "sha256:" + "0" * 64)
@@ -54,6 +55,28 @@ class SimpleSigner:
         else:
             lookaside.append(self.base, digest, [signature])
         self.signed.append(digest)
+
+
+def _registry_of(ref: ImageRef, opts):
+    """The client for the registry `ref` is read from and pushed to (its registries.conf `insecure` too)."""
+    from diskkit.registry import registriesconf
+    from diskkit.registry.options import RegistryOptions
+    from diskkit.transports.remote import registry_for
+
+    itself = registriesconf.load().push_target(ref.name)
+    return registry_for(ref.name.registry, (opts or RegistryOptions()).for_endpoint(itself.insecure))
+
+
+def _check_writable(base: str, dest: ImageRef, registry) -> None:
+    """Refuse, before anything moves, a lookaside signatures cannot be written to (http(s)) unless
+    the destination keeps them through its signature API, which wins over any lookaside
+    (docker_image_dest.go PutSignaturesWithFormat and SupportsSignatures: supportsSignatures first,
+    signatureBase only then), so its staging location is never written."""
+    try:
+        lookaside.writable_dir(base, "sha256:" + "0" * 64)
+    except DiskkitError:
+        if registry is None or not sigapi.supported(_registry_of(dest, registry)):
+            raise
 
 
 def standalone_sign(manifest: bytes, docker_reference: str, fingerprint: str, passphrase: bytes | None) -> bytes:
@@ -91,8 +114,8 @@ class SignatureCopier:
     lookaside, or a dir: image's signature-N files), then a new one when signing, stored where the
     destination keeps them, as containers/image copy does unless --remove-signatures."""
 
-    def __init__(self, src: ImageRef, dest: ImageRef, registries_d, signer: SimpleSigner | None, src_registry=None):
-        self.src, self.dest, self.signer, self.src_registry = src, dest, signer, src_registry
+    def __init__(self, src: ImageRef, dest: ImageRef, registries_d, signer: SimpleSigner | None, src_registry=None, dest_registry=None):
+        self.src, self.dest, self.signer, self.src_registry, self.dest_registry = src, dest, signer, src_registry, dest_registry
         config = registriesd.load(registries_d)
         self.src_base = None
         self.src_dir = Path(src.path) if src.transport == "dir" else None
@@ -104,12 +127,8 @@ class SignatureCopier:
 
     def of_source(self, digest: str, top: bool) -> list[bytes]:
         if self.src_base is not None:
-            from diskkit.registry import registriesconf
-            from diskkit.registry.options import RegistryOptions
-            from diskkit.transports.remote import registry_for
-            # The source registry itself (its registries.conf `insecure` too), as the destination's is found.
-            itself = registriesconf.load().push_target(self.src.name)
-            registry = registry_for(self.src.name.registry, (self.src_registry or RegistryOptions()).for_endpoint(itself.insecure))
+            # The source registry itself, as the destination's is found.
+            registry = _registry_of(self.src, self.src_registry)
             try:
                 api = sigapi.supported(registry)
             except DiskkitError as err:
@@ -129,7 +148,7 @@ class SignatureCopier:
         if carried and self.dest.transport not in ("docker", "dir"):
             raise DiskkitError(str(self.dest), "Can not copy signatures: Pushing signatures to this destination is not supported (copy with --remove-signatures)")
         if carried and self.dest_base is not None:
-            lookaside.writable_dir(self.dest_base, "sha256:" + "0" * 64)
+            _check_writable(self.dest_base, self.dest, self.dest_registry)
 
     def __call__(self, destination, digest: str, child: bool) -> None:
         carried = self.of_source(digest, not child)

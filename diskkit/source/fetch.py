@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import BinaryIO, Callable
 
@@ -141,5 +142,5 @@ def _download_once(spec: str, out_dir: Path, expected, opts: RegistryOptions, no
     if expected:
         refuse_mismatch(spec, hashes)
         note(f"{shown(spec)}: {', '.join(str(e) for e in expected)} verified over {hashing.count} bytes")
-    return disk
+    return replace(disk, checked=tuple(sorted(str(e) for e in expected)))
 

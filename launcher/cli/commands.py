@@ -329,7 +329,8 @@ Examples:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @cache_option
 def ls(as_json, cache_dir) -> None:
-    """List the VMs started from this cache and the disks it holds."""
+    """List the VMs started from this cache and the disks and VM exports it holds."""
+    from launcher.node.vmexport import listing as export_listing
     from launcher.runtime.vms import state
 
     cache = node_cache(cache_dir)
@@ -342,9 +343,10 @@ def ls(as_json, cache_dir) -> None:
         users = [vm["domain"] for vm in vms if str(entry) in vm.get("entries", [])]
         disks.append({"path": str(entry / "disk.img"), "images": images.get(str(entry), []), "size": tree_size(entry),
                       "format": meta.get("format"), "layer": meta.get("layer"), "usedBy": users})
+    exports = export_listing(cache, vms)
     pinned = pins_listing(cache)
     if as_json:
-        click.echo(json.dumps({"vms": vms, "disks": disks, "pins": pinned}, indent=2))
+        click.echo(json.dumps({"vms": vms, "disks": disks, "exports": exports, "pins": pinned}, indent=2))
         return
     click.echo(f"{'VM':32} {'STATE':8} IMAGES")
     for vm in vms:
@@ -355,6 +357,11 @@ def ls(as_json, cache_dir) -> None:
         # reference was pulled again elsewhere) shows its layer. Paths are in --json.
         shown = ",".join(disk["images"]) or f"(layer {(disk['layer'] or '?')[:19]})"
         click.echo(f"{shown:56} {disk['size'] / (1 << 20):>8.1f}Mi  {','.join(disk['usedBy']) or '-'}")
+    if exports:
+        click.echo(f"\n{'VM EXPORT (its claims)':56} {'SIZE':>10}  USED BY")
+        for export in exports:
+            shown = f"{export['vm'] or '?'} {export['manifest'][:19]}"
+            click.echo(f"{shown:56} {export['size'] / (1 << 20):>8.1f}Mi  {','.join(export['usedBy']) or '-'}")
     if pinned:
         click.echo(f"\n{'PINNED (launcher run --update moves them)':56} DIGEST")
         for pin in pinned:
@@ -370,7 +377,7 @@ Examples:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @cache_option
 def gc(max_size, as_json, cache_dir) -> None:
-    """Remove cached disks no running VM uses (all of them, or the oldest until under --max-size)."""
+    """Remove cached disks and VM exports no running VM uses (all of them, or the oldest until under --max-size)."""
     from launcher.runtime.gc import collect
 
     cache = node_cache(cache_dir)

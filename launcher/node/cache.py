@@ -34,6 +34,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
 import stat
@@ -318,6 +319,16 @@ class Cache:
         """Every complete disk entry directory."""
         return sorted(p.parent for p in (self.root / "disks" / "sha256").glob("*/*/disk.img"))
 
+    def exports(self) -> list[Path]:
+        """Every complete VM export directory (launcher.node.vmexport), named by its manifest's hex."""
+        return sorted(p.parent for p in (self.root / "exports").glob("*/vm.json") if _HEX64.match(p.parent.name))
+
+    def export_of(self, path: Path) -> Path | None:
+        """The VM export directory a claim `path` lies in, or None for a claim of the user's own."""
+        top = self.root / "exports"
+        parent = Path(path).parent.parent
+        return parent if parent.parent == top and _HEX64.match(parent.name) else None
+
     # --- VMs started from this cache ---------------------------------------------------------
 
     def vm_record_path(self, domain: str) -> Path:
@@ -348,6 +359,9 @@ class Cache:
             if record:
                 records.append(record)
         return records
+
+
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
 def tree_size(path: Path) -> int:

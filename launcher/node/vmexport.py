@@ -7,13 +7,17 @@ sparse as the bytes arrive, its digest checked before the directory is renamed i
 
 Keyed by the manifest's digest, which pins every byte: a second run of the same export finds its
 claims there and, as a claim does, keeps what the VM wrote to them (hack/oci-import.sh uploads each
-disk into a new claim once, too). `launcher gc` leaves them (they hold what the VM wrote): remove
-the directory to start from the export again.
+disk into a new claim once, too). `launcher gc` removes an export as it removes a disk: when no
+running VM's record names it and no launcher is between making it and recording its VM (the
+`export-use-<hex>` lock, held shared from before the export is looked at until the process ends).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,9 +31,12 @@ from diskkit.streams.compression import decompressing_reader
 from diskkit.streams.fsutil import fsync_dir, fsync_tree
 from diskkit.streams.sparse import SparseWriter
 from diskkit.transports import open_source
-from launcher.node.cache import Cache
+from launcher.node.cache import Cache, tree_size
 
+# The use locks this process holds (see the docstring): released when it exits, with the VM recorded by then.
+_IN_USE = contextlib.ExitStack()
 CHUNK = 1 << 20
+_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")  # a DNS-1123 subdomain, as metadata.name
 _SUFFIXES = {"": 1, "k": 1000, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50, "Ei": 1 << 60}
 
 
@@ -83,8 +90,10 @@ def materialize(cache: Cache, ref: str, registry: RegistryOptions | None, platfo
         final = cache.root / "exports" / hexpart
         used = {d.name for d in claims.values()}
         result = Materialized(final / "vm.json", {claim: final / "claims" / d.name for claim, d in claims.items()}, image.digest)
+        _IN_USE.enter_context(cache.lock(f"export-use-{hexpart}", shared=True))
         with cache.lock(f"export-{hexpart}"):
             if final.is_dir():
+                os.utime(final / "vm.json")  # its last use, for gc --max-size
                 return result
             with cache.staging() as staging:
                 top = staging / hexpart
@@ -107,3 +116,20 @@ def materialize(cache: Cache, ref: str, registry: RegistryOptions | None, platfo
                 os.rename(top, final)
                 fsync_dir(final.parent)
         return result
+
+
+def listing(cache: Cache, vms: list[dict]) -> list[dict]:
+    """Each VM export on this node for `launcher ls`: its manifest, its VirtualMachine's name, the
+    space its claims take and the recorded VMs (`vms`, with their entries) that use it."""
+    found = []
+    for export in cache.exports():
+        try:
+            name = (json.loads((export / "vm.json").read_bytes()).get("metadata") or {}).get("name")
+            claims = sorted(p.name for p in (export / "claims").iterdir())
+        except (OSError, ValueError, AttributeError):
+            continue  # removed by a gc meanwhile, or not one materialize made
+        # the name as the export states it, not yet validated: printed only when it is one a VM may have
+        shown = name if isinstance(name, str) and _NAME.fullmatch(name) else None
+        found.append({"path": str(export), "manifest": f"sha256:{export.name}", "vm": shown, "claims": claims,
+                      "size": tree_size(export), "usedBy": [vm["domain"] for vm in vms if str(export) in vm.get("entries", [])]})
+    return found

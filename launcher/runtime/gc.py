@@ -49,19 +49,23 @@ def collect(cache: Cache, max_size: int | None = None) -> Collected:
             out.freed += tree_size(partial)
             shutil.rmtree(partial, ignore_errors=True)
             out.removed.append(str(partial))
-        entries = [(e, tree_size(e)) for e in cache.disks()]
+        # VM exports' claims count as disks do; they hold what their VM wrote, so they go only when
+        # no running VM uses them, as disks, and no launcher is between making one and recording its VM.
+        exports = cache.exports()
+        entries = [(e, tree_size(e)) for e in [*cache.disks(), *exports]]
         total = sum(size for _, size in entries)
         unused = sorted((e for e in entries if str(e[0]) not in in_use), key=lambda e: _last_use(e[0]))
         for entry, size in unused:
             if max_size is not None and total <= max_size:
                 break
-            _remove_entry(entry)
+            if not _remove_entry(cache, entry, entry in exports):
+                continue
             out.removed.append(str(entry))
             out.freed += size
             total -= size
         out.kept = total
         # A VM's lock outlives the VM (one file per name ever run): those no launcher holds go.
-        out.locks_removed = [str(path) for path in cache.remove_stale_locks("vm-")]
+        out.locks_removed = [str(path) for prefix in ("vm-", "export-") for path in cache.remove_stale_locks(prefix)]
     return out
 
 
@@ -83,12 +87,23 @@ def _unrecorded_runs(cache: Cache) -> list[str]:
 
 def _last_use(entry: Path) -> float:
     try:
-        return (entry / "meta.json").stat().st_mtime
+        return (entry / ("meta.json" if (entry / "meta.json").exists() else "vm.json")).stat().st_mtime
     except OSError:
         return 0.0
 
 
-def _remove_entry(entry: Path) -> None:
+def _remove_entry(cache: Cache, entry: Path, export: bool) -> bool:
+    """Removed (True), or kept because a launcher is about to run the VM export it is (False)."""
+    if not export:
+        _rename_away(entry)
+        return True
+    with cache.lock_if_free(f"export-use-{entry.name}") as free:
+        if free:
+            _rename_away(entry)
+        return free
+
+
+def _rename_away(entry: Path) -> None:
     # Rename first so a reader never sees a half-deleted entry as complete.
     doomed = entry.with_name(f".gone-{entry.name}")
     entry.rename(doomed)

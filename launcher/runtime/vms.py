@@ -170,7 +170,8 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
                     "run_dir": str(run_dir),
                     "images": sorted({p.image for p in prepared.pulled}),
                     "pins": {volume: pin.pinned for volume, pin in sorted(prepared.pins.items())},
-                    "entries": sorted({str(p.path.parent) for p in prepared.pulled}),
+                    # the disks it was pulled and the VM exports whose claims it writes (launcher.node.vmexport)
+                    "entries": sorted({str(p.path.parent) for p in prepared.pulled} | _exports_used(cache, opts)),
                     "started": int(time.time()),
                     "pid": os.getpid(),
                     "secrets": [source.secret_usage for source, _ in prepared.secrets],
@@ -341,6 +342,11 @@ class Echo:
     def __call__(self, data: bytes) -> None:
         sys.stdout.buffer.write(data)
         sys.stdout.buffer.flush()
+
+
+def _exports_used(cache: Cache, opts: RunOptions) -> set[str]:
+    claims = (opts.storage or Storage()).pvcs.values()
+    return {str(export) for claim in claims if (export := cache.export_of(claim.path))}
 
 
 def _remove_run_dir(cache: Cache, name: str) -> None:
