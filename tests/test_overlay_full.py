@@ -46,7 +46,8 @@ class Namespaced(QemuUser):
         self.seen(self.cache).mkdir()
         os.chown(self.seen(self.cache), QEMU_UID, pwd.getpwuid(QEMU_UID).pw_gid)
         self.env = {**self.env, "DISKKIT_CACHE": str(self.cache)}
-        self.enter = ["nsenter", f"--mount=/proc/{self.holder.pid}/ns/mnt", "--"]
+        # --wd: joining a mount namespace moves to its root; this checkout stays the one `-m launcher` imports.
+        self.enter = ["nsenter", f"--mount=/proc/{self.holder.pid}/ns/mnt", f"--wd={os.getcwd()}", "--"]
 
     def seen(self, path: Path) -> Path:
         """`path` as the namespace sees it."""
