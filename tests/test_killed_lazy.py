@@ -29,7 +29,7 @@ from tests.vmhost import DONE, NOREG, QemuUser, assert_clean, qemu_scratch
 
 NAME = "killed-lazy"
 DOMAIN = f"default_{NAME}"
-IDLE, FETCH_TIMEOUT = 1, 30
+IDLE, FETCH_TIMEOUT = 15, 30  # idle: long enough for a run on a loaded machine to ask before the server leaves
 # What the server may take to leave once no VM uses it: its idle time, one fetch timeout (a fill whose
 # registry went quiet is given up after that), and the rest of a 64 MiB fill from a loopback registry
 # on a loaded machine.
@@ -164,7 +164,7 @@ def the_truth_then_clean(user: QemuUser, stages: LazyStages, stage: str) -> None
     status = user.launcher("status", NAME)
     if running:
         assert (status.code, status.out.strip()) == (0, "running"), (stage, status)
-        assert server.poll() is None, stage
+        assert server.poll() is None, (stage, (user.cache.parent / f"serve-{user.cache.name}.log").read_text(errors="replace")[-3000:])
         # The dead run's qemu still reads through the server: it is connected, and stays served.
         assert serve_status(user)["connections"] >= 1, stage
     else:
