@@ -20,6 +20,7 @@ import subprocess
 from pathlib import Path
 from typing import Iterator
 
+from launcher.runtime.iopause import describe
 from tests import leftovers
 from tests.conftest import Result, launcher_command
 from tests.lazyhost import wait_for
@@ -176,3 +177,9 @@ def test_a_full_filesystem_while_the_overlay_is_made_fails_the_run_in_one_line(g
         assert "No space left on device" in result.err, result.err
         assert files_of_run(user) == [], files_of_run(user)
         assert DOMAIN not in user.virsh("list", "--all", "--name").split()
+
+
+def test_the_line_that_says_why_a_vm_paused():
+    assert describe({"vdb": ("I/O error", None), "vda": ("no space left on device", "/c/run/d/root/disk.qcow2")}) \
+        == "vda: no space left on device (/c/run/d/root/disk.qcow2); vdb: I/O error"
+    assert describe({}) == "an I/O error libvirt names no disk for"

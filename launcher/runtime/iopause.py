@@ -27,7 +27,8 @@ NO_SPACE_RETRY = 5.0  # between resumes of a VM paused for want of space
 
 def describe(errors: dict[str, tuple[str, str | None]]) -> str:
     """One line for the disks that paused a VM: `vda: no space left on device (/run/.../root.qcow2)`."""
-    return "; ".join(f"{dev}: {kind}" + (f" ({where})" if where else "") for dev, (kind, where) in sorted(errors.items())) or "a disk"
+    return "; ".join(f"{dev}: {kind}" + (f" ({where})" if where else "") for dev, (kind, where) in sorted(errors.items())) \
+        or "an I/O error libvirt names no disk for"
 
 
 class PauseWatch:

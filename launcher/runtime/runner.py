@@ -137,11 +137,6 @@ class Libvirt:
         except self.lv.libvirtError:
             return False  # vanished between the lookup and the question
 
-    def io_error(self, name: str) -> str | None:
-        """The disks that paused the domain with an I/O error (error_policy stop), or None if it is not so paused."""
-        errors = self.disk_errors(name)
-        return None if errors is None else ", ".join(sorted(errors)) or "a disk"
-
     def disk_errors(self, name: str) -> dict[str, tuple[str, str | None]] | None:
         """Each disk whose error paused the domain (error_policy stop): its target, what the error was
         (libvirt's virDomainDiskErrorCode: "no space left on device" when qemu saw ENOSPC) and the
