@@ -22,7 +22,7 @@ from typing import Iterator
 import pytest
 
 from tests.faultproxy import Fault
-from tests.lazyhost import QEMU_UID, build_lazy_image, control, disk_server, padded_guest, wait_for
+from tests.lazyhost import QEMU_UID, build_lazy_image, disk_server, padded_guest, wait_for
 from tests.test_killed_launcher import daemon_pids, domains, reap
 from tests.testguest import ensure_testguest
 from tests.vmhost import DONE, NOREG, QemuUser, assert_clean, qemu_scratch
