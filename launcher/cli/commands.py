@@ -300,23 +300,29 @@ Examples:
   (a pod's probe)  exec: {command: [launcher, status, testguest]}
 """)
 @click.argument("name")
-@click.option("--json", "as_json", is_flag=True, help='Print {"name": ..., "domain": ..., "state": ...}.')
+@click.option("--json", "as_json", is_flag=True, help='Print {"name": ..., "domain": ..., "state": ..., "reason": ...}.')
 @cache_option
 def status(name, as_json, cache_dir) -> None:
-    """Print a VM's state (running, stopped, gone, unknown); exit 0 only while it runs.
+    """Print a VM's state (running, paused, stopped, gone, unknown); exit 0 only while it runs.
+
+    paused: a disk's I/O error stopped the guest (KubeVirt's errorPolicy stop), said in the same
+    line with the disk, the error and its file: `paused: vda: no space left on device (FILE)`.
 
     Made for a pod's exec readiness and liveness probes: the answer comes from libvirt, so a
     launcher that is alive with a dead guest is reported as not running.
     """
     from diskkit.errors import NotFound
-    from launcher.runtime.vms import find_record, state
+    from launcher.runtime.vms import find_record, state_and_why
 
     cache = node_cache(cache_dir)
     record = find_record(cache, name)
     if record is None:
         raise NotFound(name, "no VM of this name was started from this cache (yet)")
-    now = state(record, cache)
-    click.echo(json.dumps({"name": name, "domain": record["domain"], "state": now}, indent=2) if as_json else now)
+    now, why = state_and_why(record, cache)
+    if as_json:
+        click.echo(json.dumps({"name": name, "domain": record["domain"], "state": now, "reason": why}, indent=2))
+    else:
+        click.echo(f"{now}: {why}" if why else now)
     if now != "running":
         sys.exit(1)
 

@@ -5,7 +5,12 @@ pausing is given up on, within a bound, with the disk server's own reason.
 
 KubeVirt only reports such a pause (a Paused condition for libvirt's PAUSED_IOERROR reason:
 pkg/virt-handler/vm.go, api.ReasonPausedIOError); resuming is ours, since a lazy disk's errors
-are a registry's outage rather than a broken device."""
+are a registry's outage rather than a broken device.
+
+A pause for want of space (an overlay that cannot grow on a full filesystem) is never given up on:
+the guest lost nothing, and what it waits for is an admin freeing space, which may take any time.
+It is said once, naming the file, and the VM is resumed now and then (qemu retries the write, and
+pauses again while the filesystem is still full) until it runs on or is stopped."""
 
 from __future__ import annotations
 
@@ -13,10 +18,17 @@ import time
 from typing import Callable
 
 from diskkit.errors import DiskkitError
-from launcher.runtime.runner import Libvirt
+from launcher.runtime.runner import NO_SPACE, Libvirt
 
 RESUME_AFTER = (1.0, 2.0, 4.0, 8.0, 15.0, 15.0)  # then it is given up on
 SETTLED = 30.0  # running this long since the last resume: the outage is over, the count starts again
+NO_SPACE_RETRY = 5.0  # between resumes of a VM paused for want of space
+
+
+def describe(errors: dict[str, tuple[str, str | None]]) -> str:
+    """One line for the disks that paused a VM: `vda: no space left on device (/run/.../root.qcow2)`."""
+    return "; ".join(f"{dev}: {kind}" + (f" ({where})" if where else "") for dev, (kind, where) in sorted(errors.items())) \
+        or "an I/O error libvirt names no disk for"
 
 
 class PauseWatch:
@@ -28,16 +40,29 @@ class PauseWatch:
         self.resumes = 0
         self.paused_at: float | None = None
         self.resumed_at = 0.0
+        self.told_no_space = False
 
     def running(self) -> bool:
         """For console.follow: True while the domain is up, resuming it when an I/O error paused it."""
         now = time.monotonic()
-        disks = self.lv.io_error(self.name)
-        if disks is None:
+        errors = self.lv.disk_errors(self.name)
+        if errors is None:
             self.paused_at = None
-            if self.resumes and now - self.resumed_at >= SETTLED:
+            if now - self.resumed_at >= SETTLED:
                 self.resumes = 0
+                self.told_no_space = False
             return self.lv.active(self.name)
+        disks = ", ".join(sorted(errors)) or "a disk"
+        no_space = bool(errors) and all(kind == NO_SPACE for kind, _ in errors.values())
+        if no_space:
+            if not self.told_no_space:
+                self.told_no_space = True
+                self.say(f"note: the VM paused for want of space: {describe(errors)}; it goes on once space is freed there"
+                         f" (or stop it: launcher stop {self.name})")
+            if now - self.resumed_at >= NO_SPACE_RETRY:
+                self.resumed_at = now
+                self.lv.resume(self.name)
+            return True
         if self.paused_at is None:
             self.paused_at = now
             self.say(f"note: the VM paused on an I/O error of {disks}")

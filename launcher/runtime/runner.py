@@ -6,6 +6,7 @@ import contextlib
 import functools
 import os
 import signal
+import xml.etree.ElementTree as ET
 from typing import Iterator
 
 from diskkit.errors import DiskkitError
@@ -54,6 +55,23 @@ def _libvirt():
     # libvirt prints every error to stderr by default; ours are reported once, as one line.
     libvirt.registerErrorHandler(lambda _ctx, _err: None, None)
     return libvirt
+
+
+NO_SPACE = "no space left on device"
+
+
+def _disk_sources(xml: str) -> dict[str, str]:
+    """target dev -> the file (or device) a domain's disk writes to."""
+    if not xml:
+        return {}
+    found = {}
+    for disk in ET.fromstring(xml).iterfind("devices/disk"):
+        target, source = disk.find("target"), disk.find("source")
+        if target is not None and source is not None:
+            where = source.get("file") or source.get("dev")
+            if where:
+                found[target.get("dev")] = where
+    return found
 
 
 def _message(exc) -> str:
@@ -119,8 +137,10 @@ class Libvirt:
         except self.lv.libvirtError:
             return False  # vanished between the lookup and the question
 
-    def io_error(self, name: str) -> str | None:
-        """The disks that paused the domain with an I/O error (error_policy stop), or None if it is not so paused."""
+    def disk_errors(self, name: str) -> dict[str, tuple[str, str | None]] | None:
+        """Each disk whose error paused the domain (error_policy stop): its target, what the error was
+        (libvirt's virDomainDiskErrorCode: "no space left on device" when qemu saw ENOSPC) and the
+        file it writes to; None when the domain is not paused by an I/O error."""
         domain = self._lookup(name)
         try:
             if domain is None:
@@ -129,9 +149,12 @@ class Libvirt:
             if state != self.lv.VIR_DOMAIN_PAUSED or reason != self.lv.VIR_DOMAIN_PAUSED_IOERROR:
                 return None
             errors = domain.diskErrors() or {}
+            xml = domain.XMLDesc(0) if errors else ""
         except self.lv.libvirtError:
             return None
-        return ", ".join(sorted(errors)) or "a disk"
+        sources = _disk_sources(xml)
+        kinds = {self.lv.VIR_DOMAIN_DISK_ERROR_NO_SPACE: NO_SPACE}
+        return {dev: (kinds.get(code, "I/O error"), sources.get(dev)) for dev, code in errors.items()}
 
     def resume(self, name: str) -> None:
         domain = self._lookup(name)

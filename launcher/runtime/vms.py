@@ -30,7 +30,7 @@ from launcher.render.domain import Host, render, secret_xml
 from launcher.render.interfaces import netdev_id
 from launcher.runtime import accel, hostcpus, rundir, sessiond, virtiofs
 from launcher.runtime.console import ConsoleLog, follow
-from launcher.runtime.iopause import PauseWatch
+from launcher.runtime.iopause import PauseWatch, describe
 from launcher.runtime.portforward import Forward, Forwarder
 from launcher.runtime.runner import Libvirt, default_uri
 from launcher.spec.vmi import VMI
@@ -402,14 +402,23 @@ def stop(cache: Cache, name: str) -> str | None:
 
 
 def state(record: dict, cache: Cache | None = None) -> str:
-    """running, stopped (defined, not running), gone (no such domain) or unknown (libvirt unreachable)."""
+    """running, paused (by an I/O error of a disk, error_policy stop), stopped (defined, not running),
+    gone (no such domain) or unknown (libvirt unreachable)."""
+    return state_and_why(record, cache)[0]
+
+
+def state_and_why(record: dict, cache: Cache | None = None) -> tuple[str, str | None]:
+    """The state, and for a paused VM which disks paused it and why (iopause.describe)."""
     try:
         lv = Libvirt(record["uri"]) if cache is None else connect(cache, record["uri"])
     except DiskkitError:
-        return "unknown"
+        return "unknown", None
     try:
+        errors = lv.disk_errors(record["domain"])
+        if errors is not None:
+            return "paused", describe(errors)
         if lv.active(record["domain"]):
-            return "running"
-        return "stopped" if lv.exists(record["domain"]) else "gone"
+            return "running", None
+        return ("stopped" if lv.exists(record["domain"]) else "gone"), None
     finally:
         lv.close()
