@@ -146,6 +146,12 @@ class ChunkIndex:
         """The file at `relpath` is gone (gc) or no longer what it was: none of its places are kept."""
         self._run(lambda db: db.execute("DELETE FROM places WHERE path = ?", (relpath,)))
 
+    def forget_under(self, relpath: str) -> None:
+        """Every file at or below `relpath` is gone (a disk entry or lazy export that gc removed)."""
+        prefix = relpath.rstrip("/") + "/"
+        self._run(lambda db: db.execute("DELETE FROM places WHERE path = ? OR substr(path, 1, ?) = ?",
+                                        (relpath, len(prefix), prefix)))
+
     def forget_place(self, hash_name: str, hexdigest: str, place: Place) -> None:
         """One place found not to hold its chunk any more (launcher.chunks.source)."""
         self._run(lambda db: db.execute("DELETE FROM places WHERE hash = ? AND hex = ? AND path = ? AND offset = ?",

@@ -26,7 +26,8 @@ class ChunkSource(Protocol):
 
 
 @lru_cache(maxsize=64)
-def _zero_hash(hash_name: str, length: int) -> str:
+def zero_hash(hash_name: str, length: int) -> str:
+    """The content hash of `length` zero bytes: such a chunk (a sparse disk's holes) needs no file."""
     return lazytoc.content_hash(hash_name, bytes(length))
 
 
@@ -67,7 +68,7 @@ class LocalChunks:
             return None
         start, end = self.toc.chunk_range(index)
         length, want = end - start, self.hexes[index]
-        if want == _zero_hash(self.hash_name, length):
+        if want == zero_hash(self.hash_name, length):
             self.reused += length
             return bytes(length)
         for place in self.index.lookup(self.hash_name, want):
