@@ -157,6 +157,10 @@ class ChunkIndex:
         self._run(lambda db: db.execute("DELETE FROM places WHERE hash = ? AND hex = ? AND path = ? AND offset = ?",
                                         (hash_name, hexdigest, place.path, place.offset)))
 
+    def empty(self) -> bool:
+        """Nothing recorded: a pull has no chunk to look for, so no reason to read a TOC ahead."""
+        return self._run(lambda db: db.execute("SELECT 1 FROM places LIMIT 1").fetchone()) is None
+
     def paths(self) -> list[str]:
         return [row[0] for row in self._run(lambda db: db.execute("SELECT DISTINCT path FROM places").fetchall())]
 

@@ -155,10 +155,12 @@ def _cached(cache: Cache, ref_key: str) -> Pulled | None:
 def _extract(cache: Cache, source, image, shown: str, path: str | None, disk: bool, ref_key: str, reporter: Reporter, by_chunks: bool = True) -> Pulled:
     cache.reclaim_staging()  # what killed pulls left behind: this one may need the space
     transfer = deltapull.Transfer()
-    tocs = deltapull.read_tocs(source, image, transfer)
     index = ChunkIndex(cache)
+    plans = {}
     try:
-        plans = deltapull.plan(source, image, tocs, index, transfer) if by_chunks else {}
+        # The TOCs are read ahead (one range request each) only when the node has chunks to offer.
+        if by_chunks and isinstance(source, RemoteSource) and not index.empty():
+            plans = deltapull.plan(source, image, deltapull.read_tocs(source, image, transfer), index, transfer)
     except sqlite3.Error:  # the index is a hint: without it, the pull is a whole one
         plans = {}
     walked_source, walked_image = source, image
@@ -168,11 +170,13 @@ def _extract(cache: Cache, source, image, shown: str, path: str | None, disk: bo
     elif isinstance(source, RemoteSource):
         transfer.fetched += sum(layer.size for layer in image.layers)
     for why in transfer.whole:
-        reporter.note(f"{shown}: {why}: pulled whole")
+        reporter.event({"event": "pulled-whole", "image": shown, "reason": why})
     with cache.staging() as spool:
+        kept: dict = {}
         # The ImageVolume rule (a lone file at the root) only applies when no path was given.
         try:
-            tree, found, staged = scan_image(walked_source, walked_image, path, spool, allow_root_file=path is None)
+            tree, found, staged = scan_image(walked_source, walked_image, path, spool, allow_root_file=path is None,
+                                             kept=kept, keep=frozenset({lazytoc.TOC_MEMBER}))
         except RangesRefused:
             return _extract(cache, source, image, shown, path, disk, ref_key, reporter, by_chunks=False)
         # The rules `diskkit verify` applies, UID 107's access included: KubeVirt never chowns the
@@ -187,7 +191,7 @@ def _extract(cache: Cache, source, image, shown: str, path: str | None, disk: bo
                 raise DiskkitError(shown, "; ".join(problems))
         layer = image.layers[found.node.layer].digest
         meta = {"layer": layer, "member": found.node.path, "format": facts.format, "virtual_size": facts.virtual_size}
-        chunks = _content_hashes(tocs.get(found.node.layer), found.node.path, staged) if disk else None
+        chunks = _content_hashes(_unpacked_toc(image, found.node.layer, kept.get(lazytoc.TOC_MEMBER)), found.node.path, staged) if disk else None
         extra = {CHUNKS_FILE: record_for(*chunks)} if chunks else {}
         final = cache.install_disk(staged, layer, found.node.path, meta, extra)
     if chunks:
@@ -202,6 +206,19 @@ def _extract(cache: Cache, source, image, shown: str, path: str | None, disk: bo
         reporter.note(f"{shown}: {transfer.fetched} bytes fetched, {transfer.reused} bytes of the disk reused from the node")
     reporter.event({"event": "pulled", "image": shown, "fetched": transfer.fetched, "reused": transfer.reused})
     return pulled
+
+
+def _unpacked_toc(image, layer: int, spooled) -> lazytoc.Toc | None:
+    """The lazy TOC the disk's layer holds, as the walk unpacked it (its diffID checked), pinned by
+    the layer's annotations; None when there is none or it is not the one they pin."""
+    desc = image.layers[layer]
+    if spooled is None or spooled.node.layer != layer:
+        return None
+    try:
+        loc = lazytoc.location(desc, image.where)
+        return lazytoc.parse(spooled.path.read_bytes(), loc, image.where, lazytoc.version_for(desc.media_type)) if loc else None
+    except (DiskkitError, OSError):
+        return None
 
 
 def _content_hashes(toc: lazytoc.Toc | None, member: str, staged: Path):
