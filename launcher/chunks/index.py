@@ -95,7 +95,9 @@ class ChunkIndex:
                     db = self._db or self._connect()
                     return work(db)
                 except sqlite3.DatabaseError as exc:
-                    if attempt or isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
+                    # Only a file SQLite cannot read as a database goes ("file is not a database",
+                    # "malformed"); a busy or unwritable one is an error, not a reason to throw it away.
+                    if attempt or isinstance(exc, (sqlite3.OperationalError, sqlite3.IntegrityError, sqlite3.ProgrammingError)):
                         raise
                     self._discard()
 

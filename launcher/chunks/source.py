@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import sqlite3
 import stat
 from functools import lru_cache
 from pathlib import Path
@@ -71,7 +72,11 @@ class LocalChunks:
         if want == zero_hash(self.hash_name, length):
             self.reused += length
             return bytes(length)
-        for place in self.index.lookup(self.hash_name, want):
+        try:
+            places = self.index.lookup(self.hash_name, want)
+        except sqlite3.Error:  # the index is a hint: unreadable, it offers nothing
+            return None
+        for place in places:
             if place.length != length:
                 continue
             data = self._read(place)

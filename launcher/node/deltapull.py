@@ -125,7 +125,7 @@ def plan(source, image: Image, tocs: dict[int, lazytoc.Toc | None], index: Chunk
         hash_name, hexes = toc.content_hashes
         draft = LayerPlan(at, desc, toc, diff_ids[at], hash_name, hexes, frozenset(), b"")
         spans = draft.spans
-        have = frozenset(i for i in range(toc.count) if _held(index, hash_name, hexes[i], spans, toc, i))
+        have = frozenset(i for i in range(toc.count) if _held(index, hash_name, hexes[i], toc, i))
         saved = sum(spans[i][1] for i in have)
         if saved < MIN_SAVED * desc.size:
             transfer.whole.append(f"layer {at}: the node holds chunks worth {saved} of its {desc.size} bytes, less than {MIN_SAVED:.0%}")
@@ -155,7 +155,7 @@ def _unusable(toc: lazytoc.Toc | None, at: int, diff_ids: list[str]) -> str | No
     return None
 
 
-def _held(index: ChunkIndex, hash_name: str, hexdigest: str, spans, toc: lazytoc.Toc, i: int) -> bool:
+def _held(index: ChunkIndex, hash_name: str, hexdigest: str, toc: lazytoc.Toc, i: int) -> bool:
     start, end = toc.chunk_range(i)
     return hexdigest == zero_hash(hash_name, end - start) or bool(index.lookup(hash_name, hexdigest))
 
