@@ -209,3 +209,21 @@ def test_disks_of_older_images_are_indexed_too(tmp_path, registry, fault_proxy):
     assert third["reused"] == 31 * MIB and sha256_file(Path(third["path"])) == sha256_file(v2)
     assert blob_bytes(proxy) < 2 * MIB
     shutil.rmtree(cache)
+
+
+def test_a_kernel_boot_image_is_assembled_with_its_other_files(tmp_path, registry, fault_proxy):
+    """Files before and after the disk (kernelBoot's kernel and initrd, the TOC, the trailer) come
+    from the head and tail members, inflated one after another: the diffID holds and the pull reuses."""
+    v1, v2, _ = _disks(tmp_path)
+    rng = random.Random(9)
+    (tmp_path / "vmlinuz").write_bytes(rng.randbytes(300 * KIB))
+    (tmp_path / "initrd").write_bytes(b"initrd " * 200000)
+    files = ("--kernel", tmp_path / "vmlinuz", "--initrd", tmp_path / "initrd")
+    ref1 = build(registry.host, v1, "kb:v1", *files)
+    build(registry.host, v2, "kb:v2", *files)
+    cache = tmp_path / "cache"
+    pull(cache, ref1)
+    proxy = fault_proxy(registry)
+    second, _ = pull(cache, f"{proxy.host}/delta/kb:v2")
+    assert sha256_file(Path(second["path"])) == sha256_file(v2) and second["reused"] == 31 * MIB
+    assert blob_bytes(proxy) < 2 * MIB + 400 * KIB
