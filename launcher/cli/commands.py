@@ -54,9 +54,7 @@ def pull(ref, image_path, platform, pull_policy, as_json, cache_dir, registry: R
 
     Layers stream through once, digests and diffIDs verified; only the disk is written (sparse),
     after KubeVirt's checks (qemu-img info under limits, raw or qcow2, no backing or data file).
-    Concurrent pulls of one image on a node download it once. A lazy layer (diskkit build's
-    default) whose chunks the node already holds in any cached disk is assembled from them and
-    range requests for the rest; --json says how many bytes were fetched and reused.
+    Concurrent pulls of one image on a node download it once.
     """
     from diskkit.progress import reporter_for
     from launcher.node.pull import pull as do_pull
