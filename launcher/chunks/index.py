@@ -160,7 +160,11 @@ class ChunkIndex:
                                         (hash_name, hexdigest, place.path, place.offset)))
 
     def empty(self) -> bool:
-        """Nothing recorded: a pull has no chunk to look for, so no reason to read a TOC ahead."""
+        """Nothing recorded: a pull has no chunk to look for, so no reason to read a TOC ahead. An
+        index not made yet on a cache with no disk is not made for the question (a pull that fails
+        on a fresh node leaves nothing behind)."""
+        if self._db is None and not self.path.exists() and not any((self.root / "disks" / "sha256").glob("*/*/disk.img")):
+            return True
         return self._run(lambda db: db.execute("SELECT 1 FROM places LIMIT 1").fetchone()) is None
 
     def paths(self) -> list[str]:
