@@ -6,7 +6,8 @@ forgets files while they do; writers wait for each other (busy timeout) instead 
 is only a hint: whoever reads a place hashes what it read (launcher.chunks.source), so a stale or
 wrong row costs a fetch, never a wrong byte. It can therefore be thrown away: one that is missing or
 that SQLite cannot read is rebuilt from the disks the cache holds (`rebuild`), from the hashes
-recorded beside each disk when it was installed (CHUNKS_FILE), or by hashing the disk where none were.
+recorded beside each disk when it was installed (CHUNKS_FILE), or by hashing the disk where none were
+(and where they were sha256, as older TOCs name chunks: new ones use BLAKE3, REBUILD_HASH).
 """
 
 from __future__ import annotations
@@ -120,7 +121,8 @@ class ChunkIndex:
     # --- the API -----------------------------------------------------------------------------
 
     def add_file(self, relpath: str, hash_name: str, hexes, chunk_size: int, size: int) -> None:
-        """Record that chunk i of the file at `relpath` (cache-relative) hashes to hexes[i]."""
+        """Record that chunk i of the file at `relpath` (cache-relative) hashes to hexes[i] under
+        `hash_name`, in place of what was recorded for it under that name (a file may have several)."""
         self._run(lambda db: self._add(db, relpath, hash_name, hexes, chunk_size, size))
 
     @staticmethod
@@ -132,7 +134,7 @@ class ChunkIndex:
         rows = ((hash_name, hexes[i], relpath, i * chunk_size, min(chunk_size, size - i * chunk_size)) for i in range(len(hexes)))
         db.execute("BEGIN IMMEDIATE")
         try:
-            db.execute("DELETE FROM places WHERE path = ?", (relpath,))
+            db.execute("DELETE FROM places WHERE path = ? AND hash = ?", (relpath, hash_name))
             db.executemany("INSERT OR REPLACE INTO places VALUES (?, ?, ?, ?, ?)", rows)
             db.execute("COMMIT")
         except BaseException:
@@ -183,12 +185,12 @@ class ChunkIndex:
             relpath = str(disk.relative_to(self.root))
             try:
                 found = _recorded(disk.parent / CHUNKS_FILE, disk)
-                if found is None:
-                    hexes, chunk_size, size = hash_file(disk)
-                    found = (REBUILD_HASH, hexes, chunk_size, size)
+                if found is not None:
+                    self._add(db, relpath, *found)
+                if found is None or found[0] != REBUILD_HASH:  # older TOCs' sha256: BLAKE3 too, as new TOCs name chunks
+                    self._add(db, relpath, REBUILD_HASH, *hash_file(disk))
             except OSError:
                 continue  # removed meanwhile (gc)
-            self._add(db, relpath, *found)
 
 
 def _recorded(path: Path, disk: Path):

@@ -197,6 +197,8 @@ def _extract(cache: Cache, source, image, shown: str, path: str | None, disk: bo
     if chunks:
         with contextlib.suppress(sqlite3.Error):
             index.add_file(str(final.relative_to(cache.root)), *chunks)
+            if chunks[0] != "blake3":  # an older TOC's sha256s: new TOCs name chunks by BLAKE3, hashed once here
+                index.add_file(str(final.relative_to(cache.root)), "blake3", *hash_file(final))
     pulled = Pulled(final, facts.format, facts.virtual_size, shown, image.digest, layer, found.node.path, transfer.fetched, transfer.reused)
     record = pulled.to_json()
     for counted in ("fetched", "reused"):  # this pull's, not what a later hit of the record costs
