@@ -12,6 +12,7 @@
     <root>/partial/<digest>.part, .synced, .source  blobs being downloaded, kept for resuming after a kill
     <root>/lazy/, <root>/serve/                     the disk server's exports and sockets
     <root>/exports/<manifest hex>/                  KubeVirt VM exports made runnable (launcher.node.vmexport)
+    <root>/chunks/index.sqlite                      which cached file holds which chunk (launcher.chunks.index)
 
 What a cache holds is private (issue 26): pulled disks are images other users may not be entitled
 to, and what is being downloaded or served comes from private registries. So the directories
@@ -104,7 +105,7 @@ def private_dirs(top: Path, path: Path) -> Path:
     return path
 
 
-SUBDIRS = ("blobs", "disks", "refs", "tags", "vms", "run", "locks", "tmp", "partial", "lazy", "pins", "exports")
+SUBDIRS = ("blobs", "disks", "refs", "tags", "vms", "run", "locks", "tmp", "partial", "lazy", "pins", "exports", "chunks")
 # what qemu opens itself: base disks and kernels, a VM's run directory, the claims of VM exports
 QEMU_READS = ("disks", "run", "exports")
 
@@ -293,8 +294,9 @@ class Cache:
     def disk_dir(self, layer_digest: str, member: str) -> Path:
         return self.root / "disks" / "sha256" / layer_digest.removeprefix("sha256:") / key(member)
 
-    def install_disk(self, staged_file: Path, layer_digest: str, member: str, meta: dict) -> Path:
-        """Move a verified, spooled disk into place; returns the final disk.img path."""
+    def install_disk(self, staged_file: Path, layer_digest: str, member: str, meta: dict, extra: dict[str, bytes] | None = None) -> Path:
+        """Move a verified, spooled disk into place, with `extra` files beside it (name -> bytes, such
+        as its chunks' hashes); returns the final disk.img path."""
         final = self.disk_dir(layer_digest, member)
         if (final / "disk.img").exists():
             return final / "disk.img"  # another image with this layer got here first
@@ -306,6 +308,8 @@ class Cache:
             os.fsync(f.fileno())
         os.chmod(disk, 0o444)  # the shared base: VMs write to their own overlays only
         write_atomic(entry / "meta.json", json.dumps(meta, indent=2, sort_keys=True).encode() + b"\n")
+        for name, data in (extra or {}).items():
+            write_atomic(entry / name, data)
         final.parent.mkdir(parents=True, exist_ok=True)
         try:
             entry.replace(final)
