@@ -20,9 +20,11 @@ from diskkit.errors import DiskkitError, Exit
 from diskkit.layers import lazytoc
 from diskkit.layers.imagefs import Spooled, extract_one, walk
 from diskkit.layers.lazycheck import MemberCheck
+from diskkit.layers.lazyinflate import MemberInflater
 from diskkit.oci import artifact
 from diskkit.oci import mediatypes as mt
 from diskkit.oci.image import Image, Platform, parse_json
+from diskkit.oci.mediatypes import layer_compression
 from diskkit.oci.reference import parse_ref
 from diskkit.registry.options import RegistryOptions
 from diskkit.transports import open_source
@@ -87,16 +89,20 @@ def scan(ref: str, platform: Platform | None, path: str | None, spool: Path, hea
 
 
 def scan_image(source: Source, image: Image, path: str | None, spool: Path, head_limit: int | None = None, allow_root_file: bool = False,
-               kept: dict[str, Spooled] | None = None, keep: frozenset[str] = frozenset(), taps: dict | None = None):
+               kept: dict[str, Spooled] | None = None, keep: frozenset[str] = frozenset(), taps: dict | None = None,
+               inflate_lazy: bool = False):
     """The tree, the located disk and its spooled file (None when it is missing or only partly kept).
 
     With `kept`, the files at `keep` are spooled too and put there; `taps` as imagefs.walk's. An
     artifact boots only through an image volume, so the image volume's rule (a lone file at the root)
-    applies to it whatever `allow_root_file` says."""
+    applies to it whatever `allow_root_file` says. With `inflate_lazy`, lazy v2 layers are inflated
+    on every core, their TOCs read first and trusted for nothing the blob digest and diffID do not
+    also pin (a TOC that cannot be read, or that does not describe its blob, is refused)."""
     allow_root_file = allow_root_file or is_artifact(image)
     disk_candidate = wanted(path, allow_root_file)
     want = disk_candidate if not keep else (lambda p: disk_candidate(p) or p in keep)
-    tree, spooled = walk(source, image, want, spool, head_limit, taps=taps)
+    inflaters = lazy_inflaters(source, image) if inflate_lazy else None
+    tree, spooled = walk(source, image, want, spool, head_limit, taps=taps, inflaters=inflaters)
     if kept is not None:
         kept.update({p: spooled[p] for p in keep if p in spooled and spooled[p].complete})
     found = locate(tree, path, allow_root_file=allow_root_file)
@@ -109,6 +115,16 @@ def scan_image(source: Source, image: Image, path: str | None, spool: Path, head
             disk_file = spool / "disk"
             extract_one(source, image, found.node, disk_file)
     return tree, found, disk_file
+
+
+def lazy_inflaters(source: Source, image: Image) -> dict:
+    """For each lazy v2 gzip layer, what inflates its members on every core (imagefs.walk's `inflaters`)."""
+    problems: list[str] = []
+    tocs = stored_tocs(source, image, problems)
+    if problems:
+        raise DiskkitError(image.where, problems[0])
+    return {i: (lambda raw, toc=toc, i=i: MemberInflater(raw, toc, f"{image.where}: {_where(image, i)}"))
+            for i, toc in tocs.items() if toc.members is not None and layer_compression(image.layers[i].media_type) == "gzip"}
 
 
 def verify(ref: str, path: str | None = None, platform: Platform | None = None, registry: RegistryOptions | None = None) -> Report:

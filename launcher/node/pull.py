@@ -139,7 +139,7 @@ def _extract(cache: Cache, source, image, shown: str, path: str | None, disk: bo
     cache.reclaim_staging()  # what killed pulls left behind: this one may need the space
     with cache.staging() as spool:
         # The ImageVolume rule (a lone file at the root) only applies when no path was given.
-        tree, found, staged = scan_image(source, image, path, spool, allow_root_file=path is None)
+        tree, found, staged = scan_image(source, image, path, spool, allow_root_file=path is None, inflate_lazy=True)
         # The rules `diskkit verify` applies, UID 107's access included: KubeVirt never chowns the
         # file, so qemu would fail on it with Permission denied in a real virt-launcher.
         blocking = tree.findings + found.problems
