@@ -30,7 +30,7 @@ from diskkit.errors import DiskkitError
 from diskkit.layers.lazytoc import Toc, member_pin
 
 WORKERS = os.cpu_count() or 2
-IN_FLIGHT_BYTES = 16 << 20  # chunks inflating or inflated and not yet read, beyond one per worker
+IN_FLIGHT_BYTES = 8 << 20  # chunks inflating or inflated and not yet read, beyond one per worker
 PASS = 1 << 20  # the bytes around the chunks are read and inflated in pieces of this size
 _END = object()
 
