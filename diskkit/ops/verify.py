@@ -23,7 +23,7 @@ from diskkit.layers.lazycheck import MemberCheck
 from diskkit.layers.lazyinflate import MemberInflater
 from diskkit.oci import artifact
 from diskkit.oci import mediatypes as mt
-from diskkit.oci.image import Image, Platform, parse_json
+from diskkit.oci.image import Descriptor, Image, Platform, parse_json
 from diskkit.oci.mediatypes import layer_compression
 from diskkit.oci.reference import parse_ref
 from diskkit.registry.options import RegistryOptions
@@ -118,13 +118,17 @@ def scan_image(source: Source, image: Image, path: str | None, spool: Path, head
 
 
 def lazy_inflaters(source: Source, image: Image) -> dict:
-    """For each lazy v2 gzip layer, what inflates its members on every core (imagefs.walk's `inflaters`)."""
-    problems: list[str] = []
-    tocs = stored_tocs(source, image, problems)
-    if problems:
-        raise DiskkitError(image.where, problems[0])
-    return {i: (lambda raw, toc=toc, i=i: MemberInflater(raw, toc, f"{image.where}: {_where(image, i)}"))
-            for i, toc in tocs.items() if toc.members is not None and layer_compression(image.layers[i].media_type) == "gzip"}
+    """For each lazy v2 gzip layer, what inflates its members on every core (imagefs.walk's `inflaters`);
+    a TOC that cannot be read where its annotations say is refused, a registry failure raised as it is."""
+    inflaters = {}
+    for index, layer in enumerate(image.layers):
+        if layer_compression(layer.media_type) != "gzip":
+            continue
+        where = f"{image.where}: {_where(image, index)}"
+        toc = read_toc(source, layer, where)
+        if toc is not None and toc.members is not None:
+            inflaters[index] = lambda raw, toc=toc, where=where: MemberInflater(raw, toc, where)
+    return inflaters
 
 
 def verify(ref: str, path: str | None = None, platform: Platform | None = None, registry: RegistryOptions | None = None) -> Report:
@@ -214,18 +218,23 @@ def stored_tocs(source: Source, image: Image, problems: list[str]) -> dict[int, 
     reads them) before the blob streams; None (and a problem) for one that cannot be read there."""
     tocs: dict[int, lazytoc.Toc | None] = {}
     for index, layer in enumerate(image.layers):
-        where = _where(image, index)
-        version = lazytoc.version_for(layer.media_type)
         try:
-            loc = lazytoc.location(layer, where)
-            if loc is None:
-                continue
-            stored = lazytoc.read_stored(source.read_range(layer, loc.offset, loc.size), version, where)
-            tocs[index] = lazytoc.parse(stored, loc, where, version)
+            toc = read_toc(source, layer, _where(image, index))
+            if toc is not None:
+                tocs[index] = toc
         except DiskkitError as exc:
             problems.append(exc.line())
             tocs[index] = None
     return tocs
+
+
+def read_toc(source: Source, layer: Descriptor, where: str) -> lazytoc.Toc | None:
+    """A layer's lazy TOC, read (one range of the blob) and checked where its annotations say; None without one."""
+    loc = lazytoc.location(layer, where)
+    if loc is None:
+        return None
+    version = lazytoc.version_for(layer.media_type)
+    return lazytoc.parse(lazytoc.read_stored(source.read_range(layer, loc.offset, loc.size), version, where), loc, where, version)
 
 
 def toc_problems(image: Image, tocs: dict[int, lazytoc.Toc | None], kept: dict[str, Spooled], disk_file: Path, member: str) -> list[str]:
