@@ -35,7 +35,8 @@ Faults are tried in the order added; the first live one whose method (or ``"*"``
 request method and whose ``path`` regex is found (``re.search``) in the request target — path plus
 query string — applies and uses up one of its ``times``; with ``skip=N`` the first N requests it
 matches pass unharmed (the second PATCH of an upload, say). A fault with ``header=(NAME, REGEX)`` also
-needs that request header to match (e.g. ``("Range", r"^bytes=1536-")`` for one range request).
+needs that request header to match (e.g. ``("Range", r"^bytes=1536-")`` for one range request);
+``header=(NAME, None)`` needs it absent (``("Range", None)``: a whole blob's GET, not a lazy TOC's range read).
 
 Extensions a registry may have that distribution lacks: ``FaultProxy.headers`` is a list of
 ``(PATH_REGEX, NAME, VALUE)`` added to every relayed answer whose target matches; ``FaultProxy.answer``,
@@ -79,7 +80,7 @@ class Fault:
     action: str
     times: int = 1
     arg: float = 0
-    header: tuple[str, str] | None = None
+    header: tuple[str, str | None] | None = None
     skip: int = 0
     stop_at: int | None = None
     status: int = 200
@@ -89,12 +90,15 @@ class Fault:
         if self.action not in ACTIONS:
             raise ValueError(f"unknown fault action {self.action!r} (one of {', '.join(ACTIONS)})")
         self._regex = re.compile(self.path)
-        self._header = (self.header[0], re.compile(self.header[1])) if self.header else None
+        self._header = (self.header[0], None if self.header[1] is None else re.compile(self.header[1])) if self.header else None
 
     def matches(self, method: str, target: str, headers=None) -> bool:
         if self._header is not None:
             value = headers.get(self._header[0]) if headers is not None else None
-            if value is None or self._header[1].search(value) is None:
+            if self._header[1] is None:
+                if value is not None:
+                    return False
+            elif value is None or self._header[1].search(value) is None:
                 return False
         return self.times > 0 and self.method in ("*", method) and self._regex.search(target) is not None
 

@@ -168,9 +168,11 @@ def walk(
     head_limit: int | None = None,
     only_layer: int | None = None,
     taps: dict[int, Callable[[BinaryIO], BinaryIO]] | None = None,
+    inflaters: dict[int, Callable[[BinaryIO], BinaryIO]] | None = None,
 ) -> tuple[Tree, dict[str, Spooled]]:
     """Stream every layer (digest and diffID checked), building the tree and spooling wanted files;
-    `taps[index]` wraps layer `index`'s blob stream before it is decompressed (lazy member checks)."""
+    `taps[index]` wraps layer `index`'s blob stream before it is decompressed (lazy member checks),
+    `inflaters[index]` decompresses it instead of one serial decompressor (lazy layers, every core)."""
     tree = Tree()
     spooled: dict[str, Spooled] = {}
     diff_ids = image.diff_ids
@@ -197,7 +199,8 @@ def walk(
             # Four stages, each on its own thread: fetch+blob digest | decompress | diffID | tar+write.
             tap = (taps or {}).get(index)
             fetched = ReadAhead(tap(verified) if tap else verified)
-            decompressed = ReadAhead(decompressing_reader(fetched, kind, f"{image.where}: layer {index} ({desc.digest[:19]})"))
+            inflater = (inflaters or {}).get(index)
+            decompressed = inflater(fetched) if inflater else ReadAhead(decompressing_reader(fetched, kind, f"{image.where}: layer {index} ({desc.digest[:19]})"))
             hashed = HashingReader(decompressed)
             unpacked = ReadAhead(hashed)
             cursor = Cursor(unpacked)

@@ -20,9 +20,11 @@ from diskkit.errors import DiskkitError, Exit
 from diskkit.layers import lazytoc
 from diskkit.layers.imagefs import Spooled, extract_one, walk
 from diskkit.layers.lazycheck import MemberCheck
+from diskkit.layers.lazyinflate import MemberInflater
 from diskkit.oci import artifact
 from diskkit.oci import mediatypes as mt
-from diskkit.oci.image import Image, Platform, parse_json
+from diskkit.oci.image import Descriptor, Image, Platform, parse_json
+from diskkit.oci.mediatypes import layer_compression
 from diskkit.oci.reference import parse_ref
 from diskkit.registry.options import RegistryOptions
 from diskkit.transports import open_source
@@ -87,16 +89,20 @@ def scan(ref: str, platform: Platform | None, path: str | None, spool: Path, hea
 
 
 def scan_image(source: Source, image: Image, path: str | None, spool: Path, head_limit: int | None = None, allow_root_file: bool = False,
-               kept: dict[str, Spooled] | None = None, keep: frozenset[str] = frozenset(), taps: dict | None = None):
+               kept: dict[str, Spooled] | None = None, keep: frozenset[str] = frozenset(), taps: dict | None = None,
+               inflate_lazy: bool = False):
     """The tree, the located disk and its spooled file (None when it is missing or only partly kept).
 
     With `kept`, the files at `keep` are spooled too and put there; `taps` as imagefs.walk's. An
     artifact boots only through an image volume, so the image volume's rule (a lone file at the root)
-    applies to it whatever `allow_root_file` says."""
+    applies to it whatever `allow_root_file` says. With `inflate_lazy`, lazy v2 layers are inflated
+    on every core, their TOCs read first and trusted for nothing the blob digest and diffID do not
+    also pin (a TOC that cannot be read, or that does not describe its blob, is refused)."""
     allow_root_file = allow_root_file or is_artifact(image)
     disk_candidate = wanted(path, allow_root_file)
     want = disk_candidate if not keep else (lambda p: disk_candidate(p) or p in keep)
-    tree, spooled = walk(source, image, want, spool, head_limit, taps=taps)
+    inflaters = lazy_inflaters(source, image) if inflate_lazy else None
+    tree, spooled = walk(source, image, want, spool, head_limit, taps=taps, inflaters=inflaters)
     if kept is not None:
         kept.update({p: spooled[p] for p in keep if p in spooled and spooled[p].complete})
     found = locate(tree, path, allow_root_file=allow_root_file)
@@ -109,6 +115,20 @@ def scan_image(source: Source, image: Image, path: str | None, spool: Path, head
             disk_file = spool / "disk"
             extract_one(source, image, found.node, disk_file)
     return tree, found, disk_file
+
+
+def lazy_inflaters(source: Source, image: Image) -> dict:
+    """For each lazy v2 gzip layer, what inflates its members on every core (imagefs.walk's `inflaters`);
+    a TOC that cannot be read where its annotations say is refused, a registry failure raised as it is."""
+    inflaters = {}
+    for index, layer in enumerate(image.layers):
+        if layer_compression(layer.media_type) != "gzip":
+            continue
+        where = f"{image.where}: {_where(image, index)}"
+        toc = read_toc(source, layer, where)
+        if toc is not None and toc.members is not None:
+            inflaters[index] = lambda raw, toc=toc, where=where: MemberInflater(raw, toc, where)
+    return inflaters
 
 
 def verify(ref: str, path: str | None = None, platform: Platform | None = None, registry: RegistryOptions | None = None) -> Report:
@@ -198,18 +218,23 @@ def stored_tocs(source: Source, image: Image, problems: list[str]) -> dict[int, 
     reads them) before the blob streams; None (and a problem) for one that cannot be read there."""
     tocs: dict[int, lazytoc.Toc | None] = {}
     for index, layer in enumerate(image.layers):
-        where = _where(image, index)
-        version = lazytoc.version_for(layer.media_type)
         try:
-            loc = lazytoc.location(layer, where)
-            if loc is None:
-                continue
-            stored = lazytoc.read_stored(source.read_range(layer, loc.offset, loc.size), version, where)
-            tocs[index] = lazytoc.parse(stored, loc, where, version)
+            toc = read_toc(source, layer, _where(image, index))
+            if toc is not None:
+                tocs[index] = toc
         except DiskkitError as exc:
             problems.append(exc.line())
             tocs[index] = None
     return tocs
+
+
+def read_toc(source: Source, layer: Descriptor, where: str) -> lazytoc.Toc | None:
+    """A layer's lazy TOC, read (one range of the blob) and checked where its annotations say; None without one."""
+    loc = lazytoc.location(layer, where)
+    if loc is None:
+        return None
+    version = lazytoc.version_for(layer.media_type)
+    return lazytoc.parse(lazytoc.read_stored(source.read_range(layer, loc.offset, loc.size), version, where), loc, where, version)
 
 
 def toc_problems(image: Image, tocs: dict[int, lazytoc.Toc | None], kept: dict[str, Spooled], disk_file: Path, member: str) -> list[str]:
