@@ -62,13 +62,10 @@ def collect(cache: Cache, max_size: int | None = None) -> Collected:
         for entry, size in unused:
             if max_size is not None and total <= max_size:
                 break
-<<<<<<< HEAD
+            if entry not in exports:
+                _forget(index, cache, entry)
             if not _remove_entry(cache, entry, entry in exports):
                 continue
-=======
-            _forget(index, cache, entry)
-            _remove_entry(entry)
->>>>>>> s13-delta
             out.removed.append(str(entry))
             out.freed += size
             total -= size
@@ -101,7 +98,13 @@ def _last_use(entry: Path) -> float:
         return 0.0
 
 
-<<<<<<< HEAD
+def _forget(index: ChunkIndex, cache: Cache, removed: Path) -> None:
+    """Before the files go, so no pull is pointed at them after (one that read a place meanwhile
+    finds the file gone or its bytes wrong, and fetches the chunk)."""
+    with contextlib.suppress(sqlite3.Error, ValueError):
+        index.forget_under(str(removed.relative_to(cache.root)))
+
+
 def _remove_entry(cache: Cache, entry: Path, export: bool) -> bool:
     """Removed (True), or kept because a launcher is about to run the VM export it is (False)."""
     if not export:
@@ -114,16 +117,6 @@ def _remove_entry(cache: Cache, entry: Path, export: bool) -> bool:
 
 
 def _rename_away(entry: Path) -> None:
-=======
-def _forget(index: ChunkIndex, cache: Cache, removed: Path) -> None:
-    """Before the files go, so no pull is pointed at them after (one that read a place meanwhile
-    finds the file gone or its bytes wrong, and fetches the chunk)."""
-    with contextlib.suppress(sqlite3.Error, ValueError):
-        index.forget_under(str(removed.relative_to(cache.root)))
-
-
-def _remove_entry(entry: Path) -> None:
->>>>>>> s13-delta
     # Rename first so a reader never sees a half-deleted entry as complete.
     doomed = entry.with_name(f".gone-{entry.name}")
     entry.rename(doomed)
