@@ -58,8 +58,9 @@ from launcher.diskserver.control import (
 )
 from launcher.diskserver.blobranges import BlobRanges, KnownRanges, RememberedRanges, SmallBlobs
 from launcher.diskserver.imagewalk import NotSeekable
+from launcher.diskserver.installed import InstalledDisk, Ref, record
 from launcher.diskserver.layout import Found, Layout, find_layout
-from launcher.diskserver.lazydisk import InstalledDisk, LazyDisk, Options, Ref, record
+from launcher.diskserver.lazydisk import LazyDisk, Options
 from launcher.diskserver.lazyfiles import take_files
 from launcher.diskserver.qemuid import launcher_group, system_qemu_gid
 from launcher.hostfs.dirfd import own_directory
