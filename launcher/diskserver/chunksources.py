@@ -5,8 +5,11 @@ one chunk at a time (the node's own chunks) joins the list through EachChunk."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Protocol
+
+log = logging.getLogger("launcher.chunksources")
 
 
 @dataclass
@@ -47,7 +50,11 @@ class EachChunk:
     def take(self, first: int, end: int) -> Taken:
         taken = Taken()
         for index in range(first, end):
-            data = self.source.get(index)
+            try:
+                data = self.source.get(index)
+            except Exception as exc:  # an index busy or broken costs fetches, never a read
+                log.warning("chunks %d-%d not looked up on this node: %s", index, end - 1, exc)
+                break
             if data is not None:
                 taken.chunks[index] = Chunk(data)
                 taken.nbytes += len(data)

@@ -29,6 +29,8 @@ from pathlib import Path
 
 from diskkit.errors import DiskkitError
 from diskkit.ops.verify import DiskFacts, disk_problems
+from diskkit.streams.fsutil import write_atomic
+from launcher.chunks.index import CHUNKS_FILE, ChunkIndex, record_for
 from launcher.diskserver.blobranges import BlobRanges
 from launcher.diskserver.chunksources import RunSource, Taken
 from launcher.diskserver.exportdir import ExportDir
@@ -98,8 +100,11 @@ class LazyDisk:
     """One export: reads fetch what they need, prefetchers fetch the rest, completion verifies and installs."""
 
     def __init__(self, cache: Cache, layout: Layout, ranges: BlobRanges, opts: Options, description: str = "",
-                 head: bytes | None = None, tail: bytes | None = None, sources: list[RunSource] | None = None):
-        """`sources`: where chunks come from, asked in order; the registry's ranges alone by default."""
+                 head: bytes | None = None, tail: bytes | None = None, sources: list[RunSource] | None = None,
+                 chunk_index: ChunkIndex | None = None):
+        """`sources`: where chunks come from, asked in order; the registry's ranges alone by default.
+        `chunk_index`: where the installed disk's chunks are recorded, for later pulls and exports."""
+        self.chunk_index = chunk_index
         self.cache = cache
         self.layout = layout
         self.ranges = ranges
@@ -502,6 +507,20 @@ class LazyDisk:
             record(self.cache, ref, final)
         self.files.installed(final)
         log.info("%s: installed as %s", self.name, final)
+        self._index(final)
+
+    def _index(self, final: Path) -> None:
+        """The installed disk's chunks, by the TOC's content hashes (checked: the disk is verified),
+        beside it (what an index rebuild reads) and in the node's index."""
+        hashes = self.layout.content_hashes
+        if self.chunk_index is None or hashes is None:
+            return
+        name, hexes = hashes
+        try:
+            write_atomic(final.parent / CHUNKS_FILE, record_for(name, hexes, self.layout.chunk_size, self.layout.size))
+            self.chunk_index.add_file(str(final.relative_to(self.cache.root)), name, hexes, self.layout.chunk_size, self.layout.size)
+        except Exception as exc:  # only a hint is lost: later images fetch these chunks
+            log.warning("%s: not recorded in the chunk index: %s", self.name, exc)
 
     # --- state ----------------------------------------------------------------------------------
 
