@@ -16,8 +16,9 @@ import pytest
 
 from diskkit.layers import lazytoc
 from launcher.chunks.index import ChunkIndex
-from tests.conftest import run_diskkit, run_launcher
+from tests.conftest import run, run_diskkit, run_launcher
 from tests.lazyhost import build_lazy_image, disk_server, export_status, image_toc, open_export, random_disk, wait_for
+from tests.test_lazygz import forged
 
 MIB = 1 << 20
 CHUNKS = 24
@@ -104,3 +105,49 @@ def test_a_corrupted_cached_chunk_is_fetched_instead(tmp_path, registry, images,
     assert status["verified"] and not status["failed"], status
     assert Path(status["installed"]).read_bytes() == disks[1].read_bytes()
     assert status["stats"]["fetched_chunks"] == len(CHANGED) + 1 and status["stats"]["reused_chunks"] == CHUNKS - len(CHANGED) - 1, status
+
+
+def test_reused_chunks_are_checked_end_to_end_by_the_diffid(tmp_path, registry, images, disks):
+    """A TOC that names chunk 5 by chunk 6's content (every pin re-made up to the manifest: a
+    consistent lie) gets v1's chunk 6 from the node as chunk 5. Each chunk matched the TOC, but the
+    disk does not unpack to the config's diffID: the export fails and nothing is installed."""
+    v1_ref, _ = images
+    layout = tmp_path / "layout"
+    assert run_diskkit("build", "--lazy", disks[1], "-t", f"oci:{layout}:v2").code == 0
+
+    def liar(toc, data):
+        toc[lazytoc.CONTENT_FIELD][5] = toc[lazytoc.CONTENT_FIELD][6]
+
+    ref = f"{registry.host}/lazydelta/liar:v2"
+    assert run_diskkit("push", NOREG, f"oci:{forged(tmp_path, layout, 'liar', liar)}:v2", ref).code == 0
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with disk_server(cache):
+        filled(cache, v1_ref)
+        answer = open_export(cache, ref)
+        status = wait_for(lambda: (s := export_status(cache, answer["export"]))["failed"] and s, 120, "the diffID check")
+    assert "not the config's diffID" in status["failed"] and not status["installed"] and not status["verified"], status
+    assert status["stats"]["reused_chunks"] == CHUNKS - len(CHANGED) and status["stats"]["corrupt_chunks"] == 0, status
+    assert not list((cache / "disks").glob(f"sha256/{answer['layer'][7:]}/*/disk.img"))
+
+
+def test_a_restarted_server_resumes_and_still_checks_reused_chunks(tmp_path, registry, images, disks):
+    """The chunks taken from the node are recorded with the bitmap: a server stopped half way and
+    started again knows the members it lacks, and checks the finished disk by the diffID, not by a
+    blob digest those holes would fail."""
+    v1_ref, v2_ref = images
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with disk_server(cache):
+        filled(cache, v1_ref)
+    with disk_server(cache, "--prefetch-rate", "1K"):  # no prefetching: only what is read arrives
+        answer = open_export(cache, v2_ref)
+        # All but chunks 10 and 11: every chunk the node gives is taken in this run, none in the next.
+        run("qemu-io", "-r", "-f", "raw", "-c", f"read 0 {10 * MIB}", "-c", f"read {12 * MIB} {12 * MIB}", answer["url"])
+        half = export_status(cache, answer["export"])
+    assert half["present"] == 22 and half["stats"]["reused_chunks"] == CHUNKS - len(CHANGED) and half["stats"]["fetched_chunks"] == 2, half
+    with disk_server(cache):
+        status = filled(cache, v2_ref)
+    assert status["verified"] and not status["failed"] and status["stats"]["verify_attempts"] == 1, status
+    assert status["stats"]["reused_chunks"] == CHUNKS - len(CHANGED) and status["stats"]["fetched_chunks"] == len(CHANGED), status
+    assert Path(status["installed"]).read_bytes() == disks[1].read_bytes()

@@ -500,6 +500,7 @@ class LazyDisk:
             return
         meta = {"layer": lay.layer, "member": lay.member, "format": facts.format, "virtual_size": facts.virtual_size}
         final = self.cache.install_disk(self.files.path / "disk.img", lay.layer, lay.member, meta)
+        self._index(final)  # before it shows as installed: a server stopped then has recorded it
         with self.lock:
             self.installed = final
             refs = list(self.refs.values())
@@ -507,7 +508,6 @@ class LazyDisk:
             record(self.cache, ref, final)
         self.files.installed(final)
         log.info("%s: installed as %s", self.name, final)
-        self._index(final)
 
     def _index(self, final: Path) -> None:
         """The installed disk's chunks, by the TOC's content hashes (checked: the disk is verified),
