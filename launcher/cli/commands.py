@@ -56,9 +56,10 @@ def pull(ref, image_path, platform, pull_policy, as_json, cache_dir, registry: R
     after KubeVirt's checks (qemu-img info under limits, raw or qcow2, no backing or data file).
     Concurrent pulls of one image on a node download it once.
     """
+    from diskkit.progress import reporter_for
     from launcher.node.pull import pull as do_pull
 
-    pulled = do_pull(node_cache(cache_dir), ref, image_path, platform_of(platform), registry, pull_policy)
+    pulled = do_pull(node_cache(cache_dir), ref, image_path, platform_of(platform), registry, pull_policy, reporter=reporter_for(as_json))
     click.echo(json.dumps(pulled.to_json(), indent=2) if as_json else str(pulled.path))
 
 
