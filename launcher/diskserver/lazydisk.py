@@ -29,7 +29,6 @@ from pathlib import Path
 
 from diskkit.errors import DiskkitError
 from diskkit.ops.verify import DiskFacts, disk_problems
-from diskkit.streams.fsutil import write_atomic
 from launcher.chunks.index import CHUNKS_FILE, ChunkIndex, record_for
 from launcher.diskserver.blobranges import BlobRanges
 from launcher.diskserver.chunksources import RunSource, Taken
@@ -499,8 +498,17 @@ class LazyDisk:
             log.warning("%s: not installed in the disk store: %s", self.name, "; ".join(problems))
             return
         meta = {"layer": lay.layer, "member": lay.member, "format": facts.format, "virtual_size": facts.virtual_size}
-        final = self.cache.install_disk(self.files.path / "disk.img", lay.layer, lay.member, meta)
-        self._index(final)  # before it shows as installed: a server stopped then has recorded it
+        hashes = lay.content_hashes  # the TOC's, checked: the disk is verified
+        chunks = (*hashes, lay.chunk_size, lay.size) if hashes is not None else None
+        # Beside the disk, what an index rebuild reads (as `launcher pull` writes it).
+        extra = {CHUNKS_FILE: record_for(*chunks)} if chunks is not None else {}
+        final = self.cache.install_disk(self.files.path / "disk.img", lay.layer, lay.member, meta, extra)
+        if chunks is not None and self.chunk_index is not None:
+            # Before it shows as installed: a server stopped right then has recorded it.
+            try:
+                self.chunk_index.add_file(str(final.relative_to(self.cache.root)), *chunks)
+            except Exception as exc:  # only a hint is lost: later images fetch these chunks
+                log.warning("%s: not recorded in the chunk index: %s", self.name, exc)
         with self.lock:
             self.installed = final
             refs = list(self.refs.values())
@@ -508,19 +516,6 @@ class LazyDisk:
             record(self.cache, ref, final)
         self.files.installed(final)
         log.info("%s: installed as %s", self.name, final)
-
-    def _index(self, final: Path) -> None:
-        """The installed disk's chunks, by the TOC's content hashes (checked: the disk is verified),
-        beside it (what an index rebuild reads) and in the node's index."""
-        hashes = self.layout.content_hashes
-        if self.chunk_index is None or hashes is None:
-            return
-        name, hexes = hashes
-        try:
-            write_atomic(final.parent / CHUNKS_FILE, record_for(name, hexes, self.layout.chunk_size, self.layout.size))
-            self.chunk_index.add_file(str(final.relative_to(self.cache.root)), name, hexes, self.layout.chunk_size, self.layout.size)
-        except Exception as exc:  # only a hint is lost: later images fetch these chunks
-            log.warning("%s: not recorded in the chunk index: %s", self.name, exc)
 
     # --- state ----------------------------------------------------------------------------------
 
