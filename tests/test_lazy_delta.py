@@ -151,3 +151,28 @@ def test_a_restarted_server_resumes_and_still_checks_reused_chunks(tmp_path, reg
     assert status["verified"] and not status["failed"] and status["stats"]["verify_attempts"] == 1, status
     assert status["stats"]["reused_chunks"] == CHUNKS - len(CHANGED) and status["stats"]["fetched_chunks"] == len(CHANGED), status
     assert Path(status["installed"]).read_bytes() == disks[1].read_bytes()
+
+
+def test_with_v1_pulled_the_fill_of_v2_fetches_what_its_pull_fetches(tmp_path, registry, fault_proxy, images, disks):
+    """v1 pulled (launcher pull records its chunks), then v2 lazily exported and filled; beside it, on
+    another cache with v1 pulled, v2 pulled. The registry sends both exactly the same bytes of v2's
+    layer, counted at proxies."""
+    v1_ref, v2_ref = images
+    layer = layer_of(v2_ref)
+
+    def layer_bytes(proxy) -> int:
+        return sum(n for path, n in proxy.sent.items() if f"/blobs/{layer['digest']}" in path)
+
+    lazy, pulled = tmp_path / "lazy", tmp_path / "pulled"
+    for cache in (lazy, pulled):
+        cache.mkdir()
+        assert run_launcher("pull", "--cache-dir", cache, NOREG, v1_ref).code == 0
+    by_export, by_pull = fault_proxy(registry), fault_proxy(registry)
+    with disk_server(lazy):
+        status = filled(lazy, v2_ref.replace(registry.host, by_export.host))
+    assert status["verified"] and Path(status["installed"]).read_bytes() == disks[1].read_bytes(), status
+    assert status["stats"]["fetched_chunks"] == len(CHANGED) and status["stats"]["reused_chunks"] == CHUNKS - len(CHANGED), status
+    second = run_launcher("pull", "--cache-dir", pulled, NOREG, "--json", v2_ref.replace(registry.host, by_pull.host))
+    assert second.code == 0, second.err
+    assert layer_bytes(by_export) == layer_bytes(by_pull), (layer_bytes(by_export), layer_bytes(by_pull))
+    assert json.loads(second.out)["fetched"] <= layer_bytes(by_pull)
