@@ -228,8 +228,9 @@ def test_two_vms_on_one_export_fetch_each_chunk_once(qemu_user, lazy_registry, f
             finish(proc, follow(proc, DONE, timeout=400))
         export = only_export(cache)  # both VMs read the one export
         stats = export["stats"]
-        # Every chunk came from the registry once, whichever VM (or prefetcher) asked first.
-        assert stats["fetched_chunks"] == export["present"] and stats["corrupt_chunks"] == 0, export
+        # Every chunk came once, from the registry or the node's own chunks (the test guest's other
+        # padded images in this cache share some), whichever VM (or prefetcher) asked first.
+        assert stats["fetched_chunks"] + stats["reused_chunks"] == export["present"] and stats["corrupt_chunks"] == 0, export
         assert stats["fetched_bytes"] <= export["present"] * export["chunkSize"], export
     for name in ("lazy-one", "lazy-two"):
         assert_clean(qemu_user, f"default_{name}")

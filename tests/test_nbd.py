@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from launcher.diskserver import nbd
-from launcher.diskserver.lazydisk import InstalledDisk
+from launcher.diskserver.installed import InstalledDisk
 from tests.conftest import run
 from tests.lazyhost import random_disk, wait_for
 
@@ -205,7 +205,7 @@ def uncached_disk(path: Path, size: int) -> Path:
 
 
 def test_a_complete_disk_answers_here_only_from_the_page_cache(tmp_path):
-    """launcher/diskserver/lazydisk.InstalledDisk: bytes the page cache holds are returned by
+    """launcher/diskserver/installed.InstalledDisk: bytes the page cache holds are returned by
     read_ready (answered on the connection's thread); bytes that would wait for the device are not
     (preadv RWF_NOWAIT), so the pool reads them and the connection's other reads go on meanwhile."""
     disk = uncached_disk(tmp_path / "disk.img", 8 << 20)

@@ -262,7 +262,9 @@ def _serve_status(cache: Cache, socket_dir: str | None, as_json: bool) -> None:
     for export in answer["exports"]:
         done = f"{export['present']}/{export['chunks']} chunks" if "chunks" in export else "complete"
         state = f"failed: {export['failed']}" if export.get("failed") else ("verified" if export.get("verified") else "fetching")
-        click.echo(f"  {export['export']}  {done}  {state}  {export['description']}")
+        stats = export.get("stats") or {}
+        moved = f"  fetched {stats['fetched_bytes']} bytes, reused {stats['reused_bytes']} bytes" if "reused_bytes" in stats else ""
+        click.echo(f"  {export['export']}  {done}  {state}{moved}  {export['description']}")
 
 
 @cli.command(epilog="""\b

@@ -1,7 +1,7 @@
 """Byte ranges of a registry blob, the source every lazy export's chunks come from: fetched with HTTP
 range requests through the registry client (auth, TLS, retries, resumed after dropped connections),
 pieces the node already holds read from the cache, and small blobs remembered for the next export
-of the same image. What the bytes must hash to is the export's business (launcher.diskserver.lazydisk),
+of the same image. What the bytes must hash to is the chunk source's business (launcher.diskserver.registrychunks),
 not this module's."""
 
 from __future__ import annotations

@@ -37,11 +37,22 @@ class Layout:
     member_hash: str = "sha256"  # which hash member_digests are (lazytoc.MEMBER_PINS); source.json written before it held sha256
     toc: str | None = None  # the lazy TOC's digest, from the layer's annotation
     around: str | None = None  # digest of the blob's bytes before and after the chunks (exportid.around_digest)
+    # v2: BLAKE3 per chunk's uncompressed bytes from the TOC (pinned by its digest, `toc`): what the node's chunks are matched by
+    chunk_blake3s: tuple[str, ...] | None = None
 
     @property
     def pinned(self) -> bool:
         """Each chunk has a digest of its own in the TOC, checked before it is served."""
         return self.chunks is not None or self.member_digests is not None
+
+    @property
+    def content_hashes(self) -> tuple[str, tuple[str, ...]] | None:
+        """(hash name, hex per chunk) of each chunk's uncompressed bytes, as lazytoc.Toc.content_hashes."""
+        if self.chunk_blake3s is not None:
+            return "blake3", self.chunk_blake3s
+        if self.chunks is not None:
+            return "sha256", self.chunks
+        return None
 
     @cached_property
     def identity(self) -> ExportId:
@@ -79,16 +90,21 @@ class Layout:
 
     def to_json(self) -> dict:
         # Not asdict: its deep copy of thousands of members and digests cost a VM's start 8 ms.
-        return {**{f.name: getattr(self, f.name) for f in fields(self)}, "chunks": list(self.chunks) if self.chunks is not None else None,
-                "members": [list(m) for m in self.members] if self.members is not None else None,
-                "member_digests": list(self.member_digests) if self.member_digests is not None else None}
+        obj = {**{f.name: getattr(self, f.name) for f in fields(self)}, "chunks": list(self.chunks) if self.chunks is not None else None,
+               "members": [list(m) for m in self.members] if self.members is not None else None,
+               "member_digests": list(self.member_digests) if self.member_digests is not None else None,
+               "chunk_blake3s": list(self.chunk_blake3s) if self.chunk_blake3s is not None else None}
+        if obj["chunk_blake3s"] is None:
+            del obj["chunk_blake3s"]  # as source.json held it before: an export of an older TOC is still reused
+        return obj
 
     @classmethod
     def from_json(cls, obj: dict) -> "Layout":
-        chunks, members, pins = obj.get("chunks"), obj.get("members"), obj.get("member_digests")
+        chunks, members, pins, content = obj.get("chunks"), obj.get("members"), obj.get("member_digests"), obj.get("chunk_blake3s")
         return cls(**{**obj, "chunks": tuple(chunks) if chunks is not None else None,
                       "members": tuple((int(o), int(n)) for o, n in members) if members is not None else None,
-                      "member_digests": tuple(pins) if pins is not None else None})
+                      "member_digests": tuple(pins) if pins is not None else None,
+                      "chunk_blake3s": tuple(content) if content is not None else None})
 
 
 @dataclass(frozen=True)
@@ -151,7 +167,7 @@ def find_layout(image: Image, ranges_for, registry_host: str, repository: str, p
     loc = lazytoc.location(layer, where) if toc is not None else None
     layout = Layout(registry_host, repository, layer.digest, layer.size, member, offset, size, chunk_size, chunks,
                     toc.members if v2 else None, image.diff_ids[index] if v2 else None, pins, pin_hash,
-                    loc.digest if loc is not None else None, around_digest(head, tail))
+                    loc.digest if loc is not None else None, around_digest(head, tail), toc.chunk_blake3s if toc is not None else None)
     return Found(layout, head, tail)
 
 

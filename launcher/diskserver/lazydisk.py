@@ -1,54 +1,42 @@
-"""A containerDisk read at offsets straight from its registry blob: the chunk store behind a lazy export.
+"""A containerDisk read at offsets straight from its registry blob: the fill of a lazy export.
 
 The disk of a seekable image (found in the image's layers by imagewalk) lies in its layer's blob at
-a fixed offset (v1, uncompressed) or as one gzip member per chunk (v2, see diskkit.lazytoc). Reads fetch the chunks they touch from the
-blob's ranges (launcher.diskserver.blobranges; where they lie: launcher.diskserver.layout), inflating v2 members one by one;
-background threads prefetch the rest. Each chunk lands in a sparse
-file in the node cache and is marked in a bitmap that is persisted after the data is synced, so a
-restarted server resumes where it stopped.
+a fixed offset (v1, uncompressed) or as one gzip member per chunk (v2, see diskkit.lazytoc). Reads
+take the chunks they touch from the export's chunk sources, in order (launcher.diskserver.chunksources:
+the registry's ranges are one, launcher.diskserver.registrychunks); background threads prefetch the
+rest. Each chunk lands in the export's files (launcher.diskserver.exportdir) and is marked in a
+bitmap persisted after the data is synced, so a restarted server resumes where it stopped.
 
-Integrity: with a TOC every chunk is checked against its digest before anyone can read it, and a
-chunk that fails is fetched again. A v2 TOC pins each chunk's gzip member as stored (memberBlake3s, or memberDigests):
-the member's bytes are checked before they are inflated, then its inflated length; TOCs written
-before that pin the uncompressed chunk, checked once inflated. Without one (a plain uncompressed layer) chunks are served as
-they arrive, unless `strict`, in which case reads wait for the whole blob. Either way, once every
-chunk is here the blob digest is recomputed from the file and the layer's other bytes; only then
-is the export marked verified and the file moved into the cache's extracted-disk store, where
-`launcher pull` of the same image finds it.
-
-    <root>/lazy/<export>/source.json   what the export is (written last: its presence means complete)
-    <root>/lazy/<export>/disk.img      sparse; chunk i at offset i * chunkSize
-    <root>/lazy/<export>/bitmap        one bit per chunk here (and verified, with a TOC)
-    <root>/lazy/<export>/state.json    counters, verified flag
-    <root>/lazy/<export>/refs.json     the images that resolved to it, recorded for pulls once installed
-    <root>/lazy/<export>/members.gz    v2: sparse; the chunks' gzip members as fetched, for the blob digest
-    <root>/lazy/<export>/head, tail    the blob's bytes before and after the disk (v2: its members), for its digest
+Integrity: with a TOC every chunk is checked by its source before anyone can read it, and a chunk
+that fails is fetched again. Without one (a plain uncompressed layer) chunks are served as they
+arrive, unless `strict`, in which case reads wait for the whole blob. Either way, once every chunk
+is here the blob digest is recomputed from the file and the layer's other bytes (v2 with chunks
+taken from the node rather than fetched has no members for that: the uncompressed tar is checked
+against the config's diffID instead); only then is the export marked verified and the file moved
+into the cache's extracted-disk store (launcher.diskserver.installed), where `launcher pull` of the
+same image finds it.
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
-import json
 import logging
 import os
-import secrets
-import shutil
 import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from diskkit.errors import DiskkitError
-from diskkit.layers import lazytoc
 from diskkit.ops.verify import DiskFacts, disk_problems
-from diskkit.streams.fsutil import write_atomic
-from launcher.diskserver import imagewalk
+from launcher.chunks.index import CHUNKS_FILE, ChunkIndex, record_for
 from launcher.diskserver.blobranges import BlobRanges
-from launcher.diskserver.exportid import around_digest
-from launcher.diskserver.imagewalk import inflate_all
+from launcher.diskserver.chunksources import RunSource, Taken
+from launcher.diskserver.exportdir import ExportDir
+from launcher.diskserver.installed import Ref, cached_pread, record
 from launcher.diskserver.layout import Layout
 from launcher.diskserver.nbd import NbdError
+from launcher.diskserver.registrychunks import RegistryChunks
 from launcher.node.cache import Cache
 
 log = logging.getLogger("launcher.lazydisk")
@@ -68,12 +56,12 @@ SAVE_INTERVAL = 1.0
 VERIFY_ATTEMPTS = 3
 
 
-# --- the chunk store -------------------------------------------------------------------------------
-
 @dataclass
 class Stats:
-    fetched_bytes: int = 0
+    fetched_bytes: int = 0  # from the registry, as transferred (v2: compressed)
     fetched_chunks: int = 0
+    reused_bytes: int = 0  # taken from the node's own chunks (uncompressed)
+    reused_chunks: int = 0
     corrupt_chunks: int = 0
     demand_fetches: int = 0
     failed_fetches: int = 0
@@ -99,31 +87,6 @@ class _Bucket:
         closing.wait(max(0.0, until - now))
 
 
-def _pack(present: bytearray) -> bytes:
-    out = bytearray((len(present) + 7) // 8)
-    index = -1
-    while (index := present.find(1, index + 1)) != -1:
-        out[index >> 3] |= 1 << (index & 7)
-    return bytes(out)
-
-
-def _unpack(data: bytes, count: int) -> bytearray:
-    present = bytearray(count)
-    for index in range(min(count, len(data) * 8)):
-        if data[index >> 3] >> (index & 7) & 1:
-            present[index] = 1
-    return present
-
-
-@dataclass
-class Ref:
-    """An image that resolved to this export: recorded as a pull would, once the disk is installed."""
-
-    ref_key: str
-    image: str
-    digest: str
-
-
 @dataclass
 class Options:
     strict: bool = False
@@ -136,15 +99,19 @@ class LazyDisk:
     """One export: reads fetch what they need, prefetchers fetch the rest, completion verifies and installs."""
 
     def __init__(self, cache: Cache, layout: Layout, ranges: BlobRanges, opts: Options, description: str = "",
-                 head: bytes | None = None, tail: bytes | None = None):
+                 head: bytes | None = None, tail: bytes | None = None, sources: list[RunSource] | None = None,
+                 chunk_index: ChunkIndex | None = None):
+        """`sources`: where chunks come from, asked in order; the registry's ranges alone by default.
+        `chunk_index`: where the installed disk's chunks are recorded, for later pulls and exports."""
+        self.chunk_index = chunk_index
         self.cache = cache
         self.layout = layout
         self.ranges = ranges
+        self.sources = sources if sources is not None else [RegistryChunks(layout, ranges)]
         self.opts = opts
         self.name = layout.name
         self.description = description or f"{layout.layer} /{layout.member}"
         self.size = layout.size
-        self.dir = cache.root / "lazy" / self.name
         self.stats = Stats()
         self.refs: dict[str, Ref] = {}
         self.lock = threading.Lock()
@@ -168,60 +135,16 @@ class LazyDisk:
         self.dirty = False
         self.bucket = _Bucket(opts.prefetch_rate)
         self._completing = False
-        self._zero = bytes(layout.chunk_size)
-        self._prepare(head, tail)
-        self.fd = os.open(self.dir / "disk.img", os.O_RDWR)
-        # v2 keeps each member as it arrives: the blob digest at the end needs no second fetch.
-        self.members_fd = os.open(self.dir / "members.gz", os.O_RDWR) if layout.members is not None else None
-        self.present = _unpack((self.dir / "bitmap").read_bytes(), layout.count)
-        state = cache.read_json(self.dir / "state.json") or {}
-        for k, v in (state.get("stats") or {}).items():
+        self.files = ExportDir(cache, layout, ranges.read, head, tail)
+        self.fd = self.files.fd
+        self.present, self.reused = self.files.bitmaps()
+        for k, v in (self.files.state().get("stats") or {}).items():
             if hasattr(self.stats, k):
                 setattr(self.stats, k, int(v))
-        for ref in (cache.read_json(self.dir / "refs.json") or {}).get("refs", []):
+        for ref in self.files.refs():
             self.refs[ref["ref_key"]] = Ref(**ref)
         self.threads = [threading.Thread(target=self._prefetch, name=f"prefetch-{i}", daemon=True) for i in range(max(1, opts.prefetch_threads))]
         self.saver = threading.Thread(target=self._save_regularly, name="save", daemon=True)
-
-    # --- setup ----------------------------------------------------------------------------------
-
-    def _prepare(self, head: bytes | None, tail: bytes | None) -> None:
-        """The state directory: reused when it describes this layout, else made afresh (atomically);
-        `head` and `tail`, the blob's bytes around the chunks, when the caller has them already."""
-        current = self.cache.read_json(self.dir / "source.json")
-        if (current is not None and current.get("identity") == self.layout.identity.to_json()
-                and current.get("layout") == self.layout.to_json() and (self.dir / "disk.img").is_file()):
-            return
-        self.dir.parent.mkdir(parents=True, exist_ok=True)
-        staging = self.dir.parent / f".{self.name}.{secrets.token_hex(4)}"
-        staging.mkdir()
-        try:
-            lay = self.layout
-            if head is None or len(head) != lay.data_start:
-                head = self.ranges.read(0, lay.data_start)
-            if tail is None or len(tail) != lay.layer_size - lay.data_end:
-                tail = self.ranges.read(lay.data_end, lay.layer_size - lay.data_end)
-            if around_digest(head, tail) != lay.around:
-                raise DiskkitError(self.name, "the registry's bytes around the disk are not those the export was opened with")
-            (staging / "head").write_bytes(head)
-            (staging / "tail").write_bytes(tail)
-            with open(staging / "disk.img", "wb") as f:
-                f.truncate(lay.size)  # sparse: chunks not fetched yet read as holes nobody is shown
-            if lay.members is not None:
-                with open(staging / "members.gz", "wb") as f:
-                    f.truncate(lay.data_end - lay.data_start)
-            (staging / "bitmap").write_bytes(bytes((lay.count + 7) // 8))
-            write_atomic(staging / "source.json", json.dumps(self._source(), separators=(",", ":")).encode())
-            if self.dir.exists():
-                shutil.rmtree(self.dir)  # another layout under the same name: a stale or foreign entry
-            staging.rename(self.dir)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-
-    def _source(self) -> dict:
-        """source.json: the identity the directory is named by, and the layout to read the disk with."""
-        return {"identity": self.layout.identity.to_json(), "layout": self.layout.to_json()}
 
     def start(self) -> "LazyDisk":
         self.saver.start()
@@ -242,9 +165,7 @@ class LazyDisk:
                 thread.join(timeout=max(0.0, deadline - time.monotonic()))
         self._save(force=True)
         if not any(thread.is_alive() for thread in self.threads):
-            os.close(self.fd)  # else a stuck fetcher may still write to it: it goes with the process
-            if self.members_fd is not None:
-                os.close(self.members_fd)
+            self.files.close()  # else a stuck fetcher may still write to it: it goes with the process
 
     def discard(self) -> None:
         """Stop and remove everything this export wrote: it was refused. A fetch or a save finishing
@@ -252,12 +173,12 @@ class LazyDisk:
         self.close()
         with self.save_lock:
             self.discarded = True
-            shutil.rmtree(self.dir, ignore_errors=True)
+            self.files.remove()
 
     def known(self) -> dict[tuple[int, int], Path]:
         """The blob's ranges this export holds in the cache: (start, length) -> file."""
         lay = self.layout
-        return {(0, lay.data_start): self.dir / "head", (lay.data_end, lay.layer_size - lay.data_end): self.dir / "tail"}
+        return {(0, lay.data_start): self.files.path / "head", (lay.data_end, lay.layer_size - lay.data_end): self.files.path / "tail"}
 
     def add_ref(self, ref: Ref) -> None:
         """Kept with the state, so a server restarted before the end still records every image."""
@@ -269,7 +190,7 @@ class LazyDisk:
         if installed is not None:
             record(self.cache, ref, installed)
         elif not known:
-            write_atomic(self.dir / "refs.json", json.dumps({"refs": refs}, indent=2).encode())
+            self.files.write_refs(refs)
 
     # --- the NBD side ---------------------------------------------------------------------------
 
@@ -410,70 +331,57 @@ class LazyDisk:
         return ok
 
     def _fetch_run(self, first: int, end: int) -> bool:
-        lay = self.layout
-        if lay.members is None:
-            start, stop = lay.offset + first * lay.chunk_size, lay.offset + min(end * lay.chunk_size, lay.size)
-        else:
-            start, stop = lay.members[first][0], sum(lay.members[end - 1])
-        try:
-            data = self.ranges.read(start, stop - start)
-        except DiskkitError as exc:
-            self.stats.failed_fetches += 1
-            self.last_failure = exc.line()
-            self.dirty = True  # state.json tells why the fill is not moving
-            log.warning("%s: chunks %d-%d not fetched: %s", self.name, first, end - 1, exc.line())
-            return False
-        self.last_failure = None
-        self.progress_at = time.monotonic()
-        view = memoryview(data)
-        good: list[int] = []
-        bad: list[int] = []
-        for index in range(first, end):
-            piece, stored = self._chunk(view, start, index)
-            if piece is None or (lay.chunks is not None and hashlib.sha256(piece).hexdigest() != lay.chunks[index]):
-                bad.append(index)
-                continue
-            if self.stale_data or piece != self._zero[: len(piece)]:
-                os.pwrite(self.fd, piece, index * lay.chunk_size)  # zero chunks stay holes
-            if stored is not None:
-                os.pwrite(self.members_fd, stored, lay.members[index][0] - lay.data_start)
-            good.append(index)
+        """Chunks [first, end) from the sources in order, each asked only for what those before it lacked."""
+        missing = [(first, end)]
+        for source in self.sources:
+            still: list[tuple[int, int]] = []
+            for low, high in missing:
+                try:
+                    taken = source.take(low, high)
+                except DiskkitError as exc:
+                    self.stats.failed_fetches += 1
+                    self.last_failure = exc.line()
+                    self.dirty = True  # state.json tells why the fill is not moving
+                    log.warning("%s: chunks %d-%d not fetched: %s", self.name, low, high - 1, exc.line())
+                    still.append((low, high))
+                    continue
+                if not source.reused:
+                    self.last_failure = None
+                if taken.chunks or not source.reused:
+                    self.progress_at = time.monotonic()
+                self._keep(taken, source.reused)
+                still.extend(_gaps(low, high, taken))
+            missing = still
+            if not missing:
+                break
+        if self.present.find(0) == -1:
+            # Readers fetched the last gaps: verify now rather than when a (throttled) prefetcher wakes.
+            threading.Thread(target=self._complete, name="verify", daemon=True).start()
+        return not missing
+
+    def _keep(self, taken: Taken, reused: bool) -> None:
+        for index, chunk in sorted(taken.chunks.items()):
+            self.files.write_chunk(index, chunk.data, chunk.stored, self.stale_data)
             # Released at once: a reader waiting for this chunk (the first one of a prefetched run, say)
             # need not wait for the rest of the run to be inflated and checked.
             with self.lock:
                 self.present[index] = 1
+                self.reused[index] = 1 if reused else 0
                 self.dirty = True
                 event = self.inflight.pop(index, None)
             if event is not None:
                 event.set()
         with self.lock:
-            self.stats.fetched_chunks += len(good)
-            self.stats.fetched_bytes += len(data)
-            self.stats.corrupt_chunks += len(bad)
-        if bad:
+            if reused:
+                self.stats.reused_chunks += len(taken.chunks)
+                self.stats.reused_bytes += taken.nbytes
+            else:
+                self.stats.fetched_chunks += len(taken.chunks)
+                self.stats.fetched_bytes += taken.nbytes
+            self.stats.corrupt_chunks += len(taken.bad)
+        if taken.bad:
             log.warning("%s: chunk%s %s failed verification against the TOC; fetching again", self.name,
-                        "s" if len(bad) > 1 else "", ", ".join(map(str, bad)))
-        if good and self.present.find(0) == -1:
-            # Readers fetched the last gaps: verify now rather than when a (throttled) prefetcher wakes.
-            threading.Thread(target=self._complete, name="verify", daemon=True).start()
-        return not bad
-
-    def _chunk(self, view: memoryview, start: int, index: int) -> tuple[bytes | memoryview | None, memoryview | None]:
-        """Chunk `index` out of the blob bytes fetched from `start`, and (v2) its member as stored;
-        None for a member that does not match its pinned digest or inflate to exactly the chunk's length."""
-        lay = self.layout
-        low, high = lay.chunk_range(index)
-        if lay.members is None:
-            return view[low + lay.offset - start : high + lay.offset - start], None
-        at, length = lay.members[index]
-        stored = view[at - start : at - start + length]
-        if lay.member_digests is not None and lazytoc.member_pin(lay.member_hash, stored) != lay.member_digests[index]:
-            return None, stored  # never inflated: zlib sees only bytes the TOC vouches for
-        try:
-            piece = lazytoc.inflate(stored, high - low, f"chunk {index}")
-        except DiskkitError:
-            return None, stored
-        return (piece if len(piece) == high - low else None), stored
+                        "s" if len(taken.bad) > 1 else "", ", ".join(map(str, taken.bad)))
 
     def _claim_prefetch(self, window: tuple[tuple[int, int], ...]) -> list[int] | None:
         """The next run of missing, unclaimed chunks in the first of `window`'s ranges that has one;
@@ -537,11 +445,17 @@ class LazyDisk:
         try:
             self._save(force=True)
             self.stats.verify_attempts += 1
-            digest = self._blob_digest()
-            if digest != self.layout.layer:
+            # v2 chunks taken from the node came without their members: the blob cannot be rebuilt, and
+            # the uncompressed tar's diffID (pinned by the config the manifest pins) is the end-to-end check.
+            members_missing = self.layout.members is not None and self.reused.find(1) != -1
+            if members_missing and self.layout.diff_id is None:
+                self.failed = f"layer {self.layout.layer[:19]}: chunks reused but no diffID to check them by"
+                self.verified.set()
+                return
+            if not members_missing and (digest := self.files.blob_digest()) != self.layout.layer:
                 self._verification_failed(digest)
                 return
-            if self.layout.diff_id is not None and (diff := self._diff_id()) != self.layout.diff_id:
+            if self.layout.diff_id is not None and (diff := self.files.diff_id()) != self.layout.diff_id:
                 # The blob is the one the manifest names, so is every chunk: the config disagrees, as a pull would find.
                 self.failed = f"layer {self.layout.layer[:19]} unpacks to {diff[:19]}, not the config's diffID {self.layout.diff_id[:19]}"
                 self.verified.set()
@@ -557,33 +471,6 @@ class LazyDisk:
             with self.lock:
                 self._completing = False
 
-    def _diff_id(self) -> str:
-        """sha256 of the uncompressed tar: the head's members, the disk, the tail's members."""
-        diff = hashlib.sha256(inflate_all((self.dir / "head").read_bytes(), self.layout.offset, "the layer's head"))
-        offset = 0
-        while offset < self.layout.size:
-            piece = os.pread(self.fd, min(4 << 20, self.layout.size - offset), offset)
-            if not piece:
-                break
-            diff.update(piece)
-            offset += len(piece)
-        diff.update(inflate_all((self.dir / "tail").read_bytes(), 4 * imagewalk.MAX_HEAD_TAIL, "the layer's tail"))
-        return "sha256:" + diff.hexdigest()
-
-    def _blob_digest(self) -> str:
-        blob = hashlib.sha256((self.dir / "head").read_bytes())
-        offset = 0
-        fd = self.fd if self.members_fd is None else self.members_fd
-        size = self.layout.data_end - self.layout.data_start
-        while offset < size:
-            piece = os.pread(fd, min(4 << 20, size - offset), offset)
-            if not piece:
-                break
-            blob.update(piece)
-            offset += len(piece)
-        blob.update((self.dir / "tail").read_bytes())
-        return "sha256:" + blob.hexdigest()
-
     def _verification_failed(self, digest: str) -> None:
         log.warning("%s: the assembled blob hashes to %s, not %s", self.name, digest, self.layout.layer)
         if self.layout.pinned or self.stats.verify_attempts >= VERIFY_ATTEMPTS:
@@ -594,6 +481,7 @@ class LazyDisk:
         with self.lock:
             # Every chunk is suspect: fetch them all again, overwriting (a reader may be at the file).
             self.present[:] = bytes(len(self.present))
+            self.reused[:] = bytes(len(self.reused))
             self.stale_data = True
             self.dirty = True
         self._save(force=True)
@@ -605,20 +493,28 @@ class LazyDisk:
             return
         lay = self.layout
         facts = DiskFacts()
-        problems = disk_problems(self.dir / "disk.img", f"/{lay.member}", facts)
+        problems = disk_problems(self.files.path / "disk.img", f"/{lay.member}", facts)
         if problems:
             log.warning("%s: not installed in the disk store: %s", self.name, "; ".join(problems))
             return
         meta = {"layer": lay.layer, "member": lay.member, "format": facts.format, "virtual_size": facts.virtual_size}
-        final = self.cache.install_disk(self.dir / "disk.img", lay.layer, lay.member, meta)
+        hashes = lay.content_hashes  # the TOC's, checked: the disk is verified
+        chunks = (*hashes, lay.chunk_size, lay.size) if hashes is not None else None
+        # Beside the disk, what an index rebuild reads (as `launcher pull` writes it).
+        extra = {CHUNKS_FILE: record_for(*chunks)} if chunks is not None else {}
+        final = self.cache.install_disk(self.files.path / "disk.img", lay.layer, lay.member, meta, extra)
+        if chunks is not None and self.chunk_index is not None:
+            # Before it shows as installed: a server stopped right then has recorded it.
+            try:
+                self.chunk_index.add_file(str(final.relative_to(self.cache.root)), *chunks)
+            except Exception as exc:  # only a hint is lost: later images fetch these chunks
+                log.warning("%s: not recorded in the chunk index: %s", self.name, exc)
         with self.lock:
             self.installed = final
             refs = list(self.refs.values())
         for ref in refs:
             record(self.cache, ref, final)
-        write_atomic(self.dir / "source.json", json.dumps({**self._source(), "installed": str(final)}, indent=2).encode())
-        for leftover in ("head", "tail", "bitmap", "disk.img", "members.gz", "refs.json"):
-            (self.dir / leftover).unlink(missing_ok=True)
+        self.files.installed(final)
         log.info("%s: installed as %s", self.name, final)
 
     # --- state ----------------------------------------------------------------------------------
@@ -640,13 +536,9 @@ class LazyDisk:
             if self.discarded:
                 return
             with self.lock:
-                packed = _pack(self.present)
+                present, reused = bytearray(self.present), bytearray(self.reused)
                 self.dirty = False
-            os.fdatasync(self.fd)
-            if self.members_fd is not None:
-                os.fdatasync(self.members_fd)
-            write_atomic(self.dir / "bitmap", packed)
-            write_atomic(self.dir / "state.json", json.dumps(self.status(), indent=2).encode())
+            self.files.save(present, reused, self.status())
 
     def status(self) -> dict:
         present = sum(self.present)
@@ -676,50 +568,17 @@ class LazyDisk:
                 and (not self.verified.is_set() or self._completing))
 
 
-def record(cache: Cache, ref: Ref, final: Path) -> None:
-    """The ref record `launcher pull` looks up first, pointing at the installed disk."""
-    meta = cache.read_json(final.parent / "meta.json") or {}
-    entry = {"path": str(final), "format": meta.get("format"), "virtual_size": meta.get("virtual_size"), "image": ref.image,
-             "digest": ref.digest, "layer": meta.get("layer"), "member": meta.get("member")}
-    cache.write_json(cache.ref_path(ref.ref_key), entry)
-
-
-class InstalledDisk:
-    """An export whose disk is complete and in the store: plain reads from the file."""
-
-    def __init__(self, name: str, path: Path, description: str = ""):
-        self.name = name
-        self.path = path
-        self.description = description or str(path)
-        self.fd = os.open(path, os.O_RDONLY)
-        self.size = os.fstat(self.fd).st_size
-        self.busy = False
-
-    def read(self, offset: int, length: int) -> bytes:
-        return os.pread(self.fd, length, offset)
-
-    def read_ready(self, offset: int, length: int) -> bytearray | None:
-        return cached_pread(self.fd, length, offset)
-
-    def start(self) -> "InstalledDisk":
-        return self
-
-    def close(self) -> None:
-        os.close(self.fd)
-
-    def status(self) -> dict:
-        return {"export": self.name, "description": self.description, "size": self.size, "verified": True, "installed": str(self.path)}
-
-
-def cached_pread(fd: int, length: int, offset: int) -> bytearray | None:
-    """The bytes if the page cache holds them all, else None: a read that would wait for the device
-    goes to the NBD server's pool, so it holds up no other read of the connection."""
-    buf = bytearray(length)
-    try:
-        got = os.preadv(fd, [buf], offset, os.RWF_NOWAIT)
-    except OSError:  # EAGAIN: not all cached; EOPNOTSUPP: a filesystem without RWF_NOWAIT; else the pool's pread says
-        return None
-    return buf if got == length else None
+def _gaps(low: int, high: int, taken: Taken) -> list[tuple[int, int]]:
+    """The runs of [low, high) a source did not give: asked of the next source, coalesced."""
+    gaps: list[tuple[int, int]] = []
+    for index in range(low, high):
+        if index in taken.chunks:
+            continue
+        if gaps and gaps[-1][1] == index:
+            gaps[-1] = (gaps[-1][0], index + 1)
+        else:
+            gaps.append((index, index + 1))
+    return gaps
 
 
 def _lower_priority() -> None:

@@ -46,6 +46,8 @@ from diskkit.signing.options import TrustOptions
 from diskkit.signing.trust import enforce_source
 from diskkit.transports import open_source
 from diskkit.transports.remote import RemoteSource, registry_for
+from launcher.chunks.index import ChunkIndex
+from launcher.chunks.source import LocalChunks
 from launcher.diskserver import nbd
 from launcher.diskserver.control import (
     CONTROL_SOCKET,
@@ -57,10 +59,13 @@ from launcher.diskserver.control import (
     socket_path,
 )
 from launcher.diskserver.blobranges import BlobRanges, KnownRanges, RememberedRanges, SmallBlobs
+from launcher.diskserver.chunksources import EachChunk
 from launcher.diskserver.imagewalk import NotSeekable
+from launcher.diskserver.installed import InstalledDisk, Ref, record
 from launcher.diskserver.layout import Found, Layout, find_layout
-from launcher.diskserver.lazydisk import InstalledDisk, LazyDisk, Options, Ref, record
+from launcher.diskserver.lazydisk import LazyDisk, Options
 from launcher.diskserver.lazyfiles import take_files
+from launcher.diskserver.registrychunks import RegistryChunks
 from launcher.diskserver.qemuid import launcher_group, system_qemu_gid
 from launcher.hostfs.dirfd import own_directory
 from launcher.node.cache import Cache
@@ -133,6 +138,9 @@ class DiskServer:
         self.lock = threading.Lock()
         self.setup_locks: dict[str, threading.Lock] = {}  # export name -> held while that export is made
         self.small_blobs = SmallBlobs()
+        self.chunk_index = ChunkIndex(cache)
+        # Opened (and, when missing, rebuilt by hashing the cache's disks) now, not in a booting VM's first read.
+        threading.Thread(target=self._open_chunk_index, name="chunk-index", daemon=True).start()
         self.last_activity = time.monotonic()
         self.awaiting: dict[str, list[tuple[float, int]]] = {}  # export -> (deadline, asking pid) per announced NBD client
         self.served = False  # some NBD client connected: when the last one leaves, the work is done
@@ -267,11 +275,27 @@ class DiskServer:
             else:
                 ranges = BlobRanges(registry, layout.repository, layout.layer, layout.layer_size)
                 head, tail = (found.head, found.tail) if found is not None else (None, None)
-                export = LazyDisk(self.cache, layout, ranges, self.opts.lazy, head=head, tail=tail).start()
+                export = LazyDisk(self.cache, layout, ranges, self.opts.lazy, head=head, tail=tail,
+                                  sources=self._sources(layout, ranges), chunk_index=self.chunk_index).start()
             with self.lock:
                 self.exports[name] = export
         log.info("exporting %s (%s)", name, "complete" if isinstance(export, InstalledDisk) else "lazy")
         return export
+
+    def _open_chunk_index(self) -> None:
+        try:
+            self.chunk_index.paths()
+        except Exception as exc:  # lookups try again; each failure costs only fetches
+            log.warning("the node's chunk index cannot be opened: %s", exc)
+
+    def _sources(self, layout: Layout, ranges: BlobRanges) -> list:
+        """The node's own chunks first (any cached disk or finished export holding a chunk the TOC names
+        by content), then the registry's ranges for the rest. The layout answers what LocalChunks asks
+        of a TOC: the chunks' content hashes and ranges."""
+        registry = RegistryChunks(layout, ranges)
+        if layout.content_hashes is None:
+            return [registry]
+        return [EachChunk(LocalChunks(self.chunk_index, self.cache, layout)), registry]
 
     def _discard(self, export) -> None:
         """A refused export goes, its directory too: what it fetched must not wait in the cache for gc.
