@@ -101,6 +101,7 @@ def test_v2_layer_is_one_gzip_member_per_chunk(tmp_path, layout, disk):
         chunk = inflater.decompress(data[offset : offset + length])
         assert inflater.eof and not inflater.unused_data, index  # exactly one member
         assert chunk == content[index * MIB : (index + 1) * MIB] and blake3.blake3(data[offset : offset + length]).hexdigest() == digest
+        assert toc[lazytoc.CONTENT_FIELD][index] == blake3.blake3(chunk).hexdigest()  # and by its content (issue 31)
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
         assert [m.name for m in tar] == ["disk", f"disk/{disk.name}", ".diskkit", ".diskkit/lazy-toc.json"]
     # Compressed after all: the text and the zeros shrink, the random chunks stay.
@@ -132,6 +133,7 @@ def forged(tmp_path: Path, layout: Path, name: str, change) -> Path:
 def old_pins(toc: dict, data: bytes) -> None:
     """The TOC as diskkit wrote it before member pins: each chunk pinned by its uncompressed bytes."""
     pins = toc.pop("memberBlake3s")
+    toc.pop(lazytoc.CONTENT_FIELD)  # written since issue 31
     toc["chunks"] = []
     for (at, length), pin in zip(toc["members"], pins):
         assert blake3.blake3(data[at : at + length]).hexdigest() == pin
@@ -141,6 +143,7 @@ def old_pins(toc: dict, data: bytes) -> None:
 def sha256_pins(toc: dict, data: bytes) -> None:
     """The TOC as diskkit wrote it before BLAKE3: each member pinned by its sha256 (memberDigests)."""
     toc.pop("memberBlake3s")
+    toc.pop(lazytoc.CONTENT_FIELD)
     toc["memberDigests"] = [hashlib.sha256(data[at : at + length]).hexdigest() for at, length in toc["members"]]
 
 

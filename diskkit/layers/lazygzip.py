@@ -2,7 +2,8 @@
 
 A reader thread frames the tar, hashes the diffID and cuts the stream into members: the disk's
 data exactly at chunk boundaries, everything else in pieces of at most CHUNK bytes. Each member is
-compressed (and, for a chunk, the member hashed: the TOC pins members, see lazytoc) on a thread pool, so every core compresses; the futures go
+compressed (and, for a chunk, the member and the chunk hashed: the TOC pins members and
+names chunks by content, see lazytoc) on a thread pool, so every core compresses; the futures go
 through a bounded queue in stream order, so memory stays flat whatever the disk size. The calling
 thread takes them in order, notes each chunk's offset in the blob and hands the bytes to the blob
 writer (digest + sink, as for any layer). The TOC is written last, when every offset is known.
@@ -36,9 +37,12 @@ from diskkit.streams.pieceread import PieceReader
 WORKERS = os.cpu_count() or 2
 
 
-def _compress(data: bytes, level: int | None, chunk: bool) -> tuple[bytes, str | None]:
+def _compress(data: bytes, level: int | None, chunk: bool) -> tuple[bytes, tuple[str, str] | None]:
+    """The member and, for a chunk, (its member pin, its content hash): both in the compressing thread."""
     member = gzip_member(data, level)
-    return member, lazytoc.member_pin(lazytoc.MEMBER_HASH, member) if chunk else None
+    if not chunk:
+        return member, None
+    return member, (lazytoc.member_pin(lazytoc.MEMBER_HASH, member), lazytoc.content_hash("blake3", data))
 
 
 class _Framer:
@@ -153,6 +157,7 @@ def write_layer(
     position = 0
     members: list[tuple[int, int]] = []
     digests: list[str] = []
+    contents: list[str] = []
 
     def emit(data: bytes) -> int:
         nonlocal position
@@ -169,16 +174,18 @@ def write_layer(
             if isinstance(item, BaseException):
                 raise item
             chunk, future, raw = item
-            data, digest = future.result()
+            data, pins = future.result()
             at = emit(data)
             if chunk:
                 members.append((at, len(data)))
-                digests.append(digest)
+                digests.append(pins[0])
+                contents.append(pins[1])
             if advance:
                 advance(raw)
         # The reader is done with the diffID: the TOC member and the trailer are hashed here.
         disk_at, size, chunk_size = found[0]
-        toc = lazytoc.Toc(toc_for, disk_at, size, chunk_size, None, tuple(members), tuple(sorted(files)), tuple(digests))
+        toc = lazytoc.Toc(toc_for, disk_at, size, chunk_size, None, tuple(members), tuple(sorted(files)), tuple(digests),
+                             chunk_blake3s=tuple(contents))
         doc = toc.render()
         headers = member_header(lazytoc.TOC_DIR, DIR_MODE, 0, mtime, directory=True) + member_header(lazytoc.TOC_MEMBER, 0o444, len(doc), mtime)
         trailer = bytes(-len(doc) % 512) + bytes(1024)

@@ -13,6 +13,7 @@ the disk's first byte is in the uncompressed tar:
 
     {"version": 2, "disk": "disk/root.qcow2", "offset": 1536, "size": 67108864, "chunkSize": 1048576,
      "memberBlake3s": ["<BLAKE3-256 hex of blob bytes [1024, 1024 + 310291)>", ...], "members": [[1024, 310291], ...],
+     "chunkBlake3s": ["<BLAKE3-256 hex of disk bytes [0, 1 MiB)>", ...],
      "files": {"boot/vmlinuz": "<sha256 hex of its content>", ...}}
 
 `memberBlake3s` pins each chunk by its gzip member exactly as stored in the blob: the writer hashes
@@ -24,6 +25,13 @@ build (0.06 s of a build+push on 2 cores). Earlier TOCs are still read: version-
 members by sha256 (`memberDigests`), and before that chunks by their uncompressed bytes (`chunks`,
 as version 1). The field's name says which digest an entry is: a TOC carries exactly one of the
 three, and a member pin only with `members`.
+
+`chunkBlake3s` (version 2, written since issue 31) adds each chunk's BLAKE3-256 of its
+UNCOMPRESSED bytes: what a node matches chunks it already holds by (launcher.chunks), so another
+compression level or tool does not hide a chunk it has. It pins nothing in the blob (the member
+pins do), and a TOC without it stays valid: `Toc.content_hashes` falls back to the sha256 `chunks`
+of older TOCs, or says there is nothing to match by. Its cost is one more pass of BLAKE3 over the
+disk in the compressing threads (measured with bench/build.py, see the session's report).
 
 `files` (both versions; absent when the layer holds only the disk) pins the layer's other regular
 files, the kernelBoot kernel and initrd: a reader takes them out of the members around the disk's
@@ -77,6 +85,7 @@ LAZY_VALUE = "toc-v1"
 LAZY_VALUE_GZIP = "toc-v2"
 MEMBER_PINS = {"blake3": "memberBlake3s", "sha256": "memberDigests"}  # hash -> the TOC field that lists it
 MEMBER_HASH = "blake3"  # what new TOCs pin members with
+CONTENT_FIELD = "chunkBlake3s"  # BLAKE3 of each chunk's uncompressed bytes, to match chunks by content
 MIN_CHUNK = 1 << 20
 MAX_CHUNKS = 16384  # keeps the TOC near 1 MiB at most; larger disks get larger chunks
 MAX_TOC_BYTES = 4 << 20
@@ -101,6 +110,17 @@ class Toc:
     files: tuple[tuple[str, str], ...] = ()  # (path, sha256 hex) of the layer's other regular files: kernelBoot artifacts
     member_digests: tuple[str, ...] | None = None  # version 2: hex digest per chunk's gzip member as stored in the blob
     member_hash: str = MEMBER_HASH  # which hash member_digests are (MEMBER_PINS)
+    chunk_blake3s: tuple[str, ...] | None = None  # version 2: BLAKE3-256 hex per chunk's uncompressed bytes (CONTENT_FIELD)
+
+    @property
+    def content_hashes(self) -> tuple[str, tuple[str, ...]] | None:
+        """(hash name, hex per chunk) of each chunk's uncompressed bytes, to find a chunk by its
+        content: BLAKE3 where the TOC carries it, else the sha256 `chunks` of older TOCs, else None."""
+        if self.chunk_blake3s is not None:
+            return "blake3", self.chunk_blake3s
+        if self.chunks is not None:
+            return "sha256", self.chunks
+        return None
 
     @property
     def version(self) -> int:
@@ -122,6 +142,8 @@ class Toc:
             obj["chunks"] = list(self.chunks)
         if self.member_digests is not None:
             obj[MEMBER_PINS[self.member_hash]] = list(self.member_digests)
+        if self.chunk_blake3s is not None:
+            obj[CONTENT_FIELD] = list(self.chunk_blake3s)
         if self.members is not None:
             obj["members"] = [list(m) for m in self.members]
         if self.files:
@@ -204,9 +226,11 @@ def parse(data: bytes, loc: TocLocation, where: str, expected: int = VERSION) ->
         if (chunks is not None) + len(pins) != 1:
             raise DiskkitError(where, "lazy TOC must pin its chunks with exactly one of chunks (uncompressed), memberBlake3s and memberDigests (gzip members)")
         member_hash, member_digests = pins[0] if pins else (MEMBER_HASH, None)
+        content = obj.get(CONTENT_FIELD)
         toc = Toc(str(obj["disk"]), int(obj["offset"]), int(obj["size"]), int(obj["chunkSize"]),
                   tuple(map(str, chunks)) if chunks is not None else None, members, files,
-                  tuple(map(str, member_digests)) if member_digests is not None else None, member_hash)
+                  tuple(map(str, member_digests)) if member_digests is not None else None, member_hash,
+                  tuple(map(str, content)) if content is not None else None)
         version = obj.get("version")
     except (ValueError, KeyError, TypeError, AttributeError):
         raise DiskkitError(where, "lazy TOC is not the JSON object diskkit writes") from None
@@ -222,7 +246,9 @@ def parse(data: bytes, loc: TocLocation, where: str, expected: int = VERSION) ->
         _check_members(toc, loc, where)
     elif toc.offset <= 0 or toc.offset + toc.size > loc.offset:
         raise DiskkitError(where, "lazy TOC places the disk outside the blob or over the TOC itself")
-    if any(len(c) != 64 for c in toc.chunks or toc.member_digests) or any(len(d) != 64 for _, d in toc.files):
+    if toc.chunk_blake3s is not None and (toc.members is None or len(toc.chunk_blake3s) != toc.count):
+        raise DiskkitError(where, f"lazy TOC's {CONTENT_FIELD} must list one hash per chunk of a version-2 layer")
+    if any(len(c) != 64 for c in (*(toc.chunks or toc.member_digests), *(toc.chunk_blake3s or ()))) or any(len(d) != 64 for _, d in toc.files):
         raise DiskkitError(where, "lazy TOC chunk and file digests must be 64 hex digits")
     return toc
 
@@ -241,6 +267,15 @@ def _check_members(toc: Toc, loc: TocLocation, where: str) -> None:
         at += length
     if at > loc.offset:
         raise DiskkitError(where, "lazy TOC places the chunks outside the blob or over the TOC itself")
+
+
+def content_hash(hash_name: str, data) -> str:
+    """The hex digest of a chunk's uncompressed bytes under the name `Toc.content_hashes` gives."""
+    if hash_name == "blake3":
+        return blake3.blake3(data).hexdigest()
+    if hash_name == "sha256":
+        return hashlib.sha256(data).hexdigest()
+    raise ValueError(f"no chunk content hash {hash_name!r}")
 
 
 def member_pin(hash_name: str, member) -> str:

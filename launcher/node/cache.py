@@ -12,6 +12,7 @@
     <root>/partial/<digest>.part, .synced, .source  blobs being downloaded, kept for resuming after a kill
     <root>/lazy/, <root>/serve/                     the disk server's exports and sockets
     <root>/exports/<manifest hex>/                  KubeVirt VM exports made runnable (launcher.node.vmexport)
+    <root>/chunks/index.sqlite                      which cached file holds which chunk (launcher.chunks.index)
 
 What a cache holds is private (issue 26): pulled disks are images other users may not be entitled
 to, and what is being downloaded or served comes from private registries. So the directories
@@ -103,7 +104,7 @@ def private_dirs(top: Path, path: Path) -> Path:
     return path
 
 
-SUBDIRS = ("blobs", "disks", "refs", "tags", "vms", "run", "locks", "tmp", "partial", "lazy", "pins", "exports")
+SUBDIRS = ("blobs", "disks", "refs", "tags", "vms", "run", "locks", "tmp", "partial", "lazy", "pins", "exports", "chunks")
 # what qemu opens itself: base disks and kernels, a VM's run directory, the claims of VM exports
 QEMU_READS = ("disks", "run", "exports")
 

@@ -1,0 +1,201 @@
+"""The chunk content hashes of lazy TOCs and the node's chunk index (issue 31): `diskkit build`
+names every chunk by the BLAKE3 of its uncompressed bytes, older TOCs still say what they can, and
+the index over the cache finds chunks across processes, survives being deleted or corrupted, and
+never gives a chunk that does not hash right."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+import random
+import zlib
+from pathlib import Path
+
+import blake3
+import pytest
+
+from diskkit.errors import DiskkitError
+from diskkit.layers import lazytoc
+from launcher.chunks.index import CHUNKS_FILE, ChunkIndex, Place, record_for
+from launcher.chunks.source import LocalChunks
+from launcher.node.cache import Cache
+from tests.conftest import run_diskkit
+
+MIB = 1 << 20
+GZIP_LAYER = "application/vnd.oci.image.layer.v1.tar+gzip"
+
+
+def _layout_toc(layout: Path) -> tuple[dict, bytes]:
+    index = json.loads((layout / "index.json").read_text())
+    manifest = json.loads((layout / "blobs/sha256" / index["manifests"][0]["digest"][7:]).read_text())
+    layer = manifest["layers"][0]
+    data = (layout / "blobs/sha256" / layer["digest"][7:]).read_bytes()
+    notes = layer["annotations"]
+    at, size = int(notes[lazytoc.ANNOTATION_TOC_OFFSET]), int(notes[lazytoc.ANNOTATION_TOC_SIZE])
+    return layer, data[at : at + size]
+
+
+def test_build_names_each_chunk_by_its_uncompressed_blake3(tmp_path):
+    """The TOC `diskkit build` writes (lazy v2) lists chunkBlake3s: BLAKE3-256 of chunk i's
+    uncompressed bytes, the last one short; content_hashes gives them."""
+    rng = random.Random(31)
+    content = rng.randbytes(2 * MIB) + bytes(MIB) + rng.randbytes(MIB // 2 + 4096)
+    (tmp_path / "d.img").write_bytes(content)
+    built = run_diskkit("build", tmp_path / "d.img", "-t", f"oci:{tmp_path / 'out'}:v2")
+    assert built.code == 0, built.err
+    layer, stored = _layout_toc(tmp_path / "out")
+    assert layer["mediaType"] == GZIP_LAYER
+    doc = zlib.decompress(stored, 31)
+    obj = json.loads(doc)
+    want = [blake3.blake3(content[i : i + MIB]).hexdigest() for i in range(0, len(content), MIB)]
+    assert obj[lazytoc.CONTENT_FIELD] == want and len(want) == 4
+    loc = lazytoc.TocLocation(int(layer["annotations"][lazytoc.ANNOTATION_TOC_OFFSET]), len(stored), "sha256:" + hashlib.sha256(doc).hexdigest())
+    toc = lazytoc.parse(doc, loc, "here", lazytoc.VERSION_GZIP)
+    assert toc.content_hashes == ("blake3", tuple(want))
+    assert lazytoc.parse(toc.render(), lazytoc.TocLocation(loc.offset, loc.size, "sha256:" + hashlib.sha256(toc.render()).hexdigest()), "here", 2) == toc
+
+
+def _v2(**extra) -> lazytoc.Toc:
+    base = dict(disk="disk/a.img", offset=1536, size=8192, chunk_size=4096, chunks=None, members=((1024, 100), (1124, 100)),
+                files=(), member_digests=("a" * 64, "b" * 64), member_hash="blake3")
+    return lazytoc.Toc(**{**base, **extra})
+
+
+def _reparse(toc_obj: dict, version: int, loc_offset: int = 4096):
+    doc = json.dumps(toc_obj).encode()
+    return lazytoc.parse(doc, lazytoc.TocLocation(loc_offset, 200, "sha256:" + hashlib.sha256(doc).hexdigest()), "here", version)
+
+
+def test_older_tocs_stay_readable_and_say_what_they_can():
+    """v1 TOCs and v2 TOCs from before `memberBlake3s` name chunks by sha256 (`chunks`); v2 TOCs with
+    member pins only have nothing to match by; a chunkBlake3s that does not fit the disk is refused."""
+    v1 = _reparse({"version": 1, "disk": "disk/a.img", "offset": 1536, "size": 8192, "chunkSize": 4096, "chunks": ["c" * 64, "d" * 64]}, 1, 20000)
+    assert v1.content_hashes == ("sha256", ("c" * 64, "d" * 64))
+    old_v2 = json.loads(_v2().render())
+    old_v2.pop("memberBlake3s")
+    old_v2["chunks"] = ["e" * 64, "f" * 64]
+    assert _reparse(old_v2, 2).content_hashes == ("sha256", ("e" * 64, "f" * 64))
+    pins_only = _reparse(json.loads(_v2().render()), 2)
+    assert pins_only.content_hashes is None and lazytoc.CONTENT_FIELD not in json.loads(_v2().render())
+    with_content = _v2(chunk_blake3s=("1" * 64, "2" * 64))
+    assert _reparse(json.loads(with_content.render()), 2) == with_content
+    for wrong in (["1" * 64], ["1" * 64, "2" * 63]):
+        with pytest.raises(DiskkitError, match="chunkBlake3s|64 hex digits"):
+            _reparse({**json.loads(with_content.render()), lazytoc.CONTENT_FIELD: wrong}, 2)
+    with pytest.raises(DiskkitError, match="chunkBlake3s must list one hash per chunk of a version-2 layer"):
+        _reparse({"version": 1, "disk": "disk/a.img", "offset": 1536, "size": 8192, "chunkSize": 4096, "chunks": ["c" * 64] * 2,
+                  lazytoc.CONTENT_FIELD: ["1" * 64] * 2}, 1, 20000)
+
+
+def _disk(cache: Cache, name: str, content: bytes, record: bool = True) -> str:
+    """A disk entry as install_disk leaves it, with (or, as older pulls left it, without) its chunks' record."""
+    entry = cache.root / "disks" / "sha256" / hashlib.sha256(name.encode()).hexdigest() / "m"
+    entry.mkdir(parents=True)
+    (entry / "disk.img").write_bytes(content)
+    if record:
+        hexes = [blake3.blake3(content[i : i + MIB]).hexdigest() for i in range(0, len(content), MIB)]
+        (entry / CHUNKS_FILE).write_bytes(record_for("blake3", hexes, MIB, len(content)))
+    return str((entry / "disk.img").relative_to(cache.root))
+
+
+def _toc_of(content: bytes, hash_name: str = "blake3") -> lazytoc.Toc:
+    hexes = tuple(lazytoc.content_hash(hash_name, content[i : i + MIB]) for i in range(0, len(content), MIB))
+    count = len(hexes)
+    if hash_name == "sha256":
+        return lazytoc.Toc("disk/x", 1536, len(content), MIB, hexes)
+    return lazytoc.Toc("disk/x", 1536, len(content), MIB, None, tuple((1024 + i, 1) for i in range(count)), (), ("0" * 64,) * count,
+                       chunk_blake3s=hexes)
+
+
+def test_index_finds_chunks_and_local_chunks_checks_them(tmp_path):
+    """A chunk recorded for one file is found for another disk's TOC; a byte flipped in the file
+    afterwards makes it unavailable (None) and drops the place; all-zero chunks need no file."""
+    cache = Cache(tmp_path / "cache")
+    rng = random.Random(7)
+    a, b, c = rng.randbytes(MIB), rng.randbytes(MIB), rng.randbytes(MIB)
+    index = ChunkIndex(cache)
+    rel = _disk(cache, "v1", a + b + c[:1000])
+    assert set(index.paths()) == {rel}  # a fresh index is rebuilt from the disks' records
+    v2 = b + bytes(MIB) + rng.randbytes(MIB) + a
+    local = LocalChunks(index, cache, _toc_of(v2))
+    assert local.get(0) == b and local.get(1) == bytes(MIB) and local.get(2) is None and local.get(3) == a
+    assert local.reused == 3 * MIB
+    assert index.lookup("blake3", blake3.blake3(a).hexdigest()) == [Place(rel, 0, MIB)]
+    with open(cache.root / rel, "r+b") as f:
+        f.seek(5)
+        f.write(bytes([a[5] ^ 1]))
+    fresh = LocalChunks(index, cache, _toc_of(v2))
+    assert fresh.get(3) is None and fresh.stale == 1 and index.lookup("blake3", blake3.blake3(a).hexdigest()) == []
+    assert fresh.get(0) == b  # the file's other chunks are still good
+    index.forget(rel)
+    assert index.paths() == [] and LocalChunks(index, cache, _toc_of(v2)).get(0) is None
+    # TOCs naming chunks by sha256 (v1) are matched against places recorded by sha256.
+    index.add_file(rel, "sha256", [hashlib.sha256(x).hexdigest() for x in (a, b, c[:1000])], MIB, 2 * MIB + 1000)
+    assert LocalChunks(index, cache, _toc_of(b + c[:1000], "sha256")).get(0) == b
+
+
+def test_local_chunks_follow_no_link(tmp_path):
+    """A place whose path turned into a symbolic link (to a file holding the right bytes) gives nothing."""
+    cache = Cache(tmp_path / "cache")
+    a = random.Random(3).randbytes(MIB)
+    rel = _disk(cache, "v1", a)
+    index = ChunkIndex(cache)
+    target = tmp_path / "elsewhere.img"
+    target.write_bytes(a)
+    disk = cache.root / rel
+    disk.unlink()
+    disk.symlink_to(target)
+    assert LocalChunks(index, cache, _toc_of(a)).get(0) is None
+    (disk.parent).rename(disk.parent.with_name("gone"))
+    disk.parent.symlink_to(target.parent)
+    assert LocalChunks(index, cache, _toc_of(a)).get(0) is None
+
+
+def test_index_is_rebuilt_when_missing_or_corrupt(tmp_path):
+    """Deleted or overwritten with garbage, the index comes back from the disks: recorded hashes
+    where install left them, the disk hashed where an older pull left none."""
+    cache = Cache(tmp_path / "cache")
+    rng = random.Random(11)
+    a, b = rng.randbytes(MIB + 10), rng.randbytes(2 * MIB)
+    ra, rb = _disk(cache, "a", a), _disk(cache, "b", b, record=False)
+    index = ChunkIndex(cache)
+    assert sorted(index.paths()) == sorted([ra, rb])
+    index.close()
+    db = cache.root / "chunks" / "index.sqlite"
+    for suffix in ("-wal", "-shm"):
+        Path(f"{db}{suffix}").unlink(missing_ok=True)
+    db.write_bytes(b"this is not a database" * 1000)
+    again = ChunkIndex(cache)
+    assert again.lookup("blake3", blake3.blake3(b[MIB:]).hexdigest()) == [Place(rb, MIB, MIB)]
+    assert again.lookup("blake3", blake3.blake3(a[MIB:]).hexdigest()) == [Place(ra, MIB, 10)]
+    again.close()
+    db.unlink()
+    assert sorted(ChunkIndex(cache).paths()) == sorted([ra, rb])
+    assert ChunkIndex(cache).rebuild() == 2
+
+
+def _writer(root: str, worker: int, files: int) -> None:
+    index = ChunkIndex(Cache(root))
+    for n in range(files):
+        hexes = [hashlib.sha256(f"{worker}-{n}-{i}".encode()).hexdigest() for i in range(64)]
+        index.add_file(f"lazy/w{worker}/f{n}", "sha256", hexes, 4096, 64 * 4096)
+        assert index.lookup("sha256", hexes[5]) == [Place(f"lazy/w{worker}/f{n}", 5 * 4096, 4096)]
+        if n % 2:
+            index.forget(f"lazy/w{worker}/f{n}")
+
+
+def test_index_is_shared_by_concurrent_processes(tmp_path):
+    """Four processes add, look up and forget at once: no 'database is locked', nothing lost."""
+    cache = Cache(tmp_path / "cache")
+    ChunkIndex(cache).paths()
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_writer, args=(str(cache.root), w, 30)) for w in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(300)
+    assert [p.exitcode for p in procs] == [0] * 4
+    assert sorted(ChunkIndex(cache).paths()) == sorted(f"lazy/w{w}/f{n}" for w in range(4) for n in range(0, 30, 2))
+    assert os.stat(cache.root / "chunks").st_mode & 0o077 == 0
