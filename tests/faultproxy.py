@@ -41,7 +41,9 @@ Extensions a registry may have that distribution lacks: ``FaultProxy.headers`` i
 ``(PATH_REGEX, NAME, VALUE)`` added to every relayed answer whose target matches; ``FaultProxy.answer``,
 when set, is called as ``answer(method, target, read_body)`` when no fault applies and answers the request itself
 when it returns ``(status, json_body)``; it calls ``read_body()`` only then (None: not its request,
-forwarded as usual with its body unread).
+forwarded as usual with its body unread). ``FaultProxy.ignore_range``, when true, forwards requests
+without their ``Range`` and ``If-Range`` headers: a registry (or CDN) that answers every range
+request with the whole blob.
 """
 
 from __future__ import annotations
@@ -248,6 +250,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _upstream_headers(self) -> list[tuple[str, str]]:
         hop = HOP_BY_HOP | {h.strip().lower() for h in self.headers.get("Connection", "").split(",") if h.strip()}
+        if self.server.proxy.ignore_range:
+            hop = hop | {"range", "if-range"}
         headers = [(k, v) for k, v in self.headers.items() if k.lower() not in hop and k.lower() != "content-length"]
         if self.headers.get("Host") is None:
             headers.append(("Host", self.server.proxy.host))
@@ -480,6 +484,7 @@ class FaultProxy:
         self._faults: list[Fault] = []
         self.headers: list[tuple[str, str, str]] = []
         self.answer = None
+        self.ignore_range = False
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._connections: set[socket.socket] = set()

@@ -449,9 +449,10 @@ def check_status(response: requests.Response, expect: tuple[int, ...], host: str
     return response
 
 
-def get_blob(registry: Registry, repository: str, digest: str, first: int = 0, last: int | None = None) -> requests.Response:
+def get_blob(registry: Registry, repository: str, digest: str, first: int = 0, last: int | None = None, skip_whole: bool = True) -> requests.Response:
     """A streaming GET of a blob from byte `first` (through `last`), positioned at `first` even when
-    the registry ignores Range and answers with the whole blob."""
+    the registry ignores Range and answers with the whole blob; with skip_whole=False such an answer
+    (status 200) is returned unread, for a caller that would rather not read up to `first`."""
     ranged = bool(first) or last is not None
     headers = {"Range": f"bytes={first}-{'' if last is None else last}"} if ranged else {}
     what = f"GET blob {digest[:19]}" + (" range" if last is not None else "")
@@ -460,6 +461,8 @@ def get_blob(registry: Registry, repository: str, digest: str, first: int = 0, l
         if response.status_code == 404:
             raise RegistryError(registry.host, f"blob {digest} not found (HTTP 404)", status=404, code=api_error_code(response))
         check_status(response, (200, 206), registry.host, what)
+        if response.status_code == 200 and ranged and not skip_whole:
+            return response
         if response.status_code == 200:
             skip = first
             while skip:

@@ -95,7 +95,9 @@ class ChunkIndex:
                     db = self._db or self._connect()
                     return work(db)
                 except sqlite3.DatabaseError as exc:
-                    if attempt or isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
+                    # Only a file SQLite cannot read as a database goes ("file is not a database",
+                    # "malformed"); a busy or unwritable one is an error, not a reason to throw it away.
+                    if attempt or isinstance(exc, (sqlite3.OperationalError, sqlite3.IntegrityError, sqlite3.ProgrammingError)):
                         raise
                     self._discard()
 
@@ -146,10 +148,20 @@ class ChunkIndex:
         """The file at `relpath` is gone (gc) or no longer what it was: none of its places are kept."""
         self._run(lambda db: db.execute("DELETE FROM places WHERE path = ?", (relpath,)))
 
+    def forget_under(self, relpath: str) -> None:
+        """Every file at or below `relpath` is gone (a disk entry or lazy export that gc removed)."""
+        prefix = relpath.rstrip("/") + "/"
+        self._run(lambda db: db.execute("DELETE FROM places WHERE path = ? OR substr(path, 1, ?) = ?",
+                                        (relpath, len(prefix), prefix)))
+
     def forget_place(self, hash_name: str, hexdigest: str, place: Place) -> None:
         """One place found not to hold its chunk any more (launcher.chunks.source)."""
         self._run(lambda db: db.execute("DELETE FROM places WHERE hash = ? AND hex = ? AND path = ? AND offset = ?",
                                         (hash_name, hexdigest, place.path, place.offset)))
+
+    def empty(self) -> bool:
+        """Nothing recorded: a pull has no chunk to look for, so no reason to read a TOC ahead."""
+        return self._run(lambda db: db.execute("SELECT 1 FROM places LIMIT 1").fetchone()) is None
 
     def paths(self) -> list[str]:
         return [row[0] for row in self._run(lambda db: db.execute("SELECT DISTINCT path FROM places").fetchall())]

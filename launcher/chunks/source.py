@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import sqlite3
 import stat
 from functools import lru_cache
 from pathlib import Path
@@ -26,7 +27,8 @@ class ChunkSource(Protocol):
 
 
 @lru_cache(maxsize=64)
-def _zero_hash(hash_name: str, length: int) -> str:
+def zero_hash(hash_name: str, length: int) -> str:
+    """The content hash of `length` zero bytes: such a chunk (a sparse disk's holes) needs no file."""
     return lazytoc.content_hash(hash_name, bytes(length))
 
 
@@ -67,10 +69,14 @@ class LocalChunks:
             return None
         start, end = self.toc.chunk_range(index)
         length, want = end - start, self.hexes[index]
-        if want == _zero_hash(self.hash_name, length):
+        if want == zero_hash(self.hash_name, length):
             self.reused += length
             return bytes(length)
-        for place in self.index.lookup(self.hash_name, want):
+        try:
+            places = self.index.lookup(self.hash_name, want)
+        except sqlite3.Error:  # the index is a hint: unreadable, it offers nothing
+            return None
+        for place in places:
             if place.length != length:
                 continue
             data = self._read(place)

@@ -54,11 +54,14 @@ def pull(ref, image_path, platform, pull_policy, as_json, cache_dir, registry: R
 
     Layers stream through once, digests and diffIDs verified; only the disk is written (sparse),
     after KubeVirt's checks (qemu-img info under limits, raw or qcow2, no backing or data file).
-    Concurrent pulls of one image on a node download it once.
+    Concurrent pulls of one image on a node download it once. A lazy layer (diskkit build's
+    default) whose chunks the node already holds in any cached disk is assembled from them and
+    range requests for the rest; --json says how many bytes were fetched and reused.
     """
+    from diskkit.progress import reporter_for
     from launcher.node.pull import pull as do_pull
 
-    pulled = do_pull(node_cache(cache_dir), ref, image_path, platform_of(platform), registry, pull_policy)
+    pulled = do_pull(node_cache(cache_dir), ref, image_path, platform_of(platform), registry, pull_policy, reporter=reporter_for(as_json))
     click.echo(json.dumps(pulled.to_json(), indent=2) if as_json else str(pulled.path))
 
 

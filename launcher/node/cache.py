@@ -293,8 +293,9 @@ class Cache:
     def disk_dir(self, layer_digest: str, member: str) -> Path:
         return self.root / "disks" / "sha256" / layer_digest.removeprefix("sha256:") / key(member)
 
-    def install_disk(self, staged_file: Path, layer_digest: str, member: str, meta: dict) -> Path:
-        """Move a verified, spooled disk into place; returns the final disk.img path."""
+    def install_disk(self, staged_file: Path, layer_digest: str, member: str, meta: dict, extra: dict[str, bytes] | None = None) -> Path:
+        """Move a verified, spooled disk into place, with `extra` files beside it (name -> bytes, such
+        as its chunks' hashes); returns the final disk.img path."""
         final = self.disk_dir(layer_digest, member)
         if (final / "disk.img").exists():
             return final / "disk.img"  # another image with this layer got here first
@@ -306,6 +307,8 @@ class Cache:
             os.fsync(f.fileno())
         os.chmod(disk, 0o444)  # the shared base: VMs write to their own overlays only
         write_atomic(entry / "meta.json", json.dumps(meta, indent=2, sort_keys=True).encode() + b"\n")
+        for name, data in (extra or {}).items():
+            write_atomic(entry / name, data)
         final.parent.mkdir(parents=True, exist_ok=True)
         try:
             entry.replace(final)

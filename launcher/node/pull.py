@@ -3,27 +3,39 @@
 Layers are read in order with whiteouts applied and only the candidate files spooled (no root
 filesystem is unpacked); the disk is located with KubeVirt's rules, checked with qemu-img under
 limits, then renamed into the cache. A second pull of the same image finds it there.
+
+A lazy layer whose chunks the node partly holds already (any cached disk, any image) is assembled
+from those and range requests for the rest (launcher.node.deltapull), then walked and checked as if
+downloaded. Every disk installed is recorded in the node's chunk index (launcher.chunks), by the
+content hashes its layer's TOC names (checked chunk by chunk when it was assembled; otherwise only a
+hint, as every reader hashes what it reads) or, with no TOC, by hashing the disk once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import sqlite3
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from diskkit.disk.containerdisk import path_problem
 from diskkit.errors import DiskkitError, NoSpace, ResumeFailed
+from diskkit.layers import lazytoc
 from diskkit.oci.image import Platform
 from diskkit.oci.reference import parse_ref
 from diskkit.ops.verify import DiskFacts, disk_problems, scan_image
+from diskkit.progress import Reporter
 from diskkit.registry.options import RegistryOptions
 from diskkit.registry.partial import abandoned
+from diskkit.registry.ranges import RangesRefused
 from diskkit.signing.options import TrustOptions
 from diskkit.signing.trust import enforce_source
 from diskkit.transports import open_source
 from diskkit.transports.remote import RemoteSource
+from launcher.chunks.index import CHUNKS_FILE, ChunkIndex, hash_file, record_for
+from launcher.node import deltapull
 from launcher.node.cache import Cache, key
 
 POLICIES = ("Always", "IfNotPresent", "Never")
@@ -38,6 +50,8 @@ class Pulled:
     digest: str  # manifest digest
     layer: str
     member: str
+    fetched: int = 0  # layer bytes this pull asked the registry for (0: found in the cache, or a local transport)
+    reused: int = 0  # disk bytes not fetched because the node held their chunks (deltapull)
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -62,9 +76,12 @@ def pull(
     policy: str | None = None,
     disk: bool = True,
     accept=None,
+    reporter: Reporter | None = None,
 ) -> Pulled:
     """The cached disk (or, with disk=False, plain file) that `ref` holds at `path` (default: /disk);
-    `accept(config)` may refuse the image by its config before any layer is read."""
+    `accept(config)` may refuse the image by its config before any layer is read; `reporter` shows
+    the chunks' progress and what was fetched and reused."""
+    reporter = reporter or Reporter()
     if path is not None and (problem := path_problem(path)):
         raise DiskkitError(f"{ref}: path {path}", problem)
     policy = policy or default_policy(ref)
@@ -89,7 +106,7 @@ def pull(
             hit = _cached(cache, ref_key)
             if hit is None:
                 try:
-                    hit = _extract(cache, source, image, shown, path, disk, ref_key)
+                    hit = _extract(cache, source, image, shown, path, disk, ref_key, reporter)
                 except NoSpace as exc:
                     # The bytes kept for a resume are what filled the filesystem: they go too, and the
                     # user is told what to do rather than that a layer is broken.
@@ -99,7 +116,7 @@ def pull(
                                                 "free space there (launcher gc) and pull again") from None
                 except ResumeFailed:
                     # The kept bytes are gone with the failure: once more, every byte from the registry.
-                    hit = _extract(cache, source, image, shown, path, disk, ref_key)
+                    hit = _extract(cache, source, image, shown, path, disk, ref_key, reporter)
         remember(cache, shown, platform, image)
     return hit
 
@@ -135,11 +152,33 @@ def _cached(cache: Cache, ref_key: str) -> Pulled | None:
     return Pulled(**{**record, "path": Path(record["path"])})
 
 
-def _extract(cache: Cache, source, image, shown: str, path: str | None, disk: bool, ref_key: str) -> Pulled:
+def _extract(cache: Cache, source, image, shown: str, path: str | None, disk: bool, ref_key: str, reporter: Reporter, by_chunks: bool = True) -> Pulled:
     cache.reclaim_staging()  # what killed pulls left behind: this one may need the space
+    transfer = deltapull.Transfer()
+    index = ChunkIndex(cache)
+    plans = {}
+    try:
+        # The TOCs are read ahead (one range request each) only when the node has chunks to offer.
+        if by_chunks and isinstance(source, RemoteSource) and not index.empty():
+            plans = deltapull.plan(source, image, deltapull.read_tocs(source, image, transfer), index, transfer)
+    except sqlite3.Error:  # the index is a hint: without it, the pull is a whole one
+        plans = {}
+    walked_source, walked_image = source, image
+    if plans:
+        walked_source = deltapull.DeltaSource(source, plans, index, cache, transfer, reporter)
+        walked_image = deltapull.assembled_image(image, plans)
+    elif isinstance(source, RemoteSource):
+        transfer.fetched += sum(layer.size for layer in image.layers)
+    for why in transfer.whole:
+        reporter.event({"event": "pulled-whole", "image": shown, "reason": why})
     with cache.staging() as spool:
+        kept: dict = {}
         # The ImageVolume rule (a lone file at the root) only applies when no path was given.
-        tree, found, staged = scan_image(source, image, path, spool, allow_root_file=path is None)
+        try:
+            tree, found, staged = scan_image(walked_source, walked_image, path, spool, allow_root_file=path is None,
+                                             kept=kept, keep=frozenset({lazytoc.TOC_MEMBER}))
+        except RangesRefused:
+            return _extract(cache, source, image, shown, path, disk, ref_key, reporter, by_chunks=False)
         # The rules `diskkit verify` applies, UID 107's access included: KubeVirt never chowns the
         # file, so qemu would fail on it with Permission denied in a real virt-launcher.
         blocking = tree.findings + found.problems
@@ -152,7 +191,44 @@ def _extract(cache: Cache, source, image, shown: str, path: str | None, disk: bo
                 raise DiskkitError(shown, "; ".join(problems))
         layer = image.layers[found.node.layer].digest
         meta = {"layer": layer, "member": found.node.path, "format": facts.format, "virtual_size": facts.virtual_size}
-        final = cache.install_disk(staged, layer, found.node.path, meta)
-    pulled = Pulled(final, facts.format, facts.virtual_size, shown, image.digest, layer, found.node.path)
-    cache.write_json(cache.ref_path(ref_key), pulled.to_json())
+        chunks = _content_hashes(_unpacked_toc(image, found.node.layer, kept.get(lazytoc.TOC_MEMBER)), found.node.path, staged) if disk else None
+        extra = {CHUNKS_FILE: record_for(*chunks)} if chunks else {}
+        final = cache.install_disk(staged, layer, found.node.path, meta, extra)
+    if chunks:
+        with contextlib.suppress(sqlite3.Error):
+            index.add_file(str(final.relative_to(cache.root)), *chunks)
+    pulled = Pulled(final, facts.format, facts.virtual_size, shown, image.digest, layer, found.node.path, transfer.fetched, transfer.reused)
+    record = pulled.to_json()
+    for counted in ("fetched", "reused"):  # this pull's, not what a later hit of the record costs
+        record.pop(counted)
+    cache.write_json(cache.ref_path(ref_key), record)
+    if transfer.assembled:
+        reporter.note(f"{shown}: {transfer.fetched} bytes fetched, {transfer.reused} bytes of the disk reused from the node")
+    reporter.event({"event": "pulled", "image": shown, "fetched": transfer.fetched, "reused": transfer.reused})
     return pulled
+
+
+def _unpacked_toc(image, layer: int, spooled) -> lazytoc.Toc | None:
+    """The lazy TOC the disk's layer holds, as the walk unpacked it (its diffID checked), pinned by
+    the layer's annotations; None when there is none or it is not the one they pin."""
+    desc = image.layers[layer]
+    if spooled is None or spooled.node.layer != layer:
+        return None
+    try:
+        loc = lazytoc.location(desc, image.where)
+        return lazytoc.parse(spooled.path.read_bytes(), loc, image.where, lazytoc.version_for(desc.media_type)) if loc else None
+    except (DiskkitError, OSError):
+        return None
+
+
+def _content_hashes(toc: lazytoc.Toc | None, member: str, staged: Path):
+    """(hash, hexes, chunk size, size) to record the installed disk under: its TOC's when the TOC
+    describes this very file, else the disk hashed as a TOC of its size would cut it."""
+    size = staged.stat().st_size
+    if toc is not None and toc.content_hashes is not None and (toc.disk, toc.size) == (member, size):
+        hash_name, hexes = toc.content_hashes
+        return hash_name, hexes, toc.chunk_size, size
+    if size == 0:
+        return None
+    hexes, chunk_size, size = hash_file(staged)
+    return "blake3", hexes, chunk_size, size

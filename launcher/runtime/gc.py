@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from diskkit.errors import DiskkitError
 from diskkit.registry.partial import abandoned
+from launcher.chunks.index import ChunkIndex
 from launcher.diskserver.server import lazy_leftovers
 from launcher.node.cache import Cache, tree_size
 from launcher.runtime.vms import cleanup, connect, state
@@ -26,6 +28,7 @@ class Collected:
 def collect(cache: Cache, max_size: int | None = None) -> Collected:
     """Without max_size remove every unused disk; with it, only as many (oldest use first) as needed."""
     out = Collected()
+    index = ChunkIndex(cache)
     with cache.lock("gc"):
         in_use: set[str] = set()
         for record in cache.vm_records():
@@ -46,6 +49,7 @@ def collect(cache: Cache, max_size: int | None = None) -> Collected:
                 partial.unlink()
                 out.removed.append(str(partial))
         for partial in lazy_leftovers(cache):
+            _forget(index, cache, partial)
             out.freed += tree_size(partial)
             shutil.rmtree(partial, ignore_errors=True)
             out.removed.append(str(partial))
@@ -55,6 +59,7 @@ def collect(cache: Cache, max_size: int | None = None) -> Collected:
         for entry, size in unused:
             if max_size is not None and total <= max_size:
                 break
+            _forget(index, cache, entry)
             _remove_entry(entry)
             out.removed.append(str(entry))
             out.freed += size
@@ -86,6 +91,13 @@ def _last_use(entry: Path) -> float:
         return (entry / "meta.json").stat().st_mtime
     except OSError:
         return 0.0
+
+
+def _forget(index: ChunkIndex, cache: Cache, removed: Path) -> None:
+    """Before the files go, so no pull is pointed at them after (one that read a place meanwhile
+    finds the file gone or its bytes wrong, and fetches the chunk)."""
+    with contextlib.suppress(sqlite3.Error, ValueError):
+        index.forget_under(str(removed.relative_to(cache.root)))
 
 
 def _remove_entry(entry: Path) -> None:

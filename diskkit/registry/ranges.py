@@ -1,0 +1,74 @@
+"""Byte ranges of a registry blob, fetched with HTTP range requests through the registry client (auth,
+TLS, retries, resumed after dropped connections). What the bytes must hash to is the caller's
+business: the disk server's lazy exports and the node's delta pulls both check every piece they use."""
+
+from __future__ import annotations
+
+import threading
+
+import requests
+import urllib3
+
+from diskkit.errors import AuthError, RegistryError
+from diskkit.registry.client import Registry, failure_reason, get_blob, retry_after
+
+
+class RangesRefused(RegistryError):
+    """The registry answered a range request with the whole blob (it ignores Range)."""
+
+
+class BlobRanges:
+    """Byte ranges of one registry blob, resumed after dropped connections as ResumableBlob does."""
+
+    def __init__(self, registry: Registry, repository: str, digest: str, size: int, refuse_whole: bool = False):
+        """`refuse_whole`: a range answered with the whole blob raises RangesRefused at once, rather
+        than being read up to the range (for a caller that would rather fetch the blob another way)."""
+        self.registry = registry
+        self.repository = repository
+        self.digest = digest
+        self.size = size
+        self.requests = 0
+        self.received = 0  # bytes of the ranges asked for that arrived (a retried range counts twice)
+        self.refuse_whole = refuse_whole
+        self.stop = threading.Event()  # set when the server stops: no more waiting between retries
+
+    def read(self, start: int, length: int) -> bytes:
+        if start < 0 or start + length > self.size:
+            raise ValueError(f"range {start}+{length} outside a {self.size}-byte blob")
+        buf = bytearray(length)
+        view = memoryview(buf)
+        got = 0
+        failures = 0
+        while got < length:
+            try:
+                got = self._read_into(view, start, got, length)
+            except (AuthError, RangesRefused):
+                raise
+            except (RegistryError, requests.exceptions.RequestException, urllib3.exceptions.HTTPError, OSError) as exc:
+                if failures >= self.registry.opts.retries:
+                    if isinstance(exc, RegistryError):
+                        raise
+                    raise RegistryError(self.registry.host, f"blob {self.digest[:19]} range at {start + got} kept failing ({failure_reason(exc)})") from None
+                if self.stop.wait(retry_after(None, failures, self.registry.opts)):
+                    raise RegistryError(self.registry.host, f"blob {self.digest[:19]}: the server is stopping") from None
+                failures += 1
+        return bytes(buf)
+
+    def _read_into(self, view: memoryview, start: int, got: int, length: int) -> int:
+        first, last = start + got, start + length - 1
+        self.requests += 1
+        response = get_blob(self.registry, self.repository, self.digest, first, last, skip_whole=not self.refuse_whole)
+        if self.refuse_whole and response.status_code != 206:
+            response.close()
+            raise RangesRefused(self.registry.host, f"blob {self.digest[:19]}: the registry answered a range request with the whole blob")
+        try:
+            while got < length:
+                piece = response.raw.read(min(length - got, 1 << 20))
+                if not piece:
+                    raise RegistryError(self.registry.host, f"blob {self.digest[:19]} range ended early at byte {start + got}")
+                view[got : got + len(piece)] = piece
+                got += len(piece)
+                self.received += len(piece)
+            return got
+        finally:
+            response.close()

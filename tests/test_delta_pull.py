@@ -1,0 +1,211 @@
+"""`launcher pull` of an updated image costs its change (issue 31): with v1 cached, v2's lazy layer
+is assembled from the chunks the node holds and range requests for the rest, through a real registry
+and a proxy that counts the bytes; every reused chunk is hashed, every fetched member checked, and the
+whole layer checked against its diffID before anything is installed."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import zlib
+from pathlib import Path
+
+import blake3
+
+from diskkit.layers import lazytoc
+from launcher.chunks.index import ChunkIndex
+from launcher.node.cache import Cache
+from tests.conftest import run_diskkit, run_launcher
+from tests.test_lazygz import blob, manifest_of, rewrite_toc
+
+NOREG = "--tls-verify=false"
+MIB = 1 << 20
+KIB = 1 << 10
+
+
+def sparse_disk(path: Path, size: int, pieces: list[tuple[int, bytes]]) -> Path:
+    """A disk of `size` bytes, holes but for `pieces` (offset, bytes): quick to make, build and pull."""
+    with open(path, "wb") as f:
+        f.truncate(size)
+        for offset, data in pieces:
+            f.seek(offset)
+            f.write(data)
+    return path
+
+
+def sha256_file(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def build(registry_host: str, disk: Path, name: str, *extra: str) -> str:
+    ref = f"{registry_host}/delta/{name}"
+    built = run_diskkit("build", NOREG, *extra, disk, "-t", ref)
+    assert built.code == 0, built.err
+    return ref
+
+
+def pull(cache: Path, ref: str):
+    result = run_launcher("pull", "--cache-dir", cache, NOREG, "--json", ref)
+    assert result.code == 0, result.err
+    return json.loads(result.out), result.err
+
+
+def blob_bytes(proxy) -> int:
+    """Layer and config bytes the proxy relayed: what the pull really fetched."""
+    return sum(n for path, n in proxy.sent.items() if "/blobs/sha256:" in path)
+
+
+def test_with_v1_cached_v2_fetches_its_change_only(tmp_path, registry, fault_proxy):
+    """The issue's check: 1 GiB raw disks, v2 with 8 aligned MiB and a 100 KiB write across a chunk
+    boundary changed, both `diskkit build` (lazy by default). v1 pulled, then v2 through a counting
+    proxy: at most 12 MiB fetched, and v2's disk byte for byte."""
+    rng = random.Random(31)
+    v1_pieces = [(i * 64 * MIB + 3 * MIB, rng.randbytes(MIB)) for i in range(16)]  # 16 MiB that is not zeros
+    v2_pieces = v1_pieces + [(200 * MIB, rng.randbytes(8 * MIB)), (500 * MIB - 50 * KIB, rng.randbytes(100 * KIB))]
+    v1 = sparse_disk(tmp_path / "v1.img", 1 << 30, v1_pieces)
+    v2 = sparse_disk(tmp_path / "v2.img", 1 << 30, v2_pieces)
+    ref1, ref2 = build(registry.host, v1, "big:v1"), build(registry.host, v2, "big:v2")
+    cache = tmp_path / "cache"
+    first, _ = pull(cache, ref1)
+    assert first["reused"] == 0 and first["fetched"] > 16 * MIB
+    proxy = fault_proxy(registry)
+    second, err = pull(cache, f"{proxy.host}/delta/big:v2")
+    fetched = blob_bytes(proxy)
+    assert fetched <= 12 * MIB, (fetched, err)
+    assert sha256_file(Path(second["path"])) == sha256_file(v2)
+    # What the pull says is what the proxy saw (the manifest's config blob aside), and the rest was reused.
+    assert second["fetched"] <= fetched <= second["fetched"] + 64 * KIB
+    assert second["reused"] >= (1 << 30) - 10 * MIB
+    assert "bytes fetched" in err and "reused from the node" in err
+    # Coalesced: the 8 changed MiB are one range, not eight.
+    ranged = [path for method, path, status in proxy.log if method == "GET" and status == 206]
+    assert len(ranged) <= 6, ranged
+
+
+def _disks(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """32 MiB of distinct random chunks; v2 with chunk 5 new; v3 with chunks 5 and 20 new."""
+    rng = random.Random(5)
+    base = bytearray(rng.randbytes(32 * MIB))
+    v1 = tmp_path / "v1.img"
+    v1.write_bytes(base)
+    base[5 * MIB : 6 * MIB] = rng.randbytes(MIB)
+    v2 = tmp_path / "v2.img"
+    v2.write_bytes(base)
+    base[20 * MIB + 7 : 20 * MIB + 9] = b"\x00\x01"
+    v3 = tmp_path / "v3.img"
+    v3.write_bytes(base)
+    return v1, v2, v3
+
+
+def test_a_corrupted_cached_chunk_is_fetched_instead(tmp_path, registry, fault_proxy):
+    """A byte flipped in v1's cached disk: the chunk it falls in fails its hash when read, is fetched
+    from the registry, its stale place leaves the index, and v2 still comes out byte for byte."""
+    v1, v2, _ = _disks(tmp_path)
+    ref1, _ = build(registry.host, v1, "flip:v1"), build(registry.host, v2, "flip:v2")
+    cache = tmp_path / "cache"
+    first, _ = pull(cache, ref1)
+    cached = Path(first["path"])
+    os.chmod(cached, 0o644)
+    with open(cached, "r+b") as f:
+        f.seek(10 * MIB + 4321)
+        byte = f.read(1)
+        f.seek(10 * MIB + 4321)
+        f.write(bytes([byte[0] ^ 0x40]))
+    proxy = fault_proxy(registry)
+    second, _ = pull(cache, f"{proxy.host}/delta/flip:v2")
+    assert sha256_file(Path(second["path"])) == sha256_file(v2)
+    assert second["reused"] == 30 * MIB  # chunk 5 changed, chunk 10 corrupted: both fetched
+    assert 2 * MIB < blob_bytes(proxy) < 3 * MIB
+    index = ChunkIndex(Cache(cache))
+    flipped = blake3.blake3(v1.read_bytes()[10 * MIB : 11 * MIB]).hexdigest()
+    assert [p.path for p in index.lookup("blake3", flipped)] == [str(Path(second["path"]).relative_to(cache))]
+
+
+def test_a_registry_that_ignores_ranges_gets_a_whole_pull(tmp_path, registry, fault_proxy):
+    """Range requests answered with the whole blob: said in one note, and the blob streamed once."""
+    v1, v2, _ = _disks(tmp_path)
+    ref1, _ = build(registry.host, v1, "norange:v1"), build(registry.host, v2, "norange:v2")
+    cache = tmp_path / "cache"
+    pull(cache, ref1)
+    proxy = fault_proxy(registry)
+    proxy.ignore_range = True
+    second, err = pull(cache, f"{proxy.host}/delta/norange:v2")
+    assert sha256_file(Path(second["path"])) == sha256_file(v2)
+    assert "answered a range request with the whole blob" in err and second["reused"] == 0
+    layer = manifest_digest_layer(proxy, "norange:v2")
+    assert layer["size"] <= blob_bytes(proxy) < layer["size"] + 64 * KIB  # once, not once for the TOC and again
+
+
+def manifest_digest_layer(proxy, tag: str) -> dict:
+    import requests
+
+    manifest = requests.get(f"http://{proxy.host}/v2/delta/{tag.split(':')[0]}/manifests/{tag.split(':')[1]}",
+                            headers={"Accept": "application/vnd.oci.image.manifest.v1+json"}, timeout=30).json()
+    return manifest["layers"][0]
+
+
+def test_a_toc_that_lies_about_a_chunk_is_caught_by_the_diffid(tmp_path, registry):
+    """v2's TOC re-pinned to name chunk 20 by the content of v1's chunk 20 (which the node holds):
+    the chunk is reused, but the assembled layer does not hash to the config's diffID, so the pull
+    is refused in one line and nothing is installed."""
+    v1, _, v3 = _disks(tmp_path)
+    ref1 = build(registry.host, v1, "lie:v1")
+    layout = tmp_path / "v3"
+    built = run_diskkit("build", v3, "-t", f"oci:{layout}:v3")
+    assert built.code == 0, built.err
+    manifest = manifest_of(layout)
+    data = blob(layout, manifest["layers"][0]["digest"])
+    notes = manifest["layers"][0]["annotations"]
+    at, size = int(notes[lazytoc.ANNOTATION_TOC_OFFSET]), int(notes[lazytoc.ANNOTATION_TOC_SIZE])
+    toc = json.loads(zlib.decompress(data[at : at + size], 31))
+    toc[lazytoc.CONTENT_FIELD][20] = blake3.blake3(v1.read_bytes()[20 * MIB : 21 * MIB]).hexdigest()
+    rewrite_toc(layout, manifest, data, at, size, json.dumps(toc, separators=(",", ":"), sort_keys=True).encode())
+    pushed = run_diskkit("push", NOREG, f"oci:{layout}:v3", f"{registry.host}/delta/lie:v3")
+    assert pushed.code == 0, pushed.err
+    cache = tmp_path / "cache"
+    pull(cache, ref1)
+    before = sorted(p.name for p in (cache / "disks" / "sha256").iterdir())
+    refused = run_launcher("pull", "--cache-dir", cache, NOREG, f"{registry.host}/delta/lie:v3")
+    assert refused.code != 0 and "does not match its diffID" in refused.err and len(refused.err.strip().splitlines()) == 1, refused.err
+    assert sorted(p.name for p in (cache / "disks" / "sha256").iterdir()) == before
+    assert list((cache / "tmp").iterdir()) == []
+
+
+def test_gc_forgets_the_chunks_of_removed_disks(tmp_path, registry):
+    """`launcher gc` removes an unused disk and its places leave the index with it."""
+    v1, _, _ = _disks(tmp_path)
+    ref1 = build(registry.host, v1, "gc:v1")
+    cache = tmp_path / "cache"
+    first, _ = pull(cache, ref1)
+    rel = str(Path(first["path"]).relative_to(cache))
+    assert ChunkIndex(Cache(cache)).paths() == [rel]
+    collected = run_launcher("gc", "--cache-dir", cache)
+    assert collected.code == 0, collected.err
+    assert not Path(first["path"]).exists() and ChunkIndex(Cache(cache)).paths() == []
+
+
+def test_disks_of_older_images_are_indexed_too(tmp_path, registry, fault_proxy):
+    """A v1 lazy layer (uncompressed, TOC `chunks` by sha256) is recorded by its sha256s; a layer
+    with no TOC at all (--no-lazy) by hashing the disk, so a later lazy v2 still reuses it."""
+    v1, v2, _ = _disks(tmp_path)
+    cache = tmp_path / "cache"
+    old = build(registry.host, v1, "old:v1", "--lazy", "--compression", "none")
+    first, _ = pull(cache, old)
+    rel = str(Path(first["path"]).relative_to(cache))
+    chunk0 = v1.read_bytes()[:MIB]
+    index = ChunkIndex(Cache(cache))
+    assert [p.path for p in index.lookup("sha256", hashlib.sha256(chunk0).hexdigest())] == [rel]
+    plain = build(registry.host, v1, "plain:v1", "--no-lazy")
+    other = tmp_path / "cache2"
+    second, _ = pull(other, plain)
+    assert [p.path for p in ChunkIndex(Cache(other)).lookup("blake3", blake3.blake3(chunk0).hexdigest())] == [str(Path(second["path"]).relative_to(other))]
+    ref2 = build(registry.host, v2, "plain:v2")
+    proxy = fault_proxy(registry)
+    third, _ = pull(other, f"{proxy.host}/delta/plain:v2")
+    assert third["reused"] == 31 * MIB and sha256_file(Path(third["path"])) == sha256_file(v2)
+    assert blob_bytes(proxy) < 2 * MIB
+    shutil.rmtree(cache)
