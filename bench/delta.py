@@ -505,17 +505,17 @@ def print_report(pairs: dict[str, Pair], results: dict[tuple[str, str], Result],
               f"{pair.new_chunks} of {pair.chunks} chunks ({pair.chunk_size >> 10} KiB) new; "
               f"ideal = their gzip members {pair.new_members_bytes / MIB:.2f} MiB + TOC {pair.toc_bytes / 1024:.0f} KiB "
               f"= {pair.ideal_bytes / MIB:.2f} MiB (image {pair.image_bytes / MIB:.1f} MiB, casync store {pair.casync_bytes / MIB:.1f} MiB)")
-        print(f"  {'variant':34} {'MiB':>8} {'x ideal':>8} {'wall s':>7} {'best':>6} {'cpu s':>7} {'best':>6}  peak RSS MiB per process")
+        print(f"  {'variant':40} {'MiB':>8} {'x ideal':>8} {'wall s':>7} {'best':>6} {'cpu s':>7} {'best':>6}  peak RSS MiB per process")
         for variant in VARIANTS:
             r = results[(case, variant)]
             fetched = r.median("fetched")
             rss = ", ".join(f"{name} {mib:.1f}" for name, mib in r.peak_rss_mib().items())
             label = f"{variant} ({VARIANT_TOOLS[variant]})"
-            print(f"  {label:34} {fetched / MIB:8.2f} {fetched / pair.ideal_bytes:8.2f} {r.median('wall_s'):7.2f} {r.best('wall_s'):6.2f} "
+            print(f"  {label:40} {fetched / MIB:8.2f} {fetched / pair.ideal_bytes:8.2f} {r.median('wall_s'):7.2f} {r.best('wall_s'):6.2f} "
                   f"{r.median('cpu_s'):7.2f} {r.best('cpu_s'):6.2f}  {rss}")
             said = r.samples[-1].reported
             if said:
-                print(f"  {'':34} launcher says: " + ", ".join(f"{k} {v / MIB:.2f} MiB" for k, v in said.items()))
+                print(f"  {'':40} launcher says: " + ", ".join(f"{k} {v / MIB:.2f} MiB" for k, v in said.items()))
         for c in found:
             if c["case"] == case:
                 print(f"    {c['name']:24} {c['value']:>8} {c['unit']:2} target {c['target']:8} {'PASS' if c['pass'] else 'MISS'}")
