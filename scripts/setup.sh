@@ -18,7 +18,7 @@ APT_PACKAGES=(
     golang-go golang-golang-x-crypto-dev openssl
     gnupg
     dropbear-bin openssh-client passt slirp4netns
-    curl
+    curl casync
 )
 # The demo's set: build and boot the test guest, a registry to push it to, skopeo to read it back.
 # libvirt-daemon, not -system: a root launcher starts the qemu user's session daemon itself, and
