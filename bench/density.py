@@ -16,7 +16,7 @@ A disk serial `hold-900` keeps every guest up until the round ends (`launcher st
 Reported per round: seconds from the start to each VM's first console line (median and the last
 one: all running) and to `DISKKIT-TESTGUEST DONE` on every console (all booted); the peak RSS of
 each `launcher run` process (ru_maxrss of the process and the children it reaped, measured by
-bench/build.py's helper; the largest of the N, and the sum) and the disk server's (VmHWM); from the
+bench/build.py's helper; the largest of the N, and the sum) and its CPU time (the median), and the disk server's (VmHWM); from the
 registry's access log, how many GETs of the layer's blob it answered and how many bytes of it
 it sent, as a multiple of the blob's size (one download for all: 1 full GET when pulled, about 1.0x
 when lazy); how many disk server processes and exports served the round (one of each for all). A
@@ -106,6 +106,7 @@ class Vm:
     done_s: float | None = None
     status: int | None = None
     rss_kib: int | None = None
+    cpu_s: float | None = None
     error: str = ""
     stderr: list[str] = field(default_factory=list)
 
@@ -193,8 +194,8 @@ def round_once(scratch, registry, image: str, layer: tuple[str, int], count: int
         for (vm, proc, result, errors), thread in zip(procs, threads):
             proc.wait()
             thread.join()
-            figures = json.loads(result.read_text()) if result.is_file() else {"status": proc.returncode, "maxrss": None}
-            vm.status, vm.rss_kib = figures["status"], figures["maxrss"]
+            figures = json.loads(result.read_text()) if result.is_file() else {"status": proc.returncode, "maxrss": None, "cpu": None}
+            vm.status, vm.rss_kib, vm.cpu_s = figures["status"], figures["maxrss"], figures["cpu"]
             errors.seek(0)
             vm.stderr = errors.read().strip().splitlines()
             errors.close()
@@ -229,6 +230,7 @@ def round_once(scratch, registry, image: str, layer: tuple[str, int], count: int
         "all_done_s": round(max(dones), 1) if len(ok) == count else None,
         "launcher_rss_max_mib": round(max(rss) / 1024, 1) if rss else None,
         "launcher_rss_sum_mib": round(sum(rss) / 1024, 1) if rss else None,
+        "launcher_cpu_median_s": round(statistics.median(vm.cpu_s for vm in ok), 1) if ok else None,
         "servers": len(watch.seen) if mode == "lazy" else None,
         "server_rss_mib": round(max(watch.seen.values()) / 1024, 1) if watch.seen else None,
         "exports": exports,
@@ -283,7 +285,7 @@ def print_table(rounds: list[dict], found: list[dict], command: str, load_before
     print(bb.machine_line(load_before))
     print(f"test guest (raw, 64 MiB) built --lazy, layer {layer_mib:.1f} MiB; N `launcher run` processes started together as the"
           " qemu user (libvirt session); seconds from their start\n")
-    head = (f"{'N':>3} {'mode':6} {'ok':>5} {'1st line':>9} {'all 1st':>8} {'all DONE':>9} {'launcher RSS/VM':>16} {'server RSS':>11}"
+    head = (f"{'N':>3} {'mode':6} {'ok':>5} {'1st line':>9} {'all 1st':>8} {'all DONE':>9} {'launcher RSS/VM':>16} {'CPU/VM':>7} {'server RSS':>11}"
             f" {'layer GETs':>11} {'sent':>6} {'servers':>8} {'load after':>16}")
     print(head)
     for r in rounds:
@@ -291,12 +293,12 @@ def print_table(rounds: list[dict], found: list[dict], command: str, load_before
             return "-" if v is None else fmt.format(v)
         servers = "-" if r["servers"] is None else f"{r['servers']}/{r['exports']}"
         print(f"{r['vms']:>3} {r['mode']:6} {r['running']:>2}/{r['vms']:<2} {f(r['first_line_median_s']):>9} {f(r['all_first_line_s']):>8}"
-              f" {f(r['all_done_s']):>9} {f(r['launcher_rss_max_mib'], '{:.1f} MiB'):>16} {f(r['server_rss_mib'], '{:.1f} MiB'):>11}"
+              f" {f(r['all_done_s']):>9} {f(r['launcher_rss_max_mib'], '{:.1f} MiB'):>16} {f(r['launcher_cpu_median_s'], '{:.1f} s'):>7} {f(r['server_rss_mib'], '{:.1f} MiB'):>11}"
               f" {r['layer_gets']:>11} {r['layer_served_x']:>5}x {servers:>8} {r['load_average_after']:>16}")
         for failure in r["failures"]:
             print(f"      {failure}")
     print("\n1st line: median over the VMs; all 1st / all DONE: the last VM's first console line / DISKKIT-TESTGUEST DONE;"
-          " launcher RSS/VM: the largest `launcher run` peak; servers: disk server processes/exports")
+          " launcher RSS/VM: the largest `launcher run` peak; CPU/VM: the median `launcher run`'s user+sys (qemu's not counted); servers: disk server processes/exports")
     print()
     for c in found:
         print(f"{c['name']:32} {c['value']!s:>10}  target {c['target']:7} {'PASS' if c['pass'] else 'MISS'}")
@@ -308,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vms", default="1,4,8", help="comma-separated counts of VMs started together (default %(default)s)")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, of pulled and lazy (default %(default)s)")
     parser.add_argument("--workdir", type=Path, default=bb.DEFAULT_WORKDIR, help="cache for the disk and scratch (default build/bench)")
+    parser.add_argument("--guest", type=Path, default=GUEST, help="the test guest's qcow2 (default build/testguest/testguest.qcow2)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON instead of a table")
     args = parser.parse_args(argv)
     try:
@@ -319,12 +322,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--vms counts must be positive and --modes of pulled, lazy")
     args.size_mb, args.runs = 64, 1
     workdir = bb.checked_workdir(parser, args, ("docker-registry", "qemu-img", "setpriv", "virsh"))
-    if os.geteuid() != 0 or not GUEST.is_file():
-        parser.error("runs as root (it starts VMs as the qemu user) and needs build/testguest (scripts/setup.sh)")
+    if os.geteuid() != 0 or not args.guest.is_file():
+        parser.error("runs as root (it starts VMs as the qemu user) and needs the test guest (scripts/setup.sh builds build/testguest)")
+    blazy.GUEST = args.guest.resolve()  # the raw disk is made from it
     command = shlex.join(["bench/density.py", *argv])
     log = bb.log
     bb.use_this_tree()
-    disk = blazy.padded_guest(workdir, 64 * MIB, log)
+    disk = blazy.padded_guest(workdir, 64 * MIB, log)  # the guest's own size: nothing padded
     load_before = bb.load_average()
     registry = breg.Registry(workdir, access_log=True)
     scratch = blazy.QemuScratch()
