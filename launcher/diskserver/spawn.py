@@ -73,7 +73,11 @@ def start_server(cache: Cache, registry: RegistryOptions | None = None, idle: fl
     if _answers(control):
         return None
     held = contextlib.ExitStack()
-    if not held.enter_context(cache.lock_if_free(START_LOCK)):
+    try:
+        free = held.enter_context(cache.lock_if_free(START_LOCK))
+    except OSError:
+        free = True  # a cache we cannot lock in (another user's): the server's own lock still decides
+    if not free:
         held.close()
         return None  # another launcher is starting one: `ensure_server` waits for it to answer
     if _answers(control):  # it came up while we took the lock
