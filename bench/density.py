@@ -16,7 +16,8 @@ A disk serial `hold-900` keeps every guest up until the round ends (`launcher st
 Reported per round: seconds from the start to each VM's first console line (median and the last
 one: all running) and to `DISKKIT-TESTGUEST DONE` on every console (all booted); the peak RSS of
 each `launcher run` process (ru_maxrss of the process and the children it reaped, measured by
-bench/build.py's helper; the largest of the N, and the sum) and its CPU time (the median), and the disk server's (VmHWM); from the
+bench/build.py's helper; the largest of the N, and the sum) and its CPU time (the median), and the
+disk server's (VmHWM, and its CPU time until the VMs were stopped); each qemu's CPU time then (median); from the
 registry's access log, how many GETs of the layer's blob it answered and how many bytes of it
 it sent, as a multiple of the blob's size (one download for all: 1 full GET when pulled, about 1.0x
 when lazy); how many disk server processes and exports served the round (one of each for all). A
@@ -135,6 +136,28 @@ def server_pids(cache: Path) -> set[int]:
     return pids
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """User+sys CPU time `pid` has used so far (/proc/PID/stat's utime and stime)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return None
+
+
+def qemu_cpu_seconds(names: list[str]) -> list[float]:
+    """CPU time each running VM's qemu has used so far (found by its `-name guest=NAME`)."""
+    wanted = {f"guest={name}".encode() for name in names}
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            with contextlib.suppress(OSError):
+                argv = (proc / "cmdline").read_bytes().split(b"\0")
+                if argv and b"qemu-system" in argv[0] and any(a.split(b",")[0] in wanted for a in argv):
+                    if (cpu := cpu_seconds(int(proc.name))) is not None:
+                        found.append(cpu)
+    return found
+
+
 def peak_rss_kib(pid: int) -> int | None:
     with contextlib.suppress(OSError):
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -144,11 +167,11 @@ def peak_rss_kib(pid: int) -> int | None:
 
 
 class ServerWatch(threading.Thread):
-    """Every disk server process of the round, and each one's peak RSS as last seen."""
+    """Every disk server process of the round, and each one's peak RSS and CPU time as last seen."""
 
     def __init__(self, cache: Path):
         super().__init__(daemon=True)
-        self.cache, self.seen, self.stopping = cache, {}, threading.Event()
+        self.cache, self.seen, self.cpu, self.stopping = cache, {}, {}, threading.Event()
 
     def run(self) -> None:
         while not self.stopping.wait(0.2):
@@ -159,6 +182,8 @@ class ServerWatch(threading.Thread):
             rss = peak_rss_kib(pid)
             if rss is not None:
                 self.seen[pid] = max(rss, self.seen.get(pid, 0))
+            if (cpu := cpu_seconds(pid)) is not None:
+                self.cpu[pid] = cpu
 
     def stop(self) -> None:
         self.stopping.set()
@@ -201,6 +226,7 @@ def round_once(scratch, registry, image: str, layer: tuple[str, int], count: int
             errors.close()
             if vm.status != 0 or vm.done_s is None:
                 vm.error = (vm.stderr[-1:] or [f"exit status {vm.status}"])[0]
+        qemu_cpu = qemu_cpu_seconds([vm.name for vm in vms])
         exports = None
         if mode == "lazy":
             status = blazy.server_status(cache)
@@ -233,6 +259,8 @@ def round_once(scratch, registry, image: str, layer: tuple[str, int], count: int
         "launcher_cpu_median_s": round(statistics.median(vm.cpu_s for vm in ok), 1) if ok else None,
         "servers": len(watch.seen) if mode == "lazy" else None,
         "server_rss_mib": round(max(watch.seen.values()) / 1024, 1) if watch.seen else None,
+        "qemu_cpu_median_s": round(statistics.median(qemu_cpu), 1) if qemu_cpu else None,
+        "server_cpu_s": round(sum(watch.cpu.values()), 1) if watch.cpu else None,
         "exports": exports,
         "layer_gets": gets, "layer_served_x": round(sent / layer[1], 2),
         "failures": [f"{vm.name}: {vm.error}" for vm in vms if vm.error][:3],
@@ -285,7 +313,7 @@ def print_table(rounds: list[dict], found: list[dict], command: str, load_before
     print(bb.machine_line(load_before))
     print(f"test guest (raw, 64 MiB) built --lazy, layer {layer_mib:.1f} MiB; N `launcher run` processes started together as the"
           " qemu user (libvirt session); seconds from their start\n")
-    head = (f"{'N':>3} {'mode':6} {'ok':>5} {'1st line':>9} {'all 1st':>8} {'all DONE':>9} {'launcher RSS/VM':>16} {'CPU/VM':>7} {'server RSS':>11}"
+    head = (f"{'N':>3} {'mode':6} {'ok':>5} {'1st line':>9} {'all 1st':>8} {'all DONE':>9} {'launcher RSS/VM':>16} {'CPU/VM':>7} {'qemu CPU':>9} {'server RSS':>11} {'srv CPU':>8}"
             f" {'layer GETs':>11} {'sent':>6} {'servers':>8} {'load after':>16}")
     print(head)
     for r in rounds:
@@ -293,12 +321,12 @@ def print_table(rounds: list[dict], found: list[dict], command: str, load_before
             return "-" if v is None else fmt.format(v)
         servers = "-" if r["servers"] is None else f"{r['servers']}/{r['exports']}"
         print(f"{r['vms']:>3} {r['mode']:6} {r['running']:>2}/{r['vms']:<2} {f(r['first_line_median_s']):>9} {f(r['all_first_line_s']):>8}"
-              f" {f(r['all_done_s']):>9} {f(r['launcher_rss_max_mib'], '{:.1f} MiB'):>16} {f(r['launcher_cpu_median_s'], '{:.1f} s'):>7} {f(r['server_rss_mib'], '{:.1f} MiB'):>11}"
+              f" {f(r['all_done_s']):>9} {f(r['launcher_rss_max_mib'], '{:.1f} MiB'):>16} {f(r['launcher_cpu_median_s'], '{:.1f} s'):>7} {f(r['qemu_cpu_median_s'], '{:.1f} s'):>9} {f(r['server_rss_mib'], '{:.1f} MiB'):>11} {f(r['server_cpu_s'], '{:.1f} s'):>8}"
               f" {r['layer_gets']:>11} {r['layer_served_x']:>5}x {servers:>8} {r['load_average_after']:>16}")
         for failure in r["failures"]:
             print(f"      {failure}")
     print("\n1st line: median over the VMs; all 1st / all DONE: the last VM's first console line / DISKKIT-TESTGUEST DONE;"
-          " launcher RSS/VM: the largest `launcher run` peak; CPU/VM: the median `launcher run`'s user+sys (qemu's not counted); servers: disk server processes/exports")
+          " launcher RSS/VM: the largest `launcher run` peak; CPU/VM: the median `launcher run`'s user+sys (qemu's not counted); qemu CPU: the median VM's qemu at the end (after its DONE); srv CPU: the disk server's, until the VMs were stopped; servers: disk server processes/exports")
     print()
     for c in found:
         print(f"{c['name']:32} {c['value']!s:>10}  target {c['target']:7} {'PASS' if c['pass'] else 'MISS'}")
