@@ -145,8 +145,9 @@ def cpu_seconds(pid: int) -> float | None:
 
 
 def qemu_cpu_seconds(names: list[str]) -> list[float]:
-    """CPU time each running VM's qemu has used so far (found by its `-name guest=NAME`)."""
-    wanted = {f"guest={name}".encode() for name in names}
+    """CPU time each running VM's qemu has used so far (found by its `-name guest=default_NAME`: the
+    VMIs have no namespace, and KubeVirt names a domain `<namespace>_<name>`)."""
+    wanted = {f"guest=default_{name}".encode() for name in names}
     found = []
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
