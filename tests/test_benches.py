@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -63,3 +65,26 @@ def test_delta_bench_runs_at_a_tiny_size(tmp_path):
     named = {(c["case"], c["name"]) for c in out["checks"]}
     assert {(case, "ours fetched / ideal") for case in pairs} <= named
     assert {("raw-1", "ours/casync bytes"), ("raw-1", "ours/casync wall"), ("raw-10", "ours/casync bytes")} <= named
+
+
+@pytest.mark.vm  # boots VMs through the bench's own launchers, which no fixture names
+def test_density_bench_two_vms_of_one_image_at_once(tmp_path):
+    # bench/density.py at N=2 in both modes, as the README's table is made: the figures are not
+    # asserted (shared machines), what the node must do with them is: every VM up, the layer sent once.
+    from tests.testguest import ensure_testguest
+
+    guest = ensure_testguest() / "testguest.qcow2"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "density.py"), "--vms", "2", "--workdir", str(tmp_path),
+                           "--guest", str(guest), "--json"], capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    rounds = {r["mode"]: r for r in report["rounds"]}
+    assert set(rounds) == {"pulled", "lazy"}
+    for r in rounds.values():
+        assert r["running"] == 2 and r["failures"] == [], r
+        assert r["all_first_line_s"] is not None and r["all_done_s"] >= r["all_first_line_s"] > 0
+        assert r["launcher_rss_max_mib"] > 0 and r["qemu_cpu_median_s"] > 0
+    assert rounds["pulled"]["layer_gets"] == 1  # two pulls at once, one download
+    assert rounds["lazy"]["servers"] == 1 and rounds["lazy"]["exports"] == 1 and rounds["lazy"]["server_rss_mib"] > 0
+    assert 0 < rounds["lazy"]["layer_served_x"] < 1.5  # the server's fill: the blob once at most
+    assert all(c["pass"] for c in report["checks"]), report["checks"]

@@ -41,9 +41,12 @@ def _registry_flags(opts: RegistryOptions) -> list[str]:
     return flags  # credentials travel with each request, never on a command line
 
 
-# Servers this process started and has not yet seen answer: `ensure_server` waits for one of these
-# rather than starting another, which would only find the cache taken.
-_starting: dict[Path, subprocess.Popen] = {}
+# Servers this process started and has not yet seen answer, each with the cache's start lock held
+# until it does: `ensure_server` waits for one of these rather than starting another, and so do
+# other launchers (the lock), as another server would only find the cache taken after costing an
+# interpreter's start on a node busy starting VMs.
+_starting: dict[Path, tuple[subprocess.Popen, contextlib.ExitStack]] = {}
+START_LOCK = "disk-server-start"
 
 
 def _answers(control: Path) -> bool:
@@ -52,49 +55,69 @@ def _answers(control: Path) -> bool:
     return False
 
 
+def _started(root: Path) -> None:
+    """Our server answers, or will never: the lock is for the next launcher that needs one."""
+    _, held = _starting.pop(root)
+    held.close()
+
+
 def start_server(cache: Cache, registry: RegistryOptions | None = None, idle: float = 30.0) -> subprocess.Popen | None:
     """Start the node's server (detached, exiting when idle) if none answers, without waiting for it:
     a run that knows it will boot lazily starts it first, and the server's own start (an interpreter,
     its imports) then overlaps the run's preparation instead of adding to it. The child starting, or
-    None when a server answers already."""
+    None when a server answers already or another launcher is starting one."""
     directory = serve_dir(cache)
     if cache.root in _starting:
-        return _starting[cache.root]
-    if _answers(socket_path(directory, CONTROL_SOCKET)):
+        return _starting[cache.root][0]
+    control = socket_path(directory, CONTROL_SOCKET)
+    if _answers(control):
+        return None
+    held = contextlib.ExitStack()
+    try:
+        free = held.enter_context(cache.lock_if_free(START_LOCK))
+    except OSError:
+        free = True  # a cache we cannot lock in (another user's): the server's own lock still decides
+    if not free:
+        held.close()
+        return None  # another launcher is starting one: `ensure_server` waits for it to answer
+    if _answers(control):  # it came up while we took the lock
+        held.close()
         return None
     directory.mkdir(parents=True, exist_ok=True)
     command = [*launcher_argv(), "serve", "--cache-dir", str(cache.root), "--exit-when-idle", str(idle),
                "--fetch-timeout", str(FETCH_TIMEOUT),
                *_registry_flags(registry or RegistryOptions())]
     with open(directory / "server.log", "ab") as logfile:
-        child = _starting[cache.root] = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=logfile, stderr=logfile,
-                                                         start_new_session=True, env={**os.environ, "CI": "true"})
+        child = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=logfile, stderr=logfile,
+                                 start_new_session=True, env={**os.environ, "CI": "true"})
+    _starting[cache.root] = (child, held)
     return child
 
 
 def ensure_server(cache: Cache, registry: RegistryOptions | None = None, idle: float = 30.0) -> Path:
-    """The control socket of the node's server; one is started (detached, exiting when idle) if none answers."""
+    """The control socket of the node's server; one is started (detached, exiting when idle) if none
+    answers and no other launcher is starting one."""
     directory = serve_dir(cache)
     control = socket_path(directory, CONTROL_SOCKET)
-    if cache.root not in _starting and _answers(control):
-        return control
-    child = start_server(cache, registry, idle)
-    if child is None:
-        return control  # another launcher's server came up meanwhile
     deadline = time.monotonic() + START_TIMEOUT
     while time.monotonic() < deadline:
-        if _answers(control):
-            _starting.pop(cache.root, None)
+        if cache.root not in _starting and _answers(control):
             return control
-        if child.poll() is not None and child.returncode != 0:
-            _starting.pop(cache.root, None)
-            # Lost a race with another launcher's server? Then that one answers shortly.
+        child = start_server(cache, registry, idle)
+        if child is not None and _answers(control):
+            _started(cache.root)
+            return control
+        if child is not None and child.poll() is not None and child.returncode != 0:
+            _started(cache.root)
+            # A server started otherwise (`launcher serve`) may hold the cache and answer shortly.
             time.sleep(0.5)
             if _answers(control):
                 return control
             tail = (directory / "server.log").read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
             raise DiskkitError(directory, f"the disk server did not start: {tail[0]}")
         time.sleep(0.02)  # a VM is waiting on this: poll often, the server takes a fraction of a second
-    _starting.pop(cache.root, None)
-    child.send_signal(signal.SIGTERM)
+    if cache.root in _starting:
+        child, _ = _starting[cache.root]
+        _started(cache.root)
+        child.send_signal(signal.SIGTERM)
     raise DiskkitError(directory, f"the disk server did not answer within {START_TIMEOUT:g} s")
