@@ -53,6 +53,7 @@ from pathlib import Path
 import sibling
 
 blazy = sibling.load("lazy")
+launch = sibling.load("launch")
 breg = blazy.breg
 bb = breg.bb
 MIB = bb.MIB
@@ -64,26 +65,6 @@ DONE = "DISKKIT-TESTGUEST DONE"
 HOLD = 900
 RUN_TIMEOUT = 1800
 
-VMI = """apiVersion: kubevirt.io/v1
-kind: VirtualMachineInstance
-metadata:
-  name: {name}
-spec:
-  domain:
-    resources:
-      requests:
-        memory: 128Mi
-    devices:
-      disks:
-        - name: root
-          serial: hold-{hold}
-          disk:
-            bus: virtio
-  volumes:
-    - name: root
-      containerDisk:
-        image: {image}
-"""
 
 ACCESS_LINE = re.compile(r'"GET /v2/(?P<repo>[^ ]+)/blobs/(?P<digest>[^ ?]+)[^"]*" (?P<status>\d{3}) (?P<bytes>\d+|-)')
 
@@ -203,7 +184,7 @@ def round_once(scratch, registry, image: str, layer: tuple[str, int], count: int
     procs, threads = [], []
     for vm in vms:
         vmi = scratch.root / f"{vm.name}.yaml"
-        vmi.write_text(VMI.format(name=vm.name, hold=HOLD, image=image))
+        vmi.write_text(launch.VMI.format(name=vm.name, hold=HOLD, image=image))
     os.sync()
     started = time.monotonic()
     try:
