@@ -140,6 +140,19 @@ def test_a_registry_that_ignores_ranges_gets_a_whole_pull(tmp_path, registry, fa
     assert layer["size"] <= blob_bytes(proxy) < layer["size"] + 64 * KIB  # once, not once for the TOC and again
 
 
+def test_a_fresh_node_pulls_from_a_registry_that_ignores_ranges_once(tmp_path, registry, fault_proxy):
+    """No chunk to reuse, so no delta plan: the parallel inflater's TOC range is refused, not read up
+    to (the TOC is at the blob's end), and the layer is streamed once and inflated on one core."""
+    _, v2, _ = _disks(tmp_path)
+    build(registry.host, v2, "norange-fresh:v2")
+    proxy = fault_proxy(registry)
+    proxy.ignore_range = True
+    pulled, _ = pull(tmp_path / "cache", f"{proxy.host}/delta/norange-fresh:v2")
+    assert sha256_file(Path(pulled["path"])) == sha256_file(v2)
+    layer = manifest_digest_layer(proxy, "norange-fresh:v2")
+    assert layer["size"] <= blob_bytes(proxy) < layer["size"] + 64 * KIB
+
+
 def manifest_digest_layer(proxy, tag: str) -> dict:
     import requests
 

@@ -27,8 +27,10 @@ from diskkit.oci.image import Descriptor, Image, Platform, parse_json
 from diskkit.oci.mediatypes import layer_compression
 from diskkit.oci.reference import parse_ref
 from diskkit.registry.options import RegistryOptions
+from diskkit.registry.ranges import RangeReader, RangesRefused
 from diskkit.transports import open_source
 from diskkit.transports.base import Source
+from diskkit.transports.remote import RemoteSource
 
 
 @dataclass
@@ -121,11 +123,17 @@ def lazy_inflaters(source: Source, image: Image) -> dict:
     """For each lazy v2 gzip layer, what inflates its members on every core (imagefs.walk's `inflaters`);
     a TOC that cannot be read where its annotations say is refused, a registry failure raised as it is."""
     inflaters = {}
+    # From a registry the TOC is read with a range that is refused, not read up to, when the
+    # registry ignores Range: that layer then inflates on one core, its blob fetched once.
+    reader = RangeReader(source.registry, source.name.repository) if isinstance(source, RemoteSource) else source
     for index, layer in enumerate(image.layers):
         if layer_compression(layer.media_type) != "gzip":
             continue
         where = f"{image.where}: {_where(image, index)}"
-        toc = read_toc(source, layer, where)
+        try:
+            toc = read_toc(reader, layer, where)
+        except RangesRefused:
+            continue
         if toc is not None and toc.members is not None:
             inflaters[index] = lambda raw, toc=toc, where=where: MemberInflater(raw, toc, where)
     return inflaters

@@ -72,3 +72,24 @@ class BlobRanges:
             return got
         finally:
             response.close()
+
+
+class RangeReader:
+    """`read_range` of a repository's blobs that never reads a blob from its start up to the range
+    when the registry ignores Range (a lazy TOC sits at the blob's end): such an answer raises
+    RangesRefused, remembered in `refused`, and the caller reads the blob once, whole, instead."""
+
+    def __init__(self, registry: Registry, repository: str):
+        self.registry, self.repository = registry, repository
+        self.received = 0
+        self.refused: RangesRefused | None = None
+
+    def read_range(self, desc, offset: int, size: int) -> bytes:
+        ranges = BlobRanges(self.registry, self.repository, desc.digest, desc.size, refuse_whole=True)
+        try:
+            return ranges.read(offset, size)
+        except RangesRefused as exc:
+            self.refused = exc
+            raise
+        finally:
+            self.received += ranges.received

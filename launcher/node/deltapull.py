@@ -31,7 +31,7 @@ from diskkit.oci.image import Descriptor, Image
 from diskkit.oci.mediatypes import OCI_LAYER
 from diskkit.ops.verify import stored_tocs
 from diskkit.progress import Reporter
-from diskkit.registry.ranges import BlobRanges, RangesRefused
+from diskkit.registry.ranges import BlobRanges, RangeReader, RangesRefused
 from diskkit.transports.remote import RemoteSource
 from launcher.chunks.index import ChunkIndex
 from launcher.chunks.source import LocalChunks, zero_hash
@@ -76,31 +76,13 @@ class LayerPlan:
         return f"layer {self.index} ({self.desc.digest[:19]})"
 
 
-class _Ranges:
-    """`read_range` as stored_tocs asks it of a registry, but never reading a blob from its start up to
-    the range when the registry ignores Range: the TOC sits at the blob's end."""
-
-    def __init__(self, source: RemoteSource):
-        self.source, self.received, self.refused = source, 0, None
-
-    def read_range(self, desc: Descriptor, offset: int, size: int) -> bytes:
-        ranges = BlobRanges(self.source.registry, self.source.name.repository, desc.digest, desc.size, refuse_whole=True)
-        try:
-            return ranges.read(offset, size)
-        except RangesRefused as exc:
-            self.refused = exc
-            raise
-        finally:
-            self.received += ranges.received
-
-
 def read_tocs(source, image: Image, transfer: Transfer) -> dict[int, lazytoc.Toc | None]:
     """The image's lazy TOCs (none for an image not built lazy), read where their annotations say."""
     if not lazytoc.marked(image.manifest, image.layers):
         return {}
     if not isinstance(source, RemoteSource):
         return stored_tocs(source, image, [])
-    reader = _Ranges(source)
+    reader = RangeReader(source.registry, source.name.repository)
     tocs = stored_tocs(reader, image, [])
     transfer.fetched += reader.received
     if reader.refused is not None:

@@ -176,7 +176,8 @@ def _extract(cache: Cache, source, image, shown: str, path: str | None, disk: bo
         # The ImageVolume rule (a lone file at the root) only applies when no path was given.
         try:
             tree, found, staged = scan_image(walked_source, walked_image, path, spool, allow_root_file=path is None,
-                                             kept=kept, keep=frozenset({lazytoc.TOC_MEMBER}), inflate_lazy=True)
+                                             kept=kept, keep=frozenset({lazytoc.TOC_MEMBER}),
+                                             inflate_lazy=by_chunks and not transfer.ranges_refused)  # no TOC asked again of a registry that ignores Range
         except RangesRefused:
             return _extract(cache, source, image, shown, path, disk, ref_key, reporter, by_chunks=False)
         # The rules `diskkit verify` applies, UID 107's access included: KubeVirt never chowns the
