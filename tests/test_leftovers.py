@@ -19,12 +19,19 @@ from tests.leftovers import alive, processes_of
 REPO = Path(__file__).resolve().parent.parent
 
 
+def _as_in_a_terminal() -> None:
+    # A suite started in the background by a non-interactive shell (`./.ci/run &`) inherits SIGINT
+    # ignored, and Python then never turns Ctrl-C into KeyboardInterrupt: the inner run would sleep
+    # through it. A terminal's foreground job has SIGINT as the default; give the inner run that.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_an_interrupted_run_leaves_no_daemon_and_no_scratch_directory(tmp_path, sig):
     marker = tmp_path / "marker.json"
     proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/interrupted_case.py"], cwd=REPO,
                             env={**os.environ, "DISKKIT_INTERRUPTED_MARKER": str(marker)}, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=_as_in_a_terminal)
     try:
         deadline = time.monotonic() + 180
         while not marker.exists():
