@@ -68,7 +68,6 @@ import os
 import random
 import shlex
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -300,7 +299,7 @@ class FileServer:
         self._log = open(workdir / f"http-{self.host.rpartition(':')[2]}.log", "wb")
         self.proc = subprocess.Popen([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", "--protocol", "HTTP/1.1",
                                       "--directory", str(directory), self.host.rpartition(":")[2]],
-                                     stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=breg._die_with_parent)
+                                     stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=breg.die_with_parent)
         deadline = time.monotonic() + READY_TIMEOUT
         while True:
             if self.proc.poll() is not None:
@@ -340,23 +339,10 @@ class Sample:
 
 
 @dataclass
-class Result:
-    case: str
-    variant: str
-    samples: list[Sample] = field(default_factory=list)
+class Result(breg.Result):
+    """bench/registry.py's statistics over one pair's runs of one variant (`mode` is the cache condition)."""
 
-    def median(self, attr: str) -> float:
-        return statistics.median(getattr(s, attr) for s in self.samples)
-
-    def best(self, attr: str) -> float:
-        return min(getattr(s, attr) for s in self.samples)
-
-    def peak_rss_mib(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for s in self.samples:
-            for name, kib in s.rss_kib.items():
-                out[name] = max(out.get(name, 0.0), kib / 1024)
-        return out
+    case: str = ""
 
     def to_json(self, ideal: int) -> dict:
         fetched = self.median("fetched")
@@ -471,7 +457,7 @@ def reported_counts(obj: dict) -> dict | None:
 
 
 def bench(b: Bench, pairs: dict[str, Pair], runs: int, log) -> dict[tuple[str, str], Result]:
-    results = {(c, v): Result(c, v) for c in pairs for v in VARIANTS}
+    results = {(c, v): Result(v, b.mode, [], case=c) for c in pairs for v in VARIANTS}
     for i in range(1, runs + 1):
         for case, pair in pairs.items():
             for variant in VARIANTS:

@@ -93,7 +93,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child: SIGTERM when this script dies, so a crashed run leaves no registry behind."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
@@ -122,7 +122,7 @@ class Registry:
         config_path.write_text(json.dumps(config, indent=2))  # JSON is YAML
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(["docker-registry", "serve", str(config_path)], stdin=subprocess.DEVNULL,
-                                     stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+                                     stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
         self._wait_ready()
 
     def _wait_ready(self) -> None:
