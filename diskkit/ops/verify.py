@@ -92,18 +92,19 @@ def scan(ref: str, platform: Platform | None, path: str | None, spool: Path, hea
 
 def scan_image(source: Source, image: Image, path: str | None, spool: Path, head_limit: int | None = None, allow_root_file: bool = False,
                kept: dict[str, Spooled] | None = None, keep: frozenset[str] = frozenset(), taps: dict | None = None,
-               inflate_lazy: bool = False):
+               inflate_lazy: bool = False, tocs: dict[int, lazytoc.Toc | None] | None = None):
     """The tree, the located disk and its spooled file (None when it is missing or only partly kept).
 
     With `kept`, the files at `keep` are spooled too and put there; `taps` as imagefs.walk's. An
     artifact boots only through an image volume, so the image volume's rule (a lone file at the root)
     applies to it whatever `allow_root_file` says. With `inflate_lazy`, lazy v2 layers are inflated
     on every core, their TOCs read first and trusted for nothing the blob digest and diffID do not
-    also pin (a TOC that cannot be read, or that does not describe its blob, is refused)."""
+    also pin (a TOC that cannot be read, or that does not describe its blob, is refused); `tocs` are
+    those the caller already read, by layer index, not asked of the source again."""
     allow_root_file = allow_root_file or is_artifact(image)
     disk_candidate = wanted(path, allow_root_file)
     want = disk_candidate if not keep else (lambda p: disk_candidate(p) or p in keep)
-    inflaters = lazy_inflaters(source, image) if inflate_lazy else None
+    inflaters = lazy_inflaters(source, image, tocs or {}) if inflate_lazy else None
     tree, spooled = walk(source, image, want, spool, head_limit, taps=taps, inflaters=inflaters)
     if kept is not None:
         kept.update({p: spooled[p] for p in keep if p in spooled and spooled[p].complete})
@@ -119,7 +120,7 @@ def scan_image(source: Source, image: Image, path: str | None, spool: Path, head
     return tree, found, disk_file
 
 
-def lazy_inflaters(source: Source, image: Image) -> dict:
+def lazy_inflaters(source: Source, image: Image, known: dict[int, lazytoc.Toc | None] | None = None) -> dict:
     """For each lazy v2 gzip layer, what inflates its members on every core (imagefs.walk's `inflaters`);
     a TOC that cannot be read where its annotations say is refused, a registry failure raised as it is."""
     inflaters = {}
@@ -131,7 +132,7 @@ def lazy_inflaters(source: Source, image: Image) -> dict:
             continue
         where = f"{image.where}: {_where(image, index)}"
         try:
-            toc = read_toc(reader, layer, where)
+            toc = (known or {}).get(index) or read_toc(reader, layer, where)
         except RangesRefused:
             continue
         if toc is not None and toc.members is not None:

@@ -156,11 +156,12 @@ def _extract(cache: Cache, source, image, shown: str, path: str | None, disk: bo
     cache.reclaim_staging()  # what killed pulls left behind: this one may need the space
     transfer = deltapull.Transfer()
     index = ChunkIndex(cache)
-    plans = {}
+    plans, tocs = {}, {}
     try:
         # The TOCs are read ahead (one range request each) only when the node has chunks to offer.
         if by_chunks and isinstance(source, RemoteSource) and not index.empty():
-            plans = deltapull.plan(source, image, deltapull.read_tocs(source, image, transfer), index, transfer)
+            tocs = deltapull.read_tocs(source, image, transfer)
+            plans = deltapull.plan(source, image, tocs, index, transfer)
     except sqlite3.Error:  # the index is a hint: without it, the pull is a whole one
         plans = {}
     walked_source, walked_image = source, image
@@ -177,7 +178,8 @@ def _extract(cache: Cache, source, image, shown: str, path: str | None, disk: bo
         try:
             tree, found, staged = scan_image(walked_source, walked_image, path, spool, allow_root_file=path is None,
                                              kept=kept, keep=frozenset({lazytoc.TOC_MEMBER}),
-                                             inflate_lazy=by_chunks and not transfer.ranges_refused)  # no TOC asked again of a registry that ignores Range
+                                             inflate_lazy=by_chunks and not transfer.ranges_refused,  # no TOC asked again of a registry that ignores Range
+                                             tocs=tocs)  # nor one the delta plan read
         except RangesRefused:
             return _extract(cache, source, image, shown, path, disk, ref_key, reporter, by_chunks=False)
         # The rules `diskkit verify` applies, UID 107's access included: KubeVirt never chowns the
