@@ -20,6 +20,12 @@ drop_caches), each applied before every run. Printed: the command line, median a
 CPU time, each process's peak RSS, the ratio with PASS/MISS. Targets: skopeo+umoci / launcher >= 6x,
 every launcher process < 150 MiB; one download for 20 VMs. The launcher measured is this tree's.
 
+A third variant, `floor` (bench/pullfloor.py), does only the work no verified, durable pull can
+skip (blob digest, member pins, inflate on every core, the content's sha256, direct write, fsync),
+reading the blob from the registry's storage instead of the network: skopeo+umoci / floor is the
+most any such pull could show on this machine, and launcher / floor what our pull spends beyond.
+A fourth, `floor, no disk` (--discard), leaves the disk unwritten: the checks' and inflate's part.
+
 Run from the project root, as root (it creates the qemu user's scratch directories):
     .venv/bin/python bench/launch.py                       # 700 MB of content, 3 runs, 20 VMs
     .venv/bin/python bench/launch.py --vms 0 --cache warm --runs 5
@@ -29,6 +35,7 @@ Run from the project root, as root (it creates the qemu user's scratch directori
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import pwd
@@ -54,10 +61,12 @@ def launcher_command() -> list[str]:
     return bb.tool_command("launcher")
 
 
-def pull_commands(variant: str, host: str, run_dir: Path) -> list[list[str]]:
+def pull_commands(variant: str, host: str, run_dir: Path, floor: tuple[Path, Path]) -> list[list[str]]:
     ref = f"{host}/{breg.PULL_REPO}:{breg.TAG}"
-    if variant == "launcher":
+    if variant == OURS:
         return [[*launcher_command(), "pull", "--cache-dir", str(run_dir / "cache"), "--tls-verify=false", ref]]
+    if variant in (FLOOR, COMPUTE):
+        return [[sys.executable, str(ROOT / "bench" / "pullfloor.py"), *(["--discard"] if variant == COMPUTE else []), *map(str, floor), str(run_dir)]]
     layout = run_dir / "layout"
     return [
         ["skopeo", "copy", "--src-tls-verify=false", f"docker://{ref}", f"oci:{layout}:x"],
@@ -65,19 +74,39 @@ def pull_commands(variant: str, host: str, run_dir: Path) -> list[list[str]]:
     ]
 
 
-OURS, THEIRS = "launcher", "skopeo+umoci"
+OURS, THEIRS, FLOOR, COMPUTE = "launcher", "skopeo+umoci", "floor", "floor, no disk"
+VARIANTS = (OURS, THEIRS, FLOOR, COMPUTE)
 
 
-def bench_pull(host: str, runs: int, workdir: Path, modes: list[str], warm: list[Path], log) -> dict:
-    results = {(m, v): breg.Result(v, m, []) for m in modes for v in (OURS, THEIRS)}
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while piece := f.read(8 * MIB):
+            digest.update(piece)
+    return digest.hexdigest()
+
+
+def output_disk(variant: str, run_dir: Path) -> str:
+    """The sha256 of the disk a run left behind, read after its timing: every variant must give the pushed disk."""
+    if variant == OURS:
+        return sha256_file(next((run_dir / "cache" / "disks").rglob("disk.img")))
+    if variant == THEIRS:
+        return sha256_file(next((run_dir / "bundle" / "rootfs" / "disk").iterdir()))
+    return json.loads((run_dir / "out.log").read_text().strip().splitlines()[-1])["content"]
+
+
+def bench_pull(host: str, runs: int, workdir: Path, modes: list[str], warm: list[Path], floor: tuple[Path, Path], expected: str, log) -> dict:
+    results = {(m, v): breg.Result(v, m, []) for m in modes for v in VARIANTS}
     for i in range(1, runs + 1):
         for mode in modes:
-            for variant in (OURS, THEIRS):
+            for variant in VARIANTS:
                 run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=workdir))
                 try:
-                    cmds = pull_commands(variant, host, run_dir)
+                    cmds = pull_commands(variant, host, run_dir, floor)
                     breg.prepare(mode, warm)
                     wall, cpu, rss = breg.measure(cmds, run_dir / "out.log")
+                    if variant != COMPUTE and (got := output_disk(variant, run_dir)) != expected:
+                        raise SystemExit(f"{variant} left a disk hashing to {got}, not the pushed disk's {expected}")
                     results[(mode, variant)].samples.append(breg.Sample(wall, cpu, rss, 0))
                     log(f"  run {i}/{runs} {mode:4} {variant:14} {wall:7.2f} s  {max(rss.values()) / 1024:7.1f} MiB")
                 finally:
@@ -90,6 +119,9 @@ def pull_checks(results: dict, modes: list[str]) -> list[dict]:
     for mode in modes:
         out.append(breg.ratio_check("pull+extract skopeo+umoci/launcher", results[(mode, THEIRS)], results[(mode, OURS)], TARGET_PULL_SPEEDUP))
         out.append(breg.rss_check(results[(mode, OURS)]))
+        for name, theirs, ours in (("skopeo+umoci/floor (the most possible)", THEIRS, FLOOR), ("launcher/floor (beyond the work)", OURS, FLOOR),
+                                   ("skopeo+umoci/floor with no disk", THEIRS, COMPUTE)):
+            out.append({**breg.ratio_check(name, results[(mode, theirs)], results[(mode, ours)], 0), "target": "-", "pass": None})
     return out
 
 
@@ -190,8 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     registry = breg.Registry(workdir, access_log=True)
     try:
         breg.push_pull_image(registry, disk)
+        manifest = workdir / "pull-manifest.json"
+        manifest.write_text(json.dumps(registry.manifest(breg.PULL_REPO, breg.TAG)[1]))
+        blobs = registry.blob_files(breg.PULL_REPO, breg.TAG)
         log("pull+extract ...")
-        pulls = bench_pull(registry.host, args.runs, workdir, modes, registry.blob_files(breg.PULL_REPO, breg.TAG), log)
+        pulls = bench_pull(registry.host, args.runs, workdir, modes, blobs, (blobs[-1], manifest), sha256_file(disk), log)
         vms = None
         if args.vms:
             log(f"{args.vms} VMs from one image ...")

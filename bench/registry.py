@@ -245,6 +245,8 @@ def process_name(cmd: list[str]) -> str:
     program = Path(cmd[0]).name
     if program.startswith("python") and cmd[1:2] == ["-m"]:
         program, cmd = cmd[2], cmd[2:]
+    elif program.startswith("python") and cmd[1:2] and cmd[1].endswith(".py"):
+        return Path(cmd[1]).name  # a bench script
     return f"{program} {cmd[1]}" if len(cmd) > 1 else program
 
 
@@ -367,7 +369,8 @@ def checks(results: dict[tuple[str, str], Result], modes: list[str], variants: l
 
 def print_check(c: dict) -> None:
     best = f" (best {c['best']}x)" if "best" in c else ""
-    print(f"  {c['name']:36} {c['value']:>8} {c['unit']:4} target {c['target']:10} {'PASS' if c['pass'] else 'MISS'}{best}")
+    verdict = "-" if c["pass"] is None else "PASS" if c["pass"] else "MISS"  # None: a figure for the record, no target
+    print(f"  {c['name']:36} {c['value']:>8} {c['unit']:4} target {c['target']:10} {verdict}{best}")
 
 
 def print_results(results: dict[tuple[str, str], Result], modes: list[str], found: list[dict]) -> None:

@@ -128,7 +128,9 @@ def test_every_command_of_both_clis_takes_json():
     from launcher.cli.commands import cli as launcher_cli
 
     def commands(group, prefix):
-        for name, command in group.commands.items():
+        ctx = click.Context(group)
+        for name in group.list_commands(ctx):  # lazily loaded commands too
+            command = group.get_command(ctx, name)
             if isinstance(command, click.Group):
                 yield from commands(command, f"{prefix} {name}")
             else:

@@ -18,7 +18,7 @@ from diskkit.streams.cursor import Cursor
 from diskkit.streams.directwrite import PIECE, DirectWriter
 from diskkit.streams.fsutil import WRITEBACK_STEP, Writeback
 from diskkit.streams.pieceread import IN_FLIGHT, PieceReader, resident_fraction
-from diskkit.streams.sparse import HOLE, write_sparse
+from diskkit.streams.sparse import HOLE, SparseDirectWriter, write_sparse
 
 
 class Chunked:
@@ -206,9 +206,9 @@ def test_piece_reader_lends_at_most_its_buffers(tmp_path):
     reader.close()
 
 
-def _write_direct(path, content: bytes, sizes: list[int]) -> None:
+def _write_direct(path, content: bytes, sizes: list[int], writer=DirectWriter) -> None:
     with open(path, "wb") as f:
-        out = DirectWriter(path, f.fileno())
+        out = writer(path, f.fileno())
         source = Chunked(content, sizes)
         while piece := source.read(1 << 30):
             out.write(piece)
@@ -258,6 +258,70 @@ def test_direct_writer_abort_stops_its_thread(tmp_path):
         assert threading.active_count() == before + 1
         out.abort()
     assert threading.active_count() == before
+
+
+def _write_sparse_direct(path, content: bytes, sizes: list[int]) -> None:
+    _write_direct(path, content, sizes, SparseDirectWriter)
+
+
+def _data_runs(path) -> list[tuple[int, int]]:
+    """(start, end) of each allocated run, as SEEK_DATA/SEEK_HOLE see them."""
+    runs, at = [], 0
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        while at < size:
+            try:
+                start = os.lseek(f.fileno(), at, os.SEEK_DATA)
+            except OSError:
+                break
+            at = os.lseek(f.fileno(), start, os.SEEK_HOLE)
+            runs.append((start, at))
+    return runs
+
+
+@pytest.mark.parametrize("sizes", [[50_001], [1, 4096, 333333, 1 << 20, 7], [HOLE], [3 * PIECE]])
+def test_sparse_direct_writer_leaves_whole_zero_blocks_as_holes_whatever_the_pieces(tmp_path, sizes):
+    """The pulled disk's writer (imagefs._spool): holes exactly where write_sparse leaves them, on
+    HOLE boundaries, whatever sizes the decompressor hands over; every other byte written."""
+    # a hole at the start, data, holes between, a block with one byte set, a buffer's worth of data
+    # (the writer's PIECE boundary), and a tail shorter than a block
+    content = (bytes(2 * HOLE) + os.urandom(HOLE + 10) + bytes(3 * HOLE) + bytes(HOLE - 1) + b"x"
+               + os.urandom(PIECE + HOLE) + bytes(HOLE) + os.urandom(1234))
+    path = tmp_path / "disk.img"
+    _write_sparse_direct(path, content, sizes)
+    assert path.read_bytes() == content
+    expected = tmp_path / "reference.img"
+    with open(expected, "wb") as out:
+        write_sparse(out, content)
+        out.truncate()
+    assert _data_runs(path) == _data_runs(expected)
+    # the leading hole, and the three zero blocks after the first data (block 3 holds 10 bytes of it)
+    assert _data_runs(path) == [(2 * HOLE, 4 * HOLE), (7 * HOLE, len(content))], _data_runs(path)
+
+
+@pytest.mark.parametrize("content", [b"", bytes(100), bytes(3 * HOLE + 5), os.urandom(100), bytes(HOLE) + os.urandom(3)])
+def test_sparse_direct_writer_sizes_small_and_empty_files(tmp_path, content):
+    path = tmp_path / "disk.img"
+    _write_sparse_direct(path, content, [7, 1 << 20])
+    assert path.read_bytes() == content and path.stat().st_size == len(content)
+    if content and not any(content):
+        assert _data_runs(path) == []  # nothing allocated for a file of zeros
+
+
+def test_sparse_direct_writer_goes_around_the_page_cache_and_falls_back_on_tmpfs(tmp_path):
+    content = os.urandom(2 * PIECE) + bytes(4 * HOLE) + os.urandom(PIECE + 77)
+    path = tmp_path / "disk.img"
+    _write_sparse_direct(path, content, [1 << 20])
+    assert _resident(path) <= 1 / 64  # written past the cache: at most the tail page is there
+    assert path.read_bytes() == content
+    shm = Path("/dev/shm")
+    assert shm.is_dir(), "the test needs a tmpfs at /dev/shm"
+    other = shm / f"diskkit-test-sparse-{os.getpid()}"
+    try:
+        _write_sparse_direct(other, content, [1 << 20, 5])
+        assert other.read_bytes() == content
+    finally:
+        other.unlink(missing_ok=True)
 
 
 def test_a_disk_read_cold_or_cached_makes_the_same_layer_and_a_changed_one_is_refused(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import gc
+import importlib
 import json
 import signal
 import sys
@@ -14,6 +15,24 @@ import click
 from diskkit.errors import DiskkitError, Exit
 from diskkit.oci.image import Platform
 from diskkit.registry.options import RegistryOptions
+
+
+class LazyGroup(click.Group):
+    """A group whose subcommands in other modules load when named (`lazy`: name -> "module:attr"):
+    a run imports what its own command needs, not what every other command boots with."""
+
+    def __init__(self, *args, lazy: dict[str, str] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lazy = dict(lazy or {})
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *self.lazy})
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in self.commands and name in self.lazy:
+            module, attr = self.lazy[name].split(":")
+            self.add_command(getattr(importlib.import_module(module), attr), name)
+        return super().get_command(ctx, name)
 
 
 def registry_options(command):

@@ -106,6 +106,7 @@ class MemberInflater(io.RawIOBase):
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="inflate")
         self._stop = threading.Event()
         self._current = memoryview(b"")
+        self._pending = memoryview(b"")  # read from `raw`, not yet cut (the feeding thread's)
         self._done = False
         self._thread = threading.Thread(target=self._feed, daemon=True)
         self._thread.start()
@@ -148,11 +149,19 @@ class MemberInflater(io.RawIOBase):
             except _Stopped:
                 pass
 
-    def _read(self, size: int) -> bytes:
-        parts, left = [], size
-        while left and (piece := self._raw.read(left)):
-            parts.append(piece)
-            left -= len(piece)
+    def _read(self, size: int):
+        """Up to `size` bytes (fewer only at the end): a view of the stream's own chunk when they lie
+        in one, joined only across chunks. Whole chunks are asked for, which readers pass on uncopied."""
+        if len(self._pending) >= size:
+            out, self._pending = self._pending[:size], self._pending[size:]
+            return out
+        parts, left = ([self._pending] if self._pending else []), size - len(self._pending)
+        self._pending = memoryview(b"")
+        while left and (data := self._raw.read(PASS)):
+            view = memoryview(data)
+            parts.append(view[:left])
+            self._pending = view[left:]
+            left -= len(parts[-1])
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def _put(self, item) -> None:

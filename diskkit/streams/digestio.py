@@ -43,6 +43,21 @@ class VerifyingReader(io.RawIOBase):
             self._finish()
         return n
 
+    def read(self, size: int = -1) -> bytes:
+        # The source's own bytes, hashed and passed on: RawIOBase.read would copy them twice.
+        if size is None or size < 0:
+            return super().read(size)
+        want = min(size, self._size - self._seen)
+        data = self._raw.read(want) if want > 0 else b""
+        if not data:
+            self._finish()
+            return b""
+        self._hash.update(data)
+        self._seen += len(data)
+        if self._seen == self._size:
+            self._finish()
+        return data
+
     def _copy(self, view: memoryview) -> int:
         data = self._raw.read(len(view))
         view[: len(data)] = data

@@ -62,6 +62,14 @@ class DirectWriter:
         self._fill = 0
         self._buf = self._free.get()
 
+    def _skip(self, length: int) -> None:
+        """Leave `length` bytes after what the buffer holds unwritten (a hole): the buffer goes first."""
+        if self._fill:
+            self._hand_over(self._fill)
+        elif self._thread is None:
+            self._start()  # the file's first bytes are a hole: the buffer no longer starts at 0
+        self._offset += length
+
     def _start(self) -> None:
         try:
             self._direct = os.open(self.path, os.O_WRONLY | os.O_CLOEXEC | os.O_DIRECT)
@@ -102,6 +110,7 @@ class DirectWriter:
         """Every byte written to the file (not yet synced); raises what the writer thread met."""
         if self._thread is None:  # nothing handed over, so nothing failed yet
             _pwrite_all(self.fd, memoryview(self._buf)[:self._fill], 0)
+            os.ftruncate(self.fd, self._fill)
             return
         try:
             end = self._offset + self._fill
@@ -140,3 +149,4 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         written = os.pwrite(fd, view, offset)
         offset += written
         view = view[written:]
+

@@ -10,22 +10,22 @@ import click
 
 from diskkit import __version__
 from diskkit.cli.shell import platform as platform_of
-from diskkit.cli.shell import EXIT_EPILOG, registry_options, run_main
+from diskkit.cli.shell import EXIT_EPILOG, LazyGroup, registry_options, run_main
 from diskkit.registry.options import RegistryOptions
-from launcher.cli.consoles import console, logs
-from launcher.cli.dv import dv
-from launcher.cli.smoketest import smoke_test
-from launcher.cli.ssh import ssh
 from launcher.cli.exportsource import vm_file as export_vm_file
 from launcher.cli.options import cache_option, ignore_unsupported_option, load_vmi_file, node_cache, parse_size, say, storage_options, trust_options, warn_if_open
 from launcher.cli.imagesource import container_disk_dir_option, update_option
 from launcher.node.pins import every as pins_listing
-from launcher.cli.portforward import port_forward
 from launcher.node.cache import Cache, tree_size
 from launcher.node.imagehints import ImageHints
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100}, epilog=EXIT_EPILOG)
+# Commands of their own modules load when named: `launcher pull` does not import what `launcher test` boots with.
+LAZY = {"dv": "launcher.cli.dv:dv", "console": "launcher.cli.consoles:console", "logs": "launcher.cli.consoles:logs",
+        "port-forward": "launcher.cli.portforward:port_forward", "ssh": "launcher.cli.ssh:ssh", "test": "launcher.cli.smoketest:smoke_test"}
+
+
+@click.group(cls=LazyGroup, lazy=LAZY, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100}, epilog=EXIT_EPILOG)
 @click.version_option(__version__, prog_name="launcher")
 def cli() -> None:
     """Boot KubeVirt-style VMs from containerDisk images, locally or as a pod's sidecar.
@@ -404,12 +404,6 @@ def gc(max_size, as_json, cache_dir) -> None:
     click.echo(f"freed {result.freed / (1 << 20):.1f} MiB; cache holds {result.kept / (1 << 20):.1f} MiB of disks")
 
 
-cli.add_command(dv)
-cli.add_command(console)
-cli.add_command(logs)
-cli.add_command(port_forward)
-cli.add_command(ssh)
-cli.add_command(smoke_test)
 
 
 def main() -> None:
