@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 from diskkit.registry.partial import PartialBlob
@@ -53,6 +54,13 @@ def test_sync_moves_the_resume_point_to_everything_appended(tmp_path):
         blob.drop()
 
 
+def unlinked() -> None:
+    """A dropped copy's bytes are unlinked by a thread beside what follows: wait for it."""
+    for thread in threading.enumerate():
+        if thread.name == "partial-unlink":
+            thread.join()
+
+
 def test_a_dropped_copy_leaves_nothing(tmp_path):
     blob = PartialBlob(tmp_path, DIGEST, SOURCE)
     for piece in pieces(8):
@@ -60,7 +68,34 @@ def test_a_dropped_copy_leaves_nothing(tmp_path):
     blob.sync()
     blob.append(os.urandom(MIB))
     blob.drop()
+    # No resume point survives the drop itself: a download started now begins afresh.
+    assert not (tmp_path / f"{DIGEST.replace(':', '-')}.synced").exists()
+    assert not (tmp_path / f"{DIGEST.replace(':', '-')}.part").exists()
+    unlinked()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_download_started_while_a_dropped_copy_is_unlinked_keeps_its_own(tmp_path):
+    """The dropped bytes leave under a name of their own before they are unlinked, so the next
+    download of the blob (a retry in the same process) is not the one they take with them."""
+    old = PartialBlob(tmp_path, DIGEST, SOURCE)
+    for piece in pieces(64):
+        old.append(piece)
+    old.sync()
+    old.drop()
+    data = pieces(3)
+    new = PartialBlob(tmp_path, DIGEST, SOURCE)
+    assert new.length == 0
+    for piece in data:
+        new.append(piece)
+    new.keep()
+    unlinked()
+    again = PartialBlob(tmp_path, DIGEST, SOURCE)
+    try:
+        assert again.read(0, again.length) == b"".join(data)
+    finally:
+        again.drop()
+        unlinked()
 
 
 def test_a_disk_that_refuses_writes_ends_the_copy_not_the_download(tmp_path):
@@ -103,4 +138,5 @@ def test_kept_bytes_are_resumed_only_from_their_own_source(tmp_path):
         assert again.length == 0
     finally:
         again.drop()
+    unlinked()
     assert list(tmp_path.iterdir()) == []
