@@ -553,3 +553,20 @@ def test_pinned_url_rebuild_downloads_when_anything_differs(diskkit, registry, s
     sums.write_text(f"{_sha(packed)}  guest.qcow2.xz\n")
     changed = build(*pinned)
     assert _fetches(upstream) == 8 and changed["digest"] != first["digest"] and "sourceFetched" not in changed
+
+
+def test_unchanged_pinned_index_in_a_layout_fetches_nothing(diskkit, site, tmp_path):
+    # An OCI layout is read back by its tag as a registry is; an index's record holds every platform's manifest.
+    upstream, disk = site
+    arm = make_qcow2(disk.with_name("arm.qcow2"), size="16M", pattern=0x77)
+    (disk.parent / "SHA256SUMS").write_text(f"{_sha(disk)}  guest.qcow2\n{_sha(arm)}  arm.qcow2\n")
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    args = ["build", "--platform", f"linux/amd64={upstream.url('guest.qcow2')}", "--platform", f"linux/arm64={upstream.url('arm.qcow2')}",
+            "--checksum-file", upstream.url("SHA256SUMS"), "-t", f"oci:{tmp_path / 'l'}:v1", "--json"]
+    first = diskkit(*args, env=env)
+    assert first.code == 0, first.err
+    again = diskkit(*args, env=env)
+    assert again.code == 0, again.err
+    assert json.loads(again.out) == {**json.loads(first.out), "sourceFetched": False}
+    assert (_fetches(upstream, "guest.qcow2"), _fetches(upstream, "arm.qcow2")) == (1, 1)
+    assert _blob_statuses(again.err) == ["exists", "exists"]

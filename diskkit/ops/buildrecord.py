@@ -5,6 +5,7 @@ registry first. The record remembers it, keyed by everything that decides the la
 input file's device, inode, size, mtime_ns and ctime_ns (any write or rename moves ctime) and every
 build setting the layer depends on. It is a hint, never a source of truth: a hit is used only once
 the destination confirms it holds that blob, and the manifest then names the blob by its digest.
+read() and write() keep other records in the same place under the same rules (diskkit.ops.buildskip's).
 """
 
 from __future__ import annotations
