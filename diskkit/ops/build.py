@@ -304,7 +304,7 @@ def _build(opts: BuildOptions, dest_ref, reporter: Reporter, registry: RegistryO
         if opts.checksum is not None and len(sources) > 1:
             raise DiskkitError("--checksum", "names one input's digest; with several platforms give --checksum-file")
         skip, expected = _recorded_build(opts, dest_ref, sources, registry, before_manifest)
-        if skip and (found := buildskip.held(skip[0], dest_ref, registry)) and (unchanged := _unchanged(found, sources, dest_ref, reporter)):
+        if skip and (found := buildskip.held(skip[0], dest_ref, registry)) and (unchanged := _unchanged(found, opts, sources, dest_ref, reporter)):
             return unchanged
         disks = [input_disk(source, workdir / f"in{i}", reporter.note, opts.checksum, opts.checksum_file, registry, sums)
                  for i, ((_, source), sums) in enumerate(zip(sources, expected))]
@@ -349,13 +349,17 @@ def _recorded_build(opts: BuildOptions, dest_ref, sources, registry, before_mani
     return (buildskip.key(opts, dest_ref, expected) if before_manifest is None else None), expected
 
 
-def _unchanged(found: dict, sources, dest_ref, reporter: Reporter) -> BuildResult | None:
+def _unchanged(found: dict, opts: BuildOptions, sources, dest_ref, reporter: Reporter) -> BuildResult | None:
     """What an unchanged rebuild reports, from the record the destination's tag confirmed; None for
     a record that does not hold a whole result."""
     try:
         result = BuildResult.from_json(found, fetched=False)
     except (KeyError, TypeError, ValueError, AttributeError):
         return None
+    # The record is keyed by the destination as parsed: named as this build spells it, as a build would.
+    for image in result.images:
+        image.reference = opts.dest
+    result.reference = str(dest_ref) if opts.platforms else opts.dest
     for _, src in sources:
         reporter.note(f"{fetch.shown(src)}: unchanged (same checksum and options); {dest_ref} still holds {result.digest}; not fetched")
     for layer in result.layers:
