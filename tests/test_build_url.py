@@ -454,7 +454,7 @@ def test_url_and_pipe_builds_record_their_layer_pinned_by_the_checksum_checked(d
     assert first.code == 0, first.err
     assert _blob_statuses(first.err) == ["uploaded"] and uploads()
     records = list((tmp_path / "cache" / "diskkit" / "builds").glob("*.json"))
-    assert len(records) == 1 and "secret" not in records[0].read_text()
+    assert len(records) == 2 and not any("secret" in r.read_text() for r in records)  # the layer's and the image's
 
     proxy.log.clear()
     again = diskkit("build", upstream.url("guest.qcow2.xz") + "?token=other-secret", "--checksum", digest, "-t", target, "--json", *FAST, env=env)
@@ -466,7 +466,7 @@ def test_url_and_pipe_builds_record_their_layer_pinned_by_the_checksum_checked(d
     unpinned = diskkit("build", upstream.url("guest.qcow2.xz"), "-t", target, "--json", *FAST, env=env)
     assert unpinned.code == 0, unpinned.err
     assert _blob_statuses(unpinned.err) == ["uploaded"]
-    assert len(list((tmp_path / "cache" / "diskkit" / "builds").glob("*.json"))) == 1
+    assert len(list((tmp_path / "cache" / "diskkit" / "builds").glob("*.json"))) == 2
 
     piped = []
     for _ in range(2):
@@ -477,3 +477,96 @@ def test_url_and_pipe_builds_record_their_layer_pinned_by_the_checksum_checked(d
         piped.append(_blob_statuses(proc.stderr))
     assert piped == [["uploaded"], ["exists"]]
     assert diskkit("verify", *FAST, target).code == 0
+
+
+def _fetches(upstream, name: str = "guest.qcow2.xz") -> int:
+    return [n for n, _, _ in upstream.requests].count(name)
+
+
+def test_unchanged_pinned_url_rebuild_fetches_nothing(diskkit, registry, fault_proxy, site, tmp_path):
+    # diskkit/ops/buildskip.py: the checksum names the bytes before they are fetched; the record of the
+    # image that build wrote is used once the destination's tag still resolves to its manifest.
+    upstream, disk = site
+    packed = disk.with_name("guest.qcow2.xz")
+    digest = f"sha256:{_sha(packed)}"
+    (disk.parent / "SHA256SUMS").write_text(f"{_sha(packed)}  guest.qcow2.xz\n")
+    proxy = fault_proxy(registry)
+    target = f"{proxy.host}/url-{uuid.uuid4().hex[:8]}:v1"
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    url = upstream.url("guest.qcow2.xz")
+
+    first = diskkit("build", url, "--checksum", digest, "-t", target, "--json", *FAST, env=env)
+    assert first.code == 0, first.err
+    assert _fetches(upstream) == 1 and "sourceFetched" not in json.loads(first.out)
+
+    for how in (["--checksum", digest], ["--checksum-file", upstream.url("SHA256SUMS")]):
+        proxy.log.clear()
+        again = diskkit("build", url, *how, "-t", target, "--json", *FAST, env=env)
+        assert again.code == 0, again.err
+        assert _fetches(upstream) == 1, how  # not one request for the disk
+        assert [(m, p) for m, p, _ in proxy.log if m not in ("GET", "HEAD")] == []  # nothing pushed
+        assert json.loads(again.out) == {**json.loads(first.out), "sourceFetched": False}
+        assert _blob_statuses(again.err) == ["exists"] and "not fetched" in again.err
+    assert _fetches(upstream, "SHA256SUMS") == 1  # the checksum file is read: it is what names the bytes
+    assert diskkit("verify", *FAST, target).code == 0
+
+
+def test_pinned_url_rebuild_downloads_when_anything_differs(diskkit, registry, site, tmp_path):
+    # Another checksum (the upstream published a new file), other options, the tag moved elsewhere,
+    # an unreadable record, no checksum at all: each downloads as before.
+    upstream, disk = site
+    packed = disk.with_name("guest.qcow2.xz")
+    sums = disk.parent / "SHA256SUMS"
+    sums.write_text(f"{_sha(packed)}  guest.qcow2.xz\n")
+    target = f"{_repo(registry)}:v1"
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    url, pinned = upstream.url("guest.qcow2.xz"), ["--checksum-file", upstream.url("SHA256SUMS")]
+
+    def build(*extra) -> dict:
+        result = diskkit("build", url, *extra, "-t", target, "--json", *FAST, env=env)
+        assert result.code == 0, result.err
+        return json.loads(result.out)
+
+    first = build(*pinned)
+    assert _fetches(upstream) == 1
+    assert build(*pinned).get("sourceFetched") is False and _fetches(upstream) == 1
+
+    labelled = build(*pinned, "--label", "shasum=x")  # other options: another image
+    assert _fetches(upstream) == 2 and labelled["digest"] != first["digest"] and "sourceFetched" not in labelled
+    assert build(*pinned)["digest"] == first["digest"] and _fetches(upstream) == 3  # the tag had moved to the labelled image
+
+    other = make_qcow2(tmp_path / "other.qcow2", size="32M", pattern=0x5A)
+    moved = diskkit("build", other, "-t", target, "--json", *FAST, env=env)  # the tag moved by another build
+    assert moved.code == 0, moved.err
+    assert build(*pinned)["digest"] == first["digest"] and _fetches(upstream) == 4
+    assert build(*pinned).get("sourceFetched") is False and _fetches(upstream) == 4
+
+    for record in (tmp_path / "cache" / "diskkit" / "builds").glob("*.json"):
+        record.write_text("{not json")
+    assert build(*pinned)["digest"] == first["digest"] and _fetches(upstream) == 5
+
+    assert "sourceFetched" not in build() and "sourceFetched" not in build() and _fetches(upstream) == 7  # unpinned: always fetched
+
+    make_qcow2(disk, size="32M", pattern=0x77)  # the upstream publishes a new disk and its checksum
+    packed.unlink()
+    _xz(disk)
+    sums.write_text(f"{_sha(packed)}  guest.qcow2.xz\n")
+    changed = build(*pinned)
+    assert _fetches(upstream) == 8 and changed["digest"] != first["digest"] and "sourceFetched" not in changed
+
+
+def test_unchanged_pinned_index_in_a_layout_fetches_nothing(diskkit, site, tmp_path):
+    # An OCI layout is read back by its tag as a registry is; an index's record holds every platform's manifest.
+    upstream, disk = site
+    arm = make_qcow2(disk.with_name("arm.qcow2"), size="16M", pattern=0x77)
+    (disk.parent / "SHA256SUMS").write_text(f"{_sha(disk)}  guest.qcow2\n{_sha(arm)}  arm.qcow2\n")
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    args = ["build", "--platform", f"linux/amd64={upstream.url('guest.qcow2')}", "--platform", f"linux/arm64={upstream.url('arm.qcow2')}",
+            "--checksum-file", upstream.url("SHA256SUMS"), "-t", f"oci:{tmp_path / 'l'}:v1", "--json"]
+    first = diskkit(*args, env=env)
+    assert first.code == 0, first.err
+    again = diskkit(*args, env=env)
+    assert again.code == 0, again.err
+    assert json.loads(again.out) == {**json.loads(first.out), "sourceFetched": False}
+    assert (_fetches(upstream, "guest.qcow2"), _fetches(upstream, "arm.qcow2")) == (1, 1)
+    assert _blob_statuses(again.err) == ["exists", "exists"]

@@ -174,6 +174,10 @@ def build_cmd(src, dests, image_path, disk_format, compression, level, lazy, ker
     temporary file as it arrives; a dropped connection resumes where it stopped (Range, with
     If-Range so a file changed meanwhile is read again from its start). With --checksum or
     --checksum-file the bytes received must match before anything is written to a destination.
+    A URL build pinned so is remembered (under ~/.cache/diskkit/builds): rebuilt with the same
+    checksum and flags while its tag (registry or oci:) still names the image it wrote, it fetches
+    nothing and pushes nothing ("sourceFetched": false in --json). Without a checksum nothing pins
+    a URL's bytes: it is downloaded every time.
     """
     per_platform = [p for p in platforms if "=" in p]
     if per_platform and (len(per_platform) != len(platforms) or src is not None):

@@ -19,7 +19,7 @@ from diskkit.disk.containerdisk import (
 from diskkit.errors import DiskkitError
 from diskkit.layers import lazygzip, lazytoc
 from diskkit.layers.layer import LayerResult, entries_for, write_layer
-from diskkit.ops import artifactbuild, buildrecord
+from diskkit.ops import artifactbuild, buildrecord, buildskip
 from diskkit.ops.buildmeta import Metadata
 from diskkit.oci.image import (
     Descriptor,
@@ -88,6 +88,7 @@ class BuildResult:
     images: list["BuildResult"] = field(default_factory=list)
     descriptor: Descriptor | None = None
     written: list[dict] = field(default_factory=list)  # every destination: {"reference", "digest", "status"}
+    fetched: bool = True  # False: an unchanged pinned URL build answered from its record (diskkit.ops.buildskip)
 
     def to_json(self) -> dict:
         out = {
@@ -105,7 +106,20 @@ class BuildResult:
             out["destinations"] = self.written
         if self.images:
             out["manifests"] = [{"platform": i.descriptor.platform, **i.to_json()} for i in self.images]
+        if not self.fetched:
+            out["sourceFetched"] = False
         return out
+
+    @classmethod
+    def from_json(cls, obj: dict, fetched: bool = True) -> "BuildResult":
+        """The result to_json wrote (a build record's): what an unchanged rebuild reports."""
+        disk = obj["disk"]
+        layers = [LayerResult(l["digest"], int(l["size"]), l["diffID"], l["compression"]) for l in obj["layers"]]
+        images = [cls.from_json(m) for m in obj.get("manifests") or []]
+        for image, m in zip(images, obj.get("manifests") or []):
+            image.descriptor = Descriptor(image.media_type, image.digest, image.size, platform=m["platform"])
+        return cls(obj["reference"], obj["digest"], obj["mediaType"], int(obj["size"]), layers, disk["path"], disk["format"],
+                   int(disk["virtualSize"]), images, fetched=fetched)
 
 
 def source_epoch() -> int:
@@ -139,14 +153,16 @@ def check_input_file(path: Path, what: str = "source disk") -> None:
 
 
 def input_disk(src: str | Path, workdir: Path, note=None, checksum: str | None = None, checksum_file: str | None = None,
-               registry: RegistryOptions | None = None) -> payload.Unwrapped:
+               registry: RegistryOptions | None = None, expected: list | None = None) -> payload.Unwrapped:
     """The disk an input holds (a file, an http(s) URL or `-` for stdin; decompressed or taken out
-    of its archive into `workdir`), its bytes checked against the checksum given; text,
-    executables and files too small to be disks refused."""
+    of its archive into `workdir`), its bytes checked against the checksum given (or the
+    `expected` fetch.expectations already read); text, executables and files too small to be
+    disks refused."""
     registry = registry or RegistryOptions()
     if not fetch.is_stream(src):
         check_input_file(Path(src))
-    expected = fetch.expectations(src, checksum, checksum_file, registry)
+    if expected is None:
+        expected = fetch.expectations(src, checksum, checksum_file, registry)
     if fetch.is_stream(src):
         return fetch.download(str(src), workdir, expected, registry, note)
     path = Path(src)
@@ -287,8 +303,11 @@ def _build(opts: BuildOptions, dest_ref, reporter: Reporter, registry: RegistryO
         # Any bad input is refused before anything is written: what each file holds, then its disk.
         if opts.checksum is not None and len(sources) > 1:
             raise DiskkitError("--checksum", "names one input's digest; with several platforms give --checksum-file")
-        disks = [input_disk(source, workdir / f"in{i}", reporter.note, opts.checksum, opts.checksum_file, registry)
-                 for i, (_, source) in enumerate(sources)]
+        skip, expected = _recorded_build(opts, dest_ref, sources, registry, before_manifest)
+        if skip and (found := buildskip.held(skip[0], dest_ref, registry)) and (unchanged := _unchanged(found, opts, sources, dest_ref, reporter)):
+            return unchanged
+        disks = [input_disk(source, workdir / f"in{i}", reporter.note, opts.checksum, opts.checksum_file, registry, sums)
+                 for i, ((_, source), sums) in enumerate(zip(sources, expected))]
         infos = [examine_input(disk, source) for disk, (_, source) in zip(disks, sources)]
         with open_destination(dest_ref, opts.created, registry) as dest:
             dest.before_manifest = before_manifest
@@ -305,17 +324,47 @@ def _build(opts: BuildOptions, dest_ref, reporter: Reporter, registry: RegistryO
                 _build_one(opts, dest, plat, source, disk, info, workdir / str(i), reporter, child=bool(opts.platforms))
                 for i, ((plat, source), disk, info) in enumerate(zip(sources, disks, infos))
             ]
-            if not opts.platforms:
-                return built[0]
-            index = make_index([b.descriptor for b in built], {"org.opencontainers.image.created": rfc3339(opts.created), **opts.metadata.index_annotations})
-            desc = dest.put_manifest(canonical_json(index), OCI_INDEX)
+            if opts.platforms:
+                index = make_index([b.descriptor for b in built], {"org.opencontainers.image.created": rfc3339(opts.created), **opts.metadata.index_annotations})
+                desc = dest.put_manifest(canonical_json(index), OCI_INDEX)
         first = built[0]
-        return BuildResult(
+        result = first if not opts.platforms else BuildResult(
             str(dest_ref), desc.digest, OCI_INDEX, desc.size, [l for b in built for l in b.layers],
             first.disk_path, first.disk_format, first.virtual_size, built,
         )
+        if skip and skip[1] and (problem := buildskip.store(skip[0], result.to_json())):
+            reporter.note(problem)
+        return result
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _recorded_build(opts: BuildOptions, dest_ref, sources, registry, before_manifest) -> tuple[tuple[str, bool] | None, list]:
+    """The build record's (name, writable) when this build may be answered from one, and each source's
+    expected checksums (None: input_disk reads them). Only URLs are looked up this early (a checksum
+    file is small); a manifest signed as it is stored is signed anew, so such a build is never skipped."""
+    if not all(isinstance(src, str) and fetch.is_stream(src) and src != fetch.STDIN for _, src in sources):
+        return None, [None] * len(sources)
+    expected = [fetch.expectations(src, opts.checksum, opts.checksum_file, registry or RegistryOptions()) for _, src in sources]
+    return (buildskip.key(opts, dest_ref, expected) if before_manifest is None else None), expected
+
+
+def _unchanged(found: dict, opts: BuildOptions, sources, dest_ref, reporter: Reporter) -> BuildResult | None:
+    """What an unchanged rebuild reports, from the record the destination's tag confirmed; None for
+    a record that does not hold a whole result."""
+    try:
+        result = BuildResult.from_json(found, fetched=False)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+    # The record is keyed by the destination as parsed: named as this build spells it, as a build would.
+    for image in result.images:
+        image.reference = opts.dest
+    result.reference = str(dest_ref) if opts.platforms else opts.dest
+    for _, src in sources:
+        reporter.note(f"{fetch.shown(src)}: unchanged (same checksum and options); {dest_ref} still holds {result.digest}; not fetched")
+    for layer in result.layers:
+        reporter.event({"event": "blob", "digest": layer.digest, "size": layer.size, "status": "exists"})
+    return result
 
 
 def _artifact_options(opts: BuildOptions) -> BuildOptions:

@@ -5,6 +5,7 @@ registry first. The record remembers it, keyed by everything that decides the la
 input file's device, inode, size, mtime_ns and ctime_ns (any write or rename moves ctime) and every
 build setting the layer depends on. It is a hint, never a source of truth: a hit is used only once
 the destination confirms it holds that blob, and the manifest then names the blob by its digest.
+read() and write() keep other records in the same place under the same rules (diskkit.ops.buildskip's).
 """
 
 from __future__ import annotations
@@ -99,10 +100,19 @@ def places(name: str) -> list[str]:
     return [p for p in at if isinstance(p, str) and "/" in p][:MAX_PLACES]
 
 
+def read(name: str) -> dict | None:
+    """The record's JSON object, or None when there is none, it is not one we wrote, or not of this format."""
+    try:
+        obj = _read(name)
+    except (OSError, ValueError):
+        return None
+    return obj if isinstance(obj, dict) and obj.get("format") == FORMAT else None
+
+
 def store(name: str, layer: LayerResult, place: str | None = None) -> str | None:
-    """Write the record (temp name, fsync, rename), with `place` first among where the layer is; a
-    cache that cannot be written only costs the next rebuild its shortcut, so the reason is returned
-    for a note instead of failing the build."""
+    """Write the record, with `place` first among where the layer is; a cache that cannot be written
+    only costs the next rebuild its shortcut, so the reason is returned for a note instead of failing
+    the build."""
     obj = {"format": FORMAT, "digest": layer.digest, "size": layer.size, "diffID": layer.diff_id, "compression": layer.compression}
     known = lookup(name)
     earlier = places(name) if known is not None and known.digest == layer.digest else []
@@ -111,6 +121,12 @@ def store(name: str, layer: LayerResult, place: str | None = None) -> str | None
         obj["at"] = list(dict.fromkeys(at))[:MAX_PLACES]
     if layer.toc is not None:
         obj["toc"] = {"offset": layer.toc.offset, "size": layer.toc.size, "digest": layer.toc.digest}
+    return write(name, obj)
+
+
+def write(name: str, obj: dict) -> str | None:
+    """Write record `name` (temp name, fsync, rename); the reason it could not be written, or None."""
+    obj = {**obj, "format": FORMAT}
     directory = records_dir()
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
