@@ -72,6 +72,10 @@ def test_a_detached_vm_is_paused_and_unpaused_as_virtctl_does(qemu_user, guest_i
         assert (answer["state"], answer["reason"], answer["message"]) == ("paused", "PausedByUser", "VMI was paused by user")
         assert qemu_user.virsh("domstate", "--reason", DOMAIN).strip() == "paused (user)"
         assert f"{DOMAIN}" in (listed := qemu_user.launcher("ls").out) and "paused" in listed, listed
+        # A paused VM is a live one: gc leaves it and its disk.
+        collected = json.loads(qemu_user.launcher("gc", "--json").out)
+        assert collected["vms_cleaned"] == [] and collected["removed"] == [], collected
+        assert qemu_user.launcher("status", NAME).out.startswith("paused (PausedByUser)")
 
         again = qemu_user.launcher("pause", NAME)
         assert (again.code, again.err.strip()) == (Exit.FAILED, f"launcher: {NAME}: VMI is already paused"), again
