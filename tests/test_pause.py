@@ -20,7 +20,9 @@ import pytest
 
 from diskkit.errors import Exit
 from launcher.runtime.conditions import Paused, pause_refusal, paused_condition, unpause_refusal
+from launcher.runtime.iopause import NO_SPACE_RETRY
 from tests.conftest import launcher_command
+from tests.lazyhost import wait_for
 from tests.test_launcher_console import read_until
 from tests.vmhost import NOREG, QEMU_UID, QemuUser, assert_clean
 
@@ -135,3 +137,26 @@ def test_the_paused_condition_is_virt_handlers():
     assert paused_condition("ioerror") == Paused("PausedIOError", "VMI was paused, low-level IO error detected")
     assert paused_condition("other") is None  # virt-handler: "Domain is paused for unknown reason": no condition
     assert paused_condition(None) is None
+
+
+def test_a_launcher_following_its_vm_leaves_a_users_pause_alone(qemu_user, guest_image):
+    """The foreground `run` resumes a VM an I/O error paused (launcher.runtime.iopause), never one the user paused."""
+    vmi = qemu_user.write_vmi(NAME, guest_image, serial="hold-600")
+    proc = qemu_user.popen("run", NOREG, "--no-lazy", vmi)
+    try:
+        wait_for(lambda: proc.poll() is None and qemu_user.launcher("status", NAME).code == 0, 300, "the VM to run")
+        assert qemu_user.launcher("pause", NAME).code == 0
+        # Longer than the launcher's retry of a VM waiting for space (iopause.NO_SPACE_RETRY).
+        time.sleep(NO_SPACE_RETRY * 2)
+        assert qemu_user.launcher("status", NAME).out.strip() == "paused (PausedByUser): VMI was paused by user"
+        assert proc.poll() is None
+        assert qemu_user.launcher("unpause", NAME).code == 0
+        assert qemu_user.launcher("status", NAME).out.strip() == "running"
+        assert qemu_user.launcher("stop", NAME).code == 0
+        out, err = proc.communicate(timeout=120)
+        assert "resuming" not in err and "paused" not in err, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert_clean(qemu_user, DOMAIN)
