@@ -21,6 +21,7 @@ import pytest
 from diskkit.errors import Exit
 from launcher.runtime.conditions import Paused, pause_refusal, paused_condition, unpause_refusal
 from launcher.runtime.iopause import NO_SPACE_RETRY
+from launcher.spec.vmi import parse_vmi
 from tests.conftest import launcher_command
 from tests.lazyhost import wait_for
 from tests.test_launcher_console import read_until
@@ -129,6 +130,42 @@ IO = Paused("PausedIOError", "vda: no space left on device (/c/run/d/root/disk.q
 def test_the_refusals_are_virt_apis(running, condition, pause, unpause):
     assert pause_refusal(running, condition) == pause
     assert unpause_refusal(running, condition) == unpause
+
+
+@pytest.mark.parametrize("probe, refusal", [
+    (None, None), ("guestAgentPing", None),
+    *((kind, "Pausing VMIs with a non-GuestAgentPing LivenessProbe is not supported") for kind in ("exec", "httpGet", "tcpSocket", "other")),
+])
+def test_a_liveness_probe_a_frozen_guest_would_fail_forbids_the_pause(probe, refusal):
+    assert pause_refusal(True, None, probe) == refusal
+    assert pause_refusal(False, None, probe) == "VM is not running"  # virt-api checks the phase first
+
+
+def test_the_liveness_probes_handler_is_read_from_the_spec():
+    def vmi(probe):
+        spec = {"domain": {"devices": {}, "resources": {"requests": {"memory": "128Mi"}}}, **({"livenessProbe": probe} if probe is not None else {})}
+        return parse_vmi({"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance", "metadata": {"name": "v"}, "spec": spec})
+
+    assert vmi(None).liveness_probe is None
+    assert vmi({"tcpSocket": {"port": 22}, "initialDelaySeconds": 5}).liveness_probe == "tcpSocket"
+    assert vmi({"guestAgentPing": {}}).liveness_probe == "guestAgentPing"
+
+
+def test_a_vm_with_a_tcp_liveness_probe_is_not_paused(qemu_user, guest_image):
+    vmi = qemu_user.write_vmi(NAME, guest_image, serial="hold-600")
+    doc = json.loads(vmi.read_text())
+    doc["spec"]["livenessProbe"] = {"tcpSocket": {"port": 22}}
+    vmi.write_text(json.dumps(doc))
+    started = qemu_user.launcher("run", NOREG, "--no-lazy", "--detach", vmi)
+    assert started.code == 0, started.err
+    try:
+        refused = qemu_user.launcher("pause", NAME)
+        assert (refused.code, refused.err.strip()) == (
+            Exit.FAILED, f"launcher: {NAME}: Pausing VMIs with a non-GuestAgentPing LivenessProbe is not supported"), refused
+        assert qemu_user.launcher("status", NAME).out.strip() == "running"
+    finally:
+        qemu_user.launcher("stop", NAME)
+    assert_clean(qemu_user, DOMAIN)
 
 
 def test_the_paused_condition_is_virt_handlers():

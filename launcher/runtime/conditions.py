@@ -34,11 +34,15 @@ def paused_condition(paused_by: str | None, disks: str | None = None) -> Paused 
     return None
 
 
-def pause_refusal(running: bool, condition: Paused | None) -> str | None:
+def pause_refusal(running: bool, condition: Paused | None, liveness_probe: str | None = None) -> str | None:
     """Why virt-api refuses to pause the VMI, in its words; None: it pauses. `running`: the domain is
-    active, as a VMI's phase Running (a paused VMI's phase stays Running)."""
+    active, as a VMI's phase Running (a paused VMI's phase stays Running); `liveness_probe`: the
+    handler of the VMI's livenessProbe (a frozen guest fails any but a guest-agent ping, which
+    virt-launcher excuses for a user's pause)."""
     if not running:
         return "VM is not running"  # sic: the pause handler uses vmNotRunning, the unpause handler vmiNotRunning
+    if liveness_probe not in (None, "guestAgentPing"):
+        return "Pausing VMIs with a non-GuestAgentPing LivenessProbe is not supported"
     if condition is not None:
         return "VMI is already paused"
     return None

@@ -41,7 +41,7 @@ def pause(cache: Cache, name: str) -> str:
     record, lv = _vm(cache, name)
     try:
         domain = record["domain"]
-        refusal = pause_refusal(lv.active(domain), _condition(lv, domain))
+        refusal = pause_refusal(lv.active(domain), _condition(lv, domain), record.get("livenessProbe"))
         if refusal:
             raise DiskkitError(name, refusal)
         if lv.paused_by(domain) is None:  # paused for another reason (starting up, say): virt-launcher leaves it

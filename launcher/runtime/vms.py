@@ -179,6 +179,7 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
                     "virtiofsd": daemons,
                     # what `launcher port-forward` adds its forwards to
                     "network": [{"interface": i.name, "netdev": netdev_id(i), "cidr": i.cidr} for i in vmi.domain.devices.interfaces],
+                    "livenessProbe": vmi.liveness_probe,  # what `launcher pause` checks, as virt-api does
                 })
             for note in prepared.notes:
                 say(f"note: {note}")
