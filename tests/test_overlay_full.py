@@ -123,7 +123,7 @@ def test_a_vm_whose_overlay_cannot_grow_pauses_is_said_so_and_goes_on_once_space
             status = wait_for(lambda: (s := user.launcher("status", NAME)).out.startswith("paused") and s, 180, "the VM to pause")
             real = Path("/") / overlay.relative_to(user.seen(Path("/")))
             assert status.code == 1
-            assert status.out.strip() == f"paused: vda: no space left on device ({real})", status
+            assert status.out.strip() == f"paused (PausedIOError): vda: no space left on device ({real})", status
             assert "I/O error" in user.virsh("domstate", "--reason", DOMAIN)
             listed = user.launcher("ls").out
             assert DOMAIN in listed and "paused" in listed, listed
@@ -158,12 +158,52 @@ def test_a_vm_paused_for_want_of_space_is_stopped_clean(guest_image):
         started = user.launcher("run", NOREG, "--no-lazy", "--detach", vmi)
         assert started.code == 0, started.err
         user.fill(leave=0)
-        wait_for(lambda: user.launcher("status", NAME).out.startswith("paused: vda: no space left on device ("), 180, "the VM to pause")
+        wait_for(lambda: user.launcher("status", NAME).out.startswith("paused (PausedIOError): vda: no space left on device ("), 180, "the VM to pause")
         stopped = user.launcher("stop", NAME)
         assert stopped.code == 0 and stopped.out.strip() == f"VM {NAME} was stopped", stopped
         assert user.launcher("status", NAME).code != 0
         assert files_of_run(user) == [], files_of_run(user)
         assert DOMAIN not in user.virsh("list", "--all", "--name").split()
+
+
+def test_a_detached_vm_paused_for_want_of_space_goes_on_at_launcher_unpause_once_space_is_freed(guest_image):
+    """No launcher follows a --detach VM to resume it: `launcher unpause` does, as KubeVirt's unpause
+    resumes a VMI an I/O error paused (tests/test_pause.py). While the disk is still full qemu's retry
+    of the write pauses it again, and unpause says so."""
+    with namespaced("64m") as user:
+        assert user.launcher("pull", NOREG, guest_image).code == 0
+        vmi = user.write_vmi(NAME, guest_image, serial="hold-600")
+        user.fill(leave=640 << 10)
+        started = user.launcher("run", NOREG, "--no-lazy", "--detach", vmi)
+        assert started.code == 0, started.err
+        [overlay] = user.seen(user.cache / "run" / DOMAIN / "root").glob("*.qcow2")
+        real = Path("/") / overlay.relative_to(user.seen(Path("/")))
+        user.fill(leave=0)
+        why = f"vda: no space left on device ({real})"
+        wait_for(lambda: user.launcher("status", NAME).out.strip() == f"paused (PausedIOError): {why}", 180, "the VM to pause")
+        answer = json.loads(user.launcher("status", "--json", NAME).out)
+        assert (answer["state"], answer["reason"], answer["message"]) == ("paused", "PausedIOError", why)
+        # Paused already, whoever paused it.
+        assert user.launcher("pause", NAME).err.strip() == f"launcher: {NAME}: VMI is already paused"
+
+        still_full = user.launcher("unpause", NAME)
+        assert (still_full.code, still_full.out.strip()) == (0, f"VMI {NAME} was unpaused"), still_full.err
+        assert still_full.err.strip() == (f"launcher: note: VMI {NAME} paused again at once: {why}; free what it needs, "
+                                          "then unpause it again"), still_full.err
+        assert user.launcher("status", NAME).out.strip() == f"paused (PausedIOError): {why}"
+        assert "DKSTAMP.1" not in last_sector(user, real)
+
+        user.seen(user.cache.parent / "filler").unlink()
+        unpaused = user.launcher("unpause", "--json", NAME)
+        assert unpaused.code == 0, unpaused.err
+        assert json.loads(unpaused.out) == {"name": NAME, "domain": DOMAIN, "unpaused": True, "was": "PausedIOError",
+                                            "pausedAgain": None, "message": f"VMI {NAME} was unpaused"}
+        assert user.launcher("status", NAME).out.strip() == "running"
+        # The write that waited landed: the guest's stamp in the disk's last sector.
+        wait_for(lambda: "DKSTAMP.1" in last_sector(user, real), 120, "the guest's stamp in the overlay")
+        stopped = user.launcher("stop", NAME)
+        assert stopped.code == 0 and stopped.out.strip() == f"VM {NAME} was stopped", stopped
+        assert files_of_run(user) == [], files_of_run(user)
 
 
 def test_a_full_filesystem_while_the_overlay_is_made_fails_the_run_in_one_line(guest_image):

@@ -22,7 +22,8 @@ from launcher.node.imagehints import ImageHints
 
 # Commands of their own modules load when named: `launcher pull` does not import what `launcher test` boots with.
 LAZY = {"dv": "launcher.cli.dv:dv", "console": "launcher.cli.consoles:console", "logs": "launcher.cli.consoles:logs",
-        "port-forward": "launcher.cli.portforward:port_forward", "ssh": "launcher.cli.ssh:ssh", "test": "launcher.cli.smoketest:smoke_test"}
+        "port-forward": "launcher.cli.portforward:port_forward", "ssh": "launcher.cli.ssh:ssh", "test": "launcher.cli.smoketest:smoke_test",
+        "pause": "launcher.cli.pausecmd:pause", "unpause": "launcher.cli.pausecmd:unpause"}
 
 
 @click.group(cls=LazyGroup, lazy=LAZY, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100}, epilog=EXIT_EPILOG)
@@ -303,13 +304,14 @@ Examples:
   (a pod's probe)  exec: {command: [launcher, status, testguest]}
 """)
 @click.argument("name")
-@click.option("--json", "as_json", is_flag=True, help='Print {"name": ..., "domain": ..., "state": ..., "reason": ...}.')
+@click.option("--json", "as_json", is_flag=True, help='Print {"name", "domain", "state", "reason", "message"}: reason and message KubeVirt\'s Paused condition\'s, or null.')
 @cache_option
 def status(name, as_json, cache_dir) -> None:
     """Print a VM's state (running, paused, stopped, gone, unknown); exit 0 only while it runs.
 
-    paused: a disk's I/O error stopped the guest (KubeVirt's errorPolicy stop), said in the same
-    line with the disk, the error and its file: `paused: vda: no space left on device (FILE)`.
+    paused: said with KubeVirt's reason, PausedByUser (`launcher pause`) or PausedIOError (a disk's
+    I/O error stopped the guest: errorPolicy stop), the latter with the disk, the error and its
+    file: `paused (PausedIOError): vda: no space left on device (FILE)`.
 
     Made for a pod's exec readiness and liveness probes: the answer comes from libvirt, so a
     launcher that is alive with a dead guest is reported as not running.
@@ -321,11 +323,12 @@ def status(name, as_json, cache_dir) -> None:
     record = find_record(cache, name)
     if record is None:
         raise NotFound(name, "no VM of this name was started from this cache (yet)")
-    now, why = state_and_why(record, cache)
+    now, paused = state_and_why(record, cache)
     if as_json:
-        click.echo(json.dumps({"name": name, "domain": record["domain"], "state": now, "reason": why}, indent=2))
+        click.echo(json.dumps({"name": name, "domain": record["domain"], "state": now, "reason": paused and paused.reason,
+                               "message": paused and paused.message}, indent=2))
     else:
-        click.echo(f"{now}: {why}" if why else now)
+        click.echo(f"{now} ({paused.reason}): {paused.message}" if paused else now)
     if now != "running":
         sys.exit(1)
 

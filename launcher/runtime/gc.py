@@ -32,7 +32,8 @@ def collect(cache: Cache, max_size: int | None = None) -> Collected:
     with cache.lock("gc"):
         in_use: set[str] = set()
         for record in cache.vm_records():
-            if state(record, cache) in ("running", "unknown"):
+            # A paused VM (by the user, or waiting for space) is a live one: its guest goes on when unpaused.
+            if state(record, cache) in ("running", "paused", "unknown"):
                 in_use.update(record.get("entries", []))
                 continue
             try:

@@ -164,6 +164,37 @@ class Libvirt:
         except self.lv.libvirtError:
             pass  # stopped or resumed meanwhile: the next look tells
 
+    def paused_by(self, name: str) -> str | None:
+        """Why libvirt says the domain is paused: "user" (virDomainSuspend), "ioerror" (a disk's
+        error_policy stop) or "other"; None when it is not paused, or not there."""
+        domain = self._lookup(name)
+        try:
+            if domain is None:
+                return None
+            state, reason = domain.state()
+        except self.lv.libvirtError:
+            return None
+        if state != self.lv.VIR_DOMAIN_PAUSED:
+            return None
+        return {self.lv.VIR_DOMAIN_PAUSED_USER: "user", self.lv.VIR_DOMAIN_PAUSED_IOERROR: "ioerror"}.get(reason, "other")
+
+    def suspend(self, name: str) -> None:
+        """virt-launcher's PauseVMI: the guest's vCPUs stop, its memory stays."""
+        self._signal(name, "suspend")
+
+    def unsuspend(self, name: str) -> None:
+        """virt-launcher's UnpauseVMI; unlike resume(), a refusal is said."""
+        self._signal(name, "resume")
+
+    def _signal(self, name: str, how: str) -> None:
+        domain = self._lookup(name)
+        if domain is None:
+            raise DiskkitError(name, "Domain not found.")  # virt-launcher's words (PauseVMI, UnpauseVMI)
+        try:
+            getattr(domain, how)()
+        except self.lv.libvirtError as exc:
+            raise DiskkitError(name, f"libvirt: {_message(exc)}") from None
+
     def open_console(self, name: str):
         """A stream to the running domain's serial console (virDomainOpenConsole), taken over from
         any other client attached to it, as `virsh console --force` does."""

@@ -29,6 +29,7 @@ from launcher.node.cache import Cache
 from launcher.render.domain import Host, render, secret_xml
 from launcher.render.interfaces import netdev_id
 from launcher.runtime import accel, hostcpus, rundir, sessiond, virtiofs
+from launcher.runtime.conditions import Paused, paused_condition
 from launcher.runtime.console import ConsoleLog, follow
 from launcher.runtime.iopause import PauseWatch, describe
 from launcher.runtime.portforward import Forward, Forwarder
@@ -178,6 +179,7 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
                     "virtiofsd": daemons,
                     # what `launcher port-forward` adds its forwards to
                     "network": [{"interface": i.name, "netdev": netdev_id(i), "cidr": i.cidr} for i in vmi.domain.devices.interfaces],
+                    "livenessProbe": vmi.liveness_probe,  # what `launcher pause` checks, as virt-api does
                 })
             for note in prepared.notes:
                 say(f"note: {note}")
@@ -402,23 +404,29 @@ def stop(cache: Cache, name: str) -> str | None:
 
 
 def state(record: dict, cache: Cache | None = None) -> str:
-    """running, paused (by an I/O error of a disk, error_policy stop), stopped (defined, not running),
-    gone (no such domain) or unknown (libvirt unreachable)."""
+    """running, paused (by the user, or by an I/O error of a disk: error_policy stop), stopped (defined,
+    not running), gone (no such domain) or unknown (libvirt unreachable)."""
     return state_and_why(record, cache)[0]
 
 
-def state_and_why(record: dict, cache: Cache | None = None) -> tuple[str, str | None]:
-    """The state, and for a paused VM which disks paused it and why (iopause.describe)."""
+def state_and_why(record: dict, cache: Cache | None = None) -> tuple[str, Paused | None]:
+    """The state, and for a paused VM KubeVirt's Paused condition: who paused it, and for an I/O
+    error which disks and why (iopause.describe)."""
     try:
         lv = Libvirt(record["uri"]) if cache is None else connect(cache, record["uri"])
     except DiskkitError:
         return "unknown", None
     try:
-        errors = lv.disk_errors(record["domain"])
-        if errors is not None:
-            return "paused", describe(errors)
-        if lv.active(record["domain"]):
+        domain = record["domain"]
+        paused_by = lv.paused_by(domain)
+        if paused_by is not None:
+            errors = lv.disk_errors(domain)
+            # A pause for a reason KubeVirt gives no condition (libvirt starting it, say) is no pause to report.
+            condition = paused_condition(paused_by, None if errors is None else describe(errors))
+            if condition is not None:
+                return "paused", condition
+        if lv.active(domain):
             return "running", None
-        return ("stopped" if lv.exists(record["domain"]) else "gone"), None
+        return ("stopped" if lv.exists(domain) else "gone"), None
     finally:
         lv.close()

@@ -344,6 +344,9 @@ class VMI:
     ignored: tuple[tuple[str, str], ...] = ()  # (field, why) dropped because the user asked to go on without them
     access_credentials: tuple[credentials.SSHPublicKey, ...] = ()  # spec.accessCredentials
     from_vm: bool = False  # a VirtualMachine's: its restarts boot the digests its tags were pinned to
+    # spec.livenessProbe's handler (exec, httpGet, tcpSocket, guestAgentPing), or None: not run here, but
+    # KubeVirt refuses to pause a VMI whose probe a frozen guest would fail (launcher.runtime.conditions)
+    liveness_probe: str | None = None
 
     @property
     def domain_name(self) -> str:
@@ -993,7 +996,15 @@ def parse_vmi(doc: dict, ignore_unsupported: bool = False, *, objects: ObjectSou
     access = credentials.parse(spec.get("accessCredentials"), (v.kind for v in volumes), f"{root}.accessCredentials")
     return VMI(name, namespace, get_str(metadata, "uid", "metadata"), labels, annotations, domain, volumes,
                hostname, get_int(spec, "terminationGracePeriodSeconds", root), data_volumes, tuple(unsupported), access,
-               from_vm=kind == "VirtualMachine")
+               from_vm=kind == "VirtualMachine", liveness_probe=_probe_handler(spec, root))
+
+
+def _probe_handler(spec: dict, root: str) -> str | None:
+    probe = as_map(spec.get("livenessProbe"), f"{root}.livenessProbe")
+    if not probe:
+        return None
+    handlers = sorted(k for k in ("exec", "httpGet", "tcpSocket", "guestAgentPing") if probe.get(k) is not None)
+    return handlers[0] if len(handlers) == 1 else "other"
 
 
 def load_vmi(path: str | Path, ignore_unsupported: bool = False, *, objects: ObjectSource | None = None) -> VMI:
