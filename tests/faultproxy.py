@@ -298,6 +298,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         kind, length = self._body_kind()
         if self.headers.get("Authorization") is not None:
             proxy._credentials(self.path, self.headers["Authorization"])
+        if self.headers.get("Range") is not None:
+            proxy._range(self.path, self.headers["Range"])
         fault = proxy._take(self.command, self.path, self.headers)
         action = fault.action if fault else None
         if fault is None and proxy.answer is not None:
@@ -486,6 +488,7 @@ class FaultProxy:
         self.log: list[tuple[str, str, int]] = []
         self.credentials: list[tuple[str, str]] = []  # (request target, Authorization) of every request that carried one
         self.sent: dict[str, int] = {}  # body bytes relayed per request path: what a client really fetched
+        self.ranges: list[tuple[str, str]] = []  # (request target, Range) of every request that carried one
         self._faults: list[Fault] = []
         self.headers: list[tuple[str, str, str]] = []
         self.answer = None
@@ -534,6 +537,10 @@ class FaultProxy:
     def _credentials(self, path: str, authorization: str) -> None:
         with self._lock:
             self.credentials.append((path, authorization))
+
+    def _range(self, path: str, value: str) -> None:
+        with self._lock:
+            self.ranges.append((path, value))
 
     def _log(self, method: str, path: str, status: int) -> None:
         with self._lock:

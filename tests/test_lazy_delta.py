@@ -75,17 +75,34 @@ def test_v2_is_filled_from_v1s_chunks_and_fetches_only_the_changed_ones(tmp_path
     assert status["stats"]["fetched_chunks"] == len(CHANGED) and status["stats"]["fetched_bytes"] == changed, status
     assert status["stats"]["reused_chunks"] == CHUNKS - len(CHANGED) and status["stats"]["reused_bytes"] == (CHUNKS - len(CHANGED)) * MIB
     # What a pull with v1 cached needs of the blob: the changed chunks' members, and the bytes around
-    # the chunks (the tar headers, the TOC). The registry sent that and the TOC once more (read alone to
-    # find the disk, then with the tail), counted at the proxy.
+    # the chunks (the tar headers, the TOC). The registry sent just that, counted at the proxy: the TOC
+    # once, read with the tail that holds it.
     around = layer["size"] - sum(length for _, length in toc["members"])
-    toc_member = int(layer["annotations"][lazytoc.ANNOTATION_TOC_SIZE])
     sent = sum(n for path, n in proxy.sent.items() if f"/blobs/{layer['digest']}" in path)
-    assert sent == changed + around + toc_member, (sent, changed, around, toc_member)
+    assert sent == changed + around, (sent, changed, around)
     assert shown.code == 0, shown.err
     assert f"fetched {changed} bytes, reused {(CHUNKS - len(CHANGED)) * MIB} bytes" in shown.out, shown.out
     # The complete v2 is recorded in the node's chunk index: its new chunks are there for the next image.
     places = ChunkIndex(SimpleNamespace(root=cache)).lookup("blake3", toc[lazytoc.CONTENT_FIELD][3])
     assert [str(cache / p.path) for p in places] == [status["installed"]] and places[0].offset == 3 * MIB
+
+
+def test_an_export_asks_the_registry_for_its_toc_once(tmp_path, registry, fault_proxy, images, disks):
+    """The TOC lies in the blob's tail: the disk server reads it to find the disk and keeps the tail for
+    the blob digest, one range request over the TOC's bytes for both (launcher/diskserver/imagewalk.py)."""
+    layer = layer_of(images[1])
+    toc_at = int(layer["annotations"][lazytoc.ANNOTATION_TOC_OFFSET])
+    toc_end = toc_at + int(layer["annotations"][lazytoc.ANNOTATION_TOC_SIZE])
+    proxy = fault_proxy(registry)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with disk_server(cache):
+        status = filled(cache, images[1].replace(registry.host, proxy.host))
+    assert status["verified"] and Path(status["installed"]).read_bytes() == disks[1].read_bytes()
+    asked = [value for path, value in proxy.ranges if f"/blobs/{layer['digest']}" in path]
+    spans = [tuple(map(int, value.removeprefix("bytes=").split("-"))) for value in asked]
+    over_toc = [(first, last) for first, last in spans if first < toc_end and last >= toc_at]
+    assert len(over_toc) == 1, (toc_at, toc_end, spans)
 
 
 def test_a_corrupted_cached_chunk_is_fetched_instead(tmp_path, registry, images, disks):
@@ -155,8 +172,9 @@ def test_a_restarted_server_resumes_and_still_checks_reused_chunks(tmp_path, reg
 
 def test_with_v1_pulled_the_fill_of_v2_fetches_what_its_pull_fetches(tmp_path, registry, fault_proxy, images, disks):
     """v1 pulled (launcher pull records its chunks), then v2 lazily exported and filled; beside it, on
-    another cache with v1 pulled, v2 pulled. The registry sends both exactly the same bytes of v2's
-    layer, counted at proxies."""
+    another cache with v1 pulled, v2 pulled. The registry sends both the same bytes of v2's layer,
+    counted at proxies, but for the TOC: the export reads it once, with the tail; the pull reads it
+    alone to plan, then again with the tail (launcher/node/deltapull.py)."""
     v1_ref, v2_ref = images
     layer = layer_of(v2_ref)
 
@@ -174,5 +192,6 @@ def test_with_v1_pulled_the_fill_of_v2_fetches_what_its_pull_fetches(tmp_path, r
     assert status["stats"]["fetched_chunks"] == len(CHANGED) and status["stats"]["reused_chunks"] == CHUNKS - len(CHANGED), status
     second = run_launcher("pull", "--cache-dir", pulled, NOREG, "--json", v2_ref.replace(registry.host, by_pull.host))
     assert second.code == 0, second.err
-    assert layer_bytes(by_export) == layer_bytes(by_pull), (layer_bytes(by_export), layer_bytes(by_pull))
+    toc_member = int(layer["annotations"][lazytoc.ANNOTATION_TOC_SIZE])
+    assert layer_bytes(by_export) + toc_member == layer_bytes(by_pull), (layer_bytes(by_export), layer_bytes(by_pull), toc_member)
     assert json.loads(second.out)["fetched"] <= layer_bytes(by_pull)

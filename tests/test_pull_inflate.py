@@ -10,6 +10,7 @@ import hashlib
 import io
 import json
 import os
+import threading
 import re
 from pathlib import Path
 
@@ -96,6 +97,18 @@ def test_a_member_that_is_not_where_the_toc_says_is_refused(tmp_path):
     refused(bytes(flipped), toc, "chunk 0's gzip member at .* does not match its digest")
     tail = data[: -5] + b"\x1f\x8b\x08\x00\x00"  # the last member's end replaced by the start of another
     refused(tail, toc, "gzip stream cannot be decompressed")
+
+
+def test_closing_the_inflater_mid_layer_stops_its_feeding_thread_and_its_pool(tmp_path):
+    """A reader that stops early (a refusal further down the pull): the thread cutting members, waiting
+    for room behind the bounded queue, and the pool's workers all end; nothing is left running."""
+    data, toc = lazy_layer(tmp_path, [("/disk/disk.img", bytes(32 * MIB))], "/disk/disk.img")
+    before = set(threading.enumerate())
+    reader = MemberInflater(io.BufferedReader(io.BytesIO(data), 7777), toc, "layer", 2)
+    assert reader.read(4096) == gzip.decompress(data[: toc.members[0][0]])[:4096]  # the tar headers
+    started = set(threading.enumerate()) - before
+    reader.close()
+    assert started and not any(thread.is_alive() for thread in started)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The pull's stream pieces: the forward-only cursor tarfile reads through, and sparse writes."""
+"""The pull's stream pieces: the read-ahead thread, the forward-only cursor tarfile reads through, and sparse writes."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from diskkit.streams.cursor import Cursor
 from diskkit.streams.directwrite import PIECE, DirectWriter
 from diskkit.streams.fsutil import WRITEBACK_STEP, Writeback
 from diskkit.streams.pieceread import IN_FLIGHT, PieceReader, resident_fraction
+from diskkit.streams.readahead import ReadAhead
 from diskkit.streams.sparse import HOLE, SparseDirectWriter, write_sparse
 
 
@@ -34,6 +35,52 @@ class Chunked:
         piece = self.data[self.at : self.at + n]
         self.at += len(piece)
         return piece
+
+
+class Pieces:
+    """A source handing out the given pieces, then failing with `fail` (or ending)."""
+
+    def __init__(self, pieces: list[bytes], fail: Exception | None = None):
+        self.pieces, self.fail = list(pieces), fail
+
+    def read(self, size: int = -1) -> bytes:
+        if self.pieces:
+            return self.pieces.pop(0)
+        if self.fail is not None:
+            raise self.fail
+        return b""
+
+
+def test_read_ahead_hands_whole_pieces_on_uncopied_and_cuts_them_for_smaller_reads():
+    pieces = [bytes([n]) * 1000 for n in range(1, 6)]
+    with ReadAhead(Pieces(pieces), chunk=1000, depth=2) as reader:
+        assert reader.read(1000) is pieces[0]  # asked for at least a piece: that very object
+        assert reader.read(300) == pieces[1][:300]
+        buf = bytearray(2000)
+        assert reader.readinto(buf) == 700 and buf[:700] == pieces[1][300:]
+        assert reader.read() == b"".join(pieces[2:])
+        assert reader.read(10) == b""
+
+
+def test_read_ahead_raises_its_sources_failure_in_the_readers_thread_after_the_pieces_before_it():
+    with ReadAhead(Pieces([b"a" * 10, b"b" * 10], OSError("the source broke")), depth=1) as reader:
+        assert reader.read(10) == b"a" * 10 and reader.read(10) == b"b" * 10
+        with pytest.raises(OSError, match="the source broke"):
+            reader.read(10)
+        assert reader.read(10) == b""  # the failure is raised once; the reader is at its end
+
+
+def test_closing_a_read_ahead_stops_a_producer_waiting_for_room():
+    class Endless:
+        def read(self, size: int = -1) -> bytes:
+            return b"x" * size
+
+    before = set(threading.enumerate())
+    reader = ReadAhead(Endless(), chunk=4096, depth=1)
+    producers = set(threading.enumerate()) - before
+    assert reader.read(4096) == b"x" * 4096 and producers
+    reader.close()  # the producer is blocked on the full queue: it must see the stop and end
+    assert not any(thread.is_alive() for thread in producers)
 
 
 def test_cursor_reads_exactly_across_chunks_and_seeks_forward_only():

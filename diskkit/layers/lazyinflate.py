@@ -17,26 +17,19 @@ Memory stays flat: the members in flight are bounded in bytes, whatever the disk
 from __future__ import annotations
 
 import hashlib
-import io
 import os
-import queue
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import BinaryIO, Iterator
 
 from isal import isal_zlib
 
 from diskkit.errors import DiskkitError
 from diskkit.layers.lazytoc import Toc, member_pin
+from diskkit.streams.queuedreader import QueuedReader
 
 WORKERS = os.cpu_count() or 2
 IN_FLIGHT_BYTES = 8 << 20  # chunks inflating or inflated and not yet read, beyond one per worker
 PASS = 1 << 20  # the bytes around the chunks are read and inflated in pieces of this size
-_END = object()
-
-
-class _Stopped(Exception):
-    """The reader closed: the feeding thread stops where it is."""
 
 
 def member_limit(chunk_size: int) -> int:
@@ -95,59 +88,46 @@ class _Around:
                 data = self._inflater.unconsumed_tail
 
 
-class MemberInflater(io.RawIOBase):
+class MemberInflater(QueuedReader):
     """The uncompressed layer, in order, from `raw` (the blob as it streams) and its parsed `toc`."""
 
     def __init__(self, raw: BinaryIO, toc: Toc, where: str, workers: int = WORKERS):
         if toc.members is None:
             raise ValueError("only a version-2 TOC lists gzip members")
         self._raw, self._toc, self._where = raw, toc, where
-        self._queue: queue.Queue = queue.Queue(workers + max(1, IN_FLIGHT_BYTES // toc.chunk_size))
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="inflate")
-        self._stop = threading.Event()
-        self._current = memoryview(b"")
         self._pending = memoryview(b"")  # read from `raw`, not yet cut (the feeding thread's)
-        self._done = False
-        self._thread = threading.Thread(target=self._feed, daemon=True)
-        self._thread.start()
+        # The queue holds the inflating chunks' Futures and the pieces between them, in stream order.
+        super().__init__(workers + max(1, IN_FLIGHT_BYTES // toc.chunk_size))
 
     # --- the feeding thread: the blob cut into members, in order --------------------------------
 
-    def _feed(self) -> None:
-        try:
-            around = _Around(self._where)
-            position = 0
-            limit = member_limit(self._toc.chunk_size)
-            for index, (at, length) in enumerate(self._toc.members):
-                while position < at:
-                    data = self._read(min(PASS, at - position))
-                    if not data:
-                        raise DiskkitError(self._where, f"the blob ends before chunk {index}'s gzip member at {at}")
-                    position += len(data)
-                    for out in around.feed(data):
-                        self._put(out)
-                if not around.between_members:
-                    raise DiskkitError(self._where, f"the lazy TOC places chunk {index}'s gzip member at {at}, inside another gzip member of the layer")
-                if length > limit:
-                    raise DiskkitError(self._where, f"the lazy TOC gives chunk {index} a {length}-byte gzip member, more than a {self._toc.chunk_size}-byte chunk takes")
-                member = self._read(length)
-                if len(member) != length:
-                    raise DiskkitError(self._where, f"the blob ends inside chunk {index}'s gzip member at {at}+{length}")
-                position += length
-                self._put(self._pool.submit(_inflate, member, self._toc, index, self._where))
-            while data := self._read(PASS):
+    def _produce(self) -> None:
+        around = _Around(self._where)
+        position = 0
+        limit = member_limit(self._toc.chunk_size)
+        for index, (at, length) in enumerate(self._toc.members):
+            while position < at:
+                data = self._read(min(PASS, at - position))
+                if not data:
+                    raise DiskkitError(self._where, f"the blob ends before chunk {index}'s gzip member at {at}")
+                position += len(data)
                 for out in around.feed(data):
                     self._put(out)
             if not around.between_members:
-                raise DiskkitError(self._where, "gzip stream cannot be decompressed (it ends inside a member); refused")
-            self._put(_END)
-        except _Stopped:
-            pass
-        except BaseException as exc:  # handed to the reader, raised in its thread
-            try:
-                self._put(exc)
-            except _Stopped:
-                pass
+                raise DiskkitError(self._where, f"the lazy TOC places chunk {index}'s gzip member at {at}, inside another gzip member of the layer")
+            if length > limit:
+                raise DiskkitError(self._where, f"the lazy TOC gives chunk {index} a {length}-byte gzip member, more than a {self._toc.chunk_size}-byte chunk takes")
+            member = self._read(length)
+            if len(member) != length:
+                raise DiskkitError(self._where, f"the blob ends inside chunk {index}'s gzip member at {at}+{length}")
+            position += length
+            self._put(self._pool.submit(_inflate, member, self._toc, index, self._where))
+        while data := self._read(PASS):
+            for out in around.feed(data):
+                self._put(out)
+        if not around.between_members:
+            raise DiskkitError(self._where, "gzip stream cannot be decompressed (it ends inside a member); refused")
 
     def _read(self, size: int):
         """Up to `size` bytes (fewer only at the end): a view of the stream's own chunk when they lie
@@ -164,65 +144,6 @@ class MemberInflater(io.RawIOBase):
             left -= len(parts[-1])
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
-    def _put(self, item) -> None:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return
-            except queue.Full:
-                continue
-        if isinstance(item, Future):
-            item.cancel()
-        raise _Stopped
-
-    # --- the reading side -------------------------------------------------------------------
-
-    def _next(self) -> bytes | None:
-        """The next piece of output, None at the end; a failure anywhere is raised here."""
-        if self._done:
-            return None
-        item = self._queue.get()
-        if isinstance(item, Future):
-            try:
-                return item.result()
-            except BaseException:
-                self._done = True
-                raise
-        if item is _END:
-            self._done = True
-            return None
-        if isinstance(item, BaseException):
-            self._done = True
-            raise item
-        return item
-
-    def readable(self) -> bool:
-        return True
-
-    def read(self, size: int = -1) -> bytes:
-        # Whole pieces pass through without a copy when the caller asks for at least one.
-        if size is not None and size >= 0 and not self._current:
-            piece = self._next()
-            if piece is None:
-                return b""
-            if len(piece) <= size:
-                return piece
-            self._current = memoryview(piece)
-        return super().read(size)
-
-    def readinto(self, buf) -> int:
-        while not self._current:
-            piece = self._next()
-            if piece is None:
-                return 0
-            self._current = memoryview(piece)
-        n = min(len(buf), len(self._current))
-        buf[:n] = self._current[:n]
-        self._current = self._current[n:]
-        return n
-
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._pool.shutdown(wait=True, cancel_futures=True)
         super().close()
+        self._pool.shutdown(wait=True, cancel_futures=True)

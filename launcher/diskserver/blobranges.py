@@ -7,6 +7,7 @@ not this module's."""
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 from pathlib import Path
 
@@ -15,22 +16,33 @@ from launcher.diskserver import imagewalk
 
 
 class KnownRanges:
-    """A blob's ranges, some already in the node cache (an export's head and tail): those are read
-    from there, not fetched again. Exact pieces only, as imagewalk asks for them."""
+    """A blob's ranges, some already in the node cache (an export's head and tail): those, and the
+    ranges inside them (the TOC is read out of the tail), are read from there, not fetched again."""
 
     def __init__(self, ranges: BlobRanges, known: dict[tuple[int, int], Path]):
         self.ranges, self.size, self.known = ranges, ranges.size, known
 
     def read(self, start: int, length: int) -> bytes:
-        path = self.known.get((start, length))
-        if path is not None:
-            try:
-                data = path.read_bytes()
-            except OSError:
-                data = b""  # installed meanwhile: its head and tail are gone
-            if len(data) == length:
-                return data
+        for (at, size), path in self.known.items():
+            if at <= start and start + length <= at + size:
+                data = _read_piece(path, size, start - at, length)
+                if data is not None:
+                    return data
         return self.ranges.read(start, length)
+
+
+def _read_piece(path: Path, size: int, offset: int, length: int) -> bytes | None:
+    """`length` bytes at `offset` of a `size`-byte file; None when it is gone (installed meanwhile:
+    its head and tail are removed) or not that size."""
+    try:
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size != size:
+                return None
+            f.seek(offset)
+            data = f.read(length)
+    except OSError:
+        return None
+    return data if len(data) == length else None
 
 
 class SmallBlobs:

@@ -229,12 +229,20 @@ def _reader(walked: Walked, index: int, layer: Descriptor, diff_id: str, ranges:
     where = f"{shown}: layer {layer.digest[:19]}"
     loc = lazytoc.location(layer, where)
     if kind == "gzip" and loc is not None:
-        toc = lazytoc.parse(lazytoc.read_stored(ranges.read(loc.offset, loc.size), lazytoc.VERSION_GZIP, where), loc, where,
+        # The TOC lies in the tail: read with the bytes after it (the trailer, when that is small),
+        # it is asked of the registry once, and the tail is completed with what lies before it.
+        after_toc = layer.size - loc.offset - loc.size
+        from_toc = ranges.read(loc.offset, loc.size + (after_toc if after_toc <= MAX_HEAD_TAIL else 0))
+        toc = lazytoc.parse(lazytoc.read_stored(from_toc[: loc.size], lazytoc.VERSION_GZIP, where), loc, where,
                             lazytoc.VERSION_GZIP)
         start, end = toc.members[0][0], sum(toc.members[-1])
         if start + layer.size - end > MAX_HEAD_TAIL:
             raise NotSeekable(shown, f"its layer holds {start + layer.size - end} bytes besides the disk")
-        head, tail = ranges.read(0, start), ranges.read(end, layer.size - end)
+        head = ranges.read(0, start)
+        if end <= loc.offset and len(from_toc) == layer.size - loc.offset:
+            tail = (ranges.read(end, loc.offset - end) if loc.offset > end else b"") + from_toc
+        else:  # a TOC among the chunks' members: not the layout diskkit writes, read as it lies
+            tail = ranges.read(end, layer.size - end)
         walked.lazy[index] = LazyLayer(toc, head, tail)
         walked.tocs[index] = toc
         inflated = inflate_all(head, toc.offset, f"{where}: the members before the disk")
