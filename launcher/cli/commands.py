@@ -307,16 +307,20 @@ Examples:
 @click.option("--json", "as_json", is_flag=True, help='Print {"name", "domain", "state", "reason", "message"}: reason and message KubeVirt\'s Paused condition\'s, or null.')
 @cache_option
 def status(name, as_json, cache_dir) -> None:
-    """Print a VM's state (running, paused, stopped, gone, unknown); exit 0 only while it runs.
+    """Print a VM's state (running, paused, stopped, gone, unknown); exit 0 only while it runs or
+    is paused by the user.
 
     paused: said with KubeVirt's reason, PausedByUser (`launcher pause`) or PausedIOError (a disk's
     I/O error stopped the guest: errorPolicy stop), the latter with the disk, the error and its
     file: `paused (PausedIOError): vda: no space left on device (FILE)`.
 
     Made for a pod's exec readiness and liveness probes: the answer comes from libvirt, so a
-    launcher that is alive with a dead guest is reported as not running.
+    launcher that is alive with a dead guest is reported as not running. A pause the user asked for
+    is healthy, as KubeVirt keeps such a VMI's phase Running and excuses it from its probe
+    (virt-launcher's isPausedButHealthy): the pod is not restarted under a paused VM.
     """
     from diskkit.errors import NotFound
+    from launcher.runtime.conditions import PAUSED_BY_USER
     from launcher.runtime.vms import find_record, state_and_why
 
     cache = node_cache(cache_dir)
@@ -329,7 +333,7 @@ def status(name, as_json, cache_dir) -> None:
                                "message": paused and paused.message}, indent=2))
     else:
         click.echo(f"{now} ({paused.reason}): {paused.message}" if paused else now)
-    if now != "running":
+    if now != "running" and not (paused and paused.reason == PAUSED_BY_USER):
         sys.exit(1)
 
 
