@@ -150,13 +150,18 @@ def test_a_vm_whose_overlay_cannot_grow_pauses_is_said_so_and_goes_on_once_space
         assert DOMAIN not in user.virsh("list", "--all", "--name").split()
 
 
+def start_detached_with_room_to_boot(user, guest_image) -> None:
+    """A --detach VM on the small filesystem, filled but for what its boot writes."""
+    assert user.launcher("pull", NOREG, guest_image).code == 0
+    vmi = user.write_vmi(NAME, guest_image, serial="hold-600")
+    user.fill(leave=640 << 10)
+    started = user.launcher("run", NOREG, "--no-lazy", "--detach", vmi)
+    assert started.code == 0, started.err
+
+
 def test_a_vm_paused_for_want_of_space_is_stopped_clean(guest_image):
     with namespaced("64m") as user:
-        assert user.launcher("pull", NOREG, guest_image).code == 0
-        vmi = user.write_vmi(NAME, guest_image, serial="hold-600")
-        user.fill(leave=640 << 10)
-        started = user.launcher("run", NOREG, "--no-lazy", "--detach", vmi)
-        assert started.code == 0, started.err
+        start_detached_with_room_to_boot(user, guest_image)
         user.fill(leave=0)
         wait_for(lambda: user.launcher("status", NAME).out.startswith("paused (PausedIOError): vda: no space left on device ("), 180, "the VM to pause")
         stopped = user.launcher("stop", NAME)
@@ -171,11 +176,7 @@ def test_a_detached_vm_paused_for_want_of_space_goes_on_at_launcher_unpause_once
     resumes a VMI an I/O error paused (tests/test_pause.py). While the disk is still full qemu's retry
     of the write pauses it again, and unpause says so."""
     with namespaced("64m") as user:
-        assert user.launcher("pull", NOREG, guest_image).code == 0
-        vmi = user.write_vmi(NAME, guest_image, serial="hold-600")
-        user.fill(leave=640 << 10)
-        started = user.launcher("run", NOREG, "--no-lazy", "--detach", vmi)
-        assert started.code == 0, started.err
+        start_detached_with_room_to_boot(user, guest_image)
         [overlay] = user.seen(user.cache / "run" / DOMAIN / "root").glob("*.qcow2")
         real = Path("/") / overlay.relative_to(user.seen(Path("/")))
         user.fill(leave=0)
