@@ -448,3 +448,29 @@ def test_an_export_identity_holds_everything_that_pins_its_bytes():
     assert ExportId.from_json(pinned.identity.to_json()) == pinned.identity
     with pytest.raises(ValueError):
         ExportId.from_json({**pinned.identity.to_json(), "extra": 1})
+
+
+def test_an_exports_kept_piece_is_read_only_from_the_file_it_wrote(tmp_path):
+    """KnownRanges reads a TOC out of an export's kept tail: a link planted in its place (to a file
+    of the same size) is not followed, the range is fetched instead; the real file is read."""
+    from launcher.diskserver.blobranges import KnownRanges
+
+    class Fetched:
+        size = 100
+
+        def __init__(self):
+            self.asked = []
+
+        def read(self, start, length):
+            self.asked.append((start, length))
+            return b"R" * length
+
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"S" * 40)
+    tail = tmp_path / "tail"
+    tail.symlink_to(secret)
+    fetched = Fetched()
+    assert KnownRanges(fetched, {(60, 40): tail}).read(70, 10) == b"R" * 10 and fetched.asked == [(70, 10)]
+    tail.unlink()
+    tail.write_bytes(bytes(range(40)))
+    assert KnownRanges(fetched, {(60, 40): tail}).read(70, 10) == bytes(range(10, 20)) and fetched.asked == [(70, 10)]

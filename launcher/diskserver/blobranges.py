@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import threading
 from pathlib import Path
 
@@ -33,15 +34,21 @@ class KnownRanges:
 
 def _read_piece(path: Path, size: int, offset: int, length: int) -> bytes | None:
     """`length` bytes at `offset` of a `size`-byte file; None when it is gone (installed meanwhile:
-    its head and tail are removed) or not that size."""
+    its head and tail are removed), not that size, or not a regular file of its own (no link is
+    followed: the bytes are checked by their readers, but the server reads nothing it did not write)."""
     try:
-        with open(path, "rb") as f:
-            if os.fstat(f.fileno()).st_size != size:
-                return None
-            f.seek(offset)
-            data = f.read(length)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
         return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+            return None
+        data = os.pread(fd, length, offset)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
     return data if len(data) == length else None
 
 
