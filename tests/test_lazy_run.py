@@ -119,8 +119,8 @@ def test_a_root_server_refuses_a_cache_another_user_owns(qemu_user):
     before = sorted(p.name for p in cache.iterdir())
     result = run_launcher("serve", "--cache-dir", cache, "--exit-when-idle", "1")
     assert result.code == 1
-    assert result.err.strip() == (f"launcher: {cache}: belongs to uid {QEMU_UID}; a disk server run as root serves only a cache of root's"
-                                  f" (run it as uid {QEMU_UID}, or give it a cache root owns)"), result.err
+    assert result.err.strip() == (f"launcher: {cache}: belongs to uid {QEMU_UID}; root uses only a cache of root's that no other user"
+                                  f" can write (use this one as its owner, or give root its own)"), result.err
     assert sorted(p.name for p in cache.iterdir()) == before
 
 

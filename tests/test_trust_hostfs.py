@@ -29,7 +29,7 @@ import pytest
 import requests
 
 from launcher.volumes.files import create_sparse
-from tests.conftest import launcher_command, run_launcher
+from tests.conftest import launcher_command, make_qcow2, run_diskkit, run_launcher
 from tests.distribution import free_port
 from tests.fileserver import FileServer
 from tests.test_dv_import import Claims, dv
@@ -559,6 +559,63 @@ def test_a_socket_dir_planted_by_another_user_is_refused(area, victim, planted):
     assert rule in one_line(err) and f"--socket-dir {sockets}" in err, err
     victim.assert_untouched()
     assert not (victim.dir / "control.sock").exists()
+
+
+# ---------------------------------------------------------------- root's node cache
+
+@pytest.fixture(scope="module")
+def layout():
+    """A small image in an OCI layout anyone can read: what root pulls in the attacks below."""
+    with qemu_scratch("diskkit-cache-image-") as root:
+        where = root / "layout"
+        built = run_diskkit("build", make_qcow2(root / "g.qcow2", size="16M"), "-t", f"oci:{where}:v1")
+        assert built.code == 0, built.err
+        yield where
+
+
+CACHE_RULE = "root uses only a cache of root's that no other user can write (use this one as its owner, or give root its own)"
+
+
+@pytest.mark.parametrize("command", ["pull", "run", "gc"])
+@pytest.mark.parametrize("planted", ["their-cache", "open-cache", "link", "their-parent"])
+def test_root_uses_no_cache_another_user_could_plant_links_in(area, victim, layout, command, planted):
+    """Attack: another user owns the cache root is pointed at (or can write it, or the directory it is in)
+    and plants its locks/, chunks/ and tmp/ as links to a root-only directory, or the cache itself as one:
+    root made its lock files, chunk index and staging where the links led (issue 38, item 5). Refused
+    before anything is made, as the disk server refuses such a cache."""
+    public = area / "public"
+    public.mkdir()
+    public.chmod(0o1777)
+    cache = public / "cache"
+    if planted == "their-cache":
+        as_nobody("mkdir", cache)
+    elif planted == "open-cache":
+        cache.mkdir()
+        cache.chmod(0o777)
+    elif planted == "link":
+        plant(public, "cache", victim.dir)
+    else:
+        as_nobody("mkdir", public / "theirs")
+        cache = public / "theirs" / "cache"
+        cache.mkdir(mode=0o700)  # root's own, in a directory of theirs: swapped for theirs at any time
+    if planted in ("their-cache", "open-cache"):
+        for name in ("locks", "chunks", "tmp"):
+            plant(cache, name, victim.dir)
+    before = sorted(p.name for p in cache.iterdir())
+    vmi = area / "vmi.json"
+    vmi.write_text(json.dumps({"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance", "metadata": {"name": "planted"},
+                               "spec": {"domain": {"devices": {}, "resources": {"requests": {"memory": "64Mi"}}}, "volumes": [{"name": "root", "containerDisk": {"image": "127.0.0.1:9/x:v1"}}]}}))
+    args = {"pull": ["pull", f"oci:{layout}:v1"], "run": ["run", "--tls-verify=false", "--timeout", "60", vmi], "gc": ["gc"]}[command]
+    result = run_launcher(*args, env={"DISKKIT_CACHE": str(cache)}, timeout=120)
+    assert result.code == 1, result.err
+    rule = {"their-cache": f"{cache}: belongs to uid {NOBODY.pw_uid}; {CACHE_RULE}",
+            "open-cache": f"{cache}: can be written by other users (mode 777); {CACHE_RULE}",
+            "link": f"{cache}: {NOFOLLOW}",
+            "their-parent": f"{cache}: is inside {public / 'theirs'}, which another user can write (uid {NOBODY.pw_uid}, mode 755);"
+                            f" it could be swapped for a link"}[planted]
+    assert one_line(result.err) == f"launcher: {rule}", result.err
+    victim.assert_untouched()
+    assert sorted(p.name for p in cache.iterdir()) == before  # nothing made
 
 
 # ---------------------------------------------------------------- bounded imports

@@ -124,8 +124,6 @@ class DiskServer:
         if self.root and group is None:
             log.info("no qemu user or group here: the control socket is root's alone (--socket-group opens it to one)")
         self.mode, self.group = (0o660, group) if group is not None else (0o600, None)
-        if self.root:
-            _refuse_foreign_cache(cache)
         self.dir = serve_dir(cache, opts.socket_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         # Refused before anything is made in it.
@@ -576,15 +574,6 @@ class _Granted:
     def listing(self) -> list:
         names = self._names()
         return [export for export in self.server.listing() if export.name in names]
-
-
-def _refuse_foreign_cache(cache: Cache) -> None:
-    """Root writes exports, state and sockets in the cache: in a cache another user owns, that user
-    could swap any directory there for a link to one of root's between two of root's steps."""
-    owner = os.stat(cache.root).st_uid
-    if owner != 0:
-        raise DiskkitError(cache.root, f"belongs to uid {owner}; a disk server run as root serves only a cache of root's"
-                                       f" (run it as uid {owner}, or give it a cache root owns)")
 
 
 def _peer(conn: socket.socket) -> tuple[int, int | None]:

@@ -286,11 +286,41 @@ def own_directory(path: Path, what: str, root_mode: int) -> None:
             owner = os.fstat(fd).st_uid
             if owner != 0:
                 raise DiskkitError(f"{what} {path}", f"belongs to uid {owner}; a root disk server puts its sockets only in root's directories")
-            for parent in Path(os.path.abspath(path)).parents:
-                st = os.stat(parent)
-                if st.st_uid != 0 or (st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX):
-                    raise DiskkitError(f"{what} {path}", f"is inside {parent}, which another user can write (uid {st.st_uid},"
-                                                         f" mode {stat.S_IMODE(st.st_mode):o}); it could be swapped for a link")
+            strict_parents(path, f"{what} {path}")
             os.fchmod(fd, root_mode)
     finally:
         os.close(fd)
+
+
+def strict_parents(path: Path, what: str) -> None:
+    """Every directory above `path` is root's and only root can rename things in it (sshd's StrictModes;
+    a sticky one, as /tmp, lets no one rename another's entry): otherwise another user could swap
+    `path`, or a directory above it, for one of their own or a link. Directories not made yet are
+    root's to make."""
+    for parent in Path(os.path.abspath(path)).parents:
+        try:
+            st = os.stat(parent)
+        except FileNotFoundError:
+            continue
+        if st.st_uid != 0 or (st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX):
+            raise DiskkitError(what, f"is inside {parent}, which another user can write (uid {st.st_uid},"
+                                     f" mode {stat.S_IMODE(st.st_mode):o}); it could be swapped for a link")
+
+
+def roots_alone(path: Path, what: str) -> bool:
+    """`path` is a directory (never a link to one) root owns and no one else can write, so no other user
+    can have put a name in it; False when there is nothing there yet. Anything else is refused, naming
+    `what`: the owner (who should use it as themselves), a link, or the mode that lets others in."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if stat.S_ISLNK(st.st_mode):
+        raise DiskkitError(path, NOFOLLOW)
+    if not stat.S_ISDIR(st.st_mode):
+        raise DiskkitError(path, f"is not a directory; {what}")
+    if st.st_uid != 0:
+        raise DiskkitError(path, f"belongs to uid {st.st_uid}; {what}")
+    if st.st_mode & 0o022:
+        raise DiskkitError(path, f"can be written by other users (mode {stat.S_IMODE(st.st_mode):o}); {what}")
+    return True

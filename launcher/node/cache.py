@@ -45,7 +45,7 @@ from typing import Iterator
 
 from diskkit.errors import DiskkitError
 from diskkit.streams.fsutil import fsync_dir, write_atomic
-from launcher.hostfs.dirfd import DIR_NOFOLLOW
+from launcher.hostfs.dirfd import DIR_NOFOLLOW, roots_alone, strict_parents
 
 
 def default_root() -> Path:
@@ -133,6 +133,23 @@ def too_open(modes: dict[str, int], want: dict[str, int]) -> list[str]:
     return [name for name, mode in modes.items() if name in want and mode & 0o077 & ~want[name]]
 
 
+# What root's cache must be made of before root uses it by path: its top and each directory in it.
+ROOTS_ALONE = "root uses only a cache of root's that no other user can write (use this one as its owner, or give root its own)"
+
+
+def refuse_unless_roots(root: Path) -> None:
+    """Root works in the cache by path (locks, the chunk index, staging, records, overlays), so it uses
+    only one no other user can have put a name in, or swap for a link between two of its steps: the
+    top and each of its directories root's, writable by root alone, under directories only root can
+    rename things in. Anything else is refused before anything is made, as the disk server's socket
+    directory is (launcher.hostfs.dirfd.own_directory)."""
+    strict_parents(root, str(root))
+    if not roots_alone(root, ROOTS_ALONE):
+        return  # made afresh by root, below directories only root can write
+    for sub in (*SUBDIRS, "blobs/sha256", "disks/sha256"):
+        roots_alone(root / sub, ROOTS_ALONE)
+
+
 class Cache:
     def __init__(self, root: Path | str | None = None, qemu_group: int | None = None):
         """`qemu_group`: as root, the group qemu runs as under libvirt's system daemon
@@ -140,6 +157,8 @@ class Cache:
         self.root = Path(root) if root else default_root()
         self.privileged = os.geteuid() == 0
         self.modes = layout_modes(self.privileged)
+        if self.privileged:
+            refuse_unless_roots(self.root)
         try:
             self._make("", qemu_group)
             for sub in SUBDIRS:
