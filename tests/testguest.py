@@ -90,6 +90,7 @@ _ISO = re.compile(r"ISO name=(\S+) label=(.*)$")
 _ISO_FILE = re.compile(r"ISO-FILE name=(\S+) path=(.*) size=(\d+)$")
 _ISO_DATA = re.compile(r"ISO-DATA name=(\S+) path=(.*?) \|(?: (.*))?$")
 _STAMP = re.compile(r"STAMP name=(\S+) before=(\d+) after=(\d+)$")
+_UNSYNCED = re.compile(r"UNSYNCED name=(\S+) before=(\d+) after=(\d+)$")
 _CPUS = re.compile(r"CPUS count=(\d+) mem_kib=(\d+)$")
 _FS = re.compile(r"FS tag=(\S+) files=(\d+)$")
 _FS_FILE = re.compile(r"FS-FILE tag=(\S+) path=(.*) size=(\d+)$")
@@ -106,6 +107,7 @@ def parse_console(text: str) -> dict[str, Any]:
      "disks": {name: {"size": int, "ro": bool, "serial": str | None, "head": str}},
      "isos": {name: {"label": str, "files": {path: content}, "sizes": {path: int}}},
      "stamps": {name: (before, after)},
+     "unsynced": {name: (before, after)},  (a disk with serial unsynced: the number written last boot, left in the page cache)
      "cpus": int, "mem_kib": int,   (vCPUs online and MemTotal, once the guest reported them)
      "filesystems": {tag: {"files": {path: content}, "sizes": {path: int}, "wrote": bool}},  (virtiofs tags fs0..fs7)
      "acpi_poweroff": bool,  (the guest powered off because its ACPI power button was pressed)
@@ -120,7 +122,7 @@ def parse_console(text: str) -> dict[str, Any]:
     Unknown lines (kernel messages) are ignored.
     """
     res: dict[str, Any] = {"ready": False, "done": False, "disks": {}, "isos": {},
-                           "stamps": {}, "cpus": None, "mem_kib": None, "filesystems": {}, "warnings": [], "acpi_poweroff": False, "rng": None,
+                           "stamps": {}, "unsynced": {}, "cpus": None, "mem_kib": None, "filesystems": {}, "warnings": [], "acpi_poweroff": False, "rng": None,
                            "attacks": {}, "attack_errors": {}, "ssh": None}
     for raw in text.splitlines():
         line = raw.rstrip("\r")
@@ -148,6 +150,8 @@ def parse_console(text: str) -> dict[str, Any]:
             iso["label"] = m[2]
         elif m := _STAMP.match(line):
             res["stamps"][m[1]] = (int(m[2]), int(m[3]))
+        elif m := _UNSYNCED.match(line):
+            res["unsynced"][m[1]] = (int(m[2]), int(m[3]))
         elif m := _FS.match(line):
             res["filesystems"].setdefault(m[1], {"files": {}, "sizes": {}, "wrote": False})
         elif m := _FS_FILE.match(line):
