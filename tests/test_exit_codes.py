@@ -113,7 +113,8 @@ def test_launcher_not_found_and_stop_of_a_stopped_vm(tmp_path):
     # script cleaning up, stopping what is already stopped is done, not an error.
     stopped = run_launcher("stop", "--json", "--cache-dir", cache, "nosuchvm")
     assert stopped.code == 0, stopped.err
-    assert json.loads(stopped.out) == {"vms": [{"name": "nosuchvm", "stopped": False, "domain": None, "message": "VM nosuchvm is not running"}]}
+    assert json.loads(stopped.out) == {"vms": [{"name": "nosuchvm", "stopped": False, "domain": None, "message": "VM nosuchvm is not running",
+                                                "how": None, "gracePeriod": None, "seconds": None}]}
 
 
 # Their stdout is the guest's own stream (a console, a log, an ssh session, a forwarded connection):

@@ -164,7 +164,8 @@ def test_a_vm_paused_for_want_of_space_is_stopped_clean(guest_image):
         start_detached_with_room_to_boot(user, guest_image)
         user.fill(leave=0)
         wait_for(lambda: user.launcher("status", NAME).out.startswith("paused (PausedIOError): vda: no space left on device ("), 180, "the VM to pause")
-        stopped = user.launcher("stop", NAME)
+        # A paused guest cannot answer the power button: without --force the whole grace period would pass first.
+        stopped = user.launcher("stop", "--force", "--grace-period=0", NAME)
         assert stopped.code == 0 and stopped.out.strip() == f"VM {NAME} was stopped", stopped
         assert user.launcher("status", NAME).code != 0
         assert files_of_run(user) == [], files_of_run(user)

@@ -122,7 +122,7 @@ Examples:
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS", help="Give up (and destroy the VM) after this long.")
 @click.option("--platform", help="OS/ARCH of the images (default: this host's).")
 @click.option("--lazy/--no-lazy", default=None, help="Boot containerDisks before they have arrived, through the node's disk server (default: for images built with --lazy).")
-@click.option("--grace-period", type=click.FloatRange(min=0), metavar="SECONDS", help="After SIGTERM or Ctrl-C, how long the guest has to power off (ACPI) before it is destroyed; 0: at once.  [default: the VMI's terminationGracePeriodSeconds, else 30]")
+@click.option("--grace-period", type=click.FloatRange(min=0), metavar="SECONDS", help="When the VM is stopped (SIGTERM, Ctrl-C, launcher stop), how long the guest has to power off (ACPI) before it is destroyed; 0: at once.  [default: the VMI's terminationGracePeriodSeconds, else 30]")
 @click.option("--publish-address", metavar="ADDRESS", help="Forward ADDRESS:PORT to the guest for every port the interfaces declare (KubeVirt's masquerade; 0.0.0.0 in a pod).")
 @click.option("--json", "as_json", is_flag=True, help='When the command returns, print {"vmi": NAMESPACE/NAME, "domain": ..., "exitCode": 0}; not with --console.')
 @update_option
@@ -139,7 +139,7 @@ def run(vmi_file, uri, console, detach, wait_for, timeout, platform, lazy, grace
     Each containerDisk is pulled once per node and gets a qcow2 overlay of its own, so the VM
     starts clean every time. The command returns when the guest stops, when --wait-for text
     appears, once it runs with --detach, or at --timeout; Ctrl-C or SIGTERM shuts the guest down (destroyed after --grace-period)
-    and removes its overlays.
+    and removes its overlays, as `launcher stop` does.
 
     A VirtualMachine's first run pins each containerDisk tag to the digest it resolved to; its later
     runs boot those digests, however the tags move, until --update (`launcher ls` shows the pins).
@@ -272,26 +272,40 @@ def _serve_status(cache: Cache, socket_dir: str | None, as_json: bool) -> None:
 Examples:
   launcher stop testvm
   launcher stop default/testvm other/vm2
+  launcher stop --force --grace-period=0 testvm      # destroy it at once, as virtctl stop --force --grace-period=0
 """)
 @click.argument("names", nargs=-1, required=True, metavar="NAME...")
-@click.option("--json", "as_json", is_flag=True, help='Print {"vms": [{"name", "stopped", "domain", "message"}]}.')
+@click.option("--force", is_flag=True, help="With --grace-period: give the guest that long instead of its VMI's grace period (0: destroy it at once, no power button).")
+@click.option("--grace-period", type=click.IntRange(min=0), metavar="SECONDS", help="With --force: how long the guest has to power off after the power button before it is destroyed.")
+@click.option("--json", "as_json", is_flag=True, help='Print {"vms": [{"name", "stopped", "domain", "message", "how", "gracePeriod", "seconds"}]};'
+              ' how: "shut down" (by its guest, after the power button), "destroyed" (still running when the grace period ended, or none was given),'
+              ' "unreachable" (libvirt could not be asked) or null.')
 @cache_option
-def stop(names, as_json, cache_dir) -> None:
-    """Destroy VMs started by `launcher run` and remove their overlays (NAME, NAMESPACE/NAME or domain name).
+def stop(names, force, grace_period, as_json, cache_dir) -> None:
+    """Stop VMs started by `launcher run` as `virtctl stop` does, and remove their overlays (NAME,
+    NAMESPACE/NAME or domain name).
 
-    A VM that is not running (stopped already, or never started from this cache) is said so, and
-    is no error: exit 0, so a cleanup step can always run.
+    The guest's ACPI power button is pressed (again every 5 s) and the guest given its grace period to
+    power off, as a pod's termination gives it: the VMI's terminationGracePeriodSeconds, or `launcher
+    run --grace-period` (30 s when neither is set); what still runs then is destroyed. Which of the two
+    happened is said on stderr (and in --json). A VM that is not running (stopped already, or never
+    started from this cache) is said so, and is no error: exit 0, so a cleanup step can always run.
     """
     from launcher.runtime.vms import stop as do_stop
 
+    # virtctl's rule and words (pkg/virtctl/vm/stop.go): the grace period is the VMI's unless forced.
+    if force != (grace_period is not None):
+        raise click.UsageError("Must both use --force=true and set --grace-period.")
     cache = node_cache(cache_dir)
     done = []
     for name in names:
-        domain = do_stop(cache, name)
+        stopped = do_stop(cache, name, grace_period, say)
+        domain, how = stopped if stopped else (None, None)
         # KubeVirt's words: "VM is not running" (its stop subresource's conflict, pkg/virt-api/rest/lifecycle.go),
         # "VM NAME was scheduled to stop" (virtctl, pkg/virtctl/vm/stop.go).
         message = f"VM {name} was stopped" if domain else f"VM {name} is not running"
-        done.append({"name": name, "stopped": bool(domain), "domain": domain, "message": message})
+        done.append({"name": name, "stopped": bool(domain), "domain": domain, "message": message, "how": how and how.how,
+                     "gracePeriod": how and how.grace, "seconds": how and round(how.seconds, 1)})
         if not as_json:
             click.echo(message)
     if as_json:

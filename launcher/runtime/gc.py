@@ -13,6 +13,7 @@ from diskkit.registry.partial import abandoned
 from launcher.chunks.index import ChunkIndex
 from launcher.diskserver.server import lazy_leftovers
 from launcher.node.cache import Cache, tree_size
+from launcher.runtime.stopping import DEFAULT_GRACE_PERIOD
 from launcher.runtime.vms import cleanup, connect, state
 
 
@@ -40,7 +41,8 @@ def collect(cache: Cache, max_size: int | None = None) -> Collected:
                 lv = connect(cache, record["uri"])
             except DiskkitError:
                 lv = None
-            cleanup(cache, lv, record["domain"])
+            # Through the same stop as `launcher stop`: a domain that started meanwhile gets its grace period.
+            cleanup(cache, lv, record["domain"], record.get("gracePeriod", DEFAULT_GRACE_PERIOD))
             out.vms_cleaned.append(record["domain"])
         out.vms_cleaned += _unrecorded_runs(cache)
         cache.reclaim_staging()

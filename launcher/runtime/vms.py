@@ -29,6 +29,7 @@ from launcher.node.cache import Cache
 from launcher.render.domain import Host, render, secret_xml
 from launcher.render.interfaces import netdev_id
 from launcher.runtime import accel, hostcpus, rundir, sessiond, virtiofs
+from launcher.runtime.stopping import DEFAULT_GRACE_PERIOD, NOT_RUNNING, UNREACHABLE, Stopped, shut_down
 from launcher.runtime.conditions import Paused, paused_condition
 from launcher.runtime.console import ConsoleLog, follow
 from launcher.runtime.iopause import PauseWatch, describe
@@ -51,8 +52,8 @@ class RunOptions:
     timeout: float | None = None
     storage: Storage | None = None
     lazy: str = "auto"  # containerDisks through the node's disk server: "on", "off", or "auto" for images marked lazy
-    # After SIGTERM the guest has this long to power off before the domain is destroyed; None: the VMI's
-    # terminationGracePeriodSeconds (see grace_period_of).
+    # When the VM is stopped (SIGTERM, Ctrl-C, `launcher stop`) the guest has this long to power off before
+    # the domain is destroyed; None: the VMI's terminationGracePeriodSeconds (see grace_period_of).
     grace_period: float | None = None
     # Return once the domain has started; the VM keeps running, as after --wait-for, and `launcher
     # console/logs/stop` reach it (virtctl start's habit: the command does not hold the VM).
@@ -67,14 +68,6 @@ class RunOptions:
     # the disks are used from there, nothing is pulled (launcher.volumes.imagevolume).
     container_disk_dir: Path | None = None
     kernel_boot_dir: Path | None = None  # likewise the kernelBoot container's (/var/run/kubevirt-kernel-boot)
-
-
-# KubeVirt's default VMI terminationGracePeriodSeconds (staging/src/kubevirt.io/api/core/v1/types.go,
-# DefaultGracePeriodSeconds); its launcher pod gets 15 s more (pkg/virt-controller/services/template.go).
-DEFAULT_GRACE_PERIOD = 30
-# virt-handler presses the power button again every 5 s of the grace period: "a booting OS can miss
-# ACPI signals" (shutdownVMI in pkg/virt-handler/vm.go).
-PRESS_AGAIN = 5
 
 
 def grace_period_of(vmi: VMI, opts: RunOptions) -> float:
@@ -180,6 +173,7 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
                     # what `launcher port-forward` adds its forwards to
                     "network": [{"interface": i.name, "netdev": netdev_id(i), "cidr": i.cidr} for i in vmi.domain.devices.interfaces],
                     "livenessProbe": vmi.liveness_probe,  # what `launcher pause` checks, as virt-api does
+                    "gracePeriod": grace_period_of(vmi, opts),  # what `launcher stop` gives the guest
                 })
             for note in prepared.notes:
                 say(f"note: {note}")
@@ -227,11 +221,19 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
         cleanup(cache, lv, name)
         raise
     if outcome == "interrupted":
+        # The console stays on meanwhile: a guest's shutdown messages are what a pod's log should end
+        # with (virt-launcher's graceful and final shutdown callbacks, cmd/virt-launcher/virt-launcher.go).
+        def powered_off(seconds: float) -> bool:
+            return follow(console_log, lambda: lv.active(name), timeout=seconds, echo=echo) == "stopped"
+
         try:
-            _shut_down(lv, name, grace_period_of(vmi, opts), say, console_log, echo)
+            with _signals_set(threading.Event()):  # a second SIGTERM must not cut the grace period short
+                cleanup(cache, lv, name, grace_period_of(vmi, opts), powered_off, say)
+        except BaseException:
+            cleanup(cache, lv, name)  # whatever failed while it shut down, nothing of the VM is left running
+            raise
         finally:
             console_log.close()
-            cleanup(cache, lv, name)
         raise KeyboardInterrupt
     console_log.close()
     if outcome == "found":
@@ -260,29 +262,6 @@ def _publish(vmi: VMI, lv: Libvirt, address: str | None, say: Callable[[str], No
         for port in iface.ports:
             forwarder.add(Forward(port.protocol.lower(), port.port, port.port))
             say(f"{address}:{port.port}/{port.protocol} -> {iface.name} port {port.port}")
-
-
-def _shut_down(lv: Libvirt, name: str, grace: float, say: Callable[[str], None], console_log: ConsoleLog, echo: Echo | None) -> None:
-    """virt-launcher's graceful shutdown: the ACPI power button, then up to `grace` seconds for the
-    guest to stop by itself, and what is still running is killed (pkg/virt-launcher/monitor.go,
-    the graceful and final shutdown callbacks of cmd/virt-launcher/virt-launcher.go). The console
-    stays on meanwhile: a guest's shutdown messages are what a pod's log should end with."""
-    if grace <= 0 or not lv.shutdown(name):
-        return
-    say(f"{name}: shutting down (up to {grace:g} s)")
-    deadline = time.monotonic() + grace
-    with _signals_set(threading.Event()):  # a second SIGTERM must not cut the grace period short
-        while True:
-            left = deadline - time.monotonic()
-            outcome = follow(console_log, lambda: lv.active(name), timeout=min(PRESS_AGAIN, left), echo=echo)
-            if outcome == "stopped" or time.monotonic() >= deadline:
-                break
-            lv.shutdown(name)
-    if outcome == "stopped":
-        say(f"{name}: the guest powered off")
-    else:
-        say(f"{name}: still running after {grace:g} s; destroying it")
-
 
 
 def _metrics_refresher(vmi: VMI, prepared, lv: Libvirt) -> vhostmd.Refresher | None:
@@ -357,10 +336,12 @@ def _remove_run_dir(cache: Cache, name: str) -> None:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def cleanup(cache: Cache, lv: Libvirt | None, name: str) -> bool:
-    """Destroy and undefine the domain and its secrets, end its virtiofsd processes, remove its overlays and
-    record; True if a domain was there."""
-    had = lv.destroy(name) if lv is not None else False
+def cleanup(cache: Cache, lv: Libvirt | None, name: str, grace: float = 0, wait: Callable[[float], bool] | None = None,
+            say: Callable[[str], None] = lambda _: None) -> Stopped | None:
+    """End the domain (launcher.runtime.stopping: the power button and up to `grace` seconds, else
+    destroyed at once), undefine it and its secrets, end its virtiofsd processes, remove its overlays
+    and record; how the domain ended, None with no libvirt to ask."""
+    stopped = shut_down(lv, name, grace, wait, say) if lv is not None else None
     record = cache.read_json(cache.vm_record_path(name)) or {}
     if lv is not None:
         for usage in record.get("secrets", []):
@@ -368,7 +349,7 @@ def cleanup(cache: Cache, lv: Libvirt | None, name: str) -> bool:
     virtiofs.stop(record.get("virtiofsd", []))
     _remove_run_dir(cache, name)
     cache.vm_record_path(name).unlink(missing_ok=True)
-    return had
+    return stopped
 
 
 def find_record(cache: Cache, name: str) -> dict | None:
@@ -387,9 +368,11 @@ def find_record(cache: Cache, name: str) -> dict | None:
     return by_name[0] if by_name else None
 
 
-def stop(cache: Cache, name: str) -> str | None:
-    """Destroy the VM and remove its files; its domain name, or None when no VM of this name runs
-    from this cache (never started, stopped already, or its guest powered off)."""
+def stop(cache: Cache, name: str, grace: float | None = None, say: Callable[[str], None] = lambda _: None) -> tuple[str, Stopped] | None:
+    """Stop the VM as `virtctl stop` does (launcher.runtime.stopping) and remove its files: the
+    power button and the grace period its run recorded (the VMI's terminationGracePeriodSeconds, or
+    `launcher run --grace-period`), or `grace`. Its domain name and how it ended, or None when no VM of
+    this name runs from this cache (never started, stopped already, or its guest powered off)."""
     record = find_record(cache, name)
     if record is None:
         return None
@@ -397,10 +380,13 @@ def stop(cache: Cache, name: str) -> str | None:
         lv = connect(cache, record["uri"])
     except DiskkitError:
         lv = None  # the daemon is gone, and the domain with it; still remove the files
+    period = record.get("gracePeriod", DEFAULT_GRACE_PERIOD) if grace is None else grace
+    stopped = cleanup(cache, lv, record["domain"], period, say=say)
+    if stopped is None:
+        say(f"{record['domain']}: libvirt at {record['uri']} cannot be reached; only the VM's files were removed")
+        return record["domain"], Stopped(UNREACHABLE, period)
     # A domain defined and never started (its launcher killed in between) or powered off is no running VM.
-    was_running = lv is not None and lv.active(record["domain"])
-    cleanup(cache, lv, record["domain"])
-    return record["domain"] if was_running or lv is None else None
+    return None if stopped.how == NOT_RUNNING else (record["domain"], stopped)
 
 
 def state(record: dict, cache: Cache | None = None) -> str:
