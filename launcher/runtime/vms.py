@@ -29,12 +29,12 @@ from launcher.node.cache import Cache
 from launcher.render.domain import Host, render, secret_xml
 from launcher.render.interfaces import netdev_id
 from launcher.runtime import accel, hostcpus, rundir, sessiond, virtiofs
-from launcher.runtime.stopping import DEFAULT_GRACE_PERIOD, NOT_RUNNING, UNREACHABLE, Stopped, shut_down
 from launcher.runtime.conditions import Paused, paused_condition
 from launcher.runtime.console import ConsoleLog, follow
 from launcher.runtime.iopause import PauseWatch, describe
 from launcher.runtime.portforward import Forward, Forwarder
 from launcher.runtime.runner import Libvirt, default_uri
+from launcher.runtime.stopping import DEFAULT_GRACE_PERIOD, NOT_RUNNING, UNREACHABLE, Stopped, shut_down
 from launcher.spec.vmi import VMI
 from launcher.volumes import vhostmd
 from launcher.volumes.files import KUBEVIRT_QEMU, qemu_owner
