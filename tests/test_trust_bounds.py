@@ -216,3 +216,115 @@ def test_the_disk_server_refuses_a_50_gib_member_on_open_and_stays_small(liar, t
     finally:
         terminate(server)
         log.close()
+
+
+# --- signatures -----------------------------------------------------------------------------------
+
+@pytest.fixture
+def dir_image(registry, keys, tmp_path) -> tuple[Path, Path]:  # noqa: F811 (the keys fixture)
+    """A dir: image and a policy that requires its signature-N files (key a, exact reference)."""
+    ref = f"{registry.host}/bounds/indir:v1"
+    build(_tiny_disk(tmp_path), ref)
+    image = tmp_path / "img"
+    copied = run_diskkit("copy", NOREG, f"docker://{ref}", f"dir:{image}")
+    assert copied.code == 0, copied.err
+    pol = tmp_path / "dir.json"
+    pol.write_text(json.dumps({"default": [{"type": "reject"}], "transports": {"dir": {"": [
+        signed_by(keys, "a", signedIdentity={"type": "exactReference", "dockerReference": ref})]}}}))
+    return image, pol
+
+
+def _tiny_disk(tmp_path: Path) -> Path:
+    disk = tmp_path / "tiny.raw"
+    disk.write_bytes(b"\x5a" * MIB)
+    return disk
+
+
+@pytest.mark.parametrize("planted", ["link to /dev/zero", "fifo"])
+def test_a_dir_signature_that_is_not_a_regular_file_is_refused_unread(dir_image, planted):
+    """Attack (issue 38, 10): `signature-1 -> /dev/zero` was read whole (2.7 GB RSS, then a traceback)
+    and a FIFO there hung the read; each is now refused in one line, naming the file, before a byte
+    is read (diskkit.limits.read_regular: O_NONBLOCK, fstat, regular files only)."""
+    image, pol = dir_image
+    sig = image / "signature-1"
+    if planted == "fifo":
+        os.mkfifo(sig)
+    else:
+        sig.symlink_to("/dev/zero")
+    code, _, err, rss = limited([*_diskkit(), "inspect", "--signature-policy", str(pol), f"dir:{image}"], timeout=120)
+    line = refused_in_one_line(code, err)
+    kind = "a FIFO" if planted == "fifo" else "a character device"
+    assert f"{image}/signature-1: is not a regular file ({kind}); refused" in line, line
+    assert rss < RSS_LIMIT, rss
+
+
+def _diskkit() -> list[str]:
+    return [sys.executable, "-m", "diskkit"]
+
+
+def test_a_dir_signature_over_4_mib_is_refused(dir_image):
+    """containers/image's MaxSignatureBodySize holds for a dir: image's files too (directory_src.go reads them whole)."""
+    image, pol = dir_image
+    (image / "signature-1").write_bytes(b"\x00simple-signing\n" + bytes(limits.MAX_SIGNATURE_BYTES))
+    line = one_line(run_diskkit("inspect", "--signature-policy", pol, f"dir:{image}"))
+    assert f"{image}/signature-1: the signature is larger than {limits.MAX_SIGNATURE_BYTES} bytes; refused" in line, line
+
+
+class _Stalling(http.server.BaseHTTPRequestHandler):
+    """A lookaside that starts a signature and never finishes it."""
+
+    release: threading.Event
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Length", "4096")
+        self.end_headers()
+        self.wfile.write(b"\x00simple-signing\n")
+        self.wfile.flush()
+        self.release.wait(120)
+
+
+def test_a_lookaside_that_stalls_mid_signature_is_one_line_after_the_timeout(registry, keys, tmp_path):  # noqa: F811
+    """Attack (issue 38, 10): a lookaside that sends a signature's first bytes and then nothing ended
+    in a urllib3 ReadTimeoutError traceback; now it is the registry options' timeout and one line."""
+    ref = f"{registry.host}/bounds/stalled:v1"
+    build(_tiny_disk(tmp_path), ref)
+    release = threading.Event()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), type("Stalling", (_Stalling,), {"release": release}))
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        regd = tmp_path / "registries.d"
+        regd.mkdir()
+        (regd / "site.yaml").write_text(f"default-docker:\n  lookaside: http://127.0.0.1:{server.server_address[1]}\n")
+        pol = policy(tmp_path / "a.json", f"{registry.host}/bounds", signed_by(keys, "a"))
+        from diskkit.signing.trust import enforce_ref
+
+        with pytest.raises(DiskkitError) as refused:
+            enforce_ref(f"docker://{ref}", TrustOptions(pol, regd), RegistryOptions(tls_verify=False, timeout=2))
+        line = refused.value.line()
+        assert "/signature-1: the signature: " in line and "timed out" in line.lower() and "\n" not in line, line
+    finally:
+        release.set()
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_signature_apis_list_is_cut_at_128_before_any_gpg_runs(api, keys, tmp_path):  # noqa: F811
+    """Attack (issue 38, 10): the registry signature API's list may hold ~60,000 signatures in its
+    4 MiB, each checked by a gpg process (~10 min per read). containers/image caps a lookaside at
+    maxLookasideSignatures (128, docker/docker_image_src.go) and the API's list only by its size
+    (iolimits.MaxSignatureListBodySize); the count cap holds for every store here."""
+    openshift, store, _ = api
+    ref = f"{openshift.host}/sigapi/many:v1"
+    digest = build(_tiny_disk(tmp_path), ref)
+    import base64
+    entry = {"schemaVersion": 2, "type": "atomic", "content": base64.b64encode(b"\x00simple-signing\nnot a signature").decode()}
+    store.store[("sigapi/many", digest)] = [{**entry, "name": f"{digest}@{i:032x}"} for i in range(2000)]
+    pol = policy(tmp_path / "a.json", f"{openshift.host}/sigapi", signed_by(keys, "a"))
+    line = one_line(run_diskkit("inspect", NOREG, "--signature-policy", pol, ref))
+    assert "server provided 2000 signatures, more than 128; assuming that's unreasonable and a server error" in line, line
