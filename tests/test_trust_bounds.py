@@ -328,3 +328,26 @@ def test_the_signature_apis_list_is_cut_at_128_before_any_gpg_runs(api, keys, tm
     pol = policy(tmp_path / "a.json", f"{openshift.host}/sigapi", signed_by(keys, "a"))
     line = one_line(run_diskkit("inspect", NOREG, "--signature-policy", pol, ref))
     assert "server provided 2000 signatures, more than 128; assuming that's unreasonable and a server error" in line, line
+
+
+# --- the disk server's log ------------------------------------------------------------------------
+
+def test_the_disk_servers_log_is_its_own_users_alone(tmp_path):
+    """Attack (issue 38, 10): serve/server.log in a root cache was world-readable (0644 under the usual
+    umask): it names every image the node's users opened and why it failed. It is 0600 now, an old one
+    made so when a server is next spawned, and a link in its place is never followed."""
+    from launcher.diskserver.spawn import ensure_server
+    from launcher.node.cache import Cache
+
+    cache = Cache(tmp_path / "cache")
+    serve = tmp_path / "cache" / "serve"
+    serve.mkdir(parents=True)
+    log = serve / "server.log"
+    log.write_text("an older server's lines\n")
+    log.chmod(0o644)
+    try:
+        ensure_server(cache)
+        assert stat.S_IMODE(log.stat().st_mode) == 0o600
+        assert log.read_text().startswith("an older server's lines\n")
+    finally:
+        stop_spawned_server(tmp_path / "cache")
