@@ -351,3 +351,27 @@ def test_the_disk_servers_log_is_its_own_users_alone(tmp_path):
         assert log.read_text().startswith("an older server's lines\n")
     finally:
         stop_spawned_server(tmp_path / "cache")
+
+
+# --- delta pulls and what they tell the registry ----------------------------------------------------
+
+def test_chunk_reuse_can_be_turned_off_and_then_no_range_tells_the_registry_what_the_node_holds(registry, fault_proxy, tmp_path):
+    """A delta pull asks the registry only for the chunks the node lacks, which tells it which ones
+    the node holds (docs/security.md). DISKKIT_REUSE_CHUNKS=0 turns reuse off: the layer is fetched
+    whole, the only range asked is its TOC's (for the parallel inflater), nothing is taken from the cache."""
+    from tests.test_delta_pull import _disks, build as build_delta, manifest_digest_layer, pull
+
+    v1, v2, _ = _disks(tmp_path)
+    ref1, _ = build_delta(registry.host, v1, "noreuse:v1"), build_delta(registry.host, v2, "noreuse:v2")
+    cache = tmp_path / "cache"
+    pull(cache, ref1)
+    proxy = fault_proxy(registry)
+    pulled = run_launcher("pull", "--cache-dir", cache, NOREG, "--json", f"{proxy.host}/delta/noreuse:v2", env={"DISKKIT_REUSE_CHUNKS": "0"})
+    assert pulled.code == 0, pulled.err
+    assert json.loads(pulled.out)["reused"] == 0
+    toc_at = int(manifest_digest_layer(proxy, "noreuse:v2")["annotations"][lazytoc.ANNOTATION_TOC_OFFSET])
+    assert [r for r in proxy.ranges if not r[1].startswith(f"bytes={toc_at}-")] == [], proxy.ranges
+    # With reuse on (the default), the same pull takes v1's chunks: the switch is what made the difference.
+    again = run_launcher("pull", "--cache-dir", tmp_path / "again", NOREG, "--json", ref1)
+    assert again.code == 0, again.err
+    assert pull(tmp_path / "again", f"{proxy.host}/delta/noreuse:v2")[0]["reused"] > 0
