@@ -1,11 +1,11 @@
 """How much outside data may make this process allocate or write: the one table of bounds, and the
-calls every reader of registry answers, image contents and local files makes before it allocates a
-buffer or writes a byte. A length, a size or a count that comes from outside is checked here first;
+checks readers of registry answers, image contents and local files call before they allocate a
+buffer or write a byte. A length, a size or a count that comes from outside is checked here first;
 what arrives is kept in buffers that grow with it, never in one sized by what was announced.
 
 The small answers' limits are containers/image's (internal/iolimits/iolimits.go), the signature
 count its lookaside's (docker/docker_image_src.go maxLookasideSignatures); the rest are ours, each
-documented in docs/security.md ("Input sizes and shapes").
+documented in docs/security.md ("Bounded inputs").
 """
 
 from __future__ import annotations
