@@ -53,7 +53,7 @@ REPO = "bounds/huge"
 
 # --- the rule, pure -------------------------------------------------------------------------------
 
-def test_the_toc_parse_refuses_a_member_longer_than_its_chunk_and_a_chunk_over_64_mib(tmp_path):
+def test_the_toc_parse_refuses_a_member_longer_than_its_chunk_and_a_chunk_over_64_mib():
     """lazytoc.parse, which every reader of a TOC goes through (the pull, its delta plan and parallel
     inflater, the disk server's walk, verify), bounds what a TOC can make a reader allocate."""
     def parse(doc: dict):
