@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import zstandard
 
+from diskkit.errors import DiskkitError
 from diskkit.oci import vmexport as layout
-from tests.conftest import run_diskkit
+from tests.conftest import launcher_command, run_diskkit
 from tests.testguest import ensure_testguest, parse_console
 from tests.vmhost import NOREG, QEMU_UID
 
@@ -219,21 +220,28 @@ def test_round_trip_export_push_run_and_the_guest_sees_the_same_disk(qemu_user, 
     assert len(written) == len(original) and written[:512] == original[:512] and written[-512:] != original[-512:]
 
 
-def _kubevirt_tar(path: Path, config: dict, disks: list[tuple[str, bytes, str | None]]) -> Path:
+def _kubevirt_tar(path: Path, config: dict, disks: list[tuple[str, bytes, str | None]], compressed: dict[str, bytes] | None = None) -> Path:
     """An export as KubeVirt's Builder writes it (pkg/storage/oci/oci.go WriteTar): oci-layout,
     index.json, the manifest, the config, then each disk, as Go's encoding/json makes the JSON.
-    `disks`: (name, raw bytes, a size annotation to state instead of the true one)."""
+    `disks`: (name, raw bytes, a size annotation to state instead of the true one; "": none);
+    `compressed`: a disk's zstd blob as given, for layers too large to hold raw."""
     import hashlib
     import io
 
     def digest(data: bytes) -> str:
         return "sha256:" + hashlib.sha256(data).hexdigest()
 
+    def notes(name: str, raw: bytes, said: str | None) -> dict:
+        out = {"io.kubevirt.disk.name": name, "io.kubevirt.disk.size": said or layout.binary_quantity(len(raw)),
+               "org.opencontainers.image.title": f"{name}.raw.zst"}
+        if said == "":
+            del out["io.kubevirt.disk.size"]
+        return out
+
     config_data = layout.go_json(config)
-    blobs = [(zstandard.ZstdCompressor().compress(raw), name, raw, said) for name, raw, said in disks]
-    layers = [layout.descriptor(layout.MEDIA_TYPE_DISK_RAW_ZSTD, digest(blob), len(blob), {
-        "io.kubevirt.disk.name": name, "io.kubevirt.disk.size": said or layout.binary_quantity(len(raw)),
-        "org.opencontainers.image.title": f"{name}.raw.zst"}) for blob, name, raw, said in blobs]
+    blobs = [((compressed or {}).get(name) or zstandard.ZstdCompressor().compress(raw), name, raw, said) for name, raw, said in disks]
+    layers = [layout.descriptor(layout.MEDIA_TYPE_DISK_RAW_ZSTD, digest(blob), len(blob), notes(name, raw, said))
+              for blob, name, raw, said in blobs]
     manifest = layout.manifest(layout.descriptor(layout.MEDIA_TYPE_VM_CONFIG, digest(config_data), len(config_data)), layers)
     index = layout.index(digest(manifest), len(manifest), "amd64", "2026-07-01T10:00:00Z")
     entries = [("oci-layout", b'{"imageLayoutVersion":"1.0.0"}'), ("index.json", index),
@@ -296,6 +304,99 @@ def test_run_refuses_an_export_it_cannot_map_or_whose_disk_is_not_its_stated_siz
     assert ran.code != 0 and len(ran.err.strip().splitlines()) == 1, ran.err
     assert f"is {MIB} bytes; its io.kubevirt.disk.size annotation says 2Mi" in ran.err
     assert not list((qemu_user.cache / "tmp").glob("*"))
+
+
+def test_an_export_layer_inflates_no_further_than_its_size_annotation(qemu_user):
+    """Attack (issue 38, 4): a 71 KB zstd layer wrote 2 GiB into <cache>/tmp before its size annotation
+    was compared. The annotation (what hack/oci-import.sh makes the claim with: virtctl image-upload
+    --size) now bounds the decompression itself: a 1 GiB bomb stated as 1Mi is refused after 1 MiB and
+    a byte, under a file-size limit of 64 MiB that the old code hit (SIGXFSZ), leaving nothing."""
+    piece, out = b"\x5a" * MIB, bytearray()
+    squeeze = zstandard.ZstdCompressor(level=3).compressobj()
+    for _ in range(1024):
+        out += squeeze.compress(piece)
+    out += squeeze.flush()
+    assert len(out) < 128 * 1024
+    tar = _kubevirt_tar(qemu_user.root / "bomb.oci.tar", _go_vm_config("bomb"), [("bomb", b"", "1Mi")], {"bomb": bytes(out)})
+    command = ["prlimit", f"--fsize={64 * MIB}", "--", *launcher_command("domain", f"oci-archive:{tar}", user=str(QEMU_UID))]
+    ran = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "CI": "true", **qemu_user.env}, timeout=300)
+    lines = ran.stderr.strip().splitlines()
+    assert ran.returncode == 1 and len(lines) == 1, (ran.returncode, ran.stderr[-2000:])
+    assert f"disk bomb: inflates to more than the {MIB} bytes its io.kubevirt.disk.size annotation says; refused" in lines[0], lines[0]
+    assert not list((qemu_user.cache / "tmp").glob("*"))
+    assert not list((qemu_user.cache / "exports").glob(f"{_manifest_digest(tar)[7:]}*"))
+
+
+def test_an_export_layer_without_a_size_annotation_is_refused_before_it_is_read(qemu_user):
+    """Without io.kubevirt.disk.size nothing bounds what the layer inflates to (and KubeVirt's import
+    could make no claim for it): refused in one line naming the disk."""
+    tar = _kubevirt_tar(qemu_user.root / "unsized.oci.tar", _go_vm_config("unsized"), [("unsized", b"\x03" * MIB, "")])
+    ran = qemu_user.launcher("domain", f"oci-archive:{tar}")
+    assert ran.code == 1 and len(ran.err.strip().splitlines()) == 1, ran.err
+    assert "disk unsized: its io.kubevirt.disk.size annotation '' is not a size" in ran.err, ran.err
+    assert not list((qemu_user.cache / "tmp").glob("*"))
+
+
+@pytest.mark.parametrize("field, volume, extra", [
+    ("spec.template.spec.volumes[1].containerDisk", {"containerDisk": {"image": "IMAGE"}}, {}),
+    ("spec.template.spec.volumes[1].cloudInitNoCloud.secretRef", {"cloudInitNoCloud": {"secretRef": {"name": "my-key"}}}, {}),
+    ("spec.template.spec.volumes[1].hostDisk", {"hostDisk": {"path": "/etc/shadow", "type": "Disk"}}, {}),
+    ("spec.template.spec.volumes[1].secret", {"secret": {"secretName": "my-key"}}, {}),
+    ("spec.template.spec.accessCredentials", None, {"accessCredentials": [{"sshPublicKey": {"source": {"secret": {"secretName": "k"}},
+                                                                                                  "propagationMethod": {"noCloud": {}}}}]}),
+    ("spec.template.spec.domain.firmware.kernelBoot.container", None, {"domain": {"firmware": {"kernelBoot": {"container": {"image": "IMAGE"}}}}}),
+])
+def test_an_exports_vm_may_use_only_its_own_disks(field, volume, extra):
+    """The export's VirtualMachine is its author's, run by another user: what it names beyond its own
+    disks (another image, the user's Secrets, host paths) is refused in one line naming the field."""
+    vm = _go_vm_config("data")
+    tspec = vm["spec"]["template"]["spec"]
+    if volume is not None:
+        tspec["volumes"].append({"name": "extra", **volume})
+    for key, value in extra.items():
+        tspec[key] = {**tspec.get(key, {}), **value} if isinstance(value, dict) else value
+    with pytest.raises(DiskkitError) as refused:
+        layout.check_own_only(vm, "ex")
+    assert refused.value.line().startswith(f"ex: config: {field}: a VM export's VirtualMachine may use only the export's own disks")
+    own = _go_vm_config("data")
+    own["spec"]["template"]["spec"]["volumes"] += [{"name": "scratch", "emptyDisk": {"capacity": "1Gi"}},
+                                                   {"name": "ci", "cloudInitNoCloud": {"userData": "#cloud-config"}}]
+    layout.check_own_only(own, "ex")
+    own["spec"]["dataVolumeTemplates"] = [{"metadata": {"name": "data"}, "spec": {"source": {"registry": {"url": "docker://IMAGE"}}}}]
+    with pytest.raises(DiskkitError, match="ex: config: spec.dataVolumeTemplates: a VM export's"):
+        layout.check_own_only(own, "ex")
+
+
+def test_an_export_naming_another_image_is_refused_unless_the_user_gives_a_spec(qemu_user, registry, fault_proxy):
+    """Attack (issue 38, 4): an export's containerDisk volume made the node pull another image with the
+    user's credentials and attach it to the export's guest. Now nothing is asked of the registry; with
+    --spec FILE of the user's own the export's claims run under it, and what that spec names is used."""
+    other = f"{registry.host}/vms/other:v1"
+    disk = qemu_user.root / "other.raw"
+    disk.write_bytes(b"\x07" * MIB)
+    built = run_diskkit("build", NOREG, "--no-lazy", disk, "-t", other)
+    assert built.code == 0, built.err
+    proxy = fault_proxy(registry)
+    vm = _go_vm_config("named.data")
+    vm["spec"]["template"]["spec"]["domain"]["devices"]["disks"].append({"name": "other", "disk": {"bus": "virtio"}})
+    vm["spec"]["template"]["spec"]["volumes"].append({"name": "other", "containerDisk": {"image": f"{proxy.host}/vms/other:v1"}})
+    tar = _kubevirt_tar(qemu_user.root / "naming.oci.tar", vm, [("named-data", b"\x04" * MIB, None)])
+    ran = qemu_user.launcher("domain", NOREG, f"oci-archive:{tar}")
+    assert ran.code == 1 and len(ran.err.strip().splitlines()) == 1, ran.err
+    assert ": config: spec.template.spec.volumes[1].containerDisk: a VM export's VirtualMachine may use only" in ran.err, ran.err
+    assert proxy.log == [] and not list((qemu_user.cache / "exports").glob(f"{_manifest_digest(tar)[7:]}*"))
+    # The user's own spec: the export's claim by its name, and the image the user chose to name.
+    own = qemu_user.root / "own.yaml"
+    own.write_text(json.dumps({"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance", "metadata": {"name": "mine"},
+                               "spec": {**{k: v for k, v in vm["spec"]["template"]["spec"].items()}}}))
+    os.chown(own, QEMU_UID, QEMU_UID)
+    shown = qemu_user.launcher("domain", NOREG, "--no-lazy", "--json", "--spec", own, f"oci-archive:{tar}")
+    assert shown.code == 0, shown.err
+    (claim,) = (qemu_user.cache / "exports").glob(f"{_manifest_digest(tar)[7:]}/claims/named-data")
+    assert f"{claim}/disk.img" in json.loads(shown.out)["xml"]
+    assert any("/v2/vms/other/manifests/v1" in path for _, path, _ in proxy.log)
+    mine = qemu_user.launcher("domain", "--spec", own, own)
+    assert mine.code != 0 and "--spec" in mine.err and "is for an EXPORT" in mine.err, mine.err
 
 
 def test_run_refuses_a_tampered_export_disk_and_keeps_nothing(qemu_user, tmp_path):

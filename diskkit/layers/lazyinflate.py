@@ -11,7 +11,8 @@ Each chunk's member is checked against its pin in the TOC before the inflater se
 TOCs that pin the uncompressed chunk, its output after), must be exactly one member and inflate
 to exactly the chunk's length; a member the TOC places where the stream has no member boundary is
 refused. The blob digest and the diffID are checked as before, by the readers around this one.
-Memory stays flat: the members in flight are bounded in bytes, whatever the disk's size.
+Memory stays flat: the members in flight are bounded in bytes, whatever the disk's size, and each
+member's length was bounded by its chunk's when the TOC was parsed (lazytoc.parse, diskkit.limits).
 """
 
 from __future__ import annotations
@@ -30,12 +31,6 @@ from diskkit.streams.queuedreader import QueuedReader
 WORKERS = os.cpu_count() or 2
 IN_FLIGHT_BYTES = 8 << 20  # chunks inflating or inflated and not yet read, beyond one per worker
 PASS = 1 << 20  # the bytes around the chunks are read and inflated in pieces of this size
-
-
-def member_limit(chunk_size: int) -> int:
-    """The longest member a chunk can take: deflate's stored blocks add 5 bytes per 64 KiB, gzip 18
-    bytes of header and trailer; anything longer is not a chunk diskkit wrote, and is not read whole."""
-    return chunk_size + chunk_size // 1024 + 4096
 
 
 def _inflate(member: bytes, toc: Toc, index: int, where: str) -> bytes:
@@ -105,7 +100,6 @@ class MemberInflater(QueuedReader):
     def _produce(self) -> None:
         around = _Around(self._where)
         position = 0
-        limit = member_limit(self._toc.chunk_size)
         for index, (at, length) in enumerate(self._toc.members):
             while position < at:
                 data = self._read(min(PASS, at - position))
@@ -116,8 +110,6 @@ class MemberInflater(QueuedReader):
                     self._put(out)
             if not around.between_members:
                 raise DiskkitError(self._where, f"the lazy TOC places chunk {index}'s gzip member at {at}, inside another gzip member of the layer")
-            if length > limit:
-                raise DiskkitError(self._where, f"the lazy TOC gives chunk {index} a {length}-byte gzip member, more than a {self._toc.chunk_size}-byte chunk takes")
             member = self._read(length)
             if len(member) != length:
                 raise DiskkitError(self._where, f"the blob ends inside chunk {index}'s gzip member at {at}+{length}")

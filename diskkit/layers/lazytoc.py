@@ -71,6 +71,7 @@ from dataclasses import dataclass
 
 import blake3
 
+from diskkit import limits
 from diskkit.errors import DiskkitError
 from diskkit.oci.image import Descriptor
 
@@ -241,6 +242,8 @@ def parse(data: bytes, loc: TocLocation, where: str, expected: int = VERSION) ->
         raise DiskkitError(where, f"lazy TOC version {version!r} is not supported in this layer (expected {expected})")
     if toc.chunk_size < 4096 or toc.chunk_size % 4096:
         raise DiskkitError(where, f"lazy TOC chunk size {toc.chunk_size} is not a positive multiple of 4096")
+    # A reader holds a chunk (and its gzip member) in memory: the TOC's word on its size is bounded first.
+    limits.check(toc.chunk_size, limits.MAX_CHUNK, where, "the lazy TOC's chunk size")
     if toc.size <= 0 or toc.count != -(-toc.size // toc.chunk_size):
         raise DiskkitError(where, f"lazy TOC lists {toc.count} chunks for a {toc.size}-byte disk in {toc.chunk_size}-byte chunks")
     if toc.members is not None:
@@ -262,9 +265,12 @@ def _check_members(toc: Toc, loc: TocLocation, where: str) -> None:
     at = toc.members[0][0]
     if at <= 0 or toc.offset <= 0:
         raise DiskkitError(where, "lazy TOC places the first chunk at the start of the blob, before any tar header")
-    for offset, length in toc.members:
+    longest = limits.member_limit(toc.chunk_size)
+    for index, (offset, length) in enumerate(toc.members):
         if offset != at or length <= 0:
             raise DiskkitError(where, f"lazy TOC's gzip members are not back to back (one at {offset}+{length}, expected at {at})")
+        # Every reader fetches or cuts a member whole: a length the TOC states is what it would allocate.
+        limits.check(length, longest, where, f"the lazy TOC's gzip member of chunk {index} (a {toc.chunk_size}-byte chunk)")
         at += length
     if at > loc.offset:
         raise DiskkitError(where, "lazy TOC places the chunks outside the blob or over the TOC itself")

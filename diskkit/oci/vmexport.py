@@ -132,6 +132,18 @@ def index(manifest_digest: str, manifest_size: int, arch: str, created: str, ref
 
 # --- reading ---------------------------------------------------------------------------------------
 
+# What an export's own VirtualMachine may use when it is run as it came: its claims (each one of the
+# export's disk layers, map_claims) and volumes whose contents the spec itself holds. Anything that
+# names something else (another image, the node's Secrets and ConfigMaps, host paths, DataVolume
+# sources) would be fetched with the credentials, or read from the objects, of the user who runs it:
+# the export's author is not that user.
+OWN_VOLUMES = ("persistentVolumeClaim", "emptyDisk", "cloudInitNoCloud", "cloudInitConfigDrive")
+_SECRET_REFS = ("secretRef", "networkDataSecretRef")
+OWN_ONLY = ("a VM export's VirtualMachine may use only the export's own disks and data it holds itself "
+            "(persistentVolumeClaim of its disk layers, emptyDisk, inline cloud-init); refused: "
+            "give a VM or VMI file of your own with --spec to run its disks otherwise")
+
+
 @dataclass(frozen=True)
 class ExportDisk:
     name: str  # io.kubevirt.disk.name
@@ -175,3 +187,26 @@ def map_claims(vm: dict, disks: list[ExportDisk], where: str) -> dict[str, Expor
                                                     f"(it has: {', '.join(sorted(by_name)) or 'none'})")
         out[claim] = disk
     return out
+
+
+def check_own_only(vm: dict, where: str) -> None:
+    """Refuse, in one line naming the field, an export's VirtualMachine that names anything beyond
+    its own disks (OWN_VOLUMES): the export is data, not a spec the node acts on for its author."""
+    spec = vm.get("spec") or {}
+    if spec.get("dataVolumeTemplates"):  # prepareVMConfig drops them: an export never holds one
+        raise DiskkitError(f"{where}: config: spec.dataVolumeTemplates", OWN_ONLY)
+    tspec = ((spec.get("template") or {}).get("spec")) or {}
+    for i, volume in enumerate(tspec.get("volumes") or []):
+        kinds = [key for key in (volume if isinstance(volume, dict) else {}) if key != "name"]
+        field = f"{where}: config: spec.template.spec.volumes[{i}]"
+        for kind in kinds:
+            if kind not in OWN_VOLUMES:
+                raise DiskkitError(f"{field}.{kind}", OWN_ONLY)
+            named = [ref for ref in _SECRET_REFS if isinstance(volume[kind], dict) and volume[kind].get(ref)]
+            if named:
+                raise DiskkitError(f"{field}.{kind}.{named[0]}", OWN_ONLY)
+    if tspec.get("accessCredentials"):
+        raise DiskkitError(f"{where}: config: spec.template.spec.accessCredentials", OWN_ONLY)
+    kernel_boot = ((((tspec.get("domain") or {}).get("firmware")) or {}).get("kernelBoot")) or {}
+    if kernel_boot.get("container"):
+        raise DiskkitError(f"{where}: config: spec.template.spec.domain.firmware.kernelBoot.container", OWN_ONLY)

@@ -10,13 +10,13 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 from diskkit.errors import DiskkitError, RegistryError
+from diskkit.limits import MAX_CONFIG_BYTES
 from diskkit.oci import mediatypes as mt
 from diskkit.oci.image import sha256_digest
 from diskkit.ops.tags import Repo, get_manifest, list_tags, open_repo, repository_only, tag_digest
 from diskkit.registry.client import check_status, get_blob, read_body
 from diskkit.registry.options import RegistryOptions
 
-MAX_CONFIG_BYTES = 4 << 20
 FRACTION = re.compile(r"(\.\d{6})\d+")
 
 

@@ -28,17 +28,13 @@ import requests
 import urllib3
 
 from diskkit.errors import AuthError, DiskkitError, RegistryError
+# How much of a small answer is read before it is refused (read_body): diskkit.limits, containers/image's.
+from diskkit.limits import MAX_ERROR_BYTES, MAX_MANIFEST_BYTES, MAX_SIGNATURE_BYTES, MAX_TOKEN_BYTES  # noqa: F401 (callers import them from here)
 from diskkit.registry import authfile
 from diskkit.registry.options import RegistryOptions
 from diskkit.registry.partial import MIN_SIZE, Busy, PartialBlob
 
 RETRY_STATUS = {408, 429, 500, 502, 503, 504}
-# How much of a small answer is read before it is refused: containers/image's limits
-# (internal/iolimits/iolimits.go, ReadAtMost), which an endless or huge body would otherwise defeat.
-MAX_MANIFEST_BYTES = 4 << 20  # MaxManifestBodySize, the limit distribution itself puts on a manifest
-MAX_SIGNATURE_BYTES = 4 << 20  # MaxSignatureBodySize and MaxSignatureListBodySize
-MAX_TOKEN_BYTES = 1 << 20  # MaxAuthTokenBodySize
-MAX_ERROR_BYTES = 1 << 20  # MaxErrorBodySize: every other answer (errors, upload status, /v2/) is read up to this
 # A redirect requests will not follow (another scheme, a malformed or endless one): never retried.
 REDIRECT_REFUSALS = (requests.exceptions.InvalidSchema, requests.exceptions.InvalidURL, requests.exceptions.TooManyRedirects)
 USER_AGENT = "diskkit/0.1"

@@ -33,43 +33,42 @@ class BlobRanges:
         self.stop = threading.Event()  # set when the server stops: no more waiting between retries
 
     def read(self, start: int, length: int) -> bytes:
-        if start < 0 or start + length > self.size:
+        """`length` bytes from `start`. The buffer grows with what arrives, never sized by `length`
+        first: a length read from outside (a TOC, a descriptor) costs memory only as its bytes come,
+        and each caller bounds what it asks for (diskkit.limits)."""
+        if start < 0 or length < 0 or start + length > self.size:
             raise ValueError(f"range {start}+{length} outside a {self.size}-byte blob")
-        buf = bytearray(length)
-        view = memoryview(buf)
-        got = 0
+        buf = bytearray()
         failures = 0
-        while got < length:
+        while len(buf) < length:
             try:
-                got = self._read_into(view, start, got, length)
+                self._read_into(buf, start, length)
             except (AuthError, RangesRefused):
                 raise
             except (RegistryError, requests.exceptions.RequestException, urllib3.exceptions.HTTPError, OSError) as exc:
                 if failures >= self.registry.opts.retries:
                     if isinstance(exc, RegistryError):
                         raise
-                    raise RegistryError(self.registry.host, f"blob {self.digest[:19]} range at {start + got} kept failing ({failure_reason(exc)})") from None
+                    raise RegistryError(self.registry.host, f"blob {self.digest[:19]} range at {start + len(buf)} kept failing ({failure_reason(exc)})") from None
                 if self.stop.wait(retry_after(None, failures, self.registry.opts)):
                     raise RegistryError(self.registry.host, f"blob {self.digest[:19]}: the server is stopping") from None
                 failures += 1
         return bytes(buf)
 
-    def _read_into(self, view: memoryview, start: int, got: int, length: int) -> int:
-        first, last = start + got, start + length - 1
+    def _read_into(self, buf: bytearray, start: int, length: int) -> None:
+        first, last = start + len(buf), start + length - 1
         self.requests += 1
         response = get_blob(self.registry, self.repository, self.digest, first, last, skip_whole=not self.refuse_whole)
         if self.refuse_whole and response.status_code != 206:
             response.close()
             raise RangesRefused(self.registry.host, f"blob {self.digest[:19]}: the registry answered a range request with the whole blob")
         try:
-            while got < length:
-                piece = response.raw.read(min(length - got, 1 << 20))
+            while len(buf) < length:
+                piece = response.raw.read(min(length - len(buf), 1 << 20))
                 if not piece:
-                    raise RegistryError(self.registry.host, f"blob {self.digest[:19]} range ended early at byte {start + got}")
-                view[got : got + len(piece)] = piece
-                got += len(piece)
+                    raise RegistryError(self.registry.host, f"blob {self.digest[:19]} range ended early at byte {start + len(buf)}")
+                buf += piece
                 self.received += len(piece)
-            return got
         finally:
             response.close()
 

@@ -10,15 +10,16 @@ its session, as containers/image does. A registry that offers the signature API
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from diskkit.errors import DiskkitError
+from diskkit.limits import MAX_SIGNATURE_BYTES, MAX_SIGNATURES, check_signature_count, read_regular
 from diskkit.streams.fsutil import fsync_dir, write_atomic
 
-MAX_SIGNATURES = 128  # docker_image_src.go maxLookasideSignatures
-MAX_SIGNATURE_BYTES = 4 << 20  # iolimits.MaxSignatureBodySize
+TIMEOUT = 60.0  # seconds an http(s) lookaside may stay silent, when the registry's options give none
 _DIGEST = re.compile(r"^(sha256|sha512):([0-9a-f]+)$")
 # The first byte of a binary OpenPGP message: compressed data, one-pass signature or signature
 # packet, old or new format (internal/signature/signature.go FromBlob).
@@ -52,50 +53,57 @@ def _file_path(url: str) -> Path:
     return Path(unquote(urlsplit(url).path))
 
 
-def _get(url: str, session=None) -> bytes | None:
+def _read_file(path: Path, shown: str) -> bytes | None:
+    """A stored signature's bytes (None: there is none), as bounded as a downloaded one: a FIFO or a
+    device in its place is refused unread (diskkit.limits)."""
+    try:
+        return read_regular(path, MAX_SIGNATURE_BYTES, shown, "the signature")
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise DiskkitError(path, f"cannot read the signature: {exc.strerror}") from None
+
+
+def _get(url: str, session=None, timeout: float = TIMEOUT) -> bytes | None:
     scheme = urlsplit(url).scheme
     if scheme == "file":
-        path = _file_path(url)
-        try:
-            with open(path, "rb") as f:
-                data = f.read(MAX_SIGNATURE_BYTES + 1)
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            raise DiskkitError(path, f"cannot read the signature: {exc.strerror}") from None
-    elif scheme in ("http", "https"):
-        import requests
-
-        try:
-            # The registry's own client when given, as containers/image reads a lookaside with the
-            # registry's (docker_image_src.go getOneSignature: s.c.client): its certs.d / --cert-dir
-            # CAs and client certificate, and --tls-verify, hold for the lookaside too.
-            get = session.get if session is not None else requests.get
-            extra = {"verify": session.verify} if session is not None else {}  # REQUESTS_CA_BUNDLE must not override it
-            with get(url, timeout=60, stream=True, **extra) as response:
-                if response.status_code == 404:
-                    return None
-                if response.status_code != 200:
-                    raise DiskkitError(url, f"reading signature: HTTP {response.status_code}")
-                data = response.raw.read(MAX_SIGNATURE_BYTES + 1, decode_content=True)
-        except requests.RequestException as exc:
-            raise DiskkitError(url, f"reading signature: {type(exc).__name__}") from None
-    else:
+        return _read_file(_file_path(url), url)
+    if scheme not in ("http", "https"):
         raise DiskkitError(url, "Unsupported scheme when reading signature")
-    if len(data) > MAX_SIGNATURE_BYTES:
-        raise DiskkitError(url, "signature larger than 4 MiB refused")
-    return data
+    import requests
+    import urllib3
+
+    from diskkit.registry.client import read_body, refusal
+
+    try:
+        # The registry's own client when given, as containers/image reads a lookaside with the
+        # registry's (docker_image_src.go getOneSignature: s.c.client): its certs.d / --cert-dir
+        # CAs and client certificate, and --tls-verify, hold for the lookaside too.
+        get = session.get if session is not None else requests.get
+        extra = {"verify": session.verify} if session is not None else {}  # REQUESTS_CA_BUNDLE must not override it
+        response = get(url, timeout=timeout, stream=True, **extra)
+    except (requests.RequestException, urllib3.exceptions.HTTPError, OSError) as exc:
+        raise DiskkitError(url, f"reading signature: {refusal(exc)}") from None
+    if response.status_code == 404:
+        response.close()
+        return None
+    if response.status_code != 200:
+        response.close()
+        raise DiskkitError(url, f"reading signature: HTTP {response.status_code}")
+    # Bounded and in one line whatever happens mid-body (a server that stalls, a connection cut).
+    return read_body(response, MAX_SIGNATURE_BYTES, url, "the signature")
 
 
-def read(base: str, digest: str, session=None) -> list[bytes]:
+def read(base: str, digest: str, session=None, timeout: float = TIMEOUT) -> list[bytes]:
     """signature-1, -2, ... until the first missing one (their OpenPGP messages, untrusted);
-    http(s) ones through `session` (a requests.Session, the registry's) when given."""
+    http(s) ones through `session` (a requests.Session, the registry's) when given, each answer
+    awaited at most `timeout` seconds at a time."""
     found = []
     for i in range(MAX_SIGNATURES + 1):
         if i == MAX_SIGNATURES:
             raise DiskkitError(base, f"server provided {MAX_SIGNATURES} signatures, assuming that's unreasonable and a server error")
         url = signature_url(base, digest, i)
-        blob = _get(url, session)
+        blob = _get(url, session, timeout)
         if blob is None:
             break
         found.append(from_blob(blob, url))
@@ -140,13 +148,14 @@ def read_dir(root: Path, where: str, instance: str | None = None) -> list[bytes]
         if not match:
             raise DiskkitError(instance, "invalid manifest digest for a signature location")
         prefix = match.group(2) + "."
-    for i in range(1, MAX_SIGNATURES + 1):
-        path = root / f"{prefix}signature-{i}"
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
+    for i in range(1, MAX_SIGNATURES + 2):
+        path, shown = root / f"{prefix}signature-{i}", f"{where}/{prefix}signature-{i}"
+        if i > MAX_SIGNATURES:
+            if os.path.lexists(path):
+                check_signature_count(i, where)
             break
-        except OSError as exc:
-            raise DiskkitError(path, f"cannot read the signature: {exc.strerror}") from None
-        found.append(from_blob(data, f"{where}/{prefix}signature-{i}"))
+        data = _read_file(path, shown)
+        if data is None:
+            break
+        found.append(from_blob(data, shown))
     return found

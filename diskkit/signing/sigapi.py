@@ -17,12 +17,12 @@ import re
 import secrets
 
 from diskkit.errors import DiskkitError
+from diskkit.limits import MAX_SIGNATURE_LIST_BYTES, check_signature_count
 from diskkit.registry.client import Registry, check_status, read_body, scope
 
 PATH = "/extensions/v2/{repository}/signatures/{digest}"  # extensionsSignaturePath
 SCHEMA_VERSION = 2  # extensionSignatureSchemaVersion
 TYPE_ATOMIC = "atomic"  # extensionSignatureTypeAtomic
-MAX_LIST_BYTES = 4 << 20  # iolimits.MaxSignatureListBodySize
 _DIGEST = re.compile(r"^(sha256|sha512):[0-9a-f]+$")
 
 
@@ -72,12 +72,16 @@ def _list(registry: Registry, repository: str, digest: str) -> list[dict]:
     path = _path(repository, digest)
     response = registry.request("GET", path, scope(repository, "pull"), stream=True, what="GET signatures")
     check_status(response, (200,), registry.host, f"downloading signatures for {digest} in {registry.host}/{repository}")
-    return parse_list(read_body(response, MAX_LIST_BYTES, registry.host, "the signature list"), f"{registry.host}{path}")
+    return parse_list(read_body(response, MAX_SIGNATURE_LIST_BYTES, registry.host, "the signature list"), f"{registry.host}{path}")
 
 
 def read(registry: Registry, repository: str, digest: str) -> list[bytes]:
-    """The OpenPGP messages (untrusted) the registry keeps for `digest`."""
-    return atomic_contents(_list(registry, repository, digest))
+    """The OpenPGP messages (untrusted) the registry keeps for `digest`, refused beyond
+    diskkit.limits.MAX_SIGNATURES before any is verified: containers/image bounds only the list's
+    bytes here, and its 4 MiB hold some 60,000 entries, each a gpg process."""
+    contents = atomic_contents(_list(registry, repository, digest))
+    check_signature_count(len(contents), f"{registry.host}{_path(repository, digest)}")
+    return contents
 
 
 def new_entry(digest: str, blob: bytes, taken: set[str]) -> dict:

@@ -9,6 +9,7 @@ import json
 from dataclasses import dataclass
 
 from diskkit.errors import DiskkitError, RegistryError
+from diskkit.limits import check_signature_count
 from diskkit.oci import mediatypes as mt
 from diskkit.oci.image import Descriptor, sha256_digest
 from diskkit.oci.reference import DockerName, ImageRef
@@ -72,8 +73,11 @@ def read_signatures(name: DockerName, digest: str, opts: RegistryOptions) -> lis
     manifest = _attachment_manifest(name, digest, opts, "pull")
     if manifest is None:
         return []
+    layers = manifest.get("layers") or []
+    # Each is a request and a verification: as many as a lookaside may hold (containers/image has no bound here).
+    check_signature_count(len(layers), f"{name.registry}/{name.repository}:{attachment_tag(digest)}")
     found = []
-    for i, layer in enumerate(manifest.get("layers") or []):
+    for i, layer in enumerate(layers):
         desc = Descriptor.from_json(layer, f"{name.repository}:{attachment_tag(digest)} layer {i}")
         found.append(Attached(desc.media_type, _small_blob(name, desc, opts), dict(layer.get("annotations") or {})))
     return found

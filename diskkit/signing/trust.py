@@ -142,7 +142,7 @@ def _signatures(kind: str, name: DockerName, digest: str, config: dict, identity
         if base.startswith("https://"):
             from diskkit.transports.remote import registry_for
             session = registry_for(name.registry, registry or RegistryOptions()).session
-        return lookaside.read(base, digest, session)
+        return lookaside.read(base, digest, session, (registry or RegistryOptions()).timeout)
     if not registriesd.uses_attachments(config, identity, namespaces):
         return []
     from diskkit.signing import sigstore

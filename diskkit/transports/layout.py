@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import BinaryIO, Iterator
 
 from diskkit.errors import DiskkitError, NotFound
+from diskkit.limits import open_regular
 from diskkit.oci.image import Descriptor, canonical_json, check_digest, parse_json
 from diskkit.oci.reference import ImageRef
 from diskkit.streams import fsutil
@@ -33,7 +34,7 @@ class DirStore:
         if path.is_symlink():
             raise DiskkitError(path, "is a symlink; layouts must hold regular files")
         try:
-            return open(path, "rb")
+            return open_regular(path)  # a FIFO would hang the read, a device never end it
         except FileNotFoundError:
             raise DiskkitError(path, "missing from the image layout") from None
         except OSError as exc:

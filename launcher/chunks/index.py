@@ -27,6 +27,8 @@ DB = "index.sqlite"
 CHUNKS_FILE = "chunks.json"  # beside a cached disk: {"hash", "chunkSize", "size", "hexes"} (record_for)
 REBUILD_HASH = "blake3"  # what a disk with no recorded hashes is hashed with: what new TOCs name chunks by
 MAX_PLACES = 8  # places returned per chunk: an all-zero chunk may be in thousands
+# Reusing held chunks tells a registry which chunks the node holds: it is asked only for the others.
+REUSE_ENV = "DISKKIT_REUSE_CHUNKS"
 BUSY_MS = 60_000
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS places (hash TEXT NOT NULL, hex TEXT NOT NULL, path TEXT NOT NULL, offset INTEGER NOT NULL,
@@ -40,6 +42,13 @@ class Place:
     path: str  # relative to the cache root
     offset: int
     length: int
+
+
+def reuse_allowed() -> bool:
+    """Whether pulls and lazy exports may take chunks from the node's cache: yes unless REUSE_ENV is
+    0, false, no or off. Without reuse every layer is fetched whole (pulls) or every chunk from the
+    registry (lazy exports), and the registry's range requests say nothing of what the node holds."""
+    return os.environ.get(REUSE_ENV, "").strip().lower() not in ("0", "false", "no", "off")
 
 
 def record_for(hash_name: str, hexes: tuple[str, ...] | list[str], chunk_size: int, size: int) -> bytes:

@@ -12,6 +12,7 @@ from diskkit import __version__
 from diskkit.cli.shell import platform as platform_of
 from diskkit.cli.shell import EXIT_EPILOG, LazyGroup, registry_options, run_main
 from diskkit.registry.options import RegistryOptions
+from launcher.cli.exportsource import spec_option
 from launcher.cli.exportsource import vm_file as export_vm_file
 from launcher.cli.options import cache_option, ignore_unsupported_option, load_vmi_file, node_cache, parse_size, say, storage_options, trust_options, warn_if_open
 from launcher.cli.imagesource import container_disk_dir_option, update_option
@@ -77,17 +78,18 @@ Examples:
 @click.option("--lazy/--no-lazy", default=None, help="As `launcher run --lazy`: lazy containerDisks show the NBD export the VM would read.")
 @update_option
 @container_disk_dir_option
+@spec_option
 @ignore_unsupported_option
 @cache_option
 @click.option("--json", "as_json", is_flag=True, help='Print {"domain": NAME, "xml": XML} instead of the XML.')
 @storage_options
 @registry_options
 @trust_options
-def domain(vmi_file, platform, accel, lazy, update, container_disk_dir, kernel_boot_dir, ignore_unsupported, as_json, cache_dir, store, registry: RegistryOptions) -> None:
+def domain(vmi_file, platform, accel, lazy, update, container_disk_dir, kernel_boot_dir, own_spec, ignore_unsupported, as_json, cache_dir, store, registry: RegistryOptions) -> None:
     """Print the libvirt domain XML `launcher run` would start (a dry run: images are pulled or, lazy, opened on the node's disk server; nothing started)."""
     from launcher.runtime.vms import RunOptions, plan
 
-    vmi_file = export_vm_file(vmi_file, cache_dir, store, registry, platform_of(platform))
+    vmi_file = export_vm_file(vmi_file, cache_dir, store, registry, platform_of(platform), own_spec)
     vmi = load_vmi_file(vmi_file, ignore_unsupported, ImageHints(store.objects, registry, platform_of(platform)))
     opts = RunOptions(platform=platform_of(platform), registry=registry, storage=store, lazy={None: "auto", True: "on", False: "off"}[lazy],
                       update=update, container_disk_dir=container_disk_dir, kernel_boot_dir=kernel_boot_dir)
@@ -113,6 +115,7 @@ Examples:
   launcher run vm.yaml --update --console                            # a VirtualMachine: boot what its tags name now, and pin that
   launcher run vmi.yaml --container-disk-dir /var/run/kubevirt-image-volume   # the pod's image volumes: no pull
   launcher run oci-archive:vm.oci.tar --console                      # a KubeVirt VM export (virtctl vmexport download --format=oci)
+  launcher run oci-archive:vm.oci.tar --spec my-vm.yaml              # its disks under a spec of your own
 """)
 @click.argument("vmi_file", metavar="VMI_FILE|EXPORT")
 @click.option("--connect", "uri", metavar="URI", help="libvirt URI (default: qemu:///system as root, else qemu:///session; as root where no system daemon answers, the qemu user's own session daemon for this cache, started on demand).")
@@ -127,13 +130,14 @@ Examples:
 @click.option("--json", "as_json", is_flag=True, help='When the command returns, print {"vmi": NAMESPACE/NAME, "domain": ..., "exitCode": 0}; not with --console.')
 @update_option
 @container_disk_dir_option
+@spec_option
 @ignore_unsupported_option
 @cache_option
 @storage_options
 @registry_options
 @trust_options
 def run(vmi_file, uri, console, detach, wait_for, timeout, platform, lazy, grace_period, publish_address, update, container_disk_dir, kernel_boot_dir,
-        as_json, ignore_unsupported, cache_dir, store, registry: RegistryOptions) -> None:
+        own_spec, as_json, ignore_unsupported, cache_dir, store, registry: RegistryOptions) -> None:
     """Prepare every volume of a VirtualMachineInstance, define and start its domain, stay with it.
 
     Each containerDisk is pulled once per node and gets a qcow2 overlay of its own, so the VM
@@ -146,13 +150,14 @@ def run(vmi_file, uri, console, detach, wait_for, timeout, platform, lazy, grace
 
     EXPORT (oci-archive:FILE, oci:DIR, docker://REF) is a KubeVirt VM export: its VirtualMachine
     runs with each claim its volumes name made from the export's disk of that name, decompressed
-    and digest-checked into the cache once (kept, as a claim keeps what the VM writes).
+    and digest-checked into the cache once (kept, as a claim keeps what the VM writes). It may use
+    only those disks; --spec FILE runs them under a VM or VMI of your own instead.
     """
     if detach and console:
         raise click.UsageError("--detach and --console exclude each other: attach later with `launcher console NAME`")
     if as_json and console:
         raise click.UsageError("--json and --console exclude each other: the console is what stdout carries")
-    vmi_file = export_vm_file(vmi_file, cache_dir, store, registry, platform_of(platform))
+    vmi_file = export_vm_file(vmi_file, cache_dir, store, registry, platform_of(platform), own_spec)
     vmi = load_vmi_file(vmi_file, ignore_unsupported, ImageHints(store.objects, registry, platform_of(platform)))
     if lazy and not container_disk_dir and any(volume.kind == "containerDisk" for volume in vmi.volumes):
         from launcher.diskserver.spawn import start_server

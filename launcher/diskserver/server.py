@@ -46,7 +46,7 @@ from diskkit.signing.options import TrustOptions
 from diskkit.signing.trust import enforce_source
 from diskkit.transports import open_source
 from diskkit.transports.remote import RemoteSource, registry_for
-from launcher.chunks.index import ChunkIndex
+from launcher.chunks.index import ChunkIndex, reuse_allowed
 from launcher.chunks.source import LocalChunks
 from launcher.diskserver import nbd
 from launcher.diskserver.control import (
@@ -291,7 +291,7 @@ class DiskServer:
         by content), then the registry's ranges for the rest. The layout answers what LocalChunks asks
         of a TOC: the chunks' content hashes and ranges."""
         registry = RegistryChunks(layout, ranges)
-        if layout.content_hashes is None:
+        if layout.content_hashes is None or not reuse_allowed():
             return [registry]
         return [EachChunk(LocalChunks(self.chunk_index, self.cache, layout)), registry]
 

@@ -87,11 +87,25 @@ def start_server(cache: Cache, registry: RegistryOptions | None = None, idle: fl
     command = [*launcher_argv(), "serve", "--cache-dir", str(cache.root), "--exit-when-idle", str(idle),
                "--fetch-timeout", str(FETCH_TIMEOUT),
                *_registry_flags(registry or RegistryOptions())]
-    with open(directory / "server.log", "ab") as logfile:
+    with _log_file(directory) as logfile:
         child = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=logfile, stderr=logfile,
                                  start_new_session=True, env={**os.environ, "CI": "true"})
     _starting[cache.root] = (child, held)
     return child
+
+
+def _log_file(directory: Path):
+    """serve/server.log, for appending: the server's own user's alone (0600). It names the images and
+    registries the node's users opened and why they failed; a root cache's serve/ is open for the
+    sockets in it, so the file's mode is what keeps it private (one an older launcher made is closed
+    too). Never through a link."""
+    fd = os.open(directory / "server.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        return os.fdopen(fd, "ab")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def ensure_server(cache: Cache, registry: RegistryOptions | None = None, idle: float = 30.0) -> Path:

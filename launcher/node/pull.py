@@ -34,7 +34,7 @@ from diskkit.signing.options import TrustOptions
 from diskkit.signing.trust import enforce_source
 from diskkit.transports import open_source
 from diskkit.transports.remote import RemoteSource
-from launcher.chunks.index import CHUNKS_FILE, ChunkIndex, hash_file, record_for
+from launcher.chunks.index import CHUNKS_FILE, ChunkIndex, hash_file, record_for, reuse_allowed
 from launcher.node import deltapull
 from launcher.node.cache import Cache, key
 
@@ -159,7 +159,7 @@ def _extract(cache: Cache, source, image, shown: str, path: str | None, disk: bo
     plans, tocs = {}, {}
     try:
         # The TOCs are read ahead (one range request each) only when the node has chunks to offer.
-        if by_chunks and isinstance(source, RemoteSource) and not index.empty():
+        if by_chunks and isinstance(source, RemoteSource) and reuse_allowed() and not index.empty():
             tocs = deltapull.read_tocs(source, image, transfer)
             plans = deltapull.plan(source, image, tocs, index, transfer)
     except sqlite3.Error:  # the index is a hint: without it, the pull is a whole one

@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from diskkit import limits
 from diskkit.errors import DiskkitError
 from diskkit.oci import vmexport as layout
 from diskkit.oci.image import Descriptor, Platform, check_digest, parse_json
@@ -56,11 +57,24 @@ def quantity_bytes(text: str) -> int | None:
     return int(number) * _SUFFIXES[suffix]
 
 
-def _write_disk(source, disk: layout.ExportDisk, target: Path, where: str) -> int:
+def stated_size(disk: layout.ExportDisk, where: str) -> int:
+    """The disk's size as its io.kubevirt.disk.size annotation states it: what its claim is made with
+    (hack/oci-import.sh passes it to the upload as --size) and so all its layer may inflate to."""
+    said = (disk.layer.get("annotations") or {}).get(layout.ANNOTATION_DISK_SIZE, "")
+    size = quantity_bytes(said) if isinstance(said, str) else None
+    if size is None:
+        raise DiskkitError(where, f"its {layout.ANNOTATION_DISK_SIZE} annotation {said!r} is not a size: "
+                                  "nothing would bound what its layer inflates to; refused")
+    return size
+
+
+def _write_disk(source, disk: layout.ExportDisk, target: Path, where: str, expected: int) -> int:
     desc = Descriptor.from_json(disk.layer, where)
     written = 0
     with source.blob(desc) as blob, open(target, "xb") as out:
-        plain = decompressing_reader(blob, "zstd", where)
+        # Inflated no further than the annotation says and a byte: a small layer cannot fill the cache.
+        plain = limits.AtMost(decompressing_reader(blob, "zstd", where), expected, where,
+                              f"inflates to more than the {expected} bytes its {layout.ANNOTATION_DISK_SIZE} annotation says; refused")
         sink = SparseWriter(out)
         while chunk := plain.read(CHUNK):
             sink.write(chunk)
@@ -74,8 +88,10 @@ def _write_disk(source, disk: layout.ExportDisk, target: Path, where: str) -> in
     return written
 
 
-def materialize(cache: Cache, ref: str, registry: RegistryOptions | None, platform: Platform | None) -> Materialized:
-    """The export at `ref` on this node; refused in one line when it is not one or cannot be mapped."""
+def materialize(cache: Cache, ref: str, registry: RegistryOptions | None, platform: Platform | None, own_spec: bool = False) -> Materialized:
+    """The export at `ref` on this node; refused in one line when it is not one or cannot be mapped,
+    or, unless the user runs its disks under a spec of their own (`own_spec`), when its VirtualMachine
+    names anything beyond the export's own disks (diskkit.oci.vmexport.check_own_only)."""
     with open_source(ref, registry) as source:
         enforce_source(source, TrustOptions.of(registry), registry, platform)  # before any layer is read
         image = source.image(platform)
@@ -86,6 +102,9 @@ def materialize(cache: Cache, ref: str, registry: RegistryOptions | None, platfo
         disks = layout.export_disks(manifest, ref)
         vm = parse_json(image.config_bytes, f"{ref}: config")
         claims = layout.map_claims(vm, disks, ref)
+        if not own_spec:
+            layout.check_own_only(vm, ref)
+        sizes = {d.name: stated_size(d, f"{ref}: disk {d.name}") for d in claims.values()}  # before any layer is read
         hexpart = check_digest(image.digest, ref)
         final = cache.root / "exports" / hexpart
         used = {d.name for d in claims.values()}
@@ -105,10 +124,9 @@ def materialize(cache: Cache, ref: str, registry: RegistryOptions | None, platfo
                     where = f"{ref}: disk {disk.name}"
                     claim_dir = top / "claims" / disk.name
                     claim_dir.mkdir(mode=0o711)
-                    size = _write_disk(source, disk, claim_dir / "disk.img", where)
-                    said = (disk.layer.get("annotations") or {}).get(layout.ANNOTATION_DISK_SIZE, "")
-                    expected = quantity_bytes(said)
-                    if expected is not None and expected != size:
+                    size = _write_disk(source, disk, claim_dir / "disk.img", where, sizes[disk.name])
+                    if size != sizes[disk.name]:
+                        said = disk.layer["annotations"][layout.ANNOTATION_DISK_SIZE]
                         raise DiskkitError(where, f"is {size} bytes; its {layout.ANNOTATION_DISK_SIZE} annotation says {said}")
                 with open(top / "vm.json", "xb") as f:
                     f.write(image.config_bytes)
