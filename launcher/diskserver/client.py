@@ -12,10 +12,10 @@ from diskkit.errors import DiskkitError, Exit
 from diskkit.layers import lazytoc
 from diskkit.oci.image import Platform
 from diskkit.oci.reference import parse_ref
-from diskkit.registry import authfile, registriesconf
+from diskkit.registry import authfile, registriesconf, tlsfiles
 from diskkit.registry.options import RegistryOptions
 from diskkit.transports import open_source
-from launcher.diskserver.control import CONTROL_SOCKET, credentials_to_wire, request, serve_dir, socket_path
+from launcher.diskserver.control import CONTROL_SOCKET, credentials_to_wire, identities_to_wire, request, serve_dir, socket_path
 from launcher.diskserver.spawn import ensure_server
 from launcher.node.cache import Cache
 from launcher.node.pull import Pulled, cached
@@ -86,20 +86,24 @@ def files(cache: Cache, ref: str, paths: list[str], platform: Platform | None, r
 
 
 def registry_request(ref: str, registry: RegistryOptions | None) -> dict:
-    """The registry part of a request: the options without credentials or auth file paths, and this
-    user's own credentials for every host the image may be read from (its mirrors too), looked up as a
-    pull looks them up. The node's server may be another user: it uses these or none, never its own."""
+    """The registry part of a request: the options without credentials or auth file paths, and what
+    this client holds for every host the image may be read from (its mirrors too), as its own pull
+    would use it: credentials (a VMI's imagePullSecret, else `--creds` or the auth files) and its TLS
+    client identity. The node's server may be another user: it uses these or none, never its own."""
     opts = registry or RegistryOptions()
     name = parse_ref(ref).name
-    found = []
+    found, identities = [], []
     for host in dict.fromkeys(source.name.registry for source in registriesconf.load().pull_sources(name)):
-        creds = authfile.lookup(host, opts.creds, opts.authfile)
+        creds = authfile.held(host, opts)
         if creds is not None:
             found.append((host, creds))
+        identity = tlsfiles.held(host, opts)
+        if identity is not None:
+            identities.append((host, identity))
     options = None
     if registry is not None:
-        options = {k: v for k, v in asdict(registry).items() if k not in ("creds", "authfile", "inline_credentials")}
-    return {"registry": options, "credentials": credentials_to_wire(found)}
+        options = {k: v for k, v in asdict(registry).items() if k not in ("creds", "authfile", "inline_credentials", "inline_identities")}
+    return {"registry": options, "credentials": credentials_to_wire(found), "identities": identities_to_wire(identities)}
 
 
 def _marked(ref: str, registry: RegistryOptions | None, platform: Platform | None) -> bool:
