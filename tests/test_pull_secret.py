@@ -10,7 +10,7 @@ import uuid
 
 import yaml
 
-from tests.conftest import run_launcher
+from tests.conftest import run_diskkit, run_launcher
 from tests.test_registry import INSECURE, repo
 
 
@@ -60,3 +60,35 @@ def test_image_pull_secret_from_manifests_is_used_for_that_image(diskkit, auth_r
     assert missing.code == 6 and "HTTP 401" in missing.err, missing.err
     assert missing.err.startswith("launcher: spec.volumes[0].containerDisk.image: ")
     assert missing.err.strip().endswith("in namespace vms in --manifests; pulling with this node's credentials"), missing.err
+
+
+def test_image_pull_secret_is_used_on_the_lazy_path(auth_registry, tmp_path):
+    """The default (lazy) path: `launcher domain` of a lazy private image asks the node's disk server
+    with the volume's pull secret, as the kubelet pulls with the pod's (it got the registry's 401: the
+    client sent only the node's credentials). The secret serves that request alone: another user in
+    the control socket's group asking for the same image, already exported, still gets the 401."""
+    from tests.lazyhost import disk_server, random_disk
+    from tests.test_trust_diskserver import _as_other_user
+    from tests.vmhost import qemu_scratch
+
+    reg = auth_registry
+    image = f"{repo(reg)}:v1"
+    built = run_diskkit("build", "--lazy", INSECURE, "--creds", f"{reg.username}:{reg.password}", random_disk(tmp_path / "d.img", 1 << 20), "-t", image)
+    assert built.code == 0, built.err
+    manifests = tmp_path / "k8s"
+    manifests.mkdir()
+    (manifests / "pull.yaml").write_text(yaml.safe_dump(_secret("pull", reg.host, reg.username, reg.password)))
+    vmi_file = tmp_path / "vmi.yaml"
+    env = {"REGISTRY_AUTH_FILE": str(tmp_path / "none.json"), "HOME": str(tmp_path)}
+    (tmp_path / "none.json").write_text("{}")
+    with qemu_scratch("diskkit-pullsecret-") as shared:
+        cache = shared / "cache"
+        cache.mkdir()
+        with disk_server(cache):  # the node's server, with no credentials of its own
+            for secret, code in ((None, 6), ("pull", 0)):
+                vmi_file.write_text(yaml.safe_dump(_vmi(image, secret)))
+                shown = run_launcher("domain", "--cache-dir", cache, "--manifests", manifests, INSECURE, vmi_file, env=env)
+                assert shown.code == code, shown.err
+            assert "<domain" in shown.out and "nbd" in shown.out, shown.out
+            other = _as_other_user(cache, {"op": "open", "image": image, "registry": {"tls_verify": False}})
+            assert not other["ok"] and "HTTP 401" in other["error"], other
