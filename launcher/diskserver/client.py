@@ -18,7 +18,7 @@ from diskkit.transports import open_source
 from launcher.diskserver.control import CONTROL_SOCKET, credentials_to_wire, identities_to_wire, request, serve_dir, socket_path
 from launcher.diskserver.spawn import ensure_server
 from launcher.node.cache import Cache
-from launcher.node.pull import Pulled, cached
+from launcher.node.pull import Pulled, cached, present
 
 
 @dataclass(frozen=True)
@@ -45,8 +45,8 @@ def attach(cache: Cache, ref: str, path: str | None, platform: Platform | None, 
         if mode == "on":
             notes.append(f"{parsed}: lazy reads need a registry image; pulling it whole")
         return None
-    if policy == "Never" or cached(cache, ref, path, platform, policy) is not None:
-        return None  # already here (a plain file beats any server), or not to be fetched at all
+    if policy == "Never" or present(cache, ref, path, platform, policy) is not None:
+        return None  # already here (a plain file beats any server; the pull admits it), or not to be fetched at all
     parsed = parse_ref(qualified(str(parsed), registry))
     if mode == "auto" and not _marked(str(parsed), registry, platform):
         return None
@@ -71,7 +71,7 @@ def files(cache: Cache, ref: str, paths: list[str], platform: Platform | None, r
     parsed = parse_ref(ref)
     if mode == "off" or parsed.transport != "docker" or policy == "Never":
         return None  # local images cost nothing to read whole; Never is the pull's to refuse in its words
-    hits = {path: cached(cache, ref, path, platform, policy, disk=False) for path in paths}
+    hits = {path: cached(cache, ref, path, platform, policy, disk=False, registry=registry) for path in paths}
     if all(hits.values()):
         return hits
     parsed = parse_ref(qualified(str(parsed), registry))

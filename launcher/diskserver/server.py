@@ -43,9 +43,6 @@ from diskkit.layers import lazytoc
 from diskkit.oci.image import Platform
 from diskkit.oci.reference import parse_ref
 from diskkit.registry.options import RegistryOptions
-from diskkit.signing.options import TrustOptions
-from diskkit.signing.trust import enforce_source
-from diskkit.transports import open_source
 from diskkit.transports.remote import RemoteSource, registry_for
 from launcher.chunks.index import ChunkIndex
 from launcher.chunks.source import LocalChunks
@@ -71,6 +68,7 @@ from launcher.diskserver.lazyfiles import take_files
 from launcher.diskserver.registrychunks import RegistryChunks
 from launcher.diskserver.qemuid import launcher_group, system_qemu_gid
 from launcher.hostfs.dirfd import own_directory
+from launcher.node.admission import admitted
 from launcher.node.cache import Cache
 from launcher.node.pull import image_key, remember
 
@@ -329,7 +327,7 @@ class DiskServer:
                 if unsafe:
                     self._discard(export)
                     raise DiskkitError(shown, "; ".join(f"/{layout.member}: {p}" for p in unsafe))
-                remember(self.cache, shown, platform, image)
+                remember(self.cache, shown, platform, image, source)
         except NotSeekable as exc:
             return {"ok": False, "seekable": False, "reason": exc.line()}
         clients = request.get("clients", 1)
@@ -382,9 +380,8 @@ class DiskServer:
         when it cannot be read at offsets, or (`marked`) does not say it should be."""
         if parse_ref(shown).transport != "docker":
             raise NotSeekable(shown, "lazy reads need a registry image (docker://)")
-        with open_source(shown, registry) as source:
+        with admitted(shown, registry, platform, self.cache) as source:
             assert isinstance(source, RemoteSource)
-            enforce_source(source, TrustOptions.of(registry), registry, platform)
             image = source.image(platform)
             if marked and not lazytoc.marked(image.manifest, image.layers):
                 raise NotSeekable(shown, f"not marked lazy ({lazytoc.ANNOTATION_LAZY})")
