@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import json
 import uuid
+from pathlib import Path
 
 import yaml
 
@@ -92,3 +93,35 @@ def test_image_pull_secret_is_used_on_the_lazy_path(auth_registry, tmp_path):
             assert "<domain" in shown.out and "nbd" in shown.out, shown.out
             other = _as_other_user(cache, {"op": "open", "image": image, "registry": {"tls_verify": False}})
             assert not other["ok"] and "HTTP 401" in other["error"], other
+
+
+def test_a_cached_private_image_is_served_only_to_credentials_that_could_pull_it(diskkit, auth_registry, qcow2, tmp_path):
+    """Attack: an image pulled with one VMI's pull secret was a cache hit for every later VMI on the node,
+    with no credentials of its own. As the kubelet's "ensure secret pulled images"
+    (keps/sig-node/2535-ensure-secret-pulled-images), a hit is served to credentials it was pulled or
+    proved with; others read its manifest from the registry first, and a refusal is the registry's 401."""
+    reg = auth_registry
+    image = f"{repo(reg)}:v1"
+    assert diskkit("build", qcow2, "-t", image, INSECURE, "--creds", f"{reg.username}:{reg.password}").code == 0
+    manifests = tmp_path / "k8s"
+    manifests.mkdir()
+    (manifests / "pull.yaml").write_text(yaml.safe_dump(_secret("pull", reg.host, reg.username, reg.password)))
+    (manifests / "wrong.yaml").write_text(yaml.safe_dump(_secret("wrong", reg.host, reg.username, "not-it")))
+    vmi_file = tmp_path / "vmi.yaml"
+    (tmp_path / "none.json").write_text("{}")
+    node_auth = reg.auth_file(tmp_path / "node.json")
+
+    def domain(secret: str | None, authfile: Path, *lazy):
+        vmi_file.write_text(yaml.safe_dump(_vmi(image, secret)))
+        return run_launcher("domain", "--cache-dir", tmp_path / "cache", "--manifests", manifests, *lazy, INSECURE, vmi_file,
+                            env={"REGISTRY_AUTH_FILE": str(authfile), "HOME": str(tmp_path)})
+
+    assert domain("pull", tmp_path / "none.json", "--no-lazy").code == 0  # pulled with the secret
+    for secret, lazy in ((None, ["--no-lazy"]), (None, []), ("wrong", ["--no-lazy"])):
+        refused = domain(secret, tmp_path / "none.json", *lazy)
+        assert refused.code == 6, refused.err
+        [line] = refused.err.strip().splitlines()
+        assert "pulled with other credentials" in line and "HTTP 401" in line, line
+    assert domain("pull", tmp_path / "none.json").code == 0  # the credentials it was pulled with
+    proved = domain(None, node_auth, "--no-lazy")  # the node's own, once they read its manifest
+    assert proved.code == 0, proved.err

@@ -11,22 +11,35 @@ checked against them first, so no network is needed while they satisfy the polic
 they do not (a policy now asking for another key, an image first pulled with none), the registry's
 are read and decide. A boot-test requirement is asked of the registry every time: attestations are
 not kept.
+
+A cache hit is also served only to a request whose credentials could pull it, as the kubelet's
+"ensure secret pulled images" (keps/sig-node/2535-ensure-secret-pulled-images) serves an image
+pulled with one pod's secret to another pod: an image the registry gave without credentials is
+anyone's; otherwise the request's credentials (a VMI's imagePullSecret, the node's, its TLS
+identity) must be ones it was pulled or proved with, else they read its manifest from the registry
+first (and are remembered, as a salted hash, once they have).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import secrets
+from pathlib import Path
 from typing import Iterator
 
 from diskkit.errors import DiskkitError
 from diskkit.oci import mediatypes as mt
 from diskkit.oci.image import Descriptor, Platform, check_digest, sha256_digest
+from diskkit.oci.reference import DockerName, ImageRef, parse_ref
+from diskkit.registry import authfile, tlsfiles
 from diskkit.registry.options import RegistryOptions
 from diskkit.signing.kept import Kept
 from diskkit.signing.options import TrustOptions
 from diskkit.signing.trust import enforce_source
 from diskkit.transports import open_source
 from diskkit.transports.base import Source
+from diskkit.transports.remote import RemoteSource
 from launcher.node.cache import Cache
 
 
@@ -37,6 +50,31 @@ def admit(source: Source, registry: RegistryOptions | None, platform: Platform |
     kept in `cache`."""
     kept = Kept(cache.signatures_dir, first=isinstance(source, CachedImage)) if cache is not None else None
     enforce_source(source, TrustOptions.of(registry), registry, platform, kept=kept)
+    if isinstance(source, CachedImage):
+        source.prove_access(registry or RegistryOptions())
+
+
+def access_of(source: Source) -> dict:
+    """How a read from `source` got in, for the cache hits that follow: "public" when the registry
+    asked for no credentials and no TLS identity was presented (a local transport's too), else
+    the host and a salted hash of what was presented."""
+    registry = getattr(source, "registry", None)
+    if not isinstance(source, RemoteSource) or registry is None:
+        return {"public": True}
+    creds = registry.credentials() if registry.challenge is not None else None
+    if creds is None and registry.identity is None:
+        return {"public": True}
+    salt = secrets.token_hex(16)
+    return {"public": False, "host": registry.host, "salt": salt, "proved": [_fingerprint(salt, creds, registry.identity)]}
+
+
+def _fingerprint(salt: str, creds, identity) -> str:
+    parts = [salt]
+    if creds is not None:
+        parts += [creds.username, creds.password, creds.identity_token or ""]
+    if identity is not None:
+        parts += [identity.cert.decode("ascii", "replace"), identity.key.decode("ascii", "replace")]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 
 @contextlib.contextmanager
@@ -52,7 +90,8 @@ class CachedImage(Source):
     to when it was pulled, from the cache's blobs and checked against its digest, under the name it was
     pulled by. Nothing else is read from it: a cache hit's disk is in place already."""
 
-    def __init__(self, cache: Cache, record: dict):
+    def __init__(self, cache: Cache, record: dict, record_path: Path):
+        self.cache, self.record, self.record_path = cache, record, record_path
         self.where = record.get("name") or record["image"]
         # Records written before the index was kept name the platform's manifest only.
         self.top = record.get("top") or record["digest"]
@@ -72,3 +111,27 @@ class CachedImage(Source):
 
     def open_blob(self, desc: Descriptor):
         raise DiskkitError(self.where, "a cached image is checked by its manifests only")
+
+    def prove_access(self, registry: RegistryOptions) -> None:
+        """Raise the registry's refusal unless the credentials `registry` presents may have the image:
+        it is public, they are ones it was pulled or proved with, or they read its manifest now."""
+        access = self.record.get("access") or {}
+        if access.get("public"):
+            return
+        name = parse_ref(self.where).name
+        host = access.get("host") or name.registry
+        salt = access.get("salt") or secrets.token_hex(16)
+        mine = _fingerprint(salt, authfile.held(host, registry), tlsfiles.held(host, registry))
+        proved = list(access.get("proved") or [])
+        if mine in proved:
+            return
+        pinned = ImageRef("docker", name=DockerName(name.registry, name.repository, digest=self.top))
+        try:
+            with open_source(str(pinned), registry) as source:
+                source.top_manifest()
+        except DiskkitError as exc:
+            exc.rule = f"the node holds it, pulled with other credentials, and these cannot read it: {exc.rule}"
+            exc.args = (exc.line(),)
+            raise
+        self.record["access"] = {"public": False, "host": host, "salt": salt, "proved": [*proved, mine][-16:]}
+        self.cache.write_json(self.record_path, self.record)

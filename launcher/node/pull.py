@@ -33,7 +33,7 @@ from diskkit.registry.ranges import RangesRefused
 from diskkit.transports.remote import RemoteSource
 from launcher.chunks.index import CHUNKS_FILE, ChunkIndex, hash_file, record_for
 from launcher.node import deltapull
-from launcher.node.admission import CachedImage, admit, admitted
+from launcher.node.admission import CachedImage, access_of, admit, admitted
 from launcher.node.cache import Cache, key
 
 POLICIES = ("Always", "IfNotPresent", "Never")
@@ -129,12 +129,13 @@ def present(cache: Cache, ref: str, path: str | None, platform: Platform | None,
     # Local layouts and archives are re-read every time: resolving them costs nothing.
     if policy == "Always" or parse_ref(ref).transport != "docker":
         return None
-    known = cache.read_json(cache.tag_path(key(str(parse_ref(ref)), str(platform or Platform.host()))))
+    record_path = cache.tag_path(key(str(parse_ref(ref)), str(platform or Platform.host())))
+    known = cache.read_json(record_path)
     hit = _cached(cache, image_key(known["digest"], path, platform, disk)) if known else None
     if hit is None:
         return None
     try:
-        image = CachedImage(cache, known)
+        image = CachedImage(cache, known, record_path)
     except (DiskkitError, KeyError, TypeError):
         return None  # a record this launcher did not write: pulled again
     return (hit, image) if image.present else None
@@ -154,7 +155,8 @@ def cached(cache: Cache, ref: str, path: str | None, platform: Platform | None, 
 
 def remember(cache: Cache, shown: str, platform: Platform | None, image, source) -> None:
     """Manifests, config and what the reference resolved to (the manifest or index, under the name
-    the policy scopes it by), for IfNotPresent, the policy on a cache hit and `launcher ls`."""
+    the policy scopes it by, and how the read got in), for IfNotPresent, the policy and the
+    credentials on a cache hit (launcher.node.admission) and `launcher ls`."""
     cache.put_blob(image.digest, image.manifest_bytes)
     cache.put_blob(image.config_descriptor.digest, image.config_bytes)
     data, media, desc = source.manifest_descriptors()
@@ -164,7 +166,8 @@ def remember(cache: Cache, shown: str, platform: Platform | None, image, source)
     # a short name is scoped by the candidate that had it (diskkit.signing.trust)
     name = str(replace(source.ref, name=source.requested, short=None)) if isinstance(source, RemoteSource) else shown
     cache.write_json(cache.tag_path(key(shown, platform_text)), {"image": shown, "platform": platform_text, "digest": image.digest,
-                                                                "top": top, "topMediaType": media, "name": name, "time": int(time.time())})
+                                                                "top": top, "topMediaType": media, "name": name, "access": access_of(source),
+                                                                "time": int(time.time())})
 
 
 def _cached(cache: Cache, ref_key: str) -> Pulled | None:
