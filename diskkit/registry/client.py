@@ -78,16 +78,32 @@ class _Token:
     expires: float
 
 
-class _UnverifiedAdapter(requests.adapters.HTTPAdapter):
-    """HTTPS that checks nothing, as --tls-verify=false asks, through a context of its own: without
-    one urllib3 loads the system's CA bundle (about 20 ms, paid by every command's first request,
-    the https probe of a plain-HTTP registry included) for checks it then does not make."""
+class _ContextAdapter(requests.adapters.HTTPAdapter):
+    """HTTPS through a TLS context of the registry client's own (requests' own takes file names)."""
+
+    def __init__(self, context: ssl.SSLContext):
+        self.context = context
+        super().__init__()
 
     def init_poolmanager(self, *args, **kwargs):
+        super().init_poolmanager(*args, **{**kwargs, "ssl_context": self.context})
+
+
+def tls_context(verify: bool, identity: tlsfiles.Identity | None) -> ssl.SSLContext:
+    """The context a registry client's connections share. Unverified, it loads no CA bundle: urllib3's
+    own would (about 20 ms, paid by every command's first request, the https probe of a plain-HTTP
+    registry included) for checks it then does not make. The identity is loaded into it once, so no
+    file of it stays open or on disk (tlsfiles.Materialized)."""
+    if verify:
+        context = ssl.create_default_context()  # the system's CAs, as urllib3's; private ones come per connection
+    else:
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
-        super().init_poolmanager(*args, **{**kwargs, "ssl_context": context})
+    if identity is not None:
+        with tlsfiles.Materialized(identity) as (cert, key):
+            context.load_cert_chain(cert, key)
+    return context
 
 
 @dataclass
@@ -116,14 +132,13 @@ class Registry:
         # The identity is presented whether or not the registry's certificate is verified, as
         # containers/image sets up certificates before it sets InsecureSkipVerify (docker/docker_client.go).
         self.identity = tlsfiles.held(self.host, self.opts)
-        if self.identity is not None:
-            # Kept open while this client lives: urllib3 loads the pair again for each new connection.
-            self.session.cert = tlsfiles.Materialized(self.identity).paths
         if not self.opts.tls_verify:
             self.session.verify = False
-            self.session.mount("https://", _UnverifiedAdapter())
+            self.session.mount("https://", _ContextAdapter(tls_context(False, self.identity)))
             urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)
             return
+        if self.identity is not None:
+            self.session.mount("https://", _ContextAdapter(tls_context(True, self.identity)))
         cas = tlsfiles.cas(self.host, self.opts.cert_dir)
         if cas:
             # Private CAs are added to the system's, as containers/image does with certs.d.

@@ -94,11 +94,11 @@ def _no_passphrase() -> bytes:
 
 
 class Materialized:
-    """An identity as the two file names OpenSSL and requests take, without writing the key to any
-    directory: each is a memfd, named through /proc/self/fd, gone once closed."""
+    """An identity as the two file names OpenSSL takes, without writing the key to any directory:
+    each is a memfd, named through /proc/self/fd, gone once closed."""
 
     def __init__(self, identity: Identity):
-        self.fds = []
+        self.fds: list[int] = []
         for name, data in (("client-cert", identity.cert), ("client-key", identity.key)):
             fd = os.memfd_create(f"diskkit-{name}", os.MFD_CLOEXEC)
             self.fds.append(fd)
