@@ -107,6 +107,54 @@ def make_tls_files(directory: Path) -> tuple[Path, Path, Path]:
     return ca_path, cert_path, key_path
 
 
+@dataclass(frozen=True)
+class ClientCA:
+    """The CA a registry with `http.tls.clientcas` checks client certificates against."""
+
+    key: object
+    cert: x509.Certificate
+    path: Path
+
+    def issue(self, cert_dir: Path, name: str, ca: Path | None = None) -> Path:
+        """A certs.d-style directory for one client: `<name>.cert` and `<name>.key` signed by this CA,
+        with `ca` (the registry's server CA) beside them as ca.crt; the directory."""
+        cert_dir.mkdir(parents=True, exist_ok=True)
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = (
+            _validity(x509.CertificateBuilder())
+            .subject_name(_name(name))
+            .issuer_name(self.cert.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(self.key.public_key()), critical=False)
+            .sign(self.key, hashes.SHA256())
+        )
+        (cert_dir / f"{name}.cert").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        key_path = cert_dir / f"{name}.key"
+        key_path.write_bytes(_pem_key(key))
+        key_path.chmod(0o600)
+        if ca is not None:
+            shutil.copyfile(ca, cert_dir / "ca.crt")
+        return cert_dir
+
+
+def make_client_ca(path: Path) -> ClientCA:
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (
+        _validity(x509.CertificateBuilder())
+        .subject_name(_name("diskkit test client CA"))
+        .issuer_name(_name("diskkit test client CA"))
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return ClientCA(key, cert, path)
+
+
 # --- token issuer -------------------------------------------------------------------------------
 
 def _b64url(data: bytes) -> str:
@@ -258,6 +306,10 @@ class RunningRegistry:
     config: Path | None = None
     log_path: Path | None = None
     issuer: TokenIssuer | None = field(default=None, repr=False)
+    # mutual TLS (`http.tls.clientcas`): the CA client certificates must be signed by, and a client
+    # directory of the test's own for the readiness probe
+    client_ca: ClientCA | None = field(default=None, repr=False)
+    probe_dir: Path | None = None
     _proc: subprocess.Popen | None = field(default=None, repr=False)
     _log_file: object = field(default=None, repr=False)
 
@@ -309,7 +361,8 @@ class RunningRegistry:
                 self._stop_process()
                 raise RuntimeError(f"docker-registry exited with {code}:\n{self.log_text()}")
             try:
-                r = requests.get(self.url(), verify=self.verify, timeout=1)
+                cert = (str(self.probe_dir / "probe.cert"), str(self.probe_dir / "probe.key")) if self.probe_dir else None
+                r = requests.get(self.url(), verify=self.verify, cert=cert, timeout=1)
                 if r.status_code in (200, 401):
                     return
                 last = f"HTTP {r.status_code}"
@@ -347,9 +400,10 @@ class RunningRegistry:
 
 
 def start_registry(workdir: Path, auth: str = "none", tls: bool = False, token_ttl: int = 300,
-                   realm_via: Callable[[str], str] | None = None) -> RunningRegistry:
+                   realm_via: Callable[[str], str] | None = None, client_certs: bool = False) -> RunningRegistry:
     """`realm_via(issuer's host:port)`, when given, is the token realm the registry names instead of the
-    issuer's own (a fault proxy in front of it)."""
+    issuer's own (a fault proxy in front of it). `client_certs` (with `tls`): mutual TLS, every
+    connection without a client certificate its `client_ca` signed is refused in the handshake."""
     if auth not in ("none", "htpasswd", "token"):
         raise ValueError(f"unknown auth mode {auth!r}")
     if shutil.which(REGISTRY_BINARY) is None:
@@ -375,6 +429,11 @@ def start_registry(workdir: Path, auth: str = "none", tls: bool = False, token_t
         ca_dir = workdir / "certs"
         _, cert, key = make_tls_files(ca_dir)
         config["http"]["tls"] = {"certificate": str(cert), "key": str(key)}
+    client_ca = probe_dir = None
+    if client_certs:
+        client_ca = make_client_ca(workdir / "client-ca.crt")
+        probe_dir = client_ca.issue(workdir / "probe", "probe")
+        config["http"]["tls"]["clientcas"] = [str(client_ca.path)]
     username = password = None
     issuer = None
     if auth != "none":
@@ -395,7 +454,7 @@ def start_registry(workdir: Path, auth: str = "none", tls: bool = False, token_t
     reg = RunningRegistry(
         host=host, root=root, auth=auth, tls=tls, ca_dir=ca_dir, username=username, password=password,
         token_requests=issuer.requests if issuer else [], config=config_path, log_path=workdir / "registry.log",
-        issuer=issuer,
+        issuer=issuer, client_ca=client_ca, probe_dir=probe_dir,
     )
     try:
         reg._start()

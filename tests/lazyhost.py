@@ -81,9 +81,11 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
 
 @contextlib.contextmanager
 def disk_server(cache: Path, *args: str, user: int | None = None, env: dict | None = None) -> Iterator[subprocess.Popen]:
-    """`launcher serve --cache-dir CACHE ARGS`, ready when its control socket answers; SIGTERM after."""
+    """`launcher serve --cache-dir CACHE ARGS` (--tls-verify=false unless ARGS say), ready when its
+    control socket answers; SIGTERM after."""
     log = open(cache.parent / f"serve-{cache.name}.log", "ab")
-    command = launcher_command("serve", "--cache-dir", cache, "--tls-verify=false", *args, user=str(user) if user is not None else None)
+    tls = [] if any(str(a).startswith("--tls-verify") for a in args) else ["--tls-verify=false"]
+    command = launcher_command("serve", "--cache-dir", cache, *tls, *args, user=str(user) if user is not None else None)
     proc = subprocess.Popen(command, stdout=log, stderr=log, env={**os.environ, "CI": "true", **(env or {})})
     try:
         def ready():

@@ -545,3 +545,103 @@ def test_launcher_flags_name_the_policy_for_pulls_disk_servers_and_imports(regis
     imported = claims.run("import", NOREG, *flags, "signed")
     assert imported.code == 0, imported.err
     assert (claims.dirs["signed"] / "disk.img").stat().st_size == 24 << 20
+
+
+# --- the policy on every use: cache hits too ------------------------------------------------------
+
+
+def _cached_unsigned(registry, trust: dict, disk: Path, tmp_path: Path, repo: str) -> tuple[str, list, list]:
+    """An unsigned lazy image; the flags of a policy that accepts anything, under which it is pulled
+    into a cache, and of one that requires key a for the registry (files in `tmp_path`, the key inline)."""
+    ref = f"{registry.host}/{repo}:v1"
+    assert run_diskkit("build", NOREG, "--lazy", disk, "-t", ref).code == 0
+    regd = tmp_path / "registries.d"
+    regd.mkdir()
+    (regd / "default.yaml").write_text((trust["regd"] / "default.yaml").read_text())
+    accept = write_policy(tmp_path / "accept.json", registry.host, {"type": "insecureAcceptAnything"})
+    key_data = base64.b64encode(Path(f"{trust['a']}.pub").read_bytes()).decode()
+    required = write_policy(tmp_path / "required.json", registry.host, {"type": "sigstoreSigned", "keyData": key_data})
+    return ref, ["--signature-policy", accept, "--registries.d", regd], ["--signature-policy", required, "--registries.d", regd]
+
+
+def _vmi_file(path: Path, image: str) -> Path:
+    path.write_text(json.dumps({"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance", "metadata": {"name": "cached"},
+                                "spec": {"domain": {"resources": {"requests": {"memory": "64Mi"}}, "devices": {"disks": [{"name": "root", "disk": {"bus": "virtio"}}]}},
+                                         "volumes": [{"name": "root", "containerDisk": {"image": image}}]}}))
+    return path
+
+
+def _refused_unsigned(result, ref: str) -> None:
+    assert result.code == 8, (result.code, result.err)
+    [line] = result.err.strip().splitlines()
+    assert ref in line and "required.json" in line and "A signature was required, but no signature exists" in line, line
+
+
+def test_a_cached_unsigned_image_is_refused_under_a_requiring_policy(registry, trust, disk, tmp_path):
+    """Attack: the policy skipped for cached images. An image pulled under no policy (or another one) was
+    used from the cache by `launcher pull`, `domain` (the lazy default and --no-lazy) under a policy.json
+    that requires a signature, where skopeo refuses it. Every use passes the policy in force, as every
+    copy in containers/image passes its one policy context (copy/single.go IsRunningImageAllowed)."""
+    ref, accept, required = _cached_unsigned(registry, trust, disk, tmp_path, "cached/unsigned")
+    cache = tmp_path / "cache"
+    pulled = run_launcher("pull", NOREG, *accept, "--cache-dir", cache, ref)
+    assert pulled.code == 0, pulled.err
+    assert run_launcher("pull", NOREG, *accept, "--cache-dir", cache, ref).code == 0  # the hit, under the policy it was pulled by
+    _refused_unsigned(run_launcher("pull", NOREG, *required, "--cache-dir", cache, ref), ref)
+    vmi = _vmi_file(tmp_path / "vmi.yaml", ref)
+    for lazy in ([], ["--no-lazy"]):
+        _refused_unsigned(run_launcher("domain", NOREG, *required, *lazy, "--cache-dir", cache, vmi), ref)
+    assert run_launcher("domain", NOREG, *accept, "--cache-dir", cache, vmi).code == 0
+    if (cache / "serve" / "control.sock").exists():
+        from tests.lazyhost import stop_spawned_server
+        stop_spawned_server(cache)
+
+
+def test_run_refuses_a_cached_unsigned_image_before_any_boot(registry, trust, disk, qemu_user, tmp_path):
+    """The same attack through `launcher run`: refused before a domain is defined, nothing left."""
+    from tests.vmhost import assert_clean
+
+    scratch = qemu_user.root / "cached-unsigned"
+    scratch.mkdir()
+    ref, accept, required = _cached_unsigned(registry, trust, disk, scratch, "cached/run-unsigned")
+    cache = scratch / "cache"
+    cache.mkdir()
+    os.chown(cache, QEMU_UID, QEMU_UID)
+    assert qemu_user.launcher("pull", NOREG, *accept, "--cache-dir", cache, ref).code == 0
+    vmi = _vmi_file(scratch / "vmi.yaml", ref)
+    refused = qemu_user.launcher("run", NOREG, *required, "--cache-dir", cache, "--timeout", "30", vmi)
+    _refused_unsigned(refused, ref)
+    assert not (cache / "vms").exists() or list((cache / "vms").iterdir()) == []
+    assert_clean(qemu_user, "default_cached")
+
+
+def test_a_cached_signed_image_is_accepted_offline_from_its_kept_signatures(trust, disk, tmp_path):
+    """The signatures an image was accepted with are kept beside it: with its registry stopped, the
+    cache hit is accepted from them (`pull` and `domain`), no network asked. A policy that now wants
+    another key re-evaluates: the kept ones fail it and, the registry away, the hit is refused (exit 8);
+    with the registry back, its signatures are read and refused the same."""
+    from tests.distribution import start_registry
+
+    own = start_registry(tmp_path / "registry")  # this test stops it
+    try:
+        ref = f"{own.host}/kept/signed:v1"
+        build_signed(disk, ref, trust, "a")
+        flags = lambda key: ["--signature-policy", write_policy(tmp_path / f"{key}.json", own.host, keyed(trust, key)), "--registries.d", trust["regd"]]
+        cache = tmp_path / "cache"
+        assert run_launcher("pull", NOREG, *flags("a"), "--cache-dir", cache, ref).code == 0
+        assert [p.name for p in (cache / "signatures").iterdir()], "no signatures kept"
+        own.stop()
+        offline = run_launcher("pull", NOREG, *flags("a"), "--cache-dir", cache, ref)
+        assert offline.code == 0, offline.err
+        vmi = _vmi_file(tmp_path / "vmi.yaml", ref)
+        shown = run_launcher("domain", NOREG, *flags("a"), "--cache-dir", cache, vmi)
+        assert shown.code == 0 and "<domain" in shown.out, shown.err
+        other_key = run_launcher("pull", NOREG, *flags("b"), "--cache-dir", cache, ref)
+        assert other_key.code == 8, other_key.err
+        [line] = other_key.err.strip().splitlines()
+        assert "b.json" in line and "the signatures kept with it" in line and "could not be read" in line, line
+        own.start()
+        online = run_launcher("pull", NOREG, *flags("b"), "--cache-dir", cache, ref)
+        assert online.code == 8 and "cryptographic signature verification failed" in online.err, online.err
+    finally:
+        own.stop()

@@ -1,6 +1,6 @@
-"""The node's disk server as an attacker sees it (issue 29): a lying registry naming another image's
-layer digest, another local user in the control socket's group without credentials for a private
-image, a trickling registry, and the socket group. Real registries, a lying one only as a proxy in
+"""The node's disk server as an attacker sees it: a lying registry naming another image's layer
+digest, another local user in the control socket's group without credentials (or without the TLS
+client key) for a private image, a trickling registry, and the socket group. Real registries, a lying one only as a proxy in
 front of a real one (tests/faultproxy.py), the server as root and its clients as other uids."""
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import requests
 from diskkit.errors import DiskkitError
 from launcher.diskserver.exportid import ExportId
 from launcher.diskserver.qemuid import KUBEVIRT_QEMU_ID, launcher_group
-from tests.conftest import launcher_command, run, run_diskkit
+from tests.conftest import launcher_command, run, run_diskkit, run_launcher
+from tests.distribution import make_client_ca, start_registry
 from tests.faultproxy import Fault
 from tests.imagecraft import Member, add_layer, dir_
 from tests.lazyhost import control, disk_server, export_status, open_export, random_disk, wait_for
@@ -200,13 +201,15 @@ def test_an_export_directory_recording_another_identity_is_never_served(tmp_path
 
 def _as_other_user(cache: Path, request: dict, env: dict | None = None, groups: str | None = None) -> dict:
     """`request` sent by uid nobody, in the control socket's group (and 107, the old one), as a launcher
-    of another user sends it: with `ask`, the client's own request built by launcher.diskserver.client."""
+    of another user sends it: with `ask` (true, or the client's registry options), the client's own
+    request built by launcher.diskserver.client."""
     code = ("import json, sys; from pathlib import Path; from launcher.diskserver.control import request\n"
             "req = json.loads(sys.argv[2])\n"
-            "if req.pop('ask', None):\n"
+            "ask = req.pop('ask', None)\n"
+            "if ask:\n"
             "    from diskkit.registry.options import RegistryOptions\n"
             "    from launcher.diskserver.client import registry_request\n"
-            "    req.update(registry_request(req['image'], RegistryOptions(tls_verify=False)))\n"
+            "    req.update(registry_request(req['image'], RegistryOptions(**(ask if isinstance(ask, dict) else {'tls_verify': False}))))\n"
             "print(json.dumps(request(Path(sys.argv[1]), req)))")
     extra = groups or f"{launcher_group(None)},{KUBEVIRT_QEMU_ID}"
     proc = subprocess.run(["setpriv", f"--reuid={NOBODY.pw_uid}", f"--regid={NOBODY.pw_gid}", f"--groups={extra}",
@@ -309,6 +312,113 @@ def test_a_user_reads_no_export_it_was_not_answered_with(tmp_path, shared, regis
         listed = _as_other_user(cache, {"op": "status"})["exports"]
         assert [e["export"] for e in listed] == [mine["export"]], listed
         assert {e["export"] for e in control(cache, {"op": "status"})["exports"]} == {mine["export"], private["export"]}
+
+
+@pytest.fixture(scope="module")
+def mtls_registry(tmp_path_factory):
+    """A registry that takes only clients with a certificate its client CA signed (`http.tls.clientcas`)."""
+    reg = start_registry(tmp_path_factory.mktemp("mtls"), tls=True, client_certs=True)
+    try:
+        yield reg
+    finally:
+        reg.stop()
+
+
+@pytest.fixture
+def mtls_image(tmp_path, mtls_registry) -> tuple[str, bytes, Path]:
+    """A lazy image only a client certificate opens; the node's certs.d-style directory (its CA and
+    its client certificate and key, root's alone)."""
+    node = mtls_registry.client_ca.issue(tmp_path / "node-certs", "node", mtls_registry.ca_dir / "ca.crt")
+    disk = random_disk(tmp_path / "mtls.img", 2 * MIB, seed=49)
+    ref = f"{mtls_registry.host}/trust/mtls:v2"
+    built = run_diskkit("build", "--cert-dir", node, "--lazy", disk, "-t", ref)
+    assert built.code == 0, built.err
+    return ref, disk.read_bytes(), node
+
+
+@pytest.mark.parametrize("held", ["exported", "pulled"])
+def test_a_user_without_the_client_key_gets_no_byte_of_an_mtls_image(shared, mtls_registry, mtls_image, held):
+    """Attack: the node's TLS identity lent to another user. The server's --cert-dir holds the CA and the
+    node's client certificate and key; a user in the socket group, refused by the mTLS registry on its
+    own, asked root's server for the image (already on the node: exported for root's VM, or pulled into
+    the cache) and read it over NBD. Now its request presents its own identity or none: refused in one
+    line, exit 6, no socket, nothing listed; root still reads it. Trust (ca.crt) and identity
+    (NAME.cert/NAME.key) as containers/image's pkg/tlsclientconfig/tlsclientconfig.go reads them; the
+    re-check of an image already held as keps/sig-node/2535-ensure-secret-pulled-images does it."""
+    ref, data, node = mtls_image
+    cache = shared / "cache"
+    cache.mkdir()
+    if held == "pulled":
+        pulled = run_launcher("pull", "--cert-dir", node, "--cache-dir", cache, ref)
+        assert pulled.code == 0, pulled.err
+    with disk_server(cache, "--tls-verify=true", f"--cert-dir={node}", "--prefetch-rate", "1K"):
+        mine = control(cache, {"op": "open", "image": ref, "clients": 0})
+        assert mine["ok"], mine
+        assert nbd_head(mine["url"], shared / "root.img") == data[:MIB]
+        for request in ({"op": "open", "image": ref, "registry": {"tls_verify": True}},
+                        {"op": "open", "image": ref, "ask": {"tls_verify": True}},
+                        {"op": "open", "image": ref},  # the server's own options: still not its identity
+                        {"op": "open", "image": ref, "registry": {"tls_verify": True, "cert_dir": str(node)}},  # naming root's directory
+                        {"op": "open", "image": f"{ref.rsplit(':', 1)[0]}@{mine['digest']}", "registry": {"tls_verify": False}},
+                        {"op": "files", "image": ref, "paths": ["/boot/vmlinuz"], "registry": {"tls_verify": True}}):
+            answer = _as_other_user(cache, request)
+            assert not answer["ok"], (request, answer)
+            error = answer["error"]
+            assert "\n" not in error and mtls_registry.host in error and "client certificate" in error, error
+            assert answer["exit"] == 6, answer
+        assert not (cache / "serve" / f"nbd-{NOBODY.pw_uid}.sock").exists()
+        assert _as_other_user(cache, {"op": "status"})["exports"] == []
+        assert control(cache, {"op": "open", "image": ref, "clients": 0})["export"] == mine["export"]
+
+
+def test_a_user_with_its_own_client_certificate_gets_the_mtls_image(shared, mtls_registry, mtls_image):
+    """The same user presenting a certificate of its own (read by its client from its own --cert-dir and
+    sent inline) is served on its own NBD socket; one the registry's CA did not sign is refused."""
+    ref, data, node = mtls_image
+    ca = mtls_registry.ca_dir / "ca.crt"
+    theirs = mtls_registry.client_ca.issue(shared / "nobody-certs", "nobody", ca)
+    stranger = make_client_ca(shared / "other-ca.crt").issue(shared / "stranger-certs", "stranger", ca)
+    for directory in (theirs, stranger):
+        for path in (directory, *directory.iterdir()):
+            os.chown(path, NOBODY.pw_uid, NOBODY.pw_gid)
+    cache = shared / "cache"
+    cache.mkdir()
+    with disk_server(cache, "--tls-verify=true", f"--cert-dir={node}"):
+        refused = _as_other_user(cache, {"op": "open", "image": ref, "ask": {"tls_verify": True, "cert_dir": str(stranger)}, "clients": 0})
+        assert not refused["ok"] and "refused the TLS client certificate" in refused["error"], refused
+        answer = _as_other_user(cache, {"op": "open", "image": ref, "ask": {"tls_verify": True, "cert_dir": str(theirs)}, "clients": 0})
+        assert answer["ok"], answer
+        assert answer["socket"].endswith(f"nbd-{NOBODY.pw_uid}.sock")
+        mine = shared / "nobody"
+        mine.mkdir()
+        os.chown(mine, NOBODY.pw_uid, NOBODY.pw_gid)
+        got = subprocess.run(["setpriv", f"--reuid={NOBODY.pw_uid}", f"--regid={NOBODY.pw_gid}", "--clear-groups",
+                              "qemu-img", "dd", "-f", "raw", "-O", "raw", f"if={answer['url']}", f"of={mine / 'head.img'}", f"bs={MIB}", "count=1"],
+                             capture_output=True, text=True)
+        assert got.returncode == 0, got.stderr
+        assert (mine / "head.img").read_bytes() == data[:MIB]
+
+
+def test_trust_and_identity_are_read_apart(tmp_path):
+    """What a client of another user is served with (pure): its own credentials and identity or none,
+    the node's CAs and policy; a privileged client keeps the files it names."""
+    from diskkit.registry.authfile import Credentials
+    from diskkit.registry.options import RegistryOptions
+    from diskkit.registry.tlsfiles import Identity
+    from launcher.diskserver.clientoptions import for_client
+
+    own = RegistryOptions(cert_dir="/node/certs", authfile="/node/auth.json", signature_policy="/node/policy.json")
+    sent = (("reg.example", Credentials("u", "p")),)
+    identity = (("reg.example", Identity(b"cert", b"key", "the client's")),)
+    other = for_client({"tls_verify": True, "cert_dir": "/elsewhere", "authfile": "/root/auth.json", "signature_policy": "/any"}, (), (), own, False)
+    assert (other.inline_credentials, other.inline_identities) == ((), ())  # never the node's files
+    assert (other.cert_dir, other.authfile, other.signature_policy) == ("/node/certs", None, "/node/policy.json")
+    assert for_client(None, sent, identity, own, False).inline_identities == identity
+    privileged = for_client({"cert_dir": "/root/certs"}, (), (), own, True)
+    assert (privileged.cert_dir, privileged.authfile, privileged.inline_identities) == ("/root/certs", "/node/auth.json", None)
+    for smuggled in ({"inline_identities": []}, {"inline_credentials": []}, {"no_such_option": 1}):
+        with pytest.raises(DiskkitError, match="not ones a request may set"):
+            for_client(smuggled, (), (), own, False)
 
 
 def test_only_root_names_the_user_its_qemu_runs_as(tmp_path, shared, registry):

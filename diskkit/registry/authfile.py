@@ -18,7 +18,6 @@ from pathlib import Path
 
 from diskkit.errors import DiskkitError
 
-
 @dataclass(frozen=True)
 class Credentials:
     username: str
@@ -151,3 +150,12 @@ def lookup(registry: str, creds: str | None = None, authfile: str | None = None)
             if found:
                 return found
     return None
+
+
+def held(registry: str, opts) -> Credentials | None:
+    """The credentials a request to `registry` with these options sends: the ones they carry inline
+    for it when they carry inline credentials at all (a VMI's pull secret, a client of another user
+    that sent its own or none), else `--creds` or the auth files."""
+    if opts.inline_credentials is not None:
+        return dict(opts.inline_credentials).get(registry)
+    return lookup(registry, opts.creds, opts.authfile)

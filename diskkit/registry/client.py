@@ -30,7 +30,7 @@ import urllib3
 from diskkit.errors import AuthError, DiskkitError, RegistryError
 # How much of a small answer is read before it is refused (read_body): diskkit.limits, containers/image's.
 from diskkit.limits import MAX_ERROR_BYTES, MAX_MANIFEST_BYTES, MAX_SIGNATURE_BYTES, MAX_TOKEN_BYTES  # noqa: F401 (callers import them from here)
-from diskkit.registry import authfile
+from diskkit.registry import authfile, tlsfiles
 from diskkit.registry.options import RegistryOptions
 from diskkit.registry.partial import MIN_SIZE, Busy, PartialBlob
 
@@ -65,12 +65,6 @@ def retry_after(response: requests.Response | None, attempt: int, opts: Registry
     return delay / 2 + random.uniform(0, delay / 2)
 
 
-def _cert_paths(host: str, cert_dir: str | None) -> list[Path]:
-    if cert_dir:
-        return [Path(cert_dir)]
-    return [Path("/etc/containers/certs.d") / host, Path("/etc/docker/certs.d") / host]
-
-
 Body = bytes | Callable[[], Iterable[bytes] | BinaryIO] | None
 
 
@@ -80,16 +74,32 @@ class _Token:
     expires: float
 
 
-class _UnverifiedAdapter(requests.adapters.HTTPAdapter):
-    """HTTPS that checks nothing, as --tls-verify=false asks, through a context of its own: without
-    one urllib3 loads the system's CA bundle (about 20 ms, paid by every command's first request,
-    the https probe of a plain-HTTP registry included) for checks it then does not make."""
+class _ContextAdapter(requests.adapters.HTTPAdapter):
+    """HTTPS through a TLS context of the registry client's own (requests' own takes file names)."""
+
+    def __init__(self, context: ssl.SSLContext):
+        self.context = context
+        super().__init__()
 
     def init_poolmanager(self, *args, **kwargs):
+        super().init_poolmanager(*args, **{**kwargs, "ssl_context": self.context})
+
+
+def tls_context(verify: bool, identity: tlsfiles.Identity | None) -> ssl.SSLContext:
+    """The context a registry client's connections share. Unverified, it loads no CA bundle: urllib3's
+    own would (about 20 ms, paid by every command's first request, the https probe of a plain-HTTP
+    registry included) for checks it then does not make. The identity is loaded into it once, so no
+    file of it stays open or on disk (tlsfiles.Materialized)."""
+    if verify:
+        context = ssl.create_default_context()  # the system's CAs, as urllib3's; private ones come per connection
+    else:
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
-        super().init_poolmanager(*args, **{**kwargs, "ssl_context": context})
+    if identity is not None:
+        with tlsfiles.Materialized(identity) as (cert, key):
+            context.load_cert_chain(cert, key)
+    return context
 
 
 @dataclass
@@ -109,28 +119,23 @@ class Registry:
         self._creds: authfile.Credentials | None | bool = False  # False: not looked up yet
         self._tokens: dict[str, _Token] = {}
         self._bundle: tempfile._TemporaryFileWrapper | None = None
+        self.identity: tlsfiles.Identity | None = None
         self._configure_tls()
 
     # --- connection -------------------------------------------------------------------------
 
     def _configure_tls(self) -> None:
+        # The identity is presented whether or not the registry's certificate is verified, as
+        # containers/image sets up certificates before it sets InsecureSkipVerify (docker/docker_client.go).
+        self.identity = tlsfiles.held(self.host, self.opts)
         if not self.opts.tls_verify:
             self.session.verify = False
-            self.session.mount("https://", _UnverifiedAdapter())
+            self.session.mount("https://", _ContextAdapter(tls_context(False, self.identity)))
             urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)
             return
-        cas: list[Path] = []
-        for directory in _cert_paths(self.host, self.opts.cert_dir):
-            if not directory.is_dir():
-                if self.opts.cert_dir:
-                    raise RegistryError(directory, "--cert-dir is not a directory")
-                continue
-            cas += sorted(directory.glob("*.crt"))
-            for cert in sorted(directory.glob("*.cert")):
-                key = cert.with_suffix(".key")
-                if not key.exists():
-                    raise RegistryError(cert, f"client certificate has no matching key {key.name}")
-                self.session.cert = (str(cert), str(key))
+        if self.identity is not None:
+            self.session.mount("https://", _ContextAdapter(tls_context(True, self.identity)))
+        cas = tlsfiles.cas(self.host, self.opts.cert_dir)
         if cas:
             # Private CAs are added to the system's, as containers/image does with certs.d.
             self._bundle = tempfile.NamedTemporaryFile("wb", prefix="diskkit-ca-", suffix=".pem")
@@ -157,6 +162,7 @@ class Registry:
                 response = self._send("GET", f"{scheme}://{self.host}/v2/", {}, None)
             except requests.exceptions.SSLError as exc:
                 last = exc
+                self._refuse_identity(exc)
                 if self.opts.tls_verify:
                     if "WRONG_VERSION_NUMBER" in str(exc):
                         # The TLS hello got an HTTP answer: no certificate setting can help here.
@@ -165,6 +171,7 @@ class Registry:
                 continue
             except requests.exceptions.ConnectionError as exc:
                 last = exc
+                self._refuse_identity(exc)
                 continue
             except requests.exceptions.RequestException as exc:
                 raise RegistryError(self.host, f"GET /v2/: {refusal(exc)}") from None
@@ -179,14 +186,25 @@ class Registry:
             return
         raise RegistryError(self.host, f"cannot connect to the registry ({failure_reason(last)})", unreachable=True)
 
+    def _refuse_identity(self, exc: BaseException) -> None:
+        """A handshake the registry ended over the client certificate (mutual TLS: none was presented,
+        or not one it accepts) is a refusal of credentials, said as one; never retried over plain HTTP.
+        Under TLS 1.3 the server judges the certificate after the client's side of the handshake, and
+        its alert can be lost to the reset of the connection it closes: an end of the connection in the
+        handshake is said as the likely refusal it is."""
+        alert = client_certificate_alert(exc)
+        if alert is None:
+            return
+        if self.identity is None:
+            raise AuthError(self.host, f"the registry wants a TLS client certificate and none was presented ({alert}); "
+                                       f"put NAME.cert and NAME.key in --cert-dir or /etc/containers/certs.d/{self.host}/") from None
+        raise AuthError(self.host, f"the registry refused the TLS client certificate {self.identity.origin} ({alert})") from None
+
     # --- auth ---------------------------------------------------------------------------------
 
     def credentials(self) -> authfile.Credentials | None:
         if self._creds is False:
-            if self.opts.inline_credentials is not None:
-                self._creds = dict(self.opts.inline_credentials).get(self.host)
-            else:
-                self._creds = authfile.lookup(self.host, self.opts.creds, self.opts.authfile)
+            self._creds = authfile.held(self.host, self.opts)
         return self._creds  # type: ignore[return-value]
 
     def _auth_header(self, scope: str) -> dict[str, str]:
@@ -407,6 +425,27 @@ def _read_into(response: requests.Response, limit: int, where: str, what: str) -
 
 def _size(n: int) -> str:
     return f"{n >> 20} MiB ({n} bytes)" if n >= 1 << 20 else f"{n} bytes"
+
+
+# The alerts a TLS server sends when it requires a client certificate and got none or one it does not
+# accept (RFC 8446 section 4.4.2.4, RFC 5246 section 7.4.6; Go's crypto/tls, the distribution
+# registry's, sends bad_certificate for both in TLS 1.2 and certificate_required in 1.3), as OpenSSL names them.
+_CLIENT_CERTIFICATE_ALERTS = ("CERTIFICATE_REQUIRED", "BAD_CERTIFICATE", "UNKNOWN_CA", "CERTIFICATE_UNKNOWN")
+_HANDSHAKE_CUT = ("EOF occurred in violation of protocol", "UNEXPECTED_EOF")  # OpenSSL's words: only TLS ends so
+
+
+def client_certificate_alert(exc: BaseException) -> str | None:
+    """How the registry ended the handshake when it did so over the client certificate (its alert, or a
+    connection cut before any answer), else None."""
+    import re
+
+    text = str(exc)
+    found = re.search(r"\[SSL: ([A-Z0-9_]+)\] ([^(']+?)\s*\(_ssl", text)
+    if found and "ALERT" in found.group(1) and any(found.group(1).endswith(name) for name in _CLIENT_CERTIFICATE_ALERTS):
+        return found.group(2)
+    if any(cut in text for cut in _HANDSHAKE_CUT):
+        return "the connection was closed in the TLS handshake"
+    return None
 
 
 def tls_reason(exc: BaseException) -> str:

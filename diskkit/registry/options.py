@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from diskkit.registry.authfile import Credentials
+    from diskkit.registry.tlsfiles import Identity
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,10 @@ class RegistryOptions:
     # another user: when set, the only ones used (never --creds, an auth file or this process's
     # environment); () is anonymous.
     inline_credentials: tuple[tuple[str, Credentials], ...] | None = None
+    # TLS client identities given inline per registry host, for the same reason: when set, the only
+    # ones presented (never a NAME.cert/NAME.key of --cert-dir or certs.d, which are this process's
+    # user's); () is none. The CAs (*.crt) there still hold: trust is not identity (registry.tlsfiles).
+    inline_identities: tuple[tuple[str, Identity], ...] | None = None
 
     def for_endpoint(self, insecure: bool = False) -> "RegistryOptions":
         """The options for one registry endpoint, `tls_verify` settled: registries.conf's `insecure`

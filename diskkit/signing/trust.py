@@ -22,6 +22,7 @@ from diskkit.registry.options import RegistryOptions
 # pull under a policy that accepts anything needs none of them, and it pays for every import.
 from diskkit.signing import payload as payload_module
 from diskkit.signing import policy
+from diskkit.signing.kept import Kept
 from diskkit.signing.options import SignOptions, TrustOptions
 from diskkit.transports import open_source
 from diskkit.transports.base import Source
@@ -44,7 +45,8 @@ def load_policy(trust: TrustOptions) -> policy.Policy | None:
     return policy.load(path) if path is not None else None
 
 
-def enforce_source(source: Source, trust: TrustOptions, registry: RegistryOptions | None, platform: Platform | None = None, instances: str = "selected") -> None:
+def enforce_source(source: Source, trust: TrustOptions, registry: RegistryOptions | None, platform: Platform | None = None, instances: str = "selected",
+                   kept: Kept | None = None) -> None:
     """Raise DiskkitError (image, policy entry, reason) unless the policy allows the source's top
     manifest and, for an index, the instance `platform` selects (`instances="every"`: all of them;
     "none": only the index, as a copy of the index alone checks it in containers/image copy/copy.go),
@@ -52,14 +54,17 @@ def enforce_source(source: Source, trust: TrustOptions, registry: RegistryOption
 
     The policy is read before the registry is asked anything, and an image whose scope accepts
     anything costs no request. With no policy file anywhere nothing is enforced (diskkit's
-    behaviour before signatures existed; containers/image would refuse to run).
+    behaviour before signatures existed; containers/image would refuse to run). `kept`: where the
+    signatures an accepted image came with are kept, and (kept.first, a copy already held) offered
+    before the registry's.
     """
-    _enforce_policy(source, trust, registry, platform, instances)
+    _enforce_policy(source, trust, registry, platform, instances, kept)
     if trust.boot_test_keys or trust.boot_test_gpg_keys:
         require_boot_test(source, trust, registry, platform, instances)
 
 
-def _enforce_policy(source: Source, trust: TrustOptions, registry: RegistryOptions | None, platform: Platform | None, instances: str) -> None:
+def _enforce_policy(source: Source, trust: TrustOptions, registry: RegistryOptions | None, platform: Platform | None, instances: str,
+                    kept: Kept | None) -> None:
     loaded = load_policy(trust)
     if loaded is None:
         return
@@ -88,17 +93,35 @@ def _enforce_policy(source: Source, trust: TrustOptions, registry: RegistryOptio
     # containers/image asks its physicalRef.
     physical = (source.registry, source.name.repository) if isinstance(source, RemoteSource) else None
     for digest in dict.fromkeys(digests):
+        fetched: dict[str, list] = {}
+
         def signatures(kind, digest=digest):
             if ref.transport == "dir":
                 return _dir_signatures(kind, ref, digest, top=digest == digests[0])
             if intended is None:
                 return []
-            return _signatures(kind, intended, digest, config, identity, namespaces, registry, physical)
+            fetched[kind] = _signatures(kind, intended, digest, config, identity, namespaces, registry, physical)
+            return fetched[kind]
 
+        held = kept.get(digest) if kept is not None and kept.first and intended is not None else None
+        refused_held = None
+        if held is not None:
+            try:
+                policy.check(requirements, str(ref), intended, digest, lambda kind: held.get(kind, []))
+                continue  # the signatures it was accepted with still satisfy the policy in force
+            except policy.Rejected as exc:
+                refused_held = exc  # another policy, or never accepted under one: the registry's decide
         try:
             policy.check(requirements, str(ref), intended, digest, signatures)
         except policy.Rejected as exc:
             raise VerifyFailed(str(ref), f"rejected by {loaded.source} {entry} ({digest[:19]}): {exc}") from None
+        except DiskkitError as exc:
+            if refused_held is None:
+                raise
+            raise VerifyFailed(str(ref), f"rejected by {loaded.source} {entry} ({digest[:19]}): the signatures kept with it: {refused_held};"
+                                         f" the registry's could not be read: {exc.rule or exc}") from None
+        if kept is not None and fetched:
+            kept.put(digest, fetched)
 
 
 def require_boot_test(source: Source, trust: TrustOptions, registry: RegistryOptions | None, platform: Platform | None = None, instances: str = "selected") -> None:
@@ -109,7 +132,9 @@ def require_boot_test(source: Source, trust: TrustOptions, registry: RegistryOpt
 
     keys = [*trust.boot_test_keys, *trust.boot_test_gpg_keys]
     wanted = f"no passed boot-test attestation of {{}} signed by {' or '.join(keys)} (launcher test --attest-*)"
-    if not isinstance(source, RemoteSource):
+    # A copy of a registry's image (a node's cache) is asked about at its registry: attestations are not kept.
+    name = source.name if isinstance(source, RemoteSource) else parse_ref(source.where).name
+    if name is None:
         raise VerifyFailed(source.where, wanted.format("it") + ": attestations are read from a registry")
     data, media, desc = source.top_manifest()
     digests = [desc.digest if desc else sha256_digest(data)]
@@ -121,7 +146,7 @@ def require_boot_test(source: Source, trust: TrustOptions, registry: RegistryOpt
             digests = [select_platform(index, platform or Platform.host(), source.where).digest]
     for digest in digests:
         try:
-            accepted(source.where, source.name, digest, [Path(k) for k in trust.boot_test_keys],
+            accepted(source.where, name, digest, [Path(k) for k in trust.boot_test_keys],
                      [Path(k) for k in trust.boot_test_gpg_keys], registry or RegistryOptions())
         except VerifyFailed as exc:
             raise VerifyFailed(source.where, f"{wanted.format(digest)}: {exc.rule}") from None

@@ -102,6 +102,7 @@ class RemoteSource(Source):
         self.sources = [(name, source) for name in names for source in conf.pull_sources(name)]
         self.opts = opts
         self.partial_dir: Path | None = None  # where blob downloads keep what they received, to resume after a kill
+        self._top = None
         self._use(*self.sources[0])
 
     def _use(self, requested: DockerName, source: registriesconf.PullSource) -> None:
@@ -127,6 +128,13 @@ class RemoteSource(Source):
         return data, (response.headers.get("Content-Type") or "").split(";")[0] or None
 
     def top_manifest(self):
+        """The manifest the reference names, read once: what the policy checks is what is read after
+        it, even when the tag moves between the two (containers/image's UnparsedImage keeps it too)."""
+        if self._top is None:
+            self._top = self._read_top()
+        return self._top
+
+    def _read_top(self):
         failures, statuses = [], set()
         for requested, source in self.sources:
             self._use(requested, source)

@@ -342,9 +342,7 @@ def _http(target: Target, store: Storage, progress: Progress | Relay, work: Dir)
 
 def _registry(target: Target, store: Storage, registry: RegistryOptions, work: Dir) -> tuple[str, str]:
     from diskkit.ops.verify import scan_image
-    from diskkit.signing.options import TrustOptions
-    from diskkit.signing.trust import enforce_source
-    from diskkit.transports import open_source
+    from launcher.node.admission import admitted
 
     source, dv = target.dv.source, target.dv
     where = f"DataVolume {dv.key}"
@@ -360,8 +358,7 @@ def _registry(target: Target, store: Storage, registry: RegistryOptions, work: D
         opts = replace(opts, creds=f"{user}:{password}")
     spool = work.proc / "spool"
     spool.mkdir()
-    with open_source(ref, opts) as src:
-        enforce_source(src, TrustOptions.of(opts), opts, None)  # as every pull: before any layer is read
+    with admitted(ref, opts, None) as src:  # as every pull: the policy before any layer is read
         image = src.image(None)
         tree, found, staged = scan_image(src, image, None, spool)
         blocking = tree.findings + [p for p in found.problems if p not in found.access]

@@ -12,13 +12,13 @@ from diskkit.errors import DiskkitError, Exit
 from diskkit.layers import lazytoc
 from diskkit.oci.image import Platform
 from diskkit.oci.reference import parse_ref
-from diskkit.registry import authfile, registriesconf
+from diskkit.registry import authfile, registriesconf, tlsfiles
 from diskkit.registry.options import RegistryOptions
 from diskkit.transports import open_source
-from launcher.diskserver.control import CONTROL_SOCKET, credentials_to_wire, request, serve_dir, socket_path
+from launcher.diskserver.control import CONTROL_SOCKET, credentials_to_wire, identities_to_wire, request, serve_dir, socket_path
 from launcher.diskserver.spawn import ensure_server
 from launcher.node.cache import Cache
-from launcher.node.pull import Pulled, cached
+from launcher.node.pull import Pulled, cached, present
 
 
 @dataclass(frozen=True)
@@ -45,8 +45,8 @@ def attach(cache: Cache, ref: str, path: str | None, platform: Platform | None, 
         if mode == "on":
             notes.append(f"{parsed}: lazy reads need a registry image; pulling it whole")
         return None
-    if policy == "Never" or cached(cache, ref, path, platform, policy) is not None:
-        return None  # already here (a plain file beats any server), or not to be fetched at all
+    if policy == "Never" or present(cache, ref, path, platform, policy) is not None:
+        return None  # already here (a plain file beats any server; the pull admits it), or not to be fetched at all
     parsed = parse_ref(qualified(str(parsed), registry))
     if mode == "auto" and not _marked(str(parsed), registry, platform):
         return None
@@ -71,7 +71,7 @@ def files(cache: Cache, ref: str, paths: list[str], platform: Platform | None, r
     parsed = parse_ref(ref)
     if mode == "off" or parsed.transport != "docker" or policy == "Never":
         return None  # local images cost nothing to read whole; Never is the pull's to refuse in its words
-    hits = {path: cached(cache, ref, path, platform, policy, disk=False) for path in paths}
+    hits = {path: cached(cache, ref, path, platform, policy, disk=False, registry=registry) for path in paths}
     if all(hits.values()):
         return hits
     parsed = parse_ref(qualified(str(parsed), registry))
@@ -86,20 +86,24 @@ def files(cache: Cache, ref: str, paths: list[str], platform: Platform | None, r
 
 
 def registry_request(ref: str, registry: RegistryOptions | None) -> dict:
-    """The registry part of a request: the options without credentials or auth file paths, and this
-    user's own credentials for every host the image may be read from (its mirrors too), looked up as a
-    pull looks them up. The node's server may be another user: it uses these or none, never its own."""
+    """The registry part of a request: the options without credentials or auth file paths, and what
+    this client holds for every host the image may be read from (its mirrors too), as its own pull
+    would use it: credentials (a VMI's imagePullSecret, else `--creds` or the auth files) and its TLS
+    client identity. The node's server may be another user: it uses these or none, never its own."""
     opts = registry or RegistryOptions()
     name = parse_ref(ref).name
-    found = []
+    found, identities = [], []
     for host in dict.fromkeys(source.name.registry for source in registriesconf.load().pull_sources(name)):
-        creds = authfile.lookup(host, opts.creds, opts.authfile)
+        creds = authfile.held(host, opts)
         if creds is not None:
             found.append((host, creds))
+        identity = tlsfiles.held(host, opts)
+        if identity is not None:
+            identities.append((host, identity))
     options = None
     if registry is not None:
-        options = {k: v for k, v in asdict(registry).items() if k not in ("creds", "authfile", "inline_credentials")}
-    return {"registry": options, "credentials": credentials_to_wire(found)}
+        options = {k: v for k, v in asdict(registry).items() if k not in ("creds", "authfile", "inline_credentials", "inline_identities")}
+    return {"registry": options, "credentials": credentials_to_wire(found), "identities": identities_to_wire(identities)}
 
 
 def _marked(ref: str, registry: RegistryOptions | None, platform: Platform | None) -> bool:

@@ -12,8 +12,11 @@
     {"op": "status"} -> {"ok": true, "pid": N, "exports": [...]}
 
 `registry` holds the client's options without credentials or auth file paths: a client sends its
-own user's credentials for the hosts the image may come from, looked up as a pull would, and a
-server run by another user uses those or none, never its own.
+own user's credentials for the hosts the image may come from, looked up as a pull would (a VMI's
+imagePullSecret when it has one), and its TLS client identity for them,
+`"identities": [{"registry": HOST, "cert": PEM, "key": PEM}, ...]`, read from its own `--cert-dir`
+or certs.d; a server run by another user uses those or none, never its own
+(launcher.diskserver.clientoptions).
 """
 
 from __future__ import annotations
@@ -74,6 +77,30 @@ def credentials_from_wire(sent) -> tuple:
         if not all(isinstance(v, str) for v in (host, user, password)) or not isinstance(token, (str, type(None))):
             raise DiskkitError("control", "credentials must be a list of {registry, username, password, identityToken}")
         out.append((host, Credentials(user, password, token)))
+    return tuple(out)
+
+
+def identities_to_wire(found) -> list[dict]:
+    """(host, tlsfiles.Identity) pairs as a request carries them."""
+    return [{"registry": host, "cert": i.cert.decode("ascii", "replace"), "key": i.key.decode("ascii", "replace")} for host, i in found]
+
+
+def identities_from_wire(sent) -> tuple:
+    """A request's TLS client identities as RegistryOptions.inline_identities takes them, each one
+    OpenSSL accepts (a key that does not match, or is encrypted, is refused in one line); () when none."""
+    from diskkit.registry.tlsfiles import Identity, checked
+
+    if sent is None:
+        return ()
+    wrong = "identities must be a list of {registry, cert, key} (PEM)"
+    if not isinstance(sent, list) or not all(isinstance(i, dict) for i in sent):
+        raise DiskkitError("control", wrong)
+    out = []
+    for entry in sent:
+        host, cert, key = (entry.get(k) for k in ("registry", "cert", "key"))
+        if not all(isinstance(v, str) and v for v in (host, cert, key)):
+            raise DiskkitError("control", wrong)
+        out.append((host, checked(Identity(cert.encode(), key.encode(), f"the client's for {host}"))))
     return tuple(out)
 
 

@@ -7,9 +7,10 @@ every VM on the node that opens an image pinning the same ones) and takes reques
 under a lock each: a registry that trickles holds up only the opens of what it serves.
 
 Registry options come with each request, so every VM's pull secret is used for its own image. The
-server's own auth file serves only its own user and root (and exports it reopens after a restart);
-a client of another uid sends its own credentials inline, or is anonymous, and the manifest fetch
-with them decides whether it gets an export, on an NBD socket that serves it nothing else.
+server's own credentials (its auth file, the client certificate in its cert directory) serve only
+its own user and root (and exports it reopens after a restart); a client of another uid sends its
+own credentials and TLS identity inline, or none, and the manifest fetch with them decides whether
+it gets an export, on an NBD socket that serves it nothing else (launcher.diskserver.clientoptions).
 
 Who may connect: run as root, the control socket is mode 0660 in the launcher users' group
 (`--socket-group`, else the group of KubeVirt's qemu user: launcher.diskserver.qemuid.launcher_group),
@@ -33,7 +34,7 @@ import struct
 import sys
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from diskkit.disk import diskheader
@@ -42,9 +43,6 @@ from diskkit.layers import lazytoc
 from diskkit.oci.image import Platform
 from diskkit.oci.reference import parse_ref
 from diskkit.registry.options import RegistryOptions
-from diskkit.signing.options import TrustOptions
-from diskkit.signing.trust import enforce_source
-from diskkit.transports import open_source
 from diskkit.transports.remote import RemoteSource, registry_for
 from launcher.chunks.index import ChunkIndex, reuse_allowed
 from launcher.chunks.source import LocalChunks
@@ -54,12 +52,14 @@ from launcher.diskserver.control import (
     NBD_SOCKET,
     REQUEST_TIMEOUT,
     credentials_from_wire,
+    identities_from_wire,
     recv_line,
     serve_dir,
     socket_path,
 )
 from launcher.diskserver.blobranges import BlobRanges, KnownRanges, RememberedRanges, SmallBlobs
 from launcher.diskserver.chunksources import EachChunk
+from launcher.diskserver.clientoptions import for_client
 from launcher.diskserver.imagewalk import NotSeekable
 from launcher.diskserver.installed import InstalledDisk, Ref, record
 from launcher.diskserver.layout import Found, Layout, find_layout
@@ -68,6 +68,7 @@ from launcher.diskserver.lazyfiles import take_files
 from launcher.diskserver.registrychunks import RegistryChunks
 from launcher.diskserver.qemuid import launcher_group, system_qemu_gid
 from launcher.hostfs.dirfd import own_directory
+from launcher.node.admission import admitted
 from launcher.node.cache import Cache
 from launcher.node.pull import image_key, remember
 
@@ -324,7 +325,7 @@ class DiskServer:
                 if unsafe:
                     self._discard(export)
                     raise DiskkitError(shown, "; ".join(f"/{layout.member}: {p}" for p in unsafe))
-                remember(self.cache, shown, platform, image)
+                remember(self.cache, shown, platform, image, source)
         except NotSeekable as exc:
             return {"ok": False, "seekable": False, "reason": exc.line()}
         clients = request.get("clients", 1)
@@ -377,9 +378,8 @@ class DiskServer:
         when it cannot be read at offsets, or (`marked`) does not say it should be."""
         if parse_ref(shown).transport != "docker":
             raise NotSeekable(shown, "lazy reads need a registry image (docker://)")
-        with open_source(shown, registry) as source:
+        with admitted(shown, registry, platform, self.cache) as source:
             assert isinstance(source, RemoteSource)
-            enforce_source(source, TrustOptions.of(registry), registry, platform)
             image = source.image(platform)
             if marked and not lazytoc.marked(image.manifest, image.layers):
                 raise NotSeekable(shown, f"not marked lazy ({lazytoc.ANNOTATION_LAZY})")
@@ -398,31 +398,9 @@ class DiskServer:
         return self.small_blobs.ranges(ranges)
 
     def _registry_options(self, request: dict, peer_uid: int | None) -> RegistryOptions:
-        """The request's options. Credentials: the node's serve only the node's own user (as kubelet's
-        "ensure secret pulled images", keps/sig-node/2535-ensure-secret-pulled-images): a client with another uid is fetched for with the
-        credentials it sent inline, or anonymously, and the manifest fetch with them is what lets it
-        have an export. Files it names are read only for a client as privileged as this server, so a
-        client in the socket group cannot make a root server read another user's files, nor trade
-        the node's signature policy for its own."""
-        asked, own = request.get("registry"), self.opts.registry
-        if asked is not None and not isinstance(asked, dict):
-            raise DiskkitError("control", "registry must be an object of registry options")
-        options = RegistryOptions(**{k: tuple(v) if isinstance(v, list) else v for k, v in asked.items() if k != "inline_credentials"}) if asked else own
-        sent = credentials_from_wire(request.get("credentials"))
-        if peer_uid not in (0, os.geteuid()):
-            return replace(options, authfile=None, creds=None, inline_credentials=sent, cert_dir=own.cert_dir,
-                           signature_policy=own.signature_policy, registries_d=own.registries_d,
-                           boot_test_keys=own.boot_test_keys, boot_test_gpg_keys=own.boot_test_gpg_keys)
-        # A policy (and a boot-test requirement) this server was started with holds for every request that names none.
-        options = replace(options, signature_policy=options.signature_policy or own.signature_policy,
-                          registries_d=options.registries_d or own.registries_d,
-                          boot_test_keys=options.boot_test_keys or own.boot_test_keys,
-                          boot_test_gpg_keys=options.boot_test_gpg_keys or own.boot_test_gpg_keys)
-        if sent:
-            return replace(options, inline_credentials=sent)
-        if options.authfile is None and options.creds is None:
-            return replace(options, authfile=own.authfile, creds=own.creds)
-        return options
+        """The request's options, with the credentials and TLS identity its client holds (launcher.diskserver.clientoptions)."""
+        return for_client(request.get("registry"), credentials_from_wire(request.get("credentials")),
+                          identities_from_wire(request.get("identities")), self.opts.registry, peer_uid in (0, os.geteuid()))
 
     def status(self, peer_uid: int | None = 0) -> dict:
         """What the server exports; to a client of another uid, only what its own opens were answered with."""

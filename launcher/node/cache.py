@@ -4,6 +4,8 @@
     <root>/disks/sha256/<layer hex>/<member key>/   one extracted disk: disk.img (read-only) + meta.json
     <root>/refs/<key>.json                          image (+platform, path) -> the disk it resolved to
     <root>/tags/<key>.json                          reference -> manifest digest, for IfNotPresent
+    <root>/signatures/sha256-<hex>.json             the signatures a manifest was accepted with
+                                                    (launcher.node.admission)
     <root>/vms/<domain>.json, <root>/run/<domain>/  records and overlays of VMs started from here
                                                     (long domains: head + hash, see entry_name)
     <root>/pins/<domain>.json                       the digests a VirtualMachine's tags were pinned to
@@ -105,7 +107,7 @@ def private_dirs(top: Path, path: Path) -> Path:
     return path
 
 
-SUBDIRS = ("blobs", "disks", "refs", "tags", "vms", "run", "locks", "tmp", "partial", "lazy", "pins", "exports", "chunks")
+SUBDIRS = ("blobs", "disks", "refs", "tags", "vms", "run", "locks", "tmp", "partial", "lazy", "pins", "exports", "chunks", "signatures")
 # what qemu opens itself: base disks and kernels, a VM's run directory, the claims of VM exports
 QEMU_READS = ("disks", "run", "exports")
 
@@ -307,6 +309,20 @@ class Cache:
         path = self.blob_path(digest)
         if not path.exists():
             write_atomic(path, data)
+
+    def read_blob(self, digest: str, limit: int = 4 << 20) -> bytes | None:
+        """A manifest or config kept by put_blob (at most `limit` bytes, as every manifest is read);
+        None when it is missing or larger. Its digest is the caller's to check."""
+        try:
+            with open(self.blob_path(digest), "rb") as f:
+                data = f.read(limit + 1)
+        except OSError:
+            return None
+        return data if len(data) <= limit else None
+
+    @property
+    def signatures_dir(self) -> Path:
+        return self.root / "signatures"
 
     # --- extracted disks ---------------------------------------------------------------------
 

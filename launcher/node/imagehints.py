@@ -29,13 +29,10 @@ class ImageHints:
         # Imported here: only a VM inferring from a containerDisk needs the registry client.
         from diskkit.oci import hints
         from diskkit.oci.reference import parse_ref
-        from diskkit.signing.options import TrustOptions
-        from diskkit.signing.trust import enforce_source
-        from diskkit.transports import open_source
+        from launcher.node.admission import admitted
 
         shown = str(parse_ref(image))
         if shown not in self._seen:
-            with open_source(shown, self.registry) as source:
-                enforce_source(source, TrustOptions.of(self.registry), self.registry, self.platform)
+            with admitted(shown, self.registry, self.platform) as source:
                 self._seen[shown] = hints.from_config(source.image(self.platform).config)
         return self._seen[shown]

@@ -17,25 +17,23 @@ import contextlib
 import os
 import sqlite3
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from diskkit.disk.containerdisk import path_problem
 from diskkit.errors import DiskkitError, NoSpace, ResumeFailed
 from diskkit.layers import lazytoc
-from diskkit.oci.image import Platform
+from diskkit.oci.image import Platform, sha256_digest
 from diskkit.oci.reference import parse_ref
 from diskkit.ops.verify import DiskFacts, disk_problems, scan_image
 from diskkit.progress import Reporter
 from diskkit.registry.options import RegistryOptions
 from diskkit.registry.partial import abandoned
 from diskkit.registry.ranges import RangesRefused
-from diskkit.signing.options import TrustOptions
-from diskkit.signing.trust import enforce_source
-from diskkit.transports import open_source
 from diskkit.transports.remote import RemoteSource
 from launcher.chunks.index import CHUNKS_FILE, ChunkIndex, hash_file, record_for, reuse_allowed
 from launcher.node import deltapull
+from launcher.node.admission import CachedImage, access_of, admit, admitted
 from launcher.node.cache import Cache, key
 
 POLICIES = ("Always", "IfNotPresent", "Never")
@@ -88,14 +86,13 @@ def pull(
     if policy not in POLICIES:
         raise DiskkitError(ref, f"imagePullPolicy {policy!r} is not one of {', '.join(POLICIES)}")
     shown = str(parse_ref(ref))
-    hit = cached(cache, ref, path, platform, policy, disk)
+    hit = cached(cache, ref, path, platform, policy, disk, registry)
     if hit:
         return hit
     if policy == "Never" and parse_ref(ref).transport == "docker":
         raise DiskkitError(shown, "container image is not present with pull policy of Never")
 
-    with open_source(shown, registry) as source:
-        enforce_source(source, TrustOptions.of(registry), registry, platform)  # the policy first: before any layer is read
+    with admitted(shown, registry, platform, cache) as source:  # the policy first: before any layer is read
         if isinstance(source, RemoteSource):
             source.partial_dir = cache.partial_dir  # a pull killed half way resumes from what it had
         image = source.image(platform)
@@ -117,7 +114,7 @@ def pull(
                 except ResumeFailed:
                     # The kept bytes are gone with the failure: once more, every byte from the registry.
                     hit = _extract(cache, source, image, shown, path, disk, ref_key, reporter)
-        remember(cache, shown, platform, image)
+        remember(cache, shown, platform, image, source)
     return hit
 
 
@@ -126,21 +123,51 @@ def image_key(digest: str, path: str | None, platform: Platform | None, disk: bo
     return key(digest, path or "", "disk" if disk else "file", str(platform or Platform.host()))
 
 
-def cached(cache: Cache, ref: str, path: str | None, platform: Platform | None, policy: str, disk: bool = True) -> Pulled | None:
-    """The cache's answer under `policy` without asking the registry (IfNotPresent, Never); else None."""
+def present(cache: Cache, ref: str, path: str | None, platform: Platform | None, policy: str, disk: bool = True) -> tuple[Pulled, CachedImage] | None:
+    """What the cache holds for `ref` under `policy` without asking the registry (IfNotPresent,
+    Never), and the image it came from; else None. Not yet admitted: `cached` is what may be used."""
     # Local layouts and archives are re-read every time: resolving them costs nothing.
     if policy == "Always" or parse_ref(ref).transport != "docker":
         return None
-    known = cache.read_json(cache.tag_path(key(str(parse_ref(ref)), str(platform or Platform.host()))))
-    return _cached(cache, image_key(known["digest"], path, platform, disk)) if known else None
+    record_path = cache.tag_path(key(str(parse_ref(ref)), str(platform or Platform.host())))
+    known = cache.read_json(record_path)
+    hit = _cached(cache, image_key(known["digest"], path, platform, disk)) if known else None
+    if hit is None:
+        return None
+    try:
+        image = CachedImage(cache, known, record_path)
+    except (DiskkitError, KeyError, TypeError):
+        return None  # a record this launcher did not write: pulled again
+    return (hit, image) if image.present else None
 
 
-def remember(cache: Cache, shown: str, platform: Platform | None, image) -> None:
-    """Manifest, config and the tag's digest, for IfNotPresent and `launcher ls`."""
+def cached(cache: Cache, ref: str, path: str | None, platform: Platform | None, policy: str, disk: bool = True,
+           registry: RegistryOptions | None = None) -> Pulled | None:
+    """The cache's answer under `policy` without asking the registry for the image (IfNotPresent,
+    Never), once the policy in force accepts it (launcher.node.admission); else None."""
+    found = present(cache, ref, path, platform, policy, disk)
+    if found is None:
+        return None
+    hit, image = found
+    admit(image, registry, platform, cache)
+    return hit
+
+
+def remember(cache: Cache, shown: str, platform: Platform | None, image, source) -> None:
+    """Manifests, config and what the reference resolved to (the manifest or index, under the name
+    the policy scopes it by, and how the read got in), for IfNotPresent, the policy and the
+    credentials on a cache hit (launcher.node.admission) and `launcher ls`."""
     cache.put_blob(image.digest, image.manifest_bytes)
     cache.put_blob(image.config_descriptor.digest, image.config_bytes)
+    data, media, desc = source.manifest_descriptors()
+    top = desc.digest if desc else sha256_digest(data)
+    cache.put_blob(top, data)
     platform_text = str(platform or Platform.host())
-    cache.write_json(cache.tag_path(key(shown, platform_text)), {"image": shown, "platform": platform_text, "digest": image.digest, "time": int(time.time())})
+    # a short name is scoped by the candidate that had it (diskkit.signing.trust)
+    name = str(replace(source.ref, name=source.requested, short=None)) if isinstance(source, RemoteSource) else shown
+    cache.write_json(cache.tag_path(key(shown, platform_text)), {"image": shown, "platform": platform_text, "digest": image.digest,
+                                                                "top": top, "topMediaType": media, "name": name, "access": access_of(source),
+                                                                "time": int(time.time())})
 
 
 def _cached(cache: Cache, ref_key: str) -> Pulled | None:

@@ -26,12 +26,10 @@ from diskkit.errors import DiskkitError
 from diskkit.oci import vmexport as layout
 from diskkit.oci.image import Descriptor, Platform, check_digest, parse_json
 from diskkit.registry.options import RegistryOptions
-from diskkit.signing.options import TrustOptions
-from diskkit.signing.trust import enforce_source
 from diskkit.streams.compression import decompressing_reader
 from diskkit.streams.fsutil import fsync_dir, fsync_tree
 from diskkit.streams.sparse import SparseWriter
-from diskkit.transports import open_source
+from launcher.node.admission import admitted
 from launcher.node.cache import Cache, tree_size
 
 # The use locks this process holds (see the docstring): released when it exits, with the VM recorded by then.
@@ -92,8 +90,7 @@ def materialize(cache: Cache, ref: str, registry: RegistryOptions | None, platfo
     """The export at `ref` on this node; refused in one line when it is not one or cannot be mapped,
     or, unless the user runs its disks under a spec of their own (`own_spec`), when its VirtualMachine
     names anything beyond the export's own disks (diskkit.oci.vmexport.check_own_only)."""
-    with open_source(ref, registry) as source:
-        enforce_source(source, TrustOptions.of(registry), registry, platform)  # before any layer is read
+    with admitted(ref, registry, platform, cache) as source:  # the policy first: before any layer is read
         image = source.image(platform)
         manifest = parse_json(image.manifest_bytes, ref)
         if not layout.is_vm_export(manifest):
