@@ -14,7 +14,7 @@ import pytest
 
 from tests.distribution import auth_registry, registry, tls_registry, token_registry  # noqa: F401  (fixtures)
 from tests.engines import dockerd, engine, podman  # noqa: F401  (fixtures)
-from tests import leftovers
+from tests import leftovers, timing
 from tests.faultproxy import FaultProxy
 
 REQUIRED_TOOLS = (
@@ -25,6 +25,11 @@ REQUIRED_TOOLS = (
     "libvirtd", "virtlogd", "nsenter",
     "ssh", "ssh-keygen", "dropbear",
 )
+
+
+def pytest_configure(config):
+    leftovers.begin(getattr(config, "workerinput", {}).get("workerid"))
+    timing.register(config)
 
 
 def pytest_sessionstart(session):
@@ -50,8 +55,25 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.vm)
 
 
-def pytest_unconfigure(config):
+@pytest.hookimpl(trylast=True)  # after pytest's own, which tears the session's fixtures down
+def pytest_sessionfinish(session):
     leftovers.sweep()  # scratch directories whose fixture never reached its cleanup
+    leftovers.check_left_running()
+    leaks = leftovers.leaks_of_run()
+    if leaks:
+        session.config.stash[LEAKS] = leaks
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+LEAKS = pytest.StashKey[list]()
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    leaks = config.stash.get(LEAKS, [])
+    if leaks:
+        terminalreporter.section("processes the run left running (ended now)", red=True)
+        for line in leaks:
+            terminalreporter.write_line(line)
 
 
 @dataclass

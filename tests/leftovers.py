@@ -6,20 +6,30 @@ pytest turns Ctrl-C (SIGINT) into KeyboardInterrupt and still runs every fixture
 closed terminal) end the process at once: `install_handlers` makes them unwind the same way. A second
 signal during the cleanup would cut it short: `uninterrupted` holds signals off until it is done.
 Scratch directories whose fixture never got to its cleanup are swept at the end of the session.
+
+Every test process works below a directory of its own (`begin` points TMPDIR there): a process whose
+command line, working directory or HOME/TMPDIR/DISKKIT_CACHE names it is this run's. What is still
+running when the run's fixtures are all torn down is a leak: `check_left_running` ends it and the run
+fails, naming it. Under pytest-xdist each worker checks its own directory and the controller, which
+runs no test, fails the run; a pytest started by a test gets a directory of its own.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
+import tempfile
 import time
 from pathlib import Path
 from typing import Iterator
 
 ENDING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+RUN_ENV = "DISKKIT_TEST_RUN"
 _scratch: set[Path] = set()
+_run: dict[str, Path] = {}
 
 
 def _interrupt(signum, frame):
@@ -42,14 +52,37 @@ def uninterrupted() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
+def begin(worker: str | None) -> Path:
+    """This process's directory, made TMPDIR for it and everything it starts. A worker joins the run
+    its controller made; any other pytest (the controller, a run without workers, a pytest started
+    by a test) makes a run of its own. Sticky and world-writable as /tmp is: the qemu user's tools
+    write their temporary files there too. Short, for the unix sockets made below it."""
+    run = os.environ.get(RUN_ENV) if worker else None
+    if run is None:
+        run = tempfile.mkdtemp(prefix="dkt", dir="/tmp")
+        os.chmod(run, 0o755)
+        os.environ[RUN_ENV] = run
+        _run["owned"] = Path(run)
+    own = Path(run) / (worker or "main")
+    own.mkdir(exist_ok=True)
+    own.chmod(0o1777)
+    os.environ["TMPDIR"] = str(own)
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+    _run["own"] = own
+    return own
+
+
 def _mentions(pid: str, needle: bytes) -> bool:
     try:
         if needle in Path(f"/proc/{pid}/cmdline").read_bytes():
             return True
         environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        cwd = os.readlink(f"/proc/{pid}/cwd").encode()
     except OSError:
         return False
-    return any(var.startswith(b"HOME=" + needle) for var in environ)
+    if cwd == needle or cwd.startswith(needle + b"/"):
+        return True
+    return any(var.startswith(name + needle) for var in environ for name in (b"HOME=", b"TMPDIR=", b"DISKKIT_CACHE="))
 
 
 def processes_of(root: Path) -> list[int]:
@@ -100,3 +133,38 @@ def sweep() -> None:
     """At the end of the session: the scratch directories a fixture never cleaned up."""
     for root in sorted(_scratch):
         remove_scratch(root)
+
+
+def _describe(pid: int) -> str:
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return f"{pid} (gone)"
+    return f"{pid} {b' '.join(argv).decode(errors='replace')[:200]}"
+
+
+def check_left_running() -> list[str]:
+    """After every fixture's teardown: this process's leaks, ended, and said in the run's directory
+    for whoever fails the run (`leaks_of_run`)."""
+    own = _run.get("own")
+    if own is None:
+        return []
+    left = [_describe(pid) for pid in processes_of(own) if alive(pid)]
+    if left:
+        end_processes_of(own)
+    (own.parent / f"{own.name}.leaks.json").write_text(json.dumps(left))
+    return left
+
+
+def leaks_of_run() -> list[str]:
+    """Every test process's leaks, read by the process that made the run, which then removes it."""
+    run = _run.get("owned")
+    if run is None:
+        return []
+    leaks = []
+    for report in sorted(run.glob("*.leaks.json")):
+        leaks += [f"{report.name.removesuffix('.leaks.json')}: {line}" for line in json.loads(report.read_text())]
+    with uninterrupted():
+        end_processes_of(run)
+        shutil.rmtree(run, ignore_errors=True)
+    return leaks

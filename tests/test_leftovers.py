@@ -56,3 +56,14 @@ def test_an_interrupted_run_leaves_no_daemon_and_no_scratch_directory(tmp_path, 
     assert not root.exists(), out
     assert processes_of(root) == [], out
     assert not [pid for pid in pids if alive(pid)], out  # gone (or a zombie its parent has yet to reap)
+
+
+def test_a_run_that_leaves_a_process_running_fails_and_ends_it(tmp_path):
+    marker = tmp_path / "pid"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/leaking_case.py"], cwd=REPO,
+                          env={**os.environ, "DISKKIT_LEAK_MARKER": str(marker)}, capture_output=True, text=True, timeout=300)
+    pid = int(marker.read_text())
+    assert proc.returncode == 1, proc.stdout  # its one test passed: the leak alone fails the run
+    assert "1 passed" in proc.stdout
+    assert "processes the run left running" in proc.stdout and f"{pid} sleep 600" in proc.stdout, proc.stdout
+    assert not alive(pid)

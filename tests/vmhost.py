@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import pwd
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -23,6 +24,44 @@ NOREG = "--tls-verify=false"
 DONE = "DISKKIT-TESTGUEST DONE"
 
 
+CAPS = Path(".cache/libvirt/qemu/cache/capabilities")
+
+
+def _capabilities_seed() -> Path:
+    """QEMU's capabilities as a session daemon of this process first probed them (seconds of qemu
+    runs under load), for every later HOME: libvirt checks a cached file against the binary, the
+    kernel and the host CPU before it believes it, so a seeded daemon starts in a fraction of a second."""
+    seed = Path(tempfile.gettempdir()) / "libvirt-capabilities"
+    if any(seed.glob("*.xml")):
+        return seed
+    with tempfile.TemporaryDirectory(prefix="caps-") as probe:
+        home = Path(probe) / "home"
+        home.mkdir()
+        os.chown(home, QEMU_UID, pwd.getpwuid(QEMU_UID).pw_gid)
+        os.chmod(probe, 0o755)
+        cmd = ["setpriv", f"--reuid={QEMU_UID}", f"--regid={QEMU_UID}", "--clear-groups", "virsh", "-c", "qemu:///session", "uri"]
+        subprocess.run(cmd, env={**os.environ, "HOME": str(home), "XDG_RUNTIME_DIR": "", "XDG_CACHE_HOME": "", "XDG_CONFIG_HOME": ""},
+                       capture_output=True, check=True, timeout=120)
+        leftovers.end_processes_of(Path(probe))
+        seed.mkdir(exist_ok=True)
+        for xml in (home / CAPS).glob("*.xml"):
+            shutil.copy2(xml, seed / xml.name)
+    return seed
+
+
+def seed_capabilities(home: Path) -> None:
+    """Give a new HOME of the qemu user the probed capabilities before its session daemon starts."""
+    gid = pwd.getpwuid(QEMU_UID).pw_gid
+    target = home
+    for part in CAPS.parts:
+        target = target / part
+        target.mkdir(exist_ok=True)
+        os.chown(target, QEMU_UID, gid)
+    for xml in _capabilities_seed().glob("*.xml"):
+        shutil.copy2(xml, target / xml.name)
+        os.chown(target / xml.name, QEMU_UID, gid)
+
+
 class QemuUser:
     """Where the qemu user works: a HOME (one libvirt session daemon for the whole run) and a cache."""
 
@@ -33,6 +72,7 @@ class QemuUser:
         for d in (self.home, self.cache):
             d.mkdir()
             os.chown(d, QEMU_UID, pwd.getpwuid(QEMU_UID).pw_gid)
+        seed_capabilities(self.home)
         self.env = {"HOME": str(self.home), "XDG_RUNTIME_DIR": "", "XDG_CACHE_HOME": "", "DISKKIT_CACHE": str(self.cache)}
 
     def launcher(self, *args, timeout: float = 300):

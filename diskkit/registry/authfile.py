@@ -117,6 +117,29 @@ def helper_credentials(helper: str, registry: str) -> Credentials | None:
     return Credentials(user, secret)
 
 
+def out_of_reach(authfile: str | None = None) -> list[str]:
+    """The default auth files this user cannot even look for, each with the directory in the way: a
+    /run/containers that root's podman or skopeo made 0700 hides /run/containers/$UID/auth.json from
+    its owner, and a 401 should say so rather than suggest a login that would be read from there."""
+    if authfile or os.environ.get("REGISTRY_AUTH_FILE"):
+        return []
+    found = []
+    for path in candidate_files(None):
+        try:
+            path.is_file()
+            continue
+        except PermissionError:
+            pass
+        blocker = next((parent for parent in reversed(path.parents) if not os.access(parent, os.X_OK)), path.parent)
+        try:
+            st = blocker.stat()
+            how = f"mode {st.st_mode & 0o7777:04o}, owner uid {st.st_uid}"
+        except OSError:
+            how = "unreadable"
+        found.append(f"{path} cannot be read: {blocker} is not searchable by uid {os.getuid()} ({how})")
+    return found
+
+
 def lookup(registry: str, creds: str | None = None, authfile: str | None = None) -> Credentials | None:
     if creds:
         return parse_creds(creds)

@@ -260,7 +260,7 @@ class Registry:
         data = read_body(response, MAX_TOKEN_BYTES, self.host, f"token service {realm} answer")
         if response.status_code in (401, 403):
             who = f"as {creds.username}" if creds else "anonymously"
-            raise AuthError(self.host, f"token service refused {who} for scope {scope or '(none)'}{credentials_hint(creds is not None)}", status=response.status_code)
+            raise AuthError(self.host, f"token service refused {who} for scope {scope or '(none)'}{credentials_hint(creds is not None, self.opts.authfile)}", status=response.status_code)
         if response.status_code != 200:
             raise AuthError(self.host, f"token service answered HTTP {response.status_code} for scope {scope}", status=response.status_code, unreachable=response.status_code >= 500)
         try:
@@ -331,7 +331,7 @@ class Registry:
                 who = f"user {creds.username}" if creds else "anonymous access"
                 if method != "HEAD":
                     _read_into(response, MAX_ERROR_BYTES, self.host, what or method)
-                hint = credentials_hint(creds is not None) if response.status_code == 401 else ""
+                hint = credentials_hint(creds is not None, self.opts.authfile) if response.status_code == 401 else ""
                 raise AuthError(self.host, f"{what or method} denied for {who} (scope {scope}): HTTP {response.status_code}{_api_error(response)}{hint}",
                                 status=response.status_code, code=api_error_code(response))
             if response.status_code in RETRY_STATUS and attempt < self.opts.retries:
@@ -356,11 +356,12 @@ class Registry:
             self._bundle.close()
 
 
-def credentials_hint(had_credentials: bool) -> str:
+def credentials_hint(had_credentials: bool, authfile_option: str | None = None) -> str:
     """How to give credentials, in the words of the flags and files this tool reads (authfile.py)."""
     if had_credentials:
         return "; the credentials were refused: check --creds, --authfile or the auth file found (authfile search: $REGISTRY_AUTH_FILE, $XDG_RUNTIME_DIR/containers/auth.json, ~/.docker/config.json)"
-    return "; give credentials with --creds USER:PASS, --authfile FILE or $REGISTRY_AUTH_FILE, or log in with `skopeo login` / `podman login` (read from their auth.json)"
+    hidden = "".join(f"; {why}" for why in authfile.out_of_reach(authfile_option))
+    return f"{hidden}; give credentials with --creds USER:PASS, --authfile FILE or $REGISTRY_AUTH_FILE, or log in with `skopeo login` / `podman login` (read from their auth.json)"
 
 
 def scope(repository: str, actions: str) -> str:

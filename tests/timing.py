@@ -1,0 +1,154 @@
+"""Where the suite's time goes: seconds and guest boots per test file, and the run against its budget.
+
+Every run ends with a table of the slowest files (setup, call and teardown of their tests, summed),
+how many guests each booted, and its share of the run, then the run's wall time against the budget
+(DEVELOPERS' rule: the whole suite within 25 minutes on 2 cores). tests/README.md keeps the table of
+a full run and the command that makes it.
+
+A guest boot is a qemu-system process that appears while a test runs and names one of this run's
+directories on its command line (its disks live there): libvirt starts qemu with an empty environment
+and not as our child, so neither the process tree nor a marker variable would find it. /proc is read
+every 0.2 s; a boot under TCG lasts seconds, so none is missed.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+BUDGET_SECONDS = 25 * 60
+TESTS_BUDGET_SECONDS = 20 * 60
+SHOWN = 25
+QEMU_COMM = b"qemu-system-x86"  # /proc/PID/comm keeps 15 bytes of qemu-system-x86_64
+
+
+class BootCounter:
+    """Counts the qemu processes of this run, each charged to the file of the test that was running."""
+
+    def __init__(self, roots: list[str]):
+        self.roots = [root.encode() for root in roots]
+        self.seen: set[int] = set(self._qemus())  # another run's guests are not ours
+        self.current: str | None = None
+        self.boots: dict[str, int] = defaultdict(int)
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="boot-counter", daemon=True)
+        self.thread.start()
+
+    @staticmethod
+    def _qemus() -> list[int]:
+        found = []
+        for pid in os.listdir("/proc"):
+            if pid.isdigit():
+                try:
+                    if Path(f"/proc/{pid}/comm").read_bytes().rstrip(b"\n") == QEMU_COMM:
+                        found.append(int(pid))
+                except OSError:
+                    pass
+        return found
+
+    def _ours(self, pid: int) -> bool:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return False
+        return any(root in cmdline for root in self.roots)
+
+    def _watch(self) -> None:
+        while not self.stopping.wait(0.2):
+            for pid in self._qemus():
+                if pid in self.seen:
+                    continue
+                self.seen.add(pid)
+                if self._ours(pid):
+                    with self.lock:
+                        if self.current is not None:
+                            self.boots[self.current] += 1
+
+    def start_test(self, path: str) -> None:
+        with self.lock:
+            self.current = path
+
+    def take(self, path: str) -> int:
+        """The boots charged to `path` since the last take (reported with each test's teardown)."""
+        with self.lock:
+            return self.boots.pop(path, 0)
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(timeout=2)
+
+
+class Timing:
+    """The pytest plugin: per-file seconds and boots, printed at the end of the run."""
+
+    def __init__(self, config: pytest.Config):
+        self.config = config
+        self.started = time.monotonic()
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.boots: dict[str, int] = defaultdict(int)
+        self.tests: dict[str, int] = defaultdict(int)
+        self.counter: BootCounter | None = None
+
+    # --- in the process that runs the tests (a worker, or the only process) ---
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionstart(self, session):
+        if not hasattr(self.config, "workerinput") and self.config.pluginmanager.hasplugin("dsession"):
+            return  # the xdist controller runs no test
+        roots = [tempfile.gettempdir()]  # scratch dirs and pytest's basetemp are below it
+        self.counter = BootCounter(roots)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item):
+        if self.counter is not None:
+            self.counter.start_test(item.location[0])
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        outcome = yield
+        report = outcome.get_result()
+        if call.when == "teardown" and self.counter is not None:
+            report.user_properties.append(("guest_boots", self.counter.take(item.location[0])))
+
+    def pytest_sessionfinish(self, session):
+        if self.counter is not None:
+            self.counter.stop()
+
+    # --- where reports arrive (the controller under xdist) ---
+    def pytest_runtest_logreport(self, report):
+        path = report.nodeid.split("::", 1)[0]
+        self.seconds[path] += report.duration
+        if report.when == "call":
+            self.tests[path] += 1
+        for key, value in report.user_properties:
+            if key == "guest_boots":
+                self.boots[path] += value
+
+    def pytest_terminal_summary(self, terminalreporter):
+        if not self.seconds:
+            return
+        wall = time.monotonic() - self.started
+        total = sum(self.seconds.values())
+        write = terminalreporter.write_line
+        terminalreporter.section("seconds per test file")
+        write(f"{'seconds':>8} {'share':>6} {'tests':>5} {'boots':>5}  file")
+        for path, seconds in sorted(self.seconds.items(), key=lambda kv: -kv[1])[:SHOWN]:
+            write(f"{seconds:8.1f} {seconds / total:6.1%} {self.tests[path]:5d} {self.boots[path]:5d}  {path}")
+        rest = sorted(self.seconds)[SHOWN:] if len(self.seconds) > SHOWN else []
+        if rest:
+            shown = sum(sorted(self.seconds.values(), reverse=True)[:SHOWN])
+            write(f"{total - shown:8.1f} {(total - shown) / total:6.1%}  the other {len(self.seconds) - SHOWN} files")
+        write(f"{total:8.1f}  in tests ({sum(self.tests.values())} tests, {sum(self.boots.values())} guest boots)")
+        verdict = "within" if wall <= TESTS_BUDGET_SECONDS else "OVER"
+        write(f"wall time {wall / 60:.1f} min: {verdict} the tests' budget of {TESTS_BUDGET_SECONDS // 60} min "
+              f"(the whole CI run, set-up included: {BUDGET_SECONDS // 60} min)")
+
+
+def register(config: pytest.Config) -> None:
+    config.pluginmanager.register(Timing(config), "diskkit-timing")
