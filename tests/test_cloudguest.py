@@ -10,6 +10,8 @@ and `launcher ssh` trusts those, with no ssh options, and refuses a changed one.
 
 from __future__ import annotations
 
+import re
+import shlex
 import subprocess
 
 import pytest
@@ -80,3 +82,20 @@ def test_launcher_test_finds_the_default_user_cloud_init_names(cloud_guest: Clou
     user, source = login_user(None, None, console_report(cloud_guest), cloud_guest.public_key)
     assert (user, source) == ("debian", "cloud-init's default user, whom it gave the key")
     assert login_user(None, None, Report(), cloud_guest.public_key)[0] == "root"
+
+
+def test_port_forward_gives_the_ssh_options_that_check_the_vms_keys(cloud_guest: CloudGuest):
+    forward = cloud_guest.user.popen("port-forward", "vmi/cloudguest", "0:22")
+    try:
+        port = re.fullmatch(r"Forwarding from 127\.0\.0\.1:(\d+) -> 22 \(tcp\)\n", forward.stdout.readline()).group(1)
+        hint = forward.stderr.readline()
+        prefix = "launcher: ssh with cloudguest's host keys: ssh "
+        assert hint.startswith(prefix), hint
+        *options, target = shlex.split(hint[len(prefix):])
+        assert options[-2:] == ["-p", port] and target == "USER@127.0.0.1", hint
+        done = subprocess.run(["ssh", "-F", "/dev/null", "-o", "BatchMode=yes", "-i", str(cloud_guest.key), *options, "debian@127.0.0.1", "id -un"],
+                              capture_output=True, text=True, timeout=120)
+        assert (done.returncode, done.stdout) == (0, "debian\n"), done.stderr
+    finally:
+        forward.terminate()
+        forward.wait(timeout=60)
