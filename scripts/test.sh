@@ -3,5 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-export DISKKIT_TESTGUEST_DIR="$PWD/build/testguest"
+export DISKKIT_TESTGUEST_DIR="$PWD/build/testguest" DISKKIT_CLOUDGUEST_DIR="$PWD/build/cloudguest"
 exec .venv/bin/python -m pytest "$@"

@@ -23,7 +23,8 @@
 #   STAGING        candidates repository [$REGISTRY/$NAME-candidates]
 #   LABEL_KEY      label carrying the upstream checksum [shasum]
 #   KEEP           dated tags kept [3]                        PRUNE_MATCH  [.+-[0-9]{10}]
-#   TEST_USER      ssh user of the boot test [root]          TEST_TIMEOUT seconds [600]
+#   TEST_USER      ssh user of the boot test [the image's label, else cloud-init's default user, else root]
+#   TEST_TIMEOUT   seconds [600]
 #   TEST_ARGS      more `launcher test` options, word-split (e.g. "--memory 2Gi --expect 'login:'")
 #   BUILD_TIME     seconds since the epoch of this build [now]: the dated tag and the image's created time
 #   TLS_VERIFY     false for a plain-HTTP registry [true]
@@ -31,7 +32,7 @@
 #
 # Example:
 #   REGISTRY=localhost:5000 NAME=disks/fedora UPSTREAM=https://dl.example.org/fedora/40 \
-#   ARTIFACT='Fedora-Cloud-{VERSION}.x86_64.qcow2' CHECKSUM_FILE=CHECKSUM TEST_USER=fedora \
+#   ARTIFACT='Fedora-Cloud-{VERSION}.x86_64.qcow2' CHECKSUM_FILE=CHECKSUM \
 #   TEST_ARGS="--memory 2Gi" examples/ci/pipeline.sh
 set -euo pipefail
 
@@ -109,7 +110,7 @@ diskkit verify "${tls[@]}" --json "$candidate" >"$WORKDIR/verify.json" || status
 step "boot-test $candidate"
 eval "extra=(${TEST_ARGS:-})"  # the CI owner's own words, quotes kept
 status=0
-launcher test "${tls[@]}" --json --timeout "${TEST_TIMEOUT:-600}" --user "${TEST_USER:-root}" \
+launcher test "${tls[@]}" --json --timeout "${TEST_TIMEOUT:-600}" ${TEST_USER:+--user "$TEST_USER"} \
     --fail-on 'Kernel panic' --fail-on 'Call Trace' "${extra[@]}" "$candidate" >"$WORKDIR/test.json" || status=$?
 ((status == 0)) || reject "$status" "boot test failed (exit $status, $WORKDIR/test.json)"
 

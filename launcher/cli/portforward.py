@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import signal
 import sys
 import threading
@@ -56,6 +57,8 @@ def port_forward(target, ports, address, stdio, cache_dir) -> None:
         for forward in forwards:
             added = forwarder.add(forward)
             click.echo(f"Forwarding from {address}:{added.local} -> {added.remote} ({added.protocol})")
+            if (added.protocol, added.remote) == ("tcp", 22):
+                _ssh_hint(node_cache(cache_dir), record, name, address, added.local)
         sys.stdout.flush()
         # until Ctrl-C, or the VM goes (its forwards with it)
         while not done.wait(1.0):
@@ -63,3 +66,16 @@ def port_forward(target, ports, address, stdio, cache_dir) -> None:
                 raise DiskkitError(name, "stopped; its forwards went with it")
     finally:
         forwarder.close()
+
+
+def _ssh_hint(cache, record: dict, name: str, address: str, local: int) -> None:
+    """How to ssh through the forward with the VM's own host keys (launcher.runtime.sshreach), once known."""
+    from launcher.runtime.sshreach import settled_now, ssh_quote
+
+    contact = settled_now(cache, record)
+    if contact is None:
+        click.echo(f"launcher: {name}'s host keys are not known yet (cloud-init prints them at first boot); "
+                   f"`launcher ssh` waits for them", err=True)
+        return
+    known_hosts = shlex.quote(f"UserKnownHostsFile={ssh_quote(contact.known_hosts)}")
+    click.echo(f"launcher: ssh with {name}'s host keys: ssh -o {known_hosts} -o HostKeyAlias={contact.alias} -p {local} USER@{address}", err=True)

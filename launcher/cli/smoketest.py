@@ -5,7 +5,10 @@ The key reaches the guest as KubeVirt's accessCredentials put it (noCloud propag
 meta-data's `public-keys`, which cloud-init installs for the default user), from a Secret the command
 makes in memory; `disable_root: false` in the user data lets cloud-init give it to root too. The VM runs
 in this process (launcher.runtime.vms.run, on the main thread for its signal handling); a second thread
-waits for ssh through `launcher port-forward --stdio`, runs the command and stops the VM.
+waits for ssh through `launcher port-forward --stdio` (host keys settled as for `launcher ssh`,
+launcher.runtime.sshreach), runs the command and stops the VM. It logs in as `--user`, else as the
+image's label names (diskkit.oci.userhint), else as the user cloud-init says on the console it gave the
+key to (its default user: debian, fedora...), else as root.
 """
 
 from __future__ import annotations
@@ -26,11 +29,13 @@ import click
 
 from diskkit.cli.shell import platform as platform_of
 from diskkit.cli.shell import registry_options
-from diskkit.errors import DiskkitError, Exit
+from diskkit.errors import DiskkitError, Exit, TimedOut
+from diskkit.oci.userhint import DEFAULT_USER_LABEL, default_user
 from diskkit.registry.options import RegistryOptions
 from launcher.cli.options import cache_option, node_cache, say, storage_options, trust_options
 from launcher.cli.ssh import Target, ssh_command
 from launcher.node.selfexec import launcher_argv
+from launcher.runtime.cloudinitreport import Report
 from launcher.runtime.consolewatch import Matcher, Watch, compile_patterns
 from launcher.volumes.guestplatform import check_config, check_requested
 from launcher.spec.k8s import Objects
@@ -40,9 +45,9 @@ from launcher.volumes.storage import Storage
 PASSED, COMMAND_FAILED, NOT_BOOTED, NO_SSH = Exit.OK, Exit.FAILED, Exit.GUEST_FAILED, Exit.TIMEOUT  # diskkit.errors.Exit, the table of both CLIs
 KEY_SECRET = "launcher-test-ssh-key"
 USER_DATA = "#cloud-config\ndisable_root: false\n"
-# ssh as a probe: no questions, no state kept, no user configuration in the way.
-SSH_OPTS = ("-F /dev/null", "-o BatchMode=yes", "-o IdentitiesOnly=yes", "-o StrictHostKeyChecking=no",
-            "-o UserKnownHostsFile=/dev/null", "-o LogLevel=ERROR", "-o ConnectTimeout=20")
+# ssh as a probe: no questions, no user configuration in the way; the VM's host keys are settled by
+# launcher.runtime.sshreach as for `launcher ssh`.
+SSH_OPTS = ("-F /dev/null", "-o BatchMode=yes", "-o IdentitiesOnly=yes", "-o LogLevel=ERROR", "-o ConnectTimeout=20")
 
 
 @dataclass
@@ -107,19 +112,31 @@ def key_secret(namespace: str, public_key: str) -> dict:
 
 # ---------------------------------------------------------------- the shell
 
+def login_user(given: str | None, labelled: str | None, report: Report, public_key: str) -> tuple[str, str | None]:
+    """Who the test logs in as, and where the image said it (None: given with --user): the image's label,
+    else the user cloud-init installed the test's key for (its table on the console: its default user
+    for the accessCredential's key), else root."""
+    if given:
+        return given, None
+    if labelled:
+        return labelled, f"the image's label {DEFAULT_USER_LABEL}"
+    if user := report.user_of(public_key):
+        return user, "cloud-init's default user, whom it gave the key"
+    return "root", f"neither a label {DEFAULT_USER_LABEL} nor cloud-init's console names the image's user"
+
+
 class _Reach(threading.Thread):
     """Wait for the VM's record, then for ssh; run the command; stop the VM whatever happened."""
 
-    def __init__(self, cache, cache_dir, target: Target, port: int, key: Path, command: tuple[str, ...], deadline: float, result: Result, capture: bool,
-                 matcher: Matcher):
+    def __init__(self, cache, cache_dir, target: Target, port: int, key: Path, public_key: str, command: tuple[str, ...], deadline: float,
+                 result: Result, capture: bool, matcher: Matcher, labelled_user: str | None):
         super().__init__(daemon=True)
-        self.cache, self.target, self.deadline, self.result, self.capture = cache, target, deadline, result, capture
+        self.cache, self.target, self.port, self.deadline, self.result, self.capture = cache, target, port, deadline, result, capture
         self.matcher = matcher
         self.console_changed = threading.Event()  # set by the console watch when it read new lines
         self.vm_gone = threading.Event()  # set when vms.run returned or raised
-        common = dict(identity=str(key), local_opts=SSH_OPTS, cache_dir=cache_dir)
-        self.probe = ssh_command(target, port, launcher_argv(), command=("true",), **common)
-        self.run_it = ssh_command(target, port, launcher_argv(), command=command, **common)
+        self.public_key, self.labelled_user, self.command = public_key, labelled_user, command
+        self.common = dict(identity=str(key), local_opts=SSH_OPTS, cache_dir=cache_dir)
         self.outcome: int | None = None
 
     def run(self) -> None:
@@ -135,6 +152,8 @@ class _Reach(threading.Thread):
                     pass  # it went by itself meanwhile
 
     def _reach(self, find_record) -> int:
+        from launcher.runtime.sshreach import first_contact
+
         while find_record(self.cache, self.target.vm) is None:
             if self.vm_gone.wait(0.2):
                 return NOT_BOOTED
@@ -142,8 +161,22 @@ class _Reach(threading.Thread):
                 self.result.reason = "the VM did not start within --timeout"
                 return NO_SSH
         started = time.monotonic()
+        try:
+            contact = first_contact(self.cache, self.target.vm, self.port, max(self.deadline - started, 0.001), say, stop=self.vm_gone)
+        except TimedOut:
+            self.result.reason = f"no ssh login within --timeout (its ssh server on guest port {self.port} never answered)"
+            return NO_SSH
+        except DiskkitError as err:
+            self.result.reason = "the VM stopped before ssh answered" if self.vm_gone.is_set() else str(err)
+            return NOT_BOOTED
+        user, source = login_user(self.target.user, self.labelled_user, contact.report, self.public_key)
+        if source:
+            say(f"{self.target.forward}: logging in as {user}: {source}")
+        target = replace(self.target, user=user)
+        common = dict(self.common, host_key_opts=contact.ssh_options())
+        probe_command = ssh_command(target, self.port, launcher_argv(), command=("true",), **common)
         while True:
-            probe = subprocess.run(self.probe, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+            probe = subprocess.run(probe_command, stdin=subprocess.DEVNULL, capture_output=True, text=True)
             if probe.returncode == 0:
                 break
             if self.vm_gone.is_set():
@@ -151,13 +184,16 @@ class _Reach(threading.Thread):
                 return NOT_BOOTED
             if time.monotonic() > self.deadline:
                 last = (probe.stderr.strip().splitlines() or ["no answer"])[-1]
-                self.result.reason = f"no ssh login within --timeout (last try: {last})"
+                self.result.reason = f"no ssh login as {user} within --timeout (last try: {last})"
+                if self.target.user is None and not self.labelled_user and user == "root":
+                    self.result.reason += f"; give the image's user with --user, or as its label {DEFAULT_USER_LABEL}"
                 return NO_SSH
             self.vm_gone.wait(1)
         self.result.boot_to_ssh_seconds = round(time.monotonic() - started, 1)
         if not self.capture:
             say(f"{self.target.forward}: ssh answered {self.result.boot_to_ssh_seconds:.1f} s after the VM started")
-        done = subprocess.run(self.run_it, stdin=subprocess.DEVNULL, capture_output=self.capture, text=True)
+        run_it = ssh_command(target, self.port, launcher_argv(), command=self.command, **common)
+        done = subprocess.run(run_it, stdin=subprocess.DEVNULL, capture_output=self.capture, text=True)
         self.result.exit_status = done.returncode
         if self.capture:
             self.result.stdout, self.result.stderr = done.stdout, done.stderr
@@ -234,9 +270,9 @@ def _load(path: str) -> dict:
 @click.command("test", epilog="""\b
 Examples:
   launcher test quay.io/containerdisks/fedora:40 --user fedora
-  launcher test registry.local/debian:12 --user debian --attest-sigstore-private-key ci.private --attest-passphrase-file pass
-  launcher test registry.local/debian:12 --user debian --attest-sign-by 3F1A...C0DE   # GPG, gpg-agent asks
-  launcher test registry.local/debian:12 --user debian -- systemctl is-system-running --wait
+  launcher test registry.local/debian:12 --attest-sigstore-private-key ci.private --attest-passphrase-file pass
+  launcher test registry.local/debian:12 --attest-sign-by 3F1A...C0DE   # GPG, gpg-agent asks
+  launcher test registry.local/debian:12 -- systemctl is-system-running --wait   # as cloud-init's default user
   launcher test --json --timeout 600 oci:./layout:v1 > result.json
   launcher test vmi.yaml -- cat /etc/os-release     # a VMI file: the key is added to it
   launcher test vmi.yaml --manifests ./k8s --pvc data=/srv/data   # its claims and Secrets, as launcher run takes them
@@ -252,7 +288,7 @@ exits with that failure's status.
 """)
 @click.argument("ref")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
-@click.option("--user", default="root", show_default=True, help="Log in as this user (a cloud image's default user, e.g. fedora).")
+@click.option("--user", help=f"Log in as this user (default: the image's label {DEFAULT_USER_LABEL}, else the user cloud-init gave the key, its default user, as its console shows; else root).")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=300, show_default=True, metavar="SECONDS", help="Give up waiting for ssh after this long (pull and boot included).")
 @click.option("--port", type=click.IntRange(1, 65535), default=22, show_default=True, help="The guest's ssh port.")
 @click.option("--memory", default="1Gi", show_default=True, help="Guest memory of the generated VMI.")
@@ -272,7 +308,7 @@ def smoke_test(ref, command, user, timeout, port, memory, as_json, uri, platform
                attest_passphrase_file, cache_dir, store: Storage, registry: RegistryOptions) -> None:
     """Boot REF (an image, or a VMI file) with a fresh ssh key, run COMMAND over ssh (default: echo hello),
     print the boot-to-ssh time, stop and remove the VM; exit 0 only if the command succeeded."""
-    from launcher.node.pull import pull
+    from launcher.node.pull import cached_config, pull
     from launcher.runtime.vms import RunOptions, run
     from launcher.runtime import rundir
     from launcher.runtime.console import ConsoleLog
@@ -290,6 +326,7 @@ def smoke_test(ref, command, user, timeout, port, memory, as_json, uri, platform
     result = Result(vmi="", command=" ".join(command))
     code = NOT_BOOTED
     attach_failed: DiskkitError | None = None
+    labelled_user: str | None = None
     interrupted = False
     try:
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "launcher-test", "-f", str(keys / "key")],
@@ -308,8 +345,9 @@ def smoke_test(ref, command, user, timeout, port, memory, as_json, uri, platform
 
                         registry_image(src.image)  # refused before the pull: attestations live in a registry
                     # A foreign image is refused on its config, before its disk is downloaded.
-                    result.images[src.image] = pull(cache, src.image, src.path, plat, registry, src.image_pull_policy,
-                                                    accept=check_config(src.image)).digest
+                    pulled = pull(cache, src.image, src.path, plat, registry, src.image_pull_policy, accept=check_config(src.image))
+                    result.images[src.image] = pulled.digest
+                    labelled_user = labelled_user or default_user(cached_config(cache, pulled), src.image)
         except DiskkitError as err:
             # Refused before a boot (not found, foreign, unreadable): the refusal's own exit status.
             result.reason = str(err)
@@ -317,7 +355,7 @@ def smoke_test(ref, command, user, timeout, port, memory, as_json, uri, platform
             vmi = None
         if vmi is not None:
             target = Target("vmi", vmi.name, vmi.namespace, user)
-            reach = _Reach(cache, cache_dir, target, port, keys / "key", command, began + timeout, result, as_json, matcher)
+            reach = _Reach(cache, cache_dir, target, port, keys / "key", public, command, began + timeout, result, as_json, matcher, labelled_user)
             watch = Watch(ConsoleLog(rundir.console_log(cache.run_dir(vmi.domain_name))), matcher, reach.stop_now, reach.console_changed)
             objects = store.objects if store.objects is not None else Objects()
             objects.add(key_secret(vmi.namespace, public), "launcher test's key")

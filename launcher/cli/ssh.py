@@ -1,7 +1,8 @@
 """`launcher ssh`: the system ssh to a VM the launcher runs, through `launcher port-forward --stdio`
 as its ProxyCommand (virtctl ssh --local-ssh, pkg/virtctl/ssh/ssh.go). Target parsing and the ssh
-command line are pure; the command checks the VM exists, then becomes ssh (its exit status is the
-remote command's, or 255 for ssh's own failures)."""
+command line are pure; the command checks the VM exists, waits for its ssh server and settles its host
+keys on first contact (launcher.runtime.sshreach), then becomes ssh (its exit status is the remote
+command's, or 255 for ssh's own failures)."""
 
 from __future__ import annotations
 
@@ -85,12 +86,15 @@ def proxy_command(target: Target, port: int, launcher: list[str], cache_dir: str
 
 
 def ssh_command(target: Target, port: int, launcher: list[str], *, identity: str | None = None, user: str | None = None,
-                local_opts: tuple[str, ...] = (), command: tuple[str, ...] = (), cache_dir: str | None = None) -> list[str]:
+                local_opts: tuple[str, ...] = (), host_key_opts: tuple[str, ...] = (), command: tuple[str, ...] = (),
+                cache_dir: str | None = None) -> list[str]:
     """The ssh command line, in virtctl's order (LocalClientCmd): ProxyCommand, --local-ssh-opts, -i, the
-    target, the command. The user: USER@ in the target, else -l, else $USER."""
+    target, the command; the VM's host key options right after the user's, which win (ssh keeps an
+    option's first value). The user: USER@ in the target, else -l, else $USER."""
     args = ["ssh", "-o", f"ProxyCommand={proxy_command(target, port, launcher, cache_dir)}"]
     for opt in local_opts:
         args += shlex.split(opt)
+    args += host_key_opts
     if identity:
         args += ["-i", identity]
     login = target.user or user
@@ -103,7 +107,7 @@ Examples:
   launcher ssh root@vmi/testvm                       # a shell, with ~/.ssh's keys or the agent's
   launcher ssh -i ~/.ssh/id_ed25519 root@vmi/testvm -- uname -a
   launcher ssh -l fedora -c 'sudo dmesg' vm/web/prod # NAMESPACE after the name, as virtctl
-  launcher ssh -t "-o StrictHostKeyChecking=no" root@testvm -c true
+  launcher ssh -t "-o ServerAliveInterval=10" debian@testvm -c true
 """)
 @click.argument("target")
 @click.argument("remote", nargs=-1, type=click.UNPROCESSED)
@@ -111,24 +115,34 @@ Examples:
 @click.option("-p", "--port", type=click.IntRange(1, 65535), default=22, show_default=True, help="The guest's ssh port.")
 @click.option("-l", "--username", metavar="USER", help="Log in as USER (default: USER@ in the target, else $USER, as virtctl).")
 @click.option("-c", "--command", metavar="COMMAND", help="Run COMMAND in the guest (or give it after --).")
-@click.option("-t", "--local-ssh-opts", "local_opts", multiple=True, metavar="OPTS", help="More options for the local ssh, e.g. \"-o StrictHostKeyChecking=no\"; repeatable.")
+@click.option("-t", "--local-ssh-opts", "local_opts", multiple=True, metavar="OPTS", help="More options for the local ssh, e.g. \"-o ServerAliveInterval=10\"; repeatable.")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=300, show_default=True, metavar="SECONDS",
+              help="On first contact, how long to wait for the guest's ssh server (and the host keys cloud-init prints).")
 @click.option("--cache-dir", type=click.Path(file_okay=False), help="The node cache the VM was started from.")
-def ssh(target, remote, identity_file, port, username, command, local_opts, cache_dir) -> None:
+def ssh(target, remote, identity_file, port, username, command, local_opts, timeout, cache_dir) -> None:
     """Open an ssh connection to a VM started by `launcher run` ([USER@]vmi/NAME[/NAMESPACE] or NAME).
 
     Runs the system ssh with `launcher port-forward --stdio` as its ProxyCommand, as `virtctl ssh
-    --local-ssh` does; exits with the remote command's status (255: ssh itself failed). The host name
-    ssh records in known_hosts is KIND.NAME.NAMESPACE.
+    --local-ssh` does; exits with the remote command's status (255: ssh itself failed).
+
+    No host key options are needed: the first contact waits until the guest's ssh server answers and
+    trusts the host keys cloud-init printed on the VM's console at first boot, else the first key the
+    server shows (said in one line); both are kept for this VM alone, in its run directory, and a
+    changed key is refused.
     """
-    from launcher.cli.options import node_cache
+    from launcher.cli.options import node_cache, say
+    from launcher.runtime.sshreach import first_contact
     from launcher.runtime.vms import find_record
 
     if command and remote:
         raise DiskkitError("ssh", "give the command with -c or after --, not both")
     parsed = parse_target(target)
-    if find_record(node_cache(cache_dir), parsed.vm) is None:
+    cache = node_cache(cache_dir)
+    if find_record(cache, parsed.vm) is None:
         raise NotFound(parsed.vm, "no VM of this name was started from this cache (yet)")
+    contact = first_contact(cache, parsed.vm, port, timeout, say, progress=say)
     argv = ssh_command(parsed, port, launcher_argv(), identity=identity_file, user=username or default_user(),
-                       local_opts=local_opts, command=(command,) if command else remote, cache_dir=cache_dir)
+                       local_opts=local_opts, host_key_opts=contact.ssh_options(), command=(command,) if command else remote,
+                       cache_dir=cache_dir)
     sys.stdout.flush()
     os.execvp(argv[0], argv)

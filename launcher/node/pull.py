@@ -14,6 +14,7 @@ hint, as every reader hashes what it reads) or, with no TOC, by hashing the disk
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sqlite3
 import time
@@ -116,6 +117,16 @@ def pull(
                     hit = _extract(cache, source, image, shown, path, disk, ref_key, reporter)
         remember(cache, shown, platform, image, source)
     return hit
+
+
+def cached_config(cache: Cache, pulled: Pulled) -> dict | None:
+    """The config of the image a pull resolved to, from the manifest and config it remembered."""
+    try:
+        manifest = json.loads(cache.blob_path(pulled.digest).read_bytes())
+        config = json.loads(cache.blob_path(manifest["config"]["digest"]).read_bytes())
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return config if isinstance(config, dict) else None
 
 
 def image_key(digest: str, path: str | None, platform: Platform | None, disk: bool = True) -> str:

@@ -113,6 +113,33 @@ class Forwarder:
                 self.active.remove(forward)  # the VM is gone, and its rules with it
 
 
+def banner(forwarder: Forwarder, remote: int, timeout: float = 10) -> bytes | None:
+    """The identification line the guest's ssh server at `remote` sends (RFC 4253 4.2: `SSH-...`, maybe after
+    other lines), through a forward of its own; None when nothing answers yet. qemu accepts a connection
+    to a forward before the guest's port does, and closes it if the guest refuses: an open port says nothing."""
+    rule = forwarder.add(Forward("tcp", 0, remote))
+    try:
+        conn = socket.create_connection((forwarder.address, rule.local), timeout=timeout)
+    except OSError:
+        return None
+    finally:
+        forwarder.remove(rule)
+    received = b""
+    with conn:
+        try:
+            while len(received) < 1024:  # what the RFC allows before the identification line, and more
+                chunk = conn.recv(1024 - len(received))
+                if not chunk:
+                    return None
+                received += chunk
+                for line in received.split(b"\n")[:-1]:
+                    if line.startswith(b"SSH-"):
+                        return line.rstrip(b"\r")
+        except OSError:
+            return None
+    return None
+
+
 def pump_stdio(forwarder: Forwarder, remote: int, stdin: int = 0, stdout: int = 1) -> None:
     """One TCP connection to the guest's `remote` port over stdin/stdout; returns when the guest closes it."""
     rule = forwarder.add(Forward("tcp", 0, remote))

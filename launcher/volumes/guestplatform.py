@@ -10,13 +10,12 @@ launcher renders, launcher.spec.vmi), before a layer is read where the pull allo
 
 from __future__ import annotations
 
-import json
 import shutil
 
 from diskkit.errors import DiskkitError
 from diskkit.oci.image import Platform
 from launcher.node.cache import Cache
-from launcher.node.pull import Pulled
+from launcher.node.pull import Pulled, cached_config
 
 # GOARCH -> qemu's system emulator suffix.
 EMULATORS = {"amd64": "x86_64", "386": "i386", "arm64": "aarch64", "arm": "arm", "ppc64le": "ppc64", "s390x": "s390x", "riscv64": "riscv64"}
@@ -47,11 +46,7 @@ def config_platform(config: dict) -> Platform | None:
 
 def image_platform(cache: Cache, pulled: Pulled) -> Platform | None:
     """The os/architecture of the image a pull resolved to, from the manifest and config it remembered."""
-    try:
-        manifest = json.loads(cache.blob_path(pulled.digest).read_bytes())
-        return config_platform(json.loads(cache.blob_path(manifest["config"]["digest"]).read_bytes()))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    return config_platform(cached_config(cache, pulled))
 
 
 def check_platform(plat: Platform | None, image: str) -> None:
