@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # Install what diskkit needs on a fresh Debian 12 machine, a .venv with the project, and the test guest disk.
-#   setup.sh          the test suite's set: every real peer the tests drive (qemu, skopeo, umoci, podman, ...),
-#                     and the real cloud guest (images/cloudguest, build/cloudguest)
+#   setup.sh          the test suite's set: every real peer the tests drive (qemu, skopeo, umoci, podman, ...)
 #   setup.sh demo     what scripts/demo.sh needs: qemu, libvirt's daemon (no system service), a registry, skopeo
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -68,10 +67,4 @@ fi
 .venv/bin/pip install -q --disable-pip-version-check -e ".[$EXTRA]"
 
 bash images/testguest/build.sh build/testguest >&2
-if [ "$SET" = demo ]; then
-    echo "setup: ready (.venv, build/testguest)" >&2
-    exit 0
-fi
-# The real cloud guest the tests boot (systemd, cloud-init, sshd): built as root, from Debian's archive.
-$SUDO env CLOUDGUEST_MIRROR="${CLOUDGUEST_MIRROR:-}" bash images/cloudguest/build.sh build/cloudguest >&2
-echo "setup: ready (.venv, build/testguest, build/cloudguest)" >&2
+echo "setup: ready (.venv, build/testguest)" >&2

@@ -1,7 +1,20 @@
 #!/usr/bin/env bash
 # Set up (idempotent) and run the whole test suite against the real tools.
+#   ./scripts/test.sh                 everything, two tests at a time (the suite's budget: 20 minutes of tests on 2 cores)
+#   ./scripts/test.sh -m 'not vm'     the quick tier: no test that boots a guest
+#   ./scripts/test.sh tests/test_x.py pytest's own arguments pass through
+# DISKKIT_TEST_WORKERS sets how many tests run at once (default 2; 0 runs them in this process).
+# Every run ends with the slowest tests, the seconds per file and the total against the budget.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-export DISKKIT_TESTGUEST_DIR="$PWD/build/testguest" DISKKIT_CLOUDGUEST_DIR="$PWD/build/cloudguest"
-exec .venv/bin/python -m pytest "$@"
+# The real cloud guest is built by the first test that boots it, once per machine (tests/cloudguest.py).
+export DISKKIT_TESTGUEST_DIR="$PWD/build/testguest"
+WORKERS=${DISKKIT_TEST_WORKERS:-2}
+PARALLEL=()
+if [ "$WORKERS" != 0 ]; then
+    # A file's tests stay on one worker: its module fixtures (a registry, a session daemon, a booted
+    # guest shared by its checks) are made once.
+    PARALLEL=(-n "$WORKERS" --dist loadfile)
+fi
+exec .venv/bin/python -m pytest "${PARALLEL[@]}" --durations=30 "$@"

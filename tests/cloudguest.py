@@ -1,7 +1,7 @@
 """The real cloud test guest (images/cloudguest): Debian 12 with systemd, cloud-init, sshd,
 qemu-guest-agent and sudo. A boot costs about a minute of CPU under TCG, so checks share one boot.
 
-    ensure_cloudguest()   build it once per machine (build/cloudguest, or $DISKKIT_CLOUDGUEST_DIR), keyed
+    ensure_cloudguest()   build it once per machine (/var/cache/diskkit-test/cloudguest, or $DISKKIT_CLOUDGUEST_DIR), keyed
                           by build.sh's sha256, under a file lock so parallel workers build it once
     booted(registry)      push it, boot it through the launcher as the qemu user (KubeVirt's NoCloud disk
                           and accessCredentials), wait for `login:`, ssh in at once; yields a CloudGuest
@@ -29,6 +29,7 @@ from tests.conftest import Result, run_diskkit
 from tests.vmhost import NOREG, QEMU_UID, QemuUser, qemu_scratch
 
 REPO = Path(__file__).resolve().parent.parent
+MACHINE_CACHE = Path(os.environ.get("DISKKIT_TEST_CACHE", "/var/cache/diskkit-test"))
 BUILD_SH = REPO / "images" / "cloudguest" / "build.sh"
 IMAGE = "cloudguest.qcow2"
 NAME = "cloudguest"
@@ -39,8 +40,10 @@ FIRST_SSH = ("echo user=$(id -un); echo cloud-init=$(cloud-init status --wait | 
 
 
 def cloudguest_dir() -> Path:
+    """Outside the checkout, so a fresh clone on the same machine (CI's) does not build it again: a
+    minute or two of mmdebstrap and mke2fs. The recipe's hash decides whether it is current."""
     env = os.environ.get("DISKKIT_CLOUDGUEST_DIR")
-    return Path(env).resolve() if env else REPO / "build" / "cloudguest"
+    return Path(env).resolve() if env else MACHINE_CACHE / "cloudguest"
 
 
 def _is_current(out: Path) -> bool:
