@@ -109,11 +109,14 @@ def openssl_verifies(tmp_path: Path, public: Path, env: dict) -> bool:
 def gpg_verifies(tmp_path: Path, keyring: Path, env: dict) -> bool:
     home = tmp_path / f"verify-{keyring.stem}"  # only this keyring in it
     home.mkdir(mode=0o700)
-    subprocess.run(["gpg", "--homedir", str(home), "--batch", "--import", str(keyring)], capture_output=True, check=True)
-    (tmp_path / "pae").write_bytes(pae_bytes(env))
-    (tmp_path / "sig").write_bytes(base64.b64decode(env["signatures"][0]["sig"]))
-    r = subprocess.run(["gpg", "--homedir", str(home), "--batch", "--status-fd", "1", "--verify", str(tmp_path / "sig"), str(tmp_path / "pae")],
-                       capture_output=True, text=True, check=False)
+    try:
+        subprocess.run(["gpg", "--homedir", str(home), "--batch", "--import", str(keyring)], capture_output=True, check=True)
+        (tmp_path / "pae").write_bytes(pae_bytes(env))
+        (tmp_path / "sig").write_bytes(base64.b64decode(env["signatures"][0]["sig"]))
+        r = subprocess.run(["gpg", "--homedir", str(home), "--batch", "--status-fd", "1", "--verify", str(tmp_path / "sig"), str(tmp_path / "pae")],
+                           capture_output=True, text=True, check=False)
+    finally:
+        subprocess.run(["gpgconf", "--homedir", str(home), "--kill", "all"], capture_output=True, check=False)  # the import's agent
     return r.returncode == 0 and "[GNUPG:] GOODSIG" in r.stdout
 
 
