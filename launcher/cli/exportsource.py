@@ -8,15 +8,18 @@ import os
 import click
 
 from diskkit.errors import DiskkitError
+from launcher.spec.meta import STDIN
 
 TRANSPORTS = ("docker://", "oci:", "oci-archive:")
 
 
 def vm_file(arg: str, cache_dir, store, registry, platform) -> str:
-    """The file to load: `arg` itself, or an export's VM with its claims put in `store`."""
+    """The file to load: `arg` itself (`-`: stdin), or an export's VM with its claims put in `store`."""
+    if arg == STDIN:
+        return arg
     if os.path.exists(arg) or not arg.startswith(TRANSPORTS):
         if not os.path.isfile(arg):
-            raise click.BadParameter(f"{arg!r}: no such file (or give oci-archive:FILE, oci:DIR or docker://REF of a VM export)",
+            raise click.BadParameter(f"{arg!r}: no such file (or give - for stdin, or oci-archive:FILE, oci:DIR or docker://REF of a VM export)",
                                      param_hint="VMI_FILE")
         return arg
     from launcher.cli.options import node_cache
