@@ -62,12 +62,15 @@ def test_two_vms_at_once_share_one_base(qemu_user, guest_image):
     try:
         for name in names:
             vmi = qemu_user.write_vmi(name, guest_image, serial="hold-120")
-            result = qemu_user.launcher("run", NOREG, "--wait-for", DONE, "--timeout", "180", vmi)
+            result = qemu_user.launcher("run", NOREG, "--json", "--wait-for", DONE, "--timeout", "180", vmi)
             assert result.code == 0, result.err
             assert f"default_{name} is running" in result.err
+            ran = json.loads(result.out)
+            assert ran["exitCode"] == 0 and ran["accel"]["accelerator"] in ("kvm", "tcg") and ran["accel"]["reason"], ran
         listing = json.loads(qemu_user.launcher("ls", "--json").out)
         states = {vm["domain"]: vm["state"] for vm in listing["vms"]}
         assert states["default_twin-a"] == states["default_twin-b"] == "running"
+        assert {vm["domain"]: vm["accel"] for vm in listing["vms"]}["default_twin-b"] == ran["accel"]  # kept in the VM's record
         shared = [disk for disk in listing["disks"] if {"default_twin-a", "default_twin-b"} <= set(disk["usedBy"])]
         assert len(shared) == 1
         for name in names:
