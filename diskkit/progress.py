@@ -36,6 +36,17 @@ class Reporter:
         pass
 
 
+class NoteReporter(Reporter):
+    """Quiet, each note handed to `tell`: a caller that collects notes, or says them its own way."""
+
+    def __init__(self, tell):
+        super().__init__()
+        self.tell = tell
+
+    def note(self, text: str) -> None:
+        self.tell(text)
+
+
 class JsonReporter(Reporter):
     """One JSON object per line on stderr for each event and note, for CI logs and scripts."""
 

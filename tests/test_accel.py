@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from launcher.runtime import accel
+from tests.conftest import run_launcher
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,14 +44,20 @@ def test_unprivileged_user_gets_qemu_without_probing(tmp_path):
         "import os, subprocess\n"
         "def boom(*a, **k): raise AssertionError('probe spawned')\n"
         "subprocess.Popen = boom\n"
-        "from launcher.runtime.accel import domain_type, KVM_DEVICE\n"
-        "print(os.access(KVM_DEVICE, os.R_OK | os.W_OK), domain_type(cache_dir=%r))\n" % str(tmp_path / "cache")
+        "from launcher.runtime.accel import choose, KVM_DEVICE\n"
+        "chosen = choose(cache_dir=%r)\n"
+        "print(os.access(KVM_DEVICE, os.R_OK | os.W_OK), chosen.domain_type)\n"
+        "print(chosen.line())\n" % str(tmp_path / "cache")
     )
     env = {k: v for k, v in os.environ.items() if k != "DISKKIT_ACCEL"}
     proc = subprocess.run(["setpriv", "--reuid=107", "--regid=107", "--clear-groups", sys.executable, "-c", script],
                           capture_output=True, text=True, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["False", "qemu"]
+    decided, line = proc.stdout.splitlines()
+    assert decided.split() == ["False", "qemu"]
+    # Said, with the reason, whether the device is missing or closed to this user.
+    assert line.startswith("accelerator: TCG (software emulation): ")
+    assert ("no /dev/kvm" in line) if not os.path.exists(accel.KVM_DEVICE) else ("/dev/kvm exists but uid 107 cannot open it" in line), line
     assert not (tmp_path / "cache").exists()
 
 
@@ -76,7 +83,7 @@ def test_result_is_cached_per_boot(tmp_path, monkeypatch):
         return real_popen(cmd, *args, **kwargs)
 
     monkeypatch.setattr(accel.subprocess, "Popen", counting_popen)
-    first = accel.domain_type(tmp_path, timeout=4)
+    first = accel.choose(tmp_path, timeout=4).domain_type
     assert len(spawned) == 1 and "kvm" in spawned[0]
     files = list((tmp_path / "accel").iterdir())
     assert len(files) == 1
@@ -86,13 +93,13 @@ def test_result_is_cached_per_boot(tmp_path, monkeypatch):
     assert ("kvm" if record["works"] else "qemu") == first
     mtime = files[0].stat().st_mtime_ns
 
-    assert accel.domain_type(tmp_path, timeout=4) == first
+    assert accel.choose(tmp_path, timeout=4).domain_type == first
     assert len(spawned) == 1  # no second qemu
     assert files[0].stat().st_mtime_ns == mtime
 
     # The cache decides: flip the record and the answer flips, still without a probe.
     files[0].write_text(json.dumps({**record, "works": not record["works"]}))
-    assert accel.domain_type(tmp_path) == ("qemu" if first == "kvm" else "kvm")
+    assert accel.choose(tmp_path).domain_type == ("qemu" if first == "kvm" else "kvm")
     assert len(spawned) == 1
 
     # A record from an earlier boot is not read, and is removed when the new one is written.
@@ -100,7 +107,7 @@ def test_result_is_cached_per_boot(tmp_path, monkeypatch):
     stale = tmp_path / "accel" / "00000000-0000-0000-0000-000000000000_0.json"
     stale.write_text(json.dumps({"works": True}))
     files[0].unlink()
-    assert accel.domain_type(tmp_path) == "qemu"
+    assert accel.choose(tmp_path).domain_type == "qemu"
     assert not stale.exists() and files[0].exists()
 
 
@@ -109,7 +116,7 @@ def test_env_override(monkeypatch, tmp_path, value, expected):
     monkeypatch.setenv("DISKKIT_ACCEL", value)
     monkeypatch.setattr(accel, "probe_kvm", lambda *a, **k: pytest.fail("probed despite DISKKIT_ACCEL"))
     started = time.monotonic()
-    assert accel.domain_type(tmp_path) == expected
+    assert accel.choose(tmp_path).domain_type == expected
     assert time.monotonic() - started < 1
     assert not (tmp_path / "accel").exists()
 
@@ -117,4 +124,64 @@ def test_env_override(monkeypatch, tmp_path, value, expected):
 def test_env_override_rejects_nonsense(monkeypatch, tmp_path):
     monkeypatch.setenv("DISKKIT_ACCEL", "hvf")
     with pytest.raises(accel.DiskkitError, match="DISKKIT_ACCEL"):
-        accel.domain_type(tmp_path)
+        accel.choose(tmp_path).domain_type
+
+
+# ---------------------------------------------------------------- said at every run
+
+BARE_VMI = """apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstance
+metadata: {name: bare}
+spec:
+  domain:
+    resources: {requests: {memory: 64Mi}}
+    devices: {disks: [{name: scratch, disk: {bus: virtio}}]}
+  volumes: [{name: scratch, emptyDisk: {capacity: 16Mi}}]
+"""
+
+
+def _domain(tmp_path, *args, env=None):
+    vmi = tmp_path / "bare.yaml"
+    vmi.write_text(BARE_VMI)
+    return run_launcher("domain", "--cache-dir", tmp_path / "cache", *args, vmi, env=env)
+
+
+def test_a_kvm_left_unused_is_said_with_the_probes_reason(tmp_path):
+    # The reason used to live only in the cache file: a run under TCG said nothing.
+    if not os.access(accel.KVM_DEVICE, os.R_OK | os.W_OK):
+        pytest.skip("needs a /dev/kvm this user opens: the probe's path")
+    cached = accel._cache_file(tmp_path / "cache", "qemu-system-x86_64")[0]
+    cached.parent.mkdir(parents=True)
+    cached.write_text(json.dumps({"works": False, "reason": "kvm guest made no progress: probe not reached in 8s", "qemu": "qemu-system-x86_64"}))
+    env = {k: v for k, v in os.environ.items() if k != "DISKKIT_ACCEL"}
+    done = _domain(tmp_path, "--json", env=env)
+    assert done.code == 0, done.err
+    line = f"launcher: accelerator: TCG (software emulation): /dev/kvm exists but KVM is not used: kvm guest made no progress: probe not reached in 8s (this boot's probe, kept in {cached}); --accel kvm or DISKKIT_ACCEL=kvm forces KVM"
+    assert line in done.err.splitlines(), done.err
+    out = json.loads(done.out)
+    assert out["accel"] == {"accelerator": "tcg", "domainType": "qemu", "reason": line.split(": ", 3)[3]}
+    assert out["xml"].startswith('<domain type="qemu">')
+
+
+@pytest.mark.parametrize(("flag", "env_value", "expected", "said"), [
+    ("tcg", None, "qemu", "TCG (software emulation): --accel tcg asks for it"),
+    ("kvm", None, "kvm", "KVM: --accel kvm asks for it"),
+    (None, "tcg", "qemu", "TCG (software emulation): DISKKIT_ACCEL=tcg asks for it"),
+    ("qemu", "kvm", "qemu", "TCG (software emulation): --accel qemu asks for it"),  # the flag wins
+])
+def test_accel_flag_and_environment_are_said(tmp_path, flag, env_value, expected, said):
+    env = {k: v for k, v in os.environ.items() if k != "DISKKIT_ACCEL"}
+    if env_value:
+        env["DISKKIT_ACCEL"] = env_value
+    done = _domain(tmp_path, *(["--accel", flag] if flag else []), env=env)
+    assert done.code == 0, done.err
+    assert f"launcher: accelerator: {said}" in done.err.splitlines(), done.err
+    assert done.out.startswith(f'<domain type="{expected}">')
+    assert not (tmp_path / "cache" / "accel").exists()  # nothing probed
+
+
+def test_run_and_test_take_accel():
+    # The same choice on every command that boots: refused values are click's, before anything runs.
+    for command in ("run", "test", "domain"):
+        bad = run_launcher(command, "--accel", "hvf", "x.yaml")
+        assert bad.code == 2 and "'hvf' is not one of 'auto', 'kvm', 'qemu', 'tcg'" in bad.err, (command, bad.err)

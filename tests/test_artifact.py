@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from tests.conftest import run, run_diskkit, run_launcher
+from tests.conftest import make_qcow2, run, run_diskkit, run_launcher
 from tests.imagecraft import Member, dir_, put_blob, write_layout
 from tests.lazyhost import control, disk_server, export_status, open_export, random_disk, stop_spawned_server, wait_for
 from tests.testguest import ensure_testguest, parse_console
@@ -129,17 +129,18 @@ def test_what_an_artifact_cannot_hold_is_refused_and_nothing_written(tmp_path, d
     assert not (tmp_path / "d.tar").exists()
 
 
-def oras_layout(root: Path, files: list[tuple[str, bytes, str]], tag: str = "t") -> Path:
+def oras_layout(root: Path, files: list[tuple[str, bytes, str]], tag: str = "t", name_key: str = TITLE) -> Path:
     """An OCI layout holding what `oras push REF FILE:TYPE ...` (ORAS 1.x, no --artifact-type) pushes:
     artifactType application/vnd.unknown.artifact.v1, the empty config with its data inline, each file
-    a blob titled with its name, the manifest's created annotation; oras-go's JSON field order."""
+    a blob titled with its name, the manifest's created annotation; oras-go's JSON field order. A file
+    given without :TYPE gets oras's default, application/vnd.oci.image.layer.v1.tar, over its bare bytes."""
     blobs = root / "blobs" / "sha256"
     blobs.mkdir(parents=True)
 
     def put(data: bytes) -> str:
         return put_blob(blobs, data)
 
-    layers = [{"mediaType": media, "digest": put(data), "size": len(data), "annotations": {TITLE: name}} for name, data, media in files]
+    layers = [{"mediaType": media, "digest": put(data), "size": len(data), "annotations": {name_key: name}} for name, data, media in files]
     manifest = {
         "schemaVersion": 2,
         "mediaType": "application/vnd.oci.image.manifest.v1+json",
@@ -184,6 +185,45 @@ def test_an_artifact_pushed_as_oras_pushes_it_is_pulled_verified_and_served(tmp_
         status = wait_for(lambda: (s := export_status(served, answer["export"]))["installed"] and s, 120, "the disk to be verified and installed")
         assert status["verified"]
     assert Path(status["installed"]).read_bytes() == data
+
+
+ORAS_DEFAULT_MEDIA = "application/vnd.oci.image.layer.v1.tar"  # oras-go's DefaultBlobMediaType: a file pushed with no :TYPE
+
+
+def test_plain_oras_push_of_a_qcow2_is_a_disk_by_its_title_whatever_the_layer_says(tmp_path, registry):
+    # `oras push REG/x:v1 disk.qcow2`: the layer claims to be a tar but holds the file itself. CRI-O
+    # mounts every layer of an artifact as a file at its title, whatever its media type (cri-o
+    # internal/ociartifact/store.go, BlobMountPaths and artifactName, which falls back to
+    # org.cncf.model.filepath); KubeVirt main boots the volume's only file (pkg/virt-launcher/virtwrap/
+    # manager.go, findDiskFileInImageVolume). This was refused: "layer 0 ... is not a valid tar: bad checksum".
+    qcow2 = make_qcow2(tmp_path / "disk.qcow2", size="24M", pattern=0x6D)
+    data = qcow2.read_bytes()
+    layout = oras_layout(tmp_path / "oras", [("disk.qcow2", data, ORAS_DEFAULT_MEDIA)])
+    ref = f"{registry.host}/artifact/plain-oras:v1"
+    run("skopeo", "copy", "--dest-tls-verify=false", f"oci:{layout}:t", f"docker://{ref}")
+    manifest = json.loads(run("skopeo", "inspect", "--raw", "--tls-verify=false", f"docker://{ref}").stdout)
+    assert manifest["layers"][0]["mediaType"] == ORAS_DEFAULT_MEDIA and manifest["config"]["mediaType"] == EMPTY
+
+    verified = run_diskkit("verify", NOREG, ref)
+    assert verified.code == 0, verified.err
+    assert "/disk.qcow2 is qcow2" in verified.out, verified.out
+    pulled = run_launcher("pull", "--cache-dir", tmp_path / "cache", NOREG, "--json", ref)
+    assert pulled.code == 0, pulled.err
+    record = json.loads(pulled.out)
+    assert (record["member"], record["format"]) == ("disk.qcow2", "qcow2")
+    assert Path(record["path"]).read_bytes() == data
+    # Served lazily too: the blob is the file, read at offsets.
+    served = tmp_path / "served"
+    served.mkdir()
+    with disk_server(served):
+        answer = open_export(served, ref)
+        assert answer["member"] == "disk.qcow2"
+        assert run("qemu-img", "compare", "-F", "qcow2", answer["url"], qcow2).stdout.strip() == "Images are identical."
+    # A model-spec file path names the file when no title does, as CRI-O's artifactName reads it.
+    by_path = oras_layout(tmp_path / "model", [("weights.img", data, ORAS_DEFAULT_MEDIA)], name_key="org.cncf.model.filepath")
+    named = run_launcher("pull", "--cache-dir", tmp_path / "cache2", "--json", f"oci:{by_path}:t")
+    assert named.code == 0, named.err
+    assert json.loads(named.out)["member"] == "weights.img"
 
 
 def test_kubevirts_rules_for_which_file_is_the_disk(tmp_path, disk):

@@ -187,10 +187,25 @@ def test_firmware_uuid_wins():
     assert '<entry name="uuid">5d307ca9-b3ef-428c-8861-06e72d69f223</entry>' in xml
 
 
-def test_host_model_is_kept_on_kvm_and_dropped_on_tcg():
+def test_the_default_model_is_host_model_on_kvm_and_qemus_own_on_tcg():
     assert '<cpu mode="host-model">' in render(parse_vmi(vmi_doc()), ROOT, Host(domain_type="kvm"))
     tcg = render(parse_vmi(vmi_doc()), ROOT, Host(domain_type="qemu"))
     assert "<cpu>" in tcg and "mode=" not in tcg.split("<cpu>")[1].split("</cpu>")[0]
+
+
+def test_an_explicit_host_cpu_model_under_emulation_is_rendered_or_refused_never_dropped():
+    # KubeVirt with useEmulation renders the model as written on a qemu domain
+    # (pkg/virt-launcher/virtwrap/converter/compute/cpu.go configureCPUModel, kvm/configurator.go);
+    # libvirt expands host-model to what TCG emulates (its domcapabilities for virttype qemu, which
+    # cmd/virt-launcher/node-labeller/node-labeller.sh reads under emulation) and refuses host-passthrough.
+    model = vmi_doc(cpu={"model": "host-model"})
+    assert '<cpu mode="host-model">' in render(parse_vmi(model), ROOT, Host(domain_type="qemu"))
+    passthrough = vmi_doc(cpu={"model": "host-passthrough"})
+    assert '<cpu mode="host-passthrough">' in render(parse_vmi(passthrough), ROOT, Host(domain_type="kvm"))
+    refused = render_error(passthrough, ROOT, Host(domain_type="qemu"))
+    assert refused.startswith("spec.domain.cpu.model: host-passthrough: CPU mode 'host-passthrough' for x86_64 qemu domain on x86_64 host"
+                              " is not supported by hypervisor"), refused
+    assert "\n" not in refused
 
 
 def test_pci_address_is_rendered_for_virtio_disks(tmp_path):

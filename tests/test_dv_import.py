@@ -16,7 +16,7 @@ import yaml
 
 from diskkit.disk import qemuimg
 from launcher.datavolumes import dvstate
-from launcher.datavolumes.importer import install
+from launcher.datavolumes.importer import Progress, install
 from launcher.hostfs.dirfd import Dir
 from launcher.spec.datavolume import parse_data_volume
 from launcher.volumes.storage import LocalClaim, Storage
@@ -147,18 +147,70 @@ def test_gzip_and_xz_sources_are_decompressed_on_the_way(claims, www, files):
     claims.assert_untouched("cutgz")
 
 
+class Seen:
+    """What install reports: each percent, and the importer phases it names."""
+
+    def __init__(self):
+        self.percents: list[float] = []
+        self.stages: list[str] = []
+
+    def __call__(self, percent: float, force: bool = False) -> None:
+        self.percents.append(percent)
+
+    def stage(self, name: str) -> None:
+        self.stages.append(name)
+
+
+def _target(claim: Path):
+    return dvstate.resolve(parse_data_volume(dv("guest", {"http": {"url": "http://unused/x"}}), "DataVolume"),
+                           Storage({"guest": LocalClaim(claim)}))
+
+
 def test_conversion_progress_comes_from_qemu_img(tmp_path, files):
     claim = tmp_path / "claim"
     claim.mkdir()
-    target = dvstate.resolve(parse_data_volume(dv("guest", {"http": {"url": "http://unused/x"}}), "DataVolume"),
-                             Storage({"guest": LocalClaim(claim)}))
-    seen: list[float] = []
+    target = _target(claim)
+    seen = Seen()
     with Dir.open(claim) as into, into.mkdir(".diskkit-work-test") as work:
         (work.proc / "download").write_bytes((files / "guest.qcow2").read_bytes())
-        install(target, into, work, "download", "guest.qcow2", seen.append, tolerance=10)
+        install(target, into, work, "download", "guest.qcow2", seen, tolerance=10)
         assert work.names() == []
-    assert seen and seen[-1] == 100.0 and seen == sorted(seen), seen
+    assert seen.percents and seen.percents[-1] == 100.0 and seen.percents == sorted(seen.percents), seen.percents
+    assert seen.stages == ["Convert"]
     assert (claim / "disk.img").stat().st_size == 80 * MIB
+
+
+def test_progress_only_grows_across_cdis_phases_and_names_them(claims, www, tmp_path):
+    # CDI's importer adds to one progress counter only what exceeds the value so far
+    # (pkg/image/qemu.go reportProgress, pkg/util/prometheus/prometheus.go updateProgress), through
+    # its processing phases (pkg/importer/data-processor.go: TransferScratch, Convert). It went
+    # "ImportInProgress 25% 50% 75% 25% 50% 75% Succeeded": the conversion started again at 0 unnamed.
+    claims.add(dv("grows", {"http": {"url": www.url("guest.qcow2")}}))
+    result = claims.run("import", "grows")
+    assert result.code == 0, result.err
+    lines = [line for line in result.err.splitlines() if line.startswith("launcher: DataVolume default/grows: ImportInProgress")]
+    assert lines[0] == "launcher: DataVolume default/grows: ImportInProgress, TransferScratch: fetching the source into scratch space in the claim"
+    assert "launcher: DataVolume default/grows: ImportInProgress, Convert: qemu-img convert to a raw disk.img" in lines, lines
+    said = [int(line.split("ImportInProgress ")[1].split("%")[0]) for line in lines if "%" in line]
+    assert said and said == sorted(said) and len(set(said)) == len(said), lines
+    assert all(line.endswith(("(TransferScratch)", "(Convert)")) for line in lines if "%" in line), lines
+    # The recorded progress too: a second phase starting from 0 never takes it back.
+    claim = tmp_path / "claim"
+    claim.mkdir()
+    target = _target(claim)
+    dvstate.record(target, progress="0.00%")
+    told: list[str] = []
+    progress = Progress(target, told.append)
+    progress.stage("TransferScratch")
+    for percent in (30.0, 60.0, 80.0, 100.0):
+        progress(percent, force=True)
+    progress.stage("Convert")
+    for percent in (0.0, 10.0, 60.0):
+        progress(percent, force=True)
+        assert dvstate.read_status(target).progress == "100.00%"
+    assert [t.split(": ", 1)[1] for t in told] == ["ImportInProgress, TransferScratch: fetching the source into scratch space in the claim",
+                                                   "ImportInProgress 25% (TransferScratch)", "ImportInProgress 50% (TransferScratch)",
+                                                   "ImportInProgress 75% (TransferScratch)", "ImportInProgress, Convert: qemu-img convert to a raw disk.img"]
 
 
 def test_bad_sources_fail_the_datavolume_and_leave_the_claim_alone(claims, www, files):

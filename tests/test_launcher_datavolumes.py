@@ -114,7 +114,7 @@ def test_run_imports_its_templates_and_the_standalone_datavolumes_it_uses_then_b
     for name in ("root", "regdata", "rawdata"):
         assert json.loads((claims[name] / "datavolume.json").read_text())["phase"] == "Succeeded"
     assert "DataVolume default/rawdata: http import from" in err
-    assert "DataVolume default/root: ImportInProgress 50%" in err  # the conversion's progress, told as it goes
+    assert "DataVolume default/root: ImportInProgress 50% (TransferScratch)" in err  # the download's progress, told as it goes
     assert code == 0, err
     console = parse_console(out)
     assert console["ready"] and console["done"], out

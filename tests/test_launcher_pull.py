@@ -269,3 +269,85 @@ def test_kill_mid_pull_leaves_nothing_that_looks_complete(cache, registry, pushe
     gc = run_launcher("gc", "--cache-dir", cache, "--max-size", "1T")
     assert gc.code == 0, gc.err
     assert cache_entries(cache)["disks"]  # under --max-size: the disk itself is kept
+
+
+# ---------------------------------------------------------------- which reference, and from where
+
+def test_a_pull_names_the_reference_asked_for_not_the_tag_that_brought_the_disk(cache, registry, tmp_path):
+    # One digest pushed under two tags: each pull reports its own tag, though the second fetches nothing.
+    disk = make_qcow2(tmp_path / "same.qcow2", size="8M", pattern=0x21)
+    first, second = f"{registry.host}/launcher/named:v2r", f"{registry.host}/launcher/named:v2b"
+    built = run_diskkit("build", NOREG, disk, "-t", first, "-t", second)
+    assert built.code == 0, built.err
+    by_first = json.loads(pull(cache, first, NOREG, "--json").out)
+    done = pull(cache, second, NOREG, "--json")
+    assert done.code == 0, done.err
+    by_second = json.loads(done.out)
+    assert by_first["image"] == f"docker://{first}" and by_first["fetched"] > 0
+    assert by_second["image"] == f"docker://{second}", by_second
+    assert (by_second["digest"], by_second["path"], by_second["fetched"]) == (by_first["digest"], by_first["path"], 0)
+    # Its cached answer names it too, and the node knows the disk by both tags.
+    again = json.loads(pull(cache, second, NOREG, "--json").out)
+    assert again["image"] == f"docker://{second}"
+    listed = json.loads(run_launcher("ls", "--cache-dir", cache, "--json").out)
+    (entry,) = [d for d in listed["disks"] if d["path"] == by_first["path"]]
+    assert sorted(entry["images"]) == sorted([f"docker://{first}", f"docker://{second}"])
+
+
+def _domain_backing(cache: Path, vmi: Path, *extra: str):
+    done = run_launcher("domain", "--cache-dir", cache, NOREG, "--no-lazy", *extra, vmi)
+    assert done.code == 0, done.err
+    return done, done.out.split('<backingStore type="file">')[1].split('<source file="')[1].split('"')[0]
+
+
+def test_a_repushed_tag_from_the_cache_is_said_and_always_resolves_it_again(cache, registry, tmp_path):
+    # KubeVirt hands containerDisk.imagePullPolicy to the kubelet as the policy of the pod's image
+    # (pkg/container-disk/container-disk.go, the container's ImagePullPolicy; image volumes in
+    # pkg/virt-controller/services/rendervolumes.go), defaulted from the tag (pkg/defaults/defaults.go
+    # setDefaultPullPoliciesOnContainerDisks): IfNotPresent boots what the node holds, Always asks the
+    # registry where the tag is now.
+    ref = f"{registry.host}/launcher/rolling:stable"
+    shown, repo = f"docker://{ref}", ref.rsplit(":", 1)[0]
+    versions = [make_qcow2(tmp_path / f"v{n}.qcow2", size="8M", pattern=pattern) for n, pattern in enumerate((0x31, 0x32, 0x33), 1)]
+
+    def push(disk: Path) -> str:
+        built = run_diskkit("build", NOREG, "--no-lazy", disk, "-t", ref)
+        assert built.code == 0, built.err
+        return built.last_line
+
+    v1 = push(versions[0])
+    first = json.loads(pull(cache, ref, NOREG, "--json").out)
+    assert first["digest"] == v1
+    v2 = push(versions[1])
+    stale = pull(cache, ref, NOREG, "--json")
+    assert stale.code == 0, stale.err
+    assert json.loads(stale.out)["digest"] == v1  # IfNotPresent, as the kubelet: the node's copy
+    assert f"{shown}: cached {v1} (imagePullPolicy IfNotPresent); imagePullPolicy: Always or --pull-policy Always asks the registry where the tag is now" in stale.err, stale.err
+    fresh = pull(cache, ref, NOREG, "--json", "--pull-policy", "Always")
+    assert fresh.code == 0, fresh.err
+    assert json.loads(fresh.out)["digest"] == v2 and "cached" not in fresh.err
+    by_digest = pull(cache, f"{repo}@{v2}", NOREG)
+    assert by_digest.code == 0 and "cached" not in by_digest.err  # a digest cannot move: nothing to say
+
+    # A VMI: the cached tag is said on `launcher domain` (and run) too; Always, from the flag or the
+    # spec, boots where the tag is now.
+    v3 = push(versions[2])
+    vmi = tmp_path / "vmi.yaml"
+    body = ("apiVersion: kubevirt.io/v1\nkind: VirtualMachineInstance\nmetadata: {name: rolling}\nspec:\n"
+            "  domain:\n    resources: {requests: {memory: 64Mi}}\n    devices: {disks: [{name: root, disk: {bus: virtio}}]}\n"
+            "  volumes: [{name: root, containerDisk: {image: \"%s\"%s}}]\n")
+    vmi.write_text(body % (ref, ""))
+    said, backing = _domain_backing(cache, vmi)
+    assert f"launcher: note: {shown}: cached {v2} (imagePullPolicy IfNotPresent)" in said.err, said.err
+    cached_path = json.loads(pull(cache, f"{repo}@{v2}", NOREG, "--json").out)["path"]
+    assert backing == cached_path
+    flagged, _ = _domain_backing(tmp_path / "c-flag", vmi, "--pull-policy", "IfNotPresent")
+    assert "cached" not in flagged.err  # a node that never had it pulls it
+    _, first_backing = _domain_backing(cache, vmi, "--pull-policy", "Always")
+    always_path = json.loads(pull(cache, f"{repo}@{v3}", NOREG, "--json").out)["path"]
+    assert first_backing == always_path != cached_path
+    push(versions[0])  # the tag moves again: the spec's own Always follows it
+    vmi.write_text(body % (ref, ", imagePullPolicy: Always"))
+    spec_always, backing = _domain_backing(cache, vmi)
+    assert backing == json.loads(pull(cache, f"{repo}@{v1}", NOREG, "--json").out)["path"]
+    assert "cached" not in spec_always.err

@@ -122,6 +122,9 @@ def test_launcher_test_passes_on_the_test_guest(qemu_user, guest_image):
     assert out["result"] == "pass" and out["exitStatus"] == 0 and out["stdout"] == "hello\n", out
     assert out["command"] == "echo hello" and out["bootToSshSeconds"] > 0
     assert out["images"][guest_image].startswith("sha256:")
+    # The accelerator and why, in the result and in the one line the run says.
+    assert out["accel"]["accelerator"] in ("kvm", "tcg") and out["accel"]["reason"], out
+    assert f"launcher: accelerator: {'KVM' if out['accel']['accelerator'] == 'kvm' else 'TCG (software emulation)'}: {out['accel']['reason']}" in result.err.splitlines()
     assert_clean(qemu_user, out["vmi"].replace("/", "_"))
     failed = qemu_user.launcher("test", NOREG, "--timeout", "240", "--memory", "128Mi", guest_image, "--", "exit", "5")
     assert failed.code == 1, failed.err

@@ -384,3 +384,22 @@ def test_a_chap_user_name_from_a_secret_must_be_xml_text():
         with pytest.raises(DiskkitError) as err:
             disk(bad)
         assert str(err.value).startswith("vmi.yaml: secret apps/chap") and needle in str(err.value), err.value
+
+
+def test_a_vmi_on_stdin_is_read_as_a_file_is_within_the_same_bounds(tmp_path):
+    # `launcher domain -` and `launcher run -` read the spec from stdin, as `kubectl apply -f -`.
+    bare = {"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance", "metadata": {"name": "piped"},
+            "spec": {"domain": {"resources": {"requests": {"memory": "64Mi"}}, "devices": {"disks": [{"name": "s", "disk": {"bus": "virtio"}}]}},
+                     "volumes": [{"name": "s", "emptyDisk": {"capacity": "16Mi"}}]}}
+
+    def domain(text: bytes) -> subprocess.CompletedProcess:
+        return subprocess.run(launcher_command("domain", "--accel", "qemu", "--cache-dir", tmp_path / "cache", "-"), input=text,
+                              capture_output=True, env={**os.environ, "CI": "true"}, timeout=120)
+
+    done = domain(("# YAML, or JSON\n" + json.dumps(bare)).encode())
+    assert done.returncode == 0, done.stderr
+    assert b"<name>default_piped</name>" in done.stdout
+    two = domain((json.dumps(bare) + "\n---\n" + json.dumps(bare)).encode())
+    assert two.returncode != 0 and b"stdin: must hold one VirtualMachineInstance or VirtualMachine document, not 2" in two.stderr, two.stderr
+    big = domain(b"# " + b"x" * MAX_MANIFEST_BYTES)
+    assert big.returncode != 0 and b"stdin: is larger than 3145728 bytes" in big.stderr, big.stderr

@@ -211,12 +211,14 @@ def build_cmd(src, dests, image_path, disk_format, compression, level, lazy, ker
         return
     signers = [_signer(d, sign, registry) for d in dests]
     hooks = {str(parse_ref(d)): _before_manifest(s) for d, s in zip(dests, signers)}
-    result = build(opts, reporter_for(as_json), registry, lambda ref: hooks.get(str(ref)))
+    reporter = reporter_for(as_json)
+    result = build(opts, reporter, registry, lambda ref: hooks.get(str(ref)))
     signed: dict = {}
     for d, signer, written in zip(dests, signers, result.written or [{"digest": result.digest}]):
         # One signature per destination, each naming its own reference, as a skopeo copy to each would.
         for digest in _sign(d, written["digest"], signer, registry).get("signed", []):
             signed.setdefault("signed", []).append(digest)
+        _say_where_signed(_before_manifest(signer), reporter)
     if as_json:
         click.echo(json.dumps({**result.to_json(), **signed}, indent=2))
     else:
@@ -267,6 +269,13 @@ def _signature_copier(src: str, dest: str, src_opts: RegistryOptions, trust, sig
     carried = copier.of_source(desc.digest if desc else sha256_digest(data), True)
     copier.check_destination(carried)
     return copier, bool(carried)
+
+
+def _say_where_signed(hook, reporter) -> None:
+    """GPG signatures left in the built-in lookaside, which nodes are not told of: said in one line."""
+    note = hook.default_place_note() if hook is not None else None
+    if note:
+        reporter.note(note)
 
 
 def _sign(dest: str, digest: str, signer, registry: RegistryOptions, instances: bool = True) -> dict:
@@ -525,10 +534,12 @@ def push_cmd(src, dest, platform, all_platforms, multi_arch, preserve_digests, d
         # containers/image copy: signatures are kept only on the very bytes they sign.
         if carried and not preserve_digests:
             preserve_digests = "Would invalidate signatures (copy with --remove-signatures)"
-    result = copy_image(src, dest, src_opts, reporter_for(as_json), platform_of(platform), multi_arch, dest_opts, preserve_digests,
+    reporter = reporter_for(as_json)
+    result = copy_image(src, dest, src_opts, reporter, platform_of(platform), multi_arch, dest_opts, preserve_digests,
                         manifest_format, dest_compress_format or ("gzip" if dest_compress else None), dest_compress_level, dest_compress,
                         hook)
     signed = _sign(dest, result.digest, signer, dest_opts, instances=multi_arch != "index-only")
+    _say_where_signed(hook, reporter)
     click.echo(json.dumps({**result.to_json(), **signed}, indent=2) if as_json else result.digest)
 
 

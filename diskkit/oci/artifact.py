@@ -1,13 +1,15 @@
 """OCI 1.1 artifacts as containerDisks (pure rules): which manifests are artifacts, which of their
 layers are files and where, and the media types `diskkit build --artifact` writes.
 
-KubeVirt boots an artifact containerDisk through a Kubernetes image volume: CRI-O pulls it and puts
-each non-tar layer, byte for byte, at the path its `org.opencontainers.image.title` names in the
-volume (cri-o internal/ociartifact/store.go, extractArtifactLayers: a media type containing ".tar"
-is unpacked as a tar, any other is one file; a layer without a title is "not mountable" and left
-out), and virt-launcher takes the volume's only entry as the disk when containerDisk.path is unset
-(kubevirt pkg/virt-launcher/virtwrap/manager.go, findDiskFileInImageVolume). CRI-O tells images and
-artifacts apart the same way `is_artifact` does.
+KubeVirt boots an artifact containerDisk through a Kubernetes image volume: CRI-O pulls it and mounts
+each layer's blob, byte for byte and whatever its media type, as a file at the path its
+`org.opencontainers.image.title` names in the volume, else its `org.cncf.model.filepath` (cri-o
+internal/ociartifact/store.go, BlobMountPaths and artifactName; a layer with neither is "not
+mountable" and left out). So `oras push REG/x:v1 disk.qcow2`, whose layer says
+`application/vnd.oci.image.layer.v1.tar` over the bare file, is a disk named disk.qcow2, not a tar.
+virt-launcher takes the volume's only entry as the disk when containerDisk.path is unset (kubevirt
+pkg/virt-launcher/virtwrap/manager.go, findDiskFileInImageVolume). CRI-O tells images and artifacts
+apart the same way `is_artifact` does (store.go, PullManifest).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from diskkit.oci import mediatypes as mt
 EMPTY_CONFIG = "application/vnd.oci.empty.v1+json"
 EMPTY_CONFIG_DATA = b"{}"
 ANNOTATION_TITLE = "org.opencontainers.image.title"
+# CRI-O's second choice of a layer's file name (modelpack model-spec's AnnotationFilepath).
+ANNOTATION_MODEL_FILEPATH = "org.cncf.model.filepath"
 # A VMI annotation in KubeVirt (staging/src/kubevirt.io/api/core/v1/types.go,
 # ImageVolumeSkipDigestResolutionAnnotation): "Required for OCI artifacts (e.g. raw disk images pushed
 # with ORAS) that are not valid container images". Put on the manifest too, so the image says what a
@@ -45,11 +49,6 @@ def is_artifact(manifest: dict, config_media_type: str) -> bool:
     return bool(manifest.get("artifactType")) or config_media_type not in _IMAGE_CONFIGS
 
 
-def is_tar(media_type: str) -> bool:
-    """CRI-O unpacks a layer as a tar when its media type contains ".tar"; any other layer is a file."""
-    return ".tar" in media_type
-
-
 def blob_compression(media_type: str) -> str:
     """How a file layer's bytes are compressed, by its media type's structured suffix (RFC 6839 style,
     as image-spec's +gzip/+zstd): 'gzip', 'zstd' or 'none'."""
@@ -66,11 +65,13 @@ class FileLayer:
 
 
 def file_layer(manifest: dict, config_media_type: str, media_type: str, annotations: dict | None) -> FileLayer | None:
-    """The file an artifact's layer is (its title and how its bytes are compressed), or None when the
-    layer is a tar or the manifest is an image's. A file layer without a title has `title` ""."""
-    if not is_artifact(manifest, config_media_type) or is_tar(media_type):
+    """The file an artifact's layer is (its name and how its bytes are compressed), whatever its media
+    type, or None when the manifest is an image's. A layer CRI-O finds no name for has `title` ""."""
+    if not is_artifact(manifest, config_media_type):
         return None
-    return FileLayer((annotations or {}).get(ANNOTATION_TITLE, ""), blob_compression(media_type))
+    annotations = annotations or {}
+    name = next((annotations[k] for k in (ANNOTATION_TITLE, ANNOTATION_MODEL_FILEPATH) if k in annotations), "")
+    return FileLayer(name, blob_compression(media_type))
 
 
 def make_manifest(config: dict, layers: list[dict], annotations: dict[str, str], artifact_type: str = ARTIFACT_TYPE) -> dict:

@@ -59,18 +59,25 @@ def _top_level(entry: dict | None, write: bool) -> str:
     return next((str(entry[n]) for n in names if entry.get(n)), "")
 
 
-def lookaside_base(config: dict, identity: str, namespaces: list[str], repository: str, write: bool) -> str:
-    """The lookaside URL of a repository: the most specific entry naming one (the reference, its
-    namespaces, default-docker), else the built-in local store; the repository path (without the
-    registry host) appended, as lookasideStorageBaseURL does."""
-    top = ""
+def configured_lookaside(config: dict, identity: str, namespaces: list[str], write: bool) -> str:
+    """The lookaside URL the most specific entry names (the reference, its namespaces, default-docker); "" when none does."""
     for scope in [identity, *namespaces]:
         top = _top_level(config["docker"].get(scope), write)
         if top:
-            break
-    else:
-        top = _top_level(config["default-docker"], write)
-    if not top:
-        home = Path(os.environ.get("HOME", "/"))
-        top = "file:///var/lib/containers/sigstore" if os.geteuid() == 0 else (home / ".local/share/containers/sigstore").as_uri()
+            return top
+    return _top_level(config["default-docker"], write)
+
+
+def builtin_lookaside() -> str:
+    """Where containers/image keeps signatures no registries.d entry places (docker/registries_d.go,
+    builtinDefaultLookasideStorageDir): /var/lib/containers/sigstore as root, else the user's own."""
+    if os.geteuid() == 0:
+        return "file:///var/lib/containers/sigstore"
+    return (Path(os.environ.get("HOME", "/")) / ".local/share/containers/sigstore").as_uri()
+
+
+def lookaside_base(config: dict, identity: str, namespaces: list[str], repository: str, write: bool) -> str:
+    """The lookaside URL of a repository: the most specific entry naming one, else the built-in local
+    store; the repository path (without the registry host) appended, as lookasideStorageBaseURL does."""
+    top = configured_lookaside(config, identity, namespaces, write) or builtin_lookaside()
     return top.rstrip("/") + "/" + repository

@@ -38,7 +38,9 @@ class SimpleSigner:
         self.dest, self.opts = dest, opts
         self.reference = policy.identity_of(dest.name)
         identity, namespaces = policy.identity_of(dest.name), policy.namespaces_of(dest.name)
-        self.base = registriesd.lookaside_base(registriesd.load(opts.registries_d), identity, namespaces, dest.name.repository, write=True)
+        config = registriesd.load(opts.registries_d)
+        self.base = registriesd.lookaside_base(config, identity, namespaces, dest.name.repository, write=True)
+        self.placed = DefaultPlace(dest, self.base, not registriesd.configured_lookaside(config, identity, namespaces, write=True))
         _check_writable(self.base, dest, registry)
         self.passphrase = read_sign_passphrase(opts)
         # The probe: the key exists, the passphrase opens it, the agent answers, before any byte moves.
@@ -54,7 +56,27 @@ class SimpleSigner:
             sigapi.append(destination.registry, destination.repository, digest, [signature])
         else:
             lookaside.append(self.base, digest, [signature])
+            self.placed.used = True
         self.signed.append(digest)
+
+    def default_place_note(self) -> str | None:
+        return self.placed.note()
+
+
+class DefaultPlace:
+    """Signatures written to the built-in lookaside because no registries.d entry names one: said in
+    one line, as a node never finds them there unless told where they are published."""
+
+    def __init__(self, dest: ImageRef, base: str, unconfigured: bool):
+        self.dest, self.base, self.unconfigured = dest, base, unconfigured
+        self.used = False
+
+    def note(self) -> str | None:
+        if not (self.unconfigured and self.used):
+            return None
+        return (f"{self.dest}: signatures stored in the default lookaside {self.base}, as no registries.d entry names one"
+                " for this repository; a node reads them only through a `lookaside:` entry naming where they are published"
+                " (docs/signing.md)")
 
 
 def _registry_of(ref: ImageRef, opts):
@@ -122,8 +144,11 @@ class SignatureCopier:
         if src.transport == "docker":
             self.src_base = registriesd.lookaside_base(config, policy.identity_of(src.name), policy.namespaces_of(src.name), src.name.repository, write=False)
         self.dest_base = None
+        self.placed = None
         if dest.transport == "docker":
-            self.dest_base = registriesd.lookaside_base(config, policy.identity_of(dest.name), policy.namespaces_of(dest.name), dest.name.repository, write=True)
+            identity, namespaces = policy.identity_of(dest.name), policy.namespaces_of(dest.name)
+            self.dest_base = registriesd.lookaside_base(config, identity, namespaces, dest.name.repository, write=True)
+            self.placed = DefaultPlace(dest, self.dest_base, not registriesd.configured_lookaside(config, identity, namespaces, write=True))
 
     def of_source(self, digest: str, top: bool) -> list[bytes]:
         if self.src_base is not None:
@@ -172,3 +197,7 @@ class SignatureCopier:
             self.signer.signed.append(digest)
         if new:
             lookaside.append(self.dest_base, digest, new)
+            self.placed.used = True
+
+    def default_place_note(self) -> str | None:
+        return self.placed.note() if self.placed is not None else None

@@ -15,7 +15,7 @@ from diskkit.registry.options import RegistryOptions
 from launcher.cli.exportsource import spec_option
 from launcher.cli.exportsource import vm_file as export_vm_file
 from launcher.cli.options import cache_option, ignore_unsupported_option, load_vmi_file, node_cache, parse_size, say, storage_options, trust_options, warn_if_open
-from launcher.cli.imagesource import container_disk_dir_option, update_option
+from launcher.cli.imagesource import PULL_POLICIES, accel_option, container_disk_dir_option, pull_policy_option, update_option
 from launcher.node.pins import every as pins_listing
 from launcher.node.cache import Cache, tree_size
 from launcher.node.imagehints import ImageHints
@@ -46,7 +46,7 @@ Examples:
 @click.argument("ref")
 @click.option("--path", "image_path", metavar="/DIR/NAME", help="containerDisk.path: the disk's path in the image (default: the one file in /disk).")
 @click.option("--platform", help="OS/ARCH to pick from a multi-platform index (default: this host's).")
-@click.option("--pull-policy", type=click.Choice(["Always", "IfNotPresent", "Never"]), help="As imagePullPolicy (default: Always for :latest, else IfNotPresent).")
+@click.option("--pull-policy", type=click.Choice(PULL_POLICIES), help="As imagePullPolicy (default: Always for :latest, else IfNotPresent); a tag answered from the cache is said with its digest.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @cache_option
 @registry_options
@@ -72,30 +72,36 @@ Examples:
   launcher domain --lazy vmi.yaml                  # the NBD export `launcher run --lazy` would boot from
   launcher domain oci-archive:vm.oci.tar           # a KubeVirt VM export: its claims made from its disks first
 """)
-@click.argument("vmi_file", metavar="VMI_FILE|EXPORT")
+@click.argument("vmi_file", metavar="VMI_FILE|EXPORT|-")
 @click.option("--platform", help="OS/ARCH of the images (default: this host's).")
-@click.option("--accel", type=click.Choice(["auto", "kvm", "qemu"]), default="auto", show_default=True, help="Domain type; auto probes whether KVM makes progress here.")
+@accel_option
 @click.option("--lazy/--no-lazy", default=None, help="As `launcher run --lazy`: lazy containerDisks show the NBD export the VM would read.")
 @update_option
+@pull_policy_option
 @container_disk_dir_option
 @spec_option
 @ignore_unsupported_option
 @cache_option
-@click.option("--json", "as_json", is_flag=True, help='Print {"domain": NAME, "xml": XML} instead of the XML.')
+@click.option("--json", "as_json", is_flag=True, help='Print {"domain": NAME, "accel": {...}, "xml": XML} instead of the XML.')
 @storage_options
 @registry_options
 @trust_options
-def domain(vmi_file, platform, accel, lazy, update, container_disk_dir, kernel_boot_dir, own_spec, ignore_unsupported, as_json, cache_dir, store, registry: RegistryOptions) -> None:
-    """Print the libvirt domain XML `launcher run` would start (a dry run: images are pulled or, lazy, opened on the node's disk server; nothing started)."""
+def domain(vmi_file, platform, accel, lazy, update, pull_policy, container_disk_dir, kernel_boot_dir, own_spec, ignore_unsupported, as_json, cache_dir, store,
+           registry: RegistryOptions) -> None:
+    """Print the libvirt domain XML `launcher run` would start (a dry run: images are pulled or, lazy, opened on the node's disk server; nothing started).
+
+    VMI_FILE `-` reads the VMI (or VM) from stdin, as `kubectl apply -f -`."""
     from launcher.runtime.vms import RunOptions, plan
 
     vmi_file = export_vm_file(vmi_file, cache_dir, store, registry, platform_of(platform), own_spec)
     vmi = load_vmi_file(vmi_file, ignore_unsupported, ImageHints(store.objects, registry, platform_of(platform)))
     opts = RunOptions(platform=platform_of(platform), registry=registry, storage=store, lazy={None: "auto", True: "on", False: "off"}[lazy],
-                      update=update, container_disk_dir=container_disk_dir, kernel_boot_dir=kernel_boot_dir)
-    _, xml = plan(vmi, node_cache(cache_dir), opts, create=False, domain_type=None if accel == "auto" else accel)
+                      update=update, container_disk_dir=container_disk_dir, kernel_boot_dir=kernel_boot_dir, accel=accel, pull_policy=pull_policy)
+    prepared, xml, chosen = plan(vmi, node_cache(cache_dir), opts, create=False, say=say)
+    for note in prepared.notes:
+        say(f"note: {note}")
     if as_json:
-        click.echo(json.dumps({"domain": vmi.domain_name, "xml": xml}, indent=2))
+        click.echo(json.dumps({"domain": vmi.domain_name, "accel": chosen.to_json(), "xml": xml}, indent=2))
     else:
         click.echo(xml, nl=not xml.endswith("\n"))
 
@@ -116,8 +122,10 @@ Examples:
   launcher run vmi.yaml --container-disk-dir /var/run/kubevirt-image-volume   # the pod's image volumes: no pull
   launcher run oci-archive:vm.oci.tar --console                      # a KubeVirt VM export (virtctl vmexport download --format=oci)
   launcher run oci-archive:vm.oci.tar --spec my-vm.yaml              # its disks under a spec of your own
+  kubectl get vm myvm -o yaml | launcher run - --console             # the spec on stdin
+  launcher run vmi.yaml --pull-policy Always --console                # ask the registry where each tag is now
 """)
-@click.argument("vmi_file", metavar="VMI_FILE|EXPORT")
+@click.argument("vmi_file", metavar="VMI_FILE|EXPORT|-")
 @click.option("--connect", "uri", metavar="URI", help="libvirt URI (default: qemu:///system as root, else qemu:///session; as root where no system daemon answers, the qemu user's own session daemon for this cache, started on demand).")
 @click.option("--console", is_flag=True, help="Stream the guest's serial console to stdout.")
 @click.option("-d", "--detach", is_flag=True, help="Return once the VM has started (after --wait-for TEXT, if given); it keeps running.")
@@ -127,8 +135,10 @@ Examples:
 @click.option("--lazy/--no-lazy", default=None, help="Boot containerDisks before they have arrived, through the node's disk server (default: for images built with --lazy).")
 @click.option("--grace-period", type=click.FloatRange(min=0), metavar="SECONDS", help="When the VM is stopped (SIGTERM, Ctrl-C, launcher stop), how long the guest has to power off (ACPI) before it is destroyed; 0: at once.  [default: the VMI's terminationGracePeriodSeconds, else 30]")
 @click.option("--publish-address", metavar="ADDRESS", help="Forward ADDRESS:PORT to the guest for every port the interfaces declare (KubeVirt's masquerade; 0.0.0.0 in a pod).")
-@click.option("--json", "as_json", is_flag=True, help='When the command returns, print {"vmi": NAMESPACE/NAME, "domain": ..., "exitCode": 0}; not with --console.')
+@click.option("--json", "as_json", is_flag=True, help='When the command returns, print {"vmi": NAMESPACE/NAME, "domain": ..., "accel": {...}, "exitCode": 0}; not with --console.')
+@accel_option
 @update_option
+@pull_policy_option
 @container_disk_dir_option
 @spec_option
 @ignore_unsupported_option
@@ -136,8 +146,8 @@ Examples:
 @storage_options
 @registry_options
 @trust_options
-def run(vmi_file, uri, console, detach, wait_for, timeout, platform, lazy, grace_period, publish_address, update, container_disk_dir, kernel_boot_dir,
-        own_spec, as_json, ignore_unsupported, cache_dir, store, registry: RegistryOptions) -> None:
+def run(vmi_file, uri, console, detach, wait_for, timeout, platform, lazy, grace_period, publish_address, accel, update, pull_policy, container_disk_dir,
+        kernel_boot_dir, own_spec, as_json, ignore_unsupported, cache_dir, store, registry: RegistryOptions) -> None:
     """Prepare every volume of a VirtualMachineInstance, define and start its domain, stay with it.
 
     Each containerDisk is pulled once per node and gets a qcow2 overlay of its own, so the VM
@@ -152,6 +162,8 @@ def run(vmi_file, uri, console, detach, wait_for, timeout, platform, lazy, grace
     runs with each claim its volumes name made from the export's disk of that name, decompressed
     and digest-checked into the cache once (kept, as a claim keeps what the VM writes). It may use
     only those disks; --spec FILE runs them under a VM or VMI of your own instead.
+
+    VMI_FILE `-` reads the VMI (or VM) from stdin, as `kubectl apply -f -`.
     """
     if detach and console:
         raise click.UsageError("--detach and --console exclude each other: attach later with `launcher console NAME`")
@@ -170,11 +182,11 @@ def run(vmi_file, uri, console, detach, wait_for, timeout, platform, lazy, grace
     opts = RunOptions(uri=uri, platform=platform_of(platform), registry=registry, console=console, wait_for=wait_for, timeout=timeout, storage=store,
                       lazy={None: "auto", True: "on", False: "off"}[lazy], grace_period=grace_period, detach=detach,
                       publish_address=publish_address, update=update, container_disk_dir=container_disk_dir,
-                      kernel_boot_dir=kernel_boot_dir)
-    code = do_run(vmi, node_cache(cache_dir), opts, say)
+                      kernel_boot_dir=kernel_boot_dir, accel=accel, pull_policy=pull_policy)
+    ran = do_run(vmi, node_cache(cache_dir), opts, say)
     if as_json:
-        click.echo(json.dumps({"vmi": f"{vmi.namespace}/{vmi.name}", "domain": vmi.domain_name, "exitCode": code}, indent=2))
-    sys.exit(code)
+        click.echo(json.dumps({"vmi": f"{vmi.namespace}/{vmi.name}", "domain": vmi.domain_name, "accel": ran.accel.to_json(), "exitCode": ran.code}, indent=2))
+    sys.exit(ran.code)
 
 
 @cli.command(epilog="""\b

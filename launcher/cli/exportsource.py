@@ -10,6 +10,7 @@ import os
 import click
 
 from diskkit.errors import DiskkitError
+from launcher.spec.meta import STDIN
 
 TRANSPORTS = ("docker://", "oci:", "oci-archive:")
 
@@ -22,14 +23,16 @@ def spec_option(command):
 
 
 def vm_file(arg: str, cache_dir, store, registry, platform, own_spec: str | None = None) -> str:
-    """The file to load: `arg` itself, or an export's VM with its claims put in `store` (`own_spec`
-    in its place when given)."""
+    """The file to load: `arg` itself (`-`: stdin), or an export's VM with its claims put in `store`
+    (`own_spec` in its place when given)."""
+    if arg == STDIN:
+        return arg
     if os.path.exists(arg) or not arg.startswith(TRANSPORTS):
         if own_spec is not None:
             raise click.BadParameter("is for an EXPORT (oci-archive:FILE, oci:DIR or docker://REF): give your own file as VMI_FILE",
                                      param_hint="--spec")
         if not os.path.isfile(arg):
-            raise click.BadParameter(f"{arg!r}: no such file (or give oci-archive:FILE, oci:DIR or docker://REF of a VM export)",
+            raise click.BadParameter(f"{arg!r}: no such file (or give - for stdin, or oci-archive:FILE, oci:DIR or docker://REF of a VM export)",
                                      param_hint="VMI_FILE")
         return arg
     from launcher.cli.options import node_cache

@@ -21,3 +21,20 @@ def container_disk_dir_option(command):
     return click.option("--container-disk-dir", type=click.Path(file_okay=False, exists=True, path_type=Path), metavar="DIR",
                         help="Use the containerDisks the pod mounts as image volumes, DIR/disk_<index in spec.volumes>"
                              " (KubeVirt's layout: /var/run/kubevirt-image-volume), instead of pulling them.")(command)
+
+
+PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+
+
+def pull_policy_option(command):
+    return click.option("--pull-policy", type=click.Choice(PULL_POLICIES),
+                        help="Every containerDisk's and kernelBoot container's imagePullPolicy for this run, in place of the spec's"
+                             " (as the kubelet reads it: Always asks the registry where each tag is now, IfNotPresent boots what"
+                             " the node has, Never never pulls; default: the spec's, else Always for :latest, else IfNotPresent).")(command)
+
+
+def accel_option(command):
+    return click.option("--accel", type=click.Choice(["auto", "kvm", "qemu", "tcg"]), default="auto", show_default=True,
+                        help="Accelerator (libvirt domain type; tcg is qemu's software emulation). auto: KVM when /dev/kvm"
+                             " exists and a probe guest makes progress under it, else TCG; $DISKKIT_ACCEL sets the same."
+                             " The choice and its reason are said in one line.")(command)

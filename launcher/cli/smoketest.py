@@ -31,7 +31,9 @@ from diskkit.cli.shell import platform as platform_of
 from diskkit.cli.shell import registry_options
 from diskkit.errors import DiskkitError, Exit, TimedOut
 from diskkit.oci.userhint import DEFAULT_USER_LABEL, default_user
+from diskkit.progress import NoteReporter
 from diskkit.registry.options import RegistryOptions
+from launcher.cli.imagesource import accel_option, pull_policy_option
 from launcher.cli.options import cache_option, node_cache, say, storage_options, trust_options
 from launcher.cli.ssh import Target, ssh_command
 from launcher.node.selfexec import launcher_argv
@@ -64,6 +66,7 @@ class Result:
     stdout: str = ""
     stderr: str = ""
     attestations: list = field(default_factory=list)  # what --attest-* pushed, one per image
+    accel: dict | None = None  # the accelerator the VM ran on, and why (launcher.runtime.accel)
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -71,7 +74,7 @@ class Result:
                 "bootToSshSeconds": out["boot_to_ssh_seconds"],
                 "expect": out["expect"], "failOn": out["fail_on"], "result": "pass" if self.passed else "fail",
                 "reason": out["reason"], "stdout": out["stdout"], "stderr": out["stderr"],
-                **({"attestations": out["attestations"]} if self.attestations else {})}
+                **({"attestations": out["attestations"]} if self.attestations else {}), "accel": out["accel"]}
 
 
 # ---------------------------------------------------------------- the VMI (pure)
@@ -300,12 +303,14 @@ exits with that failure's status.
 @click.option("--attest-passphrase-file", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE", help="The attestation key's passphrase (else asked on the terminal, or by gpg-agent).")
 @click.option("--expect", multiple=True, metavar="REGEX", help="A console line that must appear (Python regex, searched in each line) before the test passes. Repeatable.")
 @click.option("--fail-on", multiple=True, metavar="REGEX", help="A console line that fails the test at once, e.g. 'Kernel panic' or 'Call Trace'. Repeatable.")
+@accel_option
+@pull_policy_option
 @cache_option
 @storage_options
 @registry_options
 @trust_options
-def smoke_test(ref, command, user, timeout, port, memory, as_json, uri, platform, expect, fail_on, attest_sign_by, attest_sigstore_private_key,
-               attest_passphrase_file, cache_dir, store: Storage, registry: RegistryOptions) -> None:
+def smoke_test(ref, command, user, timeout, port, memory, as_json, uri, platform, expect, fail_on, accel, pull_policy, attest_sign_by,
+               attest_sigstore_private_key, attest_passphrase_file, cache_dir, store: Storage, registry: RegistryOptions) -> None:
     """Boot REF (an image, or a VMI file) with a fresh ssh key, run COMMAND over ssh (default: echo hello),
     print the boot-to-ssh time, stop and remove the VM; exit 0 only if the command succeeded."""
     from launcher.node.pull import cached_config, pull
@@ -345,7 +350,8 @@ def smoke_test(ref, command, user, timeout, port, memory, as_json, uri, platform
 
                         registry_image(src.image)  # refused before the pull: attestations live in a registry
                     # A foreign image is refused on its config, before its disk is downloaded.
-                    pulled = pull(cache, src.image, src.path, plat, registry, src.image_pull_policy, accept=check_config(src.image))
+                    pulled = pull(cache, src.image, src.path, plat, registry, pull_policy or src.image_pull_policy,
+                                  accept=check_config(src.image), reporter=NoteReporter(lambda text: say(f"note: {text}")))
                     result.images[src.image] = pulled.digest
                     labelled_user = labelled_user or default_user(cached_config(cache, pulled), src.image)
         except DiskkitError as err:
@@ -362,7 +368,9 @@ def smoke_test(ref, command, user, timeout, port, memory, as_json, uri, platform
             reach.start()
             watch.start()
             try:
-                run(vmi, cache, RunOptions(uri=uri, platform=plat, registry=registry, storage=replace(store, objects=objects), grace_period=0), say)
+                ran = run(vmi, cache, RunOptions(uri=uri, platform=plat, registry=registry, storage=replace(store, objects=objects), grace_period=0,
+                                                 accel=accel, pull_policy=pull_policy), say)
+                result.accel = ran.accel.to_json()
             except DiskkitError as err:
                 if not result.reason:
                     result.reason = str(err)

@@ -43,27 +43,61 @@ DISK = "disk.img"
 QCOW2_SLACK = 4 << 20  # qcow2's header, L1 and refcount tables beyond its per-cluster metadata
 
 
+# CDI importer's processing phases (pkg/importer/data-processor.go, ProcessingPhase*) the work goes
+# through, with what each does here; said as each begins, so a second pass of percentages is not news.
+STAGES = {
+    "TransferScratch": "fetching the source into scratch space in the claim",
+    "Convert": "qemu-img convert to a raw disk.img",
+}
+
+
 class Progress:
     """Percent done, recorded in the state file as CDI's status.progress ("45.67%"), at most once a second,
-    and told to `say` (when given) at each quarter."""
+    and told to `say` (when given) at each quarter, with the importer's processing phase (`stage`).
+
+    It only grows, across phases too, as CDI's: its importer adds to one progress counter only what
+    exceeds the value so far (pkg/image/qemu.go reportProgress, pkg/util/prometheus/prometheus.go
+    updateProgress), so a conversion after a download does not start again from 0 %."""
 
     def __init__(self, target: Target, say: Callable[[str], None] | None = None):
         self.target, self.say = target, say
         self._last = 0.0
         self._quarter = 0
+        self._stage: str | None = None
+        self._best = _percent(dvstate.read_status(target).progress)  # an upload's received bytes count
+
+    def stage(self, name: str) -> None:
+        if name != self._stage:
+            self._stage = name
+            if self.say is not None:
+                self.say(f"DataVolume {self.target.dv.key}: {self.target.dv.running_phase}, {name}: {STAGES[name]}")
 
     def __call__(self, percent: float, force: bool = False) -> None:
         now = time.monotonic()
-        percent = min(percent, 100.0)
-        if force or now - self._last >= PROGRESS_EVERY:
+        grown = min(percent, 100.0) > self._best
+        self._best = max(self._best, min(percent, 100.0))
+        if force or (grown and now - self._last >= PROGRESS_EVERY):
             self._last = now
-            dvstate.record(self.target, progress=f"{percent:.2f}%")
-        quarter = int(percent // 25)
+            dvstate.record(self.target, progress=f"{self._best:.2f}%")
+        quarter = int(self._best // 25)
         if self.say is not None and 0 < quarter < 4 and quarter > self._quarter:
             self._quarter = quarter
-            self.say(f"DataVolume {self.target.dv.key}: {self.target.dv.running_phase} {quarter * 25}%")
-        elif percent == 0:
-            self._quarter = 0  # a new stage (the conversion after the download) counts again
+            stage = f" ({self._stage})" if self._stage else ""
+            self.say(f"DataVolume {self.target.dv.key}: {self.target.dv.running_phase} {quarter * 25}%{stage}")
+
+    def receive(self, message: dict) -> None:
+        """A Relay's message from the worker that runs as the claim's owner."""
+        if "stage" in message:
+            self.stage(message["stage"])
+        else:
+            self(message["progress"], message["force"])
+
+
+def _percent(text: str | None) -> float:
+    try:
+        return float((text or "").rstrip("%"))
+    except ValueError:
+        return 0.0  # "N/A", or none yet
 
 
 class Relay:
@@ -72,6 +106,9 @@ class Relay:
     def __init__(self, send: Callable[[dict], None]):
         self.send = send
         self._last = 0.0
+
+    def stage(self, name: str) -> None:
+        self.send({"stage": name})
 
     def __call__(self, percent: float, force: bool = False) -> None:
         now = time.monotonic()
@@ -144,6 +181,7 @@ def install(target: Target, claim: Dir, work: Dir, source: str | Path, shown: st
         out = source
     else:
         out = scratch("disk")
+        progress.stage("Convert")
         qemuimg.convert(path, work.proc / out, info.format, "raw", progress=progress)
         if consume:
             work.unlink(source)
@@ -336,6 +374,7 @@ def _http(target: Target, store: Storage, progress: Progress | Relay, work: Dir)
     if source.cert_config_map:
         verify = str(_ca_bundle(store.objects, dv.namespace, source.cert_config_map, where, work.proc))
     staged = "download"
+    progress.stage("TransferScratch")
     download(source.url, work.proc / staged, progress, auth if auth and all(auth) else None, verify, fetch_limit(target))
     return staged, shown_url(source.url)
 
@@ -456,11 +495,12 @@ def _fill_as(owner: asowner.Owner, target: Target, claim: Dir, store: Storage, r
         # owner cannot read: the image is fetched here, in a work directory of ours, and the worker gets
         # the disk as an open file (its name is gone from the claim by then).
         with _work(claim) as work:
+            progress.stage("TransferScratch")
             staged, shown = _registry(target, store, registry or RegistryOptions(), work)
             fetched = (work.open_file(staged), shown)
     try:
         return asowner.run_as(owner, lambda send: {"notes": _fill_in_work(target, claim, store, registry, Relay(send), fetched)},
-                              lambda m: progress(m["progress"], m["force"]))["notes"]
+                              progress.receive)["notes"]
     finally:
         if fetched is not None:
             os.close(fetched[0])
@@ -511,9 +551,9 @@ def _fill(target: Target, claim: Dir, work: Dir, store: Storage, registry: Regis
     elif dv.source.kind == "http":
         staged, shown = _http(target, store, progress, work)
     else:
+        progress.stage("TransferScratch")
         staged, shown = _registry(target, store, registry or RegistryOptions(), work)
     if dv.content_type == "archive":
         archive.unpack(work.proc / staged, claim, work, target.size, shown, KUBEVIRT_QEMU)
         return []
-    progress(0.0, force=True)
     return install(target, claim, work, staged, shown, progress, store.tolerance)

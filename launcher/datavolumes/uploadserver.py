@@ -275,7 +275,7 @@ class UploadServer:
                 else:
                     # In a user's claim the user checks and converts what it uploaded (see importer.fill).
                     done = asowner.run_as(owner, lambda send: self._convert(up, claim, digest, shown, importer.Relay(send)),
-                                          lambda m: progress(m["progress"], m["force"]))
+                                          progress.receive)
             except DiskkitError as exc:
                 dvstate.remove_scratch(up.target)  # resuming cannot fix a bad image: the part goes too
                 dvstate.record(up.target, message=exc.line())

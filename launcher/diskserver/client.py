@@ -18,7 +18,7 @@ from diskkit.transports import open_source
 from launcher.diskserver.control import CONTROL_SOCKET, credentials_to_wire, identities_to_wire, request, serve_dir, socket_path
 from launcher.diskserver.spawn import ensure_server
 from launcher.node.cache import Cache
-from launcher.node.pull import Pulled, cached, present
+from launcher.node.pull import Pulled, present
 
 
 @dataclass(frozen=True)
@@ -60,20 +60,21 @@ def attach(cache: Cache, ref: str, path: str | None, platform: Platform | None, 
     problems = violations(info)
     if problems:
         raise DiskkitError(str(parsed), "; ".join(f"/{answer['member']}: {p}" for p in problems))
-    pulled = Pulled(Path(answer["disk"]), info.format, info.virtual_size, answer["image"], answer["digest"], answer["layer"], answer["member"])
+    # Named as asked: the export may be one another tag of the same digest opened first.
+    pulled = Pulled(Path(answer["disk"]), info.format, info.virtual_size, str(parse_ref(ref)), answer["digest"], answer["layer"], answer["member"])
     return Attached(answer["url"], answer["export"], answer["socket"], info.format, info.virtual_size, pulled)
 
 
 def files(cache: Cache, ref: str, paths: list[str], platform: Platform | None, registry: RegistryOptions | None,
           mode: str, policy: str, notes: list[str]) -> dict[str, Pulled] | None:
     """kernelBoot files taken out of a lazy image by the node's server (its disk layer not fetched
-    for them; the members around a disk it exports not fetched twice); None: pull them whole."""
+    for them; the members around a disk it exports not fetched twice); None: pull them whole (or
+    from the cache, which holds them all)."""
     parsed = parse_ref(ref)
     if mode == "off" or parsed.transport != "docker" or policy == "Never":
         return None  # local images cost nothing to read whole; Never is the pull's to refuse in its words
-    hits = {path: cached(cache, ref, path, platform, policy, disk=False, registry=registry) for path in paths}
-    if all(hits.values()):
-        return hits
+    if all(present(cache, ref, path, platform, policy, disk=False) is not None for path in paths):
+        return None  # the pull admits them from the cache, and says so
     parsed = parse_ref(qualified(str(parsed), registry))
     if mode == "auto" and not _marked(str(parsed), registry, platform):
         return None
@@ -82,7 +83,7 @@ def files(cache: Cache, ref: str, paths: list[str], platform: Platform | None, r
         **registry_request(str(parsed), registry), "marked": mode == "auto"})
     if answer is None:
         return None
-    return {path: Pulled(**{**got, "path": Path(got["path"])}) for path, got in answer["files"].items()}
+    return {path: Pulled(**{**got, "path": Path(got["path"]), "image": str(parse_ref(ref))}) for path, got in answer["files"].items()}
 
 
 def registry_request(ref: str, registry: RegistryOptions | None) -> dict:

@@ -383,12 +383,18 @@ class Cache:
         return within(self.root / "pins", f"{entry_name(domain)}.json")
 
     def images_by_disk(self) -> dict[str, list[str]]:
-        """Each disk entry's directory -> the image references pulls resolved to it (for `launcher ls`)."""
+        """Each disk entry's directory -> the image references pulls resolved to it (for `launcher ls`):
+        the one whose pull installed it, and every tag the node last saw naming the same manifest."""
+        tags: dict[str, set[str]] = {}
+        for path in sorted((self.root / "tags").glob("*.json")):
+            record = self.read_json(path)
+            if record and record.get("digest") and record.get("image"):
+                tags.setdefault(record["digest"], set()).add(record["image"])
         found: dict[str, set[str]] = {}
         for path in sorted((self.root / "refs").glob("*.json")):
             record = self.read_json(path)
             if record and record.get("path") and record.get("image"):
-                found.setdefault(str(Path(record["path"]).parent), set()).add(record["image"])
+                found.setdefault(str(Path(record["path"]).parent), set()).update({record["image"], *tags.get(record.get("digest"), ())})
         return {entry: sorted(images) for entry, images in found.items()}
 
     def vm_records(self) -> list[dict]:

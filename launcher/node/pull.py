@@ -38,6 +38,7 @@ from launcher.node.admission import CachedImage, access_of, admit, admitted
 from launcher.node.cache import Cache, key
 
 POLICIES = ("Always", "IfNotPresent", "Never")
+STARTED = time.time()  # a tag record written since was resolved by this process
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,7 @@ def pull(
     shown = str(parse_ref(ref))
     hit = cached(cache, ref, path, platform, policy, disk, registry)
     if hit:
+        _say_cached(cache, ref, platform, hit, policy, reporter)
         return hit
     if policy == "Never" and parse_ref(ref).transport == "docker":
         raise DiskkitError(shown, "container image is not present with pull policy of Never")
@@ -101,7 +103,7 @@ def pull(
             accept(image.config)
         ref_key = image_key(image.digest, path, platform, disk)
         with cache.lock(ref_key):
-            hit = _cached(cache, ref_key)
+            hit = _cached(cache, ref_key, shown)
             if hit is None:
                 try:
                     hit = _extract(cache, source, image, shown, path, disk, ref_key, reporter)
@@ -140,9 +142,10 @@ def present(cache: Cache, ref: str, path: str | None, platform: Platform | None,
     # Local layouts and archives are re-read every time: resolving them costs nothing.
     if policy == "Always" or parse_ref(ref).transport != "docker":
         return None
-    record_path = cache.tag_path(key(str(parse_ref(ref)), str(platform or Platform.host())))
+    shown = str(parse_ref(ref))
+    record_path = cache.tag_path(key(shown, str(platform or Platform.host())))
     known = cache.read_json(record_path)
-    hit = _cached(cache, image_key(known["digest"], path, platform, disk)) if known else None
+    hit = _cached(cache, image_key(known["digest"], path, platform, disk), shown) if known else None
     if hit is None:
         return None
     try:
@@ -150,6 +153,23 @@ def present(cache: Cache, ref: str, path: str | None, platform: Platform | None,
     except (DiskkitError, KeyError, TypeError):
         return None  # a record this launcher did not write: pulled again
     return (hit, image) if image.present else None
+
+
+def _tag_record(cache: Cache, shown: str, platform: Platform | None) -> dict | None:
+    return cache.read_json(cache.tag_path(key(shown, str(platform or Platform.host()))))
+
+
+def _say_cached(cache: Cache, ref: str, platform: Platform | None, hit: Pulled, policy: str, reporter: Reporter) -> None:
+    """A tag answered from the node's record of it, not the registry's, is said with its digest: the
+    tag may have moved since (KubeVirt's IfNotPresent, as the kubelet keeps it). Not for a digest, and
+    not for a tag this very process resolved (a second volume of the same image)."""
+    if parse_ref(ref).name.digest is not None:
+        return
+    known = _tag_record(cache, hit.image, platform) or {}
+    if known.get("time", 0) >= int(STARTED):
+        return
+    reporter.note(f"{hit.image}: cached {hit.digest} (imagePullPolicy {policy}); imagePullPolicy: Always or --pull-policy Always"
+                  " asks the registry where the tag is now")
 
 
 def cached(cache: Cache, ref: str, path: str | None, platform: Platform | None, policy: str, disk: bool = True,
@@ -181,13 +201,15 @@ def remember(cache: Cache, shown: str, platform: Platform | None, image, source)
                                                                 "time": int(time.time())})
 
 
-def _cached(cache: Cache, ref_key: str) -> Pulled | None:
+def _cached(cache: Cache, ref_key: str, shown: str) -> Pulled | None:
+    """The disk a pull of this manifest installed, named `shown`: the reference asked for now, not the
+    one (another tag of the same digest, maybe) whose pull installed it."""
     record = cache.read_json(cache.ref_path(ref_key))
     if not record or not Path(record["path"]).is_file():
         return None
     with contextlib.suppress(OSError):
         os.utime(Path(record["path"]).parent / "meta.json")  # last use, for gc --max-size
-    return Pulled(**{**record, "path": Path(record["path"])})
+    return Pulled(**{**record, "path": Path(record["path"]), "image": shown})
 
 
 def _extract(cache: Cache, source, image, shown: str, path: str | None, disk: bool, ref_key: str, reporter: Reporter, by_chunks: bool = True) -> Pulled:

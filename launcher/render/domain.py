@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from launcher.render import cpupin, interfaces
 from launcher.render.cpupin import Topology
 from launcher.spec.k8s import NetworkSource
-from launcher.spec.vmi import VMI, Disk, SpecError, Volume
+from launcher.spec.vmi import DEFAULT_CPU_MODEL, VMI, Disk, SpecError, Volume
 
 # Volume kinds whose libvirt driver gets discard='unmap' even on a cdrom (storage/volume.go setDiskDriver).
 _DISCARD_KINDS = ("containerDisk", "emptyDisk", "persistentVolumeClaim", "dataVolume", "ephemeral")
@@ -357,11 +357,22 @@ def _os(vmi: VMI, host: Host) -> ET.Element:
 
 
 def _cpu(vmi: VMI, host: Host) -> ET.Element:
-    model = vmi.domain.cpu.model or "host-model"
+    model = vmi.domain.cpu.model
+    if model == "host-passthrough" and host.domain_type != "kvm":
+        # KubeVirt under useEmulation renders the mode as written (converter/compute/cpu.go
+        # configureCPUModel; kvm/configurator.go makes the domain type qemu), and libvirt refuses
+        # to start it, in these words: refused here before anything starts.
+        raise SpecError("spec.domain.cpu.model", f"host-passthrough: CPU mode 'host-passthrough' for {host.arch} qemu domain on"
+                                                 f" {host.arch} host is not supported by hypervisor (this VM runs under TCG, as"
+                                                 " the accelerator line says); use host-model or a named model, or run under KVM")
     if model in ("host-model", "host-passthrough"):
-        # TCG cannot pass the host CPU through and libvirt's host-model needs KVM: leave the mode out
-        # and let QEMU pick its default TCG model.
-        cpu = ET.Element("cpu", {"mode": model} if host.domain_type == "kvm" else {})
+        # As written, as KubeVirt renders it with useEmulation too: under TCG libvirt expands host-model
+        # to what TCG emulates (its domcapabilities for virttype qemu, which KubeVirt's node labeller reads).
+        cpu = ET.Element("cpu", mode=model)
+    elif model is None:
+        # KubeVirt's default is host-model (DefaultCPUModel); under TCG the mode is left out and QEMU
+        # picks its default TCG model (docs/kubevirt.md, Differences).
+        cpu = ET.Element("cpu", {"mode": DEFAULT_CPU_MODEL} if host.domain_type == "kvm" else {})
     else:
         cpu = ET.Element("cpu", mode="custom", match="exact")
         _text(cpu, "model", model, fallback="allow")

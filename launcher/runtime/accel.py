@@ -1,8 +1,9 @@
-"""Choose the libvirt domain type: "kvm" when KVM really runs guests here, else "qemu" (TCG).
+"""Choose the libvirt domain type: "kvm" when KVM really runs guests here, else "qemu" (TCG), and say why.
 
 /dev/kvm existing proves nothing: on some hosts (nested, or software "KVM" such as PVM) it opens
 fine and guests then crawl at 100 % sys CPU. So we boot a tiny real guest under KVM and call KVM
-usable only if it finishes a fixed amount of work in time. The answer is cached per boot.
+usable only if it finishes a fixed amount of work in time. The answer is cached per boot, with its
+reason: every run says which accelerator it uses and, when /dev/kvm is there but unused, why.
 """
 
 from __future__ import annotations
@@ -115,24 +116,52 @@ def _cache_file(cache_dir: Path, qemu: str) -> tuple[Path, str] | None:
     return Path(cache_dir) / "accel" / f"{boot_id}_{hashlib.sha256(binary.encode()).hexdigest()[:16]}.json", boot_id
 
 
-def domain_type(cache_dir: Path | None = None, qemu: str = "qemu-system-x86_64", timeout: float = 8.0) -> str:
-    """"kvm" or "qemu". $DISKKIT_ACCEL=kvm|tcg|qemu overrides; no usable /dev/kvm means "qemu"
-    without probing (the unprivileged qemu:///session case); otherwise the cached or fresh probe."""
-    forced = os.environ.get("DISKKIT_ACCEL", "").strip().lower()
+@dataclass(frozen=True)
+class Accel:
+    domain_type: str  # libvirt's: "kvm", or "qemu" for TCG
+    reason: str  # why, in words a user can act on
+
+    @property
+    def name(self) -> str:
+        return "kvm" if self.domain_type == "kvm" else "tcg"
+
+    def line(self) -> str:
+        shown = "KVM" if self.domain_type == "kvm" else "TCG (software emulation)"
+        return f"accelerator: {shown}: {self.reason}"
+
+    def to_json(self) -> dict:
+        return {"accelerator": self.name, "domainType": self.domain_type, "reason": self.reason}
+
+
+FORCE_HINT = "--accel kvm or DISKKIT_ACCEL=kvm forces KVM"
+
+
+def choose(cache_dir: Path | None = None, requested: str | None = None, qemu: str = "qemu-system-x86_64", timeout: float = 8.0,
+           qemu_cannot_open: str | None = None) -> Accel:
+    """The accelerator and why. `requested` (--accel kvm|qemu|tcg; None or "auto" to choose) wins, then
+    $DISKKIT_ACCEL; no /dev/kvm, or one this user cannot open, means TCG without probing (the
+    unprivileged qemu:///session case); `qemu_cannot_open` names a qemu that runs as another user who
+    cannot open it (a root launcher's session daemon); otherwise this boot's cached probe, or a fresh one."""
+    if requested not in (None, "auto"):
+        return _forced(requested, "--accel", f"--accel {requested}")
+    forced = os.environ.get("DISKKIT_ACCEL", "").strip()
     if forced:
-        if forced not in ("kvm", "tcg", "qemu"):
-            raise DiskkitError("DISKKIT_ACCEL", f"must be kvm, tcg or qemu, not {forced!r}")
-        return "kvm" if forced == "kvm" else "qemu"
+        return _forced(forced, "DISKKIT_ACCEL", f"DISKKIT_ACCEL={forced}")
+    if not os.path.exists(KVM_DEVICE):
+        return Accel("qemu", f"no {KVM_DEVICE} on this host")
+    if qemu_cannot_open is not None:
+        return Accel("qemu", f"{KVM_DEVICE} exists but {qemu_cannot_open} cannot open it; {FORCE_HINT}")
     if not os.access(KVM_DEVICE, os.R_OK | os.W_OK, effective_ids=True):
-        return "qemu"
+        return Accel("qemu", f"{KVM_DEVICE} exists but uid {os.geteuid()} cannot open it read-write (not in its group?)")
     if cache_dir is None:
         from launcher.node.cache import default_root
         cache_dir = default_root()
     path, boot_id = _cache_file(Path(cache_dir), qemu) or (None, "")
     if path is not None:
         try:
-            return "kvm" if json.loads(path.read_text())["works"] else "qemu"
-        except (OSError, ValueError, KeyError, TypeError):
+            record = json.loads(path.read_text())
+            return _probed(bool(record["works"]), str(record.get("reason") or "probed earlier"), f"this boot's probe, kept in {path}")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass  # absent or torn: probe again
     works, reason = probe_kvm(qemu, timeout)
     if path is not None:
@@ -144,4 +173,18 @@ def domain_type(cache_dir: Path | None = None, qemu: str = "qemu-system-x86_64",
             write_atomic(path, json.dumps({"works": works, "reason": reason, "qemu": qemu}).encode() + b"\n")
         except (OSError, DiskkitError):
             pass  # a read-only cache only costs the next run another probe
-    return "kvm" if works else "qemu"
+    return _probed(works, reason, "probed now")
+
+
+def _forced(value: str, option: str, by: str) -> Accel:
+    value = value.lower()
+    if value not in ("kvm", "tcg", "qemu"):
+        raise DiskkitError(option, f"must be kvm, tcg or qemu, not {value!r}")
+    return Accel("kvm" if value == "kvm" else "qemu", f"{by} asks for it")
+
+
+def _probed(works: bool, reason: str, when: str) -> Accel:
+    if works:
+        return Accel("kvm", f"a probe guest ran under KVM ({reason}; {when})")
+    return Accel("qemu", f"{KVM_DEVICE} exists but KVM is not used: {reason} ({when}); {FORCE_HINT}")
+

@@ -68,6 +68,9 @@ class RunOptions:
     # the disks are used from there, nothing is pulled (launcher.volumes.imagevolume).
     container_disk_dir: Path | None = None
     kernel_boot_dir: Path | None = None  # likewise the kernelBoot container's (/var/run/kubevirt-kernel-boot)
+    accel: str | None = None  # --accel: "kvm", "qemu" or "tcg"; None or "auto": launcher.runtime.accel chooses
+    # --pull-policy: every containerDisk's and kernelBoot container's imagePullPolicy for this run, in place of the spec's
+    pull_policy: str | None = None
 
 
 def grace_period_of(vmi: VMI, opts: RunOptions) -> float:
@@ -97,16 +100,20 @@ def connect(cache: Cache, uri: str) -> Libvirt:
     return Libvirt(uri)
 
 
-def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, domain_type: str | None = None, qemu: tuple[int, int] = KUBEVIRT_QEMU,
-         dac: bool = False, qemu_uid: int | None = None):
-    """Pull what the VMI needs and render its domain; with `create`, the overlays are made too (and what
-    qemu opens in claims is given to `qemu`)."""
+def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, say: Callable[[str], None], qemu: tuple[int, int] = KUBEVIRT_QEMU,
+         dac: bool = False, qemu_uid: int | None = None, qemu_cannot_open: str | None = None):
+    """Pull what the VMI needs, choose the accelerator (said in one line) and render the domain:
+    (prepared volumes, domain XML, accelerator). With `create`, the overlays are made too (and what
+    qemu opens in claims is given to `qemu`); `qemu_cannot_open`: see accel.choose."""
     run_dir = cache.run_dir(vmi.domain_name)
     prepared = prepare(vmi, cache, run_dir, opts.registry, opts.platform, create=create, store=opts.storage, lazy=opts.lazy,
                        qemu=qemu, qemu_uid=qemu_uid, pins=pins.load(cache, vmi.domain_name) if vmi.from_vm else None,
-                       update=opts.update, image_volumes=opts.container_disk_dir, kernel_boot_dir=opts.kernel_boot_dir)
+                       update=opts.update, image_volumes=opts.container_disk_dir, kernel_boot_dir=opts.kernel_boot_dir,
+                       pull_policy=opts.pull_policy)
+    chosen = accel.choose(cache.root, opts.accel, qemu_cannot_open=qemu_cannot_open)  # after the pulls: a refused image costs no probe
+    say(chosen.line())
     host = Host(
-        domain_type=domain_type or accel.domain_type(cache.root),
+        domain_type=chosen.domain_type,
         serial_log=str(rundir.console_log(run_dir)),
         kernel=prepared.kernel,
         initrd=prepared.initrd,
@@ -115,10 +122,16 @@ def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, domain_type: st
     )
     if vmi.domain.cpu.dedicated_cpu_placement:
         host = replace(host, topology=hostcpus.read_topology(), cpuset=hostcpus.pod_cpuset())
-    return prepared, render(vmi, prepared.disks, host)
+    return prepared, render(vmi, prepared.disks, host), chosen
 
 
-def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) -> int:
+@dataclass(frozen=True)
+class Ran:
+    code: int
+    accel: accel.Accel  # what the domain ran on, and why
+
+
+def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) -> Ran:
     """Start the VM and stay with it: until --wait-for text, the guest's own stop, a timeout or a signal."""
     name = vmi.domain_name
     began = time.monotonic()  # --timeout counts from here: pulls, the disk server and libvirt's start included
@@ -150,8 +163,8 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
                 session_uid = owner[0] if os.geteuid() == 0 and not is_system_uri(lv.uri) else None
                 # Nor may it open a /dev/kvm root can: then the domain is TCG's.
                 tcg = session_uid is not None and not sessiond.kvm_for(lv.uri, cache)
-                prepared, xml = plan(vmi, cache, opts, create=True, domain_type="qemu" if tcg else None, qemu=owner,
-                                     dac=os.geteuid() == 0 and is_system_uri(lv.uri), qemu_uid=session_uid)
+                prepared, xml, chosen = plan(vmi, cache, opts, create=True, say=say, qemu=owner, dac=os.geteuid() == 0 and is_system_uri(lv.uri),
+                                             qemu_uid=session_uid, qemu_cannot_open=f"qemu's user (uid {session_uid}) on {lv.uri}" if tcg else None)
                 run_dir = cache.run_dir(name)
                 rundir.open_to_qemu(run_dir, owner)
                 write_atomic(run_dir / "domain.xml", xml.encode(), 0o600)  # root's: libvirt is given the XML, not the file
@@ -174,6 +187,7 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
                     "network": [{"interface": i.name, "netdev": netdev_id(i), "cidr": i.cidr} for i in vmi.domain.devices.interfaces],
                     "livenessProbe": vmi.liveness_probe,  # what `launcher pause` checks, as virt-api does
                     "gracePeriod": grace_period_of(vmi, opts),  # what `launcher stop` gives the guest
+                    "accel": chosen.to_json(),
                 })
             for note in prepared.notes:
                 say(f"note: {note}")
@@ -200,7 +214,7 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
             f" ({rundir.console_log(run_dir)})")
         say(f"stop it with: launcher stop {shown}{'' if opts.wait_for or opts.detach else ', or Ctrl-C here'}")
     if opts.detach and not opts.wait_for:
-        return 0
+        return Ran(0, chosen)
     console_log = ConsoleLog(rundir.console_log(run_dir))
     echo = Echo() if opts.console else None
     metrics = None
@@ -238,7 +252,7 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
     console_log.close()
     if outcome == "found":
         say(f"{name} is running (saw {opts.wait_for!r}); stop it with: launcher stop {vmi.name}")
-        return 0
+        return Ran(0, chosen)
     cleanup(cache, lv, name)
     if outcome == "timeout":
         what = f"{opts.wait_for!r} did not appear on the console" if opts.wait_for else "the VM was still running"
@@ -246,7 +260,7 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
     if opts.wait_for:
         raise GuestFailed(name, f"the guest stopped before {opts.wait_for!r} appeared on the console")
     say(f"{name} stopped")
-    return 0
+    return Ran(0, chosen)
 
 
 def _publish(vmi: VMI, lv: Libvirt, address: str | None, say: Callable[[str], None]) -> None:

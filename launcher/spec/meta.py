@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -65,19 +66,29 @@ def _quoted(value: str) -> str:
 
 # ---------------------------------------------------------------- files
 
+STDIN = "-"  # as `kubectl apply -f -`
+
+
+def shown_path(path: str | Path) -> str:
+    return "stdin" if str(path) == STDIN else str(path)
+
+
 def read_manifest(path: str | Path) -> str:
-    """The text of a manifest file: at most MAX_MANIFEST_BYTES, UTF-8."""
+    """The text of a manifest file, or of stdin for `-`: at most MAX_MANIFEST_BYTES, UTF-8."""
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_MANIFEST_BYTES + 1)
+        if str(path) == STDIN:
+            data = sys.stdin.buffer.read(MAX_MANIFEST_BYTES + 1)
+        else:
+            with open(path, "rb") as f:
+                data = f.read(MAX_MANIFEST_BYTES + 1)
     except OSError as err:
-        raise SpecError(str(path), err.strerror or str(err)) from None
+        raise SpecError(shown_path(path), err.strerror or str(err)) from None
     if len(data) > MAX_MANIFEST_BYTES:
-        raise SpecError(str(path), f"is larger than {MAX_MANIFEST_BYTES} bytes (3 MiB), the most the Kubernetes API server accepts")
+        raise SpecError(shown_path(path), f"is larger than {MAX_MANIFEST_BYTES} bytes (3 MiB), the most the Kubernetes API server accepts")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise SpecError(str(path), f"is not UTF-8 text (byte {err.start}: {err.reason})") from None
+        raise SpecError(shown_path(path), f"is not UTF-8 text (byte {err.start}: {err.reason})") from None
 
 
 def _allowed_alias_ratio(decodes: int) -> float:
@@ -149,9 +160,9 @@ def parse_json(text: str, origin: str | Path) -> Any:
 
 
 def load_documents(path: str | Path) -> list[Any]:
-    """The documents of a .json file (one) or a YAML file (any number), read within the limits."""
+    """The documents of a .json file (one) or a YAML file or stdin (any number; JSON is YAML), read within the limits."""
     text = read_manifest(path)
-    return [parse_json(text, path)] if str(path).endswith(".json") else parse_yaml(text, path)
+    return [parse_json(text, path)] if str(path).endswith(".json") else parse_yaml(text, shown_path(path))
 
 
 # ---------------------------------------------------------------- strings

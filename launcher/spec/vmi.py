@@ -49,6 +49,7 @@ from launcher.spec.meta import (
     check_xml_text,
     domain_name,
     load_documents,
+    shown_path,
 )
 from launcher.spec.network import Interface, parse_interfaces
 
@@ -1008,8 +1009,8 @@ def _probe_handler(spec: dict, root: str) -> str | None:
 
 
 def load_vmi(path: str | Path, ignore_unsupported: bool = False, *, objects: ObjectSource | None = None) -> VMI:
-    """Read one YAML document from `path` (within the API server's limits) and parse it (`objects`: see parse_vmi)."""
+    """Read one YAML document from `path` (`-`: stdin; within the API server's limits) and parse it (`objects`: see parse_vmi)."""
     docs = [doc for doc in load_documents(path) if doc is not None]
     if len(docs) != 1:
-        raise SpecError(str(path), f"must hold one VirtualMachineInstance or VirtualMachine document, not {len(docs)}")
+        raise SpecError(shown_path(path), f"must hold one VirtualMachineInstance or VirtualMachine document, not {len(docs)}")
     return parse_vmi(docs[0], ignore_unsupported, objects=objects)

@@ -11,6 +11,7 @@ from diskkit.disk import qemuimg
 from diskkit.errors import AuthError, DiskkitError
 from diskkit.oci.image import Platform
 from diskkit.oci.reference import parse_ref
+from diskkit.progress import NoteReporter
 from diskkit.registry.authfile import in_config
 from diskkit.registry.options import RegistryOptions
 from launcher.diskserver.client import Attached, attach, files
@@ -50,7 +51,7 @@ def container_disk(ctx: Context, volume: Volume, where: str) -> ResolvedDisk:
                     _record_pin(ctx, volume.name, source.image, attached.pulled.digest, pin)
                     return _nbd_overlay(ctx, volume, attached)
             base = pull(ctx.cache, ref, source.path, ctx.platform, registry, policy,
-                        accept=check_config(str(parse_ref(source.image))))
+                        accept=check_config(str(parse_ref(source.image))), reporter=NoteReporter(ctx.note))
             check_image(ctx.cache, base)  # a disk the cache already held
     ctx.out.pulled.append(base)
     _record_pin(ctx, volume.name, source.image, base.digest, pin)
@@ -58,9 +59,11 @@ def container_disk(ctx: Context, volume: Volume, where: str) -> ResolvedDisk:
 
 
 def _policy(ctx: Context, image: str, given: str | None) -> str:
-    """The pull policy of the image as written, also for its pinned digest (KubeVirt defaults it from
-    the tag before a migration target's pod gets the digest)."""
-    policy = given or default_policy(image)
+    """--pull-policy, else the pull policy of the image as written, also for its pinned digest (KubeVirt
+    defaults it from the tag before a migration target's pod gets the digest). KubeVirt hands it to the
+    kubelet as the policy of the pod's image (pkg/container-disk/container-disk.go and
+    pkg/virt-controller/services/rendervolumes.go; defaults in pkg/defaults/defaults.go)."""
+    policy = ctx.pull_policy or given or default_policy(image)
     if ctx.update and ctx.pins is not None and pinnable(image) and policy != "Never":
         return "Always"  # --update asks the registry where the tag is now, not the node's memory of it
     return policy
@@ -183,6 +186,7 @@ def _kernel_boot_files(ctx: Context, container, ref: str, policy: str, registry)
     if ctx.lazy != "off":
         fetched = files(ctx.cache, ref, [path for _, path in wanted], ctx.platform, registry, ctx.lazy, policy, ctx.out.notes)
     for attr, file_path in wanted:
-        pulled = fetched[file_path] if fetched else pull(ctx.cache, ref, file_path, ctx.platform, registry, policy, disk=False)
+        pulled = fetched[file_path] if fetched else pull(ctx.cache, ref, file_path, ctx.platform, registry, policy, disk=False,
+                                                         reporter=NoteReporter(ctx.note))
         ctx.out.pulled.append(pulled)
         setattr(ctx.out, attr, str(pulled.path))

@@ -52,8 +52,9 @@ class Context:
     update: bool = False  # resolve the tags again instead of booting the pinned digests
     image_volumes: Path | None = None  # where the pod mounts each containerDisk's image (launcher.volumes.imagevolume)
     kernel_boot_dir: Path | None = None  # where the pod mounts the kernelBoot container's image
+    pull_policy: str | None = None  # --pull-policy: every image's imagePullPolicy, whatever the spec says
     out: Prepared = field(default_factory=Prepared)
 
     def note(self, text: str | None) -> None:
-        if text:
+        if text and text not in self.out.notes:  # a kernel and an initrd of one cached image: said once
             self.out.notes.append(text)
