@@ -28,8 +28,19 @@ REQUIRED_TOOLS = (
 
 
 def pytest_configure(config):
-    leftovers.begin(getattr(config, "workerinput", {}).get("workerid"))
+    worker = getattr(config, "workerinput", {}).get("workerid")
+    own = leftovers.begin(worker)
+    if worker is None and not config.option.basetemp:
+        # pytest's tmp_path below this run's directory, and short: unix sockets made in a test's
+        # tmp_path (a disk server's, 50 bytes below it) must stay within 107 bytes with xdist's
+        # popen-gwN added. Workers get theirs below it from xdist.
+        config.option.basetemp = str(own.parent / "t")
     timing.register(config)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _guest_boots_in_tmp_paths(request, tmp_path_factory):
+    timing.count_boots_below(request.config, tmp_path_factory.getbasetemp())
 
 
 def pytest_sessionstart(session):

@@ -152,3 +152,10 @@ class Timing:
 
 def register(config: pytest.Config) -> None:
     config.pluginmanager.register(Timing(config), "diskkit-timing")
+
+
+def count_boots_below(config: pytest.Config, root: Path) -> None:
+    """Disks made below `root` (pytest's base directory, known once it is made) count too."""
+    plugin = config.pluginmanager.get_plugin("diskkit-timing")
+    if plugin is not None and plugin.counter is not None:
+        plugin.counter.roots.append(str(root).encode())
