@@ -58,7 +58,7 @@ breg = blazy.breg
 bb = breg.bb
 MIB = bb.MIB
 ROOT = Path(__file__).resolve().parent.parent
-GUEST = ROOT / "build" / "testguest" / "testguest.qcow2"
+GUEST = ROOT / "build" / "testguest" / "testguest-poweroff.qcow2"
 MODES = ("pulled", "lazy")
 REPO = "bench/density"
 DONE = "DISKKIT-TESTGUEST DONE"
@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vms", default="1,4,8", help="comma-separated counts of VMs started together (default %(default)s)")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, of pulled and lazy (default %(default)s)")
     parser.add_argument("--workdir", type=Path, default=bb.DEFAULT_WORKDIR, help="cache for the disk and scratch (default build/bench)")
-    parser.add_argument("--guest", type=Path, default=GUEST, help="the test guest's qcow2 (default build/testguest/testguest.qcow2)")
+    parser.add_argument("--guest", type=Path, default=GUEST, help="the test guest's qcow2 (default build/testguest/testguest-poweroff.qcow2)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON instead of a table")
     args = parser.parse_args(argv)
     try:

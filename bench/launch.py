@@ -54,7 +54,7 @@ bb = breg.bb
 MIB = bb.MIB
 TARGET_PULL_SPEEDUP = 6.0  # issue 26 item 5
 ROOT = Path(__file__).resolve().parent.parent
-GUEST = ROOT / "build" / "testguest" / "testguest.qcow2"
+GUEST = ROOT / "build" / "testguest" / "testguest-poweroff.qcow2"
 
 
 def launcher_command() -> list[str]:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job end to end: build the test guest disk, package it as a containerDisk image and
 # push it to a registry started here, read it back, verify it the way KubeVirt will, then boot
-# it with the launcher (libvirt session, as the unprivileged qemu user) and show its console.
+# it with the launcher (libvirt session, as the unprivileged qemu user), show its console and stop it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh demo   # the demo's packages only, not the test suite's toolchain
@@ -43,5 +43,10 @@ step skopeo inspect --tls-verify=false --format '{{.Digest}} {{.Os}}/{{.Architec
 # Boot it: the VMI from examples/, pointed at this registry. As root with no libvirt system daemon
 # (the demo installs none) the launcher runs the VM as the qemu user (UID 107) through that user's
 # own libvirt session daemon, as KubeVirt's non-root launcher does; it says so in one line.
+# The test guest reports its disks on the console and then waits, as a real guest does, until its
+# power button is pressed: `launcher stop` presses it.
 sed "s|registry.example.com/disks/testguest:v1|$image|" examples/vmi-containerdisk.yaml >"$work/vmi.yaml"
-step launcher run --tls-verify=false --console --timeout 300 "$work/vmi.yaml"
+step launcher run --tls-verify=false --detach --wait-for 'DISKKIT-TESTGUEST DONE' --timeout 300 "$work/vmi.yaml"
+step launcher logs testguest
+step launcher ls
+step launcher stop testguest

@@ -276,7 +276,7 @@ def test_built_artifact_goes_through_a_registry(tmp_path, registry, disk):
 
 def test_launcher_run_boots_the_test_guest_from_a_built_artifact(qemu_user, registry):
     ref = f"{registry.host}/artifact/guest:qcow2"
-    built = run_diskkit("build", NOREG, "--artifact", ensure_testguest() / "testguest.qcow2", "-t", ref)
+    built = run_diskkit("build", NOREG, "--artifact", ensure_testguest() / "testguest-poweroff.qcow2", "-t", ref)
     assert built.code == 0, built.err
     vmi = qemu_user.write_vmi("artifact", ref)
     result = qemu_user.launcher("run", NOREG, "--console", "--timeout", "240", vmi)
@@ -290,7 +290,7 @@ def test_launcher_run_boots_the_test_guest_from_a_built_artifact(qemu_user, regi
 
 def test_launcher_run_boots_an_oras_style_artifact_lazily(qemu_user, registry, tmp_path):
     raw = tmp_path / "guest.img"
-    run("qemu-img", "convert", "-O", "raw", ensure_testguest() / "testguest.qcow2", raw)
+    run("qemu-img", "convert", "-O", "raw", ensure_testguest() / "testguest-poweroff.qcow2", raw)
     layout = oras_layout(tmp_path / "oras", [("guest.img", raw.read_bytes(), "application/vnd.kubevirt.disk.raw")])
     ref = f"{registry.host}/artifact/guest:oras"
     run("skopeo", "copy", "--dest-tls-verify=false", f"oci:{layout}:t", f"docker://{ref}")

@@ -88,7 +88,7 @@ def test_density_bench_two_vms_of_one_image_at_once(tmp_path):
     # asserted (shared machines), what the node must do with them is: every VM up, the layer sent once.
     from tests.testguest import ensure_testguest
 
-    guest = ensure_testguest() / "testguest.qcow2"
+    guest = ensure_testguest() / "testguest-poweroff.qcow2"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "density.py"), "--vms", "2", "--workdir", str(tmp_path),
                            "--guest", str(guest), "--json"], capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr

@@ -53,7 +53,7 @@ def panicking_disk(work: Path) -> Path:
     for tool in ("mcopy", "sfdisk", "qemu-img"):
         assert shutil.which(tool), f"{tool} is needed by this test"
     raw = work / "panic.raw"
-    subprocess.run(["qemu-img", "convert", "-f", "qcow2", "-O", "raw", ensure_testguest() / "testguest.qcow2", raw], check=True)
+    subprocess.run(["qemu-img", "convert", "-f", "qcow2", "-O", "raw", ensure_testguest() / "testguest-poweroff.qcow2", raw], check=True)
     table = json.loads(subprocess.run(["sfdisk", "-J", raw], capture_output=True, text=True, check=True).stdout)
     offset = table["partitiontable"]["partitions"][0]["start"] * 512
     junk = work / "initrd.img"
@@ -95,7 +95,7 @@ def test_pipeline_publishes_skips_refuses_and_prunes(qemu_user, registry, site):
     for d in ("out", "tmp"):
         (qemu_user.root / d).mkdir()
         os.chown(qemu_user.root / d, QEMU_UID, pwd.getpwuid(QEMU_UID).pw_gid)
-    guest = ensure_testguest() / "testguest.qcow2"
+    guest = ensure_testguest() / "testguest-poweroff.qcow2"
 
     # 1. a release is published: dated tag, version and latest, all on the tested digest
     publish(root, "1", guest)

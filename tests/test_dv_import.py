@@ -84,7 +84,7 @@ def files(tmp_path_factory):
     """The test guest as qcow2, the same as raw, and a raw data disk with a pattern and holes."""
     root = tmp_path_factory.mktemp("www")
     guest = root / "guest.qcow2"
-    guest.write_bytes((ensure_testguest() / "testguest.qcow2").read_bytes())
+    guest.write_bytes((ensure_testguest() / "testguest-poweroff.qcow2").read_bytes())
     subprocess.run(["qemu-img", "convert", "-O", "raw", guest, root / "guest.img"], check=True)
     with open(root / "data.img", "wb") as f:
         f.write(b"\xcd" * MIB)

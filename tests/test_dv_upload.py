@@ -72,7 +72,7 @@ def serve(tmp_path):
 @pytest.fixture
 def guest(tmp_path) -> Path:
     path = tmp_path / "guest.qcow2"
-    path.write_bytes((ensure_testguest() / "testguest.qcow2").read_bytes())
+    path.write_bytes((ensure_testguest() / "testguest-poweroff.qcow2").read_bytes())
     return path
 
 

@@ -89,7 +89,7 @@ def test_the_ci_script_pushes_an_image_the_example_vmi_boots(qemu_user, auth_reg
     work = qemu_user.root / "ci"
     work.mkdir()
     raw = work / "guest.img"  # a raw disk in, as the script's comment says it takes
-    subprocess.run(["qemu-img", "convert", "-O", "raw", ensure_testguest() / "testguest.qcow2", raw], check=True)
+    subprocess.run(["qemu-img", "convert", "-O", "raw", ensure_testguest() / "testguest-poweroff.qcow2", raw], check=True)
     auth = auth_registry.auth_file(qemu_user.root / "auth.json")
     auth.chmod(0o644)  # the qemu user pulls with it too
     conf = _insecure_registries_conf(qemu_user.root / "registries.conf", auth_registry.host)
@@ -133,7 +133,7 @@ def test_the_datavolume_examples_import_and_wait_as_written(tmp_path, registry):
     substituted: quay.io -> the test's registry on loopback) into a claim of the size it asks, and
     `fedora-data`, on a WaitForFirstConsumer storage class, waits for its VM."""
     image = f"{registry.host}/containerdisks/fedora:40"
-    built = run_diskkit("build", NOREG, "--no-lazy", ensure_testguest() / "testguest.qcow2", "-t", image)
+    built = run_diskkit("build", NOREG, "--no-lazy", ensure_testguest() / "testguest-poweroff.qcow2", "-t", image)
     assert built.code == 0, built.err
     manifests = tmp_path / "datavolumes"
     manifests.mkdir()
@@ -156,7 +156,7 @@ def check_golden_and_fedora_data(manifests: Path, claims: dict[str, Path]) -> No
     assert imported.code == 0, imported.err
     disk = claims["golden"] / "disk.img"
     assert disk.stat().st_size == 10 << 30  # the DataVolume's storage request
-    same = subprocess.run(["qemu-img", "compare", "-q", "-f", "raw", "-F", "qcow2", disk, ensure_testguest() / "testguest.qcow2"])
+    same = subprocess.run(["qemu-img", "compare", "-q", "-f", "raw", "-F", "qcow2", disk, ensure_testguest() / "testguest-poweroff.qcow2"])
     assert same.returncode == 0
     status = run_launcher("dv", "status", "golden", "--json", *args)
     assert status.code == 0 and json.loads(status.out)["phase"] == "Succeeded", status.out + status.err
@@ -174,7 +174,7 @@ def test_the_datavolume_example_vm_imports_its_root_waits_for_the_upload_and_boo
     `launcher serve --upload-listen`, then boots from both."""
     www = tmp_path / "www"
     www.mkdir()
-    shutil.copy(ensure_testguest() / "testguest.qcow2", www / "Fedora-Cloud-Base-Generic.x86_64-40-1.14.qcow2")
+    shutil.copy(ensure_testguest() / "testguest-poweroff.qcow2", www / "Fedora-Cloud-Base-Generic.x86_64-40-1.14.qcow2")
     data = make_qcow2(tmp_path / "data.qcow2", "48M", pattern=0xAB)
     manifests = qemu_user.root / "datavolumes"
     manifests.mkdir()

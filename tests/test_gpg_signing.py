@@ -291,7 +291,7 @@ def test_vm_boots_a_gpg_signed_image_and_an_unsigned_one_is_refused_before_cachi
     from tests.testguest import ensure_testguest, parse_console
     from tests.vmhost import QEMU_UID, assert_clean
 
-    guest = ensure_testguest() / "testguest.qcow2"
+    guest = ensure_testguest() / "testguest-poweroff.qcow2"
     signed = f"{registry.host}/gpgvm/guest:v1"
     build(guest, signed, "--registries.d", keys["regd"], "--sign-by", keys["a"])
     unsigned = f"{registry.host}/gpgvmu/guest:v1"

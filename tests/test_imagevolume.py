@@ -35,7 +35,7 @@ def _unpacked(at: Path, layout: Path) -> Path:
 @pytest.fixture(scope="module")
 def guest_layout(qemu_user) -> Path:
     layout = qemu_user.root / "iv-layout"
-    result = run_diskkit("build", "--no-lazy", ensure_testguest() / "testguest.qcow2", "-t", f"oci:{layout}:v1")
+    result = run_diskkit("build", "--no-lazy", ensure_testguest() / "testguest-poweroff.qcow2", "-t", f"oci:{layout}:v1")
     assert result.code == 0, result.err
     return layout
 

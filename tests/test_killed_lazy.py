@@ -45,7 +45,7 @@ def user():
 
 @pytest.fixture(scope="module")
 def lazy_guest(registry, user) -> str:
-    raw = padded_guest(ensure_testguest() / "testguest.qcow2", user.root / "guest-64m.img", 64 << 20)
+    raw = padded_guest(ensure_testguest() / "testguest-poweroff.qcow2", user.root / "guest-64m.img", 64 << 20)
     return build_lazy_image(raw, f"{registry.host}/killed/lazy:v1")
 
 

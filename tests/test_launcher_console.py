@@ -173,7 +173,7 @@ def test_a_lazy_image_boots_through_the_embedded_daemon(qemu_user, registry):
     """qemu runs as the session daemon's user (107), outside the group of the root disk server's
     nbd.sock: the root launcher asks for the socket of that user instead."""
     ref = f"{registry.host}/embedded/lazy:v1"
-    built = run_diskkit("build", NOREG, ensure_testguest() / "testguest.qcow2", "-t", ref)  # lazy by default
+    built = run_diskkit("build", NOREG, ensure_testguest() / "testguest-poweroff.qcow2", "-t", ref)  # lazy by default
     assert built.code == 0, built.err
     cache = qemu_user.root / "lazy-cache"
     vmi = qemu_user.write_vmi("lazy-embedded", ref)

@@ -87,7 +87,7 @@ class Running:
 @pytest.fixture(scope="module")
 def www(tmp_path_factory):
     root = tmp_path_factory.mktemp("www")
-    (root / "guest.qcow2").write_bytes((ensure_testguest() / "testguest.qcow2").read_bytes())
+    (root / "guest.qcow2").write_bytes((ensure_testguest() / "testguest-poweroff.qcow2").read_bytes())
     with open(root / "data.img", "wb") as f:
         f.write(b"\xcd" * MIB)
         f.truncate(24 * MIB)
@@ -142,7 +142,7 @@ def test_an_upload_waits_for_its_first_consumer_then_the_vm_boots_from_it(qemu_u
                              stderr=subprocess.DEVNULL)
     try:
         token = run_launcher("dv", "token", "upboot", "--cache-dir", cache).out.strip()
-        disk = ensure_testguest() / "testguest.qcow2"
+        disk = ensure_testguest() / "testguest-poweroff.qcow2"
         send = ["upload", "upboot", disk, "--url", f"http://{host}", "--token", token, "--wait", "30"]
         for _ in range(100):  # until the server listens
             early = run_diskkit(*send)

@@ -48,7 +48,7 @@ def _vmi(user, name: str) -> Path:
 
 def _lun(user) -> Path:
     lun = user.root / "lun.img"
-    run("qemu-img", "convert", "-O", "raw", ensure_testguest() / "testguest.qcow2", lun)
+    run("qemu-img", "convert", "-O", "raw", ensure_testguest() / "testguest-poweroff.qcow2", lun)
     return lun
 
 

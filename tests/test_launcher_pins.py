@@ -71,10 +71,10 @@ def _pins(qemu_user) -> dict:
 
 def test_a_moved_tag_boots_the_pinned_digest_until_update(qemu_user, registry, tmp_path):
     bigger = tmp_path / "bigger.qcow2"
-    run("qemu-img", "convert", "-O", "qcow2", ensure_testguest() / "testguest.qcow2", bigger)
+    run("qemu-img", "convert", "-O", "qcow2", ensure_testguest() / "testguest-poweroff.qcow2", bigger)
     run("qemu-img", "resize", bigger, "96M")
     tag = f"{registry.host}/pins/guest:t"
-    first = _build(ensure_testguest() / "testguest.qcow2", tag)
+    first = _build(ensure_testguest() / "testguest-poweroff.qcow2", tag)
     # Always: without the pin each boot would ask the registry where the tag is (IfNotPresent would
     # keep the node's first answer, pinned or not).
     vm = _vm(qemu_user, "pinned", tag, policy="Always")
@@ -115,7 +115,7 @@ def test_a_moved_tag_boots_the_pinned_digest_until_update(qemu_user, registry, t
 
 def test_a_changed_image_in_the_spec_is_resolved_afresh(qemu_user, registry):
     tag = f"{registry.host}/pins/other:a"
-    _build(ensure_testguest() / "testguest.qcow2", tag)
+    _build(ensure_testguest() / "testguest-poweroff.qcow2", tag)
     vm = _vm(qemu_user, "respec", f"{registry.host}/pins/guest-gone:a")
     # A pin left by an earlier spec naming another image: it is not this image's, so it is not used.
     assert qemu_user.launcher("ls").code == 0  # the cache and its pins/ directory, the qemu user's
@@ -140,16 +140,16 @@ def test_a_changed_image_in_the_spec_is_resolved_afresh(qemu_user, registry):
 def test_the_kernel_boot_image_is_pinned_too(qemu_user, registry, tmp_path):
     # KubeVirt keys the kernelBoot container's image beside the containerDisks' (KernelBootVolumeName,
     # pkg/container-disk/container-disk.go); the launcher pins it under that name.
-    other = tmp_path / "testguest.qcow2"  # the same name in /disk, other bytes
-    run("qemu-img", "convert", "-O", "qcow2", ensure_testguest() / "testguest.qcow2", other)
+    other = tmp_path / "testguest-poweroff.qcow2"  # the same name in /disk, other bytes
+    run("qemu-img", "convert", "-O", "qcow2", ensure_testguest() / "testguest-poweroff.qcow2", other)
     run("qemu-img", "resize", other, "80M")
     tag = f"{registry.host}/pins/kernel:k"
-    first = _build(ensure_testguest() / "testguest.qcow2", tag)
+    first = _build(ensure_testguest() / "testguest-poweroff.qcow2", tag)
     _build(other, tag)
     vm = _vm(qemu_user, "kernelpin", tag)
     doc = json.loads(vm.read_text())
     # Any file serves a dry run as the kernel: the domain shows which image's file it would boot.
-    doc["spec"]["template"]["spec"]["domain"]["firmware"] = {"kernelBoot": {"container": {"image": tag, "kernelPath": "/disk/testguest.qcow2"}}}
+    doc["spec"]["template"]["spec"]["domain"]["firmware"] = {"kernelBoot": {"container": {"image": tag, "kernelPath": "/disk/testguest-poweroff.qcow2"}}}
     vm.write_text(json.dumps(doc))
     assert qemu_user.launcher("ls").code == 0  # the cache and its pins/ directory, the qemu user's
     (qemu_user.cache / "pins" / "default_kernelpin.json").write_text(json.dumps({"domain": "default_kernelpin", "volumes": {

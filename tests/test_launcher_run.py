@@ -47,7 +47,7 @@ def test_boot_from_the_registry_and_start_clean_every_time(qemu_user, guest_imag
 
 def test_custom_path_from_a_local_layout(qemu_user):
     layout = qemu_user.root / "custom"
-    assert run_diskkit("build", ensure_testguest() / "testguest.qcow2", "--path", "/images/vm/root.qcow2", "-t", f"oci:{layout}:v1").code == 0
+    assert run_diskkit("build", ensure_testguest() / "testguest-poweroff.qcow2", "--path", "/images/vm/root.qcow2", "-t", f"oci:{layout}:v1").code == 0
     run("chmod", "-R", "a+rX", layout)
     # An explicit host-model under TCG, rendered as KubeVirt renders it with useEmulation: libvirt
     # starts it (its TCG host-model), where it used to be dropped silently.
@@ -155,7 +155,7 @@ def test_wait_for_text_that_never_comes_times_out_and_cleans_up(qemu_user, guest
 
 
 def test_bad_images_are_refused_before_any_domain_is_defined(qemu_user, tmp_path):
-    data = (ensure_testguest() / "testguest.qcow2").read_bytes()
+    data = (ensure_testguest() / "testguest-poweroff.qcow2").read_bytes()
     cases = {
         "escape": ([[Member("../escape.txt", b"x"), dir_("disk"), Member("disk/a.qcow2", data)]], "escapes the image root"),
         "twofiles": ([[dir_("disk"), Member("disk/a.qcow2", data), Member("disk/b.qcow2", data)]], "more than one file found in folder /disk"),

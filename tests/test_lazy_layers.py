@@ -38,7 +38,7 @@ def manifest(layout: Path, tag: str) -> dict:
 
 def build_lazy(root: Path, *flags: str) -> Path:
     layout = root / "layout"
-    built = run_diskkit("build", "--lazy", *flags, ensure_testguest() / "testguest.qcow2", "-t", f"oci:{layout}:base")
+    built = run_diskkit("build", "--lazy", *flags, ensure_testguest() / "testguest-poweroff.qcow2", "-t", f"oci:{layout}:base")
     assert built.code == 0, built.err
     return layout
 
@@ -94,7 +94,7 @@ def test_the_disk_under_an_upper_layer_is_served_lazily_and_its_head_and_tail_fe
         assert blob_gets(proxy, upper) == 1
         lower_size = next(layer["size"] for layer in manifest(layout, "two")["layers"] if layer["digest"] == lower)
         assert proxy.sent[f"/v2/layers/guest/blobs/{lower}"] < lower_size // 4
-        same = run("qemu-img", "compare", "-f", "qcow2", "-F", "qcow2", answer["url"], ensure_testguest() / "testguest.qcow2")
+        same = run("qemu-img", "compare", "-f", "qcow2", "-F", "qcow2", answer["url"], ensure_testguest() / "testguest-poweroff.qcow2")
         assert same.stdout.strip() == "Images are identical."
         status = wait_for(lambda: (s := export_status(cache, answer["export"]))["installed"] and s, 180, "the disk to be verified and installed")
     assert status["verified"] and status["toc"], status
@@ -146,7 +146,7 @@ def test_an_uncompressed_lazy_layer_under_a_layer_whose_manifest_lost_the_mark(t
     with disk_server(cache, "--prefetch-rate", "1K"):
         answer = control(cache, {"op": "open", "image": ref, "marked": True, "registry": {"tls_verify": False}})
         assert answer["ok"] and answer["layer"] == doc["layers"][0]["digest"], answer
-        same = run("qemu-img", "compare", "-f", "qcow2", "-F", "qcow2", answer["url"], ensure_testguest() / "testguest.qcow2")
+        same = run("qemu-img", "compare", "-f", "qcow2", "-F", "qcow2", answer["url"], ensure_testguest() / "testguest-poweroff.qcow2")
         assert same.stdout.strip() == "Images are identical."
         status = export_status(cache, answer["export"])
     assert status["toc"] and status["stats"]["corrupt_chunks"] == 0, status

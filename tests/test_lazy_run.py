@@ -43,7 +43,7 @@ def lazy_registry(tmp_path_factory):
 
 
 def push_padded(registry, root: Path, tag: str, seed: int) -> tuple[str, Path]:
-    disk = padded_guest(ensure_testguest() / "testguest.qcow2", root / f"padded-{tag}.img", PADDED, seed)
+    disk = padded_guest(ensure_testguest() / "testguest-poweroff.qcow2", root / f"padded-{tag}.img", PADDED, seed)
     return build_lazy_image(disk, f"{registry.host}/lazy/guest:{tag}"), disk
 
 

@@ -310,7 +310,7 @@ def test_vm_boots_with_the_instancetype_its_image_names(qemu_user, registry):
     from tests.testguest import ensure_testguest, parse_console
 
     ref = f"{registry.host}/launcher/hinted:v1"
-    built = run_diskkit("build", "--tls-verify=false", "--no-lazy", ensure_testguest() / "testguest.qcow2", "-t", ref,
+    built = run_diskkit("build", "--tls-verify=false", "--no-lazy", ensure_testguest() / "testguest-poweroff.qcow2", "-t", ref,
                         "--default-instancetype", "tiny.2c", "--default-preference", "virtio-cores:VirtualMachinePreference")
     assert built.code == 0, built.err
     manifests = qemu_user.root / "hint-manifests"

@@ -382,7 +382,7 @@ def test_vm_boots_a_signed_image_and_run_refuses_an_unsigned_one(registry, trust
     from tests.testguest import ensure_testguest, parse_console
     from tests.vmhost import assert_clean
 
-    guest = ensure_testguest() / "testguest.qcow2"
+    guest = ensure_testguest() / "testguest-poweroff.qcow2"
     signed = f"{registry.host}/vm/guest:v1"
     build_signed(guest, signed, trust)
     unsigned = f"{registry.host}/vmu/guest:v1"

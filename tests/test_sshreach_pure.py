@@ -165,7 +165,7 @@ def test_who_launcher_test_logs_in_as():
 
 def test_launcher_test_refuses_a_label_that_is_not_a_user_name_before_booting(tmp_path):
     layout = f"oci:{tmp_path / 'layout'}:v1"
-    built = run_diskkit("build", ensure_testguest() / "testguest.qcow2", "-t", layout, "--label", f"{DEFAULT_USER_LABEL}=-oProxyCommand=sh")
+    built = run_diskkit("build", ensure_testguest() / "testguest-poweroff.qcow2", "-t", layout, "--label", f"{DEFAULT_USER_LABEL}=-oProxyCommand=sh")
     assert built.code == 0, built.err
     result = run_launcher("test", "--json", "--cache-dir", tmp_path / "cache", layout)
     assert result.code == 3, result.err

@@ -155,14 +155,14 @@ def test_pulled_container_disk_boots_as_root_through_the_system_daemon(daemon, c
 
 def test_lazy_container_disk_boots_as_root_through_the_system_daemon(daemon, cache, registry):
     ref = f"{registry.host}/system/guest:lazy"
-    built = run_diskkit("build", NOREG, ensure_testguest() / "testguest.qcow2", "-t", ref)  # lazy v2 is the default
+    built = run_diskkit("build", NOREG, ensure_testguest() / "testguest-poweroff.qcow2", "-t", ref)  # lazy v2 is the default
     assert built.code == 0, built.err
     try:
         console = boot(daemon, cache, write_vmi(daemon.root, "sys-lazy", ref))
         assert console["disks"]["vda"]["size"] == 64 << 20
         exports = control(cache, {"op": "status"})["exports"]
         # served lazily over NBD (the image's qcow2 file, read by qemu through its TOC), not pulled
-        assert [(e["member"], e["toc"]) for e in exports] == [("disk/testguest.qcow2", True)], exports
+        assert [(e["member"], e["toc"]) for e in exports] == [("disk/testguest-poweroff.qcow2", True)], exports
         sock = os.stat(cache / "serve" / "nbd.sock")  # qemu.conf's group reaches it (launcher.diskserver.qemuid)
         assert (sock.st_gid, stat.S_IMODE(sock.st_mode)) == (grp.getgrnam("libvirt-qemu").gr_gid, 0o660)
     finally:

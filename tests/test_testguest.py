@@ -4,6 +4,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 from pathlib import Path
 
@@ -59,14 +60,15 @@ def test_a_fresh_build_says_nothing_a_newcomer_reads_as_a_failure(guest_dir, tmp
     assert "WARNING" not in built.stderr, built.stderr
     assert ("build.sh: note: the cloud-amd64 kernel has no AHCI (libahci ahci), as expected: this guest sees no SATA disks or"
             " CD-ROMs; its test VMs use virtio (TESTGUEST_KERNEL_FLAVOR=amd64 has AHCI)") in built.stderr.splitlines(), built.stderr
-    assert sha256(out / "testguest.qcow2") == sha256(guest_dir / "testguest.qcow2")  # the same guest, reproducibly
+    for disk in ("testguest.qcow2", "testguest-poweroff.qcow2"):
+        assert sha256(out / disk) == sha256(guest_dir / disk)  # the same guests, reproducibly
 
 
 @pytest.fixture
 def disks(guest_dir, tmp_path):
     overlay = tmp_path / "boot.qcow2"
     subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b",
-                    str(guest_dir / "testguest.qcow2"), "-F", "qcow2", str(overlay)], check=True)
+                    str(guest_dir / "testguest-poweroff.qcow2"), "-F", "qcow2", str(overlay)], check=True)
     data = tmp_path / "data.raw"
     with open(data, "wb") as f:
         f.write(DATA_HEAD)
@@ -86,7 +88,7 @@ def disks(guest_dir, tmp_path):
 
 
 def test_boot_reports_disks_and_persists_stamps(guest_dir, disks):
-    base_sum = sha256(guest_dir / "testguest.qcow2")
+    base_sum = sha256(guest_dir / "testguest-poweroff.qcow2")
 
     first = tg.parse_console(tg.boot_qemu(disks))
     assert first["ready"] and first["done"], first
@@ -119,7 +121,7 @@ def test_boot_reports_disks_and_persists_stamps(guest_dir, disks):
     raw = disks[1][0].read_bytes()
     assert raw[-512:].startswith(b"DKSTAMP 2\n") and raw[:16] == DATA_HEAD
     # the built image is never modified
-    assert sha256(guest_dir / "testguest.qcow2") == base_sum
+    assert sha256(guest_dir / "testguest-poweroff.qcow2") == base_sum
 
 
 def test_kernel_boot(guest_dir, tmp_path):
@@ -134,3 +136,33 @@ def test_kernel_boot(guest_dir, tmp_path):
     assert out["disks"] == {"sda": {"size": MIB, "ro": False, "serial": "SCSI0",
                                     "head": DATA_HEAD.hex()}}
     assert out["stamps"] == {"sda": (0, 1)}
+
+
+def _qmp(sock: Path, command: str) -> None:
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(str(sock))
+        f = s.makefile("rw")
+        f.readline()  # the greeting
+        for cmd in ("qmp_capabilities", command):
+            f.write(json.dumps({"execute": cmd}) + "\n")
+            f.flush()
+            while "return" not in (answer := json.loads(f.readline())) and "error" not in answer:
+                pass  # events before the answer
+            assert "return" in answer, answer
+
+
+def test_the_guest_stays_up_until_its_power_button_is_pressed(guest_dir, tmp_path):
+    # What a user boots (the demo, the examples) behaves as a real guest: it reports, then waits.
+    overlay = tmp_path / "up.qcow2"
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(guest_dir / "testguest.qcow2"), "-F", "qcow2", str(overlay)], check=True)
+    qmp = tmp_path / "qmp.sock"
+    guest = tg.start_qemu([(overlay, {"format": "qcow2"})], extra_args=["-qmp", f"unix:{qmp},server=on,wait=off"])
+    try:
+        guest.wait_for("HOLD seconds=forever")
+        assert guest.proc.poll() is None
+        _qmp(qmp, "system_powerdown")  # the ACPI power button
+        guest.proc.wait(timeout=120)
+    finally:
+        guest.stop()
+    report = tg.parse_console(guest.text())
+    assert report["done"] and report["acpi_poweroff"], guest.text()

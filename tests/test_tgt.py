@@ -33,7 +33,7 @@ def qemu_img_info(*args: str) -> subprocess.CompletedProcess:
 def guest_lun(tmp_path: Path) -> Path:
     """A raw copy of the test guest: what the target exports."""
     lun = tmp_path / "lun.img"
-    subprocess.run(["qemu-img", "convert", "-O", "raw", ensure_testguest() / "testguest.qcow2", lun], check=True)
+    subprocess.run(["qemu-img", "convert", "-O", "raw", ensure_testguest() / "testguest-poweroff.qcow2", lun], check=True)
     return lun
 
 

@@ -47,7 +47,7 @@ def _claim_dir(root: Path) -> Path:
     """A filesystem claim holding the test guest as raw disk.img (what CDI leaves in a claim)."""
     claim = root / "claim-root"
     claim.mkdir()
-    subprocess.run(["qemu-img", "convert", "-O", "raw", ensure_testguest() / "testguest.qcow2", claim / "disk.img"], check=True)
+    subprocess.run(["qemu-img", "convert", "-O", "raw", ensure_testguest() / "testguest-poweroff.qcow2", claim / "disk.img"], check=True)
     return claim
 
 
@@ -422,7 +422,7 @@ def test_run_refuses_a_tampered_export_disk_and_keeps_nothing(qemu_user, tmp_pat
 
 def test_run_refuses_an_image_that_is_not_a_vm_export(qemu_user, tmp_path):
     image = qemu_user.root / "plain"
-    built = run_diskkit("build", ensure_testguest() / "testguest.qcow2", "-t", f"oci:{image}")
+    built = run_diskkit("build", ensure_testguest() / "testguest-poweroff.qcow2", "-t", f"oci:{image}")
     assert built.code == 0, built.err
     for path in [image, *image.rglob("*")]:
         os.chown(path, QEMU_UID, QEMU_UID)

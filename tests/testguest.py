@@ -26,9 +26,10 @@ REPO = Path(__file__).resolve().parent.parent
 SRC_DIR = REPO / "images" / "testguest"
 BUILD_SH = SRC_DIR / "build.sh"
 INIT = SRC_DIR / "init"
-OUTPUTS = ("testguest.qcow2", "vmlinuz", "initrd.img")
-# Same as the syslinux.cfg APPEND line in build.sh (for -kernel/-initrd boots).
-KERNEL_CMDLINE = "console=ttyS0 quiet panic=-1 scsi_mod.scan=sync"
+OUTPUTS = ("testguest.qcow2", "testguest-poweroff.qcow2", "vmlinuz", "initrd.img")
+# As testguest-poweroff.qcow2's syslinux.cfg APPEND line in build.sh (for -kernel/-initrd boots): the
+# guest powers off once it has reported, for the tests that wait for the end.
+KERNEL_CMDLINE = "console=ttyS0 quiet panic=-1 scsi_mod.scan=sync diskkit.poweroff"
 QEMU = "qemu-system-x86_64"
 
 
@@ -58,7 +59,8 @@ def _is_current(out: Path) -> bool:
 
 
 def ensure_testguest() -> Path:
-    """Return the directory holding testguest.qcow2, vmlinuz and initrd.img.
+    """Return the directory holding testguest.qcow2 (stays up until its power button is pressed),
+    testguest-poweroff.qcow2 (powers off once it has reported), vmlinuz and initrd.img.
 
     Uses $DISKKIT_TESTGUEST_DIR if set, else <repo>/build/testguest; runs
     images/testguest/build.sh there when the outputs are missing or stale.

@@ -152,7 +152,7 @@ def root_side(qemu_user) -> tuple[Path, str]:
 def guest_image(registry) -> str:
     ref = f"{registry.host}/launcher/guest:v1"
     # --no-lazy: these tests boot from a full pull (lazy boots are test_lazy_run's), and builds are lazy by default.
-    result = run_diskkit("build", NOREG, "--no-lazy", ensure_testguest() / "testguest.qcow2", "-t", ref)
+    result = run_diskkit("build", NOREG, "--no-lazy", ensure_testguest() / "testguest-poweroff.qcow2", "-t", ref)
     assert result.code == 0, result.err
     return ref
 

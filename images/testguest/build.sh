@@ -1,9 +1,12 @@
 #!/bin/bash
 # Build the diskkit test guest: a tiny BIOS-bootable disk (syslinux + Debian cloud
 # kernel + busybox initramfs running ./init) that reports every attached disk on
-# the serial console and powers off.
+# the serial console and stays up until its power button is pressed, as a real
+# guest does; the -poweroff disk powers off as soon as it has reported (the
+# kernel command line says diskkit.poweroff), for tests that wait for the end.
 #
 #   build.sh OUTDIR   ->  OUTDIR/testguest.qcow2  (64 MiB virtual, compressed qcow2)
+#                         OUTDIR/testguest-poweroff.qcow2  (the same, powering off when done)
 #                         OUTDIR/vmlinuz, OUTDIR/initrd.img  (for direct kernel boot)
 #                         OUTDIR/recipe.sha256  (cache key; written last)
 #                         OUTDIR/cache/*.deb    (downloaded kernel package)
@@ -81,7 +84,7 @@ fi
 # --- cache check ----------------------------------------------------------------
 RECIPE=$( { cat "$HERE/build.sh" "$INIT_SRC"; printf '%s\n' "$DEB"; } | sha256sum | cut -d' ' -f1)
 if [[ -f $OUT/recipe.sha256 && $(cat "$OUT/recipe.sha256") == "$RECIPE" &&
-      -f $OUT/testguest.qcow2 && -f $OUT/vmlinuz && -f $OUT/initrd.img ]]; then
+      -f $OUT/testguest.qcow2 && -f $OUT/testguest-poweroff.qcow2 && -f $OUT/vmlinuz && -f $OUT/initrd.img ]]; then
     log "up to date: $OUT"
     exit 0
 fi
@@ -178,40 +181,31 @@ find "$ROOT" -exec touch -h -d "@$SOURCE_DATE_EPOCH" {} +
     cpio --null --quiet --reproducible -o -H newc -R 0:0) | gzip -n -9 >"$WORK/initrd.img"
 cp "$VMLINUZ" "$WORK/vmlinuz"
 
-# --- FAT file system with syslinux -------------------------------------------------
-cat >"$WORK/syslinux.cfg" <<EOF
-DEFAULT linux
-PROMPT 0
-TIMEOUT 0
-LABEL linux
-  KERNEL /vmlinuz
-  INITRD /initrd.img
-  APPEND $CMDLINE
-EOF
-touch -d "@$SOURCE_DATE_EPOCH" "$WORK/syslinux.cfg" "$WORK/vmlinuz" "$WORK/initrd.img"
+# --- one disk per kernel command line: MBR + one bootable FAT partition (syslinux, kernel, initrd),
+# the last MiB unpartitioned, as NAME.qcow2 ----------------------------------------------------------
 DISK_SECTORS=$((DISK_MIB * 2048))
 PART_SECTORS=$((DISK_SECTORS - TAIL_MIB * 2048 - PART_START))
-FAT=$WORK/fat.img
-mkfs.vfat -C --invariant -i 4449534b -n TESTGUEST -h "$PART_START" "$FAT" $((PART_SECTORS / 2)) >/dev/null
-syslinux --install "$FAT"
-mcopy -m -i "$FAT" "$WORK/syslinux.cfg" "$WORK/vmlinuz" "$WORK/initrd.img" ::/
-
-# --- raw disk: MBR + one bootable FAT partition, last MiB unpartitioned ---------------
-RAW=$WORK/disk.raw
-truncate -s "${DISK_MIB}M" "$RAW"
-sfdisk --quiet "$RAW" <<EOF
-label: dos
-label-id: 0x4449534b
-unit: sectors
-start=$PART_START, size=$PART_SECTORS, type=c, bootable
-EOF
-dd if="$MBR_BIN" of="$RAW" bs=440 count=1 conv=notrunc status=none
-dd if="$FAT" of="$RAW" bs=512 seek="$PART_START" conv=notrunc,sparse status=none
-qemu-img convert -q -c -f raw -O qcow2 "$RAW" "$WORK/testguest.qcow2"
+make_disk() {
+    local name=$1 append=$2 fat=$WORK/fat.img raw=$WORK/disk.raw
+    printf 'DEFAULT linux\nPROMPT 0\nTIMEOUT 0\nLABEL linux\n  KERNEL /vmlinuz\n  INITRD /initrd.img\n  APPEND %s\n' "$append" >"$WORK/syslinux.cfg"
+    touch -d "@$SOURCE_DATE_EPOCH" "$WORK/syslinux.cfg" "$WORK/vmlinuz" "$WORK/initrd.img"
+    rm -f "$fat" "$raw"
+    mkfs.vfat -C --invariant -i 4449534b -n TESTGUEST -h "$PART_START" "$fat" $((PART_SECTORS / 2)) >/dev/null
+    syslinux --install "$fat"
+    mcopy -m -i "$fat" "$WORK/syslinux.cfg" "$WORK/vmlinuz" "$WORK/initrd.img" ::/
+    truncate -s "${DISK_MIB}M" "$raw"
+    printf 'label: dos\nlabel-id: 0x4449534b\nunit: sectors\nstart=%s, size=%s, type=c, bootable\n' "$PART_START" "$PART_SECTORS" |
+        sfdisk --quiet "$raw"
+    dd if="$MBR_BIN" of="$raw" bs=440 count=1 conv=notrunc status=none
+    dd if="$fat" of="$raw" bs=512 seek="$PART_START" conv=notrunc,sparse status=none
+    qemu-img convert -q -c -f raw -O qcow2 "$raw" "$WORK/$name.qcow2"
+}
+make_disk testguest "$CMDLINE"
+make_disk testguest-poweroff "$CMDLINE diskkit.poweroff"
 
 # --- publish: outputs first, cache key last ------------------------------------------
 rm -f "$OUT/recipe.sha256"
-for f in testguest.qcow2 vmlinuz initrd.img; do
+for f in testguest.qcow2 testguest-poweroff.qcow2 vmlinuz initrd.img; do
     mv -f "$WORK/$f" "$OUT/$f"
 done
 echo "$RECIPE" >"$WORK/recipe.sha256"
