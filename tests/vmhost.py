@@ -4,7 +4,6 @@ daemon (one per test module, through a HOME of its own) and a cache, and VMIs wr
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import pwd
 import shutil
@@ -15,7 +14,7 @@ from typing import Iterator
 
 import pytest
 
-from tests import leftovers
+from tests import leftovers, libvmi
 from tests.conftest import launcher_command, run_diskkit, run_launcher
 from tests.testguest import ensure_testguest
 
@@ -89,25 +88,11 @@ class QemuUser:
     def write_vmi(self, name: str, image: str, path: str | None = None, serial: str | None = None,
                   extra: list[tuple[dict, dict]] = (), domain: dict | None = None) -> Path:
         """A VMI booting `image` from a virtio containerDisk, plus `extra` (disk, volume) pairs."""
-        disk = {"name": "root", "disk": {"bus": "virtio"}}
-        if serial:
-            disk["serial"] = serial
-        source = {"image": image}
-        if path:
-            source["path"] = path
-        vmi = {
-            "apiVersion": "kubevirt.io/v1",
-            "kind": "VirtualMachineInstance",
-            "metadata": {"name": name},
-            "spec": {
-                "domain": {"resources": {"requests": {"memory": "128Mi"}}, "devices": {"disks": [disk, *(d for d, _ in extra)]},
-                           **(domain or {})},
-                "volumes": [{"name": "root", "containerDisk": source}, *(v for _, v in extra)],
-            },
-        }
-        out = self.root / f"{name}.yaml"
-        out.write_text(json.dumps(vmi, indent=2))  # JSON is YAML
-        return out
+        vmi = libvmi.new(name, libvmi.with_container_disk("root", image, path=path, serial=serial), libvmi.with_domain(**(domain or {})))
+        for disk, volume in extra:
+            vmi["spec"]["domain"]["devices"]["disks"].append(disk)
+            vmi["spec"]["volumes"].append(volume)
+        return libvmi.write(vmi, self.root)
 
 
 @contextlib.contextmanager
