@@ -108,7 +108,7 @@ def booted(registry) -> Iterator[CloudGuest]:
     image = f"{registry.host}/launcher/cloudguest:v1"
     pushed = run_diskkit("build", NOREG, "--no-lazy", built / IMAGE, "-t", image)
     assert pushed.code == 0, pushed.err
-    with qemu_scratch("diskkit-cloud-") as root:
+    with qemu_scratch("cloud-") as root:
         user = QemuUser(root)
         key, public = _keypair(root)
         manifests = root / "manifests"

@@ -1,5 +1,5 @@
 """Nothing left behind by an interrupted test run: no daemon of a scratch directory (libvirt session
-daemons, virtlogd, qemu, virtiofsd started with paths in it) and no /tmp/diskkit-e2e-* directory.
+daemons, virtlogd, qemu, virtiofsd started with paths in it) and no e2e-* scratch directory.
 
 pytest turns Ctrl-C (SIGINT) into KeyboardInterrupt and still runs every fixture's teardown
 (pytest_sessionfinish tears the setup state down), but SIGTERM and SIGHUP (a CI runner's cancel, a
@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import tempfile
@@ -59,17 +60,29 @@ def begin(worker: str | None) -> Path:
     write their temporary files there too. Short, for the unix sockets made below it."""
     run = os.environ.get(RUN_ENV) if worker else None
     if run is None:
-        run = tempfile.mkdtemp(prefix="dkt", dir="/tmp")
-        os.chmod(run, 0o755)
+        run = _short_directory()
         os.environ[RUN_ENV] = run
         _run["owned"] = Path(run)
-    own = Path(run) / (worker or "main")
+    own = Path(run) / (worker.removeprefix("gw") if worker else "m")
     own.mkdir(exist_ok=True)
     own.chmod(0o1777)
     os.environ["TMPDIR"] = str(own)
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
     _run["own"] = own
     return own
+
+
+def _short_directory() -> str:
+    """/tmp/dkXXXX: a qemu monitor socket lies 85 bytes below a session daemon's HOME in a scratch
+    directory here, and a unix socket's path has 107 at most."""
+    while True:
+        run = f"/tmp/dk{secrets.token_hex(2)}"
+        try:
+            os.mkdir(run, 0o755)
+        except FileExistsError:
+            continue
+        os.chmod(run, 0o755)
+        return run
 
 
 def _mentions(pid: str, needle: bytes) -> bool:

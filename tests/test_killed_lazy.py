@@ -39,7 +39,7 @@ SPAWNED_BOUND = 30 + 30 + 90  # the same for a server `launcher run` starts: idl
 
 @pytest.fixture(scope="module")
 def user():
-    with qemu_scratch("diskkit-e2e-klazy-") as root:
+    with qemu_scratch("e2e-klazy-") as root:
         yield QemuUser(root)
 
 

@@ -9,6 +9,7 @@ import json
 import os
 import pwd
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -60,52 +61,61 @@ def manifests(qemu_user, public_key: str) -> Path:
     return directory
 
 
-@pytest.mark.parametrize("method, path", [("noCloud", "/meta-data"), ("configDrive", "/openstack/latest/meta_data.json")])
-def test_access_credentials_reach_the_guests_cloud_init_disk(qemu_user, guest_image, method, path):
-    _, public = keypair(qemu_user.root, f"seen-{method}")
-    name = f"seen-{method.lower()}"
-    vmi = credential_vmi(qemu_user, name, guest_image, method)
-    # DONE: the guest has reported its disks (with a NIC it then stays up serving ssh, so it is stopped)
-    result = qemu_user.launcher("run", NOREG, "--manifests", manifests(qemu_user, public), "--console", "--wait-for",
-                                "DISKKIT-TESTGUEST DONE", "--timeout", "240", vmi)
-    qemu_user.launcher("stop", name)
-    assert result.code == 0, result.err
-    isos = parse_console(result.out)["isos"]
-    meta = next(iso["files"][path] for iso in isos.values() if path in iso["files"])
-    key = "public-keys" if method == "noCloud" else "public_keys"
-    assert json.loads(meta)[key] == {"0": public}
-    assert_clean(qemu_user, f"default_{name}")
+@dataclass
+class CredentialGuest:
+    """The test guest booted with a key as its access credential, up and serving ssh; its console at
+    that point. One boot per propagation method answers every check of it below."""
+    method: str
+    name: str
+    key: Path
+    public: str
+    console: str
 
 
-@pytest.mark.parametrize("method", ["noCloud", "configDrive"])
-def test_ssh_with_a_key_from_access_credentials(qemu_user, guest_image, method):
+@pytest.fixture(scope="module", params=["noCloud", "configDrive"])
+def credential_guest(request, qemu_user, guest_image) -> CredentialGuest:
+    method = request.param
     key, public = keypair(qemu_user.root, f"key-{method}")
-    name = f"ssh-{method.lower()}"
+    name = f"cred-{method.lower()}"
     vmi = credential_vmi(qemu_user, name, guest_image, method)
     started = qemu_user.launcher("run", NOREG, "--manifests", manifests(qemu_user, public), "--console", "--wait-for", "SSH keys=1 started",
                                  "--timeout", "240", vmi)
     try:
         assert started.code == 0, started.out[-1500:] + started.err
-        # No host key options: the test guest prints no keys (no cloud-init), so the first key its
-        # server shows is trusted for this VM alone, said in one line, and kept in its run directory.
-        hello = qemu_user.launcher("ssh", "-i", key, f"root@vmi/{name}", "--", "echo", "hello")
-        assert (hello.code, hello.out) == (0, "hello\n"), hello.err
-        known_hosts = qemu_user.cache / "run" / f"default_{name}" / "known_hosts"
-        assert f"{name}: no host keys on its console (they come from cloud-init); trusting the key its ssh server shows first, " \
-               f"for this VM only ({known_hosts})" in hello.err.splitlines()[0], hello.err
-        status = qemu_user.launcher("ssh", "-i", key, "-l", "root", "-c", "exit 7", name)
-        assert status.code == 7, status.err
-        assert "trusting the key" not in status.err  # once trusted, checked
-        alias, kind, _ = known_hosts.read_text().split()[:3]  # as ssh wrote it (maybe hashed)
-        other = qemu_user.root / f"other-{method}"  # a man in the middle's key of the same type
-        key_type = {"ssh-ed25519": "ed25519", "ssh-rsa": "rsa"}.get(kind, "ecdsa")
-        subprocess.run(["ssh-keygen", "-q", "-t", key_type, "-N", "", "-f", str(other)], check=True)
-        known_hosts.write_text(f"{alias} {kind} {other.with_suffix('.pub').read_text().split()[1]}\n")
-        changed = qemu_user.launcher("ssh", "-i", key, "-c", "true", f"root@{name}")
-        assert changed.code == 255 and "Host key verification failed" in changed.err, changed
+        yield CredentialGuest(method, name, key, public, started.out)
     finally:
         qemu_user.launcher("stop", name)
     assert_clean(qemu_user, f"default_{name}")
+    no_forwards_left()
+
+
+def test_access_credentials_reach_the_guests_cloud_init_disk(credential_guest):
+    path = {"noCloud": "/meta-data", "configDrive": "/openstack/latest/meta_data.json"}[credential_guest.method]
+    isos = parse_console(credential_guest.console)["isos"]
+    meta = next(iso["files"][path] for iso in isos.values() if path in iso["files"])
+    key = "public-keys" if credential_guest.method == "noCloud" else "public_keys"
+    assert json.loads(meta)[key] == {"0": credential_guest.public}
+
+
+def test_ssh_with_a_key_from_access_credentials(qemu_user, credential_guest):
+    key, name = credential_guest.key, credential_guest.name
+    # No host key options: the test guest prints no keys (no cloud-init), so the first key its
+    # server shows is trusted for this VM alone, said in one line, and kept in its run directory.
+    hello = qemu_user.launcher("ssh", "-i", key, f"root@vmi/{name}", "--", "echo", "hello")
+    assert (hello.code, hello.out) == (0, "hello\n"), hello.err
+    known_hosts = qemu_user.cache / "run" / f"default_{name}" / "known_hosts"
+    assert f"{name}: no host keys on its console (they come from cloud-init); trusting the key its ssh server shows first, " \
+           f"for this VM only ({known_hosts})" in hello.err.splitlines()[0], hello.err
+    status = qemu_user.launcher("ssh", "-i", key, "-l", "root", "-c", "exit 7", name)
+    assert status.code == 7, status.err
+    assert "trusting the key" not in status.err  # once trusted, checked
+    alias, kind, _ = known_hosts.read_text().split()[:3]  # as ssh wrote it (maybe hashed)
+    other = qemu_user.root / f"other-{credential_guest.method}"  # a man in the middle's key of the same type
+    key_type = {"ssh-ed25519": "ed25519", "ssh-rsa": "rsa"}.get(kind, "ecdsa")
+    subprocess.run(["ssh-keygen", "-q", "-t", key_type, "-N", "", "-f", str(other)], check=True)
+    known_hosts.write_text(f"{alias} {kind} {other.with_suffix('.pub').read_text().split()[1]}\n")
+    changed = qemu_user.launcher("ssh", "-i", key, "-c", "true", f"root@{name}")
+    assert changed.code == 255 and "Host key verification failed" in changed.err, changed
     no_forwards_left()
 
 

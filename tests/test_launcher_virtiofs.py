@@ -240,7 +240,7 @@ def test_unprivileged_launcher_serves_filesystems(qemu_user, guest_image):
 @pytest.fixture
 def scratch():
     """A directory the qemu user (whom virtiofsd runs as) can reach; pytest's tmp_path is root's alone."""
-    with qemu_scratch("diskkit-virtiofs-") as root:
+    with qemu_scratch("virtiofs-") as root:
         yield root
 
 

@@ -27,7 +27,7 @@ MIB = 1 << 20
 
 @pytest.fixture(scope="module")
 def scratch():
-    with qemu_scratch("diskkit-access-") as root:
+    with qemu_scratch("access-") as root:
         yield root
 
 

@@ -1,6 +1,6 @@
 """An interrupted test run leaves nothing behind: Ctrl-C (SIGINT to the process group, as a
 terminal sends it) or SIGTERM (a CI runner's cancel) while the qemu user's libvirt session daemon
-runs ends that daemon and removes the /tmp/diskkit-e2e-* directory (tests/leftovers.py)."""
+runs ends that daemon and removes the e2e-* scratch directory (tests/leftovers.py)."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def test_an_interrupted_run_leaves_no_daemon_and_no_scratch_directory(tmp_path, 
         time.sleep(0.5)  # the marker is written in one go, but give its write a moment to land
         seen = json.loads(marker.read_text())
         root, pids = Path(seen["root"]), seen["pids"]
-        assert root.name.startswith("diskkit-e2e-") and root.is_dir()
+        assert root.name.startswith("e2e-") and root.is_dir()
         assert pids, "no session daemon ran for the scratch directory: the test would prove nothing"
         if sig == signal.SIGINT:
             os.killpg(proc.pid, sig)  # a terminal's Ctrl-C reaches the whole foreground group

@@ -84,7 +84,7 @@ class Namespaced(QemuUser):
 
 @contextlib.contextmanager
 def namespaced(size: str) -> Iterator[Namespaced]:
-    with qemu_scratch("diskkit-e2e-full-") as root:
+    with qemu_scratch("e2e-full-") as root:
         user = Namespaced(root, size)
         try:
             yield user

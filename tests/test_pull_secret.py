@@ -82,7 +82,7 @@ def test_image_pull_secret_is_used_on_the_lazy_path(auth_registry, tmp_path):
     vmi_file = tmp_path / "vmi.yaml"
     env = {"REGISTRY_AUTH_FILE": str(tmp_path / "none.json"), "HOME": str(tmp_path)}
     (tmp_path / "none.json").write_text("{}")
-    with qemu_scratch("diskkit-pullsecret-") as shared:
+    with qemu_scratch("pullsecret-") as shared:
         cache = shared / "cache"
         cache.mkdir()
         with disk_server(cache):  # the node's server, with no credentials of its own

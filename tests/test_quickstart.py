@@ -32,7 +32,7 @@ def test_the_quick_start_runs_as_written():
     block = quickstart()
     assert block.startswith("REGISTRY=127.0.0.1:5000\n")
     script = block.replace("REGISTRY=127.0.0.1:5000", f"REGISTRY=127.0.0.1:{free_port()}", 1)
-    with qemu_scratch("diskkit-quickstart-") as scratch:  # the node cache must be reachable by qemu's user
+    with qemu_scratch("quickstart-") as scratch:  # the node cache must be reachable by qemu's user
         _run_quickstart(script, scratch)
 
 

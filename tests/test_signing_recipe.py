@@ -69,7 +69,7 @@ def test_the_node_side_recipe_runs_as_written(tmp_path, registry, gnupg):
 
 def test_signing_into_the_built_in_store_says_where_in_one_line(registry):
     # As an unprivileged user, so the built-in store is its HOME's and not the host's /var/lib.
-    with qemu_scratch("diskkit-signing-") as scratch:
+    with qemu_scratch("signing-") as scratch:
         _sign_without_registries_d(scratch, registry)
 
 

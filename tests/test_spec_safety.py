@@ -285,7 +285,7 @@ def test_generated_disks_and_their_directories_are_private(tmp_path):
 
 def test_private_dirs_unprivileged_are_0700():
     # the launcher as the qemu user (qemu:///session runs qemu as that same user)
-    with qemu_scratch("diskkit-private-") as root:
+    with qemu_scratch("private-") as root:
         top = root / "top"
         top.mkdir()
         os.chown(top, QEMU_UID, QEMU_UID)

@@ -220,7 +220,7 @@ class SessionUser:
 
 @pytest.fixture(scope="module")
 def session_user():
-    with qemu_scratch("diskkit-tgt-") as home:
+    with qemu_scratch("tgt-") as home:
         os.chown(home, QEMU_UID, QEMU_UID)
         yield SessionUser(home)
 

@@ -223,7 +223,7 @@ def _as_other_user(cache: Path, request: dict, env: dict | None = None, groups: 
 @pytest.fixture
 def shared():
     """A directory other users can traverse (pytest's are root's alone): caches their clients reach."""
-    with qemu_scratch("diskkit-trust-") as root:
+    with qemu_scratch("trust-") as root:
         yield root
 
 

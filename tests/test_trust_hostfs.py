@@ -51,7 +51,7 @@ def _as_root():
 @pytest.fixture
 def area():
     """A world-traversable scratch directory (pytest's are root's only), where `nobody` reaches its claims."""
-    with qemu_scratch("diskkit-hostfs-") as root:
+    with qemu_scratch("hostfs-") as root:
         yield root
 
 
@@ -566,7 +566,7 @@ def test_a_socket_dir_planted_by_another_user_is_refused(area, victim, planted):
 @pytest.fixture(scope="module")
 def layout():
     """A small image in an OCI layout anyone can read: what root pulls in the attacks below."""
-    with qemu_scratch("diskkit-cache-image-") as root:
+    with qemu_scratch("cache-image-") as root:
         where = root / "layout"
         built = run_diskkit("build", make_qcow2(root / "g.qcow2", size="16M"), "-t", f"oci:{where}:v1")
         assert built.code == 0, built.err

@@ -329,7 +329,7 @@ def as_nobody(*cmd) -> subprocess.CompletedProcess:
 
 @pytest.fixture
 def scratch():
-    with qemu_scratch("diskkit-trust-") as root:
+    with qemu_scratch("trust-") as root:
         yield root
 
 

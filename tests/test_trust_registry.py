@@ -315,7 +315,7 @@ def cache_files(cache: Path) -> list[Path]:
 def scratch():
     from tests.vmhost import qemu_scratch
 
-    with qemu_scratch("diskkit-trust-") as root:  # world-traversable, as /var/lib is
+    with qemu_scratch("trust-") as root:  # world-traversable, as /var/lib is
         yield root
 
 

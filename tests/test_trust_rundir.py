@@ -186,7 +186,7 @@ def test_handing_over_gives_qemu_files_never_directories(tmp_path):
 @pytest.fixture
 def qemus_console_dir() -> Path:
     """A console directory as open_to_qemu leaves it: qemu's, 0700, in a run directory qemu traverses."""
-    with qemu_scratch("diskkit-console-") as root:
+    with qemu_scratch("console-") as root:
         run_dir = rundir.create(root / "default_vm")
         rundir.open_to_qemu(run_dir, (QEMU_UID, QEMU_UID))
         yield run_dir / rundir.CONSOLE_DIR
@@ -235,7 +235,7 @@ def test_a_console_past_virtlogds_limit_keeps_being_logged(guest_image, tmp_path
     console.log in root's run directory, so past its max_size the console stopped being logged and
     the launcher never saw the guest finish. virtlogd's max_size is set to 16 KiB here (virtlogd.conf
     under the session daemon's HOME) and the guest prints ~115 KiB: every line arrives, across rotations."""
-    with qemu_scratch("diskkit-rotate-") as root:
+    with qemu_scratch("rotate-") as root:
         user = QemuUser(root)
         config = user.home / ".config" / "libvirt"
         config.mkdir(parents=True)

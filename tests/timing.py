@@ -55,10 +55,12 @@ class BootCounter:
 
     def _ours(self, pid: int) -> bool:
         try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             return False
-        return any(root in cmdline for root in self.roots)
+        if any(arg.startswith(b"none") for arg, before in zip(argv[1:], argv) if before == b"-machine"):
+            return False  # libvirt probing QEMU's capabilities (-machine none): no guest
+        return any(root in arg for arg in argv for root in self.roots)
 
     def _watch(self) -> None:
         while not self.stopping.wait(0.2):

@@ -115,7 +115,7 @@ def qemu_scratch(prefix: str) -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def qemu_user():
-    with qemu_scratch("diskkit-e2e-") as root:
+    with qemu_scratch("e2e-") as root:
         yield QemuUser(root)
 
 
