@@ -346,7 +346,8 @@ def test_sparse_direct_writer_leaves_whole_zero_blocks_as_holes_whatever_the_pie
     assert _data_runs(path) == [(2 * HOLE, 4 * HOLE), (7 * HOLE, len(content))], _data_runs(path)
 
 
-@pytest.mark.parametrize("content", [b"", bytes(100), bytes(3 * HOLE + 5), os.urandom(100), bytes(HOLE) + os.urandom(3)])
+@pytest.mark.parametrize("content", [b"", bytes(100), bytes(3 * HOLE + 5), os.urandom(100), bytes(HOLE) + os.urandom(3)],
+                         ids=["empty", "zeros-100", "zeros-3-blocks-5", "random-100", "zero-block-random-3"])  # the same ids in every worker
 def test_sparse_direct_writer_sizes_small_and_empty_files(tmp_path, content):
     path = tmp_path / "disk.img"
     _write_sparse_direct(path, content, [7, 1 << 20])
