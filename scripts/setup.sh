@@ -17,7 +17,7 @@ APT_PACKAGES=(
     docker.io podman catatonit mmdebstrap
     golang-go golang-golang-x-crypto-dev openssl
     gnupg
-    dropbear-bin openssh-client passt slirp4netns
+    dropbear-bin openssh-client passt slirp4netns python3-yaml
     curl casync
 )
 # The demo's set: build and boot the test guest, a registry to push it to, skopeo to read it back.
