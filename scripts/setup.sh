@@ -17,7 +17,7 @@ APT_PACKAGES=(
     docker.io podman catatonit mmdebstrap
     golang-go golang-golang-x-crypto-dev openssl
     gnupg
-    dropbear-bin openssh-client passt slirp4netns
+    dropbear-bin openssh-client passt slirp4netns python3-yaml
     curl casync
 )
 # The demo's set: build and boot the test guest, a registry to push it to, skopeo to read it back.
@@ -64,7 +64,15 @@ PYTHON=${PYTHON:-/usr/bin/python3}
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
-.venv/bin/pip install -q --disable-pip-version-check -e ".[$EXTRA]"
+# pip only when the project's requirements changed since this set was last installed: a reinstall of
+# the editable package takes it away for a moment from whatever runs from this .venv meanwhile (the
+# test suite runs the demo).
+stamp=.venv/.setup-$EXTRA
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    .venv/bin/pip install -q --disable-pip-version-check -e ".[$EXTRA]"
+    echo "$want" >"$stamp"
+fi
 
 bash images/testguest/build.sh build/testguest >&2
 echo "setup: ready (.venv, build/testguest)" >&2

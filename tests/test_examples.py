@@ -40,13 +40,16 @@ USED_BY = {
     "examples/datavolumes/vm.yaml": "tests/test_examples.py::test_the_datavolume_example_vm_imports_its_root_waits_for_the_upload_and_boots",
     "examples/instancetypes/vm.yaml": "tests/test_examples.py::test_the_instancetype_example_boots_sized_by_its_instancetype",
     "examples/instancetypes/types.yaml": "tests/test_examples.py::test_the_instancetype_example_boots_sized_by_its_instancetype",
-    "examples/kubernetes/pod.yaml": "tests/test_pod.py::test_the_example_pod_boots_the_guest_reads_its_claim_and_leaves_nothing",
+    "examples/kubernetes/pod.yaml": "tests/test_pod.py::test_the_readme_plays_the_example_pod_which_stays_up_until_podman_down",
     # podman 4.3 cannot play image volumes: the pod is checked against KubeVirt's layout, and the
     # launcher's side of it boots from an unpacked image in tests/test_imagevolume.py.
     "examples/kubernetes/pod-imagevolume.yaml": "tests/test_kubernetes.py::test_the_image_volume_pod_mounts_each_containerdisk_where_kubevirt_does",
-    "examples/kubernetes/configmap.yaml": "tests/test_pod.py::test_the_example_pod_boots_the_guest_reads_its_claim_and_leaves_nothing",
-    "examples/kubernetes/pvc.yaml": "tests/test_pod.py::test_the_example_pod_boots_the_guest_reads_its_claim_and_leaves_nothing",
-    "examples/kubernetes/secret.yaml": "tests/test_pod.py::test_the_example_pod_boots_the_guest_reads_its_claim_and_leaves_nothing",
+    "examples/kubernetes/configmap.yaml": "tests/test_pod.py::test_the_readme_plays_the_example_pod_which_stays_up_until_podman_down",
+    "examples/kubernetes/pvc.yaml": "tests/test_pod.py::test_the_readme_plays_the_example_pod_which_stays_up_until_podman_down",
+    "examples/kubernetes/secret.yaml": "tests/test_pod.py::test_the_readme_plays_the_example_pod_which_stays_up_until_podman_down",
+    # The commands examples/kubernetes/README.md gives for podman, run as written.
+    "examples/kubernetes/podman-play.sh": "tests/test_pod.py::test_the_readme_plays_the_example_pod_which_stays_up_until_podman_down",
+    "examples/kubernetes/podman-down.sh": "tests/test_pod.py::test_the_readme_plays_the_example_pod_which_stays_up_until_podman_down",
 }
 
 
