@@ -44,6 +44,10 @@ class ResolvedDisk:
     # driver would chown it by path, after the check, through whatever link the claim's owner swapped in.
     relabel: bool = True
     backing_relabel: bool = True
+    # The fd group (virDomainFDAssociate) through which qemu gets the source, or the backing store, as an
+    # open file rather than a name (a root launcher's, launcher.runtime.diskfds); None: qemu opens the path.
+    fd_group: str | None = None
+    backing_fd_group: str | None = None
 
 
 @dataclass(frozen=True)
@@ -65,11 +69,12 @@ class Host:
     dac: bool = False
 
 
-def _file_source(parent: ET.Element, path: str) -> ET.Element:
-    return ET.SubElement(parent, "source", file=path)
+def _file_source(parent: ET.Element, path: str, fd_group: str | None = None) -> ET.Element:
+    # libvirt 9.0's fdgroup: the path stays, for messages; qemu gets the group's open file instead.
+    return ET.SubElement(parent, "source", file=path, **({"fdgroup": fd_group} if fd_group else {}))
 
 
-def _block_source(parent: ET.Element, path: str) -> ET.Element:
+def _block_source(parent: ET.Element, path: str, fd_group: str | None = None) -> ET.Element:
     return ET.SubElement(parent, "source", dev=path)
 
 
@@ -242,8 +247,8 @@ def _disk(vmi: VMI, disk: Disk, volume: Volume, resolved: ResolvedDisk, target: 
     if resolved.type == "network":
         _network_source(element, resolved.network)
     else:
-        source = _SOURCES[resolved.type](element, resolved.path)
-        if dac and not resolved.relabel:
+        source = _SOURCES[resolved.type](element, resolved.path, resolved.fd_group)
+        if dac and (not resolved.relabel or resolved.fd_group):
             _no_relabel(source)
     if resolved.backing is not None:
         base, base_format = resolved.backing
@@ -260,8 +265,8 @@ def _disk(vmi: VMI, disk: Disk, volume: Volume, resolved: ResolvedDisk, target: 
             # The chain ends at the export: nothing a header inside it names is ever opened.
             ET.SubElement(store, "backingStore")
         else:
-            source = _SOURCES[resolved.backing_type](store, base)
-            if dac and not resolved.backing_relabel:
+            source = _SOURCES[resolved.backing_type](store, base, resolved.backing_fd_group)
+            if dac and (not resolved.backing_relabel or resolved.backing_fd_group):
                 _no_relabel(source)
 
     target_attrs = {"dev": target, "bus": disk.bus}

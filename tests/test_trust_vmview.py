@@ -1,0 +1,225 @@
+"""One VM, one view: each qemu a root launcher runs reaches its own disks and monitor, and nothing of
+another VM's.
+
+Every VM's qemu used to run as KubeVirt's qemu user (107), so a process of uid 107 (a local user, or
+a guest that escaped into its qemu) read every disk in the node cache, every VM's overlay, and every
+root-started VM's monitor and memory. Here a root launcher on a host with no system libvirt daemon runs
+two VMs at once, from two images; the attacker is uid 107 outside any VM, and the qemu of VM a (a
+process in its user and mount namespaces, as its uid). Neither reaches VM b's pulled disk, its overlay,
+its libvirt or monitor socket, its qemu's memory or its qemu's view of the filesystem
+(/proc/PID/root); each VM boots and reads its own disks, and stopping one gives its uid back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from launcher.runtime.vmuser import BLOCK, VMS_DIR
+from tests.conftest import run_diskkit
+from tests.test_launcher_console import root_launcher
+from tests.testguest import ensure_testguest, parse_console
+from tests.vmhost import DONE, NOREG, QEMU_UID, qemu_scratch
+
+HOLD = "hold-900"
+CONNECT = ("import socket, sys; s = socket.socket(socket.AF_UNIX); s.settimeout(10); s.connect(sys.argv[1]); "
+           "print('CONNECTED')")
+READ = "import sys; f = open(sys.argv[1], 'rb'); f.read(512); print('READ')"
+
+
+@dataclass
+class Vm:
+    name: str
+    record: dict
+    qemu_pid: int
+    console: dict
+
+    @property
+    def socket(self) -> Path:
+        return Path(self.record["uri"].split("socket=", 1)[1])
+
+    @property
+    def home(self) -> Path:
+        return self.socket.parents[2]  # HOME/.cache/libvirt/libvirt-sock
+
+    @property
+    def monitor(self) -> Path:
+        [found] = self.home.glob(f".config/libvirt/qemu/lib/domain-*-default_{self.name}/monitor.sock")
+        return found
+
+    def pulled_disk(self, cache: Path) -> Path:
+        [entry] = [Path(e) for e in self.record["entries"] if Path(e).is_relative_to(cache / "disks")]
+        return entry / "disk.img"
+
+    def overlay(self, cache: Path) -> Path:
+        return cache / "run" / f"default_{self.name}" / "root" / "disk.qcow2"
+
+
+def qemu_of(domain: str) -> int:
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if cmdline[0].endswith(b"qemu-system-x86_64") and f"guest={domain},debug-threads=on".encode() in cmdline:
+            return int(pid)
+    raise AssertionError(f"no qemu runs {domain}")
+
+
+def ids(pid: int) -> tuple[int, int]:
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    uid = next(line for line in status if line.startswith("Uid:")).split()[1]
+    gid = next(line for line in status if line.startswith("Gid:")).split()[1]
+    return int(uid), int(gid)
+
+
+@pytest.fixture(scope="module")
+def images(registry) -> dict[str, str]:
+    """Two images with disks of their own (b's is a byte longer, so no layer is shared)."""
+    with qemu_scratch("diskkit-vmview-img-") as scratch:
+        other = scratch / "other.qcow2"
+        shutil.copy(ensure_testguest() / "testguest.qcow2", other)
+        subprocess.run(["qemu-img", "resize", "-q", other, "+1M"], check=True)
+        refs = {"a": f"{registry.host}/vmview/a:v1", "b": f"{registry.host}/vmview/b:v1"}
+        for name, disk in (("a", ensure_testguest() / "testguest.qcow2"), ("b", other)):
+            built = run_diskkit("build", NOREG, "--no-lazy", disk, "-t", refs[name])
+            assert built.code == 0, built.err
+    return refs
+
+
+@pytest.fixture(scope="module")
+def pair(images):
+    """VMs a and b, started by a root launcher with no system daemon around, both running."""
+    with qemu_scratch("diskkit-vmview-") as scratch:
+        cache = scratch / "cache"
+        vms: dict[str, Vm] = {}
+        try:
+            for name in ("a", "b"):
+                vmi = {"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance", "metadata": {"name": name},
+                       "spec": {"domain": {"resources": {"requests": {"memory": "128Mi"}},
+                                           "devices": {"disks": [{"name": "root", "serial": HOLD, "disk": {"bus": "virtio"}}]}},
+                                "volumes": [{"name": "root", "containerDisk": {"image": images[name]}}]}}
+                path = scratch / f"{name}.json"
+                path.write_text(json.dumps(vmi))
+                started = root_launcher(cache, "run", NOREG, "--detach", "--wait-for", "HOLD seconds", "--timeout", "300", path)
+                assert started.returncode == 0, started.stderr
+                record = json.loads((cache / "vms" / f"default_{name}.json").read_text())
+                logs = root_launcher(cache, "logs", name)
+                vms[name] = Vm(name, record, qemu_of(f"default_{name}"), parse_console(logs.stdout))
+            yield cache, vms
+        finally:
+            for name in ("a", "b"):
+                root_launcher(cache, "stop", name)
+
+
+def as_107(*cmd) -> list[str]:
+    """A process of uid 107 outside any VM: KubeVirt's qemu user and group (107:107), as qemu ran."""
+    return ["setpriv", f"--reuid={QEMU_UID}", f"--regid={QEMU_UID}", "--clear-groups", "--", *cmd]
+
+
+def as_qemu_of(pid: int, *cmd) -> list[str]:
+    """A process in the namespaces of the qemu `pid`, as the user it runs as (107 in its namespace)."""
+    joins = [flag for flag, ns in (("-U", "user"), ("-m", "mnt")) if os.readlink(f"/proc/{pid}/ns/{ns}") != os.readlink(f"/proc/self/ns/{ns}")]
+    return ["nsenter", "-t", str(pid), *joins, "-S", str(QEMU_UID), "-G", str(QEMU_UID), "--", *cmd]
+
+
+def attacker(who: str, vms: dict[str, Vm]):
+    return as_107 if who == "uid-107" else (lambda *cmd: as_qemu_of(vms["a"].qemu_pid, *cmd))
+
+
+def test_each_vm_boots_and_reads_its_own_disks(pair):
+    cache, vms = pair
+    for vm in vms.values():
+        assert vm.console["done"], vm.console
+        assert vm.console["disks"]["vda"]["serial"] == HOLD and vm.console["disks"]["vda"]["head"].startswith("33c0"), vm.console
+    assert vms["b"].console["disks"]["vda"]["size"] == vms["a"].console["disks"]["vda"]["size"] + (1 << 20)
+    assert vms["a"].pulled_disk(cache) != vms["b"].pulled_disk(cache)
+
+
+def test_each_qemu_runs_as_107_in_a_user_namespace_of_its_own_and_as_a_uid_of_its_own_outside(pair):
+    """As a pod with a user namespace (the kubelet's pkg/kubelet/userns_manager.go: blocks of 65536 ids,
+    the first the host's): qemu is 107 inside, slot * 65536 + 107 outside, and no two VMs share a uid."""
+    _, vms = pair
+    outside = {name: ids(vm.qemu_pid) for name, vm in vms.items()}
+    assert outside["a"] != outside["b"], outside
+    for name, vm in vms.items():
+        uid, gid = outside[name]
+        assert uid == gid and uid % BLOCK == QEMU_UID and uid != QEMU_UID, outside
+        assert Path(f"/proc/{vm.qemu_pid}/uid_map").read_text().split() == [str(QEMU_UID), str(uid), "1"]
+        assert vm.record["vmUser"]["uid"] == uid and vm.home == VMS_DIR / str(uid)
+        st = vm.home.stat()
+        assert (st.st_uid, st.st_mode & 0o777) == (uid, 0o700)
+
+
+def test_uid_107_lists_nothing_of_the_cache(pair):
+    cache, _ = pair
+    for sub in ("disks", "run", "exports"):
+        listed = subprocess.run(as_107("ls", cache / sub), capture_output=True, text=True)
+        assert listed.returncode != 0 and "Permission denied" in listed.stderr, (sub, listed.stdout)
+
+
+TARGETS = ("pulled-disk", "overlay", "libvirt-socket", "monitor-socket", "qemu-memory", "qemu-root")
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("who", ["uid-107", "qemu-of-a"])
+def test_nothing_of_another_vm_is_reached(pair, who, target):
+    """Attack: read VM b's pulled disk (another image's) and its overlay, connect to its session daemon's
+    socket and its qemu's monitor (which dumped the guest's RAM), open its qemu's memory, and read its
+    overlay through its qemu's root (/proc/PID/root, what a mount namespace alone leaves open to the
+    same uid). Before, every one succeeded for both attackers; now each is refused by the kernel."""
+    cache, vms = pair
+    b = vms["b"]
+    code, path = {
+        "pulled-disk": (READ, b.pulled_disk(cache)),
+        "overlay": (READ, b.overlay(cache)),
+        "libvirt-socket": (CONNECT, b.socket),
+        "monitor-socket": (CONNECT, b.monitor),
+        "qemu-memory": (READ.replace("f.read(512)", "f.seek(0)"), Path(f"/proc/{b.qemu_pid}/mem")),
+        "qemu-root": (READ, Path(f"/proc/{b.qemu_pid}/root") / str(b.overlay(cache)).lstrip("/")),
+    }[target]
+    assert path.exists(), path  # the target is there, for root
+    tried = subprocess.run(attacker(who, vms)(sys.executable, "-c", code, str(path)), capture_output=True, text=True)
+    assert tried.returncode != 0 and "PermissionError" in tried.stderr, (who, target, tried.stdout, tried.stderr[-500:])
+
+
+@pytest.mark.parametrize("what", ["pulled-disk", "overlay"])
+def test_the_qemu_of_a_still_reaches_its_own_files(pair, what):
+    """The attacker above is no weaker than qemu itself: in a's namespaces as a's uid, a's own overlay
+    opens; its pulled disk does not (qemu was handed it open, by root)."""
+    cache, vms = pair
+    a = vms["a"]
+    path = a.overlay(cache) if what == "overlay" else a.pulled_disk(cache)
+    tried = subprocess.run(as_qemu_of(a.qemu_pid, sys.executable, "-c", READ, str(path)), capture_output=True, text=True)
+    if what == "overlay":
+        assert tried.returncode == 0 and "READ" in tried.stdout, tried.stderr
+    else:
+        assert tried.returncode != 0 and "PermissionError" in tried.stderr, tried.stderr
+
+
+def test_stopping_a_vm_gives_its_uid_back(pair):
+    cache, vms = pair
+    b = vms["b"]
+    uid = b.record["vmUser"]["uid"]
+    stopped = root_launcher(cache, "stop", "b")
+    assert stopped.returncode == 0 and stopped.stdout.strip() == "VM b was stopped", stopped.stderr
+    assert not b.home.exists() and not (VMS_DIR / f"{uid}.json").exists()
+    running = [pid for pid in os.listdir("/proc") if pid.isdigit() and _uid_of(pid) == uid]
+    assert running == [], running
+    assert DONE in root_launcher(cache, "logs", "a").stdout  # the other VM goes on
+
+
+def _uid_of(pid: str) -> int | None:
+    try:
+        return ids(int(pid))[0]
+    except (OSError, StopIteration):
+        return None
