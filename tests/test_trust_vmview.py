@@ -96,6 +96,33 @@ def images(registry) -> dict[str, str]:
     return refs
 
 
+def write_vmi(scratch: Path, name: str, image: str) -> tuple[Path, list[str]]:
+    """A VMI booting `image`; a's also has a claim as a disk, and a claim and a ConfigMap shared over
+    virtiofs (every kind of file qemu reaches otherwise than through its run directory)."""
+    vmi = {"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance", "metadata": {"name": name},
+           "spec": {"domain": {"resources": {"requests": {"memory": "128Mi"}},
+                               "devices": {"disks": [{"name": "root", "serial": HOLD, "disk": {"bus": "virtio"}}]}},
+                    "volumes": [{"name": "root", "containerDisk": {"image": image}}]}}
+    args: list[str] = []
+    if name == "a":
+        data, shared, manifests = scratch / "data-claim", scratch / "shared-claim", scratch / "manifests"
+        for directory in (data, shared, manifests):
+            directory.mkdir()
+        (shared / "hello.txt").write_text("hello from the claim\n")
+        (manifests / "cm.json").write_text(json.dumps({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "app-config"},
+                                                       "data": {"greeting": "hi over virtiofs"}}))
+        spec = vmi["spec"]
+        spec["domain"]["devices"]["disks"].append({"name": "data", "serial": "claim-data", "disk": {"bus": "virtio"}})
+        spec["domain"]["devices"]["filesystems"] = [{"name": "fs0", "virtiofs": {}}, {"name": "fs1", "virtiofs": {}}]
+        spec["volumes"] += [{"name": "data", "persistentVolumeClaim": {"claimName": "data"}},
+                            {"name": "fs0", "persistentVolumeClaim": {"claimName": "shared"}},
+                            {"name": "fs1", "configMap": {"name": "app-config"}}]
+        args = ["--pvc", f"data={data}:16Mi", "--pvc", f"shared={shared}", "--manifests", str(manifests)]
+    path = scratch / f"{name}.json"
+    path.write_text(json.dumps(vmi))
+    return path, args
+
+
 @pytest.fixture(scope="module")
 def pair(images):
     """VMs a and b, started by a root launcher with no system daemon around, both running."""
@@ -104,13 +131,8 @@ def pair(images):
         vms: dict[str, Vm] = {}
         try:
             for name in ("a", "b"):
-                vmi = {"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance", "metadata": {"name": name},
-                       "spec": {"domain": {"resources": {"requests": {"memory": "128Mi"}},
-                                           "devices": {"disks": [{"name": "root", "serial": HOLD, "disk": {"bus": "virtio"}}]}},
-                                "volumes": [{"name": "root", "containerDisk": {"image": images[name]}}]}}
-                path = scratch / f"{name}.json"
-                path.write_text(json.dumps(vmi))
-                started = root_launcher(cache, "run", NOREG, "--detach", "--wait-for", "HOLD seconds", "--timeout", "300", path)
+                path, args = write_vmi(scratch, name, images[name])
+                started = root_launcher(cache, "run", NOREG, *args, "--detach", "--wait-for", "HOLD seconds", "--timeout", "300", path)
                 assert started.returncode == 0, started.stderr
                 record = json.loads((cache / "vms" / f"default_{name}.json").read_text())
                 logs = root_launcher(cache, "logs", name)
@@ -143,6 +165,12 @@ def test_each_vm_boots_and_reads_its_own_disks(pair):
         assert vm.console["disks"]["vda"]["serial"] == HOLD and vm.console["disks"]["vda"]["head"].startswith("33c0"), vm.console
     assert vms["b"].console["disks"]["vda"]["size"] == vms["a"].console["disks"]["vda"]["size"] + (1 << 20)
     assert vms["a"].pulled_disk(cache) != vms["b"].pulled_disk(cache)
+    # a's claim, written through the open file root handed qemu, and its shares, through virtiofsd
+    a = vms["a"].console
+    (claim,) = [d for d in a["disks"] if a["disks"][d]["serial"] == "claim-data"]
+    assert a["stamps"][claim] == (0, 1), a["stamps"]
+    assert a["filesystems"]["fs0"]["files"]["/hello.txt"] == "hello from the claim\n" and a["filesystems"]["fs0"]["wrote"]
+    assert a["filesystems"]["fs1"]["files"]["/greeting"] == "hi over virtiofs\n" and not a["filesystems"]["fs1"]["wrote"]
 
 
 def test_each_qemu_runs_as_107_in_a_user_namespace_of_its_own_and_as_a_uid_of_its_own_outside(pair):

@@ -67,6 +67,9 @@ class Host:
     # qemu itself: their sources say relabel='no'. A session daemon has no DAC driver (it refuses the
     # seclabel), and an unprivileged launcher on the system daemon leaves the chown to libvirt.
     dac: bool = False
+    # A VM's own uid and gid under the system daemon (launcher.runtime.vmuser): qemu runs as them, not as
+    # qemu.conf's user every VM shares, and libvirt chowns nothing for it (the launcher gave it its files).
+    dac_label: tuple[int, int] | None = None
 
 
 def _file_source(parent: ET.Element, path: str, fd_group: str | None = None) -> ET.Element:
@@ -449,7 +452,8 @@ def render(vmi: VMI, disks: dict[str, ResolvedDisk], host: Host) -> str:
     devices = ET.SubElement(domain, "devices")
     if host.emulator:
         _text(devices, "emulator", host.emulator)
-    _disks(vmi, disks, devices, host.dac)
+    # A domain-level relabel='no' (a VM's own label) covers every source, and libvirt refuses overrides under it.
+    _disks(vmi, disks, devices, host.dac and host.dac_label is None)
     _filesystems(vmi, host, devices)
     model = "virtio-transitional" if vmi.domain.devices.use_virtio_transitional else "virtio-non-transitional"
     for iface in vmi.domain.devices.interfaces:
@@ -482,6 +486,12 @@ def render(vmi: VMI, disks: dict[str, ResolvedDisk], host: Host) -> str:
         # compute/rng.go: virtio (transitional or not, as every virtio device here), fed by /dev/urandom
         rng = ET.SubElement(devices, "rng", model=model)
         _text(rng, "backend", "/dev/urandom", model="random")
+
+    if host.dac_label is not None:
+        # libvirt's static DAC label ("+UID:+GID": ids, never names): the process's ids; relabel='no'
+        # leaves every file as the launcher gave it (docs/formatdomain: Security label).
+        label = ET.SubElement(domain, "seclabel", type="static", model="dac", relabel="no")
+        _text(label, "label", f"+{host.dac_label[0]}:+{host.dac_label[1]}")
 
     ET.indent(domain, "  ")
     return ET.tostring(domain, encoding="unicode") + "\n"

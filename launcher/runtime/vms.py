@@ -108,7 +108,7 @@ def _own_libvirt(uri: str, user: VmUser) -> Libvirt:
 
 
 def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, domain_type: str | None = None, qemu: tuple[int, int] = KUBEVIRT_QEMU,
-         dac: bool = False, qemu_uid: int | None = None, by_fd: bool = False):
+         dac: bool = False, qemu_uid: int | None = None, by_fd: bool = False, dac_label: tuple[int, int] | None = None):
     """Pull what the VMI needs and render its domain; with `create`, the overlays are made too (and what
     qemu opens in claims is given to `qemu`). With `by_fd` (a root launcher's run) every disk and
     kernel from outside the run directory reaches qemu as an open file or a copy of its own
@@ -128,6 +128,7 @@ def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, domain_type: st
             initrd=handed.initrd,
             virtiofs_sockets=virtiofs.sockets(vmi, run_dir),
             dac=dac,
+            dac_label=dac_label,
         )
         if vmi.domain.cpu.dedicated_cpu_placement:
             host = replace(host, topology=hostcpus.read_topology(), cpuset=hostcpus.pod_cpuset())
@@ -162,16 +163,19 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
         allocation = None
         handed = diskfds.Handed({})
         try:
-            if own:
+            # Under the system daemon a root launcher's VM gets its own uid too, as a static DAC label.
+            labelled = lv is not None and os.geteuid() == 0 and is_system_uri(lv.uri)
+            if own or labelled:
                 allocation = vmuser.allocate(name, cache.root)
+            if own:
                 say(f"no libvirt system daemon answers here ({sessiond.SYSTEM_SOCKETS[-1]}); running the VM as the qemu user"
                     f" ({QEMU_ID}) through a session daemon of its own, in a user namespace that is uid {allocation.user.uid}"
                     f" on this host, as a launcher pod with a user namespace runs it ({sessiond.uri(allocation.user)};"
                     " --connect chooses another)")
             uri = sessiond.uri(allocation.user) if own else lv.uri
             # qemu's own identity: what it opens in the run directory, the virtiofs sockets and its NBD
-            # socket are given to it; a VM's own uid, or the daemon's qemu user.
-            vm_ids = allocation.user.ids if own else owner
+            # socket are given to it; a VM's own uid, or the qemu user of the daemon --connect named.
+            vm_ids = allocation.user.ids if allocation is not None else owner
             virtiofs.check_runnable(vmi)
             admit(vmi, opts.storage or Storage())
             from launcher.datavolumes.control import ensure_ready
@@ -180,13 +184,14 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
             if opts.timeout is not None:
                 alarm.arm(opts.timeout - (time.monotonic() - began))
             with cache.lock("gc", shared=True):  # gc must not take the bases between pull and record
-                # qemu on a session daemon runs as its user, which a root disk server's group socket does not admit.
-                session_uid = vm_ids[0] if os.geteuid() == 0 and not is_system_uri(uri) else None
-                # Nor may it open a /dev/kvm root can: then the domain is TCG's.
-                tcg = session_uid is not None and not sessiond.kvm_for(uri)
+                # qemu as a VM's own uid, or a session daemon's user, is outside the group a root disk
+                # server's shared NBD socket is open to: it gets a socket of its uid's own.
+                qemu_uid = vm_ids[0] if os.geteuid() == 0 and (allocation is not None or not is_system_uri(uri)) else None
+                # Nor may qemu on a session daemon open a /dev/kvm root can: then the domain is TCG's.
+                tcg = os.geteuid() == 0 and not is_system_uri(uri) and not sessiond.kvm_for(uri)
                 prepared, xml, handed = plan(vmi, cache, opts, create=True, domain_type="qemu" if tcg else None, qemu=owner,
-                                             dac=os.geteuid() == 0 and is_system_uri(uri), qemu_uid=session_uid,
-                                             by_fd=os.geteuid() == 0)
+                                             dac=os.geteuid() == 0 and is_system_uri(uri), qemu_uid=qemu_uid,
+                                             by_fd=os.geteuid() == 0, dac_label=vm_ids if labelled else None)
                 run_dir = cache.run_dir(name)
                 rundir.open_to_qemu(run_dir, vm_ids)
                 write_atomic(run_dir / "domain.xml", xml.encode(), 0o600)  # root's: libvirt is given the XML, not the file
@@ -196,7 +201,7 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
                     "vmi": vmi.name,
                     "namespace": vmi.namespace,
                     "uri": uri,
-                    **({"vmUser": allocation.user.to_json()} if own else {}),
+                    **({"vmUser": allocation.user.to_json()} if allocation is not None else {}),
                     "run_dir": str(run_dir),
                     "images": sorted({p.image for p in prepared.pulled}),
                     "pins": {volume: pin.pinned for volume, pin in sorted(prepared.pins.items())},
