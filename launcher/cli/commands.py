@@ -91,7 +91,7 @@ def domain(vmi_file, platform, accel, lazy, update, container_disk_dir, kernel_b
     vmi = load_vmi_file(vmi_file, ignore_unsupported, ImageHints(store.objects, registry, platform_of(platform)))
     opts = RunOptions(platform=platform_of(platform), registry=registry, storage=store, lazy={None: "auto", True: "on", False: "off"}[lazy],
                       update=update, container_disk_dir=container_disk_dir, kernel_boot_dir=kernel_boot_dir)
-    _, xml = plan(vmi, node_cache(cache_dir), opts, create=False, domain_type=None if accel == "auto" else accel)
+    _, xml, _ = plan(vmi, node_cache(cache_dir), opts, create=False, domain_type=None if accel == "auto" else accel)
     if as_json:
         click.echo(json.dumps({"domain": vmi.domain_name, "xml": xml}, indent=2))
     else:
