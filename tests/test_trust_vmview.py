@@ -12,9 +12,11 @@ its libvirt or monitor socket, its qemu's memory or its qemu's view of the files
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -22,6 +24,9 @@ from pathlib import Path
 
 import pytest
 
+from diskkit.errors import DiskkitError
+from launcher.render.domain import ResolvedDisk
+from launcher.runtime import diskfds, vmuser
 from launcher.runtime.vmuser import BLOCK, VMS_DIR
 from tests.conftest import run_diskkit
 from tests.test_launcher_console import root_launcher
@@ -251,3 +256,58 @@ def _uid_of(pid: str) -> int | None:
         return ids(int(pid))[0]
     except (OSError, StopIteration):
         return None
+
+
+# ---------------------------------------------------------------- the pieces, without a VM
+
+def test_a_slot_is_never_one_a_user_a_group_or_a_subordinate_range_names():
+    """Whoever holds a slot's ids could act as its VM: a user or group with the uid, or a subordinate
+    range (a rootless container's ids) over any of the slot's block."""
+    assert vmuser.host_uid(1) == 65536 + QEMU_UID and vmuser.host_uid(2) == 2 * 65536 + QEMU_UID
+    ranges = vmuser.subordinate_ranges("alice:100000:65536\n# comment\nbob:165536:65536\nbroken:x:1\n")
+    assert ranges == [(100000, 65536), (165536, 65536)]
+    assert not vmuser.usable(1, set(), set(), ranges)  # 65536..131071: alice's from 100000
+    assert not vmuser.usable(2, set(), set(), ranges)  # 131072..196607: alice's and bob's ids
+    assert not vmuser.usable(3, set(), set(), ranges)  # 196608..262143: bob's up to 231071
+    assert vmuser.usable(4, set(), set(), ranges) and vmuser.usable(1, set(), set(), [])
+    assert not vmuser.usable(4, {vmuser.host_uid(4)}, set(), [])
+    assert not vmuser.usable(4, set(), {vmuser.host_uid(4)}, [])
+
+
+def test_disks_from_outside_the_run_directory_are_handed_open(tmp_path):
+    """What qemu opens by name stays in its run directory; every other disk file is opened by root, read-
+    only unless the guest writes it, a link in its directory refused; a block device gets a node of the
+    VM's own, the kernel a copy."""
+    run_dir, outside = tmp_path / "run", tmp_path / "claims"
+    run_dir.mkdir()
+    outside.mkdir()
+    for name in ("base.img", "claim.img", "ro.img", "vmlinuz"):
+        (outside / name).write_bytes(name.encode())
+    (run_dir / "root").mkdir()
+    disks = {
+        "root": ResolvedDisk(str(run_dir / "root" / "disk.qcow2"), "qcow2", backing=(str(outside / "base.img"), "qcow2")),
+        "data": ResolvedDisk(str(outside / "claim.img"), "raw", relabel=False),
+        "ro": ResolvedDisk(str(outside / "ro.img"), "raw"),
+    }
+    block = next(p for p in Path("/dev").iterdir() if stat.S_ISBLK(p.stat().st_mode))
+    disks["blk"] = ResolvedDisk(str(block), "raw", type="block")
+    handed = diskfds.hand_over(disks, run_dir, kernel=str(outside / "vmlinuz"), read_only={"ro"})
+    try:
+        modes = {group: [fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE for fd in fds] for group, fds in handed.fds.items()}
+        assert modes == {"root-base": [os.O_RDONLY], "data": [os.O_RDWR], "ro": [os.O_RDONLY]}
+        assert os.read(handed.fds["data"][0], 9) == b"claim.img"
+        root = handed.disks["root"]
+        assert (root.path, root.fd_group, root.backing_fd_group) == (disks["root"].path, None, "root-base")
+        assert handed.disks["data"].fd_group == "data" and handed.disks["ro"].fd_group == "ro"
+        node = Path(handed.disks["blk"].path)
+        assert node.parent == run_dir / diskfds.DEVICES_DIR and handed.disks["blk"].fd_group is None
+        st = node.lstat()
+        assert stat.S_ISBLK(st.st_mode) and st.st_rdev == block.stat().st_rdev and stat.S_IMODE(st.st_mode) == 0o600
+        assert Path(handed.kernel).parent == run_dir / diskfds.KERNEL_DIR and Path(handed.kernel).read_bytes() == b"vmlinuz"
+    finally:
+        handed.close()
+    # A link where a claim's disk.img was: refused, its target never opened.
+    (outside / "claim.img").unlink()
+    (outside / "claim.img").symlink_to("/etc/shadow")
+    with pytest.raises(DiskkitError, match="symbolic link"):
+        diskfds.hand_over({"data": disks["data"]}, tmp_path / "run2")

@@ -207,6 +207,16 @@ def _io_mode(disk: Disk, resolved: ResolvedDisk, cache: str, at: str) -> str | N
     return io
 
 
+def guest_read_only(disk: Disk, volume: Volume, resolved: ResolvedDisk) -> bool:
+    """Whether the guest gets the disk read-only (<readonly/>): qemu then opens it read-only too."""
+    return disk.read_only or resolved.read_only or volume.kind == "downwardMetrics"
+
+
+def read_only_volumes(vmi: VMI, resolved: dict[str, ResolvedDisk]) -> set[str]:
+    """The volumes whose disks the guest gets read-only."""
+    return {d.name for d in vmi.domain.devices.disks if d.name in resolved and guest_read_only(d, vmi.volume(d.name), resolved[d.name])}
+
+
 def _disk(vmi: VMI, disk: Disk, volume: Volume, resolved: ResolvedDisk, target: str, unit: int,
           iothread: int | None, dac: bool) -> ET.Element:
     at = _disk_at(vmi, disk)
@@ -221,7 +231,7 @@ def _disk(vmi: VMI, disk: Disk, volume: Volume, resolved: ResolvedDisk, target: 
             raise SpecError(at, f"device {disk.name} is of type lun. Not compatible with protocol {resolved.network.protocol}")
     elif resolved.type not in _SOURCES:
         raise SpecError(at, f"volume {volume.name} resolved to an unsupported disk type {resolved.type}")
-    read_only = disk.read_only or resolved.read_only or volume.kind == "downwardMetrics"
+    read_only = guest_read_only(disk, volume, resolved)
     if disk.device == "disk" and disk.bus == "sata" and read_only:
         raise SpecError(_disk_at(vmi, disk, ".disk.bus"), "sata hard-disks do not support read-only.")
     cache = _cache_mode(disk, resolved, _disk_at(vmi, disk, ".cache"))

@@ -48,12 +48,14 @@ class Handed:
         self.fds = {}
 
 
-def hand_over(disks: dict[str, ResolvedDisk], run_dir: Path, kernel: str | None = None, initrd: str | None = None) -> Handed:
-    """The disks with every outside file given by fd (or device node), and the boot files copied in."""
+def hand_over(disks: dict[str, ResolvedDisk], run_dir: Path, kernel: str | None = None, initrd: str | None = None,
+              read_only: set[str] = frozenset()) -> Handed:
+    """The disks with every outside file given by fd (or device node), and the boot files copied in;
+    the volumes in `read_only` (the guest's read-only disks) and every base are opened read-only."""
     handed = Handed({})
     try:
         for name, disk in disks.items():
-            handed.disks[name] = _disk(handed, name, disk, run_dir)
+            handed.disks[name] = _disk(handed, name, disk, run_dir, name in read_only)
         handed.kernel = _copied(kernel, run_dir, "kernel")
         handed.initrd = _copied(initrd, run_dir, "initrd")
     except BaseException:
@@ -62,10 +64,11 @@ def hand_over(disks: dict[str, ResolvedDisk], run_dir: Path, kernel: str | None 
     return handed
 
 
-def _disk(handed: Handed, name: str, disk: ResolvedDisk, run_dir: Path) -> ResolvedDisk:
+def _disk(handed: Handed, name: str, disk: ResolvedDisk, run_dir: Path, read_only: bool) -> ResolvedDisk:
     if disk.type == "file" and not inside(disk.path, run_dir):
         group = name
-        handed.fds[group] = [_open(Path(disk.path), read_only=disk.read_only)]
+        # qemu takes from the group the file whose access mode it opens with (O_RDONLY for <readonly/>).
+        handed.fds[group] = [_open(Path(disk.path), read_only=read_only or disk.read_only)]
         disk = replace(disk, fd_group=group)
     elif disk.type == "block":
         disk = replace(disk, path=str(_device_node(Path(disk.path), run_dir, name)))

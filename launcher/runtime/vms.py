@@ -26,7 +26,7 @@ from launcher.diskserver.client import last_failure
 from launcher.diskserver.qemuid import is_system_uri
 from launcher.node import pins
 from launcher.node.cache import QEMU_ID, Cache
-from launcher.render.domain import Host, render, secret_xml
+from launcher.render.domain import Host, read_only_volumes, render, secret_xml
 from launcher.render.interfaces import netdev_id
 from launcher.runtime import accel, diskfds, hostcpus, rundir, sessiond, virtiofs, vmuser
 from launcher.runtime.conditions import Paused, paused_condition
@@ -95,10 +95,18 @@ def _own_daemon(opts: RunOptions) -> bool:
 
 def connect(cache: Cache, record: dict) -> Libvirt:
     """libvirt at a record's URI; a VM's own session daemon is started again if it has exited while
-    its VM may still run (killed: it finds the domain still running and its qemu process)."""
+    its VM may still run (killed: it finds the domain still running and its qemu process). A VM whose
+    uid was given back is gone: its socket may be another VM's by now, never connected to."""
     user = VmUser.from_json(record.get("vmUser"))
+    if _gone_for_good(record):
+        raise DiskkitError(record["domain"], "VM is not running (its own uid was given back)")
     sessiond.ensure(record["uri"], user)
     return Libvirt(record["uri"]) if user is None else _own_libvirt(record["uri"], user)
+
+
+def _gone_for_good(record: dict) -> bool:
+    user = VmUser.from_json(record.get("vmUser"))
+    return user is not None and not vmuser.holds(user)
 
 
 def _own_libvirt(uri: str, user: VmUser) -> Libvirt:
@@ -119,7 +127,7 @@ def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, domain_type: st
                        update=opts.update, image_volumes=opts.container_disk_dir, kernel_boot_dir=opts.kernel_boot_dir)
     handed = diskfds.Handed(prepared.disks, kernel=prepared.kernel, initrd=prepared.initrd)
     if by_fd:
-        handed = diskfds.hand_over(prepared.disks, run_dir, prepared.kernel, prepared.initrd)
+        handed = diskfds.hand_over(prepared.disks, run_dir, prepared.kernel, prepared.initrd, read_only_volumes(vmi, prepared.disks))
     try:
         host = Host(
             domain_type=domain_type or accel.domain_type(cache.root),
@@ -168,10 +176,9 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
             if own or labelled:
                 allocation = vmuser.allocate(name, cache.root)
             if own:
-                say(f"no libvirt system daemon answers here ({sessiond.SYSTEM_SOCKETS[-1]}); running the VM as the qemu user"
-                    f" ({QEMU_ID}) through a session daemon of its own, in a user namespace that is uid {allocation.user.uid}"
-                    f" on this host, as a launcher pod with a user namespace runs it ({sessiond.uri(allocation.user)};"
-                    " --connect chooses another)")
+                say(f"no libvirt system daemon answers here ({sessiond.SYSTEM_SOCKETS[-1]}); running the VM as the launcher pod"
+                    f" does, through a session daemon of the qemu user ({QEMU_ID}) of its own, in a user namespace that is"
+                    f" uid {allocation.user.uid} on this host ({sessiond.uri(allocation.user)}; --connect chooses another)")
             uri = sessiond.uri(allocation.user) if own else lv.uri
             # qemu's own identity: what it opens in the run directory, the virtiofs sockets and its NBD
             # socket are given to it; a VM's own uid, or the qemu user of the daemon --connect named.
@@ -454,6 +461,9 @@ def stop(cache: Cache, name: str) -> str | None:
     record = find_record(cache, name)
     if record is None:
         return None
+    if _gone_for_good(record):
+        cleanup(cache, None, record["domain"])
+        return None
     try:
         lv = connect(cache, record)
     except DiskkitError:
@@ -473,6 +483,8 @@ def state(record: dict, cache: Cache | None = None) -> str:
 def state_and_why(record: dict, cache: Cache | None = None) -> tuple[str, Paused | None]:
     """The state, and for a paused VM KubeVirt's Paused condition: who paused it, and for an I/O
     error which disks and why (iopause.describe)."""
+    if _gone_for_good(record):
+        return "gone", None
     try:
         lv = Libvirt(record["uri"]) if cache is None else connect(cache, record)
     except DiskkitError:
