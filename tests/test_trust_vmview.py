@@ -239,6 +239,27 @@ def test_the_qemu_of_a_still_reaches_its_own_files(pair, what):
         assert tried.returncode != 0 and "PermissionError" in tried.stderr, tried.stderr
 
 
+def test_a_vms_own_daemon_killed_under_it_is_started_again(pair):
+    """A VM's daemon killed while its qemu runs (an OOM kill, say): the next verb starts it again in the
+    VM's HOME, as the VM's uid in a user namespace of its own, and it finds the running guest."""
+    cache, vms = pair
+    a = vms["a"]
+    uid = a.record["vmUser"]["uid"]
+
+    def daemon() -> int:
+        return int((a.home / ".cache" / "libvirt" / "libvirtd.pid").read_text())
+
+    killed = daemon()
+    assert _uid_of(str(killed)) == uid and _comm(str(killed)) == "libvirtd"
+    os.kill(killed, 9)
+    status = root_launcher(cache, "status", "a")
+    assert (status.returncode, status.stdout.strip()) == (0, "running"), status.stderr
+    again = daemon()
+    assert again != killed and _uid_of(str(again)) == uid and _comm(str(again)) == "libvirtd"
+    assert Path(f"/proc/{again}/uid_map").read_text().split() == [str(QEMU_UID), str(uid), "1"]
+    assert ids(a.qemu_pid)[0] == uid  # the same qemu, still running
+
+
 def test_stopping_a_vm_gives_its_uid_back(pair):
     cache, vms = pair
     b = vms["b"]
@@ -249,6 +270,13 @@ def test_stopping_a_vm_gives_its_uid_back(pair):
     running = [pid for pid in os.listdir("/proc") if pid.isdigit() and _uid_of(pid) == uid]
     assert running == [], running
     assert DONE in root_launcher(cache, "logs", "a").stdout  # the other VM goes on
+
+
+def _comm(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def _uid_of(pid: str) -> int | None:
