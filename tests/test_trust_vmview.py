@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import xml.etree.ElementTree as ET
 import os
 import shutil
 import stat
@@ -30,10 +31,11 @@ from launcher.runtime import diskfds, vmuser
 from launcher.runtime.vmuser import BLOCK, VMS_DIR
 from tests.conftest import run_diskkit
 from tests.test_launcher_console import root_launcher
-from tests.testguest import ensure_testguest, parse_console
+from tests.testguest import KERNEL_CMDLINE, ensure_testguest, parse_console
 from tests.vmhost import DONE, NOREG, QEMU_UID, qemu_scratch
 
 HOLD = "hold-900"
+KERNEL_DIR = "/boot"
 CONNECT = ("import socket, sys; s = socket.socket(socket.AF_UNIX); s.settimeout(10); s.connect(sys.argv[1]); "
            "print('CONNECTED')")
 READ = "import sys; f = open(sys.argv[1], 'rb'); f.read(512); print('READ')"
@@ -60,7 +62,9 @@ class Vm:
         return found
 
     def pulled_disk(self, cache: Path) -> Path:
-        [entry] = [Path(e) for e in self.record["entries"] if Path(e).is_relative_to(cache / "disks")]
+        """The containerDisk's disk in the node cache (not the kernelBoot files beside it)."""
+        [entry] = [Path(e) for e in self.record["entries"] if Path(e).is_relative_to(cache / "disks")
+                   and json.loads((Path(e) / "meta.json").read_text())["member"].startswith("disk/")]
         return entry / "disk.img"
 
     def overlay(self, cache: Path) -> Path:
@@ -89,14 +93,17 @@ def ids(pid: int) -> tuple[int, int]:
 
 @pytest.fixture(scope="module")
 def images(registry) -> dict[str, str]:
-    """Two images with disks of their own (b's is a byte longer, so no layer is shared)."""
+    """Two images with disks of their own (b's is a MiB longer, so no layer is shared); b's also
+    carries the guest's kernel and initrd, which its VM boots (kernelBoot)."""
+    guest = ensure_testguest()
     with qemu_scratch("diskkit-vmview-img-") as scratch:
         other = scratch / "other.qcow2"
-        shutil.copy(ensure_testguest() / "testguest.qcow2", other)
+        shutil.copy(guest / "testguest.qcow2", other)
         subprocess.run(["qemu-img", "resize", "-q", other, "+1M"], check=True)
         refs = {"a": f"{registry.host}/vmview/a:v1", "b": f"{registry.host}/vmview/b:v1"}
-        for name, disk in (("a", ensure_testguest() / "testguest.qcow2"), ("b", other)):
-            built = run_diskkit("build", NOREG, "--no-lazy", disk, "-t", refs[name])
+        for name, disk, extra in (("a", guest / "testguest.qcow2", []),
+                                  ("b", other, ["--kernel", guest / "vmlinuz", "--initrd", f"{KERNEL_DIR}/initrd.img={guest / 'initrd.img'}"])):
+            built = run_diskkit("build", NOREG, "--no-lazy", disk, *extra, "-t", refs[name])
             assert built.code == 0, built.err
     return refs
 
@@ -109,6 +116,9 @@ def write_vmi(scratch: Path, name: str, image: str) -> tuple[Path, list[str]]:
                                "devices": {"disks": [{"name": "root", "serial": HOLD, "disk": {"bus": "virtio"}}]}},
                     "volumes": [{"name": "root", "containerDisk": {"image": image}}]}}
     args: list[str] = []
+    if name == "b":
+        vmi["spec"]["domain"]["firmware"] = {"kernelBoot": {"kernelArgs": KERNEL_CMDLINE, "container": {
+            "image": image, "kernelPath": f"{KERNEL_DIR}/vmlinuz", "initrdPath": f"{KERNEL_DIR}/initrd.img"}}}
     if name == "a":
         data, shared, manifests = scratch / "data-claim", scratch / "shared-claim", scratch / "manifests"
         for directory in (data, shared, manifests):
@@ -170,6 +180,10 @@ def test_each_vm_boots_and_reads_its_own_disks(pair):
         assert vm.console["disks"]["vda"]["serial"] == HOLD and vm.console["disks"]["vda"]["head"].startswith("33c0"), vm.console
     assert vms["b"].console["disks"]["vda"]["size"] == vms["a"].console["disks"]["vda"]["size"] + (1 << 20)
     assert vms["a"].pulled_disk(cache) != vms["b"].pulled_disk(cache)
+    # b booted its image's kernel, from a copy in its run directory (qemu opens -kernel by name)
+    run_b = cache / "run" / "default_b"
+    kernel = ET.fromstring((run_b / "domain.xml").read_text()).find("os/kernel").text
+    assert kernel == str(run_b / "kernel-boot" / "kernel") and vms["b"].console["ready"]
     # a's claim, written through the open file root handed qemu, and its shares, through virtiofsd
     a = vms["a"].console
     (claim,) = [d for d in a["disks"] if a["disks"][d]["serial"] == "claim-data"]
