@@ -37,7 +37,7 @@ def collect(cache: Cache, max_size: int | None = None) -> Collected:
                 in_use.update(record.get("entries", []))
                 continue
             try:
-                lv = connect(cache, record)
+                lv = connect(record)
             except DiskkitError:
                 lv = None
             cleanup(cache, lv, record["domain"])

@@ -9,8 +9,9 @@ KubeVirt's virtiofsd runs as the non-root qemu user (107) with every capability 
 (securityContextVirtioFS in pkg/virt-controller/services/virtiofs.go). The virtiofsd here is qemu
 7.2's C one, which needs CAP_SYS_ADMIN to sandbox itself and switches to the guest's uid for every
 file it creates. So it runs as root of a user namespace whose only id is the qemu user the VM runs
-as (the launcher's own for an unprivileged launcher): every file a guest creates belongs to that
-user, it cannot create device nodes (mknod is refused in a user namespace) or files of any other
+as (the launcher's own for an unprivileged launcher; under a root launcher the VM's own uid for the
+VM's config shares, and the claim's owner, KubeVirt's 107, for a claim): every file a guest creates
+belongs to that user, it cannot create device nodes (mknod is refused in a user namespace) or files of any other
 owner (the guest's other ids are not mapped), and its capabilities reach nothing outside the
 namespace. The share is a bind mount in the namespace's private mount table, made by the mapped
 user (so the launcher's root follows none of the share's path), nosuid and nodev, and read-only

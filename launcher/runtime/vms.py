@@ -93,7 +93,7 @@ def _own_daemon(opts: RunOptions) -> bool:
     return opts.uri is None and os.geteuid() == 0 and not sessiond.system_daemon_answers()
 
 
-def connect(cache: Cache, record: dict) -> Libvirt:
+def connect(record: dict) -> Libvirt:
     """libvirt at a record's URI; a VM's own session daemon is started again if it has exited while
     its VM may still run (killed: it finds the domain still running and its qemu process). A VM whose
     uid was given back is gone: its socket may be another VM's by now, never connected to."""
@@ -433,7 +433,7 @@ def _clear_last_run(cache: Cache, vmi: VMI) -> None:
     if state(record, cache) in ("running", "paused", "unknown"):
         raise DiskkitError(vmi.domain_name, f"a domain of this name already exists on {record['uri']}; stop it first (launcher stop {vmi.name})")
     try:
-        lv = connect(cache, record)
+        lv = connect(record)
     except DiskkitError:
         lv = None
     cleanup(cache, lv, vmi.domain_name)
@@ -465,7 +465,7 @@ def stop(cache: Cache, name: str) -> str | None:
         cleanup(cache, None, record["domain"])
         return None
     try:
-        lv = connect(cache, record)
+        lv = connect(record)
     except DiskkitError:
         lv = None  # the daemon is gone, and the domain with it; still remove the files
     # A domain defined and never started (its launcher killed in between) or powered off is no running VM.
@@ -486,7 +486,7 @@ def state_and_why(record: dict, cache: Cache | None = None) -> tuple[str, Paused
     if _gone_for_good(record):
         return "gone", None
     try:
-        lv = Libvirt(record["uri"]) if cache is None else connect(cache, record)
+        lv = Libvirt(record["uri"]) if cache is None else connect(record)
     except DiskkitError:
         return "unknown", None
     try:
