@@ -18,6 +18,7 @@ import xml.etree.ElementTree as ET
 import os
 import shutil
 import stat
+import struct
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from diskkit.errors import DiskkitError
+from launcher.node.cache import Cache
 from launcher.render.domain import ResolvedDisk
 from launcher.runtime import diskfds, vmuser
 from launcher.runtime.vmuser import BLOCK, VMS_DIR
@@ -353,3 +355,32 @@ def test_disks_from_outside_the_run_directory_are_handed_open(tmp_path):
     (outside / "claim.img").symlink_to("/etc/shadow")
     with pytest.raises(DiskkitError, match="symbolic link"):
         diskfds.hand_over({"data": disks["data"]}, tmp_path / "run2")
+
+
+def test_a_root_cache_made_before_lets_each_vm_through_its_run_directory(tmp_path):
+    """A root cache made when every qemu was 107 has run/ 0750 in qemu's group, plus 107 by an ACL: no
+    VM's own uid could pass. Opened again by root it becomes 0711, the ACL gone; disks/ keeps its mode
+    (VMs started before may still read their base through it) and is named by the warning."""
+    cache = tmp_path / "old"
+    for sub in ("", "run", "disks"):
+        (cache / sub).mkdir(exist_ok=True)
+        (cache / sub).chmod(0o750 if sub else 0o711)
+    for sub in ("run", "disks"):
+        os.setxattr(cache / sub, ACL, acl_granting(QEMU_UID, 0o750))
+    opened = Cache(cache)
+    st = (cache / "run").stat()
+    assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o711)
+    assert ACL not in os.listxattr(cache / "run") and ACL in os.listxattr(cache / "disks")
+    assert stat.S_IMODE((cache / "disks").stat().st_mode) == 0o750 and opened.too_open() == [str(cache / "disks")]
+
+
+ACL = "system.posix_acl_access"
+
+
+def acl_granting(uid: int, mode: int) -> bytes:
+    """The xattr of a POSIX access ACL: the mode's owner, group and other entries, `uid` with the
+    group's bits, and the mask (linux/posix_acl_xattr.h, version 2)."""
+    undefined = 0xFFFFFFFF
+    owner, group, other = (mode >> 6) & 7, (mode >> 3) & 7, mode & 7
+    entries = [(0x01, owner, undefined), (0x02, group, uid), (0x04, group, undefined), (0x10, group, undefined), (0x20, other, undefined)]
+    return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *entry) for entry in entries)

@@ -134,6 +134,8 @@ class Cache:
                 self._make(sub)
             for sub in ("blobs/sha256", "disks/sha256"):
                 (self.root / sub).mkdir(exist_ok=True)
+            if self.privileged:
+                self._let_vms_through()
         except OSError as exc:
             raise DiskkitError(self.root, f"cache directory cannot be created ({exc.strerror})") from None
         if not os.access(self.root, os.W_OK | os.X_OK):
@@ -151,6 +153,21 @@ class Cache:
             os.fchmod(fd, self.modes[sub])  # whatever the umask
         finally:
             os.close(fd)
+
+    def _let_vms_through(self) -> None:
+        """run/ of a root cache made before each VM had a uid of its own (0750 to qemu's group, and 107
+        by an ACL) becomes 0711, or no VM's qemu could reach its run directory; what the group and
+        the ACL could list there goes with them. Only a directory root owns is touched."""
+        for sub in PASSED_THROUGH:
+            fd = os.open(self.root / sub, DIR_NOFOLLOW)
+            try:
+                st = os.fstat(fd)
+                if st.st_uid == 0 and stat.S_IMODE(st.st_mode) != self.modes[sub]:
+                    with contextlib.suppress(OSError):  # no ACL there, or a filesystem without them
+                        os.removexattr(fd, "system.posix_acl_access")
+                    os.fchmod(fd, self.modes[sub])
+            finally:
+                os.close(fd)
 
     def too_open(self) -> list[str]:
         """The cache's directories that other local users may read more of than a new cache allows."""
