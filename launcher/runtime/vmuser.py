@@ -105,19 +105,18 @@ def _host_names() -> tuple[set[int], set[int], list[tuple[int, int]]]:
 
 
 def runs_anything(uid: int) -> bool:
-    """Whether any process has `uid` as its real, effective or saved uid."""
+    """Whether any live process (a zombie holds nothing) has `uid` as its real, effective or saved uid."""
+    wanted = str(uid).encode()
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
             with open(f"/proc/{pid}/status", "rb") as f:
-                for line in f:
-                    if line.startswith(b"Uid:"):
-                        if str(uid).encode() in line.split()[1:4]:
-                            return True
-                        break
-        except OSError:
+                fields = dict(line.split(b":", 1) for line in f if line[:4] in (b"Stat", b"Uid:"))
+        except (OSError, ValueError):
             continue  # gone meanwhile
+        if not fields.get(b"State", b"").strip().startswith(b"Z") and wanted in fields.get(b"Uid", b"").split()[:3]:
+            return True
     return False
 
 
