@@ -65,12 +65,13 @@ def vm_uid(cache: Path, domain: str) -> int | None:
 
 
 def processes_of_uid(uid: int) -> list[int]:
+    """The live processes of `uid` (a zombie init has yet to reap runs nothing)."""
     found = []
     for pid in os.listdir("/proc"):
         try:
-            if pid.isdigit() and os.stat(f"/proc/{pid}").st_uid == uid:
+            if pid.isdigit() and os.stat(f"/proc/{pid}").st_uid == uid and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
                 found.append(int(pid))
-        except OSError:
+        except (OSError, IndexError):
             continue
     return found
 

@@ -32,7 +32,7 @@ from launcher.render.domain import ResolvedDisk
 from launcher.runtime import diskfds, vmuser
 from launcher.runtime.vmuser import BLOCK, VMS_DIR
 from tests.conftest import run_diskkit
-from tests.test_launcher_console import root_launcher
+from tests.test_launcher_console import processes_of_uid, root_launcher
 from tests.testguest import KERNEL_CMDLINE, ensure_testguest, parse_console
 from tests.vmhost import DONE, NOREG, QEMU_UID, qemu_scratch
 
@@ -283,8 +283,7 @@ def test_stopping_a_vm_gives_its_uid_back(pair):
     stopped = root_launcher(cache, "stop", "b")
     assert stopped.returncode == 0 and stopped.stdout.strip() == "VM b was stopped", stopped.stderr
     assert not b.home.exists() and not (VMS_DIR / f"{uid}.json").exists()
-    running = [pid for pid in os.listdir("/proc") if pid.isdigit() and _uid_of(pid) == uid]
-    assert running == [], running
+    assert processes_of_uid(uid) == []
     assert DONE in root_launcher(cache, "logs", "a").stdout  # the other VM goes on
 
 
