@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import fcntl
 import json
-import xml.etree.ElementTree as ET
 import os
 import shutil
 import stat
 import struct
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
