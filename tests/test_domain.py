@@ -43,6 +43,8 @@ def load_case(name: str):
     if "topology" in host_fields:
         host_fields["topology"] = tuple(tuple(tuple(core) for core in cell) for cell in host_fields["topology"])
         host_fields["cpuset"] = tuple(host_fields["cpuset"])
+    if "dac_label" in host_fields:
+        host_fields["dac_label"] = tuple(host_fields["dac_label"])
     if "virtiofs_sockets" in host_fields:
         host_fields["virtiofs_sockets"] = tuple(tuple(pair) for pair in host_fields["virtiofs_sockets"])
     host = Host(**host_fields)

@@ -1,5 +1,5 @@
-"""virtctl's habits, as root on a host with no system libvirt daemon: `launcher run` boots through the
-qemu user's session daemon it starts itself, `console` attaches to the running guest (output and
+"""virtctl's habits, as root on a host with no system libvirt daemon: `launcher run` boots through a
+session daemon of the qemu user it starts for the VM itself, `console` attaches to the running guest (output and
 input, detach with Ctrl-] as pkg/virtctl/console/console.go), `logs [-f]` prints its console log,
 `stop` takes several names and says a VM that is not running is not (exit 0). gc removes stale
 VM lock files."""
@@ -10,8 +10,6 @@ import fcntl
 import json
 import os
 import select
-import shutil
-import signal
 import stat
 import subprocess
 import time
@@ -19,6 +17,7 @@ from pathlib import Path
 
 from launcher.node.cache import Cache
 from launcher.runtime import sessiond
+from launcher.runtime.vmuser import VMS_DIR
 from tests.conftest import launcher_command, run_diskkit, run_launcher
 from tests.testguest import ensure_testguest
 from tests.vmhost import DONE, NOREG, QEMU_UID
@@ -57,20 +56,24 @@ def read_until(stream, needle: bytes, timeout: float = 120) -> bytes:
     return seen
 
 
-def session_daemon_pids(cache: Path) -> list[int]:
-    pidfile = sessiond.home(Cache(cache)) / ".cache" / "libvirt" / "libvirtd.pid"
+def vm_uid(cache: Path, domain: str) -> int | None:
+    """The host uid the VM's own session daemon and qemu run as (its record says), while it is recorded."""
     try:
-        pid = int(pidfile.read_text().strip())
-    except (OSError, ValueError):
-        return []
-    return [pid] if Path(f"/proc/{pid}").exists() else []
+        return json.loads((cache / "vms" / f"{domain}.json").read_text())["vmUser"]["uid"]
+    except (OSError, ValueError, KeyError):
+        return None
 
 
-def end_session_daemon(cache: Path) -> None:
-    """The session daemon outlives a test by its --timeout; its HOME is under /run, not the scratch directory."""
-    for pid in session_daemon_pids(cache):
-        os.kill(pid, signal.SIGTERM)
-    shutil.rmtree(sessiond.home(Cache(cache)), ignore_errors=True)
+def processes_of_uid(uid: int) -> list[int]:
+    """The live processes of `uid` (a zombie init has yet to reap runs nothing)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        try:
+            if pid.isdigit() and os.stat(f"/proc/{pid}").st_uid == uid and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                found.append(int(pid))
+        except (OSError, IndexError):
+            continue
+    return found
 
 
 def test_root_with_no_system_daemon_boots_attaches_follows_and_stops(qemu_user, guest_image):
@@ -84,9 +87,11 @@ def test_root_with_no_system_daemon_boots_attaches_follows_and_stops(qemu_user, 
         assert "no libvirt system daemon answers here" in started.stderr, started.stderr
         assert "launcher console embedded" in started.stderr and "launcher stop embedded" in started.stderr
         record = json.loads((cache / "vms" / "default_embedded.json").read_text())
-        assert record["uri"] == f"qemu+unix:///session?socket={sessiond.home(Cache(cache))}/.cache/libvirt/libvirt-sock"
-        [daemon] = session_daemon_pids(cache)
-        assert os.stat(f"/proc/{daemon}").st_uid == QEMU_UID  # the qemu user's daemon, not root's
+        uid = record["vmUser"]["uid"]
+        assert record["uri"] == f"qemu+unix:///session?socket={VMS_DIR}/{uid}/.cache/libvirt/libvirt-sock"
+        # The VM's own daemon: the qemu user (107) in its user namespace, a uid of the VM's own outside.
+        [daemon] = [pid for pid in processes_of_uid(uid) if Path(f"/proc/{pid}/comm").read_text().strip() == "libvirtd"]
+        assert Path(f"/proc/{daemon}/uid_map").read_text().split() == [str(QEMU_UID), str(uid), "1"]
         status = root_launcher(cache, "status", "embedded")
         assert (status.returncode, status.stdout.strip()) == (0, "running"), status.stderr
         # ls names the disk by the image it came from, not by a cut path.
@@ -121,10 +126,10 @@ def test_root_with_no_system_daemon_boots_attaches_follows_and_stops(qemu_user, 
         stopped = root_launcher(cache, "stop", "embedded", "never-started")
         assert stopped.returncode == 0, stopped.stderr
         assert stopped.stdout.splitlines() == ["VM embedded was stopped", "VM never-started is not running"]
-        assert following.wait(timeout=60) == 0  # -f ends with the VM
+        assert following.wait(timeout=60) == 0, following.stderr.read()  # -f ends with the VM
     finally:
         root_launcher(cache, "stop", "embedded")
-        end_session_daemon(cache)
+    assert processes_of_uid(uid) == [] and not (VMS_DIR / str(uid)).exists()  # stop gave the VM's uid back
     again = root_launcher(cache, "stop", "embedded")
     assert (again.returncode, again.stdout.strip()) == (0, "VM embedded is not running"), again.stderr
     assert not (cache / "run" / "default_embedded").exists()
@@ -166,27 +171,32 @@ def test_connect_still_wins_over_the_embedded_default(qemu_user):
     refused = root_launcher(cache, "run", "--connect", "qemu:///system", vmi)
     assert refused.returncode != 0
     assert refused.stderr.startswith("launcher: qemu:///system: cannot connect to libvirt") and refused.stderr.count("\n") == 1, refused.stderr
-    assert session_daemon_pids(cache) == [] and not sessiond.home(Cache(cache)).exists()
+    assert "no libvirt system daemon answers here" not in refused.stderr
 
 
 def test_a_lazy_image_boots_through_the_embedded_daemon(qemu_user, registry):
-    """qemu runs as the session daemon's user (107), outside the group of the root disk server's
-    nbd.sock: the root launcher asks for the socket of that user instead."""
+    """qemu runs as the VM's own uid, outside the group of the root disk server's nbd.sock: the root
+    launcher asks for the socket of that uid instead, which goes with the VM (a later VM given the uid
+    reads nothing the first one was answered with)."""
     ref = f"{registry.host}/embedded/lazy:v1"
     built = run_diskkit("build", NOREG, ensure_testguest() / "testguest-poweroff.qcow2", "-t", ref)  # lazy by default
     assert built.code == 0, built.err
     cache = qemu_user.root / "lazy-cache"
     vmi = qemu_user.write_vmi("lazy-embedded", ref)
+    booted = None
     try:
-        booted = root_launcher(cache, "run", NOREG, "--console", "--timeout", "300", vmi)
-        assert booted.returncode == 0, booted.stderr
-        assert "no libvirt system daemon answers here" in booted.stderr
-        assert DONE in booted.stdout, booted.stdout[-2000:]
-        served = cache / "serve" / "nbd-107.sock"
-        assert stat.S_ISSOCK(served.lstat().st_mode) and served.lstat().st_uid == QEMU_UID
+        booted = popen(cache, "run", NOREG, "--console", "--timeout", "300", vmi)
+        read_until(booted.stdout, DONE.encode(), timeout=300)
+        uid = vm_uid(cache, "default_lazy-embedded")
+        served = cache / "serve" / f"nbd-{uid}.sock"
+        assert stat.S_ISSOCK(served.lstat().st_mode) and served.lstat().st_uid == uid
+        assert booted.wait(timeout=300) == 0, booted.stderr.read()
+        assert b"no libvirt system daemon answers here" in booted.stderr.read()
     finally:
+        if booted is not None:
+            booted.kill()
         root_launcher(cache, "stop", "lazy-embedded")
-        end_session_daemon(cache)
+    assert not served.exists() and processes_of_uid(uid) == []
 
 
 def test_kvm_for_the_qemu_user_is_what_it_may_open_not_what_root_may():
@@ -195,3 +205,4 @@ def test_kvm_for_the_qemu_user_is_what_it_may_open_not_what_root_may():
     assert not sessiond.qemu_user_has_kvm(0o20660, kvm, ())  # the kvm group's, a daemon without it
     assert sessiond.qemu_user_has_kvm(0o20660, kvm, (kvm,))  # the embedded daemon is given /dev/kvm's group
     assert sessiond.qemu_user_has_kvm(0o20666, 0, ())
+    assert not sessiond.is_ours("qemu:///session") and not sessiond.is_ours(f"qemu+unix:///session?socket={VMS_DIR}/x/.cache/libvirt/libvirt-sock")

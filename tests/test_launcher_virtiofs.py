@@ -334,18 +334,14 @@ def test_a_shared_directory_is_given_to_the_qemu_user_alone(tmp_path):
 
 def test_a_domain_that_does_not_start_leaves_no_virtiofsd(qemu_user, guest_image, root_side):
     # qemu never connects, so nothing but the launcher ends the virtiofsd (after a run, qemu's
-    # disconnect ends it too): a disk the qemu user may not open makes the start fail after them.
+    # disconnect ends it too): more memory than qemu's CPU can address makes the start fail after them.
     cache, uri = root_side
     vmi_path, claim, manifests = write_shared_vmi(qemu_user, guest_image, "nostart")
-    locked = qemu_user.root / "locked.img"
-    locked.write_bytes(b"\0" * (1 << 20))
-    locked.chmod(0o600)
     vmi = json.loads(vmi_path.read_text())
-    vmi["spec"]["domain"]["devices"]["disks"].append({"name": "locked", "disk": {"bus": "virtio"}})
-    vmi["spec"]["volumes"].append({"name": "locked", "hostDisk": {"path": str(locked), "type": "Disk"}})
+    vmi["spec"]["domain"]["resources"]["requests"]["memory"] = "4Ti"
     vmi_path.write_text(json.dumps(vmi))
-    result = root_launcher(cache, "run", NOREG, "--timeout", "120", "--connect", uri, "--feature-gates", "HostDisk",
-                           "--host-disk-dir", qemu_user.root, "--pvc", f"shared={claim}", "--manifests", manifests, vmi_path)
+    result = root_launcher(cache, "run", NOREG, "--timeout", "120", "--connect", uri,
+                           "--pvc", f"shared={claim}", "--manifests", manifests, vmi_path)
     assert result.code != 0
     assert "the domain did not start" in result.err, result.err
     assert virtiofsd_sockets(cache) == set()

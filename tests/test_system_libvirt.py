@@ -126,11 +126,15 @@ def test_pulled_container_disk_boots_as_root_through_the_system_daemon(daemon, c
     assert console["isos"]["vdb"]["files"]["/user-data"] == user_data  # qemu, as libvirt-qemu, read the ISO
     assert console["filesystems"]["fs0"]["files"]["/greeting"] == "hi over virtiofs\n"  # and reached virtiofsd's socket
 
-    # Every file in the run directory is qemu.conf's user and group's (Debian's built-in libvirt-qemu); its
-    # directories are root's, which that group only traverses (launcher.runtime.rundir): the ISO with the
-    # password is no one else's to read, not even KubeVirt's qemu (107).
+    # qemu runs as the VM's own uid (a static DAC label; launcher.runtime.vmuser), not as qemu.conf's user
+    # every VM would share, and every file in the run directory is that uid's; its directories are root's,
+    # which the VM's group only traverses (launcher.runtime.rundir): the ISO with the password is no one
+    # else's to read, not qemu.conf's user's, not KubeVirt's qemu's (107).
     run_dir = cache / "run" / "default_sys-pulled"
-    owner = (pwd.getpwnam("libvirt-qemu").pw_uid, grp.getgrnam("libvirt-qemu").gr_gid)
+    uid = json.loads((cache / "vms" / "default_sys-pulled.json").read_text())["vmUser"]["uid"]
+    owner = (uid, uid)
+    [qemu] = [p for p in Path("/proc").iterdir() if p.name.isdigit() and b"guest=default_sys-pulled," in _cmdline(p)]
+    assert (qemu.stat().st_uid, qemu.stat().st_gid) == owner and uid != pwd.getpwnam("libvirt-qemu").pw_uid
     tree = [run_dir, *run_dir.rglob("*")]
     sockets = run_dir / SOCKETS_DIR
     shares = run_dir / "virtiofs-shares"  # the ConfigMap's files, the qemu user's as virtiofsd serves them as it
@@ -145,8 +149,10 @@ def test_pulled_container_disk_boots_as_root_through_the_system_daemon(daemon, c
     sock = (sockets / "fs0.sock").stat()
     assert (sock.st_uid, sock.st_gid) == owner
     [iso] = run_dir.rglob("*.iso")
-    other = subprocess.run(["setpriv", "--reuid=107", "--regid=107", "--clear-groups", "cat", iso], capture_output=True, text=True, check=False)
-    assert other.returncode != 0 and "Permission denied" in other.stderr, other
+    libvirt_qemu = f"--reuid={pwd.getpwnam('libvirt-qemu').pw_uid}", f"--regid={grp.getgrnam('libvirt-qemu').gr_gid}"
+    for ids in (("--reuid=107", "--regid=107"), libvirt_qemu):
+        other = subprocess.run(["setpriv", *ids, "--clear-groups", "cat", iso], capture_output=True, text=True, check=False)
+        assert other.returncode != 0 and "Permission denied" in other.stderr, other
 
     stopped = daemon.launcher("stop", "sys-pulled", env={"DISKKIT_CACHE": str(cache)})
     assert stopped.code == 0, stopped.err
@@ -158,13 +164,18 @@ def test_lazy_container_disk_boots_as_root_through_the_system_daemon(daemon, cac
     built = run_diskkit("build", NOREG, ensure_testguest() / "testguest-poweroff.qcow2", "-t", ref)  # lazy v2 is the default
     assert built.code == 0, built.err
     try:
-        console = boot(daemon, cache, write_vmi(daemon.root, "sys-lazy", ref))
+        console = boot(daemon, cache, write_vmi(daemon.root, "sys-lazy", ref, hold=600), "--wait-for", DONE)
         assert console["disks"]["vda"]["size"] == 64 << 20
         exports = control(cache, {"op": "status"})["exports"]
         # served lazily over NBD (the image's qcow2 file, read by qemu through its TOC), not pulled
         assert [(e["member"], e["toc"]) for e in exports] == [("disk/testguest-poweroff.qcow2", True)], exports
-        sock = os.stat(cache / "serve" / "nbd.sock")  # qemu.conf's group reaches it (launcher.diskserver.qemuid)
-        assert (sock.st_gid, stat.S_IMODE(sock.st_mode)) == (grp.getgrnam("libvirt-qemu").gr_gid, 0o660)
+        # qemu, as the VM's own uid, reads it through a socket of that uid's alone, which goes with the VM
+        uid = json.loads((cache / "vms" / "default_sys-lazy.json").read_text())["vmUser"]["uid"]
+        sock = os.stat(cache / "serve" / f"nbd-{uid}.sock")
+        assert (sock.st_uid, stat.S_IMODE(sock.st_mode)) == (uid, 0o600)
+        stopped = daemon.launcher("stop", "sys-lazy", env={"DISKKIT_CACHE": str(cache)})
+        assert stopped.code == 0, stopped.err
+        assert not (cache / "serve" / f"nbd-{uid}.sock").exists()  # the disk server forgot the uid
     finally:
         stop_spawned_server(cache)
     assert_gone(daemon, cache, "default_sys-lazy")
@@ -222,7 +233,8 @@ def test_libvirt_chowns_through_a_swapped_link_unless_told_not_to_relabel(daemon
 def test_a_users_claim_is_given_to_qemu_by_the_launcher(daemon, cache, guest_image):
     """Issue 29 item 3 under qemu:///system: a claim of another user's boots; its disk.img (checked: a
     regular file with one link, never a link) is given to qemu.conf's user through its fd by the launcher,
-    the domain says relabel='no' so libvirt chowns nothing by path, and the guest reads that very file."""
+    and qemu, which runs as the VM's own uid, is handed that very file open (fdgroup); the domain says
+    relabel='no', so libvirt chowns nothing by path, and the guest reads the file."""
     claim = daemon.root / "users-claim"
     claim.mkdir()
     nobody = pwd.getpwnam("nobody")
@@ -241,10 +253,19 @@ def test_a_users_claim_is_given_to_qemu_by_the_launcher(daemon, cache, guest_ima
     try:
         assert console["disks"]["vdb"]["head"].startswith("5a5a5a5a"), console
         live = daemon.virsh("dumpxml", "default_sys-claim")
-        assert re.search(rf"<source file='{re.escape(str(disk))}'[^>]*>\s*<seclabel model='dac' relabel='no'/>", live), live
+        assert re.search(rf"<source file='{re.escape(str(disk))}' fdgroup='data'", live), live
+        uid = json.loads((cache / "vms" / "default_sys-claim.json").read_text())["vmUser"]["uid"]
+        assert re.search(rf"<seclabel type='static' model='dac' relabel='no'>\s*<label>\+{uid}:\+{uid}</label>", live), live
         st = disk.stat()
         assert st.st_ino == inode and (st.st_uid, st.st_gid) == system_qemu_ids() and stat.S_IMODE(st.st_mode) == 0o660
     finally:
         stopped = daemon.launcher("stop", "sys-claim", env={"DISKKIT_CACHE": str(cache)})
     assert stopped.code == 0, stopped.err
     assert_gone(daemon, cache, "default_sys-claim")
+
+
+def _cmdline(proc: Path) -> bytes:
+    try:
+        return (proc / "cmdline").read_bytes()
+    except OSError:
+        return b""

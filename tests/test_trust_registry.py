@@ -321,8 +321,9 @@ def scratch():
 
 def test_a_root_cache_is_private_to_root_and_qemu(registry, fault_proxy, image, scratch):
     """Attack: another local user reads the disks root pulled (0444 files in 0755 directories) and
-    the partial download of a private image. Now a cache root makes is closed to them; qemu, as
-    libvirt's system daemon runs it or as KubeVirt's 107 on a session daemon, still reads the disks."""
+    the partial download of a private image. Now a cache root makes is closed to them, and to qemu's
+    users too (libvirt's system daemon's, KubeVirt's 107): a VM's qemu is handed the disks it uses
+    open (launcher.runtime.diskfds), and reads no other image's by name."""
     import grp
     import pwd
 
@@ -343,9 +344,9 @@ def test_a_root_cache_is_private_to_root_and_qemu(registry, fault_proxy, image, 
     assert path in files and any(p.suffix == ".part" for p in files), files
     assert readable_by(NOBODY, NOBODY, files) == []
     qemu = pwd.getpwnam("libvirt-qemu")
-    assert readable_by(qemu.pw_uid, grp.getgrnam("libvirt-qemu").gr_gid, [path], "--init-groups") == [str(path)]
-    assert readable_by(107, pwd.getpwuid(107).pw_gid, [path]) == [str(path)]
-    assert oct(cache.stat().st_mode & 0o777) == "0o711"
+    assert readable_by(qemu.pw_uid, grp.getgrnam("libvirt-qemu").gr_gid, [path], "--init-groups") == []
+    assert readable_by(107, pwd.getpwuid(107).pw_gid, [path]) == [] and readable_by(107, 107, [path]) == []
+    assert oct(cache.stat().st_mode & 0o777) == "0o711" and oct((cache / "run").stat().st_mode & 0o777) == "0o711"
     assert run_launcher("ls", "--cache-dir", cache).err == ""  # a fresh cache: no warning
 
 

@@ -97,7 +97,7 @@ def domain(vmi_file, platform, accel, lazy, update, pull_policy, container_disk_
     vmi = load_vmi_file(vmi_file, ignore_unsupported, ImageHints(store.objects, registry, platform_of(platform)))
     opts = RunOptions(platform=platform_of(platform), registry=registry, storage=store, lazy={None: "auto", True: "on", False: "off"}[lazy],
                       update=update, container_disk_dir=container_disk_dir, kernel_boot_dir=kernel_boot_dir, accel=accel, pull_policy=pull_policy)
-    prepared, xml, chosen = plan(vmi, node_cache(cache_dir), opts, create=False, say=say)
+    prepared, xml, chosen, _ = plan(vmi, node_cache(cache_dir), opts, create=False, say=say)  # nothing handed: no start
     for note in prepared.notes:
         say(f"note: {note}")
     if as_json:

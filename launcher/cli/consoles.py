@@ -38,7 +38,7 @@ def console(name, cache_dir) -> None:
 
     cache = node_cache(cache_dir)
     record = _running_record(cache, name)
-    lv = connect(cache, record["uri"])
+    lv = connect(record)
     try:
         if attach(lv, record["domain"], name) == "stopped":
             click.echo(f"launcher: {record['domain']} stopped", err=True)
@@ -76,7 +76,7 @@ def logs(name, follow, cache_dir) -> None:
             while data := log.read():
                 echo(data)
             return
-        lv = connect(cache, record["uri"])
+        lv = connect(record)
         try:
             follow_log(log, lambda: lv.active(record["domain"]), echo=echo)
         except KeyboardInterrupt:

@@ -9,7 +9,6 @@ from pathlib import Path
 import click
 
 from diskkit.errors import DiskkitError
-from launcher.diskserver.qemuid import system_qemu_gid
 from launcher.node.cache import Cache
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -24,8 +23,7 @@ def parse_size(text: str, option: str) -> int:
 
 
 def node_cache(cache_dir: str | None) -> Cache:
-    """The node cache; one root makes opens its disks to the group qemu runs as (qemu.conf's)."""
-    return Cache(cache_dir, system_qemu_gid() if os.geteuid() == 0 else None)
+    return Cache(cache_dir)
 
 
 def warn_if_open(cache: Cache) -> None:
@@ -33,7 +31,7 @@ def warn_if_open(cache: Cache) -> None:
     wide = cache.too_open()
     if wide:
         click.echo(f"launcher: warning: {', '.join(wide)}: readable by other local users; "
-                   f"a new cache is private (chmod go-rwx, as root 0711 for the top and 0750 for disks/ and run/)", err=True)
+                   f"a new cache is private (chmod go-rwx, as root 0711 for the top and run/)", err=True)
 
 
 CACHE_HELP = "Node cache (default: $DISKKIT_CACHE, else /var/lib/diskkit as root, else ~/.cache/diskkit)."

@@ -33,15 +33,14 @@ def port_forward(target, ports, address, stdio, cache_dir) -> None:
     """
     from diskkit.errors import DiskkitError, NotFound
     from launcher.runtime.portforward import Forwarder, netdev_of, parse_port, parse_target, pump_stdio
-    from launcher.runtime.runner import Libvirt
-    from launcher.runtime.vms import find_record
+    from launcher.runtime.vms import connect, find_record
 
     name = parse_target(target)
     forwards = [parse_port(p) for p in ports]
     record = find_record(node_cache(cache_dir), name)
     if record is None:
         raise NotFound(name, "no VM of this name was started from this cache")
-    lv = Libvirt(record["uri"])
+    lv = connect(record)  # a VM's own daemon, never a socket its uid's next VM holds
     if not lv.active(record["domain"]):
         raise DiskkitError(name, "is not running")
     forwarder = Forwarder(lambda command: lv.monitor(record["domain"], command), netdev_of(record), address)

@@ -157,3 +157,18 @@ def last_failure(cache: Cache) -> str | None:
         return None
     failures = [e["lastFailure"] for e in answer.get("exports", []) if e.get("lastFailure")]
     return failures[0] if failures else None
+
+
+def forget(cache_root: Path, uid: int) -> None:
+    """Tell the disk server of the cache at `cache_root`, if one runs, that `uid` goes to another VM:
+    what it was answered with is no longer its own (launcher.runtime.vmuser)."""
+    control = cache_root / "serve" / CONTROL_SOCKET
+    if not control.exists():
+        return
+    try:
+        answer = request(control, {"op": "forget", "uid": uid}, timeout=30)
+    except (OSError, ValueError):
+        return  # none answers: the next server starts with no grant at all
+    if not answer.get("ok"):
+        raise DiskkitError(control, f"the disk server would not forget uid {uid}: {answer.get('error')}")
+

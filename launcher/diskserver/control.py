@@ -10,6 +10,7 @@
         -> {"ok": true, "files": {P: {"path": FILE_IN_THE_CACHE, ...}}}   (as `launcher pull` records them)
         -> {"ok": false, "seekable": false, "reason": "..."}              (pull them whole instead)
     {"op": "status"} -> {"ok": true, "pid": N, "exports": [...]}
+    {"op": "forget", "uid": N} -> {"ok": true}   (root: uid N's grants and NBD socket go; its uid is given to another VM)
 
 `registry` holds the client's options without credentials or auth file paths: a client sends its
 own user's credentials for the hosts the image may come from, looked up as a pull would (a VMI's

@@ -166,6 +166,21 @@ class DiskServer:
                 self.user_nbd[peer_uid] = server
         return server
 
+    def forget(self, request: dict, peer_uid: int | None) -> dict:
+        """A uid's grants and NBD socket go: a root launcher says so of a VM's own uid before it gives that
+        uid to another VM (launcher.runtime.vmuser), which must not read what the first one was answered with."""
+        uid = request.get("uid")
+        if not isinstance(uid, int) or isinstance(uid, bool) or uid <= 0:
+            raise DiskkitError("forget", "needs a uid")
+        if peer_uid not in (0, os.geteuid()):
+            raise DiskkitError("forget", "only root or the server's own user may make the server forget a uid")
+        with self.lock:
+            self.granted.pop(uid, None)
+            server = self.user_nbd.pop(uid, None)
+        if server is not None:
+            server.close()
+        return {"ok": True}
+
     @property
     def connections(self) -> int:
         with self.lock:
@@ -426,8 +441,10 @@ class DiskServer:
                     answer = self.files(request, _peer(conn)[1])
                 elif op == "status":
                     answer = self.status(_peer(conn)[1])
+                elif op == "forget":
+                    answer = self.forget(request, _peer(conn)[1])
                 else:
-                    answer = {"ok": False, "error": f"control: unknown op {op!r} (open, files, status)"}
+                    answer = {"ok": False, "error": f"control: unknown op {op!r} (open, files, status, forget)"}
             except DiskkitError as exc:
                 # The exit status travels too: a client refused by policy exits as a pull refused by it would.
                 answer = {"ok": False, "error": exc.line(), "exit": int(exc.exit_code)}

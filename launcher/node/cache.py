@@ -16,13 +16,15 @@
     <root>/exports/<manifest hex>/                  KubeVirt VM exports made runnable (launcher.node.vmexport)
     <root>/chunks/index.sqlite                      which cached file holds which chunk (launcher.chunks.index)
 
-What a cache holds is private (issue 26): pulled disks are images other users may not be entitled
-to, and what is being downloaded or served comes from private registries. So the directories
-carry it, not every file's mode: a user's cache is 0700 throughout; as root only what qemu must
-reach is opened to it (disks/ and run/, 0750 to the group qemu runs as, plus KubeVirt's qemu
-user 107 by an ACL for session daemons), the top is 0711 (other users' launchers reach the root
-disk server's sockets in serve/, which list nothing else), and the rest is 0700. Caches made
-before keep their modes; `too_open` names what is wider, for a warning.
+What a cache holds is private: pulled disks are images other users may not be entitled to, and
+what is being downloaded or served comes from private registries. So the directories carry it, not
+every file's mode: a user's cache is 0700 throughout. A root cache is 0711 at the top (other users'
+launchers reach the root disk server's sockets in serve/, which list nothing else) and in run/
+(each VM's qemu passes through to its own run directory, which is open to that VM's uid alone,
+launcher.runtime.rundir), and 0700 everywhere else: no qemu opens a pulled disk, a VM export's
+claim or a kernel here by name, root hands each VM what it uses as an open file or a copy
+(launcher.runtime.diskfds). Caches made before keep their modes; `too_open` names what is wider,
+for a warning.
 
 Disks are keyed by the layer that holds them and the member's path, so two images sharing a
 layer share one file. Layer blobs themselves are not kept: the disk is what VMs use, and a second
@@ -41,7 +43,6 @@ import re
 import secrets
 import shutil
 import stat
-import struct
 from pathlib import Path
 from typing import Iterator
 
@@ -108,8 +109,7 @@ def private_dirs(top: Path, path: Path) -> Path:
 
 
 SUBDIRS = ("blobs", "disks", "refs", "tags", "vms", "run", "locks", "tmp", "partial", "lazy", "pins", "exports", "chunks", "signatures")
-# what qemu opens itself: base disks and kernels, a VM's run directory, the claims of VM exports
-QEMU_READS = ("disks", "run", "exports")
+PASSED_THROUGH = ("run",)  # each VM's qemu reaches its own run directory in it, and lists nothing
 
 
 def layout_modes(privileged: bool) -> dict[str, int]:
@@ -117,17 +117,7 @@ def layout_modes(privileged: bool) -> dict[str, int]:
     (`privileged`) or a user does."""
     if not privileged:
         return {"": 0o700, **{sub: 0o700 for sub in SUBDIRS}}
-    return {"": 0o711, **{sub: 0o750 if sub in QEMU_READS else 0o700 for sub in SUBDIRS}}
-
-
-def posix_acl(mode: int, users: tuple[int, ...]) -> bytes:
-    """A POSIX access ACL (the system.posix_acl_access xattr) granting `users` what `mode` grants
-    the group, on top of `mode`: the owner, group and other entries, the users, and a mask."""
-    header, undefined = struct.pack("<I", 2), 0xFFFFFFFF
-    owner, group, other = (mode >> 6) & 7, (mode >> 3) & 7, mode & 7
-    entries = [(0x01, owner, undefined), *((0x02, group, uid) for uid in sorted(users)), (0x04, group, undefined),
-               (0x10, group, undefined), (0x20, other, undefined)]
-    return header + b"".join(struct.pack("<HHI", *entry) for entry in entries)
+    return {"": 0o711, **{sub: 0o711 if sub in PASSED_THROUGH else 0o700 for sub in SUBDIRS}}
 
 
 def too_open(modes: dict[str, int], want: dict[str, int]) -> list[str]:
@@ -153,26 +143,26 @@ def refuse_unless_roots(root: Path) -> None:
 
 
 class Cache:
-    def __init__(self, root: Path | str | None = None, qemu_group: int | None = None):
-        """`qemu_group`: as root, the group qemu runs as under libvirt's system daemon
-        (launcher.diskserver.qemuid); disks/ and run/ are opened to it."""
+    def __init__(self, root: Path | str | None = None):
         self.root = Path(root) if root else default_root()
         self.privileged = os.geteuid() == 0
         self.modes = layout_modes(self.privileged)
         if self.privileged:
             refuse_unless_roots(self.root)
         try:
-            self._make("", qemu_group)
+            self._make("")
             for sub in SUBDIRS:
-                self._make(sub, qemu_group)
+                self._make(sub)
             for sub in ("blobs/sha256", "disks/sha256"):
                 (self.root / sub).mkdir(exist_ok=True)
+            if self.privileged:
+                self._let_vms_through()
         except OSError as exc:
             raise DiskkitError(self.root, f"cache directory cannot be created ({exc.strerror})") from None
         if not os.access(self.root, os.W_OK | os.X_OK):
             raise DiskkitError(self.root, "cache directory is not writable")
 
-    def _make(self, sub: str, qemu_group: int | None) -> None:
+    def _make(self, sub: str) -> None:
         """Creates one of the cache's directories with its mode (an existing one is left alone)."""
         path = self.root / sub if sub else self.root
         try:
@@ -181,16 +171,24 @@ class Cache:
             return
         fd = os.open(path, DIR_NOFOLLOW)
         try:
-            mode = self.modes[sub]
-            if self.privileged and sub in QEMU_READS:
-                os.fchown(fd, 0, qemu_group if qemu_group is not None else 0)
-                os.fchmod(fd, mode)
-                with contextlib.suppress(OSError):  # a filesystem without ACLs: the group alone
-                    os.setxattr(fd, "system.posix_acl_access", posix_acl(mode, (QEMU_ID,)))
-            else:
-                os.fchmod(fd, mode)  # whatever the umask
+            os.fchmod(fd, self.modes[sub])  # whatever the umask
         finally:
             os.close(fd)
+
+    def _let_vms_through(self) -> None:
+        """run/ of a root cache made before each VM had a uid of its own (0750 to qemu's group, and 107
+        by an ACL) becomes 0711, or no VM's qemu could reach its run directory; what the group and
+        the ACL could list there goes with them. Only a directory root owns is touched."""
+        for sub in PASSED_THROUGH:
+            fd = os.open(self.root / sub, DIR_NOFOLLOW)
+            try:
+                st = os.fstat(fd)
+                if st.st_uid == 0 and stat.S_IMODE(st.st_mode) != self.modes[sub]:
+                    with contextlib.suppress(OSError):  # no ACL there, or a filesystem without them
+                        os.removexattr(fd, "system.posix_acl_access")
+                    os.fchmod(fd, self.modes[sub])
+            finally:
+                os.close(fd)
 
     def too_open(self) -> list[str]:
         """The cache's directories that other local users may read more of than a new cache allows."""

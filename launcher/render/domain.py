@@ -44,6 +44,10 @@ class ResolvedDisk:
     # driver would chown it by path, after the check, through whatever link the claim's owner swapped in.
     relabel: bool = True
     backing_relabel: bool = True
+    # The fd group (virDomainFDAssociate) through which qemu gets the source, or the backing store, as an
+    # open file rather than a name (a root launcher's, launcher.runtime.diskfds); None: qemu opens the path.
+    fd_group: str | None = None
+    backing_fd_group: str | None = None
 
 
 @dataclass(frozen=True)
@@ -63,13 +67,17 @@ class Host:
     # qemu itself: their sources say relabel='no'. A session daemon has no DAC driver (it refuses the
     # seclabel), and an unprivileged launcher on the system daemon leaves the chown to libvirt.
     dac: bool = False
+    # A VM's own uid and gid under the system daemon (launcher.runtime.vmuser): qemu runs as them, not as
+    # qemu.conf's user every VM shares, and libvirt chowns nothing for it (the launcher gave it its files).
+    dac_label: tuple[int, int] | None = None
 
 
-def _file_source(parent: ET.Element, path: str) -> ET.Element:
-    return ET.SubElement(parent, "source", file=path)
+def _file_source(parent: ET.Element, path: str, fd_group: str | None = None) -> ET.Element:
+    # libvirt 9.0's fdgroup: the path stays, for messages; qemu gets the group's open file instead.
+    return ET.SubElement(parent, "source", file=path, **({"fdgroup": fd_group} if fd_group else {}))
 
 
-def _block_source(parent: ET.Element, path: str) -> ET.Element:
+def _block_source(parent: ET.Element, path: str, fd_group: str | None = None) -> ET.Element:
     return ET.SubElement(parent, "source", dev=path)
 
 
@@ -199,6 +207,16 @@ def _io_mode(disk: Disk, resolved: ResolvedDisk, cache: str, at: str) -> str | N
     return io
 
 
+def guest_read_only(disk: Disk, volume: Volume, resolved: ResolvedDisk) -> bool:
+    """Whether the guest gets the disk read-only (<readonly/>): qemu then opens it read-only too."""
+    return disk.read_only or resolved.read_only or volume.kind == "downwardMetrics"
+
+
+def read_only_volumes(vmi: VMI, resolved: dict[str, ResolvedDisk]) -> set[str]:
+    """The volumes whose disks the guest gets read-only."""
+    return {d.name for d in vmi.domain.devices.disks if d.name in resolved and guest_read_only(d, vmi.volume(d.name), resolved[d.name])}
+
+
 def _disk(vmi: VMI, disk: Disk, volume: Volume, resolved: ResolvedDisk, target: str, unit: int,
           iothread: int | None, dac: bool) -> ET.Element:
     at = _disk_at(vmi, disk)
@@ -213,7 +231,7 @@ def _disk(vmi: VMI, disk: Disk, volume: Volume, resolved: ResolvedDisk, target: 
             raise SpecError(at, f"device {disk.name} is of type lun. Not compatible with protocol {resolved.network.protocol}")
     elif resolved.type not in _SOURCES:
         raise SpecError(at, f"volume {volume.name} resolved to an unsupported disk type {resolved.type}")
-    read_only = disk.read_only or resolved.read_only or volume.kind == "downwardMetrics"
+    read_only = guest_read_only(disk, volume, resolved)
     if disk.device == "disk" and disk.bus == "sata" and read_only:
         raise SpecError(_disk_at(vmi, disk, ".disk.bus"), "sata hard-disks do not support read-only.")
     cache = _cache_mode(disk, resolved, _disk_at(vmi, disk, ".cache"))
@@ -242,8 +260,8 @@ def _disk(vmi: VMI, disk: Disk, volume: Volume, resolved: ResolvedDisk, target: 
     if resolved.type == "network":
         _network_source(element, resolved.network)
     else:
-        source = _SOURCES[resolved.type](element, resolved.path)
-        if dac and not resolved.relabel:
+        source = _SOURCES[resolved.type](element, resolved.path, resolved.fd_group)
+        if dac and (not resolved.relabel or resolved.fd_group):
             _no_relabel(source)
     if resolved.backing is not None:
         base, base_format = resolved.backing
@@ -260,8 +278,8 @@ def _disk(vmi: VMI, disk: Disk, volume: Volume, resolved: ResolvedDisk, target: 
             # The chain ends at the export: nothing a header inside it names is ever opened.
             ET.SubElement(store, "backingStore")
         else:
-            source = _SOURCES[resolved.backing_type](store, base)
-            if dac and not resolved.backing_relabel:
+            source = _SOURCES[resolved.backing_type](store, base, resolved.backing_fd_group)
+            if dac and (not resolved.backing_relabel or resolved.backing_fd_group):
                 _no_relabel(source)
 
     target_attrs = {"dev": target, "bus": disk.bus}
@@ -455,7 +473,8 @@ def render(vmi: VMI, disks: dict[str, ResolvedDisk], host: Host) -> str:
     devices = ET.SubElement(domain, "devices")
     if host.emulator:
         _text(devices, "emulator", host.emulator)
-    _disks(vmi, disks, devices, host.dac)
+    # A domain-level relabel='no' (a VM's own label) covers every source, and libvirt refuses overrides under it.
+    _disks(vmi, disks, devices, host.dac and host.dac_label is None)
     _filesystems(vmi, host, devices)
     model = "virtio-transitional" if vmi.domain.devices.use_virtio_transitional else "virtio-non-transitional"
     for iface in vmi.domain.devices.interfaces:
@@ -488,6 +507,12 @@ def render(vmi: VMI, disks: dict[str, ResolvedDisk], host: Host) -> str:
         # compute/rng.go: virtio (transitional or not, as every virtio device here), fed by /dev/urandom
         rng = ET.SubElement(devices, "rng", model=model)
         _text(rng, "backend", "/dev/urandom", model="random")
+
+    if host.dac_label is not None:
+        # libvirt's static DAC label ("+UID:+GID": ids, never names): the process's ids; relabel='no'
+        # leaves every file as the launcher gave it (docs/formatdomain: Security label).
+        label = ET.SubElement(domain, "seclabel", type="static", model="dac", relabel="no")
+        _text(label, "label", f"+{host.dac_label[0]}:+{host.dac_label[1]}")
 
     ET.indent(domain, "  ")
     return ET.tostring(domain, encoding="unicode") + "\n"

@@ -38,7 +38,7 @@ def collect(cache: Cache, max_size: int | None = None) -> Collected:
                 in_use.update(record.get("entries", []))
                 continue
             try:
-                lv = connect(cache, record["uri"])
+                lv = connect(record)
             except DiskkitError:
                 lv = None
             # Through the same stop as `launcher stop`: a domain that started meanwhile gets its grace period.

@@ -28,7 +28,7 @@ def _vm(cache: Cache, name: str) -> tuple[dict, Libvirt]:
     record = find_record(cache, name)
     if record is None:
         raise NotFound(name, "no VM of this name was started from this cache (yet)")
-    return record, connect(cache, record["uri"])
+    return record, connect(record)
 
 
 def _condition(lv: Libvirt, domain: str) -> Paused | None:

@@ -42,6 +42,12 @@ CONSOLE_DIR = "console"  # qemu's: its log daemon rotates the log in it
 CONSOLE_LOG = "console.log"
 
 
+def inside(path: Path | str, run_dir: Path) -> bool:
+    """Whether `path` lies in the run directory (what the launcher made there for this VM alone)."""
+    resolved, top = Path(os.path.abspath(path)), Path(os.path.abspath(run_dir))
+    return resolved == top or top in resolved.parents
+
+
 def console_log(run_dir: Path) -> Path:
     return run_dir / CONSOLE_DIR / CONSOLE_LOG
 

@@ -80,16 +80,25 @@ def _message(exc) -> str:
 
 @_each_call_held
 class Libvirt:
-    def __init__(self, uri: str | None = None):
+    def __init__(self, uri: str | None = None, restart=None, gone=None):
+        """`restart`: starts the daemon at `uri` again when it has gone (a VM's own session daemon);
+        `gone`: whether it went with its VM, for good: then no domain is there any more."""
         self.lv = _libvirt()
         self.uri = uri or default_uri()
+        self.restart, self.gone = restart, gone
         try:
             self.conn = self.lv.open(self.uri)
         except self.lv.libvirtError as exc:
             raise DiskkitError(self.uri, f"cannot connect to libvirt: {_message(exc)}") from None
 
     def close(self) -> None:
-        self.conn.close()
+        if self.conn is None:
+            return
+        try:
+            self.conn.close()
+        except self.lv.libvirtError:
+            pass  # its daemon is gone already
+        self.conn = None
 
     def _lookup(self, name: str):
         for again in (False, True):
@@ -99,6 +108,8 @@ class Libvirt:
                 if exc.get_error_code() == self.lv.VIR_ERR_NO_DOMAIN:
                     return None
                 if again or not self._reconnected():
+                    if self.gone is not None and self.gone():
+                        return None
                     raise DiskkitError(name, f"libvirt: {_message(exc)}") from None
 
     def _reconnected(self) -> bool:
@@ -111,19 +122,34 @@ class Libvirt:
         except self.lv.libvirtError:
             pass
         try:
+            if self.restart is not None:
+                self.restart()
             self.conn = self.lv.open(self.uri)
-        except self.lv.libvirtError:
+        except (self.lv.libvirtError, DiskkitError):
             return False
         return True
 
-    def start(self, name: str, xml: str) -> None:
-        """Define, then start: the domain shows up in `virsh list --all` like any other."""
+    def start(self, name: str, xml: str, fds: dict[str, list[int]] | None = None, defined=None) -> None:
+        """Define, then start: the domain shows up in `virsh list --all` like any other. `fds`: the open
+        files of the domain's fd groups, handed to libvirt in between (it keeps its own copies for qemu);
+        `defined` is called once the domain is defined, before anything of it runs."""
         if self._lookup(name) is not None:
             raise DiskkitError(name, f"a domain of this name already exists on {self.uri}; stop it first (launcher stop)")
         try:
             domain = self.conn.defineXML(xml)
         except self.lv.libvirtError as exc:
             raise DiskkitError(name, f"libvirt refused the domain: {_message(exc)}") from None
+        try:
+            for group, opened in (fds or {}).items():
+                try:
+                    domain.FDAssociate(group, opened, 0)  # no flag: libvirt labels nothing, the launcher chose the files
+                except self.lv.libvirtError as exc:
+                    raise DiskkitError(name, f"libvirt would not take the open disk files ({group}): {_message(exc)}") from None
+            if defined is not None:
+                defined()
+        except BaseException:
+            self._undefine(domain)
+            raise
         try:
             domain.create()
         except self.lv.libvirtError as exc:

@@ -9,8 +9,9 @@ KubeVirt's virtiofsd runs as the non-root qemu user (107) with every capability 
 (securityContextVirtioFS in pkg/virt-controller/services/virtiofs.go). The virtiofsd here is qemu
 7.2's C one, which needs CAP_SYS_ADMIN to sandbox itself and switches to the guest's uid for every
 file it creates. So it runs as root of a user namespace whose only id is the qemu user the VM runs
-as (the launcher's own for an unprivileged launcher): every file a guest creates belongs to that
-user, it cannot create device nodes (mknod is refused in a user namespace) or files of any other
+as (the launcher's own for an unprivileged launcher; under a root launcher the VM's own uid for the
+VM's config shares, and the claim's owner, KubeVirt's 107, for a claim): every file a guest creates
+belongs to that user, it cannot create device nodes (mknod is refused in a user namespace) or files of any other
 owner (the guest's other ids are not mapped), and its capabilities reach nothing outside the
 namespace. The share is a bind mount in the namespace's private mount table, made by the mapped
 user (so the launcher's root follows none of the share's path), nosuid and nodev, and read-only
@@ -83,10 +84,14 @@ def command(source: Path, target: Path, read_only: bool, listen_fd: int, owner: 
             VIRTIOFSD, f"--fd={listen_fd}", "-o", f"source={target}", "-o", "cache=auto", "-f"]
 
 
-def start(vmi: VMI, shares: dict[str, Share], run_dir: Path, owner: tuple[int, int] = KUBEVIRT_QEMU) -> list[dict]:
-    """Start every filesystem's virtiofsd and wait for it to serve; [{name, pid, socket}] for the record."""
+def start(vmi: VMI, shares: dict[str, Share], run_dir: Path, qemu: tuple[int, int] = KUBEVIRT_QEMU,
+          owner: tuple[int, int] | None = None) -> list[dict]:
+    """Start every filesystem's virtiofsd and wait for it to serve; [{name, pid, socket}] for the record.
+    `qemu` connects to the sockets, and virtiofsd serves the VM's own config shares (in its run directory)
+    as that user; a claim's directory is served as its `owner` (KubeVirt's qemu user), whose files it holds."""
     started: list[dict] = []
-    if owner[0] == 0 and vmi.domain.devices.filesystems:
+    owner = owner or qemu
+    if 0 in (owner[0], qemu[0]) and vmi.domain.devices.filesystems:
         # Root's namespace maps root: virtiofsd would hold host root's capabilities over host root's files.
         first = vmi.domain.devices.filesystems[0]
         raise DiskkitError(f"spec.domain.devices.filesystems[{first.index}]",
@@ -95,9 +100,10 @@ def start(vmi: VMI, shares: dict[str, Share], run_dir: Path, owner: tuple[int, i
         for fs in vmi.domain.devices.filesystems:
             at = f"spec.domain.devices.filesystems[{fs.index}]"
             share = shares[fs.name]
+            serves = qemu if rundir.inside(share.path, run_dir) else owner
             if not share.read_only:
-                give_share(share.path, owner, at)
-            started.append(_start_one(share, socket_path(run_dir, fs.name), at, owner))
+                give_share(share.path, serves, at)
+            started.append(_start_one(share, socket_path(run_dir, fs.name), at, serves, qemu))
             started[-1]["name"] = fs.name
     except BaseException:
         stop(started)
@@ -105,30 +111,32 @@ def start(vmi: VMI, shares: dict[str, Share], run_dir: Path, owner: tuple[int, i
     return started
 
 
-def _listen(sock: Path, owner: tuple[int, int]) -> socket.socket:
+def _listen(sock: Path, qemu: tuple[int, int]) -> socket.socket:
     sock.unlink(missing_ok=True)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         listener.bind(str(sock))
         listener.listen(1)
-        give_to_qemu(sock, owner)  # qemu runs as the qemu user and connects to it
+        give_to_qemu(sock, qemu)  # qemu connects to it
     except BaseException:
         listener.close()
         raise
     return listener
 
 
-def _start_one(share: Share, sock: Path, at: str, owner: tuple[int, int]) -> dict:
+def _start_one(share: Share, sock: Path, at: str, owner: tuple[int, int], qemu: tuple[int, int]) -> dict:
     # In the handed-over run directory: root's directories, which qemu and virtiofsd only traverse.
-    rundir.traversable_dir(sock.parent, owner)
-    target = rundir.traversable_dir(mount_point(sock), owner)
+    rundir.traversable_dir(sock.parent, qemu)
+    # A claim's virtiofsd (its owner's) never enters the VM's run directory, the VM's uid's alone: its
+    # share is bound over itself in its private mount table.
+    target = rundir.traversable_dir(mount_point(sock), owner) if owner == qemu else share.path
     log_path = sock.with_suffix(".log")
-    with _listen(sock, owner) as listener, open(log_path, "wb") as log:
+    with _listen(sock, qemu) as listener, open(log_path, "wb") as log:
         # Its own session: a Ctrl-C meant for the launcher must not end it before the domain is gone.
         proc = subprocess.Popen(command(share.path, target, share.read_only, listener.fileno(), owner, os.geteuid()),
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, pass_fds=(listener.fileno(),),
                                 start_new_session=True)
-    entry = {"pid": proc.pid, "socket": str(sock)}
+    entry = {"pid": proc.pid, "socket": str(sock), "root": str(target)}
     deadline = time.monotonic() + START_TIMEOUT
     try:
         while not _is_ours(entry):  # the share mounted and virtiofsd exec'd
@@ -157,7 +165,7 @@ def _is_ours(entry: dict) -> bool:
         cmdline = Path(f"/proc/{entry['pid']}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return False
-    source = f"source={mount_point(Path(entry['socket']))}".encode()
+    source = f"source={entry.get('root') or mount_point(Path(entry['socket']))}".encode()
     return cmdline[0] == VIRTIOFSD.encode() and source in cmdline
 
 

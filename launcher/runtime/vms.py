@@ -25,16 +25,17 @@ from diskkit.streams.fsutil import write_atomic
 from launcher.diskserver.client import last_failure
 from launcher.diskserver.qemuid import is_system_uri
 from launcher.node import pins
-from launcher.node.cache import Cache
-from launcher.render.domain import Host, render, secret_xml
+from launcher.node.cache import QEMU_ID, Cache
+from launcher.render.domain import Host, read_only_volumes, render, secret_xml
 from launcher.render.interfaces import netdev_id
-from launcher.runtime import accel, hostcpus, rundir, sessiond, virtiofs
+from launcher.runtime import accel, diskfds, hostcpus, rundir, sessiond, virtiofs, vmuser
 from launcher.runtime.conditions import Paused, paused_condition
 from launcher.runtime.console import ConsoleLog, follow
 from launcher.runtime.iopause import PauseWatch, describe
 from launcher.runtime.portforward import Forward, Forwarder
 from launcher.runtime.runner import Libvirt, default_uri
 from launcher.runtime.stopping import DEFAULT_GRACE_PERIOD, NOT_RUNNING, UNREACHABLE, Stopped, shut_down
+from launcher.runtime.vmuser import VmUser
 from launcher.spec.vmi import VMI
 from launcher.volumes import vhostmd
 from launcher.volumes.files import KUBEVIRT_QEMU, qemu_owner
@@ -81,30 +82,44 @@ def grace_period_of(vmi: VMI, opts: RunOptions) -> float:
     return DEFAULT_GRACE_PERIOD if vmi.grace_period is None else vmi.grace_period
 
 
-def _default_uri(cache: Cache, say: Callable[[str], None]) -> str:
-    """libvirt's default for this user, except as root where no system daemon answers: then the VM
-    runs as the launcher pod runs it, through the qemu user's session daemon of this cache."""
-    if os.geteuid() != 0 or sessiond.system_daemon_answers():
-        return default_uri()
-    uri = sessiond.ensure(cache)
-    say(f"no libvirt system daemon answers here ({sessiond.SYSTEM_SOCKETS[-1]}); running the VM as the qemu user"
-        f" through its own session daemon, as the launcher pod does ({uri}; --connect chooses another)")
-    return uri
+def _own_daemon(opts: RunOptions) -> bool:
+    """As root where no system daemon answers (and no --connect chooses one), each VM runs as the
+    launcher pod runs it: through a session daemon of the qemu user of its own (launcher.runtime.sessiond),
+    under a uid of its own (launcher.runtime.vmuser)."""
+    return opts.uri is None and os.geteuid() == 0 and not sessiond.system_daemon_answers()
 
 
-def connect(cache: Cache, uri: str) -> Libvirt:
-    """libvirt at a record's URI; the cache's own session daemon is started again if it has exited
-    (idle, or killed: it finds the domains still running and their qemu processes)."""
-    if sessiond.is_ours(cache, uri):
-        sessiond.ensure(cache)
-    return Libvirt(uri)
+def connect(record: dict) -> Libvirt:
+    """libvirt at a record's URI; a VM's own session daemon is started again if it has exited while
+    its VM may still run (killed: it finds the domain still running and its qemu process). A VM whose
+    uid was given back is gone: its socket may be another VM's by now, never connected to."""
+    user = VmUser.from_json(record.get("vmUser"))
+    if _gone_for_good(record):
+        raise DiskkitError(record["domain"], "VM is not running (its own uid was given back)")
+    sessiond.ensure(record["uri"], user)
+    return Libvirt(record["uri"]) if user is None else _own_libvirt(record["uri"], user)
+
+
+def _gone_for_good(record: dict) -> bool:
+    user = VmUser.from_json(record.get("vmUser"))
+    return user is not None and not vmuser.holds(user)
+
+
+def _own_libvirt(uri: str, user: VmUser) -> Libvirt:
+    """A connection to a VM's own daemon, which is started again if it is killed under the VM, and
+    whose VM is gone for good once its uid is given back (stopped, and maybe given to another VM)."""
+    return Libvirt(uri, restart=lambda: sessiond.ensure(uri, user), gone=lambda: not vmuser.holds(user))
 
 
 def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, say: Callable[[str], None], qemu: tuple[int, int] = KUBEVIRT_QEMU,
-         dac: bool = False, qemu_uid: int | None = None, qemu_cannot_open: str | None = None):
+         dac: bool = False, qemu_uid: int | None = None, qemu_cannot_open: str | None = None, by_fd: bool = False,
+         dac_label: tuple[int, int] | None = None):
     """Pull what the VMI needs, choose the accelerator (said in one line) and render the domain:
-    (prepared volumes, domain XML, accelerator). With `create`, the overlays are made too (and what
-    qemu opens in claims is given to `qemu`); `qemu_cannot_open`: see accel.choose."""
+    (prepared volumes, domain XML, accelerator, handed files). With `create`, the overlays are made too
+    (and what qemu opens in claims is given to `qemu`); `qemu_cannot_open`: see accel.choose. With
+    `by_fd` (a root launcher's run) every disk and kernel from outside the run directory reaches qemu
+    as an open file or a copy of its own (launcher.runtime.diskfds): the fourth value holds the open
+    files, for the domain's start."""
     run_dir = cache.run_dir(vmi.domain_name)
     prepared = prepare(vmi, cache, run_dir, opts.registry, opts.platform, create=create, store=opts.storage, lazy=opts.lazy,
                        qemu=qemu, qemu_uid=qemu_uid, pins=pins.load(cache, vmi.domain_name) if vmi.from_vm else None,
@@ -112,17 +127,26 @@ def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, say: Callable[[
                        pull_policy=opts.pull_policy)
     chosen = accel.choose(cache.root, opts.accel, qemu_cannot_open=qemu_cannot_open)  # after the pulls: a refused image costs no probe
     say(chosen.line())
-    host = Host(
-        domain_type=chosen.domain_type,
-        serial_log=str(rundir.console_log(run_dir)),
-        kernel=prepared.kernel,
-        initrd=prepared.initrd,
-        virtiofs_sockets=virtiofs.sockets(vmi, run_dir),
-        dac=dac,
-    )
-    if vmi.domain.cpu.dedicated_cpu_placement:
-        host = replace(host, topology=hostcpus.read_topology(), cpuset=hostcpus.pod_cpuset())
-    return prepared, render(vmi, prepared.disks, host), chosen
+    handed = diskfds.Handed(prepared.disks, kernel=prepared.kernel, initrd=prepared.initrd)
+    if by_fd:
+        handed = diskfds.hand_over(prepared.disks, run_dir, prepared.kernel, prepared.initrd, read_only_volumes(vmi, prepared.disks))
+    try:
+        host = Host(
+            domain_type=chosen.domain_type,
+            serial_log=str(rundir.console_log(run_dir)),
+            kernel=handed.kernel,
+            initrd=handed.initrd,
+            virtiofs_sockets=virtiofs.sockets(vmi, run_dir),
+            dac=dac,
+            dac_label=dac_label,
+        )
+        if vmi.domain.cpu.dedicated_cpu_placement:
+            host = replace(host, topology=hostcpus.read_topology(), cpuset=hostcpus.pod_cpuset())
+        xml = render(vmi, handed.disks, host)
+    except BaseException:
+        handed.close()
+        raise
+    return prepared, xml, chosen, handed
 
 
 @dataclass(frozen=True)
@@ -135,22 +159,38 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
     """Start the VM and stay with it: until --wait-for text, the guest's own stop, a timeout or a signal."""
     name = vmi.domain_name
     began = time.monotonic()  # --timeout counts from here: pulls, the disk server and libvirt's start included
-    lv = Libvirt(opts.uri or _default_uri(cache, say))
-    # As root, qemu must reach the run directory: it runs as the qemu user of the session daemon
-    # connected to (107) or as qemu.conf's user under the system daemon, which chowns the disks it
-    # opens but not the directories they are in (see rundir: it traverses root's, never writes them).
-    owner = qemu_owner(lv.uri)
+    own = _own_daemon(opts)
+    lv = None if own else Libvirt(opts.uri or default_uri())
+    # Claims (and what a root launcher gives qemu in them) belong to the qemu user of the daemon: 107 on
+    # a session daemon, KubeVirt's owner of a claim's files, or qemu.conf's user under the system daemon.
+    owner = qemu_owner(lv.uri if lv is not None else "qemu:///session")
     with cache.lock(f"vm-{name}"):
-        if lv.shut_off_with_uuid(name, vmi.uuid):
+        if lv is not None and lv.shut_off_with_uuid(name, vmi.uuid):
             cleanup(cache, lv, name)  # this VMI's own, left by a killed launcher: nothing runs in it
-        if lv.exists(name):
+        if lv is not None and lv.exists(name):
             raise DiskkitError(name, f"a domain of this name already exists on {lv.uri}; stop it first (launcher stop {vmi.name})")
+        if own:
+            _clear_last_run(cache, vmi)
         _remove_run_dir(cache, name)  # leftovers of a launcher that was killed
         # The console log lives here even with no overlay. Root's alone until prepared (rundir).
         rundir.create(cache.run_dir(name))
         daemons: list[dict] = []
         alarm = _Alarm()
+        allocation = None
+        handed = diskfds.Handed({})
         try:
+            # Under the system daemon a root launcher's VM gets its own uid too, as a static DAC label.
+            labelled = lv is not None and os.geteuid() == 0 and is_system_uri(lv.uri)
+            if own or labelled:
+                allocation = vmuser.allocate(name, cache.root)
+            if own:
+                say(f"no libvirt system daemon answers here ({sessiond.SYSTEM_SOCKETS[-1]}); running the VM as the launcher pod"
+                    f" does, through a session daemon of the qemu user ({QEMU_ID}) of its own, in a user namespace that is"
+                    f" uid {allocation.user.uid} on this host ({sessiond.uri(allocation.user)}; --connect chooses another)")
+            uri = sessiond.uri(allocation.user) if own else lv.uri
+            # qemu's own identity: what it opens in the run directory, the virtiofs sockets and its NBD
+            # socket are given to it; a VM's own uid, or the qemu user of the daemon --connect named.
+            vm_ids = allocation.user.ids if allocation is not None else owner
             virtiofs.check_runnable(vmi)
             admit(vmi, opts.storage or Storage())
             from launcher.datavolumes.control import ensure_ready
@@ -159,21 +199,25 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
             if opts.timeout is not None:
                 alarm.arm(opts.timeout - (time.monotonic() - began))
             with cache.lock("gc", shared=True):  # gc must not take the bases between pull and record
-                # qemu on a session daemon runs as its user, which a root disk server's group socket does not admit.
-                session_uid = owner[0] if os.geteuid() == 0 and not is_system_uri(lv.uri) else None
-                # Nor may it open a /dev/kvm root can: then the domain is TCG's.
-                tcg = session_uid is not None and not sessiond.kvm_for(lv.uri, cache)
-                prepared, xml, chosen = plan(vmi, cache, opts, create=True, say=say, qemu=owner, dac=os.geteuid() == 0 and is_system_uri(lv.uri),
-                                             qemu_uid=session_uid, qemu_cannot_open=f"qemu's user (uid {session_uid}) on {lv.uri}" if tcg else None)
+                # qemu as a VM's own uid, or a session daemon's user, is outside the group a root disk
+                # server's shared NBD socket is open to: it gets a socket of its uid's own.
+                qemu_uid = vm_ids[0] if os.geteuid() == 0 and (allocation is not None or not is_system_uri(uri)) else None
+                # Nor may qemu on a session daemon open a /dev/kvm root can: then the domain is TCG's.
+                tcg = os.geteuid() == 0 and not is_system_uri(uri) and not sessiond.kvm_for(uri)
+                prepared, xml, chosen, handed = plan(vmi, cache, opts, create=True, say=say, qemu=owner,
+                                                     dac=os.geteuid() == 0 and is_system_uri(uri), qemu_uid=qemu_uid,
+                                                     qemu_cannot_open=f"qemu's user (uid {qemu_uid}) on {uri}" if tcg else None,
+                                                     by_fd=os.geteuid() == 0, dac_label=vm_ids if labelled else None)
                 run_dir = cache.run_dir(name)
-                rundir.open_to_qemu(run_dir, owner)
+                rundir.open_to_qemu(run_dir, vm_ids)
                 write_atomic(run_dir / "domain.xml", xml.encode(), 0o600)  # root's: libvirt is given the XML, not the file
-                daemons = virtiofs.start(vmi, prepared.shares, run_dir, owner)
+                daemons = virtiofs.start(vmi, prepared.shares, run_dir, vm_ids, owner)
                 cache.write_json(cache.vm_record_path(name), {
                     "domain": name,
                     "vmi": vmi.name,
                     "namespace": vmi.namespace,
-                    "uri": lv.uri,
+                    "uri": uri,
+                    **({"vmUser": allocation.user.to_json()} if allocation is not None else {}),
                     "run_dir": str(run_dir),
                     "images": sorted({p.image for p in prepared.pulled}),
                     "pins": {volume: pin.pinned for volume, pin in sorted(prepared.pins.items())},
@@ -191,9 +235,14 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
                 })
             for note in prepared.notes:
                 say(f"note: {note}")
+            if own:
+                lv = _own_libvirt(sessiond.start(allocation.user), allocation.user)
             for source, value in prepared.secrets:
                 lv.define_secret(secret_xml(source), value, source.secret_usage)
-            lv.start(name, xml)
+            lv.start(name, xml, handed.fds, defined=(lambda: sessiond.keep_capabilities(allocation.user)) if own else None)
+            handed.close()
+            if allocation is not None:
+                allocation.close()  # from now on the VM's own processes hold its uid
             if vmi.from_vm:  # booted: what its next runs boot. The kubelet resolved what the pod mounted: those pins stay.
                 mounted = opts.container_disk_dir is not None or opts.kernel_boot_dir is not None
                 pins.save(cache, name, {**(pins.load(cache, name) if mounted else {}), **prepared.pins})
@@ -201,8 +250,11 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
             alarm.disarm()
         except BaseException as exc:
             alarm.disarm()
+            handed.close()
             virtiofs.stop(daemons)  # started, maybe not recorded yet
-            cleanup(cache, lv, name)
+            if allocation is not None:
+                allocation.close()
+            cleanup(cache, lv, name, user=allocation.user if allocation is not None else None)
             if isinstance(exc, _OutOfTime):
                 raise TimedOut(name, f"not started within --timeout {opts.timeout:g} s (pulling, serving or starting it); nothing was left") from None
             if isinstance(exc, OSError) and cache.vanished():
@@ -351,10 +403,11 @@ def _remove_run_dir(cache: Cache, name: str) -> None:
 
 
 def cleanup(cache: Cache, lv: Libvirt | None, name: str, grace: float = 0, wait: Callable[[float], bool] | None = None,
-            say: Callable[[str], None] = lambda _: None) -> Stopped | None:
+            say: Callable[[str], None] = lambda _: None, user: VmUser | None = None) -> Stopped | None:
     """End the domain (launcher.runtime.stopping: the power button and up to `grace` seconds, else
     destroyed at once), undefine it and its secrets, end its virtiofsd processes, remove its overlays
-    and record; how the domain ended, None with no libvirt to ask."""
+    and record, and give back the VM's own uid (`user`, else the record's) with its session daemon;
+    how the domain ended, None with no libvirt to ask."""
     stopped = shut_down(lv, name, grace, wait, say) if lv is not None else None
     record = cache.read_json(cache.vm_record_path(name)) or {}
     if lv is not None:
@@ -363,7 +416,25 @@ def cleanup(cache: Cache, lv: Libvirt | None, name: str, grace: float = 0, wait:
     virtiofs.stop(record.get("virtiofsd", []))
     _remove_run_dir(cache, name)
     cache.vm_record_path(name).unlink(missing_ok=True)
+    user = user or VmUser.from_json(record.get("vmUser"))
+    if user is not None:
+        vmuser.release(user)  # its daemon ends with the uid's other processes
     return stopped
+
+
+def _clear_last_run(cache: Cache, vmi: VMI) -> None:
+    """Before a VM of this name gets a daemon of its own: one recorded still running is refused, as a
+    domain of the name on a shared daemon is; what one that has stopped left (its daemon, its uid) goes."""
+    record = cache.read_json(cache.vm_record_path(vmi.domain_name))
+    if record is None:
+        return
+    if state(record, cache) in ("running", "paused", "unknown"):
+        raise DiskkitError(vmi.domain_name, f"a domain of this name already exists on {record['uri']}; stop it first (launcher stop {vmi.name})")
+    try:
+        lv = connect(record)
+    except DiskkitError:
+        lv = None
+    cleanup(cache, lv, vmi.domain_name)
 
 
 def find_record(cache: Cache, name: str) -> dict | None:
@@ -390,8 +461,11 @@ def stop(cache: Cache, name: str, grace: float | None = None, say: Callable[[str
     record = find_record(cache, name)
     if record is None:
         return None
+    if _gone_for_good(record):
+        cleanup(cache, None, record["domain"])
+        return None
     try:
-        lv = connect(cache, record["uri"])
+        lv = connect(record)
     except DiskkitError:
         lv = None  # the daemon is gone, and the domain with it; still remove the files
     period = record.get("gracePeriod", DEFAULT_GRACE_PERIOD) if grace is None else grace
@@ -412,8 +486,10 @@ def state(record: dict, cache: Cache | None = None) -> str:
 def state_and_why(record: dict, cache: Cache | None = None) -> tuple[str, Paused | None]:
     """The state, and for a paused VM KubeVirt's Paused condition: who paused it, and for an I/O
     error which disks and why (iopause.describe)."""
+    if _gone_for_good(record):
+        return "gone", None
     try:
-        lv = Libvirt(record["uri"]) if cache is None else connect(cache, record["uri"])
+        lv = Libvirt(record["uri"]) if cache is None else connect(record)
     except DiskkitError:
         return "unknown", None
     try:
