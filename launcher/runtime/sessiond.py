@@ -113,9 +113,9 @@ def start(user: VmUser) -> str:
     caps = user.home / CAPS_IN_HOME
     caps.mkdir(parents=True, mode=0o755)
     with contextlib.suppress(FileNotFoundError):
-        for kept in CAPS_TEMPLATE.iterdir():
-            if kept.suffix == ".xml" and kept.is_file() and not kept.is_symlink():
-                shutil.copyfile(kept, caps / kept.name)
+        for probed in CAPS_TEMPLATE.iterdir():
+            if probed.suffix == ".xml" and probed.is_file() and not probed.is_symlink():
+                shutil.copyfile(probed, caps / probed.name)
     give_home(user)
     _launch(user)
     return uri(user)
