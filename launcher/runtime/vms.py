@@ -25,14 +25,14 @@ from diskkit.streams.fsutil import write_atomic
 from launcher.diskserver.client import last_failure
 from launcher.diskserver.qemuid import is_system_uri
 from launcher.node import pins
+from launcher.network import backend as network
 from launcher.node.cache import Cache
 from launcher.render.domain import Host, render, secret_xml
-from launcher.render.interfaces import netdev_id
+from launcher.render.interfaces import socket_path
 from launcher.runtime import accel, hostcpus, rundir, sessiond, virtiofs
 from launcher.runtime.conditions import Paused, paused_condition
 from launcher.runtime.console import ConsoleLog, follow
 from launcher.runtime.iopause import PauseWatch, describe
-from launcher.runtime.portforward import Forward, Forwarder
 from launcher.runtime.runner import Libvirt, default_uri
 from launcher.spec.vmi import VMI
 from launcher.volumes import vhostmd
@@ -57,8 +57,8 @@ class RunOptions:
     # Return once the domain has started; the VM keeps running, as after --wait-for, and `launcher
     # console/logs/stop` reach it (virtctl start's habit: the command does not hold the VM).
     detach: bool = False
-    # Where the interfaces' declared ports are published (KubeVirt's masquerade forwards them from the
-    # pod's IP); None: nowhere, `launcher port-forward` reaches any port.
+    # Where the interfaces' declared ports are published (KubeVirt's masquerade and passt forward them
+    # from the pod's IP); None: nowhere, `launcher port-forward` reaches any port.
     publish_address: str | None = None
     # A VirtualMachine's containerDisk tags are resolved again instead of booting the digests its
     # earlier runs pinned (launcher.node.pins).
@@ -118,6 +118,7 @@ def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, domain_type: st
         kernel=prepared.kernel,
         initrd=prepared.initrd,
         virtiofs_sockets=virtiofs.sockets(vmi, run_dir),
+        net_dir=str(run_dir / network.NET_DIR),
         dac=dac,
     )
     if vmi.domain.cpu.dedicated_cpu_placement:
@@ -143,9 +144,12 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
         # The console log lives here even with no overlay. Root's alone until prepared (rundir).
         rundir.create(cache.run_dir(name))
         daemons: list[dict] = []
+        nets = network.Started()
         alarm = _Alarm()
         try:
             virtiofs.check_runnable(vmi)
+            network.check(vmi)
+            nics = network.plan(vmi, opts.publish_address)
             admit(vmi, opts.storage or Storage())
             from launcher.datavolumes.control import ensure_ready
 
@@ -163,6 +167,9 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
                 rundir.open_to_qemu(run_dir, owner)
                 write_atomic(run_dir / "domain.xml", xml.encode(), 0o600)  # root's: libvirt is given the XML, not the file
                 daemons = virtiofs.start(vmi, prepared.shares, run_dir, owner)
+                if nics:
+                    net_dir = rundir.traversable_dir(run_dir / network.NET_DIR, owner)
+                    nets = network.start(nics, [Path(socket_path(str(net_dir), i)) for i in range(len(nics))], owner)
                 cache.write_json(cache.vm_record_path(name), {
                     "domain": name,
                     "vmi": vmi.name,
@@ -177,23 +184,30 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
                     "pid": os.getpid(),
                     "secrets": [source.secret_usage for source, _ in prepared.secrets],
                     "virtiofsd": daemons,
-                    # what `launcher port-forward` adds its forwards to
-                    "network": [{"interface": i.name, "netdev": netdev_id(i), "cidr": i.cidr} for i in vmi.domain.devices.interfaces],
+                    # each NIC's pod switch: what `launcher port-forward` asks for forwards, what stop ends
+                    "network": nets.entries,
                     "livenessProbe": vmi.liveness_probe,  # what `launcher pause` checks, as virt-api does
                 })
             for note in prepared.notes:
                 say(f"note: {note}")
             for source, value in prepared.secrets:
                 lv.define_secret(secret_xml(source), value, source.secret_usage)
-            lv.start(name, xml)
+            try:
+                lv.start(name, xml)
+            except DiskkitError:
+                nets.wait()  # a switch that did not start is why qemu could not connect: its line first
+                raise
+            nets.wait()  # started alongside libvirt's start: what they publish is bound, or the run ends here
             if vmi.from_vm:  # booted: what its next runs boot. The kubelet resolved what the pod mounted: those pins stay.
                 mounted = opts.container_disk_dir is not None or opts.kernel_boot_dir is not None
                 pins.save(cache, name, {**(pins.load(cache, name) if mounted else {}), **prepared.pins})
-            _publish(vmi, lv, opts.publish_address, say)
+            _say_published(nics, say)
             alarm.disarm()
         except BaseException as exc:
             alarm.disarm()
             virtiofs.stop(daemons)  # started, maybe not recorded yet
+            nets.close()
+            network.stop(nets.entries)
             cleanup(cache, lv, name)
             if isinstance(exc, _OutOfTime):
                 raise TimedOut(name, f"not started within --timeout {opts.timeout:g} s (pulling, serving or starting it); nothing was left") from None
@@ -247,19 +261,14 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
     return 0
 
 
-def _publish(vmi: VMI, lv: Libvirt, address: str | None, say: Callable[[str], None]) -> None:
-    """The declared ports from `address`, as KubeVirt's masquerade forwards them from the pod's IP; the
-    rules live in qemu and go with it."""
-    if address is None:
-        return
-    for iface in vmi.domain.devices.interfaces:
-        forwarder = Forwarder(lambda command: lv.monitor(vmi.domain_name, command), netdev_id(iface), address)
-        if not iface.ports:
-            # KubeVirt forwards every port then; qemu's user-mode stack takes one rule per port.
-            say(f"note: interface {iface.name} declares no ports; none is published (launcher port-forward reaches any)")
-        for port in iface.ports:
-            forwarder.add(Forward(port.protocol.lower(), port.port, port.port))
-            say(f"{address}:{port.port}/{port.protocol} -> {iface.name} port {port.port}")
+def _say_published(nics: list, say: Callable[[str], None]) -> None:
+    """What each NIC's stack publishes on the pod's side (launcher.network.bindings, --publish-address)."""
+    for nic in nics:
+        if nic.publish_address is not None and not nic.publish:
+            # KubeVirt forwards every port then; a host's own ports are not all the guest's to take.
+            say(f"note: interface {nic.interface} declares no ports; none is published (launcher port-forward reaches any)")
+        for address, port, protocol in nic.publish:
+            say(f"{address}:{port}/{protocol} -> {nic.interface} port {port}")
 
 
 def _shut_down(lv: Libvirt, name: str, grace: float, say: Callable[[str], None], console_log: ConsoleLog, echo: Echo | None) -> None:
@@ -366,6 +375,7 @@ def cleanup(cache: Cache, lv: Libvirt | None, name: str) -> bool:
         for usage in record.get("secrets", []):
             lv.undefine_secret(usage)
     virtiofs.stop(record.get("virtiofsd", []))
+    network.stop([entry for entry in record.get("network", []) if "pid" in entry])
     _remove_run_dir(cache, name)
     cache.vm_record_path(name).unlink(missing_ok=True)
     return had
