@@ -2,7 +2,7 @@
 
     python -P -m launcher.network.switch CONFIG_JSON     (started by launcher.network.backend)
 
-It is given, already open: the unix socket qemu's stream netdev connects to (launcher.network.nicxml),
+It is given, already open: the unix socket qemu's stream netdev connects to (launcher.render.interfaces),
 the forwards' control socket (`launcher port-forward`, `ssh`), and a pipe to say it is ready. Then:
 
 - it starts passt for the guest's own traffic (the binding's plan, launcher.network.bindings) on a
