@@ -19,7 +19,7 @@ from tests import fakeguest as fg
 GW = bytes.fromhex("020000000000")
 # masquerade's policy: pkg/network/setup/netpod/netpod.go, the pod's bridge holds the gateway alone
 MASQUERADE = Policy(ipaddress.IPv4Address("10.0.2.1"), ipaddress.IPv6Address("fd10:0:2::1"),
-                    ipaddress.IPv4Network("10.0.2.0/24"), ipaddress.IPv6Network("fd10:0:2::/120"))
+                    ipaddress.IPv4Network("10.0.2.0/24"), ipaddress.IPv6Network("fd10:0:2::/120"), dns_forwarder=True)
 POD_ADDRESS = Policy(ipaddress.IPv4Address("192.0.2.1"), ipaddress.IPv6Address("fd00::1"))
 
 
@@ -39,13 +39,13 @@ def route(packet, policy=MASQUERADE, dst_mac=GW, forwards=None) -> Route:
     (fg.tcp("fd10:0:2::2", 1000, "::", 5000), Route.DROP),
     (fg.tcp("fd10:0:2::2", 1000, "::ffff:127.0.0.1", 5000), Route.DROP),
     (fg.tcp("fd10:0:2::2", 1000, "::7f00:1", 5000), Route.DROP),
-    # masquerade's gateway: DNS over UDP, echo answered by the switch, nothing else
-    (fg.udp("10.0.2.2", 1000, "10.0.2.1", 53, b"q"), Route.STACK),
+    # masquerade's gateway: DNS over UDP (the switch's forwarder), echo answered by the switch, nothing else
+    (fg.udp("10.0.2.2", 1000, "10.0.2.1", 53, b"q"), Route.DNS),
     (fg.tcp("10.0.2.2", 1000, "10.0.2.1", 53), Route.DROP),
     (fg.tcp("10.0.2.2", 1000, "10.0.2.1", 22), Route.DROP),
     (fg.udp("10.0.2.2", 1000, "10.0.2.1", 5353, b"q"), Route.DROP),
     (fg.icmp_echo("10.0.2.2", "10.0.2.1"), Route.REPLY),
-    (fg.udp("fd10:0:2::2", 1000, "fd10:0:2::1", 53, b"q"), Route.STACK),
+    (fg.udp("fd10:0:2::2", 1000, "fd10:0:2::1", 53, b"q"), Route.DNS),
     (fg.tcp("fd10:0:2::2", 1000, "fd10:0:2::1", 80), Route.DROP),
     (fg.icmp_echo("fd10:0:2::2", "fd10:0:2::1"), Route.REPLY),
     # the rest of the guest's subnet is an empty bridge
@@ -81,6 +81,7 @@ def test_masquerade_frames(packet, expected):
     (fg.tcp("192.0.2.2", 1000, "192.0.2.7", 80), Route.STACK),
     (fg.tcp("192.0.2.2", 1000, "127.0.0.1", 80), Route.DROP),
     (fg.tcp("fd00::2", 1000, "::1", 80), Route.DROP),
+    (fg.udp("192.0.2.2", 1000, "192.0.2.1", 53, b"q"), Route.STACK),  # the pod's resolver is its own, not the gateway's
 ])
 def test_pod_address_frames(packet, expected):
     assert route(packet, POD_ADDRESS) is expected
@@ -124,6 +125,18 @@ def test_answers_to_what_the_stack_brought_in_from_the_gateway_go_back_to_it():
     assert route(fg.tcp("10.0.2.2", 80, "10.0.2.1", 50001, 0x10), forwards=forwards) is Route.DROP
 
 
+def test_a_dns_answer_comes_back_as_the_gateways():
+    query = fg.frame(fg.udp("10.0.2.2", 40000, "10.0.2.1", 53, b"\x42\x42question"), GW)
+    assert guard.dns_query(query) == b"\x42\x42question"
+    answer = guard.udp_reply(query, b"\x42\x42answer")
+    assert answer[:12] == fg.GUEST_MAC + GW and answer[14 + 12:14 + 20] == bytes([10, 0, 2, 1, 10, 0, 2, 2])
+    assert struct.unpack_from("!HH", answer, 34) == (53, 40000) and answer.endswith(b"\x42\x42answer")
+    assert fg.checksum(answer[14:34]) == 0 and fg.checksum(fg._pseudo("10.0.2.1", "10.0.2.2", 17, len(answer) - 34) + answer[34:]) == 0
+    query6 = fg.frame(fg.udp("fd10:0:2::2", 40000, "fd10:0:2::1", 53, b"q6"), GW)
+    answer6 = guard.udp_reply(query6, b"a6")
+    assert fg.checksum(fg._pseudo("fd10:0:2::1", "fd10:0:2::2", 17, len(answer6) - 54) + answer6[54:]) == 0
+
+
 def test_echo_reply_is_a_valid_reply():
     request = fg.frame(fg.icmp_echo("10.0.2.2", "10.0.2.1"), GW)
     reply = guard.guest_frame(request, MASQUERADE, Forwards())[1]
@@ -148,6 +161,8 @@ def test_masquerade_plan_is_kubevirts():
     plan = bindings.plan(Interface("pod", 0, "masquerade"), DUAL)
     assert (str(plan.guest4), str(plan.gateway4), str(plan.guest6), str(plan.gateway6)) == ("10.0.2.2/24", "10.0.2.1", "fd10:0:2::2/120", "fd10:0:2::1")
     assert options(plan, "-a") == ["10.0.2.2", "fd10:0:2::2"] and options(plan, "-D") == ["10.0.2.1", "fd10:0:2::1"]
+    # the gateway's DNS is the switch's, forwarding to the pod's resolv.conf (pkg/network/dhcp/configurator.go)
+    assert plan.policy.dns_forwarder and plan.dns_upstream == DUAL.nameservers
     assert "--no-map-gw" in plan.stack and "--no-ra" in plan.stack and options(plan, "-m") == ["1400"]
     custom = bindings.plan(Interface("pod", 0, "masquerade", cidr="10.11.12.0/30", cidr6="fd20::/64"), DUAL)
     assert (str(custom.guest4), str(custom.gateway4), str(custom.guest6)) == ("10.11.12.2/30", "10.11.12.1", "fd20::2/64")
@@ -165,11 +180,13 @@ def test_bridge_and_passt_plans_take_the_pods_address():
     bridge = bindings.plan(Interface("pod", 0, "bridge"), DUAL)
     assert (str(bridge.guest4), str(bridge.gateway4), bridge.guest6) == ("192.0.2.2/24", "192.0.2.1", None)
     assert options(bridge, "-D") == ["10.255.255.53"] and bridge.policy.closed4 is None
+    assert not bridge.policy.dns_forwarder and bridge.dns_upstream == ()
     passt = bindings.plan(Interface("pod", 0, "passt"), DUAL)
     assert (str(passt.guest4), str(passt.guest6)) == ("192.0.2.2/24", "fd00::2/64")
     # a resolver on the pod's loopback cannot serve the guest: the gateway forwards to it
     loopback = bindings.plan(Interface("pod", 0, "bridge"), PodNet(DUAL.ipv4, DUAL.gateway4, mtu=1500, nameservers=(ipaddress.IPv4Address("127.0.0.53"),)))
-    assert options(loopback, "-D") == ["192.0.2.1"] and options(loopback, "--dns-forward") == ["192.0.2.1"]
+    assert options(loopback, "-D") == ["192.0.2.1"] and loopback.policy.dns_forwarder
+    assert loopback.dns_upstream == (ipaddress.IPv4Address("127.0.0.53"),)
     with pytest.raises(SpecError, match=r"^spec.domain.devices.interfaces\[0\].bridge: interface pod takes the pod's address"):
         bindings.plan(Interface("pod", 0, "bridge"), PodNet())
     with pytest.raises(SpecError, match=r"^spec.domain.devices.interfaces.binding: interface default takes the pod's address"):

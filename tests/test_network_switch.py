@@ -6,6 +6,7 @@ user (107); the host's own facts are read with `ip`, not with the launcher's cod
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import ipaddress
 import json
 import os
@@ -40,14 +41,13 @@ def host(family: str) -> tuple[ipaddress._BaseAddress | None, str | None, int | 
 
 
 @contextlib.contextmanager
-def switch(binding: str, publish_address: str | None = None, ports=()):
-    """A switch for one NIC of `binding`, as `launcher run` starts it as root for qemu as 107; yields
-    (the guest's wire, the record's entry, the plan)."""
-    from launcher.spec.network import Port
+def switch(binding: str, here: pod.PodNet | None = None):
+    """A switch for one NIC of `binding`, as `launcher run` starts it as root for qemu as 107, on this
+    host's network (or `here`); yields (the guest's wire, the record's entry, the plan)."""
     with qemu_scratch("diskkit-net-") as root:
         net = root / "net"
         net.mkdir(mode=0o755)
-        plan = bindings.plan(Interface("default", 0, binding, ports=tuple(Port(p) for p in ports)), pod.read(), publish_address)
+        plan = bindings.plan(Interface("default", 0, binding), here or pod.read())
         started = backend.start([plan], [net / "0.sock"], (QEMU_UID, pwd.getpwuid(QEMU_UID).pw_gid))
         try:
             started.wait()
@@ -163,6 +163,31 @@ def test_passt_alone_would_hand_the_guest_the_hosts_loopback():
             proc.kill()
             proc.wait()
             ours.close()
+
+
+def test_the_gateway_forwards_dns_to_the_pods_resolver_even_on_its_loopback():
+    # KubeVirt hands the pod's resolv.conf servers (pkg/network/dhcp/configurator.go); a laptop's is
+    # often on the loopback (systemd-resolved's 127.0.0.53), where a guest may not go: the gateway
+    # forwards to it, port 53 and UDP only. Here the pod's resolver is the test's, on 127.0.0.77.
+    resolver = "127.0.0.77"
+    here = dataclasses.replace(pod.read(), nameservers=(ipaddress.IPv4Address(resolver),))
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as server, switch("masquerade", here) as (wire, _, _):
+        server.bind((resolver, 53))
+        server.settimeout(10)
+        # a DNS header (id, flags, counts) and a question for example.com
+        question = struct.pack("!HHHH", 0x0100, 1, 0, 0) + b"\x07example\x03com\x00\x00\x01\x00\x01"
+        wire.send(fg.frame(fg.udp("10.0.2.2", 40000, resolver, 53, b"\x11\x11" + question), GATEWAY_MAC))
+        wire.send(fg.frame(fg.udp("10.0.2.2", 40000, "10.0.2.1", 53, b"\x42\x42" + question), GATEWAY_MAC))
+        query, peer = server.recvfrom(512)
+        assert query[2:] == question  # the one to the gateway, never the one to the loopback
+        server.sendto(query[:2] + b"the-answer", peer)
+        answer = wire.first(fg.is_udp(40000))
+        assert answer is not None and answer.endswith(b"\x42\x42the-answer")
+        assert socket.inet_ntoa(answer[14 + 12:14 + 16]) == "10.0.2.1" and struct.unpack_from("!H", answer, 34)[0] == 53
+        assert fg.checksum(fg._pseudo("10.0.2.1", "10.0.2.2", 17, len(answer) - 34) + answer[34:]) == 0
+        server.settimeout(1)
+        with pytest.raises(TimeoutError):
+            server.recvfrom(512)
 
 
 def test_the_gateway_answers_echo_and_arp_and_nothing_else_of_the_subnet_answers():

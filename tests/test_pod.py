@@ -48,10 +48,12 @@ READY = "DISKKIT-TESTGUEST v1 READY"
 HOLD = 600
 GRACE = 30  # the VMI's: KubeVirt's default terminationGracePeriodSeconds, as the example leaves it
 # The pod's network: slirp4netns, which needs no bridge or firewall rule on the host. Its address for the
-# host's loopback (10.0.2.2, allow_host_loopback) reaches the test's registry; port_handler=slirp4netns
-# publishes the pod's hostPorts through slirp4netns itself, with no helper process of podman's.
-POD_NETWORK = "slirp4netns:allow_host_loopback=true,port_handler=slirp4netns"
-HOST_LOOPBACK_FROM_POD = "10.0.2.2"
+# host's loopback (.2, allow_host_loopback) reaches the test's registry; port_handler=slirp4netns
+# publishes the pod's hostPorts through slirp4netns itself, with no helper process of podman's. Its
+# subnet is not slirp4netns's default 10.0.2.0/24, which is also masquerade's vmNetworkCIDR: with both
+# the same, a connection from the pod's gateway (10.0.2.2) would reach the guest from its own address.
+POD_NETWORK = "slirp4netns:allow_host_loopback=true,port_handler=slirp4netns,cidr=10.0.3.0/24"
+HOST_LOOPBACK_FROM_POD = "10.0.3.2"
 
 
 def docs(name: str) -> list[dict]:

@@ -108,9 +108,10 @@ def config(plan_: Plan, socket_path: Path) -> dict:
     """What the switch is told on its command line (no secret: `ps` shows it)."""
     policy = plan_.policy
     return {"interface": plan_.interface, "socket": str(socket_path), "online": plan_.online,
-            "stack": list(plan_.stack), "forwards": list(plan_.forwards_stack()),
+            "stack": list(plan_.stack), "forwards": list(plan_.forwards_stack()), "dns_upstream": [str(a) for a in plan_.dns_upstream],
             "gateway4": str(policy.gateway4 or ""), "gateway6": str(policy.gateway6 or ""),
-            "closed4": str(policy.closed4 or ""), "closed6": str(policy.closed6 or ""), "gateway_mac": GATEWAY_MAC}
+            "closed4": str(policy.closed4 or ""), "closed6": str(policy.closed6 or ""), "dns_forwarder": policy.dns_forwarder,
+            "gateway_mac": GATEWAY_MAC}
 
 
 def start(plans: list[Plan], sockets: list[Path], owner: tuple[int, int]) -> Started:

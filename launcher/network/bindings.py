@@ -12,8 +12,8 @@ launcher's pod switch (launcher.network.switch), which judges every frame the gu
   (10.0.2.1), and fd10:0:2::2 via fd10:0:2::1 of vmIPv6NetworkCIDR where the pod has IPv6
   (netpod.go, pkg/network/dhcp/masquerade.go); DHCPv6 and no router advertisement, as KubeVirt's
   in-pod servers give them (examples/vmi-masquerade.yaml writes the IPv6 route itself). The DNS
-  server is the gateway, a forwarder to the pod's resolver: KubeVirt hands the pod's resolv.conf
-  servers, which on a laptop are often a loopback resolver (127.0.0.53) a guest cannot use.
+  server is the gateway, where the switch forwards to the pod's resolver: KubeVirt hands the pod's
+  resolv.conf servers, which on a laptop are often a loopback resolver (127.0.0.53) a guest cannot use.
 - bridge: the guest takes the pod's address (here, the launcher's network namespace's: the host's
   on a laptop, see launcher.network.pod), its gateway and its MTU, by DHCPv4 as KubeVirt's bridge
   DHCP server hands the pod's cached IPv4 (pkg/network/dhcp/bridge.go); IPv6 only where the pod has
@@ -21,7 +21,8 @@ launcher's pod switch (launcher.network.switch), which judges every frame the gu
 - passt (the binding plugin): the pod's addresses as passt gives them, IPv4 and IPv6, with its
   router advertisements (what libvirt's passt backend does for KubeVirt's sidecar).
 For bridge and passt the DNS servers are the pod's resolv.conf's, unless one is on the loopback: then
-the gateway forwards to it, as for masquerade.
+the gateway forwards to it, as for masquerade. (passt's own --dns-forward, in Debian 12's passt, sends
+to the first server it advertises: the gateway itself. So the switch forwards.)
 
 The gateway's MAC is KubeVirt's in-pod bridge's (pkg/network/link/mac.go StaticMasqueradeBridgeMAC)
 for every binding: the switch answers for it and its forwards come from it.
@@ -52,13 +53,16 @@ class Plan:
     gateway4: Optional[ipaddress.IPv4Address]
     guest6: Optional[ipaddress.IPv6Interface]
     gateway6: Optional[ipaddress.IPv6Address]
-    dns: tuple[ipaddress._BaseAddress, ...]
+    dns: tuple[ipaddress._BaseAddress, ...]  # what DHCP and DHCPv6 hand out
     mtu: int
     policy: Policy
     stack: tuple[str, ...]  # passt's options for the guest's own traffic (no -F, -P: the switch adds them)
     online: bool  # the pod has a route out: the stack runs where the launcher does; else with the forwards'
     publish: tuple[tuple[str, int, str], ...] = ()  # (address, port, protocol) published on the pod's side
     publish_address: Optional[str] = None
+    # where the switch sends the DNS queries the guest sends to the gateway: the pod's resolv.conf
+    # servers; empty when the guest talks to them itself
+    dns_upstream: tuple[ipaddress._BaseAddress, ...] = ()
 
     def forwards_stack(self) -> tuple[str, ...]:
         """passt's options for the stack of the launcher's forwards: the guest's addresses on one side;
@@ -81,15 +85,12 @@ def _publish_options(publish: tuple[tuple[str, int, str], ...]) -> list[str]:
     return [opt for address, port, protocol in publish for opt in ("-t" if protocol == "TCP" else "-u", f"{address}/{port}:{port}")]
 
 
-def _dns(nameservers, forwarders) -> tuple[list[str], tuple]:
-    """The pod's servers as they are, or the gateways' forwarders when any of them is the pod's own
-    loopback (passt's --dns-forward sends to resolv.conf's first server)."""
+def _dns(nameservers, gateways) -> tuple[list[str], tuple, tuple]:
+    """(passt's options, the servers handed out, where the gateway forwards): the pod's servers as they
+    are, or the gateways, forwarding to them, when any is the pod's own loopback or there are none."""
     if not nameservers or any(ns.is_loopback for ns in nameservers):
-        options = []
-        for gateway in forwarders:
-            options += ["-D", str(gateway), "--dns-forward", str(gateway)]
-        return options, tuple(forwarders)
-    return [opt for ns in nameservers for opt in ("-D", str(ns))], tuple(nameservers)
+        return [opt for gateway in gateways for opt in ("-D", str(gateway))], tuple(gateways), tuple(nameservers)
+    return [opt for ns in nameservers for opt in ("-D", str(ns))], tuple(nameservers), ()
 
 
 def _masquerade(iface: Interface, pod: PodNet, publish) -> Plan:
@@ -102,18 +103,17 @@ def _masquerade(iface: Interface, pod: PodNet, publish) -> Plan:
     guest4 = ipaddress.IPv4Interface(f"{net4[2]}/{net4.prefixlen}") if use4 else None
     guest6 = ipaddress.IPv6Interface(f"{net6[2]}/{net6.prefixlen}") if use6 else None
     gateway4, gateway6 = (net4[1] if use4 else None), (net6[1] if use6 else None)
-    forwarders = [g for g in (gateway4, gateway6) if g is not None]
+    gateways = [g for g in (gateway4, gateway6) if g is not None]
     stack = ["--no-map-gw", "-M", GATEWAY_MAC, "-m", str(pod.mtu), "--no-ra"]
     if guest4:
         stack += ["-a", str(guest4.ip), "-n", str(net4.prefixlen), "-g", str(gateway4)]
     if guest6:
         stack += ["-a", str(guest6.ip), "-g", str(gateway6)]
     stack += ["-4"] if not use6 else ["-6"] if not use4 else []
-    for gateway in forwarders:
-        stack += ["-D", str(gateway), "--dns-forward", str(gateway)]
-    return Plan(iface.name, "masquerade", guest4, gateway4, guest6, gateway6, tuple(forwarders), pod.mtu,
-                Policy(gateway4, gateway6, net4 if use4 else None, net6 if use6 else None),
-                (*stack, *_publish_options(publish)), online, publish)
+    stack += [opt for gateway in gateways for opt in ("-D", str(gateway))]
+    return Plan(iface.name, "masquerade", guest4, gateway4, guest6, gateway6, tuple(gateways), pod.mtu,
+                Policy(gateway4, gateway6, net4 if use4 else None, net6 if use6 else None, dns_forwarder=True),
+                (*stack, *_publish_options(publish)), online, publish, dns_upstream=pod.nameservers)
 
 
 def _pod_address(iface: Interface, pod: PodNet, publish, families: str) -> Plan:
@@ -131,10 +131,11 @@ def _pod_address(iface: Interface, pod: PodNet, publish, families: str) -> Plan:
     if guest6:
         stack += ["-a", str(guest6.ip), "-g", str(gateway6)]
     stack += ["-4"] if not use6 else ["-6"] if not use4 else []
-    dns_options, dns = _dns([ns for ns in pod.nameservers if (ns.version == 4 and use4) or (ns.version == 6 and use6)],
-                            [g for g in (gateway4, gateway6) if g is not None])
-    return Plan(iface.name, iface.binding, guest4, gateway4, guest6, gateway6, dns, pod.mtu, Policy(gateway4, gateway6),
-                (*stack, *dns_options, *_publish_options(publish)), True, publish)
+    usable = [ns for ns in pod.nameservers if ns.is_loopback or (ns.version == 4 and use4) or (ns.version == 6 and use6)]
+    dns_options, dns, upstream = _dns(usable, [g for g in (gateway4, gateway6) if g is not None])
+    return Plan(iface.name, iface.binding, guest4, gateway4, guest6, gateway6, dns, pod.mtu,
+                Policy(gateway4, gateway6, dns_forwarder=bool(upstream) or not usable),
+                (*stack, *dns_options, *_publish_options(publish)), True, publish, dns_upstream=upstream)
 
 
 BINDINGS: dict[str, Callable[[Interface, PodNet, tuple], Plan]] = {

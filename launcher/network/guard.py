@@ -13,9 +13,9 @@ protocol, before anything sees it:
 - never to an address of the host's loopback, nor to IPv4/IPv6 multicast or broadcast, except what
   DHCP, DHCPv6 and neighbour discovery need;
 - masquerade (KubeVirt's in-pod bridge, pkg/network/setup/netpod/netpod.go masqueradeBindingSpec):
-  on the guest's subnet only the gateway answers, and it serves DNS (forwarded to the node's
-  resolver) and echo requests, nothing else: the pod's bridge is no door to the node. ARP and
-  neighbour solicitations for any other address of the subnet go unanswered, as on an empty bridge;
+  on the guest's subnet only the gateway answers, and it serves DNS over UDP (the switch forwards it
+  to the pod's resolver) and echo requests, nothing else: the pod's bridge is no door to the node. ARP
+  and neighbour solicitations for any other address of the subnet go unanswered, as on an empty bridge;
 - the replies of the launcher's own forwards (see `Forwards`) go to the stack that made them, and so
   do the guest's answers to connections the stack brings in from the gateway's address (a published
   port reached over the loopback: passt shows such a peer as the gateway), seen as they pass
@@ -60,6 +60,7 @@ class Route(Enum):
     STACK = "stack"  # the user-mode stack of the guest's own traffic
     FORWARDS = "forwards"  # the stack that carries the launcher's forwards into the guest
     REPLY = "reply"  # answered here: the frame to send back to the guest
+    DNS = "dns"  # a DNS query to the gateway, for the switch's forwarder
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ class Policy:
     # DNS and echo only; None where the guest sits on the pod's own network (bridge, passt binding)
     closed4: Optional[ipaddress.IPv4Network] = None
     closed6: Optional[ipaddress.IPv6Network] = None
+    dns_forwarder: bool = False  # the gateway's DNS is the switch's, forwarding to the pod's resolver
 
 
 @dataclass
@@ -172,6 +174,8 @@ def _ipv4(frame: bytes, packet: _Packet, policy: Policy, forwards: Forwards) -> 
         reply = _forward_reply(frame, packet, ports, forwards)
         if reply is not None:
             return Route.FORWARDS, reply
+        if policy.dns_forwarder and packet.protocol == UDP and ports and ports[1] == DNS_PORT:
+            return Route.DNS, frame
         if policy.closed4 is None or _answers_inbound(packet, ports, forwards):
             return Route.STACK, frame
         return _closed_gateway(frame, packet, ports)
@@ -197,6 +201,8 @@ def _ipv6(frame: bytes, packet: _Packet, policy: Policy, forwards: Forwards) -> 
         reply = _forward_reply(frame, packet, ports, forwards)
         if reply is not None:
             return Route.FORWARDS, reply
+        if policy.dns_forwarder and packet.protocol == UDP and ports and ports[1] == DNS_PORT:
+            return Route.DNS, frame
         if policy.closed6 is None or _answers_inbound(packet, ports, forwards) or (icmp in NDP_TYPES and _solicits_allowed(frame, packet, icmp, policy)):
             return Route.STACK, frame
         return _closed_gateway(frame, packet, ports)
@@ -215,9 +221,7 @@ def _solicits_allowed(frame: bytes, packet: _Packet, icmp: int, policy: Policy) 
 
 
 def _closed_gateway(frame: bytes, packet: _Packet, ports: Optional[tuple[int, int]]) -> tuple[Route, Optional[bytes]]:
-    """masquerade's gateway: DNS over UDP to the stack's forwarder, echo answered here, nothing else."""
-    if packet.protocol == UDP and ports and ports[1] == DNS_PORT:
-        return Route.STACK, frame
+    """masquerade's gateway: echo answered here, nothing else (its DNS is the forwarder's, above)."""
     if _icmp_type(frame, packet) == (ECHO_REQUEST4 if packet.family == 4 else ECHO_REQUEST6):
         return Route.REPLY, echo_reply(frame, packet)
     return Route.DROP, None
@@ -322,3 +326,44 @@ def echo_reply(frame: bytes, packet: Optional[_Packet] = None) -> bytes:
     checksum = struct.unpack_from("!H", out, packet.l4 + 2)[0]
     struct.pack_into("!H", out, packet.l4 + 2, _adjust(checksum, request << 8, reply << 8))
     return bytes(out)
+
+
+def dns_query(frame: bytes) -> Optional[bytes]:
+    """The payload of a UDP frame the guard routed to the DNS forwarder."""
+    packet = _packet(frame)
+    if packet is None or packet.l4 < 0 or len(frame) < packet.l4 + 8:
+        return None
+    length = struct.unpack_from("!H", frame, packet.l4 + 4)[0]
+    if length < 8 or packet.l4 + length > len(frame):
+        return None
+    return frame[packet.l4 + 8:packet.l4 + length]
+
+
+def udp_reply(request: bytes, payload: bytes) -> bytes:
+    """The answer to a guest's UDP `request` frame, from where it was sent to: addresses and ports
+    swapped, `payload` carried, lengths and checksums made afresh."""
+    packet = _packet(request)
+    sport, dport = struct.unpack_from("!HH", request, packet.l4)
+    segment = bytearray(struct.pack("!HHHH", dport, sport, 8 + len(payload), 0) + payload)
+    src, dst = packet.dst.packed, packet.src.packed
+    if packet.family == 4:
+        pseudo = src + dst + struct.pack("!BBH", 0, UDP, len(segment))
+        header = bytearray(struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(segment), 0, 0x4000, 64, UDP, 0, src, dst))
+        struct.pack_into("!H", header, 10, _sum(bytes(header)))
+        kind = ETH_IPV4
+    else:
+        pseudo = src + dst + struct.pack("!IxxxB", len(segment), UDP)
+        header = bytearray(struct.pack("!IHBB16s16s", 0x60000000, len(segment), UDP, 64, src, dst))
+        kind = ETH_IPV6
+    struct.pack_into("!H", segment, 6, _sum(pseudo + bytes(segment)) or 0xFFFF)
+    return request[6:12] + request[0:6] + struct.pack("!H", kind) + bytes(header) + bytes(segment)
+
+
+def _sum(data: bytes) -> int:
+    """The Internet checksum (RFC 1071)."""
+    if len(data) % 2:
+        data += b"\0"
+    total = sum(struct.unpack(f"!{len(data) // 2}H", data))
+    while total >> 16:
+        total = (total & 0xFFFF) + (total >> 16)
+    return ~total & 0xFFFF

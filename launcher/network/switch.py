@@ -14,7 +14,11 @@ the forwards' control socket (`launcher port-forward`, `ssh`), and a pipe to say
   listens on the host for it, and only the launcher's user (and root) may ask: the control socket is
   theirs, mode 0600;
 - every frame the guest sends is judged by launcher.network.guard before either stack sees it; the
-  frames of a forward's flow are translated between its placeholder and the guest port it stands for.
+  frames of a forward's flow are translated between its placeholder and the guest port it stands for;
+- DNS queries to the gateway, where the binding hands out the gateway as the guest's DNS server, it
+  sends on to the pod's resolver (resolv.conf's first) from sockets opened before it left the
+  launcher's network namespace, and brings the answers back as the gateway's (Debian 12's passt
+  forwards only to the very server it hands out).
 
 It exits when qemu closes its end (the VM stopped), taking both passts with it (they quit when their
 socket closes, -1). Frames are framed as qemu's stream netdev and passt frame them: a 4-byte
@@ -32,10 +36,10 @@ import socket
 import struct
 import subprocess
 import sys
-import time
+from collections import OrderedDict
 from typing import Optional
 
-from launcher.network.guard import ENTRY, Forwards, Policy, Route, forwards_frame, guest_frame, stack_frame
+from launcher.network.guard import ENTRY, Forwards, Policy, Route, dns_query, forwards_frame, guest_frame, stack_frame, udp_reply
 
 PASST = "passt"
 MAX_FRAME = 4096 + 65536  # qemu's NET_BUFSIZE: no frame of a guest NIC is longer
@@ -148,16 +152,10 @@ def start_passt(options: list[str], log) -> tuple[subprocess.Popen, Link]:
         theirs.close()
         os.close(ready_w)
     try:
-        deadline = time.monotonic() + START_TIMEOUT
-        got = b""
-        while time.monotonic() < deadline:
-            ready = selectors.DefaultSelector()
+        with selectors.DefaultSelector() as ready:
             ready.register(ready_r, selectors.EVENT_READ)
-            if ready.select(max(0.0, deadline - time.monotonic())):
-                got = os.read(ready_r, 64)
-            ready.close()
-            break
-        if not got.strip():
+            got = os.read(ready_r, 64) if ready.select(START_TIMEOUT) else None
+        if not (got or b"").strip():
             proc.kill()
             proc.wait()
             raise RuntimeError(f"passt exited ({proc.returncode})" if got == b"" else "passt did not start in time")
@@ -166,14 +164,60 @@ def start_passt(options: list[str], log) -> tuple[subprocess.Popen, Link]:
     return proc, Link(ours, "passt")
 
 
+class Resolver:
+    """The gateway's DNS server: each query sent on to the pod's first resolver with an id of its own
+    (the latest PENDING_LIMIT awaited), each answer from that server brought back to the asker."""
+
+    PENDING_LIMIT = 256
+
+    def __init__(self, upstream: list[str]):
+        self.server = ipaddress.ip_address(upstream[0]) if upstream else None
+        self.sock: Optional[socket.socket] = None
+        if self.server is not None:
+            self.sock = socket.socket(socket.AF_INET if self.server.version == 4 else socket.AF_INET6, socket.SOCK_DGRAM)
+            self.sock.setblocking(False)
+        self.pending: OrderedDict[bytes, tuple[bytes, bytes]] = OrderedDict()
+        self.next_id = int.from_bytes(os.urandom(2), "big")
+
+    def query(self, frame: bytes) -> None:
+        payload = dns_query(frame)
+        if self.sock is None or payload is None or len(payload) < 12:
+            return
+        self.next_id = (self.next_id + 1) & 0xFFFF
+        ours = self.next_id.to_bytes(2, "big")
+        self.pending.pop(ours, None)
+        self.pending[ours] = (frame, payload[:2])
+        while len(self.pending) > self.PENDING_LIMIT:
+            self.pending.popitem(last=False)
+        try:
+            self.sock.sendto(ours + payload[2:], (str(self.server), 53))
+        except OSError:
+            self.pending.pop(ours, None)
+
+    def answer(self) -> Optional[bytes]:
+        try:
+            data, peer = self.sock.recvfrom(65535)
+        except OSError:
+            return None
+        if ipaddress.ip_address(peer[0].split("%")[0]) != self.server or peer[1] != 53 or len(data) < 12:
+            return None
+        asked = self.pending.pop(data[:2], None)
+        if asked is None:
+            return None
+        request, their_id = asked
+        return udp_reply(request, their_id + data[2:])
+
+
 class Switch:
     def __init__(self, config: dict, guest_listener: socket.socket, control: socket.socket, log):
         self.config, self.log = config, log
         self.policy = Policy(*(ipaddress.ip_address(a) if a else None for a in (config["gateway4"], config["gateway6"])),
-                             *(ipaddress.ip_network(n) if n else None for n in (config["closed4"], config["closed6"])))
+                             *(ipaddress.ip_network(n) if n else None for n in (config["closed4"], config["closed6"])),
+                             config["dns_forwarder"])
         self.forwards = Forwards()
         self.gateway_mac = bytes.fromhex(config["gateway_mac"].replace(":", ""))
         self.guest_mac: Optional[bytes] = None
+        self.resolver = Resolver([])  # made again in start(), while the switch is where the resolver is
         self.guest_listener, self.control = guest_listener, control
         self.guest: Optional[Link] = None
         self.stack: Optional[Link] = None
@@ -188,6 +232,8 @@ class Switch:
 
     def start(self, status: int) -> None:
         try:
+            # before the switch leaves the launcher's network namespace: the resolver is there
+            self.resolver = Resolver(self.config["dns_upstream"])
             if self.config["online"]:
                 self._start_stack()
             own_network()
@@ -216,6 +262,8 @@ class Switch:
         self.selector.register(self.guest_listener, selectors.EVENT_READ, "guest-listener")
         self.selector.register(self.control, selectors.EVENT_READ, "control")
         self.selector.register(self.stack, selectors.EVENT_READ, self.stack)
+        if self.resolver.sock is not None:
+            self.selector.register(self.resolver.sock, selectors.EVENT_READ, "dns")
         try:
             while True:
                 for key, events in self.selector.select():
@@ -233,6 +281,10 @@ class Switch:
             self.selector.register(self.guest, selectors.EVENT_READ, self.guest)
         elif what == "control":
             self._accept_request()
+        elif what == "dns":
+            answer = self.resolver.answer()
+            if answer is not None:
+                self._to_guest([answer])
         elif isinstance(what, int):
             self._request_event(what)
         elif what is self.fwd:
@@ -272,6 +324,8 @@ class Switch:
                 self.fwd.send(out)
             elif route is Route.REPLY:
                 self.guest.send(out)
+            elif route is Route.DNS:
+                self.resolver.query(out)
         for link in (self.stack, self.fwd, self.guest):
             if link is not None and link.out:
                 link.flush()
