@@ -141,7 +141,8 @@ def _start_one(plan_: Plan, sock: Path, owner: tuple[int, int], started: Started
     try:
         cfg = {**config(plan_, sock), "guest_fd": guest.fileno(), "control_fd": control.fileno(), "status_fd": status_w}
         become = ["--reuid", str(owner[0]), "--regid", str(owner[1]), "--clear-groups"] if os.geteuid() == 0 else []
-        with open(log_path, "wb") as log:
+        log_path.unlink(missing_ok=True)
+        with open(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600), "wb") as log:
             proc = subprocess.Popen(["setpriv", *become, "--no-new-privs", "--", *module_argv(SWITCH), json.dumps(cfg)],
                                     stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                     pass_fds=(guest.fileno(), control.fileno(), status_w), start_new_session=True)
