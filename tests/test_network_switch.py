@@ -19,6 +19,7 @@ import subprocess
 
 import pytest
 
+from diskkit.errors import DiskkitError
 from launcher.network import backend, bindings, pod
 from launcher.spec.network import Interface
 from tests import fakeguest as fg
@@ -247,3 +248,19 @@ def test_a_switch_ends_with_the_vm_and_takes_its_passts_along():
         finally:
             for pidfd in pidfds:
                 os.close(pidfd)
+
+
+def test_a_published_port_that_is_taken_is_one_line_naming_it():
+    from launcher.spec.network import Port
+    with listener("127.0.0.1") as taken, qemu_scratch("diskkit-net-") as root:
+        port = taken.getsockname()[1]
+        plan = bindings.plan(Interface("default", 0, "masquerade", ports=(Port(port),)), pod.read(), "127.0.0.1")
+        started = backend.start([plan], [root / "0.sock"], (QEMU_UID, pwd.getpwuid(QEMU_UID).pw_gid))
+        try:
+            with pytest.raises(DiskkitError) as refused:
+                started.wait()
+        finally:
+            backend.stop(started.entries)
+    line = str(refused.value)
+    assert line.startswith("interface default: its pod network did not start") and f"127.0.0.1/{port}:{port}" in line, line
+    assert "\n" not in line
