@@ -24,8 +24,8 @@ from diskkit.registry.options import RegistryOptions
 from diskkit.streams.fsutil import write_atomic
 from launcher.diskserver.client import last_failure
 from launcher.diskserver.qemuid import is_system_uri
-from launcher.node import pins
 from launcher.network import backend as network
+from launcher.node import pins
 from launcher.node.cache import Cache
 from launcher.render.domain import Host, render, secret_xml
 from launcher.render.interfaces import socket_path
