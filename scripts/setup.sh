@@ -27,7 +27,7 @@ DEMO_PACKAGES=(
     python3-venv python3-dev gcc pkg-config libvirt-dev
     qemu-utils qemu-system-x86 libvirt-daemon
     skopeo docker-registry
-    busybox-static cpio kmod fdisk dosfstools mtools syslinux syslinux-common zstd dropbear-bin
+    busybox-static cpio kmod fdisk dosfstools mtools syslinux syslinux-common zstd dropbear-bin passt
 )
 if [ "$SET" = demo ]; then
     WANTED=("${DEMO_PACKAGES[@]}")

@@ -64,9 +64,12 @@ def test_link_down():
     assert nics(vmi([{"name": "pod", "bridge": {}, "state": "down"}], POD))[0].link_down
 
 
-def test_ipv6_cidr_is_named_as_unsupported():
-    doc = vmi([{"name": "pod", "masquerade": {}}], [{"name": "pod", "pod": {"vmIPv6NetworkCIDR": "fd10:0:2::/120"}}])
-    assert refusal(doc).startswith("spec.networks[0].pod.vmIPv6NetworkCIDR: not supported by the launcher")
+def test_masquerade_subnets_default_as_kubevirts():
+    # pkg/virt-launcher/virtwrap/api/defaults.go DefaultVMCIDR, DefaultVMIpv6CIDR
+    (got,) = nics(vmi([{"name": "pod", "masquerade": {}}], POD))
+    assert (got.cidr, got.cidr6) == ("10.0.2.0/24", "fd10:0:2::/120")
+    (got,) = nics(vmi([{"name": "pod", "masquerade": {}}], [{"name": "pod", "pod": {"vmIPv6NetworkCIDR": "fd20::/64", "vmNetworkCIDR": "10.1.0.0/30"}}]))
+    assert (got.cidr, got.cidr6) == ("10.1.0.0/30", "fd20::/64")
 
 
 def test_passt_binding_plugin():
@@ -120,10 +123,13 @@ def test_passt_binding_plugin():
     ([{"name": "pod", "bridge": {}, "state": "gone"}], POD, f"{IFACES}[0].state: logical pod interface state value is unsupported: gone"),
     ([{"name": "pod", "masquerade": {}, "state": "absent"}], POD, f'{IFACES}[0].state: "pod" interface\'s state "absent" is supported only for bridge binding'),
     ([{"name": "pod", "bridge": {}, "state": "absent"}], POD, f'{IFACES}[0].state: "pod" interface\'s state "absent" is not supported on default networks'),
-    ([{"name": "pod", "masquerade": {}}], [{"name": "pod", "pod": {"vmNetworkCIDR": "10.0.2.0/29"}}],
-     "spec.networks[0].pod.vmNetworkCIDR: 10.0.2.0/29 is too small for the launcher's user-mode network (a /27 at least: the guest gets the 15th address)"),
+    # pkg/network/setup/netpod/netpod.go gatewayIP: the gateway and the guest need two host addresses
+    ([{"name": "pod", "masquerade": {}}], [{"name": "pod", "pod": {"vmNetworkCIDR": "10.0.2.0/31"}}],
+     "spec.networks[0].pod.vmNetworkCIDR: VM CIDR subnet is too small, at least 2 host addresses are required: 10.0.2.0/31"),
+    ([{"name": "pod", "masquerade": {}}], [{"name": "pod", "pod": {"vmIPv6NetworkCIDR": "fd10::/127"}}],
+     "spec.networks[0].pod.vmIPv6NetworkCIDR: VM CIDR subnet is too small, at least 2 host addresses are required: fd10::/127"),
     ([{"name": "pod", "masquerade": {}}], [{"name": "pod", "pod": {"vmNetworkCIDR": "10.0.2/24"}}],
-     "spec.networks[0].pod.vmNetworkCIDR: invalid IPv4 CIDR 10.0.2/24"),
+     "spec.networks[0].pod.vmNetworkCIDR: failed to parse VM CIDR: 10.0.2/24, invalid CIDR address: 10.0.2/24"),
     # Multus and SR-IOV: one line naming the field
     ([{"name": "m", "bridge": {}}], [{"name": "m", "multus": {"networkName": "x"}}],
      "spec.networks[0].multus: multus networks need a cluster's CNI: not supported by the launcher"),

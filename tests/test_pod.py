@@ -193,7 +193,7 @@ def check_the_pod(podman: Podman, block: Block, cache: Path, port: int) -> None:
     started = time.monotonic()
     played = block.run(PLAY)
     assert played.returncode == 0, played.stderr
-    # A registry on the host's loopback is the pod's 10.0.2.2, and the script says what that opens.
+    # A registry on the host's loopback is the pod's 10.0.3.2, and the script says what that opens.
     assert "the pod, and its guest, can reach every service on this host's loopback" in played.stderr, played.stderr
     assert command(block.take("podman logs -f")) == f"podman logs -f {CONTAINER}"  # followed here by polling it
     logs = wait_for_logs(podman, "HOLD seconds=forever", 600)  # the guest waits, as a real one does

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from diskkit.errors import DiskkitError
-from launcher.runtime.portforward import Forward, parse_port, parse_target
+from launcher.network.forward import Forward, parse_port, parse_target
 
 
 @pytest.mark.parametrize("text,name", [

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Lower layers first; a module may import from its own layer and the ones before it.
 LAYERS = {
     "diskkit": ["errors", "limits", "progress", "streams", "oci", "registry", "transports", "signing", "layers", "disk", "source", "ops", "cli"],
-    "launcher": ["hostfs", "spec", "render", "chunks", "node", "diskserver", "volumes", "datavolumes", "runtime", "cli"],
+    "launcher": ["hostfs", "spec", "render", "chunks", "node", "diskserver", "volumes", "datavolumes", "network", "runtime", "cli"],
 }
 # Pure layers: they compute, the shell around them does the I/O.
 PURE = {"launcher.render": {"os", "subprocess", "socket", "shutil", "libvirt", "requests", "fcntl"}}

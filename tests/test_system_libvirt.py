@@ -142,12 +142,18 @@ def test_pulled_container_disk_boots_as_root_through_the_system_daemon(daemon, c
     root_dirs = [p for p in tree if p.is_dir() and shares not in p.parents and p != log_dir]
     assert {str(p.relative_to(run_dir)): (p.stat().st_uid, p.stat().st_gid, stat.S_IMODE(p.stat().st_mode)) for p in root_dirs} \
         == {str(p.relative_to(run_dir)): (0, owner[1], 0o710) for p in root_dirs}
-    # virtiofsd's log is root's, and domain.xml (libvirt is given the XML, not the file)
-    given = [p for p in tree if p not in root_dirs and p.parent != sockets and p != run_dir / "domain.xml"]
+    # virtiofsd's log is root's, and domain.xml (libvirt is given the XML, not the file), and the pod
+    # switch's log and forward socket (the launcher user's alone: launcher.network.backend)
+    net = run_dir / "net"
+    given = [p for p in tree if p not in root_dirs and p.parent != sockets and p != run_dir / "domain.xml"
+             and p not in (net / "0.forward", net / "0.log")]
     strangers = {str(p.relative_to(run_dir)): (p.stat().st_uid, p.stat().st_gid) for p in given if (p.stat().st_uid, p.stat().st_gid) != owner}
     assert not strangers, f"not {owner}: {strangers}"
     sock = (sockets / "fs0.sock").stat()
     assert (sock.st_uid, sock.st_gid) == owner
+    for path, who in ((net / "0.sock", owner), (net / "0.forward", (0, 0)), (net / "0.log", (0, 0))):
+        st = path.stat()
+        assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (*who, 0o600), path
     [iso] = run_dir.rglob("*.iso")
     libvirt_qemu = f"--reuid={pwd.getpwnam('libvirt-qemu').pw_uid}", f"--regid={grp.getgrnam('libvirt-qemu').gr_gid}"
     for ids in (("--reuid=107", "--regid=107"), libvirt_qemu):

@@ -6,7 +6,7 @@
 #   podman-play.sh [--image REF] [--cache DIR] [--port PORT] [--tls-verify=false] [--launcher-image REF]
 #
 #   --image REF           the VMI's containerDisk, as this host reaches it (default: configmap.yaml's).
-#                         A registry on this host's loopback (127.0.0.1, localhost) is 10.0.2.2 from the
+#                         A registry on this host's loopback (127.0.0.1, localhost) is 10.0.3.2 from the
 #                         pod: the reference is rewritten, and only then may the pod reach the host's loopback.
 #   --cache DIR           the node cache, pod.yaml's hostPath (default /var/lib/diskkit): a directory of 107's
 #   --port PORT           the guest's port 80 (the pod's http port) on this host's 127.0.0.1:PORT
@@ -76,7 +76,7 @@ def fail(message):
 
 (configmap,), (pod,), secrets, (pvc,) = load("configmap.yaml"), load("pod.yaml"), load("secret.yaml"), load("pvc.yaml")
 
-# The containerDisk, as the pod reaches it: the host's loopback is slirp4netns's 10.0.2.2.
+# The containerDisk, as the pod reaches it: the host's loopback is slirp4netns's 10.0.3.2 (the subnet below).
 vmi = yaml.safe_load(configmap["data"]["vmi.yaml"])
 disks = [v["containerDisk"] for v in vmi["spec"]["volumes"] if "containerDisk" in v]
 if len(disks) != 1:
@@ -86,7 +86,7 @@ if image:
     host, _, rest = image.partition("/")
     name, _, port_part = host.partition(":")
     if rest and name in ("127.0.0.1", "localhost"):
-        image, loopback = "10.0.2.2" + (":" + port_part if port_part else "") + "/" + rest, True
+        image, loopback = "10.0.3.2" + (":" + port_part if port_part else "") + "/" + rest, True
     disks[0]["image"] = image
 configmap["data"]["vmi.yaml"] = yaml.safe_dump(vmi, sort_keys=False)
 ports = [p["port"] for i in vmi["spec"]["domain"]["devices"].get("interfaces", []) for p in i.get("ports", [])]
@@ -132,11 +132,13 @@ if ! podman volume exists "$claim"; then
     made_claim=true
 fi
 
-# The pod network: slirp4netns, a user-mode stack that adds no bridge or firewall rule to the host.
-network=slirp4netns:port_handler=slirp4netns
+# The pod network: slirp4netns, a user-mode stack that adds no bridge or firewall rule to the host. Not
+# on its default 10.0.2.0/24, which is also masquerade's vmNetworkCIDR inside the VM: with both the same,
+# a connection from the pod's gateway (10.0.2.2) would reach the guest from its own address.
+network=slirp4netns:port_handler=slirp4netns,cidr=10.0.3.0/24
 if [ "$loopback" = true ]; then
     network+=,allow_host_loopback=true
-    echo "$me: note: the registry is on this host's loopback, 10.0.2.2 from the pod: the pod, and its guest, can reach every service on this host's loopback" >&2
+    echo "$me: note: the registry is on this host's loopback, 10.0.3.2 from the pod: the pod, and its guest, can reach every service on this host's loopback" >&2
 fi
 state=created
 podman kube play --quiet --start=false --network "$network" "$work/pod.yaml" >/dev/null

@@ -17,7 +17,7 @@ Examples:
   launcher port-forward vmi/testvm 8080:80          # 127.0.0.1:8080 -> the guest's port 80, until Ctrl-C
   launcher port-forward testvm 2222:22 8080:80 udp/5353:53
   launcher port-forward vmi/testvm/myns 8080:80     # virtctl's TYPE/NAME/NAMESPACE
-  launcher port-forward --address 0.0.0.0 vmi/testvm 8080:80
+  launcher port-forward --address 0.0.0.0 vmi/testvm 8080:80  # other hosts too (loopback peers: yours only)
   ssh -o ProxyCommand='launcher port-forward --stdio vmi/testvm 22' root@testvm
 """)
 @click.argument("target")
@@ -29,10 +29,11 @@ def port_forward(target, ports, address, stdio, cache_dir) -> None:
     """Forward local ports to a running VM's guest ports ([PROTOCOL/]LOCAL[:REMOTE]; LOCAL 0 picks one).
 
     TARGET is vmi/NAME, vm/NAME, TYPE/NAME/NAMESPACE or a bare NAME. Any guest port can be reached,
-    declared in the interface's `ports` or not.
+    declared in the interface's `ports` or not. A connection over the loopback is served only from
+    your own user's (or root's) processes.
     """
     from diskkit.errors import DiskkitError, NotFound
-    from launcher.runtime.portforward import Forwarder, netdev_of, parse_port, parse_target, pump_stdio
+    from launcher.network.forward import Listener, network_of, parse_port, parse_target, pump_stdio
     from launcher.runtime.vms import connect, find_record
 
     name = parse_target(target)
@@ -43,28 +44,32 @@ def port_forward(target, ports, address, stdio, cache_dir) -> None:
     lv = connect(record)  # a VM's own daemon, never a socket its uid's next VM holds
     if not lv.active(record["domain"]):
         raise DiskkitError(name, "is not running")
-    forwarder = Forwarder(lambda command: lv.monitor(record["domain"], command), netdev_of(record), address)
+    entry = network_of(record)
     if stdio:
         if len(forwards) != 1 or forwards[0].protocol != "tcp":
             raise DiskkitError("--stdio", "only one port supported when forwarding to stdout (TCP)")
-        pump_stdio(forwarder, forwards[0].remote)
+        pump_stdio(entry, forwards[0].remote)
         return
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: done.set())
+    listeners = []
     try:
         for forward in forwards:
-            added = forwarder.add(forward)
-            click.echo(f"Forwarding from {address}:{added.local} -> {added.remote} ({added.protocol})")
-            if (added.protocol, added.remote) == ("tcp", 22):
-                _ssh_hint(node_cache(cache_dir), record, name, address, added.local)
+            listeners.append(Listener(entry, forward, address))
+            click.echo(f"Forwarding from {address}:{listeners[-1].local} -> {forward.remote} ({forward.protocol})")
+            if (forward.protocol, forward.remote) == ("tcp", 22):
+                _ssh_hint(node_cache(cache_dir), record, name, address, listeners[-1].local)
+        for listener in listeners:
+            listener.serve()
         sys.stdout.flush()
         # until Ctrl-C, or the VM goes (its forwards with it)
         while not done.wait(1.0):
             if not lv.active(record["domain"]):
                 raise DiskkitError(name, "stopped; its forwards went with it")
     finally:
-        forwarder.close()
+        for listener in listeners:
+            listener.close()
 
 
 def _ssh_hint(cache, record: dict, name: str, address: str, local: int) -> None:

@@ -1,5 +1,6 @@
 """The command line that runs this launcher again as a helper process (the node's disk server, ssh's
-ProxyCommand), whatever directory it is started from.
+ProxyCommand, a VM's pod switch), whatever directory it is started from, and whether such a helper
+has ended.
 
 `python -m launcher` puts the working directory first on sys.path, so a `diskkit/` or `launcher/`
 directory there would be imported instead of the installed packages (with an editable install the
@@ -9,8 +10,28 @@ sys.path and keeps PYTHONPATH, which is how a checkout that is not installed is 
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
+
+
+def module_argv(module: str) -> list[str]:
+    return [sys.executable, "-P", "-m", module]
 
 
 def launcher_argv() -> list[str]:
-    return [sys.executable, "-P", "-m", "launcher"]
+    return module_argv("launcher")
+
+
+def ended(pid: int) -> bool:
+    """The helper `pid` has exited: reaped if it was our child, a zombie or gone otherwise."""
+    try:
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return True  # our child, reaped
+    except ChildProcessError:
+        pass  # started by another launcher process: its parent (or init) reaps it
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state == "Z"

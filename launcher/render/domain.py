@@ -2,8 +2,9 @@
 
 Follows pkg/virt-launcher/virtwrap/converter (storage/, compute/, iothreads/, converter.go) for disks,
 cache and io modes, iothreads, queues and CPU topology. Deliberate differences, all for a launcher
-that runs outside a pod: the serial console is a pty logged to a file, the pod network is qemu's
-user-mode stack (launcher.render.interfaces), there is no graphics, balloon or guest-agent channel, and the caller probes KVM and O_DIRECT and passes the results in.
+that runs outside a pod: the serial console is a pty logged to a file, the pod network's NIC is
+served by the VM's pod switch (launcher.render.interfaces), there is no graphics, balloon or guest-agent
+channel, and the caller probes KVM and O_DIRECT and passes the results in.
 iSCSI and RBD PersistentVolumes become network disks qemu connects to itself (launcher.k8s resolves
 them), as KubeVirt's 2017 proposal for PV-backed disks had it. A lazily pulled containerDisk is an
 overlay whose backing store is an NBD export of the node's disk server, on a unix socket.
@@ -63,6 +64,8 @@ class Host:
     cpuset: tuple[int, ...] = ()
     # (filesystem name, vhost-user socket of the virtiofsd the caller starts for it)
     virtiofs_sockets: tuple[tuple[str, str], ...] = ()
+    # where the caller's pod switch listens for each NIC (launcher.render.interfaces.socket_path)
+    net_dir: str = "/run/launcher/net"
     # A system daemon's DAC driver would chown files for qemu, and a root launcher gives claim files to
     # qemu itself: their sources say relabel='no'. A session daemon has no DAC driver (it refuses the
     # seclabel), and an unprivileged launcher on the system daemon leaves the chown to libvirt.
@@ -507,6 +510,7 @@ def render(vmi: VMI, disks: dict[str, ResolvedDisk], host: Host) -> str:
         # compute/rng.go: virtio (transitional or not, as every virtio device here), fed by /dev/urandom
         rng = ET.SubElement(devices, "rng", model=model)
         _text(rng, "backend", "/dev/urandom", model="random")
+    interfaces.backends(domain, [(iface, interfaces.socket_path(host.net_dir, i)) for i, iface in enumerate(vmi.domain.devices.interfaces)])
 
     if host.dac_label is not None:
         # libvirt's static DAC label ("+UID:+GID": ids, never names): the process's ids; relabel='no'

@@ -1,20 +1,25 @@
-"""The VMI's pod-network NICs -> libvirt <interface> elements (pure).
+"""The VMI's pod-network NICs -> libvirt elements (pure).
 
-Follows pkg/virt-launcher/virtwrap/converter/network (configurator.go, builder.go) for the device:
-alias ua-NAME, the virtio model as every other virtio device here, the MAC, PCI address, boot order,
-and the option ROM disabled unless the NIC boots. The backend differs, because there is no pod: every
-binding becomes qemu's user-mode stack (type='user') on the network's vmNetworkCIDR, which needs no
-privilege, touches no host bridge or firewall, lives inside qemu (no helper process to outlive the VM),
-and takes forwards at run time (hostfwd_add), which is how `launcher port-forward` reaches any port.
-qemu derives the netdev id from the alias: host<alias>, see netdev_id.
+The device follows pkg/virt-launcher/virtwrap/converter/network (configurator.go, builder.go): alias
+ua-NAME, the virtio model as every other virtio device here, the MAC, PCI address, boot order, the
+option ROM disabled unless the NIC boots, the link state. Its backend is the VM's pod switch
+(launcher.network.switch), reached over a unix socket with qemu's stream netdev, the framing passt
+speaks. libvirt 9.0 as Debian ships it refuses <backend type='passt'/> ("Invalid value for attribute
+'type' in element 'backend'") and has no element for a stream netdev, so the device is libvirt's
+user-mode interface, which libvirt places and boots as any NIC, and two elements of libvirt's qemu
+namespace take it off qemu's own stack: qemu:commandline adds the stream netdev, qemu:override points
+the device at it. The user-mode netdev libvirt still adds is left with no device (qemu says "netdev
+... has no peer"): no frame reaches it, and it never opens a socket.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import xml.etree.ElementTree as ET
 
 from launcher.spec.network import Interface
+
+QEMU_NS = "http://libvirt.org/schemas/domain/qemu/1.0"
+ET.register_namespace("qemu", QEMU_NS)
 
 
 def alias(iface: Interface) -> str:
@@ -22,16 +27,23 @@ def alias(iface: Interface) -> str:
 
 
 def netdev_id(iface: Interface) -> str:
-    """The id libvirt gives the NIC's -netdev (qemuAssignDeviceNetAlias: "host" + the device alias)."""
-    return f"host{alias(iface)}"
+    return f"pod-{iface.name}"  # a qemu id: starts with a letter, as an interface name need not
+
+
+def socket_path(net_dir: str, position: int) -> str:
+    """The switch socket of the VM's `position`th NIC: short, as a unix socket's path is at most 107 bytes."""
+    return f"{net_dir}/{position}.sock"
+
+
+def netdev(iface: Interface, socket_path: str) -> str:
+    # qemu's option syntax: a comma in a value is written twice
+    return f"stream,id={netdev_id(iface)},server=off,addr.type=unix,addr.path={socket_path.replace(',', ',,')}"
 
 
 def render(iface: Interface, virtio_model: str, devices: ET.Element) -> None:
     element = ET.SubElement(devices, "interface", type="user")
     if iface.mac:
         ET.SubElement(element, "mac", address=iface.mac)
-    net = ipaddress.IPv4Network(iface.cidr)
-    ET.SubElement(element, "ip", family="ipv4", address=str(net.network_address), prefix=str(net.prefixlen))
     ET.SubElement(element, "model", type=virtio_model if iface.model == "virtio" else iface.model)
     ET.SubElement(element, "alias", name=alias(iface))
     if iface.boot_order is not None:
@@ -44,3 +56,18 @@ def render(iface: Interface, virtio_model: str, devices: ET.Element) -> None:
         domain_, bus, rest = iface.pci_address.split(":")
         slot, function = rest.split(".")
         ET.SubElement(element, "address", type="pci", domain=f"0x{domain_}", bus=f"0x{bus}", slot=f"0x{slot}", function=f"0x{function}")
+
+
+def backends(domain: ET.Element, nics: list[tuple[Interface, str]]) -> None:
+    """The stream netdev of each (interface, switch socket) and the device pointed at it."""
+    if not nics:
+        return
+    commandline = ET.SubElement(domain, f"{{{QEMU_NS}}}commandline")
+    for iface, socket_path in nics:
+        ET.SubElement(commandline, f"{{{QEMU_NS}}}arg", value="-netdev")
+        ET.SubElement(commandline, f"{{{QEMU_NS}}}arg", value=netdev(iface, socket_path))
+    override = ET.SubElement(domain, f"{{{QEMU_NS}}}override")
+    for iface, _ in nics:
+        device = ET.SubElement(override, f"{{{QEMU_NS}}}device", alias=alias(iface))
+        frontend = ET.SubElement(device, f"{{{QEMU_NS}}}frontend")
+        ET.SubElement(frontend, f"{{{QEMU_NS}}}property", name="netdev", type="string", value=netdev_id(iface))

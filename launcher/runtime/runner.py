@@ -299,20 +299,6 @@ class Libvirt:
             return "qemu-unknown"  # KubeVirt's word when it cannot tell
         return f"{number // 1000000}.{number // 1000 % 1000}.{number % 1000}"
 
-    def monitor(self, name: str, command: str) -> str:
-        """A human monitor command run in the domain's qemu (libvirt marks the domain tainted: custom-monitor)."""
-        try:
-            import libvirt_qemu
-        except ImportError:
-            raise DiskkitError("libvirt-python", "has no libvirt_qemu module; reinstall libvirt-python") from None
-        domain = self._lookup(name)
-        if domain is None:
-            raise DiskkitError(name, f"no such domain on {self.uri}")
-        try:
-            return libvirt_qemu.qemuMonitorCommand(domain, command, libvirt_qemu.VIR_DOMAIN_QEMU_MONITOR_COMMAND_HMP)
-        except self.lv.libvirtError as exc:
-            raise DiskkitError(name, f"qemu monitor: {_message(exc)}") from None
-
     def define_secret(self, xml: str, value: bytes, usage: str) -> None:
         """A libvirt secret (iSCSI CHAP password, Ceph key) the domain's <auth> names by usage."""
         try:

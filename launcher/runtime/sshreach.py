@@ -102,14 +102,40 @@ def record_keys(run_dir: Path, host: str, keys: tuple[HostKey, ...]) -> Contact:
     return Contact(path, host, False)
 
 
+def banner(entry: dict, port: int, timeout: float = 10) -> bytes | None:
+    """The identification line the guest's ssh server at `port` sends (RFC 4253 4.2: `SSH-...`, maybe after
+    other lines), through a connection of its own from the VM's pod switch (launcher.network.backend);
+    None when nothing answers yet: a connection the switch makes says nothing until the guest speaks."""
+    from launcher.network.backend import open_forward
+
+    try:
+        conn = open_forward(entry, "tcp", port, timeout)
+    except DiskkitError:
+        return None
+    received = b""
+    with conn:
+        conn.sock.settimeout(timeout)
+        try:
+            while len(received) < 1024:  # what the RFC allows before the identification line, and more
+                chunk = conn.sock.recv(1024 - len(received))
+                if not chunk:
+                    return None
+                received += chunk
+                for line in received.split(b"\n")[:-1]:
+                    if line.startswith(b"SSH-"):
+                        return line.rstrip(b"\r")
+        except OSError:
+            return None
+    return None
+
+
 def first_contact(cache: Cache, name: str, port: int, timeout: float, say: Callable[[str], None],
                   progress: Callable[[str], None] | None = None, stop: threading.Event | None = None) -> Contact:
     """Wait for the VM's ssh server on guest `port` and settle its host keys (see the module's doc).
     `name` is the VM as find_record takes it; `say` gets the one line of a first use, `progress` the
     one line of a wait. Raises TimedOut when the server has not answered in `timeout` seconds."""
-    from launcher.runtime.portforward import Forwarder, banner, netdev_of
-    from launcher.runtime.runner import Libvirt
-    from launcher.runtime.vms import find_record
+    from launcher.network.forward import network_of
+    from launcher.runtime.vms import connect, find_record
 
     stop = stop or threading.Event()
     record = find_record(cache, name)
@@ -120,8 +146,8 @@ def first_contact(cache: Cache, name: str, port: int, timeout: float, say: Calla
         return settled
     deadline = time.monotonic() + timeout
     report, log = Report(), ConsoleLog(console_log(run_dir))
-    lv = Libvirt(record["uri"])
-    forwarder = Forwarder(lambda command: lv.monitor(record["domain"], command), netdev_of(record))
+    lv = connect(record)  # a VM's own daemon, never a socket its uid's next VM holds
+    entry = network_of(record)
     answered, running, waiting_said = False, False, False
     try:
         while True:
@@ -132,7 +158,7 @@ def first_contact(cache: Cache, name: str, port: int, timeout: float, say: Calla
                 running = lv.active(record["domain"])
                 if not running and find_record(cache, name) is None:
                     raise DiskkitError(name, "stopped before its ssh server answered")
-                answered = running and banner(forwarder, port) is not None
+                answered = running and banner(entry, port) is not None
             if answered:
                 if known(run_dir, host) is not None:  # another contact settled it meanwhile
                     return Contact(run_dir / KNOWN_HOSTS, host, False, report)

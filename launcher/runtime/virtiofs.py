@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from diskkit.errors import DiskkitError
+from launcher.node.selfexec import ended
 from launcher.runtime import rundir
 from launcher.spec.vmi import VMI
 from launcher.volumes.context import Share
@@ -169,19 +170,6 @@ def _is_ours(entry: dict) -> bool:
     return cmdline[0] == VIRTIOFSD.encode() and source in cmdline
 
 
-def _gone(pid: int) -> bool:
-    try:
-        if os.waitpid(pid, os.WNOHANG)[0] == pid:
-            return True  # our child, reaped
-    except ChildProcessError:
-        pass  # started by another launcher process: its parent (or init) reaps it
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state == "Z"
-
-
 def stop(entries: list[dict]) -> None:
     """End each virtiofsd (TERM, then KILL) and remove its socket."""
     for entry in entries:
@@ -194,10 +182,10 @@ def stop(entries: list[dict]) -> None:
                 except ProcessLookupError:
                     break
                 deadline = time.monotonic() + STOP_TIMEOUT
-                while not _gone(entry["pid"]) and time.monotonic() < deadline:
+                while not ended(entry["pid"]) and time.monotonic() < deadline:
                     time.sleep(0.05)
-                if _gone(entry["pid"]):
+                if ended(entry["pid"]):
                     break
         else:
-            _gone(entry["pid"])  # reap it if it already ended as our child
+            ended(entry["pid"])  # reap it if it already ended as our child
         Path(entry["socket"]).unlink(missing_ok=True)

@@ -24,15 +24,15 @@ from diskkit.registry.options import RegistryOptions
 from diskkit.streams.fsutil import write_atomic
 from launcher.diskserver.client import last_failure
 from launcher.diskserver.qemuid import is_system_uri
+from launcher.network import backend as network
 from launcher.node import pins
 from launcher.node.cache import QEMU_ID, Cache
 from launcher.render.domain import Host, read_only_volumes, render, secret_xml
-from launcher.render.interfaces import netdev_id
+from launcher.render.interfaces import socket_path
 from launcher.runtime import accel, diskfds, hostcpus, rundir, sessiond, virtiofs, vmuser
 from launcher.runtime.conditions import Paused, paused_condition
 from launcher.runtime.console import ConsoleLog, follow
 from launcher.runtime.iopause import PauseWatch, describe
-from launcher.runtime.portforward import Forward, Forwarder
 from launcher.runtime.runner import Libvirt, default_uri
 from launcher.runtime.stopping import DEFAULT_GRACE_PERIOD, NOT_RUNNING, UNREACHABLE, Stopped, shut_down
 from launcher.runtime.vmuser import VmUser
@@ -59,8 +59,8 @@ class RunOptions:
     # Return once the domain has started; the VM keeps running, as after --wait-for, and `launcher
     # console/logs/stop` reach it (virtctl start's habit: the command does not hold the VM).
     detach: bool = False
-    # Where the interfaces' declared ports are published (KubeVirt's masquerade forwards them from the
-    # pod's IP); None: nowhere, `launcher port-forward` reaches any port.
+    # Where the interfaces' declared ports are published (KubeVirt's masquerade and passt forward them
+    # from the pod's IP); None: nowhere, `launcher port-forward` reaches any port.
     publish_address: str | None = None
     # A VirtualMachine's containerDisk tags are resolved again instead of booting the digests its
     # earlier runs pinned (launcher.node.pins).
@@ -137,6 +137,7 @@ def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, say: Callable[[
             kernel=handed.kernel,
             initrd=handed.initrd,
             virtiofs_sockets=virtiofs.sockets(vmi, run_dir),
+            net_dir=str(run_dir / network.NET_DIR),
             dac=dac,
             dac_label=dac_label,
         )
@@ -175,6 +176,7 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
         # The console log lives here even with no overlay. Root's alone until prepared (rundir).
         rundir.create(cache.run_dir(name))
         daemons: list[dict] = []
+        nets = network.Started()
         alarm = _Alarm()
         allocation = None
         handed = diskfds.Handed({})
@@ -192,6 +194,8 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
             # socket are given to it; a VM's own uid, or the qemu user of the daemon --connect named.
             vm_ids = allocation.user.ids if allocation is not None else owner
             virtiofs.check_runnable(vmi)
+            network.check(vmi)
+            nics = network.plan(vmi, opts.publish_address)
             admit(vmi, opts.storage or Storage())
             from launcher.datavolumes.control import ensure_ready
 
@@ -212,6 +216,10 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
                 rundir.open_to_qemu(run_dir, vm_ids)
                 write_atomic(run_dir / "domain.xml", xml.encode(), 0o600)  # root's: libvirt is given the XML, not the file
                 daemons = virtiofs.start(vmi, prepared.shares, run_dir, vm_ids, owner)
+                if nics:
+                    # The VM's pod switch runs as qemu itself (the VM's own uid as root), whose socket it serves.
+                    net_dir = rundir.traversable_dir(run_dir / network.NET_DIR, vm_ids)
+                    nets = network.start(nics, [Path(socket_path(str(net_dir), i)) for i in range(len(nics))], vm_ids)
                 cache.write_json(cache.vm_record_path(name), {
                     "domain": name,
                     "vmi": vmi.name,
@@ -227,8 +235,8 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
                     "pid": os.getpid(),
                     "secrets": [source.secret_usage for source, _ in prepared.secrets],
                     "virtiofsd": daemons,
-                    # what `launcher port-forward` adds its forwards to
-                    "network": [{"interface": i.name, "netdev": netdev_id(i), "cidr": i.cidr} for i in vmi.domain.devices.interfaces],
+                    # each NIC's pod switch: what `launcher port-forward` asks for forwards, what stop ends
+                    "network": nets.entries,
                     "livenessProbe": vmi.liveness_probe,  # what `launcher pause` checks, as virt-api does
                     "gracePeriod": grace_period_of(vmi, opts),  # what `launcher stop` gives the guest
                     "accel": chosen.to_json(),
@@ -239,19 +247,26 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
                 lv = _own_libvirt(sessiond.start(allocation.user), allocation.user)
             for source, value in prepared.secrets:
                 lv.define_secret(secret_xml(source), value, source.secret_usage)
-            lv.start(name, xml, handed.fds, defined=(lambda: sessiond.keep_capabilities(allocation.user)) if own else None)
+            try:
+                lv.start(name, xml, handed.fds, defined=(lambda: sessiond.keep_capabilities(allocation.user)) if own else None)
+            except DiskkitError:
+                nets.wait()  # a switch that did not start is why qemu could not connect: its line first
+                raise
             handed.close()
             if allocation is not None:
                 allocation.close()  # from now on the VM's own processes hold its uid
+            nets.wait()  # started alongside libvirt's start: what they publish is bound, or the run ends here
             if vmi.from_vm:  # booted: what its next runs boot. The kubelet resolved what the pod mounted: those pins stay.
                 mounted = opts.container_disk_dir is not None or opts.kernel_boot_dir is not None
                 pins.save(cache, name, {**(pins.load(cache, name) if mounted else {}), **prepared.pins})
-            _publish(vmi, lv, opts.publish_address, say)
+            _say_published(nics, say)
             alarm.disarm()
         except BaseException as exc:
             alarm.disarm()
             handed.close()
             virtiofs.stop(daemons)  # started, maybe not recorded yet
+            nets.close()
+            network.stop(nets.entries)
             if allocation is not None:
                 allocation.close()
             cleanup(cache, lv, name, user=allocation.user if allocation is not None else None)
@@ -315,19 +330,14 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
     return Ran(0, chosen)
 
 
-def _publish(vmi: VMI, lv: Libvirt, address: str | None, say: Callable[[str], None]) -> None:
-    """The declared ports from `address`, as KubeVirt's masquerade forwards them from the pod's IP; the
-    rules live in qemu and go with it."""
-    if address is None:
-        return
-    for iface in vmi.domain.devices.interfaces:
-        forwarder = Forwarder(lambda command: lv.monitor(vmi.domain_name, command), netdev_id(iface), address)
-        if not iface.ports:
-            # KubeVirt forwards every port then; qemu's user-mode stack takes one rule per port.
-            say(f"note: interface {iface.name} declares no ports; none is published (launcher port-forward reaches any)")
-        for port in iface.ports:
-            forwarder.add(Forward(port.protocol.lower(), port.port, port.port))
-            say(f"{address}:{port.port}/{port.protocol} -> {iface.name} port {port.port}")
+def _say_published(nics: list, say: Callable[[str], None]) -> None:
+    """What each NIC's stack publishes on the pod's side (launcher.network.bindings, --publish-address)."""
+    for nic in nics:
+        if nic.publish_address is not None and not nic.publish:
+            # KubeVirt forwards every port then; a host's own ports are not all the guest's to take.
+            say(f"note: interface {nic.interface} declares no ports; none is published (launcher port-forward reaches any)")
+        for address, port, protocol in nic.publish:
+            say(f"{address}:{port}/{protocol} -> {nic.interface} port {port}")
 
 
 def _metrics_refresher(vmi: VMI, prepared, lv: Libvirt) -> vhostmd.Refresher | None:
@@ -414,6 +424,7 @@ def cleanup(cache: Cache, lv: Libvirt | None, name: str, grace: float = 0, wait:
         for usage in record.get("secrets", []):
             lv.undefine_secret(usage)
     virtiofs.stop(record.get("virtiofsd", []))
+    network.stop([entry for entry in record.get("network", []) if "pid" in entry])
     _remove_run_dir(cache, name)
     cache.vm_record_path(name).unlink(missing_ok=True)
     user = user or VmUser.from_json(record.get("vmUser"))

@@ -88,7 +88,7 @@ INTERFACE = {
     "tag": INERT,  # as a disk's tag: only KubeVirt's metadata service shows it
     "acpiIndex": UNSUPPORTED,
 }
-NETWORK = {"name": HANDLED, "pod": {"vmNetworkCIDR": HANDLED, "vmIPv6NetworkCIDR": UNSUPPORTED},
+NETWORK = {"name": HANDLED, "pod": {"vmNetworkCIDR": HANDLED, "vmIPv6NetworkCIDR": HANDLED},
            "multus": HANDLED, "resourceClaim": HANDLED}
 DEVICES = {
     "disks": ListOf(DISK),

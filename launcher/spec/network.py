@@ -1,9 +1,8 @@
 """spec.networks and spec.domain.devices.interfaces: KubeVirt's defaulting and admission (pure).
 
-Only the pod network exists here. Its bindings (masquerade, bridge, the passt binding plugin) all
-become one user-mode NIC (launcher.render.interfaces): outside a pod there is no pod interface to
-bridge, and the guest reaches the host's network through the launcher's user-mode stack either way.
-Multus and SR-IOV need a cluster's CNI and a host's VFs: refused, naming the field.
+Only the pod network exists here; what each of its bindings (masquerade, bridge, the passt binding
+plugin) gives the guest is launcher.network's. Multus and SR-IOV need a cluster's CNI and a host's VFs:
+refused, naming the field.
 
 Defaulting follows pkg/network/vmispec/defaults.go SetDefaultNetworkInterface with KubeVirt's default
 cluster config (pkg/virt-config/virt-config.go DefaultNetworkInterface "bridge",
@@ -27,8 +26,10 @@ DEFAULT_BINDING = "bridge"  # pkg/virt-config/virt-config.go DefaultNetworkInter
 RESERVED_MAC = "02:00:00:00:00:00"
 # pkg/network/admitter/netiface.go validInterfaceModels
 MODELS = ("e1000", "e1000e", "igb", "ne2k_pci", "pcnet", "rtl8139", "virtio")
-# pkg/network/istio / masquerade: the guest's subnet when vmNetworkCIDR is unset
+# pkg/virt-launcher/virtwrap/api/defaults.go: masquerade's subnets when vmNetworkCIDR and
+# vmIPv6NetworkCIDR are unset
 DEFAULT_CIDR = "10.0.2.0/24"
+DEFAULT_CIDR6 = "fd10:0:2::/120"
 # binding plugins the launcher implements (KubeVirt's come from the cluster's config)
 PLUGINS = ("passt",)
 PCI_ADDRESS = re.compile(r"([0-9a-fA-F]{4}):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])")
@@ -57,6 +58,7 @@ class Interface:
     boot_order: int | None = None
     ports: tuple[Port, ...] = ()
     link_down: bool = False  # state: down (admit.go InterfaceStateLinkDown)
+    cidr6: str = DEFAULT_CIDR6  # the pod network's vmIPv6NetworkCIDR
 
 
 def _mac(value: str) -> str | None:
@@ -123,10 +125,27 @@ def _binding(doc: dict, at: str) -> str:
     return kind
 
 
-def _networks(items: list, at: str) -> tuple[dict[str, tuple[int, str]], list[str]]:
-    """name -> (index, vmNetworkCIDR) of each pod network, after netsource.go's checks, and the fields of
-    the networks the launcher cannot give (refused once KubeVirt's own checks had their say)."""
-    pods: dict[str, tuple[int, str]] = {}
+def _cidr(pod: dict, key: str, default: str, family, at: str) -> str:
+    """pkg/network/setup/netpod/netpod.go gatewayIP: the subnet masquerade takes its gateway and the
+    guest's address from (the 1st and 2nd host addresses), in its words; virt-launcher finds them
+    when it sets up the pod, the launcher before anything is pulled."""
+    cidr = get_str(pod, key, at) or default
+    try:
+        if "/" not in cidr:  # Go's net.ParseCIDR wants the prefix length
+            raise ValueError(cidr)
+        net = family(cidr, strict=False)
+    except ValueError as exc:
+        raise field_error(f"{at}.{key}", f"failed to parse VM CIDR: {cidr}, invalid CIDR address: {cidr}") from exc
+    if net.prefixlen > net.max_prefixlen - 2:
+        raise field_error(f"{at}.{key}", f"VM CIDR subnet is too small, at least 2 host addresses are required: {cidr}")
+    return str(net)
+
+
+def _networks(items: list, at: str) -> tuple[dict[str, tuple[int, str, str]], list[str]]:
+    """name -> (index, vmNetworkCIDR, vmIPv6NetworkCIDR) of each pod network, after netsource.go's checks,
+    and the fields of the networks the launcher cannot give (refused once KubeVirt's own checks had
+    their say)."""
+    pods: dict[str, tuple[int, str, str]] = {}
     others: list[str] = []
     seen = set()
     pod_count = 0
@@ -150,14 +169,8 @@ def _networks(items: list, at: str) -> tuple[dict[str, tuple[int, str]], list[st
             raise field_error(f"{at.rsplit('.', 1)[0]}.interfaces",
                             f"more than one interface is connected to a pod network in {at.rsplit('.', 1)[0]}.interfaces")
         pod = as_map(doc["pod"], f"{nat}.pod")
-        cidr = get_str(pod, "vmNetworkCIDR", f"{nat}.pod") or DEFAULT_CIDR
-        try:
-            net = ipaddress.IPv4Network(cidr, strict=False)
-        except ValueError:
-            raise field_error(f"{nat}.pod.vmNetworkCIDR", f"invalid IPv4 CIDR {cidr}") from None
-        if net.prefixlen > 27:  # qemu's user-mode stack puts the gateway at .2, DNS at .3 and the guest at .15
-            raise field_error(f"{nat}.pod.vmNetworkCIDR", f"{cidr} is too small for the launcher's user-mode network (a /27 at least: the guest gets the 15th address)")
-        pods[name] = (i, str(net))
+        pods[name] = (i, _cidr(pod, "vmNetworkCIDR", DEFAULT_CIDR, ipaddress.IPv4Network, f"{nat}.pod"),
+                      _cidr(pod, "vmIPv6NetworkCIDR", DEFAULT_CIDR6, ipaddress.IPv6Network, f"{nat}.pod"))
     return pods, others
 
 
@@ -248,5 +261,6 @@ def parse_interfaces(spec: dict, devices: dict, root: str, disk_boot_orders: fro
             raise field_error(f"{fat}.state", f'"{names[i]}" interface\'s state "absent" is supported only for bridge binding')
         if state == "absent":  # the pod network is always the default network (vmispec.LookUpDefaultNetwork)
             raise field_error(f"{fat}.state", f'"{names[i]}" interface\'s state "absent" is not supported on default networks')
-        interfaces.append(Interface(names[i], i, bindings[i], pods[names[i]][1], model, normal, pci, boot, ports, state == "down"))
+        _, cidr, cidr6 = pods[names[i]]
+        interfaces.append(Interface(names[i], i, bindings[i], cidr, model, normal, pci, boot, ports, state == "down", cidr6))
     return tuple(interfaces)
