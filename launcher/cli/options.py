@@ -89,7 +89,6 @@ def trust_options(command):
     options that `registry_options` (above this decorator) made: every read of the command, the disk
     server's included, answers to that policy."""
     import functools
-    import os
     from dataclasses import replace
 
     @functools.wraps(command)
