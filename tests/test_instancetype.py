@@ -85,7 +85,7 @@ def vm(instancetype=None, preference=None, disks=None, volumes=None, domain=None
     return doc
 
 
-EFI_HOST = Host(efi_code="/ovmf/CODE.fd", efi_vars="/ovmf/VARS.fd", nvram="/state/vm1_VARS.fd")  # what efivars finds
+EFI_HOST = Host(efi_code="/ovmf/CODE.fd", efi_vars="/ovmf/VARS.fd", nvram="/state/vm1_VARS.fd")  # what launcher.volumes.vmstate finds
 
 
 def domain_xml(doc: dict, objects=OBJECTS) -> ET.Element:

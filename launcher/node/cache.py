@@ -8,6 +8,10 @@
                                                     (long domains: head + hash, see entry_name)
     <root>/pins/<domain>.json                       the digests a VirtualMachine's tags were pinned to
                                                     (launcher.node.pins); outlive its runs
+    <root>/state/<domain>/                          a VirtualMachine's persistent EFI variables (launcher.volumes.vmstate);
+    <root>/state/libvirt/                           outlive its runs, as KubeVirt's backend-storage claim; and the
+                                                    configuration (swtpm's TPM states among it) of a root
+                                                    launcher's own libvirt daemon (launcher.runtime.sessiond)
     <root>/locks/, <root>/tmp/                      flock files; staging on the same filesystem
     <root>/partial/<digest>.part, .synced, .source  blobs being downloaded, kept for resuming after a kill
     <root>/lazy/, <root>/serve/                     the disk server's exports and sockets
@@ -105,9 +109,9 @@ def private_dirs(top: Path, path: Path) -> Path:
     return path
 
 
-SUBDIRS = ("blobs", "disks", "refs", "tags", "vms", "run", "locks", "tmp", "partial", "lazy", "pins", "exports", "chunks")
-# what qemu opens itself: base disks and kernels, a VM's run directory, the claims of VM exports
-QEMU_READS = ("disks", "run", "exports")
+SUBDIRS = ("blobs", "disks", "refs", "tags", "vms", "run", "locks", "tmp", "partial", "lazy", "pins", "exports", "chunks", "state")
+# what qemu opens itself: base disks and kernels, a VM's run directory, the claims of VM exports, a VM's kept state
+QEMU_READS = ("disks", "run", "exports", "state")
 
 
 def layout_modes(privileged: bool) -> dict[str, int]:

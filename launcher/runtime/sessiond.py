@@ -10,6 +10,9 @@ below that HOME, and a unix socket's path is 107 bytes at most. Under /run it go
 as the VMs do.
 It is started on demand with --timeout: a session daemon exits once idle, and libvirt keeps it
 alive while one of its domains runs.
+Its configuration directory (XDG_CONFIG_HOME) is the cache's `state/libvirt/` instead: libvirt keeps
+there what must outlive a reboot of the node, a persistent TPM's state above all (swtpm's, per domain
+UUID, in libvirt/qemu/swtpm/; launcher.volumes.vmstate), as the system daemon keeps it in /var/lib/libvirt.
 """
 
 from __future__ import annotations
@@ -147,14 +150,35 @@ def _home_dir(cache: Cache) -> Path:
     return path
 
 
+def _config_dir(cache: Cache) -> Path:
+    """The daemon's XDG_CONFIG_HOME, `<cache>/state/libvirt`: made by root in the cache's own state/, then
+    the qemu user's alone; one found there must be a directory of root's or qemu's, not a link."""
+    path = cache.root / "state" / "libvirt"
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        if os.fstat(fd).st_uid not in (0, KUBEVIRT_QEMU[0]):
+            raise DiskkitError(path, "is not a directory of root's or the qemu user's; remove it, the launcher makes it afresh")
+        os.fchown(fd, *KUBEVIRT_QEMU)
+        os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
+    return path
+
+
 def _start(cache: Cache) -> None:
     libvirtd = shutil.which("libvirtd") or shutil.which("libvirtd", path="/usr/sbin:/sbin")
     if libvirtd is None:
         raise DiskkitError("libvirtd", "not installed: with no system daemon a root launcher runs VMs through the qemu user's "
                                        "session daemon (apt-get install libvirt-daemon)")
     where = _home_dir(cache)
-    # XDG_* unset: the daemon keeps everything under its HOME, where later verbs look for its socket.
-    env = {"HOME": str(where), "PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "LC_ALL": "C"}
+    # XDG_RUNTIME_DIR and XDG_CACHE_HOME unset: the daemon keeps its sockets and logs under its HOME, where
+    # later verbs look for its socket; its configuration in the cache, to outlive the node's reboots.
+    env = {"HOME": str(where), "XDG_CONFIG_HOME": str(_config_dir(cache)),
+           "PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "LC_ALL": "C"}
     # --daemon: the parent returns once the daemon is ready (or has failed), and the daemon,
     # in a session of its own, outlives this launcher.
     group = kvm_group()

@@ -26,7 +26,7 @@ from launcher.diskserver.client import last_failure
 from launcher.diskserver.qemuid import is_system_uri
 from launcher.node import pins
 from launcher.node.cache import Cache
-from launcher.render.domain import Host, render, secret_xml
+from launcher.render.domain import Host, notes, render, secret_xml
 from launcher.render.interfaces import netdev_id
 from launcher.runtime import accel, hostcpus, rundir, sessiond, virtiofs
 from launcher.runtime.conditions import Paused, paused_condition
@@ -35,7 +35,7 @@ from launcher.runtime.iopause import PauseWatch, describe
 from launcher.runtime.portforward import Forward, Forwarder
 from launcher.runtime.runner import Libvirt, default_uri
 from launcher.spec.vmi import VMI
-from launcher.volumes import vhostmd
+from launcher.volumes import vhostmd, vmstate
 from launcher.volumes.files import KUBEVIRT_QEMU, qemu_owner
 from launcher.volumes.prepare import admit, prepare
 from launcher.volumes.storage import Storage
@@ -119,10 +119,13 @@ def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, domain_type: st
         initrd=prepared.initrd,
         virtiofs_sockets=virtiofs.sockets(vmi, run_dir),
         dac=dac,
+        **(dict(zip(("efi_code", "efi_vars", "nvram"), prepared.efi)) if prepared.efi else {}),
     )
     if vmi.domain.cpu.dedicated_cpu_placement:
         host = replace(host, topology=hostcpus.read_topology(), cpuset=hostcpus.pod_cpuset())
-    return prepared, render(vmi, prepared.disks, host)
+    xml = render(vmi, prepared.disks, host)
+    prepared.notes.extend(notes(vmi, host))  # what the guest goes without here (emulation)
+    return prepared, xml
 
 
 def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) -> int:
@@ -136,7 +139,7 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
     owner = qemu_owner(lv.uri)
     with cache.lock(f"vm-{name}"):
         if lv.shut_off_with_uuid(name, vmi.uuid):
-            cleanup(cache, lv, name)  # this VMI's own, left by a killed launcher: nothing runs in it
+            cleanup(cache, lv, name, vmstate.drops_tpm_state(vmi))  # this VMI's own, left by a killed launcher: nothing runs in it
         if lv.exists(name):
             raise DiskkitError(name, f"a domain of this name already exists on {lv.uri}; stop it first (launcher stop {vmi.name})")
         _remove_run_dir(cache, name)  # leftovers of a launcher that was killed
@@ -180,6 +183,7 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
                     # what `launcher port-forward` adds its forwards to
                     "network": [{"interface": i.name, "netdev": netdev_id(i), "cidr": i.cidr} for i in vmi.domain.devices.interfaces],
                     "livenessProbe": vmi.liveness_probe,  # what `launcher pause` checks, as virt-api does
+                    "dropTPMState": vmstate.drops_tpm_state(vmi),  # a bare VMI's persistent TPM goes with it
                 })
             for note in prepared.notes:
                 say(f"note: {note}")
@@ -194,7 +198,7 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
         except BaseException as exc:
             alarm.disarm()
             virtiofs.stop(daemons)  # started, maybe not recorded yet
-            cleanup(cache, lv, name)
+            cleanup(cache, lv, name, vmstate.drops_tpm_state(vmi))
             if isinstance(exc, _OutOfTime):
                 raise TimedOut(name, f"not started within --timeout {opts.timeout:g} s (pulling, serving or starting it); nothing was left") from None
             if isinstance(exc, OSError) and cache.vanished():
@@ -357,11 +361,14 @@ def _remove_run_dir(cache: Cache, name: str) -> None:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def cleanup(cache: Cache, lv: Libvirt | None, name: str) -> bool:
+def cleanup(cache: Cache, lv: Libvirt | None, name: str, drop_tpm_state: bool | None = None) -> bool:
     """Destroy and undefine the domain and its secrets, end its virtiofsd processes, remove its overlays and
-    record; True if a domain was there."""
-    had = lv.destroy(name) if lv is not None else False
+    record; True if a domain was there. A persistent TPM's state stays unless `drop_tpm_state` (None: as
+    the record says)."""
     record = cache.read_json(cache.vm_record_path(name)) or {}
+    if drop_tpm_state is None:
+        drop_tpm_state = bool(record.get("dropTPMState"))
+    had = lv.destroy(name, drop_tpm_state) if lv is not None else False
     if lv is not None:
         for usage in record.get("secrets", []):
             lv.undefine_secret(usage)
