@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
-from launcher.spec.fields import SpecError
 from launcher.spec.hyperv import Enlightenment, Hyperv
 from launcher.spec.vmi import VMI
 
@@ -33,13 +32,6 @@ def _enlightenment(parent: ET.Element, item: Enlightenment) -> None:
         element.set("retries", str(item.retries))
     if item.vendor_id:
         element.set("value", item.vendor_id)
-    if item.name == "tlbflush":
-        # libvirt 9.0's <tlbflush> has no <direct>/<extended> (its schema; it would drop them unsaid): off is
-        # what the guest gets without them, on cannot be given
-        for sub in ("direct", "extended"):
-            if getattr(item, sub):
-                raise SpecError(f"{AT}.hyperv.tlbflush.{sub}", "needs a libvirt that sets it (this one, 9.0, cannot); leave it out")
-        return
     if item.direct is not None:
         ET.SubElement(element, "direct", state=_on(item.direct))
 

@@ -33,8 +33,7 @@ class Enlightenment:
     enabled: bool
     retries: int | None = None  # spinlocks
     vendor_id: str | None = None  # vendorid
-    direct: bool | None = None  # synictimer, tlbflush: None when not given
-    extended: bool | None = None  # tlbflush
+    direct: bool | None = None  # synictimer: None when not given
 
 
 @dataclass(frozen=True)
@@ -77,8 +76,6 @@ def _enlightenment(name: str, doc: dict, at: str) -> Enlightenment:
         return Enlightenment(name, enabled, vendor_id=vendor)
     if name == "synictimer":
         return Enlightenment(name, enabled, direct=_sub_state(doc, "direct", at))
-    if name == "tlbflush":
-        return Enlightenment(name, enabled, direct=_sub_state(doc, "direct", at), extended=_sub_state(doc, "extended", at))
     return Enlightenment(name, enabled)
 
 
