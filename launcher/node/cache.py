@@ -9,9 +9,9 @@
     <root>/pins/<domain>.json                       the digests a VirtualMachine's tags were pinned to
                                                     (launcher.node.pins); outlive its runs
     <root>/state/<domain>/                          a VirtualMachine's persistent EFI variables (launcher.volumes.vmstate);
-    <root>/state/libvirt/                           outlive its runs, as KubeVirt's backend-storage claim; and the
-                                                    configuration (swtpm's TPM states among it) of a root
-                                                    launcher's own libvirt daemon (launcher.runtime.sessiond)
+    <root>/state/swtpm/<uuid>/                      outlive its runs, as KubeVirt's backend-storage claim; and the
+                                                    TPM states of a root launcher's own libvirt daemon
+                                                    (launcher.runtime.sessiond)
     <root>/locks/, <root>/tmp/                      flock files; staging on the same filesystem
     <root>/partial/<digest>.part, .synced, .source  blobs being downloaded, kept for resuming after a kill
     <root>/lazy/, <root>/serve/                     the disk server's exports and sockets

@@ -10,9 +10,11 @@ below that HOME, and a unix socket's path is 107 bytes at most. Under /run it go
 as the VMs do.
 It is started on demand with --timeout: a session daemon exits once idle, and libvirt keeps it
 alive while one of its domains runs.
-Its configuration directory (XDG_CONFIG_HOME) is the cache's `state/libvirt/` instead: libvirt keeps
-there what must outlive a reboot of the node, a persistent TPM's state above all (swtpm's, per domain
-UUID, in libvirt/qemu/swtpm/; launcher.volumes.vmstate), as the system daemon keeps it in /var/lib/libvirt.
+What must outlive a reboot of the node is kept in the cache instead: libvirt keeps a persistent TPM's
+state (swtpm's, per domain UUID; launcher.volumes.vmstate) in its configuration directory, under the
+HOME, where the monitor sockets are too; so that directory's `libvirt/qemu/swtpm` is a link, made by
+the qemu user in its own HOME, to the cache's `state/swtpm/`, as the system daemon keeps it in
+/var/lib/libvirt.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import time
 from pathlib import Path
 
 from diskkit.errors import DiskkitError
+from launcher.hostfs import asowner
 from launcher.node.cache import Cache, key
 from launcher.volumes.files import KUBEVIRT_QEMU
 
@@ -150,10 +153,12 @@ def _home_dir(cache: Cache) -> Path:
     return path
 
 
-def _config_dir(cache: Cache) -> Path:
-    """The daemon's XDG_CONFIG_HOME, `<cache>/state/libvirt`: made by root in the cache's own state/, then
-    the qemu user's alone; one found there must be a directory of root's or qemu's, not a link."""
-    path = cache.root / "state" / "libvirt"
+def _tpm_states(cache: Cache, where: Path) -> None:
+    """`<cache>/state/swtpm`, made by root in the cache's own state/ and then the qemu user's alone (one
+    found there must be a directory of root's or qemu's, not a link), and the daemon's swtpm directory a
+    link to it, made by the qemu user in its own HOME (root never acts on a name there) unless one is
+    there already."""
+    path = cache.root / "state" / "swtpm"
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
@@ -166,7 +171,15 @@ def _config_dir(cache: Cache) -> Path:
         os.fchmod(fd, 0o700)
     finally:
         os.close(fd)
-    return path
+
+    def link(_send) -> dict:
+        qemu_dir = where / ".config" / "libvirt" / "qemu"
+        os.makedirs(qemu_dir, 0o700, exist_ok=True)
+        if not os.path.lexists(qemu_dir / "swtpm"):
+            os.symlink(path, qemu_dir / "swtpm")
+        return {}
+
+    asowner.run_as(KUBEVIRT_QEMU, link)
 
 
 def _start(cache: Cache) -> None:
@@ -175,10 +188,9 @@ def _start(cache: Cache) -> None:
         raise DiskkitError("libvirtd", "not installed: with no system daemon a root launcher runs VMs through the qemu user's "
                                        "session daemon (apt-get install libvirt-daemon)")
     where = _home_dir(cache)
-    # XDG_RUNTIME_DIR and XDG_CACHE_HOME unset: the daemon keeps its sockets and logs under its HOME, where
-    # later verbs look for its socket; its configuration in the cache, to outlive the node's reboots.
-    env = {"HOME": str(where), "XDG_CONFIG_HOME": str(_config_dir(cache)),
-           "PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "LC_ALL": "C"}
+    _tpm_states(cache, where)
+    # XDG_* unset: the daemon keeps everything under its HOME, where later verbs look for its socket.
+    env = {"HOME": str(where), "PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "LC_ALL": "C"}
     # --daemon: the parent returns once the daemon is ready (or has failed), and the daemon,
     # in a session of its own, outlives this launcher.
     group = kvm_group()

@@ -16,8 +16,8 @@ it (pkg/storage/backend-storage). Here:
   booted by every later one; otherwise the store is made afresh in the run directory and goes with it;
 - a persistent TPM's state is swtpm's, kept by libvirt per domain UUID in its swtpm directory (the
   qemu user's session daemon: `$XDG_CONFIG_HOME/libvirt/qemu/swtpm/<uuid>/`, which for a root
-  launcher's own daemon is `<cache>/state/libvirt/`, launcher.runtime.sessiond; the system daemon:
-  /var/lib/libvirt/swtpm/<uuid>/). The VM's UUID is stable (firmware.uuid, else derived from its
+  launcher's own daemon leads to `<cache>/state/swtpm/<uuid>/`, launcher.runtime.sessiond; the system
+  daemon: /var/lib/libvirt/swtpm/<uuid>/). The VM's UUID is stable (firmware.uuid, else derived from its
   namespace and name), libvirt keeps persistent state when the domain goes, and a bare VMI's run
   removes it at the end (`drops_tpm_state`).
 """
