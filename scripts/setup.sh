@@ -13,7 +13,7 @@ APT_PACKAGES=(
     skopeo umoci buildah docker-registry
     xorriso genisoimage mtools syslinux syslinux-common fdisk dosfstools busybox-static cpio kmod e2fsprogs
     util-linux zstd libnbd-bin
-    libvirt-daemon-system libvirt-clients libvirt-dev pkg-config libxml2-utils ovmf tgt
+    libvirt-daemon-system libvirt-clients libvirt-dev pkg-config libxml2-utils ovmf swtpm swtpm-tools tgt
     docker.io podman catatonit mmdebstrap
     golang-go golang-golang-x-crypto-dev openssl
     gnupg

@@ -100,6 +100,11 @@ def _host(doc: dict, fields: dict) -> Host:
         fields.setdefault("kernel", "/run/vm/kernel")
     if "initrdPath" in text:
         fields.setdefault("initrd", "/run/vm/initrd")
+    if "efi:" in text:  # what launcher.volumes.vmstate finds in Debian's ovmf, and the VM's own variable store
+        secure = "OVMF_VARS_4M.fd" if "secureBoot: false" in text else "OVMF_VARS_4M.ms.fd"
+        fields.setdefault("efi_code", "/usr/share/OVMF/OVMF_CODE_4M.secboot.fd")
+        fields.setdefault("efi_vars", f"/usr/share/OVMF/{secure}")
+        fields.setdefault("nvram", "/run/vm/nvram/VARS.fd")
     spec = doc.get("spec") or {}
     if doc.get("kind") == "VirtualMachine":
         spec = (spec.get("template") or {}).get("spec") or {}

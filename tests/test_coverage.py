@@ -62,11 +62,11 @@ def test_the_projects_own_manifests_use_nothing_unsupported(path):
 CASES = [
     (("spec", "domain", "devices", "gpus"), [{"name": "g", "deviceName": "nvidia.com/GP102"}], "spec.domain.devices.gpus", UNSUPPORTED),
     (("spec", "domain", "devices", "hostDevices"), [{"name": "h", "deviceName": "x/y"}], "spec.domain.devices.hostDevices", UNSUPPORTED),
-    (("spec", "domain", "devices", "tpm"), {}, "spec.domain.devices.tpm", UNSUPPORTED),
+    (("spec", "domain", "devices", "watchdog"), {"name": "w", "i6300esb": {}}, "spec.domain.devices.watchdog", UNSUPPORTED),
     (("spec", "domain", "devices", "rng"), {"model": "x"}, "spec.domain.devices.rng.model", UNKNOWN),
     (("spec", "domain", "devices", "autoattachVSOCK"), True, "spec.domain.devices.autoattachVSOCK", UNSUPPORTED),
-    (("spec", "domain", "features", "hyperv"), {"relaxed": {}}, "spec.domain.features.hyperv", UNSUPPORTED),
-    (("spec", "domain", "clock"), {"timer": {"hpet": {"present": False}}}, "spec.domain.clock.timer", UNSUPPORTED),
+    (("spec", "domain", "devices", "sound"), {"name": "s"}, "spec.domain.devices.sound", UNSUPPORTED),
+    (("spec", "domain", "memory"), {"maxGuest": "2Gi"}, "spec.domain.memory.maxGuest", UNSUPPORTED),
     (("spec", "domain", "cpu"), {"cores": 2, "features": [{"name": "vmx"}]}, "spec.domain.cpu.features", UNSUPPORTED),
     (("spec", "domain", "memory"), {"hugepages": {"pageSize": "2Mi"}}, "spec.domain.memory.hugepages", UNSUPPORTED),
     (("spec", "resourceClaims"), [{"name": "r"}], "spec.resourceClaims", UNSUPPORTED),
@@ -125,7 +125,7 @@ def test_a_virtual_machines_template_is_walked_too():
 def test_the_cli_refuses_then_names_each_field_it_drops(tmp_path):
     from tests.conftest import run_launcher
 
-    doc = vmi(gpus=[{"name": "g", "deviceName": "nvidia.com/GP102"}], tpm={})
+    doc = vmi(gpus=[{"name": "g", "deviceName": "nvidia.com/GP102"}], watchdog={"name": "w", "i6300esb": {}})
     doc["spec"]["volumes"] = [{"name": "scratch", "emptyDisk": {"capacity": "64Mi"}}]
     spec = tmp_path / "vmi.yaml"
     spec.write_text(yaml.safe_dump(doc))
@@ -136,6 +136,6 @@ def test_the_cli_refuses_then_names_each_field_it_drops(tmp_path):
     assert went_on.code == 0, went_on.err
     assert went_on.err.splitlines()[:2] == [
         "launcher: ignoring spec.domain.devices.gpus: not supported by the launcher, and it changes what the guest sees",
-        "launcher: ignoring spec.domain.devices.tpm: not supported by the launcher, and it changes what the guest sees",
+        "launcher: ignoring spec.domain.devices.watchdog: not supported by the launcher, and it changes what the guest sees",
     ]
-    assert "<domain" in went_on.out and "hostdev" not in went_on.out and "tpm" not in went_on.out
+    assert "<domain" in went_on.out and "hostdev" not in went_on.out and "watchdog" not in went_on.out

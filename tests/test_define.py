@@ -8,10 +8,12 @@ about a second after libvirt's first capability probe.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pwd
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -83,6 +85,9 @@ def defined() -> dict:
         assert proc.returncode == 0, f"the define script failed:\n{proc.stderr}"
         return json.loads(proc.stdout)
     finally:
+        # The session daemon would outlive its HOME (its --timeout does not end it once that is gone).
+        with contextlib.suppress(OSError, ValueError):
+            os.kill(int((home / ".cache" / "libvirt" / "libvirtd.pid").read_text().strip()), signal.SIGTERM)
         shutil.rmtree(home, ignore_errors=True)
 
 

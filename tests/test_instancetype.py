@@ -85,10 +85,13 @@ def vm(instancetype=None, preference=None, disks=None, volumes=None, domain=None
     return doc
 
 
+EFI_HOST = Host(efi_code="/ovmf/CODE.fd", efi_vars="/ovmf/VARS.fd", nvram="/state/vm1_VARS.fd")  # what launcher.volumes.vmstate finds
+
+
 def domain_xml(doc: dict, objects=OBJECTS) -> ET.Element:
     vmi = parse_vmi(doc, objects=objects)
     disks = {v.name: ResolvedDisk(f"/run/{v.name}.qcow2", "qcow2") for v in vmi.volumes}
-    return ET.fromstring(render(vmi, disks, Host()))
+    return ET.fromstring(render(vmi, disks, EFI_HOST))
 
 
 def summary(xml: ET.Element) -> dict:
@@ -169,7 +172,24 @@ def test_what_the_launcher_cannot_do_is_refused_naming_the_field():
     # cx1: NUMA passthrough is not implemented; m1: hugepages land in the template and are refused there.
     assert error(vm("cx1.large")) == "spec.instancetype: VirtualMachineClusterInstancetype cx1.large: spec.cpu.numa is not supported by the launcher"
     assert error(vm("m1.large")) == "spec.template.spec.domain.memory.hugepages: not supported by the launcher, and it changes what the guest sees; --ignore-unsupported runs without it"
-    assert "spec.devices.preferredTPM is not supported" in error(vm("u1.large", "windows.11"))
+
+
+def test_the_windows_11_preference_gives_a_persistent_tpm_efi_hyperv_and_the_clock():
+    # pkg/instancetype/preference/apply: device.go (preferredTPM when the VM has none), features.go
+    # (applyHyperVFeaturePreferences, field by field), clock.go (offset and timers whole), firmware.go
+    # (preferredEfi, persistent and all); then the converter's compute/tpm.go, hypervisor_features.go, clock.go.
+    doc = vm("u1.large", "windows.11", domain={"features": {"hyperv": {"vapic": {}}}})
+    template = expand(doc, OBJECTS)["spec"]["template"]["spec"]["domain"]
+    assert template["features"]["hyperv"] == {"vapic": {}, "relaxed": {}}
+    assert template["firmware"]["bootloader"]["efi"] == {"persistent": True, "secureBoot": True}
+    vmi = parse_vmi(doc, objects=OBJECTS)
+    xml = domain_xml(doc)
+    assert (xml.find("devices/tpm").get("model"), xml.find("devices/tpm/backend").get("persistent_state")) == ("tpm-crb", "yes")
+    assert [e.tag for e in xml.find("features/hyperv")] == ["relaxed", "vapic"]
+    assert xml.find("clock").attrib == {"offset": "utc", "adjustment": "reset"}
+    assert xml.find("clock/timer").attrib == {"name": "hpet", "present": "no"}
+    assert (xml.find("os/loader").get("secure"), xml.find("os/nvram").text) == ("yes", "/state/vm1_VARS.fd")
+    assert vmi.domain.firmware.efi_persistent and vmi.domain.features.smm
 
 
 def test_linux_preferences_give_the_guest_a_virtio_rng():

@@ -310,8 +310,8 @@ def test_duplicate_boot_order():
         ({"containerDisk": {"image": "x:1"}, "emptyDisk": {"capacity": "1Gi"}}, "spec.volumes[0]: must have exactly one source type set"),
         ({"contianerDisk": {"image": "x:1"}}, "spec.volumes[0].contianerDisk: unknown field (did you mean \"containerDisk\"?): not in KubeVirt's schema,"
                                               " so its API server would drop it; --ignore-unsupported runs without it"),
-        ({"sysprep": {}}, "spec.volumes[0].sysprep: not supported by the launcher, and it changes what the guest sees;"
-                          " --ignore-unsupported runs without it"),
+        # pkg/virt-controller/services/template.go sysprepVolumeSource, refusing to render the pod
+        ({"sysprep": {}}, "spec.volumes[0].sysprep: Sysprep must have Secret or ConfigMap reference set"),
         ({"dataVolume": {}}, "spec.volumes[0].dataVolume.name: DataVolume 'name' must be set"),
         ({"emptyDisk": {}}, "spec.volumes[0].emptyDisk.capacity: required"),
         ({"persistentVolumeClaim": {}}, "spec.volumes[0].persistentVolumeClaim.claimName: required"),

@@ -100,6 +100,8 @@ _FS_DATA = re.compile(r"FS-DATA tag=(\S+) path=(.*?) \|(?: (.*))?$")
 _FS_WROTE = re.compile(r"FS-WROTE tag=(\S+) (ok|failed)$")
 _SSH = re.compile(r"SSH keys=(\d+) (started|off)(?: (.*))?$")
 _ATTACK = re.compile(r"ATTACK tag=(\S+) uid=(\d+) what=(\S+) (ok|failed)(?:: (.*))?$")
+_TPM = re.compile(r"TPM dev=(\S+) version=(\S+) driver=(\S*) resets=(\S+)$")
+_EFI = re.compile(r"EFI var=(\S+) before=(\d+) (?:after=(\d+)|failed)$")
 
 
 def parse_console(text: str) -> dict[str, Any]:
@@ -117,6 +119,9 @@ def parse_console(text: str) -> dict[str, Any]:
      "attacks": {(tag, uid, what): succeeded},  (a disk with serial attack-fs: what the hostile guest tried on its shares)
      "attack_errors": {(tag, uid, what): reason},  (why a failed one failed, e.g. "Read-only file system")
      "ssh": {"keys": int, "started": bool, "why": str} | None,  (a guest with a NIC: dropbear on port 22, or why not)
+     "hypervisor": str,  (what the kernel detected: "Microsoft Hyper-V", "KVM", or "none")
+     "tpm": {"dev": str, "version": str, "driver": str, "resets": int | None} | None,  (None: no TPM; resets from TPM2_ReadClock)
+     "efi": {"before": int, "after": int | None} | None,  (None: not booted by EFI; the guest's boot counter in an EFI variable)
      "warnings": [str]}
 
     File content is rebuilt from the ISO-DATA lines, each terminated by "\\n"
@@ -125,7 +130,7 @@ def parse_console(text: str) -> dict[str, Any]:
     """
     res: dict[str, Any] = {"ready": False, "done": False, "disks": {}, "isos": {},
                            "stamps": {}, "unsynced": {}, "cpus": None, "mem_kib": None, "filesystems": {}, "warnings": [], "acpi_poweroff": False, "rng": None,
-                           "attacks": {}, "attack_errors": {}, "ssh": None}
+                           "attacks": {}, "attack_errors": {}, "ssh": None, "hypervisor": None, "tpm": None, "efi": None}
     for raw in text.splitlines():
         line = raw.rstrip("\r")
         if "DISKKIT-TESTGUEST v1 READY" in line:
@@ -136,6 +141,12 @@ def parse_console(text: str) -> dict[str, Any]:
             res["acpi_poweroff"] = True
         elif line.startswith("RNG current="):
             res["rng"] = line.split("=", 1)[1].strip()
+        elif line.startswith("HYPERVISOR "):
+            res["hypervisor"] = line.split(" ", 1)[1].strip()
+        elif m := _TPM.match(line):
+            res["tpm"] = {"dev": m[1], "version": m[2], "driver": m[3], "resets": None if m[4] == "-" else int(m[4])}
+        elif m := _EFI.match(line):
+            res["efi"] = {"before": int(m[2]), "after": None if m[3] is None else int(m[3])}
         elif m := _DISK.match(line):
             name, size, ro, serial, head = m.groups()
             res["disks"][name] = {"size": int(size), "ro": ro == "1",

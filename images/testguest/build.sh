@@ -47,6 +47,8 @@ WANTED_MODULES=(
     button evdev
     virtio_rng
     failover net_failover virtio_net
+    tpm tpm_tis_core tpm_tis tpm_crb
+    efivarfs
 )
 # The ssh server (dropbear-bin), copied with the libraries it links and its loader.
 DROPBEAR=/usr/sbin/dropbear

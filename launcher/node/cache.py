@@ -10,6 +10,10 @@
                                                     (long domains: head + hash, see entry_name)
     <root>/pins/<domain>.json                       the digests a VirtualMachine's tags were pinned to
                                                     (launcher.node.pins); outlive its runs
+    <root>/state/<domain>/                          a VirtualMachine's persistent EFI variables (launcher.volumes.vmstate);
+    <root>/state/swtpm/<uuid>/                      outlive its runs, as KubeVirt's backend-storage claim; and the
+                                                    TPM states of a root launcher's own libvirt daemon
+                                                    (launcher.runtime.sessiond)
     <root>/locks/, <root>/tmp/                      flock files; staging on the same filesystem
     <root>/partial/<digest>.part, .synced, .source  blobs being downloaded, kept for resuming after a kill
     <root>/lazy/, <root>/serve/                     the disk server's exports and sockets
@@ -108,7 +112,7 @@ def private_dirs(top: Path, path: Path) -> Path:
     return path
 
 
-SUBDIRS = ("blobs", "disks", "refs", "tags", "vms", "run", "locks", "tmp", "partial", "lazy", "pins", "exports", "chunks", "signatures")
+SUBDIRS = ("blobs", "disks", "refs", "tags", "vms", "run", "locks", "tmp", "partial", "lazy", "pins", "exports", "chunks", "signatures", "state")
 PASSED_THROUGH = ("run",)  # each VM's qemu reaches its own run directory in it, and lists nothing
 
 

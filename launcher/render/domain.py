@@ -16,7 +16,7 @@ import uuid
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 
-from launcher.render import cpupin, interfaces
+from launcher.render import clock, cpupin, features, interfaces
 from launcher.render.cpupin import Topology
 from launcher.spec.k8s import NetworkSource
 from launcher.spec.vmi import DEFAULT_CPU_MODEL, VMI, Disk, SpecError, Volume
@@ -73,6 +73,11 @@ class Host:
     # A VM's own uid and gid under the system daemon (launcher.runtime.vmuser): qemu runs as them, not as
     # qemu.conf's user every VM shares, and libvirt chowns nothing for it (the launcher gave it its files).
     dac_label: tuple[int, int] | None = None
+    # EFI: the firmware's code and variable-store template the caller found (KubeVirt's efi.EFIEnvironment),
+    # and this VM's variable store (a copy of the template, in the run directory or the VM's state)
+    efi_code: str | None = None
+    efi_vars: str | None = None
+    nvram: str | None = None
 
 
 def _file_source(parent: ET.Element, path: str, fd_group: str | None = None) -> ET.Element:
@@ -347,18 +352,24 @@ def _disks(vmi: VMI, resolved: dict[str, ResolvedDisk], devices: ET.Element, dac
         devices.append(_disk(vmi, disk, volume, resolved[disk.name], _device_name(prefix, unit), unit, iothread, dac))
 
 
+def _efi(os_: ET.Element, vmi: VMI, host: Host) -> None:
+    """compute/os.go configureEFI without firmware auto-selection (an alpha gate): the code read-only
+    from pflash, secure for secure boot, and the VM's own variable store made from the template."""
+    secure = vmi.domain.firmware.secure_boot
+    if not (host.efi_code and host.efi_vars and host.nvram):
+        # virt-launcher's words (pkg/virt-launcher/virtwrap/manager.go) when efi.Bootable fails
+        raise SpecError("spec.domain.firmware.bootloader.efi", f"EFI OVMF roms missing for booting in EFI mode with"
+                                                               f" SecureBoot={str(secure).lower()}, SEV/SEV-ES=false, SEV-SNP=false, TDX=false")
+    _text(os_, "loader", host.efi_code, readonly="yes", secure="yes" if secure else "no", type="pflash")
+    _text(os_, "nvram", host.nvram, template=host.efi_vars)
+
+
 def _os(vmi: VMI, host: Host) -> ET.Element:
     firmware = vmi.domain.firmware
-    os_ = ET.Element("os", {"firmware": "efi"} if firmware.bootloader == "efi" else {})
+    os_ = ET.Element("os")
     _text(os_, "type", "hvm", arch=host.arch, machine=vmi.domain.machine_type)
     if firmware.bootloader == "efi":
-        # libvirt's firmware auto-selection stands in for KubeVirt's explicit OVMF paths.
-        features = ET.SubElement(os_, "firmware")
-        if firmware.secure_boot:
-            ET.SubElement(features, "feature", enabled="yes", name="enrolled-keys")
-            ET.SubElement(features, "feature", enabled="yes", name="secure-boot")
-        else:
-            ET.SubElement(features, "feature", enabled="no", name="secure-boot")
+        _efi(os_, vmi, host)
     kernel_boot = firmware.kernel_boot
     if kernel_boot is not None and kernel_boot.container is not None:
         at = "spec.domain.firmware.kernelBoot.container"
@@ -399,6 +410,11 @@ def _cpu(vmi: VMI, host: Host) -> ET.Element:
         _text(cpu, "model", model, fallback="allow")
     sockets, cores, threads = vmi.domain.topology
     ET.SubElement(cpu, "topology", sockets=str(sockets), cores=str(cores), threads=str(threads))
+    # compute/cpu.go configureCPUFeatures; libvirt takes no feature without a model or a mode, which is
+    # what TCG's default CPU has (evmcs' vmx is then moot: the guest has no Hyper-V, features.notes says so)
+    if cpu.get("mode") or cpu.find("model") is not None:
+        for name, policy in vmi.domain.cpu.features:
+            ET.SubElement(cpu, "feature", name=name, policy=policy)
     return cpu
 
 
@@ -437,6 +453,20 @@ def _shared_memory(domain: ET.Element, cpu: ET.Element, vmi: VMI) -> None:
     ET.SubElement(numa, "cell", id="0", cpus=f"0-{vmi.domain.vcpus - 1}", memory=str(vmi.domain.guest_memory // 1024), unit="KiB")
 
 
+def _tpm(devices: ET.Element, persistent: bool) -> None:
+    """compute/tpm.go: TPM 2.0 through swtpm, which libvirt starts; a persistent one is tpm-crb (KubeVirt
+    meant to move every TPM to it) and libvirt keeps its state when the domain goes."""
+    tpm = ET.SubElement(devices, "tpm", model="tpm-crb" if persistent else "tpm-tis")
+    backend = ET.SubElement(tpm, "backend", type="emulator", version="2.0")
+    if persistent:
+        backend.set("persistent_state", "yes")
+
+
+def notes(vmi: VMI, host: Host) -> tuple[str, ...]:
+    """What the guest runs without on this host that KubeVirt's domain asks for, one line per field."""
+    return features.notes(vmi, host.domain_type) + clock.notes(vmi, host.domain_type)
+
+
 def render(vmi: VMI, disks: dict[str, ResolvedDisk], host: Host) -> str:
     """The libvirt domain XML for `vmi`; `disks` maps each volume name to its resolved file, device or
     network source (whose credentials the caller defines first, see secret_xml)."""
@@ -457,18 +487,12 @@ def render(vmi: VMI, disks: dict[str, ResolvedDisk], host: Host) -> str:
         _text(sysinfo, "entry", vmi.domain.firmware.serial, name="serial")
 
     domain.append(_os(vmi, host))
-    features = ET.SubElement(domain, "features")
-    for name, enabled in (("acpi", vmi.domain.features.acpi), ("apic", vmi.domain.features.apic), ("smm", vmi.domain.features.smm)):
-        if enabled:
-            ET.SubElement(features, name)
-    if vmi.domain.cpu.dedicated_cpu_placement and host.domain_type == "kvm":
-        # KubeVirt always adds the hint; it is a KVM paravirt feature that TCG would refuse to start with.
-        ET.SubElement(ET.SubElement(features, "kvm"), "hint-dedicated", state="on")
+    domain.append(features.render(vmi, host.domain_type))
     cpu = _cpu(vmi, host)
     if vmi.domain.devices.filesystems:
         _shared_memory(domain, cpu, vmi)
     domain.append(cpu)
-    ET.SubElement(domain, "clock", offset="utc")
+    domain.append(clock.render(vmi))
     _text(domain, "on_poweroff", "destroy")
     _text(domain, "on_reboot", "restart")
     _text(domain, "on_crash", "destroy")
@@ -510,6 +534,8 @@ def render(vmi: VMI, disks: dict[str, ResolvedDisk], host: Host) -> str:
         # compute/rng.go: virtio (transitional or not, as every virtio device here), fed by /dev/urandom
         rng = ET.SubElement(devices, "rng", model=model)
         _text(rng, "backend", "/dev/urandom", model="random")
+    if vmi.domain.devices.tpm is not None:
+        _tpm(devices, vmi.domain.devices.tpm.persistent)
     interfaces.backends(domain, [(iface, interfaces.socket_path(host.net_dir, i)) for i, iface in enumerate(vmi.domain.devices.interfaces)])
 
     if host.dac_label is not None:

@@ -257,8 +257,10 @@ class Libvirt:
         except self.lv.libvirtError:
             return False  # it stopped meanwhile, or cannot be asked: destroy decides
 
-    def destroy(self, name: str) -> bool:
-        """Stop the domain at once and forget its definition; True if there was one."""
+    def destroy(self, name: str, drop_tpm_state: bool = False) -> bool:
+        """Stop the domain at once and forget its definition; True if there was one. A TPM's persistent state
+        stays (libvirt's default) unless `drop_tpm_state`; the EFI variable store is the launcher's, kept
+        where it put it (launcher.volumes.vmstate)."""
         domain = self._lookup(name)
         if domain is None:
             return False
@@ -268,12 +270,13 @@ class Libvirt:
         except self.lv.libvirtError as exc:
             if self.active(name):
                 raise DiskkitError(name, f"cannot destroy the domain: {_message(exc)}") from None
-        self._undefine(domain)
+        self._undefine(domain, drop_tpm_state)
         return True
 
-    def _undefine(self, domain) -> None:
+    def _undefine(self, domain, drop_tpm_state: bool = False) -> None:
+        flags = self.lv.VIR_DOMAIN_UNDEFINE_KEEP_NVRAM | (self.lv.VIR_DOMAIN_UNDEFINE_TPM if drop_tpm_state else 0)
         try:
-            domain.undefineFlags(self.lv.VIR_DOMAIN_UNDEFINE_NVRAM)
+            domain.undefineFlags(flags)
         except self.lv.libvirtError:
             try:
                 domain.undefine()

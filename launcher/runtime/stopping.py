@@ -59,24 +59,25 @@ def polling(lv: Libvirt, name: str) -> Callable[[float], bool]:
 
 
 def shut_down(lv: Libvirt, name: str, grace: float, wait: Callable[[float], bool] | None = None,
-              say: Callable[[str], None] = lambda _: None) -> Stopped:
+              say: Callable[[str], None] = lambda _: None, drop_tpm_state: bool = False) -> Stopped:
     """End the domain `name`: the power button, up to `grace` seconds for the guest to power off
-    (`wait(seconds)` is True once the domain stopped within them), then destroyed and undefined.
-    With `grace` 0 it is destroyed at once, as KubeVirt kills a VMI whose grace period is 0."""
+    (`wait(seconds)` is True once the domain stopped within them), then destroyed and undefined
+    (a persistent TPM's state kept unless `drop_tpm_state`). With `grace` 0 it is destroyed at once,
+    as KubeVirt kills a VMI whose grace period is 0."""
     if not lv.active(name):
-        lv.destroy(name)  # defined and shut off, or already gone: only its definition to forget
+        lv.destroy(name, drop_tpm_state)  # defined and shut off, or already gone: only its definition to forget
         return Stopped(NOT_RUNNING, grace)
     began = time.monotonic()
     if grace <= 0:
         say(f"{name}: destroying it at once (grace period 0)")
-        lv.destroy(name)
+        lv.destroy(name, drop_tpm_state)
         return Stopped(DESTROYED, grace)
     if not lv.shutdown(name):
         if not lv.active(name):
-            lv.destroy(name)
+            lv.destroy(name, drop_tpm_state)
             return Stopped(NOT_RUNNING, grace)
         say(f"{name}: libvirt could not press its power button; destroying it")
-        lv.destroy(name)
+        lv.destroy(name, drop_tpm_state)
         return Stopped(DESTROYED, grace, time.monotonic() - began)
     say(f"{name}: shutting down (up to {grace:g} s)")
     wait = wait or polling(lv, name)
@@ -85,11 +86,11 @@ def shut_down(lv: Libvirt, name: str, grace: float, wait: Callable[[float], bool
         if wait(min(PRESS_AGAIN, max(0.0, deadline - time.monotonic()))):
             took = time.monotonic() - began
             say(f"{name}: the guest powered off ({took:.0f} s after the power button)")
-            lv.destroy(name)
+            lv.destroy(name, drop_tpm_state)
             return Stopped(SHUT_DOWN, grace, took)
         if time.monotonic() >= deadline:
             break
         lv.shutdown(name)
     say(f"{name}: still running after {grace:g} s; destroying it")
-    lv.destroy(name)
+    lv.destroy(name, drop_tpm_state)
     return Stopped(DESTROYED, grace, time.monotonic() - began)

@@ -27,7 +27,7 @@ from launcher.diskserver.qemuid import is_system_uri
 from launcher.network import backend as network
 from launcher.node import pins
 from launcher.node.cache import QEMU_ID, Cache
-from launcher.render.domain import Host, read_only_volumes, render, secret_xml
+from launcher.render.domain import Host, notes, read_only_volumes, render, secret_xml
 from launcher.render.interfaces import socket_path
 from launcher.runtime import accel, diskfds, hostcpus, rundir, sessiond, virtiofs, vmuser
 from launcher.runtime.conditions import Paused, paused_condition
@@ -37,7 +37,7 @@ from launcher.runtime.runner import Libvirt, default_uri
 from launcher.runtime.stopping import DEFAULT_GRACE_PERIOD, NOT_RUNNING, UNREACHABLE, Stopped, shut_down
 from launcher.runtime.vmuser import VmUser
 from launcher.spec.vmi import VMI
-from launcher.volumes import vhostmd
+from launcher.volumes import vhostmd, vmstate
 from launcher.volumes.files import KUBEVIRT_QEMU, qemu_owner
 from launcher.volumes.prepare import admit, prepare
 from launcher.volumes.storage import Storage
@@ -140,6 +140,7 @@ def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, say: Callable[[
             net_dir=str(run_dir / network.NET_DIR),
             dac=dac,
             dac_label=dac_label,
+            **(dict(zip(("efi_code", "efi_vars", "nvram"), prepared.efi)) if prepared.efi else {}),
         )
         if vmi.domain.cpu.dedicated_cpu_placement:
             host = replace(host, topology=hostcpus.read_topology(), cpuset=hostcpus.pod_cpuset())
@@ -147,6 +148,7 @@ def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, say: Callable[[
     except BaseException:
         handed.close()
         raise
+    prepared.notes.extend(notes(vmi, host))  # what the guest goes without here (emulation)
     return prepared, xml, chosen, handed
 
 
@@ -167,7 +169,7 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
     owner = qemu_owner(lv.uri if lv is not None else "qemu:///session")
     with cache.lock(f"vm-{name}"):
         if lv is not None and lv.shut_off_with_uuid(name, vmi.uuid):
-            cleanup(cache, lv, name)  # this VMI's own, left by a killed launcher: nothing runs in it
+            cleanup(cache, lv, name, drop_tpm_state=vmstate.drops_tpm_state(vmi))  # this VMI's own, left by a killed launcher: nothing runs in it
         if lv is not None and lv.exists(name):
             raise DiskkitError(name, f"a domain of this name already exists on {lv.uri}; stop it first (launcher stop {vmi.name})")
         if own:
@@ -240,6 +242,7 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
                     "livenessProbe": vmi.liveness_probe,  # what `launcher pause` checks, as virt-api does
                     "gracePeriod": grace_period_of(vmi, opts),  # what `launcher stop` gives the guest
                     "accel": chosen.to_json(),
+                    "dropTPMState": vmstate.drops_tpm_state(vmi),  # a bare VMI's persistent TPM goes with it
                 })
             for note in prepared.notes:
                 say(f"note: {note}")
@@ -269,7 +272,7 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
             network.stop(nets.entries)
             if allocation is not None:
                 allocation.close()
-            cleanup(cache, lv, name, user=allocation.user if allocation is not None else None)
+            cleanup(cache, lv, name, user=allocation.user if allocation is not None else None, drop_tpm_state=vmstate.drops_tpm_state(vmi))
             if isinstance(exc, _OutOfTime):
                 raise TimedOut(name, f"not started within --timeout {opts.timeout:g} s (pulling, serving or starting it); nothing was left") from None
             if isinstance(exc, OSError) and cache.vanished():
@@ -413,13 +416,16 @@ def _remove_run_dir(cache: Cache, name: str) -> None:
 
 
 def cleanup(cache: Cache, lv: Libvirt | None, name: str, grace: float = 0, wait: Callable[[float], bool] | None = None,
-            say: Callable[[str], None] = lambda _: None, user: VmUser | None = None) -> Stopped | None:
+            say: Callable[[str], None] = lambda _: None, user: VmUser | None = None, drop_tpm_state: bool | None = None) -> Stopped | None:
     """End the domain (launcher.runtime.stopping: the power button and up to `grace` seconds, else
     destroyed at once), undefine it and its secrets, end its virtiofsd processes, remove its overlays
     and record, and give back the VM's own uid (`user`, else the record's) with its session daemon;
-    how the domain ended, None with no libvirt to ask."""
-    stopped = shut_down(lv, name, grace, wait, say) if lv is not None else None
+    how the domain ended, None with no libvirt to ask. A persistent TPM's state stays unless
+    `drop_tpm_state` (None: as the record says)."""
     record = cache.read_json(cache.vm_record_path(name)) or {}
+    if drop_tpm_state is None:
+        drop_tpm_state = bool(record.get("dropTPMState"))
+    stopped = shut_down(lv, name, grace, wait, say, drop_tpm_state) if lv is not None else None
     if lv is not None:
         for usage in record.get("secrets", []):
             lv.undefine_secret(usage)

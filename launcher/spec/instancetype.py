@@ -512,7 +512,7 @@ def _apply_devices(pref: Selected, tspec: dict) -> None:
     if prefs.get("preferredRng") is not None and devices.get("rng") is None:
         devices["rng"] = copy.deepcopy(prefs["preferredRng"])
     if prefs.get("preferredTPM") is not None and devices.get("tpm") is None:
-        raise _unsupported(pref, "devices.preferredTPM")
+        devices["tpm"] = copy.deepcopy(prefs["preferredTPM"])
     if prefs.get("preferredVideoType") is not None and not dig(devices, "video", "type"):
         raise _unsupported(pref, "devices.preferredVideoType")
     if prefs.get("preferredPanicDeviceModel") is not None:
@@ -537,9 +537,14 @@ def _apply_features(pref: Selected, domain: dict) -> None:
     for key, field in (("preferredApic", "apic"), ("preferredSmm", "smm")):
         if prefs.get(key) is not None:
             _set_default(features, field, prefs[key])
-    for key, field in (("preferredHyperv", "hyperv"), ("preferredKvm", "kvm"), ("preferredPvspinlock", "pvspinlock")):
-        if prefs.get(key) is not None and features.get(field) is None:
-            raise _unsupported(pref, f"features.{key}")
+    if prefs.get("preferredHyperv") is not None:
+        # applyHyperVFeaturePreferences: enlightenment by enlightenment, what the VM leaves unset
+        hyperv = _obj(features, "hyperv", "spec.template.spec.domain.features.hyperv")
+        for key, value in as_map(prefs["preferredHyperv"], f"{pref.label} spec.features.preferredHyperv").items():
+            _set_default(hyperv, key, value)
+    for key, field in (("preferredKvm", "kvm"), ("preferredPvspinlock", "pvspinlock")):
+        if prefs.get(key) is not None:
+            _set_default(features, field, prefs[key])
 
 
 def _apply_firmware(pref: Selected, domain: dict) -> None:
@@ -553,15 +558,26 @@ def _apply_firmware(pref: Selected, domain: dict) -> None:
     if prefs.get("preferredUseBiosSerial") is not None and isinstance(loader.get("bios"), dict):
         _set_default(loader["bios"], "useSerial", prefs["preferredUseBiosSerial"])
     if loader.get("efi") is None and loader.get("bios") is None and prefs.get("preferredEfi") is not None:
-        efi = as_map(prefs["preferredEfi"], f"{pref.label} spec.firmware.preferredEfi")
-        if efi.get("persistent"):
-            raise _unsupported(pref, "firmware.preferredEfi.persistent")
-        loader["efi"] = copy.deepcopy(efi)
+        loader["efi"] = copy.deepcopy(as_map(prefs["preferredEfi"], f"{pref.label} spec.firmware.preferredEfi"))
         return
     if prefs.get("preferredUseEfi") and loader.get("efi") is None and loader.get("bios") is None:
         loader["efi"] = {}
     if prefs.get("preferredUseSecureBoot") is not None and isinstance(loader.get("efi"), dict):
         _set_default(loader["efi"], "secureBoot", prefs["preferredUseSecureBoot"])
+
+
+def _apply_clock(pref: Selected, domain: dict) -> None:
+    """preference/apply/clock.go: the offset whole when the VM gives neither utc nor timezone, the timers
+    whole when it gives none."""
+    prefs = as_map(pref.spec.get("clock"), f"{pref.label} spec.clock")
+    if not prefs:
+        return
+    clock = _obj(domain, "clock", "spec.template.spec.domain.clock")
+    offset = prefs.get("preferredClockOffset")
+    if offset is not None and clock.get("utc") is None and clock.get("timezone") is None:
+        clock.update(copy.deepcopy(as_map(offset, f"{pref.label} spec.clock.preferredClockOffset")))
+    if prefs.get("preferredTimer") is not None and clock.get("timer") is None:
+        clock["timer"] = copy.deepcopy(prefs["preferredTimer"])
 
 
 def _apply_preference(pref: Selected, vm: dict, tspec: dict, meta: dict) -> None:
@@ -580,11 +596,7 @@ def _apply_preference(pref: Selected, vm: dict, tspec: dict, meta: dict) -> None
     machine_type = dig(spec, "machine", "preferredMachineType")
     if machine_type:
         _set_default(_obj(domain, "machine", "spec.template.spec.domain.machine"), "type", machine_type)
-    clock = as_map(spec.get("clock"), f"{pref.label} spec.clock")
-    if clock.get("preferredClockOffset") is not None and not any(k in as_map(domain.get("clock"), "clock") for k in ("utc", "timezone")):
-        raise _unsupported(pref, "clock.preferredClockOffset")
-    if clock.get("preferredTimer") is not None and dig(domain, "clock", "timer") is None:
-        raise _unsupported(pref, "clock.preferredTimer")
+    _apply_clock(pref, domain)
     if spec.get("preferredSubdomain") is not None:
         _set_default(tspec, "subdomain", spec["preferredSubdomain"])
     if spec.get("preferredTerminationGracePeriodSeconds") is not None:

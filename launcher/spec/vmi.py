@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Iterator
 
 from diskkit.disk.containerdisk import path_problem
-from launcher.spec import coverage, credentials
+from launcher.spec import coverage, credentials, hyperv
+from launcher.spec.clock import Clock, parse_clock
 from launcher.spec.datavolume import templates
 from launcher.spec.dns import check_dns
 from launcher.spec.fields import (
@@ -81,7 +82,7 @@ TRAY_STATES = ("open", "closed")
 VOLUME_KINDS = (
     "containerDisk", "persistentVolumeClaim", "dataVolume", "emptyDisk", "hostDisk", "ephemeral",
     "cloudInitNoCloud", "cloudInitConfigDrive", "configMap", "secret", "serviceAccount", "downwardAPI",
-    "downwardMetrics",
+    "downwardMetrics", "sysprep",
 )
 
 # Contents of cloud-init files, never in the domain XML or a file name (keys of cloudInitNoCloud/ConfigDrive).
@@ -189,9 +190,17 @@ class DownwardMetricsSource:
     pass
 
 
+@dataclass(frozen=True)
+class SysprepSource:
+    """A Windows answer file (autounattend.xml or unattend.xml) from a ConfigMap or a Secret, on a CD-ROM."""
+
+    config_map: str | None = None
+    secret: str | None = None  # wins over config_map, as virt-controller mounts it (sysprepVolumeSource)
+
+
 VolumeSource = (ContainerDiskSource | PersistentVolumeClaimSource | DataVolumeSource | EphemeralSource
                 | EmptyDiskSource | HostDiskSource | ConfigMapSource | SecretSource | ServiceAccountSource
-                | CloudInitSource | DownwardAPISource | DownwardMetricsSource)
+                | CloudInitSource | DownwardAPISource | DownwardMetricsSource | SysprepSource)
 
 
 @dataclass(frozen=True)
@@ -241,6 +250,8 @@ class CPU:
     model: str | None = None
     dedicated_cpu_placement: bool = False
     isolate_emulator_thread: bool = False
+    # (name, policy) KubeVirt's defaults add: vmx, required, for an enabled evmcs (launcher.spec.hyperv)
+    features: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -274,6 +285,7 @@ class Firmware:
     secure_boot: bool = False  # EFI only; KubeVirt defaults it to true
     bios_use_serial: bool = False
     kernel_boot: KernelBoot | None = None
+    efi_persistent: bool = False  # bootloader.efi.persistent: the variable store outlives the VM's runs
 
 
 @dataclass(frozen=True)
@@ -281,6 +293,17 @@ class Features:
     acpi: bool = True  # KubeVirt enables ACPI unless features.acpi.enabled is false
     apic: bool = False
     smm: bool = False
+    hyperv: hyperv.Hyperv | None = None  # features.hyperv, its requirements turned on
+    hyperv_passthrough: bool = False  # features.hypervPassthrough.enabled
+    kvm_hidden: bool | None = None  # features.kvm.hidden; None: no features.kvm
+    pvspinlock: bool | None = None  # features.pvspinlock.enabled; None: not given
+
+
+@dataclass(frozen=True)
+class TPM:
+    """devices.tpm: a TPM 2.0 emulated by swtpm; `persistent` keeps its state from one run to the next."""
+
+    persistent: bool = False
 
 
 @dataclass(frozen=True)
@@ -292,6 +315,7 @@ class Devices:
     disable_hotplug: bool = False  # KubeVirt adds a SCSI controller for hotplugged volumes unless this is set
     filesystems: tuple[Filesystem, ...] = ()
     rng: bool = False  # devices.rng: {} gives the guest a virtio RNG fed by the host's /dev/urandom
+    tpm: TPM | None = None  # pkg/tpm HasDevice: given and not disabled
     interfaces: tuple[Interface, ...] = ()  # launcher.spec.network: the pod network's NICs, defaulted
 
 
@@ -305,6 +329,7 @@ class DomainSpec:
     features: Features = Features()
     devices: Devices = Devices()
     io_threads_policy: str | None = None
+    clock: Clock | None = None  # spec.domain.clock (launcher.spec.clock)
 
     @property
     def guest_memory(self) -> int:
@@ -437,6 +462,12 @@ def _volume_source(kind: str, doc: dict, at: str) -> VolumeSource:
         return DownwardAPISource(files, get_str(doc, "volumeLabel", at))
     if kind == "downwardMetrics":
         return DownwardMetricsSource()
+    if kind == "sysprep":
+        refs = {key: get_str(as_map(doc.get(key), f"{at}.{key}"), "name", f"{at}.{key}") for key in ("configMap", "secret")}
+        if refs["configMap"] is None and refs["secret"] is None:
+            # pkg/virt-controller/services/template.go sysprepVolumeSource, when it renders the pod
+            raise SpecError(at, "Sysprep must have Secret or ConfigMap reference set")
+        return SysprepSource(refs["configMap"], refs["secret"])
     raise SpecError(at, "this volume type is not supported by the launcher")
 
 
@@ -819,10 +850,12 @@ def _firmware(doc: dict, at: str) -> Firmware:
     loader = as_map(doc.get("bootloader"), f"{at}.bootloader")
     if loader.get("efi") is not None and loader.get("bios") is not None:
         raise field_error(f"{at}.bootloader", f"{at}.bootloader has both EFI and BIOS configured, but they are mutually exclusive.")
-    bootloader, secure_boot, use_serial = None, False, False
+    bootloader, secure_boot, use_serial, persistent = None, False, False, False
     if loader.get("efi") is not None:
         bootloader = "efi"
-        secure_boot = get_bool(as_map(loader["efi"], f"{at}.bootloader.efi"), "secureBoot", f"{at}.bootloader.efi", default=True)
+        efi = as_map(loader["efi"], f"{at}.bootloader.efi")
+        secure_boot = get_bool(efi, "secureBoot", f"{at}.bootloader.efi", default=True)
+        persistent = get_bool(efi, "persistent", f"{at}.bootloader.efi")
     elif loader.get("bios") is not None:
         bootloader = "bios"
         use_serial = get_bool(as_map(loader["bios"], f"{at}.bootloader.bios"), "useSerial", f"{at}.bootloader.bios")
@@ -835,7 +868,7 @@ def _firmware(doc: dict, at: str) -> Firmware:
     kernel_boot = None
     if doc.get("kernelBoot") is not None:
         kernel_boot = _kernel_boot(as_map(doc["kernelBoot"], f"{at}.kernelBoot"), f"{at}.kernelBoot")
-    return Firmware(uuid, get_str(doc, "serial", at), bootloader, secure_boot, use_serial, kernel_boot)
+    return Firmware(uuid, get_str(doc, "serial", at), bootloader, secure_boot, use_serial, kernel_boot, persistent)
 
 
 def _feature(doc: dict, key: str, at: str, absent: bool) -> bool:
@@ -867,10 +900,8 @@ def _domain(doc: dict, root: str, volumes: tuple[Volume, ...]) -> DomainSpec:
         raise field_error(f"{at}.machine.type", f"{at}.machine.type is not supported: {machine} (allowed values: [{' '.join(EMULATED_MACHINES)}])")
 
     firmware = _firmware(as_map(doc.get("firmware"), f"{at}.firmware"), f"{at}.firmware")
-    features_doc = as_map(doc.get("features"), f"{at}.features")
-    features = Features(_feature(features_doc, "acpi", f"{at}.features", True),
-                        _feature(features_doc, "apic", f"{at}.features", False),
-                        _feature(features_doc, "smm", f"{at}.features", False))
+    features = _features(as_map(doc.get("features"), f"{at}.features"), f"{at}.features")
+    cpu = replace(cpu, features=hyperv.with_evmcs_cpu_feature(features.hyperv, cpu.features))
     if firmware.bootloader == "efi" and not features.acpi:
         # KubeVirt passes this on; libvirt refuses it with these words.
         raise SpecError(f"{at}.features.acpi", "UEFI requires ACPI on this architecture")
@@ -897,8 +928,37 @@ def _domain(doc: dict, root: str, volumes: tuple[Volume, ...]) -> DomainSpec:
     block_mq = get_bool(devices_doc, "blockMultiQueue", dat)
     devices = Devices(disks, get_bool(devices_doc, "autoattachSerialConsole", dat, default=True), block_mq,
                       get_bool(devices_doc, "useVirtioTransitional", dat), get_bool(devices_doc, "disableHotplug", dat),
-                      filesystems, "rng" in devices_doc and as_map(devices_doc["rng"], f"{dat}.rng") is not None)
-    return DomainSpec(cpu, None if guest is None else to_bytes(guest), resources, machine, firmware, features, devices, policy)
+                      filesystems, "rng" in devices_doc and as_map(devices_doc["rng"], f"{dat}.rng") is not None,
+                      tpm=_tpm(devices_doc, dat))
+    clock = parse_clock(as_map(doc["clock"], f"{at}.clock"), f"{at}.clock") if doc.get("clock") is not None else None
+    return DomainSpec(cpu, None if guest is None else to_bytes(guest), resources, machine, firmware, features, devices, policy, clock)
+
+
+def _features(doc: dict, at: str) -> Features:
+    hyperv_doc = doc.get("hyperv")
+    custom = hyperv.parse_hyperv(as_map(hyperv_doc, f"{at}.hyperv"), f"{at}.hyperv") if hyperv_doc is not None else None
+    if hyperv_doc is not None and doc.get("hypervPassthrough") is not None:
+        # webhooks.ValidateVirtualMachineInstanceHypervMode, after the dependencies' causes
+        raise SpecError(f"{at}.hyperv", hyperv.PASSTHROUGH_AND_CUSTOM)
+    passthrough = False
+    if doc.get("hypervPassthrough") is not None:
+        passthrough = hyperv.parse_passthrough(as_map(doc["hypervPassthrough"], f"{at}.hypervPassthrough"), f"{at}.hypervPassthrough")
+    kvm_hidden = None
+    if doc.get("kvm") is not None:
+        kvm_hidden = get_bool(as_map(doc["kvm"], f"{at}.kvm"), "hidden", f"{at}.kvm")
+    pvspinlock = _feature(doc, "pvspinlock", at, None) if doc.get("pvspinlock") is not None else None
+    return Features(_feature(doc, "acpi", at, True), _feature(doc, "apic", at, False), _feature(doc, "smm", at, False),
+                    custom, passthrough, kvm_hidden, pvspinlock)
+
+
+def _tpm(devices: dict, at: str) -> TPM | None:
+    """pkg/tpm: a device unless `enabled: false` (a preference's TPM can be turned off so)."""
+    if devices.get("tpm") is None:
+        return None
+    doc = as_map(devices["tpm"], f"{at}.tpm")
+    if not get_bool(doc, "enabled", f"{at}.tpm", default=True):
+        return None
+    return TPM(get_bool(doc, "persistent", f"{at}.tpm"))
 
 
 def _check_names(spec: dict, volumes: tuple[Volume, ...], root: str) -> str | None:

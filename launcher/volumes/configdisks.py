@@ -19,8 +19,8 @@ from launcher.spec.vmi import VMI, DownwardAPIFile
 
 # Where virt-launcher finds each volume and writes each image, relative to /var/run/kubevirt-private
 # (pkg/config/config.go); the launcher keeps the same layout under a VM's run directory.
-SOURCE_DIRS = {"configMap": "config-map", "secret": "secret", "downwardAPI": "downwardapi"}
-DISK_DIRS = {"configMap": "config-map-disks", "secret": "secret-disks", "downwardAPI": "downwardapi-disks"}
+SOURCE_DIRS = {"configMap": "config-map", "secret": "secret", "downwardAPI": "downwardapi", "sysprep": "sysprep"}
+DISK_DIRS = {"configMap": "config-map-disks", "secret": "secret-disks", "downwardAPI": "downwardapi-disks", "sysprep": "sysprep-disks"}
 SERVICE_ACCOUNT_DISK = "service-account-disk/service-account.iso"
 # KubeVirt passes an unset volumeLabel to xorrisofs as an empty volume id, which no guest can mount by
 # label; ours is `cfgdata` then (the serviceAccount disk, which has no volumeLabel field, too).
@@ -29,6 +29,10 @@ SERVICE_ACCOUNT_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 SERVICE_ACCOUNT_FILES = ("ca.crt", "namespace", "token")
 SERVICE_ACCOUNT_TOKEN_TYPE = "kubernetes.io/service-account-token"
 SERVICE_ACCOUNT_NAME_ANNOTATION = "kubernetes.io/service-account.name"
+# pkg/config/sysprep.go: the answer file's CD-ROM ("assuming windows does not care what's the exact label"),
+# which must hold one of Windows Setup's answer files, whatever their case
+SYSPREP_LABEL = "unattendCD"
+ANSWER_FILES = ("autounattend.xml", "unattend.xml")
 # k8s.io/apimachinery validation.IsConfigMapKey
 _KEY = re.compile(r"[-._a-zA-Z0-9]+")
 KEY_MAX = 253
@@ -76,6 +80,13 @@ def secret_files(doc: dict) -> dict[str, bytes]:
         _check_key(str(key), f"{what} stringData")
         files[str(key)] = str(value).encode()
     return files
+
+
+def sysprep_problem(files: dict[str, bytes]) -> str | None:
+    """validateUnattendPresence, in its words."""
+    if any(name.lower() in ANSWER_FILES for name in files):
+        return None
+    return f"Sysprep drive should contain {ANSWER_FILES[0]} or {ANSWER_FILES[1]} but neither were found."
 
 
 def _b64(value, where: str) -> bytes:

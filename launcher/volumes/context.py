@@ -34,6 +34,7 @@ class Prepared:
     secrets: list[tuple[NetworkSource, bytes]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     pins: dict[str, Pin] = field(default_factory=dict)  # volume -> the digest its tag resolved to (a VirtualMachine's)
+    efi: tuple[str, str, str] | None = None  # EFI's code, its variable-store template, the VM's store (launcher.volumes.vmstate)
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The disks KubeVirt generates for a VM: cloud-init and config ISOs and the downwardMetrics disk.
+"""The disks KubeVirt generates for a VM: cloud-init, config and sysprep ISOs and the downwardMetrics disk.
 
 Content comes from the VMI (cloudinit, configdisks: pure) and from Kubernetes objects: `--manifests`
 first, else the volume as the kubelet mounted it into virt-launcher's pod. Images are written under
@@ -138,6 +138,19 @@ class Generator:
         files, modes = configdisks.downward_api_files(self.vmi, volume.source.fields)
         path = within(self.run_dir, configdisks.DISK_DIRS["downwardAPI"], f"{volume.name}.iso")
         return Planned(path, volume.source.volume_label or configdisks.DEFAULT_LABEL, files, modes)
+
+    def sysprep(self, volume: Volume, where: str) -> Planned:
+        """pkg/config/sysprep.go: every key of the Secret (else the ConfigMap) on a CD-ROM labelled
+        unattendCD, which must hold an answer file."""
+        source = volume.source
+        kind, name = ("secret", source.secret) if source.secret else ("configMap", source.config_map)
+        mount = self.sources.pod_config / configdisks.SOURCE_DIRS["sysprep"] / volume.name
+        files = self._object(kind, name, mount, False, f"{where}.{kind}")
+        problem = configdisks.sysprep_problem(files)
+        if problem:
+            raise DiskkitError(f"{where}.{kind}", problem)
+        path = within(self.run_dir, configdisks.DISK_DIRS["sysprep"], f"{volume.name}.iso")
+        return Planned(path, configdisks.SYSPREP_LABEL, files)
 
     def downward_metrics(self, volume: Volume, where: str) -> Planned:
         return Planned(within(self.run_dir, vhostmd.DISK_PATH))

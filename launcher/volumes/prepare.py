@@ -18,7 +18,7 @@ from launcher.node.cache import Cache
 from launcher.render.domain import ResolvedDisk
 from launcher.spec.gates import admit_host_disks
 from launcher.spec.vmi import VMI, Volume
-from launcher.volumes import claims, filesystems, gendisks, localdisks
+from launcher.volumes import claims, filesystems, gendisks, localdisks, vmstate
 from launcher.volumes.containerdisk import container_disk, kernel_boot
 from launcher.volumes.context import Context, Prepared
 from launcher.volumes.files import KUBEVIRT_QEMU, file_disk, give_to_qemu
@@ -52,6 +52,7 @@ HANDLERS: dict[str, Handler] = {
     "serviceAccount": _generated(gendisks.Generator.service_account),
     "downwardAPI": _generated(gendisks.Generator.downward_api),
     "downwardMetrics": _generated(gendisks.Generator.downward_metrics),
+    "sysprep": _generated(gendisks.Generator.sysprep),
 }
 
 
@@ -100,4 +101,5 @@ def prepare(
             raise DiskkitError(where, "this volume type is not supported by the launcher yet")
         ctx.out.disks[volume.name] = handler(ctx, volume, where)
     kernel_boot(ctx)
+    vmstate.prepare(ctx)
     return ctx.out
