@@ -106,7 +106,7 @@ def test_ignore_unsupported_drops_exactly_what_it_names(path, value, field, rule
 
 
 def test_inert_fields_change_nothing():
-    doc = vmi(autoattachGraphicsDevice=False, autoattachPodInterface=False, autoattachMemBalloon=False)
+    doc = vmi(logSerialConsole=False, autoattachPodInterface=False)
     doc["spec"].update(nodeSelector={"a": "b"}, tolerations=[], terminationGracePeriodSeconds=0, evictionStrategy="None",
                        readinessProbe={"exec": {"command": ["true"]}})
     doc["spec"]["domain"]["devices"]["disks"] = [{"name": "root", "tag": "boot", "disk": {"bus": "virtio"}}]

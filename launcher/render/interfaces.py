@@ -26,13 +26,16 @@ def netdev_id(iface: Interface) -> str:
     return f"host{alias(iface)}"
 
 
-def render(iface: Interface, virtio_model: str, devices: ET.Element) -> None:
+def render(iface: Interface, virtio_model: str, devices: ET.Element, queues: int = 0) -> None:
+    """`queues`: network/virtio-queues.go NetworkQueuesCapacity, 0 without networkInterfaceMultiqueue."""
     element = ET.SubElement(devices, "interface", type="user")
     if iface.mac:
         ET.SubElement(element, "mac", address=iface.mac)
     net = ipaddress.IPv4Network(iface.cidr)
     ET.SubElement(element, "ip", family="ipv4", address=str(net.network_address), prefix=str(net.prefixlen))
     ET.SubElement(element, "model", type=virtio_model if iface.model == "virtio" else iface.model)
+    if iface.model == "virtio" and queues:
+        ET.SubElement(element, "driver", name="vhost", queues=str(queues))  # configurator.go newVirtioDriver
     ET.SubElement(element, "alias", name=alias(iface))
     if iface.boot_order is not None:
         ET.SubElement(element, "boot", order=str(iface.boot_order))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -105,9 +104,9 @@ def connect(cache: Cache, uri: str) -> Libvirt:
 
 
 def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, domain_type: str | None = None, qemu: tuple[int, int] = KUBEVIRT_QEMU,
-         dac: bool = False, qemu_uid: int | None = None):
+         dac: bool = False, qemu_uid: int | None = None, system_daemon: bool = False):
     """Pull what the VMI needs and render its domain; with `create`, the overlays are made too (and what
-    qemu opens in claims is given to `qemu`)."""
+    qemu opens in claims is given to `qemu`). `system_daemon`: libvirt's system daemon runs it."""
     run_dir = cache.run_dir(vmi.domain_name)
     prepared = prepare(vmi, cache, run_dir, opts.registry, opts.platform, create=create, store=opts.storage, lazy=opts.lazy,
                        qemu=qemu, qemu_uid=qemu_uid, pins=pins.load(cache, vmi.domain_name) if vmi.from_vm else None,
@@ -119,6 +118,11 @@ def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, domain_type: st
         initrd=prepared.initrd,
         virtiofs_sockets=virtiofs.sockets(vmi, run_dir),
         dac=dac,
+        # A system daemon labels a socket it is given as root, by path, in a directory qemu's user
+        # writes (and an unprivileged launcher's is no place qemu's user may write): there the
+        # sockets are libvirt's own, in its directories.
+        vnc_socket=None if system_daemon else rundir.qemu_socket(run_dir, rundir.VNC_SOCKET),
+        agent_socket=None if system_daemon else rundir.qemu_socket(run_dir, rundir.AGENT_SOCKET),
     )
     if vmi.domain.cpu.dedicated_cpu_placement:
         host = replace(host, topology=hostcpus.read_topology(), cpuset=hostcpus.pod_cpuset())
@@ -158,7 +162,8 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
                 # Nor may it open a /dev/kvm root can: then the domain is TCG's.
                 tcg = session_uid is not None and not sessiond.kvm_for(lv.uri, cache)
                 prepared, xml = plan(vmi, cache, opts, create=True, domain_type="qemu" if tcg else None, qemu=owner,
-                                     dac=os.geteuid() == 0 and is_system_uri(lv.uri), qemu_uid=session_uid)
+                                     dac=os.geteuid() == 0 and is_system_uri(lv.uri), qemu_uid=session_uid,
+                                     system_daemon=is_system_uri(lv.uri))
                 run_dir = cache.run_dir(name)
                 rundir.open_to_qemu(run_dir, owner)
                 write_atomic(run_dir / "domain.xml", xml.encode(), 0o600)  # root's: libvirt is given the XML, not the file
@@ -352,9 +357,7 @@ def _exports_used(cache: Cache, opts: RunOptions) -> set[str]:
 
 
 def _remove_run_dir(cache: Cache, name: str) -> None:
-    run_dir = cache.run_dir(name)
-    if run_dir.exists():
-        shutil.rmtree(run_dir, ignore_errors=True)
+    rundir.remove(cache.run_dir(name))
 
 
 def cleanup(cache: Cache, lv: Libvirt | None, name: str) -> bool:

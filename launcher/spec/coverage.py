@@ -96,14 +96,16 @@ DEVICES = {
     "filesystems": ListOf({"name": HANDLED, "virtiofs": {}}),
     "blockMultiQueue": HANDLED,
     "interfaces": ListOf(INTERFACE), "autoattachPodInterface": HANDLED,
-    # The launcher never adds a graphics, balloon or input device (README, "deliberate differences"):
-    # turning them off asks for what it does anyway.
-    **dict.fromkeys(("autoattachGraphicsDevice", "autoattachMemBalloon",
-                     "autoattachInputDevice", "logSerialConsole", "networkInterfaceMultiqueue"), INERT),
+    # autoattachInputDevice: a VirtualMachine's, the VM controller's input (launcher.spec.instancetype)
+    **dict.fromkeys(("autoattachGraphicsDevice", "autoattachMemBalloon", "autoattachInputDevice",
+                     "networkInterfaceMultiqueue"), HANDLED),
+    "inputs": ListOf({"name": HANDLED, "bus": HANDLED, "type": HANDLED}),
+    "video": {"type": HANDLED},
+    "logSerialConsole": INERT,  # the console is always logged to the run directory
     "autoattachVSOCK": UNLESS_FALSE,
     "rng": {},
-    **dict.fromkeys(("watchdog", "inputs", "gpus", "downwardMetrics", "panicDevices",
-                     "hostDevices", "clientPassthrough", "sound", "tpm", "video"), UNSUPPORTED),
+    **dict.fromkeys(("watchdog", "gpus", "downwardMetrics", "panicDevices",
+                     "hostDevices", "clientPassthrough", "sound", "tpm"), UNSUPPORTED),
 }
 QUANTITIES = HANDLED  # requests/limits: the parser reads cpu and memory; other resources only schedule
 DOMAIN = {
