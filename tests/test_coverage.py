@@ -70,8 +70,6 @@ CASES = [
     (("spec", "domain", "cpu"), {"cores": 2, "features": [{"name": "vmx"}]}, "spec.domain.cpu.features", UNSUPPORTED),
     (("spec", "domain", "memory"), {"hugepages": {"pageSize": "2Mi"}}, "spec.domain.memory.hugepages", UNSUPPORTED),
     (("spec", "resourceClaims"), [{"name": "r"}], "spec.resourceClaims", UNSUPPORTED),
-    (("spec", "accessCredentials"), [{"sshPublicKey": {"propagationMethod": {"qemuGuestAgent": {"users": ["root"]}}}}],
-     "spec.accessCredentials[0].sshPublicKey.propagationMethod.qemuGuestAgent", UNSUPPORTED),
     (("spec", "accessCredentials"), [{"userPassword": {}}], "spec.accessCredentials[0].userPassword", UNSUPPORTED),
     (("spec", "startStrategy"), "Paused", "spec.startStrategy", UNSUPPORTED),
     (("metadata", "annotations"), {"hooks.kubevirt.io/hookSidecars": "[]"}, "metadata.annotations[hooks.kubevirt.io/hookSidecars]", UNSUPPORTED),

@@ -27,7 +27,7 @@ from launcher.node import pins
 from launcher.node.cache import Cache
 from launcher.render.domain import Host, render, secret_xml
 from launcher.render.interfaces import netdev_id
-from launcher.runtime import accel, hostcpus, rundir, sessiond, virtiofs
+from launcher.runtime import accel, credsync, guestagent, hostcpus, rundir, sessiond, virtiofs
 from launcher.runtime.conditions import Paused, paused_condition
 from launcher.runtime.console import ConsoleLog, follow
 from launcher.runtime.iopause import PauseWatch, describe
@@ -168,7 +168,7 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
                 rundir.open_to_qemu(run_dir, owner)
                 write_atomic(run_dir / "domain.xml", xml.encode(), 0o600)  # root's: libvirt is given the XML, not the file
                 daemons = virtiofs.start(vmi, prepared.shares, run_dir, owner)
-                cache.write_json(cache.vm_record_path(name), {
+                record = {
                     "domain": name,
                     "vmi": vmi.name,
                     "namespace": vmi.namespace,
@@ -185,12 +185,19 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
                     # what `launcher port-forward` adds its forwards to
                     "network": [{"interface": i.name, "netdev": netdev_id(i), "cidr": i.cidr} for i in vmi.domain.devices.interfaces],
                     "livenessProbe": vmi.liveness_probe,  # what `launcher pause` checks, as virt-api does
-                })
+                    # what launcher.runtime.credsync's helper keeps in the guest: [{secret, users}]
+                    "accessCredentials": credsync.record_entries(vmi.access_credentials),
+                }
+                cache.write_json(cache.vm_record_path(name), record)
             for note in prepared.notes:
                 say(f"note: {note}")
             for source, value in prepared.secrets:
                 lv.define_secret(secret_xml(source), value, source.secret_usage)
             lv.start(name, xml)
+            if record["accessCredentials"]:
+                storage = opts.storage or Storage()
+                record["credentialSync"] = credsync.start(cache, name, run_dir, credsync.secret_flags(storage.manifests, storage.kube_api))
+                cache.write_json(cache.vm_record_path(name), record)
             if vmi.from_vm:  # booted: what its next runs boot. The kubelet resolved what the pod mounted: those pins stay.
                 mounted = opts.container_disk_dir is not None or opts.kernel_boot_dir is not None
                 pins.save(cache, name, {**(pins.load(cache, name) if mounted else {}), **prepared.pins})
@@ -369,6 +376,7 @@ def cleanup(cache: Cache, lv: Libvirt | None, name: str) -> bool:
         for usage in record.get("secrets", []):
             lv.undefine_secret(usage)
     virtiofs.stop(record.get("virtiofsd", []))
+    credsync.stop(record.get("credentialSync"))
     _remove_run_dir(cache, name)
     cache.vm_record_path(name).unlink(missing_ok=True)
     return had
@@ -433,3 +441,23 @@ def state_and_why(record: dict, cache: Cache | None = None) -> tuple[str, Paused
         return ("stopped" if lv.exists(domain) else "gone"), None
     finally:
         lv.close()
+
+
+def conditions(record: dict, cache: Cache, paused: Paused | None) -> list[dict]:
+    """The VMI's conditions as virt-handler sets them for a running VM: Paused, AgentConnected,
+    UnsupportedAgent, AccessCredentialsSynchronized (type, status, reason, message)."""
+    found = []
+    if paused is not None:
+        found.append({"type": "Paused", "status": "True", "reason": paused.reason, "message": paused.message})
+    try:
+        lv = connect(cache, record["uri"])
+    except DiskkitError:
+        return found
+    try:
+        found += guestagent.conditions(lv, record["domain"], bool(record.get("accessCredentials")))
+    finally:
+        lv.close()
+    synced = credsync.condition(Path(record["run_dir"]))
+    if synced is not None:
+        found.append(synced)
+    return found

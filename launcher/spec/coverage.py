@@ -138,10 +138,10 @@ VMI_SPEC = {
                      "tolerations", "topologySpreadConstraints", "evictionStrategy",
                      "livenessProbe", "readinessProbe", "subdomain", "dnsPolicy", "dnsConfig"), INERT),
     "networks": ListOf(NETWORK),
-    # launcher.spec.credentials; the guest-agent propagation and passwords need an agent the launcher does not attach
+    # launcher.spec.credentials
     "accessCredentials": ListOf({"sshPublicKey": {"source": {"secret": {"secretName": HANDLED}},
                                                   "propagationMethod": {"noCloud": {}, "configDrive": {},
-                                                                        "qemuGuestAgent": UNSUPPORTED}},
+                                                                        "qemuGuestAgent": {"users": HANDLED}}},
                                  "userPassword": UNSUPPORTED}),
     **dict.fromkeys(("startStrategy", "resourceClaims", "utilityVolumes"), UNSUPPORTED),
 }
