@@ -50,6 +50,8 @@ def test_users_login_times_are_seconds_and_at_most_ten_in_guestosinfo():
 
 def test_go_json_escapes_as_encoding_json_does():
     assert agentinfo.go_json({"a": "<b>&ü\u2028"}) == '{\n  "a": "\\u003cb\\u003e\\u0026ü\\u2028"\n}'
+    # a guest's host name with a terminal escape in it reaches the terminal escaped
+    assert agentinfo.go_json({"hostname": "x\x1b]0;owned\x07"}) == '{\n  "hostname": "x\\u001b]0;owned\\u0007"\n}'
     assert agentinfo.go_json({"items": []}) == '{\n  "items": []\n}'
 
 
