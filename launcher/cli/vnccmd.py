@@ -50,7 +50,7 @@ Examples:
 """)
 @click.argument("name", metavar="NAME | screenshot NAME")
 @click.argument("vmi", required=False, metavar="")
-@click.option("--address", default="127.0.0.1", show_default=True, help="Where the proxy listens (with --proxy-only; a viewer this command starts always gets 127.0.0.1).")
+@click.option("--address", default="127.0.0.1", show_default=True, help="Where the proxy listens (with --proxy-only; a viewer this command starts always gets 127.0.0.1). Whatever the address, only sockets of this user on this machine are served.")
 @click.option("--port", type=click.IntRange(0, 65535), default=0, help="The proxy's port (default: a free one).")
 @click.option("--proxy-only", is_flag=True, help='Run only the proxy and print {"port": N}; wait for a viewer as long as it takes.')
 @click.option("--vnc-type", type=click.Choice(sorted(VNC_TYPES)), help="The viewer to start (default: remote-viewer, else vncviewer, from $PATH).")
