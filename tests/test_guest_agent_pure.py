@@ -16,7 +16,7 @@ import pytest
 
 from diskkit.errors import DiskkitError
 from launcher.cli.vnccmd import viewer_command
-from launcher.runtime import agentinfo
+from launcher.runtime import agentinfo, credsync
 from launcher.runtime.vnc import socket_owner
 
 GOLDEN = Path(__file__).parent / "golden" / "agent"
@@ -101,3 +101,14 @@ def test_the_viewer_is_virtctls_choice_with_its_arguments(tmp_path):
     with pytest.raises(DiskkitError) as err:
         viewer_command(None, None, "127.0.0.1", 5999, {}.get)
     assert str(err.value).startswith("vnc: could not find remote-viewer or vncviewer binary in $PATH")
+
+
+def test_the_access_credentials_condition_is_what_the_helper_last_reported(tmp_path):
+    # pkg/virt-handler/vm.go updateAccessCredentialConditions: status True, or False with the message
+    assert credsync.condition(tmp_path) is None  # nothing reported yet: no condition
+    credsync.write_state(tmp_path, credsync.Outcome(False, credsync.OFFLINE))
+    assert credsync.condition(tmp_path) == {"type": "AccessCredentialsSynchronized", "status": "False", "message": "Guest agent is offline"}
+    credsync.write_state(tmp_path, credsync.Outcome(True))
+    assert credsync.condition(tmp_path) == {"type": "AccessCredentialsSynchronized", "status": "True"}
+    (tmp_path / credsync.STATE_FILE).write_text("[1, 2]")
+    assert credsync.condition(tmp_path) is None
