@@ -4,7 +4,8 @@ qemu-guest-agent and sudo. A boot costs about a minute of CPU under TCG, so chec
     ensure_cloudguest()   build it once per machine (/var/cache/diskkit-test/cloudguest, or $DISKKIT_CLOUDGUEST_DIR), keyed
                           by build.sh's sha256, under a file lock so parallel workers build it once
     booted(registry)      push it, boot it through the launcher as the qemu user (KubeVirt's NoCloud disk
-                          and accessCredentials), wait for `login:`, ssh in at once; yields a CloudGuest
+                          and accessCredentials: the default user's key through cloud-init, root's through
+                          the guest agent), wait for `login:`, ssh in at once; yields a CloudGuest
     cloud_guest           the pytest fixture around booted(), module-scoped: import it into a test module.
                           For one boot across modules, import it into conftest.py (as the registries are)
                           and make it session-scoped; its checks read `first_ssh` or ssh in again.
@@ -76,6 +77,8 @@ class CloudGuest:
     key: Path  # the private key its accessCredential gave cloud-init
     public_key: str
     default_user: str  # cloud-init's, as the build read it from the image
+    agent_key: Path  # the private key root's qemuGuestAgent accessCredential gives, through the guest agent
+    manifests: Path  # the --manifests directory the VM was started with (Secrets cloudguest-key, agent-key)
     started: Result  # launcher run --detach --wait-for login:
     first_ssh: Result  # launcher ssh straight after, with no ssh options
 
@@ -94,12 +97,20 @@ class CloudGuest:
         return dict(line.split("=", 1) for line in self.first_ssh.out.splitlines() if "=" in line)
 
 
-def _keypair(directory: Path) -> tuple[Path, str]:
-    key = directory / "cloudguest-key"
+def _keypair(directory: Path, name: str = "cloudguest-key") -> tuple[Path, str]:
+    key = directory / name
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "cloudguest-test", "-f", str(key)], check=True)
     for path in (key, key.with_suffix(".pub")):
         os.chown(path, QEMU_UID, pwd.getpwuid(QEMU_UID).pw_gid)  # ssh takes a private key only from its owner
     return key, key.with_suffix(".pub").read_text().strip()
+
+
+def write_secret(manifests: Path, name: str, data: dict[str, str]) -> None:
+    """A Secret in the VM's --manifests directory, written whole (what `kubectl apply` of a changed Secret is here)."""
+    path = manifests / f"{name}.json"
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name}, "stringData": data}))
+    tmp.replace(path)
 
 
 @contextlib.contextmanager
@@ -115,13 +126,17 @@ def booted(registry) -> Iterator[CloudGuest]:
         manifests.mkdir()
         (manifests / "key.json").write_text(json.dumps({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "cloudguest-key"},
                                                         "stringData": {"key": public}}))
+        agent_key, agent_public = _keypair(root, "agent-key")
+        write_secret(manifests, "agent-key", {"key": agent_public})
         vmi = root / "cloudguest.json"
         vmi.write_text(json.dumps({
             "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance", "metadata": {"name": NAME},
             "spec": {"domain": {"resources": {"requests": {"memory": "1Gi"}},
                                 "devices": {"disks": [{"name": "root", "disk": {"bus": "virtio"}}, {"name": "cloudinit", "disk": {"bus": "virtio"}}]}},
                      "accessCredentials": [{"sshPublicKey": {"source": {"secret": {"secretName": "cloudguest-key"}},
-                                                             "propagationMethod": {"noCloud": {}}}}],
+                                                             "propagationMethod": {"noCloud": {}}}},
+                                           {"sshPublicKey": {"source": {"secret": {"secretName": "agent-key"}},
+                                                             "propagationMethod": {"qemuGuestAgent": {"users": ["root"]}}}}],
                      "volumes": [{"name": "root", "containerDisk": {"image": image}},
                                  {"name": "cloudinit", "cloudInitNoCloud": {"userData": "#cloud-config\ntimezone: UTC\n"}}]}}))
         started = user.launcher("run", NOREG, "--manifests", manifests, "--detach", "--wait-for", "login:", "--timeout", "600", vmi, timeout=660)
@@ -129,7 +144,7 @@ def booted(registry) -> Iterator[CloudGuest]:
             assert started.code == 0, started.out[-2000:] + started.err
             default_user = (built / "default-user").read_text().strip()
             first = user.launcher("ssh", f"{default_user}@vmi/{NAME}", "-i", key, "-c", FIRST_SSH)
-            yield CloudGuest(user, image, key, public, default_user, started, first)
+            yield CloudGuest(user, image, key, public, default_user, agent_key, manifests, started, first)
         finally:
             user.launcher("stop", NAME)
 

@@ -12,6 +12,7 @@ import json
 import pytest
 
 from diskkit.errors import DiskkitError
+from launcher.spec import credentials
 from launcher.spec.fields import SpecError
 from launcher.spec.k8s import Objects
 from launcher.spec.vmi import parse_vmi
@@ -54,8 +55,15 @@ def refusal(doc) -> str:
     ([NOCLOUD], {"sshPublicKey": {"source": {}, "propagationMethod": {"noCloud": {}}}},
      "spec.accessCredentials[0].sshPublicKey.source: spec.accessCredentials[0] must have exactly one source set"),
     ([NOCLOUD], {}, "spec.accessCredentials[0]: spec.accessCredentials[0] must have exactly one access credential type set"),
-    ([NOCLOUD], ssh_cred(qemuGuestAgent={"users": ["root"]}),
-     "spec.accessCredentials[0].sshPublicKey.propagationMethod.qemuGuestAgent: not supported by the launcher"),
+    ([NOCLOUD], ssh_cred(qemuGuestAgent={"users": []}),
+     "spec.accessCredentials[0].sshPublicKey.propagationMethod.qemuGuestAgent.users: spec.accessCredentials[0]"
+     " requires at least one user to be present in the users list"),
+    ([NOCLOUD], ssh_cred(qemuGuestAgent={}),
+     "spec.accessCredentials[0].sshPublicKey.propagationMethod.qemuGuestAgent.users: spec.accessCredentials[0]"
+     " requires at least one user to be present in the users list"),
+    ([], ssh_cred(qemuGuestAgent={"users": ["root"]}, noCloud={}),
+     "spec.accessCredentials[0].sshPublicKey.propagationMethod: spec.accessCredentials[0]"
+     " requires a noCloud volume to exist when the noCloud propagationMethod is in use."),
     ([NOCLOUD], {"userPassword": {"source": {"secret": {"secretName": "p"}}, "propagationMethod": {"qemuGuestAgent": {}}}},
      "spec.accessCredentials[0].userPassword: not supported by the launcher"),
 ])
@@ -100,6 +108,24 @@ def test_keys_from_the_pod_mount_and_a_missing_secret(tmp_path):
 
 
 def test_ignore_unsupported_drops_the_whole_credential():
-    doc = vmi_doc([NOCLOUD], [ssh_cred("a"), ssh_cred("q", qemuGuestAgent={"users": ["root"]})])
+    password = {"userPassword": {"source": {"secret": {"secretName": "p"}}, "propagationMethod": {"qemuGuestAgent": {}}}}
+    doc = vmi_doc([NOCLOUD], [ssh_cred("a"), password])
     vmi = parse_vmi(doc, ignore_unsupported=True)
     assert [(c.secret_name, c.method) for c in vmi.access_credentials] == [("a", "noCloud")]
+
+
+def test_guest_agent_keys_are_each_users_keys_from_every_secret_naming_them(tmp_path):
+    # access-credentials/access_credentials.go: readKeysFromDirectory takes every file of the Secret's
+    # mount but the kubelet's ..data entries, by name, one key per non-empty trimmed line; reloadCredentialFiles
+    # gives each user the keys of every credential naming them, in the credentials' order.
+    doc = vmi_doc([], [ssh_cred("a", qemuGuestAgent={"users": ["root", "fedora"]}), ssh_cred("b", qemuGuestAgent={"users": ["fedora"]})])
+    vmi = parse_vmi(doc)
+    assert [(c.secret_name, c.method, c.users) for c in vmi.access_credentials] == [
+        ("a", "qemuGuestAgent", ("root", "fedora")), ("b", "qemuGuestAgent", ("fedora",))]
+    secrets = {"a": {"z": b"ssh-ed25519 AAAz z\n\n  ssh-rsa AAAr r  \n", "..data": b"ssh-ed25519 AAAd d", "y": b""},
+               "b": {"k": b"ssh-ed25519 AAAb b"}}
+    assert credentials.agent_keys(vmi.access_credentials, secrets) == {
+        "root": ["ssh-ed25519 AAAz z", "ssh-rsa AAAr r"],
+        "fedora": ["ssh-ed25519 AAAz z", "ssh-rsa AAAr r", "ssh-ed25519 AAAb b"]}
+    # nothing of theirs goes on a cloud-init disk
+    assert credentials.public_keys(vmi.access_credentials, credentials.NOCLOUD, secrets) == {}

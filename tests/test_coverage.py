@@ -70,8 +70,6 @@ CASES = [
     (("spec", "domain", "cpu"), {"cores": 2, "features": [{"name": "vmx"}]}, "spec.domain.cpu.features", UNSUPPORTED),
     (("spec", "domain", "memory"), {"hugepages": {"pageSize": "2Mi"}}, "spec.domain.memory.hugepages", UNSUPPORTED),
     (("spec", "resourceClaims"), [{"name": "r"}], "spec.resourceClaims", UNSUPPORTED),
-    (("spec", "accessCredentials"), [{"sshPublicKey": {"propagationMethod": {"qemuGuestAgent": {"users": ["root"]}}}}],
-     "spec.accessCredentials[0].sshPublicKey.propagationMethod.qemuGuestAgent", UNSUPPORTED),
     (("spec", "accessCredentials"), [{"userPassword": {}}], "spec.accessCredentials[0].userPassword", UNSUPPORTED),
     (("spec", "startStrategy"), "Paused", "spec.startStrategy", UNSUPPORTED),
     (("metadata", "annotations"), {"hooks.kubevirt.io/hookSidecars": "[]"}, "metadata.annotations[hooks.kubevirt.io/hookSidecars]", UNSUPPORTED),
@@ -106,7 +104,7 @@ def test_ignore_unsupported_drops_exactly_what_it_names(path, value, field, rule
 
 
 def test_inert_fields_change_nothing():
-    doc = vmi(autoattachGraphicsDevice=False, autoattachPodInterface=False, autoattachMemBalloon=False)
+    doc = vmi(logSerialConsole=False, autoattachPodInterface=False)
     doc["spec"].update(nodeSelector={"a": "b"}, tolerations=[], terminationGracePeriodSeconds=0, evictionStrategy="None",
                        readinessProbe={"exec": {"command": ["true"]}})
     doc["spec"]["domain"]["devices"]["disks"] = [{"name": "root", "tag": "boot", "disk": {"bus": "virtio"}}]

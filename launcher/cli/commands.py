@@ -24,7 +24,10 @@ from launcher.node.imagehints import ImageHints
 # Commands of their own modules load when named: `launcher pull` does not import what `launcher test` boots with.
 LAZY = {"dv": "launcher.cli.dv:dv", "console": "launcher.cli.consoles:console", "logs": "launcher.cli.consoles:logs",
         "port-forward": "launcher.cli.portforward:port_forward", "ssh": "launcher.cli.ssh:ssh", "test": "launcher.cli.smoketest:smoke_test",
-        "pause": "launcher.cli.pausecmd:pause", "unpause": "launcher.cli.pausecmd:unpause"}
+        "pause": "launcher.cli.pausecmd:pause", "unpause": "launcher.cli.pausecmd:unpause",
+        "vnc": "launcher.cli.vnccmd:vnc", "guestosinfo": "launcher.cli.agentcmds:guestosinfo",
+        "userlist": "launcher.cli.agentcmds:userlist", "fslist": "launcher.cli.agentcmds:fslist",
+        "sync-credentials": "launcher.cli.credsynccmd:sync_credentials"}
 
 
 @click.group(cls=LazyGroup, lazy=LAZY, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100}, epilog=EXIT_EPILOG)
@@ -335,15 +338,20 @@ Examples:
   (a pod's probe)  exec: {command: [launcher, status, testguest]}
 """)
 @click.argument("name")
-@click.option("--json", "as_json", is_flag=True, help='Print {"name", "domain", "state", "reason", "message"}: reason and message KubeVirt\'s Paused condition\'s, or null.')
+@click.option("--json", "as_json", is_flag=True, help='Print {"name", "domain", "state", "reason", "message", "conditions"}: reason and message KubeVirt\'s Paused condition\'s, or null; conditions as the VMI\'s status has them.')
 @cache_option
 def status(name, as_json, cache_dir) -> None:
-    """Print a VM's state (running, paused, stopped, gone, unknown); exit 0 only while it runs or
-    is paused by the user.
+    """Print a VM's state (running, paused, stopped, gone, unknown), then its conditions one a line;
+    exit 0 only while it runs or is paused by the user.
 
     paused: said with KubeVirt's reason, PausedByUser (`launcher pause`) or PausedIOError (a disk's
     I/O error stopped the guest: errorPolicy stop), the latter with the disk, the error and its
     file: `paused (PausedIOError): vda: no space left on device (FILE)`.
+
+    Conditions, as virt-handler sets them on the VMI: `AgentConnected: True` while the qemu guest
+    agent is connected, `UnsupportedAgent: True: REASON` when it lacks commands KubeVirt needs,
+    `AccessCredentialsSynchronized: True|False[: MESSAGE]` once qemuGuestAgent access credentials
+    were written (or failed to be).
 
     Made for a pod's exec readiness and liveness probes: the answer comes from libvirt, so a
     launcher that is alive with a dead guest is reported as not running. A pause the user asked for
@@ -352,18 +360,22 @@ def status(name, as_json, cache_dir) -> None:
     """
     from diskkit.errors import NotFound
     from launcher.runtime.conditions import PAUSED_BY_USER
-    from launcher.runtime.vms import find_record, state_and_why
+    from launcher.runtime.vms import conditions, find_record, state_and_why
 
     cache = node_cache(cache_dir)
     record = find_record(cache, name)
     if record is None:
         raise NotFound(name, "no VM of this name was started from this cache (yet)")
     now, paused = state_and_why(record, cache)
+    found = conditions(record, cache, paused) if now in ("running", "paused") else []
     if as_json:
         click.echo(json.dumps({"name": name, "domain": record["domain"], "state": now, "reason": paused and paused.reason,
-                               "message": paused and paused.message}, indent=2))
+                               "message": paused and paused.message, "conditions": found}, indent=2))
     else:
         click.echo(f"{now} ({paused.reason}): {paused.message}" if paused else now)
+        for condition in found:
+            if condition["type"] != "Paused":  # said on the first line
+                click.echo(": ".join([f"{condition['type']}: {condition['status']}", *(condition[k] for k in ("reason", "message") if condition.get(k))]))
     if now != "running" and not (paused and paused.reason == PAUSED_BY_USER):
         sys.exit(1)
 

@@ -68,7 +68,8 @@ def storage_options(command):
 
             objects = ClusterObjects()
         gates = parse_gates(feature_gates, host_disk_dir)
-        return command(*args, store=Storage(claims, objects, pvc_tolerance, gates=gates), **kwargs)
+        return command(*args, store=Storage(claims, objects, pvc_tolerance, gates=gates,
+                                            manifests=Path(manifests).resolve() if manifests else None, kube_api=bool(kube_api)), **kwargs)
 
     options = [
         click.option("--pvc", multiple=True, metavar="CLAIM=PATH[:SIZE]", help="Where a claim lives here: a directory (its disk.img, created sparse with SIZE when missing) or a block device. Repeatable."),

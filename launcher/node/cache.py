@@ -379,7 +379,8 @@ class Cache:
         return within(self.root / "run", entry_name(domain))
 
     def run_dirs(self) -> list[Path]:
-        return sorted(p for p in (self.root / "run").glob("*") if p.is_dir())
+        # not the short links to their console directories (launcher.runtime.rundir)
+        return sorted(p for p in (self.root / "run").glob("*") if p.is_dir() and not p.is_symlink())
 
     def pin_path(self, domain: str) -> Path:
         return within(self.root / "pins", f"{entry_name(domain)}.json")

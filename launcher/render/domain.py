@@ -1,10 +1,11 @@
 """A parsed VMI plus its resolved volume files -> libvirt domain XML, as KubeVirt's converter builds it (pure).
 
 Follows pkg/virt-launcher/virtwrap/converter (storage/, compute/, iothreads/, converter.go) for disks,
-cache and io modes, iothreads, queues and CPU topology. Deliberate differences, all for a launcher
-that runs outside a pod: the serial console is a pty logged to a file, the pod network's NIC is
-served by the VM's pod switch (launcher.render.interfaces), there is no graphics, balloon or guest-agent
-channel, and the caller probes KVM and O_DIRECT and passes the results in.
+cache and io modes, iothreads, queues and CPU topology; launcher.render.compute adds the display,
+inputs, balloon, guest-agent channel and SMBIOS entries every KubeVirt domain has. Deliberate
+differences, all for a launcher that runs outside a pod: the serial console is a pty logged to a
+file, the pod network's NIC is served by the VM's pod switch (launcher.render.interfaces), the VNC
+socket is in the VM's run directory, and the caller probes KVM and O_DIRECT and passes the results in.
 iSCSI and RBD PersistentVolumes become network disks qemu connects to itself (launcher.k8s resolves
 them), as KubeVirt's 2017 proposal for PV-backed disks had it. A lazily pulled containerDisk is an
 overlay whose backing store is an NBD export of the node's disk server, on a unix socket.
@@ -16,7 +17,7 @@ import uuid
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 
-from launcher.render import clock, cpupin, features, interfaces
+from launcher.render import clock, compute, cpupin, features, interfaces
 from launcher.render.cpupin import Topology
 from launcher.spec.k8s import NetworkSource
 from launcher.spec.vmi import DEFAULT_CPU_MODEL, VMI, Disk, SpecError, Volume
@@ -78,6 +79,9 @@ class Host:
     efi_code: str | None = None
     efi_vars: str | None = None
     nvram: str | None = None
+    # Where qemu listens for VNC and for the guest agent; None: sockets libvirt names.
+    vnc_socket: str | None = None
+    agent_socket: str | None = None
 
 
 def _file_source(parent: ET.Element, path: str, fd_group: str | None = None) -> ET.Element:
@@ -465,6 +469,21 @@ def _tpm(devices: ET.Element, persistent: bool) -> None:
 def notes(vmi: VMI, host: Host) -> tuple[str, ...]:
     """What the guest runs without on this host that KubeVirt's domain asks for, one line per field."""
     return features.notes(vmi, host.domain_type) + clock.notes(vmi, host.domain_type)
+# network/virtio-queues.go MultiQueueMaxQueues
+MAX_NETWORK_QUEUES = 256
+
+
+def _network_queues(vmi: VMI) -> int:
+    """NetworkQueuesCapacity: a queue per vCPU with networkInterfaceMultiqueue. The launcher's pod
+    network is a stream socket to the VM's pod switch (launcher.network), which carries one queue."""
+    if not vmi.domain.devices.network_multiqueue:
+        return 0
+    queues = min(vmi.domain.vcpus, MAX_NETWORK_QUEUES)
+    if queues > 1 and any(i.model == "virtio" for i in vmi.domain.devices.interfaces):
+        raise SpecError("spec.domain.devices.networkInterfaceMultiqueue",
+                        f"{queues} queues (one per vCPU) are not supported by the launcher's pod network,"
+                        " a stream socket to the VM's pod switch (one queue); leave it out or give the VM one vCPU")
+    return queues
 
 
 def render(vmi: VMI, disks: dict[str, ResolvedDisk], host: Host) -> str:
@@ -481,11 +500,7 @@ def render(vmi: VMI, disks: dict[str, ResolvedDisk], host: Host) -> str:
     if vmi.domain.cpu.dedicated_cpu_placement:
         _cputune(domain, vmi, host, total_threads)
 
-    sysinfo = ET.SubElement(ET.SubElement(domain, "sysinfo", type="smbios"), "system")
-    _text(sysinfo, "entry", vmi.uuid, name="uuid")
-    if vmi.domain.firmware.serial:
-        _text(sysinfo, "entry", vmi.domain.firmware.serial, name="serial")
-
+    compute.sysinfo(vmi, domain)
     domain.append(_os(vmi, host))
     domain.append(features.render(vmi, host.domain_type))
     cpu = _cpu(vmi, host)
@@ -504,13 +519,12 @@ def render(vmi: VMI, disks: dict[str, ResolvedDisk], host: Host) -> str:
     _disks(vmi, disks, devices, host.dac and host.dac_label is None)
     _filesystems(vmi, host, devices)
     model = "virtio-transitional" if vmi.domain.devices.use_virtio_transitional else "virtio-non-transitional"
+    queues = _network_queues(vmi)
     for iface in vmi.domain.devices.interfaces:
-        interfaces.render(iface, model, devices)
+        interfaces.render(iface, model, devices, queues)
     disks = vmi.domain.devices.disks
-    # model none keeps libvirt from adding a USB controller nobody asked for (compute/controllers.go);
-    # arch/amd64.go IsUSBNeeded counts disk devices on usb, not cdroms.
-    usb = any(d.bus == "usb" and d.device == "disk" for d in disks)
-    ET.SubElement(devices, "controller", type="usb", index="0", model="qemu-xhci" if usb else "none")
+    # model none keeps libvirt from adding a USB controller nobody asked for (compute/controllers.go)
+    ET.SubElement(devices, "controller", type="usb", index="0", model="qemu-xhci" if compute.usb_needed(vmi) else "none")
     # compute/controllers.go requiresSCSIController: always there for hotplug, unless disableHotplug
     # and no disk is on scsi.
     model = "virtio-transitional" if vmi.domain.devices.use_virtio_transitional else "virtio-non-transitional"
@@ -529,7 +543,10 @@ def render(vmi: VMI, disks: dict[str, ResolvedDisk], host: Host) -> str:
         ET.SubElement(serial, "target", port="0")
         console = ET.SubElement(devices, "console", type="pty")
         ET.SubElement(console, "target", type="serial", port="0")
-    ET.SubElement(devices, "memballoon", model="none")
+    compute.channel(devices, host.agent_socket)
+    compute.inputs(vmi, devices)
+    compute.graphics(vmi, devices, host.vnc_socket)
+    compute.memballoon(vmi, devices, model)
     if vmi.domain.devices.rng:
         # compute/rng.go: virtio (transitional or not, as every virtio device here), fed by /dev/urandom
         rng = ET.SubElement(devices, "rng", model=model)

@@ -40,11 +40,14 @@ def netdev(iface: Interface, socket_path: str) -> str:
     return f"stream,id={netdev_id(iface)},server=off,addr.type=unix,addr.path={socket_path.replace(',', ',,')}"
 
 
-def render(iface: Interface, virtio_model: str, devices: ET.Element) -> None:
+def render(iface: Interface, virtio_model: str, devices: ET.Element, queues: int = 0) -> None:
+    """`queues`: network/virtio-queues.go NetworkQueuesCapacity, 0 without networkInterfaceMultiqueue."""
     element = ET.SubElement(devices, "interface", type="user")
     if iface.mac:
         ET.SubElement(element, "mac", address=iface.mac)
     ET.SubElement(element, "model", type=virtio_model if iface.model == "virtio" else iface.model)
+    if iface.model == "virtio" and queues:
+        ET.SubElement(element, "driver", name="vhost", queues=str(queues))  # configurator.go newVirtioDriver
     ET.SubElement(element, "alias", name=alias(iface))
     if iface.boot_order is not None:
         ET.SubElement(element, "boot", order=str(iface.boot_order))

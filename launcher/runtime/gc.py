@@ -13,6 +13,7 @@ from diskkit.registry.partial import abandoned
 from launcher.chunks.index import ChunkIndex
 from launcher.diskserver.server import lazy_leftovers
 from launcher.node.cache import Cache, tree_size
+from launcher.runtime import rundir
 from launcher.runtime.stopping import DEFAULT_GRACE_PERIOD
 from launcher.runtime.vms import cleanup, connect, state
 
@@ -89,7 +90,7 @@ def _unrecorded_runs(cache: Cache) -> list[str]:
             continue
         with cache.lock_if_free(f"vm-{run_dir.name}") as free:
             if free and not cache.vm_record_path(run_dir.name).exists():
-                shutil.rmtree(run_dir, ignore_errors=True)
+                rundir.remove(run_dir)
                 removed.append(run_dir.name)
     return removed
 

@@ -19,7 +19,11 @@ root write, truncate or chown the file of its choosing. Instead:
   empty console.log in it; the launcher reads it through that directory's fd, never following a link
   (launcher.runtime.console);
 - what root adds later (domain.xml, the virtiofs sockets) goes into directories only root can
-  write, so plain paths are safe there.
+  write, so plain paths are safe there;
+- the sockets qemu listens on itself, VNC's and the guest agent's channel, are made by qemu in
+  `console/` too (KubeVirt's virt-launcher keeps virt-vnc beside its serial console's log). A unix
+  socket's path holds 107 bytes: where `console/`'s is longer, a link root makes beside the run
+  directory, `run/.KEY` (run/ is root's), names it in fewer (socket_dir).
 
 Opening every write relative to a directory fd (launcher.hostfs.dirfd) would guard each writer on its
 own, but the writers here are qemu-img, the ISO and metrics-disk writers and libvirt, all of which take
@@ -30,16 +34,21 @@ An unprivileged launcher is unaffected: everything is its own, and qemu runs as 
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 from pathlib import Path
 
 from diskkit.errors import DiskkitError
 from launcher.hostfs.dirfd import DIR_NOFOLLOW, NOFOLLOW
+from launcher.node.cache import key
 from launcher.volumes.filesystems import SHARES_DIR
 
 TRAVERSE = 0o710  # root's directories: qemu's group may pass through, nothing more
-CONSOLE_DIR = "console"  # qemu's: its log daemon rotates the log in it
+CONSOLE_DIR = "console"  # qemu's: its log daemon rotates the log in it, qemu makes its sockets in it
 CONSOLE_LOG = "console.log"
+VNC_SOCKET = "virt-vnc"  # KubeVirt's name (converter/compute/graphics.go)
+AGENT_SOCKET = "virt-agent"  # the guest agent's channel (KubeVirt lets libvirt name it)
+SOCKET_PATH_MAX = 107  # sun_path, less its terminating NUL
 
 
 def inside(path: Path | str, run_dir: Path) -> bool:
@@ -50,6 +59,34 @@ def inside(path: Path | str, run_dir: Path) -> bool:
 
 def console_log(run_dir: Path) -> Path:
     return run_dir / CONSOLE_DIR / CONSOLE_LOG
+
+
+def _short_link(run_dir: Path) -> Path:
+    return run_dir.parent / f".{key(run_dir.name)[:16]}"
+
+
+def socket_dir(run_dir: Path) -> Path | None:
+    """Where qemu makes its VNC and guest-agent sockets: `console/`, or the short link to it when
+    that path is too long for a socket; None when both are (a cache path of some 70 bytes and more):
+    then libvirt names them."""
+    for candidate in (run_dir / CONSOLE_DIR, _short_link(run_dir)):
+        if all(len(str(candidate / name).encode()) <= SOCKET_PATH_MAX for name in (VNC_SOCKET, AGENT_SOCKET)):
+            return candidate
+    return None
+
+
+def qemu_socket(run_dir: Path, name: str) -> str | None:
+    """The path of qemu's socket `name` (VNC_SOCKET, AGENT_SOCKET), or None: libvirt's choice."""
+    directory = socket_dir(run_dir)
+    return None if directory is None else str(directory / name)
+
+
+def remove(run_dir: Path) -> None:
+    """The run directory and its short link, if there is one."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    link = _short_link(run_dir)
+    if link.is_symlink():
+        link.unlink(missing_ok=True)
 
 
 def create(run_dir: Path) -> Path:
@@ -67,7 +104,20 @@ def create(run_dir: Path) -> Path:
         raise DiskkitError(run_dir, f"cannot be made afresh ({exc.strerror})") from None
     finally:
         os.close(fd)
+    sockets = socket_dir(run_dir)
+    if sockets is not None and sockets.name != CONSOLE_DIR:
+        _link(sockets, f"{run_dir.name}/{CONSOLE_DIR}")
     return run_dir
+
+
+def _link(link: Path, target: str) -> None:
+    """The short link to `console/`, in place of any left by a killed run (only links are replaced)."""
+    try:
+        if link.is_symlink():
+            link.unlink()
+        os.symlink(target, link)
+    except OSError as exc:
+        raise DiskkitError(link, f"cannot be made as a link to {target} ({exc.strerror})") from None
 
 
 def open_to_qemu(run_dir: Path, owner: tuple[int, int]) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -29,7 +28,7 @@ from launcher.node import pins
 from launcher.node.cache import QEMU_ID, Cache
 from launcher.render.domain import Host, notes, read_only_volumes, render, secret_xml
 from launcher.render.interfaces import socket_path
-from launcher.runtime import accel, diskfds, hostcpus, rundir, sessiond, virtiofs, vmuser
+from launcher.runtime import accel, credsync, diskfds, guestagent, hostcpus, rundir, sessiond, virtiofs, vmuser
 from launcher.runtime.conditions import Paused, paused_condition
 from launcher.runtime.console import ConsoleLog, follow
 from launcher.runtime.iopause import PauseWatch, describe
@@ -113,13 +112,13 @@ def _own_libvirt(uri: str, user: VmUser) -> Libvirt:
 
 def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, say: Callable[[str], None], qemu: tuple[int, int] = KUBEVIRT_QEMU,
          dac: bool = False, qemu_uid: int | None = None, qemu_cannot_open: str | None = None, by_fd: bool = False,
-         dac_label: tuple[int, int] | None = None):
+         dac_label: tuple[int, int] | None = None, system_daemon: bool = False):
     """Pull what the VMI needs, choose the accelerator (said in one line) and render the domain:
     (prepared volumes, domain XML, accelerator, handed files). With `create`, the overlays are made too
     (and what qemu opens in claims is given to `qemu`); `qemu_cannot_open`: see accel.choose. With
     `by_fd` (a root launcher's run) every disk and kernel from outside the run directory reaches qemu
     as an open file or a copy of its own (launcher.runtime.diskfds): the fourth value holds the open
-    files, for the domain's start."""
+    files, for the domain's start. `system_daemon`: libvirt's system daemon runs it."""
     run_dir = cache.run_dir(vmi.domain_name)
     prepared = prepare(vmi, cache, run_dir, opts.registry, opts.platform, create=create, store=opts.storage, lazy=opts.lazy,
                        qemu=qemu, qemu_uid=qemu_uid, pins=pins.load(cache, vmi.domain_name) if vmi.from_vm else None,
@@ -140,6 +139,11 @@ def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, say: Callable[[
             net_dir=str(run_dir / network.NET_DIR),
             dac=dac,
             dac_label=dac_label,
+            # A system daemon labels a socket it is given as root, by path, in a directory qemu's user
+            # writes (and an unprivileged launcher's is no place qemu's user may write): there the
+            # sockets are libvirt's own, in its directories.
+            vnc_socket=None if system_daemon else rundir.qemu_socket(run_dir, rundir.VNC_SOCKET),
+            agent_socket=None if system_daemon else rundir.qemu_socket(run_dir, rundir.AGENT_SOCKET),
             **(dict(zip(("efi_code", "efi_vars", "nvram"), prepared.efi)) if prepared.efi else {}),
         )
         if vmi.domain.cpu.dedicated_cpu_placement:
@@ -213,7 +217,8 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
                 prepared, xml, chosen, handed = plan(vmi, cache, opts, create=True, say=say, qemu=owner,
                                                      dac=os.geteuid() == 0 and is_system_uri(uri), qemu_uid=qemu_uid,
                                                      qemu_cannot_open=f"qemu's user (uid {qemu_uid}) on {uri}" if tcg else None,
-                                                     by_fd=os.geteuid() == 0, dac_label=vm_ids if labelled else None)
+                                                     by_fd=os.geteuid() == 0, dac_label=vm_ids if labelled else None,
+                                                     system_daemon=is_system_uri(uri))
                 run_dir = cache.run_dir(name)
                 rundir.open_to_qemu(run_dir, vm_ids)
                 write_atomic(run_dir / "domain.xml", xml.encode(), 0o600)  # root's: libvirt is given the XML, not the file
@@ -222,7 +227,7 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
                     # The VM's pod switch runs as qemu itself (the VM's own uid as root), whose socket it serves.
                     net_dir = rundir.traversable_dir(run_dir / network.NET_DIR, vm_ids)
                     nets = network.start(nics, [Path(socket_path(str(net_dir), i)) for i in range(len(nics))], vm_ids)
-                cache.write_json(cache.vm_record_path(name), {
+                record = {
                     "domain": name,
                     "vmi": vmi.name,
                     "namespace": vmi.namespace,
@@ -243,7 +248,10 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
                     "gracePeriod": grace_period_of(vmi, opts),  # what `launcher stop` gives the guest
                     "accel": chosen.to_json(),
                     "dropTPMState": vmstate.drops_tpm_state(vmi),  # a bare VMI's persistent TPM goes with it
-                })
+                    # what launcher.runtime.credsync's helper keeps in the guest: [{secret, users}]
+                    "accessCredentials": credsync.record_entries(vmi.access_credentials),
+                }
+                cache.write_json(cache.vm_record_path(name), record)
             for note in prepared.notes:
                 say(f"note: {note}")
             if own:
@@ -259,6 +267,10 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
             if allocation is not None:
                 allocation.close()  # from now on the VM's own processes hold its uid
             nets.wait()  # started alongside libvirt's start: what they publish is bound, or the run ends here
+            if record["accessCredentials"]:
+                storage = opts.storage or Storage()
+                record["credentialSync"] = credsync.start(cache, name, run_dir, credsync.secret_flags(storage.manifests, storage.kube_api))
+                cache.write_json(cache.vm_record_path(name), record)
             if vmi.from_vm:  # booted: what its next runs boot. The kubelet resolved what the pod mounted: those pins stay.
                 mounted = opts.container_disk_dir is not None or opts.kernel_boot_dir is not None
                 pins.save(cache, name, {**(pins.load(cache, name) if mounted else {}), **prepared.pins})
@@ -410,9 +422,7 @@ def _exports_used(cache: Cache, opts: RunOptions) -> set[str]:
 
 
 def _remove_run_dir(cache: Cache, name: str) -> None:
-    run_dir = cache.run_dir(name)
-    if run_dir.exists():
-        shutil.rmtree(run_dir, ignore_errors=True)
+    rundir.remove(cache.run_dir(name))
 
 
 def cleanup(cache: Cache, lv: Libvirt | None, name: str, grace: float = 0, wait: Callable[[float], bool] | None = None,
@@ -431,6 +441,7 @@ def cleanup(cache: Cache, lv: Libvirt | None, name: str, grace: float = 0, wait:
             lv.undefine_secret(usage)
     virtiofs.stop(record.get("virtiofsd", []))
     network.stop([entry for entry in record.get("network", []) if "pid" in entry])
+    credsync.stop(record.get("credentialSync"))
     _remove_run_dir(cache, name)
     cache.vm_record_path(name).unlink(missing_ok=True)
     user = user or VmUser.from_json(record.get("vmUser"))
@@ -523,3 +534,23 @@ def state_and_why(record: dict, cache: Cache | None = None) -> tuple[str, Paused
         return ("stopped" if lv.exists(domain) else "gone"), None
     finally:
         lv.close()
+
+
+def conditions(record: dict, cache: Cache, paused: Paused | None) -> list[dict]:
+    """The VMI's conditions as virt-handler sets them for a running VM: Paused, AgentConnected,
+    UnsupportedAgent, AccessCredentialsSynchronized (type, status, reason, message)."""
+    found = []
+    if paused is not None:
+        found.append({"type": "Paused", "status": "True", "reason": paused.reason, "message": paused.message})
+    try:
+        lv = connect(cache, record["uri"])
+    except DiskkitError:
+        return found
+    try:
+        found += guestagent.conditions(lv, record["domain"], bool(record.get("accessCredentials")))
+    finally:
+        lv.close()
+    synced = credsync.condition(Path(record["run_dir"]))
+    if synced is not None:
+        found.append(synced)
+    return found

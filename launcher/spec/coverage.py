@@ -97,15 +97,17 @@ DEVICES = {
     "filesystems": ListOf({"name": HANDLED, "virtiofs": {}}),
     "blockMultiQueue": HANDLED,
     "interfaces": ListOf(INTERFACE), "autoattachPodInterface": HANDLED,
-    # The launcher never adds a graphics, balloon or input device (README, "deliberate differences"):
-    # turning them off asks for what it does anyway.
-    **dict.fromkeys(("autoattachGraphicsDevice", "autoattachMemBalloon",
-                     "autoattachInputDevice", "logSerialConsole", "networkInterfaceMultiqueue"), INERT),
+    # autoattachInputDevice: a VirtualMachine's, the VM controller's input (launcher.spec.instancetype)
+    **dict.fromkeys(("autoattachGraphicsDevice", "autoattachMemBalloon", "autoattachInputDevice",
+                     "networkInterfaceMultiqueue"), HANDLED),
+    "inputs": ListOf({"name": HANDLED, "bus": HANDLED, "type": HANDLED}),
+    "video": {"type": HANDLED},
+    "logSerialConsole": INERT,  # the console is always logged to the run directory
     "autoattachVSOCK": UNLESS_FALSE,
     "rng": {},
     "tpm": {"enabled": HANDLED, "persistent": HANDLED},
-    **dict.fromkeys(("watchdog", "inputs", "gpus", "downwardMetrics", "panicDevices",
-                     "hostDevices", "clientPassthrough", "sound", "video"), UNSUPPORTED),
+    **dict.fromkeys(("watchdog", "gpus", "downwardMetrics", "panicDevices",
+                     "hostDevices", "clientPassthrough", "sound"), UNSUPPORTED),
 }
 STATE = {"enabled": HANDLED}
 # launcher.spec.hyperv; each is rendered, and said in one line where emulation runs the guest without it.
@@ -153,10 +155,10 @@ VMI_SPEC = {
                      "tolerations", "topologySpreadConstraints", "evictionStrategy",
                      "livenessProbe", "readinessProbe", "subdomain", "dnsPolicy", "dnsConfig"), INERT),
     "networks": ListOf(NETWORK),
-    # launcher.spec.credentials; the guest-agent propagation and passwords need an agent the launcher does not attach
+    # launcher.spec.credentials
     "accessCredentials": ListOf({"sshPublicKey": {"source": {"secret": {"secretName": HANDLED}},
                                                   "propagationMethod": {"noCloud": {}, "configDrive": {},
-                                                                        "qemuGuestAgent": UNSUPPORTED}},
+                                                                        "qemuGuestAgent": {"users": HANDLED}}},
                                  "userPassword": UNSUPPORTED}),
     **dict.fromkeys(("startStrategy", "resourceClaims", "utilityVolumes"), UNSUPPORTED),
 }

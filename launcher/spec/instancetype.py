@@ -6,7 +6,9 @@ validated: infer the matchers from a volume (pkg/instancetype/infer), find the o
 pkg/instancetype/conflict), apply the instance type and then the preference
 (pkg/instancetype/preference/apply) to spec.template, annotate the template as the VM controller
 annotates the VMI (pkg/instancetype/annotations, preference/annotations), and check the preference's
-requirements as the VM admitter does (pkg/instancetype/preference/requirements).
+requirements as the VM admitter does (pkg/instancetype/preference/requirements). The input device the
+VM controller adds for autoattachInputDevice (AutoAttachInputDevice) is added here too, with or
+without a preference: it comes between the preference's autoattach flags and its input bus and type.
 
 Objects come from whatever `get(kind, namespace, name)` the caller holds (manifests or the API); no
 I/O here. What an instance type or preference would put in the VMI and the launcher cannot do is
@@ -469,8 +471,7 @@ def _apply_disks(pref: Selected, devices: dict, prefs: dict) -> None:
 
 
 # Booleans a preference sets when the VM leaves them unset (device.go ApplyDevicePreferences and
-# ApplyAutoAttachPreferences). The launcher adds no NIC, graphics, balloon or input device whatever
-# the autoattach flags say (README, deliberate differences), so those pass through as KubeVirt sets them.
+# ApplyAutoAttachPreferences).
 _DEVICE_FLAGS = {"preferredUseVirtioTransitional": "useVirtioTransitional", "preferredBlockMultiQueue": "blockMultiQueue",
                  "preferredNetworkInterfaceMultiQueue": "networkInterfaceMultiqueue",
                  "preferredAutoattachGraphicsDevice": "autoattachGraphicsDevice",
@@ -494,16 +495,29 @@ def _default_volume_disks(devices: dict, tspec: dict) -> None:
             devices["disks"].append({"name": volume["name"]})
 
 
+def _auto_attach_input(tspec: dict) -> None:
+    """pkg/virt-controller/watch/vm/vm.go AutoAttachInputDevice: a VM whose autoattachInputDevice is
+    true and that names no input gets one, named default-0 (its bus and type: a preference's, else the
+    defaults, usb and tablet). A VirtualMachine's alone: the VM controller adds it to the VMI it makes."""
+    domain = tspec.get("domain")
+    devices = domain.get("devices") if isinstance(domain, dict) else None
+    if isinstance(devices, dict) and devices.get("autoattachInputDevice") is True and not devices.get("inputs"):
+        devices["inputs"] = [{"name": "default-0"}]
+
+
 def _apply_devices(pref: Selected, tspec: dict) -> None:
     """preference/apply/device.go, interface.go, disk.go."""
     devices = _obj(_obj(tspec, "domain", "spec.template.spec.domain"), "devices", "spec.template.spec.domain.devices")
     _default_volume_disks(devices, tspec)
     prefs = as_map(pref.spec.get("devices"), f"{pref.label} spec.devices")
     if not prefs:
+        _auto_attach_input(tspec)
         return
     for key, field in _DEVICE_FLAGS.items():
         if prefs.get(key) is not None:
             _set_default(devices, field, prefs[key])
+    # The VM controller applies the autoattach preferences, adds the input, then the other preferences.
+    _auto_attach_input(tspec)
     if prefs.get("preferredDisableHotplug") is not None:
         devices["disableHotplug"] = prefs["preferredDisableHotplug"]  # not a pointer upstream: always replaced
     if prefs.get("preferredSoundModel") and isinstance(devices.get("sound"), dict) and not devices["sound"].get("model"):
@@ -513,14 +527,17 @@ def _apply_devices(pref: Selected, tspec: dict) -> None:
         devices["rng"] = copy.deepcopy(prefs["preferredRng"])
     if prefs.get("preferredTPM") is not None and devices.get("tpm") is None:
         devices["tpm"] = copy.deepcopy(prefs["preferredTPM"])
-    if prefs.get("preferredVideoType") is not None and not dig(devices, "video", "type"):
-        raise _unsupported(pref, "devices.preferredVideoType")
+    if prefs.get("preferredVideoType") is not None:
+        if devices.get("video") is None:
+            devices["video"] = {}
+        if isinstance(devices["video"], dict):
+            _set_default(devices["video"], "type", prefs["preferredVideoType"])
     if prefs.get("preferredPanicDeviceModel") is not None:
         raise _unsupported(pref, "devices.preferredPanicDeviceModel")
-    for item in as_list(devices.get("inputs"), f"{_BASE}.domain.devices.inputs"):
+    for item in as_list(devices.get("inputs"), f"{_BASE}.domain.devices.inputs"):  # device.go applyInputPreferences
         for key, field in (("preferredInputBus", "bus"), ("preferredInputType", "type")):
-            if prefs.get(key) and isinstance(item, dict) and not item.get(field):
-                raise _unsupported(pref, f"devices.{key}")
+            if prefs.get(key) and isinstance(item, dict):
+                _set_default(item, field, prefs[key])
     # preferredInterfaceModel / preferredInterfaceMasquerade (interface.go) shape NICs, and the launcher
     # attaches none: KubeVirt's default pod interface is the same VM without one (README).
     _apply_disks(pref, devices, prefs)
@@ -633,9 +650,12 @@ def expand(vm: dict, objects: ObjectSource | None) -> dict:
     """The VirtualMachine `vm` with its instance type and preference applied to spec.template and its
     matchers gone (a copy; `vm` is left as it was)."""
     spec = as_map(vm.get("spec"), "spec")
-    if spec.get("instancetype") is None and spec.get("preference") is None:
-        return vm
     vm = copy.deepcopy(vm)
+    if spec.get("instancetype") is None and spec.get("preference") is None:
+        tspec = dig(vm, "spec", "template", "spec")
+        if isinstance(tspec, dict):
+            _auto_attach_input(tspec)
+        return vm
     namespace = dig(vm, "metadata", "namespace") or "default"
     for what in ("instancetype", "preference"):
         if vm["spec"].get(what) is not None:
@@ -662,6 +682,8 @@ def expand(vm: dict, objects: ObjectSource | None) -> dict:
     if pref is not None:
         _apply_preference(pref, vm, tspec, meta)
         _check_requirements(it, pref, tspec)
+    else:
+        _auto_attach_input(tspec)
     annotations = _obj(meta, "annotations", "spec.template.metadata.annotations")
     for selected in (it, pref):
         if selected is not None:

@@ -78,6 +78,12 @@ ERROR_POLICIES = ("stop", "ignore", "report", "enospace")
 IO_THREADS_POLICIES = ("shared", "auto")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 TRAY_STATES = ("open", "closed")
+# staging/src/kubevirt.io/api/core/v1/schema.go InputBus; a tablet is the one type the admitter takes
+INPUT_BUSES = ("virtio", "usb")
+# pkg/virt-api/webhooks/amd64.go validateVideoTypeAmd64
+VIDEO_TYPES = ("vga", "cirrus", "virtio", "ramfb", "bochs")
+# staging/src/kubevirt.io/api/core/v1/types.go FreePageReportingDisabledAnnotation
+FREE_PAGE_REPORTING_DISABLED = "kubevirt.io/free-page-reporting-disabled"
 
 VOLUME_KINDS = (
     "containerDisk", "persistentVolumeClaim", "dataVolume", "emptyDisk", "hostDisk", "ephemeral",
@@ -243,6 +249,15 @@ class Filesystem:
 
 
 @dataclass(frozen=True)
+class Input:
+    """spec.domain.devices.inputs[]: a tablet, on usb unless virtio is asked for (api SetDefaults_Input)."""
+
+    name: str
+    bus: str = "usb"
+    type: str = "tablet"
+
+
+@dataclass(frozen=True)
 class CPU:
     cores: int | None = None
     sockets: int | None = None
@@ -317,6 +332,11 @@ class Devices:
     rng: bool = False  # devices.rng: {} gives the guest a virtio RNG fed by the host's /dev/urandom
     tpm: TPM | None = None  # pkg/tpm HasDevice: given and not disabled
     interfaces: tuple[Interface, ...] = ()  # launcher.spec.network: the pod network's NICs, defaulted
+    autoattach_graphics: bool = True  # the VNC display and its video card
+    autoattach_mem_balloon: bool = True
+    inputs: tuple[Input, ...] = ()
+    video: str | None = None  # devices.video.type; None: the architecture's default card
+    network_multiqueue: bool = False  # networkInterfaceMultiqueue: a queue per vCPU on virtio NICs
 
 
 @dataclass(frozen=True)
@@ -926,10 +946,16 @@ def _domain(doc: dict, root: str, volumes: tuple[Volume, ...]) -> DomainSpec:
     disks = _disks(disk_items, volumes, f"{dat}.disks", frozenset(f.name for f in filesystems))
     # Queues follow the vCPU topology, one at least (storage/configurator.go), so no CPU request is needed.
     block_mq = get_bool(devices_doc, "blockMultiQueue", dat)
+    graphics = get_bool(devices_doc, "autoattachGraphicsDevice", dat, default=True)
     devices = Devices(disks, get_bool(devices_doc, "autoattachSerialConsole", dat, default=True), block_mq,
                       get_bool(devices_doc, "useVirtioTransitional", dat), get_bool(devices_doc, "disableHotplug", dat),
                       filesystems, "rng" in devices_doc and as_map(devices_doc["rng"], f"{dat}.rng") is not None,
-                      tpm=_tpm(devices_doc, dat))
+                      tpm=_tpm(devices_doc, dat),
+                      autoattach_graphics=graphics,
+                      autoattach_mem_balloon=get_bool(devices_doc, "autoattachMemBalloon", dat, default=True),
+                      inputs=_inputs(as_list(devices_doc.get("inputs"), f"{dat}.inputs"), f"{dat}.inputs"),
+                      video=_video(devices_doc, graphics, dat),
+                      network_multiqueue=get_bool(devices_doc, "networkInterfaceMultiqueue", dat))
     clock = parse_clock(as_map(doc["clock"], f"{at}.clock"), f"{at}.clock") if doc.get("clock") is not None else None
     return DomainSpec(cpu, None if guest is None else to_bytes(guest), resources, machine, firmware, features, devices, policy, clock)
 
@@ -959,6 +985,34 @@ def _tpm(devices: dict, at: str) -> TPM | None:
     if not get_bool(doc, "enabled", f"{at}.tpm", default=True):
         return None
     return TPM(get_bool(doc, "persistent", f"{at}.tpm"))
+
+
+def _inputs(items: list, at: str) -> tuple[Input, ...]:
+    """vmi-create-admitter.go validateInputDevices, after api SetDefaults_Input (usb, tablet)."""
+    found = []
+    for idx, item in enumerate(items):
+        iat = f"{at}[{idx}]"
+        doc = as_map(item, iat)
+        name = get_str(doc, "name", iat, required=True)  # the schema requires it: the device's alias
+        bus = get_str(doc, "bus", iat) or "usb"
+        if bus not in INPUT_BUSES:
+            raise SpecError(f"{iat}.bus", "Input device can have only virtio or usb bus.")
+        if (get_str(doc, "type", iat) or "tablet") != "tablet":
+            raise SpecError(f"{iat}.type", "Input device can have only tablet type.")
+        found.append(Input(name, bus))
+    return tuple(found)
+
+
+def _video(devices: dict, graphics: bool, at: str) -> str | None:
+    """vmi-create-admitter.go validateVideoConfig and webhooks/amd64.go validateVideoTypeAmd64."""
+    if devices.get("video") is None:
+        return None
+    if not graphics:
+        raise SpecError(f"{at}.video", "Video configuration is not allowed when autoattachGraphicsDevice is set to false")
+    kind = get_str(as_map(devices["video"], f"{at}.video"), "type", f"{at}.video") or ""
+    if kind not in VIDEO_TYPES:
+        raise SpecError(f"{at}.video.type", f"video model '{kind}' is not supported on amd64 architecture")
+    return kind
 
 
 def _check_names(spec: dict, volumes: tuple[Volume, ...], root: str) -> str | None:

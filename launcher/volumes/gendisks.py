@@ -53,6 +53,29 @@ def read_mount(directory: Path) -> dict[str, bytes]:
     return files
 
 
+def object_files(objects: Objects | None, namespace: str, kind: str, name: str, mount: Path, optional: bool,
+                 where: str) -> dict[str, bytes]:
+    """The files of a ConfigMap or Secret: from the manifests, else its pod mount; a missing
+    optional one is empty, as the kubelet mounts it."""
+    k8s_kind, resource = K8S_KINDS[kind]
+    if objects is not None:
+        doc = objects.get(k8s_kind, namespace, name)
+        if doc is not None:
+            return configdisks.configmap_files(doc) if kind == "configMap" else configdisks.secret_files(doc)
+    if mount.is_dir():
+        return read_mount(mount)
+    if optional:
+        return {}
+    if objects is None:
+        raise DiskkitError(where, f"{k8s_kind} {name}: give --manifests DIR holding it, or mount it at {mount}")
+    raise DiskkitError(where, f'{resource} "{name}" not found in namespace {namespace}')
+
+
+def access_credential_mount(pod_config: Path, secret: str) -> Path:
+    """Where virt-launcher's pod has an access credential's Secret: <secretName>-access-cred."""
+    return pod_config / configdisks.SOURCE_DIRS["secret"] / f"{secret}-access-cred"
+
+
 class Generator:
     def __init__(self, vmi: VMI, run_dir: Path, sources: Sources):
         self.vmi, self.run_dir, self.sources = vmi, run_dir, sources
@@ -60,21 +83,7 @@ class Generator:
     # --- lookups ----------------------------------------------------------------------------
 
     def _object(self, kind: str, name: str, mount: Path, optional: bool, where: str) -> dict[str, bytes]:
-        """The files of a ConfigMap or Secret: from the manifests, else its pod mount; a missing
-        optional one is empty, as the kubelet mounts it."""
-        k8s_kind, resource = K8S_KINDS[kind]
-        objects = self.sources.objects
-        if objects is not None:
-            doc = objects.get(k8s_kind, self.vmi.namespace, name)
-            if doc is not None:
-                return configdisks.configmap_files(doc) if kind == "configMap" else configdisks.secret_files(doc)
-        if mount.is_dir():
-            return read_mount(mount)
-        if optional:
-            return {}
-        if objects is None:
-            raise DiskkitError(where, f"{k8s_kind} {name}: give --manifests DIR holding it, or mount it at {mount}")
-        raise DiskkitError(where, f'{resource} "{name}" not found in namespace {self.vmi.namespace}')
+        return object_files(self.sources.objects, self.vmi.namespace, kind, name, mount, optional, where)
 
     # --- the disks ----------------------------------------------------------------------------
 
@@ -105,7 +114,7 @@ class Generator:
         secrets = {}
         for idx, cred in enumerate(self.vmi.access_credentials):
             if cred.method == method and cred.secret_name and cred.secret_name not in secrets:
-                mount = self.sources.pod_config / configdisks.SOURCE_DIRS["secret"] / f"{cred.secret_name}-access-cred"
+                mount = access_credential_mount(self.sources.pod_config, cred.secret_name)
                 secrets[cred.secret_name] = self._object("secret", cred.secret_name, mount, False,
                                                          f"spec.accessCredentials[{idx}].sshPublicKey.source.secret")
         return credentials.public_keys(self.vmi.access_credentials, method, secrets)

@@ -29,6 +29,10 @@ class Storage:
     pod_config: Path = gendisks.POD_CONFIG  # config volumes as mounted in virt-launcher's pod
     service_account_dir: Path = gendisks.Sources.service_account_dir
     gates: FeatureGates = field(default_factory=FeatureGates)  # --feature-gates, --host-disk-dir
+    # Where `objects` came from, for a helper that reads them again (launcher.runtime.credsync):
+    # the --manifests directory, or the API (--kube-api); neither: the pod's mounts.
+    manifests: Path | None = None
+    kube_api: bool = False
 
 
 def pv_path(claim: Claim) -> LocalClaim | None:
