@@ -71,7 +71,8 @@ def test_the_host_names_the_vnc_and_agent_sockets():
 
 def test_an_efi_guest_gets_bochs_without_vram():
     # virt-handler hands virt-launcher BochsDisplayForEFIGuests unless the VGADisplayForEFIGuests gate is on
-    xml = domain(vmi_doc(firmware={"bootloader": {"efi": {"secureBoot": False}}}))
+    efi = Host(efi_code="/usr/share/OVMF/OVMF_CODE_4M.fd", efi_vars="/usr/share/OVMF/OVMF_VARS_4M.fd", nvram="/run/l/VARS.fd")
+    xml = domain(vmi_doc(firmware={"bootloader": {"efi": {"secureBoot": False}}}), efi)
     assert xml.find("devices/video/model").attrib == {"type": "bochs", "heads": "1"}
 
 
@@ -128,7 +129,7 @@ def test_network_multiqueue_is_a_queue_per_vcpu_and_more_than_one_is_refused():
     assert domain(vmi_doc()).find("devices/interface/driver") is None
     two = vmi_doc({"networkInterfaceMultiqueue": True}, cpu={"cores": 2})
     assert refusal(two) == ("spec.domain.devices.networkInterfaceMultiqueue: 2 queues (one per vCPU) are not supported by the"
-                            " launcher's pod network, qemu's user-mode stack (one queue); leave it out or give the VM one vCPU")
+                            " launcher's pod network, a stream socket to the VM's pod switch (one queue); leave it out or give the VM one vCPU")
     # nothing to refuse without a virtio NIC
     assert domain(vmi_doc({"networkInterfaceMultiqueue": True, "autoattachPodInterface": False}, cpu={"cores": 2})).find("devices/interface") is None
     e1000 = vmi_doc({"networkInterfaceMultiqueue": True, "interfaces": [{"name": "default", "model": "e1000", "masquerade": {}}]}, cpu={"cores": 2})

@@ -28,7 +28,7 @@ QEMU_UID = 107
 
 # Runs as UID 107. Reads [{name, xml, secrets: [{xml, value}]}] on stdin, prints {kvm, results}.
 SCRIPT = r"""
-import json, sys
+import json, re, sys
 import libvirt
 
 libvirt.registerErrorHandler(lambda _ctx, _err: None, None)
@@ -43,7 +43,7 @@ for case in json.load(sys.stdin):
         for secret in case["secrets"]:  # network disks name their credentials by usage: define those first
             secrets.append(conn.secretDefineXML(secret["xml"]))
             secrets[-1].setValue(bytes.fromhex(secret["value"]))
-        xml = case["xml"] if kvm else case["xml"].replace('<domain type="kvm">', '<domain type="qemu">', 1)
+        xml = case["xml"] if kvm else re.sub(r'(<domain\b[^>]*\btype=)"kvm"', r'\1"qemu"', case["xml"], count=1)
         domain = conn.defineXML(xml)
         domain.undefineFlags(libvirt.VIR_DOMAIN_UNDEFINE_NVRAM)
         results[case["name"]] = "defined"
