@@ -88,7 +88,7 @@ def manifest_annotations(layout: Path) -> dict:
     return json.loads((layout / "blobs/sha256" / index["manifests"][0]["digest"][7:]).read_text())["annotations"]
 
 
-def _qcow2_pair(tmp_path: Path) -> tuple[Path, Path]:
+def rebuilt_qcow2_pair(tmp_path: Path) -> tuple[Path, Path]:
     """A guest rebuilt the usual way: v1 = `qemu-img convert -c -O qcow2` of a raw disk of text-like
     content; v2 = the same with 1 MiB changed, converted again, so every compressed cluster after the
     change sits at another, unaligned offset of the file (and the L2 table that points at them changed)."""
@@ -113,7 +113,7 @@ def test_a_run_of_bytes_that_moved_keeps_its_chunks(tmp_path):
     """After `qemu-img convert -c` the unchanged clusters of a rebuilt qcow2 are the same bytes at
     other offsets: content-defined chunks find them (what is new is the change, its neighbours and
     the qcow2 tables), where fixed 1 MiB windows lose everything after the change."""
-    v1, v2 = _qcow2_pair(tmp_path)
+    v1, v2 = rebuilt_qcow2_pair(tmp_path)
     tocs = {}
     for chunks in ("content", "fixed"):
         for disk in (v1, v2):
