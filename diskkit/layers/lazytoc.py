@@ -1,6 +1,18 @@
 """The table of contents that makes a containerDisk layer readable at any offset (`diskkit build --lazy`).
 
-Two layouts. Version 2 (the default of `--lazy`) is an ordinary gzip layer
+Two layouts, three versions. Version 3 (the default of `--lazy`) is version 2 with the disk cut into
+chunks where its content says (diskkit.layers.chunkcut) instead of every chunkSize bytes, so that a
+run of bytes an update moved keeps its chunk; it adds each chunk's length, and its chunkSize is the
+longest a chunk may be:
+
+    {"version": 3, ..., "chunkSize": 1048576, "chunkLengths": [196608, 254519, ...], ...}
+
+`chunkLengths` lists one length per chunk, each from 1 to chunkSize, adding up to `size`: chunk i
+covers disk bytes [sum of the lengths before it, that plus its length). Every other field is version
+2's, with member pins and `chunkBlake3s` required. A reader finds the chunk of a disk offset by a
+binary search over the lengths' running sums (`Grid`).
+
+Version 2 (`--lazy-chunks fixed`; every lazy gzip layer before version 3) is an ordinary gzip layer
 (`application/vnd.oci.image.layer.v1.tar+gzip`) cut into independent gzip members: the tar bytes
 before the disk's data, then exactly one member per disk chunk, then the rest, with the TOC's JSON
 in a member of its own. Concatenated members are one valid gzip stream (RFC 1952 2.2), so every
@@ -24,7 +36,8 @@ hashes at 7.3 GB/s against sha256's 1.8 GB/s with SHA-NI, 0.13 CPU-s less for a 
 build (0.06 s of a build+push on 2 cores). Earlier TOCs are still read: version-2 TOCs pinning
 members by sha256 (`memberDigests`), and before that chunks by their uncompressed bytes (`chunks`,
 as version 1). The field's name says which digest an entry is: a TOC carries exactly one of the
-three, and a member pin only with `members`.
+three, and a member pin only with `members`. A gzip layer's TOC is version 2 or 3, whichever its
+`version` says; the layer's media type is the same.
 
 `chunkBlake3s` (version 2, written since issue 31) adds each chunk's BLAKE3-256 of its
 UNCOMPRESSED bytes: what a node matches chunks it already holds by (launcher.chunks), so another
