@@ -316,7 +316,7 @@ def make_pairs(base_qcow2: Path, scratch: Path, cases: list[str], log, guest_raw
         if case in cases:
             v2 = scratch / case / "disk.img"
             picked = raw_changed(raw_v1, v2, percent, rng)
-            pairs[case] = Pair(case, raw_v1, v2, "raw", f"{len(picked)} whole chunks replaced")
+            pairs[case] = Pair(case, raw_v1, v2, "raw", f"{len(picked)} whole MiBs replaced")
     qcow2_v1 = scratch / "qcow2-v1" / "disk.qcow2"
     inplace = scratch / "qcow2-inplace" / "disk.qcow2"
     if {"qcow2-inplace", "qcow2-convert"} & set(cases):
