@@ -83,6 +83,38 @@ def test_fixed_chunks_are_still_written_on_request(tmp_path):
     assert refused.code != 0 and "--lazy-chunks" in refused.err and len(refused.err.strip().splitlines()) == 1, refused.err
 
 
+def test_the_cutter_cuts_a_stream_as_it_cuts_one_buffer():
+    """The build reads a disk in pieces (recycled buffers): whatever their sizes, the chunks are the
+    ones FastCDC cuts from the whole stream at once, the bytes are all there in order, and every
+    piece goes back to its reader once the chunks cut from it are released."""
+    rng = random.Random(9)
+    params = chunkcut.Params(4096, 32768)
+    for trial in range(150):
+        n = rng.randrange(0, 300_000)
+        data = (rng.randbytes(n), bytes(n), (rng.randbytes(50) * (n // 50 + 1))[:n])[trial % 3]  # random, zeros, a short period
+        pieces, at = [], 0
+        while at < n:
+            size = rng.choice([1, 7, 4096, 5000, 32768, 65536, rng.randrange(1, 100_000)])
+            pieces.append(memoryview(data)[at : at + size])
+            at += size
+        returned: list[int] = []
+        cutter = chunkcut.Cutter(params)
+        chunks, holds = [], []
+        for i, piece in enumerate(pieces):
+            for chunk, release in cutter.feed(piece, lambda i=i: returned.append(i)):
+                chunks.append(bytes(chunk))
+                holds.append(release)
+        for chunk, release in cutter.finish():
+            chunks.append(bytes(chunk))
+            holds.append(release)
+        assert b"".join(chunks) == data
+        assert [len(c) for c in chunks] == ([c.length for c in params.chunker().cut_buf(data)] if data else []), trial
+        for release in holds:
+            if release is not None:
+                release()
+        assert sorted(returned) == list(range(len(pieces))), trial
+
+
 def manifest_annotations(layout: Path) -> dict:
     index = json.loads((layout / "index.json").read_text())
     return json.loads((layout / "blobs/sha256" / index["manifests"][0]["digest"][7:]).read_text())["annotations"]
