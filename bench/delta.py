@@ -1,11 +1,10 @@
 """Benchmark an image update on a node that has the old version: bytes fetched and seconds, v1 -> v2.
 
-Four pairs, made from bench/build.py's real-content disk (an ext4 image filled from /usr with
-`mke2fs -d`, made once and cached in the workdir; --size-mb is the MiB of content in it):
+Five pairs. Four are made from bench/build.py's real-content disk (an ext4 image filled from /usr
+with `mke2fs -d`, made once and cached in the workdir; --size-mb is the MiB of content in it):
 
-  raw 1%           the ext4 image as a raw disk; v2 has 1 % of its lazy chunks (1 MiB each, the
-  raw 10%          chunk size `diskkit build` picks) replaced whole with new content: the aligned
-                   cases, where every changed byte lies in a changed chunk and nothing moved
+  raw 1%           the ext4 image as a raw disk; v2 has 1 % of its MiBs replaced whole with new
+  raw 10%          content: the aligned cases, where every changed byte lies in place and nothing moved
   qcow2 in place   the image as qcow2 (`qemu-img convert -O qcow2`); v2 is a copy changed by
                    `qemu-io` writes of 256 KiB, 1 % of the virtual size in all: three quarters at
                    random 4 KiB-aligned offsets in allocated data, which they overwrite where it
@@ -13,11 +12,23 @@ Four pairs, made from bench/build.py's real-content disk (an ext4 image filled f
                    new clusters appended to the file (and L2 table and refcount updates): the
                    clusters already there keep their offsets
   qcow2 converted  that v2 after `qemu-img convert -O qcow2`: the clusters are laid out again in
-                   guest order, so everything after the first filled hole moves by
-                   whole clusters (64 KiB), not whole chunks. Fixed-offset chunks then differ from
-                   v1's almost everywhere after it: ours can reuse only the chunks before it (and
-                   the rare chunk that lines up again); casync's content-defined chunks find v1's
-                   bytes wherever they moved. This case is here to say so, not to win.
+                   guest order, so everything after the first filled hole moves by whole clusters
+                   (64 KiB)
+
+The fifth is an update as distributions rebuild their cloud images:
+
+  qcow2 rebuilt    v1 = `qemu-img convert -c -O qcow2` of a guest's raw disk (a compressed qcow2,
+                   as cloud images ship); v2 = the same disk with 4 x 1 MiB of new content written
+                   into its data, compressed again the same way: `qemu-img convert -c` packs the
+                   compressed clusters at byte offsets, so every cluster after the first change
+                   sits at another, unaligned offset of the file, and the L2 tables that point at
+                   them changed. With --debian the guest is a Debian 12 root filesystem (mmdebstrap
+                   --variant=minbase with the cloud kernel, systemd, udev, cloud-init and openssh,
+                   from the host's apt sources) in a 2 GiB ext4 disk, made once and cached in the
+                   workdir, as a cloud image is; without, the /usr ext4 image above.
+
+Chunks that keep their identity where they move (content-defined cut points, TOC v3) are what make
+the last two cases cost their change; the first three cost it with any chunking.
 
 New content is seeded pseudo-random bytes over a 16-letter alphabet: gzip keeps about 55 % of it,
 as it does of real data, and no tool can find it anywhere in v1. Every disk is built and pushed
@@ -39,10 +50,12 @@ Three ways to get v2's disk onto a node:
              `casync extract --seed=v1disk --store=http://PROXY/STORE http://PROXY/CASE.caibx OUT`
 
 The ideal is what a chunk-reusing pull cannot avoid: v2's TOC plus the gzip members of v2's
-chunks whose content v1 lacks anywhere (by sha256 of the uncompressed chunk, compared with all of
-v1's chunks). Goals, printed PASS/MISS: ours fetches <= 1.2x the ideal in every case; on the
-aligned (raw) cases ours fetches fewer bytes than casync, in less wall time. Each output is
-checked byte for byte against v2's disk on a variant's first run of each case (untimed).
+chunks whose content v1 lacks anywhere (by the chunks' content hashes in both TOCs; all-zero chunks
+need no v1). Goals, printed PASS/MISS: ours fetches <= 1.2x the ideal in every case; on the aligned
+(raw) cases ours fetches fewer bytes than casync, in less wall time; on the rebuilt pair ours
+fetches at most 12 MiB (the issue's goal for its 154 MiB Debian layer) in less wall time than
+casync. Each output is checked byte for byte against v2's disk on a variant's first run of each
+case (untimed).
 
 Runs are whole processes, --runs times, interleaved (every case, in it every variant in turn),
 each after bench/registry.py's --cache preparation: warm (`sync`, then the registry's v2 blobs,
@@ -53,8 +66,10 @@ MiB fetched, the ratio to the ideal, the peak RSS of each process. What `launche
 says it fetched and reused is shown too when it says so. The machine's load average is printed
 with the figures. The exit status is 0 unless a command fails or an output differs from v2.
 
-Run from the project root, as root (drop_caches under --cache sync; the launcher's cache modes):
+Run from the project root, as root (drop_caches under --cache sync; the launcher's cache modes;
+mmdebstrap's root mode, in a mount namespace of its own, for --debian):
     .venv/bin/python bench/delta.py                          # 256 MiB of content, 3 runs, warm
+    .venv/bin/python bench/delta.py --cases qcow2-rebuilt --debian --runs 5
     .venv/bin/python bench/delta.py --cases raw-1,raw-10 --runs 5
     .venv/bin/python bench/delta.py --size-mb 8 --runs 1 --json
 """
@@ -91,6 +106,12 @@ from tests.faultproxy import FaultProxy  # noqa: E402
 
 DEFAULT_SIZE_MB = 256
 TARGET_IDEAL_RATIO = 1.2
+TARGET_REBUILT_MIB = 12  # the issue's goal for its Debian pair (154 MiB layer, 4 x 1 MiB changed)
+REBUILT_WRITES = 4
+REBUILT_WRITE = 1 << 20
+DEBIAN_VERSION = 1  # bump when the Debian disk is made otherwise, so a cached one is made again
+DEBIAN_DISK_MB = 2048  # Debian's own cloud images have a 2 GiB disk
+DEBIAN_PACKAGES = "linux-image-cloud-amd64,systemd-sysv,udev,openssh-server,cloud-init,ifupdown,isc-dhcp-client,sudo,less,vim-tiny,ca-certificates"
 SEED = 31
 ALPHABET = b"etaoinshrdlucmfw"  # 16 letters: 4 bits of entropy per byte, gzip keeps about 55 %
 WRITE_SIZE = 256 << 10
@@ -98,8 +119,10 @@ WRITE_ALIGN = 4096
 INPLACE_FRACTION = 0.01
 READY_TIMEOUT = 15.0
 
-CASES = ("raw-1", "raw-10", "qcow2-inplace", "qcow2-convert")
-CASE_TITLES = {"raw-1": "raw 1%", "raw-10": "raw 10%", "qcow2-inplace": "qcow2 in place", "qcow2-convert": "qcow2 converted"}
+CASES = ("raw-1", "raw-10", "qcow2-inplace", "qcow2-convert", "qcow2-rebuilt")
+CASE_TITLES = {"raw-1": "raw 1%", "raw-10": "raw 10%", "qcow2-inplace": "qcow2 in place", "qcow2-convert": "qcow2 converted",
+               "qcow2-rebuilt": "qcow2 rebuilt (qemu-img convert -c)"}
+REBUILT = "qcow2-rebuilt"
 ALIGNED = ("raw-1", "raw-10")
 FULL, OURS, CASYNC = "full pull", "ours", "casync"
 VARIANTS = (FULL, OURS, CASYNC)
@@ -115,14 +138,6 @@ def new_content(rng: random.Random, size: int) -> bytes:
     return rng.randbytes(size).translate(table)
 
 
-def chunk_hashes(path: Path, chunk_size: int) -> list[str]:
-    out = []
-    with open(path, "rb") as f:
-        while chunk := f.read(chunk_size):
-            out.append(hashlib.sha256(chunk).hexdigest())
-    return out
-
-
 def file_digest(path: Path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
@@ -134,10 +149,10 @@ def copy_sparse(src: Path, dest: Path) -> None:
 
 
 def raw_changed(v1: Path, dest: Path, percent: int, rng: random.Random) -> list[int]:
-    """v1 with `percent` % of its chunks (at least one) replaced whole; the chunks' indexes."""
+    """v1 with `percent` % of its MiBs (at least one) replaced whole; their indexes."""
     copy_sparse(v1, dest)
     size = v1.stat().st_size
-    chunk = lazytoc.chunk_size_for(size)
+    chunk = MIB
     count = -(-size // chunk)
     picked = sorted(rng.sample(range(count), max(1, round(count * percent / 100))))
     with open(dest, "r+b") as f:
@@ -189,6 +204,72 @@ def qcow2_written(v1: Path, dest: Path, scratch: Path, rng: random.Random) -> li
     return done
 
 
+def data_extents(path: Path) -> list[tuple[int, int]]:
+    """(offset, length) of the file's data, holes left out (SEEK_DATA / SEEK_HOLE)."""
+    out = []
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        at, size = 0, os.fstat(fd).st_size
+        while at < size:
+            try:
+                start = os.lseek(fd, at, os.SEEK_DATA)
+            except OSError:
+                break
+            at = os.lseek(fd, start, os.SEEK_HOLE)
+            out.append((start, at - start))
+    finally:
+        os.close(fd)
+    return out
+
+
+def rewritten(base: Path, dest: Path, rng: random.Random) -> list[int]:
+    """`base` (raw) with REBUILT_WRITES writes of REBUILT_WRITE new bytes, each at a random 4 KiB-aligned
+    offset inside its data, as a guest's update writes files; the offsets."""
+    copy_sparse(base, dest)
+    extents = data_extents(base)
+    total = sum(length for _, length in extents)
+    size = base.stat().st_size
+    offsets = []
+    with open(dest, "r+b") as f:
+        for _ in range(REBUILT_WRITES):
+            at = rng.randrange(total)
+            for start, length in extents:
+                if at < length:
+                    offset = min(start + at, size - REBUILT_WRITE) // WRITE_ALIGN * WRITE_ALIGN
+                    break
+                at -= length
+            f.seek(offset)
+            f.write(new_content(rng, REBUILT_WRITE))
+            offsets.append(offset)
+    return sorted(offsets)
+
+
+def make_debian_disk(workdir: Path, log) -> Path:
+    """A Debian 12 guest's root filesystem in a raw ext4 disk, as a cloud image holds it; cached."""
+    disk, meta_path = workdir / "debian-bookworm.raw", workdir / "debian-bookworm.json"
+    if disk.is_file() and meta_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        if meta.get("version") == DEBIAN_VERSION and meta.get("bytes") == disk.stat().st_size:
+            return disk
+    if os.geteuid() != 0:
+        raise SystemExit("--debian makes its disk with mmdebstrap's root mode: run as root")
+    scratch = Path(tempfile.mkdtemp(prefix=".debian-", dir=workdir))
+    try:
+        root = scratch / "root"
+        log(f"making {disk.name}: mmdebstrap --variant=minbase --include={DEBIAN_PACKAGES} bookworm ...")
+        # A mount namespace of its own: root mode mounts /proc, /sys and /dev inside the tree it makes.
+        bb.run_quiet(["unshare", "--mount", "--propagation", "private", "mmdebstrap", "--quiet", "--mode=root", "--variant=minbase",
+                      f"--include={DEBIAN_PACKAGES}", "bookworm", str(root)])
+        raw = scratch / "disk.raw"
+        log(f"  mke2fs -d into a {DEBIAN_DISK_MB} MiB ext4 disk ...")
+        bb.run_quiet(["mke2fs", "-q", "-t", "ext4", "-F", "-d", str(root), str(raw), f"{DEBIAN_DISK_MB}M"])
+        os.replace(raw, disk)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    meta_path.write_text(json.dumps({"version": DEBIAN_VERSION, "bytes": disk.stat().st_size, "packages": DEBIAN_PACKAGES}, indent=1) + "\n")
+    return disk
+
+
 @dataclass
 class Pair:
     case: str
@@ -221,11 +302,12 @@ class Pair:
                 "ideal_bytes": self.ideal_bytes, "image_bytes": self.image_bytes, "casync_store_bytes": self.casync_bytes}
 
 
-def make_pairs(base_qcow2: Path, scratch: Path, cases: list[str], log) -> dict[str, Pair]:
+def make_pairs(base_qcow2: Path, scratch: Path, cases: list[str], log, guest_raw: Path | None = None) -> dict[str, Pair]:
+    """The pairs; `guest_raw` is the rebuilt pair's guest disk (else the /usr disk as raw)."""
     rng = random.Random(SEED)
     pairs: dict[str, Pair] = {}
     raw_v1 = scratch / "raw-v1" / "disk.img"
-    if any(c.startswith("raw-") for c in cases):
+    if any(c.startswith("raw-") for c in cases) or (REBUILT in cases and guest_raw is None):
         raw_v1.parent.mkdir()
         log("  raw v1: qemu-img convert -O raw ...")
         bb.run_quiet(["qemu-img", "convert", "-f", "qcow2", "-O", "raw", str(base_qcow2), str(raw_v1)])
@@ -234,7 +316,7 @@ def make_pairs(base_qcow2: Path, scratch: Path, cases: list[str], log) -> dict[s
         if case in cases:
             v2 = scratch / case / "disk.img"
             picked = raw_changed(raw_v1, v2, percent, rng)
-            pairs[case] = Pair(case, raw_v1, v2, "raw", f"{len(picked)} whole chunks replaced")
+            pairs[case] = Pair(case, raw_v1, v2, "raw", f"{len(picked)} whole MiBs replaced")
     qcow2_v1 = scratch / "qcow2-v1" / "disk.qcow2"
     inplace = scratch / "qcow2-inplace" / "disk.qcow2"
     if {"qcow2-inplace", "qcow2-convert"} & set(cases):
@@ -249,6 +331,19 @@ def make_pairs(base_qcow2: Path, scratch: Path, cases: list[str], log) -> dict[s
             converted.parent.mkdir()
             bb.run_quiet(["qemu-img", "convert", "-f", "qcow2", "-O", "qcow2", str(inplace), str(converted)])
             pairs["qcow2-convert"] = Pair("qcow2-convert", qcow2_v1, converted, "qcow2", said + ", then qemu-img convert")
+    if REBUILT in cases:
+        guest = guest_raw or raw_v1
+        changed = scratch / REBUILT / "changed.raw"
+        changed.parent.mkdir()
+        offsets = rewritten(guest, changed, rng)
+        v1, v2 = scratch / REBUILT / "v1.qcow2", scratch / REBUILT / "v2.qcow2"
+        log(f"  {REBUILT}: qemu-img convert -c -O qcow2, twice ...")
+        for raw, out in ((guest, v1), (changed, v2)):
+            bb.run_quiet(["qemu-img", "convert", "-c", "-f", "raw", "-O", "qcow2", str(raw), str(out)])
+        changed.unlink()
+        said = (f"{'Debian 12 guest' if guest_raw else '/usr ext4 image'}: {REBUILT_WRITES} x {REBUILT_WRITE >> 20} MiB written at "
+                f"{', '.join(f'{o / MIB:.1f}' for o in offsets)} MiB, both compressed by qemu-img convert -c")
+        pairs[REBUILT] = Pair(REBUILT, v1, v2, "qcow2", said)
     return {c: pairs[c] for c in cases}
 
 
@@ -264,26 +359,36 @@ def push_pair(registry: breg.Registry, pair: Pair) -> None:
     pair.image_bytes = registry.pushed_bytes(pair.repo, "v2")
 
 
-def measure_ideal(registry: breg.Registry, pair: Pair) -> None:
-    """Which of v2's chunks v1 lacks, and what their gzip members and the TOC weigh in v2's blob."""
-    where = f"{pair.repo}:v2"
-    desc = pair.v2_layer
+def stored_toc(registry: breg.Registry, repo: str, tag: str) -> tuple[lazytoc.Toc, lazytoc.TocLocation]:
+    """The lazy TOC of `repo:tag`'s one layer, read from the registry's storage."""
+    where = f"{repo}:{tag}"
+    _, manifest = registry.manifest(repo, tag)
+    desc = manifest["layers"][0]
     loc = lazytoc.location(Descriptor.from_json(desc, where), where)
     if loc is None:
         raise SystemExit(f"{where}: the layer has no lazy TOC (diskkit build makes lazy layers by default)")
-    blob = registry.blob_files(pair.repo, "v2")[-1]
-    with open(blob, "rb") as f:
+    with open(registry.blob_files(repo, tag)[-1], "rb") as f:
         f.seek(loc.offset)
         stored = f.read(loc.size)
-    toc = lazytoc.parse(lazytoc.read_stored(stored, lazytoc.version_for(desc["mediaType"]), where), loc, where,
-                        lazytoc.version_for(desc["mediaType"]))
-    if toc.members is None:
-        raise SystemExit(f"{where}: the TOC lists no gzip members (a version 1 layer); the bench compares gzip layers")
+    version = lazytoc.version_for(desc["mediaType"])
+    toc = lazytoc.parse(lazytoc.read_stored(stored, version, where), loc, where, version)
+    if toc.members is None or toc.content_hashes is None:
+        raise SystemExit(f"{where}: the TOC lists no gzip members named by content; the bench compares gzip layers")
+    return toc, loc
+
+
+def measure_ideal(registry: breg.Registry, pair: Pair) -> None:
+    """Which of v2's chunks v1 lacks (by the content hashes both TOCs name; all-zero chunks need
+    no v1), and what their gzip members and the TOC weigh in v2's blob."""
+    old, _ = stored_toc(registry, pair.repo, "v1")
+    toc, loc = stored_toc(registry, pair.repo, "v2")
     if toc.size != pair.v2.stat().st_size:
-        raise SystemExit(f"{where}: the TOC's disk is {toc.size} bytes, {pair.v2} is {pair.v2.stat().st_size}")
-    have = set(chunk_hashes(pair.v1, toc.chunk_size))
-    new = [i for i, h in enumerate(chunk_hashes(pair.v2, toc.chunk_size)) if h not in have]
-    pair.chunk_size, pair.chunks, pair.new_chunks = toc.chunk_size, toc.count, len(new)
+        raise SystemExit(f"{pair.repo}:v2: the TOC's disk is {toc.size} bytes, {pair.v2} is {pair.v2.stat().st_size}")
+    hash_name, hexes = toc.content_hashes
+    have = set(old.content_hashes[1])
+    ranges = [toc.chunk_range(i) for i in range(toc.count)]
+    new = [i for i, (start, end) in enumerate(ranges) if hexes[i] not in have and hexes[i] != lazytoc.content_hash(hash_name, bytes(end - start))]
+    pair.chunk_size, pair.chunks, pair.new_chunks = toc.grid.mean, toc.count, len(new)
     pair.new_members_bytes = sum(toc.members[i][1] for i in new)
     pair.toc_bytes = loc.size
 
@@ -477,6 +582,12 @@ def checks(pairs: dict[str, Pair], results: dict[tuple[str, str], Result]) -> li
         ratio = ours.median("fetched") / pair.ideal_bytes
         out.append({"name": "ours fetched / ideal", "case": case, "value": round(ratio, 2), "unit": "x",
                     "target": f"<= {TARGET_IDEAL_RATIO:g}x", "pass": ratio <= TARGET_IDEAL_RATIO})
+        if case == REBUILT:
+            fetched = ours.median("fetched") / MIB
+            out.append({"name": "ours fetched", "case": case, "value": round(fetched, 2), "unit": "MiB",
+                        "target": f"<= {TARGET_REBUILT_MIB}", "pass": fetched <= TARGET_REBUILT_MIB})
+            value = ours.median("wall_s") / results[(case, CASYNC)].median("wall_s")
+            out.append({"name": "ours/casync wall", "case": case, "value": round(value, 2), "unit": "x", "target": "< 1x", "pass": value < 1})
         if case in ALIGNED:
             theirs = results[(case, CASYNC)]
             for attr, name in (("fetched", "ours/casync bytes"), ("wall_s", "ours/casync wall")):
@@ -488,7 +599,7 @@ def checks(pairs: dict[str, Pair], results: dict[tuple[str, str], Result]) -> li
 def print_report(pairs: dict[str, Pair], results: dict[tuple[str, str], Result], found: list[dict]) -> None:
     for case, pair in pairs.items():
         print(f"\n{CASE_TITLES[case]}: {pair.format} v2 {pair.v2_bytes / MIB:.0f} MiB, {pair.changes}; "
-              f"{pair.new_chunks} of {pair.chunks} chunks ({pair.chunk_size >> 10} KiB) new; "
+              f"{pair.new_chunks} of {pair.chunks} chunks ({pair.chunk_size >> 10} KiB on average) new; "
               f"ideal = their gzip members {pair.new_members_bytes / MIB:.2f} MiB + TOC {pair.toc_bytes / 1024:.0f} KiB "
               f"= {pair.ideal_bytes / MIB:.2f} MiB (image {pair.image_bytes / MIB:.1f} MiB, casync store {pair.casync_bytes / MIB:.1f} MiB)")
         print(f"  {'variant':40} {'MiB':>8} {'x ideal':>8} {'wall s':>7} {'best':>6} {'cpu s':>7} {'best':>6}  peak RSS MiB per process")
@@ -514,22 +625,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=bb.DEFAULT_RUNS, help="runs per case and variant, interleaved (default %(default)s)")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)} (default: all)")
     parser.add_argument("--cache", choices=breg.CACHE_MODES, default="warm", help="condition before every run, as bench/registry.py's (default %(default)s)")
+    parser.add_argument("--debian", action="store_true", help="the rebuilt pair's guest is a Debian 12 root filesystem made with mmdebstrap (root; cached in the workdir), not the /usr disk")
     parser.add_argument("--workdir", type=Path, default=bb.DEFAULT_WORKDIR, help="cache for the test disk, scratch (default build/bench)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON instead of a table")
     args = parser.parse_args(argv)
     cases = [c for c in args.cases.split(",") if c]
     if not cases or any(c not in CASES for c in cases):
         parser.error(f"--cases takes a comma-separated list of {', '.join(CASES)}")
-    workdir = bb.checked_workdir(parser, args, ("umoci", "skopeo", "docker-registry", "mke2fs", "qemu-img", "qemu-io", "casync", "cp"))
+    workdir = bb.checked_workdir(parser, args, ("umoci", "skopeo", "docker-registry", "mke2fs", "qemu-img", "qemu-io", "casync", "cp",
+                                                *(("mmdebstrap", "unshare") if args.debian else ())))
     command = shlex.join(["bench/delta.py", *argv])
     log = bb.log
     tree = bb.use_this_tree()
     disk_meta = bb.make_disk(workdir, args.size_mb, log)
+    guest_raw = make_debian_disk(workdir, log) if args.debian and REBUILT in cases else None
     scratch = Path(tempfile.mkdtemp(prefix="delta-", dir=workdir))
     registry = files = b = None
     try:
         log("making the v1 -> v2 pairs ...")
-        pairs = make_pairs(Path(disk_meta["path"]), scratch, cases, log)
+        pairs = make_pairs(Path(disk_meta["path"]), scratch, cases, log, guest_raw)
         registry = breg.Registry(scratch)
         (scratch / "casync").mkdir()
         files = FileServer(scratch / "casync", scratch)
@@ -555,7 +669,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
 
     found = checks(pairs, results)
-    context = {"command": command, "tree": tree, "cpus": os.cpu_count(), "load_average_before": load_before,
+    context = {"command": command, "tree": tree, "cpus": os.cpu_count(), "load_average_before": load_before, "debian": guest_raw is not None,
                "load_average_after": bb.load_average(), "condition": breg.describe_mode(args.cache), "runs": args.runs}
     if args.json:
         print(json.dumps({**context, "disk": disk_meta, "pairs": [p.to_json() for p in pairs.values()],
@@ -563,7 +677,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"$ {command}")
     print(bb.machine_line(load_before))
-    print(f"v1: {disk_meta['content_bytes'] / MIB:.0f} MiB of /usr in ext4; {args.runs} run(s) each, interleaved; {breg.describe_mode(args.cache)}")
+    print(f"v1: {disk_meta['content_bytes'] / MIB:.0f} MiB of /usr in ext4{'; the rebuilt pair: a Debian 12 guest' if guest_raw else ''}; "
+          f"{args.runs} run(s) each, interleaved; {breg.describe_mode(args.cache)}")
     print("MiB: response bodies through the counting proxy (median); wall and cpu: median and best")
     print_report(pairs, results, found)
     return 0

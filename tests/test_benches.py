@@ -38,7 +38,8 @@ def test_bench_commands_import_this_checkout(monkeypatch, tmp_path):
 
 
 def test_delta_bench_runs_at_a_tiny_size(tmp_path):
-    """bench/delta.py end to end on an 8 MiB-content disk, one run: every pair is made, pushed and
+    """bench/delta.py end to end on an 8 MiB-content disk, one run: every pair is made (the rebuilt one
+    from the same disk: --debian is for the figures), pushed and
     measured three ways, each output checked against v2's disk byte for byte (the bench exits
     non-zero otherwise), and the figures add up (bytes counted at the proxies, not estimated)."""
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "delta.py"), "--size-mb", "8", "--runs", "1", "--json",
@@ -46,7 +47,7 @@ def test_delta_bench_runs_at_a_tiny_size(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout)
     pairs = {p["case"]: p for p in out["pairs"]}
-    assert list(pairs) == ["raw-1", "raw-10", "qcow2-inplace", "qcow2-convert"]
+    assert list(pairs) == ["raw-1", "raw-10", "qcow2-inplace", "qcow2-convert", "qcow2-rebuilt"]
     results = {(r["case"], r["variant"]): r for r in out["results"]}
     assert set(results) == {(case, v) for case in pairs for v in ("full pull", "ours", "casync")}
     for case, pair in pairs.items():
@@ -62,9 +63,13 @@ def test_delta_bench_runs_at_a_tiny_size(tmp_path):
     # issue's goal, the new chunks' members and the TOC (plus manifest and config) within 1.2x.
     for case in ("raw-1", "raw-10"):
         assert results[(case, "ours")]["median"]["fetched_bytes"] <= 1.2 * pairs[case]["ideal_bytes"]
+    # A qcow2 compressed again by qemu-img convert -c moved every cluster after the first change:
+    # content-defined chunks still find them in v1, so ours fetches about the ideal there too.
+    assert results[("qcow2-rebuilt", "ours")]["median"]["fetched_bytes"] <= 1.2 * pairs["qcow2-rebuilt"]["ideal_bytes"]
     named = {(c["case"], c["name"]) for c in out["checks"]}
     assert {(case, "ours fetched / ideal") for case in pairs} <= named
     assert {("raw-1", "ours/casync bytes"), ("raw-1", "ours/casync wall"), ("raw-10", "ours/casync bytes")} <= named
+    assert {("qcow2-rebuilt", "ours fetched"), ("qcow2-rebuilt", "ours/casync wall")} <= named
 
 
 def test_launch_bench_runs_at_a_tiny_size(tmp_path):

@@ -17,11 +17,11 @@ import blake3
 import pytest
 
 from diskkit.errors import DiskkitError
-from diskkit.layers import lazytoc
-from launcher.chunks.index import CHUNKS_FILE, ChunkIndex, Place, record_for
+from diskkit.layers import chunkcut, lazytoc
+from launcher.chunks.index import CHUNKS_FILE, ChunkIndex, Place, Record
 from launcher.chunks.source import LocalChunks
 from launcher.node.cache import Cache
-from tests.conftest import run_diskkit
+from tests.conftest import run, run_diskkit
 
 MIB = 1 << 20
 GZIP_LAYER = "application/vnd.oci.image.layer.v1.tar+gzip"
@@ -37,24 +37,145 @@ def _layout_toc(layout: Path) -> tuple[dict, bytes]:
     return layer, data[at : at + size]
 
 
+def _toc(layout: Path, content: bytes) -> tuple[lazytoc.Toc, dict]:
+    layer, stored = _layout_toc(layout)
+    assert layer["mediaType"] == GZIP_LAYER
+    doc = zlib.decompress(stored, 31)
+    loc = lazytoc.TocLocation(int(layer["annotations"][lazytoc.ANNOTATION_TOC_OFFSET]), len(stored), "sha256:" + hashlib.sha256(doc).hexdigest())
+    toc = lazytoc.parse(doc, loc, "here", lazytoc.VERSION_GZIP)
+    assert lazytoc.parse(toc.render(), lazytoc.TocLocation(loc.offset, loc.size, "sha256:" + hashlib.sha256(toc.render()).hexdigest()), "here", 2) == toc
+    return toc, json.loads(doc)
+
+
 def test_build_names_each_chunk_by_its_uncompressed_blake3(tmp_path):
-    """The TOC `diskkit build` writes (lazy v2) lists chunkBlake3s: BLAKE3-256 of chunk i's
-    uncompressed bytes, the last one short; content_hashes gives them."""
+    """The TOC `diskkit build` writes (lazy v3) cuts the disk where its content says (chunkLengths,
+    each at most chunkSize, the cutter's longest, adding up to the disk) and lists chunkBlake3s:
+    BLAKE3-256 of each chunk's uncompressed bytes; content_hashes gives them."""
     rng = random.Random(31)
     content = rng.randbytes(2 * MIB) + bytes(MIB) + rng.randbytes(MIB // 2 + 4096)
     (tmp_path / "d.img").write_bytes(content)
-    built = run_diskkit("build", tmp_path / "d.img", "-t", f"oci:{tmp_path / 'out'}:v2")
+    built = run_diskkit("build", tmp_path / "d.img", "-t", f"oci:{tmp_path / 'out'}:v3")
     assert built.code == 0, built.err
-    layer, stored = _layout_toc(tmp_path / "out")
-    assert layer["mediaType"] == GZIP_LAYER
-    doc = zlib.decompress(stored, 31)
-    obj = json.loads(doc)
+    toc, obj = _toc(tmp_path / "out", content)
+    params = chunkcut.params_for(len(content))
+    assert obj["version"] == 3 and obj["chunkSize"] == params.max == MIB and sum(obj[lazytoc.LENGTHS_FIELD]) == len(content)
+    assert all(params.min <= n <= params.max for n in obj[lazytoc.LENGTHS_FIELD][:-1])
+    # The cuts are FastCDC's over the whole disk, whatever pieces the build read it in.
+    assert obj[lazytoc.LENGTHS_FIELD] == [c.length for c in params.chunker().cut_buf(content)]
+    want = [blake3.blake3(content[start:end]).hexdigest() for start, end in map(toc.chunk_range, range(toc.count))]
+    assert obj[lazytoc.CONTENT_FIELD] == want and toc.content_hashes == ("blake3", tuple(want))
+    assert manifest_annotations(tmp_path / "out")[lazytoc.ANNOTATION_LAZY] == lazytoc.LAZY_VALUE_CDC
+
+
+def test_fixed_chunks_are_still_written_on_request(tmp_path):
+    """`--lazy-chunks fixed` writes the TOC v2 launchers before v3 read: 1 MiB chunks, the last one short."""
+    rng = random.Random(31)
+    content = rng.randbytes(2 * MIB) + bytes(MIB) + rng.randbytes(MIB // 2 + 4096)
+    (tmp_path / "d.img").write_bytes(content)
+    built = run_diskkit("build", "--lazy-chunks", "fixed", tmp_path / "d.img", "-t", f"oci:{tmp_path / 'out'}:v2")
+    assert built.code == 0, built.err
+    toc, obj = _toc(tmp_path / "out", content)
     want = [blake3.blake3(content[i : i + MIB]).hexdigest() for i in range(0, len(content), MIB)]
-    assert obj[lazytoc.CONTENT_FIELD] == want and len(want) == 4
-    loc = lazytoc.TocLocation(int(layer["annotations"][lazytoc.ANNOTATION_TOC_OFFSET]), len(stored), "sha256:" + hashlib.sha256(doc).hexdigest())
-    toc = lazytoc.parse(doc, loc, "here", lazytoc.VERSION_GZIP)
-    assert toc.content_hashes == ("blake3", tuple(want))
-    assert lazytoc.parse(toc.render(), lazytoc.TocLocation(loc.offset, loc.size, "sha256:" + hashlib.sha256(toc.render()).hexdigest()), "here", 2) == toc
+    assert obj["version"] == 2 and lazytoc.LENGTHS_FIELD not in obj and obj[lazytoc.CONTENT_FIELD] == want and len(want) == 4
+    assert toc.content_hashes == ("blake3", tuple(want)) and toc.chunk_range(3) == (3 * MIB, len(content))
+    assert manifest_annotations(tmp_path / "out")[lazytoc.ANNOTATION_LAZY] == lazytoc.LAZY_VALUE_GZIP
+    refused = run_diskkit("build", "--lazy-chunks", "fixed", "--compression", "none", tmp_path / "d.img", "-t", f"oci:{tmp_path / 'none'}:v1")
+    assert refused.code != 0 and "--lazy-chunks" in refused.err and len(refused.err.strip().splitlines()) == 1, refused.err
+
+
+def test_the_cutter_cuts_a_stream_as_it_cuts_one_buffer():
+    """The build reads a disk in pieces (recycled buffers): whatever their sizes, the chunks are the
+    ones FastCDC cuts from the whole stream at once, the bytes are all there in order, and every
+    piece goes back to its reader once the chunks cut from it are released."""
+    rng = random.Random(9)
+    params = chunkcut.Params(4096, 32768)
+    for trial in range(150):
+        n = rng.randrange(0, 300_000)
+        data = (rng.randbytes(n), bytes(n), (rng.randbytes(50) * (n // 50 + 1))[:n])[trial % 3]  # random, zeros, a short period
+        pieces, at = [], 0
+        while at < n:
+            size = rng.choice([1, 7, 4096, 5000, 32768, 65536, rng.randrange(1, 100_000)])
+            pieces.append(memoryview(data)[at : at + size])
+            at += size
+        returned: list[int] = []
+        cutter = chunkcut.Cutter(params)
+        chunks, holds = [], []
+        for i, piece in enumerate(pieces):
+            for chunk, release in cutter.feed(piece, lambda i=i: returned.append(i)):
+                chunks.append(bytes(chunk))
+                holds.append(release)
+        for chunk, release in cutter.finish():
+            chunks.append(bytes(chunk))
+            holds.append(release)
+        assert b"".join(chunks) == data
+        assert [len(c) for c in chunks] == ([c.length for c in params.chunker().cut_buf(data)] if data else []), trial
+        for release in holds:
+            if release is not None:
+                release()
+        assert sorted(returned) == list(range(len(pieces))), trial
+
+
+def manifest_annotations(layout: Path) -> dict:
+    index = json.loads((layout / "index.json").read_text())
+    return json.loads((layout / "blobs/sha256" / index["manifests"][0]["digest"][7:]).read_text())["annotations"]
+
+
+def rebuilt_qcow2_pair(tmp_path: Path) -> tuple[Path, Path]:
+    """A guest rebuilt the usual way: v1 = `qemu-img convert -c -O qcow2` of a raw disk of text-like
+    content; v2 = the same with 1 MiB changed, converted again, so every compressed cluster after the
+    change sits at another, unaligned offset of the file (and the L2 table that points at them changed)."""
+    rng = random.Random(42)
+    table = bytes(b"etaoinshrdlucmfw"[b % 16] for b in range(256))  # 4 bits a byte: deflate keeps about 55 %
+    raw = bytearray(rng.randbytes(24 * MIB).translate(table))
+    (tmp_path / "v1.raw").write_bytes(raw)
+    raw[5 * MIB : 6 * MIB] = rng.randbytes(MIB).translate(table)
+    (tmp_path / "v2.raw").write_bytes(raw)
+    for name in ("v1", "v2"):
+        run("qemu-img", "convert", "-c", "-f", "raw", "-O", "qcow2", tmp_path / f"{name}.raw", tmp_path / f"{name}.qcow2")
+    return tmp_path / "v1.qcow2", tmp_path / "v2.qcow2"
+
+
+def _new_bytes(v1: lazytoc.Toc, v2: lazytoc.Toc) -> int:
+    """The uncompressed bytes of v2's chunks whose content v1 has nowhere."""
+    have = set(v1.content_hashes[1])
+    return sum(end - start for i, (start, end) in enumerate(map(v2.chunk_range, range(v2.count))) if v2.content_hashes[1][i] not in have)
+
+
+def test_a_run_of_bytes_that_moved_keeps_its_chunks(tmp_path):
+    """After `qemu-img convert -c` the unchanged clusters of a rebuilt qcow2 are the same bytes at
+    other offsets: content-defined chunks find them (what is new is the change, its neighbours and
+    the qcow2 tables), where fixed 1 MiB windows lose everything after the change."""
+    v1, v2 = rebuilt_qcow2_pair(tmp_path)
+    tocs = {}
+    for chunks in ("content", "fixed"):
+        for disk in (v1, v2):
+            out = tmp_path / f"{chunks}-{disk.stem}"
+            built = run_diskkit("build", "--lazy-chunks", chunks, disk, "-t", f"oci:{out}:x")
+            assert built.code == 0, built.err
+            tocs[chunks, disk.stem] = _toc(out, disk.read_bytes())[0]
+    size = v2.stat().st_size
+    assert 10 * MIB < size < 16 * MIB
+    assert _new_bytes(tocs["content", "v1"], tocs["content", "v2"]) < 2 * MIB  # the change is ~0.6 MiB as stored
+    assert _new_bytes(tocs["fixed", "v1"], tocs["fixed", "v2"]) > size // 2
+
+
+def test_content_defined_tocs_are_checked_before_they_are_used():
+    """A v3 TOC's chunkLengths must be there, one per chunk, none empty or over chunkSize, adding up
+    to the disk; a v2 TOC lists none. Each refused in one line."""
+    v3 = _v2(chunk_size=8192, chunk_blake3s=("1" * 64, "2" * 64), chunk_lengths=(3000, 5192))
+    obj = json.loads(v3.render())
+    assert obj["version"] == 3 and _reparse(obj, 2) == v3 and _reparse(obj, 2).chunk_range(1) == (3000, 8192)
+    assert _reparse(obj, 2).grid.index(2999) == 0 and _reparse(obj, 2).grid.index(3000) == 1
+    for lengths, words in (([3000, 5000], "add up to 8000 bytes, not the disk's 8192"), ([3000], "1 chunk lengths for 2 chunks"),
+                           ([0, 8192], "outside 1..8192"), ([8193, -1], "outside 1..8192"), (["3000", 5192], "not the JSON object")):
+        with pytest.raises(DiskkitError, match=words):
+            _reparse({**obj, lazytoc.LENGTHS_FIELD: lengths}, 2)
+    with pytest.raises(DiskkitError, match="version 3 must list chunkLengths"):
+        _reparse({**obj, lazytoc.LENGTHS_FIELD: None}, 2)
+    with pytest.raises(DiskkitError, match="version 2 does not hold what that version lists"):
+        _reparse({**obj, "version": 2}, 2)
+    with pytest.raises(DiskkitError, match="version 3 is not supported in this layer"):
+        _reparse(obj, 1)
 
 
 def _v2(**extra) -> lazytoc.Toc:
@@ -84,7 +205,7 @@ def test_older_tocs_stay_readable_and_say_what_they_can():
     for wrong in (["1" * 64], ["1" * 64, "2" * 63]):
         with pytest.raises(DiskkitError, match="chunkBlake3s|64 hex digits"):
             _reparse({**json.loads(with_content.render()), lazytoc.CONTENT_FIELD: wrong}, 2)
-    with pytest.raises(DiskkitError, match="chunkBlake3s must list one hash per chunk of a version-2 layer"):
+    with pytest.raises(DiskkitError, match="chunkBlake3s must list one hash per chunk of a gzip layer"):
         _reparse({"version": 1, "disk": "disk/a.img", "offset": 1536, "size": 8192, "chunkSize": 4096, "chunks": ["c" * 64] * 2,
                   lazytoc.CONTENT_FIELD: ["1" * 64] * 2}, 1, 20000)
 
@@ -96,7 +217,7 @@ def _disk(cache: Cache, name: str, content: bytes, record: bool = True) -> str:
     (entry / "disk.img").write_bytes(content)
     if record:
         hexes = [blake3.blake3(content[i : i + MIB]).hexdigest() for i in range(0, len(content), MIB)]
-        (entry / CHUNKS_FILE).write_bytes(record_for("blake3", hexes, MIB, len(content)))
+        (entry / CHUNKS_FILE).write_bytes(Record("blake3", tuple(hexes), lazytoc.Grid(len(content), MIB)).render())
     return str((entry / "disk.img").relative_to(cache.root))
 
 
@@ -132,7 +253,7 @@ def test_index_finds_chunks_and_local_chunks_checks_them(tmp_path):
     index.forget(rel)
     assert index.paths() == [] and LocalChunks(index, cache, _toc_of(v2)).get(0) is None
     # TOCs naming chunks by sha256 (v1) are matched against places recorded by sha256.
-    index.add_file(rel, "sha256", [hashlib.sha256(x).hexdigest() for x in (a, b, c[:1000])], MIB, 2 * MIB + 1000)
+    index.add_file(rel, Record("sha256", tuple(hashlib.sha256(x).hexdigest() for x in (a, b, c[:1000])), lazytoc.Grid(2 * MIB + 1000, MIB)))
     assert LocalChunks(index, cache, _toc_of(b + c[:1000], "sha256")).get(0) == b
 
 
@@ -155,7 +276,8 @@ def test_local_chunks_follow_no_link(tmp_path):
 
 def test_index_is_rebuilt_when_missing_or_corrupt(tmp_path):
     """Deleted or overwritten with garbage, the index comes back from the disks: recorded hashes
-    where install left them, the disk hashed where an older pull left none."""
+    where install left them, the disk cut and hashed as new TOCs cut it where an older pull left
+    none, or left fixed chunks' (as TOCs before v3 cut them): both are found."""
     cache = Cache(tmp_path / "cache")
     rng = random.Random(11)
     a, b = rng.randbytes(MIB + 10), rng.randbytes(2 * MIB)
@@ -168,8 +290,12 @@ def test_index_is_rebuilt_when_missing_or_corrupt(tmp_path):
         Path(f"{db}{suffix}").unlink(missing_ok=True)
     db.write_bytes(b"this is not a database" * 1000)
     again = ChunkIndex(cache)
-    assert again.lookup("blake3", blake3.blake3(b[MIB:]).hexdigest()) == [Place(rb, MIB, MIB)]
-    assert again.lookup("blake3", blake3.blake3(a[MIB:]).hexdigest()) == [Place(ra, MIB, 10)]
+    for rel, data in ((ra, a), (rb, b)):
+        params = chunkcut.params_for(len(data))
+        for cut in params.chunker().cut_buf(data):
+            assert Place(rel, cut.offset, cut.length) in again.lookup("blake3", blake3.blake3(cut.data).hexdigest())
+    assert again.lookup("blake3", blake3.blake3(a[MIB:]).hexdigest()) == [Place(ra, MIB, 10)]  # a's recorded fixed chunks'
+    assert again.lookup("blake3", blake3.blake3(b[MIB:]).hexdigest()) == []  # b had no record: cut by content only
     again.close()
     db.unlink()
     assert sorted(ChunkIndex(cache).paths()) == sorted([ra, rb])
@@ -180,7 +306,7 @@ def _writer(root: str, worker: int, files: int) -> None:
     index = ChunkIndex(Cache(root))
     for n in range(files):
         hexes = [hashlib.sha256(f"{worker}-{n}-{i}".encode()).hexdigest() for i in range(64)]
-        index.add_file(f"lazy/w{worker}/f{n}", "sha256", hexes, 4096, 64 * 4096)
+        index.add_file(f"lazy/w{worker}/f{n}", Record("sha256", tuple(hexes), lazytoc.Grid(64 * 4096, 4096)))
         assert index.lookup("sha256", hexes[5]) == [Place(f"lazy/w{worker}/f{n}", 5 * 4096, 4096)]
         if n % 2:
             index.forget(f"lazy/w{worker}/f{n}")

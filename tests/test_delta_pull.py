@@ -1,7 +1,10 @@
 """`launcher pull` of an updated image costs its change (issue 31): with v1 cached, v2's lazy layer
 is assembled from the chunks the node holds and range requests for the rest, through a real registry
 and a proxy that counts the bytes; every reused chunk is hashed, every fetched member checked, and the
-whole layer checked against its diffID before anything is installed."""
+whole layer checked against its diffID before anything is installed. Chunks are cut where their
+content says (TOC v3), so a v2 rebuilt the usual way (`qemu-img convert -c`, every compressed cluster
+after the change moved) fetches about its change too, and disks of images with older TOCs (fixed
+chunks) are found by the chunks new TOCs name."""
 
 from __future__ import annotations
 
@@ -14,10 +17,11 @@ from pathlib import Path
 
 import blake3
 
-from diskkit.layers import lazytoc
+from diskkit.layers import chunkcut, lazytoc
 from launcher.chunks.index import ChunkIndex
 from launcher.node.cache import Cache
 from tests.conftest import run_diskkit, run_launcher
+from tests.test_chunk_index import rebuilt_qcow2_pair
 from tests.test_lazygz import blob, manifest_of, rewrite_toc
 
 NOREG = "--tls-verify=false"
@@ -53,6 +57,22 @@ def pull(cache: Path, ref: str):
     return json.loads(result.out), result.err
 
 
+def cuts(data: bytes) -> list[tuple[int, int]]:
+    """(start, length) of each chunk `diskkit build` cuts a disk of these bytes into (TOC v3)."""
+    return [(c.offset, c.length) for c in chunkcut.params_for(len(data)).chunker().cut_buf(data)]
+
+
+def chunk_at(data: bytes, offset: int) -> tuple[int, int]:
+    """The (start, length) of the chunk of `data` that holds byte `offset`."""
+    return next((start, length) for start, length in cuts(data) if start <= offset < start + length)
+
+
+def new_bytes(v1: bytes, v2: bytes) -> int:
+    """The length of v2's chunks whose content v1's chunks do not have: what a pull with v1 fetches."""
+    have = {blake3.blake3(v1[start : start + length]).digest() for start, length in cuts(v1)}
+    return sum(length for start, length in cuts(v2) if blake3.blake3(v2[start : start + length]).digest() not in have)
+
+
 def blob_bytes(proxy) -> int:
     """Layer and config bytes the proxy relayed: what the pull really fetched."""
     return sum(n for path, n in proxy.sent.items() if "/blobs/sha256:" in path)
@@ -79,7 +99,9 @@ def test_with_v1_cached_v2_fetches_its_change_only(tmp_path, registry, fault_pro
     assert sha256_file(Path(second["path"])) == sha256_file(v2)
     # What the pull says is what the proxy saw (the manifest's config blob aside), and the rest was reused.
     assert second["fetched"] <= fetched <= second["fetched"] + 64 * KIB
-    assert second["reused"] >= (1 << 30) - 10 * MIB
+    # Not reused: the 8 MiB and the 100 KiB with the chunks around them, and the first chunk of the
+    # next data after each (its start in the zeros before it moved with the cuts through them).
+    assert second["reused"] >= (1 << 30) - 16 * MIB
     assert "bytes fetched" in err and "reused from the node" in err
     # Coalesced: the 8 changed MiB are one range, not eight.
     ranged = [path for method, path, status in proxy.log if method == "GET" and status == 206]
@@ -118,10 +140,14 @@ def test_a_corrupted_cached_chunk_is_fetched_instead(tmp_path, registry, fault_p
     proxy = fault_proxy(registry)
     second, _ = pull(cache, f"{proxy.host}/delta/flip:v2")
     assert sha256_file(Path(second["path"])) == sha256_file(v2)
-    assert second["reused"] == 30 * MIB  # chunk 5 changed, chunk 10 corrupted: both fetched
-    assert 2 * MIB < blob_bytes(proxy) < 3 * MIB
+    old, new = v1.read_bytes(), v2.read_bytes()
+    start, length = chunk_at(old, 10 * MIB + 4321)
+    assert (start, length) in cuts(new)  # unchanged in v2
+    changed = new_bytes(old, new)
+    assert second["reused"] == 32 * MIB - changed - length  # the 5th MiB changed, the chunk at 10 MiB corrupted: both fetched
+    assert changed + length < blob_bytes(proxy) < changed + length + 256 * KIB
     index = ChunkIndex(Cache(cache))
-    flipped = blake3.blake3(v1.read_bytes()[10 * MIB : 11 * MIB]).hexdigest()
+    flipped = blake3.blake3(old[start : start + length]).hexdigest()
     assert [p.path for p in index.lookup("blake3", flipped)] == [str(Path(second["path"]).relative_to(cache))]
 
 
@@ -162,10 +188,13 @@ def manifest_digest_layer(proxy, tag: str) -> dict:
 
 
 def test_a_toc_that_lies_about_a_chunk_is_caught_by_the_diffid(tmp_path, registry):
-    """v2's TOC re-pinned to name chunk 20 by the content of v1's chunk 20 (which the node holds):
-    the chunk is reused, but the assembled layer does not hash to the config's diffID, so the pull
-    is refused in one line and nothing is installed."""
+    """v3's TOC re-pinned to name the chunk it changed (2 bytes at 20 MiB) by the content v1 has
+    there (which the node holds): the chunk is reused, but the assembled layer does not hash to the
+    config's diffID, so the pull is refused in one line and nothing is installed."""
     v1, _, v3 = _disks(tmp_path)
+    start, length = chunk_at(v3.read_bytes(), 20 * MIB + 7)
+    assert (start, length) in cuts(v1.read_bytes())  # two bytes moved no cut
+    lied = cuts(v3.read_bytes()).index((start, length))
     ref1 = build(registry.host, v1, "lie:v1")
     layout = tmp_path / "v3"
     built = run_diskkit("build", v3, "-t", f"oci:{layout}:v3")
@@ -175,7 +204,7 @@ def test_a_toc_that_lies_about_a_chunk_is_caught_by_the_diffid(tmp_path, registr
     notes = manifest["layers"][0]["annotations"]
     at, size = int(notes[lazytoc.ANNOTATION_TOC_OFFSET]), int(notes[lazytoc.ANNOTATION_TOC_SIZE])
     toc = json.loads(zlib.decompress(data[at : at + size], 31))
-    toc[lazytoc.CONTENT_FIELD][20] = blake3.blake3(v1.read_bytes()[20 * MIB : 21 * MIB]).hexdigest()
+    toc[lazytoc.CONTENT_FIELD][lied] = blake3.blake3(v1.read_bytes()[start : start + length]).hexdigest()
     rewrite_toc(layout, manifest, data, at, size, json.dumps(toc, separators=(",", ":"), sort_keys=True).encode())
     pushed = run_diskkit("push", NOREG, f"oci:{layout}:v3", f"{registry.host}/delta/lie:v3")
     assert pushed.code == 0, pushed.err
@@ -203,9 +232,12 @@ def test_gc_forgets_the_chunks_of_removed_disks(tmp_path, registry):
 
 def test_disks_of_older_images_are_indexed_too(tmp_path, registry, fault_proxy):
     """A v1 lazy layer (uncompressed, TOC `chunks` by sha256) is recorded by its sha256s, and by
-    BLAKE3 as today's TOCs name chunks; a layer with no TOC at all (--no-lazy) by hashing the disk:
-    a later lazy v2 reuses either."""
+    BLAKE3 over content-defined chunks as today's TOCs name them; a layer with no TOC at all
+    (--no-lazy) by hashing the disk so; a TOC v2 (fixed 1 MiB chunks) by its own and by those: a
+    later v3 reuses any of them, and a later v2 still reuses the v2's."""
     v1, v2, _ = _disks(tmp_path)
+    changed = new_bytes(v1.read_bytes(), v2.read_bytes())
+    assert MIB <= changed < 2 * MIB
     cache = tmp_path / "cache"
     old = build(registry.host, v1, "old:v1", "--lazy", "--compression", "none")
     first, _ = pull(cache, old)
@@ -217,16 +249,26 @@ def test_disks_of_older_images_are_indexed_too(tmp_path, registry, fault_proxy):
     build(registry.host, v2, "old:v2")
     proxy = fault_proxy(registry)
     reused, _ = pull(cache, f"{proxy.host}/delta/old:v2")
-    assert reused["reused"] == 31 * MIB and sha256_file(Path(reused["path"])) == sha256_file(v2) and blob_bytes(proxy) < 2 * MIB
+    assert reused["reused"] == 32 * MIB - changed and sha256_file(Path(reused["path"])) == sha256_file(v2) and blob_bytes(proxy) < changed + 256 * KIB
     plain = build(registry.host, v1, "plain:v1", "--no-lazy")
     other = tmp_path / "cache2"
     second, _ = pull(other, plain)
-    assert [p.path for p in ChunkIndex(Cache(other)).lookup("blake3", blake3.blake3(chunk0).hexdigest())] == [str(Path(second["path"]).relative_to(other))]
+    first = v1.read_bytes()[: cuts(v1.read_bytes())[0][1]]
+    assert [p.path for p in ChunkIndex(Cache(other)).lookup("blake3", blake3.blake3(first).hexdigest())] == [str(Path(second["path"]).relative_to(other))]
     build(registry.host, v2, "plain:v2")
     proxy = fault_proxy(registry)
     third, _ = pull(other, f"{proxy.host}/delta/plain:v2")
-    assert third["reused"] == 31 * MIB and sha256_file(Path(third["path"])) == sha256_file(v2)
-    assert blob_bytes(proxy) < 2 * MIB
+    assert third["reused"] == 32 * MIB - changed and sha256_file(Path(third["path"])) == sha256_file(v2)
+    assert blob_bytes(proxy) < changed + 256 * KIB
+    fixed = build(registry.host, v1, "fixed:v1", "--lazy-chunks", "fixed")
+    for name, chunks, reuse in (("fixed:v2", "fixed", 31 * MIB), ("fixed:v3", "content", 32 * MIB - changed)):
+        cache = tmp_path / f"cache-{name}"
+        pull(cache, fixed)
+        build(registry.host, v2, name, "--lazy-chunks", chunks)
+        proxy = fault_proxy(registry)
+        pulled, _ = pull(cache, f"{proxy.host}/delta/{name}")
+        assert pulled["reused"] == reuse and sha256_file(Path(pulled["path"])) == sha256_file(v2), name
+        assert blob_bytes(proxy) < 32 * MIB - reuse + 256 * KIB, name
 
 
 def test_a_kernel_boot_image_is_assembled_with_its_other_files(tmp_path, registry, fault_proxy):
@@ -243,5 +285,31 @@ def test_a_kernel_boot_image_is_assembled_with_its_other_files(tmp_path, registr
     pull(cache, ref1)
     proxy = fault_proxy(registry)
     second, _ = pull(cache, f"{proxy.host}/delta/kb:v2")
-    assert sha256_file(Path(second["path"])) == sha256_file(v2) and second["reused"] == 31 * MIB
-    assert blob_bytes(proxy) < 2 * MIB + 400 * KIB
+    changed = new_bytes(v1.read_bytes(), v2.read_bytes())
+    assert sha256_file(Path(second["path"])) == sha256_file(v2) and second["reused"] == 32 * MIB - changed
+    assert blob_bytes(proxy) < changed + 400 * KIB
+
+
+def test_a_qcow2_rebuilt_with_qemu_img_convert_fetches_about_its_change(tmp_path, registry, fault_proxy):
+    """v1 and v2 as `qemu-img convert -c -O qcow2` makes them from a guest with 1 MiB changed: every
+    compressed cluster after the change lies at another, unaligned offset of v2's file. Content-defined
+    chunks (the default) find them in v1: the pull fetches about the change; with fixed chunks
+    (`--lazy-chunks fixed`, as before TOC v3) nearly every chunk after the change is new."""
+    v1, v2 = rebuilt_qcow2_pair(tmp_path)
+    changed = new_bytes(v1.read_bytes(), v2.read_bytes())
+    assert changed < 2 * MIB < 10 * MIB < v2.stat().st_size
+    fetched = {}
+    for chunks in ("content", "fixed"):
+        ref1 = build(registry.host, v1, f"rebuilt-{chunks}:v1", "--lazy-chunks", chunks)
+        build(registry.host, v2, f"rebuilt-{chunks}:v2", "--lazy-chunks", chunks)
+        cache = tmp_path / f"cache-{chunks}"
+        pull(cache, ref1)
+        proxy = fault_proxy(registry)
+        pulled, _ = pull(cache, f"{proxy.host}/delta/rebuilt-{chunks}:v2")
+        assert sha256_file(Path(pulled["path"])) == sha256_file(v2), chunks
+        fetched[chunks] = blob_bytes(proxy)
+        if chunks == "content":
+            assert pulled["reused"] == v2.stat().st_size - changed
+    layer = manifest_digest_layer(proxy, "rebuilt-fixed:v2")["size"]
+    assert fetched["content"] < changed + 256 * KIB < layer // 4, fetched
+    assert fetched["fixed"] > layer // 2, fetched

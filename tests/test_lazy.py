@@ -1,4 +1,4 @@
-"""Lazy images (v1: uncompressed, `--lazy --compression none`; v2 in test_lazygz.py) and the disk server, without a VM: the layer format against real OCI tools, the NBD
+"""Lazy images (v1: uncompressed, `--lazy --compression none`; gzip, v2 and v3, in test_lazygz.py) and the disk server, without a VM: the layer format against real OCI tools, the NBD
 export against real NBD clients (qemu-img, nbdinfo, nbdcopy), chunk verification with a fault proxy
 flipping bytes in range responses, --strict, and the hand-over to the normal disk store."""
 

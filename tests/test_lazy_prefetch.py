@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from diskkit.layers import lazytoc
 from launcher.diskserver.lazydisk import HEAD_PREFETCH, READ_AHEAD
 from tests.conftest import run
 from tests.lazyhost import (
@@ -23,8 +24,7 @@ from tests.lazyhost import (
 )
 
 MIB = 1 << 20
-DISK = 96 * MIB  # 1 MiB chunks: 32 in the head, 16 read ahead, the rest held back
-HEAD, AHEAD = HEAD_PREFETCH // MIB, READ_AHEAD // MIB
+DISK = 96 * MIB  # 32 MiB of chunks in the head, 16 MiB read ahead, the rest held back
 QUIET = 3.0  # long enough for two 8 MiB prefetch requests on loopback, far below the server's boot hold
 
 
@@ -53,24 +53,26 @@ def settled(cache: Path, export: str, count: int, expected: list[int]) -> list[i
 
 
 def test_a_booting_vm_gets_the_head_and_read_ahead_and_the_rest_waits(tmp_path, registry, image, disk):
-    assert DISK // MIB > HEAD + AHEAD + 8  # room for chunks that must not arrive
+    assert DISK > HEAD_PREFETCH + READ_AHEAD + 8 * MIB  # room for chunks that must not arrive
     toc = image_toc(registry, image)
     count = len(toc["members"])
+    grid = lazytoc.Grid(toc["size"], toc["chunkSize"], tuple(toc[lazytoc.LENGTHS_FIELD]))  # where each chunk lies (TOC v3)
+    head_end = grid.past(0, HEAD_PREFETCH)  # the chunks that hold the first 32 MiB
     cache = tmp_path / "cache"
     cache.mkdir()
     with disk_server(cache):
         answer = open_export(cache, image)  # a VM is announced: its boot is about to read the head
         export = answer["export"]
-        head = list(range(HEAD))
+        head = list(range(head_end))
         assert settled(cache, export, count, head) == head
         # The head is the disk's own bytes (each chunk's member was checked against the TOC on arrival).
         stored = (cache / "lazy" / export / "disk.img").read_bytes()
-        assert stored[: HEAD * MIB] == disk.read_bytes()[: HEAD * MIB]
+        assert stored[: grid.range(head_end - 1)[1]] == disk.read_bytes()[: grid.range(head_end - 1)[1]]
 
-        # The guest reads past the head: that chunk on demand, the next READ_AHEAD prefetched, no more.
-        at = 60
+        # The guest reads past the head: that chunk on demand, the chunks of the next READ_AHEAD bytes prefetched, no more.
+        at = grid.index(60 * MIB)
         demanded = export_status(cache, export)["stats"]["demand_fetches"]
-        run("qemu-io", "-r", "-f", "raw", "-c", f"read {at * MIB} 512", answer["url"])
-        ahead = head + list(range(at, at + 1 + AHEAD))
+        run("qemu-io", "-r", "-f", "raw", "-c", f"read {60 * MIB} 512", answer["url"])
+        ahead = head + list(range(at, grid.past(at + 1, READ_AHEAD)))
         assert settled(cache, export, count, ahead) == ahead
         assert export_status(cache, export)["stats"]["demand_fetches"] == demanded + 1

@@ -8,6 +8,7 @@ range response, a registry restart mid-boot and a server started by `run` itself
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import time
 from pathlib import Path
@@ -23,6 +24,7 @@ from tests.lazyhost import (
     control,
     disk_server,
     first_chunk_at,
+    image_toc,
     padded_guest,
     stop_spawned_server,
     wait_for,
@@ -32,6 +34,7 @@ from tests.vmhost import DONE, NOREG, assert_clean
 
 READY = "DISKKIT-TESTGUEST v1 READY"
 PADDED = 256 << 20
+OLD_DISK = 8 << 20
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +96,7 @@ def test_boots_before_the_blob_has_arrived_and_a_corrupt_chunk_is_fetched_again(
     refuses a cache another user owns: test_a_root_server_refuses_a_cache_another_user_owns)."""
     ref, _ = padded_image
     proxy = fault_proxy(lazy_registry)
-    # One bit flipped in the first range response that carries disk data: the first chunk's gzip member (TOC v2).
+    # One bit flipped in the first range response that carries disk data: the first chunk's gzip member (TOC v3).
     proxy.add(Fault("GET", r"/blobs/sha256:", "flip", times=1, arg=300, header=("Range", rf"^bytes={first_chunk_at(lazy_registry, ref)}-")))
     cache = qemu_user.cache
     assert qemu_user.launcher("ls").code == 0
@@ -145,19 +148,31 @@ def test_registry_restart_during_the_boot(qemu_user, lazy_registry):
 
 
 def test_run_starts_a_server_for_an_image_marked_lazy_and_pull_then_finds_the_disk(qemu_user, lazy_registry, padded_image):
+    """Beside the root disk (TOC v3, content-defined chunks), a second containerDisk whose TOC is as
+    diskkit wrote them before v3 (`--lazy-chunks fixed`: v2, 1 MiB chunks) boots lazily in the same VM,
+    and `launcher pull` finds both disks once their exports are verified and installed."""
     ref, disk = padded_image
+    old_disk = qemu_user.root / "old-toc.img"
+    old_disk.write_bytes(b"OLD-TOC-V2 DISK." + random.Random(8).randbytes(OLD_DISK - 16))
+    old_ref = f"{lazy_registry.host}/lazy/old-toc:v2"
+    built = run_diskkit("build", NOREG, "--lazy-chunks", "fixed", old_disk, "-t", old_ref)
+    assert built.code == 0, built.err
+    assert (image_toc(lazy_registry, ref)["version"], image_toc(lazy_registry, old_ref)["version"]) == (3, 2)
     cache = qemu_user.cache
-    vmi = qemu_user.write_vmi("lazy-auto", ref)
+    vmi = qemu_user.write_vmi("lazy-auto", ref, extra=[({"name": "old", "disk": {"bus": "virtio"}}, {"name": "old", "containerDisk": {"image": old_ref}})])
     try:
-        result = qemu_user.launcher("run", NOREG, "--console", "--timeout", "300", vmi)  # no --lazy: the image says so
+        result = qemu_user.launcher("run", NOREG, "--console", "--timeout", "300", vmi)  # no --lazy: the images say so
         assert result.code == 0, result.err
         console = parse_console(result.out)
         assert console["done"] and console["disks"]["vda"]["size"] == PADDED
-        export = wait_for(lambda: (e := only_export(cache))["installed"] and e, 180, "the disk to be verified and installed")
-        assert export["verified"]
-        pulled = json.loads(qemu_user.launcher("pull", NOREG, "--json", ref).out)
-        assert pulled["path"] == export["installed"]
-        assert Path(pulled["path"]).read_bytes() == disk.read_bytes()
+        assert console["disks"]["vdb"] == {"size": OLD_DISK, "ro": False, "serial": None, "head": b"OLD-TOC-V2 DISK.".hex()}, console["disks"]
+        exports = wait_for(lambda: len(es := control(cache, {"op": "status"})["exports"]) == 2 and all(e["installed"] for e in es) and es,
+                           180, "both disks to be verified and installed")
+        installed = {e["layer"]: e["installed"] for e in exports if e["verified"]}
+        for image, raw in ((ref, disk), (old_ref, old_disk)):
+            pulled = json.loads(qemu_user.launcher("pull", NOREG, "--json", image).out)
+            assert pulled["path"] == installed[pulled["layer"]]
+            assert Path(pulled["path"]).read_bytes() == raw.read_bytes()
     finally:
         stop_spawned_server(cache)
     assert_clean(qemu_user, "default_lazy-auto")

@@ -1,7 +1,9 @@
-"""Lazy images v2 (`diskkit build --lazy`): a gzip layer of one member per disk chunk. The layer is
-taken apart with zlib alone, unpacked by skopeo+umoci, podman, buildah and docker 20.10, pulled
-whole by `launcher pull`, and served chunk by chunk by the disk server, which refuses a corrupted
-member (fault proxy) and fetches it again."""
+"""Lazy gzip images (`diskkit build --lazy`): a gzip layer of one member per disk chunk, the chunks
+cut where their content says (TOC v3, the default) or every MiB (TOC v2, `--lazy-chunks fixed`, as
+diskkit wrote them before). The layer is taken apart with zlib alone, unpacked by skopeo+umoci,
+podman, buildah and docker 20.10, pulled whole by `launcher pull`, and served chunk by chunk by the
+disk server, which refuses a corrupted member (fault proxy) and fetches it again. TOCs as older
+diskkit wrote them (fixed chunks, sha256 or uncompressed pins) still verify and are served."""
 
 from __future__ import annotations
 
@@ -58,6 +60,21 @@ def layout(tmp_path_factory, disk) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def layout_v2(tmp_path_factory, disk) -> Path:
+    """The disk in 1 MiB chunks (TOC v2), as diskkit wrote every lazy gzip layer before TOC v3."""
+    out = tmp_path_factory.mktemp("lazygz-layout-v2") / "layout"
+    built = run_diskkit("build", "--lazy", "--lazy-chunks", "fixed", disk, "-t", f"oci:{out}:v2")
+    assert built.code == 0, built.err
+    return out
+
+
+def chunk_ranges(toc: dict) -> list[tuple[int, int]]:
+    """Each chunk's [start, end) in the disk, from a TOC's JSON (fixed or content-defined chunks)."""
+    grid = lazytoc.Grid(toc["size"], toc["chunkSize"], tuple(toc[lazytoc.LENGTHS_FIELD]) if lazytoc.LENGTHS_FIELD in toc else None)
+    return [grid.range(i) for i in range(grid.count)]
+
+
 def blob(layout: Path, digest: str) -> bytes:
     return (layout / "blobs" / "sha256" / digest.removeprefix("sha256:")).read_bytes()
 
@@ -67,9 +84,11 @@ def manifest_of(layout: Path) -> dict:
     return json.loads(blob(layout, index["manifests"][0]["digest"]))
 
 
-def test_v2_layer_is_one_gzip_member_per_chunk(tmp_path, layout, disk):
+@pytest.mark.parametrize("version", [3, 2])
+def test_lazy_layer_is_one_gzip_member_per_chunk(tmp_path, layout, layout_v2, disk, version):
+    layout = layout if version == 3 else layout_v2
     manifest = manifest_of(layout)
-    assert manifest["annotations"][lazytoc.ANNOTATION_LAZY] == "toc-v2"
+    assert manifest["annotations"][lazytoc.ANNOTATION_LAZY] == f"toc-v{version}"
     (layer,) = manifest["layers"]
     assert layer["mediaType"] == GZIP_LAYER
     data = blob(layout, layer["digest"])
@@ -92,15 +111,17 @@ def test_v2_layer_is_one_gzip_member_per_chunk(tmp_path, layout, disk):
     assert "sha256:" + hashlib.sha256(doc).hexdigest() == notes[lazytoc.ANNOTATION_TOC_DIGEST]
     toc = json.loads(doc)
     content = disk.read_bytes()
-    assert toc["version"] == 2 and toc["disk"] == f"disk/{disk.name}" and toc["size"] == len(content) and toc["chunkSize"] == MIB
+    assert toc["version"] == version and toc["disk"] == f"disk/{disk.name}" and toc["size"] == len(content) and toc["chunkSize"] == MIB
     assert tar_bytes[toc["offset"] : toc["offset"] + toc["size"]] == content
     # Chunks are pinned by their members as stored (BLAKE3), never by their uncompressed bytes (the old `chunks`).
-    assert "chunks" not in toc and "memberDigests" not in toc and len(toc["members"]) == len(toc["memberBlake3s"]) == 24
-    for index, ((offset, length), digest) in enumerate(zip(toc["members"], toc["memberBlake3s"])):
+    ranges = chunk_ranges(toc)
+    assert "chunks" not in toc and "memberDigests" not in toc and len(toc["members"]) == len(toc["memberBlake3s"]) == len(ranges)
+    assert len(ranges) == 24 if version == 2 else len(ranges) > 24  # text and random bytes: chunks of about 190 KiB
+    for index, ((offset, length), digest, (start, end)) in enumerate(zip(toc["members"], toc["memberBlake3s"], ranges)):
         inflater = zlib.decompressobj(31)
         chunk = inflater.decompress(data[offset : offset + length])
         assert inflater.eof and not inflater.unused_data, index  # exactly one member
-        assert chunk == content[index * MIB : (index + 1) * MIB] and blake3.blake3(data[offset : offset + length]).hexdigest() == digest
+        assert chunk == content[start:end] and blake3.blake3(data[offset : offset + length]).hexdigest() == digest
         assert toc[lazytoc.CONTENT_FIELD][index] == blake3.blake3(chunk).hexdigest()  # and by its content (issue 31)
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
         assert [m.name for m in tar] == ["disk", f"disk/{disk.name}", ".diskkit", ".diskkit/lazy-toc.json"]
@@ -108,7 +129,7 @@ def test_v2_layer_is_one_gzip_member_per_chunk(tmp_path, layout, disk):
     assert len(data) < len(content) * 0.75
     verified = run_diskkit("verify", f"oci:{layout}:v2")
     assert verified.code == 0, verified.err
-    again = run_diskkit("build", "--lazy", disk, "-t", f"oci:{tmp_path / 'again'}:v2")
+    again = run_diskkit("build", "--lazy", *(["--lazy-chunks", "fixed"] if version == 2 else []), disk, "-t", f"oci:{tmp_path / 'again'}:v2")
     assert again.last_line == json.loads((layout / "index.json").read_text())["manifests"][0]["digest"]  # reproducible
 
 
@@ -147,9 +168,10 @@ def sha256_pins(toc: dict, data: bytes) -> None:
     toc["memberDigests"] = [hashlib.sha256(data[at : at + length]).hexdigest() for at, length in toc["members"]]
 
 
-def test_verify_refuses_a_toc_that_disagrees_with_the_layer(tmp_path, layout):
+def test_verify_refuses_a_toc_that_disagrees_with_the_layer(tmp_path, layout_v2):
     """The TOC is checked against the layer verify unpacks: a member digest changed (and the TOC
     re-pinned) is named while the blob streams; so is an uncompressed chunk digest in an old TOC."""
+    layout = layout_v2
 
     def wrong_member(toc, data):
         toc["memberBlake3s"][3] = "0" * 64
@@ -235,7 +257,7 @@ def rewrite_config(layout: Path, manifest: dict, diff_id: str) -> None:
     (layout / "index.json").write_text(json.dumps(index))
 
 
-def test_peers_unpack_the_v2_layer_byte_identical(tmp_path, layout, disk, registry, dockerd):
+def test_peers_unpack_the_lazy_layer_byte_identical(tmp_path, layout, disk, registry, dockerd):
     content_digest = hashlib.sha256(disk.read_bytes()).hexdigest()
     inside = f"disk/{disk.name}"
 
@@ -290,7 +312,7 @@ def test_served_chunk_by_chunk_then_installed_without_a_second_fetch(tmp_path, r
     with disk_server(cache, "--prefetch-rate", "2M"):
         answer = open_export(cache, remote)
         url, name = answer["url"], answer["export"]
-        assert export_status(cache, name)["present"] < 24  # demand reads below fill the gaps
+        assert export_status(cache, name)["present"] < len(toc["members"])  # demand reads below fill the gaps
         assert run("qemu-img", "compare", "-f", "raw", "-F", "raw", url, disk).stdout.strip() == "Images are identical."
         status = wait_for(lambda: (s := export_status(cache, name))["installed"] and s, 120, "the disk to be verified and installed")
     assert status["verified"] and status["toc"] and status["stats"]["corrupt_chunks"] == 0
@@ -298,8 +320,8 @@ def test_served_chunk_by_chunk_then_installed_without_a_second_fetch(tmp_path, r
     # Each member travelled once, but the all-zero chunks' (the node needs no file to give zeros,
     # launcher.chunks.source): the disk was checked by the config's diffID.
     content = disk.read_bytes()
-    zero = {i for i in range(24) if content[i * MIB : (i + 1) * MIB].count(0) == len(content[i * MIB : (i + 1) * MIB])}
-    assert zero == set(range(8, 14)) and status["stats"]["reused_chunks"] == len(zero)
+    zero = {i for i, (start, end) in enumerate(chunk_ranges(toc)) if content[start:end].count(0) == end - start}
+    assert len(zero) >= 5 and status["stats"]["reused_chunks"] == len(zero)  # the 6 zero MiB: 1 MiB chunks, the longest
     assert status["stats"]["fetched_bytes"] == sum(length for i, (_, length) in enumerate(toc["members"]) if i not in zero)
     assert Path(status["installed"]).read_bytes() == disk.read_bytes()
     assert not (cache / "lazy" / name / "members.gz").exists()
@@ -328,12 +350,12 @@ def test_a_corrupted_member_is_refused_and_fetched_again(tmp_path, registry, fau
     assert status["installed"] and Path(status["installed"]).read_bytes() == disk.read_bytes()
 
 
-def test_old_pins_are_still_served(tmp_path, registry, layout, disk):
+def test_old_pins_are_still_served(tmp_path, registry, layout_v2, disk):
     """Images whose TOC pins chunks as diskkit wrote them before: by their uncompressed bytes
     (`chunks`, each chunk checked once inflated) and by their members' sha256 (`memberDigests`),
     verify and are served chunk by chunk."""
     for name, change, field in (("old", old_pins, "chunks"), ("sha256", sha256_pins, "memberDigests")):
-        old = forged(tmp_path, layout, name, change)
+        old = forged(tmp_path, layout_v2, name, change)
         assert run_diskkit("verify", f"oci:{old}:v2").code == 0
         ref = f"{registry.host}/lazygz/{name}:v2"
         assert run_diskkit("push", NOREG, f"oci:{old}:v2", ref).code == 0
@@ -349,14 +371,15 @@ def test_old_pins_are_still_served(tmp_path, registry, layout, disk):
 
 
 def test_a_member_corrupted_in_the_registry_is_named_by_verify_and_never_served(tmp_path, registry, disk):
-    """One byte flipped in chunk 5's member in the registry's storage: verify names that member
-    (before the inflater sees it), and the disk server refuses it on every fetch."""
+    """One byte flipped in the member of the chunk at 5 MiB in the registry's storage: verify names that
+    member (before the inflater sees it), and the disk server refuses it on every fetch."""
     own = tmp_path / "own.img"  # a blob of its own: the registry stores blobs once for every repository
     own.write_bytes(b"own" + disk.read_bytes()[3:])
     ref = f"{registry.host}/lazygz/corrupt:v2"
     assert run_diskkit("build", NOREG, "--lazy", own, "-t", ref).code == 0
     toc = image_toc(registry, ref)
-    at, length = toc["members"][5]
+    five = next(i for i, (start, end) in enumerate(chunk_ranges(toc)) if start <= 5 * MIB < end)
+    at, length = toc["members"][five]
     layer = json.loads(run_diskkit("inspect", NOREG, "--json", ref).out)["layers"][0]["digest"]
     stored = registry.blob_data_path(layer)
     with open(stored, "r+b") as f:
@@ -365,20 +388,20 @@ def test_a_member_corrupted_in_the_registry_is_named_by_verify_and_never_served(
         f.seek(at + length // 2)
         f.write(bytes([byte[0] ^ 1]))
     refused = run_diskkit("verify", NOREG, ref)
-    assert refused.code != 0 and f"chunk 5's gzip member at {at}+{length} does not match its digest in the lazy TOC" in refused.err, refused.err
+    assert refused.code != 0 and f"chunk {five}'s gzip member at {at}+{length} does not match its digest in the lazy TOC" in refused.err, refused.err
     cache = tmp_path / "cache"
     cache.mkdir()
     with disk_server(cache, "--prefetch-rate", "1K", "--fetch-timeout", "5"):
         answer = open_export(cache, ref)
         good = subprocess.run(["qemu-io", "-r", "-f", "raw", "-c", f"read -P 0 {9 * MIB} 4K", answer["url"]], capture_output=True, text=True, timeout=120)
-        assert good.returncode == 0 and "read 4096/4096 bytes" in good.stdout, good  # chunk 9: zeros, as built
+        assert good.returncode == 0 and "read 4096/4096 bytes" in good.stdout, good  # zeros, as built
         bad = subprocess.run(["qemu-io", "-r", "-f", "raw", "-c", f"read {5 * MIB} 4K", answer["url"]], capture_output=True, text=True, timeout=120)
         assert "Input/output error" in bad.stdout + bad.stderr, bad
         status = export_status(cache, answer["export"])
     assert status["stats"]["corrupt_chunks"] >= 1 and not status["verified"] and not status["installed"], status
 
 
-def test_the_server_refuses_a_member_that_inflates_but_differs_from_its_pin(tmp_path, registry, layout):
+def test_the_server_refuses_a_member_that_inflates_but_differs_from_its_pin(tmp_path, registry, layout_v2):
     """A sound gzip member whose digest is not the TOC's (the TOC re-pinned all the way up) is never
     inflated nor served: the gzip CRC alone would have let it through."""
 
@@ -393,7 +416,7 @@ def test_the_server_refuses_a_member_that_inflates_but_differs_from_its_pin(tmp_
     cache.mkdir()
     for name, change in (("wrongpin", wrong_member), ("wrongsha256pin", wrong_sha256_member)):
         ref = f"{registry.host}/lazygz/{name}:v2"
-        assert run_diskkit("push", NOREG, f"oci:{forged(tmp_path, layout, name, change)}:v2", ref).code == 0
+        assert run_diskkit("push", NOREG, f"oci:{forged(tmp_path, layout_v2, name, change)}:v2", ref).code == 0
         with disk_server(cache, "--prefetch-rate", "1K", "--fetch-timeout", "5"):
             answer = open_export(cache, ref)
             bad = subprocess.run(["qemu-io", "-r", "-f", "raw", "-c", f"read {3 * MIB} 4K", answer["url"]], capture_output=True, text=True, timeout=120)
@@ -402,7 +425,7 @@ def test_the_server_refuses_a_member_that_inflates_but_differs_from_its_pin(tmp_
         assert status["stats"]["corrupt_chunks"] >= 1 and not status["installed"], (name, status)
 
 
-def test_launcher_pull_takes_a_v2_image_whole(tmp_path, remote, disk):
+def test_launcher_pull_takes_a_lazy_image_whole(tmp_path, remote, disk):
     pulled = run_launcher("pull", "--cache-dir", tmp_path / "cache", NOREG, "--json", remote)
     assert pulled.code == 0, pulled.err
     assert Path(json.loads(pulled.out)["path"]).read_bytes() == disk.read_bytes()

@@ -1,10 +1,11 @@
-"""`launcher pull` inflates a lazy v2 layer's chunk members on every core (diskkit/layers/lazyinflate.py):
+"""`launcher pull` inflates a lazy gzip layer's chunk members on every core (diskkit/layers/lazyinflate.py):
 the same bytes as one serial inflater, in order; a member the registry corrupts on the way and a TOC
 that lies (re-pinned all the way up, so blob digest and diffID still agree) are refused before
 anything is installed."""
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import hashlib
 import io
@@ -24,21 +25,21 @@ from diskkit.limits import member_limit
 from tests.conftest import run_diskkit, run_launcher
 from tests.faultproxy import Fault
 from tests.lazyhost import build_lazy_image, image_toc
-from tests.test_lazygz import blob, disk, forged, layout, manifest_of, old_pins, sha256_pins  # noqa: F401 (fixtures)
+from tests.test_lazygz import blob, disk, forged, layout, layout_v2, manifest_of, old_pins, sha256_pins  # noqa: F401 (fixtures)
 
 NOREG = "--tls-verify=false"
 MIB = 1 << 20
 
 
-def lazy_layer(tmp_path: Path, files: list[tuple[str, bytes]], disk_path: str) -> tuple[bytes, lazytoc.Toc]:
-    """A v2 layer as `diskkit build --lazy` writes it, and its parsed TOC."""
+def lazy_layer(tmp_path: Path, files: list[tuple[str, bytes]], disk_path: str, content_defined: bool = True) -> tuple[bytes, lazytoc.Toc]:
+    """A layer as `diskkit build --lazy` writes it (TOC v3, or v2 with fixed chunks), and its parsed TOC."""
     sources = []
     for name, data in files:
         local = tmp_path / name.strip("/").replace("/", "_")
         local.write_bytes(data)
         sources.append((name, local))
     sink = io.BytesIO()
-    result = lazygzip.write_layer(entries_for(sources), sink, toc_for=disk_path.strip("/"))
+    result = lazygzip.write_layer(entries_for(sources), sink, toc_for=disk_path.strip("/"), content_defined=content_defined)
     data = sink.getvalue()
     loc = result.toc
     toc = lazytoc.parse(lazytoc.read_stored(data[loc.offset : loc.offset + loc.size], 2, "layer"), loc, "layer", 2)
@@ -56,18 +57,19 @@ def inflated(data: bytes, toc: lazytoc.Toc, workers: int, read_size: int) -> byt
         reader.close()
 
 
-def test_members_inflate_in_parallel_to_the_serial_stream(tmp_path):
+@pytest.mark.parametrize("content_defined", [True, False], ids=["v3", "v2"])
+def test_members_inflate_in_parallel_to_the_serial_stream(tmp_path, content_defined):
     """Files before and after the disk (their bytes in members of up to 1 MiB, inflated in order),
     a disk of text, zeros and random bytes with a short last chunk: any pool size, any read size."""
     text = b" ".join(b"word%d" % (i % 977) for i in range(700_000))[: 3 * MIB + 5]
     disk = text + bytes(2 * MIB) + os.urandom(MIB + 4321)
     files = [("/boot/initrd", os.urandom(2 * MIB + 17)), ("/disk/disk.img", disk), ("/zz/after", text[: MIB + 3])]
-    data, toc = lazy_layer(tmp_path, files, "/disk/disk.img")
-    assert toc.count == 7 and len(data) > member_limit(MIB)
+    data, toc = lazy_layer(tmp_path, files, "/disk/disk.img", content_defined)
+    assert (toc.version, toc.count == 7) == ((3, False) if content_defined else (2, True)) and len(data) > member_limit(MIB)
     serial = gzip.decompress(data)
     for workers, read_size in ((1, MIB), (2, 4096), (4, 3 * MIB), (3, 1)):
         if read_size == 1:
-            data_small, toc_small = lazy_layer(tmp_path, [("/disk/disk.img", disk[:9000])], "/disk/disk.img")
+            data_small, toc_small = lazy_layer(tmp_path, [("/disk/disk.img", disk[:9000])], "/disk/disk.img", content_defined)
             assert inflated(data_small, toc_small, workers, read_size) == gzip.decompress(data_small)
             continue
         assert inflated(data, toc, workers, read_size) == serial, (workers, read_size)
@@ -79,7 +81,7 @@ def test_a_member_that_is_not_where_the_toc_says_is_refused(tmp_path):
     refused by the parse: test_trust_bounds.py)."""
     disk = os.urandom(2 * MIB + 99)
     data, toc = lazy_layer(tmp_path, [("/disk/disk.img", disk)], "/disk/disk.img")
-    (at0, len0), (at1, len1), _ = toc.members
+    (at0, len0), (at1, len1) = toc.members[:2]
 
     def refused(data: bytes, toc: lazytoc.Toc, match: str) -> None:
         with pytest.raises(DiskkitError, match=match):
@@ -88,10 +90,12 @@ def test_a_member_that_is_not_where_the_toc_says_is_refused(tmp_path):
     refused(data[: at1 + 10], toc, rf"the blob ends inside chunk 1's gzip member at {at1}\+{len1}")
     # Shifted by 16 bytes with the lengths kept back to back: chunk 0 now starts inside the tar headers' member.
     shifted = tuple((at - 16, n) for at, n in toc.members)
-    refused(data, lazytoc.Toc(**{**toc.__dict__, "members": shifted}), "places chunk 0's gzip member at .*, inside another gzip member")
+    refused(data, dataclasses.replace(toc, members=shifted), "places chunk 0's gzip member at .*, inside another gzip member")
+    huge = dataclasses.replace(toc, members=((at0, member_limit(MIB) + 1), *toc.members[1:]))
+    refused(data, huge, "gives chunk 0 a .*-byte gzip member, more than a 1048576-byte chunk takes")
     pins = list(toc.member_digests)
     pins[1] = "0" * 64
-    refused(data, lazytoc.Toc(**{**toc.__dict__, "member_digests": tuple(pins)}), rf"chunk 1's gzip member at {at1}\+{len1} does not match its digest in the lazy TOC")
+    refused(data, dataclasses.replace(toc, member_digests=tuple(pins)), rf"chunk 1's gzip member at {at1}\+{len1} does not match its digest in the lazy TOC")
     flipped = bytearray(data)
     flipped[at0 + 5] ^= 1  # inside the member's header: the pin catches it before the inflater would
     refused(bytes(flipped), toc, "chunk 0's gzip member at .* does not match its digest")
@@ -139,7 +143,7 @@ def test_pull_gives_the_disk_bytes_and_refuses_a_member_corrupted_on_the_way(tmp
     assert Path(json.loads(pulled.out)["path"]).read_bytes() == disk.read_bytes()
 
 
-def test_pull_refuses_a_toc_that_lies(tmp_path, layout):  # noqa: F811
+def test_pull_refuses_a_toc_that_lies(tmp_path, layout, layout_v2):  # noqa: F811
     """Each lie re-pinned all the way up (TOC digest annotation, blob digest, diffID): a serial
     inflater would take the layer, the parallel one is refused on the TOC's word, nothing installed."""
 
@@ -163,8 +167,10 @@ def test_pull_refuses_a_toc_that_lies(tmp_path, layout):  # noqa: F811
              ("sha256", wrong_sha256_member, "chunk 3's gzip member at .* does not match its digest in the lazy TOC"),
              ("chunk", wrong_chunk, "the lazy TOC's digest of chunk 3 does not match"),
              ("swapped", swapped, "chunk 3's gzip member at .* does not match its digest in the lazy TOC"))
-    for name, change, match in cases:
-        lying = forged(tmp_path, layout, name, change)
+    # Pins as older diskkit wrote them exist in fixed-chunk TOCs (v2) only.
+    for name, change, match, lied in [*((f"{n}-v3", c, m, layout) for n, c, m in cases if n in ("member", "swapped")),
+                                      *((n, c, m, layout_v2) for n, c, m in cases)]:
+        lying = forged(tmp_path, lied, name, change)
         cache = tmp_path / f"cache-{name}"
         refused = run_launcher("pull", "--cache-dir", cache, f"oci:{lying}:v2")
         assert refused.code != 0 and refused.err.strip().count("\n") == 0, (name, refused.err)

@@ -146,6 +146,7 @@ Examples:
 @click.option("--compression", type=click.Choice(list(KINDS)), default="gzip", show_default=True, help="Layer compression.")
 @click.option("--level", type=int, help="Compression level (gzip 0-3, default 1; zstd 1-19, default 3).")
 @click.option("--lazy/--no-lazy", default=None, help="Seekable layer with a chunk table of contents, so `launcher run` boots it before it has arrived (gzip: one gzip member per chunk, read by every client as any gzip layer; with --compression none the v1 uncompressed layout). Default: on for gzip layers in OCI manifests.")
+@click.option("--lazy-chunks", "lazy_chunks", type=click.Choice(["content", "fixed"]), help="How a lazy gzip layer's disk is cut into chunks: content (the default, TOC v3): where its bytes say, so a chunk keeps its identity when a rebuild moves it and an update costs its change; fixed: 1 MiB chunks (TOC v2), for nodes whose launcher predates TOC v3.")
 @click.option("--kernel", metavar="[/PATH=]FILE", help="Add a kernel for kernelBoot (default path /boot/vmlinuz).")
 @click.option("--initrd", metavar="[/PATH=]FILE", help="Add an initrd for kernelBoot (default path /boot/initrd.img).")
 @click.option("--platform", "platforms", multiple=True, metavar="OS/ARCH[=FILE]", help="Guest platform (default linux/amd64); repeat as OS/ARCH=FILE for a multi-platform index.")
@@ -160,7 +161,7 @@ Examples:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the digest; progress as JSON lines on stderr.")
 @registry_options
 @signature_options(policy=False)
-def build_cmd(src, dests, image_path, disk_format, compression, level, lazy, kernel, initrd, platforms, label, annotation, env, default_instancetype,
+def build_cmd(src, dests, image_path, disk_format, compression, level, lazy, lazy_chunks, kernel, initrd, platforms, label, annotation, env, default_instancetype,
               default_preference, checksum, checksum_file, skip_if_label, artifact, as_json, registry: RegistryOptions, sign) -> None:
     """Package disk SRC as a scratch-based containerDisk image.
 
@@ -197,6 +198,7 @@ def build_cmd(src, dests, image_path, disk_format, compression, level, lazy, ker
         compression="none" if artifact and not _given("compression") else compression,
         level=level,
         lazy=lazy,
+        lazy_chunks=lazy_chunks,
         disk_format=disk_format,
         platform=Platform.parse(platforms[0]) if platforms and not per_platform else Platform("linux", "amd64"),
         created=source_epoch(),

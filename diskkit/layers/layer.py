@@ -53,7 +53,8 @@ class LayerResult:
     size: int
     diff_id: str  # sha256 of the uncompressed tar
     compression: str
-    toc: lazytoc.TocLocation | None = None  # where the lazy TOC is in the blob (uncompressed layers only)
+    toc: lazytoc.TocLocation | None = None  # where the lazy TOC is in the blob
+    toc_version: int | None = None  # which TOC layout (lazytoc.VERSION...), for the manifest's io.diskkit.lazy
 
 
 def entries_for(files: list[tuple[str, Path]]) -> list[Entry]:
@@ -196,10 +197,11 @@ class BlobWriter(threading.Thread):
             if self.error is not None:
                 continue  # keep draining so the producer never blocks
             try:
-                if self.hash is not None:
-                    self.hash.update(data)
-                self.sink.write(data)
-                self.size += len(data)
+                for part in data if isinstance(data, list) else (data,):  # a list: parts put at once, one wakeup
+                    if self.hash is not None:
+                        self.hash.update(part)
+                    self.sink.write(part)
+                    self.size += len(part)
             except BaseException as exc:
                 self.error = exc
 
@@ -261,4 +263,5 @@ def write_layer(
     reader = threading.Thread(target=_produce, args=(entries, mtime, chunks, diff, stop, toc_for, toc_out), daemon=True)
     writer = pump(reader, chunks, stop, comp, BlobWriter(sink, hashed=compression != "none"), advance)
     blob = writer.hash or diff
-    return LayerResult("sha256:" + blob.hexdigest(), writer.size, "sha256:" + diff.hexdigest(), compression, toc_out[0] if toc_out else None)
+    return LayerResult("sha256:" + blob.hexdigest(), writer.size, "sha256:" + diff.hexdigest(), compression, toc_out[0] if toc_out else None,
+                       lazytoc.VERSION if toc_out else None)

@@ -1,7 +1,8 @@
-"""Write a lazy gzip layer (TOC version 2, see lazytoc): one gzip member per disk chunk, in one pass.
+"""Write a lazy gzip layer (TOC version 3, see lazytoc): one gzip member per disk chunk, in one pass.
 
 A reader thread frames the tar, hashes the diffID and cuts the stream into members: the disk's
-data exactly at chunk boundaries, everything else in pieces of at most CHUNK bytes. Each member is
+data exactly at chunk boundaries (content-defined, diskkit.layers.chunkcut; fixed, TOC version 2,
+for a disk too large for them), everything else in pieces of at most CHUNK bytes. Each member is
 compressed (and, for a chunk, the member and the chunk hashed: the TOC pins members and
 names chunks by content, see lazytoc) on a thread pool, so every core compresses; the futures go
 through a bounded queue in stream order, so memory stays flat whatever the disk size. The calling
@@ -19,7 +20,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from diskkit.errors import DiskkitError
-from diskkit.layers import lazytoc
+from diskkit.layers import chunkcut, lazytoc
 from diskkit.layers.layer import (
     CHUNK,
     DIR_MODE,
@@ -37,12 +38,18 @@ from diskkit.streams.pieceread import PieceReader
 WORKERS = os.cpu_count() or 2
 
 
-def _compress(data: bytes, level: int | None, chunk: bool) -> tuple[bytes, tuple[str, str] | None]:
-    """The member and, for a chunk, (its member pin, its content hash): both in the compressing thread."""
-    member = gzip_member(data, level)
-    if not chunk:
-        return member, None
-    return member, (lazytoc.member_pin(lazytoc.MEMBER_HASH, member), lazytoc.content_hash("blake3", data))
+def _compress(data: bytes, level: int | None) -> bytes:
+    return gzip_member(data, level)
+
+
+def _compress_chunks(chunks: list, level: int | None) -> list[tuple[bytes, str, str]]:
+    """Per chunk, (its member, the member's pin, its content hash): all in the compressing thread.
+    Small chunks go in batches: one task each CHUNK bytes, not one per chunk."""
+    out = []
+    for data in chunks:
+        member = gzip_member(data, level)
+        out.append((member, lazytoc.member_pin(lazytoc.MEMBER_HASH, member), lazytoc.content_hash("blake3", data)))
+    return out
 
 
 class _Framer:
@@ -52,6 +59,9 @@ class _Framer:
         self.pool, self.out, self.diff, self.stop, self.level = pool, out, diff, stop, level
         self.position = 0  # in the uncompressed tar
         self.pending = bytearray()
+        self.batch: list = []  # disk chunks not submitted yet, and what releases their buffers
+        self.releases: list[Callable[[], None]] = []
+        self.batched = 0
 
     def add(self, data: bytes | memoryview) -> None:
         self.pending += data
@@ -60,17 +70,36 @@ class _Framer:
 
     def flush(self) -> None:
         if self.pending:
-            self.submit(bytes(self.pending), chunk=False)
+            data = bytes(self.pending)
+            self.diff.update(data)
+            self.position += len(data)
+            self.put((False, self.pool.submit(_compress, data, self.level), len(data)))
             self.pending = bytearray()
 
-    def submit(self, data: bytes | memoryview, chunk: bool, release: Callable[[], None] | None = None) -> None:
-        """`release` is called once the bytes are compressed: the reader may then reuse their buffer."""
+    def disk(self, data: bytes | memoryview) -> None:
+        """The disk's bytes as read, before the chunks cut from them: hashed and counted once per piece."""
         self.diff.update(data)
         self.position += len(data)
-        future = self.pool.submit(_compress, data, self.level, chunk)
+
+    def chunk(self, data: bytes | memoryview, release: Callable[[], None] | None = None) -> None:
+        """A disk chunk (its bytes already given to `disk`), compressed with the next ones up to CHUNK
+        bytes; `release` is called once it is compressed: the reader may then reuse its buffer."""
+        self.batch.append(data)
         if release is not None:
-            future.add_done_callback(lambda _: release())
-        self.put((chunk, future, len(data)))
+            self.releases.append(release)
+        self.batched += len(data)
+        if self.batched >= CHUNK:
+            self.end_batch()
+
+    def end_batch(self) -> None:
+        if not self.batch:
+            return
+        future = self.pool.submit(_compress_chunks, self.batch, self.level)
+        releases = self.releases
+        if releases:
+            future.add_done_callback(lambda _: [release() for release in releases])
+        self.put((True, future, [len(data) for data in self.batch]))
+        self.batch, self.releases, self.batched = [], [], 0
 
     def put(self, item) -> None:
         while not self.stop.is_set():
@@ -82,22 +111,35 @@ class _Framer:
         raise Stopped
 
 
-def _submit_disk(entry: Entry, chunk_size: int, framer: _Framer) -> int:
+def _submit_disk(entry: Entry, chunk_size: int, cuts: chunkcut.Params | None, framer: _Framer) -> int:
     """The disk's chunks, each a member of its own; the bytes read (one more if the file grew)."""
-    reader = PieceReader(entry.source, chunk_size, framer.out.maxsize + WORKERS, entry.size)
+    # Content-defined chunks are cut from pieces of the longest chunk's size: a chunk spanning two
+    # pieces is copied; a piece is lent to the chunks cut from it until they are compressed.
+    reader = PieceReader(entry.source, chunk_size, framer.out.maxsize + WORKERS + (2 if cuts else 0), entry.size)
+    cutter = chunkcut.Cutter(cuts) if cuts is not None else None
     copied = 0
     try:
         for view, release in reader:
             copied += len(view)
-            framer.submit(view, chunk=True, release=release)
+            framer.disk(view)
+            if cutter is None:
+                framer.chunk(view, release)
+                continue
+            for chunk, lent in cutter.feed(view, release):
+                framer.chunk(chunk, lent)
+        for chunk, lent in cutter.finish() if cutter is not None else ():
+            framer.chunk(chunk, lent)
+        framer.end_batch()
         if reader.grew(copied):
             copied += 1
     finally:
+        if cutter is not None:
+            cutter.close()
         reader.close()
     return copied
 
 
-def _produce(entries: list[Entry], mtime: int, framer: _Framer, toc_for: str, found: list, files: list) -> None:
+def _produce(entries: list[Entry], mtime: int, framer: _Framer, toc_for: str, found: list, files: list, content_defined: bool) -> None:
     try:
         for entry in entries:
             framer.add(tar_header(entry, mtime))
@@ -106,10 +148,11 @@ def _produce(entries: list[Entry], mtime: int, framer: _Framer, toc_for: str, fo
             disk = entry.path == toc_for
             if disk:
                 framer.flush()  # the first chunk starts a member of its own
-                found.append((framer.position, entry.size, lazytoc.chunk_size_for(entry.size)))
+                cuts = chunkcut.params_for(entry.size) if content_defined else None
+                found.append((framer.position, entry.size, lazytoc.chunk_size_for(entry.size) if cuts is None else cuts.max, cuts))
             copied = 0
             if disk:
-                copied = _submit_disk(entry, found[-1][2], framer)
+                copied = _submit_disk(entry, found[-1][2], found[-1][3], framer)
             else:
                 digest = hashlib.sha256()
                 with open(entry.source, "rb") as src:
@@ -139,18 +182,19 @@ def write_layer(
     mtime: int = 0,
     advance: Callable[[int], None] | None = None,
     toc_for: str = "",
+    content_defined: bool = True,
 ) -> LayerResult:
-    """The layer, with a version-2 TOC for the member `toc_for` (the disk)."""
+    """The layer, with a version-3 TOC (version 2 for a disk too large for content-defined chunks) for the member `toc_for` (the disk)."""
     if not any(e.path == toc_for and not e.is_dir for e in entries):
         raise DiskkitError(f"/{toc_for}", "is not a file in the layer, so no lazy TOC can describe it")
     diff = hashlib.sha256()
     futures: queue.Queue = queue.Queue(2 * WORKERS + 2)  # compressing or done, not yet written
     stop = threading.Event()
-    found: list[tuple[int, int, int]] = []
+    found: list[tuple[int, int, int, chunkcut.Params | None]] = []
     files: list[tuple[str, str]] = []
     pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="gzip")
     framer = _Framer(pool, futures, diff, stop, level)
-    reader = threading.Thread(target=_produce, args=(entries, mtime, framer, toc_for, found, files), daemon=True)
+    reader = threading.Thread(target=_produce, args=(entries, mtime, framer, toc_for, found, files, content_defined), daemon=True)
     writer = BlobWriter(sink, hashed=True)
     reader.start()
     writer.start()
@@ -158,12 +202,13 @@ def write_layer(
     members: list[tuple[int, int]] = []
     digests: list[str] = []
     contents: list[str] = []
+    lengths: list[int] = []
 
-    def emit(data: bytes) -> int:
+    def emit(data: bytes | list[bytes]) -> int:
         nonlocal position
         at = position
         writer.put(data)
-        position += len(data)
+        position += len(data) if not isinstance(data, list) else sum(map(len, data))
         return at
 
     try:
@@ -173,19 +218,26 @@ def write_layer(
                 break
             if isinstance(item, BaseException):
                 raise item
-            chunk, future, raw = item
-            data, pins = future.result()
-            at = emit(data)
-            if chunk:
-                members.append((at, len(data)))
-                digests.append(pins[0])
-                contents.append(pins[1])
+            chunks, future, raw = item
+            if not chunks:
+                emit(future.result())
+                if advance:
+                    advance(raw)
+                continue
+            done = future.result()
+            at = emit([member for member, _, _ in done])
+            for length, (member, member_pin, content) in zip(raw, done):
+                members.append((at, len(member)))
+                at += len(member)
+                digests.append(member_pin)
+                contents.append(content)
+                lengths.append(length)
             if advance:
-                advance(raw)
+                advance(sum(raw))
         # The reader is done with the diffID: the TOC member and the trailer are hashed here.
-        disk_at, size, chunk_size = found[0]
+        disk_at, size, chunk_size, cuts = found[0]
         toc = lazytoc.Toc(toc_for, disk_at, size, chunk_size, None, tuple(members), tuple(sorted(files)), tuple(digests),
-                             chunk_blake3s=tuple(contents))
+                          chunk_blake3s=tuple(contents), chunk_lengths=tuple(lengths) if cuts is not None else None)
         doc = toc.render()
         headers = member_header(lazytoc.TOC_DIR, DIR_MODE, 0, mtime, directory=True) + member_header(lazytoc.TOC_MEMBER, 0o444, len(doc), mtime)
         trailer = bytes(-len(doc) % 512) + bytes(1024)
@@ -204,4 +256,4 @@ def write_layer(
     if writer.error is not None:
         raise writer.error
     loc = lazytoc.TocLocation(toc_at, len(toc_member), "sha256:" + hashlib.sha256(doc).hexdigest())
-    return LayerResult("sha256:" + writer.hash.hexdigest(), writer.size, "sha256:" + diff.hexdigest(), "gzip", loc)
+    return LayerResult("sha256:" + writer.hash.hexdigest(), writer.size, "sha256:" + diff.hexdigest(), "gzip", loc, toc.version)

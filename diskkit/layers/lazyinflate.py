@@ -93,7 +93,7 @@ class MemberInflater(QueuedReader):
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="inflate")
         self._pending = memoryview(b"")  # read from `raw`, not yet cut (the feeding thread's)
         # The queue holds the inflating chunks' Futures and the pieces between them, in stream order.
-        super().__init__(workers + max(1, IN_FLIGHT_BYTES // toc.chunk_size))
+        super().__init__(workers + max(1, IN_FLIGHT_BYTES // toc.grid.mean))
 
     # --- the feeding thread: the blob cut into members, in order --------------------------------
 

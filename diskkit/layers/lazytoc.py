@@ -1,6 +1,18 @@
 """The table of contents that makes a containerDisk layer readable at any offset (`diskkit build --lazy`).
 
-Two layouts. Version 2 (the default of `--lazy`) is an ordinary gzip layer
+Two layouts, three versions. Version 3 (the default of `--lazy`) is version 2 with the disk cut into
+chunks where its content says (diskkit.layers.chunkcut) instead of every chunkSize bytes, so that a
+run of bytes an update moved keeps its chunk; it adds each chunk's length, and its chunkSize is the
+longest a chunk may be:
+
+    {"version": 3, ..., "chunkSize": 1048576, "chunkLengths": [196608, 254519, ...], ...}
+
+`chunkLengths` lists one length per chunk, each from 1 to chunkSize, adding up to `size`: chunk i
+covers disk bytes [sum of the lengths before it, that plus its length). Every other field is version
+2's, with member pins and `chunkBlake3s` required. A reader finds the chunk of a disk offset by a
+binary search over the lengths' running sums (`Grid`).
+
+Version 2 (`--lazy-chunks fixed`; every lazy gzip layer before version 3) is an ordinary gzip layer
 (`application/vnd.oci.image.layer.v1.tar+gzip`) cut into independent gzip members: the tar bytes
 before the disk's data, then exactly one member per disk chunk, then the rest, with the TOC's JSON
 in a member of its own. Concatenated members are one valid gzip stream (RFC 1952 2.2), so every
@@ -24,7 +36,8 @@ hashes at 7.3 GB/s against sha256's 1.8 GB/s with SHA-NI, 0.13 CPU-s less for a 
 build (0.06 s of a build+push on 2 cores). Earlier TOCs are still read: version-2 TOCs pinning
 members by sha256 (`memberDigests`), and before that chunks by their uncompressed bytes (`chunks`,
 as version 1). The field's name says which digest an entry is: a TOC carries exactly one of the
-three, and a member pin only with `members`.
+three, and a member pin only with `members`. A gzip layer's TOC is version 2 or 3, whichever its
+`version` says; the layer's media type is the same.
 
 `chunkBlake3s` (version 2, written since issue 31) adds each chunk's BLAKE3-256 of its
 UNCOMPRESSED bytes: what a node matches chunks it already holds by (launcher.chunks), so another
@@ -64,10 +77,13 @@ unpacked layer can be checked against it too.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+import itertools
 import json
 import zlib
 from dataclasses import dataclass
+from functools import cached_property
 
 import blake3
 
@@ -77,6 +93,7 @@ from diskkit.oci.image import Descriptor
 
 VERSION = 1  # uncompressed layer, the disk contiguous in the blob
 VERSION_GZIP = 2  # gzip layer, one member per chunk
+VERSION_CDC = 3  # gzip layer as version 2, the chunks cut where their content says (chunkLengths)
 TOC_DIR = ".diskkit"
 TOC_MEMBER = ".diskkit/lazy-toc.json"
 ANNOTATION_LAZY = "io.diskkit.lazy"
@@ -85,9 +102,12 @@ ANNOTATION_TOC_SIZE = "io.diskkit.lazy.toc.size"
 ANNOTATION_TOC_DIGEST = "io.diskkit.lazy.toc.digest"
 LAZY_VALUE = "toc-v1"
 LAZY_VALUE_GZIP = "toc-v2"
+LAZY_VALUE_CDC = "toc-v3"
+LAZY_VALUES = {VERSION: LAZY_VALUE, VERSION_GZIP: LAZY_VALUE_GZIP, VERSION_CDC: LAZY_VALUE_CDC}  # the manifest's io.diskkit.lazy
 MEMBER_PINS = {"blake3": "memberBlake3s", "sha256": "memberDigests"}  # hash -> the TOC field that lists it
 MEMBER_HASH = "blake3"  # what new TOCs pin members with
 CONTENT_FIELD = "chunkBlake3s"  # BLAKE3 of each chunk's uncompressed bytes, to match chunks by content
+LENGTHS_FIELD = "chunkLengths"  # version 3: each chunk's length in the disk, in order
 MIN_CHUNK = 1 << 20
 MAX_CHUNKS = 16384  # keeps the TOC near 1 MiB at most; larger disks get larger chunks
 MAX_TOC_BYTES = 4 << 20
@@ -102,6 +122,48 @@ def chunk_size_for(disk_size: int) -> int:
 
 
 @dataclass(frozen=True)
+class Grid:
+    """Where a disk's chunks lie: fixed (chunk i at i * chunk_size, the last one shorter) or, with
+    `lengths` (TOC v3), back to back in those lengths, each at most chunk_size."""
+
+    size: int
+    chunk_size: int
+    lengths: tuple[int, ...] | None = None
+
+    @cached_property
+    def starts(self) -> tuple[int, ...]:
+        """Each chunk's first byte in the disk (content-defined chunks only)."""
+        return tuple(itertools.accumulate(self.lengths[:-1], initial=0)) if self.lengths else ()
+
+    @property
+    def count(self) -> int:
+        return len(self.lengths) if self.lengths is not None else -(-self.size // self.chunk_size)
+
+    def range(self, index: int) -> tuple[int, int]:
+        """Disk byte range [start, end) of chunk `index`."""
+        if self.lengths is not None:
+            start = self.starts[index]
+            return start, start + self.lengths[index]
+        start = index * self.chunk_size
+        return start, min(start + self.chunk_size, self.size)
+
+    def index(self, offset: int) -> int:
+        """The chunk that holds disk byte `offset` (0 <= offset < size)."""
+        if self.lengths is not None:
+            return bisect.bisect_right(self.starts, offset) - 1
+        return offset // self.chunk_size
+
+    def past(self, index: int, nbytes: int) -> int:
+        """The first chunk at least `nbytes` past chunk `index`'s start, or count: a span of whole chunks."""
+        start = self.range(index)[0] if index < self.count else self.size
+        return self.count if start + nbytes >= self.size else self.index(start + nbytes)
+
+    @property
+    def mean(self) -> int:
+        return -(-self.size // max(1, self.count))
+
+
+@dataclass(frozen=True)
 class Toc:
     disk: str  # member path in the layer, no leading slash
     offset: int  # the disk's first byte in the blob
@@ -113,6 +175,7 @@ class Toc:
     member_digests: tuple[str, ...] | None = None  # version 2: hex digest per chunk's gzip member as stored in the blob
     member_hash: str = MEMBER_HASH  # which hash member_digests are (MEMBER_PINS)
     chunk_blake3s: tuple[str, ...] | None = None  # version 2: BLAKE3-256 hex per chunk's uncompressed bytes (CONTENT_FIELD)
+    chunk_lengths: tuple[int, ...] | None = None  # version 3: each chunk's length (LENGTHS_FIELD); chunk_size is then the longest a chunk may be
 
     @property
     def content_hashes(self) -> tuple[str, tuple[str, ...]] | None:
@@ -126,16 +189,21 @@ class Toc:
 
     @property
     def version(self) -> int:
-        return VERSION if self.members is None else VERSION_GZIP
+        if self.members is None:
+            return VERSION
+        return VERSION_GZIP if self.chunk_lengths is None else VERSION_CDC
 
     @property
     def count(self) -> int:
         return len(self.chunks if self.member_digests is None else self.member_digests)
 
+    @cached_property
+    def grid(self) -> Grid:
+        return Grid(self.size, self.chunk_size, self.chunk_lengths)
+
     def chunk_range(self, index: int) -> tuple[int, int]:
         """Disk byte range [start, end) of chunk `index`."""
-        start = index * self.chunk_size
-        return start, min(start + self.chunk_size, self.size)
+        return self.grid.range(index)
 
     def render(self) -> bytes:
         obj = {"version": self.version, "disk": self.disk, "offset": self.offset, "size": self.size,
@@ -146,6 +214,8 @@ class Toc:
             obj[MEMBER_PINS[self.member_hash]] = list(self.member_digests)
         if self.chunk_blake3s is not None:
             obj[CONTENT_FIELD] = list(self.chunk_blake3s)
+        if self.chunk_lengths is not None:
+            obj[LENGTHS_FIELD] = list(self.chunk_lengths)
         if self.members is not None:
             obj["members"] = [list(m) for m in self.members]
         if self.files:
@@ -205,6 +275,7 @@ def inflate(data: bytes, limit: int, where: str) -> bytes:
 
 
 def version_for(media_type: str) -> int:
+    """The TOC layout a layer of this media type holds: VERSION_GZIP stands for gzip members (versions 2 and 3)."""
     return VERSION_GZIP if media_type.endswith("+gzip") else VERSION
 
 
@@ -228,33 +299,59 @@ def parse(data: bytes, loc: TocLocation, where: str, expected: int = VERSION) ->
         if (chunks is not None) + len(pins) != 1:
             raise DiskkitError(where, "lazy TOC must pin its chunks with exactly one of chunks (uncompressed), memberBlake3s and memberDigests (gzip members)")
         member_hash, member_digests = pins[0] if pins else (MEMBER_HASH, None)
-        content = obj.get(CONTENT_FIELD)
+        content, lengths = obj.get(CONTENT_FIELD), obj.get(LENGTHS_FIELD)
         toc = Toc(str(obj["disk"]), int(obj["offset"]), int(obj["size"]), int(obj["chunkSize"]),
                   tuple(map(str, chunks)) if chunks is not None else None, members, files,
                   tuple(map(str, member_digests)) if member_digests is not None else None, member_hash,
-                  tuple(map(str, content)) if content is not None else None)
+                  tuple(map(str, content)) if content is not None else None,
+                  tuple(_length(n) for n in lengths) if lengths is not None else None)
         version = obj.get("version")
     except (ValueError, KeyError, TypeError, AttributeError):
         raise DiskkitError(where, "lazy TOC is not the JSON object diskkit writes") from None
     if toc.member_digests is not None and toc.members is None:
         raise DiskkitError(where, f"lazy TOC pins gzip members ({MEMBER_PINS[toc.member_hash]}) but lists none (members)")
-    if version != expected or toc.version != expected:
-        raise DiskkitError(where, f"lazy TOC version {version!r} is not supported in this layer (expected {expected})")
+    accepted = (VERSION_GZIP, VERSION_CDC) if expected == VERSION_GZIP else (expected,)
+    if version not in accepted:
+        raise DiskkitError(where, f"lazy TOC version {version!r} is not supported in this layer (expected {' or '.join(map(str, accepted))})")
+    if version == VERSION_CDC and (toc.chunk_lengths is None or toc.member_digests is None or toc.chunk_blake3s is None):
+        raise DiskkitError(where, f"lazy TOC version 3 must list {LENGTHS_FIELD}, pin its gzip members and name its chunks by content ({CONTENT_FIELD})")
+    if toc.version != version:
+        raise DiskkitError(where, f"lazy TOC version {version} does not hold what that version lists (members only in gzip layers, {LENGTHS_FIELD} only in version 3)")
     if toc.chunk_size < 4096 or toc.chunk_size % 4096:
         raise DiskkitError(where, f"lazy TOC chunk size {toc.chunk_size} is not a positive multiple of 4096")
     # A reader holds a chunk (and its gzip member) in memory: the TOC's word on its size is bounded first.
     limits.check(toc.chunk_size, limits.MAX_CHUNK, where, "the lazy TOC's chunk size")
-    if toc.size <= 0 or toc.count != -(-toc.size // toc.chunk_size):
+    if toc.size <= 0:
+        raise DiskkitError(where, f"lazy TOC describes a disk of {toc.size} bytes")
+    if toc.chunk_lengths is not None:
+        _check_lengths(toc, where)
+    elif toc.count != -(-toc.size // toc.chunk_size):
         raise DiskkitError(where, f"lazy TOC lists {toc.count} chunks for a {toc.size}-byte disk in {toc.chunk_size}-byte chunks")
     if toc.members is not None:
         _check_members(toc, loc, where)
     elif toc.offset <= 0 or toc.offset + toc.size > loc.offset:
         raise DiskkitError(where, "lazy TOC places the disk outside the blob or over the TOC itself")
     if toc.chunk_blake3s is not None and (toc.members is None or len(toc.chunk_blake3s) != toc.count):
-        raise DiskkitError(where, f"lazy TOC's {CONTENT_FIELD} must list one hash per chunk of a version-2 layer")
+        raise DiskkitError(where, f"lazy TOC's {CONTENT_FIELD} must list one hash per chunk of a gzip layer")
     if any(len(c) != 64 for c in (*(toc.chunks or toc.member_digests), *(toc.chunk_blake3s or ()))) or any(len(d) != 64 for _, d in toc.files):
         raise DiskkitError(where, "lazy TOC chunk and file digests must be 64 hex digits")
     return toc
+
+
+def _length(value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"chunk length {value!r} is not an integer")
+    return value
+
+
+def _check_lengths(toc: Toc, where: str) -> None:
+    """Content-defined chunks: one length per chunk, none empty or longer than chunkSize, adding up to the disk."""
+    if len(toc.chunk_lengths) != toc.count:
+        raise DiskkitError(where, f"lazy TOC lists {len(toc.chunk_lengths)} chunk lengths for {toc.count} chunks")
+    if not all(0 < n <= toc.chunk_size for n in toc.chunk_lengths):
+        raise DiskkitError(where, f"lazy TOC lists a chunk length outside 1..{toc.chunk_size} (its chunkSize)")
+    if sum(toc.chunk_lengths) != toc.size:
+        raise DiskkitError(where, f"lazy TOC's chunk lengths add up to {sum(toc.chunk_lengths)} bytes, not the disk's {toc.size}")
 
 
 def _check_members(toc: Toc, loc: TocLocation, where: str) -> None:
@@ -283,6 +380,13 @@ def content_hash(hash_name: str, data) -> str:
     if hash_name == "sha256":
         return hashlib.sha256(data).hexdigest()
     raise ValueError(f"no chunk content hash {hash_name!r}")
+
+
+def may_be_zeros(members: tuple[tuple[int, int], ...] | None, index: int, length: int) -> bool:
+    """Whether chunk `index` (`length` bytes) can be all zeros, which a node needs no file for: with
+    gzip members, only one whose member is a 64th of it or less (zeros deflate about 740-fold). Hashing
+    zeros of every length content-defined chunks take to compare would cost more than the lookup."""
+    return members is None or members[index][1] * 64 <= length
 
 
 def member_pin(hash_name: str, member) -> str:

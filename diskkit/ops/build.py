@@ -60,6 +60,9 @@ class BuildOptions:
     # Chunk TOC, so launchers boot it before it has arrived (gzip: TOC v2, none: TOC v1). None: v2
     # wherever it costs nothing (a gzip layer in an OCI manifest), a plain layer elsewhere.
     lazy: bool | None = None
+    # How a lazy gzip layer's disk is cut: "content" (TOC v3: chunks keep their identity when an update
+    # moves them), "fixed" (TOC v2: 1 MiB chunks, as launchers before v3 read). None: content.
+    lazy_chunks: str | None = None
     disk_format: str = "keep"
     platform: Platform = field(default_factory=lambda: Platform("linux", "amd64"))
     labels: dict[str, str] = field(default_factory=dict)
@@ -297,6 +300,8 @@ def _build(opts: BuildOptions, dest_ref, reporter: Reporter, registry: RegistryO
         opts = replace(opts, lazy=opts.compression == "gzip")
     if opts.lazy and opts.compression not in ("gzip", "none"):
         raise DiskkitError("--lazy", f"writes a gzip or an uncompressed layer (read at offsets), not a {opts.compression} one")
+    if opts.lazy_chunks is not None and (opts.lazy is False or opts.compression != "gzip"):
+        raise DiskkitError("--lazy-chunks", "cuts a lazy gzip layer's disk; an uncompressed lazy layer (TOC v1) has fixed chunks, a plain one none")
     sources = opts.platforms or [(opts.platform, opts.source)]
     workdir = Path(tempfile.mkdtemp(prefix="diskkit-build-"))
     try:
@@ -414,7 +419,8 @@ def _build_one(opts, dest, plat: Platform, given: str | Path, disk: payload.Unwr
         total = sum(e.size for e in entries)
         with dest.blob_writer(layer_media) as pending, reporter.task(label, total) as task:
             if opts.lazy and compression == "gzip":
-                result = lazygzip.write_layer(entries, pending, opts.level, opts.created, task.advance, image_disk_path.lstrip("/"))
+                result = lazygzip.write_layer(entries, pending, opts.level, opts.created, task.advance, image_disk_path.lstrip("/"),
+                                              content_defined=opts.lazy_chunks != "fixed")
             else:
                 result = write_layer(entries, pending, compression, opts.level, opts.created, task.advance,
                                      toc_for=image_disk_path.lstrip("/") if opts.lazy else None)
@@ -425,7 +431,7 @@ def _build_one(opts, dest, plat: Platform, given: str | Path, disk: payload.Unwr
     record, settled = buildrecord.key(
         [*([] if streamed else [(image_disk_path, source)]), *((a[0], a[1]) for a in (opts.kernel, opts.initrd) if a)],
         {"diskFormat": disk_format, "inputFormat": info.format, "compression": compression, "level": opts.level,
-         "lazy": bool(opts.lazy), "created": opts.created, "mediaType": layer_media},
+         "lazy": bool(opts.lazy), "lazyChunks": opts.lazy_chunks or "content", "created": opts.created, "mediaType": layer_media},
         [(image_disk_path, fetch.shown(given), disk.checked)] if streamed else [],
     )
     settled = settled and recordable
@@ -450,7 +456,7 @@ def _build_one(opts, dest, plat: Platform, given: str | Path, disk: payload.Unwr
         ANNOTATION_PATH: image_disk_path,
         ANNOTATION_FORMAT: disk_format,
         ANNOTATION_VIRTUAL_SIZE: str(info.virtual_size),
-        **({lazytoc.ANNOTATION_LAZY: lazytoc.LAZY_VALUE_GZIP if compression == "gzip" else lazytoc.LAZY_VALUE} if layer.toc else {}),
+        **({lazytoc.ANNOTATION_LAZY: lazytoc.LAZY_VALUES[layer.toc_version]} if layer.toc else {}),
         **opts.annotations,
         **opts.metadata.annotations_for(plat),
     }

@@ -25,7 +25,7 @@ from diskkit.layers import lazytoc
 from diskkit.layers.layer import LayerResult
 
 DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
-FORMAT = 1
+FORMAT = 2  # 2: lazy layers record their TOC's version (content-defined chunks, TOC v3, came with it)
 MAX_PLACES = 8
 SETTLE_NS = 1_000_000_000  # coarser than the timestamps of every Linux filesystem but FAT's
 
@@ -81,12 +81,13 @@ def lookup(name: str) -> LayerResult | None:
         layer = LayerResult(
             obj["digest"], int(obj["size"]), obj["diffID"], obj["compression"],
             lazytoc.TocLocation(int(toc["offset"]), int(toc["size"]), toc["digest"]) if toc else None,
+            int(toc["version"]) if toc else None,
         )
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
     if obj.get("format") != FORMAT or not (DIGEST.match(layer.digest) and DIGEST.match(layer.diff_id)) or layer.size <= 0:
         return None
-    if layer.toc is not None and not DIGEST.match(layer.toc.digest):
+    if layer.toc is not None and (not DIGEST.match(layer.toc.digest) or layer.toc_version not in lazytoc.LAZY_VALUES):
         return None
     return layer
 
@@ -120,7 +121,7 @@ def store(name: str, layer: LayerResult, place: str | None = None) -> str | None
     if at:
         obj["at"] = list(dict.fromkeys(at))[:MAX_PLACES]
     if layer.toc is not None:
-        obj["toc"] = {"offset": layer.toc.offset, "size": layer.toc.size, "digest": layer.toc.digest}
+        obj["toc"] = {"offset": layer.toc.offset, "size": layer.toc.size, "digest": layer.toc.digest, "version": layer.toc_version}
     return write(name, obj)
 
 

@@ -6,8 +6,12 @@ forgets files while they do; writers wait for each other (busy timeout) instead 
 is only a hint: whoever reads a place hashes what it read (launcher.chunks.source), so a stale or
 wrong row costs a fetch, never a wrong byte. It can therefore be thrown away: one that is missing or
 that SQLite cannot read is rebuilt from the disks the cache holds (`rebuild`), from the hashes
-recorded beside each disk when it was installed (CHUNKS_FILE), or by hashing the disk where none were
-(and where they were sha256, as older TOCs name chunks: new ones use BLAKE3, REBUILD_HASH).
+recorded beside each disk when it was installed (CHUNKS_FILE), and by hashing the disk where none were.
+
+A disk is found by the chunks new TOCs name: cut where their content says (diskkit.layers.chunkcut)
+and hashed with BLAKE3 (REBUILD_HASH). A disk whose TOC cut it otherwise (fixed chunks, TOC v2 or
+older, or sha256 names) is hashed that way too, once, beside its TOC's record (`records_for`): an
+image rebuilt with content-defined chunks then finds it as one built before finds it by its TOC.
 """
 
 from __future__ import annotations
@@ -20,11 +24,12 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from diskkit.layers import lazytoc
+from diskkit.layers import chunkcut, lazytoc
+from diskkit.streams.pieceread import PieceReader
 
 DIR = "chunks"
 DB = "index.sqlite"
-CHUNKS_FILE = "chunks.json"  # beside a cached disk: {"hash", "chunkSize", "size", "hexes"} (record_for)
+CHUNKS_FILE = "chunks.json"  # beside a cached disk: {"hash", "chunkSize", "size", "hexes", "lengths"?} (Record.render)
 REBUILD_HASH = "blake3"  # what a disk with no recorded hashes is hashed with: what new TOCs name chunks by
 MAX_PLACES = 8  # places returned per chunk: an all-zero chunk may be in thousands
 # Reusing held chunks tells a registry which chunks the node holds: it is asked only for the others.
@@ -51,20 +56,77 @@ def reuse_allowed() -> bool:
     return os.environ.get(REUSE_ENV, "").strip().lower() not in ("0", "false", "no", "off")
 
 
-def record_for(hash_name: str, hexes: tuple[str, ...] | list[str], chunk_size: int, size: int) -> bytes:
-    """What CHUNKS_FILE holds for a disk whose chunk i (of `chunk_size` bytes) hashes to hexes[i]."""
-    return json.dumps({"hash": hash_name, "chunkSize": chunk_size, "size": size, "hexes": list(hexes)}, separators=(",", ":")).encode()
+@dataclass(frozen=True)
+class Record:
+    """One way a file is cut into chunks, and each chunk's hash (hex) under `hash_name`."""
+
+    hash_name: str
+    hexes: tuple[str, ...]
+    grid: lazytoc.Grid
+
+    @property
+    def content_defined(self) -> bool:
+        return self.grid.lengths is not None
+
+    def places(self, relpath: str):
+        for i, hexdigest in enumerate(self.hexes):
+            start, end = self.grid.range(i)
+            yield self.hash_name, hexdigest, relpath, start, end - start
+
+    def render(self) -> bytes:
+        """What CHUNKS_FILE holds (lengths only for content-defined chunks, as TOC v3 lists them)."""
+        obj = {"hash": self.hash_name, "chunkSize": self.grid.chunk_size, "size": self.grid.size, "hexes": list(self.hexes)}
+        if self.grid.lengths is not None:
+            obj["lengths"] = list(self.grid.lengths)
+        return json.dumps(obj, separators=(",", ":")).encode()
+
+    @classmethod
+    def parse(cls, data: bytes) -> "Record":
+        """The record CHUNKS_FILE holds; ValueError (or KeyError, TypeError) when it is not one."""
+        obj = json.loads(data)
+        lengths = obj.get("lengths")
+        grid = lazytoc.Grid(int(obj["size"]), int(obj["chunkSize"]), tuple(int(n) for n in lengths) if lengths is not None else None)
+        record = cls(str(obj["hash"]), tuple(map(str, obj["hexes"])), grid)
+        if grid.size < 0 or grid.chunk_size <= 0 or len(record.hexes) != grid.count:
+            raise ValueError(f"{len(record.hexes)} chunk hashes for {grid.size} bytes in {grid.chunk_size}-byte chunks")
+        if lengths is not None and (sum(grid.lengths) != grid.size or not all(0 < n <= grid.chunk_size for n in grid.lengths)):
+            raise ValueError("chunk lengths that do not add up to the file")
+        return record
 
 
-def hash_file(path: Path, hash_name: str = REBUILD_HASH) -> tuple[tuple[str, ...], int, int]:
-    """(hexes, chunk size, size) of a file cut as a lazy TOC of its size would cut it."""
+def of_toc(toc) -> Record | None:
+    """The record a lazy TOC (or a disk server layout, which carries its fields) gives its disk: its chunks by content."""
+    hashes = toc.content_hashes
+    return Record(hashes[0], tuple(hashes[1]), toc.grid) if hashes is not None else None
+
+
+def hash_file(path: Path, hash_name: str = REBUILD_HASH) -> Record:
+    """A file cut as `diskkit build` cuts a disk of its size, each chunk hashed: one pass, flat memory."""
     size = path.stat().st_size
-    chunk_size = lazytoc.chunk_size_for(size)
-    hexes = []
-    with open(path, "rb", buffering=0) as f:
-        while data := f.read(chunk_size):
+    cuts = chunkcut.params_for(size)
+    hexes, lengths = [], []
+    piece = cuts.max if cuts is not None else lazytoc.chunk_size_for(size)
+    reader = PieceReader(path, piece, 4, size)
+    try:
+        pieces = iter(reader)
+        chunks = chunkcut.cut(pieces, cuts) if cuts is not None else ((view, release) for view, release in pieces)
+        for data, release in chunks:
             hexes.append(lazytoc.content_hash(hash_name, data))
-    return tuple(hexes), chunk_size, size
+            lengths.append(len(data))
+            if release is not None:
+                release()
+    finally:
+        reader.close()
+    grid = lazytoc.Grid(size, piece, tuple(lengths) if cuts is not None else None)
+    return Record(hash_name, tuple(hexes), grid)
+
+
+def records_for(path: Path, recorded: Record | None) -> list[Record]:
+    """What a cached disk is indexed by: `recorded` (its TOC's), and the disk cut and hashed as new
+    TOCs cut and name chunks when `recorded` is not that already."""
+    if recorded is not None and recorded.hash_name == REBUILD_HASH and (recorded.content_defined or chunkcut.params_for(recorded.grid.size) is None):
+        return [recorded]
+    return [*([recorded] if recorded is not None else []), hash_file(path)]
 
 
 class ChunkIndex:
@@ -129,22 +191,24 @@ class ChunkIndex:
 
     # --- the API -----------------------------------------------------------------------------
 
-    def add_file(self, relpath: str, hash_name: str, hexes, chunk_size: int, size: int) -> None:
-        """Record that chunk i of the file at `relpath` (cache-relative) hashes to hexes[i] under
-        `hash_name`, in place of what was recorded for it under that name (a file may have several)."""
-        self._run(lambda db: self._add(db, relpath, hash_name, hexes, chunk_size, size))
+    def add_file(self, relpath: str, *records: Record) -> None:
+        """Record that the file at `relpath` (cache-relative) holds these chunks, in place of what was
+        recorded for it under the same hash names (a file may be cut and hashed several ways)."""
+        self._run(lambda db: self._add(db, relpath, records))
 
     @staticmethod
-    def _add(db: sqlite3.Connection, relpath: str, hash_name: str, hexes, chunk_size: int, size: int) -> None:
+    def _add(db: sqlite3.Connection, relpath: str, records) -> None:
         if Path(relpath).is_absolute() or ".." in Path(relpath).parts:
             raise ValueError(f"{relpath}: chunk places are paths inside the cache")
-        if len(hexes) != -(-size // chunk_size):
-            raise ValueError(f"{relpath}: {len(hexes)} chunk hashes for {size} bytes in {chunk_size}-byte chunks")
-        rows = ((hash_name, hexes[i], relpath, i * chunk_size, min(chunk_size, size - i * chunk_size)) for i in range(len(hexes)))
+        for record in records:
+            if len(record.hexes) != record.grid.count:
+                raise ValueError(f"{relpath}: {len(record.hexes)} chunk hashes for {record.grid.size} bytes in {record.grid.count} chunks")
         db.execute("BEGIN IMMEDIATE")
         try:
-            db.execute("DELETE FROM places WHERE path = ? AND hash = ?", (relpath, hash_name))
-            db.executemany("INSERT OR REPLACE INTO places VALUES (?, ?, ?, ?, ?)", rows)
+            for hash_name in {r.hash_name for r in records}:
+                db.execute("DELETE FROM places WHERE path = ? AND hash = ?", (relpath, hash_name))
+            for record in records:
+                db.executemany("INSERT OR REPLACE INTO places VALUES (?, ?, ?, ?, ?)", record.places(relpath))
             db.execute("COMMIT")
         except BaseException:
             db.execute("ROLLBACK")
@@ -193,24 +257,17 @@ class ChunkIndex:
         for disk in sorted((self.root / "disks" / "sha256").glob("*/*/disk.img")):
             relpath = str(disk.relative_to(self.root))
             try:
-                found = _recorded(disk.parent / CHUNKS_FILE, disk)
-                if found is not None:
-                    self._add(db, relpath, *found)
-                if found is None or found[0] != REBUILD_HASH:  # older TOCs' sha256: BLAKE3 too, as new TOCs name chunks
-                    self._add(db, relpath, REBUILD_HASH, *hash_file(disk))
+                self._add(db, relpath, records_for(disk, _recorded(disk.parent / CHUNKS_FILE, disk)))
             except OSError:
                 continue  # removed meanwhile (gc)
 
 
-def _recorded(path: Path, disk: Path):
-    """(hash, hexes, chunk size, size) recorded beside `disk`, or None when missing or not for this file."""
+def _recorded(path: Path, disk: Path) -> Record | None:
+    """The record kept beside `disk`, or None when missing or not for this file."""
     try:
-        obj = json.loads(path.read_bytes())
-        found = (str(obj["hash"]), tuple(map(str, obj["hexes"])), int(obj["chunkSize"]), int(obj["size"]))
+        record = Record.parse(path.read_bytes())
     except FileNotFoundError:
         return None
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, AttributeError):
         return None
-    if found[3] != disk.stat().st_size or found[2] <= 0 or len(found[1]) != -(-found[3] // found[2]):
-        return None
-    return found
+    return record if record.grid.size == disk.stat().st_size else None

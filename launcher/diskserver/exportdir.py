@@ -2,7 +2,7 @@
 when they describe the same layout, written chunk by chunk, and hashed whole at the end.
 
     <root>/lazy/<export>/source.json   what the export is (written last: its presence means complete)
-    <root>/lazy/<export>/disk.img      sparse; chunk i at offset i * chunkSize
+    <root>/lazy/<export>/disk.img      sparse; each chunk at its offset in the disk
     <root>/lazy/<export>/bitmap        one bit per chunk here (and verified, with a TOC); then one
                                        bit per chunk taken from the node's own chunks, not the registry
     <root>/lazy/<export>/state.json    counters, verified flag
@@ -124,7 +124,7 @@ class ExportDir:
         chunks stay holes unless `zeros_too` (the file holds suspect bytes to overwrite)."""
         lay = self.layout
         if zeros_too or data != self._zero[: len(data)]:
-            os.pwrite(self.fd, data, index * lay.chunk_size)
+            os.pwrite(self.fd, data, lay.chunk_range(index)[0])
         if stored is not None and self.members_fd is not None:
             os.pwrite(self.members_fd, stored, lay.members[index][0] - lay.data_start)
 

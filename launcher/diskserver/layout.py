@@ -39,6 +39,8 @@ class Layout:
     around: str | None = None  # digest of the blob's bytes before and after the chunks (exportid.around_digest)
     # v2: BLAKE3 per chunk's uncompressed bytes from the TOC (pinned by its digest, `toc`): what the node's chunks are matched by
     chunk_blake3s: tuple[str, ...] | None = None
+    # v3: each chunk's length (content-defined chunks, pinned by the TOC's digest); chunk_size is then the longest
+    chunk_lengths: tuple[int, ...] | None = None
 
     @property
     def pinned(self) -> bool:
@@ -70,10 +72,13 @@ class Layout:
     def name(self) -> str:
         return self.identity.name
 
+    @cached_property
+    def grid(self) -> lazytoc.Grid:
+        return lazytoc.Grid(self.size, self.chunk_size, self.chunk_lengths)
+
     def chunk_range(self, index: int) -> tuple[int, int]:
         """Disk byte range [start, end) of chunk `index`."""
-        start = index * self.chunk_size
-        return start, min(start + self.chunk_size, self.size)
+        return self.grid.range(index)
 
     @property
     def data_start(self) -> int:
@@ -86,25 +91,29 @@ class Layout:
 
     @property
     def count(self) -> int:
-        return -(-self.size // self.chunk_size)
+        return self.grid.count
 
     def to_json(self) -> dict:
         # Not asdict: its deep copy of thousands of members and digests cost a VM's start 8 ms.
         obj = {**{f.name: getattr(self, f.name) for f in fields(self)}, "chunks": list(self.chunks) if self.chunks is not None else None,
                "members": [list(m) for m in self.members] if self.members is not None else None,
                "member_digests": list(self.member_digests) if self.member_digests is not None else None,
-               "chunk_blake3s": list(self.chunk_blake3s) if self.chunk_blake3s is not None else None}
-        if obj["chunk_blake3s"] is None:
-            del obj["chunk_blake3s"]  # as source.json held it before: an export of an older TOC is still reused
+               "chunk_blake3s": list(self.chunk_blake3s) if self.chunk_blake3s is not None else None,
+               "chunk_lengths": list(self.chunk_lengths) if self.chunk_lengths is not None else None}
+        for newer in ("chunk_blake3s", "chunk_lengths"):
+            if obj[newer] is None:
+                del obj[newer]  # as source.json held it before: an export of an older TOC is still reused
         return obj
 
     @classmethod
     def from_json(cls, obj: dict) -> "Layout":
         chunks, members, pins, content = obj.get("chunks"), obj.get("members"), obj.get("member_digests"), obj.get("chunk_blake3s")
+        lengths = obj.get("chunk_lengths")
         return cls(**{**obj, "chunks": tuple(chunks) if chunks is not None else None,
                       "members": tuple((int(o), int(n)) for o, n in members) if members is not None else None,
                       "member_digests": tuple(pins) if pins is not None else None,
-                      "chunk_blake3s": tuple(content) if content is not None else None})
+                      "chunk_blake3s": tuple(content) if content is not None else None,
+                      "chunk_lengths": tuple(int(n) for n in lengths) if lengths is not None else None})
 
 
 @dataclass(frozen=True)
@@ -167,7 +176,8 @@ def find_layout(image: Image, ranges_for, registry_host: str, repository: str, p
     loc = lazytoc.location(layer, where) if toc is not None else None
     layout = Layout(registry_host, repository, layer.digest, layer.size, member, offset, size, chunk_size, chunks,
                     toc.members if v2 else None, image.diff_ids[index] if v2 else None, pins, pin_hash,
-                    loc.digest if loc is not None else None, around_digest(head, tail), toc.chunk_blake3s if toc is not None else None)
+                    loc.digest if loc is not None else None, around_digest(head, tail), toc.chunk_blake3s if toc is not None else None,
+                    toc.chunk_lengths if toc is not None else None)
     return Found(layout, head, tail)
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from diskkit.errors import DiskkitError
 from diskkit.ops.verify import DiskFacts, disk_problems
-from launcher.chunks.index import CHUNKS_FILE, ChunkIndex, record_for
+from launcher.chunks.index import CHUNKS_FILE, ChunkIndex, of_toc, records_for
 from launcher.diskserver.blobranges import BlobRanges
 from launcher.diskserver.chunksources import RunSource, Taken
 from launcher.diskserver.exportdir import ExportDir
@@ -217,14 +217,16 @@ class LazyDisk:
         guest's cursor on unless a guest is booting or working, then only the read-ahead past its
         last read and the head."""
         now = time.monotonic()
-        count, cursor, chunk = self.layout.count, min(self.cursor, self.layout.count), self.layout.chunk_size
+        grid = self.layout.grid
+        count, cursor = grid.count, min(self.cursor, grid.count)
         if now - self.last_read >= GUEST_BUSY and now - self.last_touch >= BOOT_HOLD:
             return (cursor, count), (0, count)
-        return (cursor, min(count, cursor + -(-READ_AHEAD // chunk))), (0, min(count, -(-HEAD_PREFETCH // chunk)))
+        return (cursor, grid.past(cursor, READ_AHEAD)), (0, grid.past(0, HEAD_PREFETCH))
 
     def _chunk_span(self, offset: int, length: int) -> tuple[int, int]:
         """The first and last chunk a read of `length` (> 0) bytes at `offset` touches."""
-        return offset // self.layout.chunk_size, (offset + length - 1) // self.layout.chunk_size
+        grid = self.layout.grid
+        return grid.index(offset), grid.index(offset + length - 1)
 
     def _note_read(self, last: int | None) -> None:
         if last is not None:
@@ -386,7 +388,7 @@ class LazyDisk:
     def _claim_prefetch(self, window: tuple[tuple[int, int], ...]) -> list[int] | None:
         """The next run of missing, unclaimed chunks in the first of `window`'s ranges that has one;
         None when none is left there."""
-        span = max(1, PREFETCH_SPAN // self.layout.chunk_size)
+        grid = self.layout.grid
         with self.lock:
             for start, limit in window:
                 index = self.present.find(0, start, limit)
@@ -395,7 +397,8 @@ class LazyDisk:
                 if index == -1:
                     continue
                 run = []
-                while index < limit and len(run) < span and not self.present[index] and index not in self.inflight:
+                end = max(index + 1, grid.past(index, PREFETCH_SPAN))  # about PREFETCH_SPAN bytes, whole chunks
+                while index < min(limit, end) and not self.present[index] and index not in self.inflight:
                     self.inflight[index] = threading.Event()
                     run.append(index)
                     index += 1
@@ -498,15 +501,21 @@ class LazyDisk:
             log.warning("%s: not installed in the disk store: %s", self.name, "; ".join(problems))
             return
         meta = {"layer": lay.layer, "member": lay.member, "format": facts.format, "virtual_size": facts.virtual_size}
-        hashes = lay.content_hashes  # the TOC's, checked: the disk is verified
-        chunks = (*hashes, lay.chunk_size, lay.size) if hashes is not None else None
+        # The TOC's chunks (checked: the disk is verified), and the disk cut as new TOCs cut it where they differ.
+        recorded = of_toc(lay)
+        records = [recorded] if recorded is not None else []
+        if self.chunk_index is not None:
+            try:
+                records = records_for(self.files.path / "disk.img", recorded)
+            except OSError as exc:  # only a hint is lost
+                log.warning("%s: not hashed for the chunk index: %s", self.name, exc)
         # Beside the disk, what an index rebuild reads (as `launcher pull` writes it).
-        extra = {CHUNKS_FILE: record_for(*chunks)} if chunks is not None else {}
+        extra = {CHUNKS_FILE: records[0].render()} if records else {}
         final = self.cache.install_disk(self.files.path / "disk.img", lay.layer, lay.member, meta, extra)
-        if chunks is not None and self.chunk_index is not None:
+        if records:
             # Before it shows as installed: a server stopped right then has recorded it.
             try:
-                self.chunk_index.add_file(str(final.relative_to(self.cache.root)), *chunks)
+                self.chunk_index.add_file(str(final.relative_to(self.cache.root)), *records)
             except Exception as exc:  # only a hint is lost: later images fetch these chunks
                 log.warning("%s: not recorded in the chunk index: %s", self.name, exc)
         with self.lock:

@@ -25,7 +25,7 @@ class RegistryChunks:
     def take(self, first: int, end: int) -> Taken:
         lay = self.layout
         if lay.members is None:
-            start, stop = lay.offset + first * lay.chunk_size, lay.offset + min(end * lay.chunk_size, lay.size)
+            start, stop = lay.offset + lay.chunk_range(first)[0], lay.offset + lay.chunk_range(end - 1)[1]
         else:
             start, stop = lay.members[first][0], sum(lay.members[end - 1])
         data = self.ranges.read(start, stop - start)

@@ -138,7 +138,9 @@ def _unusable(toc: lazytoc.Toc | None, at: int, diff_ids: list[str]) -> str | No
 
 def _held(index: ChunkIndex, hash_name: str, hexdigest: str, toc: lazytoc.Toc, i: int) -> bool:
     start, end = toc.chunk_range(i)
-    return hexdigest == zero_hash(hash_name, end - start) or bool(index.lookup(hash_name, hexdigest))
+    if lazytoc.may_be_zeros(toc.members, i, end - start) and hexdigest == zero_hash(hash_name, end - start):
+        return True
+    return bool(index.lookup(hash_name, hexdigest))
 
 
 def assembled_image(image: Image, plans: dict[int, LayerPlan]) -> Image:

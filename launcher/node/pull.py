@@ -8,7 +8,8 @@ A lazy layer whose chunks the node partly holds already (any cached disk, any im
 from those and range requests for the rest (launcher.node.deltapull), then walked and checked as if
 downloaded. Every disk installed is recorded in the node's chunk index (launcher.chunks), by the
 content hashes its layer's TOC names (checked chunk by chunk when it was assembled; otherwise only a
-hint, as every reader hashes what it reads) or, with no TOC, by hashing the disk once.
+hint, as every reader hashes what it reads) and, when its TOC is older than content-defined chunks or
+it has none, by hashing the disk once as new TOCs cut it.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from diskkit.registry.options import RegistryOptions
 from diskkit.registry.partial import abandoned
 from diskkit.registry.ranges import RangesRefused
 from diskkit.transports.remote import RemoteSource
-from launcher.chunks.index import CHUNKS_FILE, ChunkIndex, hash_file, record_for, reuse_allowed
+from launcher.chunks.index import CHUNKS_FILE, ChunkIndex, Record, of_toc, records_for, reuse_allowed
 from launcher.node import deltapull
 from launcher.node.admission import CachedImage, access_of, admit, admitted
 from launcher.node.cache import Cache, key
@@ -254,14 +255,12 @@ def _extract(cache: Cache, source, image, shown: str, path: str | None, disk: bo
                 raise DiskkitError(shown, "; ".join(problems))
         layer = image.layers[found.node.layer].digest
         meta = {"layer": layer, "member": found.node.path, "format": facts.format, "virtual_size": facts.virtual_size}
-        chunks = _content_hashes(_unpacked_toc(image, found.node.layer, kept.get(lazytoc.TOC_MEMBER)), found.node.path, staged) if disk else None
-        extra = {CHUNKS_FILE: record_for(*chunks)} if chunks else {}
+        records = _chunk_records(_unpacked_toc(image, found.node.layer, kept.get(lazytoc.TOC_MEMBER)), found.node.path, staged) if disk else []
+        extra = {CHUNKS_FILE: records[0].render()} if records else {}
         final = cache.install_disk(staged, layer, found.node.path, meta, extra)
-    if chunks:
+    if records:
         with contextlib.suppress(sqlite3.Error):
-            index.add_file(str(final.relative_to(cache.root)), *chunks)
-            if chunks[0] != "blake3":  # an older TOC's sha256s: new TOCs name chunks by BLAKE3, hashed once here
-                index.add_file(str(final.relative_to(cache.root)), "blake3", *hash_file(final))
+            index.add_file(str(final.relative_to(cache.root)), *records)
     pulled = Pulled(final, facts.format, facts.virtual_size, shown, image.digest, layer, found.node.path, transfer.fetched, transfer.reused)
     record = pulled.to_json()
     for counted in ("fetched", "reused"):  # this pull's, not what a later hit of the record costs
@@ -286,14 +285,11 @@ def _unpacked_toc(image, layer: int, spooled) -> lazytoc.Toc | None:
         return None
 
 
-def _content_hashes(toc: lazytoc.Toc | None, member: str, staged: Path):
-    """(hash, hexes, chunk size, size) to record the installed disk under: its TOC's when the TOC
-    describes this very file, else the disk hashed as a TOC of its size would cut it."""
+def _chunk_records(toc: lazytoc.Toc | None, member: str, staged: Path) -> list[Record]:
+    """What to index the installed disk by (launcher.chunks.index.records_for): its TOC's chunks when
+    the TOC describes this very file, and the disk cut and hashed as new TOCs cut it where they differ."""
     size = staged.stat().st_size
-    if toc is not None and toc.content_hashes is not None and (toc.disk, toc.size) == (member, size):
-        hash_name, hexes = toc.content_hashes
-        return hash_name, hexes, toc.chunk_size, size
     if size == 0:
-        return None
-    hexes, chunk_size, size = hash_file(staged)
-    return "blake3", hexes, chunk_size, size
+        return []
+    described = toc is not None and (toc.disk, toc.size) == (member, size)
+    return records_for(staged, of_toc(toc) if described else None)
