@@ -19,6 +19,7 @@ import json
 import os
 import random
 import re
+import signal
 import stat
 import subprocess
 import sys
@@ -145,21 +146,45 @@ def _push_blob(registry, data: bytes) -> str:
     return digest
 
 
+# Linux starts a child's peak RSS at its parent's (fork copies the high-water mark, exec keeps the max):
+# measured straight from a pytest worker that has grown, the command would be charged for it. A small
+# process in between forks the command and reports the command's own peak on the pipe it is given.
+PEAK_OF = """
+import os, sys
+report = int(sys.argv[1])
+pid = os.fork()
+if pid == 0:
+    os.close(report)
+    os.execvp(sys.argv[2], sys.argv[2:])
+_, status, usage = os.wait4(pid, 0)
+os.write(report, str(usage.ru_maxrss).encode())
+sys.exit(os.waitstatus_to_exitcode(status) % 256)
+"""
+
+
 def limited(command: list[str], timeout: float = 300, **popen) -> tuple[int, str, str, int]:
     """(exit status, stdout, stderr, peak RSS in bytes) of `command` under AS_LIMIT."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(["prlimit", f"--as={AS_LIMIT}", "--", *command], stdout=out, stderr=err,
-                                env={**os.environ, "CI": "true"}, **popen)
-        watchdog = threading.Timer(timeout, proc.kill)
-        watchdog.start()
+        peak_r, peak_w = os.pipe()
         try:
-            _, status, usage = os.wait4(proc.pid, 0)  # the child's own rusage, not the test's other children
+            proc = subprocess.Popen([sys.executable, "-c", PEAK_OF, str(peak_w), "prlimit", f"--as={AS_LIMIT}", "--", *command],
+                                    stdout=out, stderr=err, env={**os.environ, "CI": "true"}, pass_fds=(peak_w,),
+                                    start_new_session=True, **popen)
+            os.close(peak_w)
+            peak_w = -1
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)  # the command too, not only the process measuring it
+                proc.wait()
+            peak = os.read(peak_r, 64)
         finally:
-            watchdog.cancel()
-        proc.returncode = os.waitstatus_to_exitcode(status)
+            os.close(peak_r)
+            if peak_w != -1:
+                os.close(peak_w)
         out.seek(0)
         err.seek(0)
-        return proc.returncode, out.read().decode(errors="replace"), err.read().decode(errors="replace"), usage.ru_maxrss * KIB
+        return proc.returncode, out.read().decode(errors="replace"), err.read().decode(errors="replace"), int(peak or 0) * KIB
 
 
 def refused_in_one_line(code: int, err: str) -> str:
