@@ -63,7 +63,7 @@ def booted(qemu_user):
     guest = ensure_testguest()
     mounts = qemu_user.root / "win-mounts"
     (mounts / "disk_0" / "disk").mkdir(parents=True)
-    shutil.copy(guest / "testguest.qcow2", mounts / "disk_0" / "disk" / "testguest.qcow2")
+    shutil.copy(guest / "testguest-poweroff.qcow2", mounts / "disk_0" / "disk" / "testguest.qcow2")  # each run ends by itself
     kernel_dir = qemu_user.root / "win-kernel"
     (kernel_dir / "boot").mkdir(parents=True)
     for name in ("vmlinuz", "initrd.img"):

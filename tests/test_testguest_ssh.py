@@ -57,7 +57,7 @@ def ssh(port: int, key: Path, command: str) -> subprocess.CompletedProcess:
 
 def boot(guest_dir: Path, tmp_path: Path, seed: Path, *extra: tuple[Path, dict]):
     overlay = tmp_path / "boot.qcow2"
-    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(guest_dir / "testguest.qcow2"),
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(guest_dir / "testguest-poweroff.qcow2"),
                     "-F", "qcow2", str(overlay)], check=True)
     port = free_port()
     vm = tg.start_qemu([(overlay, {"format": "qcow2"}), (seed, {"format": "raw", "if": "ide-cd"}), *extra],
@@ -109,6 +109,6 @@ def test_no_ssh_disk_keeps_dropbear_off(guest_dir, tmp_path):
     try:
         text = vm.wait_for("DISKKIT-TESTGUEST DONE")
         assert tg.parse_console(text)["ssh"] == {"keys": 1, "started": False, "why": "no-ssh disk"}, text
-        vm.proc.wait(timeout=60)  # without ssh the guest powers off as before
+        vm.proc.wait(timeout=60)  # without ssh the -poweroff guest powers off once it has reported
     finally:
         vm.stop()

@@ -23,8 +23,9 @@ from launcher.node.pull import Pulled, image_key, remember
 
 
 def take_files(cache: Cache, image: Image, shown: str, paths: list[str], platform: Platform | None,
-               ranges_for: Callable[[Descriptor], imagewalk.Ranges]) -> dict[str, Pulled]:
-    """The files at `paths`, installed; NotSeekable when one of them must come from a whole pull."""
+               ranges_for: Callable[[Descriptor], imagewalk.Ranges], source) -> dict[str, Pulled]:
+    """The files at `paths`, installed; NotSeekable when one of them must come from a whole pull.
+    `source` is what the image was read from: its record says how the read got in (launcher.node.pull.remember)."""
     walked = imagewalk.walk(image, ranges_for, shown)
     taken = {}
     for path in paths:
@@ -37,7 +38,7 @@ def take_files(cache: Cache, image: Image, shown: str, paths: list[str], platfor
             raise imagewalk.NotSeekable(shown, f"nothing but its layer's whole digest verifies {found.shown} (no digest in a lazy TOC)")
         taken[path] = (found.node, data)
     out = {path: _install(cache, image, shown, path, node, data, platform) for path, (node, data) in taken.items()}
-    remember(cache, shown, platform, image)
+    remember(cache, shown, platform, image, source)
     return out
 
 

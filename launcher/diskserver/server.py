@@ -382,7 +382,7 @@ class DiskServer:
         shown = str(parse_ref(ref))
         try:
             with self._lazy_image(shown, registry, platform, request.get("marked")) as (source, image):
-                taken = take_files(self.cache, image, shown, paths, platform, lambda desc: self._ranges(source, desc))
+                taken = take_files(self.cache, image, shown, paths, platform, lambda desc: self._ranges(source, desc), source)
         except NotSeekable as exc:
             return {"ok": False, "seekable": False, "reason": exc.line()}
         return {"ok": True, "files": {path: pulled.to_json() for path, pulled in taken.items()}}
