@@ -156,13 +156,24 @@ def _describe(pid: int) -> str:
     return f"{pid} {b' '.join(argv).decode(errors='replace')[:200]}"
 
 
+def _ends_with_us(pid: int) -> bool:
+    """multiprocessing's resource tracker, which a test's process pool starts as a child of this
+    process: it exits when this process does, by design, and is no daemon left behind."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes()
+        parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return False
+    return parent == os.getpid() and b"multiprocessing.resource_tracker" in argv
+
+
 def check_left_running() -> list[str]:
     """After every fixture's teardown: this process's leaks, ended, and said in the run's directory
     for whoever fails the run (`leaks_of_run`)."""
     own = _run.get("own")
     if own is None:
         return []
-    left = [_describe(pid) for pid in processes_of(own) if alive(pid)]
+    left = [_describe(pid) for pid in processes_of(own) if alive(pid) and not _ends_with_us(pid)]
     if left:
         end_processes_of(own)
     (own.parent / f"{own.name}.leaks.json").write_text(json.dumps(left))
