@@ -94,10 +94,10 @@ def domain(vmi_file, platform, accel, lazy, update, pull_policy, container_disk_
     """Print the libvirt domain XML `launcher run` would start (a dry run: images are pulled or, lazy, opened on the node's disk server; nothing started).
 
     VMI_FILE `-` reads the VMI (or VM) from stdin, as `kubectl apply -f -`."""
-    from launcher.runtime.vms import RunOptions, plan
-
     vmi_file = export_vm_file(vmi_file, cache_dir, store, registry, platform_of(platform), own_spec)
     vmi = load_vmi_file(vmi_file, ignore_unsupported, ImageHints(store.objects, registry, platform_of(platform)))
+    from launcher.runtime.vms import RunOptions, plan  # after the spec is admitted: a refusal needs none of it
+
     opts = RunOptions(platform=platform_of(platform), registry=registry, storage=store, lazy={None: "auto", True: "on", False: "off"}[lazy],
                       update=update, container_disk_dir=container_disk_dir, kernel_boot_dir=kernel_boot_dir, accel=accel, pull_policy=pull_policy)
     prepared, xml, chosen, _ = plan(vmi, node_cache(cache_dir), opts, create=False, say=say)  # nothing handed: no start
