@@ -27,6 +27,10 @@ REQUIRED_TOOLS = (
 )
 
 
+def pytest_addoption(parser):
+    timing.add_options(parser)
+
+
 def pytest_configure(config):
     worker = getattr(config, "workerinput", {}).get("workerid")
     own = leftovers.begin(worker)
@@ -64,6 +68,11 @@ def pytest_collection_modifyitems(config, items):
         source = inspect.getsource(function) if function is not None else ""
         if VM_FIXTURES & set(getattr(item, "fixturenames", ())) or any(call in source for call in VM_CALLS):
             item.add_marker(pytest.mark.vm)
+    # The longest files first (tests/durations.json, from a full run; unknown ones as long as their
+    # boots suggest): two workers then end together rather than one idling while the other runs the
+    # last long file. A file's tests keep their order and stay together, and every worker sorts alike.
+    order = timing.file_order(items)
+    items.sort(key=lambda item: order[item.location[0]])
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's own, which tears the session's fixtures down

@@ -13,6 +13,7 @@ every 0.2 s; a boot under TCG lasts seconds, so none is missed.
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import threading
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+DURATIONS = Path(__file__).with_name("durations.json")  # seconds per file of a full run: --record-durations writes it
 BUDGET_SECONDS = 25 * 60
 TESTS_BUDGET_SECONDS = 20 * 60
 SHOWN = 25
@@ -135,6 +137,13 @@ class Timing:
     def pytest_terminal_summary(self, terminalreporter):
         if not self.seconds:
             return
+        if self.config.getoption("--record-durations", False):
+            try:
+                recorded = json.loads(DURATIONS.read_text())
+            except (OSError, ValueError):
+                recorded = {}
+            recorded.update({path: round(seconds, 1) for path, seconds in self.seconds.items()})  # the files this run ran
+            DURATIONS.write_text(json.dumps(dict(sorted(recorded.items())), indent=1) + "\n")
         wall = time.monotonic() - self.started
         total = sum(self.seconds.values())
         write = terminalreporter.write_line
@@ -150,6 +159,29 @@ class Timing:
         verdict = "within" if wall <= TESTS_BUDGET_SECONDS else "OVER"
         write(f"wall time {wall / 60:.1f} min: {verdict} the tests' budget of {TESTS_BUDGET_SECONDS // 60} min "
               f"(the whole CI run, set-up included: {BUDGET_SECONDS // 60} min)")
+
+
+def file_order(items) -> dict[str, int]:
+    """Each test file's place in the run, longest first: its seconds in DURATIONS, else 60 s per test
+    that boots a guest and 1 s per other test; ties in collection order."""
+    try:
+        known = json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        known = {}
+    guess: dict[str, float] = defaultdict(float)
+    first: dict[str, int] = {}
+    for index, item in enumerate(items):
+        path = item.location[0]
+        first.setdefault(path, index)
+        guess[path] += 60 if item.get_closest_marker("vm") else 1
+    weight = {path: known.get(path, guess[path]) for path in first}
+    ranked = sorted(first, key=lambda path: (-weight[path], first[path]))
+    return {path: rank for rank, path in enumerate(ranked)}
+
+
+def add_options(parser) -> None:
+    parser.addoption("--record-durations", action="store_true",
+                     help=f"write each test file's seconds to {DURATIONS.name}, the order of the next runs")
 
 
 def register(config: pytest.Config) -> None:
