@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import os
 import shutil
 import subprocess
@@ -27,8 +26,13 @@ REQUIRED_TOOLS = (
 )
 
 
+QUICK_TEST_SECONDS = 15
+
+
 def pytest_addoption(parser):
     timing.add_options(parser)
+    parser.addoption("--quick", action="store_true",
+                     help=f"the quick tier: no test that boots a guest or took over {QUICK_TEST_SECONDS} s in the recorded run (tests/durations.json)")
 
 
 def pytest_configure(config):
@@ -59,15 +63,24 @@ def pytest_sessionstart(session):
 # `-m 'not vm'` runs the rest in a few minutes. A test is one when it asks for a fixture that gives it
 # a VM host, or calls qemu itself.
 VM_FIXTURES = {"qemu_user", "session_user", "root_side", "daemon", "pod_image"}
-VM_CALLS = ("boot_qemu(",)
+VM_CALLS = {"boot_qemu", "start_qemu"}
 
 
 def pytest_collection_modifyitems(config, items):
+    measured = timing.recorded()["tests"]
     for item in items:
         function = getattr(item, "function", None)
-        source = inspect.getsource(function) if function is not None else ""
-        if VM_FIXTURES & set(getattr(item, "fixturenames", ())) or any(call in source for call in VM_CALLS):
+        names = set(function.__code__.co_names) if function is not None else set()  # the globals it calls: no source read
+        booted = measured.get(item.nodeid, [0, 0])[1] > 0  # a recorded run saw it boot one (tests/durations.json)
+        if booted or VM_FIXTURES & set(getattr(item, "fixturenames", ())) or names & VM_CALLS:
             item.add_marker(pytest.mark.vm)
+    if config.getoption("--quick"):
+        # The quick tier: no guest, and nothing a recorded run found slow (building the launcher's image, say).
+        slow = [item for item in items if item.get_closest_marker("vm") or measured.get(item.nodeid, [0, 0])[0] > QUICK_TEST_SECONDS]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            chosen = set(map(id, slow))
+            items[:] = [item for item in items if id(item) not in chosen]
     # The longest files first (tests/durations.json, from a full run; unknown ones as long as their
     # boots suggest): two workers then end together rather than one idling while the other runs the
     # last long file. A file's tests keep their order and stay together, and every worker sorts alike.

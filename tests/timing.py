@@ -98,6 +98,7 @@ class Timing:
         self.seconds: dict[str, float] = defaultdict(float)
         self.boots: dict[str, int] = defaultdict(int)
         self.tests: dict[str, int] = defaultdict(int)
+        self.per_test: dict[str, list] = defaultdict(lambda: [0.0, 0])  # nodeid -> [seconds, boots]
         self.counter: BootCounter | None = None
 
     # --- in the process that runs the tests (a worker, or the only process) ---
@@ -128,22 +129,19 @@ class Timing:
     def pytest_runtest_logreport(self, report):
         path = report.nodeid.split("::", 1)[0]
         self.seconds[path] += report.duration
+        self.per_test[report.nodeid][0] += report.duration
         if report.when == "call":
             self.tests[path] += 1
         for key, value in report.user_properties:
             if key == "guest_boots":
                 self.boots[path] += value
+                self.per_test[report.nodeid][1] += value
 
     def pytest_terminal_summary(self, terminalreporter):
         if not self.seconds:
             return
         if self.config.getoption("--record-durations", False):
-            try:
-                recorded = json.loads(DURATIONS.read_text())
-            except (OSError, ValueError):
-                recorded = {}
-            recorded.update({path: round(seconds, 1) for path, seconds in self.seconds.items()})  # the files this run ran
-            DURATIONS.write_text(json.dumps(dict(sorted(recorded.items())), indent=1) + "\n")
+            record(self.seconds, self.per_test)
         wall = time.monotonic() - self.started
         total = sum(self.seconds.values())
         write = terminalreporter.write_line
@@ -161,13 +159,31 @@ class Timing:
               f"(the whole CI run, set-up included: {BUDGET_SECONDS // 60} min)")
 
 
+def recorded() -> dict:
+    """{"files": {path: seconds}, "tests": {nodeid: [seconds, guest boots]}} of the runs recorded."""
+    try:
+        data = json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        return {"files": {}, "tests": {}}
+    return {"files": data.get("files", {}), "tests": data.get("tests", {})}
+
+
+def record(files: dict[str, float], tests: dict[str, list]) -> None:
+    """What this run measured, over what earlier runs recorded for the files it did not run."""
+    data = recorded()
+    data["files"].update({path: round(seconds, 1) for path, seconds in files.items()})
+    data["tests"].update({nodeid: [round(seconds, 1), boots] for nodeid, (seconds, boots) in tests.items()})
+    sections = []
+    for key in ("files", "tests"):
+        rows = ",\n".join(f"  {json.dumps(name)}: {json.dumps(value)}" for name, value in sorted(data[key].items()))
+        sections.append(f' "{key}": {{\n{rows}\n }}')
+    DURATIONS.write_text("{\n" + ",\n".join(sections) + "\n}\n")  # a line a file or test: diffs stay readable
+
+
 def file_order(items) -> dict[str, int]:
     """Each test file's place in the run, longest first: its seconds in DURATIONS, else 60 s per test
     that boots a guest and 1 s per other test; ties in collection order."""
-    try:
-        known = json.loads(DURATIONS.read_text())
-    except (OSError, ValueError):
-        known = {}
+    known = recorded()["files"]
     guess: dict[str, float] = defaultdict(float)
     first: dict[str, int] = {}
     for index, item in enumerate(items):
