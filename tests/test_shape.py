@@ -1,9 +1,11 @@
 """The package shape holds: imports point one way between subpackages, no module imports another's
-private names, and there is no import circle (ARCHITECTURE.md draws the layers)."""
+private names, and there is no import circle; ARCHITECTURE.md draws the layers in this order and
+places every module, naming none that does not exist."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -147,3 +149,76 @@ def test_the_checks_catch_what_they_look_for(tmp_path):
     a = _imports("launcher.spec.a", pkg / "spec" / "a.py")
     assert a == [("launcher.render.b", "_x", 1)]
     assert _layer("launcher.spec.a")[1] < _layer("launcher.render.b")[1]
+
+
+ARCHITECTURE = ROOT / "ARCHITECTURE.md"
+# `diskkit.x.y`, `launcher.x.Name`: a module, or a name defined in one.
+DOTTED = re.compile(r"`((?:diskkit|launcher)(?:\.\w+)*)`")
+# `tests/x.py`, `examples/kubernetes/`: a path of the repository (placeholders like <cache> are not).
+PATH = re.compile(r"`((?:diskkit|launcher|tests|bench|scripts|docs|examples|images)/[^`<>*\s]*)`")
+
+
+def _defined(node: ast.AST) -> set[str]:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return {node.name}
+    if isinstance(node, ast.Assign):
+        return {t.id for t in node.targets if isinstance(t, ast.Name)}
+    if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+        return {node.target.id}
+    return set()
+
+
+def _resolves(dotted: str, modules: dict[str, Path]) -> bool:
+    """The longest prefix that is a module, then each further part defined in the one before it."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        module = ".".join(parts[:cut])
+        if module in modules:
+            body = ast.parse(modules[module].read_text()).body
+            for name in parts[cut:]:
+                found = next((n for n in body if name in _defined(n)), None)
+                if found is None:
+                    return False
+                body = getattr(found, "body", [])
+            return True
+    return False
+
+
+# `runtime.vms`: a module named without its package, which the check above could not follow. Left
+# alone: `spec.` (KubeVirt's field paths start so: spec.domain.devices) and file names (`disk.img`).
+SHORT = re.compile(r"`((?:%s)\.\w[\w.]*)(?<!\.img)(?<!\.json)(?<!\.sock)(?<!\.log)`"
+                   % "|".join(sorted({layer for layers in LAYERS.values() for layer in layers} - {"spec"})))
+
+
+def test_the_map_names_only_what_exists():
+    text = ARCHITECTURE.read_text()
+    missing = sorted({d for d in DOTTED.findall(text) if not _resolves(d, MODULES)})
+    missing += sorted({p for p in PATH.findall(text) if not (ROOT / p).exists()})
+    assert missing == []
+    assert sorted(set(SHORT.findall(text))) == [], "name modules in full (launcher.runtime.vms), so they can be checked"
+
+
+def test_the_map_places_every_module():
+    named = set(DOTTED.findall(ARCHITECTURE.read_text()))
+    assert sorted(set(MODULES) - named) == [], "modules ARCHITECTURE.md does not place (give each a row with its job)"
+
+
+def test_the_map_draws_the_layers_in_their_order():
+    # The diagram's left column is launcher's layers, top down; the column under "diskkit" is diskkit's.
+    lines = ARCHITECTURE.read_text().split("```")[1].splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("launcher"))
+    right = lines[header].index("diskkit")
+    drawn = {"launcher": [], "diskkit": []}
+    for line in lines[header + 2:]:
+        if word := re.match(r"[a-z]+", line):
+            drawn["launcher"].append(word.group())
+        if len(line) > right and line[right - 1] == " " and (word := re.match(r"[a-z]+", line[right:])):
+            drawn["diskkit"].append(word.group())
+    assert drawn == {pkg: layers[::-1] for pkg, layers in LAYERS.items()}
+
+
+def test_the_map_checks_catch_what_they_look_for():
+    assert _resolves("launcher.runtime.vms.run", MODULES) and _resolves("launcher.runtime.runner.Libvirt.start", MODULES)
+    assert not _resolves("launcher.runtime.portforward", MODULES)
+    assert not _resolves("launcher.runtime.vms.no_such_name", MODULES)
+    assert SHORT.findall("`runtime.portforward` `disk.img` `spec.domain.clock`") == ["runtime.portforward"]
