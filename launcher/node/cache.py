@@ -10,10 +10,9 @@
                                                     (long domains: head + hash, see entry_name)
     <root>/pins/<domain>.json                       the digests a VirtualMachine's tags were pinned to
                                                     (launcher.node.pins); outlive its runs
-    <root>/state/<domain>/                          a VirtualMachine's persistent EFI variables (launcher.volumes.vmstate);
-    <root>/state/swtpm/<uuid>/                      outlive its runs, as KubeVirt's backend-storage claim; and the
-                                                    TPM states of a root launcher's own libvirt daemon
-                                                    (launcher.runtime.sessiond)
+    <root>/state/<domain>/                          a VirtualMachine's persistent EFI variables and TPM state
+                                                    (launcher.volumes.vmstate): outlive its runs, as KubeVirt's
+                                                    backend-storage claim; each run works on a copy
     <root>/locks/, <root>/tmp/                      flock files; staging on the same filesystem
     <root>/partial/<digest>.part, .synced, .source  blobs being downloaded, kept for resuming after a kill
     <root>/lazy/, <root>/serve/                     the disk server's exports and sockets

@@ -82,6 +82,9 @@ class Host:
     # Where qemu listens for VNC and for the guest agent; None: sockets libvirt names.
     vnc_socket: str | None = None
     agent_socket: str | None = None
+    # The control socket of the swtpm a root launcher runs for the VM's TPM as the VM's own uid
+    # (launcher.runtime.swtpm); None: libvirt runs it (KubeVirt's emulator backend).
+    tpm_socket: str | None = None
 
 
 def _file_source(parent: ET.Element, path: str, fd_group: str | None = None) -> ET.Element:
@@ -457,10 +460,16 @@ def _shared_memory(domain: ET.Element, cpu: ET.Element, vmi: VMI) -> None:
     ET.SubElement(numa, "cell", id="0", cpus=f"0-{vmi.domain.vcpus - 1}", memory=str(vmi.domain.guest_memory // 1024), unit="KiB")
 
 
-def _tpm(devices: ET.Element, persistent: bool) -> None:
+def _tpm(devices: ET.Element, persistent: bool, socket: str | None) -> None:
     """compute/tpm.go: TPM 2.0 through swtpm, which libvirt starts; a persistent one is tpm-crb (KubeVirt
-    meant to move every TPM to it) and libvirt keeps its state when the domain goes."""
+    meant to move every TPM to it) and libvirt keeps its state when the domain goes. With `socket` the
+    caller runs the swtpm and qemu connects to it (libvirt 9.0's external backend): the guest's device
+    is the same."""
     tpm = ET.SubElement(devices, "tpm", model="tpm-crb" if persistent else "tpm-tis")
+    if socket is not None:
+        backend = ET.SubElement(tpm, "backend", type="external", version="2.0")
+        ET.SubElement(backend, "source", type="unix", mode="connect", path=socket)
+        return
     backend = ET.SubElement(tpm, "backend", type="emulator", version="2.0")
     if persistent:
         backend.set("persistent_state", "yes")
@@ -552,7 +561,7 @@ def render(vmi: VMI, disks: dict[str, ResolvedDisk], host: Host) -> str:
         rng = ET.SubElement(devices, "rng", model=model)
         _text(rng, "backend", "/dev/urandom", model="random")
     if vmi.domain.devices.tpm is not None:
-        _tpm(devices, vmi.domain.devices.tpm.persistent)
+        _tpm(devices, vmi.domain.devices.tpm.persistent, host.tpm_socket)
     interfaces.backends(domain, [(iface, interfaces.socket_path(host.net_dir, i)) for i, iface in enumerate(vmi.domain.devices.interfaces)])
 
     if host.dac_label is not None:

@@ -17,7 +17,9 @@ root write, truncate or chown the file of its choosing. Instead:
   daemon runs as qemu's user) must create and rename files to rotate it past its max_size, so it
   lives in a directory of qemu's own, `console/` (0700), made by root and given to qemu by fd with an
   empty console.log in it; the launcher reads it through that directory's fd, never following a link
-  (launcher.runtime.console);
+  (launcher.runtime.console). Likewise `tpm/`, the state directory of the swtpm a root launcher runs
+  as the VM's uid (launcher.runtime.swtpm), which writes its state files there: the VM's uid's, 0700,
+  with the files root put in it (a kept state, or a new TPM's) given to it;
 - what root adds later (domain.xml, the virtiofs sockets) goes into directories only root can
   write, so plain paths are safe there;
 - the sockets qemu listens on itself, VNC's and the guest agent's channel, are made by qemu in
@@ -42,6 +44,7 @@ from diskkit.errors import DiskkitError
 from launcher.hostfs.dirfd import DIR_NOFOLLOW, NOFOLLOW
 from launcher.node.cache import key
 from launcher.volumes.filesystems import SHARES_DIR
+from launcher.volumes.vmstate import TPM_DIR
 
 TRAVERSE = 0o710  # root's directories: qemu's group may pass through, nothing more
 CONSOLE_DIR = "console"  # qemu's: its log daemon rotates the log in it, qemu makes its sockets in it
@@ -131,6 +134,7 @@ def open_to_qemu(run_dir: Path, owner: tuple[int, int]) -> None:
     try:
         _hand_over(fd, run_dir, owner)
         _console_dir(fd, run_dir, owner)
+        _tpm_dir(fd, run_dir, owner)
     except OSError as exc:
         raise DiskkitError(run_dir, f"cannot be handed to uid {owner[0]} ({exc.strerror})") from None
     finally:
@@ -180,11 +184,33 @@ def _console_dir(dirfd: int, run_dir: Path, owner: tuple[int, int]) -> None:
         os.close(fd)
 
 
+def _tpm_dir(dirfd: int, run_dir: Path, owner: tuple[int, int]) -> None:
+    """The swtpm's state directory (root's, made while the VM was prepared), if there is one, becomes the
+    VM's uid's with the files in it."""
+    path = run_dir / TPM_DIR
+    try:
+        fd = os.open(TPM_DIR, DIR_NOFOLLOW, dir_fd=dirfd)
+    except FileNotFoundError:
+        return
+    try:
+        if os.fstat(fd).st_uid != 0:
+            raise DiskkitError(path, "is not root's; a root launcher's run directory holds only directories it made")
+        for name in sorted(os.listdir(fd)):
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode):
+                raise DiskkitError(path / name, "is not a regular file; the TPM's state directory holds only swtpm's files")
+            _give(fd, name, path, st, owner)
+        os.fchown(fd, *owner)
+        os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
+
+
 def _hand_over(dirfd: int, path: Path, owner: tuple[int, int], top: bool = True) -> None:
     _root_dir(dirfd, path, owner)
     for name in sorted(os.listdir(dirfd)):
-        if top and name == CONSOLE_DIR:
-            continue  # qemu's own (_console_dir)
+        if top and name in (CONSOLE_DIR, TPM_DIR):
+            continue  # qemu's own (_console_dir), swtpm's (_tpm_dir)
         st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
         if stat.S_ISDIR(st.st_mode):
             child = os.open(name, DIR_NOFOLLOW, dir_fd=dirfd)

@@ -28,7 +28,7 @@ from launcher.node import pins
 from launcher.node.cache import QEMU_ID, Cache
 from launcher.render.domain import Host, notes, read_only_volumes, render, secret_xml
 from launcher.render.interfaces import socket_path
-from launcher.runtime import accel, credsync, diskfds, guestagent, hostcpus, rundir, sessiond, virtiofs, vmuser
+from launcher.runtime import accel, credsync, diskfds, guestagent, hostcpus, rundir, sessiond, swtpm, virtiofs, vmuser
 from launcher.runtime.conditions import Paused, paused_condition
 from launcher.runtime.console import ConsoleLog, follow
 from launcher.runtime.iopause import PauseWatch, describe
@@ -144,6 +144,7 @@ def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, say: Callable[[
             # sockets are libvirt's own, in its directories.
             vnc_socket=None if system_daemon else rundir.qemu_socket(run_dir, rundir.VNC_SOCKET),
             agent_socket=None if system_daemon else rundir.qemu_socket(run_dir, rundir.AGENT_SOCKET),
+            tpm_socket=swtpm.socket_path(run_dir) if vmstate.launcher_runs_tpm(vmi) else None,
             **(dict(zip(("efi_code", "efi_vars", "nvram"), prepared.efi)) if prepared.efi else {}),
         )
         if vmi.domain.cpu.dedicated_cpu_placement:
@@ -220,6 +221,8 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
                                                      by_fd=os.geteuid() == 0, dac_label=vm_ids if labelled else None,
                                                      system_daemon=is_system_uri(uri))
                 run_dir = cache.run_dir(name)
+                if vmstate.launcher_runs_tpm(vmi):
+                    swtpm.manufacture(run_dir, vmi)  # a new TPM's state, unless a kept one was put there
                 rundir.open_to_qemu(run_dir, vm_ids)
                 write_atomic(run_dir / "domain.xml", xml.encode(), 0o600)  # root's: libvirt is given the XML, not the file
                 daemons = virtiofs.start(vmi, prepared.shares, run_dir, vm_ids, owner)
@@ -248,6 +251,10 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
                     "gracePeriod": grace_period_of(vmi, opts),  # what `launcher stop` gives the guest
                     "accel": chosen.to_json(),
                     "dropTPMState": vmstate.drops_tpm_state(vmi),  # a bare VMI's persistent TPM goes with it
+                    # what the run's end keeps of its run directory for the next run (launcher.volumes.vmstate)
+                    "keptState": vmstate.kept_state(vmi),
+                    # whom the swtpm the launcher runs for the VM's TPM runs as
+                    **({"swtpm": list(vm_ids)} if vmstate.launcher_runs_tpm(vmi) else {}),
                     # what launcher.runtime.credsync's helper keeps in the guest: [{secret, users}]
                     "accessCredentials": credsync.record_entries(vmi.access_credentials),
                 }
@@ -258,6 +265,8 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
                 lv = _own_libvirt(sessiond.start(allocation.user), allocation.user)
             for source, value in prepared.secrets:
                 lv.define_secret(secret_xml(source), value, source.secret_usage)
+            if vmstate.launcher_runs_tpm(vmi):
+                swtpm.start(run_dir, vm_ids)
             try:
                 lv.start(name, xml, handed.fds, defined=(lambda: sessiond.keep_capabilities(allocation.user)) if own else None)
             except DiskkitError:
@@ -335,7 +344,7 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
     if outcome == "found":
         say(f"{name} is running (saw {opts.wait_for!r}); stop it with: launcher stop {vmi.name}")
         return Ran(0, chosen)
-    cleanup(cache, lv, name)
+    cleanup(cache, lv, name, say=say)
     if outcome == "timeout":
         what = f"{opts.wait_for!r} did not appear on the console" if opts.wait_for else "the VM was still running"
         raise TimedOut(name, f"{what} after {opts.timeout:g} s; the domain was destroyed")
@@ -442,12 +451,31 @@ def cleanup(cache: Cache, lv: Libvirt | None, name: str, grace: float = 0, wait:
     virtiofs.stop(record.get("virtiofsd", []))
     network.stop([entry for entry in record.get("network", []) if "pid" in entry])
     credsync.stop(record.get("credentialSync"))
+    user = user or VmUser.from_json(record.get("vmUser"))
+    if isinstance(record.get("swtpm"), list) and len(record["swtpm"]) == 2:
+        swtpm.stop(cache.run_dir(name), tuple(record["swtpm"]))
+    _keep_state(cache, name, record, user, say)
     _remove_run_dir(cache, name)
     cache.vm_record_path(name).unlink(missing_ok=True)
-    user = user or VmUser.from_json(record.get("vmUser"))
     if user is not None:
         vmuser.release(user)  # its daemon ends with the uid's other processes
     return stopped
+
+
+def _keep_state(cache: Cache, name: str, record: dict, user: VmUser | None, say: Callable[[str], None]) -> None:
+    """What the run leaves in its run directory for the VM's next run becomes its kept state
+    (launcher.volumes.vmstate), once qemu and its swtpm have ended; from a VM's own uid only while the uid
+    is still this VM's, and with no uid given out or back meanwhile: a later VM of the uid could have
+    written its copy."""
+    kept = record.get("keptState")
+    if not isinstance(kept, dict) or not kept:
+        return
+    with contextlib.ExitStack() as held:
+        if user is not None and not held.enter_context(vmuser.kept(user)):
+            say(f"note: {name}: its uid was given to another VM before its state was kept; the state kept before this run stays")
+            return
+        for line in vmstate.keep(cache.root, name, cache.run_dir(name), kept):
+            say(f"note: {line}")
 
 
 def _clear_last_run(cache: Cache, vmi: VMI) -> None:
