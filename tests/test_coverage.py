@@ -72,7 +72,6 @@ CASES = [
     (("spec", "resourceClaims"), [{"name": "r"}], "spec.resourceClaims", UNSUPPORTED),
     (("spec", "accessCredentials"), [{"userPassword": {}}], "spec.accessCredentials[0].userPassword", UNSUPPORTED),
     (("spec", "startStrategy"), "Paused", "spec.startStrategy", UNSUPPORTED),
-    (("metadata", "annotations"), {"hooks.kubevirt.io/hookSidecars": "[]"}, "metadata.annotations[hooks.kubevirt.io/hookSidecars]", UNSUPPORTED),
     # the schema spells it "readonly" (schema.go DiskTarget); KubeVirt's API server drops "readOnly"
     (("spec", "domain", "devices", "disks"), [{"name": "root", "disk": {"readOnly": True}}], "spec.domain.devices.disks[0].disk.readOnly",
      UNKNOWN.replace("unknown field", "unknown field (did you mean \"readonly\"?)")),

@@ -52,7 +52,35 @@ WINDOWS_VM = {
         # the cloud kernel has no AHCI: the answer file's CD-ROM on virtio-scsi
         [{"name": "answers", "cdrom": {"bus": "scsi"}}])}},
 }
-PLAIN_TPM_VMI = {"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance", "metadata": {"name": "tis"},
+# The bare VMI also carries a hook sidecar (launcher.runtime.hooks): the user guide's Python onDefineDomain
+# script (docs/user_workloads/hook-sidecar.md, its /tmp files included), giving the root disk a serial
+# the guest reports.
+HOOK_SERIAL = "hooked-by-sidecar"
+HOOK_SCRIPT = f"""#!/usr/bin/env python3
+import xml.etree.ElementTree as ET
+import sys
+
+def main(s):
+    f = open("/tmp/orig.xml", "w")
+    f.write(s)
+    f.close()
+    xml = ET.parse("/tmp/orig.xml")
+    disk = xml.getroot().find("devices").find("disk")
+    element = ET.Element("serial")
+    element.text = "{HOOK_SERIAL}"
+    disk.insert(0, element)
+    xml.write("/tmp/new.xml")
+    f = open("/tmp/new.xml")
+    print(f.read())
+    f.close()
+
+if __name__ == "__main__":
+    main(sys.argv[4])
+"""
+PLAIN_TPM_VMI = {"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",
+                 "metadata": {"name": "tis", "annotations": {"hooks.kubevirt.io/hookSidecars": json.dumps([{
+                     "args": ["--version", "v1alpha2"],
+                     "configMap": {"name": "my-config-map", "key": "my_script.sh", "hookPath": "/usr/bin/onDefineDomain"}}])}},
                  "spec": _vm("tis", False, {"devices": {"tpm": {}}}, [], [])}
 
 
@@ -73,12 +101,15 @@ def booted(qemu_user):
     (manifests / "unattend.json").write_text(json.dumps({
         "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "unattend"},
         "stringData": {"autounattend.xml": UNATTEND, "setup.cmd": "echo setup\n"}}))
+    (manifests / "hook.json").write_text(json.dumps({
+        "apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "my-config-map"}, "data": {"my_script.sh": HOOK_SCRIPT}}))
     run("chmod", "-R", "a+rX", mounts, kernel_dir, manifests)
     vm = qemu_user.root / "win.json"
     vm.write_text(json.dumps(WINDOWS_VM))
     vmi = qemu_user.root / "tis.json"
     vmi.write_text(json.dumps(PLAIN_TPM_VMI))
-    flags = ("--container-disk-dir", mounts, "--kernel-boot-dir", kernel_dir, "--manifests", manifests, "--console", "--timeout", "400")
+    flags = ("--container-disk-dir", mounts, "--kernel-boot-dir", kernel_dir, "--manifests", manifests, "--feature-gates", "Sidecar",
+             "--console", "--timeout", "400")
     runs = {}
     runs["first"] = qemu_user.launcher("run", *flags, vm, timeout=450)
     store = vmstate.state_dir(qemu_user.cache, parse_vmi(WINDOWS_VM)) / "win_VARS.fd"
@@ -155,3 +186,11 @@ def test_emulation_says_what_the_guest_runs_without(booted):
         "launcher: note: spec.domain.clock.timer.hyperv: the Hyper-V clock needs KVM; under emulation (TCG) the guest runs without it",
     ]
     assert _console(runs["first"])["hypervisor"] != "Microsoft Hyper-V"
+
+
+def test_an_on_define_domain_hooks_change_is_seen_by_the_guest(booted):
+    # cmd/sidecars/sidecar_shim.go runs the ConfigMap's script with --vmi and --domain; virt-launcher defines
+    # what it prints (pkg/virt-launcher/virtwrap/util/libvirt_helper.go ApplySidecarHooks)
+    runs, _ = booted
+    assert [disk["serial"] for disk in _console(runs["bare"])["disks"].values()].count(HOOK_SERIAL) == 1
+    assert "launcher: the onDefineDomain hook of ConfigMap my-config-map (my_script.sh) changed the domain" in runs["bare"].err

@@ -28,13 +28,14 @@ from launcher.node import pins
 from launcher.node.cache import QEMU_ID, Cache
 from launcher.render.domain import Host, notes, read_only_volumes, render, secret_xml
 from launcher.render.interfaces import socket_path
-from launcher.runtime import accel, credsync, diskfds, guestagent, hostcpus, rundir, sessiond, swtpm, virtiofs, vmuser
+from launcher.runtime import accel, credsync, diskfds, guestagent, hooks, hostcpus, rundir, sessiond, swtpm, virtiofs, vmuser
 from launcher.runtime.conditions import Paused, paused_condition
 from launcher.runtime.console import ConsoleLog, follow
 from launcher.runtime.iopause import PauseWatch, describe
 from launcher.runtime.runner import Libvirt, default_uri
 from launcher.runtime.stopping import DEFAULT_GRACE_PERIOD, NOT_RUNNING, UNREACHABLE, Stopped, shut_down
 from launcher.runtime.vmuser import VmUser
+from launcher.spec.hooks import sidecars
 from launcher.spec.vmi import VMI
 from launcher.volumes import vhostmd, vmstate
 from launcher.volumes.files import KUBEVIRT_QEMU, qemu_owner
@@ -220,6 +221,10 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
                                                      qemu_cannot_open=f"qemu's user (uid {qemu_uid}) on {uri}" if tcg else None,
                                                      by_fd=os.geteuid() == 0, dac_label=vm_ids if labelled else None,
                                                      system_daemon=is_system_uri(uri))
+                storage = opts.storage or Storage()
+                # Before anything of the VM's uid runs: the hook runs as that uid, and nothing it starts outlives it.
+                xml = hooks.on_define_domain(sidecars(vmi.annotations, storage.gates, vmi.from_vm), vmi, xml, storage.objects,
+                                             vm_ids if os.geteuid() == 0 else None, say)
                 run_dir = cache.run_dir(name)
                 if vmstate.launcher_runs_tpm(vmi):
                     swtpm.manufacture(run_dir, vmi)  # a new TPM's state, unless a kept one was put there

@@ -171,9 +171,6 @@ VM_SPEC = {
 }
 DOCUMENT = {"apiVersion": HANDLED, "kind": HANDLED, "metadata": METADATA, "status": INERT}
 
-# Annotations KubeVirt acts on that change the guest and that the launcher does not implement.
-UNSUPPORTED_ANNOTATIONS = ("hooks.kubevirt.io/hookSidecars",)
-
 UNSUPPORTED_RULE = "not supported by the launcher, and it changes what the guest sees; --ignore-unsupported runs without it"
 UNKNOWN_RULE = "unknown field: not in KubeVirt's schema, so its API server would drop it; --ignore-unsupported runs without it"
 VM_SPEC_RULE = "not a VirtualMachine field: a VirtualMachine's VirtualMachineInstance spec belongs under spec.template.spec"
@@ -207,16 +204,9 @@ def unsupported_fields(doc: Any) -> list[tuple[str, str]]:
     shape = {**DOCUMENT, "spec": VM_SPEC if vm else VMI_SPEC}
     found: list[tuple[str, str]] = []
     _walk(doc, shape, "", found)
-    vm_spec = doc.get("spec")
-    template = (vm_spec.get("template") if isinstance(vm_spec, dict) else None) if vm else doc
     if vm:  # the commonest VirtualMachine mistake: the VMI's spec one level too high
         found = [(path, VM_SPEC_RULE if rule.startswith("unknown field") and path.startswith("spec.") and path[5:] in VMI_SPEC else rule)
                  for path, rule in found]
-    meta = template.get("metadata") if isinstance(template, dict) else None
-    annotations = meta.get("annotations") if isinstance(meta, dict) else None
-    for key in UNSUPPORTED_ANNOTATIONS:
-        if isinstance(annotations, dict) and key in annotations:
-            found.append((f"{'spec.template.' if vm else ''}metadata.annotations[{key}]", UNSUPPORTED_RULE))
     return found
 
 

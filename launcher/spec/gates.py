@@ -18,7 +18,8 @@ from typing import Iterable
 from launcher.spec.fields import SpecError
 
 HOST_DISK = "HostDisk"
-KNOWN = (HOST_DISK,)
+SIDECAR = "Sidecar"  # hook sidecars (launcher.spec.hooks)
+KNOWN = (HOST_DISK, SIDECAR)
 
 
 @dataclass(frozen=True)

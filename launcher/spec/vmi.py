@@ -393,6 +393,8 @@ class VMI:
     # spec.livenessProbe's handler (exec, httpGet, tcpSocket, guestAgentPing), or None: not run here, but
     # KubeVirt refuses to pause a VMI whose probe a frozen guest would fail (launcher.runtime.conditions)
     liveness_probe: str | None = None
+    # The spec as given (a VirtualMachine's template spec), for what hands the VMI on whole (hook sidecars)
+    spec_document: dict = field(default_factory=dict, hash=False, compare=False)
 
     @property
     def domain_name(self) -> str:
@@ -1111,7 +1113,7 @@ def parse_vmi(doc: dict, ignore_unsupported: bool = False, *, objects: ObjectSou
     access = credentials.parse(spec.get("accessCredentials"), (v.kind for v in volumes), f"{root}.accessCredentials")
     return VMI(name, namespace, get_str(metadata, "uid", "metadata"), labels, annotations, domain, volumes,
                hostname, get_int(spec, "terminationGracePeriodSeconds", root), data_volumes, tuple(unsupported), access,
-               from_vm=kind == "VirtualMachine", liveness_probe=_probe_handler(spec, root))
+               from_vm=kind == "VirtualMachine", liveness_probe=_probe_handler(spec, root), spec_document=spec)
 
 
 def _probe_handler(spec: dict, root: str) -> str | None:
