@@ -61,16 +61,19 @@ class Attester:
 
         return keys.sign(self.key, data)
 
-    def attach(self, image: str, digest: str, predicate: dict, registry: RegistryOptions) -> dict:
-        """Sign the statement about `image`@`digest` and push it as a referrer; what was pushed."""
+    def attach(self, image: str, digest: str, predicate: dict, registry: RegistryOptions,
+               predicate_type: str = at.PREDICATE_TYPE) -> dict:
+        """Sign the statement about `image`@`digest` and push it as a referrer; what was pushed.
+        A boot-test result by default; a boot-read trace (diskkit.oci.readtrace) is signed and
+        stored the same way under its own predicate type."""
         from diskkit.signing import referrers
 
         name = registry_image(image).name
         subject = _manifest_descriptor(name, digest, registry)
-        payload = at.statement(f"{name.registry}/{name.repository}", digest, predicate)
+        payload = at.statement(f"{name.registry}/{name.repository}", digest, predicate, predicate_type)
         env = at.envelope(payload, self.keyid, self.sign(at.pae(at.PAYLOAD_TYPE, payload)))
         blob = at.stored(self.artifact_type, env, self.hint)
-        annotations = {at.CONTENT_ANNOTATION: "dsse-envelope", at.PREDICATE_ANNOTATION: at.PREDICATE_TYPE,
+        annotations = {at.CONTENT_ANNOTATION: "dsse-envelope", at.PREDICATE_ANNOTATION: predicate_type,
                        at.CREATED_ANNOTATION: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         desc, listed = referrers.push_referrer(name, subject, self.artifact_type, blob, annotations, registry)
         return {"referrer": f"{name.registry}/{name.repository}@{desc.digest}", "artifactType": self.artifact_type,

@@ -42,14 +42,14 @@ class NotAccepted(Exception):
     """This attestation does not hold; the message says why in one line."""
 
 
-def statement(repository: str, digest: str, predicate: dict) -> bytes:
+def statement(repository: str, digest: str, predicate: dict, predicate_type: str = PREDICATE_TYPE) -> bytes:
     """The in-toto Statement v1: subject the image's repository (cosign's subject name, registry
     host included) and its manifest digest."""
     match = _SHA256.match(digest)
     if not match:
         raise ValueError(f"{digest}: an attestation subject needs a sha256 manifest digest")
     body = {"_type": STATEMENT_TYPE, "subject": [{"name": repository, "digest": {"sha256": match.group(1)}}],
-            "predicateType": PREDICATE_TYPE, "predicate": predicate}
+            "predicateType": predicate_type, "predicate": predicate}
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
@@ -131,18 +131,26 @@ def open_envelope(env: dict, verifies: Callable[[bytes, str, bytes], str | None]
     raise NotAccepted(reasons[0] if reasons else "the envelope has no signatures")
 
 
-def check_statement(doc, digest: str, require_pass: bool) -> dict:
-    """The predicate of a statement about `digest` of our predicate type; NotAccepted otherwise."""
+def statement_predicate(doc, digest: str, predicate_type: str) -> dict:
+    """The predicate of a statement about `digest` of `predicate_type`; NotAccepted otherwise."""
     if not isinstance(doc, dict) or doc.get("_type") != STATEMENT_TYPE:
         raise NotAccepted(f"the statement's _type is not {STATEMENT_TYPE}")
     hexpart = digest.partition(":")[2]
     subjects = doc.get("subject") if isinstance(doc.get("subject"), list) else []
     if not any(isinstance(s, dict) and isinstance(s.get("digest"), dict) and s["digest"].get("sha256") == hexpart for s in subjects):
         raise NotAccepted(f"the statement's subject is not {digest}")
-    if doc.get("predicateType") != PREDICATE_TYPE:
-        raise NotAccepted(f"predicateType {doc.get('predicateType')!r} is not {PREDICATE_TYPE}")
+    if doc.get("predicateType") != predicate_type:
+        raise NotAccepted(f"predicateType {doc.get('predicateType')!r} is not {predicate_type}")
     predicate = doc.get("predicate")
-    if not isinstance(predicate, dict) or predicate.get("imageDigest") != digest:
+    if not isinstance(predicate, dict):
+        raise NotAccepted("the predicate is not a JSON object")
+    return predicate
+
+
+def check_statement(doc, digest: str, require_pass: bool) -> dict:
+    """The predicate of a boot-test statement about `digest`; NotAccepted otherwise."""
+    predicate = statement_predicate(doc, digest, PREDICATE_TYPE)
+    if predicate.get("imageDigest") != digest:
         raise NotAccepted(f"the predicate is not about {digest}")
     if require_pass and predicate.get("result") != "pass":
         raise NotAccepted(f"the boot test failed ({predicate.get('reason') or predicate.get('result')})")

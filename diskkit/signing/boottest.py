@@ -24,26 +24,19 @@ class Accepted:
     predicate: dict
 
 
-def _verifier(key_paths: list[Path], gpg_keyrings: list[Path]):
-    """verifies(pae, keyid, sig) -> the signer's name or None, over the given sigstore public keys
-    and GPG keyrings; and the GnuPG keyring to close afterwards."""
+def verifier(loaded: list[tuple[str, list]], gpg_blobs: list[bytes], gpg_where: str = "the GPG keyring"):
+    """verifies(pae, keyid, sig) -> the signer's name or None, over loaded sigstore public keys
+    ((where, keys) pairs) and GPG keyring blobs; and the GnuPG keyring to close afterwards."""
     from diskkit.signing import keys
 
-    loaded = keys.load_public_key_files(key_paths)
     ring = None
-    if gpg_keyrings:
+    if gpg_blobs:
         from diskkit.signing import openpgp
 
-        blobs = []
-        for path in gpg_keyrings:
-            try:
-                blobs.append(Path(path).read_bytes())
-            except OSError as exc:
-                raise DiskkitError(path, f"cannot read the GPG keyring: {exc.strerror}") from None
-        ring = openpgp.Keyring(blobs)
+        ring = openpgp.Keyring(gpg_blobs)
         if not ring.fingerprints:
             ring.close()
-            raise DiskkitError(gpg_keyrings[0], "No public keys imported")
+            raise DiskkitError(gpg_where, "No public keys imported")
 
     def verifies(data: bytes, keyid: str, sig: bytes) -> str | None:
         for where, pubs in loaded:
@@ -61,12 +54,24 @@ def _verifier(key_paths: list[Path], gpg_keyrings: list[Path]):
     return verifies, ring
 
 
+def _verifier(key_paths: list[Path], gpg_keyrings: list[Path]):
+    from diskkit.signing import keys
+
+    blobs = []
+    for path in gpg_keyrings:
+        try:
+            blobs.append(Path(path).read_bytes())
+        except OSError as exc:
+            raise DiskkitError(path, f"cannot read the GPG keyring: {exc.strerror}") from None
+    return verifier(keys.load_public_key_files(key_paths), blobs, str(gpg_keyrings[0]) if gpg_keyrings else "")
+
+
 def accepted(where: str, name: DockerName, digest: str, key_paths: list[Path], gpg_keyrings: list[Path],
              registry: RegistryOptions, require_pass: bool = True) -> Accepted:
     """The first attestation referring to `name`@`digest` the keys accept; VerifyFailed(where, why) if none."""
     from diskkit.signing import referrers
 
-    found = referrers.list_referrers(name, digest, registry, at.ARTIFACT_TYPES)
+    found = referrers.list_referrers(name, digest, registry, at.ARTIFACT_TYPES, at.PREDICATE_TYPE)
     if not found:
         raise VerifyFailed(where, f"no attestation refers to {digest}")
     verifies, ring = _verifier(key_paths, gpg_keyrings)

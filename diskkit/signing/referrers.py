@@ -18,6 +18,7 @@ from diskkit.oci.image import Descriptor, sha256_digest
 from diskkit.oci.reference import DockerName, ImageRef
 from diskkit.registry.client import MAX_MANIFEST_BYTES, MAX_SIGNATURE_BYTES, check_status, get_blob, read_body, scope
 from diskkit.registry.options import RegistryOptions
+from diskkit.signing.attestation import PREDICATE_ANNOTATION
 from diskkit.transports.remote import RemoteDestination, registry_for
 
 
@@ -53,20 +54,28 @@ def _index(name: DockerName, digest: str, opts: RegistryOptions, actions: str) -
     return index, api
 
 
-def list_referrers(name: DockerName, digest: str, opts: RegistryOptions, artifact_types: tuple[str, ...]) -> list[Descriptor]:
-    """The descriptors of `digest`'s referrers of these artifact types (untrusted: each manifest is
-    read by digest and checked by the caller)."""
+def list_referrers(name: DockerName, digest: str, opts: RegistryOptions, artifact_types: tuple[str, ...],
+                   predicate_type: str | None = None) -> list[Descriptor]:
+    """The descriptors of `digest`'s referrers of these artifact types, in the index's order
+    (untrusted: each manifest is read by digest and checked by the caller). With `predicate_type`,
+    entries whose predicate annotation names another are left out (one without the annotation stays)."""
     index, _ = _index(name, digest, opts, "pull")
     out = []
     for i, entry in enumerate(index.get("manifests") or []):
-        if isinstance(entry, dict) and entry.get("artifactType") in artifact_types:
-            out.append(Descriptor.from_json(entry, f"referrers of {digest} [{i}]"))
+        if not isinstance(entry, dict) or entry.get("artifactType") not in artifact_types:
+            continue
+        notes = entry.get("annotations") if isinstance(entry.get("annotations"), dict) else {}
+        if predicate_type is not None and notes.get(PREDICATE_ANNOTATION, predicate_type) != predicate_type:
+            continue
+        out.append(Descriptor.from_json(entry, f"referrers of {digest} [{i}]"))
     return out
 
 
-def read_artifact(name: DockerName, desc: Descriptor, subject: str, opts: RegistryOptions) -> tuple[dict, bytes]:
+def read_artifact(name: DockerName, desc: Descriptor, subject: str, opts: RegistryOptions,
+                  limit: int = MAX_SIGNATURE_BYTES) -> tuple[dict, bytes]:
     """(the referrer's manifest, its one layer's bytes): the manifest must hash to its digest and
-    name `subject`; the layer is read up to 4 MiB and checked against its digest."""
+    name `subject`; a layer over `limit` bytes is refused unread, and what is read is checked
+    against its digest."""
     registry = registry_for(name.registry, opts)
     where = f"{name.registry}/{name.repository}@{desc.digest}"
     response = registry.request("GET", f"/v2/{name.repository}/manifests/{desc.digest}", scope(name.repository, "pull"),
@@ -86,9 +95,9 @@ def read_artifact(name: DockerName, desc: Descriptor, subject: str, opts: Regist
     if not isinstance(layers, list) or len(layers) != 1:
         raise RegistryError(where, "an attestation referrer has exactly one layer")
     layer = Descriptor.from_json(layers[0], f"{where} layer")
-    if layer.size > MAX_SIGNATURE_BYTES:
-        raise RegistryError(where, "attestation larger than 4 MiB refused")
-    blob = read_body(get_blob(registry, name.repository, layer.digest), MAX_SIGNATURE_BYTES, where, "attestation")
+    if layer.size > limit:
+        raise RegistryError(where, f"attestation of {layer.size} bytes, larger than {limit}, refused")
+    blob = read_body(get_blob(registry, name.repository, layer.digest), limit, where, "attestation")
     if len(blob) != layer.size or sha256_digest(blob) != layer.digest:
         raise RegistryError(where, "the attestation blob does not match its digest")
     return manifest, blob

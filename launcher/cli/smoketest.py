@@ -66,6 +66,7 @@ class Result:
     stdout: str = ""
     stderr: str = ""
     attestations: list = field(default_factory=list)  # what --attest-* pushed, one per image
+    traces: list = field(default_factory=list)  # what --record-trace pushed, one per lazily served image
     accel: dict | None = None  # the accelerator the VM ran on, and why (launcher.runtime.accel)
 
     def to_json(self) -> dict:
@@ -74,7 +75,8 @@ class Result:
                 "bootToSshSeconds": out["boot_to_ssh_seconds"],
                 "expect": out["expect"], "failOn": out["fail_on"], "result": "pass" if self.passed else "fail",
                 "reason": out["reason"], "stdout": out["stdout"], "stderr": out["stderr"],
-                **({"attestations": out["attestations"]} if self.attestations else {}), "accel": out["accel"]}
+                **({"attestations": out["attestations"]} if self.attestations else {}),
+                **({"traces": out["traces"]} if self.traces else {}), "accel": out["accel"]}
 
 
 # ---------------------------------------------------------------- the VMI (pure)
@@ -132,8 +134,11 @@ class _Reach(threading.Thread):
     """Wait for the VM's record, then for ssh; run the command; stop the VM whatever happened."""
 
     def __init__(self, cache, cache_dir, target: Target, port: int, key: Path, public_key: str, command: tuple[str, ...], deadline: float,
-                 result: Result, capture: bool, matcher: Matcher, labelled_user: str | None):
+                 result: Result, capture: bool, matcher: Matcher, labelled_user: str | None, trace: str | None = None):
         super().__init__(daemon=True)
+        self.trace = trace  # --record-trace's token: the boot's reads are taken before the VM stops
+        self.traces: list[dict] = []
+        self.trace_error: DiskkitError | None = None
         self.cache, self.target, self.port, self.deadline, self.result, self.capture = cache, target, port, deadline, result, capture
         self.matcher = matcher
         self.console_changed = threading.Event()  # set by the console watch when it read new lines
@@ -147,6 +152,13 @@ class _Reach(threading.Thread):
 
         try:
             self.outcome = self._reach(find_record)
+            if self.outcome == PASSED and self.trace is not None and not self.vm_gone.is_set():
+                from launcher.runtime.tracepublish import take
+
+                try:
+                    self.traces = take(self.cache, self.trace)
+                except (DiskkitError, OSError, ValueError) as err:
+                    self.trace_error = err if isinstance(err, DiskkitError) else DiskkitError("the node's disk server", str(err))
         finally:
             if not self.vm_gone.is_set():
                 try:
@@ -260,6 +272,17 @@ def _attest(attester, result: Result, registry: RegistryOptions) -> None:
         say(f"attested {image}@{digest[:19]}: {pushed['referrer']} ({pushed['listedBy']})")
 
 
+def _resolved(cache, image: str, plat, registry: RegistryOptions) -> tuple[str, dict]:
+    """(manifest digest, config) of the image a lazy boot will read, admitted by the policy in force
+    as a pull is, and refused on its config when foreign."""
+    from launcher.node.admission import admitted
+
+    with admitted(image, registry, plat, cache) as source:
+        got = source.image(plat)
+    check_config(image)(got.config)
+    return got.digest, got.config
+
+
 def _load(path: str) -> dict:
     """A VMI or VM file's one document, within the API server's limits."""
     from launcher.spec.meta import load_documents
@@ -301,6 +324,7 @@ exits with that failure's status.
 @click.option("--attest-sign-by", metavar="FINGERPRINT", help="Attach the result, signed with this key of your GnuPG keyring ($GNUPGHOME), as an attestation of the image.")
 @click.option("--attest-sigstore-private-key", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE", help="Attach the result, signed with this sigstore (cosign-format) key, as an attestation of the image.")
 @click.option("--attest-passphrase-file", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE", help="The attestation key's passphrase (else asked on the terminal, or by gpg-agent).")
+@click.option("--record-trace", is_flag=True, help="Boot each containerDisk lazily through the node's disk server, record the order of the boot's reads and, if the test passes, attach it to the image signed with the --attest-* key: disk servers that trust the key prefetch in that order.")
 @click.option("--expect", multiple=True, metavar="REGEX", help="A console line that must appear (Python regex, searched in each line) before the test passes. Repeatable.")
 @click.option("--fail-on", multiple=True, metavar="REGEX", help="A console line that fails the test at once, e.g. 'Kernel panic' or 'Call Trace'. Repeatable.")
 @accel_option
@@ -310,7 +334,7 @@ exits with that failure's status.
 @registry_options
 @trust_options
 def smoke_test(ref, command, user, timeout, port, memory, as_json, uri, platform, expect, fail_on, accel, pull_policy, attest_sign_by,
-               attest_sigstore_private_key, attest_passphrase_file, cache_dir, store: Storage, registry: RegistryOptions) -> None:
+               attest_sigstore_private_key, attest_passphrase_file, record_trace, cache_dir, store: Storage, registry: RegistryOptions) -> None:
     """Boot REF (an image, or a VMI file) with a fresh ssh key, run COMMAND over ssh (default: echo hello),
     print the boot-to-ssh time, stop and remove the VM; exit 0 only if the command succeeded."""
     from launcher.node.pull import cached_config, pull
@@ -321,7 +345,14 @@ def smoke_test(ref, command, user, timeout, port, memory, as_json, uri, platform
 
     began = time.monotonic()
     command = command or ("echo", "hello")
+    if record_trace and not (attest_sign_by or attest_sigstore_private_key):
+        raise click.UsageError("--record-trace publishes a signed trace: give --attest-sign-by or --attest-sigstore-private-key")
     attester = _attester(attest_sign_by, attest_sigstore_private_key, attest_passphrase_file)
+    trace = None
+    if record_trace:
+        from launcher.runtime.tracepublish import new_token
+
+        trace = new_token()
     matcher = Matcher(compile_patterns("--expect", expect), compile_patterns("--fail-on", fail_on))
     if store.objects is not None and not isinstance(store.objects, Objects):
         raise DiskkitError("--kube-api", "launcher test keeps its key Secret in memory: give the objects with --manifests")
@@ -349,6 +380,12 @@ def smoke_test(ref, command, user, timeout, port, memory, as_json, uri, platform
                         from diskkit.ops.attest import registry_image
 
                         registry_image(src.image)  # refused before the pull: attestations live in a registry
+                    if trace is not None:
+                        # Not pulled: the disk server serves it as the VM reads it, and records the reads.
+                        digest, config = _resolved(cache, src.image, plat, registry)
+                        result.images[src.image] = digest
+                        labelled_user = labelled_user or default_user(config, src.image)
+                        continue
                     # A foreign image is refused on its config, before its disk is downloaded.
                     pulled = pull(cache, src.image, src.path, plat, registry, pull_policy or src.image_pull_policy,
                                   accept=check_config(src.image), reporter=NoteReporter(lambda text: say(f"note: {text}")))
@@ -361,7 +398,8 @@ def smoke_test(ref, command, user, timeout, port, memory, as_json, uri, platform
             vmi = None
         if vmi is not None:
             target = Target("vmi", vmi.name, vmi.namespace, user)
-            reach = _Reach(cache, cache_dir, target, port, keys / "key", public, command, began + timeout, result, as_json, matcher, labelled_user)
+            reach = _Reach(cache, cache_dir, target, port, keys / "key", public, command, began + timeout, result, as_json, matcher,
+                           labelled_user, trace)
             watch = Watch(ConsoleLog(rundir.console_log(cache.run_dir(vmi.domain_name))), matcher, reach.stop_now, reach.console_changed)
             objects = store.objects if store.objects is not None else Objects()
             objects.add(key_secret(vmi.namespace, public), "launcher test's key")
@@ -369,7 +407,8 @@ def smoke_test(ref, command, user, timeout, port, memory, as_json, uri, platform
             watch.start()
             try:
                 ran = run(vmi, cache, RunOptions(uri=uri, platform=plat, registry=registry, storage=replace(store, objects=objects), grace_period=0,
-                                                 accel=accel, pull_policy=pull_policy), say)
+                                                 accel=accel, pull_policy=pull_policy, trace=trace,
+                                                 **({"lazy": "on"} if trace is not None else {})), say)
                 result.accel = ran.accel.to_json()
             except DiskkitError as err:
                 if not result.reason:
@@ -390,6 +429,14 @@ def smoke_test(ref, command, user, timeout, port, memory, as_json, uri, platform
             if attester is not None:
                 try:
                     _attest(attester, result, registry)
+                    if reach.trace_error is not None:
+                        raise reach.trace_error
+                    if trace is not None and result.passed:
+                        from launcher.runtime.tracepublish import publish
+
+                        result.traces = publish(attester, reach.traces, registry, say)
+                        for image in sorted(set(result.images) - {t["image"] for t in reach.traces}):
+                            say(f"note: no read trace of {image}: it was not served lazily")
                 except DiskkitError as err:
                     attach_failed, code = err, err.exit_code  # said last: the test's own line stays true
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the VM is gone; the CLI reports it (--json: its one error object)

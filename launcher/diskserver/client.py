@@ -34,18 +34,21 @@ class Attached:
 
 
 def attach(cache: Cache, ref: str, path: str | None, platform: Platform | None, registry: RegistryOptions | None,
-           mode: str, policy: str, notes: list[str], vm: bool = True, qemu_uid: int | None = None) -> Attached | None:
+           mode: str, policy: str, notes: list[str], vm: bool = True, qemu_uid: int | None = None,
+           trace: str | None = None) -> Attached | None:
     """Serve `ref`'s disk lazily when `mode` ("on", or "auto" for images marked lazy) allows; None: pull it whole.
 
     The disk is checked as a pull checks it (KubeVirt's qemu-img info rules), read through the export.
     Without `vm` (a dry run) the server is not told to wait for a VM's qemu. `qemu_uid`: a root
-    launcher's qemu runs as that user (a session daemon's), whose own NBD socket it is given."""
+    launcher's qemu runs as that user (a session daemon's), whose own NBD socket it is given.
+    `trace`: a token under which the server records the VM's reads (launcher.diskserver.recording),
+    served so even when the node holds the disk already."""
     parsed = parse_ref(ref)
     if mode == "off" or parsed.transport != "docker":
         if mode == "on":
             notes.append(f"{parsed}: lazy reads need a registry image; pulling it whole")
         return None
-    if policy == "Never" or present(cache, ref, path, platform, policy) is not None:
+    if policy == "Never" or (trace is None and present(cache, ref, path, platform, policy) is not None):
         return None  # already here (a plain file beats any server; the pull admits it), or not to be fetched at all
     parsed = parse_ref(qualified(str(parsed), registry))
     if mode == "auto" and not _marked(str(parsed), registry, platform):
@@ -53,7 +56,8 @@ def attach(cache: Cache, ref: str, path: str | None, platform: Platform | None, 
     answer = _ask(cache, registry, notes, {
         "op": "open", "image": str(parsed), "path": path, "platform": str(platform) if platform else None,
         **registry_request(str(parsed), registry), "marked": mode == "auto",
-        "clients": 2 if vm else 1, **({"qemu_uid": qemu_uid} if qemu_uid is not None else {})})  # the probe below, then the VM's qemu: the server waits for both
+        "clients": 2 if vm else 1, **({"qemu_uid": qemu_uid} if qemu_uid is not None else {}),  # the probe below, then the VM's qemu: the server waits for both
+        **({"trace": trace} if trace is not None else {})})
     if answer is None:
         return None
     info = qemuimg.info(answer["url"])  # probes the format through the export, under qemu-img's limits
@@ -62,7 +66,17 @@ def attach(cache: Cache, ref: str, path: str | None, platform: Platform | None, 
         raise DiskkitError(str(parsed), "; ".join(f"/{answer['member']}: {p}" for p in problems))
     # Named as asked: the export may be one another tag of the same digest opened first.
     pulled = Pulled(Path(answer["disk"]), info.format, info.virtual_size, str(parse_ref(ref)), answer["digest"], answer["layer"], answer["member"])
+    if trace is not None:  # the probe above is not the guest's boot: only the VM connects under the trace's name
+        return Attached(answer["traceUrl"], answer["trace"], answer["socket"], info.format, info.virtual_size, pulled)
     return Attached(answer["url"], answer["export"], answer["socket"], info.format, info.virtual_size, pulled)
+
+
+def take_traces(cache: Cache, token: str) -> list[dict]:
+    """The reads recorded under `token` by the node's disk server, one trace per traced export; recording ends."""
+    answer = request(socket_path(serve_dir(cache), CONTROL_SOCKET), {"op": "trace", "trace": token}, timeout=60)
+    if not answer.get("ok"):
+        raise DiskkitError(cache.root, f"the disk server gave no trace: {answer.get('error')}")
+    return answer["traces"]
 
 
 def files(cache: Cache, ref: str, paths: list[str], platform: Platform | None, registry: RegistryOptions | None,

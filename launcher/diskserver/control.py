@@ -2,8 +2,10 @@
 
     {"op": "open", "image": REF, "path": P, "platform": "linux/amd64", "registry": {...}, "marked": true,
      "credentials": [{"registry": HOST, "username": U, "password": P, "identityToken": T}, ...],
-     "clients": 2}   NBD connections to expect (default 1): a server exiting when idle waits for them
-        -> {"ok": true, "export": NAME, "socket": NBD_SOCKET, "url": "nbd+unix:///NAME?socket=...", ...}
+     "clients": 2,   NBD connections to expect (default 1): a server exiting when idle waits for them
+     "trace": TOKEN} optional, 16-64 hex digits: record the reads of the VM that connects as "trace"
+        -> {"ok": true, "export": NAME, "socket": NBD_SOCKET, "url": "nbd+unix:///NAME?socket=...", ...,
+            "trace": "NAME.trace-TOKEN", "traceUrl": "nbd+unix:///NAME.trace-TOKEN?socket=..."}   (with "trace")
         -> {"ok": false, "seekable": false, "reason": "..."}   (pull it whole instead)
         -> {"ok": false, "error": "...", "exit": 8}            (refused, as a pull would be; its exit status)
     {"op": "files", "image": REF, "paths": [P, ...], "platform": ..., "registry": {...}, "marked": true}   kernelBoot files
@@ -11,6 +13,8 @@
         -> {"ok": false, "seekable": false, "reason": "..."}              (pull them whole instead)
     {"op": "status"} -> {"ok": true, "pid": N, "exports": [...]}
     {"op": "forget", "uid": N} -> {"ok": true}   (root: uid N's grants and NBD socket go; its uid is given to another VM)
+    {"op": "trace", "trace": TOKEN} -> {"ok": true, "traces": [{"image", "digest", "path", "layer", "size", "export",
+        "reads": [[OFFSET, LENGTH], ...], "truncated": false}, ...]}   (the opener's alone; recording ends)
 
 `registry` holds the client's options without credentials or auth file paths: a client sends its
 own user's credentials for the hosts the image may come from, looked up as a pull would (a VMI's

@@ -134,6 +134,12 @@ class LazyDisk:
         self.stale_data = False  # after a failed blob digest the file holds suspect bytes: zeros get written too
         self.dirty = False
         self.bucket = _Bucket(opts.prefetch_rate)
+        # A boot's trace (launcher.diskserver.traceplan): chunk runs [start, end) in the order it read
+        # them, prefetched before anything else, at full speed, as the head is.
+        self.plan: list[tuple[int, int]] = []
+        self.plan_at = 0  # the runs before it are here
+        self.trace: dict | None = None  # what the plan came from, or why there is none
+        self.trace_looked_for = False
         self._completing = False
         self.files = ExportDir(cache, layout, ranges.read, head, tail)
         self.fd = self.files.fd
@@ -212,16 +218,42 @@ class LazyDisk:
         except (OSError, DiskkitError) as exc:
             log.warning("%s: state not saved: %s", self.name, exc)
 
+    def follow_trace(self, reads, note: dict) -> None:
+        """Prefetch the chunks `reads` (disk byte ranges, checked to lie inside it) touch first, in that order."""
+        grid = self.layout.grid
+        seen: set[int] = set()
+        runs: list[list[int]] = []
+        for offset, length in reads:
+            for index in range(grid.index(offset), grid.index(offset + length - 1) + 1):
+                if index in seen:
+                    continue
+                seen.add(index)
+                if runs and runs[-1][1] == index:
+                    runs[-1][1] = index + 1
+                else:
+                    runs.append([index, index + 1])
+        with self.lock:
+            self.plan, self.plan_at = [(a, b) for a, b in runs], 0
+            self.trace = {**note, "chunks": len(seen)} if reads else note
+
+    def _planned(self) -> tuple[tuple[int, int], ...]:
+        """The trace's runs still missing a chunk, those done dropped from the front."""
+        with self.lock:
+            while self.plan_at < len(self.plan) and self.present.find(0, *self.plan[self.plan_at]) == -1:
+                self.plan_at += 1
+            return tuple(self.plan[self.plan_at:])
+
     def _window(self) -> tuple[tuple[int, int], ...]:
-        """The chunk ranges [start, end) prefetching may claim now, in order: all of them from the
-        guest's cursor on unless a guest is booting or working, then only the read-ahead past its
-        last read and the head."""
+        """The chunk ranges [start, end) prefetching may claim now, in order: a boot trace's first;
+        then all of them from the guest's cursor on unless a guest is booting or working, then only
+        the read-ahead past its last read and the head."""
         now = time.monotonic()
         grid = self.layout.grid
         count, cursor = grid.count, min(self.cursor, grid.count)
+        planned = self._planned()
         if now - self.last_read >= GUEST_BUSY and now - self.last_touch >= BOOT_HOLD:
-            return (cursor, count), (0, count)
-        return (cursor, grid.past(cursor, READ_AHEAD)), (0, grid.past(0, HEAD_PREFETCH))
+            return *planned, (cursor, count), (0, count)
+        return *planned, (cursor, grid.past(cursor, READ_AHEAD)), (0, grid.past(0, HEAD_PREFETCH))
 
     def _chunk_span(self, offset: int, length: int) -> tuple[int, int]:
         """The first and last chunk a read of `length` (> 0) bytes at `offset` touches."""
@@ -567,6 +599,7 @@ class LazyDisk:
             "failed": self.failed,
             "lastFailure": self.last_failure,
             "abandoned": self.abandoned,
+            "trace": self.trace,
             "stats": asdict(self.stats),
         }
 

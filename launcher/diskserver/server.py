@@ -67,6 +67,8 @@ from launcher.diskserver.lazydisk import LazyDisk, Options
 from launcher.diskserver.lazyfiles import take_files
 from launcher.diskserver.registrychunks import RegistryChunks
 from launcher.diskserver.qemuid import launcher_group, system_qemu_gid
+from launcher.diskserver.recording import Recordings, base_name
+from launcher.diskserver.traceplan import follow
 from launcher.hostfs.dirfd import own_directory
 from launcher.node.admission import admitted
 from launcher.node.cache import Cache
@@ -150,15 +152,16 @@ class DiskServer:
             self.nbd = nbd.Server(self.nbd_path, self, 0o600)
         self.user_nbd: dict[int, nbd.Server] = {}  # uid -> the socket of that user's session VMs
         self.granted: dict[int, set[str]] = {}  # uid -> the exports its opens were answered with: all its socket serves
+        self.recordings = Recordings()  # boots whose reads are being traced (launcher.diskserver.recording)
         self.control = self._listen(self.control_path)
 
-    def _nbd_for(self, peer_uid: int | None, name: str) -> nbd.Server:
+    def _nbd_for(self, peer_uid: int | None, *names: str) -> nbd.Server:
         """The NBD socket the VM of the launcher at the other end of a control request can reach,
-        `name` now served on it."""
+        `names` now served on it."""
         if not self.root or peer_uid in (None, 0):
             return self.nbd
         with self.lock:
-            self.granted.setdefault(peer_uid, set()).add(name)
+            self.granted.setdefault(peer_uid, set()).update(names)
             server = self.user_nbd.get(peer_uid)
             if server is None:
                 path = socket_path(self.dir, f"nbd-{peer_uid}.sock")
@@ -231,6 +234,9 @@ class DiskServer:
     # --- exports, as the NBD server sees them ---------------------------------------------------
 
     def lookup(self, name: str):
+        base = base_name(name)
+        if base is not None:
+            return self.recordings.lookup(name, self.lookup(base))  # a traced VM's name for the export
         with self.lock:
             export = self.exports.get(name)
         if export is None:
@@ -346,7 +352,14 @@ class DiskServer:
         clients = request.get("clients", 1)
         if not isinstance(clients, int) or not 0 <= clients <= 16:
             raise DiskkitError("open", "clients must be a number of NBD connections from 0 to 16")
-        listener = self._nbd_for(_qemu_uid(request, peer_uid), layout.name)
+        traced = None
+        if request.get("trace") is not None:
+            traced = self.recordings.start(request["trace"], peer_uid, layout.name, export.size,
+                                           {"image": shown, "digest": image.digest, "path": layout.member, "layer": layout.layer})
+        listener = self._nbd_for(_qemu_uid(request, peer_uid), layout.name, *([traced] if traced else []))
+        if isinstance(export, LazyDisk) and not export.trace_looked_for:
+            export.trace_looked_for = True
+            threading.Thread(target=follow, args=(export, shown, image.digest, registry), name="trace", daemon=True).start()
         with self.lock:
             # Held while the run that asked lives (a run that failed before its VM started frees it), at most HOLD.
             self.awaiting.setdefault(layout.name, []).extend([(time.monotonic() + HOLD, peer_pid)] * clients)
@@ -368,6 +381,7 @@ class DiskServer:
             "member": layout.member,
             "disk": str(self.cache.disk_dir(layout.layer, layout.member) / "disk.img"),
             "status": export.status(),
+            **({"trace": traced, "traceUrl": f"nbd+unix:///{traced}?socket={listener.path}"} if traced else {}),
         }
 
     def files(self, request: dict, peer_uid: int | None = None) -> dict:
@@ -443,8 +457,10 @@ class DiskServer:
                     answer = self.status(_peer(conn)[1])
                 elif op == "forget":
                     answer = self.forget(request, _peer(conn)[1])
+                elif op == "trace":
+                    answer = {"ok": True, "traces": self.recordings.take(request.get("trace"), _peer(conn)[1])}
                 else:
-                    answer = {"ok": False, "error": f"control: unknown op {op!r} (open, files, status, forget)"}
+                    answer = {"ok": False, "error": f"control: unknown op {op!r} (open, files, status, forget, trace)"}
             except DiskkitError as exc:
                 # The exit status travels too: a client refused by policy exits as a pull refused by it would.
                 answer = {"ok": False, "error": exc.line(), "exit": int(exc.exit_code)}

@@ -72,6 +72,9 @@ class RunOptions:
     accel: str | None = None  # --accel: "kvm", "qemu" or "tcg"; None or "auto": launcher.runtime.accel chooses
     # --pull-policy: every containerDisk's and kernelBoot container's imagePullPolicy for this run, in place of the spec's
     pull_policy: str | None = None
+    # --record-trace: a token the node's disk server records the boot's reads of each lazy containerDisk
+    # under (launcher.diskserver.recording); the caller takes the traces once the boot is over.
+    trace: str | None = None
 
 
 def grace_period_of(vmi: VMI, opts: RunOptions) -> float:
@@ -124,7 +127,7 @@ def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, say: Callable[[
     prepared = prepare(vmi, cache, run_dir, opts.registry, opts.platform, create=create, store=opts.storage, lazy=opts.lazy,
                        qemu=qemu, qemu_uid=qemu_uid, pins=pins.load(cache, vmi.domain_name) if vmi.from_vm else None,
                        update=opts.update, image_volumes=opts.container_disk_dir, kernel_boot_dir=opts.kernel_boot_dir,
-                       pull_policy=opts.pull_policy)
+                       pull_policy=opts.pull_policy, trace=opts.trace)
     chosen = accel.choose(cache.root, opts.accel, qemu_cannot_open=qemu_cannot_open)  # after the pulls: a refused image costs no probe
     say(chosen.line())
     handed = diskfds.Handed(prepared.disks, kernel=prepared.kernel, initrd=prepared.initrd)

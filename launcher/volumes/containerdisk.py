@@ -44,7 +44,7 @@ def container_disk(ctx: Context, volume: Volume, where: str) -> ResolvedDisk:
         with _pin_hint(pin):
             if ctx.lazy != "off":
                 attached = attach(ctx.cache, ref, source.path, ctx.platform, registry, ctx.lazy, policy, ctx.out.notes,
-                                  vm=ctx.create, qemu_uid=ctx.qemu_uid)
+                                  vm=ctx.create, qemu_uid=ctx.qemu_uid, trace=ctx.trace if ctx.create else None)
                 if attached is not None:
                     check_image(ctx.cache, attached.pulled)
                     ctx.out.pulled.append(attached.pulled)

@@ -54,6 +54,7 @@ class Context:
     image_volumes: Path | None = None  # where the pod mounts each containerDisk's image (launcher.volumes.imagevolume)
     kernel_boot_dir: Path | None = None  # where the pod mounts the kernelBoot container's image
     pull_policy: str | None = None  # --pull-policy: every image's imagePullPolicy, whatever the spec says
+    trace: str | None = None  # --record-trace: the token the disk server records each lazy containerDisk's reads under
     out: Prepared = field(default_factory=Prepared)
 
     def note(self, text: str | None) -> None:

@@ -79,6 +79,7 @@ def prepare(
     image_volumes: Path | None = None,
     kernel_boot_dir: Path | None = None,
     pull_policy: str | None = None,
+    trace: str | None = None,
 ) -> Prepared:
     """Resolve every volume; with `create`, make the overlays and images under `run_dir` and in claims.
 
@@ -86,11 +87,12 @@ def prepare(
     pulled, or opened on the node's disk server when lazy, so the domain shows what a run would use.
     `pins` (a VirtualMachine's, launcher.node.pins) are booted unless `update`; `image_volumes` and
     `kernel_boot_dir` are where the pod mounts the containerDisks' and the kernelBoot container's
-    images (launcher.volumes.imagevolume); `pull_policy` replaces every image's imagePullPolicy.
+    images (launcher.volumes.imagevolume); `pull_policy` replaces every image's imagePullPolicy;
+    `trace`: the token under which the node's disk server records each lazy containerDisk's reads.
     """
     check_requested(platform)
     ctx = Context(vmi, cache, run_dir, registry, platform, create, store or Storage(), lazy, qemu_uid, qemu, pins=pins, update=update,
-                  image_volumes=image_volumes, kernel_boot_dir=kernel_boot_dir, pull_policy=pull_policy)
+                  image_volumes=image_volumes, kernel_boot_dir=kernel_boot_dir, pull_policy=pull_policy, trace=trace)
     admit(vmi, ctx.store)
     shared = {fs.name for fs in vmi.domain.devices.filesystems}
     for volume in vmi.volumes:
