@@ -14,7 +14,6 @@ qemu-guest-agent and sudo. A boot costs about a minute of CPU under TCG, so chec
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -27,6 +26,7 @@ from typing import Iterator
 import pytest
 
 from tests.conftest import Result, run_diskkit
+from tests.testguest import build_once
 from tests.vmhost import NOREG, QEMU_UID, QemuUser, qemu_scratch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -57,17 +57,7 @@ def _is_current(out: Path) -> bool:
 
 def ensure_cloudguest() -> Path:
     """The directory holding cloudguest.qcow2 and default-user, built by images/cloudguest/build.sh when missing or stale."""
-    out = cloudguest_dir()
-    if _is_current(out):
-        return out
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f".{out.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # parallel test workers build once
-        if not _is_current(out):
-            proc = subprocess.run(["bash", str(BUILD_SH), str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{BUILD_SH} {out} failed ({proc.returncode}):\n{proc.stdout}")
-    return out
+    return build_once(cloudguest_dir(), BUILD_SH, _is_current)
 
 
 @dataclass

@@ -15,10 +15,12 @@ import socket
 import subprocess
 import threading
 import urllib.request
+from pathlib import Path
 
 import pytest
 
 from tests.conftest import launcher_command
+from tests.leftovers import processes_of
 from tests.testguest import parse_console
 from tests.vmhost import NOREG, QEMU_UID, assert_clean
 
@@ -74,9 +76,13 @@ def fetch(port: int) -> str:
 
 
 def helpers_of(user) -> list[str]:
-    """passt or slirp helper processes of the qemu user (qemu's own user-mode stack is in qemu)."""
-    out = subprocess.run(["ps", "-u", str(QEMU_UID), "-o", "comm="], capture_output=True, text=True).stdout.split()
-    return [c for c in out if c in ("passt", "passt.avx2", "slirp4netns", "pasta")]
+    """passt or slirp helper processes of this qemu user's VMs (qemu's own user-mode stack is in qemu):
+    those whose HOME, cache or command line is the user's, not another test's running beside."""
+    names = []
+    for pid in processes_of(user.root):
+        with contextlib.suppress(OSError):
+            names.append(Path(f"/proc/{pid}/comm").read_text().strip())
+    return [name for name in names if name in ("passt", "passt.avx2", "slirp4netns", "pasta")]
 
 
 def free_port() -> int:

@@ -12,7 +12,7 @@ import json
 import zlib
 from pathlib import Path
 
-from launcher.node.cache import Cache
+from launcher.node.cache import key
 from tests.conftest import run, run_diskkit, run_launcher
 from tests.imagecraft import Member, add_layer, dir_
 from tests.lazyhost import (
@@ -28,6 +28,12 @@ from tests.testguest import KERNEL_CMDLINE, ensure_testguest, parse_console
 from tests.vmhost import NOREG, assert_clean
 
 GUEST_SIZE = 64 << 20  # the test guest's virtual size
+
+
+def installed_at(cache: Path, layer_digest: str, member: str) -> Path:
+    """Where a pull installs `member` of a layer in `cache` (launcher.node.cache.Cache.disk_dir), found
+    without opening the cache as this process's user: root refuses a cache another user owns."""
+    return Path(cache) / "disks" / "sha256" / layer_digest.removeprefix("sha256:") / key(member)
 
 
 def manifest(layout: Path, tag: str) -> dict:
@@ -212,7 +218,7 @@ def test_kernel_boot_and_a_custom_path_from_a_three_layer_lazy_image(tmp_path, q
     # kept for both files (launcher.diskserver.blobranges.SmallBlobs).
     assert proxy.sent[f"/v2/layers/boot/blobs/{kernel_blob['digest']}"] == kernel_blob["size"]
     # In the cache where a pull installs it: the file of the layer that holds it, keyed (layer, member).
-    installed = Cache(cache).disk_dir(kernel_blob["digest"], "boot/vmlinuz") / "disk.img"
+    installed = installed_at(cache, kernel_blob["digest"], "boot/vmlinuz") / "disk.img"
     assert installed.read_bytes() == (ensure_testguest() / "vmlinuz").read_bytes()
     assert_clean(qemu_user, "default_layers-kb")
 
@@ -242,7 +248,7 @@ def test_kernel_boot_from_the_lazy_layer_itself(tmp_path, qemu_user, registry, f
     assert fetched == around + export["stats"]["fetched_bytes"], (fetched, around, toc_size, export)
     assert export["stats"]["fetched_bytes"] < (end - first) // 2, export
     for name in ("vmlinuz", "initrd.img"):
-        installed = Cache(cache).disk_dir(layer["digest"], f"boot/{name}") / "disk.img"
+        installed = installed_at(cache, layer["digest"], f"boot/{name}") / "disk.img"
         assert installed.read_bytes() == (guest / name).read_bytes()
     assert_clean(qemu_user, "default_layers-inlayer")
 
@@ -264,7 +270,7 @@ def test_a_kernel_that_does_not_match_its_toc_digest_is_refused(tmp_path, regist
         out = run_launcher("domain", "--accel", "qemu", "--cache-dir", cache, NOREG, "--lazy", vmi)
     assert out.code != 0
     assert out.err.strip().splitlines()[-1] == f"launcher: spec.domain.firmware.kernelBoot.container.image: docker://{ref}: layer 0: /boot/vmlinuz does not match its digest in the lazy TOC", out.err
-    assert not Cache(cache).disk_dir(doc["layers"][0]["digest"], "boot/vmlinuz").exists()  # nothing installed
+    assert not installed_at(cache, doc["layers"][0]["digest"], "boot/vmlinuz").exists()  # nothing installed
 
 
 def test_a_kernel_no_toc_digest_pins_is_pulled_whole(tmp_path, registry, fault_proxy):
@@ -286,7 +292,7 @@ def test_a_kernel_no_toc_digest_pins_is_pulled_whole(tmp_path, registry, fault_p
     assert out.code == 0, out.err
     layer = doc["layers"][0]
     assert proxy.sent[f"/v2/layers/oldtoc/blobs/{layer['digest']}"] > layer["size"]  # the whole blob, besides the server's reads
-    pulled = Cache(cache).disk_dir(layer["digest"], "boot/vmlinuz") / "disk.img"
+    pulled = installed_at(cache, layer["digest"], "boot/vmlinuz") / "disk.img"
     assert pulled.read_bytes() == (guest / "vmlinuz").read_bytes()
 
 

@@ -220,6 +220,18 @@ def _as_other_user(cache: Path, request: dict, env: dict | None = None, groups: 
     return json.loads(proc.stdout)
 
 
+def _nobody_reads_head(shared: Path, url: str) -> bytes:
+    """The export's first MiB, as the other user reads it over NBD into a directory of its own."""
+    mine = shared / "nobody"
+    mine.mkdir()
+    os.chown(mine, NOBODY.pw_uid, NOBODY.pw_gid)
+    got = subprocess.run(["setpriv", f"--reuid={NOBODY.pw_uid}", f"--regid={NOBODY.pw_gid}", "--clear-groups",
+                          "qemu-img", "dd", "-f", "raw", "-O", "raw", f"if={url}", f"of={mine / 'head.img'}", f"bs={MIB}", "count=1"],
+                         capture_output=True, text=True)
+    assert got.returncode == 0, got.stderr
+    return (mine / "head.img").read_bytes()
+
+
 @pytest.fixture
 def shared():
     """A directory other users can traverse (pytest's are root's alone): caches their clients reach."""
@@ -277,14 +289,7 @@ def test_another_user_with_its_own_credentials_gets_the_export(shared, auth_regi
                                 env={"REGISTRY_AUTH_FILE": str(own)})
         assert answer["ok"], answer
         assert answer["socket"].endswith(f"nbd-{NOBODY.pw_uid}.sock")
-        mine = shared / "nobody"
-        mine.mkdir()
-        os.chown(mine, NOBODY.pw_uid, NOBODY.pw_gid)
-        got = subprocess.run(["setpriv", f"--reuid={NOBODY.pw_uid}", f"--regid={NOBODY.pw_gid}", "--clear-groups",
-                              "qemu-img", "dd", "-f", "raw", "-O", "raw", f"if={answer['url']}", f"of={mine / 'head.img'}", f"bs={MIB}", "count=1"],
-                             capture_output=True, text=True)
-        assert got.returncode == 0, got.stderr
-        assert (mine / "head.img").read_bytes() == data[:MIB]
+        assert _nobody_reads_head(shared, answer["url"]) == data[:MIB]
 
 
 def test_a_user_reads_no_export_it_was_not_answered_with(tmp_path, shared, registry, auth_registry, private_image):
@@ -389,14 +394,7 @@ def test_a_user_with_its_own_client_certificate_gets_the_mtls_image(shared, mtls
         answer = _as_other_user(cache, {"op": "open", "image": ref, "ask": {"tls_verify": True, "cert_dir": str(theirs)}, "clients": 0})
         assert answer["ok"], answer
         assert answer["socket"].endswith(f"nbd-{NOBODY.pw_uid}.sock")
-        mine = shared / "nobody"
-        mine.mkdir()
-        os.chown(mine, NOBODY.pw_uid, NOBODY.pw_gid)
-        got = subprocess.run(["setpriv", f"--reuid={NOBODY.pw_uid}", f"--regid={NOBODY.pw_gid}", "--clear-groups",
-                              "qemu-img", "dd", "-f", "raw", "-O", "raw", f"if={answer['url']}", f"of={mine / 'head.img'}", f"bs={MIB}", "count=1"],
-                             capture_output=True, text=True)
-        assert got.returncode == 0, got.stderr
-        assert (mine / "head.img").read_bytes() == data[:MIB]
+        assert _nobody_reads_head(shared, answer["url"]) == data[:MIB]
 
 
 def test_trust_and_identity_are_read_apart(tmp_path):

@@ -65,24 +65,26 @@ def ensure_testguest() -> Path:
     Uses $DISKKIT_TESTGUEST_DIR if set, else <repo>/build/testguest; runs
     images/testguest/build.sh there when the outputs are missing or stale.
     """
-    out = testguest_dir()
-    if _is_current(out):
-        return out
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f".{out.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # parallel test workers build once
-        if not _is_current(out):
-            proc = subprocess.run(
-                ["bash", str(BUILD_SH), str(out)],
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            )
-            if proc.returncode != 0:
-                raise RuntimeError(f"{BUILD_SH} {out} failed ({proc.returncode}):\n{proc.stdout}")
+    out = build_once(testguest_dir(), BUILD_SH, _is_current)
     missing = [name for name in OUTPUTS if not (out / name).is_file()]
     if missing:
         raise RuntimeError(f"build.sh did not produce {missing} in {out}")
     return out
 
+
+
+def build_once(out: Path, build_sh: Path, is_current) -> Path:
+    """`out`, built by `bash build_sh out` unless `is_current(out)`: once, whichever test worker asks first."""
+    if is_current(out):
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # parallel test workers build once
+        if not is_current(out):
+            proc = subprocess.run(["bash", str(build_sh), str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{build_sh} {out} failed ({proc.returncode}):\n{proc.stdout}")
+    return out
 
 # ---------------------------------------------------------------------------
 # console parsing

@@ -18,7 +18,7 @@ def _print(name: str, cache_dir: str | None, query) -> None:
     record = find_record(cache, name)
     if record is None:
         raise NotFound(name, "no VM of this name was started from this cache (yet)")
-    lv = connect(cache, record["uri"])
+    lv = connect(record)
     try:
         click.echo(go_json(query(lv, record["domain"], name)))
     finally:

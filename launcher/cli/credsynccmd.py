@@ -34,7 +34,7 @@ def sync_credentials(domain, manifests, kube_api, cache_dir) -> None:
     record = cache.read_json(cache.vm_record_path(domain))
     if record is None:
         raise NotFound(domain, "no VM of this domain name was started from this cache")
-    lv = connect(cache, record["uri"])
+    lv = connect(record)
     try:
         serve(lv, cache, domain, Path(manifests).resolve() if manifests else None, kube_api)
     finally:

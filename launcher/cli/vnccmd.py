@@ -79,7 +79,7 @@ def vnc(name, vmi, address, port, proxy_only, vnc_type, vnc_path, file_name, cac
     record = find_record(cache, target)
     if record is None:
         raise NotFound(target, "no VM of this name was started from this cache (yet)")
-    lv = connect(cache, record["uri"])
+    lv = connect(record)
     try:
         if not lv.active(record["domain"]):
             raise DiskkitError(target, "VMI is not running")

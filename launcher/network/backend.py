@@ -17,7 +17,6 @@ import json
 import os
 import selectors
 import shutil
-import signal
 import socket
 import subprocess
 import time
@@ -27,7 +26,7 @@ from pathlib import Path
 from diskkit.errors import DiskkitError
 from launcher.network import bindings, pod
 from launcher.network.bindings import GATEWAY_MAC, Plan
-from launcher.node.selfexec import ended, module_argv
+from launcher.node.selfexec import end_session, ended, module_argv
 from launcher.spec.vmi import VMI
 from launcher.volumes.files import give_to_qemu
 
@@ -171,16 +170,7 @@ def stop(entries: list[dict]) -> None:
     """End each switch and its stacks (TERM, then KILL, to its whole session) and remove its sockets."""
     for entry in entries:
         if _is_ours(entry):
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(entry["pid"], sig)
-                except ProcessLookupError:
-                    break
-                deadline = time.monotonic() + STOP_TIMEOUT
-                while not ended(entry["pid"]) and time.monotonic() < deadline:
-                    time.sleep(0.02)
-                if ended(entry["pid"]):
-                    break
+            end_session(entry["pid"], STOP_TIMEOUT)
         else:
             ended(entry["pid"])  # reap it if it already ended as our child
         for path in (entry["socket"], entry["forward"]):

@@ -1,6 +1,6 @@
 """The command line that runs this launcher again as a helper process (the node's disk server, ssh's
-ProxyCommand, a VM's pod switch), whatever directory it is started from, and whether such a helper
-has ended.
+ProxyCommand, a VM's pod switch), whatever directory it is started from, whether such a helper
+has ended, and ending one.
 
 `python -m launcher` puts the working directory first on sys.path, so a `diskkit/` or `launcher/`
 directory there would be imported instead of the installed packages (with an editable install the
@@ -11,7 +11,9 @@ sys.path and keeps PYTHONPATH, which is how a checkout that is not installed is 
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 
@@ -35,3 +37,18 @@ def ended(pid: int) -> bool:
     except (OSError, IndexError):
         return True
     return state == "Z"
+
+
+def end_session(pid: int, timeout: float) -> None:
+    """End the helper `pid` and everything in its session (TERM, then KILL after `timeout` seconds):
+    a helper that sandboxes itself (virtiofsd, passt) serves from a child and only waits for it."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + timeout
+        while not ended(pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if ended(pid):
+            return

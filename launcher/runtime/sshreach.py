@@ -102,6 +102,9 @@ def record_keys(run_dir: Path, host: str, keys: tuple[HostKey, ...]) -> Contact:
     return Contact(path, host, False)
 
 
+PROBE_ID = b"SSH-2.0-launcher_probe\r\n"
+
+
 def banner(entry: dict, port: int, timeout: float = 10) -> bytes | None:
     """The identification line the guest's ssh server at `port` sends (RFC 4253 4.2: `SSH-...`, maybe after
     other lines), through a connection of its own from the VM's pod switch (launcher.network.backend);
@@ -116,6 +119,9 @@ def banner(entry: dict, port: int, timeout: float = 10) -> bytes | None:
     with conn:
         conn.sock.settimeout(timeout)
         try:
+            # Both sides send their identification at once (RFC 4253 4.2), as ssh clients do: a user-mode
+            # stack may open the guest's side of a forwarded connection only once the client has spoken.
+            conn.sock.sendall(PROBE_ID)
             while len(received) < 1024:  # what the RFC allows before the identification line, and more
                 chunk = conn.sock.recv(1024 - len(received))
                 if not chunk:

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from diskkit.errors import DiskkitError
-from launcher.node.selfexec import ended
+from launcher.node.selfexec import end_session, ended
 from launcher.runtime import rundir
 from launcher.spec.vmi import VMI
 from launcher.volumes.context import Share
@@ -174,18 +174,7 @@ def stop(entries: list[dict]) -> None:
     """End each virtiofsd (TERM, then KILL) and remove its socket."""
     for entry in entries:
         if _is_ours(entry):
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    # The whole session: with sandbox=namespace the serving process is a child in a PID
-                    # namespace of its own, the one we started only waits for it.
-                    os.killpg(entry["pid"], sig)
-                except ProcessLookupError:
-                    break
-                deadline = time.monotonic() + STOP_TIMEOUT
-                while not ended(entry["pid"]) and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                if ended(entry["pid"]):
-                    break
+            end_session(entry["pid"], STOP_TIMEOUT)
         else:
             ended(entry["pid"])  # reap it if it already ended as our child
         Path(entry["socket"]).unlink(missing_ok=True)

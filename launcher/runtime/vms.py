@@ -579,7 +579,7 @@ def conditions(record: dict, cache: Cache, paused: Paused | None) -> list[dict]:
     if paused is not None:
         found.append({"type": "Paused", "status": "True", "reason": paused.reason, "message": paused.message})
     try:
-        lv = connect(cache, record["uri"])
+        lv = connect(record)
     except DiskkitError:
         return found
     try:
