@@ -32,6 +32,7 @@ from launcher.volumes.files import give_to_qemu
 
 SWITCH = "launcher.network.switch"
 NET_DIR = "net"  # in the VM's run directory
+LONGEST_SOCKET = "99.forward"  # of the sockets in it: N.sock and N.forward, a VM's NICs numbered from 0
 READY_TIMEOUT = 20.0
 STOP_TIMEOUT = 5.0
 ANSWER_LIMIT = 4096

@@ -84,12 +84,32 @@ def qemu_socket(run_dir: Path, name: str) -> str | None:
     return None if directory is None else str(directory / name)
 
 
+def _short_sockets_link(run_dir: Path, sub: str) -> Path:
+    return run_dir.parent / f".{key(run_dir.name)[:16]}-{sub}"
+
+
+def sockets_dir(run_dir: Path, sub: str, longest: str) -> Path:
+    """Where the sockets of `run_dir/sub` are named (the pod switches'): that directory, or a short link to
+    it beside the run directory when a socket `longest` in it would be too long a path."""
+    if len(str(run_dir / sub / longest).encode()) <= SOCKET_PATH_MAX:
+        return run_dir / sub
+    return _short_sockets_link(run_dir, sub)
+
+
+def link_sockets_dir(run_dir: Path, sub: str, longest: str) -> Path:
+    """sockets_dir, with its short link made (root's, in run/) when it is one."""
+    named = sockets_dir(run_dir, sub, longest)
+    if named != run_dir / sub:
+        _link(named, f"{run_dir.name}/{sub}")
+    return named
+
+
 def remove(run_dir: Path) -> None:
-    """The run directory and its short link, if there is one."""
+    """The run directory and its short links, if there are any."""
     shutil.rmtree(run_dir, ignore_errors=True)
-    link = _short_link(run_dir)
-    if link.is_symlink():
-        link.unlink(missing_ok=True)
+    for link in (_short_link(run_dir), *run_dir.parent.glob(f".{key(run_dir.name)[:16]}-*")):
+        if link.is_symlink():
+            link.unlink(missing_ok=True)
 
 
 def create(run_dir: Path) -> Path:
@@ -114,7 +134,7 @@ def create(run_dir: Path) -> Path:
 
 
 def _link(link: Path, target: str) -> None:
-    """The short link to `console/`, in place of any left by a killed run (only links are replaced)."""
+    """A short link to a directory of the run (`console/`, `net/`), in place of any left by a killed run (only links are replaced)."""
     try:
         if link.is_symlink():
             link.unlink()

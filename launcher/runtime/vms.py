@@ -140,7 +140,7 @@ def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, say: Callable[[
             kernel=handed.kernel,
             initrd=handed.initrd,
             virtiofs_sockets=virtiofs.sockets(vmi, run_dir),
-            net_dir=str(run_dir / network.NET_DIR),
+            net_dir=str(rundir.sockets_dir(run_dir, network.NET_DIR, network.LONGEST_SOCKET)),
             dac=dac,
             dac_label=dac_label,
             # A system daemon labels a socket it is given as root, by path, in a directory qemu's user
@@ -236,7 +236,8 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
                 daemons = virtiofs.start(vmi, prepared.shares, run_dir, vm_ids, owner)
                 if nics:
                     # The VM's pod switch runs as qemu itself (the VM's own uid as root), whose socket it serves.
-                    net_dir = rundir.traversable_dir(run_dir / network.NET_DIR, vm_ids)
+                    rundir.traversable_dir(run_dir / network.NET_DIR, vm_ids)
+                    net_dir = rundir.link_sockets_dir(run_dir, network.NET_DIR, network.LONGEST_SOCKET)
                     nets = network.start(nics, [Path(socket_path(str(net_dir), i)) for i in range(len(nics))], vm_ids)
                 record = {
                     "domain": name,
