@@ -72,6 +72,9 @@ def test_a_configmap_script_at_a_hook_point_is_a_hook():
     # pkg/hooks/manager.go calls PreCloudInitIso for v1alpha2 and v1alpha3 only
     ({"args": ["--version", "v1alpha1"], "configMap": {**ON_DEFINE["configMap"], "hookPath": "/usr/bin/preCloudInitIso"}}, "[0].args",
      "preCloudInitIso needs --version v1alpha2 or v1alpha3: KubeVirt never calls it under v1alpha1"),
+    # what KubeVirt would run and the launcher does not: refused, as it changes what the guest's cloud-init sees
+    ({"args": ["--version", "v1alpha3"], "configMap": {**ON_DEFINE["configMap"], "hookPath": "/usr/bin/preCloudInitIso"}}, "[0].configMap.hookPath",
+     "preCloudInitIso hooks are not supported by the launcher (it runs onDefineDomain hooks)"),
 ])
 def test_what_the_shim_would_not_run_is_refused_in_one_line(entry, field, message):
     with pytest.raises(SpecError) as err:

@@ -96,6 +96,9 @@ def _entry(doc: dict, at: str) -> Hook | None:
     if point == PRE_CLOUD_INIT_ISO and version == "v1alpha1":
         # v1alpha1's callbacks have no PreCloudInitIso: pkg/hooks/manager.go skips the hook unsaid
         raise SpecError(f"{at}.args", f"{PRE_CLOUD_INIT_ISO} needs --version v1alpha2 or v1alpha3: KubeVirt never calls it under v1alpha1")
+    if point == PRE_CLOUD_INIT_ISO:
+        # the cloud-init data it would change reaches the guest: never dropped unsaid
+        raise SpecError(f"{at}.configMap.hookPath", f"{PRE_CLOUD_INIT_ISO} hooks are not supported by the launcher (it runs {ON_DEFINE_DOMAIN} hooks)")
     return Hook(point, version, name, key, at)
 
 
