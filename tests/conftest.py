@@ -132,6 +132,15 @@ def run_diskkit(*args: str | os.PathLike, cwd: Path | None = None, env: dict | N
     return Result(proc.returncode, proc.stdout, proc.stderr)
 
 
+def sigstore_keys(directory: Path, passphrase: str, names: tuple[str, ...] = ("a", "b")) -> None:
+    """Cosign-format key pairs NAME.private/NAME.pub in `directory`, made by `diskkit generate-sigstore-key`,
+    all locked with `passphrase` (kept in `directory`/pass)."""
+    (directory / "pass").write_text(passphrase + "\n")
+    for name in names:
+        r = run_diskkit("generate-sigstore-key", "--output-prefix", directory / name, "--passphrase-file", directory / "pass")
+        assert r.code == 0, r.err
+
+
 def launcher_command(*args: str | os.PathLike, user: str | None = None) -> list[str]:
     return _command("launcher", args, user)
 

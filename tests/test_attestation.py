@@ -27,7 +27,7 @@ from diskkit.ops.attest import Attester
 from diskkit.registry.options import RegistryOptions
 from diskkit.signing import attestation as at
 from diskkit.signing.options import SignOptions
-from tests.conftest import make_qcow2, run_diskkit, run_launcher
+from tests.conftest import make_qcow2, run_diskkit, run_launcher, sigstore_keys
 from tests.gnupg import gnupg_home, gpg, new_key
 from tests.vmhost import NOREG, QEMU_UID
 
@@ -40,10 +40,7 @@ PLAIN = RegistryOptions(tls_verify=False)
 def keys(tmp_path_factory) -> dict:
     """Cosign-format keys a and b, and a GNUPGHOME with GPG keys g and h."""
     d = tmp_path_factory.mktemp("attest")
-    (d / "pass").write_text("open sesame\n")
-    for name in ("a", "b"):
-        r = run_diskkit("generate-sigstore-key", "--output-prefix", d / name, "--passphrase-file", d / "pass")
-        assert r.code == 0, r.err
+    sigstore_keys(d, "open sesame")
     home = d / "gnupg"
     home.mkdir(mode=0o700)
     out = {"dir": d, "pass": d / "pass", "home": home}

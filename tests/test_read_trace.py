@@ -24,7 +24,7 @@ from diskkit.signing import attestation as at
 from diskkit.signing import referrers
 from diskkit.signing.options import SignOptions
 from launcher.diskserver.lazydisk import HEAD_PREFETCH
-from tests.conftest import run_diskkit
+from tests.conftest import run_diskkit, sigstore_keys
 from tests.lazyhost import disk_server, export_status, image_toc, open_export, random_disk, wait_for
 
 MIB = 1 << 20
@@ -36,10 +36,7 @@ MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 def keys(tmp_path_factory) -> dict:
     """Cosign-format keys: a is the node's trusted key, b is not."""
     d = tmp_path_factory.mktemp("trace-keys")
-    (d / "pass").write_text("open sesame\n")
-    for name in ("a", "b"):
-        r = run_diskkit("generate-sigstore-key", "--output-prefix", d / name, "--passphrase-file", d / "pass")
-        assert r.code == 0, r.err
+    sigstore_keys(d, "open sesame")
     return {name: Attester(SignOptions(d / f"{name}.private", d / "pass")) for name in ("a", "b")} | {"dir": d}
 
 

@@ -20,7 +20,7 @@ import requests
 
 from diskkit.oci.reference import parse_docker_name
 from diskkit.signing import policy as policy_mod
-from tests.conftest import make_qcow2, run_diskkit, run_launcher
+from tests.conftest import make_qcow2, run_diskkit, run_launcher, sigstore_keys
 from tests.vmhost import QEMU_UID
 
 NOREG = "--tls-verify=false"
@@ -42,10 +42,7 @@ def keypeer(tmp_path_factory) -> Path:
 def trust(tmp_path_factory) -> dict:
     """Two diskkit keys (a, b), a passphrase file and a registries.d that enables attachments."""
     d = tmp_path_factory.mktemp("trust")
-    (d / "pass").write_text("correct horse\n")
-    for name in ("a", "b"):
-        r = run_diskkit("generate-sigstore-key", "--output-prefix", d / name, "--passphrase-file", d / "pass")
-        assert r.code == 0, r.err
+    sigstore_keys(d, "correct horse")
     regd = d / "registries.d"
     regd.mkdir()
     (regd / "default.yaml").write_text("default-docker:\n  use-sigstore-attachments: true\n")
