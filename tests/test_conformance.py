@@ -29,8 +29,9 @@ import yaml
 
 from diskkit.errors import DiskkitError
 from launcher.render.domain import Host, ResolvedDisk, render
-from launcher.spec import coverage
+from launcher.spec import coverage, hooks
 from launcher.spec.datavolume import parse_data_volume
+from launcher.spec.gates import parse_gates
 from launcher.spec.k8s import Objects
 from launcher.spec.vmi import parse_vmi
 
@@ -191,7 +192,7 @@ def test_case(case):
     refusal = meta.get("x-expect-refusal")
     if refusal is not None:
         expected = _expected_refusal(refusal)
-        assert _refusal(lambda: render(parse_vmi(case, objects=objects), disks, host)) == expected
+        assert _refusal(lambda: render(_admitted(case, objects), disks, host)) == expected
         if expected.endswith((coverage.UNSUPPORTED_RULE, coverage.UNKNOWN_RULE)):
             assert {"x-expect-xml", "x-expect-ignored-refusal"} & set(meta), "a field the launcher drops: say what the rest renders to"
     if "x-expect-ignored-refusal" in meta:
@@ -204,6 +205,14 @@ def test_case(case):
         render(parse_vmi(case, ignore_unsupported=True, objects=objects), disks, host)
     except DiskkitError as err:
         assert "\n" not in str(err)
+
+
+def _admitted(case: dict, objects: Objects):
+    """The VMI as the launcher admits it before anything runs: its spec, and its hook sidecars under
+    KubeVirt's default gates (Sidecar off), as virt-api's admitter takes them."""
+    vmi = parse_vmi(case, objects=objects)
+    hooks.sidecars(vmi.annotations, parse_gates([]), vmi.from_vm)
+    return vmi
 
 
 def test_refusals_are_one_line_from_the_cli(tmp_path):
