@@ -62,7 +62,7 @@ def pytest_sessionstart(session):
 # Tests that boot a guest (qemu under TCG, through libvirt or not) are the slow part of the suite:
 # `-m 'not vm'` runs the rest in a few minutes. A test is one when it asks for a fixture that gives it
 # a VM host, or calls qemu itself.
-VM_FIXTURES = {"qemu_user", "session_user", "root_side", "daemon", "pod_image"}
+VM_FIXTURES = {"qemu_user", "session_user", "root_side", "daemon", "pod_image", "pair"}  # pair: test_trust_vmview's two VMs
 VM_CALLS = {"boot_qemu", "start_qemu"}
 
 
@@ -76,7 +76,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.vm)
     if config.getoption("--quick"):
         # The quick tier: no guest, and nothing a recorded run found slow (building the launcher's image, say).
-        slow = [item for item in items if item.get_closest_marker("vm") or measured.get(item.nodeid, [0, 0])[0] > QUICK_TEST_SECONDS]
+        slow = [item for item in items if item.get_closest_marker("vm") or measured.get(item.nodeid, [0, 0])[0] > QUICK_TEST_SECONDS or item.get_closest_marker("slow")]
         if slow:
             config.hook.pytest_deselected(items=slow)
             chosen = set(map(id, slow))

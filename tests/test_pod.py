@@ -346,6 +346,7 @@ def test_play_refuses_a_cache_the_launcher_cannot_use_before_anything_is_made(tm
     assert not (engine.root / "storage").exists()  # podman was never asked for anything
 
 
+@pytest.mark.slow  # its engine loads the launcher's image (built once per machine: minutes)
 def test_the_image_runs_as_107_and_carries_its_bill_of_materials(podman):
     config = json.loads(podman.out("image", "inspect", image_tag()))[0]
     print(f"launcher image: {config['Size'] / 2**20:.0f} MiB")
