@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up (idempotent) and run the whole test suite against the real tools.
 #   ./scripts/test.sh                 everything, two tests at a time (the suite's budget: 20 minutes of tests on 2 cores)
-#   ./scripts/test.sh -m 'not vm'     the quick tier: no test that boots a guest
+#   ./scripts/test.sh --quick         the quick tier: no test that boots a guest, nor what the recorded run found slow
+#   ./scripts/test.sh -m 'not vm'     every test that boots no guest
 #   ./scripts/test.sh tests/test_x.py pytest's own arguments pass through
 # DISKKIT_TEST_WORKERS sets how many tests run at once (default 2; 0 runs them in this process).
 # Every run ends with the slowest tests, the seconds per file and the total against the budget.
