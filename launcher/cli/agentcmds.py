@@ -6,18 +6,15 @@ from __future__ import annotations
 
 import click
 
-from diskkit.errors import NotFound
 from launcher.cli.options import cache_option, node_cache
 
 
 def _print(name: str, cache_dir: str | None, query) -> None:
     from launcher.runtime.agentinfo import go_json
-    from launcher.runtime.vms import connect, find_record
+    from launcher.runtime.vms import connect, record_of
 
     cache = node_cache(cache_dir)
-    record = find_record(cache, name)
-    if record is None:
-        raise NotFound(name, "no VM of this name was started from this cache (yet)")
+    record = record_of(cache, name)
     lv = connect(record)
     try:
         click.echo(go_json(query(lv, record["domain"], name)))

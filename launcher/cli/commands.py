@@ -358,14 +358,11 @@ def status(name, as_json, cache_dir) -> None:
     is healthy, as KubeVirt keeps such a VMI's phase Running and excuses it from its probe
     (virt-launcher's isPausedButHealthy): the pod is not restarted under a paused VM.
     """
-    from diskkit.errors import NotFound
     from launcher.runtime.conditions import PAUSED_BY_USER
-    from launcher.runtime.vms import conditions, find_record, state_and_why
+    from launcher.runtime.vms import conditions, record_of, state_and_why
 
     cache = node_cache(cache_dir)
-    record = find_record(cache, name)
-    if record is None:
-        raise NotFound(name, "no VM of this name was started from this cache (yet)")
+    record = record_of(cache, name)
     now, paused = state_and_why(record, cache)
     found = conditions(record, cache, paused) if now in ("running", "paused") else []
     if as_json:

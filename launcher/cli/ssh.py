@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import click
 
-from diskkit.errors import DiskkitError, NotFound
+from diskkit.errors import DiskkitError
 from launcher.node.selfexec import launcher_argv
 
 # pkg/virtctl/portforward/portforward.go normalizeKind: both name the VM the launcher runs as its VMI.
@@ -132,14 +132,13 @@ def ssh(target, remote, identity_file, port, username, command, local_opts, time
     """
     from launcher.cli.options import node_cache, say
     from launcher.runtime.sshreach import first_contact
-    from launcher.runtime.vms import find_record
+    from launcher.runtime.vms import record_of
 
     if command and remote:
         raise DiskkitError("ssh", "give the command with -c or after --, not both")
     parsed = parse_target(target)
     cache = node_cache(cache_dir)
-    if find_record(cache, parsed.vm) is None:
-        raise NotFound(parsed.vm, "no VM of this name was started from this cache (yet)")
+    record_of(cache, parsed.vm)
     contact = first_contact(cache, parsed.vm, port, timeout, say, progress=say)
     argv = ssh_command(parsed, port, launcher_argv(), identity=identity_file, user=username or default_user(),
                        local_opts=local_opts, host_key_opts=contact.ssh_options(), command=(command,) if command else remote,

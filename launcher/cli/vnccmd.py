@@ -11,7 +11,7 @@ import sys
 
 import click
 
-from diskkit.errors import DiskkitError, NotFound
+from diskkit.errors import DiskkitError
 from launcher.cli.options import cache_option, node_cache, say
 
 REMOTE_VIEWER, TIGER_VNC = "remote-viewer", "vncviewer"
@@ -67,7 +67,7 @@ def vnc(name, vmi, address, port, proxy_only, vnc_type, vnc_path, file_name, cac
     the display is the guest's console.
     """
     from launcher.runtime import vnc as display
-    from launcher.runtime.vms import connect, find_record
+    from launcher.runtime.vms import connect, record_of
 
     screenshot = name == "screenshot" and vmi is not None
     if vmi is not None and not screenshot:
@@ -76,9 +76,7 @@ def vnc(name, vmi, address, port, proxy_only, vnc_type, vnc_path, file_name, cac
     if screenshot and not file_name:
         raise DiskkitError("screenshot", 'required flag(s) "file" not set')  # cobra's words for MarkFlagRequired
     cache = node_cache(cache_dir)
-    record = find_record(cache, target)
-    if record is None:
-        raise NotFound(target, "no VM of this name was started from this cache (yet)")
+    record = record_of(cache, target)
     lv = connect(record)
     try:
         if not lv.active(record["domain"]):

@@ -5,12 +5,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from diskkit.errors import DiskkitError, NotFound
+from diskkit.errors import DiskkitError
 from launcher.node.cache import Cache
 from launcher.runtime.conditions import PAUSED_BY_USER, Paused, pause_refusal, paused_condition, unpause_refusal
 from launcher.runtime.iopause import describe
 from launcher.runtime.runner import Libvirt
-from launcher.runtime.vms import connect, find_record
+from launcher.runtime.vms import connect, record_of
 
 # After unpausing a VM an I/O error paused, this long to see whether qemu's retry of the failed
 # request paused it again (the disk still full, say): qemu retries at once on resume.
@@ -25,9 +25,7 @@ class Unpaused:
 
 
 def _vm(cache: Cache, name: str) -> tuple[dict, Libvirt]:
-    record = find_record(cache, name)
-    if record is None:
-        raise NotFound(name, "no VM of this name was started from this cache (yet)")
+    record = record_of(cache, name)
     return record, connect(record)
 
 

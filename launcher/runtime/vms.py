@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
-from diskkit.errors import DiskkitError, GuestFailed, TimedOut
+from diskkit.errors import DiskkitError, GuestFailed, NotFound, TimedOut
 from diskkit.oci.image import Platform
 from diskkit.registry.options import RegistryOptions
 from diskkit.streams.fsutil import write_atomic
@@ -500,6 +500,14 @@ def _clear_last_run(cache: Cache, vmi: VMI) -> None:
     except DiskkitError:
         lv = None
     cleanup(cache, lv, vmi.domain_name)
+
+
+def record_of(cache: Cache, name: str) -> dict:
+    """find_record, or NotFound naming the VM asked for."""
+    record = find_record(cache, name)
+    if record is None:
+        raise NotFound(name, "no VM of this name was started from this cache (yet)")
+    return record
 
 
 def find_record(cache: Cache, name: str) -> dict | None:
