@@ -206,7 +206,7 @@ def check_the_fedora_vm(qemu_user, tmp_path: Path, www: Path, data: Path, manife
                                  stderr=subprocess.DEVNULL)
         try:
             run = Running(qemu_user, "run", "--console", "--timeout", "400", *storage, vm_file)
-            run.wait_for("waiting for DataVolume default/fedora-data (UploadScheduled; upload it with: diskkit upload default/fedora-data FILE)", 300)
+            run.wait_for_upload("fedora-data", 300)
             token = run_launcher("dv", "token", "fedora-data", "--cache-dir", cache)
             assert token.code == 0, token.err
             sent = run_diskkit("upload", "fedora-data", data, "--url", f"http://{host}", "--token", token.out.strip(), "--wait", "60")

@@ -70,12 +70,21 @@ class Running:
         for line in stream:
             sink.append(line)
 
-    def wait_for(self, text: str, timeout: float = 240) -> None:
+    def wait_for(self, text: str, timeout: float = 240) -> str:
+        """The first stderr line holding `text`, once there is one."""
         deadline = time.monotonic() + timeout
-        while not any(text in line for line in self.err):
+        while not (seen := [line for line in self.err if text in line]):
             assert self.proc.poll() is None, "".join(self.err)
             assert time.monotonic() < deadline, f"no {text!r} on stderr:\n{''.join(self.err)}"
             time.sleep(0.2)
+        return seen[0].rstrip("\n")
+
+    def wait_for_upload(self, name: str, timeout: float = 240) -> None:
+        """The run waits for an upload DataVolume: UploadScheduled, or UploadReady when the upload
+        server marked the bound claim before the run first looked (both are CDI's waiting phases)."""
+        line = self.wait_for(f"waiting for DataVolume default/{name} (Upload", timeout)
+        assert line.split("launcher: ", 1)[-1] in {f"waiting for DataVolume default/{name} ({phase}; upload it with: diskkit upload default/{name} FILE)"
+                                                   for phase in ("UploadScheduled", "UploadReady")}, line
 
     def finish(self, timeout: float = 300) -> tuple[int, str, str]:
         code = self.proc.wait(timeout)
@@ -153,7 +162,7 @@ def test_an_upload_waits_for_its_first_consumer_then_the_vm_boots_from_it(qemu_u
 
         vmi = _vmi(qemu_user, "upvm", [("upboot", "dv-up")])
         run = Running(qemu_user, "run", "--console", "--timeout", "300", *storage, vmi)
-        run.wait_for("waiting for DataVolume default/upboot (UploadScheduled; upload it with: diskkit upload default/upboot FILE)")
+        run.wait_for_upload("upboot")
         assert "default_upvm is the first consumer of claim upboot" in "".join(run.err)
         sent = run_diskkit(*send)
         assert sent.code == 0, sent.err

@@ -18,7 +18,6 @@ import contextlib
 import json
 import os
 import sqlite3
-import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -39,7 +38,10 @@ from launcher.node.admission import CachedImage, access_of, admit, admitted
 from launcher.node.cache import Cache, key
 
 POLICIES = ("Always", "IfNotPresent", "Never")
-STARTED = time.time()  # a tag record written since was resolved by this process
+# Tags this process resolved at the registry (shown name, platform): a second volume of the same
+# image is not "cached". Held in memory, not by a record's clock, which a second process started
+# within the same second would share.
+_RESOLVED_HERE: set[tuple[str, str]] = set()
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,7 @@ def pull(
     shown = str(parse_ref(ref))
     hit = cached(cache, ref, path, platform, policy, disk, registry)
     if hit:
-        _say_cached(cache, ref, platform, hit, policy, reporter)
+        _say_cached(ref, platform, hit, policy, reporter)
         return hit
     if policy == "Never" and parse_ref(ref).transport == "docker":
         raise DiskkitError(shown, "container image is not present with pull policy of Never")
@@ -156,18 +158,13 @@ def present(cache: Cache, ref: str, path: str | None, platform: Platform | None,
     return (hit, image) if image.present else None
 
 
-def _tag_record(cache: Cache, shown: str, platform: Platform | None) -> dict | None:
-    return cache.read_json(cache.tag_path(key(shown, str(platform or Platform.host()))))
-
-
-def _say_cached(cache: Cache, ref: str, platform: Platform | None, hit: Pulled, policy: str, reporter: Reporter) -> None:
+def _say_cached(ref: str, platform: Platform | None, hit: Pulled, policy: str, reporter: Reporter) -> None:
     """A tag answered from the node's record of it, not the registry's, is said with its digest: the
     tag may have moved since (KubeVirt's IfNotPresent, as the kubelet keeps it). Not for a digest, and
     not for a tag this very process resolved (a second volume of the same image)."""
     if parse_ref(ref).name.digest is not None:
         return
-    known = _tag_record(cache, hit.image, platform) or {}
-    if known.get("time", 0) >= int(STARTED):
+    if (hit.image, str(platform or Platform.host())) in _RESOLVED_HERE:
         return
     reporter.note(f"{hit.image}: cached {hit.digest} (imagePullPolicy {policy}); imagePullPolicy: Always or --pull-policy Always"
                   " asks the registry where the tag is now")
@@ -195,11 +192,11 @@ def remember(cache: Cache, shown: str, platform: Platform | None, image, source)
     top = desc.digest if desc else sha256_digest(data)
     cache.put_blob(top, data)
     platform_text = str(platform or Platform.host())
+    _RESOLVED_HERE.add((shown, platform_text))
     # a short name is scoped by the candidate that had it (diskkit.signing.trust)
     name = str(replace(source.ref, name=source.requested, short=None)) if isinstance(source, RemoteSource) else shown
     cache.write_json(cache.tag_path(key(shown, platform_text)), {"image": shown, "platform": platform_text, "digest": image.digest,
-                                                                "top": top, "topMediaType": media, "name": name, "access": access_of(source),
-                                                                "time": int(time.time())})
+                                                                "top": top, "topMediaType": media, "name": name, "access": access_of(source)})
 
 
 def _cached(cache: Cache, ref_key: str, shown: str) -> Pulled | None:
