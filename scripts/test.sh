@@ -23,4 +23,5 @@ if [ "$WORKERS" != 0 ]; then
     # guest shared by its checks) are made once.
     PARALLEL=(-n "$WORKERS" --dist loadfile)
 fi
-exec .venv/bin/python -m pytest "${PARALLEL[@]}" --durations=30 "$@"
+# Under a subreaper: libvirt calls a stopped VM shut off only once its qemu, an orphan, is reaped.
+exec .venv/bin/python scripts/subreaper.py .venv/bin/python -m pytest "${PARALLEL[@]}" --durations=30 "$@"
