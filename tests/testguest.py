@@ -29,7 +29,7 @@ INIT = SRC_DIR / "init"
 OUTPUTS = ("testguest.qcow2", "testguest-poweroff.qcow2", "vmlinuz", "initrd.img")
 # As testguest-poweroff.qcow2's syslinux.cfg APPEND line in build.sh (for -kernel/-initrd boots): the
 # guest powers off once it has reported, for the tests that wait for the end.
-KERNEL_CMDLINE = "console=ttyS0 quiet panic=-1 scsi_mod.scan=sync diskkit.poweroff"
+KERNEL_CMDLINE = "console=ttyS0 quiet panic=-1 scsi_mod.scan=sync cryptomgr.notests diskkit.poweroff"
 QEMU = "qemu-system-x86_64"
 
 
