@@ -15,7 +15,7 @@ import time
 from launcher.node.cache import entry_name
 from launcher.spec.meta import domain_name
 from tests.testguest import parse_console
-from tests.vmhost import NOREG, QEMU_UID, assert_clean
+from tests.vmhost import DONE, NOREG, QEMU_UID, assert_clean
 
 USER_DATA = "#cloud-config\nhostname: from-cloud-init\n"
 NETWORK_DATA = "version: 2\nethernets: {}\n"
@@ -62,8 +62,9 @@ def test_every_generated_disk_reaches_the_guest(qemu_user, guest_image):
             {"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}}]}}),
         (_virtio("metrics", "metrics"), {"name": "metrics", "downwardMetrics": {}}),
     ]
-    # The guest stays up a while after its report, so the metrics refresher can be watched at work.
-    vmi_path = qemu_user.write_vmi("gen", guest_image, serial="hold-15", extra=extra)
+    # The guest stays up after its report, so the metrics refresher can be watched at work; once it
+    # was, and the guest has reported, its power button ends the run.
+    vmi_path = qemu_user.write_vmi("gen", guest_image, serial="hold-240", extra=extra)
     vmi = json.loads(vmi_path.read_text())
     vmi["metadata"]["labels"] = {"app": "shop"}
     vmi["spec"]["domain"]["firmware"] = {"uuid": UUID}
@@ -82,6 +83,7 @@ def test_every_generated_disk_reaches_the_guest(qemu_user, guest_image):
                 if sum(candidate) == checksum:
                     body = candidate
         time.sleep(0.5)
+    _power_off_once_reported(qemu_user, "default_gen", proc)
     out, err = proc.communicate(timeout=240)
     assert proc.returncode == 0, err
     # Refreshed from libvirt while the VM ran: the VM's own figures, beside the host's.
@@ -182,10 +184,21 @@ def _unreadable_by_nobody(path) -> bool:
     return proc.returncode != 0 and b"Permission denied" in proc.stderr and proc.stdout == b""
 
 
+def _power_off_once_reported(qemu_user, domain: str, proc: subprocess.Popen) -> None:
+    """Press the power button of a holding guest once its console says it has reported."""
+    log = qemu_user.cache / "run" / entry_name(domain) / "console" / "console.log"
+    deadline = time.monotonic() + 180
+    while proc.poll() is None and time.monotonic() < deadline and DONE not in (log.read_text(errors="replace") if log.is_file() else ""):
+        time.sleep(0.2)
+    if proc.poll() is None:
+        stopped = qemu_user.launcher("stop", domain)
+        assert stopped.code == 0, stopped.err
+
+
 def test_long_names_run_and_secrets_are_private_while_the_vm_runs(qemu_user, guest_image):
     (qemu_user.root / "long").mkdir()
     manifests = write_manifests(qemu_user.root / "long", LONG_NAMESPACE)
-    vmi_path = qemu_user.write_vmi("long", guest_image, serial="hold-20", extra=[
+    vmi_path = qemu_user.write_vmi("long", guest_image, serial="hold-240", extra=[
         (_virtio("ci", "ci"), {"name": "ci", "cloudInitNoCloud": {"userData": SECRET_USER_DATA}}),
         (_virtio("sec", "sec"), {"name": "sec", "secret": {"secretName": "app-secret"}}),
         (_virtio("sa", "sa"), {"name": "sa", "serviceAccount": {"serviceAccountName": "builder"}})])
@@ -216,6 +229,7 @@ def test_long_names_run_and_secrets_are_private_while_the_vm_runs(qemu_user, gue
             assert stat.S_IMODE(iso.parent.stat().st_mode) == 0o700, iso.parent
             assert _unreadable_by_nobody(iso)
         assert _unreadable_by_nobody(run_dir / "console" / "console.log")
+        _power_off_once_reported(qemu_user, domain, proc)
         out, err = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
