@@ -19,6 +19,7 @@ from launcher.spec.k8s import Objects
 from launcher.spec.vmi import VMI, Volume
 from launcher.volumes import cloudinit, configdisks, iso, vhostmd
 from launcher.volumes.storage import POD_CONFIG, SERVICE_ACCOUNT_MOUNT
+
 K8S_KINDS = {"configMap": ("ConfigMap", "configmaps"), "secret": ("Secret", "secrets")}
 
 
