@@ -102,6 +102,10 @@ class AuthError(RegistryError):
         return Exit.UNAVAILABLE if self.unreachable else Exit.AUTH
 
 
+class RangesRefused(RegistryError):
+    """The registry answered a range request with the whole blob (it ignores Range)."""
+
+
 class UploadLost(RegistryError):
     """The upload session cannot be resumed; the blob must be sent again from its first byte."""
 

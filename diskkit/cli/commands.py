@@ -21,19 +21,8 @@ from diskkit.cli.trustflags import signature_options
 from diskkit.errors import DiskkitError, Exit
 from diskkit.oci.image import Platform
 from diskkit.oci.reference import parse_ref
-from diskkit.ops.build import (
-    BuildOptions,
-    build,
-    examine_input,
-    input_disk,
-    source_epoch,
-    split_artifact,
-)
-from diskkit.ops.buildmeta import parse as parse_metadata
-from diskkit.ops.verify import describe, inspect, verify
 from diskkit.progress import reporter_for
 from diskkit.registry.options import RegistryOptions
-from diskkit.source.fetch import is_stream
 from diskkit.streams.compression import KINDS
 
 
@@ -84,6 +73,8 @@ def convert(src: str, dest: Path, out_format: str, compress: bool, checksum: str
     import tempfile
 
     from diskkit.disk import qemuimg
+    from diskkit.ops.build import examine_input, input_disk
+    from diskkit.source.fetch import is_stream
     from diskkit.streams import fsutil
 
     if not is_stream(src) and dest.resolve() == Path(src).resolve():
@@ -180,6 +171,9 @@ def build_cmd(src, dests, image_path, disk_format, compression, level, lazy, laz
     nothing and pushes nothing ("sourceFetched": false in --json). Without a checksum nothing pins
     a URL's bytes: it is downloaded every time.
     """
+    from diskkit.ops.build import BuildOptions, build, source_epoch, split_artifact
+    from diskkit.ops.buildmeta import parse as parse_metadata
+
     per_platform = [p for p in platforms if "=" in p]
     if per_platform and (len(per_platform) != len(platforms) or src is not None):
         raise DiskkitError("--platform", "give either SRC with one --platform OS/ARCH, or only --platform OS/ARCH=FILE options")
@@ -230,7 +224,7 @@ def build_cmd(src, dests, image_path, disk_format, compression, level, lazy, laz
 cli.add_command(build_cmd, "build")
 
 
-def _nothing_to_do(opts: BuildOptions, pairs, registry: RegistryOptions, as_json: bool) -> bool:
+def _nothing_to_do(opts, pairs, registry: RegistryOptions, as_json: bool) -> bool:
     from diskkit.ops.labelcheck import already_there, parse_pairs
 
     platforms = [p for p, _ in opts.platforms] or [opts.platform]
@@ -337,6 +331,7 @@ def inspect_cmd(ref: str, platform: str | None, as_json: bool, image_path: str |
     Registry images are described without pulling their layers. The signature policy is enforced
     first. Exits 1 when it lists a problem.
     """
+    from diskkit.ops.verify import describe, inspect
     from diskkit.signing.trust import enforce_ref
 
     enforce_ref(ref, trust, registry, platform_of(platform))
@@ -411,6 +406,8 @@ def verify_cmd(ref: str, image_path: str | None, platform: str | None, all_platf
     /disk, or --path resolved inside the image), that UID 107 can read it, and that it is raw or
     qcow2 with no backing file, no external data file and no corruption.
     """
+    from diskkit.ops.verify import describe, verify
+
     if all_platforms:
         if platform:
             raise DiskkitError("--all-platforms", "give either --platform or --all-platforms")
@@ -434,7 +431,7 @@ def verify_cmd(ref: str, image_path: str | None, platform: str | None, all_platf
 
 
 def _verify_all(ref: str, image_path: str | None, keys: tuple[Path, ...], as_json: bool, registry: RegistryOptions) -> None:
-    from diskkit.ops.verify import verify_all
+    from diskkit.ops.verify import describe, verify_all
 
     results = verify_all(ref, image_path, registry)
     problems: list[str] = []

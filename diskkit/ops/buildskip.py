@@ -22,7 +22,7 @@ from diskkit.errors import DiskkitError
 from diskkit.oci.image import sha256_digest
 from diskkit.ops import buildrecord
 from diskkit.registry.options import RegistryOptions
-from diskkit.source import checksum, httpfile
+from diskkit.source import checksum, urls
 
 # Destinations read back as they were written; archives are rewritten whole and engines re-number images.
 TRANSPORTS = ("docker", "oci")
@@ -35,7 +35,7 @@ def key(opts, dest_ref, expected: list[list[checksum.Expected]]) -> tuple[str, b
     kernel and initrd files); None when the build cannot be answered from a record: a source that is
     not a URL or has no checksum, or a destination that cannot be read back by its tag."""
     sources = [(str(plat), src) for plat, src in opts.platforms] or [(str(opts.platform), opts.source)]
-    if not all(isinstance(src, str) and httpfile.is_url(src) for _, src in sources) or not all(expected):
+    if not all(isinstance(src, str) and urls.is_url(src) for _, src in sources) or not all(expected):
         return None
     tag = dest_ref.name.tag if dest_ref.transport == "docker" else dest_ref.tag
     if dest_ref.transport not in TRANSPORTS or not tag or (dest_ref.name is not None and dest_ref.name.digest):
@@ -43,7 +43,7 @@ def key(opts, dest_ref, expected: list[list[checksum.Expected]]) -> tuple[str, b
     options = {k: v for k, v in dataclasses.asdict(opts).items() if k not in _NOT_CONTENT}
     settings = json.loads(json.dumps({"image": options, "destination": str(dest_ref)}, sort_keys=True, default=str))
     files = [(a[0], Path(a[1])) for a in (opts.kernel, opts.initrd) if a]
-    streamed = [(where, httpfile.shown(src), tuple(str(e) for e in sums)) for (where, src), sums in zip(sources, expected)]
+    streamed = [(where, urls.shown(src), tuple(str(e) for e in sums)) for (where, src), sums in zip(sources, expected)]
     return buildrecord.key(files, settings, streamed)
 
 

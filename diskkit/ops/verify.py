@@ -16,7 +16,7 @@ from diskkit.disk.containerdisk import (
     locate,
     wanted,
 )
-from diskkit.errors import DiskkitError, Exit
+from diskkit.errors import DiskkitError, Exit, RangesRefused
 from diskkit.layers import lazytoc
 from diskkit.layers.imagefs import Spooled, extract_one, walk
 from diskkit.layers.lazycheck import MemberCheck
@@ -27,10 +27,8 @@ from diskkit.oci.image import Descriptor, Image, Platform, parse_json
 from diskkit.oci.mediatypes import layer_compression
 from diskkit.oci.reference import parse_ref
 from diskkit.registry.options import RegistryOptions
-from diskkit.registry.ranges import RangeReader, RangesRefused
 from diskkit.transports import open_source
 from diskkit.transports.base import Source
-from diskkit.transports.remote import RemoteSource
 
 
 @dataclass
@@ -126,7 +124,11 @@ def lazy_inflaters(source: Source, image: Image, known: dict[int, lazytoc.Toc | 
     inflaters = {}
     # From a registry the TOC is read with a range that is refused, not read up to, when the
     # registry ignores Range: that layer then inflates on one core, its blob fetched once.
-    reader = RangeReader(source.registry, source.name.repository) if isinstance(source, RemoteSource) else source
+    reader = source
+    if source.remote:
+        from diskkit.registry.ranges import RangeReader
+
+        reader = RangeReader(source.registry, source.name.repository)
     for index, layer in enumerate(image.layers):
         if layer_compression(layer.media_type) != "gzip":
             continue

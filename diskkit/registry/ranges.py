@@ -9,12 +9,8 @@ import threading
 import requests
 import urllib3
 
-from diskkit.errors import AuthError, RegistryError
+from diskkit.errors import AuthError, RangesRefused, RegistryError
 from diskkit.registry.client import Registry, failure_reason, get_blob, retry_after
-
-
-class RangesRefused(RegistryError):
-    """The registry answered a range request with the whole blob (it ignores Range)."""
 
 
 class BlobRanges:

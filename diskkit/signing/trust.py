@@ -26,7 +26,6 @@ from diskkit.signing.kept import Kept
 from diskkit.signing.options import SignOptions, TrustOptions
 from diskkit.transports import open_source
 from diskkit.transports.base import Source
-from diskkit.transports.remote import RemoteSource
 
 
 def _scope_names(ref: ImageRef) -> tuple[str, list[str]]:
@@ -68,7 +67,7 @@ def _enforce_policy(source: Source, trust: TrustOptions, registry: RegistryOptio
     loaded = load_policy(trust)
     if loaded is None:
         return
-    if isinstance(source, RemoteSource):
+    if source.remote:
         if source.ref.short:
             source.top_manifest()  # a short name is the candidate that has the image: its scope, not docker.io's
         ref = replace(source.ref, name=source.requested, short=None)
@@ -91,7 +90,7 @@ def _enforce_policy(source: Source, trust: TrustOptions, registry: RegistryOptio
     config = registriesd.load(trust.registries_d) if intended is not None else None
     # The registry the image is read from (a mirror, say): where the signature API is asked, as
     # containers/image asks its physicalRef.
-    physical = (source.registry, source.name.repository) if isinstance(source, RemoteSource) else None
+    physical = (source.registry, source.name.repository) if source.remote else None
     for digest in dict.fromkeys(digests):
         fetched: dict[str, list] = {}
 
@@ -133,7 +132,7 @@ def require_boot_test(source: Source, trust: TrustOptions, registry: RegistryOpt
     keys = [*trust.boot_test_keys, *trust.boot_test_gpg_keys]
     wanted = f"no passed boot-test attestation of {{}} signed by {' or '.join(keys)} (launcher test --attest-*)"
     # A copy of a registry's image (a node's cache) is asked about at its registry: attestations are not kept.
-    name = source.name if isinstance(source, RemoteSource) else parse_ref(source.where).name
+    name = source.name if source.remote else parse_ref(source.where).name
     if name is None:
         raise VerifyFailed(source.where, wanted.format("it") + ": attestations are read from a registry")
     data, media, desc = source.top_manifest()
@@ -215,6 +214,8 @@ def sign_pushed(dest: ImageRef, digest: str, private_key, registry: RegistryOpti
     """Sign the pushed manifest and, for an index, each manifest in it unless only the index was
     copied (as skopeo does: each copied image is signed as it is copied); the digests signed."""
     from diskkit.signing import sigstore
+    from diskkit.transports.remote import RemoteSource
+
     name = dest.name
     reference = policy.identity_of(name)
     source = RemoteSource(ImageRef("docker", name=DockerName(name.registry, name.repository, digest=digest)), registry)

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 from diskkit.errors import DiskkitError
 
+FILE_LIMIT = 4 << 20  # a checksum file is a few lines; anything bigger is no checksum file
+
 ALGORITHMS = {"sha256": 64, "sha512": 128}  # hex digits of each digest
 _BSD = re.compile(r"^(SHA256|SHA512) ?\((?P<name>.+)\) ?= ?(?P<hex>[0-9a-fA-F]+)$")
 _GNU = re.compile(r"^(?P<hex>[0-9a-fA-F]+) [ *](?P<name>.+)$")

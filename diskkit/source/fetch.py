@@ -15,7 +15,7 @@ from typing import BinaryIO, Callable
 from diskkit.disk import payload
 from diskkit.errors import DiskkitError
 from diskkit.registry.options import RegistryOptions
-from diskkit.source import checksum, httpfile
+from diskkit.source import checksum, urls
 from diskkit.streams.readahead import ReadAhead
 
 STDIN = "-"
@@ -24,13 +24,13 @@ CHUNK = 1 << 20
 
 def is_stream(spec: str | Path) -> bool:
     """A URL or `-` (stdin), as opposed to a local file."""
-    return isinstance(spec, str) and (spec == STDIN or httpfile.is_url(spec))
+    return isinstance(spec, str) and (spec == STDIN or urls.is_url(spec))
 
 
 def shown(spec: str | Path) -> str:
     if spec == STDIN:
         return "stdin"
-    return httpfile.shown(spec) if isinstance(spec, str) and httpfile.is_url(spec) else str(spec)
+    return urls.shown(spec) if isinstance(spec, str) and urls.is_url(spec) else str(spec)
 
 
 def expectations(spec: str | Path, value: str | None, sums: str | None, opts: RegistryOptions) -> list[checksum.Expected]:
@@ -43,19 +43,21 @@ def expectations(spec: str | Path, value: str | None, sums: str | None, opts: Re
         return [checksum.parse_value(value)]
     if sums is None:
         return []
-    name = httpfile.file_name(spec) if isinstance(spec, str) and httpfile.is_url(spec) else ("" if spec == STDIN else Path(spec).name)
+    name = urls.file_name(spec) if isinstance(spec, str) and urls.is_url(spec) else ("" if spec == STDIN else Path(spec).name)
     if not name:
         raise DiskkitError(f"--checksum-file {shown(sums)}", f"{shown(spec)} has no file name to look up; give --checksum sha256:HEX")
-    if httpfile.is_url(sums):
-        text = httpfile.read_small(sums, opts)
+    if urls.is_url(sums):
+        from diskkit.source import httpfile
+
+        text = httpfile.read_small(sums, opts, checksum.FILE_LIMIT)
     else:
         try:
             with open(sums, "rb") as f:
-                text = f.read(httpfile.SMALL_LIMIT + 1)
+                text = f.read(checksum.FILE_LIMIT + 1)
         except OSError as exc:
             raise DiskkitError(sums, f"checksum file cannot be read ({exc.strerror})") from None
-        if len(text) > httpfile.SMALL_LIMIT:
-            raise DiskkitError(sums, f"is more than {httpfile.SMALL_LIMIT} bytes; a checksum file that large is refused")
+        if len(text) > checksum.FILE_LIMIT:
+            raise DiskkitError(sums, f"is more than {checksum.FILE_LIMIT} bytes; a checksum file that large is refused")
     return checksum.lookup(text.decode("utf-8", "replace"), name, f"--checksum-file {shown(sums)}")
 
 
@@ -104,6 +106,8 @@ def download(spec: str, workdir: Path, expected: list[checksum.Expected], opts: 
     """The disk at URL `spec` (or on stdin for `-`), unwrapped into `workdir` in one pass and
     checked against `expected`. A file that changed on the server mid-download is read again
     from its start (at most opts.retries times)."""
+    from diskkit.source import httpfile
+
     note = note or (lambda line: None)
     restarts = 0
     while True:
@@ -127,7 +131,9 @@ def _download_once(spec: str, out_dir: Path, expected, opts: RegistryOptions, no
     if spec == STDIN:
         raw, name = sys.stdin.buffer.raw if hasattr(sys.stdin.buffer, "raw") else sys.stdin.buffer, ""
     else:
-        raw, name = httpfile.RemoteFile(spec, opts, note), httpfile.file_name(spec)
+        from diskkit.source import httpfile
+
+        raw, name = httpfile.RemoteFile(spec, opts, note), urls.file_name(spec)
     hashing = Hashing(raw, hashes)
     # Fetching and hashing in a thread of their own, decompressing and writing in this one: hashlib,
     # ISA-L and the lzma/bz2/zstd libraries release the GIL, so both cores work (bench/upstream.py).

@@ -12,7 +12,6 @@ from __future__ import annotations
 import io
 import time
 from typing import Callable
-from urllib.parse import unquote, urlsplit
 
 import requests
 import urllib3
@@ -20,33 +19,11 @@ import urllib3
 from diskkit.errors import DiskkitError
 from diskkit.registry.client import failure_reason, retry_after
 from diskkit.registry.options import RegistryOptions
+from diskkit.source.urls import check_url, shown
 
 TIMEOUT = (30, 120)  # connect, and between two reads: a stalled server counts as a dropped one
 RETRYABLE = (408, 429, 500, 502, 503, 504)
-SMALL_LIMIT = 4 << 20  # a checksum file is a few lines; anything bigger is no checksum file
 _DROPPED = (urllib3.exceptions.HTTPError, requests.exceptions.RequestException, OSError)
-
-
-def is_url(spec: str) -> bool:
-    return spec.partition("://")[1] != "" and spec.partition("://")[0].isalpha()
-
-
-def shown(url: str) -> str:
-    """The URL as it may be printed: without `user:pass@` or the query, where tokens live."""
-    parts = urlsplit(url)
-    return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}{parts.path}"
-
-
-def file_name(url: str) -> str:
-    """The file name a URL's path ends in (what a checksum file lists), or "" for none."""
-    name = unquote(urlsplit(url).path).rsplit("/", 1)[-1]
-    return "" if name in ("", ".", "..") else name
-
-
-def check_url(url: str) -> None:
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise DiskkitError(shown(url), "only http:// and https:// URLs are read; download it first and give the file")
 
 
 class SourceChanged(DiskkitError):
@@ -168,7 +145,7 @@ class RemoteFile(io.RawIOBase):
         super().close()
 
 
-def read_small(url: str, opts: RegistryOptions, limit: int = SMALL_LIMIT) -> bytes:
+def read_small(url: str, opts: RegistryOptions, limit: int) -> bytes:
     """A whole small file (a checksum file), retried as a disk is; more than `limit` bytes refused."""
     with RemoteFile(url, opts) as remote:
         if remote.total is not None and remote.total > limit:

@@ -86,6 +86,9 @@ class Source:
 
     where: str
     manifest_synthesized = False  # archives and engines store none: the manifest is made up on reading
+    # A registry's image (RemoteSource, with its `registry`, `name` and `ref`): asked so rather than by
+    # isinstance, so that reading a local image never loads the HTTP client.
+    remote = False
 
     def top_manifest(self) -> tuple[bytes, str | None, Descriptor | None]:
         """The manifest or index the reference names, its media type if known, and its descriptor if known."""

@@ -93,6 +93,8 @@ class RemoteSource(Source):
     """Reads from the first of registries.conf's pull sources that has the image: a short name's
     candidates in order, each one's mirrors in order, then the registry itself."""
 
+    remote = True
+
     def __init__(self, ref: ImageRef, opts: RegistryOptions):
         assert ref.name is not None
         self.ref = ref

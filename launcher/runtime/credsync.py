@@ -37,7 +37,8 @@ from launcher.runtime.guestagent import ping
 from launcher.runtime.runner import Libvirt
 from launcher.spec import credentials
 from launcher.spec.k8s import Objects
-from launcher.volumes.gendisks import POD_CONFIG, access_credential_mount, object_files
+from launcher.volumes.gendisks import access_credential_mount, object_files
+from launcher.volumes.storage import POD_CONFIG
 
 CHECK_INTERVAL = 15.0  # access_credentials.go resyncCheckIntervalSeconds
 RESYNC_INTERVAL = 300.0  # its forced resync, resyncInterval

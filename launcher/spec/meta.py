@@ -13,8 +13,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from launcher.spec.fields import DNS1123_SUBDOMAIN, SUBDOMAIN_MESSAGE, SpecError, check_dns_label
 
 # k8s.io/apiserver/pkg/server/config.go: MaxRequestBodyBytes, the largest object the API server decodes.
@@ -103,6 +101,8 @@ def check_aliasing(root: yaml.Node) -> None:
     """Walk the composed document as decoding it would (aliases expanded), refusing what go-yaml
     refuses before the expansion can grow: excessive aliasing and an anchor that contains itself.
     PyYAML shares the objects of aliased nodes, so the danger is in whoever walks them later."""
+    import yaml
+
     decodes = aliases = 0
     seen: set[int] = set()
     on_path: set[int] = set()
@@ -133,6 +133,8 @@ def check_aliasing(root: yaml.Node) -> None:
 
 def parse_yaml(text: str, origin: str | Path) -> list[Any]:
     """Every document of a YAML stream, safe-loaded, each checked by `check_aliasing` first."""
+    import yaml  # here, not for every command: only those reading a manifest pay for the parser
+
     loader = yaml.SafeLoader(text)
     loader.name = str(origin)  # marks in messages name the file rather than "<unicode string>"
     docs = []

@@ -25,7 +25,6 @@ SERVICE_ACCOUNT_DISK = "service-account-disk/service-account.iso"
 # KubeVirt passes an unset volumeLabel to xorrisofs as an empty volume id, which no guest can mount by
 # label; ours is `cfgdata` then (the serviceAccount disk, which has no volumeLabel field, too).
 DEFAULT_LABEL = "cfgdata"
-SERVICE_ACCOUNT_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 SERVICE_ACCOUNT_FILES = ("ca.crt", "namespace", "token")
 SERVICE_ACCOUNT_TOKEN_TYPE = "kubernetes.io/service-account-token"
 SERVICE_ACCOUNT_NAME_ANNOTATION = "kubernetes.io/service-account.name"

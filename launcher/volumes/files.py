@@ -15,7 +15,6 @@ from launcher.diskserver.qemuid import is_system_uri, system_qemu_ids
 from launcher.hostfs import asowner
 from launcher.hostfs.dirfd import NOFOLLOW, Dir, give
 from launcher.node.cache import QEMU_ID
-from launcher.render.domain import ResolvedDisk
 
 
 def direct_io_supported(path: Path) -> bool:
@@ -164,6 +163,9 @@ def block_io(path: Path) -> tuple[int, int, int] | None:
 
 def file_disk(path: Path, fmt: str, **kw) -> ResolvedDisk:
     """A disk on a file or block device as it stands (or will stand) at `path`."""
+    # Here, not at the top: DataVolume and upload code uses this module's file helpers without the renderer.
+    from launcher.render.domain import ResolvedDisk
+
     block = is_block(path)
     direct = direct_io_supported(path) if path.exists() else True
     preallocated = not block and path.exists() and path.stat().st_blocks * 512 >= path.stat().st_size
@@ -173,6 +175,8 @@ def file_disk(path: Path, fmt: str, **kw) -> ResolvedDisk:
 
 def overlay(path: Path, base: Path, base_format: str, create: bool) -> ResolvedDisk:
     """A VM's own qcow2 over a read-only base (KubeVirt's ephemeral disks); `create=False` only plans it."""
+    from launcher.render.domain import ResolvedDisk
+
     if create:
         path.parent.mkdir(parents=True, exist_ok=True)
         qemuimg.create_overlay(base, base_format, path)

@@ -18,8 +18,8 @@ from launcher.spec import credentials
 from launcher.spec.k8s import Objects
 from launcher.spec.vmi import VMI, Volume
 from launcher.volumes import cloudinit, configdisks, iso, vhostmd
+from launcher.volumes.storage import POD_CONFIG, SERVICE_ACCOUNT_MOUNT
 
-POD_CONFIG = Path("/var/run/kubevirt-private")  # where virt-launcher finds config volumes, by kind and name
 K8S_KINDS = {"configMap": ("ConfigMap", "configmaps"), "secret": ("Secret", "secrets")}
 
 
@@ -29,7 +29,7 @@ class Sources:
 
     objects: Objects | None = None
     pod_config: Path = POD_CONFIG
-    service_account_dir: Path = Path(configdisks.SERVICE_ACCOUNT_MOUNT)
+    service_account_dir: Path = SERVICE_ACCOUNT_MOUNT
 
 
 @dataclass

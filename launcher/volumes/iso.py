@@ -15,12 +15,6 @@ import time as _time
 from pathlib import Path, PurePosixPath
 from typing import Callable, Iterator, Mapping
 
-import pycdlib
-import pycdlib.dates
-import pycdlib.headervd
-import pycdlib.pycdlib
-import pycdlib.utils
-
 from diskkit.streams.fsutil import publishing
 
 FILE_MODE = 0o100644
@@ -55,20 +49,25 @@ class _FrozenClock:
         return getattr(_time, name)
 
 
-_PYCDLIB_MODULES = (pycdlib.dates, pycdlib.headervd, pycdlib.pycdlib, pycdlib.utils)
 _clock_lock = threading.Lock()
 
 
 @contextlib.contextmanager
 def _frozen_clock(at: int) -> Iterator[None]:
+    import pycdlib.dates
+    import pycdlib.headervd
+    import pycdlib.pycdlib
+    import pycdlib.utils
+
+    modules = (pycdlib.dates, pycdlib.headervd, pycdlib.pycdlib, pycdlib.utils)
     with _clock_lock:
-        saved = [module.time for module in _PYCDLIB_MODULES]
-        for module in _PYCDLIB_MODULES:
+        saved = [module.time for module in modules]
+        for module in modules:
             module.time = _FrozenClock(at)
         try:
             yield
         finally:
-            for module, original in zip(_PYCDLIB_MODULES, saved):
+            for module, original in zip(modules, saved):
                 module.time = original
 
 
@@ -118,6 +117,8 @@ def _validated(files: Mapping[str, bytes]) -> list[tuple[PurePosixPath, bytes]]:
 
 def write_to(out, volume_id: str, files: Mapping[str, bytes], modes: Mapping[str, int] | None = None) -> None:
     """Write the image of `files` (relative path -> content) to the binary stream `out`."""
+    import pycdlib  # here: a VM without a config or cloud-init disk never loads it
+
     if len(volume_id.encode()) > _VOLUME_ID_MAX:
         raise ValueError(f"volume id {volume_id!r} is longer than {_VOLUME_ID_MAX} bytes")
     modes = modes or {}

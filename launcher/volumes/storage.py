@@ -7,9 +7,11 @@ from pathlib import Path
 
 from launcher.spec.gates import FeatureGates
 from launcher.spec.k8s import Claim, Objects
-from launcher.volumes import gendisks, sizing
+from launcher.volumes import sizing
 
 POD_DISKS = Path("/var/run/kubevirt-private/vmi-disks")  # virt-launcher's mounts, by volume name
+POD_CONFIG = Path("/var/run/kubevirt-private")  # where virt-launcher finds config volumes, by kind and name
+SERVICE_ACCOUNT_MOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 
 @dataclass(frozen=True)
@@ -26,8 +28,8 @@ class Storage:
     objects: Objects | None = None
     tolerance: int = sizing.TOLERANCE
     pod_disks: Path = POD_DISKS
-    pod_config: Path = gendisks.POD_CONFIG  # config volumes as mounted in virt-launcher's pod
-    service_account_dir: Path = gendisks.Sources.service_account_dir
+    pod_config: Path = POD_CONFIG  # config volumes as mounted in virt-launcher's pod
+    service_account_dir: Path = SERVICE_ACCOUNT_MOUNT
     gates: FeatureGates = field(default_factory=FeatureGates)  # --feature-gates, --host-disk-dir
     # Where `objects` came from, for a helper that reads them again (launcher.runtime.credsync):
     # the --manifests directory, or the API (--kube-api); neither: the pod's mounts.
