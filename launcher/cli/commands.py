@@ -138,6 +138,9 @@ Examples:
 @click.option("--lazy/--no-lazy", default=None, help="Boot containerDisks before they have arrived, through the node's disk server (default: for images built with --lazy).")
 @click.option("--grace-period", type=click.FloatRange(min=0), metavar="SECONDS", help="When the VM is stopped (SIGTERM, Ctrl-C, launcher stop), how long the guest has to power off (ACPI) before it is destroyed; 0: at once.  [default: the VMI's terminationGracePeriodSeconds, else 30]")
 @click.option("--publish-address", metavar="ADDRESS", help="Forward ADDRESS:PORT to the guest for every port the interfaces declare (KubeVirt's masquerade; 0.0.0.0 in a pod).")
+@click.option("--io-error-patience", type=click.FloatRange(min=0), default=45, show_default=True, metavar="SECONDS",
+              help="A VM that keeps pausing on I/O errors (a lazy disk's registry away) is resumed six times over this long"
+                   " (1, 2, 4, 8, 15 and 15 s at the default), then destroyed. A pause for want of space is waited out however long.")
 @click.option("--json", "as_json", is_flag=True, help='When the command returns, print {"vmi": NAMESPACE/NAME, "domain": ..., "accel": {...}, "exitCode": 0}; not with --console.')
 @accel_option
 @update_option
@@ -149,7 +152,7 @@ Examples:
 @storage_options
 @registry_options
 @trust_options
-def run(vmi_file, uri, console, detach, wait_for, timeout, platform, lazy, grace_period, publish_address, accel, update, pull_policy, container_disk_dir,
+def run(vmi_file, uri, console, detach, wait_for, timeout, platform, lazy, grace_period, publish_address, io_error_patience, accel, update, pull_policy, container_disk_dir,
         kernel_boot_dir, own_spec, as_json, ignore_unsupported, cache_dir, store, registry: RegistryOptions) -> None:
     """Prepare every volume of a VirtualMachineInstance, define and start its domain, stay with it.
 
@@ -185,7 +188,7 @@ def run(vmi_file, uri, console, detach, wait_for, timeout, platform, lazy, grace
     opts = RunOptions(uri=uri, platform=platform_of(platform), registry=registry, console=console, wait_for=wait_for, timeout=timeout, storage=store,
                       lazy={None: "auto", True: "on", False: "off"}[lazy], grace_period=grace_period, detach=detach,
                       publish_address=publish_address, update=update, container_disk_dir=container_disk_dir,
-                      kernel_boot_dir=kernel_boot_dir, accel=accel, pull_policy=pull_policy)
+                      kernel_boot_dir=kernel_boot_dir, accel=accel, pull_policy=pull_policy, io_error_patience=io_error_patience)
     ran = do_run(vmi, node_cache(cache_dir), opts, say)
     if as_json:
         click.echo(json.dumps({"vmi": f"{vmi.namespace}/{vmi.name}", "domain": vmi.domain_name, "accel": ran.accel.to_json(), "exitCode": ran.code}, indent=2))
