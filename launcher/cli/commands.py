@@ -210,7 +210,7 @@ Examples:
 @click.option("--prefetch-rate", metavar="SIZE", help="Prefetch at most SIZE bytes a second (e.g. 50M); reads a VM waits for are never held back.")
 @click.option("--prefetch-threads", type=click.IntRange(1, 16), default=2, show_default=True, help="Parallel range requests prefetching the rest of each disk.")
 @click.option("--fetch-timeout", type=click.FloatRange(min=1), default=300, show_default=True, metavar="SECONDS", help="How long a VM's read waits through registry outages before it gets an I/O error.")
-@click.option("--exit-when-idle", type=click.FloatRange(min=0), metavar="SECONDS", help="Exit once no VM has been connected and nothing was left to fetch for this long.")
+@click.option("--exit-when-idle", type=click.FloatRange(min=0), metavar="SECONDS", help="Exit once no VM has been connected and nothing was left to fetch for this long (at most 5 s once the VMs it served, or the runs that asked for them, are gone).")
 @click.option("--status", "show_status", is_flag=True, help="Print what the running disk server exports instead of serving.")
 @click.option("--json", "as_json", is_flag=True, help="With --status: one JSON object.")
 @click.option("--upload-listen", metavar="HOST:PORT", help="Also serve the upload endpoint of upload DataVolumes here (diskkit upload sends to it).")
