@@ -45,8 +45,8 @@ def lazy_registry(tmp_path_factory):
     registry.stop()
 
 
-def push_padded(registry, root: Path, tag: str, seed: int) -> tuple[str, Path]:
-    disk = padded_guest(ensure_testguest() / "testguest-poweroff.qcow2", root / f"padded-{tag}.img", PADDED, seed)
+def push_padded(registry, root: Path, tag: str, seed: int, size: int = PADDED) -> tuple[str, Path]:
+    disk = padded_guest(ensure_testguest() / "testguest-poweroff.qcow2", root / f"padded-{tag}.img", size, seed)
     return build_lazy_image(disk, f"{registry.host}/lazy/guest:{tag}"), disk
 
 
@@ -58,7 +58,7 @@ def padded_image(lazy_registry, qemu_user) -> tuple[str, Path]:
 def header_read(cache: Path) -> bool:
     """The export is open and its first chunk is here: the server read the disk's header before
     answering the run. An export is listed before that read, and a registry stopped in between
-    (with a 2 s fetch timeout) would fail the open, not the guest's reads."""
+    (with a fetch timeout of a second or two) would fail the open, not the guest's reads."""
     exports = control(cache, {"op": "status"})["exports"]
     return bool(exports) and exports[0]["present"] >= 1
 
@@ -210,9 +210,11 @@ def test_registry_away_longer_than_the_fetch_timeout_pauses_the_vm_until_it_is_b
 
 
 def test_registry_gone_for_good_ends_the_run_with_the_reason(qemu_user, lazy_registry):
-    ref, _ = push_padded(lazy_registry, qemu_user.root, "gone", 5)
+    # Padding of its own (its seed: no other image's chunks stand in for it), out of reach once the registry
+    # is gone; 32 MiB of it are as far out of reach as 192, and quicker to build.
+    ref, _ = push_padded(lazy_registry, qemu_user.root, "gone", 8, 96 << 20)
     cache = qemu_user.cache
-    with disk_server(cache, "--prefetch-rate", "1M", "--fetch-timeout", "2", user=QEMU_UID, env=qemu_user.env):
+    with disk_server(cache, "--prefetch-rate", "1M", "--fetch-timeout", "1", user=QEMU_UID, env=qemu_user.env):
         vmi = qemu_user.write_vmi("lazy-gone", ref)
         # The six resumes over 4.5 s instead of 45: what is given up on, and with which reason, is the same.
         proc = qemu_user.popen("run", NOREG, "--retry-times", "1", "--retry-delay", "0.2", "--lazy", "--console", "--timeout", "600",
@@ -220,7 +222,7 @@ def test_registry_gone_for_good_ends_the_run_with_the_reason(qemu_user, lazy_reg
         wait_for(lambda: header_read(cache), 120, "the export to open")
         lazy_registry.stop()
         try:
-            out, err = proc.communicate(timeout=400)  # bounded: six resumes, each a 2 s fetch timeout
+            out, err = proc.communicate(timeout=400)  # bounded: six resumes, each a 1 s fetch timeout
         finally:
             lazy_registry.start()
     assert proc.returncode != 0
