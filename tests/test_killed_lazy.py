@@ -181,8 +181,9 @@ def the_truth_then_clean(user: QemuUser, stages: LazyStages, stage: str) -> None
     log = (user.cache.parent / f"serve-{user.cache.name}.log").read_text(errors="replace")
     assert code == 0, log
     assert log.rstrip().splitlines()[-2].endswith(": exiting"), (stage, log[-2000:])
-    if not running:
-        # The run it was asked by is gone, its VM never came: the server lingers no longer than after a VM.
+    if stage == "opening":
+        # The run it was opened for is gone, no VM ever came (later stages read the disk's header for the
+        # overlay): the server lingers no longer than after a VM.
         assert "the run that asked for a disk is gone before its VM connected" in log.rstrip().splitlines()[-2], (stage, log[-2000:])
     # A run under load may have started a server of its own too (`run --lazy` starts one when none
     # answers it at once): that one leaves after its own idle time and fetch timeout (launcher.diskserver.spawn).
