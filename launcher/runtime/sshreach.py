@@ -105,7 +105,7 @@ def record_keys(run_dir: Path, host: str, keys: tuple[HostKey, ...]) -> Contact:
 PROBE_ID = b"SSH-2.0-launcher_probe\r\n"
 
 
-def banner(entry: dict, port: int, timeout: float = 10) -> bytes | None:
+def banner(entry: dict, port: int, timeout: float) -> bytes | None:
     """The identification line the guest's ssh server at `port` sends (RFC 4253 4.2: `SSH-...`, maybe after
     other lines), through a connection of its own from the VM's pod switch (launcher.network.backend);
     None when nothing answers yet: a connection the switch makes says nothing until the guest speaks."""
@@ -164,7 +164,8 @@ def first_contact(cache: Cache, name: str, port: int, timeout: float, say: Calla
                 running = lv.active(record["domain"])
                 if not running and find_record(cache, name) is None:
                     raise DiskkitError(name, "stopped before its ssh server answered")
-                answered = running and banner(entry, port) is not None
+                # A silent connection is given up at the deadline, not 10 s past it: --timeout is the caller's.
+                answered = running and banner(entry, port, min(10.0, max(deadline - time.monotonic(), POLL))) is not None
             if answered:
                 if known(run_dir, host) is not None:  # another contact settled it meanwhile
                     return Contact(run_dir / KNOWN_HOSTS, host, False, report)
