@@ -233,6 +233,14 @@ def test_registry_gone_for_good_ends_the_run_with_the_reason(qemu_user, lazy_reg
     assert_clean(qemu_user, "default_lazy-gone")
 
 
+@pytest.mark.parametrize("value, said", [("nan", "nan is not a number of seconds"), ("inf", "inf is not in the range 0<=x<=86400"),
+                                         ("-1", "-1.0 is not in the range 0<=x<=86400")])
+def test_the_io_error_patience_is_a_number_of_seconds(tmp_path, value, said):
+    # nan compares false to any bound: a VM it let through would never be resumed, nor given up on.
+    result = run_launcher("run", "--io-error-patience", value, tmp_path / "vmi.yaml")
+    assert result.code == 2 and f"Invalid value for '--io-error-patience': {said}" in result.err, result.err
+
+
 def test_two_vms_on_one_export_fetch_each_chunk_once(qemu_user, lazy_registry, fault_proxy):
     ref, _ = push_padded(lazy_registry, qemu_user.root, "twice", 6)
     proxy = fault_proxy(lazy_registry)

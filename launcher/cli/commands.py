@@ -109,6 +109,13 @@ def domain(vmi_file, platform, accel, lazy, update, pull_policy, container_disk_
         click.echo(xml, nl=not xml.endswith("\n"))
 
 
+def _not_nan(ctx, param, value: float) -> float:
+    """A FloatRange lets `nan` through (it compares false to both bounds)."""
+    if value != value:
+        raise click.BadParameter("nan is not a number of seconds")
+    return value
+
+
 @cli.command(epilog="""\b
 Examples:
   launcher run vmi.yaml --console
@@ -138,7 +145,7 @@ Examples:
 @click.option("--lazy/--no-lazy", default=None, help="Boot containerDisks before they have arrived, through the node's disk server (default: for images built with --lazy).")
 @click.option("--grace-period", type=click.FloatRange(min=0), metavar="SECONDS", help="When the VM is stopped (SIGTERM, Ctrl-C, launcher stop), how long the guest has to power off (ACPI) before it is destroyed; 0: at once.  [default: the VMI's terminationGracePeriodSeconds, else 30]")
 @click.option("--publish-address", metavar="ADDRESS", help="Forward ADDRESS:PORT to the guest for every port the interfaces declare (KubeVirt's masquerade; 0.0.0.0 in a pod).")
-@click.option("--io-error-patience", type=click.FloatRange(min=0), default=45, show_default=True, metavar="SECONDS",
+@click.option("--io-error-patience", type=click.FloatRange(min=0, max=86400), default=45, show_default=True, metavar="SECONDS", callback=_not_nan,
               help="A VM that keeps pausing on I/O errors (a lazy disk's registry away) is resumed six times over this long"
                    " (1, 2, 4, 8, 15 and 15 s at the default), then destroyed. A pause for want of space is waited out however long.")
 @click.option("--json", "as_json", is_flag=True, help='When the command returns, print {"vmi": NAMESPACE/NAME, "domain": ..., "accel": {...}, "exitCode": 0}; not with --console.')
