@@ -85,7 +85,7 @@ class LazyStages:
     def opening(self) -> Iterator[subprocess.Popen]:
         """The run waits for the server's answer, the server for the head of the disk."""
         with self._served():
-            self.proxy.add(Fault("GET", r"/blobs/sha256:", "stall", times=1, arg=8))
+            self.proxy.add(Fault("GET", r"/blobs/sha256:", "stall", times=1, arg=4))
             proc = self._start()
             try:
                 wait_for(lambda: not self.proxy.pending or proc.poll() is not None, 120, "the server to ask for the head")
@@ -181,6 +181,10 @@ def the_truth_then_clean(user: QemuUser, stages: LazyStages, stage: str) -> None
     log = (user.cache.parent / f"serve-{user.cache.name}.log").read_text(errors="replace")
     assert code == 0, log
     assert log.rstrip().splitlines()[-2].endswith(": exiting"), (stage, log[-2000:])
+    if stage == "opening":
+        # The run it was opened for is gone, no VM ever came (later stages read the disk's header for the
+        # overlay): the server lingers no longer than after a VM.
+        assert "the run that asked for a disk is gone before its VM connected" in log.rstrip().splitlines()[-2], (stage, log[-2000:])
     # A run under load may have started a server of its own too (`run --lazy` starts one when none
     # answers it at once): that one leaves after its own idle time and fetch timeout (launcher.diskserver.spawn).
     wait_for(lambda: not [p for p in (user.cache / "serve").iterdir() if p.is_socket()], SPAWNED_BOUND, "every disk server of the cache to leave")

@@ -159,7 +159,7 @@ def test_launcher_test_fails_on_a_guest_without_ssh(qemu_user, guest_image):
 
 def test_launcher_test_times_out_on_a_guest_that_stays_up_without_ssh(qemu_user, guest_image):
     vmi = no_ssh_vmi(qemu_user, "silent", guest_image, "no-ssh", "hold-600")
-    result = qemu_user.launcher("test", NOREG, "--json", "--timeout", "20", vmi)  # meant to expire: either reason below
+    result = qemu_user.launcher("test", NOREG, "--json", "--timeout", "12", vmi)  # meant to expire: either reason below
     assert result.code == 4, result.err
     out = json.loads(result.out)
     assert out["result"] == "fail" and out["exitStatus"] is None, out

@@ -367,10 +367,11 @@ def test_gc_leaves_no_virtiofsd_of_a_vm_that_ended(qemu_user, guest_image, root_
 def test_timeout_leaves_no_virtiofsd(qemu_user, guest_image, root_side):
     cache, uri = root_side
     vmi, claim, manifests = write_shared_vmi(qemu_user, guest_image, "timed", hold=120)
-    result = root_launcher(cache, "run", NOREG, "--timeout", "30", "--connect", uri,
+    # Meant to expire: long enough for the domain and its virtiofsd to start (seconds here), no longer.
+    result = root_launcher(cache, "run", NOREG, "--timeout", "15", "--connect", uri,
                            "--pvc", f"shared={claim}", "--manifests", manifests, vmi)
     assert result.code != 0
-    assert "the VM was still running after 30 s; the domain was destroyed" in result.err, result.err
+    assert "the VM was still running after 15 s; the domain was destroyed" in result.err, result.err
     assert virtiofsd_pids(cache) == []
     assert virtiofsd_locks(cache) == []
     assert not (cache / "run" / "default_timed").exists()

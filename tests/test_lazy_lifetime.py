@@ -99,12 +99,12 @@ def test_an_idle_exiting_server_waits_for_its_announced_client_then_leaves_with_
 
 def test_a_server_started_to_exit_when_idle_keeps_fetching_after_its_last_client(tmp_path, registry):
     """Its last VM gone, the rest of the disk still arrives (and is installed) before the server leaves."""
-    guest_raw = random_disk(tmp_path / "guest-48m.img", 48 * MIB, seed=7)
+    guest_raw = random_disk(tmp_path / "guest-32m.img", 32 * MIB, seed=7)
     lazy_image = f"{registry.host}/lifetime/guest:big"
     assert run_diskkit("build", NOREG, "--lazy", guest_raw, "-t", lazy_image).code == 0
     cache = tmp_path / "cache"
     cache.mkdir()
-    # 4 MiB/s after a first 8 MiB span: ten seconds of fetching left when the reader below is done.
+    # 4 MiB/s after a first 8 MiB span: six seconds of fetching left when the reader below is done.
     with disk_server(cache, "--exit-when-idle", "0", "--prefetch-rate", "4M") as server:
         answer = open_export(cache, lazy_image)
         run("qemu-io", "-r", "-f", "raw", "-c", "read 0 1M", answer["url"])
@@ -135,17 +135,17 @@ def test_run_says_in_one_line_that_its_cache_directory_vanished(tmp_path, regist
 
 
 def test_run_timeout_counts_the_preparation_too(registry, fault_proxy, guest_image, qemu_user):
-    """A registry that keeps the run waiting 20 s leaves 2 s of a 22 s --timeout for the guest: not
+    """A registry that keeps the run waiting 14 s leaves 2 s of a 16 s --timeout for the guest: not
     enough for the test guest to finish under TCG, which it does when the clock starts at boot."""
     proxy = fault_proxy(registry)
-    proxy.add(Fault("GET", r"/manifests/", "stall", times=1, arg=20))
+    proxy.add(Fault("GET", r"/manifests/", "stall", times=1, arg=14))
     vmi = qemu_user.write_vmi("slow-prep", guest_image.replace(registry.host, proxy.host))
-    result = qemu_user.launcher("run", NOREG, "--no-lazy", "--console", "--timeout", "22", vmi)
+    result = qemu_user.launcher("run", NOREG, "--no-lazy", "--console", "--timeout", "16", vmi)
     assert result.code != 0 and not proxy.pending
     # Out of time while following the guest, or already while pulling and starting it.
     assert result.err.strip().splitlines()[-1] in (
-        "launcher: default_slow-prep: the VM was still running after 22 s; the domain was destroyed",
-        "launcher: default_slow-prep: not started within --timeout 22 s (pulling, serving or starting it); nothing was left"), result.err
+        "launcher: default_slow-prep: the VM was still running after 16 s; the domain was destroyed",
+        "launcher: default_slow-prep: not started within --timeout 16 s (pulling, serving or starting it); nothing was left"), result.err
     assert not (qemu_user.cache / "run" / "default_slow-prep").exists()
 
 

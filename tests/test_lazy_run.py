@@ -45,8 +45,8 @@ def lazy_registry(tmp_path_factory):
     registry.stop()
 
 
-def push_padded(registry, root: Path, tag: str, seed: int) -> tuple[str, Path]:
-    disk = padded_guest(ensure_testguest() / "testguest-poweroff.qcow2", root / f"padded-{tag}.img", PADDED, seed)
+def push_padded(registry, root: Path, tag: str, seed: int, size: int = PADDED) -> tuple[str, Path]:
+    disk = padded_guest(ensure_testguest() / "testguest-poweroff.qcow2", root / f"padded-{tag}.img", size, seed)
     return build_lazy_image(disk, f"{registry.host}/lazy/guest:{tag}"), disk
 
 
@@ -58,7 +58,7 @@ def padded_image(lazy_registry, qemu_user) -> tuple[str, Path]:
 def header_read(cache: Path) -> bool:
     """The export is open and its first chunk is here: the server read the disk's header before
     answering the run. An export is listed before that read, and a registry stopped in between
-    (with a 2 s fetch timeout) would fail the open, not the guest's reads."""
+    (with a fetch timeout of a second or two) would fail the open, not the guest's reads."""
     exports = control(cache, {"op": "status"})["exports"]
     return bool(exports) and exports[0]["present"] >= 1
 
@@ -210,15 +210,19 @@ def test_registry_away_longer_than_the_fetch_timeout_pauses_the_vm_until_it_is_b
 
 
 def test_registry_gone_for_good_ends_the_run_with_the_reason(qemu_user, lazy_registry):
-    ref, _ = push_padded(lazy_registry, qemu_user.root, "gone", 5)
+    # Padding of its own (its seed: no other image's chunks stand in for it), out of reach once the registry
+    # is gone; 32 MiB of it are as far out of reach as 192, and quicker to build.
+    ref, _ = push_padded(lazy_registry, qemu_user.root, "gone", 8, 96 << 20)
     cache = qemu_user.cache
-    with disk_server(cache, "--prefetch-rate", "1M", "--fetch-timeout", "2", user=QEMU_UID, env=qemu_user.env):
+    with disk_server(cache, "--prefetch-rate", "1M", "--fetch-timeout", "1", user=QEMU_UID, env=qemu_user.env):
         vmi = qemu_user.write_vmi("lazy-gone", ref)
-        proc = qemu_user.popen("run", NOREG, "--retry-times", "1", "--retry-delay", "0.2", "--lazy", "--console", "--timeout", "600", vmi)
+        # The six resumes over 4.5 s instead of 45: what is given up on, and with which reason, is the same.
+        proc = qemu_user.popen("run", NOREG, "--retry-times", "1", "--retry-delay", "0.2", "--lazy", "--console", "--timeout", "600",
+                               "--io-error-patience", "4.5", vmi)
         wait_for(lambda: header_read(cache), 120, "the export to open")
         lazy_registry.stop()
         try:
-            out, err = proc.communicate(timeout=400)  # bounded: six resumes, 45 s of waiting between them
+            out, err = proc.communicate(timeout=400)  # bounded: six resumes, each a 1 s fetch timeout
         finally:
             lazy_registry.start()
     assert proc.returncode != 0
@@ -227,6 +231,14 @@ def test_registry_gone_for_good_ends_the_run_with_the_reason(qemu_user, lazy_reg
     assert lazy_registry.host in last  # the disk server's reason names the registry it cannot reach
     assert "Traceback" not in err
     assert_clean(qemu_user, "default_lazy-gone")
+
+
+@pytest.mark.parametrize("value, said", [("nan", "nan is not a number of seconds"), ("inf", "inf is not in the range 0<=x<=86400"),
+                                         ("-1", "-1.0 is not in the range 0<=x<=86400")])
+def test_the_io_error_patience_is_a_number_of_seconds(tmp_path, value, said):
+    # nan compares false to any bound: a VM it let through would never be resumed, nor given up on.
+    result = run_launcher("run", "--io-error-patience", value, tmp_path / "vmi.yaml")
+    assert result.code == 2 and f"Invalid value for '--io-error-patience': {said}" in result.err, result.err
 
 
 def test_two_vms_on_one_export_fetch_each_chunk_once(qemu_user, lazy_registry, fault_proxy):

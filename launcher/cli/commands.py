@@ -109,6 +109,13 @@ def domain(vmi_file, platform, accel, lazy, update, pull_policy, container_disk_
         click.echo(xml, nl=not xml.endswith("\n"))
 
 
+def _not_nan(ctx, param, value: float) -> float:
+    """A FloatRange lets `nan` through (it compares false to both bounds)."""
+    if value != value:
+        raise click.BadParameter("nan is not a number of seconds")
+    return value
+
+
 @cli.command(epilog="""\b
 Examples:
   launcher run vmi.yaml --console
@@ -138,6 +145,9 @@ Examples:
 @click.option("--lazy/--no-lazy", default=None, help="Boot containerDisks before they have arrived, through the node's disk server (default: for images built with --lazy).")
 @click.option("--grace-period", type=click.FloatRange(min=0), metavar="SECONDS", help="When the VM is stopped (SIGTERM, Ctrl-C, launcher stop), how long the guest has to power off (ACPI) before it is destroyed; 0: at once.  [default: the VMI's terminationGracePeriodSeconds, else 30]")
 @click.option("--publish-address", metavar="ADDRESS", help="Forward ADDRESS:PORT to the guest for every port the interfaces declare (KubeVirt's masquerade; 0.0.0.0 in a pod).")
+@click.option("--io-error-patience", type=click.FloatRange(min=0, max=86400), default=45, show_default=True, metavar="SECONDS", callback=_not_nan,
+              help="A VM that keeps pausing on I/O errors (a lazy disk's registry away) is resumed six times over this long"
+                   " (1, 2, 4, 8, 15 and 15 s at the default), then destroyed. A pause for want of space is waited out however long.")
 @click.option("--json", "as_json", is_flag=True, help='When the command returns, print {"vmi": NAMESPACE/NAME, "domain": ..., "accel": {...}, "exitCode": 0}; not with --console.')
 @accel_option
 @update_option
@@ -149,7 +159,7 @@ Examples:
 @storage_options
 @registry_options
 @trust_options
-def run(vmi_file, uri, console, detach, wait_for, timeout, platform, lazy, grace_period, publish_address, accel, update, pull_policy, container_disk_dir,
+def run(vmi_file, uri, console, detach, wait_for, timeout, platform, lazy, grace_period, publish_address, io_error_patience, accel, update, pull_policy, container_disk_dir,
         kernel_boot_dir, own_spec, as_json, ignore_unsupported, cache_dir, store, registry: RegistryOptions) -> None:
     """Prepare every volume of a VirtualMachineInstance, define and start its domain, stay with it.
 
@@ -185,7 +195,7 @@ def run(vmi_file, uri, console, detach, wait_for, timeout, platform, lazy, grace
     opts = RunOptions(uri=uri, platform=platform_of(platform), registry=registry, console=console, wait_for=wait_for, timeout=timeout, storage=store,
                       lazy={None: "auto", True: "on", False: "off"}[lazy], grace_period=grace_period, detach=detach,
                       publish_address=publish_address, update=update, container_disk_dir=container_disk_dir,
-                      kernel_boot_dir=kernel_boot_dir, accel=accel, pull_policy=pull_policy)
+                      kernel_boot_dir=kernel_boot_dir, accel=accel, pull_policy=pull_policy, io_error_patience=io_error_patience)
     ran = do_run(vmi, node_cache(cache_dir), opts, say)
     if as_json:
         click.echo(json.dumps({"vmi": f"{vmi.namespace}/{vmi.name}", "domain": vmi.domain_name, "accel": ran.accel.to_json(), "exitCode": ran.code}, indent=2))
@@ -207,7 +217,7 @@ Examples:
 @click.option("--prefetch-rate", metavar="SIZE", help="Prefetch at most SIZE bytes a second (e.g. 50M); reads a VM waits for are never held back.")
 @click.option("--prefetch-threads", type=click.IntRange(1, 16), default=2, show_default=True, help="Parallel range requests prefetching the rest of each disk.")
 @click.option("--fetch-timeout", type=click.FloatRange(min=1), default=300, show_default=True, metavar="SECONDS", help="How long a VM's read waits through registry outages before it gets an I/O error.")
-@click.option("--exit-when-idle", type=click.FloatRange(min=0), metavar="SECONDS", help="Exit once no VM has been connected and nothing was left to fetch for this long.")
+@click.option("--exit-when-idle", type=click.FloatRange(min=0), metavar="SECONDS", help="Exit once no VM has been connected and nothing was left to fetch for this long (at most 5 s once the VMs it served, or the runs that asked for them, are gone).")
 @click.option("--status", "show_status", is_flag=True, help="Print what the running disk server exports instead of serving.")
 @click.option("--json", "as_json", is_flag=True, help="With --status: one JSON object.")
 @click.option("--upload-listen", metavar="HOST:PORT", help="Also serve the upload endpoint of upload DataVolumes here (diskkit upload sends to it).")

@@ -145,6 +145,9 @@ class DiskServer:
         self.last_activity = time.monotonic()
         self.awaiting: dict[str, list[tuple[float, int]]] = {}  # export -> (deadline, asking pid) per announced NBD client
         self.served = False  # some NBD client connected: when the last one leaves, the work is done
+        # A run that announced its VM went before the VM connected (killed, or failed to start it): the run
+        # the server waited for came and went, as a VM that disconnected.
+        self.deserted = False
         self.stopping = threading.Event()
         if self.root:
             self.nbd = nbd.Server(self.nbd_path, self, 0o660, system_qemu_gid())
@@ -495,10 +498,12 @@ class DiskServer:
             return None
         with self.lock:
             for name in list(self.awaiting):
-                self.awaiting[name] = [(d, pid) for d, pid in self.awaiting[name] if d > now and _alive(pid)]
+                alive = [(d, pid) for d, pid in self.awaiting[name] if _alive(pid)]
+                self.deserted = self.deserted or len(alive) < len(self.awaiting[name])
+                self.awaiting[name] = [(d, pid) for d, pid in alive if d > now]
             if any(self.awaiting.values()):
                 return None
-            served = self.served
+            served, deserted = self.served, self.deserted
         for export in self.listing():
             if not getattr(export, "busy", False):
                 continue
@@ -511,14 +516,18 @@ class DiskServer:
                 return None
             export.abandon(f"no VM is reading and the fill has not moved for {stalled:.0f} s "
                            f"({export.last_failure or 'the registry does not answer'}): giving up the rest")
-        limit = self.opts.exit_when_idle or 0
-        if served:
-            limit = min(limit, GRACE)  # the VMs it was started for came and went: no need to linger
+        idle = self.opts.exit_when_idle or 0
+        # The VMs (or the runs) it was started for came and went: no need to linger.
+        limit = min(idle, GRACE) if served or deserted else idle
         if now - self.last_activity < limit:
             return None
         rest = ("the rest of a disk was given up" if any(getattr(e, "abandoned", None) for e in self.listing())
                 else "nothing is left to fetch")
-        return f"its last VM is gone and {rest}" if served else f"idle for {limit:g} s and {rest}"
+        if served:
+            return f"its last VM is gone and {rest}"
+        if limit < idle:
+            return f"the run that asked for a disk is gone before its VM connected and {rest}"
+        return f"idle for {limit:g} s and {rest}"
 
     def cache_gone(self) -> bool:
         """The cache directory was deleted (or replaced) under the server: nothing it holds is reachable."""

@@ -21,6 +21,7 @@ from diskkit.errors import DiskkitError
 from launcher.runtime.runner import NO_SPACE, Libvirt
 
 RESUME_AFTER = (1.0, 2.0, 4.0, 8.0, 15.0, 15.0)  # then it is given up on
+PATIENCE = sum(RESUME_AFTER)  # `run --io-error-patience`'s default: the schedule above as it stands
 SETTLED = 30.0  # running this long since the last resume: the outage is over, the count starts again
 NO_SPACE_RETRY = 5.0  # between resumes of a VM paused for want of space
 
@@ -32,8 +33,12 @@ def describe(errors: dict[str, tuple[str, str | None]]) -> str:
 
 
 class PauseWatch:
-    def __init__(self, lv: Libvirt, name: str, say: Callable[[str], None], reason: Callable[[], str | None] = lambda: None):
+    def __init__(self, lv: Libvirt, name: str, say: Callable[[str], None], reason: Callable[[], str | None] = lambda: None,
+                 patience: float = PATIENCE):
         self.lv = lv
+        # The same six resumes, spread over `patience` seconds: a registry's maintenance window waited
+        # out, or a VM given up on sooner.
+        self.resume_after = tuple(delay * patience / PATIENCE for delay in RESUME_AFTER)
         self.name = name
         self.say = say
         self.reason = reason  # what the disk server last failed with, for the final error
@@ -66,14 +71,14 @@ class PauseWatch:
         if self.paused_at is None:
             self.paused_at = now
             self.say(f"note: the VM paused on an I/O error of {disks}")
-        if self.resumes >= len(RESUME_AFTER):
+        if self.resumes >= len(self.resume_after):
             why = self.reason()
             raise DiskkitError(self.name, f"the VM kept pausing on I/O errors of {disks}" + (f" ({why})" if why else "")
                                + f" after {self.resumes} resumes; the domain was destroyed")
-        if now - self.paused_at >= RESUME_AFTER[self.resumes]:
+        if now - self.paused_at >= self.resume_after[self.resumes]:
             self.resumes += 1
             self.resumed_at = now
             self.paused_at = None
-            self.say(f"note: resuming the VM (attempt {self.resumes} of {len(RESUME_AFTER)})")
+            self.say(f"note: resuming the VM (attempt {self.resumes} of {len(self.resume_after)})")
             self.lv.resume(self.name)
         return True

@@ -105,12 +105,14 @@ def record_keys(run_dir: Path, host: str, keys: tuple[HostKey, ...]) -> Contact:
 PROBE_ID = b"SSH-2.0-launcher_probe\r\n"
 
 
-def banner(entry: dict, port: int, timeout: float = 10) -> bytes | None:
+def banner(entry: dict, port: int, timeout: float, stop: threading.Event) -> bytes | None:
     """The identification line the guest's ssh server at `port` sends (RFC 4253 4.2: `SSH-...`, maybe after
     other lines), through a connection of its own from the VM's pod switch (launcher.network.backend);
-    None when nothing answers yet: a connection the switch makes says nothing until the guest speaks."""
+    None when nothing answers yet: a connection the switch makes says nothing until the guest speaks.
+    A silent connection is waited on for `timeout` seconds, or until `stop` is set (the VM went)."""
     from launcher.network.backend import open_forward
 
+    deadline = time.monotonic() + timeout
     try:
         conn = open_forward(entry, "tcp", port, timeout)
     except DiskkitError:
@@ -123,7 +125,14 @@ def banner(entry: dict, port: int, timeout: float = 10) -> bytes | None:
             # stack may open the guest's side of a forwarded connection only once the client has spoken.
             conn.sock.sendall(PROBE_ID)
             while len(received) < 1024:  # what the RFC allows before the identification line, and more
-                chunk = conn.sock.recv(1024 - len(received))
+                left = deadline - time.monotonic()
+                if left <= 0 or stop.is_set():
+                    return None
+                conn.sock.settimeout(min(left, POLL))
+                try:
+                    chunk = conn.sock.recv(1024 - len(received))
+                except TimeoutError:
+                    continue
                 if not chunk:
                     return None
                 received += chunk
@@ -164,7 +173,8 @@ def first_contact(cache: Cache, name: str, port: int, timeout: float, say: Calla
                 running = lv.active(record["domain"])
                 if not running and find_record(cache, name) is None:
                     raise DiskkitError(name, "stopped before its ssh server answered")
-                answered = running and banner(entry, port) is not None
+                # A silent connection is given up at the deadline, not 10 s past it: --timeout is the caller's.
+                answered = running and banner(entry, port, min(10.0, max(deadline - time.monotonic(), POLL)), stop) is not None
             if answered:
                 if known(run_dir, host) is not None:  # another contact settled it meanwhile
                     return Contact(run_dir / KNOWN_HOSTS, host, False, report)

@@ -31,7 +31,7 @@ from launcher.render.interfaces import socket_path
 from launcher.runtime import accel, credsync, diskfds, guestagent, hooks, hostcpus, rundir, sessiond, swtpm, virtiofs, vmuser
 from launcher.runtime.conditions import Paused, paused_condition
 from launcher.runtime.console import ConsoleLog, follow
-from launcher.runtime.iopause import PauseWatch, describe
+from launcher.runtime.iopause import PATIENCE, PauseWatch, describe
 from launcher.runtime.runner import Libvirt, default_uri
 from launcher.runtime.stopping import DEFAULT_GRACE_PERIOD, NOT_RUNNING, UNREACHABLE, Stopped, shut_down
 from launcher.runtime.vmuser import VmUser
@@ -75,6 +75,9 @@ class RunOptions:
     # --record-trace: a token the node's disk server records the boot's reads of each lazy containerDisk
     # under (launcher.diskserver.recording); the caller takes the traces once the boot is over.
     trace: str | None = None
+    # --io-error-patience: over how many seconds a VM that keeps pausing on I/O errors (a lazy disk's
+    # registry away) is resumed before it is given up on (launcher.runtime.iopause).
+    io_error_patience: float = PATIENCE
 
 
 def grace_period_of(vmi: VMI, opts: RunOptions) -> float:
@@ -322,7 +325,7 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
         try:
             metrics = _metrics_refresher(vmi, prepared, lv)
             with _signals_set(interrupted := threading.Event()):
-                watch = PauseWatch(lv, name, say, lambda: last_failure(cache))
+                watch = PauseWatch(lv, name, say, lambda: last_failure(cache), opts.io_error_patience)
                 left = None if opts.timeout is None else max(0.0, opts.timeout - (time.monotonic() - began))
                 outcome = follow(console_log, watch.running, opts.wait_for, left, echo, interrupted)
         finally:
