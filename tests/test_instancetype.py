@@ -202,16 +202,23 @@ def test_linux_preferences_give_the_guest_a_virtio_rng():
 
 def test_cx1_without_numa_is_dedicated_and_isolated():
     # apply/cpu_test.go "should apply in full with PreferSockets selected": the CPU flags and the
-    # ioThreadsPolicy go to the template (maxSockets equal to the sockets changes nothing).
+    # ioThreadsPolicy go to the template, and maxSockets too (apply/cpu.go): room for CPU hotplug,
+    # rendered as converter/compute/cpu.go configureCPUTopology renders it.
     spec = copy.deepcopy(CORPUS[4])
     del spec["spec"]["cpu"]["numa"], spec["spec"]["memory"]["hugepages"]
     expanded = expand(vm("cx1.large"), Objects([spec]))
     domain = expanded["spec"]["template"]["spec"]["domain"]
-    assert domain["cpu"] == {"dedicatedCpuPlacement": True, "isolateEmulatorThread": True, "sockets": 2, "cores": 1, "threads": 1}
+    assert domain["cpu"] == {"dedicatedCpuPlacement": True, "isolateEmulatorThread": True, "sockets": 2, "cores": 1, "threads": 1,
+                             "maxSockets": 2}
     assert (domain["memory"], domain["ioThreadsPolicy"]) == ({"guest": "4Gi"}, "auto")
     spec["spec"]["cpu"]["maxSockets"] = 4
-    assert error(vm("cx1.large"), Objects([spec])) == \
-        "spec.instancetype: VirtualMachineClusterInstancetype cx1.large: spec.cpu.maxSockets is not supported by the launcher"
+    assert expand(vm("cx1.large"), Objects([spec]))["spec"]["template"]["spec"]["domain"]["cpu"]["maxSockets"] == 4
+    vmi = parse_vmi(vm("cx1.large"), objects=Objects([spec]))
+    pinned = Host(topology=(((0,), (1,), (2,)),), cpuset=(0, 1, 2))  # two vCPUs and the isolated emulator thread
+    xml = ET.fromstring(render(vmi, {v.name: ResolvedDisk(f"/run/{v.name}.qcow2", "qcow2") for v in vmi.volumes}, pinned))
+    assert [p.get("vcpu") for p in xml.iterfind("cputune/vcpupin")] == ["0", "1"]  # vcpu.go: the enabled ones only
+    assert xml.find("vcpu").text == "4" and xml.find("cpu/topology").get("sockets") == "4"
+    assert [v.get("enabled") for v in xml.iterfind("vcpus/vcpu")] == ["yes", "yes", "no", "no"]
 
 
 def test_missing_objects_use_the_api_servers_words():

@@ -128,7 +128,7 @@ DOMAIN = {
     "resources": {"requests": QUANTITIES, "limits": QUANTITIES, "overcommitGuestOverhead": INERT},
     "cpu": {"cores": HANDLED, "sockets": HANDLED, "threads": HANDLED, "model": HANDLED,
             "dedicatedCpuPlacement": HANDLED, "isolateEmulatorThread": HANDLED,
-            "maxSockets": UNSUPPORTED, "features": UNSUPPORTED, "numa": UNSUPPORTED, "realtime": UNSUPPORTED},
+            "maxSockets": HANDLED, "features": UNSUPPORTED, "numa": UNSUPPORTED, "realtime": UNSUPPORTED},
     "memory": {"guest": HANDLED, "hugepages": UNSUPPORTED, "maxGuest": UNSUPPORTED, "reservedOverhead": INERT},
     "machine": {"type": HANDLED},
     "firmware": {"uuid": HANDLED, "serial": HANDLED,

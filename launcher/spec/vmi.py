@@ -267,6 +267,7 @@ class CPU:
     isolate_emulator_thread: bool = False
     # (name, policy) KubeVirt's defaults add: vmx, required, for an enabled evmcs (launcher.spec.hyperv)
     features: tuple[tuple[str, str], ...] = ()
+    max_sockets: int | None = None  # the sockets CPU hotplug may fill (launcher.render.domain renders them)
 
 
 @dataclass(frozen=True)
@@ -905,7 +906,7 @@ def _domain(doc: dict, root: str, volumes: tuple[Volume, ...]) -> DomainSpec:
     cpu_doc = as_map(doc.get("cpu"), f"{at}.cpu")
     cpu = CPU(get_int(cpu_doc, "cores", f"{at}.cpu"), get_int(cpu_doc, "sockets", f"{at}.cpu"), get_int(cpu_doc, "threads", f"{at}.cpu"),
               get_str(cpu_doc, "model", f"{at}.cpu"), get_bool(cpu_doc, "dedicatedCpuPlacement", f"{at}.cpu"),
-              get_bool(cpu_doc, "isolateEmulatorThread", f"{at}.cpu"))
+              get_bool(cpu_doc, "isolateEmulatorThread", f"{at}.cpu"), max_sockets=get_int(cpu_doc, "maxSockets", f"{at}.cpu") or None)
     resources = _resources(as_map(doc.get("resources"), f"{at}.resources"), f"{at}.resources")
     memory_doc = as_map(doc.get("memory"), f"{at}.memory")
     guest = get_quantity(memory_doc, "guest", f"{at}.memory")
@@ -959,7 +960,26 @@ def _domain(doc: dict, root: str, volumes: tuple[Volume, ...]) -> DomainSpec:
                       video=_video(devices_doc, graphics, dat),
                       network_multiqueue=get_bool(devices_doc, "networkInterfaceMultiqueue", dat))
     clock = parse_clock(as_map(doc["clock"], f"{at}.clock"), f"{at}.clock") if doc.get("clock") is not None else None
-    return DomainSpec(cpu, None if guest is None else to_bytes(guest), resources, machine, firmware, features, devices, policy, clock)
+    spec = DomainSpec(cpu, None if guest is None else to_bytes(guest), resources, machine, firmware, features, devices, policy, clock)
+    _check_cpu_hotplug(spec, at)
+    return spec
+
+
+MAX_VCPUS = 512  # pkg/defaults/defaults.go setupCPUHotplug: KubeVirt's upper bound for a hotplug topology
+
+
+def _check_cpu_hotplug(spec: DomainSpec, at: str) -> None:
+    """vmi-create-admitter.go validateCPUHotplug, on the sockets as KubeVirt's defaults leave them
+    (SetDefaultGuestCPUTopology: the CPU limit or request's count when no topology is given); and the
+    vCPUs maxSockets makes each become an element of the domain, so their count is bounded first."""
+    if not spec.cpu.max_sockets:
+        return
+    sockets, cores, threads = spec.topology
+    if sockets > spec.cpu.max_sockets:
+        raise SpecError(f"{at}.cpu.sockets", "Number of sockets in CPU topology is greater than the maximum sockets allowed")
+    if spec.cpu.max_sockets * cores * threads > MAX_VCPUS:
+        raise SpecError(f"{at}.cpu.maxSockets", f"{spec.cpu.max_sockets} sockets of {cores} cores and {threads} threads are"
+                                                f" {spec.cpu.max_sockets * cores * threads} vCPUs, more than the {MAX_VCPUS} a domain may have")
 
 
 def _features(doc: dict, at: str) -> Features:
