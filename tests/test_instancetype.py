@@ -221,6 +221,14 @@ def test_cx1_without_numa_is_dedicated_and_isolated():
     assert [v.get("enabled") for v in xml.iterfind("vcpus/vcpu")] == ["yes", "yes", "no", "no"]
 
 
+def test_an_instance_types_supplemental_pool_is_judged_as_the_vmis():
+    # apply/iothreads.go and iothreadpolicy.go copy both to the VMI, whose admission and converter judge them.
+    spec = _size("io1.large", 2, "4Gi", ioThreadsPolicy="supplementalPool", ioThreads={"supplementalPoolThreadCount": 3})
+    domain = expand(vm("io1.large"), Objects([spec]))["spec"]["template"]["spec"]["domain"]
+    assert (domain["ioThreadsPolicy"], domain["ioThreads"]) == ("supplementalPool", {"supplementalPoolThreadCount": 3})
+    assert error(vm("io1.large"), Objects([spec])).startswith("spec.template.spec.domain.ioThreadsPolicy: supplementalPool maps every virtio disk")
+
+
 def test_missing_objects_use_the_api_servers_words():
     # controller/vm/controller.go checkResourcesExist: the NotFound of the lookup.
     assert error(vm("u9.huge")) == 'spec.instancetype: virtualmachineclusterinstancetypes.instancetype.kubevirt.io "u9.huge" not found'

@@ -144,7 +144,8 @@ DOMAIN = {
                  "pvspinlock": {"enabled": HANDLED}},
     "devices": DEVICES,
     "ioThreadsPolicy": HANDLED,
-    "ioThreads": UNSUPPORTED, "chassis": UNSUPPORTED, "launchSecurity": UNSUPPORTED, "rebootPolicy": UNSUPPORTED,
+    "ioThreads": {"supplementalPoolThreadCount": HANDLED},  # launcher.spec.vmi: with its policy, refused there
+    "chassis": UNSUPPORTED, "launchSecurity": UNSUPPORTED, "rebootPolicy": UNSUPPORTED,
 }
 VMI_SPEC = {
     "domain": DOMAIN,

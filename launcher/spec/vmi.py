@@ -933,12 +933,16 @@ def _domain(doc: dict, root: str, volumes: tuple[Volume, ...]) -> DomainSpec:
 
     policy = get_str(doc, "ioThreadsPolicy", at)
     if policy == "supplementalPool":
-        # vmi-create-admitter.go validateIOThreadsPolicy: KubeVirt's own refusal comes first (ioThreads
-        # itself is unsupported here, so with --ignore-unsupported the count is always missing)
+        # vmi-create-admitter.go validateIOThreadsPolicy: KubeVirt's own refusal comes first
         threads = as_map(doc.get("ioThreads"), f"{at}.ioThreads").get("supplementalPoolThreadCount")
         if not isinstance(threads, int) or isinstance(threads, bool) or threads <= 0:
             raise SpecError(f"{at}.ioThreads.count", "the number of iothreads needs to be set and positive for the dedicated policy")
-        raise SpecError(f"{at}.ioThreadsPolicy", "supplementalPool is not supported by the launcher")
+        # storage/configurator.go (iothreads.BuildSupplementalPoolIOThreads) maps each virtio disk's queues
+        # onto the whole pool, <driver><iothreads>: libvirt 10.0's and qemu 9.0's iothread-vq-mapping,
+        # which Debian 12's libvirt 9.0 and qemu 7.2 neither parse nor run.
+        raise SpecError(f"{at}.ioThreadsPolicy", "supplementalPool maps every virtio disk onto the whole pool of iothreads"
+                                                 " (<driver><iothreads>), which needs libvirt 10.0 and qemu 9.0, newer than"
+                                                 " this launcher's: use shared or auto")
     if policy is not None and policy not in IO_THREADS_POLICIES:
         raise SpecError(f"{at}.ioThreadsPolicy", f"Invalid IOThreadsPolicy ({policy})")
 
