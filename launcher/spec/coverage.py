@@ -69,7 +69,7 @@ TARGET = {"bus": HANDLED, "readonly": HANDLED}
 DISK = {
     "name": HANDLED,
     "disk": {**TARGET, "pciAddress": HANDLED},
-    "lun": {**TARGET, "reservation": UNLESS_FALSE},  # needs KubeVirt's pr-helper daemon
+    "lun": {**TARGET, "reservation": HANDLED},  # refused in KubeVirt's words: this node runs no pr-helper
     "cdrom": {**TARGET, "tray": HANDLED},
     "floppy": HANDLED,  # refused by the parser with KubeVirt's words
     "bootOrder": HANDLED, "serial": HANDLED, "dedicatedIOThread": HANDLED, "cache": HANDLED, "io": HANDLED,

@@ -951,6 +951,7 @@ def _domain(doc: dict, root: str, volumes: tuple[Volume, ...]) -> DomainSpec:
     disk_items = as_list(devices_doc.get("disks"), f"{dat}.disks")
     filesystems = _filesystems(as_list(devices_doc.get("filesystems"), f"{dat}.filesystems"), volumes, disk_items, f"{dat}.disks", f"{dat}.filesystems")
     disks = _disks(disk_items, volumes, f"{dat}.disks", frozenset(f.name for f in filesystems))
+    _refuse_reservations(disk_items, dat)
     # Queues follow the vCPU topology, one at least (storage/configurator.go), so no CPU request is needed.
     block_mq = get_bool(devices_doc, "blockMultiQueue", dat)
     graphics = get_bool(devices_doc, "autoattachGraphicsDevice", dat, default=True)
@@ -1001,6 +1002,16 @@ def _features(doc: dict, at: str) -> Features:
     pvspinlock = _feature(doc, "pvspinlock", at, None) if doc.get("pvspinlock") is not None else None
     return Features(_feature(doc, "acpi", at, True), _feature(doc, "apic", at, False), _feature(doc, "smm", at, False),
                     custom, passthrough, kvm_hidden, pvspinlock)
+
+
+def _refuse_reservations(disk_items: list, at: str) -> None:
+    """vmi-create-admitter.go validatePersistentReservation (its field path, sic): a LUN's SCSI persistent
+    reservations go through KubeVirt's pr-helper daemon, which the cluster's config turns on
+    (persistentReservationConfiguration, off by default); this node runs none."""
+    for i, item in enumerate(disk_items):
+        lun = as_map(as_map(item, f"{at}.disks[{i}]").get("lun"), f"{at}.disks[{i}].lun")
+        if get_bool(lun, "reservation", f"{at}.disks[{i}].lun"):
+            raise SpecError(f"{at}.disks.luns.reservation", "persistent reservation is not enabled in kubevirt config")
 
 
 def _tpm(devices: dict, at: str) -> TPM | None:
