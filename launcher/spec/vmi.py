@@ -338,6 +338,7 @@ class Devices:
     inputs: tuple[Input, ...] = ()
     video: str | None = None  # devices.video.type; None: the architecture's default card
     network_multiqueue: bool = False  # networkInterfaceMultiqueue: a queue per vCPU on virtio NICs
+    downward_metrics: bool = False  # devices.downwardMetrics: vhostmd's virtio-serial port (launcher.spec.gates)
 
 
 @dataclass(frozen=True)
@@ -963,7 +964,8 @@ def _domain(doc: dict, root: str, volumes: tuple[Volume, ...]) -> DomainSpec:
                       autoattach_mem_balloon=get_bool(devices_doc, "autoattachMemBalloon", dat, default=True),
                       inputs=_inputs(as_list(devices_doc.get("inputs"), f"{dat}.inputs"), f"{dat}.inputs"),
                       video=_video(devices_doc, graphics, dat),
-                      network_multiqueue=get_bool(devices_doc, "networkInterfaceMultiqueue", dat))
+                      network_multiqueue=get_bool(devices_doc, "networkInterfaceMultiqueue", dat),
+                      downward_metrics=_object_given(devices_doc, "downwardMetrics", dat))
     clock = parse_clock(as_map(doc["clock"], f"{at}.clock"), f"{at}.clock") if doc.get("clock") is not None else None
     spec = DomainSpec(cpu, None if guest is None else to_bytes(guest), resources, machine, firmware, features, devices, policy, clock)
     _check_cpu_hotplug(spec, at)
@@ -1002,6 +1004,12 @@ def _features(doc: dict, at: str) -> Features:
     pvspinlock = _feature(doc, "pvspinlock", at, None) if doc.get("pvspinlock") is not None else None
     return Features(_feature(doc, "acpi", at, True), _feature(doc, "apic", at, False), _feature(doc, "smm", at, False),
                     custom, passthrough, kvm_hidden, pvspinlock)
+
+
+def _object_given(doc: dict, key: str, at: str) -> bool:
+    """An object field set (a Go pointer that is not nil): null or absent is not."""
+    as_map(doc.get(key), f"{at}.{key}")
+    return doc.get(key) is not None
 
 
 def _refuse_reservations(disk_items: list, at: str) -> None:
