@@ -42,7 +42,7 @@ def host_disk(ctx: Context, volume: Volume, where: str) -> ResolvedDisk:
         if not path.parent.is_dir():
             raise DiskkitError(f"{where}.path", f"directory {path.parent} does not exist")
         if ctx.create:
-            fitted = sizing.fit(source.capacity, free_bytes(path.parent), source.path, ctx.store.tolerance)
+            fitted = sizing.fit(source.capacity, free_bytes(path.parent), where, ctx.store.tolerance, path=source.path)
             ctx.note(fitted.note)
             create_sparse(path, fitted.size)
     elif not (path.is_file() or is_block(path)):
