@@ -441,7 +441,7 @@ def test_vm_boots_with_the_instancetypes_cpus_memory_and_rng(qemu_user, guest_im
     manifests.mkdir()
     objects = [
         {"apiVersion": V1B1, "kind": "VirtualMachineClusterInstancetype", "metadata": {"name": "tiny.2c"},
-         "spec": {"cpu": {"guest": 2}, "memory": {"guest": "320Mi"}}},
+         "spec": {"cpu": {"guest": 2, "maxSockets": 2}, "memory": {"guest": "320Mi"}}},
         {"apiVersion": V1B1, "kind": "VirtualMachinePreference", "metadata": {"name": "virtio-cores"},
          "spec": {"cpu": {"preferredCPUTopology": "cores"}, "devices": {"preferredDiskBus": "virtio", "preferredRng": {}}}},
     ]
@@ -459,13 +459,15 @@ def test_vm_boots_with_the_instancetypes_cpus_memory_and_rng(qemu_user, guest_im
     assert domain.code == 0, domain.err
     xml = ET.fromstring(domain.out)
     topology = xml.find("cpu/topology")
-    assert (xml.findtext("vcpu"), topology.get("sockets"), topology.get("cores"), topology.get("threads")) == ("2", "1", "2", "1")
+    # room for a second socket of two cores (maxSockets; converter/compute/cpu.go), the first one enabled
+    assert (xml.findtext("vcpu"), topology.get("sockets"), topology.get("cores"), topology.get("threads")) == ("4", "2", "2", "1")
+    assert [v.get("enabled") for v in xml.iterfind("vcpus/vcpu")] == ["yes", "yes", "no", "no"]
 
     result = qemu_user.launcher("run", NOREG, "--console", "--timeout", "240", "--manifests", manifests, path)
     assert result.code == 0, result.err
     console = parse_console(result.out)
     assert console["ready"] and console["done"], result.out
-    assert console["cpus"] == 2
+    assert console["cpus"] == 2  # the requested ones online; the hotplug socket's wait unplugged
     assert console["rng"] == "virtio_rng.0"  # the preference's virtio RNG
     # MemTotal is what the kernel has left of the 320 MiB it was given.
     assert 256 * 1024 < console["mem_kib"] <= 320 * 1024, console["mem_kib"]
