@@ -31,7 +31,7 @@ from diskkit.errors import DiskkitError
 from launcher.render.domain import Host, ResolvedDisk, render
 from launcher.spec import coverage, hooks
 from launcher.spec.datavolume import parse_data_volume
-from launcher.spec.gates import parse_gates
+from launcher.spec.gates import admit_downward_metrics, parse_gates
 from launcher.spec.k8s import Objects
 from launcher.spec.vmi import parse_vmi
 
@@ -208,10 +208,12 @@ def test_case(case):
 
 
 def _admitted(case: dict, objects: Objects):
-    """The VMI as the launcher admits it before anything runs: its spec, and its hook sidecars under
-    KubeVirt's default gates (Sidecar off), as virt-api's admitter takes them."""
+    """The VMI as the launcher admits it before anything runs: its spec, its hook sidecars and its
+    downward metrics under KubeVirt's default gates (Sidecar and DownwardMetrics off), as virt-api's
+    admitter takes them."""
     vmi = parse_vmi(case, objects=objects)
     hooks.sidecars(vmi.annotations, parse_gates([]), vmi.from_vm)
+    admit_downward_metrics(vmi, parse_gates([]))
     return vmi
 
 

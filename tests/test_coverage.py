@@ -75,7 +75,6 @@ CASES = [
     # the schema spells it "readonly" (schema.go DiskTarget); KubeVirt's API server drops "readOnly"
     (("spec", "domain", "devices", "disks"), [{"name": "root", "disk": {"readOnly": True}}], "spec.domain.devices.disks[0].disk.readOnly",
      UNKNOWN.replace("unknown field", "unknown field (did you mean \"readonly\"?)")),
-    (("spec", "domain", "devices", "disks"), [{"name": "data", "lun": {"bus": "scsi", "reservation": True}}], "spec.domain.devices.disks[0].lun.reservation", UNSUPPORTED),
     (("spec", "domain", "devicez"), {}, "spec.domain.devicez", UNKNOWN.replace("unknown field", "unknown field (did you mean \"devices\"?)")),
 ]
 

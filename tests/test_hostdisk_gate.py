@@ -62,7 +62,7 @@ def test_relative_components_are_refused_before_the_directory_check(path):
 
 def test_gate_flags_are_checked():
     assert parse_gates(["HostDisk,", " HostDisk"]).on("HostDisk")
-    with pytest.raises(SpecError, match=r"--feature-gates HostDsk: unknown feature gate \(this launcher knows HostDisk, Sidecar\)"):
+    with pytest.raises(SpecError, match=r"--feature-gates HostDsk: unknown feature gate \(this launcher knows HostDisk, Sidecar, DownwardMetrics\)"):
         parse_gates(["HostDsk"])
     with pytest.raises(SpecError, match="--host-disk-dir: allows hostDisk paths, which need --feature-gates HostDisk"):
         parse_gates([], ["/srv/disks"])
@@ -135,3 +135,24 @@ def test_a_disk_under_the_allowed_directory_is_used(tmp_path):
     assert result.code == 0, result.err
     sources = [d.find("source").get("file") for d in ET.fromstring(result.out).iter("disk")]
     assert str(disk) in sources
+
+
+def test_disk_or_create_without_capacity_uses_a_disk_that_exists_and_makes_none(tmp_path):
+    # vmi-create-admitter.go admits a DiskOrCreate hostDisk without capacity (vmi-create-admitter_test.go:2284);
+    # pkg/host-disk/host-disk.go creates a missing one of its capacity, a write at capacity - 1, which
+    # fails at -1: the launcher says so before anything is made, and uses the disk when it is there.
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    flags = ("--feature-gates", "HostDisk", "--host-disk-dir", str(allowed))
+    missing = allowed / "new.img"
+    result = domain(tmp_path, str(missing), *flags, kind="DiskOrCreate")
+    assert result.code == 1
+    assert result.err.strip() == (f"launcher: spec.volumes[1].hostDisk.capacity: {missing} does not exist and a DiskOrCreate disk is"
+                                  " made of its capacity, which is missing: KubeVirt fails the start (writeat: negative offset)"), result.err
+    assert not missing.exists()
+    present = allowed / "old.img"
+    present.write_bytes(b"\0" * (1 << 20))
+    result = domain(tmp_path, str(present), *flags, kind="DiskOrCreate")
+    assert result.code == 0, result.err
+    assert str(present) in [d.find("source").get("file") for d in ET.fromstring(result.out).iter("disk")]
+    assert present.stat().st_size == 1 << 20

@@ -202,16 +202,31 @@ def test_linux_preferences_give_the_guest_a_virtio_rng():
 
 def test_cx1_without_numa_is_dedicated_and_isolated():
     # apply/cpu_test.go "should apply in full with PreferSockets selected": the CPU flags and the
-    # ioThreadsPolicy go to the template (maxSockets equal to the sockets changes nothing).
+    # ioThreadsPolicy go to the template, and maxSockets too (apply/cpu.go): room for CPU hotplug,
+    # rendered as converter/compute/cpu.go configureCPUTopology renders it.
     spec = copy.deepcopy(CORPUS[4])
     del spec["spec"]["cpu"]["numa"], spec["spec"]["memory"]["hugepages"]
     expanded = expand(vm("cx1.large"), Objects([spec]))
     domain = expanded["spec"]["template"]["spec"]["domain"]
-    assert domain["cpu"] == {"dedicatedCpuPlacement": True, "isolateEmulatorThread": True, "sockets": 2, "cores": 1, "threads": 1}
+    assert domain["cpu"] == {"dedicatedCpuPlacement": True, "isolateEmulatorThread": True, "sockets": 2, "cores": 1, "threads": 1,
+                             "maxSockets": 2}
     assert (domain["memory"], domain["ioThreadsPolicy"]) == ({"guest": "4Gi"}, "auto")
     spec["spec"]["cpu"]["maxSockets"] = 4
-    assert error(vm("cx1.large"), Objects([spec])) == \
-        "spec.instancetype: VirtualMachineClusterInstancetype cx1.large: spec.cpu.maxSockets is not supported by the launcher"
+    assert expand(vm("cx1.large"), Objects([spec]))["spec"]["template"]["spec"]["domain"]["cpu"]["maxSockets"] == 4
+    vmi = parse_vmi(vm("cx1.large"), objects=Objects([spec]))
+    pinned = Host(topology=(((0,), (1,), (2,)),), cpuset=(0, 1, 2))  # two vCPUs and the isolated emulator thread
+    xml = ET.fromstring(render(vmi, {v.name: ResolvedDisk(f"/run/{v.name}.qcow2", "qcow2") for v in vmi.volumes}, pinned))
+    assert [p.get("vcpu") for p in xml.iterfind("cputune/vcpupin")] == ["0", "1"]  # vcpu.go: the enabled ones only
+    assert xml.find("vcpu").text == "4" and xml.find("cpu/topology").get("sockets") == "4"
+    assert [v.get("enabled") for v in xml.iterfind("vcpus/vcpu")] == ["yes", "yes", "no", "no"]
+
+
+def test_an_instance_types_supplemental_pool_is_judged_as_the_vmis():
+    # apply/iothreads.go and iothreadpolicy.go copy both to the VMI, whose admission and converter judge them.
+    spec = _size("io1.large", 2, "4Gi", ioThreadsPolicy="supplementalPool", ioThreads={"supplementalPoolThreadCount": 3})
+    domain = expand(vm("io1.large"), Objects([spec]))["spec"]["template"]["spec"]["domain"]
+    assert (domain["ioThreadsPolicy"], domain["ioThreads"]) == ("supplementalPool", {"supplementalPoolThreadCount": 3})
+    assert error(vm("io1.large"), Objects([spec])).startswith("spec.template.spec.domain.ioThreadsPolicy: supplementalPool maps every virtio disk")
 
 
 def test_missing_objects_use_the_api_servers_words():
@@ -426,7 +441,7 @@ def test_vm_boots_with_the_instancetypes_cpus_memory_and_rng(qemu_user, guest_im
     manifests.mkdir()
     objects = [
         {"apiVersion": V1B1, "kind": "VirtualMachineClusterInstancetype", "metadata": {"name": "tiny.2c"},
-         "spec": {"cpu": {"guest": 2}, "memory": {"guest": "320Mi"}}},
+         "spec": {"cpu": {"guest": 2, "maxSockets": 2}, "memory": {"guest": "320Mi"}}},
         {"apiVersion": V1B1, "kind": "VirtualMachinePreference", "metadata": {"name": "virtio-cores"},
          "spec": {"cpu": {"preferredCPUTopology": "cores"}, "devices": {"preferredDiskBus": "virtio", "preferredRng": {}}}},
     ]
@@ -444,13 +459,15 @@ def test_vm_boots_with_the_instancetypes_cpus_memory_and_rng(qemu_user, guest_im
     assert domain.code == 0, domain.err
     xml = ET.fromstring(domain.out)
     topology = xml.find("cpu/topology")
-    assert (xml.findtext("vcpu"), topology.get("sockets"), topology.get("cores"), topology.get("threads")) == ("2", "1", "2", "1")
+    # room for a second socket of two cores (maxSockets; converter/compute/cpu.go), the first one enabled
+    assert (xml.findtext("vcpu"), topology.get("sockets"), topology.get("cores"), topology.get("threads")) == ("4", "2", "2", "1")
+    assert [v.get("enabled") for v in xml.iterfind("vcpus/vcpu")] == ["yes", "yes", "no", "no"]
 
     result = qemu_user.launcher("run", NOREG, "--console", "--timeout", "240", "--manifests", manifests, path)
     assert result.code == 0, result.err
     console = parse_console(result.out)
     assert console["ready"] and console["done"], result.out
-    assert console["cpus"] == 2
+    assert console["cpus"] == 2  # the requested ones online; the hotplug socket's wait unplugged
     assert console["rng"] == "virtio_rng.0"  # the preference's virtio RNG
     # MemTotal is what the kernel has left of the 320 MiB it was given.
     assert 256 * 1024 < console["mem_kib"] <= 320 * 1024, console["mem_kib"]

@@ -70,7 +70,7 @@ def test_every_generated_disk_reaches_the_guest(qemu_user, guest_image):
     vmi["spec"]["domain"]["firmware"] = {"uuid": UUID}
     vmi_path.write_text(json.dumps(vmi))
 
-    proc = qemu_user.popen("run", NOREG, "--console", "--timeout", "240", "--manifests", manifests, vmi_path)
+    proc = qemu_user.popen("run", NOREG, "--console", "--timeout", "240", "--manifests", manifests, "--feature-gates", "DownwardMetrics", vmi_path)
     metrics_disk = qemu_user.cache / "run" / "default_gen" / "downwardapi-disks" / "vhostmd0"
     body = b""
     deadline = time.monotonic() + 180
@@ -245,3 +245,37 @@ def test_long_names_run_and_secrets_are_private_while_the_vm_runs(qemu_user, gue
     assert console["isos"][by_serial["sa"]]["files"]["/token"] == "eyJhbGciOiJSUzI1NiJ9.payload.sig\n"
     assert not run_dir.exists() and not (qemu_user.cache / "vms" / f"{entry_name(domain)}.json").exists()
     assert domain not in qemu_user.virsh("list", "--all", "--name").split()
+
+
+def test_downward_metrics_need_kubevirts_gate_and_the_port_is_refused(tmp_path):
+    # vmi-create-admitter.go validateVolumes and validateDownwardMetrics: both behind the DownwardMetrics
+    # gate (off by default), in KubeVirt's words; with it the disk is rendered, and the virtio-serial
+    # port, which only virt-handler's server (pkg/downwardmetrics/virtio-serial/server.go) answers, is
+    # refused in one line naming it.
+    import xml.etree.ElementTree as ET
+
+    from tests.conftest import run_launcher
+
+    def domain(name: str, devices: dict, volumes: list, *flags: str):
+        doc = {"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance", "metadata": {"name": name},
+               "spec": {"domain": {"resources": {"requests": {"memory": "64Mi"}}, "devices": devices}, "volumes": volumes}}
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(doc))
+        return run_launcher("domain", "--accel", "qemu", "--cache-dir", tmp_path / "cache", *flags, path)
+
+    disk = ({"disks": [_virtio("metrics")]}, [{"name": "metrics", "downwardMetrics": {}}])
+    refused = domain("disk", *disk)
+    assert refused.code == 1
+    assert refused.err.strip() == "launcher: spec.volumes[0]: downwardMetrics disks are not allowed: DownwardMetrics feature gate is not enabled."
+    allowed = domain("disk", *disk, "--feature-gates", "DownwardMetrics")
+    assert allowed.code == 0, allowed.err
+    assert [d.find("source").get("file").endswith("downwardapi-disks/vhostmd0") for d in ET.fromstring(allowed.out).iter("disk")] == [True]
+
+    port = ({"downwardMetrics": {}}, [])
+    refused = domain("port", *port)
+    assert refused.code == 1
+    assert refused.err.strip() == ("launcher: spec.domain.devices.downwardMetrics: downwardMetrics virtio serial is not allowed:"
+                                   " DownwardMetrics feature gate is not enabled")
+    refused = domain("port", *port, "--feature-gates", "DownwardMetrics")
+    assert refused.code == 1 and len(refused.err.strip().splitlines()) == 1, refused.err
+    assert refused.err.startswith("launcher: spec.domain.devices.downwardMetrics: its virtio-serial port needs virt-handler's metrics server"), refused.err

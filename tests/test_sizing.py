@@ -20,19 +20,19 @@ def test_fit_keeps_the_request_when_it_fits_after_the_reserve():
     assert sizing.fit(100 * MIB, 100 * MIB + sizing.RESERVE, "data") == sizing.Fitted(100 * MIB, None)
 
 
+# pkg/host-disk/host-disk.go shrinkRequestedSize: its event text and error, naming the disk's path
 def test_fit_shrinks_within_the_tolerance_with_kubevirts_event_text():
-    fitted = sizing.fit(100 * MIB, 95 * MIB + sizing.RESERVE, "data")
+    fitted = sizing.fit(100 * MIB, 95 * MIB + sizing.RESERVE, "data", path="/pvc/data/disk.img")
     assert fitted.size == 95 * MIB
-    assert fitted.note == "PV size too small: expected 100Mi, found 95Mi. Using it anyway, it is within 10 % toleration"
+    assert fitted.note == f"PV size too small: expected {100 * MIB} B, found {95 * MIB} B. Using it anyway, it is within 10 % toleration"
 
 
 def test_fit_refuses_beyond_the_tolerance_with_kubevirts_message():
     with pytest.raises(DiskkitError) as err:
-        sizing.fit(100 * MIB, 80 * MIB + sizing.RESERVE, "data")
-    assert err.value.rule == (
-        f"unable to create image on volume data, not enough space, demanded size {100 * MIB} B is bigger than"
-        f" available space {80 * MIB} B, also after taking 10 % toleration into account"
-    )
+        sizing.fit(100 * MIB, 80 * MIB + sizing.RESERVE, "data", path="/pvc/data/disk.img")
+    assert (err.value.subject, err.value.rule) == ("data", (
+        f"unable to create /pvc/data/disk.img, not enough space, demanded size {100 * MIB} B is bigger than"
+        f" available space {80 * MIB} B, also after taking 10 % toleration into account"))
     # A larger tolerance (pvcTolerateLessSpaceUpToPercent) lets the same claim through.
     assert sizing.fit(100 * MIB, 80 * MIB + sizing.RESERVE, "data", tolerance=25).size == 80 * MIB
 

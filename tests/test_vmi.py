@@ -83,6 +83,14 @@ def test_cpu_limit_becomes_request_and_sockets():
     assert vmi.domain.topology == (1, 3, 1) and vmi.domain.vcpus == 3
 
 
+def test_max_sockets_bounds_the_vcpus_it_makes_room_for():
+    # Each hotpluggable vCPU is an element of the domain: KubeVirt's own bound (pkg/defaults/defaults.go
+    # setupCPUHotplug, 512) is taken before any is made; at the bound it is fine.
+    assert parse_vmi(vmi_doc(cpu={"cores": 2, "maxSockets": 256})).domain.cpu.max_sockets == 256
+    assert error(vmi_doc(cpu={"cores": 2, "maxSockets": 2**32 - 1})) == (
+        f"spec.domain.cpu.maxSockets: {2**32 - 1} sockets of 2 cores and 1 threads are {2 * (2**32 - 1)} vCPUs, more than the 512 a domain may have")
+
+
 def test_guest_memory_wins_over_request():
     vmi = parse_vmi(vmi_doc(memory={"guest": "1G"}, resources={"requests": {"memory": "2Gi"}}))
     assert vmi.domain.guest_memory == 10**9

@@ -25,6 +25,7 @@ from launcher.spec.vmi import DEFAULT_CPU_MODEL, VMI, Disk, SpecError, Volume
 # Volume kinds whose libvirt driver gets discard='unmap' even on a cdrom (storage/volume.go setDiskDriver).
 _DISCARD_KINDS = ("containerDisk", "emptyDisk", "persistentVolumeClaim", "dataVolume", "ephemeral")
 _SCSI_CONTROLLER = 0
+HOTPLUG_ARCHES = ("x86_64", "s390x")  # converter/arch SupportCPUHotplug
 
 
 @dataclass(frozen=True)
@@ -416,13 +417,37 @@ def _cpu(vmi: VMI, host: Host) -> ET.Element:
         cpu = ET.Element("cpu", mode="custom", match="exact")
         _text(cpu, "model", model, fallback="allow")
     sockets, cores, threads = vmi.domain.topology
-    ET.SubElement(cpu, "topology", sockets=str(sockets), cores=str(cores), threads=str(threads))
+    ET.SubElement(cpu, "topology", sockets=str(_hotplug_sockets(vmi, host) or sockets), cores=str(cores), threads=str(threads))
     # compute/cpu.go configureCPUFeatures; libvirt takes no feature without a model or a mode, which is
     # what TCG's default CPU has (evmcs' vmx is then moot: the guest has no Hyper-V, features.notes says so)
     if cpu.get("mode") or cpu.find("model") is not None:
         for name, policy in vmi.domain.cpu.features:
             ET.SubElement(cpu, "feature", name=name, policy=policy)
     return cpu
+
+
+def _hotplug_sockets(vmi: VMI, host: Host) -> int | None:
+    """cpu.maxSockets where the architecture hotplugs CPUs (converter/arch: amd64 and s390x, not arm64)."""
+    return vmi.domain.cpu.max_sockets if host.arch in HOTPLUG_ARCHES else None
+
+
+def _vcpu_count(vmi: VMI, host: Host) -> int:
+    """<vcpu>: every vCPU the sockets can hold, enabled or not (compute/cpu.go configureCPUTopology)."""
+    _, cores, threads = vmi.domain.topology
+    max_sockets = _hotplug_sockets(vmi, host)
+    return max_sockets * cores * threads if max_sockets else vmi.domain.vcpus
+
+
+def _hotplug_vcpus(domain: ET.Element, vmi: VMI, host: Host) -> None:
+    """compute/cpu.go configureCPUTopology: with maxSockets, the requested vCPUs enabled and the rest
+    there to be plugged; the first socket's are never unplugged (libvirt takes the enabled as current)."""
+    if not _hotplug_sockets(vmi, host):
+        return
+    _, cores, threads = vmi.domain.topology
+    vcpus = ET.SubElement(domain, "vcpus")
+    for vcpu in range(_vcpu_count(vmi, host)):
+        ET.SubElement(vcpus, "vcpu", id=str(vcpu), enabled="yes" if vcpu < vmi.domain.vcpus else "no",
+                      hotpluggable="yes" if vcpu >= cores * threads else "no")
 
 
 def _cputune(domain: ET.Element, vmi: VMI, host: Host, iothreads: int) -> None:
@@ -450,14 +475,14 @@ def _filesystems(vmi: VMI, host: Host, devices: ET.Element) -> None:
         ET.SubElement(element, "target", dir=fs.name)
 
 
-def _shared_memory(domain: ET.Element, cpu: ET.Element, vmi: VMI) -> None:
+def _shared_memory(domain: ET.Element, cpu: ET.Element, vmi: VMI, host: Host) -> None:
     """vhost-user needs guest RAM the virtiofsd can map: compute/memory_backing.go gives it memfd,
     shared, and compute/cpu.go configureSyntheticNUMA one NUMA cell holding all of it."""
     backing = ET.SubElement(domain, "memoryBacking")
     ET.SubElement(backing, "source", type="memfd")
     ET.SubElement(backing, "access", mode="shared")
     numa = ET.SubElement(cpu, "numa")
-    ET.SubElement(numa, "cell", id="0", cpus=f"0-{vmi.domain.vcpus - 1}", memory=str(vmi.domain.guest_memory // 1024), unit="KiB")
+    ET.SubElement(numa, "cell", id="0", cpus=f"0-{_vcpu_count(vmi, host) - 1}", memory=str(vmi.domain.guest_memory // 1024), unit="KiB")
 
 
 def _tpm(devices: ET.Element, persistent: bool, socket: str | None) -> None:
@@ -502,7 +527,8 @@ def render(vmi: VMI, disks: dict[str, ResolvedDisk], host: Host) -> str:
     _text(domain, "name", vmi.domain_name)
     _text(domain, "uuid", vmi.uuid)
     _text(domain, "memory", str(vmi.domain.guest_memory), unit="b")
-    _text(domain, "vcpu", str(vmi.domain.vcpus), placement="static")
+    _text(domain, "vcpu", str(_vcpu_count(vmi, host)), placement="static")
+    _hotplug_vcpus(domain, vmi, host)
     total_threads, _ = io_threads(vmi)
     if total_threads:
         _text(domain, "iothreads", str(total_threads))
@@ -514,7 +540,7 @@ def render(vmi: VMI, disks: dict[str, ResolvedDisk], host: Host) -> str:
     domain.append(features.render(vmi, host.domain_type))
     cpu = _cpu(vmi, host)
     if vmi.domain.devices.filesystems:
-        _shared_memory(domain, cpu, vmi)
+        _shared_memory(domain, cpu, vmi, host)
     domain.append(cpu)
     domain.append(clock.render(vmi))
     _text(domain, "on_poweroff", "destroy")

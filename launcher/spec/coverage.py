@@ -24,6 +24,9 @@ from launcher.spec.fields import did_you_mean
 HANDLED, INERT, UNSUPPORTED = "handled", "inert", "unsupported"
 # A flag whose false or absent value is what the launcher does anyway; only a true value is refused.
 UNLESS_FALSE = "unsupported unless false"
+# Parsed, then refused in one line saying why where it asks for what the node cannot do (KubeVirt's
+# words first where KubeVirt refuses it too: its gates and admitters); accepted where it asks nothing.
+JUDGED = "judged"
 
 
 class ListOf:
@@ -69,7 +72,7 @@ TARGET = {"bus": HANDLED, "readonly": HANDLED}
 DISK = {
     "name": HANDLED,
     "disk": {**TARGET, "pciAddress": HANDLED},
-    "lun": {**TARGET, "reservation": UNLESS_FALSE},  # needs KubeVirt's pr-helper daemon
+    "lun": {**TARGET, "reservation": JUDGED},  # refused in KubeVirt's words: this node runs no pr-helper
     "cdrom": {**TARGET, "tray": HANDLED},
     "floppy": HANDLED,  # refused by the parser with KubeVirt's words
     "bootOrder": HANDLED, "serial": HANDLED, "dedicatedIOThread": HANDLED, "cache": HANDLED, "io": HANDLED,
@@ -106,7 +109,8 @@ DEVICES = {
     "autoattachVSOCK": UNLESS_FALSE,
     "rng": {},
     "tpm": {"enabled": HANDLED, "persistent": HANDLED},
-    **dict.fromkeys(("watchdog", "gpus", "downwardMetrics", "panicDevices",
+    "downwardMetrics": JUDGED,  # launcher.spec.gates: KubeVirt's gate, then refused (no server answers the port)
+    **dict.fromkeys(("watchdog", "gpus", "panicDevices",
                      "hostDevices", "clientPassthrough", "sound"), UNSUPPORTED),
 }
 STATE = {"enabled": HANDLED}
@@ -128,7 +132,7 @@ DOMAIN = {
     "resources": {"requests": QUANTITIES, "limits": QUANTITIES, "overcommitGuestOverhead": INERT},
     "cpu": {"cores": HANDLED, "sockets": HANDLED, "threads": HANDLED, "model": HANDLED,
             "dedicatedCpuPlacement": HANDLED, "isolateEmulatorThread": HANDLED,
-            "maxSockets": UNSUPPORTED, "features": UNSUPPORTED, "numa": UNSUPPORTED, "realtime": UNSUPPORTED},
+            "maxSockets": HANDLED, "features": UNSUPPORTED, "numa": UNSUPPORTED, "realtime": UNSUPPORTED},
     "memory": {"guest": HANDLED, "hugepages": UNSUPPORTED, "maxGuest": UNSUPPORTED, "reservedOverhead": INERT},
     "machine": {"type": HANDLED},
     "firmware": {"uuid": HANDLED, "serial": HANDLED,
@@ -144,7 +148,8 @@ DOMAIN = {
                  "pvspinlock": {"enabled": HANDLED}},
     "devices": DEVICES,
     "ioThreadsPolicy": HANDLED,
-    "ioThreads": UNSUPPORTED, "chassis": UNSUPPORTED, "launchSecurity": UNSUPPORTED, "rebootPolicy": UNSUPPORTED,
+    "ioThreads": {"supplementalPoolThreadCount": JUDGED},  # launcher.spec.vmi: with its policy, refused there
+    "chassis": UNSUPPORTED, "launchSecurity": UNSUPPORTED, "rebootPolicy": UNSUPPORTED,
 }
 VMI_SPEC = {
     "domain": DOMAIN,

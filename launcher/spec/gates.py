@@ -19,7 +19,8 @@ from launcher.spec.fields import SpecError
 
 HOST_DISK = "HostDisk"
 SIDECAR = "Sidecar"  # hook sidecars (launcher.spec.hooks)
-KNOWN = (HOST_DISK, SIDECAR)
+DOWNWARD_METRICS = "DownwardMetrics"  # the node's and the VM's load shown to the guest
+KNOWN = (HOST_DISK, SIDECAR, DOWNWARD_METRICS)
 
 
 @dataclass(frozen=True)
@@ -75,3 +76,21 @@ def allowed_dir(path: str, gates: FeatureGates) -> str | None:
         if path.startswith(directory + "/"):
             return directory
     return None
+
+
+def admit_downward_metrics(vmi, gates: FeatureGates) -> None:
+    """vmi-create-admitter.go validateVolumes and validateDownwardMetrics: the metrics disk and the
+    virtio-serial port behind KubeVirt's DownwardMetrics gate (off by default), in its words. With the
+    gate on, the disk is made and refreshed (launcher.volumes.vhostmd); the port is refused, since
+    nothing here answers it as virt-handler does (pkg/downwardmetrics/virtio-serial/server.go) and a
+    guest's vm-dump-metrics would wait on it for ever."""
+    at = "spec.template.spec" if vmi.from_vm else "spec"
+    if not gates.on(DOWNWARD_METRICS):
+        for volume in vmi.volumes:
+            if volume.kind == "downwardMetrics":
+                raise SpecError(f"{at}.volumes[{volume.index}]", "downwardMetrics disks are not allowed: DownwardMetrics feature gate is not enabled.")
+    if vmi.domain.devices.downward_metrics:
+        if not gates.on(DOWNWARD_METRICS):
+            raise SpecError(f"{at}.domain.devices.downwardMetrics", "downwardMetrics virtio serial is not allowed: DownwardMetrics feature gate is not enabled")
+        raise SpecError(f"{at}.domain.devices.downwardMetrics", "its virtio-serial port needs virt-handler's metrics server, which the launcher does not"
+                                                                " run: not supported by the launcher (a downwardMetrics volume gives the guest the same metrics)")

@@ -376,9 +376,6 @@ def _apply_instancetype(it: Selected, pref: Selected | None, tspec: dict, meta: 
     for key in ("numa", "realtime"):
         if cpu.get(key) is not None:
             raise _unsupported(it, f"cpu.{key}")
-    # maxSockets only bounds CPU hotplug; equal to the sockets the guest gets, it changes nothing.
-    if cpu.get("maxSockets") is not None and _uint(cpu["maxSockets"], f"{it.label} spec.cpu.maxSockets") != sockets:
-        raise _unsupported(it, "cpu.maxSockets")
     if memory.get("maxGuest") is not None:
         raise _unsupported(it, "memory.maxGuest")  # memory hotplug
     for key in ("gpus", "hostDevices"):
@@ -386,8 +383,6 @@ def _apply_instancetype(it: Selected, pref: Selected | None, tspec: dict, meta: 
             raise _unsupported(it, key)
     if spec.get("launchSecurity") is not None:
         raise _unsupported(it, "launchSecurity")
-    if dig(spec, "ioThreads", "supplementalPoolThreadCount") is not None:
-        raise _unsupported(it, "ioThreads.supplementalPoolThreadCount")
 
     domain = _obj(tspec, "domain", "spec.template.spec.domain")
     vcpu = _obj(domain, "cpu", "spec.template.spec.domain.cpu")
@@ -398,6 +393,10 @@ def _apply_instancetype(it: Selected, pref: Selected | None, tspec: dict, meta: 
     if cpu.get("isolateEmulatorThread") is not None:
         vcpu["isolateEmulatorThread"] = cpu["isolateEmulatorThread"]
     vcpu.update(sockets=sockets, cores=cores, threads=threads)
+    if cpu.get("maxSockets") is not None:  # apply/cpu.go: the instance type's wins, no conflict
+        vcpu["maxSockets"] = _uint(cpu["maxSockets"], f"{it.label} spec.cpu.maxSockets")
+    if dig(spec, "ioThreads", "supplementalPoolThreadCount") is not None:  # apply/iothreads.go; the VMI's policy judges it
+        domain["ioThreads"] = {"supplementalPoolThreadCount": spec["ioThreads"]["supplementalPoolThreadCount"]}
 
     vmem = _obj(domain, "memory", "spec.template.spec.domain.memory")
     vmem["guest"] = memory["guest"]

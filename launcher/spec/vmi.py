@@ -267,6 +267,7 @@ class CPU:
     isolate_emulator_thread: bool = False
     # (name, policy) KubeVirt's defaults add: vmx, required, for an enabled evmcs (launcher.spec.hyperv)
     features: tuple[tuple[str, str], ...] = ()
+    max_sockets: int | None = None  # the sockets CPU hotplug may fill (launcher.render.domain renders them)
 
 
 @dataclass(frozen=True)
@@ -337,6 +338,7 @@ class Devices:
     inputs: tuple[Input, ...] = ()
     video: str | None = None  # devices.video.type; None: the architecture's default card
     network_multiqueue: bool = False  # networkInterfaceMultiqueue: a queue per vCPU on virtio NICs
+    downward_metrics: bool = False  # devices.downwardMetrics: vhostmd's virtio-serial port (launcher.spec.gates)
 
 
 @dataclass(frozen=True)
@@ -905,7 +907,7 @@ def _domain(doc: dict, root: str, volumes: tuple[Volume, ...]) -> DomainSpec:
     cpu_doc = as_map(doc.get("cpu"), f"{at}.cpu")
     cpu = CPU(get_int(cpu_doc, "cores", f"{at}.cpu"), get_int(cpu_doc, "sockets", f"{at}.cpu"), get_int(cpu_doc, "threads", f"{at}.cpu"),
               get_str(cpu_doc, "model", f"{at}.cpu"), get_bool(cpu_doc, "dedicatedCpuPlacement", f"{at}.cpu"),
-              get_bool(cpu_doc, "isolateEmulatorThread", f"{at}.cpu"))
+              get_bool(cpu_doc, "isolateEmulatorThread", f"{at}.cpu"), max_sockets=get_int(cpu_doc, "maxSockets", f"{at}.cpu") or None)
     resources = _resources(as_map(doc.get("resources"), f"{at}.resources"), f"{at}.resources")
     memory_doc = as_map(doc.get("memory"), f"{at}.memory")
     guest = get_quantity(memory_doc, "guest", f"{at}.memory")
@@ -932,12 +934,16 @@ def _domain(doc: dict, root: str, volumes: tuple[Volume, ...]) -> DomainSpec:
 
     policy = get_str(doc, "ioThreadsPolicy", at)
     if policy == "supplementalPool":
-        # vmi-create-admitter.go validateIOThreadsPolicy: KubeVirt's own refusal comes first (ioThreads
-        # itself is unsupported here, so with --ignore-unsupported the count is always missing)
+        # vmi-create-admitter.go validateIOThreadsPolicy: KubeVirt's own refusal comes first
         threads = as_map(doc.get("ioThreads"), f"{at}.ioThreads").get("supplementalPoolThreadCount")
         if not isinstance(threads, int) or isinstance(threads, bool) or threads <= 0:
             raise SpecError(f"{at}.ioThreads.count", "the number of iothreads needs to be set and positive for the dedicated policy")
-        raise SpecError(f"{at}.ioThreadsPolicy", "supplementalPool is not supported by the launcher")
+        # storage/configurator.go (iothreads.BuildSupplementalPoolIOThreads) maps each virtio disk's queues
+        # onto the whole pool, <driver><iothreads>: libvirt 10.0's and qemu 9.0's iothread-vq-mapping,
+        # which Debian 12's libvirt 9.0 and qemu 7.2 neither parse nor run.
+        raise SpecError(f"{at}.ioThreadsPolicy", "supplementalPool maps every virtio disk onto the whole pool of iothreads"
+                                                 " (<driver><iothreads>), which needs libvirt 10.0 and qemu 9.0, newer than"
+                                                 " this launcher's: use shared or auto")
     if policy is not None and policy not in IO_THREADS_POLICIES:
         raise SpecError(f"{at}.ioThreadsPolicy", f"Invalid IOThreadsPolicy ({policy})")
 
@@ -946,6 +952,7 @@ def _domain(doc: dict, root: str, volumes: tuple[Volume, ...]) -> DomainSpec:
     disk_items = as_list(devices_doc.get("disks"), f"{dat}.disks")
     filesystems = _filesystems(as_list(devices_doc.get("filesystems"), f"{dat}.filesystems"), volumes, disk_items, f"{dat}.disks", f"{dat}.filesystems")
     disks = _disks(disk_items, volumes, f"{dat}.disks", frozenset(f.name for f in filesystems))
+    _refuse_reservations(disk_items, dat)
     # Queues follow the vCPU topology, one at least (storage/configurator.go), so no CPU request is needed.
     block_mq = get_bool(devices_doc, "blockMultiQueue", dat)
     graphics = get_bool(devices_doc, "autoattachGraphicsDevice", dat, default=True)
@@ -957,9 +964,29 @@ def _domain(doc: dict, root: str, volumes: tuple[Volume, ...]) -> DomainSpec:
                       autoattach_mem_balloon=get_bool(devices_doc, "autoattachMemBalloon", dat, default=True),
                       inputs=_inputs(as_list(devices_doc.get("inputs"), f"{dat}.inputs"), f"{dat}.inputs"),
                       video=_video(devices_doc, graphics, dat),
-                      network_multiqueue=get_bool(devices_doc, "networkInterfaceMultiqueue", dat))
+                      network_multiqueue=get_bool(devices_doc, "networkInterfaceMultiqueue", dat),
+                      downward_metrics=_object_given(devices_doc, "downwardMetrics", dat))
     clock = parse_clock(as_map(doc["clock"], f"{at}.clock"), f"{at}.clock") if doc.get("clock") is not None else None
-    return DomainSpec(cpu, None if guest is None else to_bytes(guest), resources, machine, firmware, features, devices, policy, clock)
+    spec = DomainSpec(cpu, None if guest is None else to_bytes(guest), resources, machine, firmware, features, devices, policy, clock)
+    _check_cpu_hotplug(spec, at)
+    return spec
+
+
+MAX_VCPUS = 512  # pkg/defaults/defaults.go setupCPUHotplug: KubeVirt's upper bound for a hotplug topology
+
+
+def _check_cpu_hotplug(spec: DomainSpec, at: str) -> None:
+    """vmi-create-admitter.go validateCPUHotplug, on the sockets as KubeVirt's defaults leave them
+    (SetDefaultGuestCPUTopology: the CPU limit or request's count when no topology is given); and the
+    vCPUs maxSockets makes each become an element of the domain, so their count is bounded first."""
+    if not spec.cpu.max_sockets:
+        return
+    sockets, cores, threads = spec.topology
+    if sockets > spec.cpu.max_sockets:
+        raise SpecError(f"{at}.cpu.sockets", "Number of sockets in CPU topology is greater than the maximum sockets allowed")
+    if spec.cpu.max_sockets * cores * threads > MAX_VCPUS:
+        raise SpecError(f"{at}.cpu.maxSockets", f"{spec.cpu.max_sockets} sockets of {cores} cores and {threads} threads are"
+                                                f" {spec.cpu.max_sockets * cores * threads} vCPUs, more than the {MAX_VCPUS} a domain may have")
 
 
 def _features(doc: dict, at: str) -> Features:
@@ -977,6 +1004,22 @@ def _features(doc: dict, at: str) -> Features:
     pvspinlock = _feature(doc, "pvspinlock", at, None) if doc.get("pvspinlock") is not None else None
     return Features(_feature(doc, "acpi", at, True), _feature(doc, "apic", at, False), _feature(doc, "smm", at, False),
                     custom, passthrough, kvm_hidden, pvspinlock)
+
+
+def _object_given(doc: dict, key: str, at: str) -> bool:
+    """An object field set (a Go pointer that is not nil): null or absent is not."""
+    as_map(doc.get(key), f"{at}.{key}")
+    return doc.get(key) is not None
+
+
+def _refuse_reservations(disk_items: list, at: str) -> None:
+    """vmi-create-admitter.go validatePersistentReservation (its field path, sic): a LUN's SCSI persistent
+    reservations go through KubeVirt's pr-helper daemon, which the cluster's config turns on
+    (persistentReservationConfiguration, off by default); this node runs none."""
+    for i, item in enumerate(disk_items):
+        lun = as_map(as_map(item, f"{at}.disks[{i}]").get("lun"), f"{at}.disks[{i}].lun")
+        if get_bool(lun, "reservation", f"{at}.disks[{i}].lun"):
+            raise SpecError(f"{at}.disks.luns.reservation", "persistent reservation is not enabled in kubevirt config")
 
 
 def _tpm(devices: dict, at: str) -> TPM | None:

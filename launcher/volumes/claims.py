@@ -90,7 +90,7 @@ def claim_disk(ctx: Context, volume: Volume, claim_name: str, where: str, as_bas
             raise DiskkitError(where, f"claim {claim_name}: {image} does not exist and no size is known (--pvc {claim_name}=DIR:SIZE, or the claim in --manifests)")
         size = sizing.claim_image_size(request, capacity, volume.name)
         if ctx.create:
-            fitted = sizing.fit(size, free_bytes(local.path), volume.name, store.tolerance)
+            fitted = sizing.fit(size, free_bytes(local.path), volume.name, store.tolerance, path=str(image))
             ctx.note(fitted.note)
             create_sparse(image, fitted.size)
     elif not found:

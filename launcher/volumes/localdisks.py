@@ -35,11 +35,14 @@ def host_disk(ctx: Context, volume: Volume, where: str) -> ResolvedDisk:
         if source.type != "DiskOrCreate":
             raise DiskkitError(f"{where}.path", f"hostDisk {source.path} does not exist (type {source.type})")
         if not source.capacity:
-            raise DiskkitError(f"{where}.capacity", "required for type DiskOrCreate")
+            # pkg/host-disk/host-disk.go: KubeVirt admits it, then makes the disk of its capacity (0) by a
+            # write at capacity - 1, which fails the VM's start and leaves an empty file, next time's disk.
+            raise DiskkitError(f"{where}.capacity", f"{source.path} does not exist and a DiskOrCreate disk is made of its capacity,"
+                                                    " which is missing: KubeVirt fails the start (writeat: negative offset)")
         if not path.parent.is_dir():
             raise DiskkitError(f"{where}.path", f"directory {path.parent} does not exist")
         if ctx.create:
-            fitted = sizing.fit(source.capacity, free_bytes(path.parent), source.path, ctx.store.tolerance)
+            fitted = sizing.fit(source.capacity, free_bytes(path.parent), where, ctx.store.tolerance, path=source.path)
             ctx.note(fitted.note)
             create_sparse(path, fitted.size)
     elif not (path.is_file() or is_block(path)):

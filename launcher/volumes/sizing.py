@@ -15,13 +15,6 @@ RESERVE = 128 << 10  # minimumReservePVCBytes: free space KubeVirt never hands t
 TOLERANCE = 10  # pvcTolerateLessSpaceUpToPercent
 
 
-def _binary(size: int) -> str:
-    for unit, shift in (("Ti", 40), ("Gi", 30), ("Mi", 20), ("Ki", 10)):
-        if size % (1 << shift) == 0 and size >= 1 << shift:
-            return f"{size >> shift}{unit}"
-    return str(size)
-
-
 def image_size(request: int | None, capacity: int | None) -> int | None:
     """The disk.img size for a filesystem claim: the smaller of request and capacity, whole MiB."""
     known = [size for size in (request, capacity) if size]
@@ -51,18 +44,19 @@ class Fitted:
     note: str | None  # KubeVirt's ToleratedSmallPV event text when the disk had to shrink
 
 
-def fit(requested: int, free: int, volume: str, tolerance: int = TOLERANCE) -> Fitted:
-    """Size a new image for `free` bytes of space: up to `tolerance` % smaller is accepted."""
+def fit(requested: int, free: int, volume: str, tolerance: int = TOLERANCE, path: str | None = None) -> Fitted:
+    """Size a new image of `path` (on `volume`) for `free` bytes of space: up to `tolerance` % smaller
+    is accepted. pkg/host-disk/host-disk.go handleRequestedSizeAndCreateSparseRaw, its words."""
     available = max(free - RESERVE, 0)
     if requested <= available:
         return Fitted(requested, None)
     if requested * (100 - tolerance) // 100 > available:
         raise DiskkitError(
             volume,
-            f"unable to create image on volume {volume}, not enough space, demanded size {requested} B is bigger"
+            f"unable to create {path or volume}, not enough space, demanded size {requested} B is bigger"
             f" than available space {available} B, also after taking {tolerance} % toleration into account",
         )
-    note = f"PV size too small: expected {_binary(requested)}, found {_binary(available)}. Using it anyway, it is within {tolerance} % toleration"
+    note = f"PV size too small: expected {requested} B, found {available} B. Using it anyway, it is within {tolerance} % toleration"
     return Fitted(available, note)
 
 
