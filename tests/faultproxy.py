@@ -364,6 +364,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         except (OSError, http.client.HTTPException) as e:
             # The client body may be half read: answer, then close.
             self._reply(502, {"errors": [{"code": "BAD_GATEWAY", "message": f"upstream: {e}"}]}, close=True)
+            proxy._log(self.command, self.path, 502)  # the upstream was not there: a test may wait for this
             self.close_connection = True
             return
         try:

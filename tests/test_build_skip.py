@@ -10,6 +10,7 @@ import os
 import shutil
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 import requests
@@ -25,11 +26,43 @@ def cache_env(tmp_path):
     return {"XDG_CACHE_HOME": str(tmp_path / "cache")}
 
 
+class Settled:
+    """Input disks changed more than buildrecord.SETTLE_NS ago (a file changed more recently is built but
+    not recorded), each test's own: made a batch at a time, the batch waiting out the second once."""
+
+    BATCH = 12
+
+    def __init__(self, root: Path):
+        self.root, self.ready, self.made = root, [], 0
+
+    def take(self) -> Path:
+        if not self.ready:
+            for _ in range(self.BATCH):
+                slot = self.root / str(self.made)
+                slot.mkdir()
+                self.made += 1
+                make_qcow2(slot / "guest.qcow2", size="32M", pattern=0x5A)
+                with open(slot / "disk.img", "wb") as f:  # as conftest's raw_disk
+                    f.write(b"\xcd" * (1 << 20))
+                    f.truncate(32 << 20)
+                self.ready.append(slot)
+            time.sleep(1.1)  # past buildrecord.SETTLE_NS
+        return self.ready.pop(0)
+
+
+@pytest.fixture(scope="module")
+def settled(tmp_path_factory) -> Settled:
+    return Settled(tmp_path_factory.mktemp("settled"))
+
+
 @pytest.fixture
-def disk(tmp_path):
-    path = make_qcow2(tmp_path / "guest.qcow2", size="32M", pattern=0x5A)
-    time.sleep(1.1)  # past buildrecord.SETTLE_NS: a file changed this recently is built but not recorded
-    return path
+def disk(settled):
+    return settled.take() / "guest.qcow2"
+
+
+@pytest.fixture
+def raw_disk(settled):
+    return settled.take() / "disk.img"
 
 
 def _build(diskkit, disk, target, env, *extra):
@@ -172,7 +205,6 @@ def _logging_qemu_img(tmp_path):
 
 def test_unchanged_rebuild_of_a_converted_disk(diskkit, registry, fault_proxy, raw_disk, cache_env, tmp_path):
     # raw in, qcow2 in the image: the rebuild neither converts nor sends, and names the disk the same.
-    time.sleep(1.1)  # past buildrecord.SETTLE_NS
     path_env, calls = _logging_qemu_img(tmp_path)
     cache_env = {**cache_env, **path_env}
     proxy = fault_proxy(registry)

@@ -54,16 +54,27 @@ def site(tmp_path):
         yield upstream, disk
 
 
-@pytest.fixture
-def big_site(tmp_path):
-    """An upstream whose xz file is 4 MiB of random data (xz cannot shrink it): a drop mid-way is mid-file."""
-    root = tmp_path / "site"
-    root.mkdir()
-    disk = root / "guest.img"
+@pytest.fixture(scope="module")
+def random_disk(tmp_path_factory):
+    """4 MiB of random data in a 16 MiB disk, and its xz (seconds of xz's time: made once for the module)."""
+    disk = tmp_path_factory.mktemp("random") / "guest.img"
     with open(disk, "wb") as f:
         f.write(os.urandom(4 << 20))
         f.truncate(16 << 20)
-    _xz(disk)
+    return disk, _xz(disk)
+
+
+@pytest.fixture
+def big_site(tmp_path, random_disk):
+    """An upstream whose xz file is 4 MiB of random data (xz cannot shrink it): a drop mid-way is mid-file.
+    The files are the test's own copies: a test may replace them."""
+    root = tmp_path / "site"
+    root.mkdir()
+    disk = root / "guest.img"
+    with open(random_disk[0], "rb") as src, open(disk, "wb") as f:
+        f.write(src.read(4 << 20))
+        f.truncate(16 << 20)
+    shutil.copyfile(random_disk[1], root / "guest.img.xz")
     with Upstream(root) as upstream:
         yield upstream, disk
 

@@ -5,7 +5,6 @@ the CPU the boot needs (bench/lazy.py measured it). Real registry, real server, 
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,6 @@ from tests.lazyhost import (
 
 MIB = 1 << 20
 DISK = 96 * MIB  # 32 MiB of chunks in the head, 16 MiB read ahead, the rest held back
-QUIET = 3.0  # long enough for two 8 MiB prefetch requests on loopback, far below the server's boot hold
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +43,11 @@ def present_chunks(cache: Path, export: str, count: int) -> list[int]:
 
 
 def settled(cache: Path, export: str, count: int, expected: list[int]) -> list[int]:
-    """The bitmap once it shows `expected`, and still after QUIET seconds (nothing more was fetched)."""
+    """The bitmap once it shows `expected` and the server holds its prefetching back: nothing left it
+    may fetch while the guest boots, no fetch in flight (prefetchHeld), so nothing more arrives."""
     wait_for(lambda: present_chunks(cache, export, count) == expected, 60, f"chunks {expected[0]}..{expected[-1]}")
-    time.sleep(QUIET)
-    assert export_status(cache, export)["present"] == len(expected)
+    held = wait_for(lambda: (s := export_status(cache, export))["prefetchHeld"] and s, 60, "prefetching to be held back")
+    assert held["present"] == len(expected), held
     return present_chunks(cache, export, count)
 
 

@@ -314,7 +314,10 @@ def test_served_chunk_by_chunk_then_installed_without_a_second_fetch(tmp_path, r
         url, name = answer["url"], answer["export"]
         assert export_status(cache, name)["present"] < len(toc["members"])  # demand reads below fill the gaps
         assert run("qemu-img", "compare", "-f", "raw", "-F", "raw", url, disk).stdout.strip() == "Images are identical."
-        status = wait_for(lambda: (s := export_status(cache, name))["installed"] and s, 120, "the disk to be verified and installed")
+        # The fill's leftovers go just after the status says installed: both are waited for.
+        members = cache / "lazy" / name / "members.gz"
+        status = wait_for(lambda: (s := export_status(cache, name))["installed"] and not members.exists() and s, 120,
+                          "the disk to be verified and installed, and the fetched members to go")
     assert status["verified"] and status["toc"] and status["stats"]["corrupt_chunks"] == 0
     assert status["stats"]["demand_fetches"] > 0
     # Each member travelled once, but the all-zero chunks' (the node needs no file to give zeros,
@@ -324,7 +327,6 @@ def test_served_chunk_by_chunk_then_installed_without_a_second_fetch(tmp_path, r
     assert len(zero) >= 5 and status["stats"]["reused_chunks"] == len(zero)  # the 6 zero MiB: 1 MiB chunks, the longest
     assert status["stats"]["fetched_bytes"] == sum(length for i, (_, length) in enumerate(toc["members"]) if i not in zero)
     assert Path(status["installed"]).read_bytes() == disk.read_bytes()
-    assert not (cache / "lazy" / name / "members.gz").exists()
     blob_gets = registry.log_text().count(f"/blobs/{answer['layer']}")
     pulled = run_launcher("pull", "--cache-dir", cache, NOREG, "--json", remote)
     assert pulled.code == 0, pulled.err
@@ -391,7 +393,8 @@ def test_a_member_corrupted_in_the_registry_is_named_by_verify_and_never_served(
     assert refused.code != 0 and f"chunk {five}'s gzip member at {at}+{length} does not match its digest in the lazy TOC" in refused.err, refused.err
     cache = tmp_path / "cache"
     cache.mkdir()
-    with disk_server(cache, "--prefetch-rate", "1K", "--fetch-timeout", "5"):
+    # A read of a chunk that never verifies fails once the fetch timeout is spent: the shortest there is.
+    with disk_server(cache, "--prefetch-rate", "1K", "--fetch-timeout", "1"):
         answer = open_export(cache, ref)
         good = subprocess.run(["qemu-io", "-r", "-f", "raw", "-c", f"read -P 0 {9 * MIB} 4K", answer["url"]], capture_output=True, text=True, timeout=120)
         assert good.returncode == 0 and "read 4096/4096 bytes" in good.stdout, good  # zeros, as built
@@ -414,15 +417,20 @@ def test_the_server_refuses_a_member_that_inflates_but_differs_from_its_pin(tmp_
 
     cache = tmp_path / "cache"
     cache.mkdir()
+    refs = {}
     for name, change in (("wrongpin", wrong_member), ("wrongsha256pin", wrong_sha256_member)):
-        ref = f"{registry.host}/lazygz/{name}:v2"
-        assert run_diskkit("push", NOREG, f"oci:{forged(tmp_path, layout_v2, name, change)}:v2", ref).code == 0
-        with disk_server(cache, "--prefetch-rate", "1K", "--fetch-timeout", "5"):
+        refs[name] = f"{registry.host}/lazygz/{name}:v2"
+        assert run_diskkit("push", NOREG, f"oci:{forged(tmp_path, layout_v2, name, change)}:v2", refs[name]).code == 0
+    with disk_server(cache, "--prefetch-rate", "1K", "--fetch-timeout", "1"):  # the bad read's wait: the shortest
+        exports = set()
+        for name, ref in refs.items():  # two exports (their TOCs, so their blobs, differ), each with its own stats
             answer = open_export(cache, ref)
+            exports.add(answer["export"])
             bad = subprocess.run(["qemu-io", "-r", "-f", "raw", "-c", f"read {3 * MIB} 4K", answer["url"]], capture_output=True, text=True, timeout=120)
             assert "Input/output error" in bad.stdout + bad.stderr, (name, bad)
             status = export_status(cache, answer["export"])
-        assert status["stats"]["corrupt_chunks"] >= 1 and not status["installed"], (name, status)
+            assert status["stats"]["corrupt_chunks"] >= 1 and not status["installed"], (name, status)
+    assert len(exports) == 2
 
 
 def test_launcher_pull_takes_a_lazy_image_whole(tmp_path, remote, disk):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -70,7 +69,8 @@ def test_a_pull_rides_out_a_registry_restart(tmp_path, fault_proxy):
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         wait_for(lambda: not proxy.pending, 60, "the pull to ask for its layer")
         own.stop()
-        time.sleep(6)  # down past the stall: the proxy finds no registry behind it
+        # down past the stall: the proxy finds no registry behind it, and answers 502
+        wait_for(lambda: any(status == 502 for _, path, status in proxy.log if "/blobs/sha256:" in path), 60, "the stalled request to find no registry")
         own.start()
         out, err = pull.communicate(timeout=120)
     finally:

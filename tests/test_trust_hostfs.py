@@ -17,6 +17,7 @@ import json
 import os
 import pwd
 import stat
+import struct
 import subprocess
 import sys
 import tarfile
@@ -195,11 +196,14 @@ def test_a_clone_from_a_claim_whose_disk_img_is_a_link_is_refused(claims, victim
 
 # ---------------------------------------------------------------- the importer's work files, raced
 
+# Watches until its stdin closes (the import is over; a bound of `seconds` if the test never says so).
 ATTACKER = r"""
-import os, sys, time
+import os, sys, threading, time
 claim, victim_file, victim_dir, seconds, dirs_only = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4]), sys.argv[5] == "dirs"
-done, end = set(), time.monotonic() + seconds
-while time.monotonic() < end:
+done, end, over = set(), time.monotonic() + seconds, threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), over.set()), daemon=True).start()
+print("watching", flush=True)
+while time.monotonic() < end and not over.is_set():
     for name in os.listdir(claim):
         if name.startswith(".diskkit-") and not name.endswith(".moved") and name not in done:
             path = os.path.join(claim, name)
@@ -215,6 +219,15 @@ while time.monotonic() < end:
     time.sleep(0.005)
 print(" ".join(sorted(done)))
 """
+
+
+def attack(claim: Path, victim: Victim, swap: str) -> subprocess.Popen:
+    """The claim's owner, racing the import that follows: returns once it is watching the claim."""
+    attacker = subprocess.Popen(["setpriv", f"--reuid={NOBODY.pw_uid}", f"--regid={NOBODY.pw_gid}", "--clear-groups",
+                                 sys.executable, "-c", ATTACKER, claim, victim.file, victim.dir, "60", swap],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert attacker.stdout.readline() == "watching\n", attacker.stderr.read()
+    return attacker
 
 
 class Trickle(http.server.BaseHTTPRequestHandler):
@@ -267,11 +280,7 @@ def test_a_claim_owner_swapping_the_work_files_for_links_redirects_nothing(claim
         doc["spec"]["contentType"] = content
         nobody_claim(claims, doc)
         claim = claims.dirs["raced"]
-        attacker = subprocess.Popen(["setpriv", f"--reuid={NOBODY.pw_uid}", f"--regid={NOBODY.pw_gid}", "--clear-groups",
-                                     sys.executable, "-c", ATTACKER, claim, victim.file, victim.dir, "8",
-                                     "dirs" if content == "archive" else "all"],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        time.sleep(0.5)  # the attacker is watching before the import starts
+        attacker = attack(claim, victim, "dirs" if content == "archive" else "all")
         result = claims.run("import", "raced")
         out, err = attacker.communicate(timeout=30)
     finally:
@@ -401,10 +410,7 @@ def test_an_import_as_the_owner_cannot_write_where_the_owner_cannot(claims, area
     try:
         nobody_claim(claims, dv("raced", {"http": {"url": f"http://127.0.0.1:{httpd.server_address[1]}/data"}}, "16Mi"))
         claim = claims.dirs["raced"]
-        attacker = subprocess.Popen(["setpriv", f"--reuid={NOBODY.pw_uid}", f"--regid={NOBODY.pw_gid}", "--clear-groups",
-                                     sys.executable, "-c", ATTACKER, claim, victim.file, victim.dir, "8", "dirs"],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        time.sleep(0.5)
+        attacker = attack(claim, victim, "dirs")
         result = claims.run("import", "raced")
         out, err = attacker.communicate(timeout=30)
     finally:
@@ -659,9 +665,17 @@ class Hostile(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def hostile():
+    # A full flush resets the compressor, so every further 16 MiB of zeros deflates to the same bytes:
+    # compressed twice, repeated, and closed with the trailer (CRC-32 and size) of all of it.
     z = zlib.compressobj(9, zlib.DEFLATED, 31)
     zeros = bytes(16 * MIB)
-    Hostile.bomb = b"".join(z.compress(zeros) for _ in range(CAP // len(zeros))) + z.flush()
+    first = z.compress(zeros) + z.flush(zlib.Z_FULL_FLUSH)
+    block = z.compress(zeros) + z.flush(zlib.Z_FULL_FLUSH)
+    last = z.flush()[:-8]
+    crc = 0
+    for _ in range(CAP // len(zeros)):
+        crc = zlib.crc32(zeros, crc)
+    Hostile.bomb = first + block * (CAP // len(zeros) - 1) + last + struct.pack("<II", crc, CAP % (1 << 32))
     assert len(Hostile.bomb) < 2 * MIB
     httpd = serve(Hostile)
     yield f"http://127.0.0.1:{httpd.server_address[1]}"

@@ -129,6 +129,9 @@ class LazyDisk:
         self.installed: Path | None = None
         self.cursor = 0
         self.demand_active = 0  # fetches a reader waits for: prefetching stands back meanwhile
+        # Prefetching found nothing it may fetch while the guest boots or works, and no fetch was in
+        # flight: the rest waits (status's prefetchHeld; any claim clears it).
+        self.held = False
         self.last_read = 0.0
         self.last_touch = 0.0
         self.stale_data = False  # after a failed blob digest the file holds suspect bytes: zeros get written too
@@ -313,6 +316,7 @@ class LazyDisk:
                     if event is None:
                         self.inflight[index] = threading.Event()
                         claimed.append(index)
+                        self.held = False
                     else:
                         waits.append(event)
             if not claimed and not waits:
@@ -434,6 +438,7 @@ class LazyDisk:
                     self.inflight[index] = threading.Event()
                     run.append(index)
                     index += 1
+                self.held = False
                 return run
         return None
 
@@ -459,6 +464,7 @@ class LazyDisk:
             if run is None:
                 with self.lock:
                     done = all(self.present) and not self.inflight
+                    self.held = not done and window[-1] != (0, self.layout.count) and not self.inflight
                 if done:
                     self._complete()
                     return
@@ -582,7 +588,8 @@ class LazyDisk:
             self.files.save(present, reused, self.status())
 
     def status(self) -> dict:
-        present = sum(self.present)
+        with self.lock:
+            present, held = sum(self.present), self.held
         return {
             "export": self.name,
             "description": self.description,
@@ -592,6 +599,7 @@ class LazyDisk:
             "chunkSize": self.layout.chunk_size,
             "chunks": self.layout.count,
             "present": present,
+            "prefetchHeld": held,
             "toc": self.layout.pinned,
             "strict": self.opts.strict,
             "verified": self.verified.is_set() and self.failed is None,
