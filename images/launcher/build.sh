@@ -20,20 +20,34 @@ tag=localhost/diskkit-launcher:$version
 work=$(mktemp -d "${TMPDIR:-/var/tmp}/launcher-image.XXXXXX")
 tmp_out="$out.tmp.$$"
 cleanup() {
-    # vfs layers and the build's mounts belong to this private store only; a half-written
-    # archive never takes OUT's name.
+    # Layers, containers and mounts belong to this private store only; a half-written archive
+    # never takes OUT's name.
     if [ "${CONTAINERS_STORAGE_CONF:-}" = "$work/storage.conf" ]; then
         buildah rm --all >/dev/null 2>&1 || true
     fi
-    rm -rf "$work" "$tmp_out"
+    # overlay's mounts (and the store's own bind mount of its directory) go before the files.
+    findmnt -rn -o TARGET | grep -F "$work/" | sort -r | while read -r mnt; do umount "$mnt" || umount -l "$mnt"; done || true
+    rm -rf --one-file-system "$work" "$tmp_out"
 }
 trap cleanup EXIT
 
+# overlay where the kernel can mount one here: a container or a commit then costs what it changes,
+# where vfs copies the whole tree (400 MiB) for each. vfs works on any filesystem, including one
+# already on overlayfs.
+driver=vfs
+mkdir "$work/probe" "$work/probe/lower" "$work/probe/upper" "$work/probe/work" "$work/probe/merged"
+if mount -t overlay overlay -o "lowerdir=$work/probe/lower,upperdir=$work/probe/upper,workdir=$work/probe/work" \
+        "$work/probe/merged" 2>/dev/null; then
+    umount "$work/probe/merged"
+    driver=overlay
+fi
+rm -rf "$work/probe"
+echo "build.sh: $driver storage under $work" >&2
 # runc cannot raise rlimits on these machines ("error setting rlimit type 7"): pin them at what
-# the host allows. vfs works on any filesystem, including one already on overlayfs.
+# the host allows.
 cat >"$work/storage.conf" <<EOF
 [storage]
-driver = "vfs"
+driver = "$driver"
 graphroot = "$work/storage"
 runroot = "$work/run"
 EOF
