@@ -73,13 +73,16 @@ ca=${PIP_CERT:-${ca:-/etc/ssl/certs/ca-certificates.crt}}
 mkdir "$work/pip"
 cp "$ca" "$work/pip/ca.crt"
 printf '[global]\ncert = /run/diskkit-build/ca.crt\ndisable-pip-version-check = true\n' >"$work/pip/pip.conf"
-# The Python packages as wheels fetched by the host's pip (with its cache, indexes and mirrors),
-# so pip in the build installs them offline: the dependencies for the deps stage, setuptools for
-# building diskkit's own wheel in the last. Where the host's Python is not the image's (3.11,
-# x86_64), or the host's pip cannot get them all, pip in the build asks the package index itself.
+# The Python packages as wheels fetched by the host's pip (with its cache, indexes and mirrors) for
+# the image's Python (CPython 3.11, glibc 2.36, x86_64), so pip in the build installs them with no
+# index: the dependencies for the deps stage, setuptools to build diskkit's wheel in the last. Where
+# the host's pip cannot get them all, pip in the build asks the package index itself.
 wheelhouse() {  # REQUIREMENT...
-    python3 -c 'import sys, platform; assert sys.version_info[:2] == (3, 11) and platform.machine() == "x86_64"' 2>/dev/null || return 0
-    if python3 -m pip download --quiet --only-binary=:all: -d "$work/pip/wheels" "$@" >&2; then
+    local platforms=() minor
+    for minor in $(seq 36 -1 5); do platforms+=(--platform "manylinux_2_${minor}_x86_64"); done
+    platforms+=(--platform manylinux2014_x86_64 --platform manylinux2010_x86_64 --platform manylinux1_x86_64)
+    if python3 -m pip download --quiet --only-binary=:all: --python-version 3.11 --implementation cp \
+            --abi cp311 --abi abi3 --abi none "${platforms[@]}" -d "$work/pip/wheels" "$@" >&2; then
         printf 'find-links = /run/diskkit-build/wheels\nno-index = true\n' >>"$work/pip/pip.conf"
     else
         echo "build.sh: the host's pip has not all of them; pip in the build uses the package index" >&2
