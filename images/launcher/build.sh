@@ -27,7 +27,7 @@ cleanup() {
     fi
     # overlay's mounts (and the store's own bind mount of its directory) go before the files.
     findmnt -rn -o TARGET | grep -F "$work/" | sort -r | while read -r mnt; do umount "$mnt" || umount -l "$mnt"; done || true
-    rm -rf --one-file-system "$work" "$tmp_out"
+    rm -rf --one-file-system "$work" "$tmp_out" "${cached:-$work}.tmp.$$"  # and a deps archive half-saved
 }
 trap cleanup EXIT
 
