@@ -57,11 +57,15 @@ def launcher_image() -> Path:
     with open(CACHE / ".launcher-image.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # parallel runs build once
         if not archive.is_file():
-            proc = subprocess.run(["bash", str(BUILD_SH), str(archive)], capture_output=True, text=True, timeout=1800)
+            # The deps stage (Debian packages, Python dependencies: nearly all of the build) is kept
+            # in the same directory under the hash of its own inputs, so a change of source alone
+            # rebuilds only the source layer.
+            proc = subprocess.run(["bash", str(BUILD_SH), str(archive)], capture_output=True, text=True, timeout=1800,
+                                  env={**os.environ, "DEPS_CACHE": str(CACHE)})
             assert proc.returncode == 0, f"{BUILD_SH} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
             for old in CACHE.glob("launcher-image-*.tar"):
                 if old != archive:
-                    old.unlink(missing_ok=True)  # one image per machine is enough
+                    old.unlink(missing_ok=True)  # one image per machine is enough (build.sh prunes its deps the same way)
     return archive
 
 
