@@ -207,6 +207,25 @@ def test_the_console_is_followed_across_rotations(qemus_console_dir):
     assert b"".join(got) == b"onetwothreefour", got
 
 
+def test_files_rotated_away_between_two_reads_are_read_in_order(qemus_console_dir):
+    """A chatty guest fills more than one file between two reads: virtlogd shifts console.log.0 to
+    .1 and console.log to .0 at each rotation, so the file after the one being read is a backup by
+    then. It is read, then the newest: nothing between is skipped (the console of the test below
+    lost whole files that way)."""
+    log = ConsoleLog(qemus_console_dir / rundir.CONSOLE_LOG)
+    got = []
+    as_user(QEMU_UID, "sh", "-c", f"printf one > {log.log}", check=True)
+    got.append(log.read())
+
+    def rotate(text: str) -> str:
+        return f"[ -e {log.log}.0 ] && mv {log.log}.0 {log.log}.1; mv {log.log} {log.log}.0; printf {text} > {log.log}"
+
+    as_user(QEMU_UID, "sh", "-c", f"printf two >> {log.log}; {rotate('three')}; printf four >> {log.log}; {rotate('five')}", check=True)
+    got += [log.read() for _ in range(6)]
+    log.close()
+    assert b"".join(got) == b"onetwothreefourfive", got
+
+
 def test_a_link_planted_in_the_console_directory_is_not_followed(qemus_console_dir, victim):
     """Attack: the console directory is qemu's (its log daemon must rotate there), so uid 107 may put a link
     to a root-only file under console.log, or swap one in as a rotation; root following the console

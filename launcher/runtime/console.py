@@ -23,6 +23,7 @@ from launcher.hostfs.dirfd import DIR_NOFOLLOW, Dir
 
 POLL = 0.1
 READ = 1 << 16
+MAX_BACKUPS = 64  # rotated files looked through for the one after ours (virtlogd keeps 3 by default)
 
 
 class ConsoleLog:
@@ -47,10 +48,29 @@ class ConsoleLog:
             # Rotated: the old file takes no more writes once renamed, so what it holds now is the rest.
             data = os.pread(self._fd, READ, self._offset)
             if not data:
-                self._close_file()
-                return self.read()
+                return self._next_file()
         self._offset += len(data)
         return data
+
+    def _next_file(self) -> bytes:
+        """Go on with the file logged after the drained one. A chatty guest may fill more than one
+        file between two reads: the one after ours is then a backup itself (virtlogd renames LOG to
+        LOG.0, LOG.0 to LOG.1 and so on), found by where ours went; reopening LOG would skip it."""
+        after = None
+        for index in range(MAX_BACKUPS):
+            st = self._dir.lstat(f"{self.log.name}.{index}")
+            if st is None:
+                break
+            if (st.st_dev, st.st_ino) == self._ident:
+                after = f"{self.log.name}.{index - 1}" if index else self.log.name
+                break
+        self._close_file()
+        if after is None or after == self.log.name or self._dir.lstat(after) is None:
+            return self.read()  # ours is gone past the backups, or LOG comes next: the newest file
+        self._fd = self._dir.open_file(after)  # a link, FIFO or device under the name is refused
+        st = os.fstat(self._fd)
+        self._ident, self._offset = (st.st_dev, st.st_ino), 0
+        return self.read()
 
     def _open(self) -> bool:
         if self._dir is None:
