@@ -13,6 +13,7 @@ in that namespace, and the test reads its files through /proc/PID/root, so the h
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import pwd
@@ -70,11 +71,22 @@ class Namespaced(QemuUser):
     def fill(self, leave: int) -> Path:
         """A file that leaves `leave` bytes free on the tmpfs (root's: the qemu user cannot remove it)."""
         filler = self.seen(self.cache.parent) / "filler"
-        st = os.statvfs(self.seen(self.cache))
-        free = st.f_bavail * st.f_frsize + (filler.stat().st_size if filler.exists() else 0)
-        with open(filler, "wb") as f:
-            f.truncate(0)
-            os.posix_fallocate(f.fileno(), 0, max(free - leave, 1))
+        with open(filler, "wb") as f:  # emptied first: what it held is free again
+            # A running VM's writes may take some of the space between the count and the allocation;
+            # a failed allocation is undone, so it is counted again and asked again.
+            for _ in range(50):
+                st = os.statvfs(self.seen(self.cache))
+                want = st.f_bavail * st.f_frsize - leave
+                if want <= 0:
+                    break  # no more than `leave` is free already
+                try:
+                    os.posix_fallocate(f.fileno(), 0, want)
+                    break
+                except OSError as exc:
+                    if exc.errno != errno.ENOSPC:
+                        raise
+            else:
+                raise AssertionError(f"{filler}: could not leave {leave} bytes free")
         return filler
 
     def close(self) -> None:
