@@ -226,6 +226,20 @@ def test_files_rotated_away_between_two_reads_are_read_in_order(qemus_console_di
     assert b"".join(got) == b"onetwothreefourfive", got
 
 
+def test_a_link_planted_as_a_rotated_backup_is_not_followed(qemus_console_dir, victim):
+    """Attack: uid 107 puts a link to a root-only file where the reader looks for the file after its own
+    (console.log.0, while its own went to .1). The link is refused in one line; nothing of it is read."""
+    log = ConsoleLog(qemus_console_dir / rundir.CONSOLE_LOG)
+    as_user(QEMU_UID, "sh", "-c", f"printf booting > {log.log}", check=True)
+    assert log.read() == b"booting"
+    as_user(QEMU_UID, "sh", "-c", f"mv {log.log} {log.log}.1; ln -s {victim} {log.log}.0; printf later > {log.log}", check=True)
+    with pytest.raises(DiskkitError) as err:
+        log.read()
+    assert str(err.value) == f"{log.log}.0: is a symbolic link; root never follows a link in a directory others can write"
+    log.close()
+    assert victim_state(victim)[3] == VICTIM_TEXT
+
+
 def test_a_link_planted_in_the_console_directory_is_not_followed(qemus_console_dir, victim):
     """Attack: the console directory is qemu's (its log daemon must rotate there), so uid 107 may put a link
     to a root-only file under console.log, or swap one in as a rotation; root following the console
