@@ -191,6 +191,34 @@ def test_sigterm_mid_build_leaves_nothing(tmp_path):
         assert os.listdir(out) == []
 
 
+@pytest.mark.parametrize("transport", ["oci", "oci-archive", "dir", "docker-archive"])
+def test_a_stop_signal_while_the_staging_is_made_is_raised_once_it_can_be_aborted(tmp_path, transport):
+    """The signal lands in the one window the subprocess test above can only hit by chance: the
+    staging exists and no `with` holds it yet. Held until the destination can abort, it unwinds
+    as any other SIGTERM and leaves nothing."""
+    from diskkit import interrupts
+    from diskkit.oci.reference import parse_ref
+    from diskkit.transports import open_destination
+
+    dest = open_destination(parse_ref(f"{transport}:{tmp_path / 'out'}" + (":x:1" if transport == "docker-archive" else "")))
+    made = type(dest).begin
+
+    def begin_then_signalled(self):
+        made(self)
+        assert any(p.name.startswith(".out.diskkit-") for p in tmp_path.iterdir())
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    dest.begin = begin_then_signalled.__get__(dest)
+    previous = signal.signal(signal.SIGTERM, interrupts.unwind)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with dest:
+                pytest.fail("the body ran although SIGTERM arrived before it")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_convert_refuses_bad_input_and_writes_atomically(diskkit, tmp_path):
     backed = tmp_path / "backed.qcow2"
     run("qemu-img", "create", "-q", "-f", "qcow2", "-b", "/etc/passwd", "-F", "raw", backed)

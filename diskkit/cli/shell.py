@@ -12,6 +12,7 @@ import sys
 
 import click
 
+from diskkit import interrupts
 from diskkit.errors import DiskkitError, Exit
 from diskkit.oci.image import Platform
 from diskkit.registry.options import RegistryOptions
@@ -77,11 +78,6 @@ def skopeo_args(args: list[str]) -> list[str]:
 
 def platform(value: str | None) -> Platform | None:
     return Platform.parse(value) if value else None
-
-
-def _terminate(signum, frame):
-    # SIGTERM unwinds like Ctrl-C, so every `finally` runs: staging files go, VMs are destroyed.
-    raise KeyboardInterrupt
 
 
 def _keep_large_buffers() -> None:
@@ -160,7 +156,9 @@ def run_main(cli: click.Group, prog: str) -> None:
     """Run a click group with one-line errors (`prog: subject: rule`) and the exit codes of
     diskkit.errors.Exit; with --json a failure is also one JSON object on stdout."""
     _keep_large_buffers()
-    signal.signal(signal.SIGTERM, _terminate)
+    # SIGTERM unwinds like Ctrl-C, so every `finally` runs: staging files go, VMs are destroyed.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, interrupts.unwind)
     args = skopeo_args(sys.argv[1:])
     as_json = wants_json(args)
     try:

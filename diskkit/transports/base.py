@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from typing import BinaryIO, Iterator, Protocol
 
+from diskkit import interrupts
 from diskkit.errors import DiskkitError, UploadLost
 from diskkit.oci import mediatypes as mt
 from diskkit.oci.image import (
@@ -66,7 +67,21 @@ class Destination:
     def abort(self) -> None:
         raise NotImplementedError
 
+    def begin(self) -> None:
+        """Make what the destination stages into (a staging directory or file); abort() removes it."""
+
     def __enter__(self) -> "Destination":
+        # Made with stop signals held: a SIGTERM landing between a staging's mkdir and the `with`
+        # that aborts it would leave the staging behind (test_bad_input's SIGTERM mid-build).
+        begun = False
+        try:
+            with interrupts.held():
+                self.begin()
+                begun = True
+        except BaseException:
+            if begun:
+                self.abort()
+            raise
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

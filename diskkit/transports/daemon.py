@@ -15,6 +15,7 @@ holds a layer in memory.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import tempfile
 from pathlib import Path
@@ -112,8 +113,16 @@ class DaemonDestination(DockerArchiveDestination):
         self.where = str(ref)
         self.host = engine_host(ref)[0]
         self.client = _client(ref)
-        self.spool = _spool_dir()
+        self.spool = Path(tempfile.gettempdir(), f"diskkit-engine-{secrets.token_hex(8)}")
         super().__init__(ImageRef("docker-archive", path=str(self.spool / "image.tar"), name=ref.name))
+
+    def begin(self) -> None:
+        self.spool.mkdir(mode=0o700)
+        try:
+            super().begin()
+        except BaseException:
+            self.spool.rmdir()
+            raise
 
     def repo_tag(self) -> str:
         # Fully qualified, as containers/image writes it: engines normalise both forms alike.

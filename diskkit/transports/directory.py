@@ -58,10 +58,12 @@ class DirDestination(Destination):
                 raise DiskkitError(ref.path, "not a containers image directory, don't want to overwrite important data")
         fsutil.check_writable(self.final.parent)
         self.blobs = self.final.parent / f".{self.final.name}.diskkit-{secrets.token_hex(4)}"
-        self.blobs.mkdir()
         self.added: list[Path] = []
         self.top: bytes | None = None
         self.signatures: list[bytes] = []  # the top manifest's, written as signature-N at commit
+
+    def begin(self) -> None:
+        self.blobs.mkdir()
 
     def blob_writer(self, media_type: str) -> contextlib.AbstractContextManager[PendingFile]:
         return pending_blob(self)

@@ -162,16 +162,19 @@ class LayoutDestination(Destination):
             fsutil.check_writable(self.final)
             self.root = self.final
             self.staging = None
-            _reclaim((self.final / "blobs" / "sha256").glob(".tmp-*"))
         else:
-            parent = self.final.parent
-            fsutil.check_writable(parent)
-            _reclaim(parent.glob(f".{glob.escape(self.final.name)}.diskkit-*"))
-            self.staging = parent / f".{self.final.name}.diskkit-{secrets.token_hex(4)}"
+            fsutil.check_writable(self.final.parent)
+            self.staging = self.final.parent / f".{self.final.name}.diskkit-{secrets.token_hex(4)}"
             self.root = self.staging
         self.blobs = self.root / "blobs" / "sha256"
-        self.blobs.mkdir(parents=True, exist_ok=True)
         self._alive = None
+
+    def begin(self) -> None:
+        if self.staging is None:
+            _reclaim(self.blobs.glob(".tmp-*"))
+        else:
+            _reclaim(self.final.parent.glob(f".{glob.escape(self.final.name)}.diskkit-*"))
+        self.blobs.mkdir(parents=True, exist_ok=True)
         if self.staging is not None:
             # Held until commit or abort (or death): tells a later push this staging is no leftover.
             self._alive = os.open(self.staging, os.O_RDONLY | os.O_DIRECTORY)

@@ -47,13 +47,16 @@ class ArchiveWriter(Destination):
     def __init__(self, ref: ImageRef, created: int):
         self.ref = ref
         self.final = Path(ref.path)
+        self.created = created
+        self.names: set[str] = set()
+
+    def begin(self) -> None:
         self.tmp = fsutil.staging_file(self.final)
         try:
             self.file = open(self.tmp, "w+b")
         except OSError as exc:
             raise DiskkitError(self.final, f"cannot be written ({exc.strerror})") from None
-        self.tar = TarStreamWriter(self.file, created)
-        self.names: set[str] = set()
+        self.tar = TarStreamWriter(self.file, self.created)
 
     @contextlib.contextmanager
     def blob_writer(self, media_type: str) -> Iterator[_Pending]:
@@ -83,6 +86,9 @@ class OciArchiveDestination(ArchiveWriter):
     def __init__(self, ref: ImageRef, created: int = 0):
         super().__init__(ref, created)
         self.entries: list[Descriptor] = []
+
+    def begin(self) -> None:
+        super().begin()
         self.tar.add_bytes("oci-layout", OCI_LAYOUT)
         self.tar.add_dir("blobs")
         self.tar.add_dir("blobs/sha256")

@@ -3,34 +3,21 @@ VNC display, screenshot and guest agent."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
-import signal
 import xml.etree.ElementTree as ET
-from typing import Iterator
 
+from diskkit import interrupts
 from diskkit.errors import DiskkitError
-
-# Held off for the length of each libvirt call: a signal's KeyboardInterrupt raised inside libvirt's
-# error callback (a lookup of a missing domain runs it) left as a SystemError with a traceback, nothing
-# undone (test_killed_launcher). Delivered when the call returns, it unwinds the run as usual.
-HELD = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
-
-
-@contextlib.contextmanager
-def _signals_held() -> Iterator[None]:
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, HELD)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _held(method):
+    # Held off for the length of each libvirt call: a signal's KeyboardInterrupt raised inside libvirt's
+    # error callback (a lookup of a missing domain runs it) left as a SystemError with a traceback, nothing
+    # undone (test_killed_launcher). Delivered when the call returns, it unwinds the run as usual.
     @functools.wraps(method)
     def call(*args, **kwargs):
-        with _signals_held():
+        with interrupts.held():
             return method(*args, **kwargs)
     return call
 
