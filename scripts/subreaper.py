@@ -17,6 +17,10 @@ import ctypes
 import os
 import signal
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from launcher.runtime.reaper import serve  # noqa: E402  the launcher's PID-1 loop, one reaping loop for both
 
 PR_SET_CHILD_SUBREAPER = 36
 FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
@@ -37,23 +41,7 @@ def main(argv: list[str]) -> int:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, watched)
         os.execvp(argv[0], argv)
-    while True:
-        info = signal.sigwaitinfo(watched)
-        if info.si_signo != signal.SIGCHLD:
-            try:
-                os.kill(child, info.si_signo)
-            except ProcessLookupError:
-                pass
-            continue
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            if pid == child:
-                return os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
+    return serve(child, watched)
 
 
 if __name__ == "__main__":

@@ -151,3 +151,33 @@ def test_launcher_killed_by_a_signal_exits_like_a_shell_says(signum):
     """)
     proc = subprocess.run(in_pid_namespace(sys.executable, "-c", script), capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert proc.returncode == 128 + signum, proc
+
+
+def test_the_test_runners_subreaper_reaps_orphans_with_the_same_loop():
+    # scripts/subreaper.py (what scripts/test.sh runs pytest under) marks itself child subreaper and
+    # serves its command with launcher.runtime.reaper.serve: orphans of the command are its own, and
+    # reaped as they die instead of staying zombies until PID 1 gets round to them.
+    script = textwrap.dedent("""
+        import os, subprocess, sys, time
+        for _ in range(3):
+            subprocess.run(["sh", "-c", "(sleep 0.2; exit 5) & exit 0"], check=True)
+        time.sleep(0.8)
+        def fields(pid):
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(") ", 1)[1].split()
+        mine = [p for p in os.listdir("/proc") if p.isdigit() and os.path.exists(f"/proc/{p}/stat")]
+        zombies = []
+        for p in mine:
+            try:
+                state, ppid = fields(p)[:2]
+            except OSError:
+                continue
+            if int(ppid) == os.getppid() and state == "Z":
+                zombies.append(p)
+        print("ZOMBIES", len(zombies), flush=True)
+        sys.exit(4)
+    """)
+    proc = subprocess.run([sys.executable, ROOT / "scripts" / "subreaper.py", sys.executable, "-c", script],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 4, proc.stderr
+    assert "ZOMBIES 0" in proc.stdout, proc.stdout

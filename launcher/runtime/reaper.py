@@ -37,7 +37,7 @@ def init_if_pid1() -> None:
     # (test_reaper). Caught, it is forwarded whichever way it arrives: sigwaitinfo or the handler.
     for sig in FORWARDED:
         signal.signal(sig, lambda signo, _frame: _forward(child, signo))
-    os._exit(_serve(child, watched))
+    os._exit(serve(child, watched))
 
 
 def _forward(child: int, signo: int) -> None:
@@ -47,7 +47,10 @@ def _forward(child: int, signo: int) -> None:
         pass  # it is exiting; its SIGCHLD follows
 
 
-def _serve(child: int, watched: set[int]) -> int:
+def serve(child: int, watched: set[int]) -> int:
+    """Pass the signals in `watched` on to `child` and reap every process that dies under this one
+    (PID 1, or a child subreaper: the test runner's) until `child` is among them; its exit status.
+    `watched` holds SIGCHLD and is blocked by the caller before it forks `child`."""
     while True:
         info = signal.sigwaitinfo(watched)
         if info.si_signo != signal.SIGCHLD:
