@@ -13,7 +13,7 @@ import pytest
 
 from tests.distribution import auth_registry, registry, tls_registry, token_registry  # noqa: F401  (fixtures)
 from tests.engines import dockerd, engine, podman  # noqa: F401  (fixtures)
-from tests import leftovers, timing
+from tests import cliserver, leftovers, timing
 from tests.faultproxy import FaultProxy
 
 REQUIRED_TOOLS = (
@@ -90,6 +90,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(trylast=True)  # after pytest's own, which tears the session's fixtures down
 def pytest_sessionfinish(session):
+    cliserver.CLIENT.stop()
     leftovers.sweep()  # scratch directories whose fixture never reached its cleanup
     leftovers.check_left_running()
     leaks = leftovers.leaks_of_run()
@@ -127,9 +128,16 @@ def _command(module: str, args, user: str | None) -> list[str]:
     return cmd
 
 
-def run_diskkit(*args: str | os.PathLike, cwd: Path | None = None, env: dict | None = None, user: str | None = None) -> Result:
-    proc = subprocess.run(_command("diskkit", args, user), capture_output=True, text=True, cwd=cwd, env={**os.environ, "CI": "true", **(env or {})})
+def _run_cli(module: str, args, cwd: Path | None, env: dict | None, user: str | None, timeout: float | None) -> Result:
+    full_env = {**os.environ, "CI": "true", **(env or {})}
+    if user is None and cliserver.CLIENT.usable(full_env):
+        return Result(*cliserver.CLIENT.run(module, [str(a) for a in args], cwd, full_env, timeout))
+    proc = subprocess.run(_command(module, args, user), capture_output=True, text=True, cwd=cwd, env=full_env, timeout=timeout)
     return Result(proc.returncode, proc.stdout, proc.stderr)
+
+
+def run_diskkit(*args: str | os.PathLike, cwd: Path | None = None, env: dict | None = None, user: str | None = None) -> Result:
+    return _run_cli("diskkit", args, cwd, env, user, None)
 
 
 def sigstore_keys(directory: Path, passphrase: str, names: tuple[str, ...] = ("a", "b")) -> None:
@@ -146,8 +154,7 @@ def launcher_command(*args: str | os.PathLike, user: str | None = None) -> list[
 
 
 def run_launcher(*args: str | os.PathLike, env: dict | None = None, user: str | None = None, timeout: float = 300) -> Result:
-    proc = subprocess.run(launcher_command(*args, user=user), capture_output=True, text=True, env={**os.environ, "CI": "true", **(env or {})}, timeout=timeout)
-    return Result(proc.returncode, proc.stdout, proc.stderr)
+    return _run_cli("launcher", args, None, env, user, timeout)
 
 
 @pytest.fixture
