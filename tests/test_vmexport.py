@@ -367,6 +367,22 @@ def test_an_exports_vm_may_use_only_its_own_disks(field, volume, extra):
         layout.check_own_only(own, "ex")
 
 
+def test_an_exports_hook_sidecar_naming_the_users_configmap_is_refused():
+    """The hook sidecar annotation (launcher.spec.hooks: KubeVirt's hooks.kubevirt.io/hookSidecars) names
+    a ConfigMap among the user's objects whose script the node runs for the VM, behind the Sidecar
+    gate: an export's author would pick the user's script for the export's guest."""
+    vm = _go_vm_config("data")
+    vm["spec"]["template"]["metadata"]["annotations"] = {
+        "hooks.kubevirt.io/hookSidecars": json.dumps([{"args": ["--version", "v1alpha2"],
+                                                       "configMap": {"name": "my-hooks", "key": "hook.sh", "hookPath": "/usr/bin/onDefineDomain"}}])}
+    with pytest.raises(DiskkitError) as refused:
+        layout.check_own_only(vm, "ex")
+    assert refused.value.line().startswith("ex: config: spec.template.metadata.annotations[hooks.kubevirt.io/hookSidecars]: "
+                                           "a VM export's VirtualMachine may use only the export's own disks"), refused.value.line()
+    vm["spec"]["template"]["metadata"]["annotations"] = {"example.com/owner": "them"}  # any other annotation is the export's own
+    layout.check_own_only(vm, "ex")
+
+
 def test_an_export_naming_another_image_is_refused_unless_the_user_gives_a_spec(qemu_user, registry, fault_proxy):
     """Attack (issue 38, 4): an export's containerDisk volume made the node pull another image with the
     user's credentials and attach it to the export's guest. Now nothing is asked of the registry; with

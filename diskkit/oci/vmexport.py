@@ -139,6 +139,10 @@ def index(manifest_digest: str, manifest_size: int, arch: str, created: str, ref
 # the export's author is not that user.
 OWN_VOLUMES = ("persistentVolumeClaim", "emptyDisk", "cloudInitNoCloud", "cloudInitConfigDrive")
 _SECRET_REFS = ("secretRef", "networkDataSecretRef")
+# Annotations of the template the launcher acts on that name the user's objects: a hook sidecar is a
+# script from one of the user's ConfigMaps, which the node runs and whose answer becomes the domain
+# (launcher.spec.hooks), with the Sidecar gate on.
+_NAMING_ANNOTATIONS = ("hooks.kubevirt.io/hookSidecars",)
 OWN_ONLY = ("a VM export's VirtualMachine may use only the export's own disks and data it holds itself "
             "(persistentVolumeClaim of its disk layers, emptyDisk, inline cloud-init); refused: "
             "give a VM or VMI file of your own with --spec to run its disks otherwise")
@@ -195,7 +199,12 @@ def check_own_only(vm: dict, where: str) -> None:
     spec = vm.get("spec") or {}
     if spec.get("dataVolumeTemplates"):  # prepareVMConfig drops them: an export never holds one
         raise DiskkitError(f"{where}: config: spec.dataVolumeTemplates", OWN_ONLY)
-    tspec = ((spec.get("template") or {}).get("spec")) or {}
+    template = spec.get("template") or {}
+    annotations = (template.get("metadata") or {}).get("annotations") or {}
+    for key in _NAMING_ANNOTATIONS:
+        if isinstance(annotations, dict) and key in annotations:
+            raise DiskkitError(f"{where}: config: spec.template.metadata.annotations[{key}]", OWN_ONLY)
+    tspec = template.get("spec") or {}
     for i, volume in enumerate(tspec.get("volumes") or []):
         kinds = [key for key in (volume if isinstance(volume, dict) else {}) if key != "name"]
         field = f"{where}: config: spec.template.spec.volumes[{i}]"
