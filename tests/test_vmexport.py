@@ -269,8 +269,19 @@ def _go_vm_config(claim: str = "root.disk") -> dict:
 def test_run_boots_an_export_tar_as_kubevirt_writes_it(qemu_user, tmp_path):
     raw = (_claim_dir(tmp_path) / "disk.img").read_bytes()
     tar = _kubevirt_tar(qemu_user.root / "kubevirt.oci.tar", _go_vm_config(), [("root-disk", raw, None)])
+    # A VM of the user's with the export's name has pins (launcher.node.pins): the export's own
+    # VirtualMachine neither reads nor replaces them (a VM booted with none deletes its pin file).
+    users_pins = qemu_user.cache / "pins" / "default_fromkubevirt.json"
+    users_pins.parent.mkdir(exist_ok=True)
+    pinned = json.dumps({"domain": "default_fromkubevirt", "volumes": {"root": {
+        "image": "r.example/os:1", "pinned": "r.example/os@sha256:" + "a" * 64, "digest": "sha256:" + "a" * 64,
+        "platform": "linux/amd64", "since": 1}}})
+    users_pins.write_text(pinned)
+    for path in (users_pins.parent, users_pins):
+        os.chown(path, QEMU_UID, QEMU_UID)  # the user's, as its own run would have left them
     ran = qemu_user.launcher("run", "--console", "--timeout", "240", f"oci-archive:{tar}")
     assert ran.code == 0, ran.err
+    assert users_pins.read_text() == pinned
     console = parse_console(ran.out)
     assert console["ready"] and console["done"], ran.out
     (disk,) = console["disks"].values()
