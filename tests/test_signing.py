@@ -594,6 +594,33 @@ def test_a_cached_unsigned_image_is_refused_under_a_requiring_policy(registry, t
         stop_spawned_server(cache)
 
 
+def test_the_lazy_path_reads_no_blob_of_an_image_before_the_policy_admits_it(registry, trust, disk, fault_proxy, tmp_path):
+    """`launcher domain`'s lazy default asked whether an image boots lazily from its manifest and its
+    config: the config blob of an image the policy then refused was fetched first. containers/image
+    checks the policy "BEFORE reading any other information about the image" than its manifest
+    (copy/single.go, IsRunningImageAllowed); so does every read here now, the lazy question included."""
+    ref = f"{registry.host}/lazy/before-policy:v1"
+    assert run_diskkit("build", NOREG, "--lazy", disk, "-t", ref).code == 0
+    proxy = fault_proxy(registry)
+    shown = f"{proxy.host}/lazy/before-policy:v1"
+    regd = tmp_path / "registries.d"
+    regd.mkdir()
+    (regd / "default.yaml").write_text((trust["regd"] / "default.yaml").read_text())
+    key_data = base64.b64encode(Path(f"{trust['a']}.pub").read_bytes()).decode()
+    required = write_policy(tmp_path / "required.json", proxy.host, {"type": "sigstoreSigned", "keyData": key_data})
+    cache = tmp_path / "cache"
+    try:
+        refused = run_launcher("domain", NOREG, "--signature-policy", required, "--registries.d", regd, "--cache-dir", cache,
+                               _vmi_file(tmp_path / "vmi.yaml", shown))
+        _refused_unsigned(refused, shown)
+        assert any("/manifests/" in path for _, path, _ in proxy.log), proxy.log
+        assert [path for _, path, _ in proxy.log if "/blobs/" in path] == [], proxy.log
+    finally:
+        if (cache / "serve" / "control.sock").exists():
+            from tests.lazyhost import stop_spawned_server
+            stop_spawned_server(cache)
+
+
 def test_run_refuses_a_cached_unsigned_image_before_any_boot(registry, trust, disk, qemu_user, tmp_path):
     """The same attack through `launcher run`: refused before a domain is defined, nothing left."""
     from tests.vmhost import assert_clean

@@ -243,6 +243,33 @@ def test_the_disk_server_refuses_a_50_gib_member_on_open_and_stays_small(liar, t
         log.close()
 
 
+RANGE_READ = """
+import sys
+from diskkit.errors import DiskkitError
+from diskkit.registry.client import Registry
+from diskkit.registry.options import RegistryOptions
+from diskkit.registry.ranges import BlobRanges
+host, repo, digest, size, length = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+try:
+    BlobRanges(Registry(host, RegistryOptions(tls_verify=False, retries=0)), repo, digest, size).read(0, length)
+except DiskkitError as exc:
+    print(exc.line())
+"""
+
+
+def test_a_range_costs_memory_only_as_its_bytes_arrive(liar):
+    """diskkit.registry.ranges.BlobRanges, which the disk server and the delta pull read every range
+    with: a 50 GiB range of a blob whose descriptor claims 60 GiB, of which a few MiB arrive, ends in one
+    line under 200 MiB. Before, the range's buffer was allocated whole first (`bytearray(length)`), so
+    whatever length a caller let through was memory before a byte came."""
+    accept = {"Accept": "application/vnd.oci.image.manifest.v1+json"}
+    manifest = requests.get(liar.url(f"/v2/{REPO}/manifests/v1"), headers=accept, timeout=30).json()
+    digest = manifest["layers"][0]["digest"]
+    code, out, err, rss = limited([sys.executable, "-c", RANGE_READ, liar.host, REPO, digest, str(60 * GIB), str(50 * GIB)])
+    assert code == 0 and "range ended early" in out, (code, out, err[-2000:])
+    assert rss < RSS_LIMIT, rss
+
+
 # --- signatures -----------------------------------------------------------------------------------
 
 @pytest.fixture

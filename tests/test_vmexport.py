@@ -269,8 +269,19 @@ def _go_vm_config(claim: str = "root.disk") -> dict:
 def test_run_boots_an_export_tar_as_kubevirt_writes_it(qemu_user, tmp_path):
     raw = (_claim_dir(tmp_path) / "disk.img").read_bytes()
     tar = _kubevirt_tar(qemu_user.root / "kubevirt.oci.tar", _go_vm_config(), [("root-disk", raw, None)])
+    # A VM of the user's with the export's name has pins (launcher.node.pins): the export's own
+    # VirtualMachine neither reads nor replaces them (a VM booted with none deletes its pin file).
+    users_pins = qemu_user.cache / "pins" / "default_fromkubevirt.json"
+    users_pins.parent.mkdir(exist_ok=True)
+    pinned = json.dumps({"domain": "default_fromkubevirt", "volumes": {"root": {
+        "image": "r.example/os:1", "pinned": "r.example/os@sha256:" + "a" * 64, "digest": "sha256:" + "a" * 64,
+        "platform": "linux/amd64", "since": 1}}})
+    users_pins.write_text(pinned)
+    for path in (users_pins.parent, users_pins):
+        os.chown(path, QEMU_UID, QEMU_UID)  # the user's, as its own run would have left them
     ran = qemu_user.launcher("run", "--console", "--timeout", "240", f"oci-archive:{tar}")
     assert ran.code == 0, ran.err
+    assert users_pins.read_text() == pinned
     console = parse_console(ran.out)
     assert console["ready"] and console["done"], ran.out
     (disk,) = console["disks"].values()
@@ -365,6 +376,81 @@ def test_an_exports_vm_may_use_only_its_own_disks(field, volume, extra):
     own["spec"]["dataVolumeTemplates"] = [{"metadata": {"name": "data"}, "spec": {"source": {"registry": {"url": "docker://IMAGE"}}}}]
     with pytest.raises(DiskkitError, match="ex: config: spec.dataVolumeTemplates: a VM export's"):
         layout.check_own_only(own, "ex")
+
+
+def test_an_exports_hook_sidecar_naming_the_users_configmap_is_refused():
+    """The hook sidecar annotation (launcher.spec.hooks: KubeVirt's hooks.kubevirt.io/hookSidecars) names
+    a ConfigMap among the user's objects whose script the node runs for the VM, behind the Sidecar
+    gate: an export's author would pick the user's script for the export's guest."""
+    vm = _go_vm_config("data")
+    vm["spec"]["template"]["metadata"]["annotations"] = {
+        "hooks.kubevirt.io/hookSidecars": json.dumps([{"args": ["--version", "v1alpha2"],
+                                                       "configMap": {"name": "my-hooks", "key": "hook.sh", "hookPath": "/usr/bin/onDefineDomain"}}])}
+    with pytest.raises(DiskkitError) as refused:
+        layout.check_own_only(vm, "ex")
+    assert refused.value.line().startswith("ex: config: spec.template.metadata.annotations[hooks.kubevirt.io/hookSidecars]: "
+                                           "a VM export's VirtualMachine may use only the export's own disks"), refused.value.line()
+    vm["spec"]["template"]["metadata"]["annotations"] = {"example.com/owner": "them"}  # any other annotation is the export's own
+    layout.check_own_only(vm, "ex")
+
+
+# launcher.volumes.vmstate keeps a VirtualMachine's persistent EFI store and TPM state by its namespace
+# and name; libvirt keeps an emulated TPM's state by the domain's UUID (src/qemu/qemu_tpm.c:
+# qemuTPMEmulatorCreateStorage runs the swtpm on a state directory it finds there, and
+# qemuTPMEmulatorCleanupHost removes a TPM's without persistent_state when the domain goes); pkg/tpm
+# HasDevice: `enabled: false` is no TPM.
+@pytest.mark.parametrize("field, domain, rule", [
+    ("spec.template.spec.domain.firmware.bootloader.efi.persistent", {"firmware": {"bootloader": {"efi": {"persistent": True}}}},
+     "an export's spec may not keep state on this node; give a spec of your own with --spec"),
+    ("spec.template.spec.domain.devices.tpm.persistent", {"devices": {"tpm": {"persistent": True}}},
+     "an export's spec may not keep state on this node; give a spec of your own with --spec"),
+    ("spec.template.spec.domain.devices.tpm", {"firmware": {"uuid": "5d307ca9-b3ef-428c-8861-06e72d69f223"}, "devices": {"tpm": {}}},
+     "an export's spec may not have a TPM on this node, whose state is found by the VM's UUID"),
+    ("spec.template.spec.domain.devices.tpm", {"devices": {"tpm": {"enabled": True, "persistent": False}}},
+     "an export's spec may not have a TPM on this node, whose state is found by the VM's UUID"),
+])
+def test_an_exports_persistent_efi_or_tpm_state_is_refused(field, domain, rule):
+    """An export runs as it came under its own metadata.name and firmware.uuid, and the state the node
+    keeps for a VM is found by those: under the name (or UUID) of one of the user's VMs it would boot on
+    that VM's EFI variables or TPM (its sealed keys), or leave its own there for the user's VM's next
+    boot, or have libvirt remove the TPM state when it stops. Refused in one line naming the field."""
+    vm = _go_vm_config("data")
+    vm["metadata"]["name"] = "users-vm"
+    target = vm["spec"]["template"]["spec"]["domain"]
+    for key, value in domain.items():
+        target[key] = {**target.get(key, {}), **value}
+    with pytest.raises(DiskkitError) as refused:
+        layout.check_own_only(vm, "ex")
+    assert refused.value.line().startswith(f"ex: config: {field}: {rule}"), refused.value.line()
+    # What keeps nothing is the export's own: a store made afresh for each run, a TPM turned off.
+    target["firmware"] = {"bootloader": {"efi": {"persistent": False, "secureBoot": False}}, "serial": "its-own"}
+    target["devices"]["tpm"] = {"enabled": False, "persistent": True}
+    layout.check_own_only(vm, "ex")
+    # KubeVirt's export server writes the VM expanded (virt-exportserver/oci.go getExpandedVM): a preference
+    # or instance type it names is one of the user's, whose preferredTPM or preferredEfi would keep state.
+    for key in ("preference", "instancetype"):
+        named = {**vm, "spec": {**vm["spec"], key: {"kind": f"VirtualMachineCluster{key.capitalize()}", "name": "windows.11"}}}
+        with pytest.raises(DiskkitError) as refused:
+            layout.check_own_only(named, "ex")
+        assert refused.value.line().startswith(f"ex: config: spec.{key}: a VM export's VirtualMachine may use only"), refused.value.line()
+
+
+def test_run_refuses_an_exports_persistent_tpm_unless_the_user_gives_a_spec(qemu_user):
+    """The refusal is the run's, before any layer is read, and the user's own spec runs the export's claims."""
+    vm = _go_vm_config("kept.data")
+    vm["spec"]["template"]["spec"]["domain"]["devices"]["tpm"] = {"persistent": True}
+    tar = _kubevirt_tar(qemu_user.root / "kept.oci.tar", vm, [("kept-data", b"\x05" * MIB, None)])
+    ran = qemu_user.launcher("domain", NOREG, f"oci-archive:{tar}")
+    assert ran.code == 1 and len(ran.err.strip().splitlines()) == 1, ran.err
+    assert ": config: spec.template.spec.domain.devices.tpm.persistent: an export's spec may not keep state on this node" in ran.err, ran.err
+    assert not list((qemu_user.cache / "exports").glob(f"{_manifest_digest(tar)[7:]}*"))
+    own = qemu_user.root / "own-kept.yaml"
+    own.write_text(json.dumps({"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance", "metadata": {"name": "mine-kept"},
+                               "spec": {k: v for k, v in vm["spec"]["template"]["spec"].items()}}))
+    os.chown(own, QEMU_UID, QEMU_UID)
+    shown = qemu_user.launcher("domain", NOREG, "--json", "--spec", own, f"oci-archive:{tar}")
+    assert shown.code == 0, shown.err
+    assert "<tpm " in json.loads(shown.out)["xml"]
 
 
 def test_an_export_naming_another_image_is_refused_unless_the_user_gives_a_spec(qemu_user, registry, fault_proxy):

@@ -139,6 +139,19 @@ def index(manifest_digest: str, manifest_size: int, arch: str, created: str, ref
 # the export's author is not that user.
 OWN_VOLUMES = ("persistentVolumeClaim", "emptyDisk", "cloudInitNoCloud", "cloudInitConfigDrive")
 _SECRET_REFS = ("secretRef", "networkDataSecretRef")
+# Annotations of the template the launcher acts on that name the user's objects: a hook sidecar is a
+# script from one of the user's ConfigMaps, which the node runs and whose answer becomes the domain
+# (launcher.spec.hooks), with the Sidecar gate on.
+_NAMING_ANNOTATIONS = ("hooks.kubevirt.io/hookSidecars",)
+# State the node keeps for a VM outlives the run and is found by the VM's identity, which an export
+# states itself: a persistent EFI variable store or TPM state by its namespace and name
+# (launcher.volumes.vmstate), and the state libvirt keeps for any TPM it runs by the domain's UUID
+# (firmware.uuid, else derived from the name): a TPM of libvirt's runs on the state it finds there and
+# removes it when the domain goes, unless it is persistent. An export under the name or UUID of one of
+# the user's VMs would get that VM's state, or plant state for it.
+NODE_STATE = "an export's spec may not keep state on this node; give a spec of your own with --spec"
+NODE_TPM = ("an export's spec may not have a TPM on this node, whose state is found by the VM's UUID (firmware.uuid,"
+            " else its name's) that the export states; give a spec of your own with --spec")
 OWN_ONLY = ("a VM export's VirtualMachine may use only the export's own disks and data it holds itself "
             "(persistentVolumeClaim of its disk layers, emptyDisk, inline cloud-init); refused: "
             "give a VM or VMI file of your own with --spec to run its disks otherwise")
@@ -191,11 +204,22 @@ def map_claims(vm: dict, disks: list[ExportDisk], where: str) -> dict[str, Expor
 
 def check_own_only(vm: dict, where: str) -> None:
     """Refuse, in one line naming the field, an export's VirtualMachine that names anything beyond
-    its own disks (OWN_VOLUMES): the export is data, not a spec the node acts on for its author."""
+    its own disks (OWN_VOLUMES) or asks for state the node keeps by the identity it states (NODE_STATE):
+    the export is data, not a spec the node acts on for its author."""
     spec = vm.get("spec") or {}
     if spec.get("dataVolumeTemplates"):  # prepareVMConfig drops them: an export never holds one
         raise DiskkitError(f"{where}: config: spec.dataVolumeTemplates", OWN_ONLY)
-    tspec = ((spec.get("template") or {}).get("spec")) or {}
+    # The export server writes the VM expanded (getExpandedVM): a reference is to the user's objects,
+    # whose preference may give the VM kept state (preferredEfi, preferredTPM) past the checks below.
+    for key in ("instancetype", "preference"):
+        if spec.get(key) is not None:
+            raise DiskkitError(f"{where}: config: spec.{key}", OWN_ONLY)
+    template = spec.get("template") or {}
+    annotations = (template.get("metadata") or {}).get("annotations") or {}
+    for key in _NAMING_ANNOTATIONS:
+        if isinstance(annotations, dict) and key in annotations:
+            raise DiskkitError(f"{where}: config: spec.template.metadata.annotations[{key}]", OWN_ONLY)
+    tspec = template.get("spec") or {}
     for i, volume in enumerate(tspec.get("volumes") or []):
         kinds = [key for key in (volume if isinstance(volume, dict) else {}) if key != "name"]
         field = f"{where}: config: spec.template.spec.volumes[{i}]"
@@ -207,6 +231,16 @@ def check_own_only(vm: dict, where: str) -> None:
                 raise DiskkitError(f"{field}.{kind}.{named[0]}", OWN_ONLY)
     if tspec.get("accessCredentials"):
         raise DiskkitError(f"{where}: config: spec.template.spec.accessCredentials", OWN_ONLY)
-    kernel_boot = ((((tspec.get("domain") or {}).get("firmware")) or {}).get("kernelBoot")) or {}
+    domain = tspec.get("domain") or {}
+    firmware = domain.get("firmware") or {}
+    kernel_boot = firmware.get("kernelBoot") or {}
     if kernel_boot.get("container"):
         raise DiskkitError(f"{where}: config: spec.template.spec.domain.firmware.kernelBoot.container", OWN_ONLY)
+    efi = (firmware.get("bootloader") or {}).get("efi")
+    if isinstance(efi, dict) and efi.get("persistent") not in (None, False):
+        raise DiskkitError(f"{where}: config: spec.template.spec.domain.firmware.bootloader.efi.persistent", NODE_STATE)
+    tpm = (domain.get("devices") or {}).get("tpm")
+    if tpm is not None and not (isinstance(tpm, dict) and tpm.get("enabled") is False):  # pkg/tpm: `enabled: false` is none
+        if isinstance(tpm, dict) and tpm.get("persistent") not in (None, False):
+            raise DiskkitError(f"{where}: config: spec.template.spec.domain.devices.tpm.persistent", NODE_STATE)
+        raise DiskkitError(f"{where}: config: spec.template.spec.domain.devices.tpm", NODE_TPM)

@@ -163,6 +163,13 @@ class Source:
         return data, manifest_media_type(parse_json(data, self.where), media), desc
 
     def image(self, platform: Platform | None = None) -> Image:
+        data, media, digest, config_desc, layers = self.platform_manifest(platform)
+        config = self.read_small(config_desc)
+        return Image(self.where, data, media, digest, config, config_desc, layers)
+
+    def platform_manifest(self, platform: Platform | None = None) -> tuple[bytes, str, str, Descriptor, list[Descriptor]]:
+        """The manifest `platform` uses (bytes, media type, digest) and its config and layer descriptors:
+        what a signature policy reads of an image, and nothing beyond it (no blob)."""
         data, media, desc = self.manifest_descriptors()
         obj = parse_json(data, self.where)
         if media in mt.INDEXES:
@@ -182,8 +189,7 @@ class Source:
             layers = [Descriptor.from_json(layer, f"{self.where}: layer {i}") for i, layer in enumerate(obj.get("layers") or [])]
         except (KeyError, TypeError):
             raise DiskkitError(self.where, "manifest has no config descriptor") from None
-        config = self.read_small(config_desc)
-        return Image(self.where, data, media, digest, config, config_desc, layers)
+        return data, media, digest, config_desc, layers
 
 
 

@@ -12,7 +12,7 @@ from diskkit import __version__
 from diskkit.cli.shell import platform as platform_of
 from diskkit.cli.shell import EXIT_EPILOG, LazyGroup, registry_options, run_main
 from diskkit.registry.options import RegistryOptions
-from launcher.cli.exportsource import spec_option
+from launcher.cli.exportsource import is_export, spec_option
 from launcher.cli.exportsource import vm_file as export_vm_file
 from launcher.cli.options import cache_option, ignore_unsupported_option, load_vmi_file, node_cache, parse_size, say, storage_options, trust_options, warn_if_open
 from launcher.cli.imagesource import PULL_POLICIES, accel_option, container_disk_dir_option, pull_policy_option, update_option
@@ -94,12 +94,15 @@ def domain(vmi_file, platform, accel, lazy, update, pull_policy, container_disk_
     """Print the libvirt domain XML `launcher run` would start (a dry run: images are pulled or, lazy, opened on the node's disk server; nothing started).
 
     VMI_FILE `-` reads the VMI (or VM) from stdin, as `kubectl apply -f -`."""
+    # An export's own VirtualMachine may not read nor replace the pins of a VM of the user's that it names.
+    pinned = own_spec is not None or not is_export(vmi_file)
     vmi_file = export_vm_file(vmi_file, cache_dir, store, registry, platform_of(platform), own_spec)
     vmi = load_vmi_file(vmi_file, ignore_unsupported, ImageHints(store.objects, registry, platform_of(platform)))
     from launcher.runtime.vms import RunOptions, plan  # after the spec is admitted: a refusal needs none of it
 
     opts = RunOptions(platform=platform_of(platform), registry=registry, storage=store, lazy={None: "auto", True: "on", False: "off"}[lazy],
-                      update=update, container_disk_dir=container_disk_dir, kernel_boot_dir=kernel_boot_dir, accel=accel, pull_policy=pull_policy)
+                      update=update, container_disk_dir=container_disk_dir, kernel_boot_dir=kernel_boot_dir, accel=accel, pull_policy=pull_policy,
+                      pinned=pinned)
     prepared, xml, chosen, _ = plan(vmi, node_cache(cache_dir), opts, create=False, say=say)  # nothing handed: no start
     for note in prepared.notes:
         say(f"note: {note}")
@@ -182,6 +185,8 @@ def run(vmi_file, uri, console, detach, wait_for, timeout, platform, lazy, grace
         raise click.UsageError("--detach and --console exclude each other: attach later with `launcher console NAME`")
     if as_json and console:
         raise click.UsageError("--json and --console exclude each other: the console is what stdout carries")
+    # An export's own VirtualMachine may not read nor replace the pins of a VM of the user's that it names.
+    pinned = own_spec is not None or not is_export(vmi_file)
     vmi_file = export_vm_file(vmi_file, cache_dir, store, registry, platform_of(platform), own_spec)
     vmi = load_vmi_file(vmi_file, ignore_unsupported, ImageHints(store.objects, registry, platform_of(platform)))
     if lazy and not container_disk_dir and any(volume.kind == "containerDisk" for volume in vmi.volumes):
@@ -195,7 +200,8 @@ def run(vmi_file, uri, console, detach, wait_for, timeout, platform, lazy, grace
     opts = RunOptions(uri=uri, platform=platform_of(platform), registry=registry, console=console, wait_for=wait_for, timeout=timeout, storage=store,
                       lazy={None: "auto", True: "on", False: "off"}[lazy], grace_period=grace_period, detach=detach,
                       publish_address=publish_address, update=update, container_disk_dir=container_disk_dir,
-                      kernel_boot_dir=kernel_boot_dir, accel=accel, pull_policy=pull_policy, io_error_patience=io_error_patience)
+                      kernel_boot_dir=kernel_boot_dir, accel=accel, pull_policy=pull_policy, io_error_patience=io_error_patience,
+                      pinned=pinned)
     ran = do_run(vmi, node_cache(cache_dir), opts, say)
     if as_json:
         click.echo(json.dumps({"vmi": f"{vmi.namespace}/{vmi.name}", "domain": vmi.domain_name, "accel": ran.accel.to_json(), "exitCode": ran.code}, indent=2))

@@ -22,12 +22,17 @@ def spec_option(command):
                              " the export's own disks.")(command)
 
 
+def is_export(arg: str) -> bool:
+    """VMI_FILE names a VM export, not a file."""
+    return arg != STDIN and not os.path.exists(arg) and arg.startswith(TRANSPORTS)
+
+
 def vm_file(arg: str, cache_dir, store, registry, platform, own_spec: str | None = None) -> str:
     """The file to load: `arg` itself (`-`: stdin), or an export's VM with its claims put in `store`
     (`own_spec` in its place when given)."""
-    if arg == STDIN:
-        return arg
-    if os.path.exists(arg) or not arg.startswith(TRANSPORTS):
+    if not is_export(arg):
+        if arg == STDIN:
+            return arg
         if own_spec is not None:
             raise click.BadParameter("is for an EXPORT (oci-archive:FILE, oci:DIR or docker://REF): give your own file as VMI_FILE",
                                      param_hint="--spec")

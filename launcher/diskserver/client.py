@@ -10,7 +10,7 @@ from diskkit.disk import qemuimg
 from diskkit.disk.diskrules import violations
 from diskkit.errors import DiskkitError, Exit
 from diskkit.layers import lazytoc
-from diskkit.oci.image import Platform
+from diskkit.oci.image import Platform, parse_json
 from diskkit.oci.reference import parse_ref
 from diskkit.registry import authfile, registriesconf, tlsfiles
 from diskkit.registry.options import RegistryOptions
@@ -122,10 +122,11 @@ def registry_request(ref: str, registry: RegistryOptions | None) -> dict:
 
 
 def _marked(ref: str, registry: RegistryOptions | None, platform: Platform | None) -> bool:
-    """Whether the image says it can boot lazily (read from its manifest and config alone)."""
+    """Whether the image says it can boot lazily, from its manifest alone: no blob of an image is read
+    before the policy has admitted it (the server does, launcher.node.admission)."""
     with open_source(ref, registry) as source:
-        image = source.image(platform)
-    return lazytoc.marked(image.manifest, image.layers)
+        data, _, _, _, layers = source.platform_manifest(platform)
+    return lazytoc.marked(parse_json(data, ref), layers)
 
 
 def _ask(cache: Cache, registry: RegistryOptions | None, notes: list[str], req: dict) -> dict | None:

@@ -72,6 +72,9 @@ class RunOptions:
     accel: str | None = None  # --accel: "kvm", "qemu" or "tcg"; None or "auto": launcher.runtime.accel chooses
     # --pull-policy: every containerDisk's and kernelBoot container's imagePullPolicy for this run, in place of the spec's
     pull_policy: str | None = None
+    # A VirtualMachine's pins (launcher.node.pins) are read and saved under its name; False for an
+    # export's own VirtualMachine, whose name may be one of the user's VMs'.
+    pinned: bool = True
     # --record-trace: a token the node's disk server records the boot's reads of each lazy containerDisk
     # under (launcher.diskserver.recording); the caller takes the traces once the boot is over.
     trace: str | None = None
@@ -128,7 +131,7 @@ def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, say: Callable[[
     files, for the domain's start. `system_daemon`: libvirt's system daemon runs it."""
     run_dir = cache.run_dir(vmi.domain_name)
     prepared = prepare(vmi, cache, run_dir, opts.registry, opts.platform, create=create, store=opts.storage, lazy=opts.lazy,
-                       qemu=qemu, qemu_uid=qemu_uid, pins=pins.load(cache, vmi.domain_name) if vmi.from_vm else None,
+                       qemu=qemu, qemu_uid=qemu_uid, pins=pins.load(cache, vmi.domain_name) if vmi.from_vm and opts.pinned else None,
                        update=opts.update, image_volumes=opts.container_disk_dir, kernel_boot_dir=opts.kernel_boot_dir,
                        pull_policy=opts.pull_policy, trace=opts.trace)
     chosen = accel.choose(cache.root, opts.accel, qemu_cannot_open=qemu_cannot_open)  # after the pulls: a refused image costs no probe
@@ -292,7 +295,7 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
                 storage = opts.storage or Storage()
                 record["credentialSync"] = credsync.start(cache, name, run_dir, credsync.secret_flags(storage.manifests, storage.kube_api))
                 cache.write_json(cache.vm_record_path(name), record)
-            if vmi.from_vm:  # booted: what its next runs boot. The kubelet resolved what the pod mounted: those pins stay.
+            if vmi.from_vm and opts.pinned:  # booted: what its next runs boot. The kubelet resolved what the pod mounted: those pins stay.
                 mounted = opts.container_disk_dir is not None or opts.kernel_boot_dir is not None
                 pins.save(cache, name, {**(pins.load(cache, name) if mounted else {}), **prepared.pins})
             _say_published(nics, say)
