@@ -127,8 +127,7 @@ def test_port_forward_gives_the_ssh_options_that_check_the_vms_keys(cloud_guest:
 
 
 # ---- the guest agent, the display and the SMBIOS entries of the same boot ----
-# The host keys a fresh VM makes are new every boot: nothing to remember.
-NO_HOST_KEYS = ("-t", "-o StrictHostKeyChecking=no", "-t", "-o UserKnownHostsFile=/dev/null")
+# Every ssh below checks the host keys `launcher ssh` learned from the console at the first one: no options.
 
 
 def status(guest: CloudGuest) -> dict:
@@ -147,7 +146,7 @@ def agent(cloud_guest: CloudGuest) -> CloudGuest:
 
 
 def guest_says(guest: CloudGuest, command: str) -> str:
-    done = guest.ssh(command, *NO_HOST_KEYS)
+    done = guest.ssh(command)
     assert done.code == 0, done.err
     return done.out
 
@@ -190,7 +189,7 @@ def test_guestosinfo_is_kubevirts_object_with_what_the_guest_says(agent: CloudGu
 def test_userlist_lists_a_logged_in_user(agent: CloudGuest):
     # an ssh session of the default user on a terminal (sshd records those in utmp, which guest-get-users
     # reads), held open while the agent is asked
-    holder = agent.user.popen("ssh", f"{agent.default_user}@vmi/{NAME}", "-i", agent.key, *NO_HOST_KEYS, "-t", "-tt",
+    holder = agent.user.popen("ssh", f"{agent.default_user}@vmi/{NAME}", "-i", agent.key, "-t", "-tt",
                               "-c", "echo in; sleep 120")
     try:
         assert holder.stdout.readline().strip() == "in"
@@ -224,7 +223,7 @@ def test_the_guest_sees_kubevirts_smbios_balloon_and_agent_port(agent: CloudGues
 
 
 def _ssh_as_root(guest: CloudGuest, key) -> Result:
-    return guest.user.launcher("ssh", f"root@vmi/{NAME}", "-i", key, *NO_HOST_KEYS, "-c", "id -un")
+    return guest.user.launcher("ssh", f"root@vmi/{NAME}", "-i", key, "-c", "id -un")
 
 
 def test_roots_key_comes_through_the_agent_and_follows_its_secret(agent: CloudGuest):

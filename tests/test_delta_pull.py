@@ -108,6 +108,27 @@ def test_with_v1_cached_v2_fetches_its_change_only(tmp_path, registry, fault_pro
     assert len(ranged) <= 6, ranged
 
 
+def test_what_the_readme_says_an_update_does_not_cost_its_change(tmp_path, registry, fault_proxy):
+    """The README's caveat, as it holds: a v2 whose layer has no chunk table (`--no-lazy`, as another
+    tool's) is pulled whole though the node holds all but its changed MiB; disks over 16 GiB keep fixed
+    1 MiB chunks; the chunks grow past 2, 4 and 8 GiB, so disks on either side share none."""
+    v1, v2, _ = _disks(tmp_path)
+    cache = tmp_path / "cache"
+    pull(cache, build(registry.host, v1, "whole:v1"))
+    build(registry.host, v2, "whole:v2", "--no-lazy")
+    proxy = fault_proxy(registry)
+    pulled, _ = pull(cache, f"{proxy.host}/delta/whole:v2")
+    assert pulled["reused"] == 0 and blob_bytes(proxy) >= 32 * MIB, (pulled, blob_bytes(proxy))  # random bytes: gzip saves nothing
+    assert sha256_file(Path(pulled["path"])) == sha256_file(v2)
+    readme = " ".join((Path(__file__).resolve().parent.parent / "README.md").read_text().split())
+    assert ("a layer without their chunk table (another tool's, `--no-lazy`, a docker-archive) is pulled whole, a disk over 16 GiB "
+            "keeps fixed 1 MiB chunks, which find bytes only where they stayed, and disks on either side of 2, 4 or 8 GiB") in readme
+    gib = 1 << 30
+    assert chunkcut.params_for(16 * gib) is not None and chunkcut.params_for(16 * gib + 1) is None
+    for edge in (2 * gib, 4 * gib, 8 * gib):
+        assert chunkcut.params_for(edge).min * 2 == chunkcut.params_for(edge + 1).min
+
+
 def _disks(tmp_path: Path) -> tuple[Path, Path, Path]:
     """32 MiB of distinct random chunks; v2 with chunk 5 new; v3 with chunks 5 and 20 new."""
     rng = random.Random(5)

@@ -135,6 +135,9 @@ def test_launcher_test_passes_on_the_test_guest(qemu_user, guest_image):
     # The accelerator and why, in the result and in the one line the run says.
     assert out["accel"]["accelerator"] in ("kvm", "tcg") and out["accel"]["reason"], out
     assert f"launcher: accelerator: {'KVM' if out['accel']['accelerator'] == 'kvm' else 'TCG (software emulation)'}: {out['accel']['reason']}" in result.err.splitlines()
+    # Who it logged in as, and why: the test guest names no user (no label, no cloud-init), so root.
+    said = [line for line in result.err.splitlines() if ": logging in as " in line]
+    assert said and said[0].endswith(": logging in as root: neither a label io.diskkit.default-user nor cloud-init's console names the image's user"), result.err
     assert_clean(qemu_user, out["vmi"].replace("/", "_"))
     failed = qemu_user.launcher("test", NOREG, "--timeout", "240", "--memory", "128Mi", guest_image, "--", "exit", "5")
     assert failed.code == 1, failed.err

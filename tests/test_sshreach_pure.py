@@ -18,7 +18,7 @@ import pytest
 
 from diskkit.errors import DiskkitError
 from diskkit.oci.userhint import DEFAULT_USER_LABEL, default_user
-from launcher.cli.smoketest import login_user
+from launcher.cli.smoketest import login_user, no_login
 from launcher.cli.ssh import parse_target, ssh_command
 from launcher.runtime.cloudinitreport import BEGIN_KEYS, END_KEYS, KEYS_MAX, LINE_MAX, HostKey, Report, fingerprint, parse_key
 from launcher.runtime.sshreach import Contact, known, known_hosts_text, record_keys, ssh_quote
@@ -161,6 +161,18 @@ def test_who_launcher_test_logs_in_as():
     assert login_user(None, "bob", booted, BOOT_KEY) == ("bob", f"the image's label {DEFAULT_USER_LABEL}")
     assert login_user(None, None, booted, BOOT_KEY) == ("debian", "cloud-init's default user, whom it gave the key")
     assert login_user(None, None, Report(), BOOT_KEY)[0] == "root"
+
+
+def test_a_failed_login_as_a_guessed_root_names_how_to_give_the_user():
+    # `launcher test` took root because the image named no user: its failure says how to name one.
+    last = "root@127.0.0.1: Permission denied (publickey)."
+    guessed = no_login(*login_user(None, None, Report(), BOOT_KEY), last)
+    assert guessed == (f"no ssh login as root within --timeout (last try: {last}); give the image's user with --user, "
+                       f"or as its label {DEFAULT_USER_LABEL} (diskkit build --label {DEFAULT_USER_LABEL}=USER)")
+    # A user someone named (--user, the label, cloud-init) was no guess: nothing to add.
+    for named in (login_user("root", None, Report(), BOOT_KEY), login_user(None, "bob", Report(), BOOT_KEY),
+                  login_user(None, None, fed(FIRST_BOOT), BOOT_KEY)):
+        assert no_login(*named, last) == f"no ssh login as {named[0]} within --timeout (last try: {last})"
 
 
 def test_launcher_test_refuses_a_label_that_is_not_a_user_name_before_booting(tmp_path):

@@ -117,6 +117,9 @@ def key_secret(namespace: str, public_key: str) -> dict:
 
 # ---------------------------------------------------------------- the shell
 
+NO_USER_NAMED = f"neither a label {DEFAULT_USER_LABEL} nor cloud-init's console names the image's user"
+
+
 def login_user(given: str | None, labelled: str | None, report: Report, public_key: str) -> tuple[str, str | None]:
     """Who the test logs in as, and where the image said it (None: given with --user): the image's label,
     else the user cloud-init installed the test's key for (its table on the console: its default user
@@ -127,7 +130,16 @@ def login_user(given: str | None, labelled: str | None, report: Report, public_k
         return labelled, f"the image's label {DEFAULT_USER_LABEL}"
     if user := report.user_of(public_key):
         return user, "cloud-init's default user, whom it gave the key"
-    return "root", f"neither a label {DEFAULT_USER_LABEL} nor cloud-init's console names the image's user"
+    return "root", NO_USER_NAMED
+
+
+def no_login(user: str, source: str | None, last: str) -> str:
+    """Why the test failed when ssh never let it in; root taken for want of a named user is a guess, so
+    the reason says how to name the image's user."""
+    reason = f"no ssh login as {user} within --timeout (last try: {last})"
+    if source == NO_USER_NAMED:
+        reason += f"; give the image's user with --user, or as its label {DEFAULT_USER_LABEL} (diskkit build --label {DEFAULT_USER_LABEL}=USER)"
+    return reason
 
 
 class _Reach(threading.Thread):
@@ -198,10 +210,7 @@ class _Reach(threading.Thread):
                 self.result.reason = "the VM stopped before ssh answered"
                 return NOT_BOOTED
             if time.monotonic() > self.deadline:
-                last = (probe.stderr.strip().splitlines() or ["no answer"])[-1]
-                self.result.reason = f"no ssh login as {user} within --timeout (last try: {last})"
-                if self.target.user is None and not self.labelled_user and user == "root":
-                    self.result.reason += f"; give the image's user with --user, or as its label {DEFAULT_USER_LABEL}"
+                self.result.reason = no_login(user, source, (probe.stderr.strip().splitlines() or ["no answer"])[-1])
                 return NO_SSH
             self.vm_gone.wait(1)
         self.result.boot_to_ssh_seconds = round(time.monotonic() - started, 1)
