@@ -122,7 +122,7 @@ def say(text: str) -> None:
 
 def ignore_unsupported_option(command):
     return click.option("--ignore-unsupported", is_flag=True,
-                        help="Run without the fields the launcher does not implement (a GPU, a NIC, a TPM...) instead of"
+                        help="Run without the fields the launcher does not implement (a watchdog, a sound card, NUMA...) instead of"
                              " refusing the VM; each one is named as it is dropped.")(command)
 
 

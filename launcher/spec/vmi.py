@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Iterator
 
 from diskkit.disk.containerdisk import path_problem
-from launcher.spec import coverage, credentials, hyperv
+from launcher.spec import coverage, credentials, hostdevices, hyperv
 from launcher.spec.clock import Clock, parse_clock
 from launcher.spec.datavolume import templates
 from launcher.spec.dns import check_dns
@@ -1142,7 +1142,8 @@ def parse_vmi(doc: dict, ignore_unsupported: bool = False, *, objects: ObjectSou
     domain = _domain(as_map(spec.get("domain"), f"{root}.domain"), root, volumes)
     devices_doc = as_map(as_map(spec.get("domain"), f"{root}.domain").get("devices"), f"{root}.domain.devices")
     boot_orders = frozenset(d.boot_order for d in domain.devices.disks if d.boot_order is not None)
-    interfaces = parse_interfaces(spec, devices_doc, root, boot_orders)
+    interfaces = parse_interfaces(spec, devices_doc, root, boot_orders, namespace=namespace, objects=objects)
+    hostdevices.admit(spec, root)
     domain = replace(domain, devices=replace(domain.devices, interfaces=interfaces))
     hostname = _check_names(spec, volumes, root)
     check_dns(spec, root)
