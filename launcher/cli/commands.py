@@ -27,7 +27,7 @@ LAZY = {"dv": "launcher.cli.dv:dv", "console": "launcher.cli.consoles:console", 
         "pause": "launcher.cli.pausecmd:pause", "unpause": "launcher.cli.pausecmd:unpause",
         "vnc": "launcher.cli.vnccmd:vnc", "guestosinfo": "launcher.cli.agentcmds:guestosinfo",
         "userlist": "launcher.cli.agentcmds:userlist", "fslist": "launcher.cli.agentcmds:fslist",
-        "sync-credentials": "launcher.cli.credsynccmd:sync_credentials"}
+        "sync-credentials": "launcher.cli.credsynccmd:sync_credentials", "memory-dump": "launcher.cli.memorydumpcmd:memory_dump"}
 
 
 @click.group(cls=LazyGroup, lazy=LAZY, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100}, epilog=EXIT_EPILOG)
