@@ -217,6 +217,8 @@ def test_a_memory_dump_of_a_running_vm_is_an_elf_core_in_the_claim(pair):
         header = dump.read(20)
     assert header[:4] == b"\x7fELF" and struct.unpack_from("<H", header, 16)[0] == 4, header  # ET_CORE
     assert not (cache / "run" / "default_a" / "memory-dump").exists()  # the VM's uid's staging directory went
+    request = json.loads(root_launcher(cache, "status", "--json", "a").stdout)["memoryDumpRequest"]
+    assert (request["claimName"], request["phase"], request["fileName"]) == ("dumps", "Completed", path.name), request
     # associated: the claim is used again without naming it, another one is refused in virt-api's words
     again = root_launcher(cache, "memory-dump", "get", "a", "--pvc", f"dumps={claim}")
     assert again.returncode == 0, again.stderr

@@ -348,7 +348,7 @@ Examples:
   (a pod's probe)  exec: {command: [launcher, status, testguest]}
 """)
 @click.argument("name")
-@click.option("--json", "as_json", is_flag=True, help='Print {"name", "domain", "state", "reason", "message", "conditions"}: reason and message KubeVirt\'s Paused condition\'s, or null; conditions as the VMI\'s status has them.')
+@click.option("--json", "as_json", is_flag=True, help='Print {"name", "domain", "state", "reason", "message", "conditions", "memoryDumpRequest"}: reason and message KubeVirt\'s Paused condition\'s, or null; conditions as the VMI\'s status has them; memoryDumpRequest as the VM\'s (`launcher memory-dump`), or null.')
 @cache_option
 def status(name, as_json, cache_dir) -> None:
     """Print a VM's state (running, paused, stopped, gone, unknown), then its conditions one a line;
@@ -369,6 +369,7 @@ def status(name, as_json, cache_dir) -> None:
     (virt-launcher's isPausedButHealthy): the pod is not restarted under a paused VM.
     """
     from launcher.runtime.conditions import PAUSED_BY_USER
+    from launcher.runtime.memorydump import request as memory_dump_request
     from launcher.runtime.vms import conditions, record_of, state_and_why
 
     cache = node_cache(cache_dir)
@@ -377,7 +378,8 @@ def status(name, as_json, cache_dir) -> None:
     found = conditions(record, cache, paused) if now in ("running", "paused") else []
     if as_json:
         click.echo(json.dumps({"name": name, "domain": record["domain"], "state": now, "reason": paused and paused.reason,
-                               "message": paused and paused.message, "conditions": found}, indent=2))
+                               "message": paused and paused.message, "conditions": found,
+                               "memoryDumpRequest": memory_dump_request(cache, record["domain"])}, indent=2))
     else:
         click.echo(f"{now} ({paused.reason}): {paused.message}" if paused else now)
         for condition in found:

@@ -68,7 +68,9 @@ class Dumped:
     created_claim: bool
 
 
-def _association(cache: Cache, domain: str) -> dict | None:
+def request(cache: Cache, domain: str) -> dict | None:
+    """The VM's memory dump association, as KubeVirt's VM status.memoryDumpRequest: claimName, phase,
+    fileName, startTimestamp, endTimestamp, message."""
     path = cache.run_dir(domain) / ASSOCIATION
     try:
         data = json.loads(path.read_text())
@@ -180,7 +182,7 @@ def get(cache: Cache, store: Storage, name: str, claim: str | None, create: bool
     """Dump the memory of the running VM `name` into `claim` (or the claim associated with it)."""
     record = record_of(cache, name)
     domain, vmi, namespace = record["domain"], record.get("vmi") or name, record.get("namespace") or "default"
-    associated = _association(cache, domain)
+    associated = request(cache, domain)
     if create:
         if not claim:
             raise DiskkitError("--claim-name", "missing claim name")
@@ -227,7 +229,7 @@ def get(cache: Cache, store: Storage, name: str, claim: str | None, create: bool
 def remove(cache: Cache, name: str) -> str:
     """Dissociate the VM's memory dump claim (the dumps stay in it); the claim's name."""
     record = record_of(cache, name)
-    associated = _association(cache, record["domain"])
+    associated = request(cache, record["domain"])
     if associated is None:
         raise DiskkitError(name, f"can't remove memory dump association for vm {record.get('vmi') or name}, no association found")
     (cache.run_dir(record["domain"]) / ASSOCIATION).unlink(missing_ok=True)
