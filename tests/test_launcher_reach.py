@@ -137,7 +137,8 @@ def test_an_unprivileged_launchers_vm_dumps_its_memory_into_the_users_claim(qemu
     assert (st.st_uid, oct(st.st_mode & 0o777), st.st_size) == (QEMU_UID, "0o600", answer["size"]) and st.st_size > 0
     with open(path, "rb") as dump:
         assert dump.read(4) == b"\x7fELF"
-    assert qemu_user.launcher("memory-dump", "remove", credential_guest.name).code == 0
+    removed = qemu_user.launcher("memory-dump", "remove", "--json", credential_guest.name)
+    assert removed.code == 0 and json.loads(removed.out)["claimName"] == "dumps", removed.err
 
 
 def test_ssh_to_a_vm_that_is_not_there(qemu_user):

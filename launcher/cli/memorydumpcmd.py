@@ -54,11 +54,13 @@ Examples:
   launcher memory-dump remove myvm
 """)
 @click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help='Print {"name", "claimName", "message"}.')
 @cache_option
-def remove(name, cache_dir) -> None:
+def remove(name, as_json, cache_dir) -> None:
     """Dissociate the VM's memory dump claim, so that the next dump may go to another claim; the dumps
     stay in the claim."""
     from launcher.runtime.memorydump import remove as dissociate
 
-    dissociate(node_cache(cache_dir), name)
-    click.echo(f"Successfully submitted remove memory dump association of VM {name}")
+    claim = dissociate(node_cache(cache_dir), name)
+    message = f"Successfully submitted remove memory dump association of VM {name}"  # virtctl's words
+    click.echo(json.dumps({"name": name, "claimName": claim, "message": message}, indent=2) if as_json else message)
