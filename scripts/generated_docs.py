@@ -31,6 +31,7 @@ MEANING = {
     "inert": "accepted; changes nothing the guest sees",
     "unsupported": "refused in one line (`--ignore-unsupported` drops it, naming it)",
     "unsupported unless false": "accepted when false; refused when true",
+    "node lacks": "refused as a cluster stops a VM its nodes cannot serve, in the words of what stops it (no device plugin, DRA driver or CNI plugin here, an empty `permittedHostDevices`)",
     "judged": "refused in one line saying why where it asks what the launcher cannot do (in KubeVirt's words where KubeVirt refuses it too); else accepted",
 }
 

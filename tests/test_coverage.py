@@ -60,8 +60,6 @@ def test_the_projects_own_manifests_use_nothing_unsupported(path):
 
 # (where in the doc, value, field path named in the refusal, rule)
 CASES = [
-    (("spec", "domain", "devices", "gpus"), [{"name": "g", "deviceName": "nvidia.com/GP102"}], "spec.domain.devices.gpus", UNSUPPORTED),
-    (("spec", "domain", "devices", "hostDevices"), [{"name": "h", "deviceName": "x/y"}], "spec.domain.devices.hostDevices", UNSUPPORTED),
     (("spec", "domain", "devices", "watchdog"), {"name": "w", "i6300esb": {}}, "spec.domain.devices.watchdog", UNSUPPORTED),
     (("spec", "domain", "devices", "rng"), {"model": "x"}, "spec.domain.devices.rng.model", UNKNOWN),
     (("spec", "domain", "devices", "autoattachVSOCK"), True, "spec.domain.devices.autoattachVSOCK", UNSUPPORTED),
@@ -69,7 +67,6 @@ CASES = [
     (("spec", "domain", "memory"), {"maxGuest": "2Gi"}, "spec.domain.memory.maxGuest", UNSUPPORTED),
     (("spec", "domain", "cpu"), {"cores": 2, "features": [{"name": "vmx"}]}, "spec.domain.cpu.features", UNSUPPORTED),
     (("spec", "domain", "memory"), {"hugepages": {"pageSize": "2Mi"}}, "spec.domain.memory.hugepages", UNSUPPORTED),
-    (("spec", "resourceClaims"), [{"name": "r"}], "spec.resourceClaims", UNSUPPORTED),
     (("spec", "accessCredentials"), [{"userPassword": {}}], "spec.accessCredentials[0].userPassword", UNSUPPORTED),
     (("spec", "startStrategy"), "Paused", "spec.startStrategy", UNSUPPORTED),
     # the schema spells it "readonly" (schema.go DiskTarget); KubeVirt's API server drops "readOnly"
@@ -110,28 +107,28 @@ def test_inert_fields_change_nothing():
 
 
 def test_a_virtual_machines_template_is_walked_too():
-    inner = vmi(gpus=[{"name": "g", "deviceName": "x"}])
+    inner = vmi(watchdog={"name": "w", "i6300esb": {}})
     vm = {"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachine", "metadata": {"name": "v"},
           "spec": {"runStrategy": "Always", "template": {"metadata": {"labels": {"a": "b"}}, "spec": inner["spec"]}}}
-    assert refusal(vm) == f"spec.template.spec.domain.devices.gpus: {UNSUPPORTED}"
+    assert refusal(vm) == f"spec.template.spec.domain.devices.watchdog: {UNSUPPORTED}"
     vm["spec"]["running"] = True
-    assert parse_vmi(vm, ignore_unsupported=True).ignored[0][0] == "spec.template.spec.domain.devices.gpus"
+    assert parse_vmi(vm, ignore_unsupported=True).ignored[0][0] == "spec.template.spec.domain.devices.watchdog"
 
 
 def test_the_cli_refuses_then_names_each_field_it_drops(tmp_path):
     from tests.conftest import run_launcher
 
-    doc = vmi(gpus=[{"name": "g", "deviceName": "nvidia.com/GP102"}], watchdog={"name": "w", "i6300esb": {}})
+    doc = vmi(sound={"name": "s"}, watchdog={"name": "w", "i6300esb": {}})
     doc["spec"]["volumes"] = [{"name": "scratch", "emptyDisk": {"capacity": "64Mi"}}]
     spec = tmp_path / "vmi.yaml"
     spec.write_text(yaml.safe_dump(doc))
     env = {"DISKKIT_CACHE": str(tmp_path / "cache"), "DISKKIT_ACCEL": "qemu"}
     refused = run_launcher("domain", spec, env=env)
-    assert refused.code != 0 and refused.err.strip().splitlines() == [f"launcher: spec.domain.devices.gpus: {UNSUPPORTED}"]
+    assert refused.code != 0 and refused.err.strip().splitlines() == [f"launcher: spec.domain.devices.sound: {UNSUPPORTED}"]
     went_on = run_launcher("domain", "--ignore-unsupported", spec, env=env)
     assert went_on.code == 0, went_on.err
     assert went_on.err.splitlines()[:2] == [
-        "launcher: ignoring spec.domain.devices.gpus: not supported by the launcher, and it changes what the guest sees",
+        "launcher: ignoring spec.domain.devices.sound: not supported by the launcher, and it changes what the guest sees",
         "launcher: ignoring spec.domain.devices.watchdog: not supported by the launcher, and it changes what the guest sees",
     ]
-    assert "<domain" in went_on.out and "hostdev" not in went_on.out and "watchdog" not in went_on.out
+    assert "<domain" in went_on.out and "<sound" not in went_on.out and "watchdog" not in went_on.out

@@ -37,5 +37,6 @@ def test_kubevirt_field_table_is_current():
 
 def test_field_table_names_refused_and_inert_fields():
     text = (REPO / "docs" / "kubevirt.md").read_text()
-    assert "| `template.spec.domain.devices.gpus` | refused in one line" in text
+    assert "| `template.spec.domain.devices.watchdog` | refused in one line" in text
+    assert "| `template.spec.domain.devices.gpus` | refused as a cluster stops a VM its nodes cannot serve" in text
     assert "| `template.spec.nodeSelector` | accepted; changes nothing the guest sees |" in text

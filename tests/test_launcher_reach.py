@@ -119,6 +119,28 @@ def test_ssh_with_a_key_from_access_credentials(qemu_user, credential_guest):
     no_forwards_left()
 
 
+def test_an_unprivileged_launchers_vm_dumps_its_memory_into_the_users_claim(qemu_user, credential_guest):
+    """`launcher memory-dump get` from a launcher that is not root: its own libvirt writes the dump,
+    which lands in the user's claim as the user's file (the root-started case, and planted links, are
+    tests/test_trust_vmview.py's)."""
+    if credential_guest.method != "noCloud":
+        pytest.skip("one dump of this file's guest is enough")
+    claim = qemu_user.root / "dump-claim"
+    claim.mkdir()
+    os.chown(claim, QEMU_UID, QEMU_UID)
+    dumped = qemu_user.launcher("memory-dump", "get", credential_guest.name, "--claim-name", "dumps", "--pvc", f"dumps={claim}", "--json")
+    assert dumped.code == 0, dumped.err
+    answer = json.loads(dumped.out)
+    path = Path(answer["path"])
+    assert path.parent == claim and path.name.startswith(f"{credential_guest.name}-dumps-") and path.name.endswith(".memory.dump")
+    st = os.lstat(path)
+    assert (st.st_uid, oct(st.st_mode & 0o777), st.st_size) == (QEMU_UID, "0o600", answer["size"]) and st.st_size > 0
+    with open(path, "rb") as dump:
+        assert dump.read(4) == b"\x7fELF"
+    removed = qemu_user.launcher("memory-dump", "remove", "--json", credential_guest.name)
+    assert removed.code == 0 and json.loads(removed.out)["claimName"] == "dumps", removed.err
+
+
 def test_ssh_to_a_vm_that_is_not_there(qemu_user):
     result = qemu_user.launcher("ssh", "root@vmi/nowhere", "--", "true")
     assert result.code != 0

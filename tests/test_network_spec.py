@@ -130,10 +130,20 @@ def test_passt_binding_plugin():
      "spec.networks[0].pod.vmIPv6NetworkCIDR: VM CIDR subnet is too small, at least 2 host addresses are required: fd10::/127"),
     ([{"name": "pod", "masquerade": {}}], [{"name": "pod", "pod": {"vmNetworkCIDR": "10.0.2/24"}}],
      "spec.networks[0].pod.vmNetworkCIDR: failed to parse VM CIDR: 10.0.2/24, invalid CIDR address: 10.0.2/24"),
-    # Multus and SR-IOV: one line naming the field
+    # Multus and SR-IOV: as a node without the NetworkAttachmentDefinition or the VF (launcher.spec.multus)
     ([{"name": "m", "bridge": {}}], [{"name": "m", "multus": {"networkName": "x"}}],
-     "spec.networks[0].multus: multus networks need a cluster's CNI: not supported by the launcher"),
-    ([{"name": "pod", "sriov": {}}], POD, f"{IFACES}[0].sriov: SR-IOV needs a host's virtual functions: not supported by the launcher"),
+     "spec.networks[0].multus.networkName: failed to locate network attachment definition default/x"),
+    ([{"name": "pod", "sriov": {}}], POD, f"{IFACES}[0].sriov: found no SR-IOV networks to PCI-Address mapping"),
+    # admit.go: SR-IOV NICs have no link state; netsource.go: Multus network names and default networks
+    ([{"name": "m", "sriov": {}, "state": "down"}], [{"name": "m", "multus": {"networkName": "x"}}],
+     f'{IFACES}[0].state: "m" interface\'s state "down" is not supported for SR-IOV NICs'),
+    ([{"name": "m", "bridge": {}}], [{"name": "m", "multus": {"networkName": ""}}],
+     "spec.networks[0]: CNI delegating plugin must have a networkName"),
+    ([{"name": "pod", "bridge": {}}, {"name": "m", "bridge": {}}], POD + [{"name": "m", "multus": {"networkName": "x", "default": True}}],
+     "spec.networks: Pod network cannot be defined when Multus default network is defined"),
+    ([{"name": "m", "bridge": {}}, {"name": "n", "bridge": {}}],
+     [{"name": "m", "multus": {"networkName": "x", "default": True}}, {"name": "n", "multus": {"networkName": "y", "default": True}}],
+     "spec.networks: Multus CNI should only have one default network"),
     ([{"name": "pod", "binding": {"name": "macvtap"}}], POD, f"{IFACES}[0].binding.name: binding plugin macvtap is not known to the launcher (it knows passt)"),
 ])
 def test_kubevirts_refusals(interfaces, networks, expected):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import shutil
 import stat
 import struct
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -192,6 +194,64 @@ def test_each_vm_boots_and_reads_its_own_disks(pair):
     assert a["stamps"][claim] == (0, 1), a["stamps"]
     assert a["filesystems"]["fs0"]["files"]["/hello.txt"] == "hello from the claim\n" and a["filesystems"]["fs0"]["wrote"]
     assert a["filesystems"]["fs1"]["files"]["/greeting"] == "hi over virtiofs\n" and not a["filesystems"]["fs1"]["wrote"]
+
+
+DUMP_NAME = re.compile(r"a-dumps-\d{8}-\d{6}\.memory\.dump")
+
+
+def test_a_memory_dump_of_a_running_vm_is_an_elf_core_in_the_claim(pair):
+    """`launcher memory-dump get a --claim-name dumps --create-claim` (virtctl memory-dump get): the VM's
+    own libvirt (its uid) writes the dump, which ends up in the claim as the claim's owner's file, named
+    as virt-handler names it; the claim stays associated until `memory-dump remove`
+    (tests/test_memory_dump.py has the rules)."""
+    cache, _ = pair
+    claim = cache.parent / "dump-claim"
+    dumped = root_launcher(cache, "memory-dump", "get", "a", "--claim-name", "dumps", "--create-claim", "--pvc", f"dumps={claim}")
+    assert dumped.returncode == 0, dumped.stderr
+    assert "PVC default/dumps created" in dumped.stderr and "dumps: InProgress" in dumped.stderr, dumped.stderr
+    path = Path(dumped.stdout.strip())
+    assert path.parent == claim and DUMP_NAME.fullmatch(path.name), path
+    st = os.lstat(path)
+    assert stat.S_ISREG(st.st_mode) and st.st_size > 128 << 20 and stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == 0
+    with open(path, "rb") as dump:
+        header = dump.read(20)
+    assert header[:4] == b"\x7fELF" and struct.unpack_from("<H", header, 16)[0] == 4, header  # ET_CORE
+    assert not (cache / "run" / "default_a" / "memory-dump").exists()  # the VM's uid's staging directory went
+    request = json.loads(root_launcher(cache, "status", "--json", "a").stdout)["memoryDumpRequest"]
+    assert (request["claimName"], request["phase"], request["fileName"]) == ("dumps", "Completed", path.name), request
+    # associated: the claim is used again without naming it, another one is refused in virt-api's words
+    again = root_launcher(cache, "memory-dump", "get", "a", "--pvc", f"dumps={claim}")
+    assert again.returncode == 0, again.stderr
+    assert [p.name for p in claim.iterdir()] == [Path(again.stdout.strip()).name]  # the earlier dump was removed
+    other = root_launcher(cache, "memory-dump", "get", "a", "--claim-name", "other", "--pvc", f"other={claim}")
+    assert other.returncode != 0 and "can't request memory dump for pvc [other] while pvc [dumps] is still associated" in other.stderr
+    removed = root_launcher(cache, "memory-dump", "remove", "a")
+    assert (removed.returncode, removed.stdout.strip()) == (0, "Successfully submitted remove memory dump association of VM a"), removed.stderr
+    gone = root_launcher(cache, "memory-dump", "remove", "a")
+    assert gone.returncode != 0 and "can't remove memory dump association for vm a, no association found" in gone.stderr
+
+
+def test_a_memory_dump_into_a_claim_with_links_planted_writes_through_none(pair):
+    """The claim's owner (uid 107 here: a user, or a guest the claim was shared with) plants links under
+    every name the dump could get in the next minute, to a file of root's: none is written through,
+    and the dump is a file of its own."""
+    cache, _ = pair
+    claim = cache.parent / "planted-claim"
+    claim.mkdir()
+    os.chown(claim, QEMU_UID, QEMU_UID)
+    victim = cache.parent / "victim"
+    victim.write_text("root's own\n")
+    now = datetime.now()
+    for second in range(-5, 60):
+        name = f"a-planted-{(now + timedelta(seconds=second)).strftime('%Y%m%d-%H%M%S')}.memory.dump"
+        subprocess.run(as_107("ln", "-s", str(victim), str(claim / name)), check=True)
+    dumped = root_launcher(cache, "memory-dump", "get", "a", "--claim-name", "planted", "--pvc", f"planted={claim}")
+    assert dumped.returncode == 0, dumped.stderr
+    path = Path(dumped.stdout.strip())
+    assert victim.read_text() == "root's own\n"
+    assert stat.S_ISREG(os.lstat(path).st_mode) and os.lstat(path).st_uid == QEMU_UID  # the claim owner's
+    assert [p.name for p in claim.iterdir()] == [path.name]  # the planted links went as earlier dumps do
+    assert root_launcher(cache, "memory-dump", "remove", "a").returncode == 0
 
 
 def test_each_qemu_runs_as_107_in_a_user_namespace_of_its_own_and_as_a_uid_of_its_own_outside(pair):

@@ -27,7 +27,7 @@ LAZY = {"dv": "launcher.cli.dv:dv", "console": "launcher.cli.consoles:console", 
         "pause": "launcher.cli.pausecmd:pause", "unpause": "launcher.cli.pausecmd:unpause",
         "vnc": "launcher.cli.vnccmd:vnc", "guestosinfo": "launcher.cli.agentcmds:guestosinfo",
         "userlist": "launcher.cli.agentcmds:userlist", "fslist": "launcher.cli.agentcmds:fslist",
-        "sync-credentials": "launcher.cli.credsynccmd:sync_credentials"}
+        "sync-credentials": "launcher.cli.credsynccmd:sync_credentials", "memory-dump": "launcher.cli.memorydumpcmd:memory_dump"}
 
 
 @click.group(cls=LazyGroup, lazy=LAZY, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100}, epilog=EXIT_EPILOG)
@@ -354,7 +354,7 @@ Examples:
   (a pod's probe)  exec: {command: [launcher, status, testguest]}
 """)
 @click.argument("name")
-@click.option("--json", "as_json", is_flag=True, help='Print {"name", "domain", "state", "reason", "message", "conditions"}: reason and message KubeVirt\'s Paused condition\'s, or null; conditions as the VMI\'s status has them.')
+@click.option("--json", "as_json", is_flag=True, help='Print {"name", "domain", "state", "reason", "message", "conditions", "memoryDumpRequest"}: reason and message KubeVirt\'s Paused condition\'s, or null; conditions as the VMI\'s status has them; memoryDumpRequest as the VM\'s (`launcher memory-dump`), or null.')
 @cache_option
 def status(name, as_json, cache_dir) -> None:
     """Print a VM's state (running, paused, stopped, gone, unknown), then its conditions one a line;
@@ -375,6 +375,7 @@ def status(name, as_json, cache_dir) -> None:
     (virt-launcher's isPausedButHealthy): the pod is not restarted under a paused VM.
     """
     from launcher.runtime.conditions import PAUSED_BY_USER
+    from launcher.runtime.memorydump import request as memory_dump_request
     from launcher.runtime.vms import conditions, record_of, state_and_why
 
     cache = node_cache(cache_dir)
@@ -383,7 +384,8 @@ def status(name, as_json, cache_dir) -> None:
     found = conditions(record, cache, paused) if now in ("running", "paused") else []
     if as_json:
         click.echo(json.dumps({"name": name, "domain": record["domain"], "state": now, "reason": paused and paused.reason,
-                               "message": paused and paused.message, "conditions": found}, indent=2))
+                               "message": paused and paused.message, "conditions": found,
+                               "memoryDumpRequest": memory_dump_request(cache, record["domain"])}, indent=2))
     else:
         click.echo(f"{now} ({paused.reason}): {paused.message}" if paused else now)
         for condition in found:

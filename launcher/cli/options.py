@@ -73,8 +73,8 @@ def storage_options(command):
 
     options = [
         click.option("--pvc", multiple=True, metavar="CLAIM=PATH[:SIZE]", help="Where a claim lives here: a directory (its disk.img, created sparse with SIZE when missing) or a block device. Repeatable."),
-        click.option("--manifests", type=click.Path(file_okay=False, exists=True), help="Directory of Kubernetes manifests: claims resolve to their bound PV (iSCSI and RBD PVs become network disks); ConfigMaps, Secrets and service account tokens fill configMap, secret, serviceAccount and cloud-init secretRef disks; a VirtualMachine's instance type and preference come from here."),
-        click.option("--kube-api", is_flag=True, help="Read claims, PVs, ConfigMaps, Secrets, instance types and preferences from the Kubernetes API: in a pod through its service account, elsewhere through KUBECONFIG."),
+        click.option("--manifests", type=click.Path(file_okay=False, exists=True), help="Directory of Kubernetes manifests: claims resolve to their bound PV (iSCSI and RBD PVs become network disks); ConfigMaps, Secrets and service account tokens fill configMap, secret, serviceAccount and cloud-init secretRef disks; a VirtualMachine's instance type and preference come from here, and the NetworkAttachmentDefinitions of Multus networks."),
+        click.option("--kube-api", is_flag=True, help="Read claims, PVs, ConfigMaps, Secrets, instance types, preferences and NetworkAttachmentDefinitions from the Kubernetes API: in a pod through its service account, elsewhere through KUBECONFIG."),
         click.option("--feature-gates", multiple=True, metavar="GATE[,GATE]", help="KubeVirt feature gates the node's admin turns on (KubeVirt's names; off by default as in KubeVirt): HostDisk, Sidecar (hook sidecars: ConfigMap scripts run as the VM's own user), DownwardMetrics (the metrics disk)."),
         click.option("--host-disk-dir", multiple=True, metavar="DIR", help="A directory hostDisk volumes may use (with --feature-gates HostDisk); nothing outside one, and no symbolic link below it, is attached. Repeatable."),
         click.option("--pvc-tolerance", type=click.IntRange(0, 100), default=10, show_default=True, metavar="PERCENT", help="How much smaller than requested a new disk.img may be (KubeVirt's pvcTolerateLessSpaceUpToPercent)."),
@@ -122,7 +122,7 @@ def say(text: str) -> None:
 
 def ignore_unsupported_option(command):
     return click.option("--ignore-unsupported", is_flag=True,
-                        help="Run without the fields the launcher does not implement (a GPU, a NIC, a TPM...) instead of"
+                        help="Run without the fields the launcher does not implement (a watchdog, a sound card, NUMA...) instead of"
                              " refusing the VM; each one is named as it is dropped.")(command)
 
 

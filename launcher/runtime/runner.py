@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import os
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 from diskkit import interrupts
 from diskkit.errors import DiskkitError
@@ -327,6 +328,24 @@ class Libvirt:
         except self.lv.libvirtError as exc:
             raise DiskkitError(name, f"cannot take a screenshot: {_message(exc)}") from None
         return mime, bytes(data)
+
+    def memory_bytes(self, name: str) -> int:
+        """The running domain's memory (its <memory>), what a dump of it holds besides its headers."""
+        domain = self._running(name)
+        try:
+            return domain.maxMemory() * 1024
+        except self.lv.libvirtError as exc:
+            raise DiskkitError(name, f"libvirt: {_message(exc)}") from None
+
+    def core_dump(self, name: str, path: Path) -> None:
+        """The guest's memory as an ELF core at `path` (virDomainCoreDumpWithFormat, raw format, memory
+        only: what virt-launcher's MemoryDump asks). libvirt's daemon opens the file itself, as its
+        own user, and removes it when the dump fails."""
+        domain = self._running(name)
+        try:
+            domain.coreDumpWithFormat(str(path), self.lv.VIR_DOMAIN_CORE_DUMP_FORMAT_RAW, self.lv.VIR_DUMP_MEMORY_ONLY)
+        except self.lv.libvirtError as exc:
+            raise DiskkitError(name, f"Domain memory dump failed: {_message(exc)}") from None
 
     def channel_connected(self, name: str, channel: str) -> bool:
         """The guest holds the virtio-serial port `channel` open: libvirt's live XML says the channel's

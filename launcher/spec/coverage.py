@@ -27,6 +27,9 @@ UNLESS_FALSE = "unsupported unless false"
 # Parsed, then refused in one line saying why where it asks for what the node cannot do (KubeVirt's
 # words first where KubeVirt refuses it too: its gates and admitters); accepted where it asks nothing.
 JUDGED = "judged"
+# What a node gives from its device plugins, DRA drivers and CNI plugins: this node has none, so they
+# are refused as a cluster stops a VM its nodes cannot serve (launcher.spec.hostdevices, .multus).
+NODE_LACKS = "node lacks"
 
 
 class ListOf:
@@ -66,7 +69,8 @@ VOLUME = {
                     "volumeLabel": HANDLED},
     "downwardMetrics": {},
     "sysprep": {"configMap": OBJECT_REF, "secret": OBJECT_REF},
-    "memoryDump": UNSUPPORTED, "containerPath": UNSUPPORTED,
+    "memoryDump": JUDGED,  # launcher.spec.vmi: admitted as KubeVirt admits it, then refused (launcher memory-dump adds none)
+    "containerPath": UNSUPPORTED,
 }
 TARGET = {"bus": HANDLED, "readonly": HANDLED}
 DISK = {
@@ -85,7 +89,8 @@ DISK = {
 # launcher.spec.network parses these, refusing SR-IOV, Multus and KubeVirt's discontinued bindings in
 # their own words; portRanges and dhcpOptions too (a feature gate, KubeVirt's in-pod DHCP server).
 INTERFACE = {
-    **dict.fromkeys(("name", "model", "bridge", "masquerade", "sriov", "slirp", "passt", "macvtap", "passtBinding",
+    "sriov": NODE_LACKS,
+    **dict.fromkeys(("name", "model", "bridge", "masquerade", "slirp", "passt", "macvtap", "passtBinding",
                      "macAddress", "bootOrder", "pciAddress", "portRanges", "dhcpOptions", "state"), HANDLED),
     "binding": {"name": HANDLED},
     "ports": ListOf({"name": HANDLED, "protocol": HANDLED, "port": HANDLED}),
@@ -93,7 +98,7 @@ INTERFACE = {
     "acpiIndex": UNSUPPORTED,
 }
 NETWORK = {"name": HANDLED, "pod": {"vmNetworkCIDR": HANDLED, "vmIPv6NetworkCIDR": HANDLED},
-           "multus": HANDLED, "resourceClaim": HANDLED}
+           "multus": NODE_LACKS, "resourceClaim": HANDLED}
 DEVICES = {
     "disks": ListOf(DISK),
     "useVirtioTransitional": HANDLED, "disableHotplug": HANDLED, "autoattachSerialConsole": HANDLED,
@@ -110,8 +115,8 @@ DEVICES = {
     "rng": {},
     "tpm": {"enabled": HANDLED, "persistent": HANDLED},
     "downwardMetrics": JUDGED,  # launcher.spec.gates: KubeVirt's gate, then refused (no server answers the port)
-    **dict.fromkeys(("watchdog", "gpus", "panicDevices",
-                     "hostDevices", "clientPassthrough", "sound"), UNSUPPORTED),
+    **dict.fromkeys(("gpus", "hostDevices"), NODE_LACKS),
+    **dict.fromkeys(("watchdog", "panicDevices", "clientPassthrough", "sound"), UNSUPPORTED),
 }
 STATE = {"enabled": HANDLED}
 # launcher.spec.hyperv; each is rendered, and said in one line where emulation runs the guest without it.
@@ -165,7 +170,8 @@ VMI_SPEC = {
                                                   "propagationMethod": {"noCloud": {}, "configDrive": {},
                                                                         "qemuGuestAgent": {"users": HANDLED}}},
                                  "userPassword": UNSUPPORTED}),
-    **dict.fromkeys(("startStrategy", "resourceClaims", "utilityVolumes"), UNSUPPORTED),
+    "resourceClaims": NODE_LACKS,
+    **dict.fromkeys(("startStrategy", "utilityVolumes"), UNSUPPORTED),
 }
 TEMPLATE = {"metadata": METADATA, "spec": VMI_SPEC}
 VM_SPEC = {

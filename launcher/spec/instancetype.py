@@ -378,13 +378,13 @@ def _apply_instancetype(it: Selected, pref: Selected | None, tspec: dict, meta: 
             raise _unsupported(it, f"cpu.{key}")
     if memory.get("maxGuest") is not None:
         raise _unsupported(it, "memory.maxGuest")  # memory hotplug
-    for key in ("gpus", "hostDevices"):
-        if spec.get(key):
-            raise _unsupported(it, key)
     if spec.get("launchSecurity") is not None:
         raise _unsupported(it, "launchSecurity")
 
     domain = _obj(tspec, "domain", "spec.template.spec.domain")
+    for key in ("gpus", "hostDevices"):  # apply/gpu.go, hostdevices.go: copied in, then judged as the VM's own
+        if spec.get(key):
+            _obj(domain, "devices", "spec.template.spec.domain.devices")[key] = copy.deepcopy(spec[key])
     vcpu = _obj(domain, "cpu", "spec.template.spec.domain.cpu")
     if cpu.get("model") is not None:
         vcpu["model"] = cpu["model"]

@@ -29,6 +29,7 @@ _CUSTOM = {
     "VirtualMachinePreference": ("instancetype.kubevirt.io", "v1beta1", "virtualmachinepreferences"),
     "VirtualMachineClusterInstancetype": ("instancetype.kubevirt.io", "v1beta1", "virtualmachineclusterinstancetypes"),
     "VirtualMachineClusterPreference": ("instancetype.kubevirt.io", "v1beta1", "virtualmachineclusterpreferences"),
+    "NetworkAttachmentDefinition": ("k8s.cni.cncf.io", "v1", "network-attachment-definitions"),  # launcher.spec.multus
 }
 
 

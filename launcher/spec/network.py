@@ -1,8 +1,8 @@
 """spec.networks and spec.domain.devices.interfaces: KubeVirt's defaulting and admission (pure).
 
 Only the pod network exists here; what each of its bindings (masquerade, bridge, the passt binding
-plugin) gives the guest is launcher.network's. Multus and SR-IOV need a cluster's CNI and a host's VFs:
-refused, naming the field.
+plugin) gives the guest is launcher.network's. Multus networks and SR-IOV interfaces are admitted as
+KubeVirt admits them, then refused where a node without them stops them (launcher.spec.multus).
 
 Defaulting follows pkg/network/vmispec/defaults.go SetDefaultNetworkInterface with KubeVirt's default
 cluster config (pkg/virt-config/virt-config.go DefaultNetworkInterface "bridge",
@@ -18,6 +18,7 @@ import ipaddress
 import re
 from dataclasses import dataclass
 
+from launcher.spec import multus
 from launcher.spec.fields import as_list, as_map, field_error, get_bool, get_str
 
 DEFAULT_NAME = "default"  # staging/src/kubevirt.io/api/core/v1/defaults.go DefaultPodNetwork
@@ -111,8 +112,6 @@ def _binding(doc: dict, at: str) -> str:
     if len(found) != 1:
         raise field_error(at, f"logical {name} interface must have exactly one binding method or binding plugin")
     kind = found[0]
-    if kind == "sriov":
-        raise field_error(f"{at}.sriov", "SR-IOV needs a host's virtual functions: not supported by the launcher")
     if kind == "passtBinding":
         # binding.go validatePasstBinding: the core passt binding sits behind a gate the launcher does not offer
         raise field_error(f"{at}.name", "PasstBinding feature gate is not enabled")
@@ -141,12 +140,12 @@ def _cidr(pod: dict, key: str, default: str, family, at: str) -> str:
     return str(net)
 
 
-def _networks(items: list, at: str) -> tuple[dict[str, tuple[int, str, str]], list[str]]:
+def _networks(items: list, at: str) -> tuple[dict[str, tuple[int, str, str]], dict[str, tuple[str, str, dict]]]:
     """name -> (index, vmNetworkCIDR, vmIPv6NetworkCIDR) of each pod network, after netsource.go's checks,
-    and the fields of the networks the launcher cannot give (refused once KubeVirt's own checks had
-    their say)."""
+    and name -> (kind, path, document) of the networks the launcher cannot give (refused once KubeVirt's
+    own checks had their say)."""
     pods: dict[str, tuple[int, str, str]] = {}
-    others: list[str] = []
+    others: dict[str, tuple[str, str, dict]] = {}
     seen = set()
     pod_count = 0
     for i, item in enumerate(items):
@@ -162,7 +161,7 @@ def _networks(items: list, at: str) -> tuple[dict[str, tuple[int, str, str]], li
             raise field_error(f"{nat}.name", f'Network with name "{name}" already exists, every network must have a unique name')
         seen.add(name)
         if kinds[0] != "pod":
-            others.append(f"{nat}.{kinds[0]}")
+            others[name] = (kinds[0], nat, doc)
             continue
         pod_count += 1
         if pod_count > 1:
@@ -171,12 +170,15 @@ def _networks(items: list, at: str) -> tuple[dict[str, tuple[int, str, str]], li
         pod = as_map(doc["pod"], f"{nat}.pod")
         pods[name] = (i, _cidr(pod, "vmNetworkCIDR", DEFAULT_CIDR, ipaddress.IPv4Network, f"{nat}.pod"),
                       _cidr(pod, "vmIPv6NetworkCIDR", DEFAULT_CIDR6, ipaddress.IPv6Network, f"{nat}.pod"))
+    multus.check_sources([(nat, doc) for kind, nat, doc in others.values() if kind == "multus"], len(pods), at)
     return pods, others
 
 
-def parse_interfaces(spec: dict, devices: dict, root: str, disk_boot_orders: frozenset[int] = frozenset()) -> tuple[Interface, ...]:
+def parse_interfaces(spec: dict, devices: dict, root: str, disk_boot_orders: frozenset[int] = frozenset(), *,
+                     namespace: str = "default", objects: multus.NADSource | None = None) -> tuple[Interface, ...]:
     """The VMI's NICs, defaulted and admitted as KubeVirt's webhooks do; `root` is the spec's path,
-    `disk_boot_orders` the boot orders the disks already took."""
+    `disk_boot_orders` the boot orders the disks already took; `objects` holds the
+    NetworkAttachmentDefinitions a Multus network names."""
     dat = f"{root}.domain.devices"
     net_items = as_list(spec.get("networks"), f"{root}.networks")
     iface_items = as_list(devices.get("interfaces"), f"{dat}.interfaces")
@@ -219,9 +221,6 @@ def parse_interfaces(spec: dict, devices: dict, root: str, disk_boot_orders: fro
     for i, name in enumerate(names):
         if name not in network_names:
             raise field_error(f"{iat}[{i}].name", f"{iat}[{i}].name '{name}' not found.")
-    for where in others:
-        kind = where.rsplit(".", 1)[1]
-        raise field_error(where, f"{kind} networks need a cluster's CNI: not supported by the launcher")
     interfaces = []
     boot_orders = set(disk_boot_orders)
     for i, doc in enumerate(docs):
@@ -257,10 +256,21 @@ def parse_interfaces(spec: dict, devices: dict, root: str, disk_boot_orders: fro
         state = get_str(doc, "state", fat)
         if state not in (None, "up", "down", "absent"):
             raise field_error(f"{fat}.state", f"logical {names[i]} interface state value is unsupported: {state}")
+        if bindings[i] == "sriov" and state in ("up", "down"):
+            raise field_error(f"{fat}.state", f'"{names[i]}" interface\'s state "{state}" is not supported for SR-IOV NICs')
         if state == "absent" and bindings[i] != "bridge":
             raise field_error(f"{fat}.state", f'"{names[i]}" interface\'s state "absent" is supported only for bridge binding')
-        if state == "absent":  # the pod network is always the default network (vmispec.LookUpDefaultNetwork)
+        if state == "absent" and names[i] in pods:  # the pod network is always the default network (vmispec.LookUpDefaultNetwork)
             raise field_error(f"{fat}.state", f'"{names[i]}" interface\'s state "absent" is not supported on default networks')
-        _, cidr, cidr6 = pods[names[i]]
-        interfaces.append(Interface(names[i], i, bindings[i], cidr, model, normal, pci, boot, ports, state == "down", cidr6))
+        if names[i] in pods:
+            _, cidr, cidr6 = pods[names[i]]
+            interfaces.append(Interface(names[i], i, bindings[i], cidr, model, normal, pci, boot, ports, state == "down", cidr6))
+    for i, name in enumerate(names):  # KubeVirt's checks all passed: what the node cannot give
+        if name in others:
+            kind, nat, doc = others[name]
+            if kind != "multus":
+                raise field_error(f"{nat}.{kind}", f"{kind} networks need a cluster's DRA network driver: not supported by the launcher")
+            multus.refuse(nat, doc, f"{iat}[{i}]", docs[i], namespace, objects)
+        elif bindings[i] == "sriov":  # on the pod network: the pod's network status lists no VF
+            raise field_error(f"{iat}[{i}].sriov", "found no SR-IOV networks to PCI-Address mapping")
     return tuple(interfaces)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Iterator
 
 from diskkit.disk.containerdisk import path_problem
-from launcher.spec import coverage, credentials, hyperv
+from launcher.spec import coverage, credentials, hostdevices, hyperv
 from launcher.spec.clock import Clock, parse_clock
 from launcher.spec.datavolume import templates
 from launcher.spec.dns import check_dns
@@ -88,7 +88,7 @@ FREE_PAGE_REPORTING_DISABLED = "kubevirt.io/free-page-reporting-disabled"
 VOLUME_KINDS = (
     "containerDisk", "persistentVolumeClaim", "dataVolume", "emptyDisk", "hostDisk", "ephemeral",
     "cloudInitNoCloud", "cloudInitConfigDrive", "configMap", "secret", "serviceAccount", "downwardAPI",
-    "downwardMetrics", "sysprep",
+    "downwardMetrics", "sysprep", "memoryDump",
 )
 
 # Contents of cloud-init files, never in the domain XML or a file name (keys of cloudInitNoCloud/ConfigDrive).
@@ -586,8 +586,8 @@ def _named(items: list, at: str) -> Iterator[tuple[int, str, dict, str]]:
 
 
 def _volumes(items: list, at: str) -> tuple[Volume, ...]:
-    volumes = []
-    counts = {"serviceAccount": 0, "downwardMetrics": 0}
+    volumes, dumps = [], []
+    counts = {"serviceAccount": 0, "downwardMetrics": 0, "memoryDump": 0}
     for idx, vat, doc, name in _named(items, at):
         kinds = [k for k in VOLUME_KINDS if doc.get(k) is not None]
         if len(kinds) != 1:
@@ -596,9 +596,18 @@ def _volumes(items: list, at: str) -> tuple[Volume, ...]:
         if kind in counts:
             counts[kind] += 1
             if counts[kind] > 1:
-                raise field_error(at, f"{at} must have max one {kind.removesuffix('s')} volume set")
+                what = "memory dump" if kind == "memoryDump" else kind.removesuffix("s")
+                raise field_error(at, f"{at} must have max one {what} volume set")
+        if kind == "memoryDump":
+            dumps.append(vat)
+            continue
         source = _volume_source(kind, as_map(doc[kind], f"{vat}.{kind}"), f"{vat}.{kind}")
         volumes.append(Volume(name, kind, source, idx))
+    for vat in dumps:
+        # Admitted as KubeVirt admits it (one at most, no disk), but it is the VM controller's: it adds
+        # the volume to a running VM for a dump request, and virt-handler dumps once it is mounted.
+        raise field_error(f"{vat}.memoryDump", "memory dumps are taken from a running VM: `launcher memory-dump get NAME --claim-name CLAIM`"
+                                               " (virtctl memory-dump get) adds this volume; not supported by the launcher in a spec")
     return tuple(volumes)
 
 
@@ -1142,7 +1151,8 @@ def parse_vmi(doc: dict, ignore_unsupported: bool = False, *, objects: ObjectSou
     domain = _domain(as_map(spec.get("domain"), f"{root}.domain"), root, volumes)
     devices_doc = as_map(as_map(spec.get("domain"), f"{root}.domain").get("devices"), f"{root}.domain.devices")
     boot_orders = frozenset(d.boot_order for d in domain.devices.disks if d.boot_order is not None)
-    interfaces = parse_interfaces(spec, devices_doc, root, boot_orders)
+    interfaces = parse_interfaces(spec, devices_doc, root, boot_orders, namespace=namespace, objects=objects)
+    hostdevices.admit(spec, root)
     domain = replace(domain, devices=replace(domain.devices, interfaces=interfaces))
     hostname = _check_names(spec, volumes, root)
     check_dns(spec, root)
