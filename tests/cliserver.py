@@ -8,14 +8,16 @@ what the quick tier costs on two cores.
 What the command sees is what a new process of `python -m MODULE ARGS` sees: its own pid, the test's
 arguments, environment, working directory and standard streams; signal dispositions as a new
 interpreter sets them; no descriptor of the server's; the interpreter's usual exit (atexit, threads
-joined, streams flushed) with the command's status. Runs as another user, and runs whose environment
-would change how the interpreter starts (PYTHON*), start a real interpreter instead. The entry points
+joined, streams flushed) with the command's status; as another user, the credentials `setpriv` would
+give it. Runs whose environment would change how the interpreter starts (PYTHON*, the locale), and
+users given by name, start a real interpreter instead. The entry points
 themselves are still run as users run them by tests/test_startup.py and the examples' tests.
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import gc
 import importlib
 import json
@@ -33,6 +35,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+PR_SET_DUMPABLE = 4
 
 # Imported by every command's start (the CLIs' groups), or by most commands: all import without
 # reading the environment, so importing them ahead changes nothing a command sees.
@@ -88,7 +91,17 @@ def _become_command(conn: socket.socket, request: dict, fds: list[int]) -> None:
     for target, fd in enumerate(high):
         os.dup2(fd, target)
     os.closerange(3, os.sysconf("SC_OPEN_MAX"))
-    os.chdir(request["cwd"])
+    os.chdir(request["cwd"])  # before the uid changes, as subprocess's cwd= is
+    if request["user"] is not None:  # what `setpriv --reuid=U --regid=U --clear-groups` gives an exec'd command
+        uid = request["user"]
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
+        # A change of uid clears the process's dumpable flag, which an exec would set again: without it
+        # /proc/self/fd is root's, and the launcher opens files through it.
+        if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 1, 0, 0, 0) != 0:
+            os._exit(121)
+    tempfile.tempdir = None  # found again from this command's environment
     os.environ.clear()
     os.environ.update(request["env"])
     sys.argv = [request["module"], *request["args"]]
@@ -130,9 +143,11 @@ class Client:
         self.path: str | None = None
         self.python_env: dict[str, str] = {}
 
-    def usable(self, env: dict[str, str]) -> bool:
+    def usable(self, env: dict[str, str], user: str | None) -> bool:
+        if os.environ.get("DISKKIT_TESTS_EXEC"):  # every run a new interpreter, to compare
+            return False
         started_with = self.python_env if self.proc is not None else _python_env(os.environ)
-        return _python_env(env) == started_with
+        return _python_env(env) == started_with and (user is None or user.isdigit())
 
     def start(self) -> None:
         directory = tempfile.mkdtemp(prefix="dkcli")
@@ -154,8 +169,10 @@ class Client:
             os.rmdir(os.path.dirname(self.path))
             self.proc = None
 
-    def run(self, module: str, args: list[str], cwd, env: dict[str, str], timeout: float | None) -> tuple[int, str, str]:
-        """As subprocess.run([python, -m, module, *args], capture_output=True, text=True, ...)."""
+    def run(self, module: str, args: list[str], cwd, env: dict[str, str], timeout: float | None,
+            user: str | None = None) -> tuple[int, str, str]:
+        """As subprocess.run([python, -m, module, *args], capture_output=True, text=True, ...), as the
+        numeric `user` (uid and gid, no supplementary groups) when given."""
         if self.proc is None or self.proc.poll() is not None:
             self.start()
         out_r, out_w = os.pipe()
@@ -163,7 +180,8 @@ class Client:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             conn.connect(self.path)
-            request = {"module": module, "args": args, "cwd": str(cwd or os.getcwd()), "env": env}
+            request = {"module": module, "args": args, "cwd": str(cwd or os.getcwd()), "env": env,
+                       "user": None if user is None else int(user)}
             socket.send_fds(conn, [json.dumps(request).encode()], [0, out_w, err_w])
         finally:
             os.close(out_w)
@@ -205,7 +223,9 @@ class Client:
 
 
 def _python_env(env) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k.startswith("PYTHON")}
+    """What an interpreter reads from its environment as it starts: its options, and the locale its
+    streams' encoding comes from."""
+    return {k: v for k, v in env.items() if k.startswith(("PYTHON", "LC_")) or k == "LANG"}
 
 
 def _text(data: bytes) -> str:

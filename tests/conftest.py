@@ -130,8 +130,8 @@ def _command(module: str, args, user: str | None) -> list[str]:
 
 def _run_cli(module: str, args, cwd: Path | None, env: dict | None, user: str | None, timeout: float | None) -> Result:
     full_env = {**os.environ, "CI": "true", **(env or {})}
-    if user is None and cliserver.CLIENT.usable(full_env):
-        return Result(*cliserver.CLIENT.run(module, [str(a) for a in args], cwd, full_env, timeout))
+    if cliserver.CLIENT.usable(full_env, user):
+        return Result(*cliserver.CLIENT.run(module, [str(a) for a in args], cwd, full_env, timeout, user))
     proc = subprocess.run(_command(module, args, user), capture_output=True, text=True, cwd=cwd, env=full_env, timeout=timeout)
     return Result(proc.returncode, proc.stdout, proc.stderr)
 

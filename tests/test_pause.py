@@ -183,7 +183,10 @@ def test_a_launcher_following_its_vm_leaves_a_users_pause_alone(qemu_user, guest
     vmi = qemu_user.write_vmi(NAME, guest_image, serial="hold-600")
     proc = qemu_user.popen("run", NOREG, "--no-lazy", vmi)
     try:
-        wait_for(lambda: proc.poll() is None and qemu_user.launcher("status", NAME).code == 0, 300, "the VM to run")
+        # Until libvirt has started its vCPUs the domain is paused, starting up: a pause then is left alone
+        # (launcher.runtime.pausing suspends a running domain only), and the start goes on.
+        wait_for(lambda: proc.poll() is None and qemu_user.launcher("status", NAME).code == 0
+                 and qemu_user.virsh("domstate", DOMAIN).strip() == "running", 300, "the VM to run")
         assert qemu_user.launcher("pause", NAME).code == 0
         # Three times the launcher's first resume of a VM an I/O error paused (one paused for want of
         # space is resumed at once): a pause taken for either would have been undone by now.
