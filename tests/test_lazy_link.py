@@ -8,6 +8,8 @@ Orders of events are asserted, never times."""
 
 from __future__ import annotations
 
+import json
+import random
 import subprocess
 import threading
 from pathlib import Path
@@ -16,11 +18,12 @@ import pytest
 import requests
 
 from diskkit.layers import lazytoc
-from launcher.diskserver.firstbytes import HEAD_AHEAD
+from launcher.diskserver.firstbytes import HEAD_AHEAD, MAX_LAYERS, MAX_TAIL, TAIL_AHEAD
 from launcher.diskserver.lazydisk import HEAD_PREFETCH, READ_AHEAD
 from tests.conftest import run
 from tests.faultproxy import Fault, FaultProxy, Link
-from tests.lazyhost import build_lazy_image, disk_server, image_toc, open_export, random_disk, wait_for
+from tests.lazyhost import build_lazy_image, control, disk_server, image_toc, open_export, random_disk, wait_for
+from tests.test_peers import push_blob
 
 MIB = 1 << 20
 DISK = 64 * MIB  # the head (32 MiB), a read-ahead, and room for a read past both
@@ -200,3 +203,40 @@ def test_a_reader_gets_its_chunk_before_the_rest_of_the_prefetched_run(tmp_path,
             assert next(r for r in after_read if r["number"] == paused["number"])["answered"] is None, paused
         finally:
             release.set()
+
+
+def test_what_an_open_asks_for_ahead_of_the_walk_is_bounded(tmp_path, registry):
+    """Attack: a manifest naming many layers, each pinning a TOC (annotations only: the liar is the
+    image's author) as large as a TOC may be, hoping the open fetches them all ahead of the walk.
+    It asks for the head and TOC's tail of MAX_LAYERS layers at most, each piece within its bound,
+    then the walk refuses the first TOC, which does not match its pin."""
+    base, repository = f"http://{registry.host}", "link/many"
+    rng = random.Random(3)
+    layers = []
+    for i in range(MAX_LAYERS + 2):
+        data = rng.randbytes(5 * MIB + i)
+        notes = {lazytoc.ANNOTATION_TOC_OFFSET: str(MIB), lazytoc.ANNOTATION_TOC_SIZE: str(lazytoc.MAX_TOC_BYTES),
+                 lazytoc.ANNOTATION_TOC_DIGEST: "sha256:" + "0" * 64}
+        layers.append({"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": push_blob(base, repository, data),
+                       "size": len(data), "annotations": notes})
+    config = json.dumps({"architecture": "amd64", "os": "linux",
+                         "rootfs": {"type": "layers", "diff_ids": ["sha256:" + "1" * 64] * len(layers)}}).encode()
+    manifest = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": push_blob(base, repository, config), "size": len(config)},
+                "layers": layers, "annotations": {lazytoc.ANNOTATION_LAZY: lazytoc.LAZY_VALUE_GZIP}}
+    put = requests.put(f"{base}/v2/{repository}/manifests/v1", data=json.dumps(manifest), timeout=30,
+                       headers={"Content-Type": "application/vnd.oci.image.manifest.v1+json"})
+    assert put.status_code == 201, put.text
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with FaultProxy(registry.host) as proxy, disk_server(cache):
+        answer = control(cache, {"op": "open", "image": f"{proxy.host}/{repository}:v1", "registry": {"tls_verify": False, "retries": 1}})
+        timeline = list(proxy.timeline)
+    assert not answer.get("ok") and "lazy TOC" in answer.get("error", "") and "\n" not in answer["error"], answer
+    asked: dict[str, list[int]] = {}
+    for kind, _, _, method, target, value in timeline:
+        if kind == "arrived" and value is not None and "/blobs/sha256:" in target:
+            first, last = value.removeprefix("bytes=").split("-")
+            asked.setdefault(target.rsplit("/", 1)[1], []).append(int(last) + 1 - int(first))
+    assert 0 < len(asked) <= MAX_LAYERS, asked
+    assert all(length <= MAX_TAIL + TAIL_AHEAD for lengths in asked.values() for length in lengths), asked

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import json
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
+import threading
+from concurrent.futures import Future
 from typing import Callable, Protocol, Sequence
 
 from diskkit.errors import DiskkitError
@@ -50,7 +51,7 @@ class Early:
 
     def __init__(self) -> None:
         self.pieces: dict[str, list[tuple[int, Future]]] = {}  # layer digest -> (start, bytes to come)
-        self.pool: ThreadPoolExecutor | None = None
+        self.readers: list[BlobRanges] = []
 
     def ranges(self, ranges: Ranges) -> "EarlyRanges | Ranges":
         pieces = self.pieces.get(ranges.digest)
@@ -67,8 +68,9 @@ class Early:
         return out
 
     def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=False, cancel_futures=True)
+        """The open is done with them: a piece still retrying a failing registry stops."""
+        for ranges in self.readers:
+            ranges.stop.set()
 
 
 def ahead(manifest: bytes, registry, repository: str, known: Callable[[str], bool]) -> Early:
@@ -97,13 +99,25 @@ def ahead(manifest: bytes, registry, repository: str, known: Callable[[str], boo
         head = min(HEAD_AHEAD, tail_at if wanted and wanted[-1][0] is layer else layer.size)
         if head > 0:
             wanted.append((layer, 0, head))
-    if not wanted:
-        return early
-    early.pool = ThreadPoolExecutor(max_workers=len(wanted), thread_name_prefix="first-bytes")
     for layer, start, length in wanted:
         ranges = BlobRanges(registry, repository, layer.digest, layer.size)
-        early.pieces.setdefault(layer.digest, []).append((start, early.pool.submit(ranges.read, start, length)))
+        early.readers.append(ranges)
+        early.pieces.setdefault(layer.digest, []).append((start, _started(ranges.read, start, length)))
     return early
+
+
+def _started(read: Callable[[int, int], bytes], start: int, length: int) -> Future:
+    """`read(start, length)` on a thread of its own: a daemon, as a server stopping waits for no registry."""
+    future: Future = Future()
+
+    def work() -> None:
+        try:
+            future.set_result(read(start, length))
+        except BaseException as exc:  # handed to whoever asks for the piece
+            future.set_exception(exc)
+
+    threading.Thread(target=work, name="first-bytes", daemon=True).start()
+    return future
 
 
 def held_ends(held: Sequence[tuple[int, bytes]], start: int, stop: int) -> tuple[bytes, bytes]:
