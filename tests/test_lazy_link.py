@@ -18,7 +18,7 @@ import pytest
 import requests
 
 from diskkit.layers import lazytoc
-from launcher.diskserver.firstbytes import HEAD_AHEAD, MAX_LAYERS, MAX_TAIL, TAIL_AHEAD
+from launcher.diskserver.firstbytes import HEAD_AHEAD, MAX_LAYERS, MAX_TAIL, TAIL_AHEAD, held_ends
 from launcher.diskserver.lazydisk import HEAD_PREFETCH, READ_AHEAD
 from tests.conftest import run
 from tests.faultproxy import Fault, FaultProxy, Link
@@ -240,3 +240,15 @@ def test_what_an_open_asks_for_ahead_of_the_walk_is_bounded(tmp_path, registry):
             asked.setdefault(target.rsplit("/", 1)[1], []).append(int(last) + 1 - int(first))
     assert 0 < len(asked) <= MAX_LAYERS, asked
     assert all(length <= MAX_TAIL + TAIL_AHEAD for lengths in asked.values() for length in lengths), asked
+
+
+@pytest.mark.parametrize("start,stop,front,back", [
+    (0, 10, b"0123456789", b""),  # wholly in the head piece
+    (5, 200, b"56789", b""),  # begins in it: only the rest is asked for
+    (50, 105, b"", b"abcde"),  # ends in the tail piece
+    (8, 103, b"89", b"abc"),  # both: the middle alone travels
+    (20, 40, b"", b""),  # neither
+])
+def test_a_read_takes_the_held_ends_of_its_range(start, stop, front, back):
+    held = [(0, b"0123456789"), (100, b"abcdefghij")]
+    assert held_ends(held, start, stop) == (front, back)
