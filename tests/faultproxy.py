@@ -33,7 +33,9 @@ Actions (``Fault.action``):
                 most MAX_STALL seconds), then the rest: an answer that stops half way and resumes.
 
 ``Fault.stop_at``: with ``flip``, the body also ends after that many bytes, as with ``truncate``
-(a liar that serves wrong bytes for a digest and is cut off half way).
+(a liar that serves wrong bytes for a digest and is cut off half way). ``Fault.byte``: with ``flip``,
+the byte of the blob to flip instead of ``arg``: the fault matches only a range request whose
+``Range: bytes=START-END`` holds it (the first answer that carries that byte, whichever request it is).
 
 Faults are tried in the order added; the first live one whose method (or ``"*"``) equals the
 request method and whose ``path`` regex is found (``re.search``) in the request target — path plus
@@ -101,6 +103,7 @@ class Fault:
     status: int = 200
     to: str | None = None  # rewrite: the replacement for `path` in the request target
     release: threading.Event | None = None  # pause: set to send the rest
+    byte: int | None = None  # flip: this byte of the blob, in the first range answer that holds it
 
     def __post_init__(self):
         if self.action not in ACTIONS:
@@ -116,7 +119,16 @@ class Fault:
                     return False
             elif value is None or self._header[1].search(value) is None:
                 return False
+        if self.byte is not None and not self.byte_at(headers.get("Range") if headers is not None else None) >= 0:
+            return False
         return self.times > 0 and self.method in ("*", method) and self._regex.search(target) is not None
+
+    def byte_at(self, range_: str | None) -> int:
+        """Where `byte` lies in the answer to a request with this Range header; -1 when not in it."""
+        found = re.fullmatch(r"bytes=(\d+)-(\d+)", range_ or "")
+        if found is None or not int(found[1]) <= self.byte <= int(found[2]):
+            return -1
+        return self.byte - int(found[1])
 
     def rewritten(self, target: str) -> str:
         return self._regex.sub(self.to or "", target, count=1)
@@ -486,7 +498,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             limit = int(fault.arg)
         elif fault is not None and fault.stop_at is not None:
             limit = fault.stop_at
-        flip_at = int(fault.arg) if action == "flip" else -1
+        flip_at = -1
+        if action == "flip":
+            flip_at = fault.byte_at(self.headers.get("Range")) if fault.byte is not None else int(fault.arg)
         pause_at = -1
         if action == "pause":
             pause_at = int(fault.arg(self.headers.get("Range")) if callable(fault.arg) else fault.arg)
