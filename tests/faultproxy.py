@@ -28,8 +28,14 @@ Actions (``Fault.action``):
 ``rewrite``     forward to ``re.sub(path, to, target)`` instead: a registry that answers one blob
                 with another's bytes (a liar naming another image's layer digest).
 
+``pause``       forward; send ``int(arg)`` body bytes (``arg`` may be a function of the request's Range
+                header giving that number), then wait until ``Fault.release`` (a threading.Event) is set (at
+                most MAX_STALL seconds), then the rest: an answer that stops half way and resumes.
+
 ``Fault.stop_at``: with ``flip``, the body also ends after that many bytes, as with ``truncate``
-(a liar that serves wrong bytes for a digest and is cut off half way).
+(a liar that serves wrong bytes for a digest and is cut off half way). ``Fault.byte``: with ``flip``,
+the byte of the blob to flip instead of ``arg``: the fault matches only a range request whose
+``Range: bytes=START-END`` holds it (the first answer that carries that byte, whichever request it is).
 
 Faults are tried in the order added; the first live one whose method (or ``"*"``) equals the
 request method and whose ``path`` regex is found (``re.search``) in the request target — path plus
@@ -45,6 +51,15 @@ when it returns ``(status, json_body)`` or ``(status, json_body, headers)`` (a C
 the JSON one); it calls ``read_body()`` only then (None: not its request, forwarded as usual with its body unread).
 ``FaultProxy.ignore_range``, when true, forwards requests without their ``Range`` and ``If-Range`` headers:
 a registry (or CDN) that answers every range request with the whole blob.
+
+``FaultProxy(upstream, link=Link(rtt, rate))`` models a node's link to its registry (there is no
+``tc netem`` here): each new connection waits one round trip (the TCP handshake), each request one more
+before it is forwarded, and the response bodies of all connections together pass at ``rate`` bytes a
+second, as through one link, in pieces small enough that concurrent answers share it. ``connections``
+counts the connections accepted. ``timeline`` holds, in the order they happened, ``("arrived", number,
+connection, method, target, Range or None)`` as each request arrives (``number`` counts requests from
+0, ``connection`` the connections from 1) and ``("answered", number, ...)`` once a relayed answer's last
+byte was sent: an order of events, never a time.
 """
 
 from __future__ import annotations
@@ -57,7 +72,9 @@ import socket
 import socketserver
 import struct
 import threading
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 CHUNK = 64 * 1024
 UPSTREAM_TIMEOUT = 60.0
@@ -65,7 +82,7 @@ CLIENT_TIMEOUT = 60.0
 MAX_CONNECTIONS = 64
 MAX_STALL = 120.0
 
-ACTIONS = ("drop", "status", "retry_after", "flip", "truncate", "stall", "cut", "redirect", "endless", "rewrite")
+ACTIONS = ("drop", "status", "retry_after", "flip", "truncate", "stall", "cut", "redirect", "endless", "rewrite", "pause")
 # Hop-by-hop headers, never forwarded in either direction (RFC 9110 section 7.6.1), plus Expect (answered here).
 HOP_BY_HOP = {
     "connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization", "te", "trailer",
@@ -79,12 +96,14 @@ class Fault:
     path: str
     action: str
     times: int = 1
-    arg: float = 0
+    arg: float | Callable[[str | None], int] = 0
     header: tuple[str, str | None] | None = None
     skip: int = 0
     stop_at: int | None = None
     status: int = 200
     to: str | None = None  # rewrite: the replacement for `path` in the request target
+    release: threading.Event | None = None  # pause: set to send the rest
+    byte: int | None = None  # flip: this byte of the blob, in the first range answer that holds it
 
     def __post_init__(self):
         if self.action not in ACTIONS:
@@ -100,10 +119,48 @@ class Fault:
                     return False
             elif value is None or self._header[1].search(value) is None:
                 return False
+        if self.byte is not None and not self.byte_at(headers.get("Range") if headers is not None else None) >= 0:
+            return False
         return self.times > 0 and self.method in ("*", method) and self._regex.search(target) is not None
+
+    def byte_at(self, range_: str | None) -> int:
+        """Where `byte` lies in the answer to a request with this Range header; -1 when not in it."""
+        found = re.fullmatch(r"bytes=(\d+)-(\d+)", range_ or "")
+        if found is None or not int(found[1]) <= self.byte <= int(found[2]):
+            return -1
+        return self.byte - int(found[1])
 
     def rewritten(self, target: str) -> str:
         return self._regex.sub(self.to or "", target, count=1)
+
+
+class Link:
+    """One link shared by every connection through the proxy: a round trip per new connection and per
+    request, and one rate for all response bodies. Bytes are paid for in the order they are sent: a
+    piece waits until the link has carried everything sent before it (a FIFO, as a bottleneck queue)."""
+
+    PIECE = 16 * 1024  # concurrent answers interleave at this grain
+    SLACK = 0.02
+
+    def __init__(self, rtt: float = 0.0, rate: float = 0.0):
+        self.rtt = rtt
+        self.rate = rate  # bytes a second, 0: unlimited
+        self._lock = threading.Lock()
+        self._free_at = 0.0  # when the link has carried what was sent so far
+
+    def pay(self, nbytes: int, closing: threading.Event) -> None:
+        if not self.rate:
+            return
+        with self._lock:
+            now = time.monotonic()
+            # A sender that woke late (a loaded host) may catch up on SLACK of idle link, no more.
+            self._free_at = max(now - self.SLACK, self._free_at) + nbytes / self.rate
+            until = self._free_at
+        closing.wait(max(0.0, until - now))
+
+    def wait(self, closing: threading.Event) -> None:
+        if self.rtt:
+            closing.wait(self.rtt)
 
 
 class _Abort(Exception):
@@ -145,6 +202,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         pass
 
     def handle(self):
+        proxy = self.server.proxy
+        self.ordinal = proxy._connection_number()
+        if proxy.link is not None:
+            proxy.link.wait(proxy._closing)  # the connection's handshake
         try:
             super().handle()
         except (_Abort, OSError, http.client.HTTPException):
@@ -296,6 +357,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _proxy_request(self) -> None:
         proxy = self.server.proxy
         kind, length = self._body_kind()
+        event = proxy._event("arrived", None, self.ordinal, self.command, self.path, self.headers.get("Range"))
+        if proxy.link is not None:
+            proxy.link.wait(proxy._closing)  # the request's way there and the answer's first byte back
         if self.headers.get("Authorization") is not None:
             proxy._credentials(self.path, self.headers["Authorization"])
         if self.headers.get("Range") is not None:
@@ -371,6 +435,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._relay(resp, fault)
         finally:
             conn.close()
+        proxy._event("answered", *event[1:])
 
     def _endless(self, total: int, status: int) -> None:
         self.send_response_only(status)
@@ -433,11 +498,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             limit = int(fault.arg)
         elif fault is not None and fault.stop_at is not None:
             limit = fault.stop_at
-        flip_at = int(fault.arg) if action == "flip" else -1
+        flip_at = -1
+        if action == "flip":
+            flip_at = fault.byte_at(self.headers.get("Range")) if fault.byte is not None else int(fault.arg)
+        pause_at = -1
+        if action == "pause":
+            pause_at = int(fault.arg(self.headers.get("Range")) if callable(fault.arg) else fault.arg)
         sent = 0
         if not no_body:
             while True:
-                piece = resp.read(CHUNK)
+                piece = resp.read(CHUNK if pause_at < sent else min(CHUNK, pause_at - sent) or CHUNK)
                 if not piece:
                     break
                 if 0 <= flip_at - sent < len(piece):
@@ -450,6 +520,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     break
                 self._write(piece, rechunk)
                 sent += len(piece)
+                if sent == pause_at:
+                    self.wfile.flush()
+                    deadline = time.monotonic() + MAX_STALL
+                    while not fault.release.wait(0.1) and not self.server.proxy._closing.is_set() and time.monotonic() < deadline:
+                        pass
             if limit is None and rechunk:
                 self.wfile.write(b"0\r\n\r\n")
             self.server.proxy._count(self.path, sent)
@@ -471,6 +546,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _write(self, piece: bytes, chunked: bool) -> None:
         if not piece:
             return
+        link = self.server.proxy.link
+        if link is not None and link.rate:
+            for at in range(0, len(piece), link.PIECE):
+                part = piece[at : at + link.PIECE]
+                link.pay(len(part), self.server.proxy._closing)
+                self._send_piece(part, chunked)
+            return
+        self._send_piece(piece, chunked)
+
+    def _send_piece(self, piece: bytes, chunked: bool) -> None:
         if chunked:
             self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
         else:
@@ -480,7 +565,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 class FaultProxy:
     """``FaultProxy(upstream)`` listens on ``host`` (127.0.0.1, free port) and forwards to ``upstream``."""
 
-    def __init__(self, upstream: str):
+    def __init__(self, upstream: str, link: Link | None = None):
         up_host, _, up_port = upstream.rpartition(":")
         if up_host not in ("127.0.0.1", "localhost") or not up_port.isdigit():
             raise ValueError(f"upstream must be a loopback host:port, got {upstream!r}")
@@ -494,6 +579,10 @@ class FaultProxy:
         self.headers: list[tuple[str, str, str]] = []
         self.answer = None
         self.ignore_range = False
+        self.link = link
+        self.connections = 0
+        self.timeline: list[tuple[str, int, int, str, str, str | None]] = []
+        self._request_count = 0
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._connections: set[socket.socket] = set()
@@ -542,6 +631,20 @@ class FaultProxy:
     def _range(self, path: str, value: str) -> None:
         with self._lock:
             self.ranges.append((path, value))
+
+    def _connection_number(self) -> int:
+        with self._lock:
+            self.connections += 1
+            return self.connections
+
+    def _event(self, kind: str, number: int | None, connection: int, method: str, target: str, range_: str | None) -> tuple:
+        with self._lock:
+            if number is None:
+                number = self._request_count
+                self._request_count += 1
+            event = (kind, number, connection, method, target, range_)
+            self.timeline.append(event)
+            return event
 
     def _log(self, method: str, path: str, status: int) -> None:
         with self._lock:

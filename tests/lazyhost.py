@@ -62,6 +62,24 @@ def first_chunk_at(registry, ref: str) -> int:
     return toc["members"][0][0] if "members" in toc else toc["offset"]
 
 
+def fetched_ahead(layer: dict, toc: dict) -> list[tuple[int, int]]:
+    """The blob ranges of the disk's members an open fetches beside the TOC, whatever the node holds
+    (launcher.diskserver.firstbytes: the blob's head, the TOC's tail), cut to the members."""
+    from launcher.diskserver.firstbytes import HEAD_AHEAD, MAX_TAIL, TAIL_AHEAD
+
+    size, toc_at = layer["size"], int(layer["annotations"]["io.diskkit.lazy.toc.offset"])
+    start, end = toc["members"][0][0], sum(toc["members"][-1])
+    tail_at = max(0, toc_at - TAIL_AHEAD)
+    tail = size - toc_at <= MAX_TAIL
+    pieces = [(start, min(HEAD_AHEAD, tail_at if tail else size, end))] + ([(max(tail_at, start), end)] if tail else [])
+    return [(lo, hi) for lo, hi in pieces if lo < hi]
+
+
+def outside(pieces: list[tuple[int, int]], lo: int, hi: int) -> int:
+    """The bytes of [lo, hi) none of `pieces` holds."""
+    return hi - lo - sum(max(0, min(hi, b) - max(lo, a)) for a, b in pieces)
+
+
 def export_status(cache: Path, name: str) -> dict:
     for export in control(cache, {"op": "status"})["exports"]:
         if export["export"] == name:

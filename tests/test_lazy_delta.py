@@ -19,7 +19,7 @@ import pytest
 from diskkit.layers import lazytoc
 from launcher.chunks.index import ChunkIndex
 from tests.conftest import run, run_diskkit, run_launcher
-from tests.lazyhost import build_lazy_image, disk_server, export_status, image_toc, open_export, random_disk, wait_for
+from tests.lazyhost import build_lazy_image, disk_server, export_status, fetched_ahead, image_toc, open_export, outside, random_disk, wait_for
 from tests.test_chunk_index import rebuilt_qcow2_pair
 from tests.test_lazygz import chunk_ranges, forged
 
@@ -64,6 +64,13 @@ def reused_bytes(toc: dict) -> int:
     return SIZE - sum(end - start for i, (start, end) in enumerate(toc["ranges"]) if i in toc["changed"])
 
 
+def fetched_for(layer: dict, toc: dict, changed) -> int:
+    """What an export fetches of the blob's members: the changed chunks', and what its open asked for
+    beside the TOC before it knew which chunks the node holds (fetched_ahead: at most 192 KiB)."""
+    ahead = fetched_ahead(layer, toc)
+    return sum(outside(ahead, at, at + length) for i, (at, length) in enumerate(toc["members"]) if i in changed) + sum(hi - lo for lo, hi in ahead)
+
+
 def layer_of(ref: str) -> dict:
     return json.loads(run_diskkit("inspect", NOREG, "--json", ref).out)["layers"][0]
 
@@ -87,12 +94,12 @@ def test_v2_is_filled_from_v1s_chunks_and_fetches_only_the_changed_ones(tmp_path
         shown = run_launcher("serve", "--status", "--cache-dir", cache)
     assert status["verified"] and not status["failed"] and status["stats"]["corrupt_chunks"] == 0, status
     assert Path(status["installed"]).read_bytes() == disks[1].read_bytes()
-    fetched = sum(toc["members"][i][1] for i in changed)
+    fetched = fetched_for(layer, toc, changed)
     assert status["stats"]["fetched_chunks"] == len(changed) and status["stats"]["fetched_bytes"] == fetched, status
     assert status["stats"]["reused_chunks"] == count - len(changed) and status["stats"]["reused_bytes"] == reused_bytes(toc)
     # What a pull with v1 cached needs of the blob: the changed chunks' members, and the bytes around
-    # the chunks (the tar headers, the TOC). The registry sent just that, counted at the proxy: the TOC
-    # once, read with the tail that holds it.
+    # the chunks (the tar headers, the TOC), with what the open asked for ahead. The registry sent
+    # just that, counted at the proxy: no byte twice, the TOC once, read with the tail that holds it.
     around = layer["size"] - sum(length for _, length in toc["members"])
     sent = sum(n for path, n in proxy.sent.items() if f"/blobs/{layer['digest']}" in path)
     assert sent == fetched + around, (sent, fetched, around)
@@ -121,9 +128,9 @@ def test_a_rebuilt_qcow2_is_filled_from_the_chunks_that_moved(tmp_path, registry
         filled(cache, v1_ref)
         status = filled(cache, v2_ref.replace(registry.host, proxy.host))
     assert status["verified"] and not status["failed"] and Path(status["installed"]).read_bytes() == v2.read_bytes(), status
-    fetched = sum(new["members"][i][1] for i in changed)
-    assert status["stats"]["fetched_chunks"] == len(changed) and status["stats"]["fetched_bytes"] == fetched, status
     layer = layer_of(v2_ref)
+    fetched = fetched_for(layer, new, changed)
+    assert status["stats"]["fetched_chunks"] == len(changed) and status["stats"]["fetched_bytes"] == fetched, status
     assert fetched < 2 * MIB < layer["size"] // 5 and status["stats"]["reused_bytes"] > v2.stat().st_size - 2 * MIB, status
 
 
@@ -246,5 +253,8 @@ def test_with_v1_pulled_the_fill_of_v2_fetches_what_its_pull_fetches(tmp_path, r
     second = run_launcher("pull", "--cache-dir", pulled, NOREG, "--json", v2_ref.replace(registry.host, by_pull.host))
     assert second.code == 0, second.err
     toc_member = int(layer["annotations"][lazytoc.ANNOTATION_TOC_SIZE])
-    assert layer_bytes(by_export) + toc_member == layer_bytes(by_pull), (layer_bytes(by_export), layer_bytes(by_pull), toc_member)
+    # ... and for what the export's open asked for ahead, before it knew which chunks the node holds.
+    ahead = fetched_ahead(layer, toc)
+    unused = sum(hi - lo for lo, hi in ahead) - sum(length - outside(ahead, at, at + length) for i, (at, length) in enumerate(toc["members"]) if i in toc["changed"])
+    assert layer_bytes(by_export) + toc_member == layer_bytes(by_pull) + unused, (layer_bytes(by_export), layer_bytes(by_pull), toc_member, unused)
     assert json.loads(second.out)["fetched"] <= layer_bytes(by_pull)

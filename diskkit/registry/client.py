@@ -11,6 +11,7 @@ Every transfer here streams through requests instead, with those checks done.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import email.utils
 import io
 import json
@@ -175,7 +176,10 @@ class Registry:
                 continue
             except requests.exceptions.RequestException as exc:
                 raise RegistryError(self.host, f"GET /v2/: {refusal(exc)}") from None
-            response.close()  # only the status and headers are wanted
+            # Only the status and headers are wanted; the (small) body is read all the same, so the
+            # connection goes back to the pool for the next request rather than being closed.
+            with contextlib.suppress(RegistryError):
+                read_body(response, MAX_ERROR_BYTES, self.host, "GET /v2/")
             if response.status_code == 401 and "WWW-Authenticate" in response.headers:
                 self.challenge = parse_challenge(response.headers["WWW-Authenticate"])
             elif response.status_code not in (200, 401):

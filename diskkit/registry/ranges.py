@@ -5,12 +5,16 @@ business: the disk server's lazy exports and the node's delta pulls both check e
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 import requests
 import urllib3
 
 from diskkit.errors import AuthError, RangesRefused, RegistryError
 from diskkit.registry.client import Registry, failure_reason, get_blob, retry_after
+
+
+ARRIVED_PIECE = 64 << 10
 
 
 class BlobRanges:
@@ -28,17 +32,19 @@ class BlobRanges:
         self.refuse_whole = refuse_whole
         self.stop = threading.Event()  # set when the server stops: no more waiting between retries
 
-    def read(self, start: int, length: int) -> bytes:
+    def read(self, start: int, length: int, arrived: Callable[[bytearray], None] | None = None) -> bytes:
         """`length` bytes from `start`. The buffer grows with what arrives, never sized by `length`
         first: a length read from outside (a TOC, a descriptor) costs memory only as its bytes come,
-        and each caller bounds what it asks for (diskkit.limits)."""
+        and each caller bounds what it asks for (diskkit.limits). `arrived(buf)` is called as the
+        buffer grows (it only grows, retries included), so a caller can use its first bytes while
+        the rest is on the way."""
         if start < 0 or length < 0 or start + length > self.size:
             raise ValueError(f"range {start}+{length} outside a {self.size}-byte blob")
         buf = bytearray()
         failures = 0
         while len(buf) < length:
             try:
-                self._read_into(buf, start, length)
+                self._read_into(buf, start, length, arrived)
             except (AuthError, RangesRefused):
                 raise
             except (RegistryError, requests.exceptions.RequestException, urllib3.exceptions.HTTPError, OSError) as exc:
@@ -51,20 +57,24 @@ class BlobRanges:
                 failures += 1
         return bytes(buf)
 
-    def _read_into(self, buf: bytearray, start: int, length: int) -> None:
+    def _read_into(self, buf: bytearray, start: int, length: int, arrived: Callable[[bytearray], None] | None) -> None:
         first, last = start + len(buf), start + length - 1
         self.requests += 1
         response = get_blob(self.registry, self.repository, self.digest, first, last, skip_whole=not self.refuse_whole)
         if self.refuse_whole and response.status_code != 206:
             response.close()
             raise RangesRefused(self.registry.host, f"blob {self.digest[:19]}: the registry answered a range request with the whole blob")
+        # When someone waits for the first bytes, what has come is handed over: read() would block until it has all it asked for.
+        read = response.raw.read if arrived is None else getattr(response.raw, "read1", response.raw.read)  # urllib3 2
         try:
             while len(buf) < length:
-                piece = response.raw.read(min(length - len(buf), 1 << 20))
+                piece = read(min(length - len(buf), 1 << 20 if arrived is None else ARRIVED_PIECE))
                 if not piece:
                     raise RegistryError(self.registry.host, f"blob {self.digest[:19]} range ended early at byte {start + len(buf)}")
                 buf += piece
                 self.received += len(piece)
+                if arrived is not None:
+                    arrived(buf)
         finally:
             response.close()
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 log = logging.getLogger("launcher.chunksources")
 
@@ -27,11 +27,15 @@ class Taken:
     nbytes: int = 0
 
 
+Sink = Callable[[int, Chunk], None]
+
+
 class RunSource(Protocol):
     reused: bool  # the node's own bytes (counted as reused), not the registry's (counted as fetched)
 
-    def take(self, first: int, end: int) -> Taken:
-        """Chunks [first, end) this source has; raises DiskkitError when it failed as a whole."""
+    def take(self, first: int, end: int, sink: Sink | None = None) -> Taken:
+        """Chunks [first, end) this source has; raises DiskkitError when it failed as a whole.
+        `sink(index, chunk)` is given each good chunk as soon as it is checked, before the run ends."""
         ...
 
 
@@ -47,7 +51,7 @@ class EachChunk:
     def __init__(self, source: OneChunk):
         self.source = source
 
-    def take(self, first: int, end: int) -> Taken:
+    def take(self, first: int, end: int, sink: Sink | None = None) -> Taken:
         taken = Taken()
         for index in range(first, end):
             try:
@@ -58,4 +62,6 @@ class EachChunk:
             if data is not None:
                 taken.chunks[index] = Chunk(data)
                 taken.nbytes += len(data)
+                if sink is not None:
+                    sink(index, taken.chunks[index])
         return taken

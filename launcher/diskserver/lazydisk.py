@@ -4,7 +4,8 @@ The disk of a seekable image (found in the image's layers by imagewalk) lies in 
 a fixed offset (v1, uncompressed) or as one gzip member per chunk (v2, see diskkit.lazytoc). Reads
 take the chunks they touch from the export's chunk sources, in order (launcher.diskserver.chunksources:
 the registry's ranges are one, launcher.diskserver.registrychunks); background threads prefetch the
-rest. Each chunk lands in the export's files (launcher.diskserver.exportdir) and is marked in a
+rest, in pieces sized to the node's link and never while a read waits for the network
+(launcher.diskserver.linkshare). Each chunk lands in the export's files (launcher.diskserver.exportdir) and is marked in a
 bitmap persisted after the data is synced, so a restarted server resumes where it stopped.
 
 Integrity: with a TOC every chunk is checked by its source before anyone can read it, and a chunk
@@ -35,13 +36,13 @@ from launcher.diskserver.chunksources import RunSource, Taken
 from launcher.diskserver.exportdir import ExportDir
 from launcher.diskserver.installed import Ref, cached_pread, record
 from launcher.diskserver.layout import Layout
+from launcher.diskserver.linkshare import LinkShare
 from launcher.diskserver.nbd import NbdError
 from launcher.diskserver.registrychunks import RegistryChunks
 from launcher.node.cache import Cache
 
 log = logging.getLogger("launcher.lazydisk")
 
-PREFETCH_SPAN = 8 << 20  # bytes per prefetch request
 # A boot reads the head of its disk first (boot sector, loader, kernel, initrd: 17 MiB for the test
 # guest): fetched at full speed from the moment the export opens, while libvirt starts qemu.
 HEAD_PREFETCH = 32 << 20
@@ -100,14 +101,16 @@ class LazyDisk:
 
     def __init__(self, cache: Cache, layout: Layout, ranges: BlobRanges, opts: Options, description: str = "",
                  head: bytes | None = None, tail: bytes | None = None, sources: list[RunSource] | None = None,
-                 chunk_index: ChunkIndex | None = None):
+                 chunk_index: ChunkIndex | None = None, link: LinkShare | None = None):
         """`sources`: where chunks come from, asked in order; the registry's ranges alone by default.
-        `chunk_index`: where the installed disk's chunks are recorded, for later pulls and exports."""
+        `chunk_index`: where the installed disk's chunks are recorded, for later pulls and exports.
+        `link`: the node's link, shared with the server's other exports (one of its own by default)."""
         self.chunk_index = chunk_index
         self.cache = cache
         self.layout = layout
         self.ranges = ranges
-        self.sources = sources if sources is not None else [RegistryChunks(layout, ranges)]
+        self.link = link if link is not None else LinkShare()
+        self.sources = sources if sources is not None else [RegistryChunks(layout, ranges, measured=self.link.measured)]
         self.opts = opts
         self.name = layout.name
         self.description = description or f"{layout.layer} /{layout.member}"
@@ -128,7 +131,6 @@ class LazyDisk:
         self.abandoned: str | None = None
         self.installed: Path | None = None
         self.cursor = 0
-        self.demand_active = 0  # fetches a reader waits for: prefetching stands back meanwhile
         # Prefetching found nothing it may fetch while the guest boots or works, and no fetch was in
         # flight: the rest waits (status's prefetchHeld; any claim clears it).
         self.held = False
@@ -246,15 +248,19 @@ class LazyDisk:
                 self.plan_at += 1
             return tuple(self.plan[self.plan_at:])
 
-    def _window(self) -> tuple[tuple[int, int], ...]:
-        """The chunk ranges [start, end) prefetching may claim now, in order: a boot trace's first;
-        then all of them from the guest's cursor on unless a guest is booting or working, then only
-        the read-ahead past its last read and the head."""
+    def _guest_busy(self) -> bool:
+        """A guest booting or working on this export: the rest of the disk waits (but the head and read-ahead)."""
         now = time.monotonic()
+        return now - self.last_read < GUEST_BUSY or now - self.last_touch < BOOT_HOLD
+
+    def _window(self, busy: bool) -> tuple[tuple[int, int], ...]:
+        """The chunk ranges [start, end) prefetching may claim now, in order: a boot trace's first;
+        then all of them from the guest's cursor on unless a guest is `busy`, then only the
+        read-ahead past its last read and the head."""
         grid = self.layout.grid
         count, cursor = grid.count, min(self.cursor, grid.count)
         planned = self._planned()
-        if now - self.last_read >= GUEST_BUSY and now - self.last_touch >= BOOT_HOLD:
+        if not busy:
             return *planned, (cursor, count), (0, count)
         return *planned, (cursor, grid.past(cursor, READ_AHEAD)), (0, grid.past(0, HEAD_PREFETCH))
 
@@ -324,13 +330,9 @@ class LazyDisk:
             if claimed:
                 with self.lock:
                     self.stats.demand_fetches += 1
-                    self.demand_active += 1
-                try:
+                with self.link.demand():
                     if not self._fetch_claimed(claimed):
                         failures += 1
-                finally:
-                    with self.lock:
-                        self.demand_active -= 1
             for event in waits:
                 event.wait(max(0.0, deadline - time.monotonic()))
             if self.failed is not None:
@@ -374,21 +376,34 @@ class LazyDisk:
         for source in self.sources:
             still: list[tuple[int, int]] = []
             for low, high in missing:
+                kept: set[int] = set()
+
+                def sink(index: int, chunk, source=source, kept=kept) -> None:
+                    self._keep_chunk(index, chunk, source.reused)
+                    kept.add(index)
+
                 try:
-                    taken = source.take(low, high)
+                    taken = source.take(low, high, sink)
                 except DiskkitError as exc:
+                    if kept:
+                        self.progress_at = time.monotonic()  # some of the run came before the failure
+                    with self.lock:
+                        if source.reused:
+                            self.stats.reused_chunks += len(kept)
+                        else:
+                            self.stats.fetched_chunks += len(kept)
                     self.stats.failed_fetches += 1
                     self.last_failure = exc.line()
                     self.dirty = True  # state.json tells why the fill is not moving
                     log.warning("%s: chunks %d-%d not fetched: %s", self.name, low, high - 1, exc.line())
-                    still.append((low, high))
+                    still.extend(_gaps(low, high, kept))
                     continue
                 if not source.reused:
                     self.last_failure = None
                 if taken.chunks or not source.reused:
                     self.progress_at = time.monotonic()
-                self._keep(taken, source.reused)
-                still.extend(_gaps(low, high, taken))
+                self._keep(taken, source.reused, kept)
+                still.extend(_gaps(low, high, taken.chunks))
             missing = still
             if not missing:
                 break
@@ -397,18 +412,23 @@ class LazyDisk:
             threading.Thread(target=self._complete, name="verify", daemon=True).start()
         return not missing
 
-    def _keep(self, taken: Taken, reused: bool) -> None:
+    def _keep_chunk(self, index: int, chunk, reused: bool) -> None:
+        self.files.write_chunk(index, chunk.data, chunk.stored, self.stale_data)
+        # Released at once: a reader waiting for this chunk (the first one of a prefetched run, say)
+        # need not wait for the rest of the run to arrive and be checked.
+        with self.lock:
+            self.present[index] = 1
+            self.reused[index] = 1 if reused else 0
+            self.dirty = True
+            event = self.inflight.pop(index, None)
+        if event is not None:
+            event.set()
+
+    def _keep(self, taken: Taken, reused: bool, kept: set[int]) -> None:
+        """The chunks of `taken` not handed over as they arrived (`kept`), and the counts."""
         for index, chunk in sorted(taken.chunks.items()):
-            self.files.write_chunk(index, chunk.data, chunk.stored, self.stale_data)
-            # Released at once: a reader waiting for this chunk (the first one of a prefetched run, say)
-            # need not wait for the rest of the run to be inflated and checked.
-            with self.lock:
-                self.present[index] = 1
-                self.reused[index] = 1 if reused else 0
-                self.dirty = True
-                event = self.inflight.pop(index, None)
-            if event is not None:
-                event.set()
+            if index not in kept:
+                self._keep_chunk(index, chunk, reused)
         with self.lock:
             if reused:
                 self.stats.reused_chunks += len(taken.chunks)
@@ -421,9 +441,9 @@ class LazyDisk:
             log.warning("%s: chunk%s %s failed verification against the TOC; fetching again", self.name,
                         "s" if len(taken.bad) > 1 else "", ", ".join(map(str, taken.bad)))
 
-    def _claim_prefetch(self, window: tuple[tuple[int, int], ...]) -> list[int] | None:
-        """The next run of missing, unclaimed chunks in the first of `window`'s ranges that has one;
-        None when none is left there."""
+    def _claim_prefetch(self, window: tuple[tuple[int, int], ...], span: int) -> list[int] | None:
+        """The next run of missing, unclaimed chunks (about `span` bytes) in the first of `window`'s
+        ranges that has one; None when none is left there."""
         grid = self.layout.grid
         with self.lock:
             for start, limit in window:
@@ -433,7 +453,7 @@ class LazyDisk:
                 if index == -1:
                     continue
                 run = []
-                end = max(index + 1, grid.past(index, PREFETCH_SPAN))  # about PREFETCH_SPAN bytes, whole chunks
+                end = max(index + 1, grid.past(index, span))  # about `span` bytes, whole chunks
                 while index < min(limit, end) and not self.present[index] and index not in self.inflight:
                     self.inflight[index] = threading.Event()
                     run.append(index)
@@ -446,31 +466,31 @@ class LazyDisk:
         niced = False
         failures = 0
         while not self.closing.is_set() and self.failed is None:
-            if self.demand_active:
-                # A guest is waiting for the network: the bandwidth (and the CPU) are its.
-                self.closing.wait(0.01)
-                continue
-            window = self._window()
-            if window[-1][1] == self.layout.count and not niced:
+            busy = self._guest_busy()
+            window = self._window(busy)
+            if not busy and not niced:
                 # The rest of the disk is background work; the head and the read-ahead are not: a
                 # niced thread holding the GIL would keep the guest's reads waiting on a loaded host.
                 _lower_priority()
                 niced = True
+            span = self.link.span()
             # Paid for before claiming: chunks claimed by a throttled prefetcher would keep readers waiting.
-            self.bucket.take(PREFETCH_SPAN, self.closing)
-            if self.closing.is_set():
-                return
-            run = self._claim_prefetch(window)
+            self.bucket.take(span, self.closing)
+            with self.link.prefetch(self.name, busy, self.opts.prefetch_threads, self.closing) as allowed:
+                if not allowed:
+                    return
+                run = self._claim_prefetch(window, span)
+                fetched = run is not None and self._fetch_claimed(run)
             if run is None:
                 with self.lock:
                     done = all(self.present) and not self.inflight
-                    self.held = not done and window[-1] != (0, self.layout.count) and not self.inflight
+                    self.held = not done and busy and not self.inflight
                 if done:
                     self._complete()
                     return
                 self.closing.wait(0.05)  # the rest is being fetched by readers, or waits for the boot to end
                 continue
-            if self._fetch_claimed(run):
+            if fetched:
                 failures = 0
             else:
                 failures += 1
@@ -618,11 +638,11 @@ class LazyDisk:
                 and (not self.verified.is_set() or self._completing))
 
 
-def _gaps(low: int, high: int, taken: Taken) -> list[tuple[int, int]]:
+def _gaps(low: int, high: int, given) -> list[tuple[int, int]]:
     """The runs of [low, high) a source did not give: asked of the next source, coalesced."""
     gaps: list[tuple[int, int]] = []
     for index in range(low, high):
-        if index in taken.chunks:
+        if index in given:
             continue
         if gaps and gaps[-1][1] == index:
             gaps[-1] = (gaps[-1][0], index + 1)

@@ -46,7 +46,7 @@ from diskkit.registry.options import RegistryOptions
 from diskkit.transports.remote import RemoteSource, registry_for
 from launcher.chunks.index import ChunkIndex, reuse_allowed
 from launcher.chunks.source import LocalChunks
-from launcher.diskserver import nbd
+from launcher.diskserver import firstbytes, nbd
 from launcher.diskserver.control import (
     CONTROL_SOCKET,
     NBD_SOCKET,
@@ -65,6 +65,7 @@ from launcher.diskserver.installed import InstalledDisk, Ref, record
 from launcher.diskserver.layout import Found, Layout, find_layout
 from launcher.diskserver.lazydisk import LazyDisk, Options
 from launcher.diskserver.lazyfiles import take_files
+from launcher.diskserver.linkshare import LinkShare
 from launcher.diskserver.registrychunks import RegistryChunks
 from launcher.diskserver.qemuid import launcher_group, system_qemu_gid
 from launcher.diskserver.recording import Recordings, base_name
@@ -139,6 +140,7 @@ class DiskServer:
         self.lock = threading.Lock()
         self.setup_locks: dict[str, threading.Lock] = {}  # export name -> held while that export is made
         self.small_blobs = SmallBlobs()
+        self.link = LinkShare()  # one link for every export's fetches
         self.chunk_index = ChunkIndex(cache)
         # Opened (and, when missing, rebuilt by hashing the cache's disks) now, not in a booting VM's first read.
         threading.Thread(target=self._open_chunk_index, name="chunk-index", daemon=True).start()
@@ -281,7 +283,8 @@ class DiskServer:
             log.warning("export %s cannot be reopened: %s", name, exc.line())
             return None
 
-    def _export(self, layout: Layout, registry, found: Found | None = None) -> LazyDisk | InstalledDisk:
+    def _export(self, layout: Layout, registry, found: Found | None = None,
+                held: list[tuple[int, bytes]] = ()) -> LazyDisk | InstalledDisk:
         """The export for `layout`'s identity, made once: later VMs booting the same bytes share it.
         Set up under a lock of its own: an open of another image never waits for this one's registry."""
         name = layout.name
@@ -299,7 +302,12 @@ class DiskServer:
                 ranges = BlobRanges(registry, layout.repository, layout.layer, layout.layer_size)
                 head, tail = (found.head, found.tail) if found is not None else (None, None)
                 export = LazyDisk(self.cache, layout, ranges, self.opts.lazy, head=head, tail=tail,
-                                  sources=self._sources(layout, ranges), chunk_index=self.chunk_index).start()
+                                  sources=self._sources(layout, ranges, held), chunk_index=self.chunk_index,
+                                  link=self.link)
+                export.stats.fetched_bytes += sum(len(data) for _, data in held)  # members the open fetched beside the TOC
+                if found is not None:
+                    export.touch()  # an open: a VM is about to boot, from its first prefetch request on
+                export.start()
             with self.lock:
                 self.exports[name] = export
         log.info("exporting %s (%s)", name, "complete" if isinstance(export, InstalledDisk) else "lazy")
@@ -311,11 +319,11 @@ class DiskServer:
         except Exception as exc:  # lookups try again; each failure costs only fetches
             log.warning("the node's chunk index cannot be opened: %s", exc)
 
-    def _sources(self, layout: Layout, ranges: BlobRanges) -> list:
+    def _sources(self, layout: Layout, ranges: BlobRanges, held: list[tuple[int, bytes]] = ()) -> list:
         """The node's own chunks first (any cached disk or finished export holding a chunk the TOC names
-        by content), then the registry's ranges for the rest. The layout answers what LocalChunks asks
-        of a TOC: the chunks' content hashes and ranges."""
-        registry = RegistryChunks(layout, ranges)
+        by content), then the registry's ranges for the rest (`held`: members the open fetched beside
+        the TOC). The layout answers what LocalChunks asks of a TOC: the chunks' content hashes and ranges."""
+        registry = RegistryChunks(layout, ranges, held, self.link.measured)
         if layout.content_hashes is None or not reuse_allowed():
             return [registry]
         return [EachChunk(LocalChunks(self.chunk_index, self.cache, layout)), registry]
@@ -340,11 +348,11 @@ class DiskServer:
         registry = self._registry_options(request, peer_uid)
         shown = str(parse_ref(ref))
         try:
-            with self._lazy_image(shown, registry, platform, request.get("marked")) as (source, image):
-                found = find_layout(image, lambda desc: self.small_blobs.ranges(BlobRanges(source.registry, source.name.repository, desc.digest, desc.size)),
+            with self._lazy_image(shown, registry, platform, request.get("marked")) as (source, image, early):
+                found = find_layout(image, lambda desc: self.small_blobs.ranges(early.ranges(BlobRanges(source.registry, source.name.repository, desc.digest, desc.size))),
                                     source.registry.host, source.name.repository, path, shown)
                 layout = found.layout
-                export = self._export(layout, source.registry, found)
+                export = self._export(layout, source.registry, found, early.held(layout.layer, layout.data_start, layout.data_end))
                 unsafe = _header_problems(export)
                 if unsafe:
                     self._discard(export)
@@ -398,8 +406,8 @@ class DiskServer:
         registry = self._registry_options(request, peer_uid)
         shown = str(parse_ref(ref))
         try:
-            with self._lazy_image(shown, registry, platform, request.get("marked")) as (source, image):
-                taken = take_files(self.cache, image, shown, paths, platform, lambda desc: self._ranges(source, desc), source)
+            with self._lazy_image(shown, registry, platform, request.get("marked")) as (source, image, early):
+                taken = take_files(self.cache, image, shown, paths, platform, lambda desc: self._ranges(source, desc, early), source)
         except NotSeekable as exc:
             return {"ok": False, "seekable": False, "reason": exc.line()}
         return {"ok": True, "files": {path: pulled.to_json() for path, pulled in taken.items()}}
@@ -412,22 +420,33 @@ class DiskServer:
             raise NotSeekable(shown, "lazy reads need a registry image (docker://)")
         with admitted(shown, registry, platform, self.cache) as source:
             assert isinstance(source, RemoteSource)
-            image = source.image(platform)
-            if marked and not lazytoc.marked(image.manifest, image.layers):
-                raise NotSeekable(shown, f"not marked lazy ({lazytoc.ANNOTATION_LAZY})")
-            yield source, image
+            # The lazy layers' TOCs and heads are asked for while the config is read (firstbytes).
+            early = firstbytes.ahead(source.top_manifest()[0], source.registry, source.name.repository,
+                                     lambda digest: self._exporting(source, digest))
+            try:
+                image = source.image(platform)
+                if marked and not lazytoc.marked(image.manifest, image.layers):
+                    raise NotSeekable(shown, f"not marked lazy ({lazytoc.ANNOTATION_LAZY})")
+                yield source, image, early
+            finally:
+                early.close()
 
-    def _ranges(self, source: RemoteSource, desc) -> RememberedRanges:
+    def _ranges(self, source: RemoteSource, desc, early: firstbytes.Early) -> RememberedRanges:
         """A layer's ranges; what an export of it holds already, or a small layer just read whole for
         the disk's lookup, is not fetched again."""
-        ranges = BlobRanges(source.registry, source.name.repository, desc.digest, desc.size)
+        ranges = early.ranges(BlobRanges(source.registry, source.name.repository, desc.digest, desc.size))
+        export = self._exporting(source, desc.digest)
+        return self.small_blobs.ranges(KnownRanges(ranges, export.known()) if export is not None else ranges)
+
+    def _exporting(self, source: RemoteSource, digest: str) -> LazyDisk | None:
+        """The lazy export of layer `digest` read from `source`'s repository, whose files hold the
+        blob's bytes around the disk. Only from the same repository: another image naming this layer
+        digest may hold other bytes around its disk until its blob digest says so."""
         for export in self.listing():
             lay = export.layout if isinstance(export, LazyDisk) else None
-            # Only from an export reading the same repository: another image naming this layer
-            # digest may hold other bytes around its disk until its blob digest says so.
-            if lay is not None and (lay.layer, lay.registry, lay.repository) == (desc.digest, source.registry.host, source.name.repository):
-                return self.small_blobs.ranges(KnownRanges(ranges, export.known()))
-        return self.small_blobs.ranges(ranges)
+            if lay is not None and (lay.layer, lay.registry, lay.repository) == (digest, source.registry.host, source.name.repository):
+                return export
+        return None
 
     def _registry_options(self, request: dict, peer_uid: int | None) -> RegistryOptions:
         """The request's options, with the credentials and TLS identity its client holds (launcher.diskserver.clientoptions)."""

@@ -1,0 +1,95 @@
+"""The node's link to its registries, one for every lazy export of a disk server: a read a VM waits
+for never queues behind prefetch.
+
+- A demand fetch (a guest's read, the header check of an open) is sent at once; while one is in
+  flight anywhere on the node, no export starts a prefetch request.
+- Prefetch asks for pieces the link carries in about PIECE_TIME, measured from the bodies of the
+  requests so far (each request's own share of the link: two at once each see half), so a demand
+  fetch that starts meanwhile shares the link with little: on a 100 Mbit/s link about 1.2 MiB per
+  piece, on loopback the largest span.
+- While a guest on any export of the node boots or reads, one prefetch request at a time is in
+  flight on the node: a guest's next read shares the link with one piece at most. Otherwise each
+  export's prefetch threads may all fetch.
+- What a reader waits for inside a prefetched piece is handed over when its own bytes have arrived
+  (launcher.diskserver.registrychunks), not when the piece has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import Iterator
+
+PIECE_TIME = 0.1  # seconds of the link one prefetch request holds
+FIRST_SPAN = 2 << 20  # before anything was measured
+MIN_SPAN = 256 << 10  # below this a request's round trip costs more than its bytes
+MAX_SPAN = 8 << 20
+SMOOTHING = 0.3  # weight of the newest measurement
+MIN_SAMPLE = 128 << 10  # bodies shorter than this say more about latency than about the link
+BUSY_FOR = 1.0  # an export that said its guest is busy this recently still counts as busy
+
+
+class LinkShare:
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.demands = 0
+        self.prefetches = 0
+        self.busy_at: dict[str, float] = {}  # export -> when its prefetcher last saw its guest busy
+        self.throughput: float | None = None  # body bytes a second one request got, smoothed
+
+    @contextlib.contextmanager
+    def demand(self) -> Iterator[None]:
+        """Around a fetch a reader waits for: prefetching stands back meanwhile."""
+        with self.cond:
+            self.demands += 1
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.demands -= 1
+                self.cond.notify_all()
+
+    @contextlib.contextmanager
+    def prefetch(self, export: str, busy: bool, threads: int, closing: threading.Event) -> Iterator[bool]:
+        """Waits until `export` may send a prefetch request: no demand fetch in flight, and fewer
+        prefetch requests than `threads` (1 while a guest of any export is `busy`); yields False when
+        `closing` was set first."""
+        with self.cond:
+            if busy:
+                self.busy_at[export] = time.monotonic()
+            else:
+                self.busy_at.pop(export, None)
+            while not closing.is_set() and (self.demands or self.prefetches >= self._limit(threads)):
+                self.cond.wait(0.05)
+            allowed = not closing.is_set()
+            if allowed:
+                self.prefetches += 1
+        try:
+            yield allowed
+        finally:
+            if allowed:
+                with self.cond:
+                    self.prefetches -= 1
+                    self.cond.notify_all()
+
+    def _limit(self, threads: int) -> int:
+        now = time.monotonic()
+        for export, at in list(self.busy_at.items()):
+            if now - at >= BUSY_FOR:
+                del self.busy_at[export]
+        return 1 if self.busy_at else max(1, threads)
+
+    def span(self) -> int:
+        """Bytes the next prefetch request asks for."""
+        if self.throughput is None:
+            return FIRST_SPAN
+        return int(min(MAX_SPAN, max(MIN_SPAN, self.throughput * PIECE_TIME)))
+
+    def measured(self, nbytes: int, seconds: float) -> None:
+        """A response body of `nbytes` that took `seconds` from its first byte to its last."""
+        if nbytes < MIN_SAMPLE or seconds <= 0:
+            return
+        sample = nbytes / seconds
+        with self.cond:
+            self.throughput = sample if self.throughput is None else (1 - SMOOTHING) * self.throughput + SMOOTHING * sample
