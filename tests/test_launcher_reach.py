@@ -119,12 +119,11 @@ def test_ssh_with_a_key_from_access_credentials(qemu_user, credential_guest):
     no_forwards_left()
 
 
+@pytest.mark.parametrize("credential_guest", ["noCloud"], indirect=True)  # one dump of this file's guests is enough
 def test_an_unprivileged_launchers_vm_dumps_its_memory_into_the_users_claim(qemu_user, credential_guest):
     """`launcher memory-dump get` from a launcher that is not root: its own libvirt writes the dump,
     which lands in the user's claim as the user's file (the root-started case, and planted links, are
     tests/test_trust_vmview.py's)."""
-    if credential_guest.method != "noCloud":
-        pytest.skip("one dump of this file's guest is enough")
     claim = qemu_user.root / "dump-claim"
     claim.mkdir()
     os.chown(claim, QEMU_UID, QEMU_UID)
