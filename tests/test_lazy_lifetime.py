@@ -99,12 +99,12 @@ def test_an_idle_exiting_server_waits_for_its_announced_client_then_leaves_with_
 
 def test_a_server_started_to_exit_when_idle_keeps_fetching_after_its_last_client(tmp_path, registry):
     """Its last VM gone, the rest of the disk still arrives (and is installed) before the server leaves."""
-    guest_raw = random_disk(tmp_path / "guest-32m.img", 32 * MIB, seed=7)
+    guest_raw = random_disk(tmp_path / "guest-16m.img", 16 * MIB, seed=7)
     lazy_image = f"{registry.host}/lifetime/guest:big"
     assert run_diskkit("build", NOREG, "--lazy", guest_raw, "-t", lazy_image).code == 0
     cache = tmp_path / "cache"
     cache.mkdir()
-    # 4 MiB/s after a first 8 MiB span: six seconds of fetching left when the reader below is done.
+    # 4 MiB/s after a first 8 MiB span: two seconds of fetching left when the reader below is done.
     with disk_server(cache, "--exit-when-idle", "0", "--prefetch-rate", "4M") as server:
         answer = open_export(cache, lazy_image)
         run("qemu-io", "-r", "-f", "raw", "-c", "read 0 1M", answer["url"])
@@ -215,7 +215,7 @@ def test_an_idle_server_gives_up_a_fill_whose_registry_is_gone_and_exits(tmp_pat
         proxy = fault_proxy(own)
         cache = tmp_path / "cache"
         cache.mkdir()
-        with disk_server(cache, "--exit-when-idle", "1", "--prefetch-rate", "1M", "--fetch-timeout", "6") as server:
+        with disk_server(cache, "--exit-when-idle", "1", "--prefetch-rate", "1M", "--fetch-timeout", "3") as server:
             answer = open_export(cache, image.replace(own.host, proxy.host))
             run("qemu-io", "-r", "-f", "raw", "-c", "read 0 1M", answer["url"])  # the VM that came and went
             wait_for(lambda: export_status(cache, answer["export"])["present"] >= 2, 60, "the fill to start")
