@@ -118,7 +118,7 @@ def launcher(node, capsys):
 def test_the_state_is_libvirts_and_a_users_pause_is_kubevirts_paused_by_user(node, state, condition):
     record = node.vm("vm", state)
     assert vms.state_and_why(record, node.cache) == (state, condition)
-    assert vms.state(record) == state  # as `ls` asks, with no cache
+    assert vms.state(record, node.cache) == state  # what `ls` and gc ask
 
 
 def test_a_vm_whose_libvirt_cannot_be_reached_is_unknown(node):
