@@ -79,9 +79,7 @@ def test_two_vms_at_once_share_one_base(qemu_user, guest_image):
             assert info["backing-filename"] == shared[0]["path"]
             assert overlay.stat().st_mode & 0o777 == 0o640
             assert overlay.stat().st_blocks * 512 < 4 << 20  # an overlay, not a copy
-        # gc keeps what running VMs use.
-        assert qemu_user.launcher("gc").code == 0
-        assert Path(shared[0]["path"]).is_file()
+        # gc keeps the disks the records of running VMs name (usedBy, above, is read from them): tests/test_bookkeeping.py.
     finally:
         for name in names:
             qemu_user.launcher("stop", name)

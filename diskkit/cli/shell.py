@@ -159,14 +159,19 @@ def run_main(cli: click.Group, prog: str) -> None:
     # SIGTERM unwinds like Ctrl-C, so every `finally` runs: staging files go, VMs are destroyed.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, interrupts.unwind)
-    args = skopeo_args(sys.argv[1:])
+    run_command(cli, prog, skopeo_args(sys.argv[1:]))
+    # Everything still alive is freed by exit anyway: frozen, the interpreter's last collections
+    # skip scanning it, 20-25 ms of every command's exit (measured with the registry client loaded).
+    gc.freeze()
+
+
+def run_command(cli: click.Group, prog: str, args: list[str]) -> None:
+    """One command line, its failure told as run_main tells it (SystemExit with its exit status);
+    what a test runs in its own process when the command must see state only that process holds."""
     as_json = wants_json(args)
     try:
         refuse_repeats(cli, args)
         cli.main(args=args, prog_name=prog, standalone_mode=False)
-        # Everything still alive is freed by exit anyway: frozen, the interpreter's last collections
-        # skip scanning it, 20-25 ms of every command's exit (measured with the registry client loaded).
-        gc.freeze()
     except (click.exceptions.Abort, KeyboardInterrupt):
         _fail(prog, as_json, "interrupted", _plain_error("interrupted", Exit.INTERRUPTED))
         sys.exit(Exit.INTERRUPTED)
