@@ -229,15 +229,23 @@ def test_files_rotated_away_between_two_reads_are_read_in_order(qemus_console_di
 def test_a_link_planted_as_a_rotated_backup_is_not_followed(qemus_console_dir, victim):
     """Attack: uid 107 puts a link to a root-only file where the reader looks for the file after its own
     (console.log.0, while its own went to .1). The link is refused in one line; nothing of it is read."""
-    log = ConsoleLog(qemus_console_dir / rundir.CONSOLE_LOG)
-    as_user(QEMU_UID, "sh", "-c", f"printf booting > {log.log}", check=True)
-    assert log.read() == b"booting"
-    as_user(QEMU_UID, "sh", "-c", f"mv {log.log} {log.log}.1; ln -s {victim} {log.log}.0; printf later > {log.log}", check=True)
-    with pytest.raises(DiskkitError) as err:
-        log.read()
-    assert str(err.value) == f"{log.log}.0: is a symbolic link; root never follows a link in a directory others can write"
+    log = _planted_after_a_first_read(qemus_console_dir, "mv {log} {log}.1; ln -s {victim} {log}.0; printf later > {log}", victim,
+                                      ".0")
     log.close()
     assert victim_state(victim)[3] == VICTIM_TEXT
+
+
+def _planted_after_a_first_read(console: Path, plant: str, victim, planted_suffix: str) -> ConsoleLog:
+    """A reader that has read the guest's first bytes, then uid 107 runs `plant` (with {log} and
+    {victim}): its next read is refused in one line naming the link at console.log`planted_suffix`."""
+    log = ConsoleLog(console / rundir.CONSOLE_LOG)
+    as_user(QEMU_UID, "sh", "-c", f"printf booting > {log.log}", check=True)
+    assert log.read() == b"booting"
+    as_user(QEMU_UID, "sh", "-c", plant.format(log=log.log, victim=victim), check=True)
+    with pytest.raises(DiskkitError) as err:
+        log.read()
+    assert str(err.value) == f"{log.log}{planted_suffix}: is a symbolic link; root never follows a link in a directory others can write"
+    return log
 
 
 def test_a_link_planted_in_the_console_directory_is_not_followed(qemus_console_dir, victim):
@@ -245,13 +253,7 @@ def test_a_link_planted_in_the_console_directory_is_not_followed(qemus_console_d
     to a root-only file under console.log, or swap one in as a rotation; root following the console
     would read the file to the launcher's stdout. The link is refused in one line; nothing of it is read."""
     console = qemus_console_dir
-    log = ConsoleLog(console / rundir.CONSOLE_LOG)
-    as_user(QEMU_UID, "sh", "-c", f"printf booting > {log.log}", check=True)
-    assert log.read() == b"booting"
-    as_user(QEMU_UID, "sh", "-c", f"mv {log.log} {log.log}.0; ln -s {victim} {log.log}", check=True)
-    with pytest.raises(DiskkitError) as err:
-        log.read()
-    assert str(err.value) == f"{log.log}: is a symbolic link; root never follows a link in a directory others can write"
+    log = _planted_after_a_first_read(console, "mv {log} {log}.0; ln -s {victim} {log}", victim, "")
     log.close()
     fresh = ConsoleLog(console / rundir.CONSOLE_LOG)
     with pytest.raises(DiskkitError, match="is a symbolic link"):
