@@ -8,14 +8,13 @@ import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from diskkit.errors import DiskkitError
 from diskkit.registry.partial import abandoned
 from launcher.chunks.index import ChunkIndex
 from launcher.diskserver.server import lazy_leftovers
 from launcher.node.cache import Cache, tree_size
 from launcher.runtime import rundir
 from launcher.runtime.stopping import DEFAULT_GRACE_PERIOD
-from launcher.runtime.vms import cleanup, connect, state
+from launcher.runtime.vms import cleanup, reachable, state
 
 
 @dataclass
@@ -38,12 +37,9 @@ def collect(cache: Cache, max_size: int | None = None) -> Collected:
             if state(record, cache) in ("running", "paused", "unknown"):
                 in_use.update(record.get("entries", []))
                 continue
-            try:
-                lv = connect(record)
-            except DiskkitError:
-                lv = None
             # Through the same stop as `launcher stop`: a domain that started meanwhile gets its grace period.
-            cleanup(cache, lv, record["domain"], record.get("gracePeriod", DEFAULT_GRACE_PERIOD))
+            with reachable(record) as lv:
+                cleanup(cache, lv, record["domain"], record.get("gracePeriod", DEFAULT_GRACE_PERIOD))
             out.vms_cleaned.append(record["domain"])
         out.vms_cleaned += _unrecorded_runs(cache)
         cache.reclaim_staging()

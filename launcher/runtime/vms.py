@@ -109,6 +109,21 @@ def connect(record: dict) -> Libvirt:
     return Libvirt(record["uri"]) if user is None else _own_libvirt(record["uri"], user)
 
 
+@contextlib.contextmanager
+def reachable(record: dict) -> Iterator[Libvirt | None]:
+    """connect(record), or None when its daemon cannot be reached (the domain is gone with it, and only
+    its files are left to remove); closed when the block ends, not when the garbage collector runs."""
+    try:
+        lv = connect(record)
+    except DiskkitError:
+        lv = None
+    try:
+        yield lv
+    finally:
+        if lv is not None:
+            lv.close()
+
+
 def _gone_for_good(record: dict) -> bool:
     user = VmUser.from_json(record.get("vmUser"))
     return user is not None and not vmuser.holds(user)
@@ -501,11 +516,8 @@ def _clear_last_run(cache: Cache, vmi: VMI) -> None:
         return
     if state(record, cache) in ("running", "paused", "unknown"):
         raise DiskkitError(vmi.domain_name, f"a domain of this name already exists on {record['uri']}; stop it first (launcher stop {vmi.name})")
-    try:
-        lv = connect(record)
-    except DiskkitError:
-        lv = None
-    cleanup(cache, lv, vmi.domain_name)
+    with reachable(record) as lv:
+        cleanup(cache, lv, vmi.domain_name)
 
 
 def record_of(cache: Cache, name: str) -> dict:
@@ -543,12 +555,9 @@ def stop(cache: Cache, name: str, grace: float | None = None, say: Callable[[str
     if _gone_for_good(record):
         cleanup(cache, None, record["domain"])
         return None
-    try:
-        lv = connect(record)
-    except DiskkitError:
-        lv = None  # the daemon is gone, and the domain with it; still remove the files
     period = record.get("gracePeriod", DEFAULT_GRACE_PERIOD) if grace is None else grace
-    stopped = cleanup(cache, lv, record["domain"], period, say=say)
+    with reachable(record) as lv:
+        stopped = cleanup(cache, lv, record["domain"], period, say=say)
     if stopped is None:
         say(f"{record['domain']}: libvirt at {record['uri']} cannot be reached; only the VM's files were removed")
         return record["domain"], Stopped(UNREACHABLE, period)
