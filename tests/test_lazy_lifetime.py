@@ -19,6 +19,7 @@ import pytest
 from tests.conftest import run, run_diskkit
 from tests.distribution import start_registry
 from tests.faultproxy import Fault
+from launcher.diskserver.lazydisk import BOOT_HOLD
 from tests.lazyhost import QEMU_UID, control, disk_server, export_status, open_export, random_disk, wait_for
 
 NOREG = "--tls-verify=false"
@@ -188,6 +189,28 @@ def test_an_announced_client_is_not_waited_for_once_the_run_that_announced_it_is
         code = server.wait(timeout=120)  # once the disk is fetched: nothing holds it
     assert code == 0
     assert "idle for 1 s and nothing is left to fetch: exiting" in server_log(cache), server_log(cache)
+
+
+def test_the_rest_of_a_disk_whose_run_died_before_its_vm_is_not_held_for_a_boot(tmp_path, registry):
+    """An open holds all but the disk's head and read-ahead for BOOT_HOLD seconds, so that the VM it
+    announces boots first; once the run that asked is gone and no VM is connected, no boot is coming."""
+    guest_raw = random_disk(tmp_path / "guest-64m.img", 64 * MIB, seed=11)
+    lazy_image = f"{registry.host}/lifetime/guest:deserted"
+    assert run_diskkit("build", NOREG, "--lazy", guest_raw, "-t", lazy_image).code == 0
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with disk_server(cache):
+        opened = time.monotonic()
+        opener = subprocess.run([sys.executable, "-c", "import sys, json; from launcher.diskserver.control import request; "
+                                 "print(json.dumps(request(__import__('pathlib').Path(sys.argv[1]), json.loads(sys.argv[2]))))",
+                                 cache / "serve" / "control.sock",
+                                 json.dumps({"op": "open", "image": lazy_image, "registry": {"tls_verify": False}, "clients": 1})],
+                                capture_output=True, text=True)
+        assert opener.returncode == 0, opener.stderr
+        export = json.loads(opener.stdout)["export"]
+        # Not a timing claim: the hold's own length is the bound, and the rest is 30 MiB from loopback.
+        wait_for(lambda: export_status(cache, export)["installed"] or time.monotonic() - opened > BOOT_HOLD, BOOT_HOLD + 60, "the disk or the hold's end")
+        assert export_status(cache, export)["installed"] and time.monotonic() - opened < BOOT_HOLD, (export_status(cache, export), server_log(cache))
 
 
 def test_run_timeout_holds_while_the_registry_keeps_it_preparing(registry, fault_proxy, guest_image, qemu_user):

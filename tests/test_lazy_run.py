@@ -137,7 +137,8 @@ def test_registry_restart_during_the_boot(qemu_user, lazy_registry):
         wait_for(lambda: control(cache, {"op": "status"})["exports"], 120, "the export to open")
         lazy_registry.stop()
         try:
-            time.sleep(10)
+            # Until a fetch failed for good (its retries spent): the outage outlasted the client's patience.
+            wait_for(lambda: only_export(cache)["stats"]["failed_fetches"] >= 1 or proc.poll() is not None, 120, "a fetch to fail")
             assert proc.poll() is None
         finally:
             lazy_registry.start()

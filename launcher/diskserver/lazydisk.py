@@ -210,6 +210,10 @@ class LazyDisk:
         self.last_touch = self.last_read = time.monotonic()
         self.abandoned = None
 
+    def no_boot(self) -> None:
+        """No VM reads this export nor is announced for it: the boot hold (BOOT_HOLD, GUEST_BUSY) ends."""
+        self.last_touch = self.last_read = 0.0
+
     def stalled_for(self) -> float:
         """Seconds since a fetch last brought chunks (or since the export opened)."""
         return time.monotonic() - self.progress_at

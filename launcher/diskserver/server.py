@@ -515,13 +515,9 @@ class DiskServer:
         if self.connections:
             self.last_activity = now
             return None
+        if self._awaited():
+            return None
         with self.lock:
-            for name in list(self.awaiting):
-                alive = [(d, pid) for d, pid in self.awaiting[name] if _alive(pid)]
-                self.deserted = self.deserted or len(alive) < len(self.awaiting[name])
-                self.awaiting[name] = [(d, pid) for d, pid in alive if d > now]
-            if any(self.awaiting.values()):
-                return None
             served, deserted = self.served, self.deserted
         for export in self.listing():
             if not getattr(export, "busy", False):
@@ -548,6 +544,27 @@ class DiskServer:
             return f"the run that asked for a disk is gone before its VM connected and {rest}"
         return f"idle for {limit:g} s and {rest}"
 
+    def _awaited(self) -> set[str]:
+        """The exports a live run still announces a VM for (the runs that died and the holds past
+        HOLD are dropped)."""
+        now = time.monotonic()
+        with self.lock:
+            for name in list(self.awaiting):
+                alive = [(d, pid) for d, pid in self.awaiting[name] if _alive(pid)]
+                self.deserted = self.deserted or len(alive) < len(self.awaiting[name])
+                self.awaiting[name] = [(d, pid) for d, pid in alive if d > now]
+            return {name for name, held in self.awaiting.items() if held}
+
+    def _end_boot_holds(self) -> None:
+        """With no VM connected, an export no live run announces a VM for has no boot to make way
+        for: its rest is fetched now, not once the hold an open or a connection began runs out."""
+        if self.connections:
+            return
+        awaited = self._awaited()
+        for export in self.listing():
+            if isinstance(export, LazyDisk) and export.name not in awaited:
+                export.no_boot()
+
     def cache_gone(self) -> bool:
         """The cache directory was deleted (or replaced) under the server: nothing it holds is reachable."""
         try:
@@ -566,6 +583,7 @@ class DiskServer:
                 if self.cache_gone():
                     log.warning("cache directory %s is gone: exiting", self.cache.root)
                     break
+                self._end_boot_holds()
                 reason = self.exit_reason() if self.opts.exit_when_idle is not None else None
                 if reason:
                     log.info("%s: exiting", reason)
