@@ -1,0 +1,193 @@
+"""A Multus bridge network on the node, made as the bridge CNI plugin makes it (root alone).
+
+In a cluster Multus runs the bridge plugin (containernetworking/plugins plugins/main/bridge/bridge.go)
+when the VM's pod starts: it makes the Linux bridge the NAD's config names if the node has none
+(ensureBridge: `"%q already exists but is not a bridge"` when the name is taken by another kind of
+device), gives it the config's MTU, turns off its IPv6 router advertisements, and puts a veth on it
+whose other end is the pod's interface; KubeVirt's bridge binding then puts a tap owned by the qemu
+user behind that interface (pkg/network/setup/netpod/netpod.go bridgeBindingSpec). With no pod, the
+launcher puts the tap on the node's bridge itself: one per NIC, owned by the VM's own uid and gid
+(launcher.runtime.vmuser: only that VM's qemu may open it), with the pod interface's MTU, and the
+plugin's hairpin and isolation flags on its bridge port.
+
+Every device name `ip` is given passes `_ip`, which checks it (launcher.spec.multus.bridge_name_problem:
+IFNAMSIZ, no path or option syntax); a tap's name is made from the VM's uid (`tap_name`), so what a VM
+left is found by its uid alone: its taps go with it (`remove_taps`, from launcher.runtime.vmuser when
+the uid is given back, or taken again after a crash). A bridge stays, as the plugin's DEL leaves it:
+other VMs, and whatever the admin put on it, may use it.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+from pathlib import Path
+
+from diskkit.errors import DiskkitError
+from launcher.spec.multus import NAD_KIND, bridge_name_problem
+from launcher.spec.network import Interface
+from launcher.spec.vmi import VMI
+
+SYS_NET = Path("/sys/class/net")
+PROC_CONF4 = Path("/proc/sys/net/ipv4/conf")
+PROC_CONF6 = Path("/proc/sys/net/ipv6/conf")
+TAP_PREFIX = "dk"
+
+
+def bridge_nics(vmi: VMI) -> list[Interface]:
+    return [iface for iface in vmi.domain.devices.interfaces if iface.network is not None]
+
+
+def tap_name(uid: int, position: int) -> str:
+    """The tap of the VM of host uid `uid`'s `position`th bridge NIC: unique on the node while the VM
+    has the uid (at most 14 bytes: a uid below 2**28, fewer than 1000 NICs)."""
+    return f"{TAP_PREFIX}{uid:x}n{position}"
+
+
+def random_mac() -> str:
+    """What the kernel gives a new veth (eth_random_addr): random, unicast, locally administered."""
+    octets = bytearray(secrets.token_bytes(6))
+    octets[0] = (octets[0] & 0xFE) | 0x02
+    return ":".join(f"{b:02x}" for b in octets)
+
+
+def check(vmi: VMI, own_uid: bool) -> None:
+    """Refuse before anything is pulled: a bridge network needs a root launcher whose VM has a uid of its own."""
+    nics = bridge_nics(vmi)
+    if not nics:
+        return
+    network = nics[0].network
+    what = f"{NAD_KIND} {network.nad} is a bridge CNI network"
+    if os.geteuid() != 0:
+        raise DiskkitError(f"{network.at}.multus", f"{what}: its bridge and taps are made by a root launcher alone (run it as root)")
+    if not own_uid:
+        raise DiskkitError(f"{network.at}.multus", f"{what}: its taps belong to a VM's own uid, which a root launcher gives a VM on"
+                                                   " its own session daemon or the system daemon, not on the daemon --connect names")
+
+
+def plan(vmi: VMI, uid: int) -> tuple[tuple[str, str, str], ...]:
+    """(interface, tap, MAC) of each bridge NIC: the MAC the spec or the NAD gives, else a new one, as
+    the pod interface's (the guest's under KubeVirt's bridge binding) is the kernel's random one."""
+    return tuple((iface.name, tap_name(uid, i), iface.mac or iface.network.mac or random_mac()) for i, iface in enumerate(bridge_nics(vmi)))
+
+
+def _ip(command: str, *names: str) -> None:
+    """`ip` with `command`'s {0}, {1}... the device `names`, each checked first: root makes and changes
+    no device whose name it did not check."""
+    for name in names:
+        problem = bridge_name_problem(name)
+        if problem:
+            raise DiskkitError(f"network device {name!r}", f"{problem}: not made")
+    argv = ["ip", *(word.format(*names) for word in command.split())]
+    done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        said = " ".join((done.stderr or done.stdout).split())[:300] or f"exit status {done.returncode}"
+        raise DiskkitError(f"ip {' '.join(argv[1:])}", said)
+
+
+def _is_bridge(name: str) -> bool:
+    return (SYS_NET / name / "bridge").is_dir()
+
+
+def _flag(path: Path) -> bool:
+    try:
+        return path.read_text().strip() not in ("", "0")
+    except OSError:
+        return False
+
+
+def _check_bridge(network, name: str) -> None:
+    """The guest reaches what is on the bridge, never the node's loopback: with route_localnet on the
+    kernel routes a frame to 127.0.0.0/8 that comes in on it to the node's own services."""
+    if _flag(PROC_CONF4 / "all" / "route_localnet") or _flag(PROC_CONF4 / name / "route_localnet"):
+        raise DiskkitError(f"{NAD_KIND} {network.nad} spec.config bridge",
+                           f"{name}: net.ipv4.conf route_localnet is on, so a guest on the bridge would reach this node's loopback: not used")
+
+
+def ensure_bridge(network) -> bool:
+    """bridge.go ensureBridge: the bridge the config names, made if missing (True), up."""
+    name = network.bridge
+    problem = bridge_name_problem(name)  # checked when the NAD was read; sysfs is looked up by it here
+    if problem:
+        raise DiskkitError(f"{NAD_KIND} {network.nad} spec.config bridge", f"{name!r} {problem}")
+    if os.path.lexists(SYS_NET / name) and not _is_bridge(name):
+        raise DiskkitError(f"{NAD_KIND} {network.nad} spec.config bridge", f'"{name}" already exists but is not a bridge')
+    made = False
+    if not os.path.lexists(SYS_NET / name):
+        try:
+            _ip("link add name {0} " + (f"mtu {network.mtu} " if network.mtu_set else "") + "type bridge", name)
+            made = True
+        except DiskkitError:
+            if not _is_bridge(name):  # another VM's launcher made it meanwhile: the plugin's EEXIST
+                raise
+        if made:
+            # bridge.go: "we want to own the routes for this interface"
+            accept_ra = PROC_CONF6 / name / "accept_ra"
+            if accept_ra.exists():
+                accept_ra.write_text("0")
+    _check_bridge(network, name)
+    if network.promisc:
+        _ip("link set dev {0} promisc on", name)
+    _ip("link set dev {0} up", name)
+    return made
+
+
+def make(vmi: VMI, taps: tuple[tuple[str, str, str], ...], uid: int) -> list[str]:
+    """Each bridge NIC's bridge and tap (the VM's uid's and gid's, on the bridge, up); the taps made.
+    A tap of the name already there is what a VM of this uid left: replaced."""
+    made: list[str] = []
+    by_name = {iface.name: iface for iface in bridge_nics(vmi)}
+    try:
+        for interface, tap, _ in taps:
+            network = by_name[interface].network
+            ensure_bridge(network)
+            if os.path.lexists(SYS_NET / tap):
+                _remove_if_ours(tap, uid)
+            _ip(f"tuntap add dev {{0}} mode tap user {uid} group {uid}", tap)
+            made.append(tap)
+            _ip(f"link set dev {{0}} mtu {network.mtu} master {{1}}", tap, network.bridge)
+            flags = [f"hairpin {'on' if network.hairpin else 'off'}", f"isolated {'on' if network.isolated else 'off'}"]
+            _ip("link set dev {0} type bridge_slave " + " ".join(flags), tap)
+            _ip("link set dev {0} up", tap)
+    except BaseException:
+        for tap in made:
+            _remove_if_ours(tap, uid)
+        raise
+    return made
+
+
+def _owner(name: str) -> int | None:
+    """A tap's owner uid (sysfs: -1 for none), None for a device that is no tap or tun."""
+    if not (SYS_NET / name / "tun_flags").exists():
+        return None
+    try:
+        return int((SYS_NET / name / "owner").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _remove_if_ours(name: str, uid: int) -> None:
+    if _owner(name) != uid:
+        raise DiskkitError(f"network device {name}", f"exists and is not a tap of uid {uid}: left alone")
+    _ip("link del dev {0}", name)
+
+
+def remove_taps(uid: int) -> list[str]:
+    """Every tap of this VM uid's names that the uid owns: the taps its VM had (ended, or killed)."""
+    prefix = f"{TAP_PREFIX}{uid:x}n"
+    removed = []
+    try:
+        names = os.listdir(SYS_NET)
+    except OSError:
+        return removed
+    for name in names:
+        if name.startswith(prefix) and name[len(prefix):].isdigit() and _owner(name) == uid:
+            try:
+                _ip("link del dev {0}", name)
+            except DiskkitError:
+                if os.path.lexists(SYS_NET / name):
+                    raise
+                continue  # gone meanwhile
+            removed.append(name)
+    return removed
