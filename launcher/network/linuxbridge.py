@@ -19,8 +19,10 @@ other VMs, and whatever the admin put on it, may use it.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -29,7 +31,6 @@ from launcher.spec.multus import NAD_KIND, bridge_name_problem
 from launcher.spec.network import Interface
 from launcher.spec.vmi import VMI
 
-SYS_NET = Path("/sys/class/net")
 PROC_CONF4 = Path("/proc/sys/net/ipv4/conf")
 PROC_CONF6 = Path("/proc/sys/net/ipv6/conf")
 TAP_PREFIX = "dk"
@@ -61,6 +62,8 @@ def check(vmi: VMI, own_uid: bool) -> None:
     what = f"{NAD_KIND} {network.nad} is a bridge CNI network"
     if os.geteuid() != 0:
         raise DiskkitError(f"{network.at}.multus", f"{what}: its bridge and taps are made by a root launcher alone (run it as root)")
+    if shutil.which("ip") is None:
+        raise DiskkitError(f"{network.at}.multus", f"{what}: its bridge and taps are made with iproute2's ip, which is not installed")
     if not own_uid:
         raise DiskkitError(f"{network.at}.multus", f"{what}: its taps belong to a VM's own uid, which a root launcher gives a VM on"
                                                    " its own session daemon or the system daemon, not on the daemon --connect names")
@@ -72,9 +75,9 @@ def plan(vmi: VMI, uid: int) -> tuple[tuple[str, str, str], ...]:
     return tuple((iface.name, tap_name(uid, i), iface.mac or iface.network.mac or random_mac()) for i, iface in enumerate(bridge_nics(vmi)))
 
 
-def _ip(command: str, *names: str) -> None:
-    """`ip` with `command`'s {0}, {1}... the device `names`, each checked first: root makes and changes
-    no device whose name it did not check."""
+def _ip(command: str, *names: str) -> str:
+    """`ip` with `command`'s {0}, {1}... the device `names`, each checked first: root makes, changes and
+    looks up no device whose name it did not check. Its output."""
     for name in names:
         problem = bridge_name_problem(name)
         if problem:
@@ -84,10 +87,32 @@ def _ip(command: str, *names: str) -> None:
     if done.returncode != 0:
         said = " ".join((done.stderr or done.stdout).split())[:300] or f"exit status {done.returncode}"
         raise DiskkitError(f"ip {' '.join(argv[1:])}", said)
+    return done.stdout
+
+
+def _links(command: str = "-d -j link show", *names: str) -> dict[str, dict]:
+    """name -> linkinfo of the devices of the launcher's network namespace (`ip`'s, not sysfs', which
+    shows the namespace of whoever mounted it)."""
+    try:
+        listed = json.loads(_ip(command, *names) or "[]")
+    except ValueError:
+        listed = []
+    return {link["ifname"]: link.get("linkinfo") or {} for link in listed if isinstance(link, dict) and isinstance(link.get("ifname"), str)}
+
+
+def _link(name: str) -> dict | None:
+    """The device's linkinfo, None when there is none of the name."""
+    try:
+        return _links("-d -j link show dev {0}", name).get(name)
+    except DiskkitError as exc:
+        if "does not exist" in str(exc):
+            return None
+        raise
 
 
 def _is_bridge(name: str) -> bool:
-    return (SYS_NET / name / "bridge").is_dir()
+    link = _link(name)
+    return link is not None and link.get("info_kind") == "bridge"
 
 
 def _flag(path: Path) -> bool:
@@ -111,10 +136,11 @@ def ensure_bridge(network) -> bool:
     problem = bridge_name_problem(name)  # checked when the NAD was read; sysfs is looked up by it here
     if problem:
         raise DiskkitError(f"{NAD_KIND} {network.nad} spec.config bridge", f"{name!r} {problem}")
-    if os.path.lexists(SYS_NET / name) and not _is_bridge(name):
+    link = _link(name)
+    if link is not None and link.get("info_kind") != "bridge":
         raise DiskkitError(f"{NAD_KIND} {network.nad} spec.config bridge", f'"{name}" already exists but is not a bridge')
     made = False
-    if not os.path.lexists(SYS_NET / name):
+    if link is None:
         try:
             _ip("link add name {0} " + (f"mtu {network.mtu} " if network.mtu_set else "") + "type bridge", name)
             made = True
@@ -142,7 +168,7 @@ def make(vmi: VMI, taps: tuple[tuple[str, str, str], ...], uid: int) -> list[str
         for interface, tap, _ in taps:
             network = by_name[interface].network
             ensure_bridge(network)
-            if os.path.lexists(SYS_NET / tap):
+            if _link(tap) is not None:
                 _remove_if_ours(tap, uid)
             _ip(f"tuntap add dev {{0}} mode tap user {uid} group {uid}", tap)
             made.append(tap)
@@ -157,18 +183,16 @@ def make(vmi: VMI, taps: tuple[tuple[str, str, str], ...], uid: int) -> list[str
     return made
 
 
-def _owner(name: str) -> int | None:
-    """A tap's owner uid (sysfs: -1 for none), None for a device that is no tap or tun."""
-    if not (SYS_NET / name / "tun_flags").exists():
+def _owner(link: dict | None) -> int | None:
+    """A tap's owner uid, None for a device that is no tap or has no owner."""
+    if link is None or link.get("info_kind") != "tun":
         return None
-    try:
-        return int((SYS_NET / name / "owner").read_text())
-    except (OSError, ValueError):
-        return None
+    user = (link.get("info_data") or {}).get("user")
+    return user if isinstance(user, int) and not isinstance(user, bool) else None
 
 
 def _remove_if_ours(name: str, uid: int) -> None:
-    if _owner(name) != uid:
+    if _owner(_link(name)) != uid:
         raise DiskkitError(f"network device {name}", f"exists and is not a tap of uid {uid}: left alone")
     _ip("link del dev {0}", name)
 
@@ -176,17 +200,15 @@ def _remove_if_ours(name: str, uid: int) -> None:
 def remove_taps(uid: int) -> list[str]:
     """Every tap of this VM uid's names that the uid owns: the taps its VM had (ended, or killed)."""
     prefix = f"{TAP_PREFIX}{uid:x}n"
-    removed = []
-    try:
-        names = os.listdir(SYS_NET)
-    except OSError:
-        return removed
-    for name in names:
-        if name.startswith(prefix) and name[len(prefix):].isdigit() and _owner(name) == uid:
+    removed: list[str] = []
+    if shutil.which("ip") is None:
+        return removed  # nor could any have been made
+    for name, link in _links().items():
+        if name.startswith(prefix) and name[len(prefix):].isdigit() and _owner(link) == uid:
             try:
                 _ip("link del dev {0}", name)
             except DiskkitError:
-                if os.path.lexists(SYS_NET / name):
+                if _link(name) is not None:
                     raise
                 continue  # gone meanwhile
             removed.append(name)
