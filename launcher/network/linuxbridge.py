@@ -133,7 +133,7 @@ def _check_bridge(network, name: str) -> None:
 def ensure_bridge(network) -> bool:
     """bridge.go ensureBridge: the bridge the config names, made if missing (True), up."""
     name = network.bridge
-    problem = bridge_name_problem(name)  # checked when the NAD was read; sysfs is looked up by it here
+    problem = bridge_name_problem(name)  # checked when the NAD was read; /proc/sys is read by it here
     if problem:
         raise DiskkitError(f"{NAD_KIND} {network.nad} spec.config bridge", f"{name!r} {problem}")
     link = _link(name)
