@@ -14,6 +14,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def tun_node(mode: int) -> list[str]:
+    """A command prefix: the rest runs in a mount namespace of its own whose /dev/net/tun has `mode`.
+    Hosts give it 0666 (udev's default; KubeVirt's pod gets it from its device plugin), which grants
+    nothing but the taps one owns; some containers, this suite's machines among them, 0600."""
+    return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
+            f'mount -t tmpfs -o mode=755 tmpfs /dev/net && mknod -m {mode:o} /dev/net/tun c 10 200 && exec "$@"', "sh"]
+
+
 class NetNS:
     def __init__(self):
         assert os.geteuid() == 0, "a network namespace of the test's own needs root"
@@ -37,10 +45,14 @@ class NetNS:
         self.children.append(proc)
         return proc
 
-    def python(self, code: str, *args: str, user: int | None = None) -> subprocess.CompletedProcess:
-        """`code` run by this interpreter inside the namespace (as `user`, with no groups, when given)."""
+    def python(self, code: str, *args: str, user: int | None = None, tun_mode: int | None = None) -> subprocess.CompletedProcess:
+        """`code` run by this interpreter inside the namespace (as `user`, with no groups, when given;
+        Debian's python for a user, who may not read the venv); with `tun_mode`, in a mount namespace
+        whose /dev/net/tun has that mode (see TUN_FOR_EVERYONE)."""
         become = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", "--"] if user is not None else []
-        return self.run(*become, sys.executable, "-c", code, *args, check=False, cwd=ROOT)
+        tun = tun_node(tun_mode) if tun_mode is not None else []
+        python = "/usr/bin/python3" if user is not None else sys.executable
+        return self.run(*tun, *become, python, "-c", code, *args, check=False, cwd=ROOT)
 
     def links(self) -> dict[str, dict]:
         """name -> `ip -d -j` view of every device in the namespace."""

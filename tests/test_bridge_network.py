@@ -256,17 +256,17 @@ def test_a_tap_a_killed_vm_left_is_replaced_and_a_device_of_its_name_it_does_not
     assert make_in(netns, vmi({"name": "a", "bridge": {}}), BRIDGE) == {"made": [tap]}
     assert netns.links()[tap]["master"] == "br1"
     netns.run("ip", "link", "del", "dev", tap)
-    netns.run("ip", "link", "add", "name", tap, "type", "dummy")  # not a tap of the uid: never deleted by root
+    netns.run("ip", "link", "add", "name", tap, "type", "bridge")  # not a tap of the uid: never deleted by root
     assert make_in(netns, vmi({"name": "a", "bridge": {}}), BRIDGE) == {"refused": f"network device {tap}: exists and is not a tap of uid {VM_UID}: left alone"}
-    assert json.loads(netns.python(REMOVE, str(VM_UID)).stdout) == [] and netns.links()[tap]["linkinfo"]["info_kind"] == "dummy"
+    assert json.loads(netns.python(REMOVE, str(VM_UID)).stdout) == [] and netns.links()[tap]["linkinfo"]["info_kind"] == "bridge"
 
 
-@pytest.mark.parametrize("name, kind", [("lo", "loopback"), ("eth7", "dummy")])
+@pytest.mark.parametrize("name, kind", [("lo", "loopback"), ("eth7", "veth")])
 def test_a_device_of_the_bridges_name_that_is_no_bridge_is_refused_and_left_alone(netns, name, kind):
     """A NAD naming the node's loopback or uplink as its bridge: bridge.go bridgeByName's words, and
     no tap put on it."""
-    if kind == "dummy":
-        netns.run("ip", "link", "add", "name", name, "type", "dummy")
+    if kind == "veth":
+        netns.run("ip", "link", "add", "name", name, "type", "veth", "peer", "name", f"{name}p")
     before = netns.links()
     got = make_in(netns, vmi({"name": "a", "bridge": {}}), {**BRIDGE, "bridge": name})
     assert got == {"refused": f'{NAD} default/br-net spec.config bridge: "{name}" already exists but is not a bridge'}
@@ -300,8 +300,34 @@ def test_only_the_vms_own_uid_opens_its_tap(netns):
     """Another VM's qemu (another uid) cannot take this VM's tap, and so its traffic (docs/security.md)."""
     tap = f"dk{VM_UID:x}n0"
     assert make_in(netns, vmi({"name": "a", "bridge": {}}), BRIDGE) == {"made": [tap]}
-    assert netns.python(OPEN_TAP, tap, user=OTHER_UID).stdout.strip() == "Operation not permitted"
-    assert netns.python(OPEN_TAP, tap, user=VM_UID).stdout.strip() == "opened"
+    assert netns.python(OPEN_TAP, tap, user=OTHER_UID, tun_mode=0o666).stdout.strip() == "Operation not permitted"
+    assert netns.python(OPEN_TAP, tap, user=VM_UID, tun_mode=0o666).stdout.strip() == "opened"
+
+
+CHECK = """
+import json, sys
+from launcher.network import linuxbridge
+from launcher.spec.k8s import Objects
+from launcher.spec.vmi import parse_vmi
+vmi = parse_vmi(json.loads(sys.argv[1]), objects=Objects(json.loads(sys.argv[2])))
+try:
+    linuxbridge.check(vmi, own_uid=True, session=sys.argv[3] == "session")
+    print("accepted")
+except Exception as exc:
+    print(exc)
+"""
+
+
+@pytest.mark.parametrize("mode, daemon, expected", [
+    (0o666, "session", "accepted"),
+    # the system daemon opens the tap as root and hands qemu the file
+    (0o600, "system", "accepted"),
+    (0o600, "session", "/dev/net/tun: mode 0600: the VM's qemu, a uid of its own, cannot open its tap on default/br-net (KubeVirt's pod"
+                       " gets /dev/net/tun from its device plugin; udev's default is 0666: chmod 0666 /dev/net/tun)"),
+])
+def test_a_tun_device_the_vms_uid_cannot_open_is_refused_before_anything_runs(netns, mode, daemon, expected):
+    done = netns.python(CHECK, json.dumps(vmi({"name": "a", "bridge": {}})), json.dumps([nad(BRIDGE)]), daemon, tun_mode=mode)
+    assert done.stdout.strip() == expected, done.stderr
 
 
 def test_an_unprivileged_launcher_refuses_a_bridge_network_in_one_line(qemu_user):

@@ -31,7 +31,7 @@ from launcher.node.cache import Cache
 from launcher.runtime import sessiond
 from launcher.runtime.vmuser import VMS_DIR
 from tests.conftest import launcher_command, run_diskkit, run_launcher
-from tests.netns import NetNS
+from tests.netns import NetNS, tun_node
 from tests.testguest import ensure_testguest
 from tests.vmhost import DONE, NOREG, QEMU_UID
 
@@ -42,7 +42,10 @@ NO_SYSTEM_DAEMON = ["unshare", "--mount", "--propagation", "private", "sh", "-c"
 
 
 def as_root_here(cache: Path, *args, netns: NetNS | None = None) -> list[str]:
-    return [*(netns.enter if netns is not None else []), *NO_SYSTEM_DAEMON, *launcher_command(*args, "--cache-dir", cache)]
+    """The command as root with no system daemon; in `netns`, with a /dev/net/tun the VM's uid may open, as on
+    a host (tests/netns.py tun_node)."""
+    inside = [*netns.enter, *tun_node(0o666)] if netns is not None else []
+    return [*inside, *NO_SYSTEM_DAEMON, *launcher_command(*args, "--cache-dir", cache)]
 
 
 def root_launcher(cache: Path, *args, timeout: float = 400, netns: NetNS | None = None):

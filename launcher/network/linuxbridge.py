@@ -31,6 +31,7 @@ from launcher.spec.multus import NAD_KIND, bridge_name_problem
 from launcher.spec.network import Interface
 from launcher.spec.vmi import VMI
 
+TUN = Path("/dev/net/tun")
 PROC_CONF4 = Path("/proc/sys/net/ipv4/conf")
 PROC_CONF6 = Path("/proc/sys/net/ipv6/conf")
 TAP_PREFIX = "dk"
@@ -53,8 +54,10 @@ def random_mac() -> str:
     return ":".join(f"{b:02x}" for b in octets)
 
 
-def check(vmi: VMI, own_uid: bool) -> None:
-    """Refuse before anything is pulled: a bridge network needs a root launcher whose VM has a uid of its own."""
+def check(vmi: VMI, own_uid: bool, session: bool) -> None:
+    """Refuse before anything is pulled: a bridge network needs a root launcher whose VM has a uid of its
+    own, and, on the VM's own session daemon (`session`), a /dev/net/tun that uid may open: libvirt opens
+    the tap as the VM's uid there (the system daemon opens it as root and hands qemu the file)."""
     nics = bridge_nics(vmi)
     if not nics:
         return
@@ -67,6 +70,15 @@ def check(vmi: VMI, own_uid: bool) -> None:
     if not own_uid:
         raise DiskkitError(f"{network.at}.multus", f"{what}: its taps belong to a VM's own uid, which a root launcher gives a VM on"
                                                    " its own session daemon or the system daemon, not on the daemon --connect names")
+    if session:
+        try:
+            mode = TUN.stat().st_mode & 0o777
+        except OSError as exc:
+            raise DiskkitError(TUN, f"{exc.strerror}: {what}, whose taps the VM's qemu opens through it") from None
+        if mode & 0o006 != 0o006:
+            # udev's default is 0666: opening it grants nothing but the taps one owns (the kernel's tun_not_capable)
+            raise DiskkitError(TUN, f"mode {mode:04o}: the VM's qemu, a uid of its own, cannot open its tap on {network.nad}"
+                                    " (KubeVirt's pod gets /dev/net/tun from its device plugin; udev's default is 0666: chmod 0666 /dev/net/tun)")
 
 
 def plan(vmi: VMI, uid: int) -> tuple[tuple[str, str, str], ...]:

@@ -215,7 +215,7 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
             vm_ids = allocation.user.ids if allocation is not None else owner
             virtiofs.check_runnable(vmi)
             network.check(vmi)
-            linuxbridge.check(vmi, allocation is not None)
+            linuxbridge.check(vmi, allocation is not None, session=own)
             taps = linuxbridge.plan(vmi, vm_ids[0]) if allocation is not None else ()
             nics = network.plan(vmi, opts.publish_address)
             admit(vmi, opts.storage or Storage())
