@@ -62,8 +62,8 @@ def refusal(doc: dict, config: dict | str = BRIDGE) -> str:
     (BRIDGE, BridgeNetwork("default/br-net", "spec.networks[0]", "br1", 1500)),
     # bridge.go: defaultBrName; tests/libnet WithMTU; the plugin's own flags
     ({"type": "bridge"}, BridgeNetwork("default/br-net", "spec.networks[0]", "cni0", 1500)),
-    ({**BRIDGE, "mtu": 9000, "hairpinMode": True, "promiscMode": True, "portIsolation": True},
-     BridgeNetwork("default/br-net", "spec.networks[0]", "br1", 9000, True, True, True, None, True)),
+    ({**BRIDGE, "mtu": 9000, "hairpinMode": True, "promiscMode": True, "portIsolation": True, "macspoofchk": True},
+     BridgeNetwork("default/br-net", "spec.networks[0]", "br1", 9000, True, True, True, None, True, True)),
     # a conflist runs its first plugin; loadNetConf: runtimeConfig.mac wins over args.cni.mac
     ({"cniVersion": "1.0.0", "name": "n", "plugins": [{**BRIDGE, "args": {"cni": {"mac": "02:00:00:00:00:01"}},
                                                        "runtimeConfig": {"mac": "02:AA:00:00:00:02"}}, {"type": "tuning"}]},
@@ -80,7 +80,6 @@ def test_a_bridge_nad_is_read_as_the_bridge_plugin_reads_it(config, expected):
 @pytest.mark.parametrize("key, value, why", [
     ("vlan", 100, "VLAN tagging on the bridge port"),
     ("vlanTrunk", [{"id": 101}], "VLAN trunks on the bridge port"),
-    ("macspoofchk", True, "the MAC spoofing check (nftables rules)"),
     # pkg/network/dhcp/bridge.go: the address an IPAM plugin gives the pod interface goes to the guest by DHCP
     ("ipam", {"type": "host-local", "subnet": "10.250.250.0/24"}, "an IPAM plugin's address, which KubeVirt hands the guest by DHCP"),
     ("isGateway", True, "the gateway address on the bridge, from an IPAM plugin"),
@@ -295,6 +294,42 @@ def test_a_bridge_that_routes_to_the_loopback_is_refused(netns, scope):
     assert got == {"refused": f"{NAD} default/br-net spec.config bridge: br-local: net.ipv4.conf route_localnet is on,"
                               " so a guest on the bridge would reach this node's loopback: not used"}
     assert not [name for name in netns.links() if name.startswith("dk")]
+
+
+SEND = """
+import fcntl, json, os, struct, subprocess, sys
+tap, bridge = sys.argv[1], sys.argv[2]
+fd = os.open("/dev/net/tun", os.O_RDWR)
+fcntl.ioctl(fd, 0x400454CA, struct.pack("16sH", tap.encode(), 0x0002 | 0x1000))  # as qemu: TUNSETIFF, IFF_TAP | IFF_NO_PI
+
+def received():
+    shown = subprocess.run(["ip", "-s", "-j", "link", "show", "dev", bridge], capture_output=True, text=True, check=True).stdout
+    return json.loads(shown)[0]["stats64"]["rx"]["packets"]
+
+got = {}
+for mac in sys.argv[3:]:
+    before = received()
+    for _ in range(3):  # a broadcast from `mac`, which the bridge passes up to itself
+        os.write(fd, bytes.fromhex("ff" * 6 + mac.replace(":", "") + "88b5") + bytes(46))
+    got[mac] = received() - before
+print(json.dumps(got))
+"""
+
+
+def test_macspoofchk_drops_what_the_guest_sends_from_another_mac(netns):
+    """The plugin's macspoofchk (pkg/link/spoofcheck.go): frames the guest sends from any MAC but its own
+    never enter the bridge; a tap of a network without it passes them. Its rule goes with the tap."""
+    tap, other = f"dk{VM_UID:x}n0", f"dk{OTHER_UID:x}n0"
+    own, spoofed = "02:00:00:00:00:0a", "02:00:00:00:00:0b"
+    assert make_in(netns, vmi({"name": "a", "bridge": {}, "macAddress": own}), {**BRIDGE, "macspoofchk": True}) == {"made": [tap]}
+    assert make_in(netns, vmi({"name": "b", "bridge": {}}), BRIDGE, uid=OTHER_UID) == {"made": [other]}
+    sent = netns.python(SEND, tap, "br1", own, spoofed)
+    assert json.loads(sent.stdout) == {own: 3, spoofed: 0}, sent.stderr
+    sent = netns.python(SEND, other, "br1", spoofed)
+    assert json.loads(sent.stdout) == {spoofed: 3}, sent.stderr
+    assert f"-i {tap} " in netns.run("ebtables", "-t", "nat", "-L", "PREROUTING").stdout
+    assert json.loads(netns.python(REMOVE, str(VM_UID)).stdout) == [tap]
+    assert "-i " not in netns.run("ebtables", "-t", "nat", "-L", "PREROUTING").stdout
 
 
 OPEN_TAP = """

@@ -8,9 +8,11 @@ whose other end is the pod's interface; KubeVirt's bridge binding then puts a ta
 user behind that interface (pkg/network/setup/netpod/netpod.go bridgeBindingSpec). With no pod, the
 launcher puts the tap on the node's bridge itself: one per NIC, owned by the VM's own uid and gid
 (launcher.runtime.vmuser: only that VM's qemu may open it), with the pod interface's MTU, and the
-plugin's hairpin and isolation flags on its bridge port.
+plugin's hairpin and isolation flags on its bridge port. The plugin's `macspoofchk` (pkg/link/spoofcheck.go:
+nftables rules in the bridge family's nat PREROUTING that drop what comes in on the pod's veth from
+another MAC) is the same rule through ebtables (Debian's ebtables is nftables' own front end), on the tap.
 
-Every device name `ip` is given passes `_ip`, which checks it (launcher.spec.multus.bridge_name_problem:
+Every device name `ip` or `ebtables` is given passes `_tool`, which checks it (launcher.spec.multus.bridge_name_problem:
 IFNAMSIZ, no path or option syntax); a tap's name is made from the VM's uid (`tap_name`), so what a VM
 left is found by its uid alone: its taps go with it (`remove_taps`, from launcher.runtime.vmuser when
 the uid is given back, or taken again after a crash). A bridge stays, as the plugin's DEL leaves it:
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -70,6 +73,10 @@ def check(vmi: VMI, own_uid: bool, session: bool) -> None:
     if not own_uid:
         raise DiskkitError(f"{network.at}.multus", f"{what}: its taps belong to a VM's own uid, which a root launcher gives a VM on"
                                                    " its own session daemon or the system daemon, not on the daemon --connect names")
+    spoofchecked = next((iface.network for iface in nics if iface.network.spoofcheck), None)
+    if spoofchecked is not None and shutil.which("ebtables") is None:
+        raise DiskkitError(f"{NAD_KIND} {spoofchecked.nad} spec.config macspoofchk",
+                           "the check's rule is made with ebtables (Debian package ebtables), which is not installed")
     if session:
         try:
             mode = TUN.stat().st_mode & 0o777
@@ -87,19 +94,55 @@ def plan(vmi: VMI, uid: int) -> tuple[tuple[str, str, str], ...]:
     return tuple((iface.name, tap_name(uid, i), iface.mac or iface.network.mac or random_mac()) for i, iface in enumerate(bridge_nics(vmi)))
 
 
-def _ip(command: str, *names: str) -> str:
-    """`ip` with `command`'s {0}, {1}... the device `names`, each checked first: root makes, changes and
+def _tool(tool: str, command: str, *names: str) -> str:
+    """`tool` with `command`'s {0}, {1}... the device `names`, each checked first: root makes, changes and
     looks up no device whose name it did not check. Its output."""
     for name in names:
         problem = bridge_name_problem(name)
         if problem:
             raise DiskkitError(f"network device {name!r}", f"{problem}: not made")
-    argv = ["ip", *(word.format(*names) for word in command.split())]
+    argv = [tool, *(word.format(*names) for word in command.split())]
     done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         said = " ".join((done.stderr or done.stdout).split())[:300] or f"exit status {done.returncode}"
-        raise DiskkitError(f"ip {' '.join(argv[1:])}", said)
+        raise DiskkitError(f"{tool} {' '.join(argv[1:])}", said)
     return done.stdout
+
+
+def _ip(command: str, *names: str) -> str:
+    return _tool("ip", command, *names)
+
+
+_MAC = re.compile(r"[0-9a-f]{2}(:[0-9a-f]{2}){5}")
+SPOOFCHECK = "-t nat {} PREROUTING -i {{0}} -s ! {} -j DROP"
+
+
+def _prerouting() -> list[tuple[int, str]]:
+    """(rule number, the tap it drops frames of) of every spoof-check rule in the bridge nat table's
+    PREROUTING chain, as `ebtables -L` lists them ("-s ! MAC -i TAP -j DROP")."""
+    if shutil.which("ebtables") is None:
+        return []
+    listed = _tool("ebtables", "-t nat -L PREROUTING").splitlines()
+    header = next((i for i, line in enumerate(listed) if line.startswith("Bridge chain:")), len(listed))
+    rules = [line.split() for line in listed[header + 1:] if line.strip()]
+    return [(number, words[words.index("-i") + 1]) for number, words in enumerate(rules, 1)
+            if words[:2] == ["-s", "!"] and words[-2:] == ["-j", "DROP"] and "-i" in words[:-1]]
+
+
+def _add_spoofcheck(tap: str, mac: str) -> None:
+    if not _MAC.fullmatch(mac):
+        raise DiskkitError(f"interface MAC {mac!r}", "not a MAC address as the launcher writes them: no spoof check made")
+    _tool("ebtables", SPOOFCHECK.format("-A", mac), tap)
+
+
+def _drop_spoofchecks(taps) -> None:
+    """Every spoof-check rule on these taps (a device gone meanwhile leaves its rule: it is matched by
+    name), by its number, the listing read again after each."""
+    while True:
+        found = next((number for number, tap in _prerouting() if tap in taps), None)
+        if found is None:
+            return
+        _tool("ebtables", f"-t nat -D PREROUTING {found}")
 
 
 def _links(command: str = "-d -j link show", *names: str) -> dict[str, dict]:
@@ -177,13 +220,16 @@ def make(vmi: VMI, taps: tuple[tuple[str, str, str], ...], uid: int) -> list[str
     made: list[str] = []
     by_name = {iface.name: iface for iface in bridge_nics(vmi)}
     try:
-        for interface, tap, _ in taps:
+        for interface, tap, mac in taps:
             network = by_name[interface].network
             ensure_bridge(network)
             if _link(tap) is not None:
                 _remove_if_ours(tap, uid)
+            _drop_spoofchecks({tap})  # a killed run's
             _ip(f"tuntap add dev {{0}} mode tap user {uid} group {uid}", tap)
             made.append(tap)
+            if network.spoofcheck:  # before the tap joins the bridge: no frame of another MAC ever enters it
+                _add_spoofcheck(tap, mac)
             _ip(f"link set dev {{0}} mtu {network.mtu} master {{1}}", tap, network.bridge)
             flags = [f"hairpin {'on' if network.hairpin else 'off'}", f"isolated {'on' if network.isolated else 'off'}"]
             _ip("link set dev {0} type bridge_slave " + " ".join(flags), tap)
@@ -191,6 +237,7 @@ def make(vmi: VMI, taps: tuple[tuple[str, str, str], ...], uid: int) -> list[str
     except BaseException:
         for tap in made:
             _remove_if_ours(tap, uid)
+        _drop_spoofchecks(set(made))
         raise
     return made
 
@@ -210,11 +257,13 @@ def _remove_if_ours(name: str, uid: int) -> None:
 
 
 def remove_taps(uid: int) -> list[str]:
-    """Every tap of this VM uid's names that the uid owns: the taps its VM had (ended, or killed)."""
+    """Every tap of this VM uid's names that the uid owns, and their spoof-check rules: the taps its VM
+    had (ended, or killed)."""
     prefix = f"{TAP_PREFIX}{uid:x}n"
     removed: list[str] = []
     if shutil.which("ip") is None:
         return removed  # nor could any have been made
+    _drop_spoofchecks({tap for _, tap in _prerouting() if tap.startswith(prefix) and tap[len(prefix):].isdigit()})
     for name, link in _links().items():
         if name.startswith(prefix) and name[len(prefix):].isdigit() and _owner(link) == uid:
             try:

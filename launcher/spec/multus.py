@@ -16,9 +16,9 @@ cluster would stop it, in the words of what stops it:
 
 A bridge network is read as the plugin reads its config (containernetworking/plugins
 plugins/main/bridge/bridge.go NetConf, loadNetConf): `bridge` (default cni0), `mtu` (0: the veth's
-default, 1500), `hairpinMode`, `promiscMode`, `portIsolation`, and the MAC of `args.cni.mac` /
-`runtimeConfig.mac`. What the launcher does not do and what changes what the guest sees is refused in
-one line naming the field: `vlan` and `vlanTrunk`, `macspoofchk`, and `ipam` (KubeVirt hands the
+default, 1500), `hairpinMode`, `promiscMode`, `portIsolation`, `macspoofchk`, and the MAC of
+`args.cni.mac` / `runtimeConfig.mac`. What the launcher does not do and what changes what the guest
+sees is refused in one line naming the field: `vlan` and `vlanTrunk`, and `ipam` (KubeVirt hands the
 address an IPAM plugin gives the pod interface to the guest by DHCP, pkg/network/dhcp/bridge.go, and
 the launcher runs neither), with `isGateway`, `isDefaultGateway` and `ipMasq`, which need one.
 `disableContainerInterface` and `enabledad` concern the pod's side of the veth, which KubeVirt moves
@@ -48,7 +48,6 @@ _IFNAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 _REFUSED = {
     "vlan": "VLAN tagging on the bridge port",
     "vlanTrunk": "VLAN trunks on the bridge port",
-    "macspoofchk": "the MAC spoofing check (nftables rules)",
     "ipam": "an IPAM plugin's address, which KubeVirt hands the guest by DHCP",
     "isGateway": "the gateway address on the bridge, from an IPAM plugin",
     "isDefaultGateway": "the gateway address on the bridge, from an IPAM plugin",
@@ -69,6 +68,7 @@ class BridgeNetwork:
     isolated: bool = False  # portIsolation
     mac: str | None = None  # args.cni.mac or runtimeConfig.mac: the pod interface's MAC, so the guest's
     mtu_set: bool = False  # the config names an MTU: a bridge the launcher makes gets it too
+    spoofcheck: bool = False  # macspoofchk: only frames from the guest's MAC enter the bridge
     primary: bool = False  # multus.default: the pod's eth0, not a secondary network
 
 
@@ -151,7 +151,7 @@ def _bridge_config(plugin: dict, where: str, at: str) -> BridgeNetwork:
     if 0 < mtu < 68:
         raise SpecError(f"{cat} mtu", f"{mtu} is below IPv4's minimum of 68")
     flags = {}
-    for key in ("hairpinMode", "promiscMode", "portIsolation"):
+    for key in ("hairpinMode", "promiscMode", "portIsolation", "macspoofchk"):
         value = plugin.get(key, False)
         if not isinstance(value, bool):
             raise SpecError(f"{cat} {key}", "must be true or false")
@@ -164,7 +164,7 @@ def _bridge_config(plugin: dict, where: str, at: str) -> BridgeNetwork:
         if isinstance(node, str) and node:
             mac = node
     return BridgeNetwork(f"{where.removeprefix(NAD_KIND + ' ')}", at, name, mtu or DEFAULT_MTU, flags["hairpinMode"],
-                         flags["promiscMode"], flags["portIsolation"], mac, bool(mtu))
+                         flags["promiscMode"], flags["portIsolation"], mac, bool(mtu), flags["macspoofchk"])
 
 
 def resolve(nat: str, doc: dict, iat: str, iface: dict, namespace: str, objects: NADSource | None) -> BridgeNetwork:
