@@ -109,8 +109,8 @@ class Embedded:
 @pytest.fixture(scope="module")
 def embedded(qemu_user, guest_image):
     """The file's one boot: a root launcher with no system daemon, in a network namespace of the test's
-    own, the guest on the Multus bridge network `lan` (br77, which the test made: an admin's bridge)
-    with the spec's MAC. Its disks' serials ask the test guest (images/testguest/init) to fetch the
+    own, the guest on the Multus bridge network `lan` (br77, which the test made: an admin's bridge;
+    macspoofchk on) with the spec's MAC. Its disks' serials ask the test guest (images/testguest/init) to fetch the
     page on the bridge's address (reach-C0A84D01-8080) and to try the loopback's port through the
     bridge (probe-8081)."""
     assert os.geteuid() == 0, "this test is about a root launcher"
@@ -133,7 +133,7 @@ def embedded(qemu_user, guest_image):
         manifests.mkdir()
         (manifests / "nad.yaml").write_text(yaml.safe_dump({
             "apiVersion": "k8s.cni.cncf.io/v1", "kind": "NetworkAttachmentDefinition", "metadata": {"name": "lan"},
-            "spec": {"config": json.dumps({"cniVersion": "0.3.1", "name": "lan", "type": "bridge", "bridge": BRIDGE})}}))
+            "spec": {"config": json.dumps({"cniVersion": "0.3.1", "name": "lan", "type": "bridge", "bridge": BRIDGE, "macspoofchk": True})}}))
         # Pulled on the host's network (the registry is on its loopback); the run in the namespace finds it cached.
         pulled = root_launcher(cache, "pull", NOREG, guest_image)
         assert pulled.returncode == 0, pulled.stderr
@@ -173,6 +173,7 @@ def test_the_guest_on_a_bridge_network_has_the_specs_mac_and_reaches_the_bridge_
     tap = json.loads((embedded.cache / "vms" / "default_embedded.json").read_text())["bridgeTaps"][0]["tap"]
     link = embedded.netns.links()[tap]
     assert link["master"] == BRIDGE and link["linkinfo"]["info_data"]["user"] == vm_uid(embedded.cache, "default_embedded")
+    assert f"-s ! {GUEST_MAC} -i {tap} -j DROP" in embedded.netns.run("ebtables", "-t", "nat", "-L", "PREROUTING").stdout
 
 
 def test_root_with_no_system_daemon_boots_attaches_follows_and_stops(embedded, guest_image):
@@ -236,6 +237,7 @@ def test_root_with_no_system_daemon_boots_attaches_follows_and_stops(embedded, g
     # and its tap with it; the bridge stays, as the bridge CNI plugin's DEL leaves it
     links = ns.links()
     assert not [name for name in links if name.startswith("dk")] and BRIDGE in links, list(links)
+    assert "-i dk" not in ns.run("ebtables", "-t", "nat", "-L", "PREROUTING").stdout  # nor its spoof check
     again = root_launcher_("stop", "embedded")
     assert (again.returncode, again.stdout.strip()) == (0, "VM embedded is not running"), again.stderr
     assert not (cache / "run" / "default_embedded").exists()
