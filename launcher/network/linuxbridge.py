@@ -223,9 +223,9 @@ def make(vmi: VMI, taps: tuple[tuple[str, str, str], ...], uid: int) -> list[str
         for interface, tap, mac in taps:
             network = by_name[interface].network
             ensure_bridge(network)
+            _drop_spoofchecks({tap})  # a killed run's
             if _link(tap) is not None:
                 _remove_if_ours(tap, uid)
-            _drop_spoofchecks({tap})  # a killed run's
             _ip(f"tuntap add dev {{0}} mode tap user {uid} group {uid}", tap)
             made.append(tap)
             if network.spoofcheck:  # before the tap joins the bridge: no frame of another MAC ever enters it
@@ -235,9 +235,9 @@ def make(vmi: VMI, taps: tuple[tuple[str, str, str], ...], uid: int) -> list[str
             _ip("link set dev {0} type bridge_slave " + " ".join(flags), tap)
             _ip("link set dev {0} up", tap)
     except BaseException:
+        _drop_spoofchecks(set(made))
         for tap in made:
             _remove_if_ours(tap, uid)
-        _drop_spoofchecks(set(made))
         raise
     return made
 
