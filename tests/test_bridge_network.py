@@ -306,6 +306,16 @@ def received():
     shown = subprocess.run(["ip", "-s", "-j", "link", "show", "dev", bridge], capture_output=True, text=True, check=True).stdout
     return json.loads(shown)[0]["stats64"]["rx"]["packets"]
 
+def port_state():
+    shown = subprocess.run(["ip", "-d", "-j", "link", "show", "dev", tap], capture_output=True, text=True, check=True).stdout
+    return json.loads(shown)[0]["linkinfo"]["info_slave_data"]["state"]
+
+# The bridge learns of the tap's carrier (qemu's, here this process's, open file) through the kernel's
+# link watch, a moment later: frames before its port forwards are dropped whatever their MAC.
+for _ in range(200):
+    if port_state() == "forwarding":
+        break
+    select.select([], [], [], 0.05)
 before = received()
 for mac in sys.argv[3:]:
     for _ in range(3):  # broadcasts from `mac`, which the bridge passes up to itself
