@@ -202,13 +202,14 @@ except Exception as exc:
 MAKE = """
 import json, sys
 from launcher.network import linuxbridge
+from launcher.render.domain import network_queues
 from launcher.spec.k8s import Objects
 from launcher.spec.vmi import parse_vmi
 vmi = parse_vmi(json.loads(sys.argv[1]), objects=Objects(json.loads(sys.argv[2])))
 uid = int(sys.argv[3])
 try:
     taps = linuxbridge.plan(vmi, uid)
-    print(json.dumps({"made": linuxbridge.make(vmi, taps, uid)}))
+    print(json.dumps({"made": linuxbridge.make(vmi, taps, uid, network_queues(vmi))}))
 except Exception as exc:
     print(json.dumps({"refused": str(exc)}))
 """
@@ -259,6 +260,20 @@ def test_the_bridge_is_made_and_each_tap_is_the_vms_uids_on_it_until_the_uid_is_
     assert sorted(json.loads(removed.stdout)) == taps, removed.stderr
     left = netns.links()
     assert not set(taps) & set(left) and f"dk{OTHER_UID:x}n0" in left and "br-made" in left
+
+
+def test_multiqueue_gives_a_virtio_nics_tap_a_queue_per_vcpu(netns):
+    """network/virtio-queues.go NetworkQueuesCapacity: with networkInterfaceMultiqueue, a virtio NIC has a
+    queue per vCPU (converter/network/configurator.go newVirtioDriver), which a tap made without
+    IFF_MULTI_QUEUE refuses libvirt (netpod.go gives KubeVirt's tap the queues); an e1000 has one."""
+    doc = vmi({"name": "a", "bridge": {}}, {"name": "b", "bridge": {}, "model": "e1000"})
+    doc["spec"]["domain"]["devices"]["networkInterfaceMultiqueue"] = True
+    doc["spec"]["domain"]["cpu"] = {"cores": 2}
+    [a, b] = interfaces_of(render(parsed(doc), {}, Host()))
+    assert a.find("driver").attrib == {"name": "vhost", "queues": "2"} and b.find("driver") is None
+    assert make_in(netns, doc, BRIDGE) == {"made": [f"dk{VM_UID:x}n0", f"dk{VM_UID:x}n1"]}
+    links = netns.links()
+    assert [links[f"dk{VM_UID:x}n{i}"]["linkinfo"]["info_data"]["multi_queue"] for i in (0, 1)] == [True, False]
 
 
 def test_a_tap_a_killed_vm_left_is_replaced_and_a_device_of_its_name_it_does_not_own_is_left_alone(netns):

@@ -214,9 +214,11 @@ def ensure_bridge(network) -> bool:
     return made
 
 
-def make(vmi: VMI, taps: tuple[tuple[str, str, str], ...], uid: int) -> list[str]:
+def make(vmi: VMI, taps: tuple[tuple[str, str, str], ...], uid: int, queues: int = 0) -> list[str]:
     """Each bridge NIC's bridge and tap (the VM's uid's and gid's, on the bridge, up); the taps made.
-    A tap of the name already there is what a VM of this uid left: replaced."""
+    A tap of the name already there is what a VM of this uid left: replaced. `queues`: the domain's
+    (launcher.render.domain.network_queues); libvirt opens a virtio NIC's tap once per queue, which the
+    kernel allows a multiqueue tap alone, as KubeVirt makes it (netpod.go networkQueues)."""
     made: list[str] = []
     by_name = {iface.name: iface for iface in bridge_nics(vmi)}
     try:
@@ -226,7 +228,8 @@ def make(vmi: VMI, taps: tuple[tuple[str, str, str], ...], uid: int) -> list[str
             _drop_spoofchecks({tap})  # a killed run's
             if _link(tap) is not None:
                 _remove_if_ours(tap, uid)
-            _ip(f"tuntap add dev {{0}} mode tap user {uid} group {uid}", tap)
+            multi = " multi_queue" if queues > 1 and by_name[interface].model == "virtio" else ""
+            _ip(f"tuntap add dev {{0}} mode tap user {uid} group {uid}{multi}", tap)
             made.append(tap)
             if network.spoofcheck:  # before the tap joins the bridge: no frame of another MAC ever enters it
                 _add_spoofcheck(tap, mac)

@@ -510,13 +510,14 @@ def notes(vmi: VMI, host: Host) -> tuple[str, ...]:
 MAX_NETWORK_QUEUES = 256
 
 
-def _network_queues(vmi: VMI) -> int:
+def network_queues(vmi: VMI) -> int:
     """NetworkQueuesCapacity: a queue per vCPU with networkInterfaceMultiqueue. The launcher's pod
-    network is a stream socket to the VM's pod switch (launcher.network), which carries one queue."""
+    network is a stream socket to the VM's pod switch (launcher.network), which carries one queue; a
+    Multus bridge network's tap has as many as the NIC (launcher.network.linuxbridge makes it so)."""
     if not vmi.domain.devices.network_multiqueue:
         return 0
     queues = min(vmi.domain.vcpus, MAX_NETWORK_QUEUES)
-    if queues > 1 and any(i.model == "virtio" for i in vmi.domain.devices.interfaces):
+    if queues > 1 and any(i.model == "virtio" and i.on_pod_network for i in vmi.domain.devices.interfaces):
         raise SpecError("spec.domain.devices.networkInterfaceMultiqueue",
                         f"{queues} queues (one per vCPU) are not supported by the launcher's pod network,"
                         " a stream socket to the VM's pod switch (one queue); leave it out or give the VM one vCPU")
@@ -557,7 +558,7 @@ def render(vmi: VMI, disks: dict[str, ResolvedDisk], host: Host) -> str:
     _disks(vmi, disks, devices, host.dac and host.dac_label is None)
     _filesystems(vmi, host, devices)
     model = "virtio-transitional" if vmi.domain.devices.use_virtio_transitional else "virtio-non-transitional"
-    queues = _network_queues(vmi)
+    queues = network_queues(vmi)
     taps = {name: (device, mac) for name, device, mac in host.taps}
     for iface in vmi.domain.devices.interfaces:
         interfaces.render(iface, model, devices, queues, taps.get(iface.name))

@@ -27,7 +27,7 @@ from launcher.network import backend as network
 from launcher.network import linuxbridge
 from launcher.node import pins
 from launcher.node.cache import QEMU_ID, Cache
-from launcher.render.domain import Host, notes, read_only_volumes, render, secret_xml
+from launcher.render.domain import Host, network_queues, notes, read_only_volumes, render, secret_xml
 from launcher.render.interfaces import socket_path
 from launcher.runtime import accel, credsync, diskfds, guestagent, hooks, hostcpus, rundir, sessiond, swtpm, virtiofs, vmuser
 from launcher.runtime.conditions import Paused, paused_condition
@@ -284,7 +284,7 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
             for note in prepared.notes:
                 say(f"note: {note}")
             if taps:
-                linuxbridge.make(vmi, taps, vm_ids[0])  # recorded first: a stop or the uid's next VM removes them
+                linuxbridge.make(vmi, taps, vm_ids[0], network_queues(vmi))  # recorded first: a stop or the uid's next VM removes them
             if own:
                 lv = _own_libvirt(sessiond.start(allocation.user), allocation.user)
             for source, value in prepared.secrets:
