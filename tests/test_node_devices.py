@@ -59,9 +59,9 @@ def test_ignore_unsupported_does_not_drop_a_device_the_node_lacks():
     # a conflist: the first plugin Multus would run
     ('{"cniVersion": "1.0.0", "name": "n", "plugins": [{"type": "macvlan"}, {"type": "tuning"}]}',
      'spec.networks[0].multus: failed to find plugin "macvlan" in path [/opt/cni/bin]'),
-    ('{"cniVersion": "1.0.0", "name": "n", "plugins": [{"type": "bridge", "bridge": "br0"}, {"type": "tuning"}]}',
-     "spec.networks[0].multus: NetworkAttachmentDefinition ns/net is a bridge CNI network: it needs root and a Linux bridge"
-     " on the node, which the launcher does not set up yet: not supported by the launcher"),
+    # the bridge plugin first: the launcher's own (launcher.network.linuxbridge), but for what it does not do
+    ('{"cniVersion": "1.0.0", "name": "n", "plugins": [{"type": "bridge", "bridge": "br0", "vlan": 100}, {"type": "tuning"}]}',
+     "NetworkAttachmentDefinition ns/net spec.config vlan: VLAN tagging on the bridge port: not supported by the launcher"),
     (None, "NetworkAttachmentDefinition ns/net spec.config: empty: Multus would read the network's config from the node's"
            " CNI directory, which the launcher has none of"),
     ("{not json", "NetworkAttachmentDefinition ns/net spec.config: not a CNI JSON config: Expecting property name enclosed"

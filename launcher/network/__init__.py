@@ -3,4 +3,5 @@
 pod switch (switch) sits between qemu and the user-mode stacks (passt) and judges every frame the guest
 sends (guard), so that no guest reaches the host's loopback or another VM's forwards; backend starts
 and stops the switches, forward is `launcher port-forward`'s side. The device XML is launcher.render's.
-It never touches the host's bridges, taps or firewall."""
+The pod network never touches the host's bridges, taps or firewall; a Multus bridge network is, by the
+user's choice, a Linux bridge of the host's, where linuxbridge (root) puts each NIC's tap."""

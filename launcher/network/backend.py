@@ -40,18 +40,25 @@ ANSWER_LIMIT = 4096
 
 def check(vmi: VMI) -> None:
     """Refuse before anything is pulled: a pod network with no passt to serve it."""
-    if vmi.domain.devices.interfaces and shutil.which("passt") is None:
-        first = vmi.domain.devices.interfaces[0]
+    pod_nics = _pod_nics(vmi)
+    if pod_nics and shutil.which("passt") is None:
+        first = pod_nics[0]
         at = "spec.domain.devices.interfaces" if first.index < 0 else f"spec.domain.devices.interfaces[{first.index}]"
         raise DiskkitError(at, f"interface {first.name} on the pod network needs passt (Debian package passt)")
 
 
 def plan(vmi: VMI, publish_address: str | None = None) -> list[Plan]:
     """Each NIC's plan on this host's network, refusals included (see launcher.network.bindings)."""
-    if not vmi.domain.devices.interfaces:
+    pod_nics = _pod_nics(vmi)
+    if not pod_nics:
         return []
     here = pod.read()
-    return [bindings.plan(iface, here, publish_address) for iface in vmi.domain.devices.interfaces]
+    return [bindings.plan(iface, here, publish_address) for iface in pod_nics]
+
+
+def _pod_nics(vmi: VMI) -> list:
+    """The NICs on the pod network (a Multus bridge network's are launcher.network.linuxbridge's)."""
+    return [iface for iface in vmi.domain.devices.interfaces if iface.on_pod_network]
 
 
 @dataclass

@@ -68,6 +68,9 @@ class Host:
     virtiofs_sockets: tuple[tuple[str, str], ...] = ()
     # where the caller's pod switch listens for each NIC (launcher.render.interfaces.socket_path)
     net_dir: str = "/run/launcher/net"
+    # (interface, tap device, MAC) of each Multus bridge network's NIC, as the caller made them
+    # (launcher.network.linuxbridge); a NIC not here renders with KubeVirt's in-pod tap name
+    taps: tuple[tuple[str, str, str], ...] = ()
     # A system daemon's DAC driver would chown files for qemu, and a root launcher gives claim files to
     # qemu itself: their sources say relabel='no'. A session daemon has no DAC driver (it refuses the
     # seclabel), and an unprivileged launcher on the system daemon leaves the chown to libvirt.
@@ -507,13 +510,14 @@ def notes(vmi: VMI, host: Host) -> tuple[str, ...]:
 MAX_NETWORK_QUEUES = 256
 
 
-def _network_queues(vmi: VMI) -> int:
+def network_queues(vmi: VMI) -> int:
     """NetworkQueuesCapacity: a queue per vCPU with networkInterfaceMultiqueue. The launcher's pod
-    network is a stream socket to the VM's pod switch (launcher.network), which carries one queue."""
+    network is a stream socket to the VM's pod switch (launcher.network), which carries one queue; a
+    Multus bridge network's tap has as many as the NIC (launcher.network.linuxbridge makes it so)."""
     if not vmi.domain.devices.network_multiqueue:
         return 0
     queues = min(vmi.domain.vcpus, MAX_NETWORK_QUEUES)
-    if queues > 1 and any(i.model == "virtio" for i in vmi.domain.devices.interfaces):
+    if queues > 1 and any(i.model == "virtio" and i.on_pod_network for i in vmi.domain.devices.interfaces):
         raise SpecError("spec.domain.devices.networkInterfaceMultiqueue",
                         f"{queues} queues (one per vCPU) are not supported by the launcher's pod network,"
                         " a stream socket to the VM's pod switch (one queue); leave it out or give the VM one vCPU")
@@ -554,9 +558,10 @@ def render(vmi: VMI, disks: dict[str, ResolvedDisk], host: Host) -> str:
     _disks(vmi, disks, devices, host.dac and host.dac_label is None)
     _filesystems(vmi, host, devices)
     model = "virtio-transitional" if vmi.domain.devices.use_virtio_transitional else "virtio-non-transitional"
-    queues = _network_queues(vmi)
+    queues = network_queues(vmi)
+    taps = {name: (device, mac) for name, device, mac in host.taps}
     for iface in vmi.domain.devices.interfaces:
-        interfaces.render(iface, model, devices, queues)
+        interfaces.render(iface, model, devices, queues, taps.get(iface.name))
     disks = vmi.domain.devices.disks
     # model none keeps libvirt from adding a USB controller nobody asked for (compute/controllers.go)
     ET.SubElement(devices, "controller", type="usb", index="0", model="qemu-xhci" if compute.usb_needed(vmi) else "none")
@@ -588,7 +593,8 @@ def render(vmi: VMI, disks: dict[str, ResolvedDisk], host: Host) -> str:
         _text(rng, "backend", "/dev/urandom", model="random")
     if vmi.domain.devices.tpm is not None:
         _tpm(devices, vmi.domain.devices.tpm.persistent, host.tpm_socket)
-    interfaces.backends(domain, [(iface, interfaces.socket_path(host.net_dir, i)) for i, iface in enumerate(vmi.domain.devices.interfaces)])
+    pod_nics = [iface for iface in vmi.domain.devices.interfaces if iface.on_pod_network]
+    interfaces.backends(domain, [(iface, interfaces.socket_path(host.net_dir, i)) for i, iface in enumerate(pod_nics)])
 
     if host.dac_label is not None:
         # libvirt's static DAC label ("+UID:+GID": ids, never names): the process's ids; relabel='no'

@@ -10,10 +10,21 @@ user-mode interface, which libvirt places and boots as any NIC, and two elements
 namespace take it off qemu's own stack: qemu:commandline adds the stream netdev, qemu:override points
 the device at it. The user-mode netdev libvirt still adds is left with no device (qemu says "netdev
 ... has no peer"): no frame reaches it, and it never opens a socket.
+
+A Multus bridge network's NIC is KubeVirt's bridge binding on a secondary network
+(converter/network/configurator.go tapBindingOptions, pkg/network/domainspec/generators.go
+TapLibvirtSpecGenerator): libvirt's `ethernet` interface on a tap made beforehand, `managed='no'`
+(libvirt only opens it, as an unprivileged daemon may: the tap is the VM's uid's), with the pod
+interface's MTU and MAC (the spec's, else the pod interface's, which here is the one the launcher
+gives: launcher.network.linuxbridge). In the pod the tap is `tap` and the pod interface's hash
+(pkg/network/link/names.go GenerateTapDeviceName, namescheme GenerateHashedInterfaceName); on a node
+it must be unique among every VM's, so the launcher names it, and `launcher domain`, which makes no
+tap, shows KubeVirt's name.
 """
 
 from __future__ import annotations
 
+import hashlib
 import xml.etree.ElementTree as ET
 
 from launcher.spec.network import Interface
@@ -40,11 +51,32 @@ def netdev(iface: Interface, socket_path: str) -> str:
     return f"stream,id={netdev_id(iface)},server=off,addr.type=unix,addr.path={socket_path.replace(',', ',,')}"
 
 
-def render(iface: Interface, virtio_model: str, devices: ET.Element, queues: int = 0) -> None:
-    """`queues`: network/virtio-queues.go NetworkQueuesCapacity, 0 without networkInterfaceMultiqueue."""
-    element = ET.SubElement(devices, "interface", type="user")
-    if iface.mac:
-        ET.SubElement(element, "mac", address=iface.mac)
+def pod_tap_name(iface: Interface) -> str:
+    """The tap KubeVirt makes in the pod for a secondary network's NIC: `tap` and the hashed pod
+    interface name without its `pod` prefix (namescheme.go: sha256 of the network's name, 11 hex digits);
+    tap0 for the Multus default network's, whose pod interface is eth0."""
+    if iface.network is not None and iface.network.primary:
+        return "tap0"
+    return "tap" + hashlib.sha256(iface.name.encode()).hexdigest()[:11]
+
+
+def render(iface: Interface, virtio_model: str, devices: ET.Element, queues: int = 0,
+           tap: tuple[str, str | None] | None = None) -> None:
+    """`queues`: network/virtio-queues.go NetworkQueuesCapacity, 0 without networkInterfaceMultiqueue;
+    `tap`: (device, MAC) the launcher made for a bridge network's NIC (None: KubeVirt's in-pod name, no MAC
+    unless the spec or the NAD gives one)."""
+    if iface.network is None:
+        element = ET.SubElement(devices, "interface", type="user")
+        mac = iface.mac
+    else:
+        element = ET.SubElement(devices, "interface", type="ethernet")
+        device, made_mac = tap if tap is not None else (pod_tap_name(iface), None)
+        mac = iface.mac or iface.network.mac or made_mac
+    if mac:
+        ET.SubElement(element, "mac", address=mac)
+    if iface.network is not None:
+        ET.SubElement(element, "target", dev=device, managed="no")
+        ET.SubElement(element, "mtu", size=str(iface.network.mtu))
     ET.SubElement(element, "model", type=virtio_model if iface.model == "virtio" else iface.model)
     if iface.model == "virtio" and queues:
         ET.SubElement(element, "driver", name="vhost", queues=str(queues))  # configurator.go newVirtioDriver
@@ -62,7 +94,7 @@ def render(iface: Interface, virtio_model: str, devices: ET.Element, queues: int
 
 
 def backends(domain: ET.Element, nics: list[tuple[Interface, str]]) -> None:
-    """The stream netdev of each (interface, switch socket) and the device pointed at it."""
+    """The stream netdev of each pod-network (interface, switch socket) and the device pointed at it."""
     if not nics:
         return
     commandline = ET.SubElement(domain, f"{{{QEMU_NS}}}commandline")

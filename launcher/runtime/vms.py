@@ -24,9 +24,10 @@ from diskkit.streams.fsutil import write_atomic
 from launcher.diskserver.client import last_failure
 from launcher.diskserver.qemuid import is_system_uri
 from launcher.network import backend as network
+from launcher.network import linuxbridge
 from launcher.node import pins
 from launcher.node.cache import QEMU_ID, Cache
-from launcher.render.domain import Host, notes, read_only_volumes, render, secret_xml
+from launcher.render.domain import Host, network_queues, notes, read_only_volumes, render, secret_xml
 from launcher.render.interfaces import socket_path
 from launcher.runtime import accel, credsync, diskfds, guestagent, hooks, hostcpus, rundir, sessiond, swtpm, virtiofs, vmuser
 from launcher.runtime.conditions import Paused, paused_condition
@@ -137,13 +138,14 @@ def _own_libvirt(uri: str, user: VmUser) -> Libvirt:
 
 def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, say: Callable[[str], None], qemu: tuple[int, int] = KUBEVIRT_QEMU,
          dac: bool = False, qemu_uid: int | None = None, qemu_cannot_open: str | None = None, by_fd: bool = False,
-         dac_label: tuple[int, int] | None = None, system_daemon: bool = False):
+         dac_label: tuple[int, int] | None = None, system_daemon: bool = False, taps: tuple[tuple[str, str, str], ...] = ()):
     """Pull what the VMI needs, choose the accelerator (said in one line) and render the domain:
     (prepared volumes, domain XML, accelerator, handed files). With `create`, the overlays are made too
     (and what qemu opens in claims is given to `qemu`); `qemu_cannot_open`: see accel.choose. With
     `by_fd` (a root launcher's run) every disk and kernel from outside the run directory reaches qemu
     as an open file or a copy of its own (launcher.runtime.diskfds): the fourth value holds the open
-    files, for the domain's start. `system_daemon`: libvirt's system daemon runs it."""
+    files, for the domain's start. `system_daemon`: libvirt's system daemon runs it. `taps`: each Multus
+    bridge NIC's tap and MAC (launcher.network.linuxbridge.plan)."""
     run_dir = cache.run_dir(vmi.domain_name)
     prepared = prepare(vmi, cache, run_dir, opts.registry, opts.platform, create=create, store=opts.storage, lazy=opts.lazy,
                        qemu=qemu, qemu_uid=qemu_uid, pins=pins.load(cache, vmi.domain_name) if vmi.from_vm and opts.pinned else None,
@@ -162,6 +164,7 @@ def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, say: Callable[[
             initrd=handed.initrd,
             virtiofs_sockets=virtiofs.sockets(vmi, run_dir),
             net_dir=str(rundir.sockets_dir(run_dir, network.NET_DIR, network.LONGEST_SOCKET)),
+            taps=taps,
             dac=dac,
             dac_label=dac_label,
             # A system daemon labels a socket it is given as root, by path, in a directory qemu's user
@@ -227,6 +230,8 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
             vm_ids = allocation.user.ids if allocation is not None else owner
             virtiofs.check_runnable(vmi)
             network.check(vmi)
+            linuxbridge.check(vmi, allocation is not None, session=own)
+            taps = linuxbridge.plan(vmi, vm_ids[0]) if allocation is not None else ()
             nics = network.plan(vmi, opts.publish_address)
             admit(vmi, opts.storage or Storage())
             from launcher.datavolumes.control import ensure_ready
@@ -244,7 +249,7 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
                                                      dac=os.geteuid() == 0 and is_system_uri(uri), qemu_uid=qemu_uid,
                                                      qemu_cannot_open=f"qemu's user (uid {qemu_uid}) on {uri}" if tcg else None,
                                                      by_fd=os.geteuid() == 0, dac_label=vm_ids if labelled else None,
-                                                     system_daemon=is_system_uri(uri))
+                                                     system_daemon=is_system_uri(uri), taps=taps)
                 storage = opts.storage or Storage()
                 # Before anything of the VM's uid runs: the hook runs as that uid, and nothing it starts outlives it.
                 xml = hooks.on_define_domain(sidecars(vmi.annotations, storage.gates, vmi.from_vm), vmi, xml, storage.objects,
@@ -277,6 +282,8 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
                     "virtiofsd": daemons,
                     # each NIC's pod switch: what `launcher port-forward` asks for forwards, what stop ends
                     "network": nets.entries,
+                    # each Multus bridge NIC's tap, which goes with the VM's uid (launcher.network.linuxbridge)
+                    "bridgeTaps": [{"interface": interface, "tap": tap, "mac": mac} for interface, tap, mac in taps],
                     "livenessProbe": vmi.liveness_probe,  # what `launcher pause` checks, as virt-api does
                     "gracePeriod": grace_period_of(vmi, opts),  # what `launcher stop` gives the guest
                     "accel": chosen.to_json(),
@@ -291,6 +298,8 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
                 cache.write_json(cache.vm_record_path(name), record)
             for note in prepared.notes:
                 say(f"note: {note}")
+            if taps:
+                linuxbridge.make(vmi, taps, vm_ids[0], network_queues(vmi))  # recorded first: a stop or the uid's next VM removes them
             if own:
                 lv = _own_libvirt(sessiond.start(allocation.user), allocation.user)
             for source, value in prepared.secrets:

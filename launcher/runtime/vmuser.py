@@ -40,6 +40,7 @@ from typing import Iterator
 from diskkit.errors import DiskkitError
 from launcher.diskserver.client import forget
 from launcher.hostfs.dirfd import DIR_NOFOLLOW
+from launcher.network.linuxbridge import remove_taps
 from launcher.node.cache import QEMU_ID
 
 BLOCK = 1 << 16  # the kubelet's user namespace length
@@ -252,12 +253,13 @@ def give_home(user: VmUser) -> None:
 
 
 def _clear(uid: int) -> None:
-    """What a VM that had the slot left: what its cache's disk server granted its uid, its HOME and its
-    lease. Nothing runs as its uid any more, so nothing can change the tree while it goes (rmtree
+    """What a VM that had the slot left: what its cache's disk server granted its uid, its taps, its HOME
+    and its lease. Nothing runs as its uid any more, so nothing can change the tree while it goes (rmtree
     follows no link)."""
     cache = _read_lease(uid).get("cache")
     if isinstance(cache, str) and cache.startswith("/"):
         forget(Path(cache), uid)
+    remove_taps(uid)  # a bridge network's, in this network namespace (launcher.network.linuxbridge)
     home = VMS_DIR / str(uid)
     if os.path.lexists(home):
         if stat.S_ISDIR(os.lstat(home).st_mode):

@@ -28,7 +28,8 @@ UNLESS_FALSE = "unsupported unless false"
 # words first where KubeVirt refuses it too: its gates and admitters); accepted where it asks nothing.
 JUDGED = "judged"
 # What a node gives from its device plugins, DRA drivers and CNI plugins: this node has none, so they
-# are refused as a cluster stops a VM its nodes cannot serve (launcher.spec.hostdevices, .multus).
+# are refused as a cluster stops a VM its nodes cannot serve (launcher.spec.hostdevices, .multus; but a
+# Multus bridge network, which a root launcher makes itself: JUDGED).
 NODE_LACKS = "node lacks"
 
 
@@ -98,7 +99,7 @@ INTERFACE = {
     "acpiIndex": UNSUPPORTED,
 }
 NETWORK = {"name": HANDLED, "pod": {"vmNetworkCIDR": HANDLED, "vmIPv6NetworkCIDR": HANDLED},
-           "multus": NODE_LACKS, "resourceClaim": HANDLED}
+           "multus": JUDGED, "resourceClaim": HANDLED}
 DEVICES = {
     "disks": ListOf(DISK),
     "useVirtioTransitional": HANDLED, "disableHotplug": HANDLED, "autoattachSerialConsole": HANDLED,

@@ -1,8 +1,11 @@
 """spec.networks and spec.domain.devices.interfaces: KubeVirt's defaulting and admission (pure).
 
-Only the pod network exists here; what each of its bindings (masquerade, bridge, the passt binding
+The pod network exists here; what each of its bindings (masquerade, bridge, the passt binding
 plugin) gives the guest is launcher.network's. Multus networks and SR-IOV interfaces are admitted as
-KubeVirt admits them, then refused where a node without them stops them (launcher.spec.multus).
+KubeVirt admits them, then refused where a node without them stops them (launcher.spec.multus), but
+for a bridge CNI network with KubeVirt's bridge binding: its NIC is an Interface with `network` set,
+in its place among the others (the guest's PCI order is the spec's), and launcher.network.linuxbridge
+puts it on the node's Linux bridge.
 
 Defaulting follows pkg/network/vmispec/defaults.go SetDefaultNetworkInterface with KubeVirt's default
 cluster config (pkg/virt-config/virt-config.go DefaultNetworkInterface "bridge",
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from launcher.spec import multus
 from launcher.spec.fields import as_list, as_map, field_error, get_bool, get_str
@@ -60,6 +63,11 @@ class Interface:
     ports: tuple[Port, ...] = ()
     link_down: bool = False  # state: down (admit.go InterfaceStateLinkDown)
     cidr6: str = DEFAULT_CIDR6  # the pod network's vmIPv6NetworkCIDR
+    network: multus.BridgeNetwork | None = None  # a Multus bridge network's NIC; None: the pod network's
+
+    @property
+    def on_pod_network(self) -> bool:
+        return self.network is None
 
 
 def _mac(value: str) -> str | None:
@@ -265,12 +273,28 @@ def parse_interfaces(spec: dict, devices: dict, root: str, disk_boot_orders: fro
         if names[i] in pods:
             _, cidr, cidr6 = pods[names[i]]
             interfaces.append(Interface(names[i], i, bindings[i], cidr, model, normal, pci, boot, ports, state == "down", cidr6))
+        else:
+            interfaces.append(Interface(names[i], i, bindings[i], model=model, mac=normal, pci_address=pci, boot_order=boot,
+                                        ports=ports, link_down=state == "down"))
+    secondary = {}
     for i, name in enumerate(names):  # KubeVirt's checks all passed: what the node cannot give
         if name in others:
             kind, nat, doc = others[name]
             if kind != "multus":
                 raise field_error(f"{nat}.{kind}", f"{kind} networks need a cluster's DRA network driver: not supported by the launcher")
-            multus.refuse(nat, doc, f"{iat}[{i}]", docs[i], namespace, objects)
+            network = multus.resolve(nat, doc, f"{iat}[{i}]", docs[i], namespace, objects)
+            if bindings[i] != "bridge":
+                raise field_error(f"{iat}[{i}].{'binding' if bindings[i] in PLUGINS else bindings[i]}",
+                                  f"interface {name} is on {network.nad}, a bridge CNI network: the launcher gives it the bridge binding alone")
+            if network.mac is not None and _mac(network.mac) is None:
+                # bridge.go setupVeth: net.ParseMAC fails the pod's start
+                raise field_error(f"{multus.NAD_KIND} {network.nad} spec.config", f"invalid MAC address {network.mac}")
+            if network.mac is not None:
+                network = replace(network, mac=_mac(network.mac))
+            # converter/network/configurator.go: an absent interface is no device of the domain
+            if get_str(docs[i], "state", f"{iat}[{i}]") != "absent":
+                secondary[name] = network
         elif bindings[i] == "sriov":  # on the pod network: the pod's network status lists no VF
             raise field_error(f"{iat}[{i}].sriov", "found no SR-IOV networks to PCI-Address mapping")
-    return tuple(interfaces)
+    return tuple(iface if iface.name in pods else replace(iface, network=secondary[iface.name])
+                 for iface in interfaces if iface.name in pods or iface.name in secondary)

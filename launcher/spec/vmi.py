@@ -332,7 +332,7 @@ class Devices:
     filesystems: tuple[Filesystem, ...] = ()
     rng: bool = False  # devices.rng: {} gives the guest a virtio RNG fed by the host's /dev/urandom
     tpm: TPM | None = None  # pkg/tpm HasDevice: given and not disabled
-    interfaces: tuple[Interface, ...] = ()  # launcher.spec.network: the pod network's NICs, defaulted
+    interfaces: tuple[Interface, ...] = ()  # launcher.spec.network: the NICs, defaulted (pod and Multus bridge networks)
     autoattach_graphics: bool = True  # the VNC display and its video card
     autoattach_mem_balloon: bool = True
     inputs: tuple[Input, ...] = ()
