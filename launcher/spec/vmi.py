@@ -1024,7 +1024,12 @@ def _object_given(doc: dict, key: str, at: str) -> bool:
 def _refuse_reservations(disk_items: list, at: str) -> None:
     """vmi-create-admitter.go validatePersistentReservation (its field path, sic): a LUN's SCSI persistent
     reservations go through KubeVirt's pr-helper daemon, which the cluster's config turns on
-    (persistentReservationConfiguration, off by default); this node runs none."""
+    (persistentReservationConfiguration, off by default); this node runs none. qemu-pr-helper issues
+    the guest's PERSISTENT RESERVE commands with SG_IO on a SCSI device of the host, and libvirt takes
+    `<reservations>` only on such a block disk (libvirt 9.0's domaincommon.rng: diskSourceBlock alone
+    has it): the launcher's LUNs are iSCSI PVs that qemu's own initiator reaches (a network disk), and
+    a node whose kernel has no SCSI layer, as its test machines (CONFIG_SCSI unset), has no device to
+    hand the helper."""
     for i, item in enumerate(disk_items):
         lun = as_map(as_map(item, f"{at}.disks[{i}]").get("lun"), f"{at}.disks[{i}].lun")
         if get_bool(lun, "reservation", f"{at}.disks[{i}].lun"):
