@@ -1029,7 +1029,8 @@ def _refuse_reservations(disk_items: list, at: str) -> None:
     `<reservations>` only on such a block disk (libvirt 9.0's domaincommon.rng: diskSourceBlock alone
     has it): the launcher's LUNs are iSCSI PVs that qemu's own initiator reaches (a network disk), and
     a node whose kernel has no SCSI layer, as its test machines (CONFIG_SCSI unset), has no device to
-    hand the helper."""
+    hand the helper. (qemu's initiator passes a `lun`'s PERSISTENT RESERVE commands to the target
+    itself, reservation or not: docs/kubevirt.md.)"""
     for i, item in enumerate(disk_items):
         lun = as_map(as_map(item, f"{at}.disks[{i}]").get("lun"), f"{at}.disks[{i}].lun")
         if get_bool(lun, "reservation", f"{at}.disks[{i}].lun"):
