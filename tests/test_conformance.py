@@ -13,7 +13,8 @@ Every document in tests/conformance/*.yaml is one case, written from a KubeVirt 
   controller as `type:model`; `elements` maps an ElementTree path to its attributes (`text`: its text; null: absent).
 - `x-expect-datavolume`: for a CDI DataVolume, the parsed fields compared.
 - `x-resolved` (volume -> ResolvedDisk fields) overrides the fixed fake files each volume kind gets;
-  `x-host` sets Host fields; `x-pending` marks cases that flip when instancetypes or virtiofs land.
+  `x-host` sets Host fields; `x-pending` marks cases that flip when instancetypes or virtiofs land;
+  `x-gates` turns on the feature gates a case's KubeVirt config does (--feature-gates names).
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ import yaml
 
 from diskkit.errors import DiskkitError
 from launcher.render.domain import Host, ResolvedDisk, render
+from launcher.spec.k8s import NetworkSource
 from launcher.spec import coverage, hooks
 from launcher.spec.datavolume import parse_data_volume
-from launcher.spec.gates import admit_downward_metrics, parse_gates
+from launcher.spec.gates import admit_downward_metrics, admit_persistent_reservation, parse_gates
 from launcher.spec.k8s import Objects
 from launcher.spec.vmi import parse_vmi
 from tests.conftest import run_launcher
@@ -39,7 +41,7 @@ CORPUS = Path(__file__).parent / "conformance"
 SHORTHAND = {"unsupported": coverage.UNSUPPORTED_RULE, "unknown": coverage.UNKNOWN_RULE}
 PENDING = ()  # areas a case waits for; none left
 KEYS = {"x-source", "x-expect-refusal", "x-expect-xml", "x-expect-datavolume", "x-expect-ignored-refusal",
-        "x-resolved", "x-host", "x-pending", "x-objects"}
+        "x-resolved", "x-host", "x-pending", "x-objects", "x-gates"}
 
 
 def _cases() -> list:
@@ -87,6 +89,9 @@ def _resolved(doc: dict, overrides: dict) -> dict:
             fields = {**fields, "backing": tuple(fields["backing"])}
         if fields.get("block_io"):
             fields = {**fields, "block_io": tuple(fields["block_io"])}
+        if fields.get("network"):  # an iSCSI PV: NetworkSource fields, hosts as [host, port] pairs
+            network = fields["network"]
+            fields = {**fields, "network": NetworkSource(**{**network, "hosts": tuple(tuple(h) for h in network["hosts"])})}
         disks[name] = ResolvedDisk(**fields)
     return disks
 
@@ -192,7 +197,7 @@ def test_case(case):
     refusal = meta.get("x-expect-refusal")
     if refusal is not None:
         expected = _expected_refusal(refusal)
-        assert _refusal(lambda: render(_admitted(case, objects), disks, host)) == expected
+        assert _refusal(lambda: render(_admitted(case, objects, meta.get("x-gates", [])), disks, host)) == expected
         if expected.endswith((coverage.UNSUPPORTED_RULE, coverage.UNKNOWN_RULE)):
             assert {"x-expect-xml", "x-expect-ignored-refusal"} & set(meta), "a field the launcher drops: say what the rest renders to"
     if "x-expect-ignored-refusal" in meta:
@@ -200,6 +205,8 @@ def test_case(case):
         assert got == _expected_refusal(meta["x-expect-ignored-refusal"])
     if "x-expect-xml" in meta:
         vmi = parse_vmi(case, ignore_unsupported=refusal is not None, objects=objects)
+        if refusal is None and "x-gates" in meta:  # admitted with them
+            _admitted(case, objects, meta["x-gates"])
         _check_xml(render(vmi, disks, host), meta["x-expect-xml"])
     try:  # whatever else happens to it, a KubeVirt spec ends in a domain or in one line, never a traceback
         render(parse_vmi(case, ignore_unsupported=True, objects=objects), disks, host)
@@ -207,13 +214,14 @@ def test_case(case):
         assert "\n" not in str(err)
 
 
-def _admitted(case: dict, objects: Objects):
-    """The VMI as the launcher admits it before anything runs: its spec, its hook sidecars and its
-    downward metrics under KubeVirt's default gates (Sidecar and DownwardMetrics off), as virt-api's
-    admitter takes them."""
+def _admitted(case: dict, objects: Objects, gates: list[str] = ()):
+    """The VMI as the launcher admits it before anything runs: its spec, its hook sidecars, its
+    downward metrics and its persistent reservations under KubeVirt's default gates (all off) or the
+    case's `x-gates` (--feature-gates), as virt-api's admitter takes them."""
     vmi = parse_vmi(case, objects=objects)
-    hooks.sidecars(vmi.annotations, parse_gates([]), vmi.from_vm)
-    admit_downward_metrics(vmi, parse_gates([]))
+    hooks.sidecars(vmi.annotations, parse_gates(gates), vmi.from_vm)
+    admit_downward_metrics(vmi, parse_gates(gates))
+    admit_persistent_reservation(vmi, parse_gates(gates))
     return vmi
 
 

@@ -62,7 +62,7 @@ def test_relative_components_are_refused_before_the_directory_check(path):
 
 def test_gate_flags_are_checked():
     assert parse_gates(["HostDisk,", " HostDisk"]).on("HostDisk")
-    with pytest.raises(SpecError, match=r"--feature-gates HostDsk: unknown feature gate \(this launcher knows HostDisk, Sidecar, DownwardMetrics\)"):
+    with pytest.raises(SpecError, match=r"--feature-gates HostDsk: unknown feature gate \(this launcher knows HostDisk, Sidecar, DownwardMetrics, PersistentReservation\)"):
         parse_gates(["HostDsk"])
     with pytest.raises(SpecError, match="--host-disk-dir: allows hostDisk paths, which need --feature-gates HostDisk"):
         parse_gates([], ["/srv/disks"])

@@ -104,6 +104,7 @@ _SSH = re.compile(r"SSH keys=(\d+) (started|off)(?: (.*))?$")
 _ATTACK = re.compile(r"ATTACK tag=(\S+) uid=(\d+) what=(\S+) (ok|failed)(?:: (.*))?$")
 _TPM = re.compile(r"TPM dev=(\S+) version=(\S+) driver=(\S*) resets=(\S+)$")
 _EFI = re.compile(r"EFI var=(\S+) before=(\d+) (?:after=(\d+)|failed)$")
+_PR = re.compile(r"PR name=(\S+) key=(\S+) register=(\S+) reserve=(\S+) keys=([0-9a-f]+) first=([0-9a-f]+) holder=(\S+) type=([0-9a-f]+)$")
 
 
 def parse_console(text: str) -> dict[str, Any]:
@@ -124,6 +125,8 @@ def parse_console(text: str) -> dict[str, Any]:
      "hypervisor": str,  (what the kernel detected: "Microsoft Hyper-V", "KVM", or "none")
      "tpm": {"dev": str, "version": str, "driver": str, "resets": int | None} | None,  (None: no TPM; resets from TPM2_ReadClock)
      "efi": {"before": int, "after": int | None} | None,  (None: not booted by EFI; the guest's boot counter in an EFI variable)
+     "reservations": {name: {"key", "register", "reserve", "keys", "first", "holder", "type"}},  (a disk with serial pr-KEY:
+        the guest's SCSI persistent reservation; register/reserve "ok", a SCSI status or "sg-error"; keys an int; first, holder hex)
      "warnings": [str]}
 
     File content is rebuilt from the ISO-DATA lines, each terminated by "\\n"
@@ -132,7 +135,8 @@ def parse_console(text: str) -> dict[str, Any]:
     """
     res: dict[str, Any] = {"ready": False, "done": False, "disks": {}, "isos": {},
                            "stamps": {}, "unsynced": {}, "cpus": None, "mem_kib": None, "filesystems": {}, "warnings": [], "acpi_poweroff": False, "rng": None,
-                           "attacks": {}, "attack_errors": {}, "ssh": None, "hypervisor": None, "tpm": None, "efi": None}
+                           "attacks": {}, "attack_errors": {}, "ssh": None, "hypervisor": None, "tpm": None, "efi": None,
+                           "reservations": {}}
     for raw in text.splitlines():
         line = raw.rstrip("\r")
         if "DISKKIT-TESTGUEST v1 READY" in line:
@@ -182,6 +186,9 @@ def parse_console(text: str) -> dict[str, Any]:
             res["attacks"][(m[1], int(m[2]), m[3])] = m[4] == "ok"
             if m[4] == "failed":
                 res["attack_errors"][(m[1], int(m[2]), m[3])] = m[5] or ""
+        elif m := _PR.match(line):
+            res["reservations"][m[1]] = {"key": m[2], "register": m[3], "reserve": m[4], "keys": int(m[5], 16),
+                                         "first": m[6], "holder": m[7], "type": int(m[8], 16)}
         elif m := _SSH.match(line):
             res["ssh"] = {"keys": int(m[1]), "started": m[2] == "started", "why": m[3] or ""}
         elif m := _CPUS.match(line):

@@ -17,7 +17,7 @@ Things learnt the hard way: tgtd ignores SIGTERM (stop = SIGKILL; the rdwr backi
 with pwrite, so nothing is lost), and a portal it cannot bind is only logged, tgtd keeps running,
 so readiness means "the listening socket on PORT belongs to OUR tgtd".
 
-The ``iscsi_target`` fixture is a factory: ``iscsi_target(backing, chap=None, iqn=None)``.
+The ``iscsi_target`` fixture is a factory: ``iscsi_target(backing, chap=None, iqn=None, serial=None)``.
 """
 
 from __future__ import annotations
@@ -91,6 +91,7 @@ class RunningTarget:
     iqn: str
     backing: Path
     chap: tuple[str, str] | None = None
+    serial: str | None = None
     lun: int = LUN
     workdir: Path | None = None
     log_path: Path | None = None
@@ -183,6 +184,8 @@ class RunningTarget:
         self.tgtadm("--mode", "target", "--op", "new", "--tid", TID, "--targetname", self.iqn)
         self.tgtadm("--mode", "logicalunit", "--op", "new", "--tid", TID, "--lun", self.lun,
                     "--backing-store", self.backing)
+        if self.serial:  # the unit serial number an initiator reads (VPD page 0x80)
+            self.tgtadm("--mode", "logicalunit", "--op", "update", "--tid", TID, "--lun", self.lun, "--params", f"scsi_sn={self.serial}")
         self.tgtadm("--mode", "target", "--op", "bind", "--tid", TID, "--initiator-address", "ALL")
         if self.chap:
             user, password = self.chap
@@ -213,8 +216,9 @@ def _ipc_dir(workdir: Path) -> Path:
 
 
 def start_target(workdir: Path, backing: Path, iqn: str | None = None,
-                 chap: tuple[str, str] | None = None) -> RunningTarget:
-    """Start a private tgtd on 127.0.0.1:<free port> exporting ``backing`` (raw) as LUN 1 of ``iqn``."""
+                 chap: tuple[str, str] | None = None, serial: str | None = None) -> RunningTarget:
+    """Start a private tgtd on 127.0.0.1:<free port> exporting ``backing`` (raw) as LUN 1 of ``iqn``
+    (with ``serial`` as its unit serial number)."""
     if shutil.which(TGTD) is None or shutil.which(TGTADM) is None:
         raise RuntimeError("tgtd/tgtadm not found on PATH (Debian package `tgt` is required by the tests)")
     workdir = Path(workdir)
@@ -227,7 +231,7 @@ def start_target(workdir: Path, backing: Path, iqn: str | None = None,
     for _ in range(5):  # the free port may be taken between free_port() and tgtd's bind
         port = free_port()
         target = RunningTarget(
-            host=HOST, port=port, iqn=iqn, backing=backing, chap=chap, workdir=workdir,
+            host=HOST, port=port, iqn=iqn, backing=backing, chap=chap, serial=serial, workdir=workdir,
             log_path=workdir / f"tgtd-{port}.log", _ipc_dir=_ipc_dir(workdir),
         )
         try:
@@ -249,8 +253,9 @@ class IscsiTarget:
         self.root = Path(root)
         self.targets: list[RunningTarget] = []
 
-    def __call__(self, backing: Path, chap: tuple[str, str] | None = None, iqn: str | None = None) -> RunningTarget:
-        target = start_target(self.root / f"tgt{len(self.targets)}", backing, iqn=iqn, chap=chap)
+    def __call__(self, backing: Path, chap: tuple[str, str] | None = None, iqn: str | None = None,
+                 serial: str | None = None) -> RunningTarget:
+        target = start_target(self.root / f"tgt{len(self.targets)}", backing, iqn=iqn, chap=chap, serial=serial)
         self.targets.append(target)
         return target
 
@@ -264,7 +269,7 @@ class IscsiTarget:
 
 @pytest.fixture
 def iscsi_target(tmp_path_factory):
-    """``iscsi_target(backing, chap=None, iqn=None) -> RunningTarget``; every target stopped at test end."""
+    """``iscsi_target(backing, chap=None, iqn=None, serial=None) -> RunningTarget``; every target stopped at test end."""
     factory = IscsiTarget(tmp_path_factory.mktemp("iscsi"))
     try:
         yield factory

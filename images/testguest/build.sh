@@ -15,8 +15,8 @@
 # `apt-get download` + `dpkg -x`, the FAT file system is filled with mtools and
 # `syslinux --install`, the partition table is written with sfdisk into a file.
 # Needs: apt-get, dpkg, depmod (kmod), busybox-static, cpio, gzip, dosfstools,
-# mtools, syslinux, syslinux-common, fdisk, qemu-utils, dropbear-bin, xz/zstd (only if the
-# kernel's modules are compressed).
+# mtools, syslinux, syslinux-common, fdisk, qemu-utils, dropbear-bin, gcc (scsi-pr.c, freestanding: no
+# libc), xz/zstd (only if the kernel's modules are compressed).
 #
 # Environment: TESTGUEST_KERNEL_FLAVOR (default cloud-amd64; e.g. "amd64" gives a
 # kernel with AHCI, at the price of a 70 MB download).
@@ -29,6 +29,7 @@ fi
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 INIT_SRC=$HERE/init
+SCSI_PR_SRC=$HERE/scsi-pr.c  # the guest's SCSI persistent reservation (init's scsi-pr mode)
 FLAVOR=${TESTGUEST_KERNEL_FLAVOR:-cloud-amd64}
 DISK_MIB=64            # virtual disk size
 PART_START=2048        # FAT partition start (sectors)
@@ -64,10 +65,10 @@ mkdir -p "$1/cache"
 OUT=$(cd "$1" && pwd)
 CACHE=$OUT/cache
 
-for tool in apt-get dpkg depmod cpio gzip mkfs.vfat mcopy syslinux sfdisk qemu-img; do
+for tool in apt-get dpkg depmod cpio gzip mkfs.vfat mcopy syslinux sfdisk qemu-img gcc; do
     command -v "$tool" >/dev/null || { log "missing tool: $tool"; exit 1; }
 done
-for f in "$BUSYBOX" "$MBR_BIN" "$INIT_SRC" "$DROPBEAR"; do
+for f in "$BUSYBOX" "$MBR_BIN" "$INIT_SRC" "$DROPBEAR" "$SCSI_PR_SRC"; do
     [[ -f $f ]] || { log "missing file: $f"; exit 1; }
 done
 
@@ -86,7 +87,7 @@ else
 fi
 
 # --- cache check ----------------------------------------------------------------
-RECIPE=$( { cat "$HERE/build.sh" "$INIT_SRC"; printf '%s\n' "$DEB"; } | sha256sum | cut -d' ' -f1)
+RECIPE=$( { cat "$HERE/build.sh" "$INIT_SRC" "$SCSI_PR_SRC"; printf '%s\n' "$DEB"; } | sha256sum | cut -d' ' -f1)
 if [[ -f $OUT/recipe.sha256 && $(cat "$OUT/recipe.sha256") == "$RECIPE" &&
       -f $OUT/testguest.qcow2 && -f $OUT/testguest-poweroff.qcow2 && -f $OUT/vmlinuz && -f $OUT/initrd.img ]]; then
     log "up to date: $OUT"
@@ -164,6 +165,7 @@ mkdir -p "$ROOT"/{bin,dev,proc,sys,mnt,tmp,lib/modules}
 cp "$BUSYBOX" "$ROOT/bin/busybox"
 install -m 0755 "$INIT_SRC" "$ROOT/init"
 cp "$DROPBEAR" "$ROOT/bin/dropbear"
+gcc -static -nostdlib -ffreestanding -fno-stack-protector -fno-pie -no-pie -Os -s -o "$ROOT/bin/scsi-pr" "$SCSI_PR_SRC"
 for lib in $(ldd "$DROPBEAR" | awk '$2 == "=>" && $3 ~ /^\// {print $3} $1 ~ /^\// {print $1}'); do
     mkdir -p "$ROOT$(dirname "$lib")"
     cp -L "$lib" "$ROOT$lib"

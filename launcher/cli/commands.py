@@ -373,19 +373,33 @@ def status(name, as_json, cache_dir) -> None:
     launcher that is alive with a dead guest is reported as not running. A pause the user asked for
     is healthy, as KubeVirt keeps such a VMI's phase Running and excuses it from its probe
     (virt-launcher's isPausedButHealthy): the pod is not restarted under a paused VM.
+
+    A VM stopped since it had its memory dumped is `stopped`, with its memoryDumpRequest: the
+    association outlives its runs, as a VirtualMachine's status keeps it.
     """
+    from launcher.runtime import memorydump
     from launcher.runtime.conditions import PAUSED_BY_USER
-    from launcher.runtime.memorydump import request as memory_dump_request
-    from launcher.runtime.vms import conditions, record_of, state_and_why
+    from launcher.runtime.vms import conditions, find_record, record_of, state_and_why
 
     cache = node_cache(cache_dir)
-    record = record_of(cache, name)
+    record = find_record(cache, name)
+    if record is None:
+        kept = memorydump.find(cache, name)
+        if kept is None:
+            record_of(cache, name)  # not found, in its words
+        # Stopped and gone, but its memory dump association lives on, as on a stopped VirtualMachine.
+        if as_json:
+            click.echo(json.dumps({"name": name, "domain": kept["domain"], "state": "stopped", "reason": None, "message": None,
+                                   "conditions": [], "memoryDumpRequest": kept["request"]}, indent=2))
+        else:
+            click.echo("stopped")
+        sys.exit(1)
     now, paused = state_and_why(record, cache)
     found = conditions(record, cache, paused) if now in ("running", "paused") else []
     if as_json:
         click.echo(json.dumps({"name": name, "domain": record["domain"], "state": now, "reason": paused and paused.reason,
                                "message": paused and paused.message, "conditions": found,
-                               "memoryDumpRequest": memory_dump_request(cache, record["domain"])}, indent=2))
+                               "memoryDumpRequest": memorydump.request(cache, record["domain"])}, indent=2))
     else:
         click.echo(f"{now} ({paused.reason}): {paused.message}" if paused else now)
         for condition in found:

@@ -22,7 +22,7 @@ import os
 import shutil
 import stat
 from pathlib import Path
-from typing import Iterator
+from typing import BinaryIO, Callable, Iterator
 
 from diskkit.errors import DiskkitError
 
@@ -58,6 +58,45 @@ class Dir:
         except OSError as exc:
             raise DiskkitError(path, f"cannot be opened as a directory ({exc.strerror})") from None
         return cls(fd, Path(path))
+
+    @classmethod
+    def open_named(cls, path: Path | str) -> Dir:
+        """A directory someone named on a command line (where a command's output goes). As root it is
+        walked from / one component at a time, and a symbolic link is followed only where no other
+        user could have put it: in a directory of root's that no one else can write, or a root-owned
+        link in a sticky one (/tmp); a link in anyone else's directory is refused. Another user's
+        directory can still be the end of the walk: what is written there goes through its fd."""
+        path = Path(os.path.abspath(path))
+        if os.geteuid() != 0:
+            return cls.open(path)  # our own rights bound whatever a link leads to
+        fd = os.open("/", DIR_NOFOLLOW)
+        todo, hops = list(path.parts[1:]), 0
+        try:
+            while todo:
+                part = todo.pop(0)
+                if part in ("", "."):
+                    continue
+                try:
+                    nxt = os.open(part, DIR_NOFOLLOW, dir_fd=fd)
+                except OSError as exc:
+                    st = _lstat_at(fd, part)
+                    if st is None or not stat.S_ISLNK(st.st_mode):
+                        raise DiskkitError(path, f"cannot be opened as a directory ({exc.strerror})") from None
+                    hops += 1
+                    if hops > _MAX_LINKS or not _roots_link(os.fstat(fd), st):
+                        raise DiskkitError(path, f"{part} {NOFOLLOW}") from None
+                    target = os.readlink(part, dir_fd=fd)
+                    if target.startswith("/"):
+                        os.close(fd)
+                        fd = os.open("/", DIR_NOFOLLOW)
+                    todo[:0] = Path(target).parts[1:] if target.startswith("/") else Path(target).parts
+                    continue
+                os.close(fd)
+                fd = nxt
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(fd, path)
 
     def subdir(self, name: str) -> Dir:
         try:
@@ -185,21 +224,33 @@ class Dir:
 
     def replace(self, name: str, data: bytes, mode: int = 0o644, owner: tuple[int, int] | None = None) -> None:
         """Write `name` whole or not at all: a new file under a random name, synced, renamed over it."""
+        self.replace_with(name, lambda f: f.write(data), mode, owner)
+
+    def replace_with(self, name: str, write: Callable[[BinaryIO], object], mode: int = 0o600,
+                     owner: tuple[int, int] | None = None) -> int:
+        """`replace`, the bytes written by `write(file)`: a new file under a random name (O_EXCL, no
+        link followed), synced, renamed over `name` (a rename replaces a link there, never follows it);
+        nothing under `name` until it is whole. Its size."""
         tmp = f".{name}.tmp-{os.urandom(4).hex()}"
         fd = self.create(tmp, mode)
         try:
             with os.fdopen(fd, "wb", closefd=False) as f:
-                f.write(data)
+                write(f)
                 f.flush()
                 os.fsync(f.fileno())
             give(fd, owner)
+            size = os.fstat(fd).st_size
             os.replace(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
         except OSError as exc:
             self.unlink(tmp)
             raise DiskkitError(self.path / name, f"cannot be written ({exc.strerror})") from None
+        except BaseException:
+            self.unlink(tmp)
+            raise
         finally:
             os.close(fd)
         self.fsync()
+        return size
 
     def rename(self, name: str, to: Dir, new: str) -> None:
         """Move the entry itself (a rename never follows a link at either end)."""
@@ -260,6 +311,26 @@ class Dir:
         if exc.errno == errno.ELOOP or (exc.errno == errno.ENOTDIR and os.path.islink(self.proc / name)):
             return DiskkitError(self.path / name, NOFOLLOW)
         return DiskkitError(self.path / name, f"cannot be used ({exc.strerror})")
+
+
+_MAX_LINKS = 40  # as the kernel's MAXSYMLINKS
+
+
+def _lstat_at(fd: int, name: str) -> os.stat_result | None:
+    try:
+        return os.stat(name, dir_fd=fd, follow_symlinks=False)
+    except OSError:
+        return None
+
+
+def _roots_link(directory: os.stat_result, link: os.stat_result) -> bool:
+    """A link only root could have put in `directory`: root's directory, writable by no one else, or
+    sticky (where only the link's owner may replace it) and the link root's."""
+    if directory.st_uid != 0:
+        return False
+    if not directory.st_mode & 0o022:
+        return True
+    return bool(directory.st_mode & stat.S_ISVTX) and link.st_uid == 0
 
 
 def give(fd: int, owner: tuple[int, int] | None, mode: int | None = None) -> None:

@@ -13,6 +13,9 @@
     <root>/state/<domain>/                          a VirtualMachine's persistent EFI variables and TPM state
                                                     (launcher.volumes.vmstate): outlive its runs, as KubeVirt's
                                                     backend-storage claim; each run works on a copy
+    <root>/dumps/<domain>.json                      a VM's memory dump claim and its last dump
+                                                    (launcher.runtime.memorydump): outlive its runs, as a
+                                                    VirtualMachine's status.memoryDumpRequest
     <root>/locks/, <root>/tmp/                      flock files; staging on the same filesystem
     <root>/partial/<digest>.part, .synced, .source  blobs being downloaded, kept for resuming after a kill
     <root>/lazy/, <root>/serve/                     the disk server's exports and sockets
@@ -111,7 +114,8 @@ def private_dirs(top: Path, path: Path) -> Path:
     return path
 
 
-SUBDIRS = ("blobs", "disks", "refs", "tags", "vms", "run", "locks", "tmp", "partial", "lazy", "pins", "exports", "chunks", "signatures", "state")
+SUBDIRS = ("blobs", "disks", "refs", "tags", "vms", "run", "locks", "tmp", "partial", "lazy", "pins", "exports", "chunks", "signatures", "state",
+           "dumps")
 PASSED_THROUGH = ("run",)  # each VM's qemu reaches its own run directory in it, and lists nothing
 
 
@@ -383,6 +387,13 @@ class Cache:
 
     def pin_path(self, domain: str) -> Path:
         return within(self.root / "pins", f"{entry_name(domain)}.json")
+
+    def memory_dump_path(self, domain: str) -> Path:
+        return within(self.root / "dumps", f"{entry_name(domain)}.json")
+
+    def memory_dump_records(self) -> list[dict]:
+        found = (self.read_json(path) for path in sorted((self.root / "dumps").glob("*.json")))
+        return [record for record in found if record]
 
     def images_by_disk(self) -> dict[str, list[str]]:
         """Each disk entry's directory -> the image references pulls resolved to it (for `launcher ls`):

@@ -250,6 +250,7 @@ def _disk(vmi: VMI, disk: Disk, volume: Volume, resolved: ResolvedDisk, target: 
             raise SpecError(at, f"device {disk.name} is of type lun. Not compatible with protocol {resolved.network.protocol}")
     elif resolved.type not in _SOURCES:
         raise SpecError(at, f"volume {volume.name} resolved to an unsupported disk type {resolved.type}")
+    _check_reservation(vmi, disk, resolved)
     read_only = guest_read_only(disk, volume, resolved)
     if disk.device == "disk" and disk.bus == "sata" and read_only:
         raise SpecError(_disk_at(vmi, disk, ".disk.bus"), "sata hard-disks do not support read-only.")
@@ -326,6 +327,27 @@ def _disk(vmi: VMI, disk: Disk, volume: Volume, resolved: ResolvedDisk, target: 
         slot, function = rest.split(".")
         ET.SubElement(element, "address", type="pci", domain=f"0x{domain_}", bus=f"0x{bus}", slot=f"0x{slot}", function=f"0x{function}")
     return element
+
+
+def _check_reservation(vmi: VMI, disk: Disk, resolved: ResolvedDisk) -> None:
+    """lun.reservation, admitted with its gate (launcher.spec.gates), renders no `<reservations>`.
+
+    KubeVirt (converter/storage/disk.go setReservation) points `<source><reservations>` at its pr-helper
+    socket: its qemu runs unprivileged on a host SCSI device, whose kernel lets only a privileged
+    process send PERSISTENT RESERVE, so the helper sends them for it. A lun on an iSCSI PV here is
+    qemu's own iSCSI session to the target (libvirt's scsi-block on qemu's iSCSI driver), which carries
+    the guest's PERSISTENT RESERVE commands to the target itself: the guest gets what the pr-helper
+    gives it, and libvirt 9.0 would refuse `<reservations>` on a network disk anyway. Any other lun
+    (a block device or file, bus virtio) would need the helper and a host SCSI device: refused."""
+    if not disk.reservation:
+        return
+    iscsi = resolved.type == "network" and resolved.network.protocol == "iscsi"
+    if disk.bus != "scsi" or not iscsi:
+        what = f"on bus {disk.bus}" if disk.bus != "scsi" else f"a {resolved.type} disk"
+        raise SpecError(_disk_at(vmi, disk, ".lun.reservation"),
+                        f"works only on a lun on bus scsi backed by an iSCSI PersistentVolume (qemu's own initiator carries the"
+                        f" guest's reservations to the target); this lun is {what}, which would need KubeVirt's pr-helper on a"
+                        f" host SCSI device, which the launcher does not run")
 
 
 def _block_io(disk: Disk, resolved: ResolvedDisk, at: str) -> tuple[int, int, int | None] | None:

@@ -14,15 +14,23 @@ in the claim: the VM's own libvirt daemon (the VM's uid for a root launcher) wri
 directory in the VM's run directory that root made and gave to that uid alone, and root then moves
 the finished file into the claim through directory fds: a rename (same filesystem) or a copy into a
 new file it creates there O_EXCL|O_NOFOLLOW (another filesystem), never following a name it finds.
-The file ends up the claim directory owner's, mode 0600. The association is kept in the run
-directory (root's), so it lasts as long as the VM runs.
+The file ends up the claim directory owner's, mode 0600. The association is kept in the cache
+(`<cache>/dumps/<domain>.json`, root's for a root launcher), not in the run directory: KubeVirt keeps
+status.memoryDumpRequest on the VirtualMachine, so it outlives the VM's runs until `remove`.
+
+`download` is `virtctl memory-dump download` (pkg/virtctl/memorydump/memorydump.go downloadMemoryDump):
+virtctl exports the claim (a VirtualMachineExport of the PVC) and fetches its archive, a gzipped tar of
+the claim's directory (pkg/storage/export/virt-exportserver/exportserver.go archiveHandler: `tar Scv .`
+with lost+found left out); `--format raw` has it decompressed, the tar itself. Here the tar holds the
+last dump, `./<fileName>`, read from the claim through its directory fd as a regular file with one
+link, the same file (inode, size, change time) the dump put there; the output is written whole or not at all.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import stat
+import tarfile
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -30,10 +38,11 @@ from pathlib import Path
 from typing import Callable
 
 from diskkit.errors import DiskkitError
+from diskkit.streams.compression import compressor
 from launcher.hostfs.dirfd import Dir, give
 from launcher.node.cache import Cache
 from launcher.runtime.vmuser import VmUser
-from launcher.runtime.vms import connect, record_of
+from launcher.runtime.vms import connect, match, record_of
 from launcher.spec.k8s import resolve_claim
 from launcher.volumes.files import free_bytes, is_block
 from launcher.volumes.storage import LocalClaim, Storage, pv_path
@@ -41,7 +50,7 @@ from launcher.volumes.storage import LocalClaim, Storage, pv_path
 SUFFIX = ".memory.dump"
 PREVIOUS = "memory.dump"  # memoryDump.go removePreviousMemoryDump: any name containing it
 STAGING = "memory-dump"  # in the run directory: the VM's uid's, where its libvirt writes the dump
-ASSOCIATION = "memory-dump.json"  # in the run directory: status.memoryDumpRequest
+FORMATS = ("gzip", "raw")  # virtctl's --format: gzip (the default) or raw (the archive decompressed)
 # pkg/util/util.go CalcExpectedMemoryDumpSize: the memory request and 100 MiB; the claim must hold that
 # and CDI's default filesystem overhead (pkg/storage/types GetSizeIncludingDefaultFSOverhead, 5.5 %).
 DUMP_OVERHEAD = 100 * 1024 * 1024
@@ -68,21 +77,38 @@ class Dumped:
     created_claim: bool
 
 
+def _valid(kept: dict | None) -> dict | None:
+    if not isinstance(kept, dict) or not isinstance(kept.get("request"), dict) or not isinstance(kept["request"].get("claimName"), str):
+        return None
+    return kept if all(isinstance(kept.get(k), str) for k in ("domain", "vmi", "namespace")) else None
+
+
+def kept(cache: Cache, domain: str) -> dict | None:
+    """What is kept of the VM's memory dump association: its domain, vmi, namespace, the claim's
+    directory and the last dump's inode, size and change time, and `request`."""
+    return _valid(cache.read_json(cache.memory_dump_path(domain)))
+
+
 def request(cache: Cache, domain: str) -> dict | None:
     """The VM's memory dump association, as KubeVirt's VM status.memoryDumpRequest: claimName, phase,
     fileName, startTimestamp, endTimestamp, message."""
-    path = cache.run_dir(domain) / ASSOCIATION
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) and isinstance(data.get("claimName"), str) else None
+    found = kept(cache, domain)
+    return None if found is None else found["request"]
 
 
-def _associate(cache: Cache, domain: str, **fields) -> None:
-    # The run directory is root's alone (launcher.runtime.rundir): its own names are safe to write.
-    with Dir.open(cache.run_dir(domain)) as run:
-        run.replace(ASSOCIATION, json.dumps(fields, indent=2).encode(), mode=0o600)
+def find(cache: Cache, name: str) -> dict | None:
+    """The kept association of the VM `name` (as `launcher.runtime.vms.find_record` finds a VM), running
+    or not."""
+    return match([k for k in map(_valid, cache.memory_dump_records()) if k is not None], name)
+
+
+def associate(cache: Cache, vm: dict, claim_dir: Path | None = None, dumped: os.stat_result | None = None, **fields) -> None:
+    """Keep the VM's (`vm`: its record's domain, vmi, namespace) association, `fields` its request."""
+    cache.write_json(cache.memory_dump_path(vm["domain"]), {
+        "domain": vm["domain"], "vmi": vm.get("vmi") or vm["domain"], "namespace": vm.get("namespace") or "default",
+        "claimDir": None if claim_dir is None else str(claim_dir),
+        "dump": None if dumped is None else {"dev": dumped.st_dev, "ino": dumped.st_ino, "size": dumped.st_size, "ctime": dumped.st_ctime_ns},
+        "request": fields})
 
 
 def _claim_place(store: Storage, namespace: str, claim: str) -> LocalClaim:
@@ -142,8 +168,8 @@ def _staging(run: Dir, owner: tuple[int, int] | None) -> Dir:
     return staging
 
 
-def move_into_claim(staging: Dir, claim_dir: Dir, name: str) -> int:
-    """The dump from the staging directory into the claim, as root, by fds; its size."""
+def move_into_claim(staging: Dir, claim_dir: Dir, name: str) -> os.stat_result:
+    """The dump from the staging directory into the claim, as root, by fds; its stat."""
     st = staging.regular(name)
     if st is None:
         raise DiskkitError(staging.path / name, "libvirt reported a dump but wrote no file")
@@ -170,11 +196,11 @@ def move_into_claim(staging: Dir, claim_dir: Dir, name: str) -> int:
     try:
         owner = os.fstat(claim_dir.fd)
         give(fd, (owner.st_uid, owner.st_gid), FILE_MODE)
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
     finally:
         os.close(fd)
     claim_dir.fsync()
-    return size
+    return st
 
 
 def get(cache: Cache, store: Storage, name: str, claim: str | None, create: bool,
@@ -183,6 +209,7 @@ def get(cache: Cache, store: Storage, name: str, claim: str | None, create: bool
     record = record_of(cache, name)
     domain, vmi, namespace = record["domain"], record.get("vmi") or name, record.get("namespace") or "default"
     associated = request(cache, domain)
+    vm = {"domain": domain, "vmi": vmi, "namespace": namespace}
     if create:
         if not claim:
             raise DiskkitError("--claim-name", "missing claim name")
@@ -205,7 +232,7 @@ def get(cache: Cache, store: Storage, name: str, claim: str | None, create: bool
         user = VmUser.from_json(record.get("vmUser"))
         file_name = target_file_name(vmi, claim, datetime.now())
         started = _now()
-        _associate(cache, domain, claimName=claim, phase="InProgress", fileName=file_name, startTimestamp=started)
+        associate(cache, vm, local.path, claimName=claim, phase="InProgress", fileName=file_name, startTimestamp=started)
         say(f"memory dump of VM {name} into claim {claim}: InProgress")
         with Dir.open(local.path) as claim_dir, Dir.open(cache.run_dir(domain)) as run:
             _remove_previous(claim_dir)
@@ -214,26 +241,93 @@ def get(cache: Cache, store: Storage, name: str, claim: str | None, create: bool
                 try:
                     lv.core_dump(domain, staging.path / file_name)
                 except DiskkitError as err:
-                    _associate(cache, domain, claimName=claim, phase="Failed", fileName=file_name, startTimestamp=started,
-                               endTimestamp=_now(), message=err.rule)
+                    associate(cache, vm, local.path, claimName=claim, phase="Failed", fileName=file_name, startTimestamp=started,
+                              endTimestamp=_now(), message=err.rule)
                     raise
-                size = move_into_claim(staging, claim_dir, file_name)
+                dumped = move_into_claim(staging, claim_dir, file_name)
             finally:
                 run.discard(staging, STAGING)
-        _associate(cache, domain, claimName=claim, phase="Completed", fileName=file_name, startTimestamp=started, endTimestamp=_now())
-        return Dumped(claim, local.path / file_name, size, created)
+        associate(cache, vm, local.path, dumped, claimName=claim, phase="Completed", fileName=file_name, startTimestamp=started,
+                  endTimestamp=_now())
+        return Dumped(claim, local.path / file_name, dumped.st_size, created)
     finally:
         lv.close()
 
 
 def remove(cache: Cache, name: str) -> str:
-    """Dissociate the VM's memory dump claim (the dumps stay in it); the claim's name."""
-    record = record_of(cache, name)
-    associated = request(cache, record["domain"])
+    """Dissociate the VM's memory dump claim (the dumps stay in it), running or not; the claim's name."""
+    associated = find(cache, name)
     if associated is None:
+        record = record_of(cache, name)
         raise DiskkitError(name, f"can't remove memory dump association for vm {record.get('vmi') or name}, no association found")
-    (cache.run_dir(record["domain"]) / ASSOCIATION).unlink(missing_ok=True)
-    return associated["claimName"]
+    cache.memory_dump_path(associated["domain"]).unlink(missing_ok=True)
+    return associated["request"]["claimName"]
+
+
+@dataclass
+class Downloaded:
+    claim: str
+    file_name: str  # the dump's, in the claim and in the archive
+    output: Path
+    size: int  # of the output
+
+
+def download(cache: Cache, name: str, output: Path | None, fmt: str = "gzip", say: Callable[[str], None] = lambda _: None) -> Downloaded:
+    """The VM's last memory dump as virtctl downloads it: a tar holding `./<fileName>`, gzipped unless
+    `fmt` is raw, written to `output` whole or not at all. The VM may have stopped since."""
+    if not output:
+        raise DiskkitError("--output", "missing outputFile to download the memory dump")  # virtctl's words
+    if fmt not in FORMATS:
+        raise DiskkitError("--format", f"{fmt} is not a valid value, acceptable values are {'/'.join(FORMATS)}")
+    associated = find(cache, name)
+    if associated is None:
+        record_of(cache, name)  # a VM never run here: not found, in find_record's words
+        raise DiskkitError(name, "no memory dump is associated with this VM: `launcher memory-dump get` takes one")
+    req = associated["request"]
+    claim, file_name, phase = req["claimName"], req.get("fileName"), req.get("phase")
+    if phase != "Completed" or not isinstance(file_name, str) or not associated.get("claimDir") or not associated.get("dump"):
+        why = f": {req['message']}" if req.get("message") else ""
+        raise DiskkitError(name, f"the memory dump into claim {claim} is {phase}{why}; there is nothing to download")
+    say("Memory dump completed successfully")  # virtctl's words, once the request's phase is Completed
+    with Dir.open(associated["claimDir"]) as claim_dir:
+        fd = claim_dir.open_file(file_name)
+        try:
+            st, want = os.fstat(fd), associated["dump"]
+            # A file made under the name since may get the same inode back; its change time it cannot.
+            if (st.st_dev, st.st_ino, st.st_size, st.st_ctime_ns) != tuple(want.get(k) for k in ("dev", "ino", "size", "ctime")):
+                raise DiskkitError(claim_dir.path / file_name, "is no longer the dump `memory-dump get` wrote there (replaced or changed)")
+            member = tarfile.TarInfo(f"./{file_name}")
+            member.size, member.mode, member.mtime, member.uid, member.gid = st.st_size, FILE_MODE, int(st.st_mtime), st.st_uid, st.st_gid
+
+            def write(out) -> None:
+                sink = _Gzipped(out) if fmt == "gzip" else out
+                with os.fdopen(os.dup(fd), "rb") as dump, tarfile.open(fileobj=sink, mode="w|", format=tarfile.GNU_FORMAT) as tar:
+                    tar.addfile(member, dump)
+                if fmt == "gzip":
+                    sink.finish()
+
+            output = Path(output)
+            with Dir.open_named(output.parent) as where:
+                owner = os.fstat(where.fd)
+                size = where.replace_with(output.name, write, FILE_MODE, (owner.st_uid, owner.st_gid))
+        finally:
+            os.close(fd)
+    say("Download finished successfully")
+    return Downloaded(claim, file_name, output, size)
+
+
+class _Gzipped:
+    """A writer that gzips what passes through it (ISA-L, as the node's layers)."""
+
+    def __init__(self, out):
+        self._out, self._z = out, compressor("gzip")
+
+    def write(self, data) -> int:
+        self._out.write(self._z.compress(data))
+        return len(data)
+
+    def finish(self) -> None:
+        self._out.write(self._z.flush())
 
 
 def _now() -> str:

@@ -539,7 +539,12 @@ def record_of(cache: Cache, name: str) -> dict:
 
 def find_record(cache: Cache, name: str) -> dict | None:
     """A VM by domain name (NAMESPACE_NAME), NAMESPACE/NAME, or VMI name in any namespace if unique."""
-    records = cache.vm_records()
+    return match(cache.vm_records(), name)
+
+
+def match(records: list[dict], name: str) -> dict | None:
+    """The one of `records` (each with "domain", "vmi" and "namespace") that `name` names, as find_record
+    finds a VM."""
     wanted = name.replace("/", "_", 1)
     namespace, _, plain = name.rpartition("/")
     # A name too long for libvirt has a shortened domain name: NAMESPACE/NAME still finds it.

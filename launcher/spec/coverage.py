@@ -77,7 +77,7 @@ TARGET = {"bus": HANDLED, "readonly": HANDLED}
 DISK = {
     "name": HANDLED,
     "disk": {**TARGET, "pciAddress": HANDLED},
-    "lun": {**TARGET, "reservation": JUDGED},  # refused in KubeVirt's words: this node runs no pr-helper
+    "lun": {**TARGET, "reservation": JUDGED},  # behind its gate; only an iSCSI lun on bus scsi (launcher.spec.gates, launcher.render.domain)
     "cdrom": {**TARGET, "tray": HANDLED},
     "floppy": HANDLED,  # refused by the parser with KubeVirt's words
     "bootOrder": HANDLED, "serial": HANDLED, "dedicatedIOThread": HANDLED, "cache": HANDLED, "io": HANDLED,

@@ -20,7 +20,10 @@ from launcher.spec.fields import SpecError
 HOST_DISK = "HostDisk"
 SIDECAR = "Sidecar"  # hook sidecars (launcher.spec.hooks)
 DOWNWARD_METRICS = "DownwardMetrics"  # the node's and the VM's load shown to the guest
-KNOWN = (HOST_DISK, SIDECAR, DOWNWARD_METRICS)
+# SCSI persistent reservations on a lun: KubeVirt's legacy gate name, which still turns them on where the
+# KubeVirt CR sets no persistentReservationConfiguration (pkg/virt-config/virt-config.go PersistentReservationEnabled)
+PERSISTENT_RESERVATION = "PersistentReservation"
+KNOWN = (HOST_DISK, SIDECAR, DOWNWARD_METRICS, PERSISTENT_RESERVATION)
 
 
 @dataclass(frozen=True)
@@ -94,3 +97,14 @@ def admit_downward_metrics(vmi, gates: FeatureGates) -> None:
             raise SpecError(f"{at}.domain.devices.downwardMetrics", "downwardMetrics virtio serial is not allowed: DownwardMetrics feature gate is not enabled")
         raise SpecError(f"{at}.domain.devices.downwardMetrics", "its virtio-serial port needs virt-handler's metrics server, which the launcher does not"
                                                                 " run: not supported by the launcher (a downwardMetrics volume gives the guest the same metrics)")
+
+
+def admit_persistent_reservation(vmi, gates: FeatureGates) -> None:
+    """vmi-create-admitter.go validatePersistentReservation: any lun with `reservation: true` needs the
+    cluster to have persistent reservations on (off by default), refused in KubeVirt's words and at its
+    field path (sic: `luns`, no index). Which luns can have one here is the domain's concern
+    (launcher.render.domain: an iSCSI lun on bus scsi only)."""
+    if gates.on(PERSISTENT_RESERVATION) or not any(d.reservation for d in vmi.domain.devices.disks):
+        return
+    at = "spec.template.spec" if vmi.from_vm else "spec"
+    raise SpecError(f"{at}.domain.devices.disks.luns.reservation", "persistent reservation is not enabled in kubevirt config")

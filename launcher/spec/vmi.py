@@ -237,6 +237,7 @@ class Disk:
     defaulted: bool = False  # added for a volume without a disk (util.SetDefaultVolumeDisk)
     block_size: tuple[int, int, int | None] | None = None  # blockSize.custom: (logical, physical, discardGranularity)
     match_volume_block_size: bool = False  # blockSize.matchVolume: the backend's sizes, found when it is opened
+    reservation: bool = False  # lun.reservation: SCSI persistent reservations (launcher.spec.gates, launcher.render.domain)
 
 
 @dataclass(frozen=True)
@@ -643,6 +644,7 @@ def _disk(doc: dict, idx: int, at: str) -> Disk:
         tray = get_str(target, "tray", tat) or "closed"
         check_one_of(tray, TRAY_STATES, f"{tat}.tray")
     pci_address = get_str(target, "pciAddress", tat) if device == "disk" else None
+    reservation = get_bool(target, "reservation", tat) if device == "lun" else False
     if pci_address is not None:
         if bus != "virtio":
             raise field_error(f"{tat}.pciAddress", f"disk {dat}.name - setting a PCI address is only possible with bus type virtio.")
@@ -675,6 +677,7 @@ def _disk(doc: dict, idx: int, at: str) -> Disk:
         cache=cache, io=io, dedicated_io_thread=get_bool(doc, "dedicatedIOThread", dat),
         shareable=get_bool(doc, "shareable", dat), error_policy=error_policy or "stop", tag=get_str(doc, "tag", dat),
         tray=tray, pci_address=pci_address, index=idx, block_size=block_size, match_volume_block_size=match_volume,
+        reservation=reservation,
     )
 
 
@@ -961,7 +964,6 @@ def _domain(doc: dict, root: str, volumes: tuple[Volume, ...]) -> DomainSpec:
     disk_items = as_list(devices_doc.get("disks"), f"{dat}.disks")
     filesystems = _filesystems(as_list(devices_doc.get("filesystems"), f"{dat}.filesystems"), volumes, disk_items, f"{dat}.disks", f"{dat}.filesystems")
     disks = _disks(disk_items, volumes, f"{dat}.disks", frozenset(f.name for f in filesystems))
-    _refuse_reservations(disk_items, dat)
     # Queues follow the vCPU topology, one at least (storage/configurator.go), so no CPU request is needed.
     block_mq = get_bool(devices_doc, "blockMultiQueue", dat)
     graphics = get_bool(devices_doc, "autoattachGraphicsDevice", dat, default=True)
@@ -1019,16 +1021,6 @@ def _object_given(doc: dict, key: str, at: str) -> bool:
     """An object field set (a Go pointer that is not nil): null or absent is not."""
     as_map(doc.get(key), f"{at}.{key}")
     return doc.get(key) is not None
-
-
-def _refuse_reservations(disk_items: list, at: str) -> None:
-    """vmi-create-admitter.go validatePersistentReservation (its field path, sic): a LUN's SCSI persistent
-    reservations go through KubeVirt's pr-helper daemon, which the cluster's config turns on
-    (persistentReservationConfiguration, off by default); this node runs none."""
-    for i, item in enumerate(disk_items):
-        lun = as_map(as_map(item, f"{at}.disks[{i}]").get("lun"), f"{at}.disks[{i}].lun")
-        if get_bool(lun, "reservation", f"{at}.disks[{i}].lun"):
-            raise SpecError(f"{at}.disks.luns.reservation", "persistent reservation is not enabled in kubevirt config")
 
 
 def _tpm(devices: dict, at: str) -> TPM | None:

@@ -17,7 +17,7 @@ from diskkit.registry.options import RegistryOptions
 from launcher.node.cache import Cache
 from launcher.render.domain import ResolvedDisk
 from launcher.spec import hooks
-from launcher.spec.gates import admit_downward_metrics, admit_host_disks
+from launcher.spec.gates import admit_downward_metrics, admit_host_disks, admit_persistent_reservation
 from launcher.spec.vmi import VMI, Volume
 from launcher.volumes import claims, filesystems, gendisks, localdisks, vmstate
 from launcher.volumes.containerdisk import container_disk, kernel_boot
@@ -61,6 +61,7 @@ def admit(vmi: VMI, store: Storage) -> None:
     """What the node's admin must allow before any volume is touched (KubeVirt's admission with its gates)."""
     admit_host_disks(vmi.volumes, store.gates)
     admit_downward_metrics(vmi, store.gates)
+    admit_persistent_reservation(vmi, store.gates)
     hooks.sidecars(vmi.annotations, store.gates, vmi.from_vm)
 
 
