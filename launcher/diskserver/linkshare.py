@@ -10,6 +10,12 @@ for never queues behind prefetch.
 - While a guest on any export of the node boots or reads, one prefetch request at a time is in
   flight on the node: a guest's next read shares the link with one piece at most. Otherwise each
   export's prefetch threads may all fetch.
+- A prefetch request gives up its place once what is left of its answer takes the link about as
+  long as a request takes to be answered (a round trip, measured): the next piece is asked for
+  then, and its first bytes follow the last of the one before. Asked only once the answer is
+  complete, each piece cost the link a round trip of nothing (a sixth of it at 20 ms and 0.1 s
+  pieces), and a booting guest, which reads faster than the link carries, outran the prefetch
+  at the end of every piece and waited for a request of its own.
 - What a reader waits for inside a prefetched piece is handed over when its own bytes have arrived
   (launcher.diskserver.registrychunks), not when the piece has.
 """
@@ -27,6 +33,7 @@ MIN_SPAN = 256 << 10  # below this a request's round trip costs more than its by
 MAX_SPAN = 8 << 20
 SMOOTHING = 0.3  # weight of the newest measurement
 MIN_SAMPLE = 128 << 10  # bodies shorter than this say more about latency than about the link
+MAX_LATENCY = 1.0  # asked ahead for a wait this long at most: a registry slower to answer is having trouble
 BUSY_FOR = 1.0  # an export that said its guest is busy this recently still counts as busy
 
 
@@ -37,6 +44,7 @@ class LinkShare:
         self.prefetches = 0
         self.busy_at: dict[str, float] = {}  # export -> when its prefetcher last saw its guest busy
         self.throughput: float | None = None  # body bytes a second one request got, smoothed
+        self.latency: float | None = None  # seconds from asking to the first bytes of the answer, smoothed
 
     @contextlib.contextmanager
     def demand(self) -> Iterator[None]:
@@ -51,10 +59,11 @@ class LinkShare:
                 self.cond.notify_all()
 
     @contextlib.contextmanager
-    def prefetch(self, export: str, busy: bool, threads: int, closing: threading.Event) -> Iterator[bool]:
+    def prefetch(self, export: str, busy: bool, threads: int, closing: threading.Event) -> Iterator["Place | None"]:
         """Waits until `export` may send a prefetch request: no demand fetch in flight, and fewer
-        prefetch requests than `threads` (1 while a guest of any export is `busy`); yields False when
-        `closing` was set first."""
+        prefetch requests than `threads` (1 while a guest of any export is `busy`); yields the
+        request's place on the link (given up when the block ends, or before by `Place.leave`), or
+        None when `closing` was set first."""
         with self.cond:
             if busy:
                 self.busy_at[export] = time.monotonic()
@@ -62,16 +71,14 @@ class LinkShare:
                 self.busy_at.pop(export, None)
             while not closing.is_set() and (self.demands or self.prefetches >= self._limit(threads)):
                 self.cond.wait(0.05)
-            allowed = not closing.is_set()
-            if allowed:
+            place = None if closing.is_set() else Place(self)
+            if place is not None:
                 self.prefetches += 1
         try:
-            yield allowed
+            yield place
         finally:
-            if allowed:
-                with self.cond:
-                    self.prefetches -= 1
-                    self.cond.notify_all()
+            if place is not None:
+                place.leave()
 
     def _limit(self, threads: int) -> int:
         now = time.monotonic()
@@ -86,10 +93,37 @@ class LinkShare:
             return FIRST_SPAN
         return int(min(MAX_SPAN, max(MIN_SPAN, self.throughput * PIECE_TIME)))
 
-    def measured(self, nbytes: int, seconds: float) -> None:
-        """A response body of `nbytes` that took `seconds` from its first byte to its last."""
-        if nbytes < MIN_SAMPLE or seconds <= 0:
-            return
-        sample = nbytes / seconds
+    def ahead(self) -> int:
+        """Bytes of a prefetch answer still to come when the next request may be sent: what the link
+        carries while a request waits for its first bytes (0 before both were measured)."""
+        if self.throughput is None or self.latency is None:
+            return 0
+        return int(self.throughput * min(self.latency, MAX_LATENCY))
+
+    def measured(self, nbytes: int, seconds: float, latency: float | None = None) -> None:
+        """A response body of `nbytes` that took `seconds` from its first byte to its last, asked for
+        `latency` seconds before its first bytes came."""
         with self.cond:
+            if latency is not None and latency >= 0:
+                self.latency = latency if self.latency is None else (1 - SMOOTHING) * self.latency + SMOOTHING * latency
+            if nbytes < MIN_SAMPLE or seconds <= 0:
+                return
+            sample = nbytes / seconds
             self.throughput = sample if self.throughput is None else (1 - SMOOTHING) * self.throughput + SMOOTHING * sample
+
+
+class Place:
+    """A prefetch request's place on the link."""
+
+    def __init__(self, link: LinkShare):
+        self.link = link
+        self.left = False
+
+    def leave(self) -> None:
+        """The answer's last bytes are on their way: another prefetch request may be sent (once)."""
+        with self.link.cond:
+            if self.left:
+                return
+            self.left = True
+            self.link.prefetches -= 1
+            self.link.cond.notify_all()
