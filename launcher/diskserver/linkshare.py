@@ -12,10 +12,10 @@ for never queues behind prefetch.
   export's prefetch threads may all fetch.
 - A prefetch request gives up its place once what is left of its answer takes the link about as
   long as a request takes to be answered (a round trip, measured): the next piece is asked for
-  then, and its first bytes follow the last of the one before. Asked only once the answer is
-  complete, each piece cost the link a round trip of nothing (a sixth of it at 20 ms and 0.1 s
-  pieces), and a booting guest, which reads faster than the link carries, outran the prefetch
-  at the end of every piece and waited for a request of its own.
+  then, and its first bytes follow the last of the one before. Asked only once the answer was
+  complete and checked, each piece left the link idle for a round trip and the checking of its
+  last chunks: over 20 ms and 100 Mbit/s the head of a booting guest, which waited for it, came
+  at 45 % of the link.
 - What a reader waits for inside a prefetched piece is handed over when its own bytes have arrived
   (launcher.diskserver.registrychunks), not when the piece has.
 """
