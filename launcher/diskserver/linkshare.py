@@ -33,6 +33,7 @@ MIN_SPAN = 256 << 10  # below this a request's round trip costs more than its by
 MAX_SPAN = 8 << 20
 SMOOTHING = 0.3  # weight of the newest measurement
 MIN_SAMPLE = 128 << 10  # bodies shorter than this say more about latency than about the link
+AHEAD_LATENCIES = 2
 MAX_LATENCY = 1.0  # asked ahead for a wait this long at most: a registry slower to answer is having trouble
 BUSY_FOR = 1.0  # an export that said its guest is busy this recently still counts as busy
 
@@ -41,7 +42,8 @@ class LinkShare:
     def __init__(self) -> None:
         self.cond = threading.Condition()
         self.demands = 0
-        self.prefetches = 0
+        self.prefetches = 0  # prefetch requests holding a place on the link
+        self.unfinished = 0  # and those that gave it up but are still coming: one more at most
         self.busy_at: dict[str, float] = {}  # export -> when its prefetcher last saw its guest busy
         self.throughput: float | None = None  # body bytes a second one request got, smoothed
         self.latency: float | None = None  # seconds from asking to the first bytes of the answer, smoothed
@@ -63,22 +65,28 @@ class LinkShare:
         """Waits until `export` may send a prefetch request: no demand fetch in flight, and fewer
         prefetch requests than `threads` (1 while a guest of any export is `busy`); yields the
         request's place on the link (given up when the block ends, or before by `Place.leave`), or
-        None when `closing` was set first."""
+        None when `closing` was set first. Of the requests that gave up their place early, one at
+        most is still coming when another is sent."""
         with self.cond:
             if busy:
                 self.busy_at[export] = time.monotonic()
             else:
                 self.busy_at.pop(export, None)
-            while not closing.is_set() and (self.demands or self.prefetches >= self._limit(threads)):
+            while not closing.is_set() and (self.demands or self.prefetches >= (limit := self._limit(threads))
+                                            or self.unfinished > limit):
                 self.cond.wait(0.05)
             place = None if closing.is_set() else Place(self)
             if place is not None:
                 self.prefetches += 1
+                self.unfinished += 1
         try:
             yield place
         finally:
             if place is not None:
                 place.leave()
+                with self.cond:
+                    self.unfinished -= 1
+                    self.cond.notify_all()
 
     def _limit(self, threads: int) -> int:
         now = time.monotonic()
@@ -95,10 +103,12 @@ class LinkShare:
 
     def ahead(self) -> int:
         """Bytes of a prefetch answer still to come when the next request may be sent: what the link
-        carries while a request waits for its first bytes (0 before both were measured)."""
+        carries while a request waits for its first bytes, twice (0 before both were measured). Once
+        for the request's way, once for this host's: the thread that sends the next one has to wake
+        and claim it, which on a host busy booting VMs took as long as a 20 ms round trip."""
         if self.throughput is None or self.latency is None:
             return 0
-        return int(self.throughput * min(self.latency, MAX_LATENCY))
+        return int(self.throughput * min(AHEAD_LATENCIES * self.latency, MAX_LATENCY))
 
     def measured(self, nbytes: int, seconds: float, latency: float | None = None) -> None:
         """A response body of `nbytes` that took `seconds` from its first byte to its last, asked for
