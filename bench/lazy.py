@@ -101,6 +101,41 @@ spec:
         image: {image}
 """
 
+CLOUD_VMI = """apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstance
+metadata:
+  name: {name}
+spec:
+  domain:
+    resources:
+      requests:
+        memory: 1Gi
+    devices:
+      disks:
+        - name: root
+          disk:
+            bus: virtio
+        - name: cloudinit
+          disk:
+            bus: virtio
+  volumes:
+    - name: root
+      containerDisk:
+        image: {image}
+    - name: cloudinit
+      cloudInitNoCloud:
+        userData: |
+          #cloud-config
+          timezone: UTC
+"""
+
+
+def cloud_guest_image() -> Path | None:
+    """The suite's Debian guest where tests/cloudguest.py keeps it; None when it was never built."""
+    env = os.environ.get("DISKKIT_CLOUDGUEST_DIR")
+    found = (Path(env) if env else Path(os.environ.get("DISKKIT_TEST_CACHE", "/var/cache/diskkit-test")) / "cloudguest") / CLOUD_IMAGE
+    return found if found.is_file() else None
+
 
 def padded_guest(workdir: Path, size: int, log, guest: Path = GUEST) -> Path:
     """The test guest as raw, padded to `size` with seeded pseudo-random bytes; made once, cached."""
