@@ -160,7 +160,7 @@ class QemuScratch:
 
     def __init__(self):
         # Under /tmp: libvirt's and the disk server's unix socket paths must stay under 108 bytes.
-        self.root = Path(tempfile.mkdtemp(prefix="diskkit-lazy-"))
+        self.root = Path(tempfile.mkdtemp(prefix="dkl-"))
         os.chmod(self.root, 0o755)
         self.home = self.root / "home"
         self._mkdir(self.home)
@@ -233,7 +233,8 @@ def boot_once(scratch: QemuScratch, image: str, lazy: bool, run_id: str, node_se
     if lazy and node_server:
         start_server(scratch, cache)
     vmi = scratch.root / f"{run_id}.yaml"
-    vmi.write_text(vmi_text.format(name=run_id, image=image))
+    # A short VM name: libvirt's monitor socket lies under the scratch directory and a unix socket's path holds 107 bytes.
+    vmi.write_text(vmi_text.format(name="".join(part[:2] if n == 0 else part[:1] for n, part in enumerate(run_id.split("-"))), image=image))
     command = scratch.command("run", "--cache-dir", str(cache), "--tls-verify=false", "--lazy" if lazy else "--no-lazy",
                               "--console", "--timeout", str(int(FIRST_LINE_TIMEOUT)), str(vmi))
     os.sync()
