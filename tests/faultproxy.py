@@ -59,7 +59,8 @@ second, as through one link, in pieces small enough that concurrent answers shar
 counts the connections accepted. ``timeline`` holds, in the order they happened, ``("arrived", number,
 connection, method, target, Range or None)`` as each request arrives (``number`` counts requests from
 0, ``connection`` the connections from 1) and ``("answered", number, ...)`` once a relayed answer's last
-byte was sent: an order of events, never a time.
+byte was sent: an order of events, never a time. ``times`` holds when each of them happened
+(time.monotonic()), for a bench's breakdown: tests assert orders.
 """
 
 from __future__ import annotations
@@ -582,6 +583,7 @@ class FaultProxy:
         self.link = link
         self.connections = 0
         self.timeline: list[tuple[str, int, int, str, str, str | None]] = []
+        self.times: list[float] = []  # time.monotonic() of each timeline event
         self._request_count = 0
         self._lock = threading.Lock()
         self._closing = threading.Event()
@@ -644,6 +646,7 @@ class FaultProxy:
                 self._request_count += 1
             event = (kind, number, connection, method, target, range_)
             self.timeline.append(event)
+            self.times.append(time.monotonic())
             return event
 
     def _log(self, method: str, path: str, status: int) -> None:

@@ -108,3 +108,28 @@ def test_density_bench_two_vms_of_one_image_at_once(tmp_path):
     assert rounds["lazy"]["servers"] == 1 and rounds["lazy"]["exports"] == 1 and rounds["lazy"]["server_rss_mib"] > 0
     assert 0 < rounds["lazy"]["layer_served_x"] < 1.5  # the server's fill: the blob once at most
     assert all(c["pass"] for c in report["checks"]), report["checks"]
+
+
+@pytest.mark.vm  # boots VMs through the bench's own launchers, which no fixture names
+def test_lazy_bench_over_a_link_at_a_small_size(tmp_path):
+    # bench/lazy.py as docs/benchmarks.md runs it over the modelled link, at 96 MiB and one run without
+    # full pulls: the figures are not asserted (shared machines), that each variant booted and the
+    # timeline of a lazy run holds its requests, from the manifest to the disk's ranges, is.
+    from tests.testguest import ensure_testguest
+
+    guest = ensure_testguest() / "testguest-poweroff.qcow2"
+    timeline = tmp_path / "timeline"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "lazy.py"), "--large-mb", "96", "--runs", "1", "--no-full",
+                           "--link", "5,400", "--timeline", str(timeline), "--guest", str(guest), "--workdir", str(tmp_path / "work"),
+                           "--json"], capture_output=True, text=True, timeout=1800, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout)
+    assert set(out["median_s"]) == {"lazy-small", "lazy-large", "local-small"}, out
+    assert all(v > 0 for v in out["median_s"].values()), out
+    assert any(c["name"].endswith("over the link") for c in out["checks"]), out["checks"]
+    run = json.loads((timeline / "lazy-large-1.json").read_text())
+    events = run["events"]
+    assert all(0 <= e["at"] <= run["measured_s"] + 0.5 for e in events), events
+    manifest = next(e["at"] for e in events if e["event"] == "arrived" and "/manifests/" in e["target"])
+    ranges = [e for e in events if e["event"] == "arrived" and "/blobs/" in e["target"] and e["range"]]
+    assert ranges and all(e["at"] > manifest for e in ranges), events

@@ -33,9 +33,10 @@ Sink = Callable[[int, Chunk], None]
 class RunSource(Protocol):
     reused: bool  # the node's own bytes (counted as reused), not the registry's (counted as fetched)
 
-    def take(self, first: int, end: int, sink: Sink | None = None) -> Taken:
+    def take(self, first: int, end: int, sink: Sink | None = None, ending: Callable[[], None] | None = None) -> Taken:
         """Chunks [first, end) this source has; raises DiskkitError when it failed as a whole.
-        `sink(index, chunk)` is given each good chunk as soon as it is checked, before the run ends."""
+        `sink(index, chunk)` is given each good chunk as soon as it is checked, before the run ends;
+        `ending()` may be called once the rest is about to arrive (a source on the link says when)."""
         ...
 
 
@@ -51,7 +52,7 @@ class EachChunk:
     def __init__(self, source: OneChunk):
         self.source = source
 
-    def take(self, first: int, end: int, sink: Sink | None = None) -> Taken:
+    def take(self, first: int, end: int, sink: Sink | None = None, ending: Callable[[], None] | None = None) -> Taken:
         taken = Taken()
         for index in range(first, end):
             try:

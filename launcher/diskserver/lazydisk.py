@@ -27,6 +27,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 from diskkit.errors import DiskkitError
 from diskkit.ops.verify import DiskFacts, disk_problems
@@ -110,7 +111,7 @@ class LazyDisk:
         self.layout = layout
         self.ranges = ranges
         self.link = link if link is not None else LinkShare()
-        self.sources = sources if sources is not None else [RegistryChunks(layout, ranges, measured=self.link.measured)]
+        self.sources = sources if sources is not None else [RegistryChunks(layout, ranges, link=self.link)]
         self.opts = opts
         self.name = layout.name
         self.description = description or f"{layout.layer} /{layout.member}"
@@ -353,8 +354,9 @@ class LazyDisk:
 
     # --- fetching -------------------------------------------------------------------------------
 
-    def _fetch_claimed(self, claimed: list[int]) -> bool:
-        """Fetch chunks this thread claimed, in runs of consecutive ones; always releases the claims."""
+    def _fetch_claimed(self, claimed: list[int], ending: Callable[[], None] | None = None) -> bool:
+        """Fetch chunks this thread claimed, in runs of consecutive ones; always releases the claims.
+        `ending()`: told when the last of them are about to arrive (the sources' `take`)."""
         ok = True
         runs: list[list[int]] = []
         for index in claimed:
@@ -364,7 +366,7 @@ class LazyDisk:
                 runs.append([index])
         try:
             for run in runs:
-                if not self._fetch_run(run[0], run[-1] + 1):
+                if not self._fetch_run(run[0], run[-1] + 1, ending if run is runs[-1] else None):
                     ok = False
         finally:
             with self.lock:
@@ -374,7 +376,7 @@ class LazyDisk:
                         event.set()
         return ok
 
-    def _fetch_run(self, first: int, end: int) -> bool:
+    def _fetch_run(self, first: int, end: int, ending: Callable[[], None] | None = None) -> bool:
         """Chunks [first, end) from the sources in order, each asked only for what those before it lacked."""
         missing = [(first, end)]
         for source in self.sources:
@@ -387,7 +389,7 @@ class LazyDisk:
                     kept.add(index)
 
                 try:
-                    taken = source.take(low, high, sink)
+                    taken = source.take(low, high, sink, ending if (low, high) == missing[-1] else None)
                 except DiskkitError as exc:
                     if kept:
                         self.progress_at = time.monotonic()  # some of the run came before the failure
@@ -480,11 +482,11 @@ class LazyDisk:
             span = self.link.span()
             # Paid for before claiming: chunks claimed by a throttled prefetcher would keep readers waiting.
             self.bucket.take(span, self.closing)
-            with self.link.prefetch(self.name, busy, self.opts.prefetch_threads, self.closing) as allowed:
-                if not allowed:
+            with self.link.prefetch(self.name, busy, self.opts.prefetch_threads, self.closing) as place:
+                if place is None:
                     return
                 run = self._claim_prefetch(window, span)
-                fetched = run is not None and self._fetch_claimed(run)
+                fetched = run is not None and self._fetch_claimed(run, place.leave)
             if run is None:
                 with self.lock:
                     done = all(self.present) and not self.inflight

@@ -22,19 +22,21 @@ from launcher.diskserver.blobranges import BlobRanges
 from launcher.diskserver.chunksources import Chunk, Sink, Taken
 from launcher.diskserver.firstbytes import held_ends
 from launcher.diskserver.layout import Layout
+from launcher.diskserver.linkshare import LinkShare
 
 
 class RegistryChunks:
     reused = False
 
     def __init__(self, layout: Layout, ranges: BlobRanges, held: Sequence[tuple[int, bytes]] = (),
-                 measured: Callable[[int, float], None] | None = None):
+                 link: LinkShare | None = None):
         """`held`: blob bytes already fetched, as (offset, bytes).
-        `measured(nbytes, seconds)`: told how fast each response body came, from its first piece to its last."""
+        `link`: told how long each answer took to begin and how fast its body came; says when the
+        rest of an answer is what the link carries in that wait."""
         self.layout = layout
         self.ranges = ranges
         self.held = list(held)
-        self.measured = measured
+        self.link = link
 
     def _blob_span(self, first: int, end: int) -> tuple[int, int]:
         lay = self.layout
@@ -42,8 +44,10 @@ class RegistryChunks:
             return lay.offset + lay.chunk_range(first)[0], lay.offset + lay.chunk_range(end - 1)[1]
         return lay.members[first][0], sum(lay.members[end - 1])
 
-    def take(self, first: int, end: int, sink: Sink | None = None) -> Taken:
-        """Chunks [first, end); `sink(index, chunk)` is called for each good one as soon as it is checked."""
+    def take(self, first: int, end: int, sink: Sink | None = None, ending: Callable[[], None] | None = None) -> Taken:
+        """Chunks [first, end); `sink(index, chunk)` is called for each good one as soon as it is checked,
+        `ending()` once what is left of the answer takes the link about as long as an answer takes
+        to begin (launcher.diskserver.linkshare: the next piece is asked for then)."""
         taken = Taken()
         start, stop = self._blob_span(first, end)
         front, back = held_ends(self.held, start, stop)
@@ -63,18 +67,23 @@ class RegistryChunks:
                 buf = bytearray()
                 parts.append((middle[0], buf))
                 first_piece: list[tuple[float, int]] = []
+                wanted = middle[1] - middle[0]
+                ahead = self.link.ahead() if self.link is not None and ending is not None else 0
 
                 def arrived(grown: bytearray) -> None:
                     if not first_piece:
                         first_piece.append((time.monotonic(), len(grown)))
                     buf[len(buf):] = grown[len(buf):]
+                    if ahead and wanted - len(buf) <= ahead:
+                        ending()  # before the chunks are checked: the next request is on its way meanwhile
                     ready(middle[0] + len(buf))
 
-                data = self.ranges.read(middle[0], middle[1] - middle[0], arrived if sink is not None else None)
+                asked = time.monotonic()
+                data = self.ranges.read(middle[0], wanted, arrived if sink is not None else None)
                 buf[len(buf):] = data[len(buf):]
-                if first_piece and self.measured is not None:
+                if first_piece and self.link is not None:
                     at, nbytes = first_piece[0]
-                    self.measured(len(data) - nbytes, time.monotonic() - at)
+                    self.link.measured(len(data) - nbytes, time.monotonic() - at, at - asked)
             parts.append((middle[1], back))
             ready(stop)
         except _SinkFailed as failed:

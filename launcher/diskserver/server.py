@@ -323,7 +323,7 @@ class DiskServer:
         """The node's own chunks first (any cached disk or finished export holding a chunk the TOC names
         by content), then the registry's ranges for the rest (`held`: members the open fetched beside
         the TOC). The layout answers what LocalChunks asks of a TOC: the chunks' content hashes and ranges."""
-        registry = RegistryChunks(layout, ranges, held, self.link.measured)
+        registry = RegistryChunks(layout, ranges, held, self.link)
         if layout.content_hashes is None or not reuse_allowed():
             return [registry]
         return [EachChunk(LocalChunks(self.chunk_index, self.cache, layout)), registry]
