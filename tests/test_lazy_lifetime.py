@@ -81,6 +81,18 @@ def test_a_server_whose_cache_directory_is_deleted_exits(tmp_path, lazy_image):
     assert code == 0
 
 
+def opened_by_a_run_that_ends(cache: Path, image: str) -> dict:
+    """The server's answer to an open announcing one VM, asked by a process that exits after it, as
+    a run that failed before its VM started does."""
+    opener = subprocess.run([sys.executable, "-c", "import sys, json; from launcher.diskserver.control import request; "
+                             "print(json.dumps(request(__import__('pathlib').Path(sys.argv[1]), json.loads(sys.argv[2]))))",
+                             cache / "serve" / "control.sock",
+                             json.dumps({"op": "open", "image": image, "registry": {"tls_verify": False}, "clients": 1})],
+                            capture_output=True, text=True)
+    assert opener.returncode == 0, opener.stderr
+    return json.loads(opener.stdout)
+
+
 def test_an_idle_exiting_server_waits_for_its_announced_client_then_leaves_with_it(tmp_path, lazy_image, guest_raw):
     cache = tmp_path / "cache"
     cache.mkdir()
@@ -180,12 +192,7 @@ def test_an_announced_client_is_not_waited_for_once_the_run_that_announced_it_is
     cache = tmp_path / "cache"
     cache.mkdir()
     with disk_server(cache, "--exit-when-idle", "1") as server:
-        opener = subprocess.run([sys.executable, "-c", "import sys, json; from launcher.diskserver.control import request; "
-                                 "assert request(__import__('pathlib').Path(sys.argv[1]), json.loads(sys.argv[2]))['ok']",
-                                 cache / "serve" / "control.sock",
-                                 json.dumps({"op": "open", "image": lazy_image, "registry": {"tls_verify": False}, "clients": 1})],
-                                capture_output=True, text=True)
-        assert opener.returncode == 0, opener.stderr
+        assert opened_by_a_run_that_ends(cache, lazy_image)["ok"]
         code = server.wait(timeout=120)  # once the disk is fetched: nothing holds it
     assert code == 0
     assert "idle for 1 s and nothing is left to fetch: exiting" in server_log(cache), server_log(cache)
@@ -201,13 +208,7 @@ def test_the_rest_of_a_disk_whose_run_died_before_its_vm_is_not_held_for_a_boot(
     cache.mkdir()
     with disk_server(cache):
         opened = time.monotonic()
-        opener = subprocess.run([sys.executable, "-c", "import sys, json; from launcher.diskserver.control import request; "
-                                 "print(json.dumps(request(__import__('pathlib').Path(sys.argv[1]), json.loads(sys.argv[2]))))",
-                                 cache / "serve" / "control.sock",
-                                 json.dumps({"op": "open", "image": lazy_image, "registry": {"tls_verify": False}, "clients": 1})],
-                                capture_output=True, text=True)
-        assert opener.returncode == 0, opener.stderr
-        export = json.loads(opener.stdout)["export"]
+        export = opened_by_a_run_that_ends(cache, lazy_image)["export"]
         # Not a timing claim: the hold's own length is the bound, and the rest is 30 MiB from loopback.
         wait_for(lambda: export_status(cache, export)["installed"] or time.monotonic() - opened > BOOT_HOLD, BOOT_HOLD + 60, "the disk or the hold's end")
         assert export_status(cache, export)["installed"] and time.monotonic() - opened < BOOT_HOLD, (export_status(cache, export), server_log(cache))
