@@ -32,7 +32,7 @@ from diskkit.layers.layer import (
     member_header,
     tar_header,
 )
-from diskkit.streams.compression import gzip_member
+from diskkit.streams.compression import gzip_member, gzip_member_parts
 from diskkit.streams.pieceread import PieceReader
 
 WORKERS = os.cpu_count() or 2
@@ -42,14 +42,22 @@ def _compress(data: bytes, level: int | None) -> bytes:
     return gzip_member(data, level)
 
 
-def _compress_chunks(chunks: list, level: int | None) -> list[tuple[bytes, str, str]]:
-    """Per chunk, (its member, the member's pin, its content hash): all in the compressing thread.
-    Small chunks go in batches: one task each CHUNK bytes, not one per chunk."""
-    out = []
+def _compress_chunks(chunks: list, level: int | None) -> tuple[bytes, list[tuple[int, str, str]]]:
+    """The batch's members side by side in one bytes object and, per chunk, (its member's length,
+    the member's pin, its content hash): all in the compressing thread. Small chunks go in batches,
+    one task each CHUNK bytes, and a batch goes on as one piece: every hand-over between threads
+    wakes one, which costs this kind of VM about 20 microseconds of CPU."""
+    parts, made = [], []
     for data in chunks:
-        member = gzip_member(data, level)
-        out.append((member, lazytoc.member_pin(lazytoc.MEMBER_HASH, member), lazytoc.content_hash("blake3", data)))
-    return out
+        member = gzip_member_parts(data, level)
+        parts += member
+        made.append((sum(map(len, member)), lazytoc.content_hash("blake3", data)))
+    joined = b"".join(parts)
+    view, at, out = memoryview(joined), 0, []
+    for length, content in made:
+        out.append((length, lazytoc.member_pin(lazytoc.MEMBER_HASH, view[at:at + length]), content))
+        at += length
+    return joined, out
 
 
 class _Framer:
@@ -204,11 +212,11 @@ def write_layer(
     contents: list[str] = []
     lengths: list[int] = []
 
-    def emit(data: bytes | list[bytes]) -> int:
+    def emit(data: bytes) -> int:
         nonlocal position
         at = position
         writer.put(data)
-        position += len(data) if not isinstance(data, list) else sum(map(len, data))
+        position += len(data)
         return at
 
     try:
@@ -224,11 +232,11 @@ def write_layer(
                 if advance:
                     advance(raw)
                 continue
-            done = future.result()
-            at = emit([member for member, _, _ in done])
-            for length, (member, member_pin, content) in zip(raw, done):
-                members.append((at, len(member)))
-                at += len(member)
+            joined, done = future.result()
+            at = emit(joined)
+            for length, (member_length, member_pin, content) in zip(raw, done):
+                members.append((at, member_length))
+                at += member_length
                 digests.append(member_pin)
                 contents.append(content)
                 lengths.append(length)
