@@ -6,8 +6,8 @@ for a disk too large for them), everything else in pieces of at most CHUNK bytes
 compressed (and, for a chunk, the member and the chunk hashed: the TOC pins members and
 names chunks by content, see lazytoc) on a thread pool, so every core compresses; the futures go
 through a bounded queue in stream order, so memory stays flat whatever the disk size. The calling
-thread takes them in order, notes each chunk's offset in the blob and hands the bytes to the blob
-writer (digest + sink, as for any layer). The TOC is written last, when every offset is known.
+thread takes them in order, notes each chunk's offset in the blob, hashes the blob and hands the
+bytes to the sink, a batch of members at a time. The TOC is written last, when every offset is known.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from diskkit.layers.layer import (
     CHUNK,
     DIR_MODE,
     BlobSink,
-    BlobWriter,
     Entry,
     LayerResult,
     Stopped,
@@ -203,9 +202,10 @@ def write_layer(
     pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="gzip")
     framer = _Framer(pool, futures, diff, stop, level)
     reader = threading.Thread(target=_produce, args=(entries, mtime, framer, toc_for, found, files, content_defined), daemon=True)
-    writer = BlobWriter(sink, hashed=True)
+    # The blob is hashed and handed to the sink here, between waits for the workers: both sinks
+    # (an upload, a layout's direct writer) send from threads of their own already.
+    blob = hashlib.sha256()
     reader.start()
-    writer.start()
     position = 0
     members: list[tuple[int, int]] = []
     digests: list[str] = []
@@ -215,7 +215,8 @@ def write_layer(
     def emit(data: bytes) -> int:
         nonlocal position
         at = position
-        writer.put(data)
+        blob.update(data)
+        sink.write(data)
         position += len(data)
         return at
 
@@ -259,9 +260,5 @@ def write_layer(
         stop.set()
         reader.join()
         pool.shutdown(wait=True, cancel_futures=True)
-        writer.queue.put(None)
-        writer.join()
-    if writer.error is not None:
-        raise writer.error
     loc = lazytoc.TocLocation(toc_at, len(toc_member), "sha256:" + hashlib.sha256(doc).hexdigest())
-    return LayerResult("sha256:" + writer.hash.hexdigest(), writer.size, "sha256:" + diff.hexdigest(), "gzip", loc, toc.version)
+    return LayerResult("sha256:" + blob.hexdigest(), position, "sha256:" + diff.hexdigest(), "gzip", loc, toc.version)
