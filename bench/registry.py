@@ -394,6 +394,9 @@ def print_results(results: dict[tuple[str, str], Result], modes: list[str], foun
 def push_pull_image(registry: Registry, disk: Path) -> None:
     """The image every pull variant reads, pushed once by diskkit."""
     bb.log(f"registry on {registry.host}; pushing the pull image {PULL_REPO}:{TAG} with diskkit ...")
+    # Its build record goes with the registry's storage, not into the user's own cache (every timed
+    # run gets a fresh one of its own: run_once).
+    os.environ["XDG_CACHE_HOME"] = str(registry.dir / "xdg-cache")
     bb.run_quiet([*bb.diskkit_command(), "build", str(disk), "-t", f"{registry.host}/{PULL_REPO}:{TAG}", "--tls-verify=false"])
 
 

@@ -197,11 +197,10 @@ class BlobWriter(threading.Thread):
             if self.error is not None:
                 continue  # keep draining so the producer never blocks
             try:
-                for part in data if isinstance(data, list) else (data,):  # a list: parts put at once, one wakeup
-                    if self.hash is not None:
-                        self.hash.update(part)
-                    self.sink.write(part)
-                    self.size += len(part)
+                if self.hash is not None:
+                    self.hash.update(data)
+                self.sink.write(data)
+                self.size += len(data)
             except BaseException as exc:
                 self.error = exc
 

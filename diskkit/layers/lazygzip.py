@@ -6,8 +6,8 @@ for a disk too large for them), everything else in pieces of at most CHUNK bytes
 compressed (and, for a chunk, the member and the chunk hashed: the TOC pins members and
 names chunks by content, see lazytoc) on a thread pool, so every core compresses; the futures go
 through a bounded queue in stream order, so memory stays flat whatever the disk size. The calling
-thread takes them in order, notes each chunk's offset in the blob and hands the bytes to the blob
-writer (digest + sink, as for any layer). The TOC is written last, when every offset is known.
+thread takes them in order, notes each chunk's offset in the blob, hashes the blob and hands the
+bytes to the sink, a batch of members at a time. The TOC is written last, when every offset is known.
 """
 
 from __future__ import annotations
@@ -25,14 +25,13 @@ from diskkit.layers.layer import (
     CHUNK,
     DIR_MODE,
     BlobSink,
-    BlobWriter,
     Entry,
     LayerResult,
     Stopped,
     member_header,
     tar_header,
 )
-from diskkit.streams.compression import gzip_member
+from diskkit.streams.compression import gzip_member, gzip_member_parts
 from diskkit.streams.pieceread import PieceReader
 
 WORKERS = os.cpu_count() or 2
@@ -42,14 +41,22 @@ def _compress(data: bytes, level: int | None) -> bytes:
     return gzip_member(data, level)
 
 
-def _compress_chunks(chunks: list, level: int | None) -> list[tuple[bytes, str, str]]:
-    """Per chunk, (its member, the member's pin, its content hash): all in the compressing thread.
-    Small chunks go in batches: one task each CHUNK bytes, not one per chunk."""
-    out = []
+def _compress_chunks(chunks: list, level: int | None) -> tuple[bytes, list[tuple[int, str, str]]]:
+    """The batch's members side by side in one bytes object and, per chunk, (its member's length,
+    the member's pin, its content hash): all in the compressing thread. Small chunks go in batches,
+    one task each CHUNK bytes, and a batch goes on as one piece: every hand-over between threads
+    wakes one, which costs this kind of VM about 20 microseconds of CPU."""
+    parts, made = [], []
     for data in chunks:
-        member = gzip_member(data, level)
-        out.append((member, lazytoc.member_pin(lazytoc.MEMBER_HASH, member), lazytoc.content_hash("blake3", data)))
-    return out
+        member = gzip_member_parts(data, level)
+        parts += member
+        made.append((sum(map(len, member)), lazytoc.content_hash("blake3", data)))
+    joined = b"".join(parts)
+    view, at, out = memoryview(joined), 0, []
+    for length, content in made:
+        out.append((length, lazytoc.member_pin(lazytoc.MEMBER_HASH, view[at:at + length]), content))
+        at += length
+    return joined, out
 
 
 class _Framer:
@@ -195,20 +202,22 @@ def write_layer(
     pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="gzip")
     framer = _Framer(pool, futures, diff, stop, level)
     reader = threading.Thread(target=_produce, args=(entries, mtime, framer, toc_for, found, files, content_defined), daemon=True)
-    writer = BlobWriter(sink, hashed=True)
+    # The blob is hashed and handed to the sink here, between waits for the workers: both sinks
+    # (an upload, a layout's direct writer) send from threads of their own already.
+    blob = hashlib.sha256()
     reader.start()
-    writer.start()
     position = 0
     members: list[tuple[int, int]] = []
     digests: list[str] = []
     contents: list[str] = []
     lengths: list[int] = []
 
-    def emit(data: bytes | list[bytes]) -> int:
+    def emit(data: bytes) -> int:
         nonlocal position
         at = position
-        writer.put(data)
-        position += len(data) if not isinstance(data, list) else sum(map(len, data))
+        blob.update(data)
+        sink.write(data)
+        position += len(data)
         return at
 
     try:
@@ -224,11 +233,11 @@ def write_layer(
                 if advance:
                     advance(raw)
                 continue
-            done = future.result()
-            at = emit([member for member, _, _ in done])
-            for length, (member, member_pin, content) in zip(raw, done):
-                members.append((at, len(member)))
-                at += len(member)
+            joined, done = future.result()
+            at = emit(joined)
+            for length, (member_length, member_pin, content) in zip(raw, done):
+                members.append((at, member_length))
+                at += member_length
                 digests.append(member_pin)
                 contents.append(content)
                 lengths.append(length)
@@ -251,9 +260,5 @@ def write_layer(
         stop.set()
         reader.join()
         pool.shutdown(wait=True, cancel_futures=True)
-        writer.queue.put(None)
-        writer.join()
-    if writer.error is not None:
-        raise writer.error
     loc = lazytoc.TocLocation(toc_at, len(toc_member), "sha256:" + hashlib.sha256(doc).hexdigest())
-    return LayerResult("sha256:" + writer.hash.hexdigest(), writer.size, "sha256:" + diff.hexdigest(), "gzip", loc, toc.version)
+    return LayerResult("sha256:" + blob.hexdigest(), position, "sha256:" + diff.hexdigest(), "gzip", loc, toc.version)

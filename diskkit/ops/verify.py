@@ -317,28 +317,37 @@ def disk_problems(disk_file: Path, shown: str, disk: DiskFacts) -> list[str]:
     with open(disk_file, "rb") as f:
         head = f.read(diskheader.HEADER_BYTES)
     header = diskheader.parse(head)
+    checking = None
     if header is not None:
         disk.format, disk.virtual_size = "qcow2", header.virtual_size
         unsafe = diskheader.safety_violations(header)
         if unsafe:  # never hand qemu-img an image that names host files
             return [f"{shown}: {p}" for p in unsafe]
+        # As examine_disk: the check runs beside info (each a cold start of qemu-img), judged only if info agrees.
+        checking = qemuimg.start_check(disk_file, "qcow2")
     else:
         # qemu-img calls anything it does not know raw, so a packaged .xz or YAML would boot as a blank disk
         not_disk = payload_problem(head, disk_file.stat().st_size)
         if not_disk:
             return [f"{shown}: {not_disk}"]
     try:
-        info = qemuimg.info(disk_file)
-    except DiskkitError as exc:
-        return [f"{shown}: {exc.rule}"]
-    disk.format, disk.virtual_size = info.format, info.virtual_size
-    problems = [f"{shown}: {p}" for p in diskrules.violations(info)]
-    if not problems and info.format == "qcow2":
         try:
-            qemuimg.check(disk_file, "qcow2")
+            info = qemuimg.info(disk_file)
         except DiskkitError as exc:
-            problems.append(f"{shown}: {exc.rule}")
-    return problems
+            return [f"{shown}: {exc.rule}"]
+        disk.format, disk.virtual_size = info.format, info.virtual_size
+        problems = [f"{shown}: {p}" for p in diskrules.violations(info)]
+        if not problems and info.format == "qcow2":
+            try:
+                qemuimg.check(disk_file, "qcow2", checking)
+            except DiskkitError as exc:
+                problems.append(f"{shown}: {exc.rule}")
+            checking = None
+        return problems
+    finally:
+        if checking is not None:
+            checking.kill()
+            checking.communicate()
 
 
 def payload_problem(head: bytes, size: int) -> str | None:

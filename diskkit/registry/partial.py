@@ -75,6 +75,7 @@ class PartialBlob:
         self.synced_at = time.monotonic()
         self._pending: queue.Queue = queue.Queue(QUEUE_DEPTH)
         self._keeping = True
+        self._marking = threading.Lock()  # no resume point is recorded once drop() has begun
         self._writer = threading.Thread(target=self._write_all, daemon=True)
         self._writer.start()
 
@@ -117,7 +118,10 @@ class PartialBlob:
         self.synced_at = time.monotonic()
         if self.written != self.synced:
             os.fdatasync(self.fd)
-            write_atomic(self.mark, str(self.written).encode())
+            with self._marking:
+                if not self._keeping:
+                    return  # dropped meanwhile: these bytes are no one's resume point
+                write_atomic(self.mark, str(self.written).encode())
             self.synced = self.written
 
     def _stop(self, keep: bool) -> None:
@@ -133,19 +137,27 @@ class PartialBlob:
         self._stop(keep=True)
 
     def drop(self) -> None:
-        self._stop(keep=False)  # what is still queued is not written
+        with self._marking:
+            self._keeping = False  # what is still queued is not written, and no resume point recorded
         self.mark.unlink(missing_ok=True)  # first: nothing is resumed from what follows
         self.origin.unlink(missing_ok=True)
-        # Unlinking a few hundred MB of page cache took 0.1-0.6 s here, waiting on the filesystem's
-        # journal like the disk's fsync that follows: done beside it, not before it, under a name no
-        # later download of the blob opens (gc takes it if the process dies first: `abandoned`). Not
-        # a daemon: the interpreter waits for it at exit, so the copy never outlives the download.
+        # The copy's writer may be inside a write or a periodic fdatasync (0.04-0.2 s here under load),
+        # and unlinking a few hundred MB of page cache took 0.1-0.6 s, waiting on the filesystem's
+        # journal like the disk's fsync that follows: both are waited for beside what follows, not
+        # before it, the bytes under a name no later download of the blob opens (gc takes it if the
+        # process dies first: `abandoned`). Not a daemon: the interpreter waits for it at exit, so
+        # the copy never outlives the download.
         gone = self.path.with_name(f".{self.path.name}.dropped-{secrets.token_hex(4)}")
         try:
             self.path.rename(gone)
         except FileNotFoundError:
-            return
-        threading.Thread(target=gone.unlink, kwargs={"missing_ok": True}, name="partial-unlink").start()
+            gone = None
+        threading.Thread(target=self._finish_dropped, args=(gone,), name="partial-unlink").start()
+
+    def _finish_dropped(self, gone: Path | None) -> None:
+        self._stop(keep=False)
+        if gone is not None:
+            gone.unlink(missing_ok=True)
 
 
 def abandoned(directory: Path) -> list[Path]:

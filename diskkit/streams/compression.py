@@ -99,13 +99,19 @@ def _check_gzip_level(level: int) -> None:
 def gzip_member(data: bytes | memoryview, level: int | None = None) -> bytes:
     """One complete gzip member (header mtime 0). Members concatenate into one gzip stream, and
     ISA-L releases the GIL while compressing, so threads compress members on every core."""
+    return b"".join(gzip_member_parts(data, level))
+
+
+def gzip_member_parts(data: bytes | memoryview, level: int | None = None) -> tuple[bytes, ...]:
+    """gzip_member's bytes as the compressor gave them, unjoined: a caller that puts many members
+    side by side joins them all at once, copying each byte once."""
     level = DEFAULT_LEVEL["gzip"] if level is None else level
     _check_gzip_level(level)
     z = isal_zlib.compressobj(level, isal_zlib.DEFLATED, 31)
     if len(data) <= PROLOGUE:
-        return z.compress(data) + z.flush()
-    # _Gzip's parts in one join: a member is copied once, not once per part
-    return b"".join((_open_stream(z, data[:PROLOGUE]), z.compress(data[PROLOGUE:]), z.flush()))
+        return z.compress(data), z.flush()
+    # _Gzip's parts: the prologue alone, closed by a sync flush (_open_stream), then the rest
+    return z.compress(data[:PROLOGUE]), z.flush(isal_zlib.Z_SYNC_FLUSH), z.compress(data[PROLOGUE:]), z.flush()
 
 
 def sniff(head: bytes) -> str:

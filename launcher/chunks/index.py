@@ -141,7 +141,10 @@ class ChunkIndex:
 
     # --- the connection ----------------------------------------------------------------------
 
-    def _connect(self) -> sqlite3.Connection:
+    def _connect(self, adding: str | None = None) -> sqlite3.Connection:
+        """The connection; a fresh file is rebuilt from the cache's disks first, but for the one at
+        `adding`, which the caller is about to record (a node's first pull would cut or read its
+        chunks twice)."""
         self.dir.mkdir(mode=0o700, exist_ok=True)
         fresh = not self.path.exists()
         db = sqlite3.connect(self.path, timeout=BUSY_MS / 1000, isolation_level=None, check_same_thread=False)
@@ -156,15 +159,15 @@ class ChunkIndex:
             raise
         self._db = db
         if fresh:
-            self._rebuild_locked()
+            self._rebuild_locked(adding)
         return db
 
-    def _run(self, work):
+    def _run(self, work, adding: str | None = None):
         """`work(db)` under the lock; an index SQLite cannot read is thrown away, rebuilt, and asked again."""
         with self._lock:
             for attempt in (0, 1):
                 try:
-                    db = self._db or self._connect()
+                    db = self._db or self._connect(adding)
                     return work(db)
                 except sqlite3.DatabaseError as exc:
                     # Only a file SQLite cannot read as a database goes ("file is not a database",
@@ -194,7 +197,7 @@ class ChunkIndex:
     def add_file(self, relpath: str, *records: Record) -> None:
         """Record that the file at `relpath` (cache-relative) holds these chunks, in place of what was
         recorded for it under the same hash names (a file may be cut and hashed several ways)."""
-        self._run(lambda db: self._add(db, relpath, records))
+        self._run(lambda db: self._add(db, relpath, records), adding=relpath)
 
     @staticmethod
     def _add(db: sqlite3.Connection, relpath: str, records) -> None:
@@ -252,10 +255,12 @@ class ChunkIndex:
             self._connect()  # a fresh file: rebuilt there
             return len(self._db.execute("SELECT DISTINCT path FROM places").fetchall())
 
-    def _rebuild_locked(self) -> None:
+    def _rebuild_locked(self, adding: str | None = None) -> None:
         db = self._db
         for disk in sorted((self.root / "disks" / "sha256").glob("*/*/disk.img")):
             relpath = str(disk.relative_to(self.root))
+            if relpath == adding:
+                continue
             try:
                 self._add(db, relpath, records_for(disk, _recorded(disk.parent / CHUNKS_FILE, disk)))
             except OSError:
