@@ -81,53 +81,21 @@ CLOUD_IMAGE = "cloudguest.qcow2"
 LOGIN = b"login:"
 FIRST_LINE_TIMEOUT = 900.0
 
-VMI = """apiVersion: kubevirt.io/v1
-kind: VirtualMachineInstance
-metadata:
-  name: {name}
-spec:
-  domain:
-    resources:
-      requests:
-        memory: 128Mi
-    devices:
-      disks:
-        - name: root
-          disk:
-            bus: virtio
-  volumes:
-    - name: root
-      containerDisk:
-        image: {image}
-"""
+def vmi_text(memory: str = "128Mi", cloud_config: str | None = None) -> str:
+    """The VMI each run boots ({name} and {image} left to fill): the containerDisk, and for the cloud
+    guest a NoCloud disk with `cloud_config`. JSON, which is YAML."""
+    disks = [{"name": "root", "disk": {"bus": "virtio"}}]
+    volumes = [{"name": "root", "containerDisk": {"image": "{image}"}}]
+    if cloud_config is not None:
+        disks.append({"name": "cloudinit", "disk": {"bus": "virtio"}})
+        volumes.append({"name": "cloudinit", "cloudInitNoCloud": {"userData": cloud_config}})
+    doc = {"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance", "metadata": {"name": "{name}"},
+           "spec": {"domain": {"resources": {"requests": {"memory": memory}}, "devices": {"disks": disks}}, "volumes": volumes}}
+    return json.dumps(doc, indent=2).replace("{", "{{").replace("}", "}}").replace("{{name}}", "{name}").replace("{{image}}", "{image}")
 
-CLOUD_VMI = """apiVersion: kubevirt.io/v1
-kind: VirtualMachineInstance
-metadata:
-  name: {name}
-spec:
-  domain:
-    resources:
-      requests:
-        memory: 1Gi
-    devices:
-      disks:
-        - name: root
-          disk:
-            bus: virtio
-        - name: cloudinit
-          disk:
-            bus: virtio
-  volumes:
-    - name: root
-      containerDisk:
-        image: {image}
-    - name: cloudinit
-      cloudInitNoCloud:
-        userData: |
-          #cloud-config
-          timezone: UTC
-"""
+
+VMI = vmi_text()
+CLOUD_VMI = vmi_text("1Gi", "#cloud-config\ntimezone: UTC\n")
 
 
 def cloud_guest_image() -> Path | None:
