@@ -18,15 +18,18 @@ from tests.testguest import parse_console
 from tests.vmhost import NOREG, QEMU_UID, assert_clean
 
 
-def no_forwards_left() -> None:
-    """No `launcher port-forward` (ssh's ProxyCommand) outlives the ssh it served."""
+def no_forwards_left(user) -> None:
+    """No `launcher port-forward` (ssh's ProxyCommand) of this user's cache outlives the ssh it served
+    (another file's `launcher test`, running meanwhile on another worker, has forwards of its own)."""
+    mine = f"DISKKIT_CACHE={user.cache}".encode()
     left = []
     for proc in Path("/proc").iterdir():
         try:
             cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+            environ = (proc / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if proc.name.isdigit() and b"port-forward" in cmdline and b"--stdio" in cmdline:
+        if proc.name.isdigit() and b"port-forward" in cmdline and b"--stdio" in cmdline and mine in environ:
             left.append(b" ".join(cmdline).decode())
     assert not left, left
 
@@ -86,7 +89,7 @@ def credential_guest(request, qemu_user, guest_image) -> CredentialGuest:
     finally:
         qemu_user.launcher("stop", name)
     assert_clean(qemu_user, f"default_{name}")
-    no_forwards_left()
+    no_forwards_left(qemu_user)
 
 
 def test_access_credentials_reach_the_guests_cloud_init_disk(credential_guest):
@@ -116,7 +119,7 @@ def test_ssh_with_a_key_from_access_credentials(qemu_user, credential_guest):
     known_hosts.write_text(f"{alias} {kind} {other.with_suffix('.pub').read_text().split()[1]}\n")
     changed = qemu_user.launcher("ssh", "-i", key, "-c", "true", f"root@{name}")
     assert changed.code == 255 and "Host key verification failed" in changed.err, changed
-    no_forwards_left()
+    no_forwards_left(qemu_user)
 
 
 @pytest.mark.parametrize("credential_guest", ["noCloud"], indirect=True)  # one dump of this file's guests is enough
@@ -163,7 +166,7 @@ def test_launcher_test_passes_on_the_test_guest(qemu_user, guest_image):
     failed = qemu_user.launcher("test", NOREG, "--timeout", "240", "--memory", "128Mi", guest_image, "--", "exit", "5")
     assert failed.code == 1, failed.err
     assert failed.err.strip().splitlines()[-1].endswith(": the command exited with 5")
-    no_forwards_left()
+    no_forwards_left(qemu_user)
 
 
 def no_ssh_vmi(qemu_user, name, image, *serials):

@@ -47,6 +47,13 @@ def test_qcow2_shape(guest_dir):
         assert (guest_dir / name).stat().st_size > 0
 
 
+def test_the_suites_key_for_a_built_guest_is_the_one_build_sh_wrote(guest_dir):
+    # Every file build.sh puts in its key must be in tests/testguest.py's too: otherwise the guest is
+    # never current to the suite, and every ensure_testguest() runs build.sh again (1-2 s each, hundreds of calls).
+    assert (guest_dir / "recipe.sha256").is_file()
+    assert tg.guest_is_current(guest_dir), (guest_dir / "recipe.sha256").read_text()
+
+
 def test_a_fresh_build_says_nothing_a_newcomer_reads_as_a_failure(guest_dir, tmp_path):
     # scripts/demo.sh builds the guest first; the cloud kernel's missing AHCI, which the guest does
     # without (its VMs use virtio), was printed as "WARNING: not available in linux-image-...".

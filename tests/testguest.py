@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 SRC_DIR = REPO / "images" / "testguest"
 BUILD_SH = SRC_DIR / "build.sh"
 INIT = SRC_DIR / "init"
+SCSI_PR = SRC_DIR / "scsi-pr.c"
 OUTPUTS = ("testguest.qcow2", "testguest-poweroff.qcow2", "vmlinuz", "initrd.img")
 # As testguest-poweroff.qcow2's syslinux.cfg APPEND line in build.sh (for -kernel/-initrd boots): the
 # guest powers off once it has reported, for the tests that wait for the end.
@@ -38,12 +39,13 @@ def testguest_dir() -> Path:
     return Path(env).resolve() if env else REPO / "build" / "testguest"
 
 
-def _is_current(out: Path) -> bool:
+def guest_is_current(out: Path) -> bool:
     """Outputs present and built from the current build.sh + init.
 
-    Mirrors build.sh's cache key (sha256 of build.sh, init, deb filename) using
+    Mirrors build.sh's cache key (sha256 of build.sh, init, scsi-pr.c, deb filename) using
     the .deb kept in OUTDIR/cache, so no apt call is needed to detect staleness
-    after an edit of build.sh or init.
+    after an edit of build.sh or init. A key that does not match build.sh's runs build.sh at every
+    call (1-2 s each): test_testguest checks the two agree.
     """
     if not all((out / name).is_file() for name in OUTPUTS):
         return False
@@ -51,7 +53,7 @@ def _is_current(out: Path) -> bool:
         recipe = (out / "recipe.sha256").read_text().strip()
     except FileNotFoundError:
         return False
-    body = BUILD_SH.read_bytes() + INIT.read_bytes()
+    body = BUILD_SH.read_bytes() + INIT.read_bytes() + SCSI_PR.read_bytes()
     for deb in (out / "cache").glob("linux-image-*.deb"):
         if hashlib.sha256(body + deb.name.encode() + b"\n").hexdigest() == recipe:
             return True
@@ -65,7 +67,7 @@ def ensure_testguest() -> Path:
     Uses $DISKKIT_TESTGUEST_DIR if set, else <repo>/build/testguest; runs
     images/testguest/build.sh there when the outputs are missing or stale.
     """
-    out = build_once(testguest_dir(), BUILD_SH, _is_current)
+    out = build_once(testguest_dir(), BUILD_SH, guest_is_current)
     missing = [name for name in OUTPUTS if not (out / name).is_file()]
     if missing:
         raise RuntimeError(f"build.sh did not produce {missing} in {out}")

@@ -146,6 +146,7 @@ class DiskServer:
         threading.Thread(target=self._open_chunk_index, name="chunk-index", daemon=True).start()
         self.last_activity = time.monotonic()
         self.awaiting: dict[str, list[tuple[float, int]]] = {}  # export -> (deadline, asking pid) per announced NBD client
+        self.openers: dict[str, set[int]] = {}  # export -> the runs that opened it, until all have left
         self.served = False  # some NBD client connected: when the last one leaves, the work is done
         # A run that announced its VM went before the VM connected (killed, or failed to start it): the run
         # the server waited for came and went, as a VM that disconnected.
@@ -374,6 +375,7 @@ class DiskServer:
         with self.lock:
             # Held while the run that asked lives (a run that failed before its VM started frees it), at most HOLD.
             self.awaiting.setdefault(layout.name, []).extend([(time.monotonic() + HOLD, peer_pid)] * clients)
+            self.openers.setdefault(layout.name, set()).add(peer_pid)
         ref_record = Ref(image_key(image.digest, path, platform), shown, image.digest)
         if isinstance(export, LazyDisk):
             export.touch()  # a VM is about to start on it
@@ -556,13 +558,19 @@ class DiskServer:
             return {name for name, held in self.awaiting.items() if held}
 
     def _end_boot_holds(self) -> None:
-        """With no VM connected, an export no live run announces a VM for has no boot to make way
-        for: its rest is fetched now, not once the hold an open or a connection began runs out."""
+        """With no VM connected, an export every run that opened it has left has no boot to make way
+        for: its rest is fetched now, not once the hold its open or its VM's connection began runs out.
+        (A run that lives on holds it: between its `qemu-img info` through the export and its VM's
+        connection no NBD client is connected, and the boot is still coming.)"""
         if self.connections:
             return
-        awaited = self._awaited()
-        for export in self.listing():
-            if isinstance(export, LazyDisk) and export.name not in awaited:
+        with self.lock:
+            gone = [name for name, pids in self.openers.items() if not any(_alive(pid) for pid in pids)]
+            for name in gone:
+                del self.openers[name]
+            ended = [self.exports.get(name) for name in gone]
+        for export in ended:
+            if isinstance(export, LazyDisk):
                 export.no_boot()
 
     def cache_gone(self) -> bool:
