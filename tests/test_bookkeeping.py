@@ -30,8 +30,8 @@ from launcher.runtime import gc, pausing, vms
 from launcher.runtime.conditions import PAUSED_BY_USER, Paused
 from launcher.runtime.runner import Libvirt
 from tests.conftest import Result
+from tests.testdriver import TEST_URI, close_node
 
-TEST_URI = "test:///default"
 UNREACHABLE_URI = "test:///nonexistent/node.xml"  # the test driver cannot read it: no libvirt answers
 BY_USER = Paused(PAUSED_BY_USER, "VMI was paused by user")
 STATES = ("running", "paused", "stopped", "gone")
@@ -87,14 +87,7 @@ class Node:
 def node(tmp_path):
     lv = Libvirt(TEST_URI)  # held for the test: the driver's node lives while a connection to it is open
     yield Node(lv, Cache(tmp_path / "cache"))
-    # The next test's node is a fresh one only once every connection is closed: a connection some code
-    # left to the garbage collector must not hand it this test's domains.
-    for domain in lv.conn.listAllDomains():
-        if domain.name() != "test":
-            if domain.isActive():
-                domain.destroy()
-            domain.undefine()
-    lv.close()
+    close_node(lv)
 
 
 @pytest.fixture

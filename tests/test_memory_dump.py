@@ -35,8 +35,8 @@ from launcher.runtime import memorydump
 from launcher.runtime.memorydump import move_into_claim, needed_bytes, target_file_name
 from launcher.runtime.runner import Libvirt
 from tests.conftest import Result
+from tests.testdriver import TEST_URI, close_node
 
-TEST_URI = "test:///default"
 NOBODY = 65534
 
 
@@ -153,12 +153,7 @@ def dumped(tmp_path, capsys):
         return Result(code, out, err)
 
     yield launcher, cache, claim
-    for left in lv.conn.listAllDomains():
-        if left.name() != "test":
-            if left.isActive():
-                left.destroy()
-            left.undefine()
-    lv.close()
+    close_node(lv)
 
 
 def _members(path: Path, compressed: bool) -> dict[str, bytes]:

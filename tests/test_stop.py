@@ -27,10 +27,10 @@ from launcher.node.cache import Cache
 from launcher.runtime.runner import Libvirt
 from launcher.runtime.stopping import DEFAULT_GRACE_PERIOD, DESTROYED, NOT_RUNNING, SHUT_DOWN, shut_down
 from tests.conftest import run_launcher
+from tests.testdriver import TEST_URI
 from tests.testguest import parse_console
 from tests.vmhost import NOREG, QEMU_UID, assert_clean
 
-TEST_URI = "test:///default"
 
 
 @pytest.fixture
