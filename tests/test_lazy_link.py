@@ -20,9 +20,10 @@ import requests
 from diskkit.layers import lazytoc
 from launcher.diskserver.firstbytes import HEAD_AHEAD, MAX_LAYERS, MAX_TAIL, TAIL_AHEAD, held_ends
 from launcher.diskserver.lazydisk import HEAD_PREFETCH, READ_AHEAD
+from launcher.diskserver.linkshare import SLOW_LINK
 from tests.conftest import run
 from tests.faultproxy import Fault, FaultProxy, Link
-from tests.lazyhost import build_lazy_image, control, disk_server, image_toc, open_export, random_disk, wait_for
+from tests.lazyhost import build_lazy_image, control, disk_server, export_status, image_toc, open_export, random_disk, wait_for
 from tests.test_peers import push_blob
 
 MIB = 1 << 20
@@ -190,6 +191,32 @@ def test_the_next_prefetch_request_goes_out_before_the_one_before_has_ended(tmp_
     # The first request measures the round trip: from the second on, each next one went out early.
     assert len(early) >= 4, prefetch
     assert max(open_at_once(prefetch)) <= 2, prefetch
+
+
+def test_over_a_slow_link_the_rest_of_the_disk_comes_while_the_guest_boots(tmp_path, registry, image, facts):
+    """Below SLOW_LINK the link is what a lazy boot waits for, not the CPU: past the head and the
+    read-ahead, prefetch goes on while the guest boots and reads, one request at a time, and the disk
+    is whole before the guest has stopped reading. On loopback the rest waits for the boot's end
+    (test_lazy_prefetch.py)."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    rate = 8 * MIB
+    assert rate < SLOW_LINK
+    with FaultProxy(registry.host, link=Link(rtt=0.02, rate=rate)) as proxy, disk_server(cache):
+        answer = open_export(cache, through(proxy, registry, image))
+        # The guest reads its first sector every half second for 60 s: busy all along (GUEST_BUSY is 3 s).
+        reads = [arg for _ in range(120) for arg in ("-c", "read 0 512", "-c", "sleep 500")]
+        guest = subprocess.Popen(["qemu-io", "-r", "-f", "raw", *reads, answer["url"]], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            whole = wait_for(lambda: (s := export_status(cache, answer["export"]))["present"] == facts["grid"].count and s, 120,
+                             "the whole disk")
+            assert guest.poll() is None, guest.communicate()  # the guest was still reading
+        finally:
+            guest.kill()
+            guest.wait()
+        timeline = list(proxy.timeline)
+    assert whole["stats"]["demand_fetches"] == 0, whole
+    assert max(open_at_once(layer_requests(timeline, facts)[2:])) <= 2, "one prefetch request at a time while the guest boots"
 
 
 def test_a_reader_gets_its_chunk_before_the_rest_of_the_prefetched_run(tmp_path, registry, image, facts):

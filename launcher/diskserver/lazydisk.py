@@ -260,14 +260,16 @@ class LazyDisk:
 
     def _window(self, busy: bool) -> tuple[tuple[int, int], ...]:
         """The chunk ranges [start, end) prefetching may claim now, in order: a boot trace's first;
-        then all of them from the guest's cursor on unless a guest is `busy`, then only the
-        read-ahead past its last read and the head."""
+        then all of them from the guest's cursor on unless a guest is `busy`; then the read-ahead
+        past its last read and the head, and over a slow link (LinkShare.slow) all the rest after them."""
         grid = self.layout.grid
         count, cursor = grid.count, min(self.cursor, grid.count)
         planned = self._planned()
+        rest = ((cursor, count), (0, count))
         if not busy:
-            return *planned, (cursor, count), (0, count)
-        return *planned, (cursor, grid.past(cursor, READ_AHEAD)), (0, grid.past(0, HEAD_PREFETCH))
+            return *planned, *rest
+        boot = (cursor, grid.past(cursor, READ_AHEAD)), (0, grid.past(0, HEAD_PREFETCH))
+        return *planned, *boot, *(rest if self.link.slow() else ())
 
     def _chunk_span(self, offset: int, length: int) -> tuple[int, int]:
         """The first and last chunk a read of `length` (> 0) bytes at `offset` touches."""
