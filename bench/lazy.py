@@ -268,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
                         "timed to its login prompt (lazy, local, and full unless --no-full)")
     parser.add_argument("--timeline", type=Path, metavar="DIR", help="with --link: each lazy run's requests through the proxy, "
                         "with when they arrived and were answered (seconds since `launcher run` started), as DIR/RUN.json")
+    parser.add_argument("--no-warm-up", action="store_true", help="time the first boot too (the warm-up boot fills the page "
+                        "cache and libvirt's: its figures are not comparable; for checking the bench runs, not for its figures)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON instead of a table")
     args = parser.parse_args(argv)
     if args.timeline is not None and not args.link:
@@ -313,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
             bb.run_quiet([*bb.diskkit_command(), "build", "--lazy", "--tls-verify=false", str(disk), "-t", images[label]])
             if proxy is not None:
                 images[label] = images[label].replace(registry.host, proxy.host)  # pushed directly, read over the link
-        boot_once(scratch, images["small"], False, "warm-up")
+        if not args.no_warm_up:
+            boot_once(scratch, images["small"], False, "warm-up")
         for i in range(1, args.runs + 1):
             for (mode, label), found in samples.items():
                 kind = {"vmi_text": CLOUD_VMI, "marker": LOGIN} if label == "cloud" else {}

@@ -113,14 +113,14 @@ def test_density_bench_two_vms_of_one_image_at_once(tmp_path):
 @pytest.mark.vm  # boots VMs through the bench's own launchers, which no fixture names
 def test_lazy_bench_over_a_link_at_a_small_size(tmp_path):
     # bench/lazy.py as docs/benchmarks.md runs it over the modelled link, at 96 MiB and one run without
-    # full pulls: the figures are not asserted (shared machines), that each variant booted and the
+    # full pulls or warm-up: the figures are not asserted (shared machines), that each variant booted and the
     # timeline of a lazy run holds its requests, from the manifest to the disk's ranges, is.
     from tests.testguest import ensure_testguest
 
     guest = ensure_testguest() / "testguest-poweroff.qcow2"
     timeline = tmp_path / "timeline"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "lazy.py"), "--large-mb", "96", "--runs", "1", "--no-full",
-                           "--link", "5,400", "--timeline", str(timeline), "--guest", str(guest), "--workdir", str(tmp_path / "work"),
+                           "--no-warm-up", "--link", "5,400", "--timeline", str(timeline), "--guest", str(guest), "--workdir", str(tmp_path / "work"),
                            "--json"], capture_output=True, text=True, timeout=1800, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout)
