@@ -13,7 +13,7 @@ import pytest
 
 from tests.distribution import auth_registry, registry, tls_registry, token_registry  # noqa: F401  (fixtures)
 from tests.engines import dockerd, engine, podman  # noqa: F401  (fixtures)
-from tests import cliserver, lanes, leftovers, timing
+from tests import cliserver, leftovers, timing
 from tests.faultproxy import FaultProxy
 
 REQUIRED_TOOLS = (
@@ -44,11 +44,6 @@ def pytest_configure(config):
         # popen-gwN added. Workers get theirs below it from xdist.
         config.option.basetemp = str(own.parent / "t")
     timing.register(config)
-
-
-def pytest_xdist_make_scheduler(config, log):
-    if config.getoption("dist") == "loadfile":
-        return lanes.GuestLanes(config, log)  # loadfile's grouping, with at most two workers booting guests
 
 
 @pytest.fixture(scope="session", autouse=True)
