@@ -19,7 +19,6 @@ Every document in tests/conformance/*.yaml is one case, written from a KubeVirt 
 
 from __future__ import annotations
 
-import copy
 import json
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -265,6 +264,15 @@ def _leaf_paths(value, path=()):
 DELETED = object()
 
 
+def _copied(value):
+    """A copy of a tree of dicts, lists and scalars (what YAML gives): copy.deepcopy's without its memo, a fifth of this file's time."""
+    if isinstance(value, dict):
+        return {key: _copied(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_copied(item) for item in value]
+    return value
+
+
 def test_broken_corpus_specs_fail_in_one_line():
     """Every field of every case, removed or replaced by a value of the wrong type: a domain or one DiskkitError line."""
     tracebacks = []
@@ -273,7 +281,7 @@ def test_broken_corpus_specs_fail_in_one_line():
         case = {k: v for k, v in doc.items() if not k.startswith("x-")}
         for path in _leaf_paths(case):
             for wrong in (None, 5, "x", [], {"a": 1}, "1e400", DELETED):
-                broken = copy.deepcopy(case)
+                broken = _copied(case)
                 parent = broken
                 for key in path[:-1]:
                     parent = parent[key]

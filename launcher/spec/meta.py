@@ -169,9 +169,30 @@ def load_documents(path: str | Path) -> list[Any]:
 
 # ---------------------------------------------------------------- strings
 
+def _carries_non_xml(doc: Any, skip: frozenset[str]) -> bool:
+    """check_xml_text's walk without the field names, which only a refusal needs."""
+    stack = [doc]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            if _NOT_XML.search(value):
+                return True
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if isinstance(key, str) and _NOT_XML.search(key):
+                    return True
+                if key not in skip:
+                    stack.append(item)
+        elif isinstance(value, list):
+            stack.extend(value)
+    return False
+
+
 def check_xml_text(doc: Any, at: str, skip: frozenset[str] = frozenset()) -> None:
     """Refuse any key or string value holding a character XML 1.0 cannot carry, naming its field.
     Keys in `skip` hold file contents that never reach the domain XML or a file name."""
+    if not _carries_non_xml(doc, skip):
+        return
     stack = [(doc, at)]
     while stack:
         value, where = stack.pop()
