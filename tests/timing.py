@@ -1,7 +1,8 @@
 """Where the suite's time goes: seconds and guest boots per test file, and the run against its budget.
 
 Every run ends with a table of the slowest files (setup, call and teardown of their tests, summed),
-how many guests each booted, and its share of the run, then the run's wall time against the budget
+how many guests each booted, and its share of the run, then how much of the machine sat idle and under
+which files (IdleSampler: a run that is not CPU-bound waits somewhere), then the run's wall time against the budget
 (DEVELOPERS' rule: the whole suite within 25 minutes on 2 cores). tests/README.md keeps the table of
 a full run and the command that makes it.
 
@@ -27,6 +28,7 @@ DURATIONS = Path(__file__).with_name("durations.json")  # seconds per file of a 
 BUDGET_SECONDS = 25 * 60
 TESTS_BUDGET_SECONDS = 20 * 60
 SHOWN = 25
+IDLE_SHOWN = 10
 QEMU_COMM = b"qemu-system-x86"  # /proc/PID/comm keeps 15 bytes of qemu-system-x86_64
 
 
@@ -89,6 +91,54 @@ class BootCounter:
         self.thread.join(timeout=2)
 
 
+class IdleSampler:
+    """How much of the machine sat idle, a sample a second (/proc/stat): where a run that is not
+    CPU-bound waits. Each second's idle cores are charged to the tests running then, by their share of it,
+    so the files that wait (sleeps, timeouts meant to expire, polls) show up by name."""
+
+    def __init__(self):
+        self.samples: list[tuple[float, float, float]] = []  # (start, end, idle cores) in epoch seconds
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="idle-sampler", daemon=True)
+        self.thread.start()
+
+    @staticmethod
+    def _idle_and_total() -> tuple[int, int]:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return fields[3] + fields[4], sum(fields[:8])  # idle + iowait; user..steal
+
+    def _watch(self) -> None:
+        cores = os.cpu_count() or 1
+        before, at = self._idle_and_total(), time.time()
+        while not self.stopping.wait(1.0):
+            now, when = self._idle_and_total(), time.time()
+            total = now[1] - before[1]
+            if total > 0:
+                self.samples.append((at, when, cores * (now[0] - before[0]) / total))
+            before, at = now, when
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(timeout=2)
+
+    def charged(self, spans: list[tuple[str, float, float]]) -> tuple[dict[str, float], float, float]:
+        return idle_charged(self.samples, spans)
+
+
+def idle_charged(samples: list[tuple[float, float, float]], spans: list[tuple[str, float, float]]) -> tuple[dict[str, float], float, float]:
+    """Idle core-seconds charged to each file of `spans` (file, start, stop): each sample's (start, end,
+    idle cores) shared among the spans running then, in proportion to their overlap with it; with the idle
+    core-seconds of the whole run and its length in samples' seconds."""
+    per_file: dict[str, float] = defaultdict(float)
+    for start, end, idle in samples:
+        running = [(path, min(end, stop) - max(start, begun)) for path, begun, stop in spans if begun < end and stop > start]
+        shared = sum(overlap for _, overlap in running)
+        for path, overlap in running:
+            per_file[path] += idle * (end - start) * overlap / shared
+    seconds = sum(end - start for start, end, _ in samples)
+    return per_file, sum(idle * (end - start) for start, end, idle in samples), seconds
+
+
 class Timing:
     """The pytest plugin: per-file seconds and boots, printed at the end of the run."""
 
@@ -100,6 +150,8 @@ class Timing:
         self.tests: dict[str, int] = defaultdict(int)
         self.per_test: dict[str, list] = defaultdict(lambda: [0.0, 0])  # nodeid -> [seconds, boots]
         self.counter: BootCounter | None = None
+        self.spans: list[tuple[str, float, float]] = []  # (file, start, stop) of each test phase
+        self.idle = IdleSampler() if not hasattr(config, "workerinput") else None
 
     # --- in the process that runs the tests (a worker, or the only process) ---
     @pytest.hookimpl(tryfirst=True)
@@ -129,6 +181,8 @@ class Timing:
     def pytest_runtest_logreport(self, report):
         path = report.nodeid.split("::", 1)[0]
         self.seconds[path] += report.duration
+        if getattr(report, "start", None) and getattr(report, "stop", None):
+            self.spans.append((path, report.start, report.stop))
         self.per_test[report.nodeid][0] += report.duration
         if report.when == "call":
             self.tests[path] += 1
@@ -154,9 +208,23 @@ class Timing:
             shown = sum(sorted(self.seconds.values(), reverse=True)[:SHOWN])
             write(f"{total - shown:8.1f} {(total - shown) / total:6.1%}  the other {len(self.seconds) - SHOWN} files")
         write(f"{total:8.1f}  in tests ({sum(self.tests.values())} tests, {sum(self.boots.values())} guest boots)")
+        if self.idle is not None:
+            self.idle.stop()
+            self._idle_table(write)
         verdict = "within" if wall <= TESTS_BUDGET_SECONDS else "OVER"
         write(f"wall time {wall / 60:.1f} min: {verdict} the tests' budget of {TESTS_BUDGET_SECONDS // 60} min "
               f"(the whole CI run, set-up included: {BUDGET_SECONDS // 60} min)")
+
+
+    def _idle_table(self, write) -> None:
+        per_file, idle, seconds = self.idle.charged(self.spans)
+        if not seconds:
+            return
+        cores = os.cpu_count() or 1
+        write(f"the machine's {cores} cores sat idle {idle / (cores * seconds):.0%} of the run; the files it idled under most "
+              f"(idle core-seconds while they ran, shared among the files running):")
+        for path, charged in sorted(per_file.items(), key=lambda kv: -kv[1])[:IDLE_SHOWN]:
+            write(f"{charged:8.1f}  {path}")
 
 
 def recorded() -> dict:
