@@ -121,9 +121,6 @@ class IdleSampler:
         self.stopping.set()
         self.thread.join(timeout=2)
 
-    def charged(self, spans: list[tuple[str, float, float]]) -> tuple[dict[str, float], float, float]:
-        return idle_charged(self.samples, spans)
-
 
 def idle_charged(samples: list[tuple[float, float, float]], spans: list[tuple[str, float, float]]) -> tuple[dict[str, float], float, float]:
     """Idle core-seconds charged to each file of `spans` (file, start, stop): each sample's (start, end,
@@ -215,9 +212,8 @@ class Timing:
         write(f"wall time {wall / 60:.1f} min: {verdict} the tests' budget of {TESTS_BUDGET_SECONDS // 60} min "
               f"(the whole CI run, set-up included: {BUDGET_SECONDS // 60} min)")
 
-
     def _idle_table(self, write) -> None:
-        per_file, idle, seconds = self.idle.charged(self.spans)
+        per_file, idle, seconds = idle_charged(self.idle.samples, self.spans)
         if not seconds:
             return
         cores = os.cpu_count() or 1

@@ -135,6 +135,7 @@ class LazyDisk:
         # A guest read past the disk's head: its boot reads the disk widely (a root filesystem, not one
         # loaded kernel and initrd), so over a slow link the rest is worth fetching while it boots.
         self.read_past_head = False
+        self.head_end = layout.grid.past(0, HEAD_PREFETCH)  # the first chunk past the disk's head
         # Prefetching found nothing it may fetch while the guest boots or works, and no fetch was in
         # flight: the rest waits (status's prefetchHeld; any claim clears it).
         self.held = False
@@ -274,7 +275,7 @@ class LazyDisk:
         rest = ((cursor, count), (0, count))
         if not busy:
             return *planned, *rest
-        boot = (cursor, grid.past(cursor, READ_AHEAD)), (0, grid.past(0, HEAD_PREFETCH))
+        boot = (cursor, grid.past(cursor, READ_AHEAD)), (0, self.head_end)
         return *planned, *boot, *(rest if self.read_past_head and self.link.slow() else ())
 
     def _chunk_span(self, offset: int, length: int) -> tuple[int, int]:
@@ -285,7 +286,7 @@ class LazyDisk:
     def _note_read(self, last: int | None) -> None:
         if last is not None:
             self.cursor = last + 1  # prefetch where the guest is reading: boots read sequentially
-            if not self.read_past_head and last >= self.layout.grid.past(0, HEAD_PREFETCH):
+            if not self.read_past_head and last >= self.head_end:
                 self.read_past_head = True
         self.last_read = time.monotonic()
 

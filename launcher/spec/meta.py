@@ -169,46 +169,38 @@ def load_documents(path: str | Path) -> list[Any]:
 
 # ---------------------------------------------------------------- strings
 
-def _carries_non_xml(doc: Any, skip: frozenset[str]) -> bool:
-    """check_xml_text's walk without the field names, which only a refusal needs."""
-    stack = [doc]
-    while stack:
-        value = stack.pop()
-        if isinstance(value, str):
-            if _NOT_XML.search(value):
-                return True
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                if isinstance(key, str) and _NOT_XML.search(key):
-                    return True
-                if key not in skip:
-                    stack.append(item)
-        elif isinstance(value, list):
-            stack.extend(value)
-    return False
-
-
 def check_xml_text(doc: Any, at: str, skip: frozenset[str] = frozenset()) -> None:
     """Refuse any key or string value holding a character XML 1.0 cannot carry, naming its field.
     Keys in `skip` hold file contents that never reach the domain XML or a file name."""
-    if not _carries_non_xml(doc, skip):
-        return
-    stack = [(doc, at)]
+    # Each value carries its trail (parent's trail, key, whether an index); the field's name is spelled
+    # out only for a refusal, which is rare: most specs are walked thousands of nodes deep for none.
+    stack: list[tuple[Any, tuple | None]] = [(doc, None)]
     while stack:
-        value, where = stack.pop()
+        value, trail = stack.pop()
         if isinstance(value, str):
             bad = _NOT_XML.search(value)
             if bad:
-                raise SpecError(where, f"must not contain the character U+{ord(bad.group()):04X} (XML 1.0 cannot carry it)")
+                raise SpecError(_field(at, trail), f"must not contain the character U+{ord(bad.group()):04X} (XML 1.0 cannot carry it)")
         elif isinstance(value, dict):
             for key, item in value.items():
-                child = f"{where}.{key}" if where else str(key)
+                child = (trail, key, False)
                 if isinstance(key, str):
                     stack.append((key, child))
                 if key not in skip:
                     stack.append((item, child))
         elif isinstance(value, list):
-            stack.extend((item, f"{where}[{i}]") for i, item in enumerate(value))
+            stack.extend((item, (trail, i, True)) for i, item in enumerate(value))
+
+
+def _field(at: str, trail: tuple | None) -> str:
+    steps = []
+    while trail is not None:
+        trail, key, index = trail
+        steps.append((key, index))
+    where = at
+    for key, index in reversed(steps):
+        where = f"{where}[{key}]" if index else f"{where}.{key}" if where else str(key)
+    return where
 
 
 # ---------------------------------------------------------------- metadata
