@@ -20,7 +20,7 @@ import requests
 from diskkit.layers import lazytoc
 from launcher.diskserver.firstbytes import HEAD_AHEAD, MAX_LAYERS, MAX_TAIL, TAIL_AHEAD, held_ends
 from launcher.diskserver.lazydisk import HEAD_PREFETCH, READ_AHEAD
-from launcher.diskserver.linkshare import SLOW_LINK
+from launcher.diskserver.linkshare import SLOW_LINK, LinkShare
 from tests.conftest import run
 from tests.faultproxy import Fault, FaultProxy, Link
 from tests.lazyhost import build_lazy_image, control, disk_server, export_status, image_toc, open_export, random_disk, wait_for
@@ -224,6 +224,23 @@ def test_over_a_slow_link_the_rest_of_a_disk_read_past_its_head_comes_while_the_
         timeline = list(proxy.timeline)
     assert whole["stats"]["demand_fetches"] == 1, whole  # the read past the head
     assert max(open_at_once(layer_requests(timeline, facts)[2:])) <= 2, "one prefetch request at a time while the guest boots"
+
+
+def test_a_burst_off_an_idle_link_does_not_make_a_slow_link_fast():
+    """A body whose bytes were in the link's buffers when its first arrived (the link idle a moment,
+    as when prefetch is held) comes in a burst: 150 KiB in 2 ms on an 8 MiB/s link. Each body weighs
+    the seconds it took, so the link stays slow; as a sample of its own the burst measured it at
+    30 MB/s, and the rest of a disk the guest had read past waited for the guest to stop reading."""
+    link = LinkShare()
+    for _ in range(6):
+        link.measured(8 * MIB // 10, 0.1)  # prefetch pieces back to back: 8 MiB/s
+    assert link.slow()
+    link.measured(150 << 10, 0.002)
+    assert link.slow(), link.throughput
+    assert link.throughput < 9 * MIB
+    for _ in range(6):
+        link.measured(8 * MIB, 0.1)  # the link got faster: 80 MiB/s
+    assert not link.slow(), link.throughput
 
 
 def test_a_reader_gets_its_chunk_before_the_rest_of_the_prefetched_run(tmp_path, registry, image, facts):

@@ -34,7 +34,7 @@ PIECE_TIME = 0.1  # seconds of the link one prefetch request holds
 FIRST_SPAN = 2 << 20  # before anything was measured
 MIN_SPAN = 256 << 10  # below this a request's round trip costs more than its bytes
 MAX_SPAN = 8 << 20
-SMOOTHING = 0.3  # weight of the newest measurement
+SMOOTHING = 0.3  # weight of the newest measurement (of throughput: the fading of the older per sample)
 MIN_SAMPLE = 128 << 10  # bodies shorter than this say more about latency than about the link
 AHEAD_LATENCIES = 2
 MAX_LATENCY = 1.0  # asked ahead for a wait this long at most: a registry slower to answer is having trouble
@@ -53,6 +53,8 @@ class LinkShare:
         self.unfinished = 0  # and those that gave it up but are still coming: one more at most
         self.busy_at: dict[str, float] = {}  # export -> when its prefetcher last saw its guest busy
         self.throughput: float | None = None  # body bytes a second one request got, smoothed
+        self.carried = 0.0  # body bytes measured, the older fading
+        self.took = 0.0  # the seconds they took, fading alike
         self.latency: float | None = None  # seconds from asking to the first bytes of the answer, smoothed
 
     @contextlib.contextmanager
@@ -129,8 +131,14 @@ class LinkShare:
                 self.latency = latency if self.latency is None else (1 - SMOOTHING) * self.latency + SMOOTHING * latency
             if nbytes < MIN_SAMPLE or seconds <= 0:
                 return
-            sample = nbytes / seconds
-            self.throughput = sample if self.throughput is None else (1 - SMOOTHING) * self.throughput + SMOOTHING * sample
+            # Each body weighs the seconds it took: one that came in a burst (a link idle a moment,
+            # the bytes already in its buffers: 150 KiB in 2 ms on an 8 MiB/s link) says little of
+            # its rate, and as a sample of its own it made a slow link fast until prefetch, held for
+            # a fast link, measured again; that waited for the guest to stop reading.
+            keep = 1 - SMOOTHING
+            self.carried = keep * self.carried + nbytes
+            self.took = keep * self.took + seconds
+            self.throughput = self.carried / self.took
 
 
 class Place:
