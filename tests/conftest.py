@@ -13,7 +13,7 @@ import pytest
 
 from tests.distribution import auth_registry, registry, tls_registry, token_registry  # noqa: F401  (fixtures)
 from tests.engines import dockerd, engine, podman  # noqa: F401  (fixtures)
-from tests import cliserver, leftovers, timing
+from tests import cliserver, lanes, leftovers, timing
 from tests.faultproxy import FaultProxy
 
 REQUIRED_TOOLS = (
@@ -37,6 +37,7 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     worker = getattr(config, "workerinput", {}).get("workerid")
+    lanes.enter_background(config)
     own = leftovers.begin(worker)
     if worker is None and not config.option.basetemp:
         # pytest's tmp_path below this run's directory, and short: unix sockets made in a test's
@@ -44,6 +45,11 @@ def pytest_configure(config):
         # popen-gwN added. Workers get theirs below it from xdist.
         config.option.basetemp = str(own.parent / "t")
     timing.register(config)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist") == "loadfile":
+        return lanes.GuestLanes(config, log)  # loadfile's grouping: two lanes for guests, a third in the background
 
 
 @pytest.fixture(scope="session", autouse=True)
