@@ -37,6 +37,7 @@ def test_bench_commands_import_this_checkout(monkeypatch, tmp_path):
     assert bench.machine_line("0.00 0.00 0.00").startswith(f"tree {bench.use_this_tree()}; {os.cpu_count()} CPUs, load average 0.00 0.00 0.00 before")
 
 
+@pytest.mark.slow  # casync, umoci and five pushes: half a minute
 def test_delta_bench_runs_at_a_tiny_size(tmp_path):
     """bench/delta.py end to end on an 8 MiB-content disk, one run: every pair is made (the rebuilt one
     from the same disk: --debian is for the figures), pushed and

@@ -273,6 +273,7 @@ def _copied(value):
     return value
 
 
+@pytest.mark.slow  # every field of every case broken two ways: twenty seconds of CPU
 def test_broken_corpus_specs_fail_in_one_line():
     """Every field of every case, removed or replaced by a value of the wrong type: a domain or one DiskkitError line."""
     tracebacks = []

@@ -16,6 +16,7 @@ import zlib
 from pathlib import Path
 
 import blake3
+import pytest
 
 from diskkit.layers import chunkcut, lazytoc
 from launcher.chunks.index import ChunkIndex
@@ -78,6 +79,7 @@ def blob_bytes(proxy) -> int:
     return sum(n for path, n in proxy.sent.items() if "/blobs/sha256:" in path)
 
 
+@pytest.mark.slow  # two 1 GiB disks built, pushed and pulled
 def test_with_v1_cached_v2_fetches_its_change_only(tmp_path, registry, fault_proxy):
     """The issue's check: 1 GiB raw disks, v2 with 8 aligned MiB and a 100 KiB write across a chunk
     boundary changed, both `diskkit build` (lazy by default). v1 pulled, then v2 through a counting

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+from tests import lanes as lanes_module
 from tests.lanes import BACKGROUND_NICE, GUEST_LANES, GuestLanes, is_background
 
 BOOTING = {f"tests/test_vm{n}.py" for n in range(5)}
@@ -69,6 +70,16 @@ def test_the_background_lane_runs_only_files_that_boot_none_and_every_test_runs_
     assert sorted(sum(ran.values(), [])) == sorted(tests)
     assert ran["gw2"] and files(ran["gw2"]) <= QUIET, ran["gw2"]
     assert all(node.shutting_down for node in nodes)
+
+
+def test_a_foreground_file_goes_to_a_guest_lane_among_the_booting_ones(monkeypatch):
+    foreground = sorted(QUIET)[0]
+    monkeypatch.setattr(lanes_module, "FOREGROUND", {foreground})
+    lanes, nodes, tests, ran = run(3, itertools.cycle)
+    assert foreground not in files(ran["gw2"]) and files(ran["gw2"]) <= QUIET, ran["gw2"]
+    first = [test.split("::")[0] for test in ran["gw0"] + ran["gw1"]][:8]
+    assert foreground in first, first  # taken in the queue's order, as a booting file is
+    assert sorted(sum(ran.values(), [])) == sorted(tests)
 
 
 def test_the_guest_lanes_take_booting_files_before_quiet_ones():
