@@ -36,9 +36,11 @@ def is_background(workerid: str | None, workers: int) -> bool:
 
 
 def enter_background(config) -> None:
-    """On the background lane's worker: lower its priority, and so that of all it starts."""
+    """On the background lane's worker: lower its priority, and so that of all it starts. Not in the
+    quick tier, which boots no guest to yield to."""
     worker = getattr(config, "workerinput", None)
-    if worker is not None and is_background(worker.get("workerid"), int(worker.get("workercount", 0))):
+    if worker is not None and not config.getoption("--quick", False) \
+            and is_background(worker.get("workerid"), int(worker.get("workercount", 0))):
         os.nice(BACKGROUND_NICE)
 
 

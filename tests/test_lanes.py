@@ -109,10 +109,13 @@ def test_two_workers_have_no_background_lane():
 def test_the_background_lanes_worker_and_what_it_starts_run_niced():
     # What pytest_configure does on each worker (tests/conftest.py), in a process of its own.
     code = ("import os, subprocess; from types import SimpleNamespace; from tests.lanes import enter_background; "
-            "enter_background(SimpleNamespace(workerinput={'workerid': os.environ['W'], 'workercount': 3})); "
+            "enter_background(SimpleNamespace(workerinput={'workerid': os.environ['W'], 'workercount': 3}, "
+            "getoption=lambda name, default: os.environ['Q'] == '1')); "
             "print(os.nice(0), subprocess.run(['nice'], capture_output=True, text=True).stdout.strip())")
     base = os.nice(0)
-    niced = {worker: subprocess.run([sys.executable, "-c", code], env={**os.environ, "W": worker}, capture_output=True, text=True, check=True).stdout.split()
-             for worker in ("gw0", "gw2")}
-    assert niced["gw0"] == [str(base)] * 2
-    assert niced["gw2"] == [str(min(19, base + BACKGROUND_NICE))] * 2
+    niced = {(worker, quick): subprocess.run([sys.executable, "-c", code], env={**os.environ, "W": worker, "Q": quick},
+                                             capture_output=True, text=True, check=True).stdout.split()
+             for worker in ("gw0", "gw2") for quick in "01"}
+    assert niced["gw0", "0"] == niced["gw0", "1"] == [str(base)] * 2
+    assert niced["gw2", "0"] == [str(min(19, base + BACKGROUND_NICE))] * 2
+    assert niced["gw2", "1"] == [str(base)] * 2  # the quick tier boots no guest: no lane yields
