@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up (idempotent) and run the whole test suite against the real tools.
 #   ./scripts/test.sh                 everything, three tests at a time, one of them in the background (the suite's budget: 20 minutes of tests on 2 cores)
-#   ./scripts/test.sh --quick         the quick tier: no test that boots a guest, nor what the recorded run found slow
+#   ./scripts/test.sh --quick         the quick tier: no test that boots a guest, nor any marked slow
 #   ./scripts/test.sh -m 'not vm'     every test that boots no guest
 #   ./scripts/test.sh tests/test_x.py pytest's own arguments pass through
 # DISKKIT_TEST_WORKERS sets how many tests run at once (default 3; 0 runs them in this process).
@@ -18,7 +18,7 @@ unset PYTHONDONTWRITEBYTECODE
 .venv/bin/python -m compileall -q -j 0 diskkit launcher tests >/dev/null
 # Guests boot under TCG and take a core each: two workers run the files that boot them, and a third
 # at a lower priority the files that boot none, in the time the two leave idle (tests/lanes.py). The
-# quick tier boots none: three at a time too (measured: 4.2 minutes against 5.2 with two).
+# quick tier boots none: three at a time, none of them niced (measured: 4.2 minutes against 5.2 with two).
 DEFAULT_WORKERS=3
 WORKERS=${DISKKIT_TEST_WORKERS:-$DEFAULT_WORKERS}
 PARALLEL=()

@@ -57,22 +57,22 @@ class GuestLanes(LoadFileScheduling):
         super().__init__(config, log)
         self.booting, self.known = files if files is not None else booting_files()
 
-    def boots(self, scope: str) -> bool:
-        return scope in self.booting or scope not in self.known
+    def foreground(self, scope: str) -> bool:
+        """A file for the guest lanes: one that boots a guest (or may: unknown), or FOREGROUND's."""
+        return scope in self.booting or scope not in self.known or scope in FOREGROUND
 
     def background(self, node) -> bool:
         return is_background(node.gateway.id, self.numnodes)
 
     def _next_scope(self, node) -> str | None:
         if self.background(node):
-            return next((scope for scope in self.workqueue if not self.boots(scope) and scope not in FOREGROUND), None)
-        first = (scope for scope in self.workqueue if self.boots(scope) or scope in FOREGROUND)
-        return next(first, next(iter(self.workqueue), None))
+            return next((scope for scope in self.workqueue if not self.foreground(scope)), None)
+        return next((scope for scope in self.workqueue if self.foreground(scope)), next(iter(self.workqueue), None))
 
     def _assign_work_unit(self, node) -> None:
         scope = self._next_scope(node)
         if scope is None:
-            return  # only booting files are left: the background lane ends once the queue is empty
+            return  # only the guest lanes' files are left: the background lane ends once the queue is empty
         self.workqueue.move_to_end(scope, last=False)
         super()._assign_work_unit(node)
 

@@ -52,7 +52,6 @@ class LinkShare:
         self.prefetches = 0  # prefetch requests holding a place on the link
         self.unfinished = 0  # and those that gave it up but are still coming: one more at most
         self.busy_at: dict[str, float] = {}  # export -> when its prefetcher last saw its guest busy
-        self.throughput: float | None = None  # body bytes a second one request got, smoothed
         self.carried = 0.0  # body bytes measured, the older fading
         self.took = 0.0  # the seconds they took, fading alike
         self.latency: float | None = None  # seconds from asking to the first bytes of the answer, smoothed
@@ -104,6 +103,11 @@ class LinkShare:
                 del self.busy_at[export]
         return 1 if self.busy_at else max(1, threads)
 
+    @property
+    def throughput(self) -> float | None:
+        """Body bytes a second one request got, smoothed (None before any was measured)."""
+        return self.carried / self.took if self.took else None
+
     def span(self) -> int:
         """Bytes the next prefetch request asks for."""
         if self.throughput is None:
@@ -138,7 +142,6 @@ class LinkShare:
             keep = 1 - SMOOTHING
             self.carried = keep * self.carried + nbytes
             self.took = keep * self.took + seconds
-            self.throughput = self.carried / self.took
 
 
 class Place:
