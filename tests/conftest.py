@@ -46,7 +46,7 @@ def pytest_configure(config):
 
 
 def pytest_xdist_make_scheduler(config, log):
-    if config.getoption("dist") == "loadfile":
+    if config.getoption("dist") == "loadfile" and lanes.has_background(config):
         return lanes.GuestLanes(config, log)  # loadfile's grouping: two lanes for guests, a third in the background
 
 

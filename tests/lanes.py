@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 
 from xdist.scheduler import LoadFileScheduling
+from xdist.workermanage import parse_tx_spec_config
 
 from tests import timing
 
@@ -33,6 +34,11 @@ FOREGROUND = {"tests/test_lazy_link.py"}
 def is_background(workerid: str | None, workers: int) -> bool:
     """The background lane is the last worker, when there are more than GUEST_LANES."""
     return workers > GUEST_LANES and workerid == f"gw{workers - 1}"
+
+
+def has_background(config) -> bool:
+    """On the controller: the run has more workers than GUEST_LANES, so its last is the background lane."""
+    return len(parse_tx_spec_config(config)) > GUEST_LANES
 
 
 def enter_background(config) -> None:

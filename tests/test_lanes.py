@@ -10,7 +10,7 @@ import sys
 from types import SimpleNamespace
 
 from tests import lanes as lanes_module
-from tests.lanes import BACKGROUND_NICE, GUEST_LANES, GuestLanes, is_background
+from tests.lanes import BACKGROUND_NICE, GUEST_LANES, GuestLanes, has_background, is_background
 
 BOOTING = {f"tests/test_vm{n}.py" for n in range(5)}
 QUIET = {f"tests/test_quiet{n}.py" for n in range(6)}
@@ -103,6 +103,8 @@ def test_two_workers_have_no_background_lane():
     assert sorted(sum(ran.values(), [])) == sorted(tests)
     assert not any(lanes.background(node) for node in nodes)
     assert [is_background(f"gw{n}", 3) for n in range(3)] == [False, False, True]
+    # Only a run with a background lane is scheduled by GuestLanes (tests/conftest.py); two workers keep loadfile's.
+    assert [has_background(SimpleNamespace(getvalue=lambda name, n=n: [f"{n}*popen"])) for n in (2, 3)] == [False, True]
     assert GUEST_LANES == 2
 
 
