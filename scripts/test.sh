@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Set up (idempotent) and run the whole test suite against the real tools.
-#   ./scripts/test.sh                 everything, two tests at a time (the suite's budget: 20 minutes of tests on 2 cores)
+#   ./scripts/test.sh                 everything, three tests at a time (the suite's budget: 20 minutes of tests on 2 cores)
 #   ./scripts/test.sh --quick         the quick tier: no test that boots a guest, nor any marked slow
 #   ./scripts/test.sh -m 'not vm'     every test that boots no guest
 #   ./scripts/test.sh tests/test_x.py pytest's own arguments pass through
-# DISKKIT_TEST_WORKERS sets how many tests run at once (default 2, --quick 3; 0 runs them in this process).
+# DISKKIT_TEST_WORKERS sets how many tests run at once (default 3; 2 runs without the background lane; 0 in this process).
 # Every run ends with the slowest tests, the seconds per file and the total against the budget.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,12 +16,10 @@ export DISKKIT_TESTGUEST_DIR="$PWD/build/testguest"
 # processes cannot write __pycache__), kept for the run.
 unset PYTHONDONTWRITEBYTECODE
 .venv/bin/python -m compileall -q -j 0 diskkit launcher tests >/dev/null
-# Guests boot under TCG and take both cores: two tests at a time. DISKKIT_TEST_WORKERS=3 adds a
-# background lane (tests/lanes.py): 17.5 minutes instead of 21, but in one full run of three two VM
-# tests hung (tests/README.md), so it is not the default. The quick tier boots none: three at a time,
-# none of them niced (measured: 4.2 minutes against 5.2 with two).
-DEFAULT_WORKERS=2
-for arg in "$@"; do [ "$arg" = --quick ] && DEFAULT_WORKERS=3; done
+# Guests boot under TCG and take both cores: two lanes take the tests that boot guests, a third (the
+# background lane, tests/lanes.py, at nice 10) the rest, in the time the guest lanes wait. The quick
+# tier boots none: its three workers are all at one priority.
+DEFAULT_WORKERS=3
 WORKERS=${DISKKIT_TEST_WORKERS:-$DEFAULT_WORKERS}
 PARALLEL=()
 if [ "$WORKERS" != 0 ]; then

@@ -35,6 +35,8 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     worker = getattr(config, "workerinput", {}).get("workerid")
+    # Every Python process the run starts can then tell its threads' tracebacks on SIGABRT (tests/stacks.py).
+    os.environ.setdefault("PYTHONFAULTHANDLER", "1")
     lanes.enter_background(config)
     own = leftovers.begin(worker)
     if worker is None and not config.option.basetemp:

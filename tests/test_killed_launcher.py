@@ -16,7 +16,7 @@ import subprocess
 from pathlib import Path
 from typing import Iterator
 
-from tests import leftovers
+from tests import leftovers, stacks
 from tests.faultproxy import Fault
 from tests.lazyhost import wait_for
 from tests.vmhost import DONE, NOREG, QemuUser, assert_clean
@@ -146,14 +146,13 @@ class Stages:
             reap(proc)
 
 
-def reap(proc: subprocess.Popen) -> None:
-    """The launcher's end, however the block ended (it is killed if the test failed before)."""
+def reap(proc: subprocess.Popen, *others: int) -> None:
+    """The launcher's end, however the block ended; one that does not end is killed, and the failure
+    tells where it and `others` (the daemon it talks to) were (tests/stacks.py)."""
     try:
         proc.wait(timeout=120)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        raise
+        raise AssertionError(f"the launcher did not end within 120 s:\n{stacks.kill_telling(proc, *others)}") from None
 
 
 def test_a_run_killed_at_each_stage_leaves_the_truth_and_a_clean_node(qemu_user, registry, fault_proxy, guest_image):

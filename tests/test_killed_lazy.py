@@ -81,6 +81,17 @@ class LazyStages:
             self.server = server
             yield
 
+    def _wait_for_the_head(self, proc: subprocess.Popen) -> None:
+        """Until the server asks the proxy for the disk's head (the stalled request). A run that gets as
+        far as its record without that read took the disk from the node: a stage before left it there."""
+        wait_for(lambda: not self.proxy.pending or proc.poll() is not None or self.record.exists(), 120,
+                 "the server to ask for the head")
+        assert proc.poll() is None, proc.stderr.read()
+        if self.proxy.pending:
+            proc.terminate()  # its VM is on its way: ended now, not left to the stages after
+            held = sorted(str(p.relative_to(self.user.cache)) for p in (self.user.cache / "disks").rglob("disk.img"))
+            raise AssertionError(f"the run read no blob through the proxy; the node holds {held}")
+
     @contextlib.contextmanager
     def opening(self) -> Iterator[subprocess.Popen]:
         """The run waits for the server's answer, the server for the head of the disk."""
@@ -88,12 +99,11 @@ class LazyStages:
             self.proxy.add(Fault("GET", r"/blobs/sha256:", "stall", times=1, arg=4))
             proc = self._start()
             try:
-                wait_for(lambda: not self.proxy.pending or proc.poll() is not None, 120, "the server to ask for the head")
-                assert proc.poll() is None, proc.stderr.read()
+                self._wait_for_the_head(proc)
                 yield proc
             finally:
                 self.proxy.clear()
-                reap(proc)
+                reap(proc, *self.daemons)
             self.after(proc)
 
     @contextlib.contextmanager
@@ -104,7 +114,7 @@ class LazyStages:
             proc = self._start()
             stopped = False
             try:
-                wait_for(lambda: not self.proxy.pending or proc.poll() is not None, 120, "the server to ask for the head")
+                self._wait_for_the_head(proc)
                 for pid in self.daemons:
                     os.kill(pid, signal.SIGSTOP)
                 stopped = True
@@ -117,7 +127,7 @@ class LazyStages:
                 if stopped:
                     for pid in self.daemons:
                         os.kill(pid, signal.SIGCONT)
-                reap(proc)
+                reap(proc, *self.daemons)
             self.after(proc)
 
     @contextlib.contextmanager
@@ -129,7 +139,7 @@ class LazyStages:
                 assert proc.poll() is None, proc.stderr.read()
                 yield proc
             finally:
-                reap(proc)
+                reap(proc, *self.daemons)
             self.after(proc)
 
     @contextlib.contextmanager
@@ -144,7 +154,7 @@ class LazyStages:
                     seen += line
                 yield proc
             finally:
-                reap(proc)
+                reap(proc, *self.daemons)
             self.after(proc)
 
     def after(self, proc: subprocess.Popen) -> None:
@@ -219,6 +229,10 @@ def test_a_lazy_run_terminated_at_a_stage_exits_clean_and_releases_the_server(us
         assert_clean(user, DOMAIN)
         assert not qemu_of_domain(user), stage
         assert stages.server.wait(timeout=EXIT_BOUND) == 0, stage
+        # The disk its server completed and installed goes, as after a killed run: the next stage's run
+        # must read it through the proxy, not take it from the node.
+        swept = user.launcher("gc")
+        assert swept.code == 0, (stage, swept)
 
     stages.after = after
     with getattr(stages, stage)() as proc:

@@ -30,6 +30,7 @@ import yaml
 from launcher.node.cache import Cache
 from launcher.runtime import sessiond
 from launcher.runtime.vmuser import VMS_DIR
+from tests import stacks
 from tests.conftest import launcher_command, run_diskkit, run_launcher
 from tests.netns import NetNS, tun_node
 from tests.testguest import ensure_testguest
@@ -216,6 +217,9 @@ def test_root_with_no_system_daemon_boots_attaches_follows_and_stops(embedded, g
             attached.stdin.write(b"\x1d")  # Ctrl-]: detach, the VM keeps running
             attached.stdin.flush()
             assert attached.wait(timeout=60) == 0, attached.stderr.read()
+        except AssertionError as failed:
+            failed.add_note(stacks.kill_telling(attached, daemon))  # where the console and its daemon were
+            raise
         finally:
             attached.kill()
         assert root_launcher_("status", "embedded").stdout.strip() == "running"

@@ -34,10 +34,12 @@ def console(name, cache_dir) -> None:
     on, and what you type goes to its serial port. Ctrl-] (or the end of input) detaches and
     leaves the VM running; `launcher logs NAME` shows what it printed before."""
     from launcher.runtime.attach import attach
+    from launcher.runtime.runner import use_event_loop
     from launcher.runtime.vms import connect
 
     cache = node_cache(cache_dir)
     record = _running_record(cache, name)
+    use_event_loop()  # the console's stream is libvirt's event loop's to read and write
     lv = connect(record)
     try:
         if attach(lv, record["domain"], name) == "stopped":

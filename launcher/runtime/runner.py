@@ -46,6 +46,12 @@ def _libvirt():
     return libvirt
 
 
+def use_event_loop() -> None:
+    """libvirt's own event loop (virEventRegisterDefaultImpl) for the connections opened after this:
+    only through it are non-blocking streams read and written (open_console). Run by its caller."""
+    _libvirt().virEventRegisterDefaultImpl()
+
+
 NO_SPACE = "no space left on device"
 
 
@@ -211,13 +217,14 @@ class Libvirt:
             raise DiskkitError(name, f"libvirt: {_message(exc)}") from None
 
     def open_console(self, name: str):
-        """A stream to the running domain's serial console (virDomainOpenConsole), taken over from
-        any other client attached to it, as `virsh console --force` does."""
+        """A non-blocking stream to the running domain's serial console (virDomainOpenConsole), taken
+        over from any other client attached to it, as `virsh console --force` does; this connection
+        must have been opened after use_event_loop()."""
         domain = self._lookup(name)
         try:
             if domain is None or not domain.isActive():
                 raise DiskkitError(name, "VM is not running")
-            stream = self.conn.newStream(0)
+            stream = self.conn.newStream(self.lv.VIR_STREAM_NONBLOCK)
             domain.openConsole(None, stream, self.lv.VIR_DOMAIN_CONSOLE_FORCE)
         except self.lv.libvirtError as exc:
             raise DiskkitError(name, f"cannot open the serial console: {_message(exc)}") from None
