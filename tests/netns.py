@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
+
+from tests import procs
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -60,12 +61,6 @@ class NetNS:
 
     def close(self) -> None:
         for proc in self.children:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            procs.terminate(proc, 10)
         self.holder.kill()
         self.holder.wait()

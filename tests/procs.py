@@ -1,4 +1,4 @@
-"""Ending the daemons tests start: SIGTERM, a wait, then SIGKILL."""
+"""Ending the processes tests start: a signal (SIGTERM), a wait, then SIGKILL."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import signal
 import subprocess
 
 
-def terminate(proc: subprocess.Popen, timeout: float = 30) -> None:
-    """Ask `proc` to stop and reap it; kill it if it is still there after `timeout` seconds."""
+def terminate(proc: subprocess.Popen, timeout: float = 30, sig: int = signal.SIGTERM) -> None:
+    """Ask `proc` to stop (`sig`) and reap it; kill it if it is still there after `timeout` seconds."""
     if proc.poll() is not None:
         return
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:

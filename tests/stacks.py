@@ -12,6 +12,8 @@ import shutil
 import signal
 import subprocess
 
+from tests import procs
+
 GDB_SECONDS = 60
 
 
@@ -49,13 +51,7 @@ def kill_telling(proc: subprocess.Popen, *others: int) -> str:
     """Kill `proc` after its stacks (and those of `others`, e.g. the daemon it waits on) are taken:
     its C stacks, then its Python tracebacks on its stderr (SIGABRT), which is returned with them."""
     told = "".join(c_stacks(pid) for pid in (proc.pid, *others))
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGABRT)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    procs.terminate(proc, 10, signal.SIGABRT)
     err = proc.stderr.read() if proc.stderr is not None else ""
     if isinstance(err, bytes):
         err = err.decode(errors="replace")
