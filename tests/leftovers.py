@@ -148,7 +148,8 @@ def sweep() -> None:
         remove_scratch(root)
 
 
-def _describe(pid: int) -> str:
+def describe(pid: int) -> str:
+    """`pid` and its command line, or that it is gone."""
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
@@ -173,7 +174,7 @@ def check_left_running() -> list[str]:
     own = _run.get("own")
     if own is None:
         return []
-    left = [_describe(pid) for pid in processes_of(own) if alive(pid) and not _ends_with_us(pid)]
+    left = [describe(pid) for pid in processes_of(own) if alive(pid) and not _ends_with_us(pid)]
     if left:
         end_processes_of(own)
     (own.parent / f"{own.name}.leaks.json").write_text(json.dumps(left))

@@ -12,19 +12,16 @@ import shutil
 import signal
 import subprocess
 
-from tests import procs
+from tests import leftovers, procs
 
 GDB_SECONDS = 60
 
 
 def c_stacks(pid: int) -> str:
     """Each thread's C stack and kernel wait channel of `pid`, the process left running."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            command = f.read().replace(b"\0", b" ").decode(errors="replace")[:300]
-    except OSError:
-        return f"--- pid {pid}: gone\n"
-    head = f"--- pid {pid}: {command}\n{_kernel_waits(pid)}"
+    head = f"--- {leftovers.describe(pid)}\n{_kernel_waits(pid)}"
+    if not leftovers.alive(pid):
+        return head
     if shutil.which("gdb") is None:
         return head + "(no gdb here)\n"
     try:

@@ -81,6 +81,12 @@ class LazyStages:
             self.server = server
             yield
 
+    def _without_the_disk(self) -> None:
+        """Before a run that must read the disk through the proxy: the disk a stage before completed
+        and installed goes (`launcher gc`), or the run would take it from the node."""
+        swept = self.user.launcher("gc")
+        assert swept.code == 0, swept
+
     def _wait_for_the_head(self, proc: subprocess.Popen) -> None:
         """Until the server asks the proxy for the disk's head (the stalled request). A run that gets as
         far as its record without that read took the disk from the node: a stage before left it there."""
@@ -95,6 +101,7 @@ class LazyStages:
     @contextlib.contextmanager
     def opening(self) -> Iterator[subprocess.Popen]:
         """The run waits for the server's answer, the server for the head of the disk."""
+        self._without_the_disk()
         with self._served():
             self.proxy.add(Fault("GET", r"/blobs/sha256:", "stall", times=1, arg=4))
             proc = self._start()
@@ -109,6 +116,7 @@ class LazyStages:
     @contextlib.contextmanager
     def define(self) -> Iterator[subprocess.Popen]:
         """Export open, overlay made over it, the VM recorded; the stopped daemon holds the definition."""
+        self._without_the_disk()
         with self._served():
             self.proxy.add(Fault("GET", r"/blobs/sha256:", "stall", times=1, arg=2))
             proc = self._start()
@@ -229,10 +237,6 @@ def test_a_lazy_run_terminated_at_a_stage_exits_clean_and_releases_the_server(us
         assert_clean(user, DOMAIN)
         assert not qemu_of_domain(user), stage
         assert stages.server.wait(timeout=EXIT_BOUND) == 0, stage
-        # The disk its server completed and installed goes, as after a killed run: the next stage's run
-        # must read it through the proxy, not take it from the node.
-        swept = user.launcher("gc")
-        assert swept.code == 0, (stage, swept)
 
     stages.after = after
     with getattr(stages, stage)() as proc:
