@@ -26,7 +26,7 @@ from diskkit.cli.shell import run_command
 from diskkit.errors import DiskkitError, Exit, NotFound
 from launcher.cli.commands import cli
 from launcher.node.cache import Cache
-from launcher.runtime import gc, pausing, vms
+from launcher.runtime import gc, lookup, pausing, vms
 from launcher.runtime.conditions import PAUSED_BY_USER, Paused
 from launcher.runtime.runner import Libvirt
 from tests.conftest import Result
@@ -110,12 +110,12 @@ def launcher(node, capsys):
 @pytest.mark.parametrize("state, condition", [("running", None), ("paused", BY_USER), ("stopped", None), ("gone", None)])
 def test_the_state_is_libvirts_and_a_users_pause_is_kubevirts_paused_by_user(node, state, condition):
     record = node.vm("vm", state)
-    assert vms.state_and_why(record, node.cache) == (state, condition)
-    assert vms.state(record, node.cache) == state  # what `ls` and gc ask
+    assert lookup.state_and_why(record, node.cache) == (state, condition)
+    assert lookup.state(record, node.cache) == state  # what `ls` and gc ask
 
 
 def test_a_vm_whose_libvirt_cannot_be_reached_is_unknown(node):
-    assert vms.state_and_why(node.vm("vm", "gone", uri=UNREACHABLE_URI), node.cache) == ("unknown", None)
+    assert lookup.state_and_why(node.vm("vm", "gone", uri=UNREACHABLE_URI), node.cache) == ("unknown", None)
 
 
 @pytest.mark.parametrize("state, code, line", [
@@ -183,12 +183,12 @@ def test_the_recorded_liveness_probe_decides_the_pause(node, probe, refusal):
     node.vm("vm", "running", livenessProbe=probe)
     if refusal is None:
         assert pausing.pause(node.cache, "vm") == "default_vm"
-        assert vms.state_and_why(vms.find_record(node.cache, "vm"), node.cache) == ("paused", BY_USER)
+        assert lookup.state_and_why(lookup.find_record(node.cache, "vm"), node.cache) == ("paused", BY_USER)
         return
     with pytest.raises(DiskkitError) as refused:
         pausing.pause(node.cache, "vm")
     assert refused.value.line() == f"vm: {refusal}"
-    assert vms.state(vms.find_record(node.cache, "vm")) == "running"
+    assert lookup.state(lookup.find_record(node.cache, "vm")) == "running"
 
 
 @pytest.mark.parametrize("command", ["pause", "unpause"])
@@ -206,7 +206,7 @@ def test_stop_of_a_vm_that_does_not_run_removes_its_files_and_says_not_running(n
     record = node.vm("vm", state)
     assert vms.stop(node.cache, "vm") is None
     assert node.files_of(record) == [] and node.state("default_vm") is None
-    assert vms.find_record(node.cache, "vm") is None
+    assert lookup.find_record(node.cache, "vm") is None
     stopped = launcher("stop", "--json", "vm")
     assert json.loads(stopped.out)["vms"] == [{"name": "vm", "stopped": False, "domain": None, "message": "VM vm is not running",
                                                "how": None, "gracePeriod": None, "seconds": None}], stopped
@@ -223,8 +223,8 @@ def test_stop_of_a_vm_whose_libvirt_cannot_be_reached_removes_its_files(node):
 
 def test_a_record_is_found_by_name_namespace_name_or_domain_name(node):
     record = node.vm("vm", "running")
-    assert vms.find_record(node.cache, "vm") == vms.find_record(node.cache, "default/vm") == vms.find_record(node.cache, "default_vm") == record
-    assert vms.find_record(node.cache, "other/vm") is None
+    assert lookup.find_record(node.cache, "vm") == lookup.find_record(node.cache, "default/vm") == lookup.find_record(node.cache, "default_vm") == record
+    assert lookup.find_record(node.cache, "other/vm") is None
 
 
 def test_ls_lists_each_vm_with_its_state_and_the_disks_it_uses(node, launcher):
@@ -253,5 +253,5 @@ def test_gc_keeps_a_running_or_paused_vm_and_what_it_uses_and_cleans_up_the_rest
     for state in ("gone", "stopped"):
         assert node.files_of(records[state]) == [], state
     assert node.state("default_stopped") is None  # undefined, as `launcher stop` does
-    assert [vms.state(records[s]) for s in ("running", "paused")] == ["running", "paused"]
+    assert [lookup.state(records[s]) for s in ("running", "paused")] == ["running", "paused"]
     assert gc.collect(node.cache).vms_cleaned == []  # nothing more to clean

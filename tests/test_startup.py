@@ -141,3 +141,18 @@ def test_launcher_domain_loads_no_iso_writer_or_libvirt(local):
     loaded = _imports_of("launcher", "domain", "--accel", "tcg", "--cache-dir", local["cache"], local["vmi"])
     assert "launcher.render.domain" in loaded
     assert sorted(loaded.intersection(("pycdlib", "libvirt"))) == []
+
+
+# A pod's exec probes run `launcher status` every few seconds: finding a VM and asking libvirt about
+# it needs neither the machinery that starts one nor the registry's client (0.45 CPU-s a probe with
+# them, 0.15 without); `ls` lists exports too, which the registry's client resolves.
+RUN_ONLY = ("launcher.runtime.vms", "launcher.diskserver.client", "launcher.node.pull", "launcher.network.linuxbridge",
+            "yaml", "pycdlib", "launcher.spec.vmi", "launcher.render.domain")
+
+
+@pytest.mark.parametrize("argv, code, unloaded", [(("status", "--cache-dir", "{cache}", "nosuchvm"), 5, RUN_ONLY + HTTP),
+                                                  (("ls", "--cache-dir", "{cache}"), 0, RUN_ONLY)], ids=["status", "ls"])
+def test_launcher_lookups_load_no_run_machinery(local, argv, code, unloaded):
+    loaded = _imports_of("launcher", *(str(a).format(**local) for a in argv), code=code)
+    assert "launcher.runtime.lookup" in loaded
+    assert sorted(loaded.intersection(unloaded)) == []

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import posixpath
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from diskkit.layers.imagefs import Node, Tree
+if TYPE_CHECKING:  # the rules only read a tree: the VMI's parser, which checks paths, needs no tar reader
+    from diskkit.layers.imagefs import Node, Tree
 
 DISK_DIR = "disk"
 QEMU_UID = QEMU_GID = 107

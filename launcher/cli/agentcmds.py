@@ -11,7 +11,7 @@ from launcher.cli.options import cache_option, node_cache
 
 def _print(name: str, cache_dir: str | None, query) -> None:
     from launcher.runtime.agentinfo import go_json
-    from launcher.runtime.vms import connect, record_of
+    from launcher.runtime.lookup import connect, record_of
 
     cache = node_cache(cache_dir)
     record = record_of(cache, name)

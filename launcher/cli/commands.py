@@ -379,7 +379,7 @@ def status(name, as_json, cache_dir) -> None:
     """
     from launcher.runtime import memorydump
     from launcher.runtime.conditions import PAUSED_BY_USER
-    from launcher.runtime.vms import conditions, find_record, record_of, state_and_why
+    from launcher.runtime.lookup import conditions, find_record, record_of, state_and_why
 
     cache = node_cache(cache_dir)
     record = find_record(cache, name)
@@ -419,7 +419,7 @@ Examples:
 def ls(as_json, cache_dir) -> None:
     """List the VMs started from this cache and the disks and VM exports it holds."""
     from launcher.node.vmexport import listing as export_listing
-    from launcher.runtime.vms import state
+    from launcher.runtime.lookup import state
 
     cache = node_cache(cache_dir)
     warn_if_open(cache)

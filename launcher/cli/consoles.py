@@ -13,7 +13,7 @@ from launcher.cli.options import cache_option, node_cache
 
 
 def _running_record(cache, name: str) -> dict:
-    from launcher.runtime.vms import find_record
+    from launcher.runtime.lookup import find_record
 
     record = find_record(cache, name)
     if record is None:
@@ -35,7 +35,7 @@ def console(name, cache_dir) -> None:
     leaves the VM running; `launcher logs NAME` shows what it printed before."""
     from launcher.runtime.attach import attach
     from launcher.runtime.runner import use_event_loop
-    from launcher.runtime.vms import connect
+    from launcher.runtime.lookup import connect
 
     cache = node_cache(cache_dir)
     record = _running_record(cache, name)
@@ -61,7 +61,7 @@ def logs(name, follow, cache_dir) -> None:
     from launcher.runtime import rundir
     from launcher.runtime.console import ConsoleLog
     from launcher.runtime.console import follow as follow_log
-    from launcher.runtime.vms import connect
+    from launcher.runtime.lookup import connect
 
     cache = node_cache(cache_dir)
     record = _running_record(cache, name)

@@ -28,7 +28,7 @@ def sync_credentials(domain, manifests, kube_api, cache_dir) -> None:
     (/var/run/kubevirt-private/secret/NAME-access-cred).
     """
     from launcher.runtime.credsync import serve
-    from launcher.runtime.vms import connect
+    from launcher.runtime.lookup import connect
 
     cache = node_cache(cache_dir)
     record = cache.read_json(cache.vm_record_path(domain))

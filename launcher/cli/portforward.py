@@ -34,7 +34,7 @@ def port_forward(target, ports, address, stdio, cache_dir) -> None:
     """
     from diskkit.errors import DiskkitError, NotFound
     from launcher.network.forward import Listener, network_of, parse_port, parse_target, pump_stdio
-    from launcher.runtime.vms import connect, find_record
+    from launcher.runtime.lookup import connect, find_record
 
     name = parse_target(target)
     forwards = [parse_port(p) for p in ports]

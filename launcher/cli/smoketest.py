@@ -160,7 +160,8 @@ class _Reach(threading.Thread):
         self.outcome: int | None = None
 
     def run(self) -> None:
-        from launcher.runtime.vms import find_record, stop
+        from launcher.runtime.lookup import find_record
+        from launcher.runtime.vms import stop
 
         try:
             self.outcome = self._reach(find_record)
@@ -241,7 +242,8 @@ class _Reach(threading.Thread):
 
     def stop_now(self) -> None:
         """A --fail-on line: stop the VM at once (once it has a record to stop it by)."""
-        from launcher.runtime.vms import find_record, stop
+        from launcher.runtime.lookup import find_record
+        from launcher.runtime.vms import stop
 
         while not self.vm_gone.is_set():
             if find_record(self.cache, self.target.vm) is not None:

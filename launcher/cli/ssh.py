@@ -132,7 +132,7 @@ def ssh(target, remote, identity_file, port, username, command, local_opts, time
     """
     from launcher.cli.options import node_cache, say
     from launcher.runtime.sshreach import first_contact
-    from launcher.runtime.vms import record_of
+    from launcher.runtime.lookup import record_of
 
     if command and remote:
         raise DiskkitError("ssh", "give the command with -c or after --, not both")

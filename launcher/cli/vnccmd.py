@@ -67,7 +67,7 @@ def vnc(name, vmi, address, port, proxy_only, vnc_type, vnc_path, file_name, cac
     the display is the guest's console.
     """
     from launcher.runtime import vnc as display
-    from launcher.runtime.vms import connect, record_of
+    from launcher.runtime.lookup import connect, record_of
 
     screenshot = name == "screenshot" and vmi is not None
     if vmi is not None and not screenshot:

@@ -41,7 +41,7 @@ class Forward:
 
 
 def parse_target(text: str) -> str:
-    """TYPE/NAME[/NAMESPACE] or NAME -> the name `launcher.runtime.vms.find_record` takes."""
+    """TYPE/NAME[/NAMESPACE] or NAME -> the name `launcher.runtime.lookup.find_record` takes."""
     if not text:
         raise DiskkitError("port-forward", "target cannot be empty")
     parts = text.split("/")

@@ -13,9 +13,13 @@ choice, or libvirt's own when the caller has none.
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
+from typing import TYPE_CHECKING
 
-from launcher.spec.vmi import FREE_PAGE_REPORTING_DISABLED, VMI
+if TYPE_CHECKING:  # the guest agent's lookups (launcher.runtime.guestagent) need the channel's name, not the spec's parser
+    from launcher.spec.vmi import VMI
 
+# staging/src/kubevirt.io/api/core/v1/types.go FreePageReportingDisabledAnnotation
+FREE_PAGE_REPORTING_DISABLED = "kubevirt.io/free-page-reporting-disabled"
 GUEST_AGENT_CHANNEL = "org.qemu.guest_agent.0"
 # pkg/virt-config/virt-config.go: SmbiosConfigDefault*; sku and version are empty, and libvirt drops
 # empty entries, so the guest sees the three.

@@ -14,7 +14,8 @@ from launcher.diskserver.server import lazy_leftovers
 from launcher.node.cache import Cache, tree_size
 from launcher.runtime import rundir
 from launcher.runtime.stopping import DEFAULT_GRACE_PERIOD
-from launcher.runtime.vms import cleanup, reachable, state
+from launcher.runtime.lookup import reachable, state
+from launcher.runtime.vms import cleanup
 
 
 @dataclass

@@ -42,7 +42,7 @@ from diskkit.streams.compression import compressor
 from launcher.hostfs.dirfd import Dir, give
 from launcher.node.cache import Cache
 from launcher.runtime.vmuser import VmUser
-from launcher.runtime.vms import connect, match, record_of
+from launcher.runtime.lookup import connect, match, record_of
 from launcher.spec.k8s import resolve_claim
 from launcher.volumes.files import free_bytes, is_block
 from launcher.volumes.storage import LocalClaim, Storage, pv_path
@@ -97,7 +97,7 @@ def request(cache: Cache, domain: str) -> dict | None:
 
 
 def find(cache: Cache, name: str) -> dict | None:
-    """The kept association of the VM `name` (as `launcher.runtime.vms.find_record` finds a VM), running
+    """The kept association of the VM `name` (as `launcher.runtime.lookup.find_record` finds a VM), running
     or not."""
     return match([k for k in map(_valid, cache.memory_dump_records()) if k is not None], name)
 

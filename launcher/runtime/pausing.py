@@ -10,7 +10,7 @@ from launcher.node.cache import Cache
 from launcher.runtime.conditions import PAUSED_BY_USER, Paused, pause_refusal, paused_condition, unpause_refusal
 from launcher.runtime.iopause import describe
 from launcher.runtime.runner import Libvirt
-from launcher.runtime.vms import connect, record_of
+from launcher.runtime.lookup import connect, record_of
 
 # After unpausing a VM an I/O error paused, this long to see whether qemu's retry of the failed
 # request paused it again (the disk still full, say): qemu retries at once on resume.

@@ -150,7 +150,7 @@ def first_contact(cache: Cache, name: str, port: int, timeout: float, say: Calla
     `name` is the VM as find_record takes it; `say` gets the one line of a first use, `progress` the
     one line of a wait. Raises TimedOut when the server has not answered in `timeout` seconds."""
     from launcher.network.forward import network_of
-    from launcher.runtime.vms import connect, find_record
+    from launcher.runtime.lookup import connect, find_record
 
     stop = stop or threading.Event()
     record = find_record(cache, name)

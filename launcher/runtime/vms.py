@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
-from diskkit.errors import DiskkitError, GuestFailed, NotFound, TimedOut
+from diskkit.errors import DiskkitError, GuestFailed, TimedOut
 from diskkit.oci.image import Platform
 from diskkit.registry.options import RegistryOptions
 from diskkit.streams.fsutil import write_atomic
@@ -29,10 +29,10 @@ from launcher.node import pins
 from launcher.node.cache import QEMU_ID, Cache
 from launcher.render.domain import Host, network_queues, notes, read_only_volumes, render, secret_xml
 from launcher.render.interfaces import socket_path
-from launcher.runtime import accel, credsync, diskfds, guestagent, hooks, hostcpus, rundir, sessiond, swtpm, virtiofs, vmuser
-from launcher.runtime.conditions import Paused, paused_condition
+from launcher.runtime import accel, credsync, diskfds, hooks, hostcpus, rundir, sessiond, swtpm, virtiofs, vmuser
 from launcher.runtime.console import ConsoleLog, follow
-from launcher.runtime.iopause import PATIENCE, PauseWatch, describe
+from launcher.runtime.iopause import PATIENCE, PauseWatch
+from launcher.runtime.lookup import find_record, gone_for_good, own_libvirt, reachable, state
 from launcher.runtime.runner import Libvirt, default_uri
 from launcher.runtime.stopping import DEFAULT_GRACE_PERIOD, NOT_RUNNING, UNREACHABLE, Stopped, shut_down
 from launcher.runtime.vmuser import VmUser
@@ -97,43 +97,6 @@ def _own_daemon(opts: RunOptions) -> bool:
     launcher pod runs it: through a session daemon of the qemu user of its own (launcher.runtime.sessiond),
     under a uid of its own (launcher.runtime.vmuser)."""
     return opts.uri is None and os.geteuid() == 0 and not sessiond.system_daemon_answers()
-
-
-def connect(record: dict) -> Libvirt:
-    """libvirt at a record's URI; a VM's own session daemon is started again if it has exited while
-    its VM may still run (killed: it finds the domain still running and its qemu process). A VM whose
-    uid was given back is gone: its socket may be another VM's by now, never connected to."""
-    user = VmUser.from_json(record.get("vmUser"))
-    if _gone_for_good(record):
-        raise DiskkitError(record["domain"], "VM is not running (its own uid was given back)")
-    sessiond.ensure(record["uri"], user)
-    return Libvirt(record["uri"]) if user is None else _own_libvirt(record["uri"], user)
-
-
-@contextlib.contextmanager
-def reachable(record: dict) -> Iterator[Libvirt | None]:
-    """connect(record), or None when its daemon cannot be reached (the domain is gone with it, and only
-    its files are left to remove); closed when the block ends, not when the garbage collector runs."""
-    try:
-        lv = connect(record)
-    except DiskkitError:
-        lv = None
-    try:
-        yield lv
-    finally:
-        if lv is not None:
-            lv.close()
-
-
-def _gone_for_good(record: dict) -> bool:
-    user = VmUser.from_json(record.get("vmUser"))
-    return user is not None and not vmuser.holds(user)
-
-
-def _own_libvirt(uri: str, user: VmUser) -> Libvirt:
-    """A connection to a VM's own daemon, which is started again if it is killed under the VM, and
-    whose VM is gone for good once its uid is given back (stopped, and maybe given to another VM)."""
-    return Libvirt(uri, restart=lambda: sessiond.ensure(uri, user), gone=lambda: not vmuser.holds(user))
 
 
 def plan(vmi: VMI, cache: Cache, opts: RunOptions, create: bool, say: Callable[[str], None], qemu: tuple[int, int] = KUBEVIRT_QEMU,
@@ -301,7 +264,7 @@ def run(vmi: VMI, cache: Cache, opts: RunOptions, say: Callable[[str], None]) ->
             if taps:
                 linuxbridge.make(vmi, taps, vm_ids[0], network_queues(vmi))  # recorded first: a stop or the uid's next VM removes them
             if own:
-                lv = _own_libvirt(sessiond.start(allocation.user), allocation.user)
+                lv = own_libvirt(sessiond.start(allocation.user), allocation.user)
             for source, value in prepared.secrets:
                 lv.define_secret(secret_xml(source), value, source.secret_usage)
             if vmstate.launcher_runs_tpm(vmi):
@@ -529,35 +492,6 @@ def _clear_last_run(cache: Cache, vmi: VMI) -> None:
         cleanup(cache, lv, vmi.domain_name)
 
 
-def record_of(cache: Cache, name: str) -> dict:
-    """find_record, or NotFound naming the VM asked for."""
-    record = find_record(cache, name)
-    if record is None:
-        raise NotFound(name, "no VM of this name was started from this cache (yet)")
-    return record
-
-
-def find_record(cache: Cache, name: str) -> dict | None:
-    """A VM by domain name (NAMESPACE_NAME), NAMESPACE/NAME, or VMI name in any namespace if unique."""
-    return match(cache.vm_records(), name)
-
-
-def match(records: list[dict], name: str) -> dict | None:
-    """The one of `records` (each with "domain", "vmi" and "namespace") that `name` names, as find_record
-    finds a VM."""
-    wanted = name.replace("/", "_", 1)
-    namespace, _, plain = name.rpartition("/")
-    # A name too long for libvirt has a shortened domain name: NAMESPACE/NAME still finds it.
-    exact = [r for r in records if r["domain"] in (wanted, f"default_{name}")
-             or (namespace and (r.get("namespace"), r.get("vmi")) == (namespace, plain))]
-    if exact:
-        return exact[0]
-    by_name = [r for r in records if r["vmi"] == name]
-    if len(by_name) > 1:
-        raise DiskkitError(name, f"several VMs have this name ({', '.join(r['domain'] for r in by_name)}); give NAMESPACE/NAME")
-    return by_name[0] if by_name else None
-
-
 def stop(cache: Cache, name: str, grace: float | None = None, say: Callable[[str], None] = lambda _: None) -> tuple[str, Stopped] | None:
     """Stop the VM as `virtctl stop` does (launcher.runtime.stopping) and remove its files: the
     power button and the grace period its run recorded (the VMI's terminationGracePeriodSeconds, or
@@ -566,7 +500,7 @@ def stop(cache: Cache, name: str, grace: float | None = None, say: Callable[[str
     record = find_record(cache, name)
     if record is None:
         return None
-    if _gone_for_good(record):
+    if gone_for_good(record):
         cleanup(cache, None, record["domain"])
         return None
     period = record.get("gracePeriod", DEFAULT_GRACE_PERIOD) if grace is None else grace
@@ -577,54 +511,3 @@ def stop(cache: Cache, name: str, grace: float | None = None, say: Callable[[str
         return record["domain"], Stopped(UNREACHABLE, period)
     # A domain defined and never started (its launcher killed in between) or powered off is no running VM.
     return None if stopped.how == NOT_RUNNING else (record["domain"], stopped)
-
-
-def state(record: dict, cache: Cache | None = None) -> str:
-    """running, paused (by the user, or by an I/O error of a disk: error_policy stop), stopped (defined,
-    not running), gone (no such domain) or unknown (libvirt unreachable)."""
-    return state_and_why(record, cache)[0]
-
-
-def state_and_why(record: dict, cache: Cache | None = None) -> tuple[str, Paused | None]:
-    """The state, and for a paused VM KubeVirt's Paused condition: who paused it, and for an I/O
-    error which disks and why (iopause.describe)."""
-    if _gone_for_good(record):
-        return "gone", None
-    try:
-        lv = Libvirt(record["uri"]) if cache is None else connect(record)
-    except DiskkitError:
-        return "unknown", None
-    try:
-        domain = record["domain"]
-        paused_by = lv.paused_by(domain)
-        if paused_by is not None:
-            errors = lv.disk_errors(domain)
-            # A pause for a reason KubeVirt gives no condition (libvirt starting it, say) is no pause to report.
-            condition = paused_condition(paused_by, None if errors is None else describe(errors))
-            if condition is not None:
-                return "paused", condition
-        if lv.active(domain):
-            return "running", None
-        return ("stopped" if lv.exists(domain) else "gone"), None
-    finally:
-        lv.close()
-
-
-def conditions(record: dict, cache: Cache, paused: Paused | None) -> list[dict]:
-    """The VMI's conditions as virt-handler sets them for a running VM: Paused, AgentConnected,
-    UnsupportedAgent, AccessCredentialsSynchronized (type, status, reason, message)."""
-    found = []
-    if paused is not None:
-        found.append({"type": "Paused", "status": "True", "reason": paused.reason, "message": paused.message})
-    try:
-        lv = connect(record)
-    except DiskkitError:
-        return found
-    try:
-        found += guestagent.conditions(lv, record["domain"], bool(record.get("accessCredentials")))
-    finally:
-        lv.close()
-    synced = credsync.condition(Path(record["run_dir"]))
-    if synced is not None:
-        found.append(synced)
-    return found

@@ -82,8 +82,6 @@ TRAY_STATES = ("open", "closed")
 INPUT_BUSES = ("virtio", "usb")
 # pkg/virt-api/webhooks/amd64.go validateVideoTypeAmd64
 VIDEO_TYPES = ("vga", "cirrus", "virtio", "ramfb", "bochs")
-# staging/src/kubevirt.io/api/core/v1/types.go FreePageReportingDisabledAnnotation
-FREE_PAGE_REPORTING_DISABLED = "kubevirt.io/free-page-reporting-disabled"
 
 VOLUME_KINDS = (
     "containerDisk", "persistentVolumeClaim", "dataVolume", "emptyDisk", "hostDisk", "ephemeral",
