@@ -118,6 +118,8 @@ def state_and_why(record: dict, cache: Cache | None = None) -> tuple[str, Paused
 def conditions(record: dict, cache: Cache, paused: Paused | None) -> list[dict]:
     """The VMI's conditions as virt-handler sets them for a running VM: Paused, AgentConnected,
     UnsupportedAgent, AccessCredentialsSynchronized (type, status, reason, message)."""
+    from launcher.runtime import credsync  # here: its helper's volume writers are no business of a lookup's
+
     found = []
     if paused is not None:
         found.append({"type": "Paused", "status": "True", "reason": paused.reason, "message": paused.message})
@@ -129,8 +131,6 @@ def conditions(record: dict, cache: Cache, paused: Paused | None) -> list[dict]:
         found += guestagent.conditions(lv, record["domain"], bool(record.get("accessCredentials")))
     finally:
         lv.close()
-    from launcher.runtime import credsync  # its helper's writers are no business of a lookup's
-
     synced = credsync.condition(Path(record["run_dir"]))
     if synced is not None:
         found.append(synced)
