@@ -42,7 +42,7 @@ from launcher.network import backend, bindings, pod  # noqa: E402
 from launcher.spec.network import Interface  # noqa: E402
 
 GUEST = ROOT / "build" / "testguest"
-CMDLINE = "console=ttyS0 quiet panic=-1 scsi_mod.scan=sync cryptomgr.notests"
+CMDLINE = (ROOT / "images" / "testguest" / "cmdline").read_text().strip()  # testguest.qcow2's own
 VARIANTS = ("none", "nic", "slirp")
 TARGET_OVERHEAD = 0.10
 

@@ -27,10 +27,11 @@ SRC_DIR = REPO / "images" / "testguest"
 BUILD_SH = SRC_DIR / "build.sh"
 INIT = SRC_DIR / "init"
 SCSI_PR = SRC_DIR / "scsi-pr.c"
+CMDLINE = SRC_DIR / "cmdline"
 OUTPUTS = ("testguest.qcow2", "testguest-poweroff.qcow2", "vmlinuz", "initrd.img")
-# As testguest-poweroff.qcow2's syslinux.cfg APPEND line in build.sh (for -kernel/-initrd boots): the
-# guest powers off once it has reported, for the tests that wait for the end.
-KERNEL_CMDLINE = "console=ttyS0 quiet panic=-1 scsi_mod.scan=sync cryptomgr.notests diskkit.poweroff"
+# testguest-poweroff.qcow2's APPEND line (for -kernel/-initrd boots): the guest powers off once it has
+# reported, for the tests that wait for the end.
+KERNEL_CMDLINE = CMDLINE.read_text().strip() + " diskkit.poweroff"
 QEMU = "qemu-system-x86_64"
 
 
@@ -42,7 +43,7 @@ def testguest_dir() -> Path:
 def guest_is_current(out: Path) -> bool:
     """Outputs present and built from the current build.sh + init.
 
-    Mirrors build.sh's cache key (sha256 of build.sh, init, scsi-pr.c, deb filename) using
+    Mirrors build.sh's cache key (sha256 of build.sh, init, scsi-pr.c, cmdline, deb filename) using
     the .deb kept in OUTDIR/cache, so no apt call is needed to detect staleness
     after an edit of build.sh or init. A key that does not match build.sh's runs build.sh at every
     call (1-2 s each): test_testguest checks the two agree.
@@ -53,7 +54,7 @@ def guest_is_current(out: Path) -> bool:
         recipe = (out / "recipe.sha256").read_text().strip()
     except FileNotFoundError:
         return False
-    body = BUILD_SH.read_bytes() + INIT.read_bytes() + SCSI_PR.read_bytes()
+    body = BUILD_SH.read_bytes() + INIT.read_bytes() + SCSI_PR.read_bytes() + CMDLINE.read_bytes()
     for deb in (out / "cache").glob("linux-image-*.deb"):
         if hashlib.sha256(body + deb.name.encode() + b"\n").hexdigest() == recipe:
             return True
