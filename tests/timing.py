@@ -27,6 +27,7 @@ import pytest
 DURATIONS = Path(__file__).with_name("durations.json")  # seconds per file of a full run: --record-durations writes it
 BUDGET_SECONDS = 25 * 60
 TESTS_BUDGET_SECONDS = 20 * 60
+QUICK_BUDGET_SECONDS = 5 * 60  # the quick tier's tests (--quick)
 SHOWN = 25
 IDLE_SHOWN = 10
 QEMU_COMM = b"qemu-system-x86"  # /proc/PID/comm keeps 15 bytes of qemu-system-x86_64
@@ -208,9 +209,7 @@ class Timing:
         if self.idle is not None:
             self.idle.stop()
             self._idle_table(write)
-        verdict = "within" if wall <= TESTS_BUDGET_SECONDS else "OVER"
-        write(f"wall time {wall / 60:.1f} min: {verdict} the tests' budget of {TESTS_BUDGET_SECONDS // 60} min "
-              f"(the whole CI run, set-up included: {BUDGET_SECONDS // 60} min)")
+        write(budget_line(wall, self.config.getoption("--quick", False)))
 
     def _idle_table(self, write) -> None:
         per_file, idle, seconds = idle_charged(self.idle.samples, self.spans)
@@ -221,6 +220,16 @@ class Timing:
               f"(idle core-seconds while they ran, shared among the files running):")
         for path, charged in sorted(per_file.items(), key=lambda kv: -kv[1])[:IDLE_SHOWN]:
             write(f"{charged:8.1f}  {path}")
+
+
+def budget_line(wall: float, quick: bool) -> str:
+    """The run's wall time against its tier's budget: the quick tier's, or the whole suite's tests' and CI run's."""
+    if quick:
+        verdict = "within" if wall <= QUICK_BUDGET_SECONDS else "OVER"
+        return f"wall time {wall / 60:.1f} min: {verdict} the quick tier's budget of {QUICK_BUDGET_SECONDS // 60} min"
+    verdict = "within" if wall <= TESTS_BUDGET_SECONDS else "OVER"
+    return (f"wall time {wall / 60:.1f} min: {verdict} the tests' budget of {TESTS_BUDGET_SECONDS // 60} min "
+            f"(the whole CI run, set-up included: {BUDGET_SECONDS // 60} min)")
 
 
 def recorded() -> dict:
