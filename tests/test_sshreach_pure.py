@@ -21,7 +21,7 @@ from diskkit.oci.userhint import DEFAULT_USER_LABEL, default_user
 from launcher.cli.smoketest import login_user, no_login
 from launcher.cli.ssh import parse_target, ssh_command
 from launcher.runtime.cloudinitreport import BEGIN_KEYS, END_KEYS, KEYS_MAX, LINE_MAX, HostKey, Report, fingerprint, parse_key
-from launcher.runtime.sshreach import Contact, known, known_hosts_text, record_keys, ssh_quote
+from launcher.runtime.sshreach import SILENT_MAX, Contact, known, known_hosts_text, record_keys, silent_limit, ssh_quote
 from tests.conftest import run_diskkit, run_launcher
 from tests.testguest import ensure_testguest
 
@@ -184,3 +184,12 @@ def test_launcher_test_refuses_a_label_that_is_not_a_user_name_before_booting(tm
     out = json.loads(result.out)
     assert out["result"] == "fail" and out["reason"] == f"{layout}: label {DEFAULT_USER_LABEL}: must be a user name " \
         "(a letter or _, then letters, digits, _ . -; at most 32)", out
+
+
+def test_a_probe_made_while_the_guest_boots_is_given_up_soon_and_later_ones_wait_longer():
+    # A connection made before the guest's network is up is never answered (passt sends the guest one
+    # SYN and waits 10 s for it): the first probe gives up after 2 s (a VM already up answers its first
+    # in about one), later ones wait twice as long each time, so an ssh server slow to send its
+    # identification line (OpenSSH re-executing itself under TCG) is still heard, up to SILENT_MAX.
+    assert [silent_limit(n) for n in range(6)] == [2.0, 4.0, 8.0, SILENT_MAX, SILENT_MAX, SILENT_MAX]
+    assert silent_limit(10_000) == SILENT_MAX

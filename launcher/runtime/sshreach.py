@@ -34,6 +34,18 @@ from launcher.runtime.rundir import console_log
 
 KNOWN_HOSTS = "known_hosts"
 POLL = 1.0
+# How long a probe's connection may stay silent. The first probes are made while the guest boots,
+# before its network is up, and such a connection is never answered: the user-mode stack sends the
+# guest one SYN and gives up on it after 10 s, which the guest's sshd, up meanwhile, used to wait out.
+# The first probe of a VM that is up answers in about a second (the switch starts its forwards' stack).
+SILENT_FIRST = 2.0
+SILENT_MAX = 10.0
+
+
+def silent_limit(attempt: int) -> float:
+    """How long probe number `attempt` (from 0) waits on a silent connection: SILENT_FIRST, then twice
+    as long each time up to SILENT_MAX, so a server slow to send its identification line is still heard."""
+    return min(SILENT_FIRST * 2 ** min(attempt, 8), SILENT_MAX)
 
 
 def known_hosts_text(host: str, keys: tuple[HostKey, ...]) -> str:
@@ -163,9 +175,10 @@ def first_contact(cache: Cache, name: str, port: int, timeout: float, say: Calla
     report, log = Report(), ConsoleLog(console_log(run_dir))
     lv = connect(record)  # a VM's own daemon, never a socket its uid's next VM holds
     entry = network_of(record)
-    answered, running, waiting_said = False, False, False
+    answered, running, waiting_said, probes = False, False, False, 0
     try:
         while True:
+            polled = time.monotonic()
             while data := log.read():
                 report.feed(data)
             if not answered:
@@ -173,8 +186,10 @@ def first_contact(cache: Cache, name: str, port: int, timeout: float, say: Calla
                 running = lv.active(record["domain"])
                 if not running and find_record(cache, name) is None:
                     raise DiskkitError(name, "stopped before its ssh server answered")
-                # A silent connection is given up at the deadline, not 10 s past it: --timeout is the caller's.
-                answered = running and banner(entry, port, min(10.0, max(deadline - time.monotonic(), POLL)), stop) is not None
+                if running:
+                    # A silent connection is given up at the deadline too: --timeout is the caller's.
+                    answered = banner(entry, port, min(silent_limit(probes), max(deadline - time.monotonic(), POLL)), stop) is not None
+                    probes += 1
             if answered:
                 if known(run_dir, host) is not None:  # another contact settled it meanwhile
                     return Contact(run_dir / KNOWN_HOSTS, host, False, report)
@@ -197,7 +212,8 @@ def first_contact(cache: Cache, name: str, port: int, timeout: float, say: Calla
             if progress is not None and not waiting_said:
                 progress(f"{name}: waiting for " + ("the host keys cloud-init prints on its console" if answered else f"its ssh server (guest port {port})"))
                 waiting_said = True
-            if stop.wait(POLL):
+            # A probe that waited a POLL or more on a silent connection was this round's wait.
+            if stop.wait(POLL if time.monotonic() - polled < POLL else 0):
                 raise DiskkitError(name, "stopped before its ssh server answered")
     finally:
         log.close()
