@@ -171,7 +171,8 @@ def first_contact(cache: Cache, name: str, port: int, timeout: float, say: Calla
     run_dir, host = cache.run_dir(record["domain"]), alias(record)
     if (settled := known(run_dir, host)) is not None:
         return settled
-    deadline = time.monotonic() + timeout
+    started = time.monotonic()
+    deadline = started + timeout
     report, log = Report(), ConsoleLog(console_log(run_dir))
     lv = connect(record)  # a VM's own daemon, never a socket its uid's next VM holds
     entry = network_of(record)
@@ -209,7 +210,9 @@ def first_contact(cache: Cache, name: str, port: int, timeout: float, say: Calla
                 say(f"{name}: cloud-init printed no host keys within {timeout:g} s; trusting the key its ssh server "
                     f"shows first, for this VM only ({run_dir / KNOWN_HOSTS})")
                 return Contact(run_dir / KNOWN_HOSTS, host, True, report)
-            if progress is not None and not waiting_said:
+            # Said once the wait is a real one: a probe given up early (above) is no sign of a guest
+            # that does not answer.
+            if progress is not None and not waiting_said and (answered or time.monotonic() - started >= SILENT_MAX):
                 progress(f"{name}: waiting for " + ("the host keys cloud-init prints on its console" if answered else f"its ssh server (guest port {port})"))
                 waiting_said = True
             # A probe that waited a POLL or more on a silent connection was this round's wait.
