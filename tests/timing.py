@@ -224,12 +224,9 @@ class Timing:
 
 def budget_line(wall: float, quick: bool) -> str:
     """The run's wall time against its tier's budget: the quick tier's, or the whole suite's tests' and CI run's."""
-    if quick:
-        verdict = "within" if wall <= QUICK_BUDGET_SECONDS else "OVER"
-        return f"wall time {wall / 60:.1f} min: {verdict} the quick tier's budget of {QUICK_BUDGET_SECONDS // 60} min"
-    verdict = "within" if wall <= TESTS_BUDGET_SECONDS else "OVER"
-    return (f"wall time {wall / 60:.1f} min: {verdict} the tests' budget of {TESTS_BUDGET_SECONDS // 60} min "
-            f"(the whole CI run, set-up included: {BUDGET_SECONDS // 60} min)")
+    budget, whose = (QUICK_BUDGET_SECONDS, "the quick tier's") if quick else (TESTS_BUDGET_SECONDS, "the tests'")
+    line = f"wall time {wall / 60:.1f} min: {'within' if wall <= budget else 'OVER'} {whose} budget of {budget // 60} min"
+    return line if quick else f"{line} (the whole CI run, set-up included: {BUDGET_SECONDS // 60} min)"
 
 
 def recorded() -> dict:

@@ -45,7 +45,7 @@ SILENT_MAX = 10.0
 def silent_limit(attempt: int) -> float:
     """How long probe number `attempt` (from 0) waits on a silent connection: SILENT_FIRST, then twice
     as long each time up to SILENT_MAX, so a server slow to send its identification line is still heard."""
-    return min(SILENT_FIRST * 2 ** min(attempt, 8), SILENT_MAX)
+    return min(SILENT_FIRST * 2 ** min(attempt, 8), SILENT_MAX)  # a long --timeout makes thousands of probes: no float overflow
 
 
 def known_hosts_text(host: str, keys: tuple[HostKey, ...]) -> str:
