@@ -32,6 +32,9 @@ Actions (``Fault.action``):
                 header giving that number), then wait until ``Fault.release`` (a threading.Event) is set (at
                 most MAX_STALL seconds), then the rest: an answer that stops half way and resumes.
 
+``Fault.hold``: ``(N, SECONDS)``: with ``truncate`` or ``flip``, the body stops for that long after its
+first N bytes (a download that has run a while before its fault).
+
 ``Fault.stop_at``: with ``flip``, the body also ends after that many bytes, as with ``truncate``
 (a liar that serves wrong bytes for a digest and is cut off half way). ``Fault.byte``: with ``flip``,
 the byte of the blob to flip instead of ``arg``: the fault matches only a range request whose
@@ -105,6 +108,7 @@ class Fault:
     to: str | None = None  # rewrite: the replacement for `path` in the request target
     release: threading.Event | None = None  # pause: set to send the rest
     byte: int | None = None  # flip: this byte of the blob, in the first range answer that holds it
+    hold: tuple[int, float] | None = None  # truncate, flip: after that many body bytes, wait that many seconds
 
     def __post_init__(self):
         if self.action not in ACTIONS:
@@ -502,9 +506,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         flip_at = -1
         if action == "flip":
             flip_at = fault.byte_at(self.headers.get("Range")) if fault.byte is not None else int(fault.arg)
-        pause_at = -1
+        pause_at, hold_for = -1, None
         if action == "pause":
             pause_at = int(fault.arg(self.headers.get("Range")) if callable(fault.arg) else fault.arg)
+        elif fault is not None and fault.hold is not None:
+            pause_at, hold_for = fault.hold
         sent = 0
         if not no_body:
             while True:
@@ -523,6 +529,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 sent += len(piece)
                 if sent == pause_at:
                     self.wfile.flush()
+                    if hold_for is not None:
+                        time.sleep(hold_for)
+                        continue
                     deadline = time.monotonic() + MAX_STALL
                     while not fault.release.wait(0.1) and not self.server.proxy._closing.is_set() and time.monotonic() < deadline:
                         pass

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 from diskkit.registry.partial import PartialBlob
@@ -24,31 +25,42 @@ def pieces(count: int) -> list[bytes]:
     return [os.urandom(MIB) for _ in range(count)]
 
 
+def kept_at_once(directory: Path, source: str = SOURCE) -> PartialBlob:
+    """A copy that keeps every byte from the first (as a download does once it failed or ran long)."""
+    return PartialBlob(directory, DIGEST, source, keep_after=0)
+
+
+def append_all(blob: PartialBlob, data: list[bytes], at: int | None = None) -> None:
+    """`data` as it arrives, from blob offset `at` (default: where the kept bytes end)."""
+    at = blob.length if at is None else at
+    for piece in data:
+        blob.append(at, piece)
+        at += len(piece)
+
+
 def test_kept_bytes_are_all_written_and_are_the_next_ones_head_start(tmp_path):
     data = pieces(24)
-    first = PartialBlob(tmp_path, DIGEST, SOURCE)
+    first = kept_at_once(tmp_path)
     assert first.length == 0
-    for piece in data:
-        first.append(piece)
+    append_all(first, data)
     first.keep()  # returns once the writer has written and synced everything queued
 
-    again = PartialBlob(tmp_path, DIGEST, SOURCE)
+    again = kept_at_once(tmp_path)
     try:
         assert again.length == len(data) * MIB
-        assert int((tmp_path / f"{DIGEST.replace(':', '-')}.synced").read_text()) == again.length
+        assert (tmp_path / f"{DIGEST.replace(':', '-')}.synced").read_text() == f"0 {again.length}"
         assert again.read(0, again.length) == b"".join(data)
     finally:
         again.drop()
 
 
 def test_sync_moves_the_resume_point_to_everything_appended(tmp_path):
-    blob = PartialBlob(tmp_path, DIGEST, SOURCE)
+    blob = kept_at_once(tmp_path)
     mark = tmp_path / f"{DIGEST.replace(':', '-')}.synced"
     try:
-        for piece in pieces(5):
-            blob.append(piece)
+        append_all(blob, pieces(5))
         blob.sync()
-        assert int(mark.read_text()) == 5 * MIB
+        assert mark.read_text() == f"0 {5 * MIB}"
         assert (tmp_path / f"{DIGEST.replace(':', '-')}.part").stat().st_size == 5 * MIB
     finally:
         blob.drop()
@@ -62,11 +74,10 @@ def unlinked() -> None:
 
 
 def test_a_dropped_copy_leaves_nothing(tmp_path):
-    blob = PartialBlob(tmp_path, DIGEST, SOURCE)
-    for piece in pieces(8):
-        blob.append(piece)
+    blob = kept_at_once(tmp_path)
+    append_all(blob, pieces(8))
     blob.sync()
-    blob.append(os.urandom(MIB))
+    blob.append(blob.length, os.urandom(MIB))
     blob.drop()
     # No resume point survives the drop itself: a download started now begins afresh.
     assert not (tmp_path / f"{DIGEST.replace(':', '-')}.synced").exists()
@@ -78,19 +89,17 @@ def test_a_dropped_copy_leaves_nothing(tmp_path):
 def test_a_download_started_while_a_dropped_copy_is_unlinked_keeps_its_own(tmp_path):
     """The dropped bytes leave under a name of their own before they are unlinked, so the next
     download of the blob (a retry in the same process) is not the one they take with them."""
-    old = PartialBlob(tmp_path, DIGEST, SOURCE)
-    for piece in pieces(64):
-        old.append(piece)
+    old = kept_at_once(tmp_path)
+    append_all(old, pieces(64))
     old.sync()
     old.drop()
     data = pieces(3)
-    new = PartialBlob(tmp_path, DIGEST, SOURCE)
+    new = kept_at_once(tmp_path)
     assert new.length == 0
-    for piece in data:
-        new.append(piece)
+    append_all(new, data)
     new.keep()
     unlinked()
-    again = PartialBlob(tmp_path, DIGEST, SOURCE)
+    again = kept_at_once(tmp_path)
     try:
         assert again.read(0, again.length) == b"".join(data)
     finally:
@@ -105,12 +114,12 @@ def test_a_disk_that_refuses_writes_ends_the_copy_not_the_download(tmp_path):
         from pathlib import Path
         from diskkit.registry.partial import PartialBlob
         resource.setrlimit(resource.RLIMIT_FSIZE, (3 << 20, 3 << 20))
-        blob = PartialBlob(Path(sys.argv[1]), {DIGEST!r}, {SOURCE!r})
+        blob = PartialBlob(Path(sys.argv[1]), {DIGEST!r}, {SOURCE!r}, keep_after=0)
         for _ in range(3):
-            blob.append(os.urandom(1 << 20))
+            blob.append(blob.length, os.urandom(1 << 20))
         blob.sync()
         for _ in range(6):
-            blob.append(os.urandom(1 << 20))  # the writer fails on the first of these
+            blob.append(blob.length, os.urandom(1 << 20))  # the writer fails on the first of these
         blob.sync()
         blob.keep()
         print(blob.length, blob.synced)
@@ -119,24 +128,86 @@ def test_a_disk_that_refuses_writes_ends_the_copy_not_the_download(tmp_path):
     assert done.returncode == 0, done.stderr
     appended, synced = map(int, done.stdout.split())
     assert appended == 9 * MIB and synced == 3 * MIB
-    assert int((tmp_path / f"{DIGEST.replace(':', '-')}.synced").read_text()) == 3 * MIB
+    assert (tmp_path / f"{DIGEST.replace(':', '-')}.synced").read_text() == f"0 {3 * MIB}"
 
 
 def test_kept_bytes_are_resumed_only_from_their_own_source(tmp_path):
     """Attack: a liar's kept bytes, under the digest of a genuine blob, offered to the genuine pull."""
-    first = PartialBlob(tmp_path, DIGEST, SOURCE)
-    for piece in pieces(3):
-        first.append(piece)
+    first = kept_at_once(tmp_path)
+    append_all(first, pieces(3))
     first.keep()
-    other = PartialBlob(tmp_path, DIGEST, SOURCE.replace("registry.example", "liar.example"))
+    other = kept_at_once(tmp_path, SOURCE.replace("registry.example", "liar.example"))
     try:
         assert other.length == 0 and (tmp_path / f"{DIGEST.replace(':', '-')}.part").stat().st_size == 0
     finally:
         other.keep()
-    again = PartialBlob(tmp_path, DIGEST, SOURCE)  # the liar's source is recorded now: nothing for this one
+    again = kept_at_once(tmp_path)  # the liar's source is recorded now: nothing for this one
     try:
         assert again.length == 0
     finally:
         again.drop()
     unlinked()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_download_that_ends_within_keep_after_writes_nothing(tmp_path):
+    """A fast download is cheaper to fetch again than to copy: nothing is written, nothing resumed."""
+    blob = PartialBlob(tmp_path, DIGEST, SOURCE, keep_after=60)
+    append_all(blob, pieces(8))
+    blob.keep()
+    part = tmp_path / f"{DIGEST.replace(':', '-')}.part"
+    assert part.stat().st_blocks == 0 and not (tmp_path / f"{DIGEST.replace(':', '-')}.synced").exists()
+    again = PartialBlob(tmp_path, DIGEST, SOURCE)
+    try:
+        assert again.kept == 0 and again.length == 0
+    finally:
+        again.drop()
+
+
+def test_keeping_begins_keep_after_into_the_download_and_is_resumed_from_there(tmp_path):
+    data = pieces(8)
+    blob = PartialBlob(tmp_path, DIGEST, SOURCE, keep_after=0.2)
+    append_all(blob, data[:3])
+    time.sleep(0.25)
+    append_all(blob, data[3:])
+    blob.keep()
+    # The bytes before the first kept one take no space: a hole, fetched again by the next download.
+    part = tmp_path / f"{DIGEST.replace(':', '-')}.part"
+    assert part.stat().st_blocks * 512 <= 5 * MIB + 64 << 10
+    again = PartialBlob(tmp_path, DIGEST, SOURCE)
+    try:
+        assert (again.start, again.length, again.kept) == (3 * MIB, 8 * MIB, 5 * MIB)
+        assert again.read(3 * MIB, 5 * MIB) == b"".join(data[3:])
+        append_all(again, data[:3], at=0)  # the head, fetched again before the kept bytes: not kept twice
+        assert again.length == 8 * MIB
+    finally:
+        again.drop()
+
+
+def test_a_failure_before_keep_after_keeps_what_follows(tmp_path):
+    """A download that failed once is worth keeping: from its next byte on, whatever the time."""
+    data = pieces(6)
+    blob = PartialBlob(tmp_path, DIGEST, SOURCE, keep_after=60)
+    append_all(blob, data[:2])
+    blob.sync()
+    append_all(blob, data[2:])
+    blob.keep()
+    again = PartialBlob(tmp_path, DIGEST, SOURCE)
+    try:
+        assert (again.start, again.kept) == (2 * MIB, 4 * MIB)
+        assert again.read(2 * MIB, 4 * MIB) == b"".join(data[2:])
+    finally:
+        again.drop()
+
+
+def test_an_older_launchers_resume_point_is_read_as_from_byte_0(tmp_path):
+    data = pieces(2)
+    blob = kept_at_once(tmp_path)
+    append_all(blob, data)
+    blob.keep()
+    (tmp_path / f"{DIGEST.replace(':', '-')}.synced").write_text(str(2 * MIB))  # "END", as before START was kept
+    again = PartialBlob(tmp_path, DIGEST, SOURCE)
+    try:
+        assert (again.start, again.kept) == (0, 2 * MIB) and again.read(0, 2 * MIB) == b"".join(data)
+    finally:
+        again.drop()

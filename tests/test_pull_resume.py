@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from diskkit.registry.partial import KEEP_AFTER
 from tests.conftest import launcher_command, run, run_diskkit, run_launcher
 from tests.faultproxy import Fault
 from tests.lazyhost import random_disk, wait_for
@@ -34,11 +35,12 @@ def big_image(registry, tmp_path_factory) -> tuple[str, Path, str, int]:
     return ref, disk, layer["digest"], layer["size"]
 
 
-def killed_half_way(cache: Path, proxy, ref: str, layer: str, size: int) -> int:
-    """A pull whose layer download breaks at half, killed with SIGKILL while it waits to retry; the resume point."""
+def killed_half_way(cache: Path, proxy, ref: str, layer: str, size: int) -> tuple[int, int]:
+    """A pull whose layer download stops a while at a quarter (so it keeps what follows, partial.KEEP_AFTER)
+    and breaks at half, killed with SIGKILL while it waits to retry; the kept bytes' start and end."""
     half = size // 2
     # The whole layer's GET (a lazy layer's TOC is read first, with a range).
-    proxy.add(Fault("GET", f"/blobs/{layer}", "truncate", times=1, arg=half, header=("Range", None)))
+    proxy.add(Fault("GET", f"/blobs/{layer}", "truncate", times=1, arg=half, header=("Range", None), hold=(size // 4, KEEP_AFTER + 0.5)))
     proc = subprocess.Popen(launcher_command("pull", "--cache-dir", cache, NOREG, "--retry-times", "3", "--retry-delay", "60", ref),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "CI": "true"})
     synced = cache / "partial" / f"{layer.replace(':', '-')}.synced"
@@ -46,14 +48,15 @@ def killed_half_way(cache: Path, proxy, ref: str, layer: str, size: int) -> int:
         def resume_point():
             assert proc.poll() is None, proc.stderr.read().decode()
             try:
-                return int(synced.read_text()) >= half - MIB
-            except (OSError, ValueError):
+                return int(synced.read_text().split()[1]) >= half - MIB
+            except (OSError, ValueError, IndexError):
                 return False
         wait_for(resume_point, 120, "the pull to keep half of the layer")
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    return int(synced.read_text())
+    start, end = map(int, synced.read_text().split())
+    return start, end
 
 
 def layer_gets(proxy, layer: str) -> int:
@@ -65,17 +68,19 @@ def test_a_killed_pull_resumes_from_its_synced_bytes(tmp_path, registry, fault_p
     proxy = fault_proxy(registry)
     via = ref.replace(registry.host, proxy.host)
     cache = tmp_path / "cache"
-    kept = killed_half_way(cache, proxy, via, layer, size)
-    assert size // 2 - MIB <= kept <= size // 2
+    start, kept = killed_half_way(cache, proxy, via, layer, size)
+    assert size // 4 - MIB <= start <= size // 4 and size // 2 - MIB <= kept <= size // 2
     assert len(list((cache / "tmp").iterdir())) == 1  # the killed pull's staging directory
 
-    # The next pull asks for the rest only: one request for the layer's bytes, from the resume point on.
+    # The next pull asks only for what it did not keep: the bytes before the kept ones, then the rest.
+    head = Fault("GET", f"/blobs/{layer}", "stall", times=1, arg=0, header=("Range", f"^bytes=0-{start - 1}$"))
     rest = Fault("GET", f"/blobs/{layer}", "stall", times=1, arg=0, header=("Range", f"^bytes={kept}-$"))
+    proxy.add(head)
     proxy.add(rest)
     before = layer_gets(proxy, layer)
     pulled = run_launcher("pull", "--cache-dir", cache, NOREG, "--json", via)
     assert pulled.code == 0, pulled.err
-    assert not proxy.pending and layer_gets(proxy, layer) - before == 2  # the lazy TOC's range, then the rest
+    assert not proxy.pending and layer_gets(proxy, layer) - before == 3  # the lazy TOC's range, the head, the rest
     assert Path(json.loads(pulled.out)["path"]).read_bytes() == disk.read_bytes()
     # Nothing is left behind: the partial layer went with its use, the dead staging with this pull.
     assert list((cache / "partial").iterdir()) == [] and list((cache / "tmp").iterdir()) == []

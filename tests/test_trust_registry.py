@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from diskkit.registry.partial import KEEP_AFTER
 from tests.conftest import run, run_diskkit, run_launcher
 from tests.distribution import start_registry
 from tests.faultproxy import Fault, FaultProxy
@@ -241,15 +242,17 @@ def test_a_corrupt_gzip_layer_is_one_line(registry, fault_proxy, image, tmp_path
 
 
 def lie_then_cut(proxy, layer: str, size: int) -> None:
-    """The liar: serves the layer with one bit wrong, and stops half way."""
-    proxy.add(Fault("GET", f"/blobs/{layer}", "flip", arg=size // 2 - 100, stop_at=size // 2, header=("Range", None)))
+    """The liar: serves the layer with one bit wrong, and stops half way, after a while (so the pull keeps
+    what came after its first partial.KEEP_AFTER seconds)."""
+    proxy.add(Fault("GET", f"/blobs/{layer}", "flip", arg=size // 2 - 100, stop_at=size // 2, header=("Range", None),
+                    hold=(size // 4, KEEP_AFTER + 0.5)))
 
 
 def pulled_by_liar(cache: Path, proxy, ref: str, layer: str, size: int) -> None:
     result = run_launcher("pull", "--cache-dir", cache, NOREG, "--retry-times", "0", ref)
     assert result.code == 1, result.err
     kept = cache / "partial" / f"{layer.replace(':', '-')}.part"
-    assert kept.stat().st_size > size // 2 - 100, "the liar's bytes (with the wrong one) are kept"
+    assert kept.stat().st_size > size // 2 - 100 and kept.stat().st_blocks * 512 < size // 2, "the liar's bytes (with the wrong one) are kept"
 
 
 def test_a_liars_partial_is_not_resumed_by_the_genuine_registry(registry, fault_proxy, image, tmp_path):
@@ -281,8 +284,9 @@ def test_a_resumed_blob_that_fails_its_digest_restarts_from_zero_once(registry, 
     assert pulled.code == 0, pulled.err
     assert Path(json.loads(pulled.out)["path"]).read_bytes() == disk.read_bytes()
     gets = [status for method, path, status in proxy.log[before:] if method == "GET" and path.endswith(f"/blobs/{layer}")]
-    # The lazy TOC's range and the rest after the kept bytes; then the TOC's range again and the whole blob once.
-    assert gets == [206, 206, 206, 200], gets
+    # The lazy TOC's range, the bytes before the kept ones and the rest after them; then the TOC's range
+    # again and the whole blob once.
+    assert gets == [206, 206, 206, 206, 200], gets
     assert list((cache / "partial").iterdir()) == []
 
 

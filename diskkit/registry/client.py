@@ -543,15 +543,19 @@ class ResumableBlob(io.RawIOBase):
                 self.partial = PartialBlob(partial_dir, digest, f"{registry.host}/{repository}@{digest} {size}")
             except (Busy, OSError, DiskkitError):
                 pass  # another process downloads it now (or the directory is unusable): no head start
-        self.resumed = self.partial.length if self.partial is not None else 0  # bytes taken from an earlier download
+        self.resumed = self.partial.kept if self.partial is not None else 0  # bytes taken from an earlier download
         if not self.resumed:
+            self.partial_start = 0
             self._open()
+        else:
+            self.partial_start = self.partial.start  # the bytes before the kept ones are fetched first
 
     def readable(self) -> bool:
         return True
 
     def _open(self) -> None:
-        self._response = get_blob(self.registry, self.repository, self.digest, self.offset)
+        head = self.offset < self.partial_start
+        self._response = get_blob(self.registry, self.repository, self.digest, self.offset, self.partial_start - 1 if head else None)
 
     def readinto(self, buf) -> int:
         data = self._next(len(buf))
@@ -568,12 +572,14 @@ class ResumableBlob(io.RawIOBase):
         limit = min(limit, 1 << 20)
         if not limit:
             return b""
-        if self.partial is not None and self.offset < self.partial.length:
+        if self.partial is not None and self.partial_start <= self.offset < self.partial.length:
             data = self.partial.read(self.offset, limit)
             self.offset += len(data)
             return data
         if self._response is None:
-            self._open()  # the kept bytes are used up: the rest comes from the registry
+            self._open()  # the bytes before the kept ones, or after them: from the registry
+        if self.offset < self.partial_start:
+            limit = min(limit, self.partial_start - self.offset)
         while True:
             try:
                 assert self._response is not None
@@ -585,9 +591,12 @@ class ResumableBlob(io.RawIOBase):
             else:
                 failure = None
             if data:
-                self.offset += len(data)
                 if self.partial is not None:
-                    self.partial.append(data)
+                    self.partial.append(self.offset, data)
+                self.offset += len(data)
+                if self.offset == self.partial_start:
+                    self._response.close()  # the head is in: the kept bytes come next
+                    self._response = None
                 return data
             if failure is None and self.offset >= self.size:
                 return b""
