@@ -25,6 +25,9 @@ skip (blob digest, member pins, inflate on every core, the content's sha256, dir
 reading the blob from the registry's storage instead of the network: skopeo+umoci / floor is the
 most any such pull could show on this machine, and launcher / floor what our pull spends beyond.
 A fourth, `floor, no disk` (--discard), leaves the disk unwritten: the checks' and inflate's part.
+A fifth, `floor over HTTP` (--http), does the floor's work on the blob as the registry serves it
+(one GET, http.client): the least any pull over the network can do here, the registry's CPU on the
+same cores included; launcher / floor over HTTP is what our pull spends beyond a download's floor.
 
 Run from the project root, as root (it creates the qemu user's scratch directories):
     .venv/bin/python bench/launch.py                       # 700 MB of content, 3 runs, 20 VMs
@@ -65,8 +68,9 @@ def pull_commands(variant: str, host: str, run_dir: Path, floor: tuple[Path, Pat
     ref = f"{host}/{breg.PULL_REPO}:{breg.TAG}"
     if variant == OURS:
         return [[*launcher_command(), "pull", "--cache-dir", str(run_dir / "cache"), "--tls-verify=false", ref]]
-    if variant in (FLOOR, COMPUTE):
-        return [[sys.executable, str(ROOT / "bench" / "pullfloor.py"), *(["--discard"] if variant == COMPUTE else []), *map(str, floor), str(run_dir)]]
+    if variant in (FLOOR, COMPUTE, HTTP_FLOOR):
+        options = {COMPUTE: ["--discard"], HTTP_FLOOR: ["--http", f"http://{host}/v2/{breg.PULL_REPO}/blobs/{layer_digest(floor[1])}"]}.get(variant, [])
+        return [[sys.executable, str(ROOT / "bench" / "pullfloor.py"), *options, *map(str, floor), str(run_dir)]]
     layout = run_dir / "layout"
     return [
         ["skopeo", "copy", "--src-tls-verify=false", f"docker://{ref}", f"oci:{layout}:x"],
@@ -74,8 +78,12 @@ def pull_commands(variant: str, host: str, run_dir: Path, floor: tuple[Path, Pat
     ]
 
 
-OURS, THEIRS, FLOOR, COMPUTE = "launcher", "skopeo+umoci", "floor", "floor, no disk"
-VARIANTS = (OURS, THEIRS, FLOOR, COMPUTE)
+OURS, THEIRS, FLOOR, COMPUTE, HTTP_FLOOR = "launcher", "skopeo+umoci", "floor", "floor, no disk", "floor over HTTP"
+VARIANTS = (OURS, THEIRS, FLOOR, HTTP_FLOOR, COMPUTE)
+
+
+def layer_digest(manifest: Path) -> str:
+    return json.loads(manifest.read_text())["layers"][-1]["digest"]
 
 
 def sha256_file(path: Path) -> str:
@@ -120,6 +128,8 @@ def pull_checks(results: dict, modes: list[str]) -> list[dict]:
         out.append(breg.ratio_check("pull+extract skopeo+umoci/launcher", results[(mode, THEIRS)], results[(mode, OURS)], TARGET_PULL_SPEEDUP))
         out.append(breg.rss_check(results[(mode, OURS)]))
         for name, theirs, ours in (("skopeo+umoci/floor (the most possible)", THEIRS, FLOOR), ("launcher/floor (beyond the work)", OURS, FLOOR),
+                                   ("launcher/floor over HTTP (beyond a download's)", OURS, HTTP_FLOOR),
+                                   ("floor over HTTP/floor (the download)", HTTP_FLOOR, FLOOR),
                                    ("skopeo+umoci/floor with no disk", THEIRS, COMPUTE)):
             out.append({**breg.ratio_check(name, results[(mode, theirs)], results[(mode, ours)], 0), "target": "-", "pass": None})
     return out

@@ -16,19 +16,26 @@ few per cent of it has no work left to cut but the checks themselves.
 With --discard the disk is not written at all: what the checks and the inflate cost alone, so the
 table shows how much of a pull's time is the device's.
 
-    python bench/pullfloor.py [--discard] BLOB MANIFEST.json OUT_DIR
+With --http URL the blob's bytes come from URL (the registry's GET of the blob, one connection,
+http.client) instead of its storage: the same work plus the download, which no pull can skip (the
+registry's CPU on the same cores included). A thread receives the answer, hashes it and cuts it
+into members as the pool inflates them; the TOC is still read from storage, in its favour.
+
+    python bench/pullfloor.py [--discard] [--http URL] BLOB MANIFEST.json OUT_DIR
 """
 
 from __future__ import annotations
 
 import hashlib
+import http.client
 import json
 import os
 import queue
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from isal import isal_zlib
 
@@ -51,7 +58,10 @@ def blob_digest(fd: int, size: int, out: list) -> None:
 
 def chunk(fd: int, toc: lazytoc.Toc, index: int) -> bytes:
     at, length = toc.members[index]
-    member = os.pread(fd, length, at)
+    return inflate(os.pread(fd, length, at), toc, index)
+
+
+def inflate(member: bytes, toc: lazytoc.Toc, index: int) -> bytes:
     if toc.member_digests is not None and lazytoc.member_pin(toc.member_hash, member) != toc.member_digests[index]:
         raise DiskkitError("floor", f"chunk {index}'s member does not match its pin")
     start, end = toc.chunk_range(index)
@@ -71,7 +81,46 @@ class Discard:
         pass
 
 
-def main(blob: Path, manifest: Path, out_dir: Path, discard: bool = False) -> int:
+def received(url: str, toc: lazytoc.Toc, pool: ThreadPoolExecutor, futures: queue.Queue, digest: list) -> None:
+    """The blob over HTTP: hashed as it arrives, each member handed to the pool, in order; a failure
+    reaches the writer as the next member's."""
+    try:
+        receive(url, toc, pool, futures, digest)
+    except BaseException as exc:  # noqa: BLE001 - raised in the main thread instead
+        failed: Future = Future()
+        failed.set_exception(exc)
+        futures.put(failed)
+
+
+def receive(url: str, toc: lazytoc.Toc, pool: ThreadPoolExecutor, futures: queue.Queue, digest: list) -> None:
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.netloc)
+    conn.request("GET", parts.path)
+    answer = conn.getresponse()
+    if answer.status != 200:
+        raise DiskkitError("floor", f"GET {url}: HTTP {answer.status}")
+    h, at = hashlib.sha256(), 0
+    pieces: queue.Queue = queue.Queue(16)  # hashed on a thread of their own, as the blob's digest is from storage
+    hashing = threading.Thread(target=lambda: [h.update(p) for p in iter(pieces.get, None)])
+    hashing.start()
+    try:
+        for index, (start, length) in enumerate(toc.members):
+            if start > at:
+                pieces.put(answer.read(start - at))
+            member = answer.read(length)
+            pieces.put(member)
+            at = start + length
+            futures.put(pool.submit(inflate, member, toc, index))
+        while rest := answer.read(PIECE):
+            pieces.put(rest)
+    finally:
+        pieces.put(None)
+        hashing.join()
+    conn.close()
+    digest.append("sha256:" + h.hexdigest())
+
+
+def main(blob: Path, manifest: Path, out_dir: Path, discard: bool = False, url: str | None = None) -> int:
     layers = json.loads(manifest.read_text())["layers"]
     desc = Descriptor.from_json(layers[-1], "floor")
     fd = os.open(blob, os.O_RDONLY)
@@ -79,22 +128,30 @@ def main(blob: Path, manifest: Path, out_dir: Path, discard: bool = False) -> in
     toc = lazytoc.parse(lazytoc.read_stored(os.pread(fd, loc.size, loc.offset), lazytoc.version_for(desc.media_type), "floor"),
                         loc, "floor", lazytoc.version_for(desc.media_type))
     digest: list[str] = []
-    hasher = threading.Thread(target=blob_digest, args=(fd, os.fstat(fd).st_size, digest))
+    window = (os.cpu_count() or 2) * 4  # members in flight: memory stays flat
+    pool = ThreadPoolExecutor(os.cpu_count() or 2)
+    futures: queue.Queue = queue.Queue(window)
+    if url is None:
+        hasher = threading.Thread(target=blob_digest, args=(fd, os.fstat(fd).st_size, digest))
+    else:
+        hasher = threading.Thread(target=received, args=(url, toc, pool, futures, digest))
     hasher.start()
     content = hashlib.sha256()
     chunks: queue.Queue = queue.Queue(8)
     summer = threading.Thread(target=lambda: [content.update(c) for c in iter(chunks.get, None)])
     summer.start()
     path = out_dir / "disk.img"
-    with open(path, "wb") as f, ThreadPoolExecutor(os.cpu_count() or 2) as pool:
+    with open(path, "wb") as f, pool:
         writer = Discard() if discard else SparseDirectWriter(path, f.fileno())
-        window = (os.cpu_count() or 2) * 4  # members in flight: memory stays flat
-        pending = [pool.submit(chunk, fd, toc, i) for i in range(min(window, toc.count))]
+        pending = [pool.submit(chunk, fd, toc, i) for i in range(min(window, toc.count))] if url is None else []
         for i in range(toc.count):
-            data = pending[i].result()
-            pending[i] = None
-            if i + window < toc.count:
-                pending.append(pool.submit(chunk, fd, toc, i + window))
+            if url is not None:
+                data = futures.get().result()
+            else:
+                data = pending[i].result()
+                pending[i] = None
+                if i + window < toc.count:
+                    pending.append(pool.submit(chunk, fd, toc, i + window))
             chunks.put(data)
             writer.write(data)
         chunks.put(None)
@@ -112,5 +169,6 @@ def main(blob: Path, manifest: Path, out_dir: Path, discard: bool = False) -> in
 if __name__ == "__main__":
     args = sys.argv[1:]
     discard = "--discard" in args
-    blob, manifest, out_dir = (Path(a) for a in args if a != "--discard")
-    sys.exit(main(blob, manifest, out_dir, discard))
+    url = args[args.index("--http") + 1] if "--http" in args else None
+    blob, manifest, out_dir = (Path(a) for a in args if a not in ("--discard", "--http", url))
+    sys.exit(main(blob, manifest, out_dir, discard, url))
