@@ -86,6 +86,27 @@ def test_a_killed_pull_resumes_from_its_synced_bytes(tmp_path, registry, fault_p
     assert list((cache / "partial").iterdir()) == [] and list((cache / "tmp").iterdir()) == []
 
 
+def test_a_killed_pull_resumes_right_from_a_registry_that_ignores_range(tmp_path, registry, fault_proxy, big_image):
+    """The head before the kept bytes and the rest after them each come as the whole blob (HTTP 200):
+    the first is read up to the kept bytes, the second past them, and the disk is the pushed one."""
+    ref, disk, layer, size = big_image
+    proxy = fault_proxy(registry)
+    via = ref.replace(registry.host, proxy.host)
+    cache = tmp_path / "cache"
+    start, _ = killed_half_way(cache, proxy, via, layer, size)
+    assert start > 0
+    proxy.ignore_range = True
+    before = len(proxy.log)
+    pulled = run_launcher("pull", "--cache-dir", cache, NOREG, "--json", via)
+    assert pulled.code == 0, pulled.err
+    assert Path(json.loads(pulled.out)["path"]).read_bytes() == disk.read_bytes()
+    gets = [status for method, path, status in proxy.log[before:] if method == "GET" and path.endswith(f"/blobs/{layer}")]
+    # The TOC's range answered whole (so the layer is read in one stream), the head, the rest: a resume
+    # that read a byte from the wrong place would fail the digest and start once more from byte 0.
+    assert gets == [200, 200, 200], gets
+    assert list((cache / "partial").iterdir()) == []
+
+
 def test_gc_takes_what_killed_pulls_left(tmp_path, registry, fault_proxy, big_image):
     ref, _, layer, size = big_image
     proxy = fault_proxy(registry)
