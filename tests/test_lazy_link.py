@@ -193,16 +193,16 @@ def test_the_next_prefetch_request_goes_out_before_the_one_before_has_ended(tmp_
     assert max(open_at_once(prefetch)) <= 2, prefetch
 
 
-def test_over_a_slow_link_the_rest_of_a_disk_read_past_its_head_comes_while_the_guest_boots(tmp_path, registry, image, facts):
-    """Below SLOW_LINK the link is what a lazy boot waits for, not the CPU: once the guest has read
-    past the disk's head (a root filesystem, not one kernel and initrd), prefetch goes on after the
-    head and the read-ahead while the guest boots and reads, one request at a time, and the disk is
-    whole before the guest has stopped reading. A guest that reads only its head leaves the rest
-    waiting, as on loopback (test_lazy_prefetch.py), where its fetch would only take the boot's CPU."""
+def test_over_a_slow_link_the_rest_of_a_disk_comes_while_the_guest_boots(tmp_path, registry, image, facts):
+    """Below SLOW_LINK the link is what a lazy boot waits for, not the CPU: prefetch goes on after the
+    head and the read-ahead while the guest boots, one request at a time, though the guest reads
+    only its head (a kernel booting from its initrd reads nothing more for seconds), and the disk is
+    whole before the guest has stopped reading: its init then finds its root filesystem here. Held
+    until the guest read past the head, the Debian guest's lazy boot over 20 ms and 100 Mbit/s left
+    the link idle for 5 s and came 2.8 s later (docs/benchmarks.md). Over a fast link the rest waits
+    (test_lazy_prefetch.py), where its fetch would only take the boot's CPU."""
     grid = facts["grid"]
-    head_end = grid.past(0, HEAD_PREFETCH)
-    past_head = grid.range(head_end)[0] + 8 * MIB  # past the head, its read-ahead short of the disk's end
-    assert grid.past(grid.index(past_head), READ_AHEAD) < grid.count
+    assert grid.count > grid.past(0, HEAD_PREFETCH) + grid.past(0, READ_AHEAD)  # a rest beyond the head and read-ahead
     cache = tmp_path / "cache"
     cache.mkdir()
     rate = 8 * MIB
@@ -213,16 +213,13 @@ def test_over_a_slow_link_the_rest_of_a_disk_read_past_its_head_comes_while_the_
         reads = [arg for _ in range(120) for arg in ("-c", "read 0 512", "-c", "sleep 500")]
         guest = subprocess.Popen(["qemu-io", "-r", "-f", "raw", *reads, answer["url"]], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
-            held = wait_for(lambda: (s := export_status(cache, answer["export"]))["prefetchHeld"] and s, 60, "prefetching to be held back")
-            assert held["present"] == head_end, held  # the head, nothing past it
-            run("qemu-io", "-r", "-f", "raw", "-c", f"read {past_head} 512", answer["url"])
             whole = wait_for(lambda: (s := export_status(cache, answer["export"]))["present"] == grid.count and s, 120, "the whole disk")
             assert guest.poll() is None, guest.communicate()  # the guest was still reading
         finally:
             guest.kill()
             guest.wait()
         timeline = list(proxy.timeline)
-    assert whole["stats"]["demand_fetches"] == 1, whole  # the read past the head
+    assert whole["stats"]["demand_fetches"] == 0, whole  # every read found its bytes prefetched
     assert max(open_at_once(layer_requests(timeline, facts)[2:])) <= 2, "one prefetch request at a time while the guest boots"
 
 

@@ -132,9 +132,6 @@ class LazyDisk:
         self.abandoned: str | None = None
         self.installed: Path | None = None
         self.cursor = 0
-        # A guest read past the disk's head: its boot reads the disk widely (a root filesystem, not one
-        # loaded kernel and initrd), so over a slow link the rest is worth fetching while it boots.
-        self.read_past_head = False
         self.head_end = layout.grid.past(0, HEAD_PREFETCH)  # the first chunk past the disk's head
         # Prefetching found nothing it may fetch while the guest boots or works, and no fetch was in
         # flight: the rest waits (status's prefetchHeld; any claim clears it).
@@ -266,9 +263,9 @@ class LazyDisk:
         """The chunk ranges [start, end) prefetching may claim now, in order: a boot trace's first;
         then all of them from the guest's cursor on unless a guest is `busy`; then the read-ahead
         past its last read and the head, and all the rest after them over a slow link
-        (LinkShare.slow) once the guest has read past the head. A guest whose boot stays in the
-        head (a kernel and an initrd) needs nothing more: the rest's fetch would only take the CPU
-        its boot needs."""
+        (LinkShare.slow), where the link is what a boot waits for: the seconds its kernel boots
+        without reading fill the disk before its init reads the root filesystem. Over a fast link
+        the rest waits for the boot's end: its fetch would only take the CPU the boot needs."""
         grid = self.layout.grid
         count, cursor = grid.count, min(self.cursor, grid.count)
         planned = self._planned()
@@ -276,7 +273,7 @@ class LazyDisk:
         if not busy:
             return *planned, *rest
         boot = (cursor, grid.past(cursor, READ_AHEAD)), (0, self.head_end)
-        return *planned, *boot, *(rest if self.read_past_head and self.link.slow() else ())
+        return *planned, *boot, *(rest if self.link.slow() else ())
 
     def _chunk_span(self, offset: int, length: int) -> tuple[int, int]:
         """The first and last chunk a read of `length` (> 0) bytes at `offset` touches."""
@@ -286,8 +283,6 @@ class LazyDisk:
     def _note_read(self, last: int | None) -> None:
         if last is not None:
             self.cursor = last + 1  # prefetch where the guest is reading: boots read sequentially
-            if not self.read_past_head and last >= self.head_end:
-                self.read_past_head = True
         self.last_read = time.monotonic()
 
     def _strict_wait(self) -> bool:
