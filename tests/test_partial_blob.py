@@ -4,6 +4,7 @@ one stays, and a disk that refuses the writes ends the copy, never the download.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -28,6 +29,16 @@ def pieces(count: int) -> list[bytes]:
 def kept_at_once(directory: Path, source: str = SOURCE) -> PartialBlob:
     """A copy that keeps every byte from the first (as a download does once it failed or ran long)."""
     return PartialBlob(directory, DIGEST, source, keep_after=0)
+
+
+@contextlib.contextmanager
+def next_download(directory: Path):
+    """The next download of the same blob from the same source, as it finds what was kept; dropped after."""
+    again = PartialBlob(directory, DIGEST, SOURCE)
+    try:
+        yield again
+    finally:
+        again.drop()
 
 
 def append_all(blob: PartialBlob, data: list[bytes], at: int | None = None) -> None:
@@ -157,11 +168,8 @@ def test_a_download_that_ends_within_keep_after_writes_nothing(tmp_path):
     blob.keep()
     part = tmp_path / f"{DIGEST.replace(':', '-')}.part"
     assert part.stat().st_blocks == 0 and not (tmp_path / f"{DIGEST.replace(':', '-')}.synced").exists()
-    again = PartialBlob(tmp_path, DIGEST, SOURCE)
-    try:
+    with next_download(tmp_path) as again:
         assert again.kept == 0 and again.length == 0
-    finally:
-        again.drop()
 
 
 def test_keeping_begins_keep_after_into_the_download_and_is_resumed_from_there(tmp_path):
@@ -174,14 +182,11 @@ def test_keeping_begins_keep_after_into_the_download_and_is_resumed_from_there(t
     # The bytes before the first kept one take no space: a hole, fetched again by the next download.
     part = tmp_path / f"{DIGEST.replace(':', '-')}.part"
     assert part.stat().st_blocks * 512 <= 5 * MIB + 64 << 10
-    again = PartialBlob(tmp_path, DIGEST, SOURCE)
-    try:
+    with next_download(tmp_path) as again:
         assert (again.start, again.length, again.kept) == (3 * MIB, 8 * MIB, 5 * MIB)
         assert again.read(3 * MIB, 5 * MIB) == b"".join(data[3:])
         append_all(again, data[:3], at=0)  # the head, fetched again before the kept bytes: not kept twice
         assert again.length == 8 * MIB
-    finally:
-        again.drop()
 
 
 def test_a_failure_before_keep_after_keeps_what_follows(tmp_path):
@@ -192,12 +197,9 @@ def test_a_failure_before_keep_after_keeps_what_follows(tmp_path):
     blob.sync()
     append_all(blob, data[2:])
     blob.keep()
-    again = PartialBlob(tmp_path, DIGEST, SOURCE)
-    try:
+    with next_download(tmp_path) as again:
         assert (again.start, again.kept) == (2 * MIB, 4 * MIB)
         assert again.read(2 * MIB, 4 * MIB) == b"".join(data[2:])
-    finally:
-        again.drop()
 
 
 def test_an_older_launchers_resume_point_is_read_as_from_byte_0(tmp_path):
@@ -206,8 +208,5 @@ def test_an_older_launchers_resume_point_is_read_as_from_byte_0(tmp_path):
     append_all(blob, data)
     blob.keep()
     (tmp_path / f"{DIGEST.replace(':', '-')}.synced").write_text(str(2 * MIB))  # "END", as before START was kept
-    again = PartialBlob(tmp_path, DIGEST, SOURCE)
-    try:
+    with next_download(tmp_path) as again:
         assert (again.start, again.kept) == (0, 2 * MIB) and again.read(0, 2 * MIB) == b"".join(data)
-    finally:
-        again.drop()
