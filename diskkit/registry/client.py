@@ -544,11 +544,10 @@ class ResumableBlob(io.RawIOBase):
             except (Busy, OSError, DiskkitError):
                 pass  # another process downloads it now (or the directory is unusable): no head start
         self.resumed = self.partial.kept if self.partial is not None else 0  # bytes taken from an earlier download
+        # Where an earlier download's kept bytes begin: the bytes before them are fetched first.
+        self.partial_start = self.partial.start if self.resumed else 0
         if not self.resumed:
-            self.partial_start = 0
             self._open()
-        else:
-            self.partial_start = self.partial.start  # the bytes before the kept ones are fetched first
 
     def readable(self) -> bool:
         return True
