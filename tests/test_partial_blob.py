@@ -13,6 +13,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from diskkit.registry.partial import PartialBlob
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -210,3 +212,16 @@ def test_an_older_launchers_resume_point_is_read_as_from_byte_0(tmp_path):
     (tmp_path / f"{DIGEST.replace(':', '-')}.synced").write_text(str(2 * MIB))  # "END", as before START was kept
     with next_download(tmp_path) as again:
         assert (again.start, again.kept) == (0, 2 * MIB) and again.read(0, 2 * MIB) == b"".join(data)
+
+
+@pytest.mark.parametrize("mark", ["9 3", "-1 4", "0 99999999999", "x y", "1 2 3"])
+def test_a_resume_point_is_bounded_by_the_bytes_on_disk(tmp_path, mark):
+    """A mark that names bytes the file does not hold, or a start past its end, resumes none of them."""
+    data = pieces(4)
+    blob = kept_at_once(tmp_path)
+    append_all(blob, data)
+    blob.keep()
+    (tmp_path / f"{DIGEST.replace(':', '-')}.synced").write_text(mark)
+    with next_download(tmp_path) as again:
+        assert again.length <= 4 * MIB and again.start <= again.length
+        assert again.read(again.start, again.kept) == b"".join(data)[again.start:again.length]
